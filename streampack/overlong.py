@@ -1,0 +1,78 @@
+"""What to do with a document longer than the pack capacity: split, truncate, drop or error.
+
+The right default differs by use case (pretraining wants ``split`` so no token is lost; chat
+SFT often wants ``drop`` or ``truncate`` because a split conversation is not a conversation),
+so the policy is explicit and every token it touches is counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
+
+from streampack.sample import Sample
+
+OverlongPolicy = Literal["split", "truncate", "drop", "error"]
+POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
+
+
+@dataclass(slots=True)
+class OverlongCounters:
+    """Running counts of what the policy did (tokens = tokens of the affected samples that
+    were split / removed by truncation / dropped)."""
+
+    samples_split: int = 0
+    tokens_split: int = 0
+    chunks_created: int = 0
+    samples_truncated: int = 0
+    tokens_truncated: int = 0
+    samples_dropped: int = 0
+    tokens_dropped: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"overlong={policy!r} must be one of {POLICIES}")
+
+
+def _slice(sample: Sample, start: int, stop: int, key: str) -> Sample:
+    def cut(a):
+        return None if a is None else a[start:stop]
+
+    return replace(sample, key=key, tokens=sample.tokens[start:stop], labels=cut(sample.labels),
+                   loss_mask=cut(sample.loss_mask),
+                   extras={k: v[start:stop] for k, v in sample.extras.items()})
+
+
+def apply_overlong(sample: Sample, max_len: int, policy: str,
+                   counters: OverlongCounters | None = None) -> list[Sample]:
+    """Return the documents that ``sample`` becomes under ``policy`` (``[sample]`` when it fits).
+
+    ``split`` makes ``ceil(L / max_len)`` chunks with keys ``key/0``, ``key/1``, …; each chunk is
+    its own document (its last token's label is ignored, like any document end).
+    """
+    check_policy(policy)
+    n = len(sample)
+    if n <= max_len:
+        return [sample]
+    counters = counters if counters is not None else OverlongCounters()
+    if policy == "error":
+        raise ValueError(f"sample {sample.doc_key!r} has {n} tokens, more than the capacity "
+                         f"{max_len} (overlong='error'; use 'split', 'truncate' or 'drop')")
+    if policy == "drop":
+        counters.samples_dropped += 1
+        counters.tokens_dropped += n
+        return []
+    if policy == "truncate":
+        counters.samples_truncated += 1
+        counters.tokens_truncated += n - max_len
+        return [_slice(sample, 0, max_len, sample.key)]
+    chunks = [_slice(sample, s, min(s + max_len, n), f"{sample.key}/{i}")
+              for i, s in enumerate(range(0, n, max_len))]
+    counters.samples_split += 1
+    counters.tokens_split += n
+    counters.chunks_created += len(chunks)
+    return chunks

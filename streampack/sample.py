@@ -1,0 +1,44 @@
+"""The unit that flows through the pipeline: one document with its provenance."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """One document between reading and packing.
+
+    Exactly one of ``tokens`` and ``text`` is set when a reader yields a sample; the tokenize
+    stage turns ``text`` into ``tokens``. Everything per-token (``labels``, ``loss_mask``,
+    ``extras``) has the same leading length as ``tokens``.
+    """
+
+    key: str
+    """Sample key inside its shard (a chunk index is appended when a sample is split)."""
+    url: str = ""
+    """The shard the sample came from (path or URL)."""
+    tokens: np.ndarray | None = None
+    """int64 ``[L]`` token ids."""
+    text: str | None = None
+    """Raw text, before tokenization."""
+    labels: np.ndarray | None = None
+    """int64 ``[L]`` the sample's own *unshifted* labels (HF convention: ``labels[i]`` is the
+    target for token ``i``, ``-100`` = not supervised). ``None`` = the tokens themselves."""
+    loss_mask: np.ndarray | None = None
+    """bool ``[L]``: ``loss_mask[i]`` says whether token ``i`` is a supervised target."""
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)
+    """Per-token side arrays ``[L, ...]`` (e.g. 3-D mRoPE positions), packed alongside."""
+
+    @property
+    def doc_key(self) -> str:
+        """Provenance string used in ``PackedBatch.doc_keys``: ``url#key``."""
+        return f"{self.url}#{self.key}" if self.url else self.key
+
+    def __len__(self) -> int:
+        if self.tokens is None:
+            raise ValueError(f"sample {self.doc_key!r} is not tokenized yet")
+        return int(self.tokens.shape[0])
