@@ -1,0 +1,258 @@
+"""One :class:`~streampack.batch.PackedBatch`, each attention consumer's own convention.
+
+Every adapter returns a frozen record that is also a ``Mapping``, so it splats straight into
+the consumer (``flash_attn_varlen_func(q, k, v, **kw, causal=True)``) and ``.as_dict()``
+gives a plain dict. Nothing here imports flash-attn, Transformer Engine or Megatron; only
+:func:`packed_seq_params` tries ``megatron.core`` and falls back to a local record.
+
+Worked example (``capacity=8, align=2``; documents ``a`` of 3 tokens and ``b`` of 2)::
+
+    tokens                   a0 a1 a2 P  b0 b1 P  P
+    batch.cu_seqlens         [0, 3, 5]       real lengths (TE cu_seqlens_q)
+    batch.cu_seqlens_padded  [0, 4, 8]       span offsets (TE cu_seqlens_q_padded)
+    varlen_cu_seqlens        [0, 4, 6, 8]    flash-attn / HF spans: alignment padding inside
+                                             its document's span, the pack's trailing padding
+                                             ``[6, 8)`` its own span
+
+Padding never changes a real token's output under causal attention: padding sits after the
+real tokens of its span, so no real query can see it. Outputs *at* padding positions are
+garbage-but-finite (flash-attn computes them as a short causal sequence of pad tokens; it has
+no padded variant) and their labels are ``ignore_index``, so a loss that selects target rows
+(:func:`streampack.attention.loss.packed_cross_entropy`) never touches them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from streampack.batch import PackedBatch
+
+HF_IGNORE_INDEX = -100
+"""What HF ``ForCausalLMLoss`` ignores; :func:`hf_inputs` maps ``batch.ignore_index`` to it."""
+
+
+class KwargsRecord(Mapping[str, Any]):
+    """Mixin for frozen dataclasses whose fields are exactly a consumer's keyword arguments.
+
+    ``fn(**record)`` works because a Mapping is splattable. Equality is identity (the fields
+    hold tensors, whose ``==`` is elementwise).
+    """
+
+    __slots__ = ()
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self))  # type: ignore[arg-type]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+    def as_dict(self) -> dict[str, Any]:
+        """A shallow ``dict`` copy (tensors are shared, not cloned)."""
+        return {name: getattr(self, name) for name in self._names()}
+
+
+_RECORD = {"frozen": True, "slots": True, "kw_only": True, "eq": False}
+
+
+@dataclass(**_RECORD)
+class FlashAttnKwargs(KwargsRecord):
+    """Keyword arguments of ``flash_attn_varlen_func`` (also torch's ``varlen_attn``, whose
+    names differ: ``cu_seq_q=kw.cu_seqlens_q, max_q=kw.max_seqlen_q, ...``)."""
+
+    cu_seqlens_q: torch.Tensor
+    """int32 ``[m+1]``, contiguous, on the batch's device: span offsets (see module doc)."""
+    cu_seqlens_k: torch.Tensor
+    """The same tensor object as ``cu_seqlens_q`` (self-attention)."""
+    max_seqlen_q: int
+    """Longest span, a Python int (a tensor would force a device sync inside the kernel)."""
+    max_seqlen_k: int
+
+
+@dataclass(**_RECORD)
+class TEKwargs(KwargsRecord):
+    """Keyword arguments of Transformer Engine ``DotProductAttention.forward`` for ``thd``."""
+
+    cu_seqlens_q: torch.Tensor
+    """int32 ``[n+1]``: cumulative *real* lengths (``batch.cu_seqlens``)."""
+    cu_seqlens_kv: torch.Tensor
+    """The same object as ``cu_seqlens_q``."""
+    cu_seqlens_q_padded: torch.Tensor
+    """int32 ``[n+1]``: span offsets including padding (``batch.cu_seqlens_padded``); the
+    *same object* as ``cu_seqlens_q`` when nothing is padded, because TE decides "padding
+    between sequences" by identity and padding disables its FlashAttention backend."""
+    cu_seqlens_kv_padded: torch.Tensor
+    max_seqlen_q: int
+    """Longest padded span, a Python int (TE computes it with a GPU sync otherwise)."""
+    max_seqlen_kv: int
+    qkv_format: str = "thd"
+    attn_mask_type: str = "padding_causal"
+    """``thd`` needs a padding mask type in TE (its THD backends and its CP path assert it).
+    Plain ``"causal"`` is only equivalent when ``cu_seqlens_q_padded is cu_seqlens_q`` (no
+    padding anywhere) and the chosen backend accepts it; prefer ``"padding_causal"``."""
+
+
+@dataclass(**_RECORD)
+class LocalPackedSeqParams(KwargsRecord):
+    """Field-for-field stand-in for Megatron's ``PackedSeqParams`` when megatron-core is absent."""
+
+    qkv_format: str
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    cu_seqlens_q_padded: torch.Tensor
+    cu_seqlens_kv_padded: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_kv: int
+
+
+@dataclass(**_RECORD)
+class HFInputs(KwargsRecord):
+    """Keyword arguments of an HF transformers causal LM, as ``DataCollatorWithFlattening``
+    emits them: ``model(**batch.hf_inputs())``. All tensors are ``[1, T]`` except the cu's.
+
+    ``use_cache`` is a field (``False``) on purpose: sdpa/eager/flex models detect packing from
+    ``position_ids`` only when ``attention_mask is None`` and no KV cache exists; with a cache
+    the documents silently attend to each other. Never pass an ``attention_mask``.
+    """
+
+    input_ids: torch.Tensor
+    """int64 ``[1, T]``."""
+    position_ids: torch.Tensor
+    """int64 ``[1, T]``: restart at 0 at every span of ``cu_seq_lens_q`` (alignment padding
+    continues its document's positions; a pack's trailing padding restarts at 0)."""
+    labels: torch.Tensor
+    """int64 ``[1, T]``, NOT shifted (HF shifts inside its loss): ``labels[t]`` is the target
+    predicted at ``t-1``; ``-100`` at every document start, at padding and where masked."""
+    cu_seq_lens_q: torch.Tensor
+    """int32 ``[m+1]``: same spans as :func:`flash_attn_kwargs`."""
+    cu_seq_lens_k: torch.Tensor
+    max_length_q: int
+    max_length_k: int
+    seq_idx: torch.Tensor
+    """int32 ``[1, T]``: span index of every token (for Mamba-style layers in HF models)."""
+    use_cache: bool = False
+
+
+@dataclass(**_RECORD)
+class SSMKwargs(KwargsRecord):
+    """Boundary input of state-space / linear-attention kernels (Mamba2
+    ``mamba_chunk_scan_combined``, ``causal_conv1d_fn``): without it state leaks across docs."""
+
+    seq_idx: torch.Tensor
+    """int32 ``[1, T]``: document index of every token; padding belongs to its span's document,
+    so it changes value exactly at ``batch.cu_seqlens_padded[1:-1]``."""
+
+
+def varlen_cu_seqlens(batch: PackedBatch, *, causal: bool = True) -> torch.Tensor:
+    """int32 ``[m+1]`` (CPU) span offsets for kernels without a padded variant.
+
+    ``causal=True``: each document's span is its aligned length and a pack's trailing padding
+    is its own span. ``causal=False``: every run of padding is its own span, because in
+    bidirectional attention a real token would otherwise attend to the padding after it.
+    """
+    cup = batch.cu_seqlens_padded.to("cpu", torch.int64)
+    lengths = batch.aligned_lengths if causal else batch.doc_lengths
+    ends = cup[:-1] + lengths.to("cpu", torch.int64)
+    return torch.unique(torch.cat([cup, ends])).to(torch.int32)
+
+
+def _span_positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(span index int32 ``[T]``, position within span int64 ``[T]``) for CPU offsets ``cu``."""
+    spans = (cu[1:] - cu[:-1]).to(torch.int64)
+    index = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32), spans)
+    positions = torch.arange(total) - torch.repeat_interleave(cu[:-1].to(torch.int64), spans)
+    return index, positions
+
+
+def _device_int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def flash_attn_kwargs(batch: PackedBatch, *, causal: bool = True) -> FlashAttnKwargs:
+    """``cu_seqlens_q/k`` and ``max_seqlen_q/k`` for ``flash_attn_varlen_func`` (pass
+    ``causal=True`` to the kernel yourself) or torch's ``varlen_attn(window_size=(-1, 0))``."""
+    cu = varlen_cu_seqlens(batch, causal=causal)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    cu = _device_int32(cu, batch.input_ids.device)
+    return FlashAttnKwargs(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                           max_seqlen_k=max_len)
+
+
+def te_kwargs(batch: PackedBatch, *, causal: bool = True) -> TEKwargs:
+    """Transformer Engine ``thd`` arguments; under context parallelism pass them unchanged
+    (global ``cu_seqlens``; TE divides by ``cp_size`` itself) with the rank's local tokens."""
+    device = batch.input_ids.device
+    real = _device_int32(batch.cu_seqlens, device)
+    if torch.equal(batch.cu_seqlens, batch.cu_seqlens_padded):
+        padded = real  # identity, not equality, is what TE checks
+    else:
+        padded = _device_int32(batch.cu_seqlens_padded, device)
+    return TEKwargs(
+        cu_seqlens_q=real, cu_seqlens_kv=real,
+        cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+        max_seqlen_q=int(batch.max_seqlen), max_seqlen_kv=int(batch.max_seqlen),
+        attn_mask_type="padding_causal" if causal else "padding",
+    )
+
+
+def packed_seq_params(batch: PackedBatch, *, causal: bool = True) -> Any:
+    """Megatron ``PackedSeqParams`` (the same tensors as :func:`te_kwargs`), or a
+    :class:`LocalPackedSeqParams` with the same fields when megatron-core is not installed.
+    Megatron's own ``attn_mask_type`` stays in its config; use ``padding_causal`` there too."""
+    te = te_kwargs(batch, causal=causal)
+    values = {k: te[k] for k in (f.name for f in fields(LocalPackedSeqParams))}
+    try:
+        from megatron.core.packed_seq_params import PackedSeqParams
+    except ImportError:
+        return LocalPackedSeqParams(**values)
+    return PackedSeqParams(**values)
+
+
+def hf_labels(batch: PackedBatch) -> torch.Tensor:
+    """int64 ``[T]`` unshifted labels: ``out[t] = batch.labels[t-1]`` inside a document,
+    ``-100`` at every document start (and wherever ``batch.labels`` ignores)."""
+    shifted = torch.full_like(batch.labels, HF_IGNORE_INDEX)
+    shifted[1:] = batch.labels[:-1]
+    shifted[shifted == batch.ignore_index] = HF_IGNORE_INDEX
+    starts = batch.cu_seqlens_padded[:-1].to(device=batch.labels.device, dtype=torch.int64)
+    shifted[starts] = HF_IGNORE_INDEX  # already ignored by the PackedBatch contract; be explicit
+    return shifted
+
+
+def hf_inputs(batch: PackedBatch) -> HFInputs:
+    """``[1, T]`` inputs for HF transformers with packing (flash_attention_2 uses the cu's;
+    sdpa/eager/flex rebuild the same spans from ``position_ids``). Loss:
+    ``model(**batch.hf_inputs()).loss`` is the token mean over ``batch.num_targets``."""
+    device = batch.input_ids.device
+    cu = varlen_cu_seqlens(batch)
+    index, positions = _span_positions(cu, batch.total_tokens)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    cu = _device_int32(cu, device)
+    return HFInputs(
+        input_ids=batch.input_ids.unsqueeze(0),
+        position_ids=positions.to(device).unsqueeze(0),
+        labels=hf_labels(batch).unsqueeze(0),
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
+        seq_idx=index.to(device).unsqueeze(0),
+    )
+
+
+def ssm_kwargs(batch: PackedBatch) -> SSMKwargs:
+    """``seq_idx`` for Mamba / linear-attention kernels, ``[1, T]`` int32."""
+    return SSMKwargs(seq_idx=batch.seq_idx.to(torch.int32).unsqueeze(0).contiguous())

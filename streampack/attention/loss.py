@@ -1,0 +1,201 @@
+"""Losses and log-probs over a packed batch, normalised the way unpacked training would be.
+
+Only a token mean over the *whole optimizer step* is packing-invariant: a micro-batch mean
+weights tokens by how the packer happened to group them. So :func:`packed_cross_entropy`
+divides the micro-batch's summed loss by ``num_targets`` summed over every micro-batch and
+data-parallel rank of the step (:func:`global_num_targets`); summing the micro-batch losses
+then gives exactly the unpacked token mean. ``reduction="sequence"`` averages each document
+first, then divides by the step's number of supervised documents.
+
+Only target rows are gathered before the loss: logits at padding (garbage from kernels with
+no padded variant, possibly NaN) never enter the forward or the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from streampack.batch import PackedBatch
+
+REDUCTIONS = ("token", "sequence")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class LossResult:
+    """A micro-batch's loss and the counts it was normalised by."""
+
+    loss: torch.Tensor | None
+    """Scalar ``loss_sum / denominator``; ``None`` when the denominator is 0 (nothing in the
+    step is supervised): there is no loss to report, and 0.0 would be a lie."""
+    loss_sum: torch.Tensor
+    """Scalar numerator: summed token losses (``token``) or summed per-document means
+    (``sequence``). Connected to the graph even when it is 0."""
+    denominator: int
+    """``num_targets`` (token) or ``num_sequences`` (sequence) it was divided by."""
+    num_targets: int
+    """Supervised tokens in this micro-batch."""
+    num_sequences: int
+    """Documents of this micro-batch with at least one supervised token."""
+    reduction: str
+    per_token: torch.Tensor
+    """``[T]`` per-position loss (float32, or float64 for float64 logits), 0 where the label is ignored."""
+
+    @property
+    def has_targets(self) -> bool:
+        return self.num_targets > 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class PaddedDocuments:
+    """Per-document rows of a ``[T, ...]`` tensor, right-padded to ``[n, max_len, ...]``."""
+
+    values: torch.Tensor
+    """``[n, max_len, ...]``; rows past a document's length hold ``padding_value``."""
+    lengths: torch.Tensor
+    """int64 ``[n]``: real length of each document."""
+    mask: torch.Tensor
+    """bool ``[n, max_len]``: True at real rows."""
+
+
+def _flat(x: torch.Tensor, total: int, what: str) -> torch.Tensor:
+    if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == total:
+        x = x[0]  # HF-style [1, T, ...]
+    if x.shape[0] != total:
+        raise ValueError(f"{what} has leading shape {tuple(x.shape[:2])}, expected [{total}, ...] "
+                         f"or [1, {total}, ...]")
+    return x
+
+
+def unpack_per_document(x: torch.Tensor, batch: PackedBatch) -> list[torch.Tensor]:
+    """Split ``x [T, ...]`` (or ``[1, T, ...]``) into each document's own ``[len_i, ...]`` rows,
+    dropping padding (views, in document order)."""
+    x = _flat(x, batch.total_tokens, "x")
+    starts = batch.cu_seqlens_padded[:-1].tolist()
+    return [x[s:s + n] for s, n in zip(starts, batch.doc_lengths.tolist())]
+
+
+def unpack_padded(x: torch.Tensor, batch: PackedBatch, padding_value: float = 0.0) -> PaddedDocuments:
+    """Each document's rows of ``x [T, ...]`` as ``[n, max_len, ...]`` (one gather, no loop)."""
+    x = _flat(x, batch.total_tokens, "x")
+    lengths = batch.doc_lengths.to(torch.int64).cpu()
+    max_len = int(lengths.max()) if len(lengths) else 0
+    offsets = torch.arange(max_len)
+    mask = offsets[None, :] < lengths[:, None]
+    index = batch.cu_seqlens_padded[:-1].to("cpu", torch.int64)[:, None] + offsets[None, :]
+    index = torch.where(mask, index, 0).to(x.device)
+    values = x[index.reshape(-1)].reshape(len(lengths), max_len, *x.shape[1:])
+    mask_dev = mask.to(x.device)
+    fill = mask_dev.reshape(*mask_dev.shape, *([1] * (x.dim() - 1)))
+    values = torch.where(fill, values, torch.full_like(values, padding_value))
+    return PaddedDocuments(values=values, lengths=lengths.to(x.device), mask=mask_dev)
+
+
+def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
+    """float32 for bf16/fp16 logits (a bf16 log-softmax loses ~3 digits), else their own dtype."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor,
+                   ignore_index: int = -100) -> torch.Tensor:
+    """``log p(labels[t] | logits[t])`` for already-shifted labels (``logits [..., V]``,
+    ``labels [...]``); 0 where ``labels == ignore_index``. float32 (float64 for float64 logits).
+    Only target rows are normalised, so NaN logits at padding rows never propagate."""
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
+    out = torch.zeros(labels.shape, dtype=_acc_dtype(logits), device=logits.device)
+    keep = labels != ignore_index
+    rows = logits[keep].to(out.dtype)
+    picked = rows.gather(-1, labels[keep].unsqueeze(-1)).squeeze(-1)
+    out[keep] = picked - torch.logsumexp(rows, dim=-1)
+    return out
+
+
+def num_supervised_sequences(batch: PackedBatch) -> int:
+    """Documents with at least one label that is not ``ignore_index``."""
+    has = torch.zeros(batch.num_docs, dtype=torch.bool, device=batch.labels.device)
+    has[batch.seq_idx.long()[batch.labels != batch.ignore_index]] = True
+    return int(has.sum())
+
+
+def packed_cross_entropy(logits: torch.Tensor, batch: PackedBatch, num_targets: int | None = None,
+                         *, reduction: str = "token",
+                         num_sequences: int | None = None) -> LossResult:
+    """Next-token cross entropy of ``logits [T, V]`` (or ``[1, T, V]``) against ``batch.labels``.
+
+    ``reduction="token"``: ``sum / num_targets`` — pass the step's total from
+    :func:`global_num_targets` when accumulating micro-batches or across DP ranks, then *sum*
+    (not average) the micro-batch losses. ``reduction="sequence"``: each document's mean, summed,
+    divided by ``num_sequences`` (default: this batch's supervised documents; pass
+    :func:`global_num_sequences` for a step). Defaults normalise by this batch alone.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{reduction=} must be one of {REDUCTIONS}")
+    if reduction == "token" and num_sequences is not None:
+        raise ValueError("num_sequences only applies to reduction='sequence'")
+    if reduction == "sequence" and num_targets is not None:
+        raise ValueError("num_targets only applies to reduction='token'")
+    logits = _flat(logits, batch.total_tokens, "logits")
+    labels = batch.labels.to(logits.device)
+    keep = labels != batch.ignore_index
+    token_loss = F.cross_entropy(logits[keep].to(_acc_dtype(logits)), labels[keep], reduction="none")
+    per_token = torch.zeros(labels.shape, dtype=token_loss.dtype, device=logits.device)
+    per_token = per_token.index_put((keep.nonzero().squeeze(-1),), token_loss)
+    local_targets = int(keep.sum())
+    docs = batch.seq_idx.to(logits.device).long()[keep]
+    counts = torch.bincount(docs, minlength=batch.num_docs)
+    local_sequences = int((counts > 0).sum())
+    if reduction == "token":
+        loss_sum = token_loss.sum()
+        denominator = local_targets if num_targets is None else int(num_targets)
+    else:
+        doc_sum = token_loss.new_zeros(batch.num_docs).index_add(0, docs, token_loss)
+        loss_sum = (doc_sum / counts.clamp(min=1)).sum()
+        denominator = local_sequences if num_sequences is None else int(num_sequences)
+    if denominator < 0:
+        raise ValueError(f"{denominator=} must be >= 0")
+    return LossResult(
+        loss=loss_sum / denominator if denominator > 0 else None,
+        loss_sum=loss_sum, denominator=denominator, num_targets=local_targets,
+        num_sequences=local_sequences, reduction=reduction, per_token=per_token,
+    )
+
+
+def _all_reduce_sum(value: int, group: object | None) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)):
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return int(t.item())
+
+
+def _local_sum(items: Iterable[PackedBatch | int], count: str) -> int:
+    total = 0
+    for item in items:
+        if isinstance(item, int):
+            total += item
+        elif count == "targets":
+            total += int(item.num_targets)
+        else:
+            total += num_supervised_sequences(item)
+    return total
+
+
+def global_num_targets(batches: Sequence[PackedBatch | int], group: object | None = None) -> int:
+    """Supervised tokens over this rank's micro-batches of a step, summed over ``group``
+    (all-reduce) when ``torch.distributed`` is initialized. Pass the data-parallel group; under
+    context parallelism count each *unsharded* batch once (CP ranks share its targets)."""
+    return _all_reduce_sum(_local_sum(batches, "targets"), group)
+
+
+def global_num_sequences(batches: Sequence[PackedBatch | int], group: object | None = None) -> int:
+    """Supervised documents over this rank's micro-batches, summed over ``group``."""
+    return _all_reduce_sum(_local_sum(batches, "sequences"), group)

@@ -1,0 +1,1 @@
+"""Reading stages: shard URLs -> Samples (``source.ShardReader``), sharding, errors."""

@@ -1,0 +1,107 @@
+"""Which shard (or part of a shard) each global worker reads in each epoch.
+
+Global worker ``g = dp_rank * num_workers + worker_id`` of ``G = dp_size * num_workers``.
+Epoch ``e`` orders the ``S`` shards by a permutation seeded by ``(seed, e)`` (natural order
+when ``shuffle=False``), so every rank computes the same order without communicating.
+
+- ``S >= G``: worker ``g`` reads whole shards at permuted positions ``g, g + G, g + 2G, ...``
+  (workers differ by at most one shard).
+- ``S < G``: every worker reads exactly one contiguous part of one shard: position
+  ``p = g % S`` of the permutation, part ``g // S`` of the ``ceil``/``floor(G / S)`` parts that
+  position is cut into. Parts are contiguous sample ranges (byte ranges, via the shard index),
+  so no worker reads bytes of another's part. Fewer samples in a shard than parts leaves some
+  parts empty; the reader refuses an infinite stream that yields nothing.
+
+Either way each sample of an epoch is read by exactly one global worker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardSpan:
+    """One unit of work: a whole shard (``parts == 1``) or one part of it."""
+
+    shard: int
+    """Index of the shard in the expanded URL list."""
+    part: int
+    parts: int
+
+
+def validate_topology(dp_rank: int, dp_size: int, worker_id: int, num_workers: int) -> None:
+    for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size), ("worker_id", worker_id), ("num_workers", num_workers)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be an int")
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"need 0 <= dp_rank < dp_size, got {dp_rank=} {dp_size=}")
+    if num_workers < 1 or not 0 <= worker_id < num_workers:
+        raise ValueError(f"need 0 <= worker_id < num_workers, got {worker_id=} {num_workers=}")
+
+
+def resolve_topology(dp_rank: int | None = None, dp_size: int | None = None, process_group: Any = None) -> tuple[int, int]:
+    """``(dp_rank, dp_size)``: explicit args, else ``torch.distributed`` (rank and size *within
+    ``process_group``* — pass the data-parallel group when TP/CP/PP exist), else the
+    ``RANK``/``WORLD_SIZE`` environment (the global rank: only right without model parallelism),
+    else ``(0, 1)``."""
+    if dp_rank is None or dp_size is None:
+        auto_rank, auto_size = _auto_topology(process_group)
+        dp_rank = auto_rank if dp_rank is None else dp_rank
+        dp_size = auto_size if dp_size is None else dp_size
+    validate_topology(dp_rank, dp_size, 0, 1)
+    return int(dp_rank), int(dp_size)
+
+
+def _auto_topology(process_group: Any) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group=process_group), dist.get_world_size(group=process_group)
+    if process_group is not None:
+        raise ValueError("process_group given but torch.distributed is not initialized")
+    rank, size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None and size is None:
+        return 0, 1
+    try:
+        return int(rank if rank is not None else 0), int(size if size is not None else 1)
+    except ValueError:
+        raise ValueError(f"bad RANK/WORLD_SIZE environment: RANK={rank!r} WORLD_SIZE={size!r}") from None
+
+
+def resolve_worker() -> tuple[int, int]:
+    """``(worker_id, num_workers)`` of the current DataLoader worker; ``(0, 1)`` in the main process."""
+    import torch.utils.data
+
+    info = torch.utils.data.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def epoch_permutation(num_shards: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """int64 ``[num_shards]``: the shard order of ``epoch`` (same on every rank and worker)."""
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"{seed=} and {epoch=} must be >= 0")
+    if not shuffle:
+        return np.arange(num_shards, dtype=np.int64)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch])))
+    return rng.permutation(num_shards).astype(np.int64)
+
+
+def assign_shards(
+    num_shards: int, *, seed: int, epoch: int, shuffle: bool, global_worker: int, global_workers: int
+) -> list[ShardSpan]:
+    """The spans global worker ``global_worker`` reads in ``epoch``, in reading order."""
+    if num_shards < 1:
+        raise ValueError(f"{num_shards=} must be >= 1")
+    if not 0 <= global_worker < global_workers:
+        raise ValueError(f"need 0 <= {global_worker=} < {global_workers=}")
+    perm = epoch_permutation(num_shards, seed=seed, epoch=epoch, shuffle=shuffle)
+    if num_shards >= global_workers:
+        return [ShardSpan(shard=int(s), part=0, parts=1) for s in perm[global_worker::global_workers]]
+    pos = global_worker % num_shards
+    parts = global_workers // num_shards + (1 if pos < global_workers % num_shards else 0)
+    return [ShardSpan(shard=int(perm[pos]), part=global_worker // num_shards, parts=parts)]

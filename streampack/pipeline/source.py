@@ -1,0 +1,279 @@
+"""ShardReader: the source node. Sharded tar / jsonl files -> a deterministic stream of Samples.
+
+Order: epoch by epoch; in each epoch this worker's spans (see ``sharding``) in order; inside a
+span, samples in file order. The position is ``(epoch, shard_pos, offset, sample)`` — the
+byte offset and number of the next sample, recorded while reading — so a restore opens the
+shard at ``offset`` (a ``seek`` locally, a ``Range`` request remotely) and continues
+bit-identically without reading the bytes before it (``.jsonl.gz`` excepted: see
+``jsonl_source``).
+
+State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
+
+    {"version": 1,
+     "config": {"sources": <sha1 of the URL list, 16 hex>, "num_sources": S, "seed", "shuffle",
+                "dp_rank", "dp_size", "worker_id", "num_workers", "fields": [tokens_key, ...]},
+     "epoch": e,            # epoch of the next sample
+     "shard_pos": i,        # index into this worker's span list of epoch e
+     "offset": b,           # byte offset of the next sample in that shard; -1 = start of span
+     "sample": n,           # number (tar ordinal / jsonl line) of that sample
+     "yielded": k,          # samples yielded since the start
+     "epoch_yielded": k_e}  # samples yielded in epoch e
+
+Restoring a state whose ``config`` differs raises ``ValueError`` naming both values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, BinaryIO
+
+from torchdata.nodes import BaseNode
+
+from streampack.pipeline.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.pipeline.jsonl_source import DecodeOptions, Item, iter_jsonl_items, text_stream
+from streampack.pipeline.shard_index import ShardIndex, load_or_build_index
+from streampack.pipeline.sharding import ShardSpan, assign_shards, resolve_topology, resolve_worker, validate_topology
+from streampack.pipeline.tar_source import iter_tar_items
+from streampack.pipeline.urls import OpenOptions, expand_urls, is_remote, open_shard, shard_format
+from streampack.sample import Sample
+
+STATE_VERSION = 1
+VERSION_KEY = "version"
+CONFIG_KEY = "config"
+EPOCH_KEY = "epoch"
+SHARD_POS_KEY = "shard_pos"
+OFFSET_KEY = "offset"
+SAMPLE_KEY = "sample"
+YIELDED_KEY = "yielded"
+EPOCH_YIELDED_KEY = "epoch_yielded"
+
+
+class ShardReader(BaseNode[Sample]):
+    """Reads this worker's share of ``urls`` as :class:`Sample`\\ s (``tokens`` int64 or ``text``).
+
+    ``epochs=None`` repeats forever with a fresh shard permutation each epoch; ``epochs=N``
+    stops after N. ``dp_rank``/``worker_id`` (and their sizes) may be None to take them from
+    ``resolve_topology()`` / the DataLoader worker info. ``on_error="skip"`` drops bad samples
+    (and the rest of a corrupt shard) and counts them in ``errors``.
+    """
+
+    def __init__(
+        self,
+        urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        epochs: int | None = None,
+        dp_rank: int | None = 0,
+        dp_size: int | None = 1,
+        worker_id: int | None = 0,
+        num_workers: int | None = 1,
+        tokens_key: str = "input_ids",
+        text_key: str = "text",
+        labels_key: str | None = None,
+        loss_mask_key: str | None = None,
+        on_error: str = "raise",
+        errors: ErrorCounter | None = None,
+        allow_pipe: bool = False,
+        allow_pickle: bool = False,
+        cache_dir: str | None = None,
+        retries: int = 3,
+        retry_backoff: float = 0.5,
+        timeout: float = 30.0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"{seed=} must be an int >= 0")
+        if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
+            raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
+        if dp_rank is None or dp_size is None:
+            dp_rank, dp_size = resolve_topology(dp_rank, dp_size)
+        if worker_id is None or num_workers is None:
+            auto_id, auto_n = resolve_worker()
+            worker_id, num_workers = (auto_id if worker_id is None else worker_id), (auto_n if num_workers is None else num_workers)
+        validate_topology(dp_rank, dp_size, worker_id, num_workers)
+        self.urls: list[str] = expand_urls(urls, allow_pipe=allow_pipe)
+        self.seed, self.shuffle, self.epochs = seed, shuffle, epochs
+        self.global_worker = dp_rank * num_workers + worker_id
+        self.global_workers = dp_size * num_workers
+        self._policy = ErrorPolicy(on_error, errors)
+        self.errors: ErrorCounter = self._policy.errors
+        self._decode = DecodeOptions(
+            tokens_key=tokens_key, text_key=text_key, labels_key=labels_key, loss_mask_key=loss_mask_key, allow_pickle=allow_pickle
+        )
+        self._open = OpenOptions(retries=retries, backoff=retry_backoff, timeout=timeout, allow_pipe=allow_pipe)
+        self._cache_dir = cache_dir
+        self._config: dict[str, Any] = {
+            "sources": hashlib.sha1("\n".join(self.urls).encode()).hexdigest()[:16],
+            "num_sources": len(self.urls),
+            "seed": seed,
+            "shuffle": shuffle,
+            "dp_rank": dp_rank,
+            "dp_size": dp_size,
+            "worker_id": worker_id,
+            "num_workers": num_workers,
+            "fields": [tokens_key, text_key, labels_key, loss_mask_key],
+        }
+        self._spans_cache: tuple[int, list[ShardSpan]] | None = None
+        self._streams: list[BinaryIO] = []
+        self._items: Iterator[Item] | None = None
+        self._read_failures = 0
+        self._set_position(0, 0, -1, 0, 0, 0)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next sample."""
+        return self._epoch
+
+    def spans(self, epoch: int) -> list[ShardSpan]:
+        """What this worker reads in ``epoch``, in order (see ``sharding.assign_shards``)."""
+        if self._spans_cache is None or self._spans_cache[0] != epoch:
+            spans = assign_shards(
+                len(self.urls), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                global_worker=self.global_worker, global_workers=self.global_workers,
+            )
+            self._spans_cache = (epoch, spans)
+        return self._spans_cache[1]
+
+    def index(self, shard: int | str) -> ShardIndex:
+        """The sample index (offsets, keys, token lengths) of a shard, built once and cached."""
+        url = self.urls[shard] if isinstance(shard, int) else shard
+        return load_or_build_index(url, decode=self._decode, opts=self._open, cache_dir=self._cache_dir)
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.close()
+        if initial_state is None:
+            self._set_position(0, 0, -1, 0, 0, 0)
+            return
+        if initial_state.get(VERSION_KEY) != STATE_VERSION:
+            raise ValueError(f"ShardReader state version {initial_state.get(VERSION_KEY)!r} != {STATE_VERSION}")
+        saved = initial_state.get(CONFIG_KEY, {})
+        diffs = [f"{k}: state={saved.get(k)!r} reader={v!r}" for k, v in self._config.items() if saved.get(k) != v]
+        if diffs:
+            raise ValueError("ShardReader state was saved with different settings: " + "; ".join(diffs))
+        self._set_position(*(int(initial_state[k]) for k in (EPOCH_KEY, SHARD_POS_KEY, OFFSET_KEY, SAMPLE_KEY, YIELDED_KEY, EPOCH_YIELDED_KEY)))
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            VERSION_KEY: STATE_VERSION,
+            CONFIG_KEY: dict(self._config, fields=list(self._config["fields"])),
+            EPOCH_KEY: self._epoch,
+            SHARD_POS_KEY: self._shard_pos,
+            OFFSET_KEY: self._offset,
+            SAMPLE_KEY: self._sample,
+            YIELDED_KEY: self._yielded,
+            EPOCH_YIELDED_KEY: self._epoch_yielded,
+        }
+
+    def next(self) -> Sample:
+        while True:
+            if self.epochs is not None and self._epoch >= self.epochs:
+                raise StopIteration
+            spans = self.spans(self._epoch)
+            if self._shard_pos >= len(spans):
+                self._next_epoch()
+                continue
+            try:
+                if self._items is None:
+                    self._items = self._open_span(spans[self._shard_pos])
+                item = next(self._items, None)
+            except DataError as e:  # missing / unreachable / corrupt: the rest of the span is lost
+                self._advance(e, next_span=True)
+                continue
+            except (OSError, http.client.HTTPException) as e:  # dropped connection, I/O error
+                self.close()  # reopen at the recorded offset of the next sample
+                self._read_failures += 1
+                if self._read_failures > self._open.retries:
+                    url = self.urls[spans[self._shard_pos].shard]
+                    reason = "unreachable_url" if is_remote(url) else "corrupt_shard"
+                    err = DataError(reason, f"read failed {self._read_failures} times: {e!r}", url=url, value=self._offset)
+                    self._advance(err, next_span=True)
+                continue
+            self._read_failures = 0
+            if item is None:
+                self._next_span()
+                continue
+            self._offset, self._sample = item.next_offset, item.next_index
+            if item.sample is not None:
+                self._yielded += 1
+                self._epoch_yielded += 1
+            self._advance(item.error, next_span=item.at_end)
+            if item.sample is not None:
+                return item.sample
+
+    def close(self) -> None:
+        """Release the open shard (the position is kept)."""
+        self._items = None
+        while self._streams:
+            self._streams.pop().close()
+
+    def _set_position(self, epoch: int, shard_pos: int, offset: int, sample: int, yielded: int, epoch_yielded: int) -> None:
+        self._epoch, self._shard_pos, self._offset, self._sample = epoch, shard_pos, offset, sample
+        self._yielded, self._epoch_yielded = yielded, epoch_yielded
+
+    def _advance(self, err: DataError | None, *, next_span: bool) -> None:
+        """Count ``err``, move past the span if asked, then apply ``on_error`` — in that order, so
+        a raised error (or a later restore) leaves the position *after* the bad input."""
+        if err is not None:
+            self.errors.record(err)
+        try:
+            if next_span:
+                self._next_span()
+        finally:
+            if err is not None and self._policy.on_error == "raise":
+                raise err
+
+    def _next_span(self) -> None:
+        self.close()
+        self._read_failures = 0
+        self._shard_pos, self._offset, self._sample = self._shard_pos + 1, -1, 0
+        # Roll over eagerly so `epoch` and the state name the epoch of the next sample.
+        if (self.epochs is None or self._epoch < self.epochs) and self._shard_pos >= len(self.spans(self._epoch)):
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        if self.epochs is None and self._epoch_yielded == 0:
+            raise ValueError(
+                f"global worker {self.global_worker} of {self.global_workers} got no samples in epoch {self._epoch} "
+                f"from {len(self.urls)} shard(s) (too few samples per shard to split, or every sample was bad: "
+                f"{self.errors.as_dict()['counts']}); an infinite stream would spin forever"
+            )
+        self._epoch, self._shard_pos, self._offset, self._sample, self._epoch_yielded = self._epoch + 1, 0, -1, 0, 0
+
+    def _open_span(self, span: ShardSpan) -> Iterator[Item]:
+        url = self.urls[span.shard]
+        start, end, first = 0, None, 0
+        if span.parts > 1:
+            start, end, first = self.index(url).part(span.part, span.parts)
+        if self._offset >= 0:
+            start, first = self._offset, self._sample
+        if end is not None and start >= end:
+            return iter(())
+        remote = is_remote(url) or url.startswith("pipe:")
+        if shard_format(url) == "tar":
+            self._streams.append(open_shard(url, start, end if remote else None, opts=self._open))
+            return iter_tar_items(
+                self._streams[-1], self._decode, url=url, start=start, first_index=first, end=end, seekable=not remote
+            )
+        gz = url.split("?", 1)[0].endswith(".gz")
+        self._streams.append(open_shard(url, 0 if gz else start, end if remote and not gz else None, opts=self._open))
+        self._streams.append(text_stream(self._streams[-1], url))
+        if gz and start:
+            _skip_uncompressed(self._streams[-1], start, url)
+        return iter_jsonl_items(self._streams[-1], self._decode, url=url, start=start, first_index=first, end=end)
+
+
+def _skip_uncompressed(f: BinaryIO, n: int, url: str) -> None:
+    """gzip cannot seek: inflate and drop ``n`` bytes (O(n) CPU, documented in jsonl_source)."""
+    while n > 0:
+        try:
+            chunk = f.read(min(n, 1 << 20))
+        except (OSError, EOFError) as e:
+            raise DataError("corrupt_shard", f"cannot decompress: {e}", url=url, value=n) from None
+        if not chunk:
+            raise DataError("corrupt_shard", "stream ended before the resume offset", url=url, value=n)
+        n -= len(chunk)
