@@ -103,21 +103,22 @@ class PackedBatch:
     def pin_memory(self) -> PackedBatch:
         return self.map_tensors(lambda t: t.pin_memory())
 
-    # Consumer adapters live in streampack.attention.adapters; these are their front doors.
-    def flash_attn_kwargs(self) -> Any:
+    # Consumer adapters live in streampack.attention.adapters (documented there); these are
+    # their front doors, so `model(**batch.hf_inputs())` needs no extra import.
+    def flash_attn_kwargs(self, *, causal: bool = True) -> Any:
         from streampack.attention.adapters import flash_attn_kwargs
 
-        return flash_attn_kwargs(self)
+        return flash_attn_kwargs(self, causal=causal)
 
-    def te_kwargs(self) -> Any:
+    def te_kwargs(self, *, causal: bool = True) -> Any:
         from streampack.attention.adapters import te_kwargs
 
-        return te_kwargs(self)
+        return te_kwargs(self, causal=causal)
 
-    def packed_seq_params(self) -> Any:
+    def packed_seq_params(self, *, causal: bool = True) -> Any:
         from streampack.attention.adapters import packed_seq_params
 
-        return packed_seq_params(self)
+        return packed_seq_params(self, causal=causal)
 
     def hf_inputs(self) -> Any:
         from streampack.attention.adapters import hf_inputs

@@ -1,0 +1,94 @@
+"""User stages between tokenization and packing.
+
+``PackedDataset(stages=[...])`` accepts, in order:
+
+- a plain function ``Sample -> Sample | None``: wrapped in :class:`MapSamples`; returning
+  ``None`` drops the sample (counted in ``counters["dropped"]``);
+- a ``BaseNode`` subclass: called as ``cls(upstream)``;
+- ``NodeStage(factory)``: ``factory(upstream)`` must return a ``BaseNode[Sample]`` (use it for
+  nodes that need more arguments, e.g. ``NodeStage(lambda up: MyFilter(up, threshold=3))``).
+
+The graph is built inside every worker, so stages are given as recipes, not node instances.
+A user node must keep exact state itself (``get_state`` / ``reset``) for resume to stay exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from streampack.sample import Sample
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStage:
+    """A recipe ``upstream -> BaseNode[Sample]`` for :func:`build_stages`."""
+
+    factory: Callable[[BaseNode[Sample]], BaseNode[Sample]]
+
+
+class MapSamples(BaseNode[Sample]):
+    """Apply ``fn`` to every sample; ``None`` drops it. State = upstream state + counters."""
+
+    SOURCE_KEY = "source"
+    COUNTERS_KEY = "counters"
+
+    def __init__(self, source: BaseNode[Sample], fn: Callable[[Sample], Sample | None]) -> None:
+        super().__init__()
+        self.source = source
+        self.fn = fn
+        self.counters = {"mapped": 0, "dropped": 0}
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            self.source.reset(None)
+            self.counters = {"mapped": 0, "dropped": 0}
+        else:
+            self.source.reset(initial_state[self.SOURCE_KEY])
+            self.counters = dict(initial_state[self.COUNTERS_KEY])
+
+    def next(self) -> Sample:
+        while True:
+            out = self.fn(next(self.source))
+            if out is not None:
+                if not isinstance(out, Sample):
+                    raise TypeError(f"stage {self.fn!r} returned {type(out).__name__}, "
+                                    f"want a Sample or None")
+                self.counters["mapped"] += 1
+                return out
+            self.counters["dropped"] += 1
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.SOURCE_KEY: self.source.state_dict(), self.COUNTERS_KEY: dict(self.counters)}
+
+
+def check_stages(stages: Sequence[Any]) -> None:
+    """Reject anything :func:`build_stages` cannot use, before any worker starts."""
+    for i, stage in enumerate(stages):
+        if isinstance(stage, BaseNode):
+            raise TypeError(f"stages[{i}] is a node instance; pass its class or "
+                            f"NodeStage(lambda upstream: ...) so every worker builds its own")
+        if not (isinstance(stage, NodeStage) or callable(stage)):
+            raise TypeError(f"stages[{i}]={stage!r} is not a function, BaseNode class or NodeStage")
+
+
+def build_stages(upstream: BaseNode[Sample], stages: Sequence[Any]) -> tuple[BaseNode[Sample], list[BaseNode]]:
+    """Chain ``stages`` after ``upstream``; returns the last node and the nodes built."""
+    check_stages(stages)
+    built: list[BaseNode] = []
+    node = upstream
+    for stage in stages:
+        if isinstance(stage, NodeStage):
+            node = stage.factory(node)
+        elif isinstance(stage, type) and issubclass(stage, BaseNode):
+            node = stage(node)
+        else:
+            node = MapSamples(node, stage)
+        if not isinstance(node, BaseNode):
+            raise TypeError(f"stage {stage!r} built {type(node).__name__}, not a BaseNode")
+        built.append(node)
+    return node, built

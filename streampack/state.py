@@ -1,0 +1,163 @@
+"""Resume state: versioned, fingerprinted, plain data, bounded by the window.
+
+A :class:`~streampack.dataset.PackedDataset` state (one per DataLoader worker) is::
+
+    {"version": 1,
+     "fingerprint": {"sources": [...], "capacity": 4096, "window": 1024, "algorithm": "bfd",
+                     "align": 1, "seed": 0, "dp_size": 1, "num_workers": 2, ...},
+     "worker": {"dp_rank": 0, "worker_id": 1},
+     "passes": 0,                   # completed fresh iterations (finite mode)
+     "graph": {...}}                # nested node state, or None = start of the pass
+
+Only ints, strings, lists, dicts and tensors appear, so ``torch.load(weights_only=True)``
+accepts it. Buffered samples are stored as a few flat tensors (not one object per sample):
+StatefulDataLoader diffs every worker state against the previous one at each snapshot, and a
+handful of tensors compares in microseconds where a list of 1024 dicts does not.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from streampack.sample import Sample
+
+STATE_VERSION = 1
+VERSION_KEY = "version"
+FINGERPRINT_KEY = "fingerprint"
+WORKER_KEY = "worker"
+PASSES_KEY = "passes"
+GRAPH_KEY = "graph"
+METRICS_KEY = "metrics"
+
+
+def samples_to_state(samples: Sequence[Sample]) -> dict[str, Any]:
+    """Tokenized samples -> plain data: concatenated int64 tokens plus per-sample metadata.
+
+    Optional per-token fields (labels, loss_mask, extras) are concatenated over the samples
+    that carry them, with a presence flag per sample.
+    """
+    lengths = [len(s) for s in samples]
+    out: dict[str, Any] = {
+        "keys": [s.key for s in samples],
+        "urls": [s.url for s in samples],
+        "lengths": torch.tensor(lengths, dtype=torch.int64),
+        "tokens": _cat([s.tokens for s in samples], np.int64),
+    }
+    for name in ("labels", "loss_mask"):
+        present = [getattr(s, name) is not None for s in samples]
+        if any(present):
+            out[name] = {
+                "present": torch.tensor(present, dtype=torch.bool),
+                "values": _cat([getattr(s, name) for s in samples if getattr(s, name) is not None], None),
+            }
+    names = sorted({n for s in samples for n in s.extras})
+    if names:
+        out["extras"] = {
+            n: {
+                "present": torch.tensor([n in s.extras for s in samples], dtype=torch.bool),
+                "values": _cat([s.extras[n] for s in samples if n in s.extras], None),
+            }
+            for n in names
+        }
+    return out
+
+
+def _cat(arrays: list[np.ndarray], dtype: Any) -> torch.Tensor:
+    if not arrays:
+        return torch.zeros(0, dtype=torch.int64)
+    cat = np.concatenate(arrays)
+    if dtype is not None:
+        cat = cat.astype(dtype, copy=False)
+    return torch.from_numpy(np.ascontiguousarray(cat))
+
+
+def samples_from_state(state: Mapping[str, Any]) -> list[Sample]:
+    """Inverse of :func:`samples_to_state`."""
+    lengths = state["lengths"].tolist()
+    bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    tokens = state["tokens"].numpy()
+    fields = {n: _split_optional(state.get(n), lengths) for n in ("labels", "loss_mask")}
+    extras = {n: _split_optional(v, lengths) for n, v in state.get("extras", {}).items()}
+    out = []
+    for i, (key, url) in enumerate(zip(state["keys"], state["urls"])):
+        out.append(Sample(
+            key=key, url=url, tokens=tokens[bounds[i]:bounds[i + 1]].copy(),
+            labels=fields["labels"][i], loss_mask=fields["loss_mask"][i],
+            extras={n: v[i] for n, v in extras.items() if v[i] is not None},
+        ))
+    return out
+
+
+def _split_optional(field: Mapping[str, Any] | None, lengths: list[int]) -> list[np.ndarray | None]:
+    if field is None:
+        return [None] * len(lengths)
+    values = field["values"].numpy()
+    out: list[np.ndarray | None] = []
+    pos = 0
+    for present, n in zip(field["present"].tolist(), lengths):
+        if present:
+            out.append(values[pos:pos + n].copy())
+            pos += n
+        else:
+            out.append(None)
+    return out
+
+
+def check_version(state: Mapping[str, Any]) -> None:
+    version = state.get(VERSION_KEY) if isinstance(state, Mapping) else None
+    if version != STATE_VERSION:
+        raise ValueError(f"state version={version!r} is not the supported version={STATE_VERSION}; "
+                         f"was it saved by another streampack version or another dataset?")
+
+
+def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming every setting whose saved value differs from the current one."""
+    diffs = [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}"
+             for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    if diffs:
+        raise ValueError("cannot resume: the state was saved with different settings that change "
+                         "the stream (" + "; ".join(diffs) + ")")
+
+
+def check_loader_state(loader_state: Mapping[str, Any], num_workers: int) -> None:
+    """Check a ``StatefulDataLoader.state_dict()`` against the loader's ``num_workers``.
+
+    StatefulDataLoader itself fails with a bare ``AssertionError`` (or silently restarts
+    workers) when ``num_workers`` changed; call this (or :func:`load_loader_state`) first.
+    """
+    snapshot = loader_state.get("_snapshot")
+    if snapshot is None:
+        saved = 0
+    else:
+        saved = snapshot.get("_main_snapshot", {}).get("_num_workers", len(snapshot.get("_worker_snapshots", {})))
+    if saved != num_workers:
+        raise ValueError(f"cannot resume: the loader state was saved with num_workers={saved}, "
+                         f"the loader now has num_workers={num_workers}; the packed stream depends "
+                         f"on the worker count, so resume with num_workers={saved}")
+
+
+def load_loader_state(loader: Any, loader_state: Mapping[str, Any]) -> None:
+    """``loader.load_state_dict(loader_state)`` after :func:`check_loader_state`."""
+    check_loader_state(loader_state, loader.num_workers)
+    loader.load_state_dict(loader_state)
+
+
+def dataset_states(loader_state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The PackedDataset state of every worker inside a StatefulDataLoader state."""
+    snapshot = loader_state.get("_snapshot")
+    if snapshot is None:
+        return [loader_state["dataset_state"]] if loader_state.get("dataset_state") else []
+    workers = snapshot.get("_worker_snapshots", {})
+    return [w["dataset_state"] for _, w in sorted(workers.items()) if w.get("dataset_state")]
+
+
+def state_nbytes(state: Any) -> int:
+    """Size of ``torch.save(state)`` in bytes (what a checkpoint pays for the data state)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.tell()

@@ -1,0 +1,152 @@
+"""Shared test helpers: an in-memory Sample source node and one save/load check for any node.
+
+``check_save_load(make_node)`` checks, for a node built by ``make_node()`` over a finite,
+deterministic source: restore at mid-epoch (several offsets), restore from the initial state,
+restore at the end of an epoch (yields nothing), a second epoch after ``reset()``, and a save
+taken right after a restore that restores again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode
+
+from streampack.batch import PackedBatch
+from streampack.sample import Sample
+
+
+class ListSource(BaseNode[Sample]):
+    """Yields a fixed list of samples; state = index of the next one."""
+
+    INDEX_KEY = "index"
+
+    def __init__(self, samples: list[Sample]) -> None:
+        super().__init__()
+        self.samples = samples
+        self._i = 0
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._i = 0 if initial_state is None else initial_state[self.INDEX_KEY]
+
+    def next(self) -> Sample:
+        if self._i >= len(self.samples):
+            raise StopIteration
+        self._i += 1
+        return self.samples[self._i - 1]
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.INDEX_KEY: self._i}
+
+
+def lognormal_lengths(n: int, *, mean: float = 600.0, sigma: float = 1.0, seed: int = 0,
+                      max_len: int | None = None) -> np.ndarray:
+    """Long-tail lengths (lognormal with the given mean), at least 1."""
+    rng = np.random.default_rng(seed)
+    mu = np.log(mean) - sigma**2 / 2
+    lengths = np.maximum(1, rng.lognormal(mu, sigma, n).round().astype(np.int64))
+    return lengths if max_len is None else np.minimum(lengths, max_len)
+
+
+def make_samples(lengths: Any, *, vocab: int = 50_000, seed: int = 0, text: bool = False) -> list[Sample]:
+    """Samples with random token ids (or words, when ``text``) of the given lengths."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(np.asarray(lengths).tolist()):
+        ids = rng.integers(0, vocab, n, dtype=np.int64)
+        if text:
+            out.append(Sample(key=f"s{i:06d}", url="mem", text=" ".join(f"w{t % 97}" for t in ids)))
+        else:
+            out.append(Sample(key=f"s{i:06d}", url="mem", tokens=ids))
+    return out
+
+
+def canon(item: Any) -> Any:
+    """A comparable form of a Sample, a pack (list of samples), a PackedBatch or a tensor."""
+    if isinstance(item, Sample):
+        return (item.doc_key, None if item.tokens is None else item.tokens.tobytes(), item.text)
+    if isinstance(item, PackedBatch):
+        return (item.doc_keys, item.input_ids.numpy().tobytes(), item.labels.numpy().tobytes(),
+                item.cu_seqlens_padded.numpy().tobytes(), item.num_targets)
+    if isinstance(item, torch.Tensor):
+        return item.numpy().tobytes()
+    if isinstance(item, (list, tuple)):
+        return tuple(canon(x) for x in item)
+    return item
+
+
+def drain(node: BaseNode, limit: int | None = None) -> list[Any]:
+    out = []
+    for item in node:
+        out.append(canon(item))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def check_save_load(make_node: Callable[[], BaseNode], *, offsets: list[int] | None = None) -> int:
+    """Run every save/load scenario; return the epoch length (so callers can assert > 0)."""
+    full = drain(make_node())
+    assert full, "the node yielded nothing: the checks would pass vacuously"
+    n = len(full)
+    for k in offsets if offsets is not None else sorted({0, 1, n // 3, n // 2, n - 1, n}):
+        node = make_node()
+        head = drain(node, k) if k else []
+        state = node.state_dict()
+        restored = make_node()
+        restored.reset(state)
+        again = restored.state_dict()  # saved right after a restore: must restore the same
+        tail = drain(restored)
+        assert head + tail == full, f"mid-epoch restore at item {k} of {n} diverged"
+        second = make_node()
+        second.reset(again)
+        assert drain(second) == tail, f"restore of a state saved right after a restore (item {k})"
+    initial = make_node().state_dict()
+    node = make_node()
+    node.reset(initial)
+    assert drain(node) == full, "restore from the initial state diverged"
+    node = make_node()
+    drain(node)
+    end = node.state_dict()
+    node.reset(None)
+    assert drain(node) == full, "the next epoch after reset() differs"
+    restored = make_node()
+    restored.reset(end)
+    assert drain(restored) == [], "restore at the end of the epoch yielded items"
+    return n
+
+
+def write_token_shards(directory: Any, n_docs: int, num_shards: int, *, mean: float = 100.0,
+                       seed: int = 0, max_len: int | None = None) -> tuple[list[str], list[list[int]]]:
+    """``n_docs`` long-tail token documents in ``num_shards`` npy tar shards: (urls, docs)."""
+    from helpers_data import write_tar_shards
+
+    rng = np.random.default_rng(seed)
+    lengths = lognormal_lengths(n_docs, mean=mean, seed=seed, max_len=max_len)
+    docs = [rng.integers(0, 30_000, n).tolist() for n in lengths.tolist()]
+    return write_tar_shards(directory, docs, num_shards), docs
+
+
+def collect_documents(batches: Any) -> dict[str, list[int]]:
+    """Reassemble documents (split chunks ``key/i`` joined in chunk order) from PackedBatches,
+    keyed by tar sample key; asserts no chunk appears twice."""
+    chunks: dict[str, dict[int, list[int]]] = {}
+    for b in batches:
+        cu = b.cu_seqlens.tolist()
+        starts = b.cu_seqlens_padded.tolist()
+        for i, key in enumerate(b.doc_keys):
+            if key == "<filler>":
+                continue
+            n = cu[i + 1] - cu[i]
+            tokens = b.input_ids[starts[i]:starts[i] + n].tolist()
+            sample = key.rsplit("#", 1)[-1]
+            base, _, part = sample.partition("/")
+            parts = chunks.setdefault(base, {})
+            idx = int(part) if part else 0
+            assert idx not in parts, f"chunk {key} seen twice"
+            parts[idx] = tokens
+    return {k: [t for i in sorted(v) for t in v[i]] for k, v in chunks.items()}

@@ -1,0 +1,147 @@
+"""PackedDataset: DataLoader workers, collate, validation, fingerprints, stages, passes."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from node_checks import canon, collect_documents, write_token_shards
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from streampack import PackedBatch, check_invariants
+from streampack.dataset import PackedDataset
+from streampack.pipeline.stages import NodeStage, MapSamples
+from streampack.state import check_loader_state, dataset_states, load_loader_state
+
+CAP = 512
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_token_shards(tmp_path_factory.mktemp("shards"), 400, 8, mean=120, seed=0)
+
+
+def _expected(docs) -> dict[str, list[int]]:
+    return {f"{i:08d}": d for i, d in enumerate(docs)}
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2, 4])
+def test_dataloader_covers_epoch(shards, num_workers: int) -> None:
+    urls, docs = shards
+    ds = PackedDataset(urls, capacity=CAP, window=32, packs_per_batch=2, epochs=1, seed=3)
+    loader = DataLoader(ds, batch_size=None, num_workers=num_workers)
+    batches = list(loader)
+    assert batches and all(isinstance(b, PackedBatch) for b in batches)  # survives default_convert
+    for b in batches:
+        check_invariants(b)
+        assert b.num_packs in (1, 2)
+    assert collect_documents(batches) == _expected(docs)
+
+
+def test_pin_memory_option_and_loader_pin(shards) -> None:
+    urls, _ = shards
+    ds = PackedDataset(urls, capacity=CAP, window=8, epochs=1, pin_memory=True)
+    assert isinstance(next(iter(ds)), PackedBatch)  # no-op without CUDA
+
+
+def test_state_weights_only_roundtrip_and_size(shards) -> None:
+    urls, _ = shards
+    ds = PackedDataset(urls, capacity=CAP, window=64)
+    it = iter(ds)
+    for _ in range(5):
+        next(it)
+    state = ds.state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert buf.tell() < 4 << 20
+    want = [canon(next(it)) for _ in range(5)]
+    other = PackedDataset(urls, capacity=CAP, window=64)
+    other.load_state_dict(loaded)
+    assert other.state_dict() is loaded
+    it2 = iter(other)
+    assert [canon(next(it2)) for _ in range(5)] == want
+
+
+def test_fingerprint_mismatch_names_both_values(shards) -> None:
+    urls, _ = shards
+    ds = PackedDataset(urls, capacity=CAP, window=16, seed=1)
+    next(iter(ds))
+    state = ds.state_dict()
+    for kwargs, pattern in [({"capacity": 2 * CAP}, "capacity: saved 512, now 1024"),
+                            ({"seed": 2}, "seed: saved 1, now 2"),
+                            ({"dp_rank": 0, "dp_size": 2}, "dp_size: saved 1, now 2"),
+                            ({"window": 32}, "window: saved 16, now 32")]:
+        other = PackedDataset(urls, **{"capacity": CAP, "window": 16, "seed": 1, **kwargs})
+        with pytest.raises(ValueError, match=pattern):
+            other.load_state_dict(state)
+    # num_workers: the dataset refuses in the worker, the loader helper refuses up front
+    other = PackedDataset(urls, capacity=CAP, window=16, seed=1)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="num_workers: saved 0, now 1"):
+        list(DataLoader(other, batch_size=None, num_workers=1))
+    loader = StatefulDataLoader(PackedDataset(urls, capacity=CAP, window=16), batch_size=None, num_workers=2)
+    it = iter(loader)
+    next(it)
+    loader_state = loader.state_dict()
+    assert len(dataset_states(loader_state)) == 2
+    del it
+    with pytest.raises(ValueError, match="num_workers=2.*num_workers=1"):
+        load_loader_state(StatefulDataLoader(ds, batch_size=None, num_workers=1), loader_state)
+    check_loader_state(loader_state, 2)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"algorithm": "nope"}, "unknown packing algorithm"),
+    ({"cp_size": 2, "capacity": 510}, "capacity=510 must be a multiple of align=4"),
+    ({"overlong": "chop"}, "overlong='chop'"),
+    ({"window": 0}, "window=0"),
+    ({"packs_per_batch": 0}, "packs_per_batch=0"),
+    ({"on_error": "ignore"}, "on_error='ignore'"),
+    ({"batches_per_epoch": 5}, "needs a finite stream"),
+    ({"epochs": 1, "dp_rank": 0, "dp_size": 2}, "needs batches_per_epoch"),
+    ({"tokenizer": "/no/such/tokenizer.json"}, "does not exist"),
+])
+def test_validation(shards, kwargs, pattern) -> None:
+    urls, _ = shards
+    with pytest.raises(ValueError, match=pattern):
+        PackedDataset(urls, **{"capacity": CAP, **kwargs})
+
+
+def test_stages_function_drop_and_node(shards) -> None:
+    urls, docs = shards
+    keep_even = lambda s: s if int(s.key) % 2 == 0 else None  # noqa: E731
+    double = NodeStage(lambda up: MapSamples(up, lambda s: s))
+    ds = PackedDataset(urls, capacity=CAP, window=32, epochs=1, stages=[keep_even, double])
+    got = collect_documents(ds)
+    assert got == {k: v for k, v in _expected(docs).items() if int(k) % 2 == 0}
+    assert ds.metrics()["stages"][0]["dropped"] == len(docs) // 2
+    with pytest.raises(TypeError, match="node instance"):
+        PackedDataset(urls, capacity=CAP, stages=[MapSamples(None, keep_even)])
+
+
+def test_fresh_iter_starts_new_pass_and_stale_iterator_refuses(shards) -> None:
+    urls, docs = shards
+    ds = PackedDataset(urls, capacity=CAP, window=32, epochs=1)
+    first = list(ds)
+    second = list(ds)  # not empty: a new pass with a new shard order
+    assert collect_documents(second) == _expected(docs)
+    assert [b.doc_keys for b in first] != [b.doc_keys for b in second]
+    it = iter(ds)
+    next(it)
+    ds.load_state_dict(ds.state_dict())
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(it)
+
+
+def test_metrics_exposed(shards) -> None:
+    urls, _ = shards
+    ds = PackedDataset(urls, capacity=CAP, window=32, epochs=1, batches_per_epoch=400)
+    n = sum(1 for _ in ds)
+    m = ds.metrics()
+    assert n == 400 and m["batches"]["fillers"] == 400 - (m["batches"]["batches"] - m["batches"]["fillers"])
+    assert 0.9 < m["packing"]["fill"] <= 1 and m["overlong"]["samples_split"] >= 0
+    assert m["errors"]["total"] == 0

@@ -1,0 +1,145 @@
+"""WindowPacker, OverlongNode, MapSamples and ThdCollate: state, latency, flush, order, fill."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from node_checks import ListSource, check_save_load, lognormal_lengths, make_samples
+
+from streampack import packing
+from streampack.batch import check_invariants
+from streampack.pipeline.collate import ThdCollate, is_filler
+from streampack.pipeline.overlong_node import OverlongNode
+from streampack.pipeline.stages import MapSamples
+from streampack.pipeline.window_packer import WindowPacker, fill
+
+CAP = 256
+
+
+def _samples(n: int = 400, seed: int = 0, mean: float = 60.0) -> list:
+    return make_samples(lognormal_lengths(n, mean=mean, seed=seed, max_len=3 * CAP), seed=seed)
+
+
+def _packer(samples, **kw) -> WindowPacker:
+    kw.setdefault("capacity", CAP)
+    kw.setdefault("window", 32)
+    return WindowPacker(OverlongNode(ListSource(samples), kw["capacity"], "split"), **kw)
+
+
+@pytest.mark.parametrize("algorithm", ["bfd", "ffd", "kk"])
+def test_packer_save_load(algorithm: str) -> None:
+    samples = _samples(300)
+    n = check_save_load(lambda: _packer(samples, algorithm=algorithm, window=24, max_wait=2))
+    assert n > 20
+
+
+def test_other_nodes_save_load() -> None:
+    samples = _samples(200)
+    drop_odd = lambda s: None if int(s.key[1:]) % 2 else s  # noqa: E731
+    assert check_save_load(lambda: OverlongNode(ListSource(samples), 50, "split")) > 200
+    assert check_save_load(lambda: MapSamples(ListSource(samples), drop_odd)) == 100
+    make = lambda: ThdCollate(_packer(samples), capacity=CAP, packs_per_batch=3)  # noqa: E731
+    assert check_save_load(make) > 5
+    make = lambda: ThdCollate(_packer(samples), capacity=CAP, packs_per_batch=3, num_batches=200)  # noqa: E731
+    assert check_save_load(make, offsets=[0, 7, 150, 199, 200]) == 200
+
+
+def test_every_token_packed_once_and_packs_fit() -> None:
+    samples = _samples(500)
+    packer = _packer(samples, align=8)
+    packs = list(packer)
+    chunks = [s for p in packs for s in p]
+    assert sorted(s.doc_key for s in chunks) == sorted(
+        s.doc_key for s in OverlongNode(ListSource(samples), CAP, "split"))
+    for p in packs:
+        assert p and sum(-(-len(s) // 8) * 8 for s in p) <= CAP
+    m = packer.metrics
+    assert m["packs"] == len(packs) and m["docs"] == len(chunks)
+    assert m["tokens"] == sum(len(s) for s in samples)
+
+
+def test_bounded_latency_on_adversarial_stream() -> None:
+    # Mostly 0.55*cap samples (never two per pack, never full) plus rare long ones: without
+    # the age and carry rules these would sit in the window forever.
+    rng = np.random.default_rng(0)
+    lengths = np.where(rng.random(3000) < 0.02, CAP, int(0.55 * CAP))
+    lengths[rng.random(3000) < 0.3] = int(0.3 * CAP)
+    samples = make_samples(lengths)
+    window, max_wait = 64, 3
+    packer = _packer(samples, window=window, max_wait=max_wait)
+    position = {s.key: i for i, s in enumerate(samples)}
+    pulled = 0
+    for pack in packer:
+        pulled = packer.source.source.state_dict()["index"]
+        for s in pack:
+            # emitted before max_wait further windows were read after it
+            assert pulled - position[s.key] <= (max_wait + 1) * window
+    assert packer.metrics["max_rounds_waited"] <= max_wait - 1
+    assert packer.metrics["forced_by_age"] + packer.metrics["forced_by_carry"] > 0
+    assert packer.metrics["docs"] == len(samples)
+
+
+def test_flush_at_end_keeps_everything() -> None:
+    samples = make_samples([CAP // 3] * 7)  # never fills a pack: all leave in the final flush
+    packs = list(_packer(samples, window=100))
+    assert sorted(s.key for p in packs for s in p) == sorted(s.key for s in samples)
+
+
+def test_pack_order_is_shuffled_not_by_length() -> None:
+    samples = _samples(2000, seed=3)
+    used = [sum(len(s) for s in p) for p in _packer(samples, window=512, shuffle=True)]
+    unshuffled = [sum(len(s) for s in p) for p in _packer(samples, window=512, shuffle=False)]
+    assert sorted(used) == sorted(unshuffled) and used != unshuffled
+    first_round = used[:40]
+    assert first_round != sorted(first_round) and first_round != sorted(first_round, reverse=True)
+    again = [sum(len(s) for s in p) for p in _packer(samples, window=512, shuffle=True)]
+    assert used == again  # seeded
+
+
+def test_validation() -> None:
+    src = ListSource([])
+    with pytest.raises(ValueError, match="unknown packing algorithm"):
+        WindowPacker(src, capacity=CAP, algorithm="nope")
+    with pytest.raises(ValueError, match="window=0"):
+        WindowPacker(src, capacity=CAP, window=0)
+    with pytest.raises(ValueError, match="multiple"):
+        WindowPacker(src, capacity=100, align=8)
+    with pytest.raises(ValueError, match="more than"):
+        list(WindowPacker(ListSource(make_samples([CAP + 1])), capacity=CAP))
+
+
+def test_filler_batches_have_no_targets() -> None:
+    collate = ThdCollate(_packer(_samples(20)), capacity=CAP, packs_per_batch=2, num_batches=50)
+    batches = list(collate)
+    assert len(batches) == 50 and collate.counters["fillers"] > 0
+    fillers = [b for b in batches if is_filler(b)]
+    assert len(fillers) == collate.counters["fillers"]
+    for b in batches:
+        check_invariants(b)
+    assert all(b.num_targets == 0 for b in fillers)
+    with pytest.raises(ValueError, match="more than num_batches=1"):
+        list(ThdCollate(_packer(_samples(200)), capacity=CAP, num_batches=1))
+
+
+def _fill_vs_offline(n: int, window: int) -> tuple[float, float]:
+    cap = 4096
+    lengths = lognormal_lengths(n, mean=600, seed=11)
+    samples = make_samples(lengths)
+    packer = WindowPacker(OverlongNode(ListSource(samples), cap, "split"), capacity=cap, window=window)
+    for _ in packer:
+        pass
+    split = np.concatenate([[cap] * (n // cap) + ([n % cap] if n % cap else []) for n in lengths.tolist()])
+    offline = split.sum() / (len(packing.pack(split, cap, "bfd")) * cap)
+    return fill(packer.metrics), offline
+
+
+def test_fill_window_1024_long_tail() -> None:
+    got, offline = _fill_vs_offline(60_000, 1024)
+    assert got >= 0.998, got
+    assert offline - got <= 0.001, (got, offline)
+
+
+@pytest.mark.slow
+def test_fill_window_1024_long_tail_large() -> None:
+    got, offline = _fill_vs_offline(300_000, 1024)
+    assert got >= 0.998 and offline - got <= 0.001, (got, offline)
