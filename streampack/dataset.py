@@ -22,6 +22,7 @@ from streampack.overlong import check_policy
 from streampack.pipeline.collate import ThdCollate
 from streampack.pipeline.errors import ON_ERROR_CHOICES, ErrorCounter
 from streampack.pipeline.overlong_node import OverlongNode
+from streampack.pipeline.packed_source import PackedShardReader, is_packed_dataset, read_manifest
 from streampack.pipeline.sharding import resolve_topology
 from streampack.pipeline.source import ShardReader
 from streampack.pipeline.stages import build_stages, check_stages
@@ -84,7 +85,10 @@ class PackedDataset(IterableDataset):
                   packs_per_batch=packs_per_batch, overlong=overlong, on_error=on_error,
                   epochs=epochs, max_wait=max_wait, batches_per_epoch=batches_per_epoch,
                   tokenizer=tokenizer, stages=stages, cp_size=cp_size, tp_size=tp_size)
-        self.urls = expand_urls(urls, allow_pipe=allow_pipe)
+        # Output of `streampack pack` (a directory with manifest.json): read packs as they are.
+        self.prepacked = read_manifest(_packed_root(urls)).digest if is_packed_dataset(urls) else None
+        self.urls = ([os.fspath(u) for u in urls] if not isinstance(urls, (str, os.PathLike))
+                     else [os.fspath(urls)]) if self.prepacked else expand_urls(urls, allow_pipe=allow_pipe)
         # compile the packing kernel here, once, so forked DataLoader workers inherit it
         packing.pack([1], capacity, algorithm=algorithm)
         self.dp_rank, self.dp_size = resolve_topology(dp_rank, dp_size)
@@ -130,6 +134,7 @@ class PackedDataset(IterableDataset):
             "max_wait": self.max_wait, "slack": self.slack,
             "batches_per_epoch": self.batches_per_epoch, "tokenized": self.tokenizer is not None,
             "bos_id": self.bos_id, "eos_id": self.eos_id, "num_stages": len(self.stages),
+            "prepacked": self.prepacked,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -159,13 +164,13 @@ class PackedDataset(IterableDataset):
         n = self._nodes
         if not n:
             return {}
-        packer = n["packer"].metrics
+        packer = n["packer"].metrics if "packer" in n else {}
         return {
-            "packing": {**packer, "fill": fill(packer)},
-            "overlong": n["overlong"].counters.as_dict(),
+            "packing": {**packer, "fill": fill(packer)} if packer else {},
+            "overlong": n["overlong"].counters.as_dict() if "overlong" in n else {},
             "errors": n["errors"].as_dict(),
             "tokenize": dict(n["tokenize"].counters) if "tokenize" in n else {},
-            "stages": [dict(s.counters) for s in n["stages"] if hasattr(s, "counters")],
+            "stages": [dict(s.counters) for s in n.get("stages", ()) if hasattr(s, "counters")],
             "batches": dict(n["collate"].counters),
         }
 
@@ -213,6 +218,14 @@ class PackedDataset(IterableDataset):
     def _build(self, worker_id: int, num_workers: int) -> BaseNode[PackedBatch]:
         errors = ErrorCounter()
         epochs = None if self.epochs is None else (self._pass + 1) * self.epochs
+        quota = None
+        if self.epochs is not None and self.batches_per_epoch is not None:
+            if self.batches_per_epoch % num_workers:
+                raise ValueError(f"batches_per_epoch={self.batches_per_epoch} must be a multiple "
+                                 f"of num_workers={num_workers}")
+            quota = self.batches_per_epoch // num_workers * self.epochs
+        if self.prepacked:
+            return self._build_prepacked(worker_id, num_workers, epochs, quota, errors)
         reader = ShardReader(
             self.urls, seed=self.seed, shuffle=self.shuffle, epochs=epochs, dp_rank=self.dp_rank,
             dp_size=self.dp_size, worker_id=worker_id, num_workers=num_workers,
@@ -231,16 +244,23 @@ class PackedDataset(IterableDataset):
             node, capacity=self.capacity, window=self.window, algorithm=self.algorithm,
             align=self.align, seed=self.seed * 1_000_003 + reader.global_worker,
             max_wait=self.max_wait, slack=self.slack, shuffle=self.shuffle)
-        quota = None
-        if self.epochs is not None and self.batches_per_epoch is not None:
-            if self.batches_per_epoch % num_workers:
-                raise ValueError(f"batches_per_epoch={self.batches_per_epoch} must be a multiple "
-                                 f"of num_workers={num_workers}")
-            quota = self.batches_per_epoch // num_workers * self.epochs
         node = nodes["collate"] = ThdCollate(
             node, capacity=self.capacity, packs_per_batch=self.packs_per_batch, align=self.align,
             pad_id=self.pad_id, ignore_index=self.ignore_index, num_batches=quota)
         self._nodes = nodes
+        return node
+
+    def _build_prepacked(self, worker_id: int, num_workers: int, epochs: int | None,
+                         quota: int | None, errors: ErrorCounter) -> BaseNode[PackedBatch]:
+        """Packs written by ``streampack pack``: no tokenizing or packing, just collate."""
+        reader = PackedShardReader(
+            self.urls, capacity=self.capacity, align=self.align, seed=self.seed,
+            shuffle=self.shuffle, epochs=epochs, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            worker_id=worker_id, num_workers=num_workers)
+        node = ThdCollate(reader, capacity=self.capacity, packs_per_batch=self.packs_per_batch,
+                          align=self.align, pad_id=self.pad_id, ignore_index=self.ignore_index,
+                          num_batches=quota)
+        self._nodes = {"reader": reader, "errors": errors, "collate": node}
         return node
 
     def __getstate__(self) -> dict[str, Any]:
@@ -248,6 +268,13 @@ class PackedDataset(IterableDataset):
         state = self.__dict__.copy()
         state["_root"], state["_nodes"] = None, {}
         return state
+
+
+def _packed_root(urls: Any) -> Any:
+    """The directory (or manifest) of a packed dataset given as a dir, manifest or shard list."""
+    if isinstance(urls, (str, os.PathLike)):
+        return urls
+    return os.path.dirname(os.fspath(list(urls)[0]))
 
 
 def _worker() -> tuple[int, int]:

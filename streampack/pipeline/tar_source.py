@@ -268,9 +268,32 @@ def decode_tar_sample(group: _Group, opts: DecodeOptions, *, url: str) -> Sample
     return make_sample(url=url, key=key, tokens=tokens, text=text, labels=labels, loss_mask=mask)
 
 
+# A 1-D array's header as numpy writes it; anything else goes through np.load.
+_NPY_1D = re.compile(rb"\{'descr': '([<>|=][iuf][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
+
+
+def _fast_npy(data: bytes) -> np.ndarray | None:
+    """Decode a plain 1-D numeric ``.npy`` without ``np.load``'s per-call overhead (header
+    parsing via ``ast``: it was half the in-process pipeline time on 600-token samples)."""
+    if data[:6] != b"\x93NUMPY" or len(data) < 12:
+        return None
+    start = 10 if data[6] == 1 else 12
+    hlen = int.from_bytes(data[8:start], "little")
+    m = _NPY_1D.match(data, start, start + hlen)
+    if m is None:
+        return None
+    dtype, count, offset = np.dtype(m.group(1).decode()), int(m.group(2)), start + hlen
+    if len(data) != offset + count * dtype.itemsize:
+        return None  # truncated or padded member: np.load reports it properly
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+
+
 def _npy(fields: dict[str, bytes], names: tuple[str, ...], *, url: str, key: str) -> np.ndarray | None:
     for name in names:
         if name in fields:
+            fast = _fast_npy(fields[name])
+            if fast is not None:
+                return fast
             try:
                 return np.load(io.BytesIO(fields[name]), allow_pickle=False)
             except (ValueError, EOFError, OSError) as e:

@@ -1,0 +1,125 @@
+"""Run every ``benchmarks/bench_*.py`` module's ``run()`` and write one markdown report.
+
+Each module exposes ``run(...) -> list[dict]`` (one dict per measured row). Arguments come
+from ``ARGS[module][quick or full]`` below when listed there (the modules' own ``main()``
+defaults for a full run, small sizes for ``--quick``), else ``quick=`` when ``run`` accepts
+it, else none. A module that fails is reported with its error and the others still run; the
+exit code is 1 if any failed.
+
+Measured (2 cores): ``--quick`` takes ~22 s (bench_packing 13 s, bench_pipeline 7 s).
+
+    python benchmarks/run_all.py --quick --out report.md     (or: streampack bench --quick)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import inspect
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ARGS: dict[str, dict[str, dict[str, Any]]] = {
+    "bench_packing": {
+        "full": {"sizes": [10_000, 100_000, 1_000_000], "capacity": 4096, "dists": ["lognormal", "uniform"]},
+        "quick": {"sizes": [10_000], "capacity": 4096, "dists": ["lognormal"]},
+    },
+    "bench_pipeline": {"full": {}, "quick": {"docs": 6_000, "shards": 4, "windows": (64, 1024)}},
+    "bench_rl": {"full": {}, "quick": {}},
+}
+
+
+def discover(directory: Path = HERE) -> list[Path]:
+    return sorted(p for p in directory.glob("bench_*.py"))
+
+
+def load(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(f"streampack_bench_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "_no rows_\n"
+    columns: list[str] = []
+    for row in rows:
+        columns.extend(k for k in row if k not in columns)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def run_module(path: Path, quick: bool) -> tuple[list[dict[str, Any]] | None, str, float]:
+    """(rows or None, error text, seconds) of one benchmark module."""
+    start = time.perf_counter()
+    try:
+        fn = load(path).run
+        if path.stem in ARGS:
+            kwargs = dict(ARGS[path.stem]["quick" if quick else "full"])
+        else:
+            kwargs = {"quick": quick} if "quick" in inspect.signature(fn).parameters else {}
+        rows = list(fn(**kwargs))
+        return rows, "", time.perf_counter() - start
+    except Exception:  # one broken benchmark must not hide the others' numbers
+        return None, traceback.format_exc(limit=6), time.perf_counter() - start
+
+
+def run_all(*, quick: bool = False, out: str | None = None, paths: list[Path] | None = None,
+            echo: bool = True) -> tuple[str, int]:
+    """Run the benchmarks; return (markdown report, number of failed modules)."""
+    paths = discover() if paths is None else paths
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [f"# streampack benchmarks\n\n{stamp} · {'quick' if quick else 'full'} run · "
+             f"Python {platform.python_version()} · {platform.machine()} · {_cores()} cores\n"]
+    failed = 0
+    if not paths:
+        parts.append("\n_no benchmarks/bench_*.py modules found_\n")
+    for path in paths:
+        if echo:
+            print(f"running {path.name} ...", file=sys.stderr, flush=True)
+        rows, error, seconds = run_module(path, quick)
+        parts.append(f"\n## {path.stem}\n\n")
+        if rows is None:
+            failed += 1
+            parts.append(f"**failed** after {seconds:.1f} s:\n\n```\n{error.rstrip()}\n```\n")
+        else:
+            parts.append(markdown_table(rows) + f"\n_{len(rows)} rows in {seconds:.1f} s_\n")
+    report = "".join(parts)
+    if out:
+        Path(out).write_text(report)
+    return report, failed
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI / smoke run)")
+    parser.add_argument("--out", default="benchmarks/report.md", help="markdown report path")
+    args = parser.parse_args(argv)
+    report, failed = run_all(quick=args.quick, out=args.out)
+    print(report)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""``streampack inspect``: length statistics of a dataset and the fill each algorithm would reach.
+
+Offline fill packs all lengths at once (what ``streampack pack`` gets). Windowed fill runs the
+real :class:`~streampack.pipeline.window_packer.WindowPacker` over zero-cost stand-in samples
+that carry only a length (a read-only zero-stride array), so the projection is exactly what
+``PackedDataset`` would reach with that window, without reading tokens twice. Overlong
+documents are counted split into ``capacity``-token chunks (the ``split`` policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from streampack.cli._data import CliError, load_encoder, read_samples, sample_lengths
+from streampack.sample import Sample
+
+DEFAULT_WINDOWS = (64, 256, 1024, 4096)
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("inspect", help="length statistics and projected packing fill of a dataset",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("urls", nargs="+", help="shards: paths, globs, brace patterns or a directory")
+    p.add_argument("--capacity", type=int, required=True, help="tokens per pack")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json for text shards (without it, text is measured in whitespace words)")
+    p.add_argument("--tokens-key", default="input_ids", help="field holding token ids")
+    p.add_argument("--text-key", default="text", help="json field holding text")
+    p.add_argument("--algorithms", default=None, help="comma-separated (default: all registered)")
+    p.add_argument("--windows", default=",".join(map(str, DEFAULT_WINDOWS)),
+                   help="comma-separated window sizes to simulate ('' = none)")
+    p.add_argument("--plot", default=None, metavar="FILE", help="write a length histogram PNG")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run)
+    return p
+
+
+def split_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Lengths after the ``split`` policy: each overlong length becomes full chunks + remainder."""
+    short = lengths[lengths <= capacity]
+    long = lengths[lengths > capacity]
+    full = np.repeat(capacity, int((long // capacity).sum()))
+    rest = long % capacity
+    return np.concatenate([short, full, rest[rest > 0]]).astype(np.int64)
+
+
+class LengthSource(BaseNode[Sample]):
+    """Stand-in samples of the given lengths (tokens = zero-stride views: no memory)."""
+
+    INDEX_KEY = "index"
+
+    def __init__(self, lengths: np.ndarray) -> None:
+        super().__init__()
+        self.lengths = lengths
+        self._zero = np.zeros(1, dtype=np.int64)
+        self._index = 0
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._index = 0 if initial_state is None else int(initial_state[self.INDEX_KEY])
+
+    def next(self) -> Sample:
+        if self._index >= len(self.lengths):
+            raise StopIteration
+        n = int(self.lengths[self._index])
+        self._index += 1
+        return Sample(key=str(self._index - 1), tokens=np.broadcast_to(self._zero, (n,)))
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.INDEX_KEY: self._index}
+
+
+def windowed_fill(lengths: np.ndarray, capacity: int, window: int, algorithm: str, seed: int = 0) -> float:
+    """Fill the streaming window packer reaches on ``lengths`` (each <= capacity), in order."""
+    from streampack.pipeline.window_packer import WindowPacker, fill
+
+    packer = WindowPacker(LengthSource(lengths), capacity=capacity, window=window, algorithm=algorithm, seed=seed)
+    packer.reset(None)
+    while True:
+        try:
+            packer.next()
+        except StopIteration:
+            return fill(packer.metrics)
+
+
+def offline_fill(lengths: np.ndarray, capacity: int, algorithm: str) -> tuple[float, float, int]:
+    """(fill, mean documents per pack, packs) of packing all ``lengths`` at once; the pack
+    count is the steps-per-epoch estimate (divide by packs per batch and DP ranks)."""
+    from streampack.packing import pack
+
+    bins = pack(lengths, capacity, algorithm=algorithm, seed=0)
+    return float(lengths.sum() / (len(bins) * capacity)), len(lengths) / max(1, len(bins)), len(bins)
+
+
+def stats_lines(lengths: np.ndarray, capacity: int, unit: str) -> list[str]:
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    over = lengths > capacity
+    return [
+        f"samples: {len(lengths):,}   total: {int(lengths.sum()):,} {unit}",
+        f"length ({unit}): mean {lengths.mean():.1f}  p50 {p50:.0f}  p90 {p90:.0f}  p99 {p99:.0f}  "
+        f"min {lengths.min()}  max {lengths.max()}",
+        f"over capacity {capacity}: {int(over.sum()):,} samples ({over.mean():.2%}), "
+        f"{lengths[over].sum() / lengths.sum():.2%} of {unit} (split into chunks below)",
+    ]
+
+
+def fill_table(lengths: np.ndarray, capacity: int, algorithms: Sequence[str], windows: Sequence[int],
+               progress: bool) -> list[str]:
+    from tqdm import tqdm
+
+    chunks = split_lengths(lengths, capacity)
+    head = f"  {'algorithm':<12} {'offline':>8} {'packs':>9} {'docs/pack':>9}" + "".join(f" {'W=' + str(w):>7}" for w in windows)
+    lines = [f"projected fill at capacity {capacity} ({len(chunks):,} documents after split; "
+             f"pad-to-max fill would be {chunks.sum() / (len(chunks) * capacity):.1%}):", head]
+    with tqdm(total=len(algorithms) * (1 + len(windows)), desc="simulating packers", unit="run",
+              disable=not progress, file=sys.stderr) as bar:
+        for name in algorithms:
+            fill, per_pack, packs = offline_fill(chunks, capacity, name)
+            bar.update(1)
+            cells = []
+            for w in windows:
+                cells.append(f" {windowed_fill(chunks, capacity, w, name):>7.1%}")
+                bar.update(1)
+            lines.append(f"  {name:<12} {fill:>8.1%} {packs:>9,} {per_pack:>9.1f}" + "".join(cells))
+    return lines
+
+
+def plot_histogram(lengths: np.ndarray, capacity: int, unit: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    top = max(int(lengths.max()), capacity) + 1
+    bins = np.unique(np.geomspace(max(1, int(lengths.min())), top, 80).astype(int))
+    ax.hist(lengths, bins=bins, color="#3a7bd5", edgecolor="white", linewidth=0.3)
+    ax.axvline(capacity, color="#d62728", linestyle="--", label=f"capacity {capacity}")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"sample length ({unit}, log scale)")
+    ax.set_ylabel("samples")
+    ax.set_title(f"{len(lengths):,} samples, mean {lengths.mean():.0f}, "
+                 f"{(lengths > capacity).mean():.1%} over capacity")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parse_list(text: str, what: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from streampack.packing import ALGORITHMS
+
+    if args.capacity < 1:
+        raise CliError(f"--capacity={args.capacity} must be >= 1")
+    algorithms = _parse_list(args.algorithms, "algorithms") if args.algorithms else list(ALGORITHMS)
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        raise CliError(f"unknown algorithm(s) {unknown}; choose from {sorted(ALGORITHMS)}")
+    try:
+        windows = [int(w) for w in _parse_list(args.windows, "windows")]
+    except ValueError:
+        raise CliError(f"--windows={args.windows!r} must be comma-separated integers") from None
+    if any(w < 1 for w in windows):
+        raise CliError(f"--windows={args.windows!r}: every window must be >= 1")
+    encode = load_encoder(args.tokenizer)
+    samples = read_samples(args.urls, tokens_key=args.tokens_key, text_key=args.text_key)
+    with tqdm(desc="reading", unit="sample", disable=args.no_progress, file=sys.stderr) as bar:
+        lengths, unit = sample_lengths(samples, encode, progress=bar.update)
+    lengths = lengths[lengths > 0]
+    if len(lengths) == 0:
+        raise CliError(f"no non-empty samples in {args.urls}")
+    if unit != "tokens":
+        print(f"note: text samples and no --tokenizer: lengths are {unit}, an estimate of tokens")
+    for line in stats_lines(lengths, args.capacity, unit):
+        print(line)
+    for line in fill_table(lengths, args.capacity, algorithms, windows, not args.no_progress):
+        print(line)
+    if args.plot:
+        plot_histogram(lengths, args.capacity, unit, args.plot)
+        print(f"histogram written to {args.plot}")
+    return 0

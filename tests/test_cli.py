@@ -1,0 +1,147 @@
+"""The `streampack` command: demo, inspect, pack, bench, help and one-line errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
+from streampack.cli.main import main
+from streampack.cli.render import _cells, pack_layout, short_list
+
+TINY_DEMO = ["demo", "--num-shards", "2", "--docs-per-shard", "50", "--batches", "3", "--capacity", "1024",
+             "--window", "64", "--no-progress"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("demo-cache")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, NO_COLOR="1", PYTHONPATH=str(REPO))
+    return env
+
+
+def test_demo_in_process(demo_cache, capsys):
+    assert main([*TINY_DEMO, "--cache-dir", str(demo_cache)]) == 0
+    out = capsys.readouterr().out
+    assert "written now" in out
+    for needle in ("Fill", "streampack (bfd, window 64)", "pad to max (1024)", "pad per batch",
+                   "tokens/s", "Documents per pack", "cu_seqlens        = [0,", "cu_seqlens_padded = [0,"):
+        assert needle in out, needle
+    assert "█" in out or "#" in out
+    cache = next(demo_cache.glob("corpus-*"))
+    assert (cache / "tokenizer.json").is_file() and len(list(cache.glob("*.tar"))) == 2
+    # a second run reuses corpus and tokenizer; alignment shows up as cu_seqlens_padded
+    assert main([*TINY_DEMO, "--cache-dir", str(demo_cache), "--cp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "reused" in out and "cp_size=2" in out
+
+
+@pytest.mark.parametrize("how", ["module", "script"])
+def test_demo_subprocess(demo_cache, how):
+    if how == "script":
+        script = shutil.which("streampack")
+        if script is None:
+            pytest.skip("console script not installed (pip install -e .)")
+        cmd = [script]
+    else:
+        cmd = [sys.executable, "-m", "streampack"]
+    proc = subprocess.run([*cmd, *TINY_DEMO, "--cache-dir", str(demo_cache)], capture_output=True, text=True,
+                          env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Fill" in proc.stdout and "cu_seqlens_padded" in proc.stdout
+    assert "\033[" not in proc.stdout  # no colour when not a tty
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("demo", "inspect", "pack", "bench"):
+        assert name in out
+
+
+def test_inspect_prints_stats_and_writes_png(tmp_path, capsys):
+    paths = write_tar_shards(tmp_path, make_token_docs(300, seed=0, max_len=400), 2)
+    png = tmp_path / "hist.png"
+    rc = main(["inspect", *paths, "--capacity", "256", "--algorithms", "bfd,greedy", "--windows", "16,64",
+               "--plot", str(png), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "samples: 300" in out and "p99" in out and "over capacity 256" in out
+    assert "bfd" in out and "greedy" in out and "W=16" in out and "W=64" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_inspect_text_without_tokenizer_says_so(tmp_path, capsys):
+    paths = write_jsonl_shards(tmp_path, ["one two three", "four five"], 1)
+    assert main(["inspect", *paths, "--capacity", "8", "--windows", "", "--algorithms", "bfd", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "whitespace words" in out and "mean 2.5" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["inspect", "/nonexistent/shard-000.tar", "--capacity", "64"], "nonexistent"),
+    (["inspect", "{tar}", "--capacity", "64", "--algorithms", "nope"], "unknown algorithm"),
+    (["pack", "{tar}", "--out", "{tmp}/o", "--capacity", "102", "--cp-size", "2"], "multiple of the alignment 4"),
+    (["pack", "{tar}", "--out", "{tmp}/o", "--capacity", "64", "--tokenizer", "{tmp}/missing.json"], "no such file"),
+    (["demo", "--cache-dir", "{tmp}/c", "--capacity", "0"], "--capacity=0"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
+    tar = write_tar_shards(tmp_path / "in", make_token_docs(10), 1)[0]
+    argv = [a.format(tar=tar, tmp=tmp_path) for a in argv]
+    assert main([*argv, "--no-progress"] if argv[0] != "bench" else argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("streampack: error: ") and message in err[0], err
+
+
+def test_bad_input_subprocess_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "streampack", "inspect", str(tmp_path / "missing.tar"),
+                           "--capacity", "64"], capture_output=True, text=True, env=_env(), timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("streampack: error:")
+
+
+def test_debug_shows_the_exception(tmp_path):
+    with pytest.raises(Exception):
+        main(["inspect", str(tmp_path / "missing.tar"), "--capacity", "64", "--debug"])
+
+
+def test_bench_runs_every_module_and_reports_failures(tmp_path, monkeypatch, capsys):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    shutil.copy(REPO / "benchmarks" / "run_all.py", bench / "run_all.py")
+    (bench / "bench_ok.py").write_text("def run(quick=False):\n    return [{'n': 1, 'quick': quick, 'x': 0.5}]\n")
+    (bench / "bench_bad.py").write_text("def run():\n    raise RuntimeError('boom')\n")
+    from streampack.cli import bench_cmd
+
+    monkeypatch.setattr(bench_cmd, "find_runner", lambda: bench / "run_all.py")
+    report = tmp_path / "r.md"
+    assert main(["bench", "--quick", "--out", str(report)]) == 1
+    text = report.read_text()
+    assert "## bench_ok" in text and "| n | quick | x |" in text and "| 1 | True | 0.5 |" in text
+    assert "## bench_bad" in text and "**failed**" in text and "boom" in text
+
+
+def test_bench_locates_the_source_tree():
+    from streampack.cli.bench_cmd import find_runner
+
+    assert find_runner() == REPO / "benchmarks" / "run_all.py"
+
+
+def test_layout_picture_marks_documents_and_padding():
+    bar = pack_layout([0, 3, 5], [0, 4, 8], width=8)
+    assert bar == "███·▓▓··"
+    assert len(pack_layout([0, 1, 4000], [0, 8, 4096], width=40)) == 40
+    assert _cells([1, 0, 999], 10)[0] == 1  # a tiny document stays visible
+    assert short_list(range(100), limit=6).startswith("[0, 1, 2, ... (94 more)")
