@@ -49,7 +49,7 @@ def load(path: Path) -> Any:
 
 def _cell(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.6g}"
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 

@@ -3,7 +3,6 @@ document's full (gathered) keys, and the gathered outputs equal CP = 1, forward 
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -17,23 +16,15 @@ from streampack.attention import (
     te_kwargs,
     varlen_attention_reference,
 )
+import helpers_layouts as layouts
 
 H, D = 2, 8
 
 
 def cp_batch(seed: int, cp_size: int, num_packs: int = 2) -> PackedBatch:
     align = alignment(cp_size)
-    capacity = align * 6
-    rng = random.Random(seed)
-    packs = []
-    for _ in range(num_packs):
-        room, pack = capacity, []
-        while room and (not pack or rng.random() < 0.7):
-            n = rng.randint(1, room)
-            pack.append([rng.randrange(1, 50) for _ in range(n)])
-            room -= -(-n // align) * align
-        packs.append(pack)
-    return pack_batch(packs, capacity=capacity, align=align)
+    return layouts.random_batch(seed, capacity=align * 6, align=align, num_packs=num_packs,
+                                p_more=0.7, vocab=50)
 
 
 class Proj(torch.nn.Module):

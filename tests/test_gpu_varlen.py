@@ -3,13 +3,13 @@ per-rank CP inputs) equals the SDPA reference in bf16 tolerance, at real tokens.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from streampack import PackedBatch, alignment, pack_batch
+from streampack import PackedBatch, alignment
 from streampack.attention import cp_gather, cp_rank_inputs, sdpa_packed
+import helpers_layouts as layouts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,16 +19,8 @@ H, HKV, D = 4, 2, 64
 
 
 def random_batch(seed: int, capacity: int = 256, align: int = 8, num_packs: int = 3) -> PackedBatch:
-    rng = random.Random(seed)
-    packs = []
-    for _ in range(num_packs):
-        room, pack = capacity, []
-        while room and (not pack or rng.random() < 0.75):
-            n = rng.randint(1, room)
-            pack.append([rng.randrange(1, 1000) for _ in range(n)])
-            room -= -(-n // align) * align
-        packs.append(pack)
-    return pack_batch(packs, capacity=capacity, align=align).to("cuda")
+    return layouts.random_batch(seed, capacity=capacity, align=align, num_packs=num_packs,
+                                vocab=1000).to("cuda")
 
 
 def real_mask(batch: PackedBatch) -> torch.Tensor:

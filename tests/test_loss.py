@@ -22,6 +22,7 @@ from streampack.attention import (
     unpack_padded,
     unpack_per_document,
 )
+import helpers_layouts as layouts
 
 V = 11
 
@@ -39,15 +40,7 @@ def make_docs(seed: int, n: int = 6) -> list[dict]:
 
 
 def pack_all(docs: list[dict], capacity: int = 24, align: int = 4) -> PackedBatch:
-    packs, room = [[]], capacity
-    for d in docs:
-        span = -(-len(d["input_ids"]) // align) * align
-        if span > room:
-            packs.append([])
-            room = capacity
-        packs[-1].append(d)
-        room -= span
-    return pack_batch(packs, capacity=capacity, align=align)
+    return layouts.greedy_pack(docs, capacity, align)
 
 
 def doc_targets(doc: dict) -> torch.Tensor:

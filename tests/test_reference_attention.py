@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from streampack import PackedBatch, pack_batch
+from streampack import PackedBatch
 from streampack.attention import (
     flash_attn_kwargs,
     flex_block_mask,
@@ -16,20 +15,11 @@ from streampack.attention import (
     sdpa_packed,
     varlen_attention_reference,
 )
+import helpers_layouts as layouts
 
 
 def random_batch(seed: int, *, num_packs: int = 3, capacity: int = 32, align: int = 4) -> PackedBatch:
-    """Random documents packed greedily; some packs end with trailing padding, some are full."""
-    rng = random.Random(seed)
-    packs = []
-    for _ in range(num_packs):
-        room, pack = capacity, []
-        while room and (not pack or rng.random() < 0.75):
-            n = rng.randint(1, room)
-            pack.append([rng.randrange(1, 100) for _ in range(n)])
-            room -= -(-n // align) * align
-        packs.append(pack)
-    return pack_batch(packs, capacity=capacity, align=align)
+    return layouts.random_batch(seed, num_packs=num_packs, capacity=capacity, align=align)
 
 
 def qkv(batch: PackedBatch, heads: int = 4, kv_heads: int = 4, dim: int = 8,

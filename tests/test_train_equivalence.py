@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from streampack import PackedBatch, pack_batch
+from streampack import PackedBatch
 from streampack.attention import global_num_targets, packed_cross_entropy
+import helpers_layouts as layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, STEPS, DOCS_PER_STEP = 64, 20, 6
@@ -41,15 +42,7 @@ def make_steps(seed: int = 0) -> list[list[dict]]:
 
 
 def greedy_pack(docs: list[dict], capacity: int, align: int) -> PackedBatch:
-    packs, room = [[]], capacity
-    for d in docs:
-        span = -(-len(d["input_ids"]) // align) * align
-        if span > room:
-            packs.append([])
-            room = capacity
-        packs[-1].append(d)
-        room -= span
-    return pack_batch(packs, capacity=capacity, align=align)
+    return layouts.greedy_pack(docs, capacity, align)
 
 
 def padded_loss(model: torch.nn.Module, docs: list[dict]) -> torch.Tensor:

@@ -29,6 +29,7 @@ from streampack.attention.context_parallel import (
     cp_gather,
     cp_rank_inputs,
 )
+from streampack.attention.probe import LeakReport, leak_probe
 from streampack.attention.loss import (
     LossResult,
     PaddedDocuments,
@@ -48,6 +49,7 @@ from streampack.attention.reference import (
 )
 
 __all__ = [
+    "LeakReport", "leak_probe",
     "CPFlashAttnInputs", "CPFlashAttnKwargs", "CPRankInputs", "FlashAttnKwargs", "HFInputs",
     "LocalPackedSeqParams", "LossResult", "PaddedDocuments", "SSMKwargs", "TEKwargs",
     "cp_flash_attn_inputs", "cp_gather", "cp_rank_inputs", "flash_attn_kwargs", "flex_block_mask",
