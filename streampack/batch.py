@@ -24,6 +24,8 @@ import torch
 
 from streampack.sample import Sample
 
+_INT32_MAX = 2**31 - 1
+
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class PackedBatch:
@@ -201,9 +203,13 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         raise ValueError(f"{capacity=} must be a multiple of {align=}")
     if not packs:
         raise ValueError("pack_batch needs at least one pack")
+    total = len(packs) * capacity
+    if total > _INT32_MAX:
+        # cu_seqlens are int32 in every varlen kernel: offsets past 2**31-1 would wrap (fa#2611)
+        raise ValueError(f"{len(packs)} packs x {capacity=} = {total} tokens overflows the int32 "
+                         f"cu_seqlens of varlen kernels (max {_INT32_MAX})")
     docs = [[_normalize(d, (p, i)) for i, d in enumerate(pack)] for p, pack in enumerate(packs)]
     extra_names = _check_extras(docs)
-    total = len(docs) * capacity
     input_ids = np.full(total, pad_id, dtype=np.int64)
     labels = np.full(total, ignore_index, dtype=np.int64)
     positions = np.empty(total, dtype=np.int64)

@@ -97,6 +97,7 @@ def test_extras_with_trailing_dims_follow_the_layout():
         (dict(capacity=8), [], "at least one pack"),
         (dict(capacity=0), [[[1]]], "capacity=0"),
         (dict(capacity=8), [[{"tokens": [1], "x": [1]}, {"tokens": [2]}]], "extras"),
+        (dict(capacity=2**30), [[[1]]] * 2, "overflows the int32"),  # fa#2611
     ],
 )
 def test_bad_layouts_are_refused_with_the_values(kwargs, packs, match):

@@ -132,7 +132,10 @@ def fill_table(lengths: np.ndarray, capacity: int, algorithms: Sequence[str], wi
 
 
 def plot_histogram(lengths: np.ndarray, capacity: int, unit: str, path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise CliError("--plot needs matplotlib: pip install 'streampack[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
