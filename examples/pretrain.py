@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if not 0 < args.preempt_at < args.steps:
+        p.error(f"--preempt-at={args.preempt_at} must be between 1 and --steps - 1 ({args.steps - 1})")
+    if args.workers < 0:
+        p.error(f"--workers={args.workers} must be >= 0")
     with tempfile.TemporaryDirectory() as tmp:
         shards = write_shards(Path(tmp))
         ckpt = Path(tmp) / "ckpt.pt"

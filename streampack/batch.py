@@ -145,13 +145,41 @@ def alignment(cp_size: int = 1, tp_size: int = 1, *, sequence_parallel: bool = T
     return math.lcm(base, multiple)
 
 
+_HF_IGNORE = -100
+"""What :class:`~streampack.sample.Sample` labels use for "not supervised" (HF convention)."""
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def _as_array(value: Any, what: str, key: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        if value.dtype == torch.bfloat16:
+            value = value.float()  # numpy has no bfloat16; float32 holds every value exactly
+        value = value.numpy()
     arr = np.asarray(value)
     if arr.ndim != 1 and what in ("tokens", "labels", "loss_mask"):
         raise ValueError(f"{what} of document {key!r} must be 1-D, got shape {arr.shape}")
+    if arr.ndim == 0:
+        raise ValueError(f"extra {what!r} of document {key!r} must be per-token [L, ...], "
+                         f"got a scalar")
     return arr
+
+
+def _as_ids(arr: np.ndarray, what: str, key: str) -> np.ndarray:
+    """Integer ids as int64; non-integral floats or values past int64 are a ``ValueError``
+    (a silent cast would truncate 1.5 to 1, or wrap 2**63 to a negative id)."""
+    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer)
+                                     or np.issubdtype(arr.dtype, np.floating)):
+        if arr.size:
+            raise ValueError(f"{what} of document {key!r} must be integer ids, got {arr.dtype}")
+        return arr.astype(np.int64, copy=False)
+    if np.issubdtype(arr.dtype, np.floating):
+        if arr.size and not (np.isfinite(arr).all() and (arr == np.round(arr)).all()):
+            raise ValueError(f"{what} of document {key!r} must be integer ids, got non-integral "
+                             f"{arr.dtype} values")
+    if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
+        raise ValueError(f"{what} of document {key!r} has id {int(arr.max())} past int64")
+    return arr.astype(np.int64, copy=False)
 
 
 def _normalize(doc: Any, index: tuple[int, int]) -> Sample:
@@ -178,12 +206,47 @@ def _normalize(doc: Any, index: tuple[int, int]) -> Sample:
     return Sample(key=default_key, tokens=_as_array(doc, "tokens", default_key))
 
 
+def _check_doc(doc: Sample, ignore_index: int) -> Sample:
+    """Validate one document's per-token fields against its tokens; ids become int64 and a
+    label of ``-100`` (the Sample convention for "not supervised") becomes ``ignore_index``."""
+    key = doc.doc_key
+    if doc.tokens is None:
+        raise ValueError(f"sample {key!r} is not tokenized yet")
+    tokens = _as_ids(_as_array(doc.tokens, "tokens", key), "tokens", key)
+    n = tokens.shape[0]
+    labels = doc.labels
+    if labels is not None:
+        labels = _as_ids(_as_array(labels, "labels", key), "labels", key)
+        if labels.shape[0] != n:
+            raise ValueError(f"labels of document {key!r} have {labels.shape[0]} entries for "
+                             f"{n} tokens")
+        labels = np.where(labels == _HF_IGNORE, ignore_index, labels)
+        bad = (labels < 0) & (labels != ignore_index)
+        if bad.any():
+            raise ValueError(f"labels of document {key!r} hold {int(labels[bad][0])}: a label is "
+                             f"a token id, -100 or ignore_index={ignore_index}")
+    mask = doc.loss_mask
+    if mask is not None:
+        mask = _as_array(mask, "loss_mask", key)
+        if mask.shape[0] != n:
+            raise ValueError(f"loss_mask of document {key!r} has {mask.shape[0]} entries for "
+                             f"{n} tokens")
+    extras = {k: _as_array(v, k, key) for k, v in doc.extras.items()}
+    return replace(doc, tokens=tokens, labels=labels, loss_mask=mask, extras=extras)
+
+
 def _targets(doc: Sample, ignore_index: int) -> np.ndarray:
     """Unshifted per-token targets of one document (token i's target value, or ignore)."""
     target = doc.tokens if doc.labels is None else doc.labels
     if doc.loss_mask is not None:
         target = np.where(doc.loss_mask.astype(bool), target, ignore_index)
     return target
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return int(value)
 
 
 def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
@@ -194,11 +257,12 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     optionally ``labels``, ``loss_mask``, ``key`` and per-token extras ``[L, ...]``) or a plain
     sequence of ids. Every pack occupies exactly ``capacity`` tokens; each document is padded
     to a multiple of ``align`` and a pack's trailing padding joins its last document's span.
+    Token ids and labels of any integer dtype become int64 (non-integral or out-of-range ids
+    are a ``ValueError``); a document's own label ``-100`` (the Sample convention) becomes
+    ``ignore_index``; ``labels``, ``loss_mask`` and extras must have one row per token, and an
+    extra the same per-token shape in every document.
     """
-    if not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"{capacity=} must be a positive int")
-    if not isinstance(align, int) or align < 1:
-        raise ValueError(f"{align=} must be a positive int")
+    capacity, align = _positive_int(capacity, "capacity"), _positive_int(align, "align")
     if capacity % align:
         raise ValueError(f"{capacity=} must be a multiple of {align=}")
     if not packs:
@@ -208,7 +272,8 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         # cu_seqlens are int32 in every varlen kernel: offsets past 2**31-1 would wrap (fa#2611)
         raise ValueError(f"{len(packs)} packs x {capacity=} = {total} tokens overflows the int32 "
                          f"cu_seqlens of varlen kernels (max {_INT32_MAX})")
-    docs = [[_normalize(d, (p, i)) for i, d in enumerate(pack)] for p, pack in enumerate(packs)]
+    docs = [[_check_doc(_normalize(d, (p, i)), ignore_index) for i, d in enumerate(pack)]
+            for p, pack in enumerate(packs)]
     extra_names = _check_extras(docs)
     input_ids = np.full(total, pad_id, dtype=np.int64)
     labels = np.full(total, ignore_index, dtype=np.int64)
@@ -265,6 +330,9 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
 
 
 def _check_extras(docs: list[list[Sample]]) -> list[str]:
+    """Extra names, present on every document with the same trailing shape: numpy would
+    otherwise broadcast a ``[L, 1]`` (or, when ``L`` happens to match, an ``[L]``) extra into
+    another document's ``[L, 3]`` layout without a word."""
     flat = [d for pack in docs for d in pack]
     names = sorted(flat[0].extras) if flat else []
     for d in flat:
@@ -275,15 +343,22 @@ def _check_extras(docs: list[list[Sample]]) -> list[str]:
             if d.tokens is not None and d.extras[name].shape[0] != len(d):
                 raise ValueError(f"extra {name!r} of document {d.doc_key!r} has "
                                  f"{d.extras[name].shape[0]} rows for {len(d)} tokens")
+            trailing, first = d.extras[name].shape[1:], flat[0].extras[name].shape[1:]
+            if trailing != first:
+                raise ValueError(f"extra {name!r} of document {d.doc_key!r} has per-token shape "
+                                 f"{trailing}, document {flat[0].doc_key!r} has {first}")
     return names
 
 
 def _alloc_extras(docs: list[list[Sample]], names: list[str], total: int) -> dict[str, np.ndarray]:
-    first = next(d for pack in docs for d in pack) if names else None
-    return {
-        name: np.zeros((total, *first.extras[name].shape[1:]), dtype=first.extras[name].dtype)
-        for name in names
-    }
+    """Zero-filled ``[T, ...]`` arrays; the dtype holds every document's values (an int extra
+    of one document and a float extra of another give float, never a truncating cast)."""
+    flat = [d for pack in docs for d in pack]
+    out = {}
+    for name in names:
+        dtype = np.result_type(*(d.extras[name].dtype for d in flat))
+        out[name] = np.zeros((total, *flat[0].extras[name].shape[1:]), dtype=dtype)
+    return out
 
 
 def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = None) -> None:

@@ -22,7 +22,8 @@ from streampack.overlong import check_policy
 from streampack.pipeline.collate import ThdCollate
 from streampack.pipeline.errors import ON_ERROR_CHOICES, ErrorCounter
 from streampack.pipeline.overlong_node import OverlongNode
-from streampack.pipeline.packed_source import PackedShardReader, is_packed_dataset, read_manifest
+from streampack.pipeline.packed_source import (PackedShardReader, check_layout, is_packed_dataset,
+                                                read_manifest)
 from streampack.pipeline.sharding import resolve_topology
 from streampack.pipeline.source import ShardReader
 from streampack.pipeline.stages import build_stages, check_stages
@@ -86,7 +87,11 @@ class PackedDataset(IterableDataset):
                   epochs=epochs, max_wait=max_wait, batches_per_epoch=batches_per_epoch,
                   tokenizer=tokenizer, stages=stages, cp_size=cp_size, tp_size=tp_size)
         # Output of `streampack pack` (a directory with manifest.json): read packs as they are.
-        self.prepacked = read_manifest(_packed_root(urls)).digest if is_packed_dataset(urls) else None
+        self.prepacked = None
+        if is_packed_dataset(urls):
+            manifest = read_manifest(_packed_root(urls))
+            check_layout(manifest, capacity, self.align)  # refuse now, not inside a worker
+            self.prepacked = manifest.digest
         self.urls = ([os.fspath(u) for u in urls] if not isinstance(urls, (str, os.PathLike))
                      else [os.fspath(urls)]) if self.prepacked else expand_urls(urls, allow_pipe=allow_pipe)
         # compile the packing kernel here, once, so forked DataLoader workers inherit it
@@ -191,6 +196,12 @@ class PackedDataset(IterableDataset):
         self._root = self._build(worker_id, max(num_workers, 1))
         if state is not None and state[GRAPH_KEY] is not None:
             self._root.reset(state[GRAPH_KEY])
+            # A restored graph has read exactly as far as the saved one (each node replays up to
+            # its saved read position), so the saved error counts are the counts now; errors met
+            # while replaying are already in them. (Only the reader records errors.)
+            saved_errors = (state.get(METRICS_KEY) or {}).get("errors")
+            if saved_errors is not None:
+                self._nodes["errors"].load(saved_errors)
         else:
             self._start_pass()
         self._generation += 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
+import numpy as np
+
 from streampack.sample import Sample
 
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
@@ -55,6 +57,9 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
     its own document (its last token's label is ignored, like any document end).
     """
     check_policy(policy)
+    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
+        # max_len=0 would make range(0, n, 0) raise a bare error, or truncate to nothing
+        raise ValueError(f"{max_len=} must be a positive int")
     n = len(sample)
     if n <= max_len:
         return [sample]

@@ -95,6 +95,8 @@ def test_inspect_text_without_tokenizer_says_so(tmp_path, capsys):
     (["pack", "{tar}", "--out", "{tmp}/o", "--capacity", "102", "--cp-size", "2"], "multiple of the alignment 4"),
     (["pack", "{tar}", "--out", "{tmp}/o", "--capacity", "64", "--tokenizer", "{tmp}/missing.json"], "no such file"),
     (["demo", "--cache-dir", "{tmp}/c", "--capacity", "0"], "--capacity=0"),
+    (["inspect", "{tar}", "--capacity", "64", "--plot", "{tmp}/no/such/dir/h.png"], "no such directory"),
+    (["inspect", "{tar}", "--capacity", "64", "--windows", "8,x"], "comma-separated integers"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
     tar = write_tar_shards(tmp_path / "in", make_token_docs(10), 1)[0]
@@ -145,3 +147,98 @@ def test_layout_picture_marks_documents_and_padding():
     assert len(pack_layout([0, 1, 4000], [0, 8, 4096], width=40)) == 40
     assert _cells([1, 0, 999], 10)[0] == 1  # a tiny document stays visible
     assert short_list(range(100), limit=6).startswith("[0, 1, 2, ... (94 more)")
+
+
+def test_subcommand_help_is_plain_text(capsys):
+    for name in ("demo", "inspect", "pack", "bench"):
+        with pytest.raises(SystemExit) as exc:
+            main([name, "--help"])
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        assert "``" not in out and f"streampack {name}" in out
+        assert "--no-progress" not in out or "progress bars" in out
+
+
+def test_split_lengths_keep_stream_order():
+    import numpy as np
+
+    from streampack.cli.inspect_cmd import split_lengths
+
+    got = split_lengths(np.array([3, 10, 4, 8, 1]), 4).tolist()
+    assert got == [3, 4, 4, 2, 4, 4, 4, 1]  # chunks sit where their sample was, as OverlongNode emits
+
+
+def test_inspect_text_with_tokenizer_and_mixed_order(tmp_path, capsys):
+    import numpy as np
+
+    from streampack.cli._data import sample_lengths
+    from streampack.corpus import train_demo_tokenizer, write_demo_corpus
+    from streampack.sample import Sample
+
+    shards = write_demo_corpus(tmp_path / "c", num_shards=1, docs_per_shard=40, vocab_size=500)
+    tok = train_demo_tokenizer(shards, tmp_path / "tokenizer.json", vocab_size=400)
+    jsonl = write_jsonl_shards(tmp_path / "j", ["one two three", "four five"] * 3, 1)
+    for urls in (shards, jsonl):
+        assert main(["inspect", *urls, "--capacity", "512", "--tokenizer", tok, "--windows", "8",
+                     "--algorithms", "bfd", "--no-progress"]) == 0
+        out = capsys.readouterr().out
+        assert "length (tokens)" in out and "whitespace words" not in out and "W=8" in out
+    # token and text samples mixed: lengths stay in stream order (the window simulation needs it)
+    samples = [Sample(key="a", tokens=np.zeros(7, np.int64)), Sample(key="b", text="x y"),
+               Sample(key="c", tokens=np.zeros(5, np.int64))]
+    lengths, unit = sample_lengths(iter(samples), lambda texts: [[1] * len(t.split()) for t in texts])
+    assert lengths.tolist() == [7, 2, 5] and unit == "tokens"
+
+
+def test_pack_align_multiple_is_read_back(tmp_path):
+    from streampack import PackedDataset
+
+    tar = write_tar_shards(tmp_path / "in", make_token_docs(40, max_len=50), 2)
+    out = tmp_path / "packed"
+    assert main(["pack", *tar, "--out", str(out), "--capacity", "128", "--align-multiple", "16",
+                 "--no-progress"]) == 0
+    batch = next(iter(PackedDataset(str(out), capacity=128, align_multiple=16)))
+    assert batch.align == 16 and all(int(x) % 16 == 0 for x in batch.cu_seqlens_padded)
+
+
+def test_demo_checks_flags_before_writing_the_corpus(tmp_path, capsys):
+    for flags, message in ((["--algorithm", "nope"], "--algorithm='nope'"),
+                           (["--capacity", "1000", "--cp-size", "3"], "multiple of the alignment 6")):
+        assert main(["demo", "--cache-dir", str(tmp_path / "c"), *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "c").exists()
+
+
+def test_unreachable_url_is_one_line_without_progress_debris(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "streampack", "inspect", f"http://127.0.0.1:{port}/shard.tar",
+                           "--capacity", "64", "--retries", "0"], capture_output=True, text=True, env=_env(),
+                          timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("streampack: error:") and f":{port}/shard.tar" in lines[0], lines
+    assert main(["pack", "x.tar", "--out", str(tmp_path / "o"), "--capacity", "64", "--retries", "-1"]) == 2
+
+
+def test_packed_output_is_not_read_as_documents(tmp_path, capsys):
+    tar = write_tar_shards(tmp_path / "in", make_token_docs(30), 1)
+    assert main(["pack", *tar, "--out", str(tmp_path / "p"), "--capacity", "64", "--no-progress"]) == 0
+    capsys.readouterr()
+    for argv in (["inspect", str(tmp_path / "p"), "--capacity", "64"],
+                 ["pack", str(tmp_path / "p" / "packed-000000.tar"), "--out", str(tmp_path / "q"), "--capacity", "64"]):
+        assert main([*argv, "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "output of `streampack pack`" in err[0], err
+
+
+def test_closed_pipe_is_quiet(tmp_path):
+    tar = write_tar_shards(tmp_path, make_token_docs(30), 1)[0]
+    proc = subprocess.run(f"'{sys.executable}' -m streampack inspect '{tar}' --capacity 64 --windows '' "
+                          f"--algorithms bfd | head -c 10", shell=True, capture_output=True, text=True,
+                          env=_env(), timeout=60)
+    assert proc.stdout == "samples: 3" and proc.stderr == "", proc.stderr

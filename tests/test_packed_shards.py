@@ -189,5 +189,18 @@ def test_packed_dataset_reads_offline_packs_and_resumes(tmp_path):
 
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(head + rest, batches))
     assert len(head + rest) == len(batches)
-    with pytest.raises(ValueError, match="capacity"):
-        next(iter(PackedDataset(out, capacity=512, epochs=1)))
+    with pytest.raises(ValueError, match="capacity=256"):
+        PackedDataset(out, capacity=512, epochs=1)  # refused at construction, not in a worker
+    with pytest.raises(ValueError, match="align=4"):
+        PackedDataset(out, capacity=256, cp_size=2, epochs=1)
+
+
+def test_repacking_a_folder_removes_stale_shards(tmp_path):
+    docs = make_token_docs(120, seed=6, max_len=100)
+    out = _pack(tmp_path, docs, capacity=256)
+    before = sorted(p.name for p in out.glob("packed-*.tar"))
+    assert len(before) > 1
+    paths = write_tar_shards(tmp_path / "small", docs[:10], 1)
+    assert main(["pack", *paths, "--out", str(out), "--capacity", "256", "--no-progress"]) == 0
+    after = sorted(p.name for p in out.glob("packed-*.tar"))
+    assert after == [s.name for s in read_manifest(out).shards] == ["packed-000000.tar"]

@@ -55,7 +55,13 @@ def leak_probe(forward: Callable[[PackedBatch], torch.Tensor], batch: PackedBatc
         after = forward(replace(batch, input_ids=ids))
     if before.shape[0] != batch.total_tokens:
         raise ValueError(f"forward must return [T, ...] with T={batch.total_tokens}, got {tuple(before.shape)}")
-    diff = (after.float() - before.float()).abs().reshape(batch.total_tokens, -1).amax(dim=1)
+    a, b = after.float(), before.float()
+    diff = (a - b).abs()
+    # NaN compares as "no change" under max/>: a NaN that appears (or vanishes) is a change of
+    # infinite size; only a NaN present in both runs at the same place is "unchanged".
+    diff = torch.where(torch.isnan(a) & torch.isnan(b), torch.zeros_like(diff), diff)
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    diff = diff.reshape(batch.total_tokens, -1).amax(dim=1)
     others = real & (seq_idx != doc)
     other = float(diff[others].max()) if bool(others.any()) else 0.0
     return LeakReport(doc=doc, max_diff_other_docs=other, max_diff_self=float(diff[mine].max()),

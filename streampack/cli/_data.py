@@ -16,6 +16,18 @@ class CliError(ValueError):
     """A user error the CLI reports as one line (exit code 2)."""
 
 
+def describe(doc: str | None) -> str:
+    """A subcommand's ``--help`` description: the module docstring's first paragraph, without
+    its reST markup (``streampack demo``: ... -> streampack demo: ...)."""
+    return (doc or "").split("\n\n")[0].replace("``", "").replace(":func:", "").replace(":class:", "")
+
+
+def no_bar(no_progress: bool) -> bool | None:
+    """tqdm's ``disable``: off with ``--no-progress``; ``None`` = off when stderr is not a
+    terminal, so logs, pipes and error output carry no progress-bar debris."""
+    return True if no_progress else None
+
+
 def load_encoder(path: str | None) -> Callable[[list[str]], list[list[int]]] | None:
     if path is None:
         return None
@@ -30,13 +42,19 @@ def load_encoder(path: str | None) -> Callable[[list[str]], list[list[int]]] | N
 
 
 def read_samples(urls: Sequence[str], *, tokens_key: str = "input_ids", text_key: str = "text",
-                 on_error: str = "raise") -> Iterator[Sample]:
+                 on_error: str = "raise", retries: int = 3) -> Iterator[Sample]:
     """Every sample of ``urls`` once, in shard order (no shuffle, one epoch, one worker)."""
+    from streampack.pipeline.packed_source import is_packed_dataset
     from streampack.pipeline.source import ShardReader
+
+    if is_packed_dataset(list(urls) if len(urls) > 1 else urls[0]):
+        raise CliError(f"{' '.join(map(str, urls))} is the output of `streampack pack` (packs, not "
+                       "documents; its manifest.json holds the pack lengths and metrics): give the "
+                       "original shards")
 
     reader = ShardReader(list(urls), seed=0, shuffle=False, epochs=1, dp_rank=0, dp_size=1,
                          worker_id=0, num_workers=1, tokens_key=tokens_key, text_key=text_key,
-                         on_error=on_error)
+                         on_error=on_error, retries=retries)
     reader.reset(None)
     while True:
         try:
@@ -77,23 +95,29 @@ def sample_lengths(samples: Iterator[Sample], encode: Callable[[list[str]], list
     text samples read without a tokenizer (an estimate; BPE gives ~1.2-1.5 tokens per word)."""
     lengths: list[int] = []
     unit = "tokens"
-    pending: list[str] = []
+    pending: list[tuple[int, str]] = []  # (position in lengths, text): encoded in blocks
+
+    def flush() -> None:
+        for (i, _), ids in zip(pending, encode([t for _, t in pending])):  # type: ignore[misc]
+            lengths[i] = len(ids)
+        pending.clear()
+
     for s in samples:
         if s.tokens is not None:
             lengths.append(len(s.tokens))
         elif encode is not None:
-            pending.append(s.text or "")
+            pending.append((len(lengths), s.text or ""))
+            lengths.append(0)  # filled by flush(), so lengths keep the stream's order
             if len(pending) >= 256:
-                lengths.extend(len(t) for t in encode(pending))
-                pending.clear()
+                flush()
         else:
             unit = "whitespace words"
             lengths.append(len((s.text or "").split()))
         if progress is not None:
             progress(1)
     if pending:
-        lengths.extend(len(t) for t in encode(pending))  # type: ignore[misc]
+        flush()
     return np.asarray(lengths, dtype=np.int64), unit
 
 
-__all__ = ["CliError", "load_encoder", "read_samples", "sample_lengths", "tokenized"]
+__all__ = ["CliError", "describe", "load_encoder", "no_bar", "read_samples", "sample_lengths", "tokenized"]

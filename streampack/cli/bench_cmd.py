@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from streampack.cli._data import CliError
+from streampack.cli._data import CliError, describe
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run the benchmarks and write a markdown report",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
-    p.add_argument("--out", default="benchmark-report.md", help="markdown report path")
+                       description=describe(__doc__))
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about 30 s")
+    p.add_argument("--out", default="benchmark-report.md", help="markdown report path (default %(default)s)")
     p.set_defaults(run=run)
     return p
 

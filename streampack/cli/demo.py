@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from streampack.cli._data import CliError, describe, no_bar
 from streampack.cli.render import fill_bar, glyphs, layout_block
 
 _CHUNK = re.compile(r"/\d+$")
@@ -28,7 +29,7 @@ _CHUNK = re.compile(r"/\d+$")
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="pack a synthetic long-tail corpus and show the result",
-                       description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description=describe(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--cache-dir", default=None,
                    help="where the corpus and tokenizer live (default $STREAMPACK_CACHE/demo or ~/.cache/streampack/demo)")
     p.add_argument("--capacity", type=int, default=4096, help="tokens per pack")
@@ -42,7 +43,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-shards", type=int, default=8, help="corpus shards (first run)")
     p.add_argument("--docs-per-shard", type=int, default=1500, help="documents per shard (first run)")
     p.add_argument("--seed", type=int, default=0, help="corpus and shuffle seed")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
     return p
 
@@ -70,7 +72,7 @@ def prepare_corpus(root: Path, *, num_shards: int, docs_per_shard: int, seed: in
         if all((folder / s).is_file() for s in shards):
             return [str(folder / s) for s in shards], str(tok_path), True
     with tqdm(total=num_shards * docs_per_shard, unit="doc", desc="writing demo corpus",
-              disable=not progress, file=sys.stderr) as bar:
+              disable=no_bar(not progress), file=sys.stderr) as bar:
         paths = write_demo_corpus(folder, num_shards=num_shards, docs_per_shard=docs_per_shard,
                                   seed=seed, progress=bar.update)
     train_demo_tokenizer(paths, tok_path)
@@ -131,7 +133,7 @@ def stream(urls: list[str], tokenizer: str, args: argparse.Namespace) -> tuple[T
                        shuffle=True, epochs=1)
     tally = Tally()
     start = time.perf_counter()
-    with tqdm(total=args.batches, unit="batch", desc="packing", disable=args.no_progress,
+    with tqdm(total=args.batches, unit="batch", desc="packing", disable=no_bar(args.no_progress),
               file=sys.stderr) as bar:
         for batch in ds:
             tally.add(batch)
@@ -191,7 +193,18 @@ def run(args: argparse.Namespace) -> int:
     for name in ("capacity", "window", "batches", "num_shards", "docs_per_shard", "packs_per_batch",
                  "cp_size", "tp_size"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+            raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.max_seconds <= 0:
+        raise CliError(f"--max-seconds={args.max_seconds} must be > 0")
+    from streampack.batch import alignment
+    from streampack.packing import ALGORITHMS
+
+    if args.algorithm not in ALGORITHMS:  # checked before the corpus is written
+        raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")
+    align = alignment(args.cp_size, args.tp_size)
+    if args.capacity % align:
+        raise CliError(f"--capacity={args.capacity} must be a multiple of the alignment {align} "
+                       f"(from cp_size={args.cp_size}, tp_size={args.tp_size})")
     root = cache_root(args.cache_dir)
     urls, tokenizer, reused = prepare_corpus(root, num_shards=args.num_shards, docs_per_shard=args.docs_per_shard,
                                              seed=args.seed, progress=not args.no_progress)

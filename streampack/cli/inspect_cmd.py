@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack.cli._data import CliError, load_encoder, read_samples, sample_lengths
+from streampack.cli._data import CliError, describe, load_encoder, no_bar, read_samples, sample_lengths
 from streampack.sample import Sample
 
 DEFAULT_WINDOWS = (64, 256, 1024, 4096)
@@ -25,7 +25,7 @@ DEFAULT_WINDOWS = (64, 256, 1024, 4096)
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="length statistics and projected packing fill of a dataset",
-                       description=__doc__.split("\n\n")[0])
+                       description=describe(__doc__))
     p.add_argument("urls", nargs="+", help="shards: paths, globs, brace patterns or a directory")
     p.add_argument("--capacity", type=int, required=True, help="tokens per pack")
     p.add_argument("--tokenizer", default=None,
@@ -34,20 +34,24 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--text-key", default="text", help="json field holding text")
     p.add_argument("--algorithms", default=None, help="comma-separated (default: all registered)")
     p.add_argument("--windows", default=",".join(map(str, DEFAULT_WINDOWS)),
-                   help="comma-separated window sizes to simulate ('' = none)")
+                   help="comma-separated window sizes to simulate ('' = none; default %(default)s)")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a length histogram PNG")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--retries", type=int, default=3, help="retries (with backoff) for an unreachable URL")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
     return p
 
 
 def split_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
-    """Lengths after the ``split`` policy: each overlong length becomes full chunks + remainder."""
-    short = lengths[lengths <= capacity]
-    long = lengths[lengths > capacity]
-    full = np.repeat(capacity, int((long // capacity).sum()))
-    rest = long % capacity
-    return np.concatenate([short, full, rest[rest > 0]]).astype(np.int64)
+    """Lengths after the ``split`` policy, in stream order: each overlong length becomes its
+    ``capacity``-sized chunks then the remainder, where the sample was (as ``OverlongNode``
+    emits them), so the windowed simulation sees the order ``PackedDataset`` would."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    counts = -(-lengths // capacity)  # chunks per sample (1 when it fits)
+    out = np.repeat(np.minimum(lengths, capacity), counts)
+    last = np.cumsum(counts) - 1  # each sample's last chunk holds the remainder
+    out[last] = lengths - (counts - 1) * capacity
+    return out
 
 
 class LengthSource(BaseNode[Sample]):
@@ -119,7 +123,7 @@ def fill_table(lengths: np.ndarray, capacity: int, algorithms: Sequence[str], wi
     lines = [f"projected fill at capacity {capacity} ({len(chunks):,} documents after split; "
              f"pad-to-max fill would be {chunks.sum() / (len(chunks) * capacity):.1%}):", head]
     with tqdm(total=len(algorithms) * (1 + len(windows)), desc="simulating packers", unit="run",
-              disable=not progress, file=sys.stderr) as bar:
+              disable=no_bar(not progress), file=sys.stderr) as bar:
         for name in algorithms:
             fill, per_pack, packs = offline_fill(chunks, capacity, name)
             bar.update(1)
@@ -177,9 +181,20 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--windows={args.windows!r} must be comma-separated integers") from None
     if any(w < 1 for w in windows):
         raise CliError(f"--windows={args.windows!r}: every window must be >= 1")
+    if args.plot:  # fail before reading the data, not after
+        import importlib.util
+        import os
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CliError("--plot needs matplotlib: pip install 'streampack[plot]'")
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            raise CliError(f"--plot {args.plot!r}: no such directory {folder!r}")
     encode = load_encoder(args.tokenizer)
-    samples = read_samples(args.urls, tokens_key=args.tokens_key, text_key=args.text_key)
-    with tqdm(desc="reading", unit="sample", disable=args.no_progress, file=sys.stderr) as bar:
+    if args.retries < 0:
+        raise CliError(f"--retries={args.retries} must be >= 0")
+    samples = read_samples(args.urls, tokens_key=args.tokens_key, text_key=args.text_key, retries=args.retries)
+    with tqdm(desc="reading", unit="sample", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
         lengths, unit = sample_lengths(samples, encode, progress=bar.update)
     lengths = lengths[lengths > 0]
     if len(lengths) == 0:

@@ -46,6 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("streampack: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `streampack inspect ... | head`: the reader left; not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
     except _USER_ERRORS as e:
         if debug:
             raise

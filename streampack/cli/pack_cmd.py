@@ -20,26 +20,31 @@ from typing import Any
 
 import numpy as np
 
-from streampack.cli._data import CliError, load_encoder, read_samples, tokenized
+from streampack.cli._data import CliError, describe, load_encoder, no_bar, read_samples, tokenized
 from streampack.overlong import POLICIES, OverlongCounters, apply_overlong
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("pack", help="pack a dataset offline into packed shards + manifest.json",
-                       description=__doc__.split("\n\n")[0])
+                       description=describe(__doc__))
     p.add_argument("urls", nargs="+", help="input shards: paths, globs, brace patterns or a directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--capacity", type=int, required=True, help="tokens per pack")
     p.add_argument("--algorithm", default="bfd", help="packing algorithm (default bfd)")
-    p.add_argument("--cp-size", type=int, default=1, help="context-parallel size (alignment 2*cp*tp)")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--cp-size", type=int, default=1,
+                   help="context-parallel size: documents aligned to 2*cp*tp (default 1)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel size: alignment tp without CP (sequence parallelism; default 1)")
+    p.add_argument("--align-multiple", type=int, default=1,
+                   help="extra per-document multiple, e.g. 16 for FP8 (PackedDataset's align_multiple)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json for text shards")
-    p.add_argument("--tokens-key", default="input_ids")
-    p.add_argument("--text-key", default="text")
-    p.add_argument("--overlong", default="split", choices=POLICIES, help="documents longer than capacity")
-    p.add_argument("--packs-per-shard", type=int, default=1000)
+    p.add_argument("--tokens-key", default="input_ids", help="field holding token ids (default %(default)s)")
+    p.add_argument("--text-key", default="text", help="json field holding text (default %(default)s)")
+    p.add_argument("--overlong", default="split", choices=POLICIES, help="documents longer than capacity (default split)")
+    p.add_argument("--packs-per-shard", type=int, default=1000, help="packs per output tar shard (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of randomized algorithms")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--retries", type=int, default=3, help="retries (with backoff) for an unreachable URL")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
     return p
 
@@ -68,16 +73,23 @@ def run(args: argparse.Namespace) -> int:
 
     if args.algorithm not in ALGORITHMS:
         raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")
-    align = alignment(args.cp_size, args.tp_size)
+    for name in ("cp_size", "tp_size", "align_multiple", "packs_per_shard"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.retries < 0:
+        raise CliError(f"--retries={args.retries} must be >= 0")
+    align = alignment(args.cp_size, args.tp_size, multiple=args.align_multiple)
     if args.capacity < 1 or args.capacity % align:
         raise CliError(f"--capacity={args.capacity} must be a positive multiple of the alignment "
-                       f"{align} (2*cp*tp with cp_size={args.cp_size}, tp_size={args.tp_size})")
+                       f"{align} (from cp_size={args.cp_size}, tp_size={args.tp_size}, "
+                       f"align_multiple={args.align_multiple})")
     encode = load_encoder(args.tokenizer)
     counters = OverlongCounters()
     docs = []
     start = time.perf_counter()
-    samples = tokenized(read_samples(args.urls, tokens_key=args.tokens_key, text_key=args.text_key), encode)
-    with tqdm(desc="reading", unit="sample", disable=args.no_progress, file=sys.stderr) as bar:
+    samples = tokenized(read_samples(args.urls, tokens_key=args.tokens_key, text_key=args.text_key,
+                                     retries=args.retries), encode)
+    with tqdm(desc="reading", unit="sample", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
         for s in samples:
             if len(s):
                 docs.extend(apply_overlong(s, args.capacity, args.overlong, counters))
@@ -89,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     bins = pack(aligned, args.capacity, algorithm=args.algorithm, seed=args.seed)
     metrics = _metrics(aligned, bins, args.capacity)
     metrics["fill"] = float(lengths.sum() / (len(bins) * args.capacity))
-    with tqdm(total=len(bins), desc="writing", unit="pack", disable=args.no_progress, file=sys.stderr) as bar:
+    with tqdm(total=len(bins), desc="writing", unit="pack", disable=no_bar(args.no_progress),
+              file=sys.stderr) as bar:
         manifest = write_packed_dataset(
             docs, bins, args.out, capacity=args.capacity, align=align, cp_size=args.cp_size,
             tp_size=args.tp_size, algorithm=args.algorithm, seed=args.seed,

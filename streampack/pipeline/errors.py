@@ -26,10 +26,15 @@ class DataError(ValueError):
     """A bad shard or sample. ``reason`` is the counter key; ``url``/``key`` say where."""
 
     def __init__(self, reason: str, detail: str, *, url: str, key: str = "", value: Any = None) -> None:
-        shown = repr(value)
-        if len(shown) > _VALUE_REPR_CHARS:
-            shown = shown[: _VALUE_REPR_CHARS - 3] + "..."
-        super().__init__(f"{reason}: {detail} (shard={url!r}, key={key!r}, value={shown})")
+        where = [f"shard={url!r}"]
+        if key:  # shard-level errors (missing, unreachable) have no sample key
+            where.append(f"key={key!r}")
+        if value is not None and not (isinstance(value, str) and value == url):
+            shown = repr(value)
+            if len(shown) > _VALUE_REPR_CHARS:
+                shown = shown[: _VALUE_REPR_CHARS - 3] + "..."
+            where.append(f"value={shown}")
+        super().__init__(f"{reason}: {detail} ({', '.join(where)})")
         self.reason = reason
         self.url = url
         self.key = key
@@ -39,7 +44,8 @@ class DataError(ValueError):
 class ErrorCounter:
     """Counts of :class:`DataError` per reason plus the last ``keep`` messages.
 
-    Shared freely between nodes; it is a statistic, not part of any resume state.
+    Shared freely between nodes; no node state holds it. ``PackedDataset`` saves it in the
+    state's metrics and loads it back after a restore (see ``PackedDataset.__iter__``).
     """
 
     def __init__(self, keep: int = 8) -> None:
@@ -59,6 +65,12 @@ class ErrorCounter:
     def as_dict(self) -> dict[str, Any]:
         """``{"counts": {reason: n}, "total": n, "recent": [message, ...]}`` (plain data)."""
         return {"counts": dict(self.counts), "total": self.total, "recent": list(self.recent)}
+
+    def load(self, saved: dict[str, Any]) -> None:
+        """Replace the counts (and recent messages) with an :meth:`as_dict` taken earlier."""
+        self.counts = {str(k): int(v) for k, v in saved.get("counts", {}).items()}
+        self.recent.clear()
+        self.recent.extend(saved.get("recent", ()))
 
     def __repr__(self) -> str:
         return f"ErrorCounter({self.counts})"

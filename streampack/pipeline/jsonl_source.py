@@ -18,12 +18,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from streampack.pipeline.errors import DataError, validate_per_token, validate_text, validate_tokens
 from streampack.sample import Sample
+
+
+DECOMPRESS_ERRORS: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error)
+"""What a damaged ``.gz`` raises while inflating (``zlib.error`` for bad deflate data, which is
+neither an ``OSError`` nor an ``EOFError``). Other ``OSError``s are I/O failures (a dropped
+connection): they propagate so the reader reopens the shard at the recorded offset and retries."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,9 +121,15 @@ def iter_lines(f: BinaryIO, *, start: int, first_index: int, end: int | None) ->
 def iter_jsonl_items(
     f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, first_index: int, end: int | None
 ) -> Iterator[Item]:
-    """Decoded samples of one shard range; a bad line becomes an ``Item`` with ``error`` set."""
+    """Decoded samples of one shard range; a bad line becomes an ``Item`` with ``error`` set.
+
+    A damaged ``.gz`` raises ``DataError("corrupt_shard")`` naming the (uncompressed) offset
+    and the number of the first line it loses.
+    """
+    reached, number = start, first_index
     try:
         for line, off, idx, last in iter_lines(f, start=start, first_index=first_index, end=end):
+            reached, number = off + len(line), idx + 1  # the first line lost if the next read fails
             if not line.strip():
                 if last:
                     yield Item(None, None, off + len(line), idx + 1, True)
@@ -127,8 +140,9 @@ def iter_jsonl_items(
                 yield Item(sample, None, off + len(line), idx + 1, last)
             except DataError as e:
                 yield Item(None, e, off + len(line), idx + 1, last)
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise DataError("corrupt_shard", f"cannot decompress/read: {e}", url=url, value=start) from None
+    except DECOMPRESS_ERRORS as e:
+        raise DataError("corrupt_shard", f"cannot decompress after uncompressed byte {reached}: {e}",
+                        url=url, key=str(number), value=reached) from None
 
 
 def scan_jsonl(f: BinaryIO, opts: DecodeOptions, *, url: str) -> tuple[list[int], list[int], list[int], int]:
@@ -149,7 +163,7 @@ def scan_jsonl(f: BinaryIO, opts: DecodeOptions, *, url: str) -> tuple[list[int]
             offsets.append(off)
             numbers.append(idx)
             lengths.append(_cheap_length(line, opts))
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, *DECOMPRESS_ERRORS) as e:
         raise DataError("corrupt_shard", f"cannot decompress/read: {e}", url=url, value=end) from None
     return offsets, numbers, lengths, end
 

@@ -139,6 +139,14 @@ def _resolve(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) ->
     return parents.pop(), [p.name for p in paths]
 
 
+def check_layout(m: Manifest, capacity: int, align: int) -> None:
+    """Packs are final: they can only be read with the capacity and alignment they were made for."""
+    if m.capacity != capacity or m.align != align:
+        raise ValueError(f"packed dataset {m.root!r} was packed for capacity={m.capacity}, "
+                         f"align={m.align} (cp_size={m.cp_size}, tp_size={m.tp_size}); requested "
+                         f"{capacity=}, {align=}: re-pack with `streampack pack`")
+
+
 def is_packed_dataset(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> bool:
     """True when ``urls`` names a packed dataset: a directory holding a streampack
     ``manifest.json``, the manifest itself, or shards that all sit in one such directory."""
@@ -218,10 +226,7 @@ class PackedShardReader(BaseNode[list[Sample]]):
             unknown = sorted(set(names) - known)
             if unknown:
                 raise ValueError(f"shards {unknown} are not listed in {str(root / MANIFEST_NAME)!r}")
-        if m.capacity != capacity or m.align != align:
-            raise ValueError(f"packed dataset {m.root!r} was packed for capacity={m.capacity}, "
-                             f"align={m.align} (cp_size={m.cp_size}, tp_size={m.tp_size}); requested "
-                             f"{capacity=}, {align=}: re-pack with `streampack pack`")
+        check_layout(m, capacity, align)
         if not (0 <= dp_rank < dp_size and 0 <= worker_id < num_workers):
             raise ValueError(f"need 0 <= {dp_rank=} < {dp_size=} and 0 <= {worker_id=} < {num_workers=}")
         if epochs is not None and epochs < 1:

@@ -109,6 +109,10 @@ def write_packed_dataset(docs: Sequence[Sample], bins: Sequence[np.ndarray], out
         "fields": fields, "metrics": metrics or {}, **(extra or {}),
         "pack_lengths": pack_lengths, "pack_docs": pack_docs, "shards": shards,
     }
+    written = {s["name"] for s in shards}
+    for stale in out.glob("packed-*.tar"):  # shards of an earlier, larger packing of this folder
+        if stale.name not in written:
+            stale.unlink()
     tmp = out / (MANIFEST_NAME + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out / MANIFEST_NAME)

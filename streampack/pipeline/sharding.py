@@ -10,7 +10,8 @@ when ``shuffle=False``), so every rank computes the same order without communica
   ``p = g % S`` of the permutation, part ``g // S`` of the ``ceil``/``floor(G / S)`` parts that
   position is cut into. Parts are contiguous sample ranges (byte ranges, via the shard index),
   so no worker reads bytes of another's part. Fewer samples in a shard than parts leaves some
-  parts empty; the reader refuses an infinite stream that yields nothing.
+  parts empty; in an infinite stream the reader passes over an epoch that gives a worker
+  nothing, and refuses once no shard can ever give it a sample.
 
 Either way each sample of an epoch is read by exactly one global worker.
 """

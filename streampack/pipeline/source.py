@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 from torchdata.nodes import BaseNode
 
 from streampack.pipeline.errors import DataError, ErrorCounter, ErrorPolicy
-from streampack.pipeline.jsonl_source import DecodeOptions, Item, iter_jsonl_items, text_stream
+from streampack.pipeline.jsonl_source import DECOMPRESS_ERRORS, DecodeOptions, Item, iter_jsonl_items, text_stream
 from streampack.pipeline.shard_index import ShardIndex, load_or_build_index
 from streampack.pipeline.sharding import ShardSpan, assign_shards, resolve_topology, resolve_worker, validate_topology
 from streampack.pipeline.tar_source import iter_tar_items
@@ -54,10 +54,12 @@ EPOCH_YIELDED_KEY = "epoch_yielded"
 class ShardReader(BaseNode[Sample]):
     """Reads this worker's share of ``urls`` as :class:`Sample`\\ s (``tokens`` int64 or ``text``).
 
-    ``epochs=None`` repeats forever with a fresh shard permutation each epoch; ``epochs=N``
-    stops after N. ``dp_rank``/``worker_id`` (and their sizes) may be None to take them from
-    ``resolve_topology()`` / the DataLoader worker info. ``on_error="skip"`` drops bad samples
-    (and the rest of a corrupt shard) and counts them in ``errors``.
+    ``epochs=None`` repeats forever with a fresh shard permutation each epoch (an epoch in which
+    this worker draws only empty or bad shards is passed over; it raises only once no shard can
+    ever give it a sample); ``epochs=N`` stops after N. ``dp_rank``/``worker_id`` (and their
+    sizes) may be None to take them from ``resolve_topology()`` / the DataLoader worker info.
+    ``on_error="skip"`` drops bad samples (and the rest of a corrupt shard) and counts them in
+    ``errors``.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class ShardReader(BaseNode[Sample]):
         self._streams: list[BinaryIO] = []
         self._items: Iterator[Item] | None = None
         self._read_failures = 0
+        self._starved_shards: set[int] = set()  # shards read empty since the last sample (not state)
         self._set_position(0, 0, -1, 0, 0, 0)
 
     @property
@@ -146,6 +149,7 @@ class ShardReader(BaseNode[Sample]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.close()
+        self._starved_shards.clear()
         if initial_state is None:
             self._set_position(0, 0, -1, 0, 0, 0)
             return
@@ -237,12 +241,30 @@ class ShardReader(BaseNode[Sample]):
 
     def _next_epoch(self) -> None:
         if self.epochs is None and self._epoch_yielded == 0:
-            raise ValueError(
-                f"global worker {self.global_worker} of {self.global_workers} got no samples in epoch {self._epoch} "
-                f"from {len(self.urls)} shard(s) (too few samples per shard to split, or every sample was bad: "
-                f"{self.errors.as_dict()['counts']}); an infinite stream would spin forever"
-            )
+            self._check_not_starved()
+        elif self._epoch_yielded:
+            self._starved_shards.clear()
         self._epoch, self._shard_pos, self._offset, self._sample, self._epoch_yielded = self._epoch + 1, 0, -1, 0, 0
+
+    def _check_not_starved(self) -> None:
+        """An infinite stream where this worker got nothing in the epoch that just ended.
+
+        One empty epoch is not an error: with ``shuffle`` the worker reads other shards next
+        epoch (an empty or corrupt shard, under ``on_error="skip"``, must not stop training when a
+        worker happens to draw only it). Every shard can land on this worker's position(s) of
+        the permutation, so the worker is starved for good only once each of the ``S`` shards
+        (in this worker's part of it) has come up empty since its last sample — or at once
+        when every epoch reads the same spans (``shuffle=False`` or a single shard).
+        """
+        self._starved_shards.update(span.shard for span in self.spans(self._epoch))
+        if self.shuffle and len(self.urls) > 1 and len(self._starved_shards) < len(self.urls):
+            return
+        raise ValueError(
+            f"global worker {self.global_worker} of {self.global_workers} got no samples in epoch {self._epoch} "
+            f"from {len(self.urls)} shard(s), and none from any shard it can be given "
+            f"(too few samples per shard to split, or every sample was bad: "
+            f"{self.errors.as_dict()['counts']}); an infinite stream would spin forever"
+        )
 
     def _open_span(self, span: ShardSpan) -> Iterator[Item]:
         url = self.urls[span.shard]
@@ -272,7 +294,7 @@ def _skip_uncompressed(f: BinaryIO, n: int, url: str) -> None:
     while n > 0:
         try:
             chunk = f.read(min(n, 1 << 20))
-        except (OSError, EOFError) as e:
+        except DECOMPRESS_ERRORS as e:  # other OSErrors (a dropped connection) are retried
             raise DataError("corrupt_shard", f"cannot decompress: {e}", url=url, value=n) from None
         if not chunk:
             raise DataError("corrupt_shard", "stream ended before the resume offset", url=url, value=n)
