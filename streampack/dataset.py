@@ -102,6 +102,7 @@ class PackedDataset(IterableDataset):
                              f"batches_per_epoch, or ranks may yield different batch counts and hang")
         self.capacity, self.window, self.algorithm = capacity, window, algorithm
         self.packs_per_batch, self.tokenizer, self.overlong = packs_per_batch, tokenizer, overlong
+        self.tokenizer_id = _tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
         self.text_key, self.tokens_key = text_key, tokens_key
         self.labels_key, self.loss_mask_key = labels_key, loss_mask_key
         self.seed, self.shuffle, self.epochs, self.on_error = seed, shuffle, epochs, on_error
@@ -137,7 +138,8 @@ class PackedDataset(IterableDataset):
             "dp_rank": self.dp_rank, "num_workers": num_workers,
             "packs_per_batch": self.packs_per_batch, "overlong": self.overlong,
             "max_wait": self.max_wait, "slack": self.slack,
-            "batches_per_epoch": self.batches_per_epoch, "tokenized": self.tokenizer is not None,
+            "batches_per_epoch": self.batches_per_epoch, "tokenizer": self.tokenizer_id,
+            "pad_id": self.pad_id, "ignore_index": self.ignore_index,
             "bos_id": self.bos_id, "eos_id": self.eos_id, "num_stages": len(self.stages),
             "prepacked": self.prepacked,
         }
@@ -279,6 +281,19 @@ class PackedDataset(IterableDataset):
         state = self.__dict__.copy()
         state["_root"], state["_nodes"] = None, {}
         return state
+
+
+def _tokenizer_id(tokenizer: Any) -> str | None:
+    """What identifies a tokenizer in the fingerprint: a changed vocabulary changes every id."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, (str, os.PathLike)):
+        with open(tokenizer, "rb") as f:
+            return "sha1:" + hashlib.sha1(f.read()).hexdigest()[:16]
+    if hasattr(tokenizer, "to_str"):  # tokenizers.Tokenizer: its full serialized definition
+        return "sha1:" + hashlib.sha1(tokenizer.to_str().encode()).hexdigest()[:16]
+    name = getattr(tokenizer, "__qualname__", type(tokenizer).__qualname__)
+    return f"{getattr(tokenizer, '__module__', '')}.{name}"
 
 
 def _packed_root(urls: Any) -> Any:

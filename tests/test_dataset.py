@@ -145,3 +145,26 @@ def test_metrics_exposed(shards) -> None:
     assert n == 400 and m["batches"]["fillers"] == 400 - (m["batches"]["batches"] - m["batches"]["fillers"])
     assert 0.9 < m["packing"]["fill"] <= 1 and m["overlong"]["samples_split"] >= 0
     assert m["errors"]["total"] == 0
+
+
+def test_fingerprint_knows_which_tokenizer(tmp_path) -> None:
+    """A state made with one vocabulary must not resume under another (ids would change)."""
+    from helpers_data import make_text_docs, write_tar_shards
+
+    urls = write_tar_shards(tmp_path / "text", make_text_docs(20, seed=0), 2, fmt="txt")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text('{"v": 1}')
+    b.write_text('{"v": 2}')
+
+    def ds(tok, pad_id=0):
+        return PackedDataset(urls, capacity=CAP, window=8, tokenizer=tok, pad_id=pad_id)
+
+    saved = ds(str(a)).fingerprint(0)
+    from streampack.state import check_fingerprint
+
+    check_fingerprint(saved, ds(str(a)).fingerprint(0))
+    with pytest.raises(ValueError, match="tokenizer: saved 'sha1:"):
+        check_fingerprint(saved, ds(str(b)).fingerprint(0))
+    with pytest.raises(ValueError, match="pad_id: saved 0, now 3"):
+        check_fingerprint(saved, ds(str(a), pad_id=3).fingerprint(0))
+    assert ds(len).fingerprint(0)["tokenizer"] == "builtins.len"

@@ -174,3 +174,10 @@ def test_partition_primitives_match_contracts(k):
         bins = _partition.bins(values, 150, algorithm)
         assert np.array_equal(np.sort(np.concatenate(bins)), np.arange(40))
         assert all(values[b].sum() <= 150 for b in bins)
+
+
+def test_a_chunk_smaller_than_dp_size_is_named():
+    lens = np.array([5, 6, 7, 8, 9, 10, 11])
+    with pytest.raises(ValueError, match=r"chunk of sequences 6\.\.6 has 1 sequences, fewer than dp_size=2"):
+        plan_dynamic_batches(lens, dp_size=2, max_tokens_per_microbatch=64, sequence_length_round=1,
+                             chunk_size=3)

@@ -205,6 +205,10 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
     load = np.zeros(dp_size, dtype=np.int64)
     for start in range(0, lens.size, chunk):
         idx = np.arange(start, min(start + chunk, lens.size))
+        if idx.size < dp_size:  # every rank needs a micro-batch from every chunk
+            raise ValueError(f"the chunk of sequences {idx[0]}..{idx[-1]} has {idx.size} sequences, "
+                             f"fewer than {dp_size=}: they cannot fill {dp_size} non-empty "
+                             f"micro-batches (use a chunk_size that leaves >= dp_size per chunk)")
         shards = _deal(idx, lens, load, roll)
         groups = [_group(shard, lens, rounded, overlong, budget, roll) for shard in shards]
         target = _round_up(max(len(g) for g in groups), pp_size)
