@@ -7,6 +7,8 @@ Opening is the only place that touches the filesystem or the network:
   connection failure (or a 5xx) ``retries`` times with exponential backoff, then raises a
   ``DataError("unreachable_url")`` naming the URL. A server that ignores ``Range`` (200 instead
   of 206) still works: the skipped bytes are read and discarded;
+- ``s3://bucket/key`` uses one ranged ``GetObject`` through ``boto3`` (see ``s3``), with the same
+  retries and errors; ``s3://bucket/prefix/`` (a trailing ``/``) lists the prefix's shards;
 - ``pipe:cmd`` runs a shell command, so it is refused unless ``allow_pipe=True`` (shard lists
   often come from config files; webdataset's ``gopen`` executes them unasked). A pipe cannot
   seek: resuming reads and discards ``offset`` bytes.
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from streampack.pipeline import s3
 from streampack.pipeline.errors import DataError
 
 SHARD_SUFFIXES: dict[str, str] = {".tar": "tar", ".jsonl": "jsonl", ".ndjson": "jsonl", ".jsonl.gz": "jsonl.gz"}
@@ -39,11 +42,11 @@ class OpenOptions:
     """How shards are opened; passed as one value from the reader to the sources."""
 
     retries: int = 3
-    """Extra attempts after a failed connection to an ``http(s)`` URL."""
+    """Extra attempts after a failed connection to an ``http(s)`` or ``s3`` URL."""
     backoff: float = 0.5
     """Seconds before the first retry; doubled after each."""
     timeout: float = 30.0
-    """Socket timeout of one HTTP request, seconds."""
+    """Socket timeout of one HTTP / S3 request, seconds."""
     allow_pipe: bool = False
     """Accept ``pipe:`` URLs (runs a shell command)."""
 
@@ -53,7 +56,7 @@ class OpenOptions:
 
 
 def is_remote(url: str) -> bool:
-    return url.startswith(("http://", "https://"))
+    return url.startswith(("http://", "https://", s3.S3_PREFIX))
 
 
 def shard_format(url: str) -> str:
@@ -85,7 +88,9 @@ def braceexpand(pattern: str) -> list[str]:
 
 def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, allow_pipe: bool = False) -> list[str]:
     """Shards, in order: each item is a path, a directory (its shard files, sorted, recursive),
-    a brace pattern, a glob, an ``http(s)://`` URL or (if allowed) a ``pipe:`` command.
+    a brace pattern, a glob, an ``http(s)://`` or ``s3://`` URL, an ``s3://bucket/prefix/``
+    (its shard objects, sorted; listed with default ``OpenOptions``) or (if allowed) a
+    ``pipe:`` command.
 
     A local path that does not exist is kept (it fails as ``missing_shard`` when read, so
     ``on_error="skip"`` can ride over it); a pattern or directory that matches nothing raises.
@@ -112,6 +117,8 @@ def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
 
 
 def _expand_one(name: str) -> list[str]:
+    if s3.is_s3(name) and (name.endswith("/") or not s3.split_url(name)[1]):
+        return s3.list_prefix(name, tuple(SHARD_SUFFIXES), OpenOptions())
     if is_remote(name):
         return [name]
     if os.path.isdir(name):
@@ -149,6 +156,8 @@ def open_shard(url: str, offset: int = 0, end: int | None = None, *, opts: OpenO
         assert proc.stdout is not None
         _discard(proc.stdout, offset, url)
         return proc.stdout  # type: ignore[return-value]
+    if s3.is_s3(url):
+        return s3.open_object(url, offset, end, opts)
     if is_remote(url):
         return _open_http(url, offset, end, opts)
     try:
@@ -196,6 +205,8 @@ def _discard(f: BinaryIO, n: int, url: str) -> None:
 
 def remote_fingerprint(url: str, opts: OpenOptions) -> str:
     """``size|last-modified|etag`` of a remote shard from a HEAD request (for index caching)."""
+    if s3.is_s3(url):
+        return s3.fingerprint(url, opts)
     req = urllib.request.Request(url, method="HEAD")
     last: Exception | None = None
     for attempt in range(opts.retries + 1):
