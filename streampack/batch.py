@@ -22,6 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from streampack.documents import (
+    alloc_extras,
+    check_doc,
+    check_extras,
+    normalize,
+    targets,
+)
 from streampack.sample import Sample
 
 _INT32_MAX = 2**31 - 1
@@ -145,108 +152,37 @@ def alignment(cp_size: int = 1, tp_size: int = 1, *, sequence_parallel: bool = T
     return math.lcm(base, multiple)
 
 
-_HF_IGNORE = -100
-"""What :class:`~streampack.sample.Sample` labels use for "not supervised" (HF convention)."""
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-def _as_array(value: Any, what: str, key: str) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
-        if value.dtype == torch.bfloat16:
-            value = value.float()  # numpy has no bfloat16; float32 holds every value exactly
-        value = value.numpy()
-    arr = np.asarray(value)
-    if arr.ndim != 1 and what in ("tokens", "labels", "loss_mask"):
-        raise ValueError(f"{what} of document {key!r} must be 1-D, got shape {arr.shape}")
-    if arr.ndim == 0:
-        raise ValueError(f"extra {what!r} of document {key!r} must be per-token [L, ...], "
-                         f"got a scalar")
-    return arr
-
-
-def _as_ids(arr: np.ndarray, what: str, key: str) -> np.ndarray:
-    """Integer ids as int64; non-integral floats or values past int64 are a ``ValueError``
-    (a silent cast would truncate 1.5 to 1, or wrap 2**63 to a negative id)."""
-    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer)
-                                     or np.issubdtype(arr.dtype, np.floating)):
-        if arr.size:
-            raise ValueError(f"{what} of document {key!r} must be integer ids, got {arr.dtype}")
-        return arr.astype(np.int64, copy=False)
-    if np.issubdtype(arr.dtype, np.floating):
-        if arr.size and not (np.isfinite(arr).all() and (arr == np.round(arr)).all()):
-            raise ValueError(f"{what} of document {key!r} must be integer ids, got non-integral "
-                             f"{arr.dtype} values")
-    if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
-        raise ValueError(f"{what} of document {key!r} has id {int(arr.max())} past int64")
-    return arr.astype(np.int64, copy=False)
-
-
-def _normalize(doc: Any, index: tuple[int, int]) -> Sample:
-    """Accept a Sample, a mapping (``input_ids``/``tokens``, ``labels``, ``loss_mask``, ``key``,
-    other keys = extras) or a plain sequence of token ids."""
-    if isinstance(doc, Sample):
-        return doc
-    default_key = f"pack{index[0]}/doc{index[1]}"
-    if isinstance(doc, Mapping):
-        doc = dict(doc)
-        key = str(doc.pop("key", default_key))
-        tokens = doc.pop("input_ids", doc.pop("tokens", None))
-        if tokens is None:
-            raise ValueError(f"document {key!r} has no 'input_ids' (keys: {sorted(doc)})")
-        labels = doc.pop("labels", None)
-        mask = doc.pop("loss_mask", None)
-        return Sample(
-            key=key,
-            tokens=_as_array(tokens, "tokens", key),
-            labels=None if labels is None else _as_array(labels, "labels", key),
-            loss_mask=None if mask is None else _as_array(mask, "loss_mask", key),
-            extras={k: _as_array(v, k, key) for k, v in doc.items()},
-        )
-    return Sample(key=default_key, tokens=_as_array(doc, "tokens", default_key))
-
-
-def _check_doc(doc: Sample, ignore_index: int) -> Sample:
-    """Validate one document's per-token fields against its tokens; ids become int64 and a
-    label of ``-100`` (the Sample convention for "not supervised") becomes ``ignore_index``."""
-    key = doc.doc_key
-    if doc.tokens is None:
-        raise ValueError(f"sample {key!r} is not tokenized yet")
-    tokens = _as_ids(_as_array(doc.tokens, "tokens", key), "tokens", key)
-    n = tokens.shape[0]
-    labels = doc.labels
-    if labels is not None:
-        labels = _as_ids(_as_array(labels, "labels", key), "labels", key)
-        if labels.shape[0] != n:
-            raise ValueError(f"labels of document {key!r} have {labels.shape[0]} entries for "
-                             f"{n} tokens")
-        labels = np.where(labels == _HF_IGNORE, ignore_index, labels)
-        bad = (labels < 0) & (labels != ignore_index)
-        if bad.any():
-            raise ValueError(f"labels of document {key!r} hold {int(labels[bad][0])}: a label is "
-                             f"a token id, -100 or ignore_index={ignore_index}")
-    mask = doc.loss_mask
-    if mask is not None:
-        mask = _as_array(mask, "loss_mask", key)
-        if mask.shape[0] != n:
-            raise ValueError(f"loss_mask of document {key!r} has {mask.shape[0]} entries for "
-                             f"{n} tokens")
-    extras = {k: _as_array(v, k, key) for k, v in doc.extras.items()}
-    return replace(doc, tokens=tokens, labels=labels, loss_mask=mask, extras=extras)
-
-
-def _targets(doc: Sample, ignore_index: int) -> np.ndarray:
-    """Unshifted per-token targets of one document (token i's target value, or ignore)."""
-    target = doc.tokens if doc.labels is None else doc.labels
-    if doc.loss_mask is not None:
-        target = np.where(doc.loss_mask.astype(bool), target, ignore_index)
-    return target
-
-
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
     return int(value)
+
+
+def _spans(docs: list[list[Sample]], capacity: int, align: int) -> list[tuple[int, int, int]]:
+    """``(start, real length, span end)`` of every document in layout order; each span is its
+    length rounded up to ``align``, and a pack's trailing padding joins its last span."""
+    out = []
+    for p, pack in enumerate(docs):
+        if not pack:
+            raise ValueError(f"pack {p} is empty")
+        start = p * capacity
+        for i, doc in enumerate(pack):
+            n = len(doc)
+            if n == 0:
+                raise ValueError(f"document {doc.doc_key!r} in pack {p} has zero length")
+            span = -(-n // align) * align
+            if span > capacity:
+                raise ValueError(f"document {doc.doc_key!r} of length {n} needs {span} tokens "
+                                 f"after {align=}, more than {capacity=}")
+            end = start + span
+            if end > (p + 1) * capacity:
+                raise ValueError(f"pack {p} holds {end - p * capacity} tokens after {align=}, "
+                                 f"more than {capacity=}")
+            if i == len(pack) - 1:
+                end = (p + 1) * capacity
+            out.append((start, n, end))
+            start = end
+    return out
 
 
 def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
@@ -272,43 +208,23 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         # cu_seqlens are int32 in every varlen kernel: offsets past 2**31-1 would wrap (fa#2611)
         raise ValueError(f"{len(packs)} packs x {capacity=} = {total} tokens overflows the int32 "
                          f"cu_seqlens of varlen kernels (max {_INT32_MAX})")
-    docs = [[_check_doc(_normalize(d, (p, i)), ignore_index) for i, d in enumerate(pack)]
+    docs = [[check_doc(normalize(d, (p, i)), ignore_index) for i, d in enumerate(pack)]
             for p, pack in enumerate(packs)]
-    extra_names = _check_extras(docs)
+    extra_names = check_extras(docs)
     input_ids = np.full(total, pad_id, dtype=np.int64)
     labels = np.full(total, ignore_index, dtype=np.int64)
     positions = np.empty(total, dtype=np.int64)
-    extras = _alloc_extras(docs, extra_names, total)
-    real = [0]
-    padded = [0]
-    keys: list[str] = []
-    for p, pack in enumerate(docs):
-        if not pack:
-            raise ValueError(f"pack {p} is empty")
-        start = p * capacity
-        for i, doc in enumerate(pack):
-            n = len(doc)
-            if n == 0:
-                raise ValueError(f"document {doc.doc_key!r} in pack {p} has zero length")
-            span = -(-n // align) * align
-            if span > capacity:
-                raise ValueError(f"document {doc.doc_key!r} of length {n} needs {span} tokens "
-                                 f"after {align=}, more than {capacity=}")
-            end = start + span
-            if end > (p + 1) * capacity:
-                raise ValueError(f"pack {p} holds {end - p * capacity} tokens after {align=}, "
-                                 f"more than {capacity=}")
-            if i == len(pack) - 1:
-                end = (p + 1) * capacity  # trailing pack padding joins the last span
-            input_ids[start:start + n] = doc.tokens
-            labels[start:start + n - 1] = _targets(doc, ignore_index)[1:]
-            positions[start:end] = np.arange(end - start)
-            for name in extra_names:
-                extras[name][start:start + n] = doc.extras[name]
-            real.append(real[-1] + n)
-            padded.append(end)
-            keys.append(doc.doc_key)
-            start = end
+    extras = alloc_extras(docs, extra_names, total)
+    real, padded, keys = [0], [0], []
+    for doc, (start, n, end) in zip((d for pack in docs for d in pack), _spans(docs, capacity, align)):
+        input_ids[start:start + n] = doc.tokens
+        labels[start:start + n - 1] = targets(doc, ignore_index)[1:]
+        positions[start:end] = np.arange(end - start)
+        for name in extra_names:
+            extras[name][start:start + n] = doc.extras[name]
+        real.append(real[-1] + n)
+        padded.append(end)
+        keys.append(doc.doc_key)
     cu_padded = np.asarray(padded, dtype=np.int32)
     return PackedBatch(
         input_ids=torch.from_numpy(input_ids),
@@ -327,38 +243,6 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         ignore_index=ignore_index,
         extras={k: torch.from_numpy(v) for k, v in extras.items()},
     )
-
-
-def _check_extras(docs: list[list[Sample]]) -> list[str]:
-    """Extra names, present on every document with the same trailing shape: numpy would
-    otherwise broadcast a ``[L, 1]`` (or, when ``L`` happens to match, an ``[L]``) extra into
-    another document's ``[L, 3]`` layout without a word."""
-    flat = [d for pack in docs for d in pack]
-    names = sorted(flat[0].extras) if flat else []
-    for d in flat:
-        if sorted(d.extras) != names:
-            raise ValueError(f"document {d.doc_key!r} has extras {sorted(d.extras)}, "
-                             f"others have {names}")
-        for name in names:
-            if d.tokens is not None and d.extras[name].shape[0] != len(d):
-                raise ValueError(f"extra {name!r} of document {d.doc_key!r} has "
-                                 f"{d.extras[name].shape[0]} rows for {len(d)} tokens")
-            trailing, first = d.extras[name].shape[1:], flat[0].extras[name].shape[1:]
-            if trailing != first:
-                raise ValueError(f"extra {name!r} of document {d.doc_key!r} has per-token shape "
-                                 f"{trailing}, document {flat[0].doc_key!r} has {first}")
-    return names
-
-
-def _alloc_extras(docs: list[list[Sample]], names: list[str], total: int) -> dict[str, np.ndarray]:
-    """Zero-filled ``[T, ...]`` arrays; the dtype holds every document's values (an int extra
-    of one document and a float extra of another give float, never a truncating cast)."""
-    flat = [d for pack in docs for d in pack]
-    out = {}
-    for name in names:
-        dtype = np.result_type(*(d.extras[name].dtype for d in flat))
-        out[name] = np.zeros((total, *flat[0].extras[name].shape[1:]), dtype=dtype)
-    return out
 
 
 def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = None) -> None:
