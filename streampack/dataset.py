@@ -103,6 +103,7 @@ class PackedDataset(IterableDataset):
         self.capacity, self.window, self.algorithm = capacity, window, algorithm
         self.packs_per_batch, self.tokenizer, self.overlong = packs_per_batch, tokenizer, overlong
         self.tokenizer_id = _tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
+        self.sources_id = hashlib.sha1("\n".join(self.urls).encode()).hexdigest()[:16]
         self.text_key, self.tokens_key = text_key, tokens_key
         self.labels_key, self.loss_mask_key = labels_key, loss_mask_key
         self.seed, self.shuffle, self.epochs, self.on_error = seed, shuffle, epochs, on_error
@@ -131,7 +132,7 @@ class PackedDataset(IterableDataset):
         if num_workers is None:
             num_workers = _worker()[1]
         return {
-            "sources": hashlib.sha1("\n".join(self.urls).encode()).hexdigest()[:16],
+            "sources": self.sources_id,
             "num_sources": len(self.urls), "capacity": self.capacity, "window": self.window,
             "algorithm": self.algorithm, "align": self.align, "seed": self.seed,
             "shuffle": self.shuffle, "epochs": self.epochs, "dp_size": self.dp_size,
