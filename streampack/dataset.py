@@ -3,13 +3,17 @@
 Graph (built inside ``__iter__`` in every DataLoader worker; one node per stage)::
 
     ShardReader -> [Tokenize] -> [user stages] -> OverlongNode -> WindowPacker -> ThdCollate
+
+With ``urls`` a mapping (a weighted mixture), the first stage is one ShardReader per source
+under a :class:`~streampack.pipeline.mixture.MixtureNode`; the rest of the graph is the same.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from numbers import Real
 from typing import Any
 
 import torch
@@ -21,6 +25,7 @@ from streampack.batch import PackedBatch, alignment
 from streampack.overlong import check_policy
 from streampack.pipeline.collate import ThdCollate
 from streampack.pipeline.errors import ON_ERROR_CHOICES, ErrorCounter
+from streampack.pipeline.mixture import MixtureNode, check_weights
 from streampack.pipeline.overlong_node import OverlongNode
 from streampack.pipeline.packed_source import (PackedShardReader, check_layout, is_packed_dataset,
                                                 read_manifest)
@@ -54,6 +59,10 @@ class PackedDataset(IterableDataset):
     runs out, and raising ``ValueError`` when it has more (it never drops data silently). The
     last real batch of a finite worker may hold fewer than ``packs_per_batch`` packs.
 
+    **Mixtures.** ``urls`` may map source names to ``urls`` (weight 1) or ``(urls, weight)``,
+    e.g. ``{"web": ("web-{000..099}.tar", 0.7), "code": ("code/*.tar", 0.3)}``: one ShardReader
+    per source under a :class:`~streampack.pipeline.mixture.MixtureNode`, ``epochs=None`` only.
+
     **Topology.** ``dp_rank``/``dp_size`` default to ``torch.distributed`` (pass the
     data-parallel rank when TP/CP/PP groups exist), then ``RANK``/``WORLD_SIZE``; they are
     resolved when the dataset is constructed.
@@ -67,7 +76,7 @@ class PackedDataset(IterableDataset):
     StatefulDataLoader, check the worker count with :func:`streampack.state.load_loader_state`.
     """
 
-    def __init__(self, urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+    def __init__(self, urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | Mapping[str, Any], *,
                  capacity: int, window: int = 1024, algorithm: str = "bfd",
                  packs_per_batch: int = 1, tokenizer: Any = None, text_key: str = "text",
                  tokens_key: str = "input_ids", overlong: str = "split", cp_size: int = 1,
@@ -86,14 +95,20 @@ class PackedDataset(IterableDataset):
                   packs_per_batch=packs_per_batch, overlong=overlong, on_error=on_error,
                   epochs=epochs, max_wait=max_wait, batches_per_epoch=batches_per_epoch,
                   tokenizer=tokenizer, stages=stages, cp_size=cp_size, tp_size=tp_size)
+        # {name: urls | (urls, weight)}: a weighted mixture, one ShardReader per source
+        self.mixture: dict[str, list[str]] | None = None
         # Output of `streampack pack` (a directory with manifest.json): read packs as they are.
         self.prepacked = None
-        if is_packed_dataset(urls):
-            manifest = read_manifest(_packed_root(urls))
-            check_layout(manifest, capacity, self.align)  # refuse now, not inside a worker
-            self.prepacked = manifest.digest
-        self.urls = ([os.fspath(u) for u in urls] if not isinstance(urls, (str, os.PathLike))
-                     else [os.fspath(urls)]) if self.prepacked else expand_urls(urls, allow_pipe=allow_pipe)
+        if isinstance(urls, Mapping):
+            self.mixture, self.mixture_weights = _mixture(urls, epochs=epochs, allow_pipe=allow_pipe)
+            self.urls = [u for source in self.mixture.values() for u in source]
+        else:
+            if is_packed_dataset(urls):
+                manifest = read_manifest(_packed_root(urls))
+                check_layout(manifest, capacity, self.align)  # refuse now, not inside a worker
+                self.prepacked = manifest.digest
+            self.urls = ([os.fspath(u) for u in urls] if not isinstance(urls, (str, os.PathLike))
+                         else [os.fspath(urls)]) if self.prepacked else expand_urls(urls, allow_pipe=allow_pipe)
         # compile the packing kernel here, once, so forked DataLoader workers inherit it
         packing.pack([1], capacity, algorithm=algorithm)
         self.dp_rank, self.dp_size = resolve_topology(dp_rank, dp_size)
@@ -103,7 +118,10 @@ class PackedDataset(IterableDataset):
         self.capacity, self.window, self.algorithm = capacity, window, algorithm
         self.packs_per_batch, self.tokenizer, self.overlong = packs_per_batch, tokenizer, overlong
         self.tokenizer_id = _tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
-        self.sources_id = hashlib.sha1("\n".join(self.urls).encode()).hexdigest()[:16]
+        self.sources_id = _urls_id(self.urls)
+        if self.mixture is not None:  # hashed once here: state_dict() runs every batch
+            self.mixture_sources = {n: _urls_id(u) for n, u in self.mixture.items()}
+            self.sources_id = _urls_id(f"{n}={h}" for n, h in self.mixture_sources.items())
         self.text_key, self.tokens_key = text_key, tokens_key
         self.labels_key, self.loss_mask_key = labels_key, loss_mask_key
         self.seed, self.shuffle, self.epochs, self.on_error = seed, shuffle, epochs, on_error
@@ -131,7 +149,10 @@ class PackedDataset(IterableDataset):
         """Every setting that changes the stream (compared on load)."""
         if num_workers is None:
             num_workers = _worker()[1]
+        mixture = {} if self.mixture is None else {
+            "mixture_sources": self.mixture_sources, "mixture_weights": self.mixture_weights}
         return {
+            **mixture,
             "sources": self.sources_id,
             "num_sources": len(self.urls), "capacity": self.capacity, "window": self.window,
             "algorithm": self.algorithm, "align": self.align, "seed": self.seed,
@@ -173,7 +194,9 @@ class PackedDataset(IterableDataset):
         if not n:
             return {}
         packer = n["packer"].metrics if "packer" in n else {}
+        mixture = {"mixture": n["mixture"].metrics} if "mixture" in n else {}
         return {
+            **mixture,
             "packing": {**packer, "fill": fill(packer)} if packer else {},
             "overlong": n["overlong"].counters.as_dict() if "overlong" in n else {},
             "errors": n["errors"].as_dict(),
@@ -240,14 +263,18 @@ class PackedDataset(IterableDataset):
             quota = self.batches_per_epoch // num_workers * self.epochs
         if self.prepacked:
             return self._build_prepacked(worker_id, num_workers, epochs, quota, errors)
-        reader = ShardReader(
-            self.urls, seed=self.seed, shuffle=self.shuffle, epochs=epochs, dp_rank=self.dp_rank,
+        readers = {name: ShardReader(
+            urls, seed=self.seed, shuffle=self.shuffle, epochs=epochs, dp_rank=self.dp_rank,
             dp_size=self.dp_size, worker_id=worker_id, num_workers=num_workers,
             tokens_key=self.tokens_key, text_key=self.text_key, labels_key=self.labels_key,
             loss_mask_key=self.loss_mask_key, on_error=self.on_error, errors=errors,
-            **self.reader_opts)
+            **self.reader_opts) for name, urls in (self.mixture or {"": self.urls}).items()}
+        reader = next(iter(readers.values()))  # all share the worker's topology
         nodes: dict[str, Any] = {"reader": reader, "errors": errors}
         node: BaseNode = reader
+        if self.mixture is not None:
+            node = nodes["mixture"] = MixtureNode(readers, self.mixture_weights, seed=self.seed,
+                                                  worker=reader.global_worker)
         if self.tokenizer is not None:
             node = nodes["tokenize"] = Tokenize(node, self.tokenizer, bos_id=self.bos_id,
                                                 eos_id=self.eos_id, block_size=self.tokenize_block,
@@ -282,6 +309,33 @@ class PackedDataset(IterableDataset):
         state = self.__dict__.copy()
         state["_root"], state["_nodes"] = None, {}
         return state
+
+
+def _urls_id(urls: Any) -> str:
+    return hashlib.sha1("\n".join(urls).encode()).hexdigest()[:16]
+
+
+def _mixture(spec: Mapping[str, Any], *, epochs: int | None,
+             allow_pipe: bool) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """``{name: urls | (urls, weight)}`` -> (expanded urls per source, weights), sorted by name.
+
+    A value is ``(urls, weight)`` when it is a 2-tuple whose second item is a number; anything
+    else is the source's urls (any form ``urls`` accepts) with weight 1.
+    """
+    if epochs is not None:
+        raise ValueError(f"a mixture needs epochs=None (infinite), got {epochs=}: sources run dry "
+                         f"at different times, so where a finite mixture ends (first source? "
+                         f"last? renormalize?) is ambiguous; set the steps in your training loop")
+    sources, weights = {}, {}
+    for name, value in spec.items():
+        weighted = isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Real)
+        source, weights[name] = value if weighted else (value, 1.0)
+        if is_packed_dataset(source):
+            raise ValueError(f"mixture source {name!r} is a `streampack pack` directory; mixtures "
+                             f"read raw shards only")
+        sources[name] = source
+    weights = check_weights(sources, weights)
+    return {n: expand_urls(sources[n], allow_pipe=allow_pipe) for n in weights}, weights
 
 
 def _tokenizer_id(tokenizer: Any) -> str | None:
