@@ -27,17 +27,29 @@ from streampack.pipeline.collate import ThdCollate
 from streampack.pipeline.errors import ON_ERROR_CHOICES, ErrorCounter
 from streampack.pipeline.mixture import MixtureNode, check_weights
 from streampack.pipeline.overlong_node import OverlongNode
-from streampack.pipeline.packed_source import (PackedShardReader, check_layout, is_packed_dataset,
-                                                read_manifest)
+from streampack.pipeline.packed_source import (
+    PackedShardReader,
+    check_layout,
+    is_packed_dataset,
+    packed_manifest,
+)
 from streampack.pipeline.sharding import resolve_topology
 from streampack.pipeline.source import ShardReader
 from streampack.pipeline.stages import build_stages, check_stages
 from streampack.pipeline.tokenize import Tokenize
 from streampack.pipeline.urls import expand_urls
 from streampack.pipeline.window_packer import WindowPacker, fill
-from streampack.state import (FINGERPRINT_KEY, GRAPH_KEY, METRICS_KEY, PASSES_KEY, STATE_VERSION,
-                              VERSION_KEY, WORKER_KEY, check_fingerprint, check_version)
-
+from streampack.state import (
+    FINGERPRINT_KEY,
+    GRAPH_KEY,
+    METRICS_KEY,
+    PASSES_KEY,
+    STATE_VERSION,
+    VERSION_KEY,
+    WORKER_KEY,
+    check_fingerprint,
+    check_version,
+)
 
 
 class PackedDataset(IterableDataset):
@@ -104,7 +116,7 @@ class PackedDataset(IterableDataset):
             self.urls = [u for source in self.mixture.values() for u in source]
         else:
             if is_packed_dataset(urls):
-                manifest = read_manifest(_packed_root(urls))
+                manifest = packed_manifest(urls)
                 check_layout(manifest, capacity, self.align)  # refuse now, not inside a worker
                 self.prepacked = manifest.digest
             self.urls = ([os.fspath(u) for u in urls] if not isinstance(urls, (str, os.PathLike))
@@ -349,13 +361,6 @@ def _tokenizer_id(tokenizer: Any) -> str | None:
         return "sha1:" + hashlib.sha1(tokenizer.to_str().encode()).hexdigest()[:16]
     name = getattr(tokenizer, "__qualname__", type(tokenizer).__qualname__)
     return f"{getattr(tokenizer, '__module__', '')}.{name}"
-
-
-def _packed_root(urls: Any) -> Any:
-    """The directory (or manifest) of a packed dataset given as a dir, manifest or shard list."""
-    if isinstance(urls, (str, os.PathLike)):
-        return urls
-    return os.path.dirname(os.fspath(list(urls)[0]))
 
 
 def _worker() -> tuple[int, int]:

@@ -115,6 +115,15 @@ def check_version(state: Mapping[str, Any]) -> None:
                          f"was it saved by another streampack version or another dataset?")
 
 
+def check_node_config(saved: Mapping[str, Any], current: Mapping[str, Any], *, node: str,
+                      label: str) -> None:
+    """A node's own settings check on restore: ``ValueError`` naming each differing setting as
+    ``key: state=<saved> <label>=<current>``."""
+    diffs = [f"{k}: state={saved.get(k)!r} {label}={v!r}" for k, v in current.items() if saved.get(k) != v]
+    if diffs:
+        raise ValueError(f"{node} state was saved with different settings: " + "; ".join(diffs))
+
+
 def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` naming every setting whose saved value differs from the current one."""
     diffs = [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}"

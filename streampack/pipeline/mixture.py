@@ -35,6 +35,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack.sample import Sample
+from streampack.state import check_node_config
 
 STATE_VERSION = 1
 VERSION_KEY = "version"
@@ -98,10 +99,7 @@ class MixtureNode(BaseNode[Sample]):
             return
         if initial_state.get(VERSION_KEY) != STATE_VERSION:
             raise ValueError(f"MixtureNode state version {initial_state.get(VERSION_KEY)!r} != {STATE_VERSION}")
-        saved = initial_state.get(CONFIG_KEY, {})
-        diffs = [f"{k}: state={saved.get(k)!r} node={v!r}" for k, v in self._config.items() if saved.get(k) != v]
-        if diffs:
-            raise ValueError("MixtureNode state was saved with different settings: " + "; ".join(diffs))
+        check_node_config(initial_state.get(CONFIG_KEY, {}), self._config, node="MixtureNode", label="node")
         for name, child in self.sources.items():
             child.reset(initial_state[SOURCES_KEY][name])
         self._rng = np.random.default_rng(self._seed)

@@ -147,6 +147,11 @@ def check_layout(m: Manifest, capacity: int, align: int) -> None:
                          f"{capacity=}, {align=}: re-pack with `streampack pack`")
 
 
+def packed_manifest(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Manifest:
+    """The manifest of the packed dataset ``urls`` names (a directory, its manifest, or shards)."""
+    return read_manifest(_resolve(urls)[0])
+
+
 def is_packed_dataset(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> bool:
     """True when ``urls`` names a packed dataset: a directory holding a streampack
     ``manifest.json``, the manifest itself, or shards that all sit in one such directory."""

@@ -33,12 +33,31 @@ from typing import Any, BinaryIO
 from torchdata.nodes import BaseNode
 
 from streampack.pipeline.errors import DataError, ErrorCounter, ErrorPolicy
-from streampack.pipeline.jsonl_source import DECOMPRESS_ERRORS, DecodeOptions, Item, iter_jsonl_items, text_stream
+from streampack.pipeline.jsonl_source import (
+    DECOMPRESS_ERRORS,
+    DecodeOptions,
+    Item,
+    iter_jsonl_items,
+    text_stream,
+)
 from streampack.pipeline.shard_index import ShardIndex, load_or_build_index
-from streampack.pipeline.sharding import ShardSpan, assign_shards, resolve_topology, resolve_worker, validate_topology
+from streampack.pipeline.sharding import (
+    ShardSpan,
+    assign_shards,
+    resolve_topology,
+    resolve_worker,
+    validate_topology,
+)
 from streampack.pipeline.tar_source import iter_tar_items
-from streampack.pipeline.urls import OpenOptions, expand_urls, is_remote, open_shard, shard_format
+from streampack.pipeline.urls import (
+    OpenOptions,
+    expand_urls,
+    is_remote,
+    open_shard,
+    shard_format,
+)
 from streampack.sample import Sample
+from streampack.state import check_node_config
 
 STATE_VERSION = 1
 VERSION_KEY = "version"
@@ -155,10 +174,7 @@ class ShardReader(BaseNode[Sample]):
             return
         if initial_state.get(VERSION_KEY) != STATE_VERSION:
             raise ValueError(f"ShardReader state version {initial_state.get(VERSION_KEY)!r} != {STATE_VERSION}")
-        saved = initial_state.get(CONFIG_KEY, {})
-        diffs = [f"{k}: state={saved.get(k)!r} reader={v!r}" for k, v in self._config.items() if saved.get(k) != v]
-        if diffs:
-            raise ValueError("ShardReader state was saved with different settings: " + "; ".join(diffs))
+        check_node_config(initial_state.get(CONFIG_KEY, {}), self._config, node="ShardReader", label="reader")
         self._set_position(*(int(initial_state[k]) for k in (EPOCH_KEY, SHARD_POS_KEY, OFFSET_KEY, SAMPLE_KEY, YIELDED_KEY, EPOCH_YIELDED_KEY)))
 
     def get_state(self) -> dict[str, Any]:
