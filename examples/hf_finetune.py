@@ -23,7 +23,7 @@ import transformers
 
 from streampack import PackedDataset
 from streampack.attention import unpack_per_document
-from streampack.corpus import train_demo_tokenizer, write_demo_corpus
+from streampack.cli.corpus import train_demo_tokenizer, write_demo_corpus
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
 
 The chain ``ShardReader -> Tokenize -> user stage -> overlong policy -> WindowPacker -> THD``:
 
-- the text corpus is webdataset tar shards of ``.txt`` members (``streampack.corpus``);
+- the text corpus is webdataset tar shards of ``.txt`` members (``streampack.cli.corpus``);
 - a byte-level BPE is trained with ``tokenizers`` on the corpus itself and saved as
   ``tokenizer.json``; ``PackedDataset(tokenizer=path, eos_id=...)`` batch-encodes with it on
   ``num_threads`` threads without changing the order of the stream;
@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from streampack import PackedDataset, Sample
-from streampack.corpus import train_demo_tokenizer, write_demo_corpus
+from streampack.cli.corpus import train_demo_tokenizer, write_demo_corpus
 
 
 def drop_short(sample: Sample) -> Sample | None:

@@ -1,20 +1,30 @@
-"""streampack: stream sharded data into packed THD batches for LLM training, resumably."""
+"""streampack: stream sharded data into packed THD batches for LLM training, resumably.
+
+Every name below loads on first use, so ``import streampack.packing`` (pure numpy) or the RL
+planner never pays for torch or torchdata.
+"""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from streampack.batch import PackedBatch, alignment, check_invariants, pack_batch
-from streampack.cp import CPShard, cp_partition_indices, cp_shard, cp_unshard
-from streampack.overlong import OverlongCounters, apply_overlong
-from streampack.sample import Sample
-
 __version__ = "0.1.0"
 
-# Heavier parts load on first use, so `import streampack` stays cheap for RL-only users.
 _LAZY = {
     "PackedDataset": "streampack.dataset",
+    "PackedBatch": "streampack.layout.batch",
+    "alignment": "streampack.layout.batch",
+    "check_invariants": "streampack.layout.batch",
+    "pack_batch": "streampack.layout.batch",
+    "CPShard": "streampack.layout.cp",
+    "cp_partition_indices": "streampack.layout.cp",
+    "cp_shard": "streampack.layout.cp",
+    "cp_unshard": "streampack.layout.cp",
+    "OverlongCounters": "streampack.nodes.overlong",
+    "apply_overlong": "streampack.nodes.overlong",
+    "Sample": "streampack.sample",
+    "DataError": "streampack.errors",
     "plan_dynamic_batches": "streampack.rl",
     "plan_packed_microbatches": "streampack.rl",
     "MicroBatchPlan": "streampack.rl",
@@ -30,8 +40,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'streampack' has no attribute {name!r}")
 
 
-__all__ = [
-    "CPShard", "OverlongCounters", "PackedBatch", "Sample", "alignment", "apply_overlong",
-    "check_invariants", "cp_partition_indices", "cp_shard", "cp_unshard", "pack_batch",
-    *_LAZY,
-]
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = [*_LAZY]

@@ -2,7 +2,7 @@
 
 A :class:`~streampack.dataset.PackedDataset` state (one per DataLoader worker) is::
 
-    {"version": 1,
+    {"version": 2,
      "fingerprint": {"sources": [...], "capacity": 4096, "window": 1024, "algorithm": "bfd",
                      "align": 1, "seed": 0, "dp_size": 1, "num_workers": 2, ...},
      "worker": {"dp_rank": 0, "worker_id": 1},
@@ -26,7 +26,7 @@ import torch
 
 from streampack.sample import Sample
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 VERSION_KEY = "version"
 FINGERPRINT_KEY = "fingerprint"
 WORKER_KEY = "worker"
@@ -108,10 +108,12 @@ def _split_optional(field: Mapping[str, Any] | None, lengths: list[int]) -> list
     return out
 
 
-def check_version(state: Mapping[str, Any]) -> None:
+def check_version(state: Mapping[str, Any], *, what: str = "state") -> None:
+    """Every versioned state (the dataset's and each node's that keeps one) carries
+    ``STATE_VERSION``; one number for the whole library, bumped when any layout changes."""
     version = state.get(VERSION_KEY) if isinstance(state, Mapping) else None
     if version != STATE_VERSION:
-        raise ValueError(f"state version={version!r} is not the supported version={STATE_VERSION}; "
+        raise ValueError(f"{what} version={version!r} is not the supported version={STATE_VERSION}; "
                          f"was it saved by another streampack version or another dataset?")
 
 

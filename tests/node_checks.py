@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from streampack.batch import PackedBatch
+from streampack.layout.batch import PackedBatch
 from streampack.sample import Sample
 
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
+
 from streampack.cli.main import main
 from streampack.cli.render import _cells, pack_layout, short_list
 
@@ -172,7 +172,7 @@ def test_inspect_text_with_tokenizer_and_mixed_order(tmp_path, capsys):
     import numpy as np
 
     from streampack.cli._data import sample_lengths
-    from streampack.corpus import train_demo_tokenizer, write_demo_corpus
+    from streampack.cli.corpus import train_demo_tokenizer, write_demo_corpus
     from streampack.sample import Sample
 
     shards = write_demo_corpus(tmp_path / "c", num_shards=1, docs_per_shard=40, vocab_size=500)
@@ -186,7 +186,13 @@ def test_inspect_text_with_tokenizer_and_mixed_order(tmp_path, capsys):
     # token and text samples mixed: lengths stay in stream order (the window simulation needs it)
     samples = [Sample(key="a", tokens=np.zeros(7, np.int64)), Sample(key="b", text="x y"),
                Sample(key="c", tokens=np.zeros(5, np.int64))]
-    lengths, unit = sample_lengths(iter(samples), lambda texts: [[1] * len(t.split()) for t in texts])
+    from node_checks import ListSource
+
+    from streampack.nodes.tokenize import Tokenize
+
+    node = Tokenize(ListSource(samples), lambda text: [1] * len(text.split()), block_size=8)
+    node.reset(None)
+    lengths, unit = sample_lengths(iter(node))
     assert lengths.tolist() == [7, 2, 5] and unit == "tokens"
 
 

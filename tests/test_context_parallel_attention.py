@@ -3,20 +3,18 @@ document's full (gathered) keys, and the gathered outputs equal CP = 1, forward 
 
 from __future__ import annotations
 
-
+import helpers_layouts as layouts
 import pytest
 import torch
 
-from streampack import PackedBatch, alignment, pack_batch
+from streampack import PackedBatch, alignment, cp_unshard, pack_batch
 from streampack.attention import (
     cp_flash_attn_inputs,
-    cp_gather,
     cp_rank_inputs,
     sdpa_packed,
     te_kwargs,
     varlen_attention_reference,
 )
-import helpers_layouts as layouts
 
 H, D = 2, 8
 
@@ -62,8 +60,8 @@ def test_cp_outputs_and_grads_equal_cp1(cp_size: int, seed: int, path: str) -> N
 
     ranks = [cp_rank_inputs(batch, cp_size, r) for r in range(cp_size)]
     local = [proj(x[r.shard.indices]) for r in ranks]  # each rank: its own tokens only
-    k_full = cp_gather([loc[1] for loc in local], batch)  # all-gather K and V
-    v_full = cp_gather([loc[2] for loc in local], batch)
+    k_full = cp_unshard([loc[1] for loc in local], batch.cu_seqlens_padded)  # all-gather K and V
+    v_full = cp_unshard([loc[2] for loc in local], batch.cu_seqlens_padded)
     outs = []
     for r, (q_local, _, _) in zip(ranks, local):
         if path == "sdpa":
@@ -72,7 +70,7 @@ def test_cp_outputs_and_grads_equal_cp1(cp_size: int, seed: int, path: str) -> N
             kw, k_idx = r.flash.kwargs, r.flash.k_indices
             outs.append(varlen_attention_reference(q_local, k_full[k_idx], v_full[k_idx],
                                                    kw.cu_seqlens_q, kw.cu_seqlens_k))
-    out = cp_gather(outs, batch)
+    out = cp_unshard(outs, batch.cu_seqlens_padded)
     torch.testing.assert_close(out[real], ref[real], atol=1e-6, rtol=1e-5)
     assert torch.isfinite(out).all()
     loss = (out[real] * weight[real]).sum()

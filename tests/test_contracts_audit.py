@@ -7,10 +7,22 @@ import numpy as np
 import pytest
 import torch
 
-from streampack import Sample, apply_overlong, check_invariants, cp_shard, cp_unshard, pack_batch
-from streampack.attention import hf_inputs, hf_labels, leak_probe, packed_cross_entropy, te_kwargs
+from streampack import (
+    Sample,
+    apply_overlong,
+    check_invariants,
+    cp_shard,
+    cp_unshard,
+    pack_batch,
+)
+from streampack.attention import (
+    hf_inputs,
+    hf_labels,
+    leak_probe,
+    packed_cross_entropy,
+    te_kwargs,
+)
 from streampack.rl import apply_packed_plan, plan_packed_microbatches
-
 
 # --- pack_batch: per-token fields must match their document, never broadcast --------------
 

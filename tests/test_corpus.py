@@ -7,7 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from streampack.corpus import document_lengths, make_document, make_vocabulary, write_demo_corpus, zipf_cdf
+from streampack.cli.corpus import (
+    document_lengths,
+    make_document,
+    make_vocabulary,
+    write_demo_corpus,
+    zipf_cdf,
+)
 
 
 def _digest(paths: list[str]) -> list[str]:
@@ -43,7 +49,7 @@ def test_documents_have_sentences_and_zipfian_words():
 
 
 def test_shards_read_back_as_text_samples(tmp_path):
-    from streampack.pipeline.source import ShardReader
+    from streampack.nodes.reader import ShardReader
 
     paths = write_demo_corpus(tmp_path, num_shards=2, docs_per_shard=5, seed=0)
     reader = ShardReader(paths, shuffle=False, epochs=1)

@@ -7,7 +7,14 @@ import random
 import pytest
 import torch
 
-from streampack import alignment, check_invariants, cp_partition_indices, cp_shard, cp_unshard, pack_batch
+from streampack import (
+    alignment,
+    check_invariants,
+    cp_partition_indices,
+    cp_shard,
+    cp_unshard,
+    pack_batch,
+)
 
 P = 0  # pad id used in the seeds' pictures
 

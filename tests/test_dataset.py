@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack import PackedBatch, check_invariants
 from streampack.dataset import PackedDataset
-from streampack.pipeline.stages import NodeStage, MapSamples
+from streampack.nodes.stages import MapSamples, NodeStage
 from streampack.state import check_loader_state, dataset_states, load_loader_state
 
 CAP = 512
@@ -152,9 +152,13 @@ def test_fingerprint_knows_which_tokenizer(tmp_path) -> None:
     from helpers_data import make_text_docs, write_tar_shards
 
     urls = write_tar_shards(tmp_path / "text", make_text_docs(20, seed=0), 2, fmt="txt")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text('{"v": 1}')
-    b.write_text('{"v": 2}')
+    for path, vocab in ((a, {"[UNK]": 0, "w": 1}), (b, {"[UNK]": 0, "w": 2, "x": 1})):
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(path))
 
     def ds(tok, pad_id=0):
         return PackedDataset(urls, capacity=CAP, window=8, tokenizer=tok, pad_id=pad_id)

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from streampack import check_invariants
 from streampack.dataset import PackedDataset
-from streampack.pipeline.collate import is_filler
+from streampack.nodes.collate import is_filler
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,13 @@ per-rank CP inputs) equals the SDPA reference in bf16 tolerance, at real tokens.
 
 from __future__ import annotations
 
-
+import helpers_layouts as layouts
 import pytest
 import torch
 
 from streampack import PackedBatch, alignment
-from streampack.attention import cp_gather, cp_rank_inputs, sdpa_packed
-import helpers_layouts as layouts
+from streampack.attention import cp_rank_inputs, sdpa_packed
+from streampack.layout.cp import cp_unshard
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,6 +72,6 @@ def test_varlen_attn_per_cp_rank_equals_cp1(cp_size: int) -> None:
         kw, k_idx = r.flash.kwargs, r.flash.k_indices
         outs.append(varlen(q[r.shard.indices], k[k_idx], v[k_idx], kw.cu_seqlens_q,
                            kw.cu_seqlens_k, kw.max_seqlen_q, kw.max_seqlen_k))
-    out = cp_gather(outs, batch)
+    out = cp_unshard(outs, batch.cu_seqlens_padded)
     real = real_mask(batch)
     torch.testing.assert_close(out[real].float(), ref[real], atol=2e-2, rtol=2e-2)

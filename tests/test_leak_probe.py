@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import helpers_layouts as layouts
 import pytest
 import torch
 
-import helpers_layouts as layouts
 from streampack.attention import leak_probe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

@@ -6,6 +6,7 @@ import math
 import os
 import tempfile
 
+import helpers_layouts as layouts
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,7 +23,6 @@ from streampack.attention import (
     unpack_padded,
     unpack_per_document,
 )
-import helpers_layouts as layouts
 
 V = 11
 

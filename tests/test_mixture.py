@@ -1,4 +1,4 @@
-"""Weighted mixtures: MixtureNode save/load, proportions, and exact PackedDataset resume."""
+"""Weighted mixtures: Mixture (torchdata's MultiNodeWeightedSampler) save/load, proportions, and exact PackedDataset resume."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from node_checks import (
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack.dataset import PackedDataset
-from streampack.pipeline.mixture import DRAWN_KEY, RNG_KEY, SOURCES_KEY, MixtureNode
-from streampack.pipeline.source import ShardReader
+from streampack.nodes.mixture import CONFIG_KEY, Mixture
+from streampack.nodes.reader import ShardReader
 from streampack.state import load_loader_state
 
 
@@ -45,28 +45,34 @@ def _lists(sizes: dict[str, int]) -> dict[str, ListSource]:
 
 # ------------------------------------------------------------------ node level
 def test_node_save_load_over_lists() -> None:
-    # finite children: the mixture ends when the first drawn child runs dry, and stays ended
-    make = lambda: MixtureNode(_lists({"a": 40, "b": 30, "c": 20}), {"a": 2, "b": 1, "c": 1.5}, seed=3)
+    # finite children: with stop="first" the mixture ends when the first drawn child runs dry
+    make = lambda: Mixture(_lists({"a": 40, "b": 30, "c": 20}), {"a": 2, "b": 1, "c": 1.5}, seed=3, stop="first")
     assert check_save_load(make) > 20
+    # stop="all": every sample of every child exactly once
+    node = Mixture(_lists({"a": 40, "b": 30, "c": 20}), {"a": 2, "b": 1, "c": 1.5}, seed=3, stop="all")
+    assert check_save_load(lambda: Mixture(_lists({"a": 40, "b": 30, "c": 20}), {"a": 2, "b": 1, "c": 1.5},
+                                           seed=3, stop="all")) == 90
+    assert len(drain(node, 1000)) == 90
 
 
 def test_node_save_load_over_shard_readers(sources) -> None:
-    def make() -> MixtureNode:
+    def make() -> Mixture:
         readers = {n: ShardReader(u, seed=4, epochs=2, worker_id=1, num_workers=2) for n, u in sources.items()}
-        return MixtureNode(readers, {"web": 0.6, "code": 0.4}, seed=4, worker=1)
+        return Mixture(readers, {"web": 0.6, "code": 0.4}, seed=4, worker=1, num_workers=2)
 
     assert check_save_load(make) > 30
 
 
 def test_node_infinite_resume_through_torch_save(sources) -> None:
-    def make() -> MixtureNode:
-        return MixtureNode({n: ShardReader(u, seed=5) for n, u in sources.items()}, {"web": 3, "code": 1}, seed=5)
+    def make() -> Mixture:
+        return Mixture({n: ShardReader(u, seed=5) for n, u in sources.items()}, {"web": 3, "code": 1}, seed=5)
 
     full = drain(make(), 700)  # several epochs of both sources
     node = make()
     head = drain(node, 333)
     state = _roundtrip(node.state_dict())
-    assert set(state) >= {RNG_KEY, SOURCES_KEY, DRAWN_KEY} and sum(state[DRAWN_KEY].values()) == 333
+    assert CONFIG_KEY in state and state[Mixture.NUM_YIELDED_KEY] == 333
+    assert sum(c["drawn"] for c in state[Mixture.DATASET_NODE_STATES_KEY].values()) == 333
     restored = make()
     restored.reset(state)
     assert head + drain(restored, 700 - 333) == full
@@ -74,7 +80,7 @@ def test_node_infinite_resume_through_torch_save(sources) -> None:
 
 def test_node_proportions_follow_weights() -> None:
     weights = {"a": 0.6, "b": 0.3, "c": 0.1}
-    node = MixtureNode(_lists(dict.fromkeys(weights, 5000)), weights, seed=11)
+    node = Mixture(_lists(dict.fromkeys(weights, 5000)), weights, seed=11)
     n = 4000
     drain(node, n)
     drawn = node.metrics
@@ -86,18 +92,18 @@ def test_node_proportions_follow_weights() -> None:
 def test_node_worker_streams_differ_and_mapping_order_does_not_matter() -> None:
     weights = {"a": 1.0, "b": 1.0}
     keys = lambda node: [k for k, _, _ in drain(node, 200)]
-    w0 = keys(MixtureNode(_lists({"a": 300, "b": 300}), weights, seed=1, worker=0))
-    w1 = keys(MixtureNode(_lists({"a": 300, "b": 300}), weights, seed=1, worker=1))
-    swapped = keys(MixtureNode(dict(reversed(_lists({"a": 300, "b": 300}).items())), {"b": 1.0, "a": 1.0},
-                               seed=1, worker=0))
+    w0 = keys(Mixture(_lists({"a": 300, "b": 300}), weights, seed=1, worker=0, num_workers=2))
+    w1 = keys(Mixture(_lists({"a": 300, "b": 300}), weights, seed=1, worker=1, num_workers=2))
+    swapped = keys(Mixture(dict(reversed(_lists({"a": 300, "b": 300}).items())), {"b": 1.0, "a": 1.0},
+                           seed=1, worker=0, num_workers=2))
     assert w0 != w1 and w0 == swapped
 
 
 def test_node_refuses_other_config() -> None:
-    node = MixtureNode(_lists({"a": 10, "b": 10}), {"a": 1, "b": 1}, seed=1)
+    node = Mixture(_lists({"a": 10, "b": 10}), {"a": 1, "b": 1}, seed=1)
     drain(node, 3)
     state = node.state_dict()
-    other = MixtureNode(_lists({"a": 10, "b": 10}), {"a": 1, "b": 2}, seed=1)
+    other = Mixture(_lists({"a": 10, "b": 10}), {"a": 1, "b": 2}, seed=1)
     with pytest.raises(ValueError, match=r"weights: state=\[1.0, 1.0\] node=\[1.0, 2.0\]"):
         other.reset(state)
 
@@ -106,13 +112,13 @@ def test_node_refuses_other_config() -> None:
                                      {"a": math.inf, "b": 1}, {"a": True, "b": 1}, {"a": "1", "b": 1}])
 def test_node_refuses_bad_weights(weights) -> None:
     with pytest.raises(ValueError, match="positive finite") as e:
-        MixtureNode(_lists({"a": 5, "b": 5}), weights)
+        Mixture(_lists({"a": 5, "b": 5}), weights)
     assert repr(weights["a"]) in str(e.value)
 
 
 def test_node_refuses_mismatched_names() -> None:
     with pytest.raises(ValueError, match=r"\['a', 'c'\].*\['a', 'b'\]"):
-        MixtureNode(_lists({"a": 5, "b": 5}), {"a": 1, "c": 1})
+        Mixture(_lists({"a": 5, "b": 5}), {"a": 1, "c": 1})
 
 
 # ------------------------------------------------------------------ PackedDataset
@@ -193,9 +199,9 @@ def test_plain_urls_are_unchanged(sources) -> None:
     assert "mixture" not in ds.metrics()
 
 
-def test_dataset_refuses_finite_mixture_and_bad_weights(sources) -> None:
-    with pytest.raises(ValueError, match="epochs=None.*epochs=2.*ambiguous"):
-        _ds(_mix(sources), epochs=2)
+def test_dataset_refuses_bad_mixture_settings_and_weights(sources) -> None:
+    with pytest.raises(ValueError, match="stop='sometimes' must be one of"):
+        _ds(_mix(sources), epochs=2, mixture_stop="sometimes")
     with pytest.raises(ValueError, match=r"positive finite.*'code': -0.3"):
         _ds(_mix(sources, code=-0.3))
     with pytest.raises(ValueError, match="at least one source"):

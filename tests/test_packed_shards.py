@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
 from node_checks import check_save_load
-from streampack.batch import check_invariants, pack_batch
+
 from streampack.cli.main import main
-from streampack.pipeline.packed_source import PackedShardReader, is_packed_dataset, read_manifest
+from streampack.io.packed_format import is_packed_dataset, read_manifest
+from streampack.layout.batch import check_invariants, pack_batch
+from streampack.nodes.packed_reader import PackedShardReader
 
 
 def _pack(tmp_path: Path, docs, *, capacity: int, extra: list[str] = (), num_shards: int = 3, **kw) -> Path:
@@ -204,3 +206,47 @@ def test_repacking_a_folder_removes_stale_shards(tmp_path):
     assert main(["pack", *paths, "--out", str(out), "--capacity", "256", "--no-progress"]) == 0
     after = sorted(p.name for p in out.glob("packed-*.tar"))
     assert after == [s.name for s in read_manifest(out).shards] == ["packed-000000.tar"]
+
+
+def _targets_by_doc(ds) -> dict[str, tuple[list[int], list[int]]]:
+    """doc key -> (tokens, next-token labels) over every batch of a finite dataset."""
+    out = {}
+    for batch in ds:
+        cu, cup = batch.cu_seqlens.tolist(), batch.cu_seqlens_padded.tolist()
+        for i, key in enumerate(batch.doc_keys):
+            start, n = cup[i], cu[i + 1] - cu[i]
+            assert key not in out, f"{key} read twice"
+            out[key] = (batch.input_ids[start:start + n].tolist(), batch.labels[start:start + n].tolist())
+    return out
+
+
+def test_offline_pack_and_online_stream_give_the_same_targets(tmp_path):
+    """`streampack pack` reads through the pipeline's own graph: loss masks, labels, BOS/EOS and
+    the skip policy come out exactly as PackedDataset streams them (they were dropped before)."""
+    from streampack import PackedDataset
+    from streampack.cli.corpus import train_demo_tokenizer, write_demo_corpus
+
+    docs = make_token_docs(60, seed=5, min_len=2, max_len=90)
+    docs[7] = [5, -3, 9]  # a bad sample: skipped and counted
+    mask = [[int(j % 3 != 0) for j in range(len(d))] for d in docs]
+    jsonl = write_jsonl_shards(tmp_path / "tok", docs, 2, loss_mask=mask)
+    corpus = write_demo_corpus(tmp_path / "text", num_shards=1, docs_per_shard=30, vocab_size=300)
+    tok = train_demo_tokenizer(corpus, tmp_path / "tokenizer.json", vocab_size=300)
+    cases = [(jsonl, ["--loss-mask-key", "loss_mask", "--on-error", "skip"],
+              {"loss_mask_key": "loss_mask", "on_error": "skip"}),
+             (corpus, ["--tokenizer", tok, "--bos-id", "1", "--eos-id", "2"],
+              {"tokenizer": tok, "bos_id": 1, "eos_id": 2})]
+    for n, (urls, flags, kwargs) in enumerate(cases):
+        out = tmp_path / f"packed{n}"
+        assert main(["pack", *urls, "--out", str(out), "--capacity", "256", "--no-progress", *flags]) == 0
+        offline = _targets_by_doc(PackedDataset(str(out), capacity=256, epochs=1, shuffle=False))
+        online = _targets_by_doc(PackedDataset(urls, capacity=256, epochs=1, shuffle=False, window=16, **kwargs))
+        assert offline == online
+        assert len({re.sub(r"/\d+$", "", k) for k in online}) == (59 if n == 0 else 30)  # chunks of one doc
+        if n == 0:
+            assert read_manifest(out).extra["errors"]["counts"] == {"negative_id": 1}
+            assert any(-100 in labels and labels[:-1] != tokens[1:] for tokens, labels in online.values())
+        else:
+            # BOS opens every document (its first chunk when split), EOS closes every unsplit one
+            assert all(t[0] == 1 for k, (t, _) in online.items() if "/" not in k.split("#")[1] or k.endswith("/0"))
+            assert all(t[-1] == 2 for k, (t, _) in online.items() if "/" not in k.split("#")[1])

@@ -10,10 +10,10 @@ import pytest
 from helpers_data import make_token_docs, tar_members, write_jsonl_shards, write_tar
 from node_checks import ListSource, drain, make_samples
 
-from streampack.pipeline import urls as urls_mod
-from streampack.pipeline.errors import DataError, ErrorCounter
-from streampack.pipeline.source import ShardReader
-from streampack.pipeline.tokenize import Tokenize
+from streampack.errors import DataError, ErrorCounter
+from streampack.io import open as open_mod
+from streampack.nodes.reader import ShardReader
+from streampack.nodes.tokenize import Tokenize
 from streampack.sample import Sample
 
 
@@ -75,7 +75,7 @@ def test_jsonl_read_failure_is_retried_not_corrupt(tmp_path, monkeypatch, gz: bo
         opens.append(1)
         return Flaky(path, "rb")
 
-    monkeypatch.setattr(urls_mod, "_open_local", open_local)
+    monkeypatch.setattr(open_mod, "_open_local", open_local)
     assert [s.tokens.tolist() for s in ShardReader([url], epochs=1, retries=2)] == docs
     assert len(opens) == 3
 

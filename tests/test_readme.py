@@ -120,13 +120,13 @@ NAMES = {
                    "cp_unshard", "plan_dynamic_batches", "plan_packed_microbatches", "restore_order"],
     "streampack.attention": ["flex_block_mask", "sdpa_packed", "ssm_kwargs", "global_num_targets",
                              "global_num_sequences", "packed_cross_entropy", "leak_probe", "cp_rank_inputs",
-                             "cp_gather", "unpack_per_document", "unpack_padded", "token_logprobs"],
+                             "unpack_per_document", "unpack_padded", "token_logprobs"],
     "streampack.rl": ["apply_dynamic_plan", "apply_packed_plan", "MicroBatchPlan"],
     "streampack.packing": ["pack", "ALGORITHMS", "karmarkar_karp", "packing_metrics", "PackingMetrics",
                            "MetricsAccumulator"],
     "streampack.state": ["dataset_states", "load_loader_state"],
-    "streampack.pipeline.stages": ["NodeStage"],
-    "streampack.pipeline.errors": ["DataError"],
+    "streampack.nodes.stages": ["NodeStage"],
+    "streampack.errors": ["DataError"],
 }
 
 

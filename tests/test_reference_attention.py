@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-
+import helpers_layouts as layouts
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,6 @@ from streampack.attention import (
     sdpa_packed,
     varlen_attention_reference,
 )
-import helpers_layouts as layouts
 
 
 def random_batch(seed: int, *, num_packs: int = 3, capacity: int = 32, align: int = 4) -> PackedBatch:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from streampack.batch import check_invariants
+from streampack.layout.batch import check_invariants
 from streampack.rl import (
     apply_dynamic_plan,
     apply_packed_plan,

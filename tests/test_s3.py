@@ -26,10 +26,11 @@ from moto.server import ThreadedMotoServer
 
 from streampack.cli.main import main
 from streampack.dataset import PackedDataset
-from streampack.pipeline import s3 as s3_mod
-from streampack.pipeline.errors import DataError, ErrorCounter
-from streampack.pipeline.source import OFFSET_KEY, ShardReader
-from streampack.pipeline.urls import expand_urls, open_shard
+from streampack.errors import DataError, ErrorCounter
+from streampack.io import s3 as s3_mod
+from streampack.io.open import open_shard
+from streampack.io.urls import expand_urls
+from streampack.nodes.reader import OFFSET_KEY, ShardReader
 
 BUCKET = "streampack-test"
 DOCS = make_token_docs(30, seed=7, min_len=20, max_len=60)

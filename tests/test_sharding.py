@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
 
-from streampack.pipeline import sharding
-from streampack.pipeline.sharding import assign_shards, epoch_permutation, resolve_topology, resolve_worker
-from streampack.pipeline.source import ShardReader
+from streampack.nodes.reader import ShardReader
+from streampack.nodes.sharding import assign_shards, epoch_permutation
+from streampack.topology import Worker, current_worker, resolve_topology
 
 
 def roundtrip_state(state: dict) -> dict:
@@ -61,7 +61,7 @@ def test_bad_env_and_worker_args(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK"):
         resolve_topology()
-    assert resolve_worker() == (0, 1)
+    assert current_worker() == Worker(id=0, num_workers=0) and current_worker().readers == 1
     urls = write_tar_shards(tmp_path, make_token_docs(4), 2)
     with pytest.raises(ValueError, match="worker_id"):
         ShardReader(urls, worker_id=2, num_workers=2)
@@ -113,7 +113,7 @@ def test_coverage_dp4_workers2(tmp_path, fmt, num_shards):
 
 
 def test_split_shards_read_disjoint_bytes(tmp_path, monkeypatch):
-    from streampack.pipeline import urls as urls_mod
+    from streampack.io import open as open_mod
 
     (url,) = write_tar_shards(tmp_path, docs_with_ids(40), 1)
     spans: dict[int, list[tuple[int, int]]] = {}
@@ -127,7 +127,7 @@ def test_split_shards_read_disjoint_bytes(tmp_path, monkeypatch):
                 reads.append((pos, pos + len(data)))
                 return data
 
-        monkeypatch.setattr(urls_mod, "_open_local", lambda p: Tracking(p, "rb"))
+        monkeypatch.setattr(open_mod, "_open_local", lambda p: Tracking(p, "rb"))
         reader = ShardReader(url, worker_id=g, num_workers=4, epochs=1)
         reader.index(0)  # built (and cached) before tracking matters
         reads.clear()
@@ -214,4 +214,3 @@ def test_auto_topology_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     reader = ShardReader(urls, dp_rank=None, dp_size=None, worker_id=None, num_workers=None, epochs=1)
     assert reader.global_worker == 1 and reader.global_workers == 2
-    monkeypatch.setattr(sharding, "resolve_worker", lambda: (0, 1))

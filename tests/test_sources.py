@@ -22,11 +22,11 @@ from helpers_data import (
     write_tar_shards,
 )
 
-from streampack.pipeline import urls as urls_mod
-from streampack.pipeline.errors import DataError, ErrorCounter
-from streampack.pipeline.shard_index import INDEX_SUFFIX, load_or_build_index
-from streampack.pipeline.source import OFFSET_KEY, ShardReader
-from streampack.pipeline.urls import braceexpand, expand_urls
+from streampack.errors import DataError, ErrorCounter
+from streampack.io import open as open_mod
+from streampack.io.index import INDEX_SUFFIX, load_or_build_index
+from streampack.io.urls import expand_urls
+from streampack.nodes.reader import OFFSET_KEY, ShardReader
 
 TOKEN_FORMATS = ["tar-npy", "tar-json", "jsonl", "jsonl.gz"]
 TEXT_FORMATS = ["tar-txt", "tar-json", "jsonl", "jsonl.gz"]
@@ -101,7 +101,10 @@ def test_url_expansion(tmp_path):
     assert expand_urls(tmp_path) == paths
     assert expand_urls([paths[2], paths[0]]) == [paths[2], paths[0]]
     assert expand_urls(str(tmp_path / "shard-*.tar")) == paths
-    assert braceexpand("a{1..3}b{x,y}") == ["a1bx", "a1by", "a2bx", "a2by", "a3bx", "a3by"]
+    assert expand_urls("a{1..3}b{x,y}.tar") == [f"a{i}b{c}.tar" for i in (1, 2, 3) for c in "xy"]
+    # the hand-written expander got these wrong; the braceexpand package does not
+    assert expand_urls("x{a,{b,c}}.tar") == ["xa.tar", "xb.tar", "xc.tar"]
+    assert expand_urls("f{1..9..2}.jsonl") == ["f1.jsonl", "f3.jsonl", "f5.jsonl", "f7.jsonl", "f9.jsonl"]
     with pytest.raises(ValueError, match="format"):
         expand_urls("data.parquet")
     with pytest.raises(ValueError, match="matches no files"):
@@ -151,7 +154,7 @@ def test_resume_inside_shard_seeks_to_offset(tmp_path, fmt, monkeypatch):
     assert offset > os.path.getsize(url) // 2
 
     CountingFile.log = []
-    monkeypatch.setattr(urls_mod, "_open_local", lambda p: io.BufferedReader(CountingFile(p)))
+    monkeypatch.setattr(open_mod, "_open_local", lambda p: io.BufferedReader(CountingFile(p)))
     resumed = ShardReader(url, epochs=1)
     resumed.reset(state)
     tail = list(resumed)
@@ -186,7 +189,7 @@ def test_index_records_lengths_and_is_cached(tmp_path, monkeypatch):
     assert load_or_build_index(url).lengths == [len(d) for d in docs[:5]]
 
     # read-only shard directory: falls back to the cache dir
-    import streampack.pipeline.shard_index as si
+    import streampack.io.index as si
 
     real_mkstemp = si.tempfile.mkstemp
     ro_dir = str(tmp_path / "ro")
@@ -431,7 +434,7 @@ def test_read_failure_reopens_at_offset(tmp_path, monkeypatch):
         opens.append(1)
         return Flaky(path, "rb")
 
-    monkeypatch.setattr(urls_mod, "_open_local", open_local)
+    monkeypatch.setattr(open_mod, "_open_local", open_local)
     assert [s.tokens.tolist() for s in read_all(url, retries=2)] == docs
     assert len(opens) == 3
     opens.clear()

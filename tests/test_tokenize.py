@@ -7,7 +7,7 @@ import pytest
 from node_checks import ListSource, check_save_load, drain, make_samples
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from streampack.pipeline.tokenize import Tokenize, make_encoder
+from streampack.nodes.tokenize import Tokenize, make_encoder
 from streampack.sample import Sample
 
 

@@ -8,12 +8,12 @@ import importlib.util
 import random
 from pathlib import Path
 
+import helpers_layouts as layouts
 import torch
 import torch.nn.functional as F
 
 from streampack import PackedBatch
 from streampack.attention import global_num_targets, packed_cross_entropy
-import helpers_layouts as layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, STEPS, DOCS_PER_STEP = 64, 20, 6

@@ -7,11 +7,11 @@ import pytest
 from node_checks import ListSource, check_save_load, lognormal_lengths, make_samples
 
 from streampack import packing
-from streampack.batch import check_invariants
-from streampack.pipeline.collate import ThdCollate, is_filler
-from streampack.pipeline.overlong_node import OverlongNode
-from streampack.pipeline.stages import MapSamples
-from streampack.pipeline.window_packer import WindowPacker, fill
+from streampack.layout.batch import check_invariants
+from streampack.nodes.collate import ThdCollate, is_filler
+from streampack.nodes.overlong import OverlongNode
+from streampack.nodes.stages import MapSamples
+from streampack.nodes.window_packer import WindowPacker, fill
 
 CAP = 256
 

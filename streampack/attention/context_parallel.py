@@ -2,11 +2,11 @@
 
 Rank ``r`` of ``W`` holds, from every document (padded span ``L``, chunk ``c = L / 2W``), an
 early chunk ``A = [r·c, (r+1)·c)`` and a late chunk ``B = [(2W−1−r)·c, (2W−r)·c)``
-(:mod:`streampack.cp`). What each consumer needs on that rank:
+(:mod:`streampack.layout.cp`). What each consumer needs on that rank:
 
 * **Transformer Engine / Megatron**: the rank's local tokens with the *global* ``cu_seqlens``
   and ``cu_seqlens_padded`` (TE divides by ``cp_size`` itself, after
-  ``set_context_parallel_group``): :func:`streampack.attention.adapters.te_kwargs` unchanged.
+  ``set_context_parallel_group``): :func:`streampack.layout.adapters.te_kwargs` unchanged.
 * **flash-attn varlen / torch varlen_attn** (all-gather-KV context parallelism): every local
   chunk is its own query span, and its key span is its document's *prefix* up to the chunk's
   end, taken from the gathered K/V with ``k_indices``. Causal attention in these kernels is
@@ -16,21 +16,25 @@ early chunk ``A = [r·c, (r+1)·c)`` and a late chunk ``B = [(2W−1−r)·c, (2
 * **SDPA reference**: ``sdpa_packed(q_local, k_full, v_full, shard)`` (the shard's
   ``indices`` select the query rows of the global mask).
 
-Outputs come back in document order with :func:`cp_gather` (``cp_unshard``). HF transformers
+Outputs come back in document order with :func:`streampack.layout.cp.cp_unshard`. HF transformers
 models have no THD context-parallel path; use CP = 1 there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from streampack.attention.adapters import KwargsRecord, TEKwargs, packed_seq_params, te_kwargs
-from streampack.batch import PackedBatch
-from streampack.cp import CPShard, cp_shard, cp_unshard
+from streampack.layout.adapters import (
+    KwargsRecord,
+    TEKwargs,
+    packed_seq_params,
+    te_kwargs,
+)
+from streampack.layout.batch import PackedBatch
+from streampack.layout.cp import CPShard, cp_shard
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -111,9 +115,3 @@ def cp_rank_inputs(batch: PackedBatch, cp_size: int, cp_rank: int) -> CPRankInpu
         packed_seq_params=packed_seq_params(batch),
         flash=cp_flash_attn_inputs(batch, cp_size, cp_rank),
     )
-
-
-def cp_gather(parts: Sequence[torch.Tensor], batch: PackedBatch) -> torch.Tensor:
-    """Per-rank outputs ``parts[r] [T/W, ...]`` back to ``[T, ...]`` in document order (what an
-    all-gather followed by this reordering gives every rank)."""
-    return cp_unshard(parts, batch.cu_seqlens_padded)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from streampack.batch import PackedBatch
+from streampack.layout.batch import PackedBatch
 
 REDUCTIONS = ("token", "sequence")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from streampack.batch import PackedBatch
+from streampack.layout.batch import PackedBatch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -70,7 +70,7 @@ def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_or_meta
     q: ``[Tq, H, D]``; k, v: ``[T, Hkv, D]`` covering the whole batch (``Hkv`` may divide
     ``H``: grouped-query attention). ``Tq == T`` normally. Under context parallelism ``q`` holds
     one rank's tokens and ``k, v`` the gathered full batch: give ``q_indices`` (the global
-    index of each query row), or pass a :class:`~streampack.cp.CPShard` as ``batch_or_meta``,
+    index of each query row), or pass a :class:`~streampack.layout.cp.CPShard` as ``batch_or_meta``,
     whose ``indices`` are used. Returns ``[Tq, H, D]``.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:

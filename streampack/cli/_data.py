@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,96 +28,87 @@ def no_bar(no_progress: bool) -> bool | None:
     return True if no_progress else None
 
 
-def load_encoder(path: str | None) -> Callable[[list[str]], list[list[int]]] | None:
+def check_tokenizer(path: str | None) -> None:
+    """Fail with one line before any data is read (the Tokenize node loads it again)."""
     if path is None:
-        return None
+        return
     if not os.path.isfile(path):
         raise CliError(f"--tokenizer {path!r}: no such file (want a tokenizer.json)")
-    from streampack.pipeline.tokenize import make_encoder
+    from streampack.nodes.tokenize import make_encoder
 
     try:
-        return make_encoder(path)
-    except Exception as e:  # tokenizers raises its own exception type for a bad file
-        raise CliError(f"--tokenizer {path!r}: cannot load it: {e}") from None
+        make_encoder(path)
+    except ValueError as e:
+        raise CliError(f"--tokenizer {path!r}: {e}") from None
 
 
-def read_samples(urls: Sequence[str], *, tokens_key: str = "input_ids", text_key: str = "text",
-                 on_error: str = "raise", retries: int = 3) -> Iterator[Sample]:
-    """Every sample of ``urls`` once, in shard order (no shuffle, one epoch, one worker)."""
-    from streampack.pipeline.packed_source import is_packed_dataset
-    from streampack.pipeline.source import ShardReader
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DocumentOptions:
+    """What ``pack`` and ``inspect`` read, with the same meaning as ``PackedDataset``'s options."""
 
-    if is_packed_dataset(list(urls) if len(urls) > 1 else urls[0]):
-        raise CliError(f"{' '.join(map(str, urls))} is the output of `streampack pack` (packs, not "
-                       "documents; its manifest.json holds the pack lengths and metrics): give the "
-                       "original shards")
-
-    reader = ShardReader(list(urls), seed=0, shuffle=False, epochs=1, dp_rank=0, dp_size=1,
-                         worker_id=0, num_workers=1, tokens_key=tokens_key, text_key=text_key,
-                         on_error=on_error, retries=retries)
-    reader.reset(None)
-    while True:
-        try:
-            yield reader.next()
-        except StopIteration:
-            return
+    tokenizer: str | None = None
+    tokens_key: str = "input_ids"
+    text_key: str = "text"
+    labels_key: str | None = None
+    loss_mask_key: str | None = None
+    bos_id: int | None = None
+    eos_id: int | None = None
+    on_error: str = "raise"
+    retries: int = 3
 
 
-def tokenized(samples: Iterator[Sample], encode: Callable[[list[str]], list[list[int]]] | None,
-              block: int = 256) -> Iterator[Sample]:
-    """Samples with tokens: text samples are encoded in blocks with ``encode``; without an
-    encoder a text sample is an error (``pack`` needs real token ids)."""
-    pending: list[Sample] = []
+class Documents:
+    """Every sample of ``urls`` once, in shard order (no shuffle, one epoch, one reader),
+    through the pipeline's own graph (:func:`streampack.graph.build_samples`): the same decoding, tokenization, BOS/EOS, labels, loss
+    masks and error policy as ``PackedDataset``, so offline packs and an online stream of the
+    same data carry the same targets."""
 
-    def flush() -> Iterator[Sample]:
-        ids = encode([s.text for s in pending])  # type: ignore[misc]
-        for s, t in zip(pending, ids):
-            if len(t):
-                yield replace(s, text=None, tokens=np.asarray(t, dtype=np.int64))
-        pending.clear()
+    def __init__(self, urls: Sequence[str], opts: DocumentOptions, *, capacity: int) -> None:
+        from streampack.graph import (
+            Placement,
+            ReadOptions,
+            Sources,
+            StreamConfig,
+            build_samples,
+        )
+        from streampack.io.packed_format import is_packed_dataset
+        from streampack.io.urls import ShardList
 
-    for s in samples:
-        if s.tokens is not None:
-            yield s
-            continue
-        if encode is None:
-            raise CliError(f"sample {s.doc_key!r} is text: pass --tokenizer PATH/tokenizer.json")
-        pending.append(s)
-        if len(pending) >= block:
-            yield from flush()
-    if pending:
-        yield from flush()
+        if is_packed_dataset(list(urls) if len(urls) > 1 else urls[0]):
+            raise CliError(f"{' '.join(map(str, urls))} is the output of `streampack pack` (packs, not "
+                           "documents; its manifest.json holds the pack lengths and metrics): give the "
+                           "original shards")
+        check_tokenizer(opts.tokenizer)
+        config = StreamConfig(capacity=capacity, tokens_key=opts.tokens_key, text_key=opts.text_key,
+                              labels_key=opts.labels_key, loss_mask_key=opts.loss_mask_key, shuffle=False,
+                              epochs=1, on_error=opts.on_error, bos_id=opts.bos_id, eos_id=opts.eos_id)
+        node, self.nodes = build_samples(config, Sources(shards=ShardList.of(list(urls))), Placement(),
+                                         options=ReadOptions(retries=opts.retries), tokenizer=opts.tokenizer)
+        node.reset(None)
+        self.root = node
+
+    def __iter__(self) -> Iterator[Sample]:
+        while True:
+            try:
+                yield next(self.root)
+            except StopIteration:
+                return
 
 
-def sample_lengths(samples: Iterator[Sample], encode: Callable[[list[str]], list[list[int]]] | None,
-                   progress: Callable[[int], Any] | None = None) -> tuple[np.ndarray, str]:
+def sample_lengths(samples: Iterator[Sample], progress: Callable[[int], Any] | None = None) -> tuple[np.ndarray, str]:
     """Token length of every sample, and the unit: ``tokens``, or ``whitespace words`` for
     text samples read without a tokenizer (an estimate; BPE gives ~1.2-1.5 tokens per word)."""
     lengths: list[int] = []
     unit = "tokens"
-    pending: list[tuple[int, str]] = []  # (position in lengths, text): encoded in blocks
-
-    def flush() -> None:
-        for (i, _), ids in zip(pending, encode([t for _, t in pending])):  # type: ignore[misc]
-            lengths[i] = len(ids)
-        pending.clear()
-
     for s in samples:
         if s.tokens is not None:
             lengths.append(len(s.tokens))
-        elif encode is not None:
-            pending.append((len(lengths), s.text or ""))
-            lengths.append(0)  # filled by flush(), so lengths keep the stream's order
-            if len(pending) >= 256:
-                flush()
         else:
             unit = "whitespace words"
             lengths.append(len((s.text or "").split()))
         if progress is not None:
             progress(1)
-    if pending:
-        flush()
     return np.asarray(lengths, dtype=np.int64), unit
 
 
-__all__ = ["CliError", "describe", "load_encoder", "no_bar", "read_samples", "sample_lengths", "tokenized"]
+__all__ = ["CliError", "DocumentOptions", "Documents", "check_tokenizer", "describe", "no_bar", "sample_lengths"]

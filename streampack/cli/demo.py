@@ -1,6 +1,6 @@
 """``streampack demo``: the whole pipeline on a synthetic long-tail corpus, nothing downloaded.
 
-First run: writes the corpus (``streampack.corpus``, 8 tar shards of text, ~50 MB, ~3 s) and
+First run: writes the corpus (``streampack.cli.corpus``, 8 tar shards of text, ~50 MB, ~3 s) and
 trains a byte-level BPE on its first 4 MB (~1 s) into the cache directory; later runs reuse
 both. Then it streams the shards through ``PackedDataset`` (tokenize -> overlong split ->
 window packer -> THD collate) and reports fill against padding on the same documents,
@@ -62,7 +62,7 @@ def prepare_corpus(root: Path, *, num_shards: int, docs_per_shard: int, seed: in
     whether they were reused."""
     from tqdm import tqdm
 
-    from streampack.corpus import train_demo_tokenizer, write_demo_corpus
+    from streampack.cli.corpus import train_demo_tokenizer, write_demo_corpus
 
     folder = root / f"corpus-{num_shards}x{docs_per_shard}-seed{seed}"
     marker = folder / "corpus.json"
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.max_seconds <= 0:
         raise CliError(f"--max-seconds={args.max_seconds} must be > 0")
-    from streampack.batch import alignment
+    from streampack.layout.batch import alignment
     from streampack.packing import ALGORITHMS
 
     if args.algorithm not in ALGORITHMS:  # checked before the corpus is written

@@ -1,7 +1,7 @@
 """``streampack inspect``: length statistics of a dataset and the fill each algorithm would reach.
 
 Offline fill packs all lengths at once (what ``streampack pack`` gets). Windowed fill runs the
-real :class:`~streampack.pipeline.window_packer.WindowPacker` over zero-cost stand-in samples
+real :class:`~streampack.nodes.window_packer.WindowPacker` over zero-cost stand-in samples
 that carry only a length (a read-only zero-stride array), so the projection is exactly what
 ``PackedDataset`` would reach with that window, without reading tokens twice. Overlong
 documents are counted split into ``capacity``-token chunks (the ``split`` policy).
@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack.cli._data import CliError, describe, load_encoder, no_bar, read_samples, sample_lengths
+from streampack.cli._data import (
+    CliError,
+    DocumentOptions,
+    Documents,
+    describe,
+    no_bar,
+    sample_lengths,
+)
 from streampack.sample import Sample
 
 DEFAULT_WINDOWS = (64, 256, 1024, 4096)
@@ -82,7 +89,7 @@ class LengthSource(BaseNode[Sample]):
 
 def windowed_fill(lengths: np.ndarray, capacity: int, window: int, algorithm: str, seed: int = 0) -> float:
     """Fill the streaming window packer reaches on ``lengths`` (each <= capacity), in order."""
-    from streampack.pipeline.window_packer import WindowPacker, fill
+    from streampack.nodes.window_packer import WindowPacker, fill
 
     packer = WindowPacker(LengthSource(lengths), capacity=capacity, window=window, algorithm=algorithm, seed=seed)
     packer.reset(None)
@@ -190,12 +197,13 @@ def run(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):
             raise CliError(f"--plot {args.plot!r}: no such directory {folder!r}")
-    encode = load_encoder(args.tokenizer)
     if args.retries < 0:
         raise CliError(f"--retries={args.retries} must be >= 0")
-    samples = read_samples(args.urls, tokens_key=args.tokens_key, text_key=args.text_key, retries=args.retries)
+    opts = DocumentOptions(tokenizer=args.tokenizer, tokens_key=args.tokens_key, text_key=args.text_key,
+                           retries=args.retries)
+    samples = Documents(args.urls, opts, capacity=args.capacity)
     with tqdm(desc="reading", unit="sample", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
-        lengths, unit = sample_lengths(samples, encode, progress=bar.update)
+        lengths, unit = sample_lengths(iter(samples), progress=bar.update)
     lengths = lengths[lengths > 0]
     if len(lengths) == 0:
         raise CliError(f"no non-empty samples in {args.urls}")

@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from streampack.cli._data import CliError, describe, load_encoder, no_bar, read_samples, tokenized
-from streampack.overlong import POLICIES, OverlongCounters, apply_overlong
+from streampack.cli._data import CliError, DocumentOptions, Documents, describe, no_bar
+from streampack.errors import ON_ERROR_CHOICES
+from streampack.nodes.overlong import POLICIES, OverlongCounters, apply_overlong
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -40,6 +41,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json for text shards")
     p.add_argument("--tokens-key", default="input_ids", help="field holding token ids (default %(default)s)")
     p.add_argument("--text-key", default="text", help="json field holding text (default %(default)s)")
+    p.add_argument("--labels-key", default=None, help="json field with each sample's own unshifted labels")
+    p.add_argument("--loss-mask-key", default=None, help="json field with a per-token 0/1 loss mask")
+    p.add_argument("--bos-id", type=int, default=None, help="id added before each tokenized text")
+    p.add_argument("--eos-id", type=int, default=None, help="id added after each tokenized text")
+    p.add_argument("--on-error", default="raise", choices=ON_ERROR_CHOICES,
+                   help="bad samples: raise (default) or skip and count them")
     p.add_argument("--overlong", default="split", choices=POLICIES, help="documents longer than capacity (default split)")
     p.add_argument("--packs-per-shard", type=int, default=1000, help="packs per output tar shard (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of randomized algorithms")
@@ -67,9 +74,9 @@ def _overlong_summary(c: OverlongCounters) -> str:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from streampack.batch import alignment
+    from streampack.io.packed_writer import write_packed_dataset
+    from streampack.layout.batch import alignment
     from streampack.packing import ALGORITHMS, pack
-    from streampack.pipeline.packed_writer import write_packed_dataset
 
     if args.algorithm not in ALGORITHMS:
         raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")
@@ -83,16 +90,18 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--capacity={args.capacity} must be a positive multiple of the alignment "
                        f"{align} (from cp_size={args.cp_size}, tp_size={args.tp_size}, "
                        f"align_multiple={args.align_multiple})")
-    encode = load_encoder(args.tokenizer)
+    opts = DocumentOptions(tokenizer=args.tokenizer, tokens_key=args.tokens_key, text_key=args.text_key,
+                           labels_key=args.labels_key, loss_mask_key=args.loss_mask_key, bos_id=args.bos_id,
+                           eos_id=args.eos_id, on_error=args.on_error, retries=args.retries)
+    samples = Documents(args.urls, opts, capacity=args.capacity)
     counters = OverlongCounters()
     docs = []
     start = time.perf_counter()
-    samples = tokenized(read_samples(args.urls, tokens_key=args.tokens_key, text_key=args.text_key,
-                                     retries=args.retries), encode)
     with tqdm(desc="reading", unit="sample", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
         for s in samples:
-            if len(s):
-                docs.extend(apply_overlong(s, args.capacity, args.overlong, counters))
+            if s.tokens is None:
+                raise CliError(f"sample {s.doc_key!r} is text: pass --tokenizer PATH/tokenizer.json")
+            docs.extend(apply_overlong(s, args.capacity, args.overlong, counters))
             bar.update(1)
     if not docs:
         raise CliError(f"no non-empty samples in {args.urls}")
@@ -108,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             tp_size=args.tp_size, algorithm=args.algorithm, seed=args.seed,
             packs_per_shard=args.packs_per_shard, metrics=metrics, progress=bar.update,
             extra={"sources": [str(u) for u in args.urls], "overlong": args.overlong,
-                   "overlong_counters": counters.as_dict()},
+                   "overlong_counters": counters.as_dict(), "errors": samples.nodes["errors"].as_dict()},
         )
     seconds = time.perf_counter() - start
     print(f"packed {len(docs):,} documents ({int(lengths.sum()):,} tokens) into {manifest.num_packs:,} "

@@ -22,7 +22,11 @@ from streampack.packing.best_fit import bfd
 from streampack.packing.first_fit import ffd, ffs, mffd
 from streampack.packing.histogram import histogram
 from streampack.packing.karmarkar_karp import karmarkar_karp, kk
-from streampack.packing.metrics import MetricsAccumulator, PackingMetrics, packing_metrics
+from streampack.packing.metrics import (
+    MetricsAccumulator,
+    PackingMetrics,
+    packing_metrics,
+)
 from streampack.packing.sequential import greedy, shuffle_pack
 
 Algorithm = Callable[..., list[np.ndarray]]

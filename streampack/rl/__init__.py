@@ -10,7 +10,11 @@ from streampack.rl.apply import (
     apply_packed_plan,
     restore_order,
 )
-from streampack.rl.plan import MicroBatchPlan, plan_dynamic_batches, plan_packed_microbatches
+from streampack.rl.plan import (
+    MicroBatchPlan,
+    plan_dynamic_batches,
+    plan_packed_microbatches,
+)
 
 __all__ = [
     "DynamicMicroBatch", "MicroBatchPlan", "apply_dynamic_plan", "apply_packed_plan",

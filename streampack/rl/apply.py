@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from streampack.batch import PackedBatch, pack_batch
+from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.rl.plan import MicroBatchPlan
 
 

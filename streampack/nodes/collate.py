@@ -1,4 +1,4 @@
-"""Collate stage: ``packs_per_batch`` packs -> one THD :class:`~streampack.batch.PackedBatch`.
+"""Collate stage: ``packs_per_batch`` packs -> one THD :class:`~streampack.layout.batch.PackedBatch`.
 
 Finite streams: the last batch may hold fewer packs. With ``num_batches`` set (a per-worker
 quota, used by ``PackedDataset(batches_per_epoch=...)`` so every rank yields the same count),
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack.batch import PackedBatch, pack_batch
+from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.sample import Sample
 
 FILLER_KEY = "<filler>"
@@ -27,7 +27,7 @@ def is_filler(batch: PackedBatch) -> bool:
 
 
 class ThdCollate(BaseNode[PackedBatch]):
-    """Groups packs from a :class:`~streampack.pipeline.window_packer.WindowPacker`."""
+    """Groups packs from a :class:`~streampack.nodes.window_packer.WindowPacker`."""
 
     SOURCE_KEY = "source"
     YIELDED_KEY = "yielded"

@@ -1,95 +1,87 @@
-"""Bad input: the error type, the raise/skip policy, per-reason counters, and field validators.
+"""Raw fields -> a validated :class:`~streampack.sample.Sample`, shared by every shard format.
 
-Every problem found in the data becomes a :class:`DataError` whose message names the shard URL,
-the sample key and the offending value (webdataset-style: errors carry provenance). The reader
-hands each one to an :class:`ErrorPolicy`: ``"raise"`` re-raises it, ``"skip"`` drops the sample
-(or, for ``corrupt_shard``, the rest of the shard) and counts it in an :class:`ErrorCounter`.
-
-Reasons used by the readers: ``corrupt_shard``, ``missing_shard``, ``unreachable_url``,
-``empty_sample``, ``bad_utf8``, ``bad_json``, ``bad_dtype``, ``negative_id``,
-``non_integer_id``, ``missing_field``, ``bad_labels``, ``bad_loss_mask``, ``duplicate_member``.
+A record (a jsonl line, a tar sample's members) names its pre-tokenized ids, its text, and
+optionally its own labels and loss mask; every value is checked here, once, and a problem
+becomes a :class:`~streampack.errors.DataError` naming shard, key and value.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, Literal
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-OnError = Literal["raise", "skip"]
-ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "skip")
-_VALUE_REPR_CHARS = 80
+from streampack.errors import DataError
+from streampack.sample import Sample
 
 
-class DataError(ValueError):
-    """A bad shard or sample. ``reason`` is the counter key; ``url``/``key`` say where."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeOptions:
+    """Which fields of a record hold what; one value passed from the reader to the sources."""
 
-    def __init__(self, reason: str, detail: str, *, url: str, key: str = "", value: Any = None) -> None:
-        where = [f"shard={url!r}"]
-        if key:  # shard-level errors (missing, unreachable) have no sample key
-            where.append(f"key={key!r}")
-        if value is not None and not (isinstance(value, str) and value == url):
-            shown = repr(value)
-            if len(shown) > _VALUE_REPR_CHARS:
-                shown = shown[: _VALUE_REPR_CHARS - 3] + "..."
-            where.append(f"value={shown}")
-        super().__init__(f"{reason}: {detail} ({', '.join(where)})")
-        self.reason = reason
-        self.url = url
-        self.key = key
-        self.value = value
+    tokens_key: str = "input_ids"
+    """json field (or ``<tokens_key>.npy`` tar member) holding pre-tokenized ids."""
+    text_key: str = "text"
+    """json field holding raw text."""
+    labels_key: str | None = None
+    """json field holding per-token labels (a ``labels.npy`` tar member is always read)."""
+    loss_mask_key: str | None = None
+    """json field holding a per-token 0/1 loss mask (``loss_mask.npy`` is always read)."""
+    allow_pickle: bool = False
+    """Unpickle ``.pyd``/``.pickle``/``.pkl`` tar members (arbitrary code execution)."""
 
 
-class ErrorCounter:
-    """Counts of :class:`DataError` per reason plus the last ``keep`` messages.
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One decoded sample (or the error it raised) with where the *next* one starts."""
 
-    Shared freely between nodes; no node state holds it. ``PackedDataset`` saves it in the
-    state's metrics and loads it back after a restore (see ``PackedDataset.__iter__``).
-    """
-
-    def __init__(self, keep: int = 8) -> None:
-        if keep < 0:
-            raise ValueError(f"{keep=} must be >= 0")
-        self.counts: dict[str, int] = {}
-        self.recent: deque[str] = deque(maxlen=keep)
-
-    def record(self, err: DataError) -> None:
-        self.counts[err.reason] = self.counts.get(err.reason, 0) + 1
-        self.recent.append(str(err))
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def as_dict(self) -> dict[str, Any]:
-        """``{"counts": {reason: n}, "total": n, "recent": [message, ...]}`` (plain data)."""
-        return {"counts": dict(self.counts), "total": self.total, "recent": list(self.recent)}
-
-    def load(self, saved: dict[str, Any]) -> None:
-        """Replace the counts (and recent messages) with an :meth:`as_dict` taken earlier."""
-        self.counts = {str(k): int(v) for k, v in saved.get("counts", {}).items()}
-        self.recent.clear()
-        self.recent.extend(saved.get("recent", ()))
-
-    def __repr__(self) -> str:
-        return f"ErrorCounter({self.counts})"
+    sample: Sample | None
+    error: DataError | None
+    next_offset: int
+    next_index: int
+    at_end: bool
 
 
-class ErrorPolicy:
-    """Applies ``on_error`` to a :class:`DataError`: always count it, then raise or not."""
+def make_sample(
+    *, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None
+) -> Sample:
+    """Validate raw fields into a :class:`Sample`; raises :class:`DataError`."""
+    tok = txt = None
+    if tokens is not None:
+        tok = validate_tokens(tokens, url=url, key=key)
+    elif text is not None:
+        txt = validate_text(text, url=url, key=key)
+    else:
+        raise DataError("missing_field", "sample has neither tokens nor text", url=url, key=key, value=None)
+    length = None if tok is None else tok.shape[0]
+    lab = None if labels is None else validate_per_token(labels, length, what="labels", url=url, key=key)
+    mask = None if loss_mask is None else validate_per_token(loss_mask, length, what="loss_mask", url=url, key=key)
+    return Sample(key=key, url=url, tokens=tok, text=txt, labels=lab, loss_mask=mask)
 
-    def __init__(self, on_error: str, errors: ErrorCounter | None) -> None:
-        if on_error not in ON_ERROR_CHOICES:
-            raise ValueError(f"{on_error=} must be one of {ON_ERROR_CHOICES}")
-        self.on_error = on_error
-        self.errors = errors if errors is not None else ErrorCounter()
 
-    def handle(self, err: DataError) -> None:
-        """Record ``err``; raise it under ``"raise"``, return (the caller skips) under ``"skip"``."""
-        self.errors.record(err)
-        if self.on_error == "raise":
-            raise err
+def parse_json_object(raw: bytes, *, url: str, key: str) -> dict[str, Any]:
+    text = validate_text(raw, url=url, key=key) if raw.strip() else ""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError("bad_json", str(e), url=url, key=key, value=text) from None
+    if not isinstance(obj, dict):
+        raise DataError("bad_json", f"want a json object, got {type(obj).__name__}", url=url, key=key, value=obj)
+    return obj
+
+
+def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, key: str) -> Sample:
+    return make_sample(
+        url=url,
+        key=key,
+        tokens=record.get(opts.tokens_key),
+        text=record.get(opts.text_key),
+        labels=record.get(opts.labels_key) if opts.labels_key else None,
+        loss_mask=record.get(opts.loss_mask_key) if opts.loss_mask_key else None,
+    )
 
 
 def validate_tokens(value: Any, *, url: str, key: str) -> np.ndarray:

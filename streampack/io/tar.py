@@ -24,8 +24,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from streampack.pipeline.errors import DataError
-from streampack.pipeline.jsonl_source import DecodeOptions, Item, make_sample, parse_json_object
+from streampack.errors import DataError
+from streampack.io.decode import DecodeOptions, Item, make_sample, parse_json_object
 from streampack.sample import Sample
 
 BLOCK = 512

@@ -19,84 +19,16 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, BinaryIO
+from collections.abc import Iterator
+from typing import BinaryIO
 
-from streampack.pipeline.errors import DataError, validate_per_token, validate_text, validate_tokens
-from streampack.sample import Sample
-
+from streampack.errors import DataError
+from streampack.io.decode import DecodeOptions, Item, decode_record, parse_json_object
 
 DECOMPRESS_ERRORS: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error)
 """What a damaged ``.gz`` raises while inflating (``zlib.error`` for bad deflate data, which is
 neither an ``OSError`` nor an ``EOFError``). Other ``OSError``s are I/O failures (a dropped
 connection): they propagate so the reader reopens the shard at the recorded offset and retries."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DecodeOptions:
-    """Which fields of a record hold what; one value passed from the reader to the sources."""
-
-    tokens_key: str = "input_ids"
-    """json field (or ``<tokens_key>.npy`` tar member) holding pre-tokenized ids."""
-    text_key: str = "text"
-    """json field holding raw text."""
-    labels_key: str | None = None
-    """json field holding per-token labels (a ``labels.npy`` tar member is always read)."""
-    loss_mask_key: str | None = None
-    """json field holding a per-token 0/1 loss mask (``loss_mask.npy`` is always read)."""
-    allow_pickle: bool = False
-    """Unpickle ``.pyd``/``.pickle``/``.pkl`` tar members (arbitrary code execution)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Item:
-    """One decoded sample (or the error it raised) with where the *next* one starts."""
-
-    sample: Sample | None
-    error: DataError | None
-    next_offset: int
-    next_index: int
-    at_end: bool
-
-
-def make_sample(
-    *, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None
-) -> Sample:
-    """Validate raw fields into a :class:`Sample`; raises :class:`DataError`."""
-    tok = txt = None
-    if tokens is not None:
-        tok = validate_tokens(tokens, url=url, key=key)
-    elif text is not None:
-        txt = validate_text(text, url=url, key=key)
-    else:
-        raise DataError("missing_field", "sample has neither tokens nor text", url=url, key=key, value=None)
-    length = None if tok is None else tok.shape[0]
-    lab = None if labels is None else validate_per_token(labels, length, what="labels", url=url, key=key)
-    mask = None if loss_mask is None else validate_per_token(loss_mask, length, what="loss_mask", url=url, key=key)
-    return Sample(key=key, url=url, tokens=tok, text=txt, labels=lab, loss_mask=mask)
-
-
-def parse_json_object(raw: bytes, *, url: str, key: str) -> dict[str, Any]:
-    text = validate_text(raw, url=url, key=key) if raw.strip() else ""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError("bad_json", str(e), url=url, key=key, value=text) from None
-    if not isinstance(obj, dict):
-        raise DataError("bad_json", f"want a json object, got {type(obj).__name__}", url=url, key=key, value=obj)
-    return obj
-
-
-def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, key: str) -> Sample:
-    return make_sample(
-        url=url,
-        key=key,
-        tokens=record.get(opts.tokens_key),
-        text=record.get(opts.text_key),
-        labels=record.get(opts.labels_key) if opts.labels_key else None,
-        loss_mask=record.get(opts.loss_mask_key) if opts.loss_mask_key else None,
-    )
 
 
 def text_stream(raw: BinaryIO, url: str) -> BinaryIO:
@@ -176,4 +108,4 @@ def _cheap_length(line: bytes, opts: DecodeOptions) -> int:
     return len(ids) if isinstance(ids, list) else -1
 
 
-__all__ = ["DecodeOptions", "Item", "decode_record", "iter_jsonl_items", "make_sample", "scan_jsonl", "text_stream"]
+__all__ = ["DECOMPRESS_ERRORS", "iter_jsonl_items", "scan_jsonl", "text_stream"]

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from streampack.documents import (
+from streampack.layout import adapters
+from streampack.layout.documents import (
     alloc_extras,
     check_doc,
     check_extras,
@@ -112,27 +113,19 @@ class PackedBatch:
     def pin_memory(self) -> PackedBatch:
         return self.map_tensors(lambda t: t.pin_memory())
 
-    # Consumer adapters live in streampack.attention.adapters (documented there); these are
-    # their front doors, so `model(**batch.hf_inputs())` needs no extra import.
-    def flash_attn_kwargs(self, *, causal: bool = True) -> Any:
-        from streampack.attention.adapters import flash_attn_kwargs
+    # The consumer adapters are documented in streampack.layout.adapters; these are their front
+    # doors, so `model(**batch.hf_inputs())` needs no extra import.
+    def flash_attn_kwargs(self, *, causal: bool = True) -> adapters.FlashAttnKwargs:
+        return adapters.flash_attn_kwargs(self, causal=causal)
 
-        return flash_attn_kwargs(self, causal=causal)
-
-    def te_kwargs(self, *, causal: bool = True) -> Any:
-        from streampack.attention.adapters import te_kwargs
-
-        return te_kwargs(self, causal=causal)
+    def te_kwargs(self, *, causal: bool = True) -> adapters.TEKwargs:
+        return adapters.te_kwargs(self, causal=causal)
 
     def packed_seq_params(self, *, causal: bool = True) -> Any:
-        from streampack.attention.adapters import packed_seq_params
+        return adapters.packed_seq_params(self, causal=causal)
 
-        return packed_seq_params(self, causal=causal)
-
-    def hf_inputs(self) -> Any:
-        from streampack.attention.adapters import hf_inputs
-
-        return hf_inputs(self)
+    def hf_inputs(self) -> adapters.HFInputs:
+        return adapters.hf_inputs(self)
 
 
 def alignment(cp_size: int = 1, tp_size: int = 1, *, sequence_parallel: bool = True,

@@ -1,4 +1,4 @@
-"""What :func:`~streampack.batch.pack_batch` accepts, checked before anything is laid out.
+"""What :func:`~streampack.layout.batch.pack_batch` accepts, checked before anything is laid out.
 
 A document arrives as a :class:`~streampack.sample.Sample`, a mapping or a plain id sequence;
 every form ends as a Sample whose per-token fields (labels, loss mask, extras) have exactly one
@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from streampack.sample import Sample
-
 
 _HF_IGNORE = -100
 """What :class:`~streampack.sample.Sample` labels use for "not supervised" (HF convention)."""

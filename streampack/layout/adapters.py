@@ -1,4 +1,4 @@
-"""One :class:`~streampack.batch.PackedBatch`, each attention consumer's own convention.
+"""One :class:`~streampack.layout.batch.PackedBatch`, each attention consumer's own convention.
 
 Every adapter returns a frozen record that is also a ``Mapping``, so it splats straight into
 the consumer (``flash_attn_varlen_func(q, k, v, **kw, causal=True)``) and ``.as_dict()``
@@ -25,14 +25,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from streampack.batch import PackedBatch
-
 HF_IGNORE_INDEX = -100
 """What HF ``ForCausalLMLoss`` ignores; :func:`hf_inputs` maps ``batch.ignore_index`` to it."""
+
+
+class PackedBatch(Protocol):
+    """What the adapters read of a :class:`streampack.layout.batch.PackedBatch` (which imports
+    this module for its front-door methods, so the class itself cannot be imported here)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    ignore_index: int
+
+    @property
+    def total_tokens(self) -> int: ...
+    @property
+    def doc_lengths(self) -> torch.Tensor: ...
+    @property
+    def aligned_lengths(self) -> torch.Tensor: ...
+    @property
+    def seq_idx(self) -> torch.Tensor: ...
 
 
 class KwargsRecord(Mapping[str, Any]):

@@ -22,10 +22,13 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 
-from streampack.pipeline.errors import DataError
-from streampack.pipeline.jsonl_source import DecodeOptions, scan_jsonl, text_stream
-from streampack.pipeline.tar_source import scan_tar
-from streampack.pipeline.urls import OpenOptions, is_remote, open_shard, remote_fingerprint, shard_format
+from streampack.errors import DataError
+from streampack.io.decode import DecodeOptions
+from streampack.io.jsonl import scan_jsonl, text_stream
+from streampack.io.open import open_shard, remote_fingerprint
+from streampack.io.retry import OpenOptions
+from streampack.io.tar import scan_tar
+from streampack.io.urls import is_remote, shard_format
 
 INDEX_VERSION = 1
 INDEX_SUFFIX = ".spidx.json"

@@ -22,14 +22,11 @@ from __future__ import annotations
 import io
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
-from streampack.pipeline.errors import DataError
-
-if TYPE_CHECKING:
-    from streampack.pipeline.urls import OpenOptions
+from streampack.errors import DataError
+from streampack.io.retry import OpenOptions, Transient, with_retries
 
 S3_PREFIX = "s3://"
 ENDPOINT_ENV = "STREAMPACK_S3_ENDPOINT"
@@ -85,14 +82,11 @@ def _client(opts: OpenOptions) -> Any:
 
 
 def _call(url: str, opts: OpenOptions, fn: Callable[[Any], T]) -> T:
-    """``fn(client)`` with ``opts.retries`` retries on transient failures; S3 errors -> DataError."""
+    """``fn(client)`` under the retry policy (transient failures retried); S3 errors -> DataError."""
     _boto3()
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-    last: Exception | None = None
-    for attempt in range(opts.retries + 1):
-        if attempt:
-            time.sleep(opts.backoff * 2 ** (attempt - 1))
+    def attempt() -> T:
         try:
             return fn(_client(opts))
         except ClientError as e:
@@ -102,12 +96,13 @@ def _call(url: str, opts: OpenOptions, fn: Callable[[Any], T]) -> T:
                 raise DataError("missing_shard", f"S3 {code or status}", url=url, value=url) from None
             if status < 500 and code not in _RETRY_CODES:
                 raise DataError("unreachable_url", f"S3 {code} (HTTP {status})", url=url, value=url) from None
-            last = e
+            raise Transient(e) from None
         except NoCredentialsError as e:
             raise DataError("unreachable_url", f"{e} (set AWS_ACCESS_KEY_ID / a profile)", url=url, value=url) from None
         except (BotoCoreError, OSError) as e:
-            last = e
-    raise DataError("unreachable_url", f"failed after {opts.retries + 1} attempts: {last}", url=url, value=url)
+            raise Transient(e) from None
+
+    return with_retries(attempt, url=url, opts=opts)
 
 
 class _Body(io.RawIOBase):

@@ -71,8 +71,12 @@ class WindowPacker(BaseNode[list[Sample]]):
             raise ValueError(f"{window=} must be >= 1")
         if max_wait < 1:
             raise ValueError(f"{max_wait=} must be >= 1")
-        if align < 1 or capacity < 1 or capacity % align:
-            raise ValueError(f"{capacity=} must be a positive multiple of {align=}")
+        if align < 1 or capacity < 1:
+            raise ValueError(f"need {capacity=} >= 1 and {align=} >= 1")
+        if capacity % align:
+            raise ValueError(f"{capacity=} must be a multiple of {align=} (the per-document alignment: "
+                             f"2*cp_size*tp_size with context parallelism, tp_size with sequence "
+                             f"parallelism, combined with align_multiple)")
         packing.get_algorithm(algorithm)  # unknown names fail here, not mid-stream
         self.source = source
         self.capacity, self.window, self.algorithm = capacity, window, algorithm

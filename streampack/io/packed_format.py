@@ -1,4 +1,4 @@
-"""Offline-packed shards (``streampack pack``): the manifest and a reader yielding ready packs.
+"""The offline packed format (``streampack pack``): the manifest and one pack's bytes.
 
 Layout of a packed dataset directory::
 
@@ -9,15 +9,8 @@ Layout of a packed dataset directory::
 
 A pack was made for one ``capacity`` and one per-document alignment (``2*cp*tp`` with context
 parallelism): its documents were rounded up to ``align`` when they were packed, so the same
-files do not fit another capacity or alignment. :class:`PackedShardReader` refuses such a
-request instead of producing packs that overflow.
-
-Sharding: the ``N`` packs of an epoch (in file order, or a permutation seeded by
-``(seed, epoch)`` with ``shuffle``) are dealt round-robin to the ``G = dp_size * num_workers``
-global workers; every worker gets ``N // G`` packs, so every rank yields the same number of
-batches (the last ``N % G`` packs of the order are left out of that epoch). The state is
-``(epoch, position)`` in this worker's list; restoring seeks straight to the pack's byte
-offset from the manifest, reading nothing before it.
+files do not fit another capacity or alignment: :func:`check_layout` refuses such a request
+instead of producing packs that overflow.
 """
 
 from __future__ import annotations
@@ -33,14 +26,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-from torchdata.nodes import BaseNode
 
 from streampack.sample import Sample
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "streampack.packed"
 FORMAT_VERSION = 1
-STATE_VERSION = 1
 BLOCK = 512
 
 
@@ -124,7 +115,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     )
 
 
-def _resolve(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> tuple[Path, list[str] | None]:
+def resolve_packed(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> tuple[Path, list[str] | None]:
     """(packed directory, shard file names named explicitly or None = all shards) of ``urls``:
     a directory, its ``manifest.json``, or shard files that all sit in one directory."""
     items = [urls] if isinstance(urls, (str, os.PathLike)) else list(urls)
@@ -149,14 +140,14 @@ def check_layout(m: Manifest, capacity: int, align: int) -> None:
 
 def packed_manifest(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Manifest:
     """The manifest of the packed dataset ``urls`` names (a directory, its manifest, or shards)."""
-    return read_manifest(_resolve(urls)[0])
+    return read_manifest(resolve_packed(urls)[0])
 
 
 def is_packed_dataset(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> bool:
     """True when ``urls`` names a packed dataset: a directory holding a streampack
     ``manifest.json``, the manifest itself, or shards that all sit in one such directory."""
     try:
-        root, _ = _resolve(urls)
+        root, _ = resolve_packed(urls)
     except ValueError:
         return False
     mpath = root / MANIFEST_NAME
@@ -210,120 +201,5 @@ def decode_pack(members: dict[str, bytes], *, url: str) -> list[Sample]:
     ]
 
 
-class PackedShardReader(BaseNode[list[Sample]]):
-    """Yields the packs of an offline-packed dataset (one ``list[Sample]`` per pack), this
-    worker's share only, in a deterministic order; see the module docstring."""
-
-    EPOCH_KEY = "epoch"
-    POSITION_KEY = "position"
-    NEXT_KEY = "next_pack"
-    VERSION_KEY = "version"
-    FINGERPRINT_KEY = "fingerprint"
-
-    def __init__(self, urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, capacity: int,
-                 align: int = 1, seed: int = 0, shuffle: bool = False, epochs: int | None = 1,
-                 dp_rank: int = 0, dp_size: int = 1, worker_id: int = 0, num_workers: int = 1) -> None:
-        super().__init__()
-        root, names = _resolve(urls)
-        self.manifest = m = read_manifest(root)
-        if names is not None:  # explicit shard files: only their packs
-            known = {s.name for s in m.shards}
-            unknown = sorted(set(names) - known)
-            if unknown:
-                raise ValueError(f"shards {unknown} are not listed in {str(root / MANIFEST_NAME)!r}")
-        check_layout(m, capacity, align)
-        if not (0 <= dp_rank < dp_size and 0 <= worker_id < num_workers):
-            raise ValueError(f"need 0 <= {dp_rank=} < {dp_size=} and 0 <= {worker_id=} < {num_workers=}")
-        if epochs is not None and epochs < 1:
-            raise ValueError(f"{epochs=} must be >= 1 or None (endless)")
-        self.global_worker = dp_rank * num_workers + worker_id
-        self.global_workers = dp_size * num_workers
-        wanted = None if names is None else set(names)
-        self._locations = [loc for loc in m.locations() if wanted is None or m.shards[loc[0]].name in wanted]
-        self.per_worker = len(self._locations) // self.global_workers
-        if self.per_worker == 0:
-            raise ValueError(f"{len(self._locations)} packs cannot feed {self.global_workers} workers "
-                             f"({dp_size=} x {num_workers=})")
-        self.seed, self.shuffle, self.epochs = seed, shuffle, epochs
-        self._fingerprint = {"manifest": m.digest, "shards": sorted(names or []), "capacity": capacity,
-                             "align": align, "seed": seed, "shuffle": shuffle, "dp_size": dp_size, "num_workers": num_workers,
-                             "global_worker": self.global_worker}
-        self._epoch = 0
-        self._position = 0
-        self._order_epoch = -1
-        self._order: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._file: BinaryIO | None = None
-        self._file_shard = -1
-
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        if initial_state is None:
-            self._epoch, self._position = 0, 0
-            return
-        if initial_state.get(self.VERSION_KEY) != STATE_VERSION:
-            raise ValueError(f"state version={initial_state.get(self.VERSION_KEY)!r}, "
-                             f"this reader restores version={STATE_VERSION}")
-        saved = initial_state[self.FINGERPRINT_KEY]
-        for name, value in self._fingerprint.items():
-            if saved.get(name) != value:
-                raise ValueError(f"cannot restore PackedShardReader state: it was saved with "
-                                 f"{name}={saved.get(name)!r}, this reader has {name}={value!r}")
-        self._epoch = int(initial_state[self.EPOCH_KEY])
-        self._position = int(initial_state[self.POSITION_KEY])
-
-    def get_state(self) -> dict[str, Any]:
-        nxt = self._peek()
-        return {self.VERSION_KEY: STATE_VERSION, self.FINGERPRINT_KEY: dict(self._fingerprint),
-                self.EPOCH_KEY: self._epoch, self.POSITION_KEY: self._position,
-                self.NEXT_KEY: None if nxt is None else list(self._locations[nxt])}
-
-    def next(self) -> list[Sample]:
-        index = self._peek()
-        if index is None:
-            raise StopIteration
-        if self._position >= self.per_worker:  # crossed into the next epoch
-            self._epoch, self._position = self._epoch + 1, 0
-        self._position += 1
-        return self._read(index)
-
-    def _peek(self) -> int | None:
-        """Global index of the next pack this worker yields, or None at the end."""
-        epoch, position = self._epoch, self._position
-        if position >= self.per_worker:
-            if self.epochs is not None and epoch + 1 >= self.epochs:
-                return None
-            epoch, position = epoch + 1, 0
-        return int(self._epoch_order(epoch)[position])  # index into self._locations
-
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        if epoch != self._order_epoch:
-            n = len(self._locations)
-            order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
-                     else np.arange(n))
-            self._order = order[self.global_worker::self.global_workers][: self.per_worker]
-            self._order_epoch = epoch
-        return self._order
-
-    def _read(self, index: int) -> list[Sample]:
-        shard, pack = self._locations[index]
-        info = self.manifest.shards[shard]
-        url = os.path.join(self.manifest.root, info.name)
-        if self._file_shard != shard:
-            if self._file is not None:
-                self._file.close()
-            try:
-                self._file = open(url, "rb")
-            except OSError as e:
-                raise ValueError(f"cannot open packed shard {url!r}: {e}") from None
-            self._file_shard = shard
-        assert self._file is not None
-        members = read_pack(self._file, info.offsets[pack], self.manifest.fields, url=url)
-        return decode_pack(members, url=url)
-
-    def __del__(self) -> None:
-        if getattr(self, "_file", None) is not None:
-            self._file.close()
-
-
-__all__ = ["MANIFEST_NAME", "Manifest", "PackedShard", "PackedShardReader", "decode_pack",
+__all__ = ["MANIFEST_NAME", "Manifest", "PackedShard", "decode_pack",
            "is_packed_dataset", "read_manifest", "read_pack"]

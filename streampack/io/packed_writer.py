@@ -1,6 +1,6 @@
 """Write packs (documents grouped by a packing algorithm) as packed tar shards + manifest.
 
-The inverse of :mod:`streampack.pipeline.packed_source`; see there for the layout. Tokens are
+The inverse of :mod:`streampack.io.packed_format`; see there for the layout. Tokens are
 stored as int32 when every id fits (halves the files; the reader widens to int64). Shards are
 written with fixed tar metadata, so the same packs give byte-identical files, and each shard
 appears under its final name only once complete (written to ``*.tmp``, then renamed); the
@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from streampack.pipeline.packed_source import FORMAT, FORMAT_VERSION, MANIFEST_NAME, Manifest, read_manifest
+from streampack.io.packed_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    read_manifest,
+)
 from streampack.sample import Sample
 
 

@@ -1,18 +1,24 @@
-"""What to do with a document longer than the pack capacity: split, truncate, drop or error.
+"""Overlong stage: what to do with a document longer than the pack capacity — split,
+truncate, drop or error — as a policy function and the node that applies it before packing.
 
 The right default differs by use case (pretraining wants ``split`` so no token is lost; chat
 SFT often wants ``drop`` or ``truncate`` because a split conversation is not a conversation),
-so the policy is explicit and every token it touches is counted.
+so the policy is explicit and every token it touches is counted; the counters travel in the
+node state so metrics stay exact across a resume. Node state = upstream state + the not yet
+emitted chunks of the current sample (at most one sample's tokens) + counters.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
+from torchdata.nodes import BaseNode
 
 from streampack.sample import Sample
+from streampack.state import samples_from_state, samples_to_state
 
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
 POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
@@ -81,3 +87,44 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
     counters.tokens_split += n
     counters.chunks_created += len(chunks)
     return chunks
+
+
+class OverlongNode(BaseNode[Sample]):
+    """Yields documents of at most ``max_len`` tokens according to ``policy``."""
+
+    SOURCE_KEY = "source"
+    PENDING_KEY = "pending"
+    COUNTERS_KEY = "counters"
+
+    def __init__(self, source: BaseNode[Sample], max_len: int, policy: str = "split") -> None:
+        super().__init__()
+        check_policy(policy)
+        if max_len < 1:
+            raise ValueError(f"{max_len=} must be >= 1")
+        self.source = source
+        self.max_len = max_len
+        self.policy = policy
+        self.counters = OverlongCounters()
+        self._pending: deque[Sample] = deque()
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            self.source.reset(None)
+            self.counters = OverlongCounters()
+            self._pending = deque()
+            return
+        self.source.reset(initial_state[self.SOURCE_KEY])
+        self.counters = OverlongCounters(**initial_state[self.COUNTERS_KEY])
+        self._pending = deque(samples_from_state(initial_state[self.PENDING_KEY]))
+
+    def next(self) -> Sample:
+        while not self._pending:
+            sample = next(self.source)
+            self._pending.extend(apply_overlong(sample, self.max_len, self.policy, self.counters))
+        return self._pending.popleft()
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.SOURCE_KEY: self.source.state_dict(),
+                self.PENDING_KEY: samples_to_state(list(self._pending)),
+                self.COUNTERS_KEY: self.counters.as_dict()}

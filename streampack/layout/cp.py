@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from streampack.batch import PackedBatch
+from streampack.layout.batch import PackedBatch
 
 
 def cp_partition_indices(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int,

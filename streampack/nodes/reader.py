@@ -9,7 +9,7 @@ bit-identically without reading the bytes before it (``.jsonl.gz`` excepted: see
 
 State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
 
-    {"version": 1,
+    {"version": 2,
      "config": {"sources": <sha1 of the URL list, 16 hex>, "num_sources": S, "seed", "shuffle",
                 "dp_rank", "dp_size", "worker_id", "num_workers", "fields": [tokens_key, ...]},
      "epoch": e,            # epoch of the next sample
@@ -24,7 +24,6 @@ Restoring a state whose ``config`` differs raises ``ValueError`` naming both val
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import os
 from collections.abc import Iterator, Sequence
@@ -32,35 +31,24 @@ from typing import Any, BinaryIO
 
 from torchdata.nodes import BaseNode
 
-from streampack.pipeline.errors import DataError, ErrorCounter, ErrorPolicy
-from streampack.pipeline.jsonl_source import (
-    DECOMPRESS_ERRORS,
-    DecodeOptions,
-    Item,
-    iter_jsonl_items,
-    text_stream,
-)
-from streampack.pipeline.shard_index import ShardIndex, load_or_build_index
-from streampack.pipeline.sharding import (
-    ShardSpan,
-    assign_shards,
-    resolve_topology,
-    resolve_worker,
-    validate_topology,
-)
-from streampack.pipeline.tar_source import iter_tar_items
-from streampack.pipeline.urls import (
-    OpenOptions,
-    expand_urls,
-    is_remote,
-    open_shard,
-    shard_format,
-)
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.io.decode import DecodeOptions, Item
+from streampack.io.index import ShardIndex, load_or_build_index
+from streampack.io.jsonl import DECOMPRESS_ERRORS, iter_jsonl_items, text_stream
+from streampack.io.open import open_shard
+from streampack.io.retry import OpenOptions
+from streampack.io.tar import iter_tar_items
+from streampack.io.urls import ShardList, is_remote, shard_format
+from streampack.nodes.sharding import ShardSpan, assign_shards
 from streampack.sample import Sample
-from streampack.state import check_node_config
+from streampack.state import (
+    STATE_VERSION,
+    VERSION_KEY,
+    check_node_config,
+    check_version,
+)
+from streampack.topology import current_worker, resolve_topology, validate_topology
 
-STATE_VERSION = 1
-VERSION_KEY = "version"
 CONFIG_KEY = "config"
 EPOCH_KEY = "epoch"
 SHARD_POS_KEY = "shard_pos"
@@ -75,7 +63,8 @@ class ShardReader(BaseNode[Sample]):
 
     ``epochs=None`` repeats forever with a fresh shard permutation each epoch (an epoch in which
     this worker draws only empty or bad shards is passed over; it raises only once no shard can
-    ever give it a sample); ``epochs=N`` stops after N. ``dp_rank``/``worker_id`` (and their
+    ever give it a sample); ``epochs=N`` stops after epoch N-1; a fresh start reads from ``start_epoch`` (a second
+    finite pass reads epochs ``[N, 2N)`` and so reshuffles). ``dp_rank``/``worker_id`` (and their
     sizes) may be None to take them from ``resolve_topology()`` / the DataLoader worker info.
     ``on_error="skip"`` drops bad samples (and the rest of a corrupt shard) and counts them in
     ``errors``.
@@ -83,11 +72,12 @@ class ShardReader(BaseNode[Sample]):
 
     def __init__(
         self,
-        urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        urls: ShardList | str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         *,
         seed: int = 0,
         shuffle: bool = True,
         epochs: int | None = None,
+        start_epoch: int = 0,
         dp_rank: int | None = 0,
         dp_size: int | None = 1,
         worker_id: int | None = 0,
@@ -110,14 +100,18 @@ class ShardReader(BaseNode[Sample]):
             raise ValueError(f"{seed=} must be an int >= 0")
         if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
             raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
+        if not isinstance(start_epoch, int) or start_epoch < 0 or (epochs is not None and start_epoch >= epochs):
+            raise ValueError(f"{start_epoch=} must be an int in [0, {epochs=})")
         if dp_rank is None or dp_size is None:
             dp_rank, dp_size = resolve_topology(dp_rank, dp_size)
         if worker_id is None or num_workers is None:
-            auto_id, auto_n = resolve_worker()
+            here = current_worker()
+            auto_id, auto_n = here.id, here.readers
             worker_id, num_workers = (auto_id if worker_id is None else worker_id), (auto_n if num_workers is None else num_workers)
         validate_topology(dp_rank, dp_size, worker_id, num_workers)
-        self.urls: list[str] = expand_urls(urls, allow_pipe=allow_pipe)
-        self.seed, self.shuffle, self.epochs = seed, shuffle, epochs
+        shards = ShardList.of(urls, allow_pipe=allow_pipe)
+        self.urls: tuple[str, ...] = shards.urls
+        self.seed, self.shuffle, self.epochs, self.start_epoch = seed, shuffle, epochs, start_epoch
         self.global_worker = dp_rank * num_workers + worker_id
         self.global_workers = dp_size * num_workers
         self._policy = ErrorPolicy(on_error, errors)
@@ -128,7 +122,7 @@ class ShardReader(BaseNode[Sample]):
         self._open = OpenOptions(retries=retries, backoff=retry_backoff, timeout=timeout, allow_pipe=allow_pipe)
         self._cache_dir = cache_dir
         self._config: dict[str, Any] = {
-            "sources": hashlib.sha1("\n".join(self.urls).encode()).hexdigest()[:16],
+            "sources": shards.digest,
             "num_sources": len(self.urls),
             "seed": seed,
             "shuffle": shuffle,
@@ -143,7 +137,7 @@ class ShardReader(BaseNode[Sample]):
         self._items: Iterator[Item] | None = None
         self._read_failures = 0
         self._starved_shards: set[int] = set()  # shards read empty since the last sample (not state)
-        self._set_position(0, 0, -1, 0, 0, 0)
+        self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
 
     @property
     def epoch(self) -> int:
@@ -170,10 +164,9 @@ class ShardReader(BaseNode[Sample]):
         self.close()
         self._starved_shards.clear()
         if initial_state is None:
-            self._set_position(0, 0, -1, 0, 0, 0)
+            self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
             return
-        if initial_state.get(VERSION_KEY) != STATE_VERSION:
-            raise ValueError(f"ShardReader state version {initial_state.get(VERSION_KEY)!r} != {STATE_VERSION}")
+        check_version(initial_state, what="ShardReader state")
         check_node_config(initial_state.get(CONFIG_KEY, {}), self._config, node="ShardReader", label="reader")
         self._set_position(*(int(initial_state[k]) for k in (EPOCH_KEY, SHARD_POS_KEY, OFFSET_KEY, SAMPLE_KEY, YIELDED_KEY, EPOCH_YIELDED_KEY)))
 

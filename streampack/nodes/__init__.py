@@ -1,0 +1,1 @@
+"""The pipeline's ``torchdata.nodes.BaseNode`` stages, one per file, in the order data flows."""

@@ -1,0 +1,249 @@
+"""Tokenize stage: ``Sample.text`` -> ``Sample.tokens``, a block of samples at a time.
+
+:class:`TextEncoder` is the one tokenization path of the library: the :class:`Tokenize` node,
+``streampack pack`` / ``inspect`` (through the same graph) and a hand-built graph
+(``ParallelMapper(reader, TextEncoder(tok))``) all turn text into ids with it, so BOS/EOS, the
+id checks and the error messages are the same everywhere.
+
+Samples are pulled in blocks of ``block_size`` and encoded together (``encode_batch`` for a
+HF ``tokenizers.Tokenizer``), optionally split over ``num_threads`` threads (the Rust
+tokenizer releases the GIL). Results are reassembled in input order, so the stream does not
+depend on the thread count.
+
+State = the upstream state at the start of the current block + how many upstream samples the
+block read + the offset inside the block; restoring re-reads and re-encodes that one block (at
+most ``block_size`` samples) instead of storing encoded tokens, which keeps ``get_state`` O(1)
+(StatefulDataLoader asks for it after every batch). The replay reads the *saved* block's
+sample count, so ``block_size`` / ``num_threads`` may change between save and restore.
+
+Encoded ids are checked (integers, none negative); a bad result, or a tokenizer that raises,
+is a :class:`~streampack.errors.DataError` naming the shard URL and sample key, handled by
+``on_error`` like a reading error: ``"skip"`` drops exactly that sample and counts it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.sample import Sample
+
+Encoder = Callable[[list[str]], list[list[int]]]
+
+
+def make_encoder(tokenizer: Any) -> Encoder:
+    """A batch encoder from a ``tokenizers.Tokenizer``, a path to a ``tokenizer.json``, a HF
+    fast tokenizer (its ``backend_tokenizer`` is used) or any callable ``str -> list[int]``.
+    Special tokens are not added: BOS / EOS come from :class:`TextEncoder`."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        if not os.path.isfile(tokenizer):
+            raise ValueError(f"tokenizer file {os.fspath(tokenizer)!r} does not exist")
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(os.fspath(tokenizer))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise ValueError(f"cannot load tokenizer {os.fspath(tokenizer)!r}: {e}") from None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        tokenizer = backend
+    if hasattr(tokenizer, "encode_batch") and hasattr(tokenizer, "token_to_id"):
+        def encode(texts: list[str]) -> list[list[int]]:
+            return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+        return encode
+    if callable(tokenizer):
+        return lambda texts: [tokenizer(t) for t in texts]
+    raise TypeError(f"tokenizer must be a tokenizers.Tokenizer, a path to tokenizer.json or a "
+                    f"callable str -> list[int], got {type(tokenizer).__name__}")
+
+
+class TextEncoder:
+    """Text samples -> tokenized samples: encode, check the ids, add ``bos_id`` / ``eos_id``.
+
+    ``encode(samples)`` handles a block and returns, per sample, the tokenized sample, ``None``
+    when the text encodes to nothing (a zero-length document would break packing kernels) or
+    the :class:`DataError` it raised. Calling it on one sample returns the tokenized sample or
+    raises, so it also works as a ``torchdata.nodes.ParallelMapper`` ``map_fn``.
+    """
+
+    def __init__(self, tokenizer: Any, *, bos_id: int | None = None, eos_id: int | None = None,
+                 num_threads: int = 1) -> None:
+        if num_threads < 1:
+            raise ValueError(f"{num_threads=} must be >= 1")
+        for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}={value!r} must be None or a token id >= 0")
+        self._encode = make_encoder(tokenizer)
+        self._pre = np.asarray([] if bos_id is None else [bos_id], dtype=np.int64)
+        self._post = np.asarray([] if eos_id is None else [eos_id], dtype=np.int64)
+        self.num_threads = num_threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __call__(self, sample: Sample) -> Sample:
+        out = self.encode([sample])[0]
+        if isinstance(out, DataError):
+            raise out
+        if out is None:
+            raise DataError("empty_sample", "text encodes to 0 tokens", url=sample.url, key=sample.key, value=sample.text)
+        return out
+
+    def encode(self, samples: Sequence[Sample]) -> list[Sample | DataError | None]:
+        """Samples that carry tokens pass through; text samples are encoded as one batch."""
+        out: list[Sample | DataError | None] = list(samples)
+        todo = [i for i, s in enumerate(samples) if s.tokens is None]
+        for i, ids in zip(todo, self._encode_texts([samples[i] for i in todo])):
+            if isinstance(ids, DataError):
+                out[i] = ids
+            else:
+                tokens = self._wrap(ids, samples[i])
+                out[i] = tokens if isinstance(tokens, DataError) else (
+                    replace(samples[i], tokens=tokens, text=None) if tokens.shape[0] else None)
+        return out
+
+    def _encode_texts(self, samples: list[Sample]) -> list[Sequence[int] | DataError]:
+        if not samples:
+            return []
+        texts = [s.text or "" for s in samples]
+        try:
+            lists = self._encode_parallel(texts)
+            if len(lists) == len(texts):
+                return lists
+        except Exception:  # noqa: BLE001 — find the samples that break it, one by one
+            pass
+        return [self._encode_one(s, t) for s, t in zip(samples, texts)]
+
+    def _encode_one(self, sample: Sample, text: str) -> Sequence[int] | DataError:
+        try:
+            (ids,) = self._encode([text])
+            return ids
+        except Exception as e:  # noqa: BLE001 — any tokenizer failure is this sample's error
+            return DataError("tokenizer_error", f"the tokenizer raised {e!r}", url=sample.url, key=sample.key, value=text)
+
+    def _encode_parallel(self, texts: list[str]) -> list[Sequence[int]]:
+        if self.num_threads == 1 or len(texts) < 2:
+            return list(self._encode(texts))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="streampack-tok")
+        step = -(-len(texts) // self.num_threads)
+        chunks = [texts[i:i + step] for i in range(0, len(texts), step)]
+        # map() returns results in submission order: the stream is thread-count independent
+        return [ids for part in self._pool.map(self._encode, chunks) for ids in part]
+
+    def _wrap(self, ids: Sequence[int], sample: Sample) -> np.ndarray | DataError:
+        try:
+            arr = np.asarray(ids)
+        except (ValueError, TypeError):
+            arr = np.asarray(ids, dtype=object)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            return DataError("bad_dtype", f"the tokenizer returned {arr.dtype}{list(arr.shape)}, want a "
+                             f"list of ints", url=sample.url, key=sample.key, value=arr.tolist()[:8])
+        if arr.size and int(arr.min()) < 0:
+            return DataError("negative_id", "the tokenizer returned a negative token id", url=sample.url,
+                             key=sample.key, value=int(arr.min()))
+        if not arr.size:
+            return arr.astype(np.int64)
+        return np.concatenate([self._pre, arr.astype(np.int64, copy=False), self._post])
+
+    def close(self) -> None:
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Tokenize(BaseNode[Sample]):
+    """Encode ``text`` samples with a :class:`TextEncoder`; samples that already carry tokens
+    pass through unchanged. A sample whose text encodes to zero tokens is dropped and counted
+    in ``counters["empty"]``; a sample the tokenizer rejects follows ``on_error``."""
+
+    SOURCE_KEY = "source"
+    OFFSET_KEY = "offset"
+    READ_KEY = "read"
+    COUNTERS_KEY = "counters"
+
+    def __init__(self, source: BaseNode[Sample], tokenizer: Any, *, bos_id: int | None = None,
+                 eos_id: int | None = None, block_size: int = 64, num_threads: int = 1,
+                 on_error: str = "raise", errors: ErrorCounter | None = None) -> None:
+        super().__init__()
+        if block_size < 1:
+            raise ValueError(f"{block_size=} must be >= 1")
+        self.source = source
+        self.encoder = TextEncoder(tokenizer, bos_id=bos_id, eos_id=eos_id, num_threads=num_threads)
+        self.block_size = block_size
+        self._policy = ErrorPolicy(on_error, errors)
+        self._block: list[Sample] = []
+        self._offset = 0
+        self._read = 0  # upstream samples the current block was made from
+        self._block_state: dict[str, Any] | None = None
+        self.counters = {"tokenized": 0, "empty": 0}
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._block, self._offset, self._read = [], 0, 0
+        if initial_state is None:
+            self.source.reset(None)
+            self._block_state = None
+            self.counters = {"tokenized": 0, "empty": 0}
+            return
+        self.source.reset(initial_state[self.SOURCE_KEY])
+        self._block_state = initial_state[self.SOURCE_KEY]
+        self.counters = dict(initial_state[self.COUNTERS_KEY])
+        # replay exactly the saved block (not `block_size` samples: that setting may differ now)
+        read = int(initial_state.get(self.READ_KEY, self.block_size))
+        if read:
+            self._fill_block(replay=True, limit=read)
+        self._offset = initial_state[self.OFFSET_KEY]
+        if self._offset > len(self._block):
+            raise ValueError(f"Tokenize state offset {self._offset} is past its block of "
+                             f"{len(self._block)} samples: the upstream stream changed")
+
+    def next(self) -> Sample:
+        while self._offset >= len(self._block):
+            self._block_state = self.source.state_dict()
+            self._fill_block(replay=False)
+            if not self._read:
+                raise StopIteration
+        sample = self._block[self._offset]
+        self._offset += 1
+        return sample
+
+    def get_state(self) -> dict[str, Any]:
+        if self._block_state is None:
+            self._block_state = self.source.state_dict()
+        return {self.SOURCE_KEY: self._block_state, self.OFFSET_KEY: self._offset,
+                self.READ_KEY: self._read, self.COUNTERS_KEY: dict(self.counters)}
+
+    def _fill_block(self, *, replay: bool, limit: int | None = None) -> None:
+        """Read up to ``limit`` (default ``block_size``) samples and encode them. On a restore
+        replay the counters (and the error counts) already include this block."""
+        raw: list[Sample] = []
+        for _ in range(self.block_size if limit is None else limit):
+            try:
+                raw.append(next(self.source))
+            except StopIteration:
+                break
+        self._read = len(raw)
+        self._block, self._offset = [], 0
+        failed: list[DataError] = []
+        for before, out in zip(raw, self.encoder.encode(raw)):
+            if isinstance(out, DataError):
+                failed.append(out)
+            elif out is None:
+                self.counters["empty"] += 0 if replay else 1
+            else:
+                self._block.append(out)
+                self.counters["tokenized"] += 0 if (replay or before.tokens is not None) else 1
+        if failed and not replay:
+            # the whole block is built first, so a caller that goes on after a raise loses nothing
+            for err in failed[1:]:
+                self._policy.errors.record(err)
+            self._policy.handle(failed[0])

@@ -1,1 +1,0 @@
-"""Reading stages: shard URLs -> Samples (``source.ShardReader``), sharding, errors."""
