@@ -45,6 +45,7 @@ def test_demo_in_process(demo_cache, capsys):
     assert "reused" in out and "cp_size=2" in out
 
 
+@pytest.mark.slow  # a fresh interpreter per run: integration
 @pytest.mark.parametrize("how", ["module", "script"])
 def test_demo_subprocess(demo_cache, how):
     if how == "script":

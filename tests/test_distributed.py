@@ -55,6 +55,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two torchrun processes: integration
 @pytest.mark.distributed
 def test_torchrun_two_ranks(shards, tmp_path) -> None:
     urls, docs = shards

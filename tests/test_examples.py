@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# Each example is a subprocess (a fresh interpreter, 3-7 s): integration, run by .ci/run's second step.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 

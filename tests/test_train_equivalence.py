@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import helpers_layouts as layouts
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +80,7 @@ def train(model: torch.nn.Module, steps: list[list[dict]], loss_fn) -> list[floa
     return curve
 
 
+@pytest.mark.slow  # 20 training steps of two models: integration
 def test_packed_and_padded_training_follow_the_same_loss_curve() -> None:
     tiny = load_tiny_gpt()
     torch.manual_seed(0)

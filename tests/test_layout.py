@@ -1,0 +1,122 @@
+"""The package's shape: folders in data-flow order, no import cycles, cheap imports."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "streampack"
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> streampack modules it imports (module- and function-level, any depth)."""
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = path
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rsplit(".", 1)[0] if "." in t else ""
+                if t and t != mod and not (mods[t].name == "__init__.py" and mod.startswith(t + ".")):
+                    edges[mod].add(t)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), package re-exports
+    (``__init__`` modules) left out as the shared checker does."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    inits = {m for m in edges if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()}
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v] - inits:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_imports()) == []
+
+
+def test_cycle_check_can_fail() -> None:
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+
+
+# What each folder may import (besides itself and the leaf records errors / sample / state /
+# topology): bytes and formats know nothing of nodes, nodes nothing of consumers, and the pure
+# packing library nothing of the rest.
+ALLOWED = {
+    "io": set(),
+    "packing": set(),
+    "layout": set(),
+    "nodes": {"io", "packing", "layout"},
+    "attention": {"layout"},
+    "rl": {"packing", "layout"},
+    "integrations": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset"},
+    "cli": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "integrations"},
+}
+LEAVES = {"errors", "sample", "state", "topology"}
+
+
+def test_folders_import_only_upstream() -> None:
+    bad = []
+    for mod, targets in _imports().items():
+        folder = mod.split(".")[1] if mod.count(".") else ""
+        if folder not in ALLOWED:
+            continue
+        for t in targets:
+            other = t.split(".")[1] if t.count(".") else ""
+            if other and other != folder and other not in LEAVES and other not in ALLOWED[folder]:
+                bad.append(f"{mod} -> {t}")
+    assert bad == []
+
+
+@pytest.mark.parametrize("module", ["streampack", "streampack.packing", "streampack.io.urls", "streampack.rl.plan"])
+def test_light_imports_do_not_load_torch(module: str) -> None:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", f"import {module} loads torch"
