@@ -33,12 +33,10 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io.decode import DecodeOptions, Item
+from streampack.io.formats import ShardRange, open_range
 from streampack.io.index import ShardIndex, load_or_build_index
-from streampack.io.jsonl import DECOMPRESS_ERRORS, iter_jsonl_items, text_stream
-from streampack.io.open import open_shard
 from streampack.io.retry import OpenOptions
-from streampack.io.tar import iter_tar_items
-from streampack.io.urls import ShardList, is_remote, shard_format
+from streampack.io.urls import ShardList, is_remote
 from streampack.nodes.sharding import ShardSpan, assign_shards
 from streampack.sample import Sample
 from streampack.state import (
@@ -284,27 +282,5 @@ class ShardReader(BaseNode[Sample]):
             start, first = self._offset, self._sample
         if end is not None and start >= end:
             return iter(())
-        remote = is_remote(url) or url.startswith("pipe:")
-        if shard_format(url) == "tar":
-            self._streams.append(open_shard(url, start, end if remote else None, opts=self._open))
-            return iter_tar_items(
-                self._streams[-1], self._decode, url=url, start=start, first_index=first, end=end, seekable=not remote
-            )
-        gz = url.split("?", 1)[0].endswith(".gz")
-        self._streams.append(open_shard(url, 0 if gz else start, end if remote and not gz else None, opts=self._open))
-        self._streams.append(text_stream(self._streams[-1], url))
-        if gz and start:
-            _skip_uncompressed(self._streams[-1], start, url)
-        return iter_jsonl_items(self._streams[-1], self._decode, url=url, start=start, first_index=first, end=end)
-
-
-def _skip_uncompressed(f: BinaryIO, n: int, url: str) -> None:
-    """gzip cannot seek: inflate and drop ``n`` bytes (O(n) CPU, documented in jsonl_source)."""
-    while n > 0:
-        try:
-            chunk = f.read(min(n, 1 << 20))
-        except DECOMPRESS_ERRORS as e:  # other OSErrors (a dropped connection) are retried
-            raise DataError("corrupt_shard", f"cannot decompress: {e}", url=url, value=n) from None
-        if not chunk:
-            raise DataError("corrupt_shard", "stream ended before the resume offset", url=url, value=n)
-        n -= len(chunk)
+        return open_range(url, ShardRange(start=start, first=first, end=end), decode=self._decode,
+                          opts=self._open, streams=self._streams)
