@@ -3,27 +3,53 @@
 Every problem found in the data becomes a :class:`DataError` whose message names the shard URL,
 the sample key and the offending value (webdataset-style: errors carry provenance). The reader
 hands each one to an :class:`ErrorPolicy`: ``"raise"`` re-raises it, ``"skip"`` drops the sample
-(or, for ``corrupt_shard``, the rest of the shard) and counts it in an :class:`ErrorCounter`.
+(or the corrupt byte range, or for an unreadable shard the rest of it) and counts it in an
+:class:`ErrorCounter`.
 
 Reasons used by the readers: ``corrupt_shard``, ``missing_shard``, ``unreachable_url``,
-``empty_sample``, ``bad_utf8``, ``bad_json``, ``bad_dtype``, ``negative_id``,
-``non_integer_id``, ``missing_field``, ``bad_labels``, ``bad_loss_mask``, ``duplicate_member``.
+``empty_sample``, ``bad_utf8``, ``bad_json``, ``json_too_deep``, ``bad_dtype``, ``bad_npy``,
+``bad_pickle``, ``negative_id``, ``non_integer_id``, ``out_of_vocab_id``, ``missing_field``,
+``conflicting_fields``, ``bad_labels``, ``bad_loss_mask``, ``duplicate_member``,
+``repeated_key``, ``line_too_long``, ``member_too_large``, ``sample_too_large``; the tokenize
+stage adds ``tokenizer_error``.
+
+Across processes: torch's DataLoader re-raises a worker's exception in the main process as
+``type(exc)(formatted_traceback)``, and pickling rebuilds an exception from its ``args``. So a
+:class:`DataError` built from one string parses ``reason`` / ``url`` / ``key`` back out of it
+(the last ``DataError: ...`` line of a traceback, or the message itself): ``except DataError``
+fires in the training loop with ``num_workers > 0`` and names the same shard and sample.
 """
 
 from __future__ import annotations
 
+import ast
+import re
 from collections import deque
 from typing import Any, Literal
 
 OnError = Literal["raise", "skip"]
 ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "skip")
 _VALUE_REPR_CHARS = 80
+_VALUE_KEEP = 256  # a long str / bytes / list value is kept only this long on the exception
+_WHERE = " (shard="
+_LITERAL = r"""(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
+_MESSAGE = re.compile(rf"(?P<reason>\w+): .*? \(shard=(?P<url>{_LITERAL})(?:, key=(?P<key>{_LITERAL}))?"
+                      rf"(?:, value=.*)?\)", re.DOTALL)
 
 
 class DataError(ValueError):
-    """A bad shard or sample. ``reason`` is the counter key; ``url``/``key`` say where."""
+    """A bad shard or sample. ``reason`` is the counter key; ``url``/``key`` say where;
+    ``skipped_bytes`` is how many bytes of the shard it made the reader pass over (0 if
+    unknown). ``DataError(message)`` rebuilds one from its formatted message (see above)."""
 
-    def __init__(self, reason: str, detail: str, *, url: str, key: str = "", value: Any = None) -> None:
+    def __init__(self, reason: str, detail: str | None = None, *, url: str | None = None, key: str = "",
+                 value: Any = None, skipped_bytes: int = 0) -> None:
+        if detail is None and url is None:
+            self._from_message(reason)
+            return
+        if detail is None or url is None:
+            raise TypeError("DataError(reason, detail, url=..., ...) needs both detail and url")
+        detail = " ".join(detail.split()).replace(_WHERE, " (shard =")  # one line, parseable back
         where = [f"shard={url!r}"]
         if key:  # shard-level errors (missing, unreachable) have no sample key
             where.append(f"key={key!r}")
@@ -33,14 +59,26 @@ class DataError(ValueError):
                 shown = shown[: _VALUE_REPR_CHARS - 3] + "..."
             where.append(f"value={shown}")
         super().__init__(f"{reason}: {detail} ({', '.join(where)})")
-        self.reason = reason
-        self.url = url
-        self.key = key
-        self.value = value
+        self.reason, self.detail, self.url, self.key = reason, detail, url, key
+        self.value = value[:_VALUE_KEEP] if isinstance(value, (str, bytes, list)) else value
+        self.skipped_bytes = skipped_bytes
+
+    def _from_message(self, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.detail, self.url, self.key, self.value, self.skipped_bytes = "unknown", message, "", "", None, 0
+        prefix = f"{DataError.__module__}.{DataError.__qualname__}: "
+        lines = [ln[len(prefix):] for ln in message.splitlines() if ln.startswith(prefix)]
+        m = _MESSAGE.fullmatch(lines[-1] if lines else message.strip())
+        if m is None:
+            return
+        self.reason, self.url = m.group("reason"), ast.literal_eval(m.group("url"))  # literals only: safe
+        self.key = ast.literal_eval(m.group("key")) if m.group("key") else ""
+        self.detail = m.group(0)[len(self.reason) + 2 : m.start("url") - m.start() - len(_WHERE)]
 
 
 class ErrorCounter:
-    """Counts of :class:`DataError` per reason plus the last ``keep`` messages.
+    """Counts of :class:`DataError` per reason, the bytes each reason skipped, and the last
+    ``keep`` messages.
 
     Shared freely between nodes; no node state holds it. ``PackedDataset`` saves it in the
     state's metrics and loads it back after a restore (see ``PackedDataset.__iter__``).
@@ -50,10 +88,13 @@ class ErrorCounter:
         if keep < 0:
             raise ValueError(f"{keep=} must be >= 0")
         self.counts: dict[str, int] = {}
+        self.skipped_bytes: dict[str, int] = {}
         self.recent: deque[str] = deque(maxlen=keep)
 
     def record(self, err: DataError) -> None:
         self.counts[err.reason] = self.counts.get(err.reason, 0) + 1
+        if err.skipped_bytes:
+            self.skipped_bytes[err.reason] = self.skipped_bytes.get(err.reason, 0) + err.skipped_bytes
         self.recent.append(str(err))
 
     @property
@@ -61,12 +102,15 @@ class ErrorCounter:
         return sum(self.counts.values())
 
     def as_dict(self) -> dict[str, Any]:
-        """``{"counts": {reason: n}, "total": n, "recent": [message, ...]}`` (plain data)."""
-        return {"counts": dict(self.counts), "total": self.total, "recent": list(self.recent)}
+        """``{"counts": {reason: n}, "total": n, "skipped_bytes": {reason: bytes},
+        "recent": [message, ...]}`` (plain data)."""
+        return {"counts": dict(self.counts), "total": self.total, "skipped_bytes": dict(self.skipped_bytes),
+                "recent": list(self.recent)}
 
     def load(self, saved: dict[str, Any]) -> None:
         """Replace the counts (and recent messages) with an :meth:`as_dict` taken earlier."""
         self.counts = {str(k): int(v) for k, v in saved.get("counts", {}).items()}
+        self.skipped_bytes = {str(k): int(v) for k, v in saved.get("skipped_bytes", {}).items()}
         self.recent.clear()
         self.recent.extend(saved.get("recent", ()))
 

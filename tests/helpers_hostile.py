@@ -1,0 +1,115 @@
+"""Hand-made hostile shards: tar headers with any declared size, pax records, GNU long names.
+
+Example::
+
+    good = [sample("00000000", [1, 2]), sample("00000001", [3])]
+    data = archive(*good[:1], member("x.npy", b"", declared=1 << 40), *good[1:])
+    path = write_bytes(tmp_path / "bad.tar", data)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+
+import numpy as np
+
+BLOCK = 512
+
+
+def fix_checksum(hdr: bytearray) -> bytes:
+    hdr[148:156] = b" " * 8
+    hdr[148:156] = b"%06o\0 " % sum(hdr)
+    return bytes(hdr)
+
+
+def header(name: str, size: int, *, kind: bytes = b"0", size_field: bytes | None = None) -> bytes:
+    """One 512-byte ustar header for ``name``; ``size_field`` overrides the 12 size bytes."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.type = 0, 0, 0o644, kind
+    hdr = bytearray(info.tobuf(tarfile.USTAR_FORMAT))
+    assert len(hdr) == BLOCK, "keep test names short (<= 100 bytes)"
+    if size_field is None:
+        size_field = b"%011o\0" % size if size < 8**11 else b"\x80" + size.to_bytes(11, "big")
+    hdr[124:136] = size_field
+    return fix_checksum(hdr)
+
+
+def pad(data: bytes) -> bytes:
+    return data + bytes(-len(data) % BLOCK)
+
+
+def member(name: str, data: bytes, *, declared: int | None = None, kind: bytes = b"0") -> bytes:
+    """Header + padded data; ``declared`` is the size the header claims (default: the truth)."""
+    return header(name, len(data) if declared is None else declared, kind=kind) + pad(data)
+
+
+def npy_bytes(arr) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(arr), allow_pickle=False)
+    return buf.getvalue()
+
+
+def sample(key: str, tokens, **extra: bytes) -> bytes:
+    """The members of one webdataset sample: ``key.npy`` (tokens) plus ``key.<field>`` extras."""
+    out = member(f"{key}.npy", npy_bytes(np.asarray(tokens, dtype=np.int64)))
+    return out + b"".join(member(f"{key}.{field}", data) for field, data in extra.items())
+
+
+def json_sample(key: str, record: dict) -> bytes:
+    return member(f"{key}.json", json.dumps(record).encode())
+
+
+def archive(*parts: bytes) -> bytes:
+    return b"".join(parts) + bytes(2 * BLOCK)
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+    return os.fspath(path)
+
+
+def samples(n: int, *, start: int = 0, **extra: bytes) -> list[bytes]:
+    """``n`` good samples, key ``f"{i:08d}"`` with tokens ``[i + 1, 7]``."""
+    return [sample(f"{i:08d}", [i + 1, 7], **extra) for i in range(start, start + n)]
+
+
+def ids(out) -> list[int]:
+    """The first token of each sample read (which good sample it was, plus one)."""
+    return [int(s.tokens[0]) for s in out]
+
+
+def through_loader(urls: list[str], *, num_workers: int, **kw) -> tuple[list[str], dict[str, int]]:
+    """Read ``urls`` end to end (PackedDataset under a StatefulDataLoader with ``num_workers``):
+    the sorted doc keys of every batch, and the error counts summed over the workers."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from streampack.dataset import PackedDataset
+    from streampack.state import dataset_states
+
+    ds = PackedDataset(urls, capacity=64, window=8, epochs=1, shuffle=False, **kw)
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
+    keys = sorted(k for batch in loader for k in batch.doc_keys)
+    metrics = [s["metrics"] for s in dataset_states(loader.state_dict())] if num_workers else [ds.metrics()]
+    counts: dict[str, int] = {}
+    for m in metrics:
+        for reason, n in m["errors"]["counts"].items():
+            counts[reason] = counts.get(reason, 0) + n
+    return keys, counts
+
+
+def check_both_modes(urls: list[str], *, num_workers: int, reason: str, url: str, kept: list[str],
+                     counts: dict[str, int], **kw) -> None:
+    """raise mode: a DataError of ``reason`` naming ``url`` reaches the loop; skip mode keeps
+    exactly the doc keys ``kept`` and counts ``counts``."""
+    import pytest
+
+    from streampack.errors import DataError
+
+    with pytest.raises(DataError) as info:
+        through_loader(urls, num_workers=num_workers, **kw)
+    assert (info.value.reason, info.value.url) == (reason, url), str(info.value)
+    assert through_loader(urls, num_workers=num_workers, on_error="skip", **kw) == (sorted(kept), counts)

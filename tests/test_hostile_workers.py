@@ -1,0 +1,84 @@
+"""Issue 13, finding 5: a DataError raised in a DataLoader worker reaches the training loop as a
+DataError (``except DataError`` / ``except ValueError`` fire, ``reason``/``url``/``key`` survive),
+and skip counts from the workers are visible in the main process."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+
+import pytest
+from helpers_hostile import write_bytes
+from torch.utils.data import DataLoader
+
+from streampack.dataset import PackedDataset
+from streampack.errors import DataError
+from streampack.state import dataset_states
+
+
+def test_data_error_rebuilds_from_its_message_and_pickles() -> None:
+    err = DataError("bad_json", "Expecting ',' (shard='fake', key='x')\nsecond line", url="/d/it's.tar",
+                    key='k"1', value="v" * 10_000, skipped_bytes=7)
+    for back in (DataError(str(err)), pickle.loads(pickle.dumps(err))):
+        assert isinstance(back, DataError) and isinstance(back, ValueError)
+        assert (back.reason, back.url, back.key) == ("bad_json", "/d/it's.tar", 'k"1')
+        assert back.detail == "Expecting ',' (shard ='fake', key='x') second line"
+    assert len(err.value) <= 256  # the exception keeps a short value, not the whole line
+    assert DataError("no structure here").reason == "unknown"
+
+
+def test_torch_worker_reraise_keeps_the_type_and_fields() -> None:
+    from torch._utils import ExceptionWrapper
+
+    try:
+        try:
+            raise KeyError("cause")
+        except KeyError as cause:
+            raise DataError("corrupt_shard", "cut", url="s3://b/x.tar", key="000042", value=9) from cause
+    except DataError:
+        wrapped = ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 1")
+    with pytest.raises(DataError) as info:
+        wrapped.reraise()
+    e = info.value
+    assert (e.reason, e.url, e.key) == ("corrupt_shard", "s3://b/x.tar", "000042")
+    assert "DataLoader worker process 1" in str(e) and "Traceback" in str(e)
+
+
+def _shards(tmp_path) -> list[str]:
+    rows = [{"input_ids": [i + 1, 5]} for i in range(12)]
+    rows[7] = {"input_ids": [1, 2 ** 40]}
+    good = write_bytes(tmp_path / "a.jsonl", "".join(json.dumps(r) + "\n" for r in rows[:6]).encode())
+    bad = write_bytes(tmp_path / "b.jsonl", "".join(json.dumps(r) + "\n" for r in rows[6:]).encode()
+                      + b'{"input_ids": ' + b"[" * 500 + b"]" * 500 + b"}\n")
+    return [good, bad]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_raise_mode_reaches_the_loop_as_data_error(tmp_path, num_workers: int) -> None:
+    # before: with workers, except DataError / except ValueError never fired (RuntimeError)
+    urls = _shards(tmp_path)
+    ds = PackedDataset(urls, capacity=16, window=4, epochs=1, shuffle=False)
+    loader = DataLoader(ds, batch_size=None, num_workers=num_workers)
+    with pytest.raises(DataError) as info:
+        for _ in loader:
+            pass
+    e = info.value
+    assert isinstance(e, ValueError)
+    assert (e.reason, e.url, e.key) == ("out_of_vocab_id", urls[1], "1")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_skip_mode_counts_reach_the_main_process(tmp_path, num_workers: int) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    urls = _shards(tmp_path)
+    ds = PackedDataset(urls, capacity=16, window=4, epochs=1, shuffle=False, on_error="skip")
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
+    docs = sum(b.num_docs for b in loader)
+    metrics = [s["metrics"] for s in dataset_states(loader.state_dict())] if num_workers else [ds.metrics()]
+    counts: dict[str, int] = {}
+    for m in metrics:
+        for reason, n in m["errors"]["counts"].items():
+            counts[reason] = counts.get(reason, 0) + n
+    assert docs == 11 and counts == {"out_of_vocab_id": 1, "json_too_deep": 1}
