@@ -2,7 +2,17 @@
 
 A record (a jsonl line, a tar sample's members) names its pre-tokenized ids, its text, and
 optionally its own labels and loss mask; every value is checked here, once, and a problem
-becomes a :class:`~streampack.errors.DataError` naming shard, key and value.
+becomes a :class:`~streampack.errors.DataError` naming shard, key and value. Token ids (and
+labels) must be below ``vocab_size`` (below 2**31 when it is not given).
+
+JSON nesting is bounded before ``json.loads`` runs (CPython's parser recurses per level: 1000
+levels raise ``RecursionError``, and under a raised ``sys.setrecursionlimit`` they overflow the
+C stack). :func:`json_depth` is exact — brackets inside strings do not count — and runs only
+on lines holding more opening brackets than the limit, since depth <= that count. Measured
+on this machine (shared, noisy; ``benchmarks/bench_hostile.py``): the bracket count costs a
+few microseconds per 4 KB line (json.loads of a 600-id line: ~40 us); the exact scan, met
+only by bracket-heavy records such as 100-turn chats, costs about as much as json.loads of
+the same line.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from streampack.errors import DataError
+from streampack.io.limits import Limits, check_vocab_size, id_bound
 from streampack.sample import Sample
 
 
@@ -32,6 +43,15 @@ class DecodeOptions:
     """json field holding a per-token 0/1 loss mask (``loss_mask.npy`` is always read)."""
     allow_pickle: bool = False
     """Unpickle ``.pyd``/``.pickle``/``.pkl`` tar members (arbitrary code execution)."""
+    vocab_size: int | None = None
+    """Token ids (and labels) must be below it; None = below 2**31."""
+    limits: Limits = Limits()
+    """Bounds on line / member / sample bytes and json depth."""
+
+    def __post_init__(self) -> None:
+        check_vocab_size(self.vocab_size)
+        if not isinstance(self.limits, Limits):
+            raise TypeError(f"limits must be a streampack.io.limits.Limits, got {type(self.limits).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,31 +66,75 @@ class Item:
 
 
 def make_sample(
-    *, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None
+    *, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None,
+    vocab_size: int | None = None,
 ) -> Sample:
     """Validate raw fields into a :class:`Sample`; raises :class:`DataError`."""
     tok = txt = None
     if tokens is not None:
-        tok = validate_tokens(tokens, url=url, key=key)
+        tok = validate_tokens(tokens, url=url, key=key, vocab_size=vocab_size)
     elif text is not None:
         txt = validate_text(text, url=url, key=key)
     else:
         raise DataError("missing_field", "sample has neither tokens nor text", url=url, key=key, value=None)
     length = None if tok is None else tok.shape[0]
-    lab = None if labels is None else validate_per_token(labels, length, what="labels", url=url, key=key)
+    lab = None if labels is None else validate_per_token(labels, length, what="labels", url=url, key=key,
+                                                         vocab_size=vocab_size)
     mask = None if loss_mask is None else validate_per_token(loss_mask, length, what="loss_mask", url=url, key=key)
     return Sample(key=key, url=url, tokens=tok, text=txt, labels=lab, loss_mask=mask)
 
 
-def parse_json_object(raw: bytes, *, url: str, key: str) -> dict[str, Any]:
-    text = validate_text(raw, url=url, key=key) if raw.strip() else ""
+def parse_json_object(raw: bytes, *, url: str, key: str, max_depth: int = Limits().max_json_depth) -> dict[str, Any]:
+    """One json object from ``raw`` (strict UTF-8, nesting at most ``max_depth``)."""
+    if json_depth(raw, max_depth) > max_depth:
+        raise DataError("json_too_deep", f"json nests deeper than max_json_depth={max_depth}", url=url, key=key,
+                        value=raw[:32])
+    text = "" if not raw or raw.isspace() else validate_text(raw, url=url, key=key)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError("bad_json", str(e), url=url, key=key, value=text) from None
+    except RecursionError:  # unreachable under the depth check; kept as a backstop
+        raise DataError("json_too_deep", "json nests too deep to parse", url=url, key=key, value=text[:32]) from None
     if not isinstance(obj, dict):
         raise DataError("bad_json", f"want a json object, got {type(obj).__name__}", url=url, key=key, value=obj)
     return obj
+
+
+_KEEP = b'"[]{}'
+_DELETE = bytes(c for c in range(256) if c not in _KEEP)
+_STEP = np.zeros(256, np.int8)
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+
+
+def json_depth(raw: bytes, limit: int) -> int:
+    """Nesting depth of the json text ``raw`` (``[[1]]`` is 2), or any value <= ``limit`` when it
+    cannot exceed ``limit``. Brackets inside strings do not count; no allocation on the fast path.
+
+    Escapes are removed first the way a json parser reads them (each backslash escapes the
+    next character, left to right), then everything but quotes and brackets, then the string
+    contents (between quote pairs); what remains are the structural brackets.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return 0
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    structural = b"".join(raw.translate(None, _DELETE).split(b'"')[::2])
+    steps = _STEP[np.frombuffer(structural, dtype=np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+def token_count(raw: bytes, opts: DecodeOptions) -> int:
+    """Length of the id list under ``tokens_key`` in the json ``raw``; -1 when it has none or
+    cannot be read (an index hint: the reader validates every sample itself)."""
+    if json_depth(raw, opts.limits.max_json_depth) > opts.limits.max_json_depth:
+        return -1
+    try:
+        ids = json.loads(raw).get(opts.tokens_key)
+    except (ValueError, AttributeError, RecursionError):
+        return -1
+    return len(ids) if isinstance(ids, list) else -1
 
 
 def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, key: str) -> Sample:
@@ -81,11 +145,13 @@ def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, k
         text=record.get(opts.text_key),
         labels=record.get(opts.labels_key) if opts.labels_key else None,
         loss_mask=record.get(opts.loss_mask_key) if opts.loss_mask_key else None,
+        vocab_size=opts.vocab_size,
     )
 
 
-def validate_tokens(value: Any, *, url: str, key: str) -> np.ndarray:
-    """A json list or numpy array of token ids -> int64 ``[L]``, ``L >= 1``, all ids ``>= 0``.
+def validate_tokens(value: Any, *, url: str, key: str, vocab_size: int | None = None) -> np.ndarray:
+    """A json list or numpy array of token ids -> int64 ``[L]``, ``L >= 1``, all ids in
+    ``[0, vocab_size)`` (``[0, 2**31)`` without a vocabulary size).
 
     Strings, nested lists, booleans and integral floats are ``bad_dtype``; fractional floats
     are ``non_integer_id``.
@@ -108,7 +174,17 @@ def validate_tokens(value: Any, *, url: str, key: str) -> np.ndarray:
     if arr.min() < 0:
         bad = int(arr[np.argmax(arr < 0)])
         raise DataError("negative_id", "negative token id", url=url, key=key, value=bad)
+    check_id_bound(arr, vocab_size, what="token id", url=url, key=key)
     return arr
+
+
+def check_id_bound(ids: np.ndarray, vocab_size: int | None, *, what: str, url: str, key: str) -> None:
+    """``out_of_vocab_id`` if any of ``ids`` is ``>= vocab_size`` (``>= 2**31`` without one)."""
+    bound = id_bound(vocab_size)
+    if ids.size and int(ids.max()) >= bound:
+        bad = int(ids[np.argmax(ids >= bound)])
+        limit = f"vocab_size={vocab_size}" if vocab_size is not None else "2**31 (set vocab_size to check the real bound)"
+        raise DataError("out_of_vocab_id", f"{what} {bad} is not below {limit}", url=url, key=key, value=bad)
 
 
 def _json_ids(values: list[Any], *, url: str, key: str) -> np.ndarray:
@@ -138,8 +214,10 @@ def validate_text(value: Any, *, url: str, key: str) -> str:
     return value
 
 
-def validate_per_token(value: Any, length: int | None, *, what: str, url: str, key: str) -> np.ndarray:
-    """``labels`` (int64) or ``loss_mask`` (bool) of the sample's token length."""
+def validate_per_token(value: Any, length: int | None, *, what: str, url: str, key: str,
+                       vocab_size: int | None = None) -> np.ndarray:
+    """``labels`` (int64, ids below the vocabulary bound) or ``loss_mask`` (bool) of the sample's
+    token length."""
     reason = f"bad_{what}"
     try:
         arr = np.asarray(value)
@@ -153,4 +231,8 @@ def validate_per_token(value: Any, length: int | None, *, what: str, url: str, k
         if arr.size and not np.isin(arr, (0, 1)).all():
             raise DataError(reason, "loss_mask values must be 0/1", url=url, key=key, value=arr[:8].tolist())
         return arr.astype(bool)
-    return arr.astype(np.int64)
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise DataError(reason, f"{what} overflow int64", url=url, key=key, value=int(arr.max()))
+    labels = arr.astype(np.int64)
+    check_id_bound(labels, vocab_size, what="label", url=url, key=key)
+    return labels

@@ -46,10 +46,30 @@ def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
                               seekable=not remote)
     gz = url.split("?", 1)[0].endswith(".gz")
     streams.append(open_shard(url, 0 if gz else start, end if remote and not gz else None, opts=opts))
-    streams.append(text_stream(streams[-1], url))
+    streams.append(text_stream(_NotEmpty(streams[-1], url) if gz else streams[-1], url))
     if gz and start:
         _skip_uncompressed(streams[-1], start, url)
     return iter_jsonl_items(streams[-1], decode, url=url, start=start, first_index=where.first, end=end)
+
+
+class _NotEmpty:
+    """The raw stream of a compressed shard, which must not be 0 bytes: gzip reads a 0-byte
+    file as an empty stream, but a 0-byte ``.gz`` is a failed write (a gzip of nothing is 20
+    bytes), as a 0-byte ``.tar`` is (an empty archive is 1024 bytes): both are errors."""
+
+    def __init__(self, raw: BinaryIO, url: str) -> None:
+        self._raw, self._url, self._checked = raw, url, False
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._raw.read(n)
+        if not self._checked and n != 0:
+            if not data:
+                raise DataError("corrupt_shard", "0-byte file is not a compressed stream", url=self._url, value=0)
+            self._checked = True
+        return data
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._raw, name)
 
 
 def _skip_uncompressed(f: BinaryIO, n: int, url: str) -> None:

@@ -17,13 +17,20 @@ Resume cost, honestly:
 from __future__ import annotations
 
 import gzip
-import json
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from streampack.errors import DataError
-from streampack.io.decode import DecodeOptions, Item, decode_record, parse_json_object
+from streampack.io.decode import (
+    DecodeOptions,
+    Item,
+    decode_record,
+    parse_json_object,
+    token_count,
+)
+from streampack.io.limits import Limits
 
 DECOMPRESS_ERRORS: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error)
 """What a damaged ``.gz`` raises while inflating (``zlib.error`` for bad deflate data, which is
@@ -36,18 +43,53 @@ def text_stream(raw: BinaryIO, url: str) -> BinaryIO:
     return gzip.GzipFile(fileobj=raw, mode="rb") if url.split("?", 1)[0].endswith(".gz") else raw
 
 
-def iter_lines(f: BinaryIO, *, start: int, first_index: int, end: int | None) -> Iterator[tuple[bytes, int, int, bool]]:
-    """``(line, offset, line_number, is_last)`` from a stream positioned at ``start``.
+_DISCARD_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One line of a jsonl stream."""
+
+    data: bytes | None
+    """The line with its newline; None when it is over the limit (it was skipped unread)."""
+    offset: int
+    number: int
+    size: int
+    """Bytes the line takes in the (uncompressed) stream, newline included."""
+    last: bool
+
+
+def _read_line(f: BinaryIO, limit: int) -> tuple[bytes | None, int]:
+    """The next line and its size; None for a line over ``limit`` bytes (newline excluded).
+
+    Such a line is ``line_too_long``: read with ``readline(limit + 1)``, its rest dropped in
+    1 MiB chunks, so a 400 MiB line inflated from a 0.4 MiB ``.gz`` never sits in memory.
+    """
+    line = f.readline(limit + 1)
+    if len(line) <= limit or line.endswith(b"\n"):
+        return line, len(line)
+    size = len(line)
+    del line
+    while True:
+        chunk = f.readline(_DISCARD_CHUNK)
+        size += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return None, size
+
+
+def iter_lines(f: BinaryIO, *, start: int, first_index: int, end: int | None,
+               max_bytes: int = Limits().max_line_bytes) -> Iterator[Line]:
+    """The lines of a stream positioned at ``start``, each at most ``max_bytes`` long.
 
     Reads one line ahead so the last line of a range is known when it is yielded.
     """
     off, idx = start, first_index
-    line = f.readline() if end is None or off < end else b""
-    while line:
-        nxt_off = off + len(line)
-        nxt = f.readline() if end is None or nxt_off < end else b""
-        yield line, off, idx, not nxt
-        line, off, idx = nxt, nxt_off, idx + 1
+    line, size = _read_line(f, max_bytes) if end is None or off < end else (b"", 0)
+    while size:
+        nxt_off = off + size
+        nxt, nxt_size = _read_line(f, max_bytes) if end is None or nxt_off < end else (b"", 0)
+        yield Line(line, off, idx, size, not nxt_size)
+        line, size, off, idx = nxt, nxt_size, nxt_off, idx + 1
 
 
 def iter_jsonl_items(
@@ -59,19 +101,26 @@ def iter_jsonl_items(
     and the number of the first line it loses.
     """
     reached, number = start, first_index
+    limit = opts.limits.max_line_bytes
     try:
-        for line, off, idx, last in iter_lines(f, start=start, first_index=first_index, end=end):
-            reached, number = off + len(line), idx + 1  # the first line lost if the next read fails
-            if not line.strip():
-                if last:
-                    yield Item(None, None, off + len(line), idx + 1, True)
+        for line in iter_lines(f, start=start, first_index=first_index, end=end, max_bytes=limit):
+            reached = nxt = line.offset + line.size  # where the first lost line starts if a read fails
+            number = line.number + 1
+            key = str(line.number)
+            if line.data is None:
+                yield Item(None, DataError("line_too_long", f"line of {line.size} bytes, over max_line_bytes={limit}",
+                                           url=url, key=key, value=line.size, skipped_bytes=line.size),
+                           nxt, number, line.last)
                 continue
-            key = str(idx)
+            if line.data.isspace():
+                if line.last:
+                    yield Item(None, None, nxt, number, True)
+                continue
             try:
-                sample = decode_record(parse_json_object(line, url=url, key=key), opts, url=url, key=key)
-                yield Item(sample, None, off + len(line), idx + 1, last)
+                record = parse_json_object(line.data, url=url, key=key, max_depth=opts.limits.max_json_depth)
+                yield Item(decode_record(record, opts, url=url, key=key), None, nxt, number, line.last)
             except DataError as e:
-                yield Item(None, e, off + len(line), idx + 1, last)
+                yield Item(None, e, nxt, number, line.last)
     except DECOMPRESS_ERRORS as e:
         raise DataError("corrupt_shard", f"cannot decompress after uncompressed byte {reached}: {e}",
                         url=url, key=str(number), value=reached) from None
@@ -79,33 +128,25 @@ def iter_jsonl_items(
 
 def scan_jsonl(f: BinaryIO, opts: DecodeOptions, *, url: str) -> tuple[list[int], list[int], list[int], int]:
     """Index data for a whole shard: offsets and numbers of non-blank lines, their token
-    lengths (-1 = text/unknown) and the end offset.
+    lengths (-1 = text/unknown/over the line limit) and the end offset.
 
-    Reads the whole shard once (it is built once per shard and cached).
+    Reads the whole shard once (it is built once per shard and cached), one line at a time.
     """
     offsets: list[int] = []
     numbers: list[int] = []
     lengths: list[int] = []
     end = 0
     try:
-        for line, off, idx, _ in iter_lines(f, start=0, first_index=0, end=None):
-            end = off + len(line)
-            if not line.strip():
+        for line in iter_lines(f, start=0, first_index=0, end=None, max_bytes=opts.limits.max_line_bytes):
+            end = line.offset + line.size
+            if line.data is not None and line.data.isspace():
                 continue
-            offsets.append(off)
-            numbers.append(idx)
-            lengths.append(_cheap_length(line, opts))
+            offsets.append(line.offset)
+            numbers.append(line.number)
+            lengths.append(-1 if line.data is None else token_count(line.data, opts))
     except (OSError, *DECOMPRESS_ERRORS) as e:
         raise DataError("corrupt_shard", f"cannot decompress/read: {e}", url=url, value=end) from None
     return offsets, numbers, lengths, end
-
-
-def _cheap_length(line: bytes, opts: DecodeOptions) -> int:
-    try:
-        ids = json.loads(line).get(opts.tokens_key)
-    except (ValueError, AttributeError):
-        return -1
-    return len(ids) if isinstance(ids, list) else -1
 
 
 __all__ = ["DECOMPRESS_ERRORS", "iter_jsonl_items", "scan_jsonl", "text_stream"]

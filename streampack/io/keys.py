@@ -1,0 +1,67 @@
+"""Which sample keys a reader has seen in a shard range, in about 10 bytes per key.
+
+A repeated key (``a, b, a``) makes two documents with one ``doc_key``; catching it needs every
+earlier key of the range. Keys are hashed to 63 bits (blake2b, so the verdict is the same in
+every process; two distinct keys collide with probability ~n^2 / 2^64, about 3e-8 for a
+million-sample shard). The newest hashes sit in a Python ``set``; older ones are merged into a
+sorted ``int64`` array (8 bytes each) behind a one-hash Bloom filter of 8 bits per key, so
+only ~12% of lookups pay for a binary search. Measured here (shared machine): 1M inserts in
+~3 s (blake2b is ~2 us of it) and ~12 MB, where a ``set`` of the key strings takes ~100 MB.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+_MERGE_EVERY = 4096
+_BLOOM_BITS_PER_KEY = 8
+
+
+def key_hash(key: str) -> int:
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class KeySet:
+    """An insert-only set of sample keys (by 63-bit hash)."""
+
+    def __init__(self) -> None:
+        self._sorted = np.empty(0, dtype=np.int64)
+        self._bloom = bytearray()
+        self._slots = 0
+        self._recent: set[int] = set()
+        self._merge_at = _MERGE_EVERY
+
+    def add(self, key: str) -> bool:
+        """Insert ``key``; False if it was already there."""
+        h = key_hash(key)
+        if h in self._recent or (self._slots and self._maybe_stored(h) and self._stored(h)):
+            return False
+        self._recent.add(h)
+        if len(self._recent) >= self._merge_at:
+            self._merge()
+        return True
+
+    def __len__(self) -> int:
+        return self._sorted.size + len(self._recent)
+
+    def _maybe_stored(self, h: int) -> bool:
+        slot = h % self._slots
+        return bool(self._bloom[slot >> 3] >> (slot & 7) & 1)
+
+    def _stored(self, h: int) -> bool:
+        i = int(np.searchsorted(self._sorted, h))
+        return i < self._sorted.size and int(self._sorted[i]) == h
+
+    def _merge(self) -> None:
+        new = np.sort(np.fromiter(self._recent, np.int64, len(self._recent)))
+        self._sorted = np.insert(self._sorted, np.searchsorted(self._sorted, new), new)
+        self._recent = set()
+        self._slots = _BLOOM_BITS_PER_KEY * self._sorted.size
+        bits = np.zeros(self._slots, dtype=bool)
+        bits[self._sorted % self._slots] = True
+        self._bloom = bytearray(np.packbits(bits, bitorder="little").tobytes())
+        # merge when the set is 1/16 of the array: O(n) per merge, O(n log n) over all inserts
+        self._merge_at = max(_MERGE_EVERY, self._sorted.size // 16)

@@ -1,0 +1,79 @@
+"""The limits a reader enforces on untrusted shards, checked while streaming, before allocating.
+
+A shard may declare anything: a tar header can claim a 1 TiB member, a 400 KiB ``.jsonl.gz``
+can inflate to one 400 MiB line, a 2 KiB line can nest 1000 brackets. Each limit below is
+checked on the *declared* or *so-far-read* size, so the reader never holds more than the
+limit of one item, and what crosses it becomes a :class:`~streampack.errors.DataError`
+(``on_error="skip"`` drops exactly that sample and counts it):
+
+=====================  =========  ===================================================
+limit                  default    what crosses it (reason)
+=====================  =========  ===================================================
+``max_line_bytes``     32 MiB     a jsonl line (``line_too_long``; read with
+                                  ``readline(limit)``, the rest discarded unread)
+``max_member_bytes``   32 MiB     one tar member the decoder reads (``member_too_large``;
+                                  members it never reads, e.g. ``.jpg``, are skipped)
+``max_sample_bytes``   64 MiB     the members of one tar sample together
+                                  (``sample_too_large``)
+``max_json_depth``     128        nesting of a json line or member (``json_too_deep``)
+=====================  =========  ===================================================
+
+Why these defaults: a 1M-token document is ~7 MB as a json id list and ~4 MB as text, so
+32 MiB leaves room for the longest contexts trained today while bounding a reader's peak
+memory at a few hundred MiB in the worst case (a line's bytes, its decoded ``str``, the
+parsed list). ``max_json_depth`` is far above any real record (chat and tool-call records
+nest < 10 deep) and far below the ~1000 frames at which CPython's json raises
+``RecursionError`` — or, with a raised ``sys.setrecursionlimit``, overflows the C stack.
+
+Fixed, not settable: pax / GNU long-name extension headers are capped at
+:data:`MAX_EXTENSION_BYTES` (they hold a path and a few attributes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1 << 20
+MAX_EXTENSION_BYTES = 1 * MiB
+"""Largest pax / GNU long-name header accepted (a larger one is ``corrupt_shard``)."""
+MAX_JSON_DEPTH_CEILING = 500
+"""``max_json_depth`` must stay well under CPython's default recursion limit (1000)."""
+INT32_IDS = 2**31
+"""Token ids must be below this when no ``vocab_size`` is given (int32 embedding indices)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """User-set bounds on what one sample may make the reader hold (see the module table)."""
+
+    max_line_bytes: int = 32 * MiB
+    """Bytes of one jsonl line (its newline excluded)."""
+    max_member_bytes: int = 32 * MiB
+    """Declared bytes of one tar member that the decoder reads."""
+    max_sample_bytes: int = 64 * MiB
+    """Declared bytes of the read members of one tar sample, together."""
+    max_json_depth: int = 128
+    """Nesting depth of one json document (``[[1]]`` is 2)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.max_json_depth > MAX_JSON_DEPTH_CEILING:
+            raise ValueError(f"max_json_depth={self.max_json_depth} must be <= {MAX_JSON_DEPTH_CEILING}: "
+                             f"deeper json overflows CPython's recursion limit while parsing")
+
+
+def check_vocab_size(vocab_size: int | None) -> int | None:
+    """``vocab_size`` as given, after checking it is None or an int in ``[1, 2**31]``."""
+    if vocab_size is None:
+        return None
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= INT32_IDS:
+        raise ValueError(f"vocab_size={vocab_size!r} must be None or an int in [1, 2**31]")
+    return vocab_size
+
+
+def id_bound(vocab_size: int | None) -> int:
+    """Token ids must be ``< id_bound(vocab_size)``."""
+    return INT32_IDS if vocab_size is None else vocab_size

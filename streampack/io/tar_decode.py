@@ -1,0 +1,92 @@
+"""One tar sample's members -> a validated :class:`~streampack.sample.Sample`.
+
+Fields (the member name after the key): ``npy`` or ``<tokens_key>.npy`` (token ids), ``json``
+(a record: ``tokens_key`` / ``text_key`` / ``labels_key`` / ``loss_mask_key``), ``txt`` (text),
+``labels.npy``, ``loss_mask.npy``, and pickle members (``.pyd`` / ``.pickle`` / ``.pkl``, a
+dict record; refused unless ``allow_pickle=True``: unpickling runs code). Tokens win over text.
+
+Each of tokens, text, labels and loss mask must come from one member: a sample holding its ids
+both in ``npy`` and in its ``json`` (which copy is right?) is ``conflicting_fields``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+from streampack.errors import DataError
+from streampack.io.decode import DecodeOptions, make_sample, parse_json_object
+from streampack.io.npy import decode_npy
+from streampack.sample import Sample
+
+PICKLE_EXTS = ("pyd", "pickle", "pkl")
+
+
+def decoder_want(opts: DecodeOptions) -> Callable[[str], int]:
+    """``want(member name)`` for the tar reader: -1 (read whole) for the fields the decoder
+    uses, 0 (skip unread) for the rest (images, class labels...)."""
+    used = {"npy", f"{opts.tokens_key}.npy", "json", "txt", "labels.npy", "loss_mask.npy"}
+
+    def want(name: str) -> int:
+        field = name.rsplit("/", 1)[-1].partition(".")[2]
+        if field in used or (opts.allow_pickle and field.rsplit(".", 1)[-1] in PICKLE_EXTS):
+            return -1
+        return 0
+
+    return want
+
+
+def decode_tar_sample(key: str, fields: dict[str, bytes], opts: DecodeOptions, *, url: str) -> Sample:
+    """The sample held by ``fields`` (member field -> bytes); raises :class:`DataError`."""
+    records: list[tuple[str, dict[str, Any]]] = []
+    for field, raw in fields.items():
+        if field.rsplit(".", 1)[-1] in PICKLE_EXTS:
+            if not opts.allow_pickle:
+                raise ValueError(f"refusing pickle member {key}.{field} of {url!r}: pass allow_pickle=True to unpickle")
+            records.append((field, _unpickle(raw, field, url=url, key=key)))
+    if "json" in fields:
+        records.append(("json", parse_json_object(fields["json"], url=url, key=key,
+                                                  max_depth=opts.limits.max_json_depth)))
+    source = _Sources(fields, records, url=url, key=key)
+    tokens = source.one("tokens", npy=("npy", f"{opts.tokens_key}.npy"), name=opts.tokens_key)
+    text = source.one("text", raw=("txt",), name=opts.text_key) if tokens is None else None
+    labels = source.one("labels", npy=("labels.npy",), name=opts.labels_key)
+    mask = source.one("loss_mask", npy=("loss_mask.npy",), name=opts.loss_mask_key)
+    return make_sample(url=url, key=key, tokens=tokens, text=text, labels=labels, loss_mask=mask,
+                       vocab_size=opts.vocab_size)
+
+
+def _unpickle(raw: bytes, field: str, *, url: str, key: str) -> dict[str, Any]:
+    try:
+        obj = pickle.loads(raw)  # noqa: S301 - only with allow_pickle=True, the user's explicit opt-in
+    except Exception as e:  # noqa: BLE001 - a broken pickle raises anything
+        raise DataError("bad_pickle", f"member {field!r}: {e!r}", url=url, key=key, value=raw[:16]) from None
+    if not isinstance(obj, dict):
+        raise DataError("bad_dtype", f"pickle member {field!r} is not a dict", url=url, key=key, value=type(obj))
+    return obj
+
+
+class _Sources:
+    """Where each value of a sample comes from: ``.npy`` members, raw members, record fields."""
+
+    def __init__(self, fields: dict[str, bytes], records: list[tuple[str, dict[str, Any]]], *, url: str,
+                 key: str) -> None:
+        self.fields, self.records, self.url, self.key = fields, records, url, key
+
+    def one(self, what: str, *, npy: tuple[str, ...] = (), raw: tuple[str, ...] = (),
+            name: str | None = None) -> Any:
+        npy = tuple(dict.fromkeys(npy))
+        found = [m for m in npy + raw if m in self.fields]
+        found += [m for m, record in self.records if name and record.get(name) is not None]
+        if len(found) > 1:
+            raise DataError("conflicting_fields", f"{what} given by {len(found)} members {found}; keep one",
+                            url=self.url, key=self.key, value=found)
+        if not found:
+            return None
+        member = found[0]
+        if member in npy:
+            return decode_npy(self.fields[member], member=member, url=self.url, key=self.key)
+        if member in raw:
+            return self.fields[member]
+        return dict(self.records)[member][name]

@@ -1,0 +1,313 @@
+"""Tar members from a byte stream: every header verified, every declared size bounded, and a
+corrupt header skipped to the next readable one.
+
+Why not ``tarfile`` or ``webdataset.tariterators``: resuming mid-shard needs the exact header
+offset of the next sample, and truncation must be an error. ``tarfile``'s stream mode treats a
+header cut short anywhere but at byte 0 as a clean end of archive, so a truncated shard would
+silently lose its tail; and it reads whatever size a header declares (a 1 TiB member is a
+``MemoryError``). This reader verifies every header checksum, requires the end-of-archive zero
+block (or the end of the requested byte range), refuses sizes over the caller's limit before
+reading, and handles ustar prefixes, GNU long names and pax ``path``/``size``.
+
+Hostile or damaged structure:
+
+- a header that is not a tar header (bad checksum, non-octal fields) starts a
+  :class:`CorruptRegion`: the reader scans forward block by block for the next block that is
+  a valid ``ustar`` header (magic and checksum) and resumes there, as GNU tar does ("skipping
+  to next header"). The region is reported, so the caller can drop exactly what it lost;
+- a malformed pax record or an extension header over :data:`MAX_EXTENSION_BYTES` makes the
+  member it describes untrustworthy: the region also covers that member;
+- a stream that ends inside a header or a member, or a corrupt header with no readable header
+  after it, raises ``DataError("corrupt_shard")`` (nothing after it can be read).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from streampack.errors import DataError
+from streampack.io.limits import MAX_EXTENSION_BYTES
+
+BLOCK = 512
+ZERO_BLOCK = bytes(BLOCK)
+REGULAR = (b"0", b"\0", b"7")
+EXTENSIONS = (b"L", b"K", b"x", b"g")
+_OCTAL = re.compile(rb"[0-7]+")
+_DISCARD = 1 << 20
+_MAX_DECLARED = 1 << 48  # 256 TiB: past any real member, and seek() offsets stay in range
+
+
+@dataclass(slots=True)
+class Cursor:
+    pos: int
+    pending: tuple[str, int] | None = None
+    """``(name, offset)`` of the member whose data is being read."""
+
+
+@dataclass(frozen=True, slots=True)
+class TarMember:
+    name: str
+    offset: int
+    """Byte offset of the member's first header (long-name / pax headers included)."""
+    size: int
+    """Declared data size."""
+    data: bytes | None
+    """The data, or only its first bytes when the caller asked for a prefix; None when the
+    caller wanted it whole but it is over ``max_bytes`` (then it was skipped unread)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CorruptRegion:
+    start: int
+    """Offset of the first unreadable header (or of the extension headers before it)."""
+    end: int
+    """Offset of the next readable header, or the end of the requested range."""
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    name: str
+    size: int
+    kind: bytes
+    first: int
+    data_at: int
+
+    @property
+    def next(self) -> int:
+        return self.data_at + padded(self.size)
+
+
+class _Unreadable(Exception):
+    """A block that should be a header is not one (internal: becomes a CorruptRegion)."""
+
+    def __init__(self, detail: str, *, first: int, at: int, poison: bool = False, name: str | None = None) -> None:
+        super().__init__(detail)
+        self.detail, self.first, self.at, self.poison = detail, first, at, poison
+        self.name = name
+        """The member's name when its header parsed but its size is impossible."""
+
+
+def padded(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
+
+
+def _number(field: bytes) -> int:
+    if field[:1] == b"\x80":  # GNU base-256 for sizes over 8 GiB (0xff would be negative)
+        return int.from_bytes(field[1:], "big")
+    digits = field.replace(b"\0", b" ").strip()
+    if not digits:
+        return 0
+    if _OCTAL.fullmatch(digits) is None:  # int() would accept "-1", "+7", "1_0"
+        raise ValueError(f"non-octal field {field!r}")
+    return int(digits, 8)
+
+
+def _parse_header(hdr: bytes, *, first: int, at: int) -> tuple[str, int, bytes]:
+    try:
+        stored, size = _number(hdr[148:156]), _number(hdr[124:136])
+    except ValueError:
+        raise _Unreadable("unparsable tar header", first=first, at=at) from None
+    if stored != sum(hdr[:148]) + 256 + sum(hdr[156:]) and stored != _signed_checksum(hdr):
+        raise _Unreadable("tar header checksum mismatch", first=first, at=at)
+    if size >= _MAX_DECLARED:
+        raise _Unreadable(f"tar header declares a {size}-byte member", first=first, at=at)
+    name = hdr[:100].split(b"\0", 1)[0]
+    if hdr[257:262] == b"ustar":
+        prefix = hdr[345:500].split(b"\0", 1)[0]
+        if prefix:
+            name = prefix + b"/" + name
+    return name.decode("utf-8", "surrogateescape"), size, hdr[156:157]
+
+
+def _signed_checksum(hdr: bytes) -> int:
+    """The checksum old writers computed over signed chars (tarfile accepts it too)."""
+    high = sum(1 for b in hdr[:148] if b >= 128) + sum(1 for b in hdr[156:] if b >= 128)
+    return sum(hdr[:148]) + 256 + sum(hdr[156:]) - 256 * high
+
+
+def _is_header(block: bytes) -> bool:
+    if block[257:262] != b"ustar":  # cheap filter before the checksum
+        return False
+    try:
+        _parse_header(block, first=0, at=0)
+    except _Unreadable:
+        return False
+    return True
+
+
+def _pax(data: bytes, *, first: int, at: int) -> dict[str, str]:
+    """Records ``"<len> <key>=<value>\\n"``; anything else is a malformed header."""
+    out, i = {}, 0
+    while i < len(data):
+        sp = data.find(b" ", i, i + 20)
+        n = int(data[i:sp]) if sp > i and data[i:sp].isdigit() else 0
+        end = i + n
+        if n <= sp - i + 1 or end > len(data) or data[end - 1] != 0x0A or b"=" not in data[sp + 1 : end]:
+            raise _Unreadable(f"malformed pax header record at byte {i}", first=first, at=at, poison=True)
+        k, _, v = data[sp + 1 : end - 1].partition(b"=")
+        out[k.decode("utf-8", "surrogateescape")] = v.decode("utf-8", "surrogateescape")
+        i = end
+    size = out.get("size")
+    if size is not None and not (size.isascii() and size.isdigit()):
+        raise _Unreadable(f"pax size {size[:20]!r} is not a number", first=first, at=at, poison=True)
+    return out
+
+
+class _Reader:
+    """Reads headers and data of one tar stream from a known offset."""
+
+    def __init__(self, f: BinaryIO, *, url: str, seekable: bool, end: int | None) -> None:
+        self.f, self.url, self.seekable, self.end = f, url, seekable, end
+        self.size: int | None = None  # known for a local file: a size past it is a lie
+        if seekable:
+            here = f.tell()
+            self.size = f.seek(0, io.SEEK_END)
+            f.seek(here)
+
+    def read(self, n: int) -> bytes:
+        parts, got = [], 0
+        while got < n:
+            chunk = self.f.read(n - got)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    def skip(self, n: int, *, at: int) -> None:
+        if n <= 0:
+            return
+        if self.seekable:  # past the end is found by the next header read
+            self.f.seek(n, io.SEEK_CUR)
+            return
+        while n > 0:  # in bounded chunks: a declared size may be absurd
+            chunk = self.f.read(min(n, _DISCARD))
+            if not chunk:
+                raise DataError("corrupt_shard", "truncated tar member data", url=self.url, value=at)
+            n -= len(chunk)
+
+    def header(self, pos: int, block: bytes | None) -> _Header | None:
+        """The member header at ``pos`` with its extension headers applied; None at the end."""
+        first, long_name, pax = pos, None, {}
+        while True:
+            if block is None:
+                if self.end is not None and pos >= self.end and first == pos:
+                    return None
+                block = self.read(BLOCK)
+            if block == ZERO_BLOCK and first == pos:
+                return None
+            if len(block) < BLOCK:
+                raise DataError("corrupt_shard", self._short(block, pos), url=self.url, value=pos)
+            name, size, kind = _parse_header(block, first=first, at=pos)
+            block = None
+            if kind not in EXTENSIONS:
+                size = int(pax["size"]) if "size" in pax else size
+                name = pax.get("path", long_name or name)
+                if size >= _MAX_DECLARED or (self.size is not None and pos + BLOCK + size > self.size):
+                    # a lie, or a file cut inside this member: resync tells them apart
+                    raise _Unreadable(f"member {name!r} declares {size} bytes, past the end of the file",
+                                      first=first, at=pos, name=name)
+                return _Header(name, size, kind, first, pos + BLOCK)
+            if size > MAX_EXTENSION_BYTES:
+                raise _Unreadable(f"extension header declares {size} bytes (limit {MAX_EXTENSION_BYTES})",
+                                  first=first, at=pos, poison=True)
+            data = self.read(padded(size))
+            if len(data) < padded(size):
+                raise DataError("corrupt_shard", "truncated tar extension header", url=self.url, value=pos)
+            if kind == b"L":
+                long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            elif kind == b"x":
+                pax = _pax(data[:size], first=first, at=pos)
+            pos += BLOCK + padded(size)
+            if kind == b"g":  # a global header belongs to no member
+                first = pos
+
+    def _short(self, block: bytes, pos: int) -> str:
+        if pos == 0 and not block:
+            return "0-byte file is not a tar archive (an empty archive is 1024 zero bytes)"
+        if block:
+            return "truncated tar header"
+        return "ended without an end-of-archive block (truncated, or a member declared more bytes than the file holds)"
+
+    def resync(self, bad: _Unreadable) -> tuple[CorruptRegion, bytes | None]:
+        """Skip to the next readable header after ``bad``: the region lost and that header's
+        block (None when the range ended first); raises when the stream ends first."""
+        pos = bad.at + BLOCK
+        while self.end is None or pos < self.end:
+            block = self.read(BLOCK)
+            if len(block) < BLOCK:
+                what = f"truncated data of member {bad.name!r}" if bad.name else f"{bad.detail}; no readable tar header after it"
+                raise DataError("corrupt_shard", what, url=self.url, value=bad.first,
+                                skipped_bytes=pos + len(block) - bad.first)
+            if _is_header(block):
+                if not bad.poison:
+                    return CorruptRegion(bad.first, pos, bad.detail), block
+                # the member the broken extension described is not trustworthy: lose it too
+                _, size, _ = _parse_header(block, first=pos, at=pos)
+                self.skip(padded(size), at=pos)
+                return CorruptRegion(bad.first, pos + BLOCK + padded(size), bad.detail), None
+            pos += BLOCK
+        return CorruptRegion(bad.first, self.end, bad.detail), None
+
+    def data(self, head: _Header, n: int, max_bytes: int | None) -> bytes | None:
+        """``n`` data bytes of ``head`` (-1 all), the rest skipped; None if refused."""
+        if n < 0 and max_bytes is not None and head.size > max_bytes:
+            self.skip(padded(head.size), at=head.data_at)
+            return None
+        n = head.size if n < 0 else min(n, head.size)
+        data = self.read(n)
+        if len(data) < n:
+            raise DataError("corrupt_shard", f"truncated data of member {head.name!r}", url=self.url,
+                            value=head.data_at)
+        self.skip(padded(head.size) - n, at=head.data_at)
+        return data
+
+
+def iter_tar_members(
+    f: BinaryIO,
+    *,
+    url: str,
+    start: int,
+    end: int | None = None,
+    want: Callable[[str], int] = lambda name: -1,
+    seekable: bool = False,
+    cursor: Cursor | None = None,
+    max_bytes: int | None = None,
+) -> Iterator[TarMember | CorruptRegion]:
+    """Regular-file members (and corrupt regions) of a tar stream positioned at header offset
+    ``start``.
+
+    ``want(name)`` says how many data bytes to read (-1 all, 0 none); the rest is skipped (by
+    ``seek`` when ``seekable``). A member wanted whole whose declared size is over
+    ``max_bytes`` is skipped unread (``data=None``). Stops at the end-of-archive block or at
+    ``end``; then ``cursor.pos`` is where it stopped.
+    """
+    cursor = cursor if cursor is not None else Cursor(start)
+    reader = _Reader(f, url=url, seekable=seekable, end=end)
+    pos, block = start, None
+    while True:
+        cursor.pos = pos
+        try:
+            head = reader.header(pos, block)
+        except _Unreadable as bad:
+            cursor.pending = (bad.name, bad.first) if bad.name is not None else None
+            region, block = reader.resync(bad)
+            cursor.pending = None
+            pos = region.end
+            yield region
+            continue
+        block = None
+        if head is None:
+            return
+        regular = head.kind in REGULAR
+        cursor.pending = (head.name, head.first)
+        data = reader.data(head, want(head.name) if regular else 0, max_bytes)
+        cursor.pending = None
+        pos = head.next
+        if regular:
+            yield TarMember(head.name, head.first, head.size, data)
