@@ -26,6 +26,7 @@ from streampack.graph import (
     StreamConfig,
     build_graph,
 )
+from streampack.io.limits import Limits
 from streampack.io.packed_format import is_packed_dataset, packed_manifest
 from streampack.io.urls import ShardList
 from streampack.layout.batch import PackedBatch, alignment
@@ -95,7 +96,8 @@ class PackedDataset(IterableDataset):
                  labels_key: str | None = None, loss_mask_key: str | None = None,
                  sequence_parallel: bool = True, align_multiple: int = 1, allow_pipe: bool = False,
                  allow_pickle: bool = False, cache_dir: str | None = None, retries: int = 3,
-                 pin_memory: bool = False, mixture_stop: str = "all") -> None:
+                 pin_memory: bool = False, mixture_stop: str = "all", vocab_size: int | None = None,
+                 limits: Limits | None = None) -> None:
         super().__init__()
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
@@ -107,7 +109,8 @@ class PackedDataset(IterableDataset):
             text_key=text_key, tokens_key=tokens_key, labels_key=labels_key, loss_mask_key=loss_mask_key,
             overlong=overlong, seed=seed, shuffle=shuffle, epochs=epochs, on_error=on_error, pad_id=pad_id,
             ignore_index=ignore_index, bos_id=bos_id, eos_id=eos_id, max_wait=max_wait, slack=slack,
-            batches_per_epoch=batches_per_epoch)
+            batches_per_epoch=batches_per_epoch, vocab_size=vocab_size,
+            limits=limits if limits is not None else Limits())
         self.options = ReadOptions(allow_pipe=allow_pipe, allow_pickle=allow_pickle, cache_dir=cache_dir,
                                    retries=retries, num_threads=num_threads, tokenize_block=tokenize_block)
         self.sources = _sources(urls, allow_pipe=allow_pipe, mixture_stop=mixture_stop)

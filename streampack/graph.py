@@ -26,6 +26,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from streampack.errors import ErrorCounter
+from streampack.io.limits import Limits
 from streampack.io.packed_format import Manifest
 from streampack.io.urls import ShardList
 from streampack.layout.batch import PackedBatch
@@ -95,6 +96,11 @@ class StreamConfig:
     max_wait: int = 8
     slack: int | None = None
     batches_per_epoch: int | None = None
+    vocab_size: int | None = None
+    """Token ids (read or tokenized) must be below it; None = below 2**31."""
+    limits: Limits = Limits()
+    """Bytes per line / member / sample and json depth a reader accepts (they decide which
+    samples are kept, so they are part of the fingerprint)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,7 +158,7 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
         tokens_key=config.tokens_key, text_key=config.text_key, labels_key=config.labels_key,
         loss_mask_key=config.loss_mask_key, on_error=config.on_error, errors=errors,
         allow_pipe=options.allow_pipe, allow_pickle=options.allow_pickle, cache_dir=options.cache_dir,
-        retries=options.retries) for name, shards in (sources.mixture or {"": sources.shards}).items()}
+        retries=options.retries, vocab_size=config.vocab_size, limits=config.limits) for name, shards in (sources.mixture or {"": sources.shards}).items()}
     nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "errors": errors}
     node: BaseNode[Sample] = nodes["reader"]
     if sources.mixture:
@@ -162,7 +168,7 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
     if tokenizer is not None:
         node = nodes["tokenize"] = Tokenize(node, tokenizer, bos_id=config.bos_id, eos_id=config.eos_id,
                                             block_size=options.tokenize_block, num_threads=options.num_threads,
-                                            on_error=config.on_error, errors=errors)
+                                            on_error=config.on_error, errors=errors, vocab_size=config.vocab_size)
         node = wrap("tokenize", node)
     node, nodes["stages"] = build_stages(node, stages)
     return wrap("stages", node), nodes

@@ -35,6 +35,7 @@ from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io.decode import DecodeOptions, Item
 from streampack.io.formats import ShardRange, open_range
 from streampack.io.index import ShardIndex, load_or_build_index
+from streampack.io.limits import Limits
 from streampack.io.retry import OpenOptions
 from streampack.io.urls import ShardList, is_remote
 from streampack.nodes.sharding import ShardSpan, assign_shards
@@ -64,8 +65,9 @@ class ShardReader(BaseNode[Sample]):
     ever give it a sample); ``epochs=N`` stops after epoch N-1; a fresh start reads from ``start_epoch`` (a second
     finite pass reads epochs ``[N, 2N)`` and so reshuffles). ``dp_rank``/``worker_id`` (and their
     sizes) may be None to take them from ``resolve_topology()`` / the DataLoader worker info.
-    ``on_error="skip"`` drops bad samples (and the rest of a corrupt shard) and counts them in
-    ``errors``.
+    ``on_error="skip"`` drops bad samples (and corrupt byte ranges, or the rest of an unreadable
+    shard) and counts them in ``errors``. ``vocab_size`` bounds token ids and ``limits`` the
+    bytes one sample may make the reader hold (see :mod:`streampack.io.limits`).
     """
 
     def __init__(
@@ -92,6 +94,8 @@ class ShardReader(BaseNode[Sample]):
         retries: int = 3,
         retry_backoff: float = 0.5,
         timeout: float = 30.0,
+        vocab_size: int | None = None,
+        limits: Limits | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(seed, int) or seed < 0:
@@ -115,7 +119,8 @@ class ShardReader(BaseNode[Sample]):
         self._policy = ErrorPolicy(on_error, errors)
         self.errors: ErrorCounter = self._policy.errors
         self._decode = DecodeOptions(
-            tokens_key=tokens_key, text_key=text_key, labels_key=labels_key, loss_mask_key=loss_mask_key, allow_pickle=allow_pickle
+            tokens_key=tokens_key, text_key=text_key, labels_key=labels_key, loss_mask_key=loss_mask_key, allow_pickle=allow_pickle,
+            vocab_size=vocab_size, limits=limits if limits is not None else Limits(),
         )
         self._open = OpenOptions(retries=retries, backoff=retry_backoff, timeout=timeout, allow_pipe=allow_pipe)
         self._cache_dir = cache_dir

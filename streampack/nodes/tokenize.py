@@ -16,7 +16,9 @@ most ``block_size`` samples) instead of storing encoded tokens, which keeps ``ge
 (StatefulDataLoader asks for it after every batch). The replay reads the *saved* block's
 sample count, so ``block_size`` / ``num_threads`` may change between save and restore.
 
-Encoded ids are checked (integers, none negative); a bad result, or a tokenizer that raises,
+Encoded ids are checked (integers, none negative, all below ``vocab_size`` — below 2**31 when it
+is not given: a custom tokenizer's stray id would otherwise index past the embedding table and
+fail on the GPU, far from its sample); a bad result, or a tokenizer that raises,
 is a :class:`~streampack.errors.DataError` naming the shard URL and sample key, handled by
 ``on_error`` like a reading error: ``"skip"`` drops exactly that sample and counts it.
 """
@@ -33,6 +35,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.io.limits import check_vocab_size, id_bound
 from streampack.sample import Sample
 
 Encoder = Callable[[list[str]], list[list[int]]]
@@ -74,12 +77,14 @@ class TextEncoder:
     """
 
     def __init__(self, tokenizer: Any, *, bos_id: int | None = None, eos_id: int | None = None,
-                 num_threads: int = 1) -> None:
+                 num_threads: int = 1, vocab_size: int | None = None) -> None:
         if num_threads < 1:
             raise ValueError(f"{num_threads=} must be >= 1")
+        self.vocab_size = check_vocab_size(vocab_size)
+        bound = id_bound(vocab_size)
         for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name}={value!r} must be None or a token id >= 0")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound):
+                raise ValueError(f"{name}={value!r} must be None or a token id in [0, {bound})")
         self._encode = make_encoder(tokenizer)
         self._pre = np.asarray([] if bos_id is None else [bos_id], dtype=np.int64)
         self._post = np.asarray([] if eos_id is None else [eos_id], dtype=np.int64)
@@ -147,6 +152,10 @@ class TextEncoder:
         if arr.size and int(arr.min()) < 0:
             return DataError("negative_id", "the tokenizer returned a negative token id", url=sample.url,
                              key=sample.key, value=int(arr.min()))
+        if arr.size and int(arr.max()) >= id_bound(self.vocab_size):
+            limit = f"vocab_size={self.vocab_size}" if self.vocab_size is not None else "2**31"
+            return DataError("out_of_vocab_id", f"the tokenizer returned token id {int(arr.max())}, not below {limit}",
+                             url=sample.url, key=sample.key, value=int(arr.max()))
         if not arr.size:
             return arr.astype(np.int64)
         return np.concatenate([self._pre, arr.astype(np.int64, copy=False), self._post])
@@ -172,12 +181,14 @@ class Tokenize(BaseNode[Sample]):
 
     def __init__(self, source: BaseNode[Sample], tokenizer: Any, *, bos_id: int | None = None,
                  eos_id: int | None = None, block_size: int = 64, num_threads: int = 1,
-                 on_error: str = "raise", errors: ErrorCounter | None = None) -> None:
+                 on_error: str = "raise", errors: ErrorCounter | None = None,
+                 vocab_size: int | None = None) -> None:
         super().__init__()
         if block_size < 1:
             raise ValueError(f"{block_size=} must be >= 1")
         self.source = source
-        self.encoder = TextEncoder(tokenizer, bos_id=bos_id, eos_id=eos_id, num_threads=num_threads)
+        self.encoder = TextEncoder(tokenizer, bos_id=bos_id, eos_id=eos_id, num_threads=num_threads,
+                                   vocab_size=vocab_size)
         self.block_size = block_size
         self._policy = ErrorPolicy(on_error, errors)
         self._block: list[Sample] = []
