@@ -1,4 +1,5 @@
-"""Bounded memory: RSS does not grow over a long infinite stream (the window bounds buffers)."""
+"""Bounded memory: RSS does not grow over a long infinite stream (the window bounds buffers), and
+a hostile shard (a decompression bomb, a huge line, a huge member) costs at most its limits."""
 
 from __future__ import annotations
 
@@ -43,3 +44,85 @@ def test_rss_flat_long(shards) -> None:
     growth, docs = _rss_growth(shards, 400_000)
     assert docs >= 400_000
     assert growth < 32, f"RSS grew {growth:.1f} MiB"
+
+
+# ------------------------------------------------------------------ hostile input (issue 13)
+# Peak RSS of a child process reading one hostile shard, minus its peak right before reading.
+# Before the limits existed, the 0.39 MiB .jsonl.gz below peaked at ~1.6 GiB (the whole
+# 400 MiB line, its decoded str and the parse); with the default 32 MiB line limit a reader
+# holds at most a line prefix and its one-line lookahead: the bound is 4 x the limit + 64 MiB.
+_RSS_CHILD = """
+import resource, sys
+from streampack.errors import ErrorCounter
+from streampack.nodes.reader import ShardReader
+url = sys.argv[1]
+reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip", errors=(errors := ErrorCounter()),
+                     allow_pipe=True)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+kept = [s.key for s in reader]
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(kept, errors.counts, (peak - base) // 1024)
+"""
+_LINE_LIMIT_MIB = 32
+_BOUND_MIB = 4 * _LINE_LIMIT_MIB + 64
+
+
+def _rss_growth(url: str) -> tuple[list[str], dict, int]:
+    import ast
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, url], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    kept_s, rest = line.split("] ", 1)
+    counts_s, growth_s = rest.rsplit(" ", 1)
+    return ast.literal_eval(kept_s + "]"), ast.literal_eval(counts_s), int(growth_s)
+
+
+def _bomb_lines(f, line_mib: int) -> None:
+    f.write(b'{"input_ids": [1, 2]}\n{"text": "')
+    chunk = b"a" * (1 << 20)
+    for _ in range(line_mib):
+        f.write(chunk)
+    f.write(b'"}\n{"input_ids": [3, 4]}\n')
+
+
+@pytest.mark.slow
+def test_gzip_bomb_line_stays_within_the_line_limit(tmp_path) -> None:
+    import gzip
+    import os
+
+    url = str(tmp_path / "bomb.jsonl.gz")
+    with gzip.open(url, "wb", compresslevel=9) as f:
+        _bomb_lines(f, 400)
+    assert os.path.getsize(url) < 1 << 20  # ~0.39 MiB on disk, 400 MiB inflated
+    kept, counts, growth = _rss_growth(url)
+    assert kept == ["0", "2"] and counts == {"line_too_long": 1}
+    assert growth < _BOUND_MIB, f"peak RSS grew {growth} MiB reading a 400 MiB line (bound {_BOUND_MIB})"
+
+
+@pytest.mark.slow
+def test_huge_line_shard_stays_within_the_line_limit(tmp_path) -> None:
+    url = str(tmp_path / "huge.jsonl")
+    with open(url, "wb") as f:
+        _bomb_lines(f, 256)
+    kept, counts, growth = _rss_growth(url)
+    assert kept == ["0", "2"] and counts == {"line_too_long": 1}
+    assert growth < _BOUND_MIB, f"peak RSS grew {growth} MiB reading a 256 MiB line (bound {_BOUND_MIB})"
+
+
+@pytest.mark.slow
+def test_huge_tar_member_through_a_pipe_is_skipped_in_bounded_chunks(tmp_path) -> None:
+    # a real 256 MiB member (over the 32 MiB member limit) on a stream that cannot seek
+    from helpers_hostile import archive, header, samples
+
+    url = str(tmp_path / "big.tar")
+    with open(url, "wb") as f:
+        f.write(b"".join(samples(2)))
+        f.write(header("00000002.npy", 256 << 20))
+        f.seek(256 << 20, 1)  # sparse: zeros
+        f.write(archive(*samples(1, start=3)))
+    kept, counts, growth = _rss_growth(f"pipe:cat {url}")
+    assert kept == ["00000000", "00000001", "00000003"] and counts == {"member_too_large": 1}
+    assert growth < 64, f"peak RSS grew {growth} MiB skipping a 256 MiB member"

@@ -335,10 +335,12 @@ def test_corrupt_tar_skips_rest_of_shard(tmp_path, damage):
     assert urls[0] in str(info.value)
     errors = ErrorCounter()
     out = read_all(urls, on_error="skip", errors=errors)
-    # A truncated member still has a readable name, which proves sample 5 was complete; a
-    # broken header proves nothing, so sample 5 is dropped with the rest of the shard.
-    kept = 6 if damage == "truncate" else 5
-    assert [s.tokens.tolist() for s in out] == docs[:kept] + docs[10:]
+    # A truncated member still has a readable name, which proves sample 5 was complete, and
+    # nothing after the cut can be read. A broken header is skipped to the next readable one:
+    # only sample 6 is lost, and its neighbours hold the same fields as the intact sample after
+    # them, so they are kept (issue 13: skip loses exactly the bad samples).
+    kept = docs[:6] + docs[10:] if damage == "truncate" else docs[:6] + docs[7:]
+    assert [s.tokens.tolist() for s in out] == kept
     assert errors.counts == {"corrupt_shard": 1}
 
 
@@ -348,7 +350,8 @@ def test_tar_without_end_marker_is_corrupt(tmp_path):
     open(url, "r+b").truncate(index.end)
     errors = ErrorCounter()
     assert len(read_all(url, on_error="skip", errors=errors)) == 2  # the last sample may be incomplete
-    assert errors.counts == {"corrupt_shard": 1}
+    # ... and no intact sample follows to show it is not: it is counted apart from the cut
+    assert errors.counts == {"corrupt_shard": 1, "incomplete_sample": 1}
 
 
 def test_missing_shard(tmp_path):
@@ -385,7 +388,7 @@ def test_error_counter_keeps_last_messages():
     errors = ErrorCounter(keep=2)
     for i in range(5):
         errors.record(DataError("bad_utf8", "x", url="u", key=str(i), value=i))
-    assert errors.as_dict() == {"counts": {"bad_utf8": 5}, "total": 5, "recent": [
+    assert errors.as_dict() == {"counts": {"bad_utf8": 5}, "total": 5, "skipped_bytes": {}, "recent": [
         "bad_utf8: x (shard='u', key='3', value=3)", "bad_utf8: x (shard='u', key='4', value=4)"]}
     with pytest.raises(ValueError, match="on_error"):
         ShardReader("x.tar", on_error="ignore")
