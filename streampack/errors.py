@@ -10,8 +10,9 @@ Reasons used by the readers: ``corrupt_shard``, ``missing_shard``, ``unreachable
 ``empty_sample``, ``bad_utf8``, ``bad_json``, ``json_too_deep``, ``bad_dtype``, ``bad_npy``,
 ``bad_pickle``, ``negative_id``, ``non_integer_id``, ``out_of_vocab_id``, ``missing_field``,
 ``conflicting_fields``, ``bad_labels``, ``bad_loss_mask``, ``duplicate_member``,
-``repeated_key``, ``line_too_long``, ``member_too_large``, ``sample_too_large``; the tokenize
-stage adds ``tokenizer_error``.
+``repeated_key``, ``incomplete_sample``, ``line_too_long``, ``member_too_large``,
+``sample_too_large``; the tokenize stage adds ``tokenizer_error`` (and ``out_of_vocab_id``,
+``negative_id``, ``bad_dtype`` for what a tokenizer returns).
 
 Across processes: torch's DataLoader re-raises a worker's exception in the main process as
 ``type(exc)(formatted_traceback)``, and pickling rebuilds an exception from its ``args``. So a
@@ -27,8 +28,11 @@ import re
 from collections import deque
 from typing import Any, Literal
 
+from streampack.logs import get_logger, warn_every
+
 OnError = Literal["raise", "skip"]
 ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "skip")
+_LOG = get_logger(__name__)
 _VALUE_REPR_CHARS = 80
 _VALUE_KEEP = 256  # a long str / bytes / list value is kept only this long on the exception
 _WHERE = " (shard="
@@ -96,6 +100,8 @@ class ErrorCounter:
         if err.skipped_bytes:
             self.skipped_bytes[err.reason] = self.skipped_bytes.get(err.reason, 0) + err.skipped_bytes
         self.recent.append(str(err))
+        warn_every(_LOG, err.reason, "bad input (%d %s so far, counted in metrics()['errors']): %s",
+                   self.counts[err.reason], err.reason, err)
 
     @property
     def total(self) -> int:

@@ -5,19 +5,22 @@ optionally its own labels and loss mask; every value is checked here, once, and 
 becomes a :class:`~streampack.errors.DataError` naming shard, key and value. Token ids (and
 labels) must be below ``vocab_size`` (below 2**31 when it is not given).
 
-JSON nesting is bounded before ``json.loads`` runs (CPython's parser recurses per level: 1000
-levels raise ``RecursionError``, and under a raised ``sys.setrecursionlimit`` they overflow the
-C stack). :func:`json_depth` is exact — brackets inside strings do not count — and runs only
-on lines holding more opening brackets than the limit, since depth <= that count. Measured
-on this machine (shared, noisy; ``benchmarks/bench_hostile.py``): the bracket count costs a
-few microseconds per 4 KB line (json.loads of a 600-id line: ~40 us); the exact scan, met
-only by bracket-heavy records such as 100-turn chats, costs about as much as json.loads of
-the same line.
+JSON nesting is bounded (``max_json_depth``) without slowing normal lines: a line holding no
+more opening brackets than the limit cannot nest deeper (a count, a few us per 4 KB line);
+any other line is parsed and the depth of the parsed object measured (cheap: a code sample
+with a thousand brackets in its text is one dict). Parsing first is safe because CPython's
+json raises ``RecursionError`` at the interpreter's recursion limit, long before the C stack
+is at risk; only a process that raised ``sys.setrecursionlimit`` past
+:data:`SAFE_RECURSION_LIMIT` gets an exact byte scan (:func:`json_depth`) before parsing, since
+there a deep line would overflow the C stack. Measured (``benchmarks/bench_hostile.py``,
+shared noisy machine): the byte scan costs ~1.5x ``json.loads`` on bracket-heavy lines (chats,
+code), the parse-then-measure path a fraction of it.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -86,19 +89,51 @@ def make_sample(
 
 def parse_json_object(raw: bytes, *, url: str, key: str, max_depth: int = Limits().max_json_depth) -> dict[str, Any]:
     """One json object from ``raw`` (strict UTF-8, nesting at most ``max_depth``)."""
-    if json_depth(raw, max_depth) > max_depth:
-        raise DataError("json_too_deep", f"json nests deeper than max_json_depth={max_depth}", url=url, key=key,
-                        value=raw[:32])
     text = "" if not raw or raw.isspace() else validate_text(raw, url=url, key=key)
     try:
-        obj = json.loads(text)
+        obj = loads_bounded(raw, text, max_depth)
+    except JsonTooDeep as e:
+        raise DataError("json_too_deep", str(e), url=url, key=key, value=raw[:32]) from None
     except json.JSONDecodeError as e:
         raise DataError("bad_json", str(e), url=url, key=key, value=text) from None
-    except RecursionError:  # unreachable under the depth check; kept as a backstop
-        raise DataError("json_too_deep", "json nests too deep to parse", url=url, key=key, value=text[:32]) from None
     if not isinstance(obj, dict):
         raise DataError("bad_json", f"want a json object, got {type(obj).__name__}", url=url, key=key, value=obj)
     return obj
+
+
+SAFE_RECURSION_LIMIT = 4000
+"""Up to this recursion limit CPython's json raises ``RecursionError`` before the C stack
+overflows (a json level takes well under 1 KB of an >= 8 MB stack)."""
+
+
+class JsonTooDeep(ValueError):
+    pass
+
+
+def loads_bounded(raw: bytes, text: str | bytes, max_depth: int) -> Any:
+    """``json.loads(text)`` (``raw`` = its bytes), refusing nesting deeper than ``max_depth``."""
+    many = raw.count(b"[") + raw.count(b"{") > max_depth
+    if many and sys.getrecursionlimit() > SAFE_RECURSION_LIMIT and json_depth(raw, max_depth) > max_depth:
+        raise JsonTooDeep(f"json nests deeper than max_json_depth={max_depth}")
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise JsonTooDeep("json nests deeper than the interpreter's recursion limit") from None
+    if many and _nesting_exceeds(obj, max_depth):
+        raise JsonTooDeep(f"json nests deeper than max_json_depth={max_depth}")
+    return obj
+
+
+def _nesting_exceeds(obj: Any, limit: int) -> bool:
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
 
 
 _KEEP = b'"[]{}'
@@ -109,8 +144,8 @@ _STEP[list(b"]}")] = -1
 
 
 def json_depth(raw: bytes, limit: int) -> int:
-    """Nesting depth of the json text ``raw`` (``[[1]]`` is 2), or any value <= ``limit`` when it
-    cannot exceed ``limit``. Brackets inside strings do not count; no allocation on the fast path.
+    """Nesting depth of the json text ``raw`` (``[[1]]`` is 2) from its bytes, without parsing;
+    any value <= ``limit`` when it cannot exceed ``limit``. Brackets in strings do not count.
 
     Escapes are removed first the way a json parser reads them (each backslash escapes the
     next character, left to right), then everything but quotes and brackets, then the string
@@ -128,11 +163,9 @@ def json_depth(raw: bytes, limit: int) -> int:
 def token_count(raw: bytes, opts: DecodeOptions) -> int:
     """Length of the id list under ``tokens_key`` in the json ``raw``; -1 when it has none or
     cannot be read (an index hint: the reader validates every sample itself)."""
-    if json_depth(raw, opts.limits.max_json_depth) > opts.limits.max_json_depth:
-        return -1
     try:
-        ids = json.loads(raw).get(opts.tokens_key)
-    except (ValueError, AttributeError, RecursionError):
+        ids = loads_bounded(raw, raw, opts.limits.max_json_depth).get(opts.tokens_key)
+    except (ValueError, AttributeError):
         return -1
     return len(ids) if isinstance(ids, list) else -1
 

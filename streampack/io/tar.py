@@ -88,7 +88,7 @@ class TarRegion:
 Unit = TarGroup | TarRegion
 
 
-def _add_member(group: TarGroup, name: str, member: TarMember, *, whole: bool, limits: Limits, url: str) -> None:
+def _add_member(group: TarGroup, name: str, member: TarMember, *, limits: Limits, url: str) -> None:
     if name in group.fields:
         group.fail(DataError("duplicate_member", f"field {name!r} appears twice", url=url, key=group.key, value=name))
     group.fields[name] = member.data or b""
@@ -96,7 +96,7 @@ def _add_member(group: TarGroup, name: str, member: TarMember, *, whole: bool, l
         group.fail(DataError("member_too_large", f"member {name!r} declares {member.size} bytes, over "
                              f"max_member_bytes={limits.max_member_bytes}", url=url, key=group.key,
                              value=member.size, skipped_bytes=member.size))
-    group.read_bytes += member.size if whole else 0
+    group.read_bytes += member.size if member.data is None else len(member.data)
     if group.read_bytes > limits.max_sample_bytes:
         group.fail(DataError("sample_too_large", f"members hold {group.read_bytes} bytes, over "
                              f"max_sample_bytes={limits.max_sample_bytes}", url=url, key=group.key,
@@ -143,7 +143,7 @@ def _units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable
             cur = None
         if cur is None:
             cur, after = TarGroup(split[0], m.offset, after_region=after), False
-        _add_member(cur, split[1], m, whole=want(m.name) < 0, limits=limits, url=url)
+        _add_member(cur, split[1], m, limits=limits, url=url)
     if cur is not None:
         cur.next_offset, cur.last = cursor.pos, True
         yield cur

@@ -76,9 +76,11 @@ class _Sources:
 
     def one(self, what: str, *, npy: tuple[str, ...] = (), raw: tuple[str, ...] = (),
             name: str | None = None) -> Any:
-        npy = tuple(dict.fromkeys(npy))
-        found = [m for m in npy + raw if m in self.fields]
-        found += [m for m, record in self.records if name and record.get(name) is not None]
+        found = [m for m in npy if m in self.fields]
+        if raw:
+            found += [m for m in raw if m in self.fields]
+        if name and self.records:
+            found += [m for m, record in self.records if record.get(name) is not None]
         if len(found) > 1:
             raise DataError("conflicting_fields", f"{what} given by {len(found)} members {found}; keep one",
                             url=self.url, key=self.key, value=found)
