@@ -94,14 +94,18 @@ class ErrorCounter:
         self.counts: dict[str, int] = {}
         self.skipped_bytes: dict[str, int] = {}
         self.recent: deque[str] = deque(maxlen=keep)
+        self.log_skips = False
+        """Log each recorded error (rate-limited): set by an ``on_error="skip"`` policy, since
+        under ``"raise"`` the exception itself is the report."""
 
     def record(self, err: DataError) -> None:
         self.counts[err.reason] = self.counts.get(err.reason, 0) + 1
         if err.skipped_bytes:
             self.skipped_bytes[err.reason] = self.skipped_bytes.get(err.reason, 0) + err.skipped_bytes
         self.recent.append(str(err))
-        warn_every(_LOG, err.reason, "bad input (%d %s so far, counted in metrics()['errors']): %s",
-                   self.counts[err.reason], err.reason, err)
+        if self.log_skips:
+            warn_every(_LOG, err.reason, "skipped bad input (%d %s so far, in metrics()['errors']): %s",
+                       self.counts[err.reason], err.reason, err)
 
     @property
     def total(self) -> int:
@@ -132,6 +136,7 @@ class ErrorPolicy:
             raise ValueError(f"{on_error=} must be one of {ON_ERROR_CHOICES}")
         self.on_error = on_error
         self.errors = errors if errors is not None else ErrorCounter()
+        self.errors.log_skips = self.errors.log_skips or on_error == "skip"
 
     def handle(self, err: DataError) -> None:
         """Record ``err``; raise it under ``"raise"``, return (the caller skips) under ``"skip"``."""

@@ -82,3 +82,21 @@ def test_skip_mode_counts_reach_the_main_process(tmp_path, num_workers: int) -> 
         for reason, n in m["errors"]["counts"].items():
             counts[reason] = counts.get(reason, 0) + n
     assert docs == 11 and counts == {"out_of_vocab_id": 1, "json_too_deep": 1}
+
+
+def test_skips_are_logged_rate_limited_and_raises_are_not(tmp_path, caplog) -> None:
+    from streampack.logs import reset_rate_limits
+    from streampack.nodes.reader import ShardReader
+
+    urls = _shards(tmp_path)
+    reset_rate_limits()
+    with caplog.at_level("WARNING", logger="streampack"):
+        list(ShardReader(urls, shuffle=False, epochs=1, on_error="skip"))
+        list(ShardReader(urls, shuffle=False, epochs=1, on_error="skip"))  # the same reasons again: suppressed
+    logged = sorted(r.getMessage().split(" (1 ")[1].split()[0] for r in caplog.records)
+    assert logged == ["json_too_deep", "out_of_vocab_id"], [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    reset_rate_limits()
+    with caplog.at_level("WARNING", logger="streampack"), pytest.raises(DataError):
+        list(ShardReader(urls, shuffle=False, epochs=1))
+    assert not caplog.records

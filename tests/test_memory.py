@@ -67,7 +67,7 @@ _LINE_LIMIT_MIB = 32
 _BOUND_MIB = 4 * _LINE_LIMIT_MIB + 64
 
 
-def _rss_growth(url: str) -> tuple[list[str], dict, int]:
+def _child_rss_growth(url: str) -> tuple[list[str], dict, int]:
     import ast
     import subprocess
     import sys
@@ -97,7 +97,7 @@ def test_gzip_bomb_line_stays_within_the_line_limit(tmp_path) -> None:
     with gzip.open(url, "wb", compresslevel=9) as f:
         _bomb_lines(f, 400)
     assert os.path.getsize(url) < 1 << 20  # ~0.39 MiB on disk, 400 MiB inflated
-    kept, counts, growth = _rss_growth(url)
+    kept, counts, growth = _child_rss_growth(url)
     assert kept == ["0", "2"] and counts == {"line_too_long": 1}
     assert growth < _BOUND_MIB, f"peak RSS grew {growth} MiB reading a 400 MiB line (bound {_BOUND_MIB})"
 
@@ -107,7 +107,7 @@ def test_huge_line_shard_stays_within_the_line_limit(tmp_path) -> None:
     url = str(tmp_path / "huge.jsonl")
     with open(url, "wb") as f:
         _bomb_lines(f, 256)
-    kept, counts, growth = _rss_growth(url)
+    kept, counts, growth = _child_rss_growth(url)
     assert kept == ["0", "2"] and counts == {"line_too_long": 1}
     assert growth < _BOUND_MIB, f"peak RSS grew {growth} MiB reading a 256 MiB line (bound {_BOUND_MIB})"
 
@@ -123,6 +123,6 @@ def test_huge_tar_member_through_a_pipe_is_skipped_in_bounded_chunks(tmp_path) -
         f.write(header("00000002.npy", 256 << 20))
         f.seek(256 << 20, 1)  # sparse: zeros
         f.write(archive(*samples(1, start=3)))
-    kept, counts, growth = _rss_growth(f"pipe:cat {url}")
+    kept, counts, growth = _child_rss_growth(f"pipe:cat {url}")
     assert kept == ["00000000", "00000001", "00000003"] and counts == {"member_too_large": 1}
     assert growth < 64, f"peak RSS grew {growth} MiB skipping a 256 MiB member"
