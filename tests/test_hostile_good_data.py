@@ -108,6 +108,7 @@ def test_verdicts_near_corrupt_regions_are_resume_exact(tmp_path) -> None:
     # the samples next to a region are judged by the intact sample *after* them, so a reader
     # resumed at any item boundary makes the same verdicts as one that never stopped
     url, kept = _damaged_shard(tmp_path)
+    assert len(kept) == 23  # read past all five regions (else this would hold vacuously)
     for k in range(len(kept) + 1):
         reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
         head = [next(reader) for _ in range(k)]

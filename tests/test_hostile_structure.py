@@ -22,6 +22,8 @@ from helpers_hostile import (
     samples,
     write_bytes,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from streampack.errors import DataError, ErrorCounter
 from streampack.io.index import build_index
@@ -99,6 +101,8 @@ def test_deep_json_is_refused_even_under_a_raised_recursion_limit(tmp_path) -> N
     b"99 path=foo\n",        # runs past the header
     b"13 pathfoo12\n",       # no '='
     b"14 size=12ab\n",       # a size that is not a number (before: bare ValueError)
+    b"11 path=ab\nnospace",  # a second record without a length
+    b"12 path=ab\n",         # a length past the end of the header
 ])
 def test_malformed_pax_header_loses_only_the_member_it_describes(tmp_path, record: bytes) -> None:
     bad = member("././@PaxHeader", record, kind=b"x") + sample("00000003", [4, 7])
@@ -159,7 +163,9 @@ def test_npy_header_declaring_a_huge_shape_is_bad_npy(tmp_path) -> None:
     hdr = hdr + " " * (-(len(hdr) + 11) % 64) + "\n"
     bogus = b"\x93NUMPY\x01\x00" + len(hdr).to_bytes(2, "little") + hdr.encode() + bytes(16)
     object_npy = npy_bytes(np.array([1, 2])).replace(b"'<i8'", b"'|O' ")
-    for i, data in enumerate([bogus, object_npy]):
+    # an unclosed header dict: numpy's parser raised a bare tokenize.TokenError (found by fuzzing)
+    unclosed = npy_bytes(np.array([1, 2])).replace(b"'shape': (2,), }", b"'shape': (2,  {[")
+    for i, data in enumerate([bogus, object_npy, unclosed]):
         url = write_bytes(tmp_path / f"npy{i}.tar", archive(*samples(2), member("bad00000.npy", data), *samples(2, start=2)))
         kept, errors = raise_and_skip(url, "bad_npy", key="bad00000")
         assert kept == [1, 2, 3, 4] and errors.counts == {"bad_npy": 1}
@@ -179,3 +185,50 @@ def test_hostile_structure_through_the_loader(tmp_path, num_workers: int) -> Non
     keys = [f"{tar}#{i:08d}" for i in (0, 1, 2, 4, 5, 6)] + [f"{deep}#0"]
     check_both_modes([tar, deep], num_workers=num_workers, reason="corrupt_shard", url=tar, kept=keys,
                      counts={"corrupt_shard": 1, "json_too_deep": 1})
+
+
+# ------------------------------------------------------------------ any damage at all
+_FUZZ_BASE = archive(*samples(3), sample("00000003", [1, 2], **{"labels.npy": npy_bytes([1, 2])}),
+                     member("././@PaxHeader", b"20 path=00000004.npy\n", kind=b"x") + member("x.npy", npy_bytes([5])),
+                     member("00000005.json", b'{"input_ids": [1, 2], "text": "[{"}'), *samples(2, start=6))
+
+
+_EDITS = st.lists(st.tuples(st.integers(0, len(_FUZZ_BASE) - 1), st.sampled_from(
+    [b"\xff", b"\x00", b"7", b"-1\0\0", b"\x80\xff\xff\xff", b"0 a=b\n", b"{'descr'", b"[[[["]),
+    st.integers(0, 3)), min_size=1, max_size=5)
+_FUZZ = {"deadline": None, "derandomize": True, "suppress_health_check": [HealthCheck.function_scoped_fixture]}
+
+
+@settings(max_examples=25, **_FUZZ)
+@given(edits=_EDITS)
+def test_any_damage_is_a_data_error_or_a_counted_skip(tmp_path, edits) -> None:
+    # the fuzzer that found numpy's header parser raising a bare tokenize.TokenError
+    _check_damage(tmp_path, edits)
+
+
+@pytest.mark.slow
+@settings(max_examples=600, **_FUZZ)
+@given(edits=_EDITS)
+def test_any_damage_long(tmp_path, edits) -> None:
+    _check_damage(tmp_path, edits)
+
+
+def _check_damage(tmp_path, edits) -> None:
+    data = bytearray(_FUZZ_BASE)
+    for at, patch, op in edits:
+        if op == 0:
+            data[at:at + len(patch)] = patch  # overwrite
+        elif op == 1:
+            del data[at:at + 100 * len(patch)]  # cut a piece out
+        elif op == 2:
+            data = data[:at]  # truncate
+        else:
+            data[at:at] = patch  # insert (shifts every later header)
+    url = write_bytes(tmp_path / "fuzz.tar", bytes(data))
+    errors = ErrorCounter()
+    kept = read(url, on_error="skip", errors=errors)  # never raises
+    assert len(kept) + errors.total >= 1 or not data.strip(b"\0")
+    try:
+        assert len(read(url)) == len(kept)
+    except DataError as e:  # raise mode: only DataErrors, naming the shard
+        assert e.url == url

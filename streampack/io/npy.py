@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import tokenize
 
 import numpy as np
 
@@ -19,7 +20,8 @@ from streampack.errors import DataError
 
 # A 1-D array's header as numpy writes it; anything else goes through the general path.
 _NPY_1D = re.compile(rb"\{'descr': '([<>|=][iuf][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
-_HEADER_ERRORS = (ValueError, EOFError, SyntaxError, TypeError, OverflowError)
+# numpy parses the header dict with ``tokenize`` + ``ast.literal_eval``: a damaged one raises any of
+_HEADER_ERRORS = (ValueError, EOFError, SyntaxError, TypeError, OverflowError, RecursionError, tokenize.TokenError)
 
 
 def _fast_npy(data: bytes) -> np.ndarray | None:

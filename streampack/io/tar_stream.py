@@ -24,21 +24,25 @@ Hostile or damaged structure:
 from __future__ import annotations
 
 import io
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from streampack.errors import DataError
 from streampack.io.limits import MAX_EXTENSION_BYTES
+from streampack.io.tar_header import (
+    BLOCK,
+    MAX_DECLARED,
+    Unreadable,
+    is_header,
+    parse_header,
+    parse_pax,
+)
 
-BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 REGULAR = (b"0", b"\0", b"7")
 EXTENSIONS = (b"L", b"K", b"x", b"g")
-_OCTAL = re.compile(rb"[0-7]+")
 _DISCARD = 1 << 20
-_MAX_DECLARED = 1 << 48  # 256 TiB: past any real member, and seek() offsets stay in range
 
 
 @dataclass(slots=True)
@@ -82,80 +86,8 @@ class _Header:
         return self.data_at + padded(self.size)
 
 
-class _Unreadable(Exception):
-    """A block that should be a header is not one (internal: becomes a CorruptRegion)."""
-
-    def __init__(self, detail: str, *, first: int, at: int, poison: bool = False, name: str | None = None) -> None:
-        super().__init__(detail)
-        self.detail, self.first, self.at, self.poison = detail, first, at, poison
-        self.name = name
-        """The member's name when its header parsed but its size is impossible."""
-
-
 def padded(size: int) -> int:
     return -(-size // BLOCK) * BLOCK
-
-
-def _number(field: bytes) -> int:
-    if field[:1] == b"\x80":  # GNU base-256 for sizes over 8 GiB (0xff would be negative)
-        return int.from_bytes(field[1:], "big")
-    digits = field.replace(b"\0", b" ").strip()
-    if not digits:
-        return 0
-    if _OCTAL.fullmatch(digits) is None:  # int() would accept "-1", "+7", "1_0"
-        raise ValueError(f"non-octal field {field!r}")
-    return int(digits, 8)
-
-
-def _parse_header(hdr: bytes, *, first: int, at: int) -> tuple[str, int, bytes]:
-    try:
-        stored, size = _number(hdr[148:156]), _number(hdr[124:136])
-    except ValueError:
-        raise _Unreadable("unparsable tar header", first=first, at=at) from None
-    if stored != sum(hdr[:148]) + 256 + sum(hdr[156:]) and stored != _signed_checksum(hdr):
-        raise _Unreadable("tar header checksum mismatch", first=first, at=at)
-    if size >= _MAX_DECLARED:
-        raise _Unreadable(f"tar header declares a {size}-byte member", first=first, at=at)
-    name = hdr[:100].split(b"\0", 1)[0]
-    if hdr[257:262] == b"ustar":
-        prefix = hdr[345:500].split(b"\0", 1)[0]
-        if prefix:
-            name = prefix + b"/" + name
-    return name.decode("utf-8", "surrogateescape"), size, hdr[156:157]
-
-
-def _signed_checksum(hdr: bytes) -> int:
-    """The checksum old writers computed over signed chars (tarfile accepts it too)."""
-    high = sum(1 for b in hdr[:148] if b >= 128) + sum(1 for b in hdr[156:] if b >= 128)
-    return sum(hdr[:148]) + 256 + sum(hdr[156:]) - 256 * high
-
-
-def _is_header(block: bytes) -> bool:
-    if block[257:262] != b"ustar":  # cheap filter before the checksum
-        return False
-    try:
-        _parse_header(block, first=0, at=0)
-    except _Unreadable:
-        return False
-    return True
-
-
-def _pax(data: bytes, *, first: int, at: int) -> dict[str, str]:
-    """Records ``"<len> <key>=<value>\\n"``; anything else is a malformed header."""
-    out, i = {}, 0
-    while i < len(data):
-        sp = data.find(b" ", i, i + 20)
-        n = int(data[i:sp]) if sp > i and data[i:sp].isdigit() else 0
-        end = i + n
-        if n <= sp - i + 1 or end > len(data) or data[end - 1] != 0x0A or b"=" not in data[sp + 1 : end]:
-            raise _Unreadable(f"malformed pax header record at byte {i}", first=first, at=at, poison=True)
-        k, _, v = data[sp + 1 : end - 1].partition(b"=")
-        out[k.decode("utf-8", "surrogateescape")] = v.decode("utf-8", "surrogateescape")
-        i = end
-    size = out.get("size")
-    if size is not None and not (size.isascii() and size.isdigit()):
-        raise _Unreadable(f"pax size {size[:20]!r} is not a number", first=first, at=at, poison=True)
-    return out
 
 
 class _Reader:
@@ -203,18 +135,18 @@ class _Reader:
                 return None
             if len(block) < BLOCK:
                 raise DataError("corrupt_shard", self._short(block, pos), url=self.url, value=pos)
-            name, size, kind = _parse_header(block, first=first, at=pos)
+            name, size, kind = parse_header(block, first=first, at=pos)
             block = None
             if kind not in EXTENSIONS:
                 size = int(pax["size"]) if "size" in pax else size
                 name = pax.get("path", long_name or name)
-                if size >= _MAX_DECLARED or (self.size is not None and pos + BLOCK + size > self.size):
+                if size >= MAX_DECLARED or (self.size is not None and pos + BLOCK + size > self.size):
                     # a lie, or a file cut inside this member: resync tells them apart
-                    raise _Unreadable(f"member {name!r} declares {size} bytes, past the end of the file",
+                    raise Unreadable(f"member {name!r} declares {size} bytes, past the end of the file",
                                       first=first, at=pos, name=name)
                 return _Header(name, size, kind, first, pos + BLOCK)
             if size > MAX_EXTENSION_BYTES:
-                raise _Unreadable(f"extension header declares {size} bytes (limit {MAX_EXTENSION_BYTES})",
+                raise Unreadable(f"extension header declares {size} bytes (limit {MAX_EXTENSION_BYTES})",
                                   first=first, at=pos, poison=True)
             data = self.read(padded(size))
             if len(data) < padded(size):
@@ -222,7 +154,7 @@ class _Reader:
             if kind == b"L":
                 long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             elif kind == b"x":
-                pax = _pax(data[:size], first=first, at=pos)
+                pax = parse_pax(data[:size], first=first, at=pos)
             pos += BLOCK + padded(size)
             if kind == b"g":  # a global header belongs to no member
                 first = pos
@@ -234,7 +166,7 @@ class _Reader:
             return "truncated tar header"
         return "ended without an end-of-archive block (truncated, or a member declared more bytes than the file holds)"
 
-    def resync(self, bad: _Unreadable) -> tuple[CorruptRegion, bytes | None]:
+    def resync(self, bad: Unreadable) -> tuple[CorruptRegion, bytes | None]:
         """Skip to the next readable header after ``bad``: the region lost and that header's
         block (None when the range ended first); raises when the stream ends first."""
         pos = bad.at + BLOCK
@@ -244,11 +176,11 @@ class _Reader:
                 what = f"truncated data of member {bad.name!r}" if bad.name else f"{bad.detail}; no readable tar header after it"
                 raise DataError("corrupt_shard", what, url=self.url, value=bad.first,
                                 skipped_bytes=pos + len(block) - bad.first)
-            if _is_header(block):
+            if is_header(block):
                 if not bad.poison:
                     return CorruptRegion(bad.first, pos, bad.detail), block
                 # the member the broken extension described is not trustworthy: lose it too
-                _, size, _ = _parse_header(block, first=pos, at=pos)
+                _, size, _ = parse_header(block, first=pos, at=pos)
                 self.skip(padded(size), at=pos)
                 return CorruptRegion(bad.first, pos + BLOCK + padded(size), bad.detail), None
             pos += BLOCK
@@ -294,7 +226,7 @@ def iter_tar_members(
         cursor.pos = pos
         try:
             head = reader.header(pos, block)
-        except _Unreadable as bad:
+        except Unreadable as bad:
             cursor.pending = (bad.name, bad.first) if bad.name is not None else None
             region, block = reader.resync(bad)
             cursor.pending = None
