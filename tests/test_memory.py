@@ -47,21 +47,33 @@ def test_rss_flat_long(shards) -> None:
 
 
 # ------------------------------------------------------------------ hostile input (issue 13)
-# Peak RSS of a child process reading one hostile shard, minus its peak right before reading.
-# Before the limits existed, the 0.39 MiB .jsonl.gz below peaked at ~1.6 GiB (the whole
-# 400 MiB line, its decoded str and the parse); with the default 32 MiB line limit a reader
-# holds at most a line prefix and its one-line lookahead: the bound is 4 x the limit + 64 MiB.
+# Peak RSS of a child process while it reads one hostile shard, minus its RSS right before.
+# Before the limits existed, reading the 0.39 MiB .jsonl.gz below grew RSS by ~1.25 GiB (the
+# whole 400 MiB line, its decoded str and the parse; measured with benchmarks/bench_hostile.py);
+# with the default 32 MiB line limit a reader holds at most a line prefix and its one-line
+# lookahead (~64 MiB measured): the bound is 4 x the limit + 64 MiB.
 _RSS_CHILD = """
 import resource, sys
 from streampack.errors import ErrorCounter
 from streampack.nodes.reader import ShardReader
+
+
+def rss_kib(field):
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field)).split()[1])
+
+
 url = sys.argv[1]
 reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip", errors=(errors := ErrorCounter()),
                      allow_pipe=True)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:  # reset the peak to the current RSS (Linux), so the delta is the reading's own peak
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base, peak = rss_kib("VmRSS:"), lambda: rss_kib("VmHWM:")
+except OSError:  # elsewhere ru_maxrss: a lower bound when importing peaked higher
+    base, peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 kept = [s.key for s in reader]
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(kept, errors.counts, (peak - base) // 1024)
+print(kept, errors.counts, (peak() - base) // 1024)
 """
 _LINE_LIMIT_MIB = 32
 _BOUND_MIB = 4 * _LINE_LIMIT_MIB + 64
@@ -69,10 +81,12 @@ _BOUND_MIB = 4 * _LINE_LIMIT_MIB + 64
 
 def _child_rss_growth(url: str) -> tuple[list[str], dict, int]:
     import ast
+    import os
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, url], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, url], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(url.removeprefix("pipe:cat ")))
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
     kept_s, rest = line.split("] ", 1)

@@ -109,8 +109,10 @@ def _units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable
     cursor, cur, after = Cursor(start), None, False
 
     def member_want(name: str) -> int:  # the rest of a sample already judged bad is not read
+        if cur is None or cur.problem is None:
+            return want(name)
         split = split_key(name)
-        return 0 if cur is not None and cur.problem is not None and split and split[0] == cur.key else want(name)
+        return 0 if split and split[0] == cur.key else want(name)
 
     members = iter_tar_members(f, url=url, start=start, end=end, want=member_want, seekable=seekable, cursor=cursor,
                                max_bytes=limits.max_member_bytes)
@@ -150,23 +152,41 @@ def _units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable
 
 
 def _judged(units: Iterator[Unit], url: str) -> Iterator[Unit]:
-    """Judge the samples next to corrupt regions by the next intact sample (see the module)."""
+    """Judge the samples next to corrupt regions by the next intact sample (see the module), then
+    check each sample's key against the range's earlier ones, in stream order."""
     pending: list[Unit] = []
+    keys = KeySet()
     try:
         for unit in units:
             if isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region):
-                yield from _verdicts(pending, frozenset(unit.fields), url)
-                pending = []
+                if pending:
+                    yield from _keyed(_verdicts(pending, frozenset(unit.fields), url), keys, url)
+                    pending = []
+                if not keys.add(unit.key):
+                    unit.fail(_repeated(unit, url))
                 yield unit
                 continue
             pending.append(unit)
             if len(pending) > _MAX_PENDING and not isinstance(pending[-1], TarRegion):
-                yield from _verdicts(pending, None, url)
+                yield from _keyed(_verdicts(pending, None, url), keys, url)
                 pending = []
     except DataError:
-        yield from _verdicts(pending, None, url)
+        yield from _keyed(_verdicts(pending, None, url), keys, url)
         raise
-    yield from _verdicts(pending, None, url)
+    yield from _keyed(_verdicts(pending, None, url), keys, url)
+
+
+def _repeated(group: TarGroup, url: str) -> DataError:
+    return DataError("repeated_key", "an earlier sample of this shard has the same key", url=url, key=group.key,
+                     value=group.offset)
+
+
+def _keyed(units: list[Unit], keys: KeySet, url: str) -> list[Unit]:
+    for unit in units:
+        for group in unit.merged if isinstance(unit, TarRegion) else [unit]:
+            if not keys.add(group.key):
+                group.fail(_repeated(group, url))
+    return units
 
 
 def _verdicts(pending: list[Unit], intact: frozenset[str] | None, url: str) -> list[Unit]:
@@ -186,13 +206,7 @@ def _verdicts(pending: list[Unit], intact: frozenset[str] | None, url: str) -> l
 def iter_tar_units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable[[str], int],
                    seekable: bool, limits: Limits) -> Iterator[Unit]:
     """Judged sample groups and corrupt regions of the range ``[start, end)``."""
-    keys = KeySet()
-    for unit in _judged(_units(f, url=url, start=start, end=end, want=want, seekable=seekable, limits=limits), url):
-        for group in unit.merged if isinstance(unit, TarRegion) else [unit]:
-            if not keys.add(group.key):
-                group.fail(DataError("repeated_key", "an earlier sample of this shard has the same key",
-                                     url=url, key=group.key, value=group.offset))
-        yield unit
+    return _judged(_units(f, url=url, start=start, end=end, want=want, seekable=seekable, limits=limits), url)
 
 
 def iter_tar_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, first_index: int, end: int | None,

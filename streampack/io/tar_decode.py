@@ -39,6 +39,10 @@ def decoder_want(opts: DecodeOptions) -> Callable[[str], int]:
 
 def decode_tar_sample(key: str, fields: dict[str, bytes], opts: DecodeOptions, *, url: str) -> Sample:
     """The sample held by ``fields`` (member field -> bytes); raises :class:`DataError`."""
+    if len(fields) == 1 and ("npy" in fields or f"{opts.tokens_key}.npy" in fields):  # the common shape
+        ((field, raw),) = fields.items()
+        tokens = decode_npy(raw, member=field, url=url, key=key)
+        return make_sample(url=url, key=key, tokens=tokens, vocab_size=opts.vocab_size)
     records: list[tuple[str, dict[str, Any]]] = []
     for field, raw in fields.items():
         if field.rsplit(".", 1)[-1] in PICKLE_EXTS:
@@ -51,8 +55,11 @@ def decode_tar_sample(key: str, fields: dict[str, bytes], opts: DecodeOptions, *
     source = _Sources(fields, records, url=url, key=key)
     tokens = source.one("tokens", npy=("npy", f"{opts.tokens_key}.npy"), name=opts.tokens_key)
     text = source.one("text", raw=("txt",), name=opts.text_key) if tokens is None else None
-    labels = source.one("labels", npy=("labels.npy",), name=opts.labels_key)
-    mask = source.one("loss_mask", npy=("loss_mask.npy",), name=opts.loss_mask_key)
+    labels = mask = None
+    if "labels.npy" in fields or (records and opts.labels_key):  # most samples carry neither
+        labels = source.one("labels", npy=("labels.npy",), name=opts.labels_key)
+    if "loss_mask.npy" in fields or (records and opts.loss_mask_key):
+        mask = source.one("loss_mask", npy=("loss_mask.npy",), name=opts.loss_mask_key)
     return make_sample(url=url, key=key, tokens=tokens, text=text, labels=labels, loss_mask=mask,
                        vocab_size=opts.vocab_size)
 

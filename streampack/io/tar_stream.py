@@ -102,7 +102,10 @@ class _Reader:
             f.seek(here)
 
     def read(self, n: int) -> bytes:
-        parts, got = [], 0
+        first = self.f.read(n)
+        if len(first) == n or not first:
+            return first
+        parts, got = [first], len(first)
         while got < n:
             chunk = self.f.read(n - got)
             if not chunk:
