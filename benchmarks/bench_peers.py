@@ -37,7 +37,7 @@ if (HERE.parent / "streampack").is_dir():
 
 from peers import DISTRIBUTIONS, PEERS  # noqa: E402
 from peers.corpus import Corpus, CorpusSpec  # noqa: E402
-from peers.measure import Result, measure  # noqa: E402
+from peers.measure import Result, best_of, measure  # noqa: E402
 from peers.report import document, table  # noqa: E402
 
 FULL_TOKENS = 30_000_000
@@ -46,23 +46,29 @@ QUICK_TOKENS = 1_000_000
 
 def compare(names: Sequence[str], corpus: Corpus, *, capacity: int, workers: tuple[int, ...],
             resume_at: float, repeats: int = 1, echo: bool = True) -> list[Result]:
-    results = []
-    for name in names:
-        peer = PEERS[name](capacity)
+    """One result per loader; with ``repeats > 1`` the loaders take turns (round robin), so a
+    busy spell on a shared machine does not land on one loader's runs only."""
+    peers = {name: PEERS[name](capacity) for name in names}
+    runs: dict[str, list[Result]] = {}
+    failed: dict[str, Result] = {}
+    for name, peer in peers.items():
         why = peer.missing()
         if why is not None:
-            results.append(Result(peer=peer.name, fmt=peer.fmt, packing=peer.packing, error=f"not run: {why}"))
-            continue
-        if echo:
-            print(f"measuring {peer.name} ...", file=sys.stderr, flush=True)
-        try:
-            results.append(measure(peer, corpus, workers=workers, resume_at=resume_at, repeats=repeats))
-        except Exception as e:  # one broken peer must not hide the others' numbers
+            failed[name] = Result(peer=peer.name, fmt=peer.fmt, packing=peer.packing, error=f"not run: {why}")
+    for repeat in range(repeats):
+        for name, peer in peers.items():
+            if name in failed:
+                continue
             if echo:
-                traceback.print_exc()
-            results.append(Result(peer=peer.name, fmt=peer.fmt, packing=peer.packing,
-                                  error=f"failed: {type(e).__name__}: {e}"))
-    return results
+                print(f"measuring {peer.name} ({repeat + 1}/{repeats}) ...", file=sys.stderr, flush=True)
+            try:
+                runs.setdefault(name, []).append(measure(peer, corpus, workers=workers, resume_at=resume_at))
+            except Exception as e:  # one broken peer must not hide the others' numbers
+                if echo:
+                    traceback.print_exc()
+                failed[name] = Result(peer=peer.name, fmt=peer.fmt, packing=peer.packing,
+                                      error=f"failed: {type(e).__name__}: {e}")
+    return [failed[name] if name in failed else best_of(runs[name]) for name in names]
 
 
 def run(quick: bool = False, peers: Sequence[str] | None = None, directory: str | None = None) -> list[dict[str, Any]]:

@@ -157,30 +157,34 @@ def time_resume(peer: Peer, run: EpochRun, num_workers: int) -> tuple[float, boo
     return seconds, exact, weights_only
 
 
-def measure(peer: Peer, corpus: Corpus, *, workers: tuple[int, ...] = (1, 2),
-            resume_at: float = 0.8, repeats: int = 1) -> Result:
-    """One :class:`Result`; with ``repeats > 1`` the best of that many runs of each timing
-    (a shared machine only ever makes a run slower)."""
-    if repeats < 1:
-        raise ValueError(f"{repeats=} must be >= 1")
+def measure(peer: Peer, corpus: Corpus, *, workers: tuple[int, ...] = (1, 2), resume_at: float = 0.8) -> Result:
     peer.prepare(corpus)  # may settle notes (settings it derives from the corpus)
     result = Result(peer=peer.name, fmt=peer.fmt, packing=peer.packing, notes=list(peer.notes))
     checkpoint_at = int(resume_at * corpus.num_tokens)
     first: EpochRun | None = None
     for n in workers:
-        for _ in range(repeats):
-            run = run_epoch(peer, n, checkpoint_at=checkpoint_at if first is None else None)
-            rate = run.tokens / run.seconds / n
-            result.tokens_per_s_per_worker[n] = max(rate, result.tokens_per_s_per_worker.get(n, 0.0))
-            first = first or run
+        run = run_epoch(peer, n, checkpoint_at=checkpoint_at if first is None else None)
+        result.tokens_per_s_per_worker[n] = run.tokens / run.seconds / n
+        first = first or run
     assert first is not None
     result.fill = first.tokens / max(1, first.slots)
     result.delivered = first.tokens / corpus.num_tokens
     result.state_bytes = len(first.state) if first.state is not None else None
     result.resume_kind = "state" if first.state is not None else "skip"
     if first.saved_after:
-        for _ in range(repeats):
-            seconds, exact, result.weights_only = time_resume(peer, first, workers[0])
-            result.resume_s = seconds if result.resume_s is None else min(seconds, result.resume_s)
-            result.resume_exact = exact if result.resume_exact in (None, True) else False
+        result.resume_s, result.resume_exact, result.weights_only = time_resume(peer, first, workers[0])
     return result
+
+
+def best_of(results: list[Result]) -> Result:
+    """Repeated measurements of one loader as one: the fastest of each timing (a shared machine
+    only ever slows a run down), exact only if every resume was."""
+    best = results[0]
+    for r in results[1:]:
+        for n, rate in r.tokens_per_s_per_worker.items():
+            best.tokens_per_s_per_worker[n] = max(rate, best.tokens_per_s_per_worker.get(n, 0.0))
+        if r.resume_s is not None:
+            best.resume_s = r.resume_s if best.resume_s is None else min(r.resume_s, best.resume_s)
+        if best.resume_exact is not None and r.resume_exact is not None:
+            best.resume_exact = best.resume_exact and r.resume_exact
+    return best
