@@ -127,16 +127,25 @@ def run_epoch(peer: Peer, num_workers: int, *, checkpoint_at: int | None = None)
     return run
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resume:
+    seconds: float
+    """From loading the state (or building a fresh loader) to the first batch after the checkpoint."""
+    exact: bool | None
+    """That batch is the one the uninterrupted run delivered (None: nothing to compare)."""
+    weights_only: bool
+    """The state loaded with ``torch.load(weights_only=True)``."""
+
+
 def load_state(blob: bytes) -> tuple[Any, bool]:
     """The state, and whether it loaded with ``weights_only=True`` (plain data)."""
     try:
         return torch.load(io.BytesIO(blob), weights_only=True), True
-    except Exception:  # noqa: BLE001 - a peer state holding arbitrary objects: report it, load it anyway
+    except Exception:  # noqa: BLE001 - our own bytes from this run: report the peer needs pickle, load anyway
         return torch.load(io.BytesIO(blob), weights_only=False), False
 
 
-def time_resume(peer: Peer, run: EpochRun, num_workers: int) -> tuple[float, bool | None, bool]:
-    """(seconds to the first batch after the checkpoint, exact?, weights_only?)."""
+def time_resume(peer: Peer, run: EpochRun, num_workers: int) -> Resume:
     start = time.perf_counter()
     weights_only = True
     if run.state is not None:
@@ -151,10 +160,10 @@ def time_resume(peer: Peer, run: EpochRun, num_workers: int) -> tuple[float, boo
     del it
     gc.collect()
     if first is None or run.reference is None:
-        return seconds, None, weights_only
+        return Resume(seconds=seconds, exact=None, weights_only=weights_only)
     ids = peer.count(first).ids
     exact = ids.shape == run.reference.shape and bool(torch.equal(ids, run.reference))
-    return seconds, exact, weights_only
+    return Resume(seconds=seconds, exact=exact, weights_only=weights_only)
 
 
 def measure(peer: Peer, corpus: Corpus, *, workers: tuple[int, ...] = (1, 2), resume_at: float = 0.8) -> Result:
@@ -172,7 +181,8 @@ def measure(peer: Peer, corpus: Corpus, *, workers: tuple[int, ...] = (1, 2), re
     result.state_bytes = len(first.state) if first.state is not None else None
     result.resume_kind = "state" if first.state is not None else "skip"
     if first.saved_after:
-        result.resume_s, result.resume_exact, result.weights_only = time_resume(peer, first, workers[0])
+        resume = time_resume(peer, first, workers[0])
+        result.resume_s, result.resume_exact, result.weights_only = resume.seconds, resume.exact, resume.weights_only
     return result
 
 
