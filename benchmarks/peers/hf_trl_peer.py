@@ -36,7 +36,7 @@ class HfTrlPeer:
             import datasets  # noqa: F401
             from trl.data_utils import pack_dataset  # noqa: F401
         except ImportError as e:
-            return f"{e} (pip install -r benchmarks/requirements-peers.txt)"
+            return f"{e} (install: benchmarks/requirements-peers.txt)"
         return None
 
     def prepare(self, corpus: Corpus) -> None:

@@ -48,7 +48,7 @@ class LitdataPeer:
         try:
             import litdata  # noqa: F401
         except ImportError as e:
-            return f"{e} (pip install -r benchmarks/requirements-peers.txt)"
+            return f"{e} (install: benchmarks/requirements-peers.txt)"
         return None
 
     def prepare(self, corpus: Corpus) -> None:

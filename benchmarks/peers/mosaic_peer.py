@@ -72,7 +72,7 @@ class MosaicPeer:
         try:
             import_streaming()
         except ImportError as e:
-            return f"{e} (pip install -r benchmarks/requirements-peers.txt)"
+            return f"{e} (install: benchmarks/requirements-peers.txt)"
         return None
 
     def prepare(self, corpus: Corpus) -> None:
