@@ -25,6 +25,7 @@ import numpy as np
 from streampack.packing._engine import THRESHOLD, Backend, Packer
 from streampack.packing.balanced import kk
 from streampack.packing.best_fit import bfd
+from streampack.packing.cost import CostModel
 from streampack.packing.first_fit import ffd, ffs
 from streampack.packing.histogram import histogram
 from streampack.packing.karmarkar_karp import karmarkar_karp
@@ -85,7 +86,7 @@ def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
 
 
 __all__ = [
-    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "MetricsAccumulator", "PackResult",
+    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "CostModel", "MetricsAccumulator", "PackResult",
     "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram",
     "karmarkar_karp", "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack",
 ]
