@@ -74,12 +74,15 @@ def _mffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> Pack
     med0, small0, tiny0 = (int(np.count_nonzero(xs > capacity // d)) for d in (2, 3, 6))
     bound = any_fit_bin_bound(lengths, capacity)
     first_fit = engine.kernel(first_fit_kernel)
+    # phases 2-3: large bins are the first leaves; a medium item whose leftmost fit is not
+    # a large bin (limit = med0) is left for phase 5 (bins[j] = -1)
     tree = engine.buffer(room_tree(capacity - xs[:med0], bound, capacity))
     medium = engine.buffer(np.zeros(small0 - med0, dtype=np.int64))
     first_fit(engine.buffer(xs[med0:small0]), tree, medium, med0, med0)
     medium = np.asarray(medium, dtype=np.int64)
 
-    asc = np.arange(tiny0 - 1, small0 - 1, -1)  # small items by increasing length
+    # phase 4 on the large bins' rooms; small items by increasing length
+    asc = np.arange(tiny0 - 1, small0 - 1, -1)
     rooms = engine.buffer(np.asarray(tree[len(tree) // 2:len(tree) // 2 + med0], dtype=np.int64))
     taken = engine.buffer(np.zeros(asc.size, dtype=np.int64))
     slots = engine.buffer(np.zeros(asc.size, dtype=np.int64))
@@ -88,6 +91,7 @@ def _mffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> Pack
     k = engine.kernel(_pairs_kernel)(rooms, engine.buffer(xs[asc]), left, taken, slots, pair_bins)
     paired = asc[np.asarray(slots[:k], dtype=np.int64)]
 
+    # phase 5: the rest, still longest first, over a tree rebuilt from the updated rooms
     placed = np.zeros(xs.size, dtype=bool)
     placed[:med0] = True
     placed[med0:small0] = medium >= 0
