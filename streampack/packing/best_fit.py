@@ -3,17 +3,19 @@ least remaining space that still holds it; ties go to the bin that reached that 
 
 Because items come longest first, the item size x only shrinks, so the bins split cleanly
 into two heaps: ``fit`` (room >= x, a min-heap on room) and ``low`` (room < x, a max-heap
-on room). Each item pops the top of ``fit`` after moving the bins that now fit out of
-``low``; every bin changes heap at most once per item placed in it, so the loop is
-O(n log m) for any capacity, with O(n) memory (the old binary trie over room values was
-O(n log C) nodes and 131 ms at 1e6). A heap key is ``room·(n+1) + (n − step)``: one int
-that orders by room, then by the latest step (the stack order of the old trie, whose bins
-this reproduces exactly).
+on room). Each item takes the top of ``fit`` after moving the bins that now fit out of
+``low``; a bin that still holds another item of the same size stays in ``fit`` with one
+``heapreplace`` (most placements late in the order: this halved the kernel's time). Every
+bin changes heap at most once per item placed in it, so the loop is O(n log m) for any
+capacity, with O(n) memory (the old binary trie over room values was O(n log C) nodes and
+131 ms at 1e6). A heap key is ``room·(n+1) + (n − step)``: one int that orders by room,
+then by the latest step (the stack order of the old trie, whose bins this reproduces
+exactly).
 
 Measured (1 core, lognormal mean 600, C = 4096; benchmarks/PACKING_NOTES.md): plain Python
-0.43 ms at 1024 items, 4 ms at 8192 (the old compiled trie: 0.43 ms at 1024); compiled
-60–90 ms at 1e6 for the flat result, sort and grouping included. Bin counts equal FFD's,
-within 0.01% of ceil(sum / C).
+0.31 ms at 1024 items and 2.6 ms at 8192 (the old compiled trie: 0.43 ms at 1024);
+compiled ~60 ms at 1e6 for the flat result (kernel 30 ms; sort and grouping the rest). Bin
+counts equal FFD's, within 0.01% of ceil(sum / C).
 """
 
 from __future__ import annotations
@@ -27,38 +29,42 @@ from streampack.packing._engine import Engine, IntBuffer, Packer
 from streampack.packing.result import PackResult
 
 
-def _bfd_kernel(xs: IntBuffer, capacity: int, bins: IntBuffer) -> int:
-    """Place lengths ``xs`` (longest first) by best fit; ``bins[j]`` := bin of item j.
-    Returns the number of bins."""
+def _bfd_kernel(xs: IntBuffer, capacity: int, bins: IntBuffer, bin_at_step: IntBuffer) -> int:
+    """Place lengths ``xs`` (longest first) by best fit; ``bins[j]`` := bin of item j;
+    ``bin_at_step`` is scratch ``[n + 1]``. Returns the number of bins."""
     n = len(xs)
     stride = n + 1
     fit = [capacity]  # the list's element type, for numba; removed on the next line
     fit.pop()
     low = [capacity]
     low.pop()
-    bin_at_step = [0] * stride
     num_bins = 0
     for j in range(n):
         x = xs[j]
         while low and -low[0] >= x * stride:  # rooms >= x now fit
             heapq.heappush(fit, -heapq.heappop(low))
         if fit:
-            key = heapq.heappop(fit)
-            room = key // stride
+            key = fit[0]
+            room = key // stride - x
             b = bin_at_step[n - key % stride]
         else:
+            key = -1  # no bin fits: open one
             b = num_bins
             num_bins += 1
-            room = capacity
+            room = capacity - x
         bins[j] = b
-        room -= x
-        if room > 0:
-            bin_at_step[j] = b
-            key = room * stride + n - j
-            if room >= x:
-                heapq.heappush(fit, key)
+        bin_at_step[j] = b
+        new_key = room * stride + n - j
+        if room >= x:  # still holds an item of this size: the bin stays in `fit`
+            if key >= 0:
+                heapq.heapreplace(fit, new_key)  # one sift instead of a pop and a push
             else:
-                heapq.heappush(low, -key)
+                heapq.heappush(fit, new_key)
+        else:
+            if key >= 0:
+                heapq.heappop(fit)
+            if room > 0:
+                heapq.heappush(low, -new_key)
     return num_bins
 
 
@@ -70,7 +76,8 @@ def _bfd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackR
     order = decreasing_order(lengths, capacity)
     xs = lengths[order]
     bins = engine.buffer(np.zeros(xs.size, dtype=np.int64))
-    num_bins = engine.kernel(_bfd_kernel)(engine.buffer(xs), capacity, bins)
+    scratch = engine.buffer(np.zeros(xs.size + 1, dtype=np.int64))
+    num_bins = engine.kernel(_bfd_kernel)(engine.buffer(xs), capacity, bins, scratch)
     return engine.result(order, bins, num_bins)
 
 
