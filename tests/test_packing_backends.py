@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,7 +57,7 @@ def test_auto_switches_at_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None
     compiled_kernels: list[str] = []
     real = _jit.compiled
 
-    def spy(kernel):  # noqa: ANN001, ANN202
+    def spy(kernel: Callable[..., Any]) -> Callable[..., Any]:
         compiled_kernels.append(kernel.__name__)
         return real(kernel)
 

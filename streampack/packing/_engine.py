@@ -5,18 +5,18 @@ on either; only speed differs. How the threshold was chosen — measured here (1
 lognormal lengths with mean 600, C = 4096; benchmarks/PACKING_NOTES.md), plain Python vs
 compiled, in ms:
 
-    n        bfd        ffd / ffs / mffd    kk          histogram, greedy
-    8192     4 / 0.5    12–25 / 0.5         76 / 14     1–10 (numpy both ways)
-    65536    25 / 3     86–96 / 4–5         197 / 21    5–21
-    131072   48 / 7     172–199 / 7–10      507 / 52    12–25
+    n        bfd          ffd / ffs / mffd    kk          histogram, greedy
+    8192     2.7 / 0.3    10–25 / 0.3–0.5     85 / 15     1–10 (numpy both ways)
+    65536    23 / 2.5     86–96 / 4–5         216 / 28    5–21
+    131072   50 / 6       172–199 / 7–10      534 / 61    12–25
 
 A fresh process pays once ~0.7 s to import numba and load the cached kernels (1.2–4.8 s
 when it must compile them). The streaming window packer calls ``pack`` with 1024–8192
 items, so any threshold above 8192 keeps it off numba; at 2^16 = 65536 every algorithm's
 plain path still costs at most ~0.2 s, while above it the plain path grows past the speed
-budget (kk 0.5 s at 131072, over the 0.3 s allowed at 1e5) and the compiled kernels are
+budget (kk 0.53 s at 131072, over the 0.3 s allowed at 1e5) and the compiled kernels are
 8–20x faster per call. 2^17 would leave kk too slow; 2^15 would buy little (all plain
-paths are <= 0.11 s there) and charge the 0.7 s load on calls that take 20–100 ms.
+paths are <= 0.13 s there) and charge the 0.7 s load on calls that take 20–100 ms.
 """
 
 from __future__ import annotations
