@@ -11,8 +11,9 @@ Lengths (fixed seed, clipped to [1, capacity]):
 - ``uniform``: uniform over [1, capacity].
 
 Each algorithm runs through ``pack_flat`` with ``backend="auto"`` (plain Python below
-``THRESHOLD`` items, compiled above). Time: best of 3 after one warm-up call, so compiling
-is excluded (bench_packing_cold.py reports it, and this script appends its tables). Peak
+``THRESHOLD`` items, compiled above). Time: best wall and best CPU time of 3 calls
+(``--repeats``) after one warm-up call, so compiling is excluded (bench_packing_cold.py
+reports it, and this script appends its tables). Peak
 extra memory: in a fresh process, the rise of the peak RSS (Linux ``VmHWM``, reset before
 the call) over the RSS before it, so numba's allocations count too; it includes the result
 (order + offsets, ~9 MB at 1e6). Load CV: std / mean of bin loads.
@@ -98,14 +99,18 @@ def pad_per_batch_slots(lengths: np.ndarray, batch: int = 8) -> int:
     return full + (int(rest.max()) * len(rest) if len(rest) else 0)
 
 
-def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
-    fn()  # warm-up: compile or load kernels
-    best = float("inf")
+def best_time(fn: Callable[[], object], repeats: int = 3) -> tuple[float, float]:
+    """(best wall seconds, best CPU seconds) of ``repeats`` calls after a warm-up (which
+    compiles or loads kernels). On a shared machine the CPU time is the steadier number: the
+    packers are single-threaded, so uncontended wall time equals it."""
+    fn()
+    wall = cpu = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - start_cpu)
+    return wall, cpu
 
 
 MEMORY_PROBE = """
@@ -172,7 +177,8 @@ def reference_rows(base: dict, lengths: np.ndarray, capacity: int) -> list[dict]
     return rows
 
 
-def run(sizes: list[int], capacity: int, dists: list[str], refs: bool = True) -> list[dict]:
+def run(sizes: list[int], capacity: int, dists: list[str], refs: bool = True,
+        repeats: int = 3) -> list[dict]:
     """One row per (distribution, n, algorithm)."""
     rows: list[dict] = []
     for dist in dists:
@@ -184,29 +190,30 @@ def run(sizes: list[int], capacity: int, dists: list[str], refs: bool = True) ->
             if refs:
                 rows += reference_rows(base, lengths, capacity)
             for name in ALGORITHMS:
-                seconds = best_time(lambda: pack_flat(lengths, capacity, name, SEED))
+                seconds, cpu = best_time(lambda: pack_flat(lengths, capacity, name, SEED), repeats)
                 result = pack_flat(lengths, capacity, name, SEED)
                 loads = result.loads(lengths)
                 memory = peak_extra_mb(dist, n, capacity, name)
-                rows.append(_row(base, name, result.num_bins, seconds,
+                rows.append(_row(base, name, result.num_bins, seconds, cpu_seconds=cpu,
                                  load_cv=float(loads.std() / loads.mean()), peak_mb=memory))
             print(f"  {dist} n={n}: done", file=sys.stderr, flush=True)
     return rows
 
 
 def to_markdown(rows: list[dict]) -> str:
-    lines = ["| dist | n | algorithm | bins | bins / LB | fill % | load CV | time | peak extra MB |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| dist | n | algorithm | bins | bins / LB | fill % | load CV | time | CPU time "
+             "| peak extra MB |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["bins"] is None:
             lines.append(f"| {r['dist']} | {r['n']:.0e} | {r['algorithm']} | – | – | – | – | "
-                         f"{r['note']} | – |")
+                         f"{r['note']} | – | – |")
             continue
         t = "–" if r["seconds"] is None else f"{r['seconds'] * 1e3:.1f} ms"
+        c = "–" if r.get("cpu_seconds") is None else f"{r['cpu_seconds'] * 1e3:.1f} ms"
         cv = "–" if r.get("load_cv") is None else f"{r['load_cv']:.5f}"
         mb = "–" if r.get("peak_mb") is None else f"{r['peak_mb']:.1f}"
         lines.append(f"| {r['dist']} | {r['n']:.0e} | {r['algorithm']} | {r['bins']} | "
-                     f"{r['bins_over_lb']:.5f} | {r['fill_pct']:.2f} | {cv} | {t} | {mb} |")
+                     f"{r['bins_over_lb']:.5f} | {r['fill_pct']:.2f} | {cv} | {t} | {c} | {mb} |")
     return "\n".join(lines) + "\n"
 
 
@@ -216,12 +223,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity", type=int, default=4096)
     parser.add_argument("--dists", nargs="+", default=["lognormal", "heavy_tail"])
     parser.add_argument("--no-refs", action="store_true", help="skip the slow reference packers")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (best kept)")
     parser.add_argument("--no-cold", action="store_true", help="skip compile / window-size tables")
     parser.add_argument("--out", type=str, default="benchmarks/packing_results.md",
                         help="also write the tables here")
     args = parser.parse_args(argv)
     report = to_markdown(run([int(s) for s in args.sizes], args.capacity, args.dists,
-                             refs=not args.no_refs))
+                             refs=not args.no_refs, repeats=args.repeats))
     if not args.no_cold:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import bench_packing_cold
