@@ -103,11 +103,7 @@ def run_fresh(code: str, **env: str) -> dict:
 # Until streampack/__init__.py stops importing torch, import the subpackage under an empty
 # stand-in parent package, so the check sees only what streampack.packing itself imports.
 ISOLATED_IMPORT = """
-import importlib.util, json, sys, types
-spec = importlib.util.find_spec("streampack")
-parent = types.ModuleType("streampack")
-parent.__path__ = list(spec.submodule_search_locations)
-sys.modules["streampack"] = parent
+import json, sys
 import numpy as np
 import streampack.packing as packing
 """
