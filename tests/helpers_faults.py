@@ -177,6 +177,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _file(self) -> tuple[int, dict[str, str], bytes]:
         path = os.path.join(self.directory, self.path.split("?", 1)[0].lstrip("/"))
+        if os.path.isdir(path):  # an index page, as static file servers give
+            links = "".join(f'<a href="{name}">{name}</a>\n' for name in sorted(os.listdir(path)))
+            return 200, {"Content-Type": "text/html"}, f"<html><body>{links}</body></html>".encode()
         if not os.path.isfile(path):
             return 404, {}, b""
         with open(path, "rb") as f:

@@ -18,8 +18,8 @@ version) matches. Index files live in ``cache_dir`` (default ``$STREAMPACK_CACHE
 first 512 bytes of each ``.npy`` token member and whole ``.json`` members are read); a remote
 tar the same way through ranged reads; jsonl is read once (token lengths parsed only from lines
 that contain the ``tokens_key`` field); parquet costs its footer only. Memory is O(samples):
-int64 offsets, int32 lengths and the keys, accumulated in ``array`` buffers (24-32 bytes per
-sample, never a Python object per sample), stored as one compressed ``.npz``. Measured on a
+int64 offsets, int32 lengths and the keys (tar), accumulated in ``array`` buffers (12 bytes per
+sample plus the keys, never a Python object per sample), stored as one compressed ``.npz``. Measured on a
 4M-line jsonl shard: see ``tests/test_storage_index.py`` (the old json sidecar was 123 MiB with
 1 GiB peak RSS).
 
@@ -82,14 +82,14 @@ class ShardIndex:
     offsets: np.ndarray
     """int64 ``[n]``: position of each sample (tar: first header; jsonl: line start, in
     uncompressed bytes for .gz/.zst; parquet: row)."""
-    numbers: np.ndarray
-    """int64 ``[n]``: sample number (tar ordinal, jsonl line number, parquet row)."""
     lengths: np.ndarray
-    """int64 ``[n]``: token count when cheap to know, else -1."""
+    """int32 (int64 past 2**31) ``[n]``: token count when cheap to know, else -1."""
     end: int
     """Position just past the last readable sample (tar: the end-of-archive block)."""
     damage: str = ""
     """Why reading stops at ``end`` ("" when the shard is whole)."""
+    number_array: np.ndarray | None = None
+    """int64 ``[n]`` sample numbers when they are not ``0..n-1`` (jsonl with blank lines)."""
     key_blob: bytes = b""
     """Tar keys, UTF-8, back to back (empty for jsonl / parquet: the key is the number)."""
     key_ends: np.ndarray | None = None
@@ -97,9 +97,17 @@ class ShardIndex:
     def __len__(self) -> int:
         return int(self.offsets.shape[0])
 
+    @property
+    def numbers(self) -> np.ndarray:
+        """int64 ``[n]``: sample number (tar ordinal, jsonl line number, parquet row)."""
+        return self.number_array if self.number_array is not None else np.arange(len(self), dtype=np.int64)
+
+    def number(self, i: int) -> int:
+        return int(self.number_array[i]) if self.number_array is not None else i
+
     def key(self, i: int) -> str:
         if self.key_ends is None:
-            return str(int(self.numbers[i]))
+            return str(self.number(i))
         start = int(self.key_ends[i - 1]) if i else 0
         return self.key_blob[start:int(self.key_ends[i])].decode("utf-8", "surrogateescape")
 
@@ -114,8 +122,8 @@ class ShardIndex:
         if not 0 <= i <= n:
             raise IndexError(f"sample {i} of a shard with {n} samples")
         if i < n:
-            return Position(int(self.offsets[i]), int(self.numbers[i]))
-        return Position(self.end, int(self.numbers[-1]) + 1 if n else 0)
+            return Position(int(self.offsets[i]), self.number(i))
+        return Position(self.end, self.number(n - 1) + 1 if n else 0)
 
     def range(self, lo: int, hi: int, *, last: bool = False) -> ShardRange:
         """Samples ``[lo, hi)`` as a range to read. ``last``: this range ends the shard's
@@ -200,9 +208,8 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
     with open_shard(url, 0, opts=opts, stats=stats) as raw:
         if fmt == "parquet":
             rows = int(parquet.row_counts(raw, url).sum())
-            arange = np.arange(rows, dtype=np.int64)
-            return ShardIndex(url=url, fingerprint=fingerprint, offsets=arange, numbers=arange,
-                              lengths=np.full(rows, -1, np.int64), end=rows)
+            return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(rows, dtype=np.int64),
+                              lengths=np.full(rows, -1, np.int32), end=rows)
         scan = _Scan()
         if fmt == "tar":
             scan.tar(raw, decode, url)
@@ -215,9 +222,19 @@ class _Scan:
     """Index entries accumulated in compact buffers (never one Python object per sample)."""
 
     def __init__(self) -> None:
-        self.offsets, self.numbers, self.lengths = array("q"), array("q"), array("q")
+        self.offsets, self.lengths = array("q"), array("i")
+        self.numbers: array | None = None  # only when they stop being 0..n-1
         self.keys, self.key_ends = bytearray(), array("q")
         self.end, self.damage = 0, ""
+
+    def add(self, offset: int, number: int, length: int) -> None:
+        n = len(self.offsets)
+        if self.numbers is None and number != n:
+            self.numbers = array("q", range(n))
+        if self.numbers is not None:
+            self.numbers.append(number)
+        self.offsets.append(offset)
+        self.lengths.append(min(length, 2**31 - 1))
 
     def tar(self, f: BinaryIO, decode: DecodeOptions, url: str) -> None:
         token_npy = {"npy", f"{decode.tokens_key}.npy"}
@@ -228,9 +245,7 @@ class _Scan:
 
         with self._damage_stops_the_scan():
             for group, nxt, _ in iter_tar_groups(f, url=url, start=0, end=None, want=want, seekable=True):
-                self.offsets.append(group.offset)
-                self.numbers.append(len(self.numbers))
-                self.lengths.append(_group_length(group, decode, token_npy))
+                self.add(group.offset, len(self.offsets), _group_length(group, decode, token_npy))
                 self.keys += group.key.encode("utf-8", "surrogateescape")
                 self.key_ends.append(len(self.keys))
                 self.end = nxt
@@ -241,9 +256,7 @@ class _Scan:
             for line, off, idx, _ in iter_lines(f, start=0, first_index=0, end=None):
                 self.end = off + len(line)
                 if line.strip():
-                    self.offsets.append(off)
-                    self.numbers.append(idx)
-                    self.lengths.append(_cheap_length(line, decode) if field in line else -1)
+                    self.add(off, idx, _cheap_length(line, decode) if field in line else -1)
 
     @contextlib.contextmanager
     def _damage_stops_the_scan(self) -> Iterator[None]:
@@ -258,12 +271,14 @@ class _Scan:
             self.damage = f"corrupt_shard: cannot decompress after uncompressed byte {self.end}: {e}"
 
     def index(self, url: str, fp: str) -> ShardIndex:
-        offsets = np.frombuffer(self.offsets, dtype=np.int64).copy()
-        return ShardIndex(url=url, fingerprint=fp, offsets=offsets,
-                          numbers=np.frombuffer(self.numbers, dtype=np.int64).copy(),
-                          lengths=np.frombuffer(self.lengths, dtype=np.int64).copy(), end=self.end,
-                          damage=self.damage, key_blob=bytes(self.keys),
-                          key_ends=np.frombuffer(self.key_ends, dtype=np.int64).copy() if self.key_ends else None)
+        """The entries as arrays that share the buffers (no copy: the scan is over)."""
+        def arr(a: array, dtype: Any = np.int64) -> np.ndarray:
+            return np.frombuffer(a, dtype=dtype) if len(a) else np.zeros(0, dtype)
+
+        return ShardIndex(url=url, fingerprint=fp, offsets=arr(self.offsets), lengths=arr(self.lengths, np.int32),
+                          end=self.end, damage=self.damage,
+                          number_array=None if self.numbers is None else arr(self.numbers),
+                          key_blob=bytes(self.keys), key_ends=arr(self.key_ends) if self.key_ends else None)
 
 
 # ------------------------------------------------------------------ the cache file
@@ -275,15 +290,14 @@ def _join(directory: str, name: str) -> str:
 
 def _encode(index: ShardIndex) -> dict[str, np.ndarray]:
     n = len(index)
-    arange = np.arange(n, dtype=np.int64)
     out = {"version": np.array(INDEX_VERSION), "url": np.array(index.url), "fingerprint": np.array(index.fingerprint),
            "end": np.array(index.end, dtype=np.int64), "damage": np.array(index.damage), "n": np.array(n)}
-    if not np.array_equal(index.offsets, arange):  # parquet: positions are rows
+    if n and index.offsets[-1] != n - 1:  # increasing, so `last == n - 1` means 0..n-1: parquet rows
         out["offsets"] = index.offsets
-    if not np.array_equal(index.numbers, arange):
-        out["numbers"] = index.numbers
+    if index.number_array is not None:
+        out["numbers"] = index.number_array
     if (index.lengths != -1).any():
-        out["lengths"] = index.lengths.astype(np.int32 if index.lengths.max(initial=0) < 2**31 else np.int64)
+        out["lengths"] = index.lengths
     if index.key_ends is not None:
         out["key_blob"] = np.frombuffer(index.key_blob, dtype=np.uint8)
         out["key_ends"] = index.key_ends
@@ -292,13 +306,13 @@ def _encode(index: ShardIndex) -> dict[str, np.ndarray]:
 
 def _decode(data: Any) -> ShardIndex:
     n = int(data["n"])
-    arange = np.arange(n, dtype=np.int64)
-    get = (lambda k, default: data[k] if k in data else default)
     return ShardIndex(url=str(data["url"]), fingerprint=str(data["fingerprint"]),
-                      offsets=get("offsets", arange).astype(np.int64), numbers=get("numbers", arange).astype(np.int64),
-                      lengths=get("lengths", np.full(n, -1, np.int64)).astype(np.int64), end=int(data["end"]),
-                      damage=str(data["damage"]), key_blob=get("key_blob", np.zeros(0, np.uint8)).tobytes(),
-                      key_ends=data["key_ends"].astype(np.int64) if "key_ends" in data else None)
+                      offsets=data["offsets"] if "offsets" in data else np.arange(n, dtype=np.int64),
+                      lengths=data["lengths"] if "lengths" in data else np.full(n, -1, np.int32),
+                      end=int(data["end"]), damage=str(data["damage"]),
+                      number_array=data["numbers"] if "numbers" in data else None,
+                      key_blob=data["key_blob"].tobytes() if "key_blob" in data else b"",
+                      key_ends=data["key_ends"] if "key_ends" in data else None)
 
 
 def _load(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:

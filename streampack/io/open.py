@@ -75,6 +75,13 @@ class _Local:
         self._at = start + len(data)
         return data
 
+    def length(self) -> int | None:
+        """The file's current size (parquet readers seek from the end)."""
+        if self._f is None:
+            self._f, self._at = _open_local(self.path), 0
+        self._at = self._f.seek(0, io.SEEK_END)
+        return self._at
+
     def reset(self) -> None:
         self.close()
 
@@ -100,6 +107,9 @@ class _Remote:
 
     def fetch(self, start: int, end: int) -> bytes:
         return self._fs.cat_file(self._path, start=start, end=end, **self._timeout)
+
+    def length(self) -> int | None:
+        return self.size
 
     def reset(self) -> None:
         pass
@@ -164,9 +174,10 @@ class ResumableStream(io.RawIOBase):
         if whence == io.SEEK_CUR:
             pos += self._pos
         elif whence == io.SEEK_END:
-            if self._end is None:
+            end = self._end if self._end is not None else self._src.length()
+            if end is None:
                 raise io.UnsupportedOperation(f"size of {self._url} unknown: cannot seek from its end")
-            pos += self._end
+            pos += end
         if pos < 0:
             raise ValueError(f"negative seek position {pos}")
         self._pos = pos
