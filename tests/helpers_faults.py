@@ -52,6 +52,8 @@ class Fault:
     """Which requests it applies to ("GET", "HEAD", or "*")."""
     path: str = ""
     """Only requests whose path contains this."""
+    host: str = ""
+    """Only requests whose Host header contains this."""
     seconds: float = 0.0
     """``status`` only: keep answering ``status`` for this long (instead of ``times`` requests)."""
 
@@ -84,9 +86,9 @@ class FaultPlan:
             self._queue.clear()
             self._until.clear()
 
-    def take(self, method: str, path: str) -> Fault | None:
+    def take(self, method: str, path: str, host: str = "") -> Fault | None:
         def matches(f: Fault) -> bool:
-            return f.method in ("*", method) and f.path in path
+            return f.method in ("*", method) and f.path in path and f.host in host
 
         with self._lock:
             now = time.monotonic()
@@ -139,7 +141,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         info = self.server_info
-        fault = info.plan.take(self.command, self.path)
+        fault = info.plan.take(self.command, self.path, self.headers.get("Host", ""))
         info.requests.append(Request(self.command, self.path, self.headers.get("Range"), fault and fault.kind))
         if fault is not None and fault.kind == "hang":
             info.stop.wait()
