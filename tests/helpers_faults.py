@@ -184,9 +184,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return 200, {"Content-Type": "text/html"}, f"<html><body>{links}</body></html>".encode()
         if not os.path.isfile(path):
             return 404, {}, b""
-        with open(path, "rb") as f:
-            data = f.read()
-        size, mtime, status = len(data), os.path.getmtime(path), 200
+        size, mtime = os.path.getsize(path), os.path.getmtime(path)
+        start, stop, status = 0, size, 200
         headers = {"Content-Type": "application/octet-stream", "Last-Modified": self.date_time_string(int(mtime)),
                    "ETag": f'"{size}-{int(mtime * 1e6)}"'}
         m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
@@ -195,11 +194,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             stop = min(int(m.group(2)) + 1 if m.group(2) else size, size)
             if start >= size:
                 return 416, {"Content-Range": f"bytes */{size}"}, b""
-            data, status = data[start:stop], 206
+            status = 206
             headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
         if self.command == "HEAD":
             headers["Content-Length"] = str(size)
-        return status, headers, data
+            return status, headers, b""
+        with open(path, "rb") as f:
+            f.seek(start)
+            return status, headers, f.read(stop - start)
 
     def _respond(self, status: int, headers: dict[str, str], body: bytes, fault: Fault | None = None) -> None:
         kind = fault.kind if fault is not None else None

@@ -19,9 +19,11 @@ first 512 bytes of each ``.npy`` token member and whole ``.json`` members are re
 tar the same way through ranged reads; jsonl is read once (token lengths parsed only from lines
 that contain the ``tokens_key`` field); parquet costs its footer only. Memory is O(samples):
 int64 offsets, int32 lengths and the keys (tar), accumulated in ``array`` buffers (12 bytes per
-sample plus the keys, never a Python object per sample), stored as one compressed ``.npz``. Measured on a
-4M-line jsonl shard: see ``tests/test_storage_index.py`` (the old json sidecar was 123 MiB with
-1 GiB peak RSS).
+sample plus the keys, never a Python object per sample), stored as one compressed ``.npz``
+(:mod:`streampack.io.index_cache`). Measured on a 4M-line jsonl shard
+(``benchmarks/bench_storage.py``, provisional): a 6.0 MiB index file (1.6 bytes per line; the
+old json sidecar of the same index: 124 MiB) and 73 MiB peak traced memory while building (the
+old code: 1 GiB RSS); ``tests/test_storage_index.py`` holds the RSS growth under 150 MiB.
 
 **Damage.** A shard that is cut short or corrupt is indexed up to the damage: every readable
 sample is in the index and ``damage`` says why reading stops at ``end``. Only the range that
@@ -32,10 +34,7 @@ readers deliver every readable sample once and the damage is met, and counted, o
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import os
-import tempfile
 import threading
 from array import array
 from collections import OrderedDict
@@ -50,20 +49,26 @@ from streampack.io import parquet, storage
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
+from streampack.io.index_cache import (
+    INDEX_SUFFIX,
+    cache_path,
+    default_cache_dir,
+    index_dir,
+    load_arrays,
+    locked,
+    save_arrays,
+)
 from streampack.io.jsonl import _cheap_length, iter_lines
 from streampack.io.open import open_shard
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote, local_path
 from streampack.io.tar import _group_length, iter_tar_groups, split_key
 from streampack.io.urls import shard_format
-from streampack.logs import get_logger, warn_every
 
 INDEX_VERSION = 2
-INDEX_SUFFIX = ".spidx.npz"
 _MEMO_SIZE = 64
 _memo: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
 _memo_lock = threading.Lock()
-log = get_logger(__name__)
 
 
 class Position(NamedTuple):
@@ -148,15 +153,6 @@ class ShardIndex:
         return where.start, where.end, where.first
 
 
-def default_cache_dir() -> str:
-    return os.environ.get("STREAMPACK_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "streampack")
-
-
-def index_dir(cache_dir: str | None) -> str:
-    """Where index files go: ``cache_dir``, else ``<default cache>/index``."""
-    return cache_dir if cache_dir is not None else os.path.join(default_cache_dir(), "index")
-
-
 def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats: IOStats | None = None) -> str:
     """What a cached index must match: the shard's identity and what the index depends on."""
     if is_remote(url):
@@ -172,11 +168,6 @@ def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats:
     return f"v{INDEX_VERSION}|{decode.tokens_key}|{ident}"
 
 
-def cache_path(url: str, cache_dir: str | None) -> str:
-    name = os.path.basename(url.split("?", 1)[0].rstrip("/")) or "shard"
-    return _join(index_dir(cache_dir), hashlib.sha1(url.encode()).hexdigest()[:16] + "-" + name + INDEX_SUFFIX)
-
-
 def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),
                         cache_dir: str | None = None, stats: IOStats | None = None) -> ShardIndex:
     """The cached index of ``url`` if still valid, else one built now (by this process or,
@@ -187,13 +178,13 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
         hit = _memo.get((path, fp))
     if hit is not None:
         return hit
-    index = _load(path, fp, opts)
+    index = _cached(path, fp, opts)
     if index is None:
-        with _locked(path):
-            index = _load(path, fp, opts)  # built by another process while this one waited
+        with locked(path):
+            index = _cached(path, fp, opts)  # built by another process while this one waited
             if index is None:
                 index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats)
-                _save(path, index, opts)
+                save_arrays(path, _encode(index), opts)
     with _memo_lock:
         _memo[(path, fp)] = index
         while len(_memo) > _MEMO_SIZE:
@@ -281,11 +272,7 @@ class _Scan:
                           key_blob=bytes(self.keys), key_ends=arr(self.key_ends) if self.key_ends else None)
 
 
-# ------------------------------------------------------------------ the cache file
-
-
-def _join(directory: str, name: str) -> str:
-    return f"{directory.rstrip('/')}/{name}" if is_remote(directory) else os.path.join(directory, name)
+# ------------------------------------------------------------------ index <-> stored arrays
 
 
 def _encode(index: ShardIndex) -> dict[str, np.ndarray]:
@@ -315,70 +302,11 @@ def _decode(data: Any) -> ShardIndex:
                       key_ends=data["key_ends"] if "key_ends" in data else None)
 
 
-def _load(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
-    try:
-        if is_remote(path):
-            fs, p = storage.filesystem(path, opts)
-            raw = io.BytesIO(fs.cat_file(p))
-        else:
-            raw = open(path, "rb")  # noqa: SIM115 - closed below
-        with raw, np.load(raw, allow_pickle=False) as data:
-            if int(data["version"]) != INDEX_VERSION or str(data["fingerprint"]) != fp:
-                return None
-            return _decode(data)
-    except (OSError, ValueError, KeyError, EOFError):
-        return None  # absent, stale, unreadable: rebuild
-
-
-def _save(path: str, index: ShardIndex, opts: OpenOptions) -> bool:
-    """Write ``index`` to ``path`` atomically; False (with a rate-limited warning) when the
-    cache directory is not writable."""
-    buf = io.BytesIO()
-    np.savez_compressed(buf, **_encode(index))
-    try:
-        if is_remote(path):
-            fs, p = storage.filesystem(path, opts)
-            fs.pipe_file(p, buf.getvalue())  # object stores replace objects atomically
-            return True
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".spidx-", suffix=".tmp")
-    except Exception as e:  # noqa: BLE001 - any store error: the index still works uncached
-        warn_every(log, "index-not-cached", "cannot cache the index of %s at %s: %s", index.url, path, e)
-        return False
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(buf.getvalue())
-        os.replace(tmp, path)
-        return True
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        warn_every(log, "index-not-cached", "cannot cache the index of %s at %s: %s", index.url, path, e)
-        return False
-
-
-@contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    """An exclusive lock beside a local index file (no lock for a remote cache or when the
-    directory is not writable: then building may happen twice, never wrongly)."""
-    if is_remote(path):
-        yield
-        return
-    try:
-        import fcntl
-
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        f = open(path + ".lock", "a+b")  # noqa: SIM115 - held for the with-block
-    except (ImportError, OSError):
-        yield
-        return
-    with f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+def _cached(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
+    data = load_arrays(path, opts)
+    if data is None or int(data.get("version", -1)) != INDEX_VERSION or str(data.get("fingerprint")) != fp:
+        return None  # absent, stale or from another version: rebuild
+    return _decode(data)
 
 
 __all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",

@@ -1,5 +1,5 @@
-"""Where shards live: fsspec filesystems built with streampack's timeouts, and failures sorted
-into "retry" and "give up".
+"""Where shards live: fsspec filesystems built with streampack's timeouts and redirect policy,
+and the few store calls (stat, listing) made under the retry policy.
 
 Every remote URL (``http(s)://``, ``s3://`` via s3fs, ``gs://`` via gcsfs, ``az://``/``abfs://``
 via adlfs, ``hf://`` via huggingface_hub, ``memory://``, any registered fsspec protocol) goes
@@ -21,16 +21,14 @@ What streampack sets on top of the user's ``storage_options`` (the user's values
 
 from __future__ import annotations
 
-import asyncio
 import os
-import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from streampack.errors import DataError
-from streampack.io.retry import IOStats, RetryPolicy, Transient, with_retries
+from streampack.io.failures import RedirectRefused, classify
+from streampack.io.retry import IOStats, RetryPolicy, with_retries
 
 ENDPOINT_ENV = "STREAMPACK_S3_ENDPOINT"
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
@@ -90,10 +88,6 @@ class ShardStat:
     """Bytes, or None when the store does not say (an http server without Content-Length)."""
     tag: str
     """ETag / mtime / blob id where the store has one (changes when the object does)."""
-
-
-class RedirectRefused(Exception):
-    """An http(s) redirect to another host while ``allow_redirects=False``."""
 
 
 def protocol_of(url: str) -> str | None:
@@ -198,88 +192,6 @@ def _known_protocols() -> set[str]:
     return set(fsspec.available_protocols()) | {"http", "https", "s3", "gs", "gcs", "az", "abfs", "hf", "memory"}
 
 
-# ------------------------------------------------------------------ failures
-
-
-def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseException:
-    """A read failure as :class:`Transient` (retry), ``DataError`` (give up at once), or
-    ``exc`` itself (not an I/O failure: a bug, let it propagate)."""
-    gone, denied = "missing_shard", "corrupt_shard" if local else "unreachable_url"
-    if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
-        # fsspec's http `info` turns *every* failure into FileNotFoundError: judge its cause
-        cause = classify(exc.__cause__, url, local=local)
-        if cause is not exc.__cause__:
-            return cause
-    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-        return DataError(gone, f"no such {'file' if local else 'object'}", url=url, value=url)
-    if isinstance(exc, RedirectRefused):
-        return DataError("unreachable_url", str(exc), url=url, value=url)
-    status, code = _status(exc)
-    if status is not None:
-        if status in (404, 410) or code in ("NoSuchKey", "NoSuchBucket"):
-            return DataError(gone, f"HTTP {status}", url=url, value=url)
-        if status in (408, 425, 429) or status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout"):
-            return Transient(f"HTTP {status}", exc)
-        if status >= 400:
-            return DataError(denied, f"HTTP {status} {code or ''}".strip(), url=url, value=url)
-    name = type(exc).__name__
-    if isinstance(exc, PermissionError) or name in ("NoCredentialsError", "PartialCredentialsError"):
-        return DataError(denied, f"access denied: {exc}", url=url, value=url)
-    if _is_timeout(exc):
-        return Transient("timeout", exc)
-    if name in ("ClientPayloadError", "IncompleteRead", "ContentLengthError", "TransferEncodingError"):
-        return Transient("short_body", exc)
-    if isinstance(exc, (ConnectionError, OSError)) or _is_client_error(exc):
-        return Transient("connection" if not local else "io_error", exc)
-    return exc
-
-
-def _status(exc: BaseException) -> tuple[int | None, str | None]:
-    """The HTTP status (and S3 error code) anywhere in ``exc``'s cause chain."""
-    seen: BaseException | None = exc
-    for _ in range(6):
-        if seen is None:
-            break
-        status = getattr(seen, "status", None)
-        if isinstance(status, int) and 100 <= status < 600:
-            return status, None
-        response = getattr(seen, "response", None)
-        if isinstance(response, Mapping):  # botocore ClientError
-            code = str(response.get("Error", {}).get("Code", "")) or None
-            meta = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-            if meta or code:
-                return (meta or 500), code
-        status = getattr(response, "status_code", None)  # requests / httpx (huggingface_hub)
-        if isinstance(status, int):
-            return status, None
-        seen = seen.__cause__ or seen.__context__
-    return None, None
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return True
-    names = {type(e).__name__ for e in _chain(exc)}
-    return bool(names & {"FSTimeoutError", "ServerTimeoutError", "ReadTimeoutError", "ConnectTimeoutError",
-                         "ConnectionTimeoutError", "SocketTimeoutError", "ReadTimeout", "ConnectTimeout"})
-
-
-def _is_client_error(exc: BaseException) -> bool:
-    aiohttp = sys.modules.get("aiohttp")
-    botocore = sys.modules.get("botocore.exceptions")
-    return bool((aiohttp is not None and isinstance(exc, aiohttp.ClientError))
-                or (botocore is not None and isinstance(exc, botocore.BotoCoreError))
-                or type(exc).__name__ in ("HTTPException", "RemoteDisconnected", "ProtocolError"))
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    out, seen = [], exc
-    while seen is not None and len(out) < 6:
-        out.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    return out
-
-
 def call(fn: Any, url: str, opts: OpenOptions, stats: IOStats | None, *, what: str) -> Any:
     """``fn()`` (one request to ``url``'s store) under the retry policy."""
     def attempt() -> Any:
@@ -317,5 +229,5 @@ def find(url: str, opts: OpenOptions, *, pattern: bool) -> list[str]:
     return sorted(fs.unstrip_protocol(p) if "://" not in p else p for p in found)
 
 
-__all__ = ["ENDPOINT_ENV", "OpenOptions", "RedirectRefused", "ShardStat", "classify", "filesystem", "find",
-           "is_remote", "local_path", "protocol_of", "stat"]
+__all__ = ["ENDPOINT_ENV", "OpenOptions", "ShardStat", "call", "filesystem", "find", "is_remote", "local_path",
+           "protocol_of", "stat"]
