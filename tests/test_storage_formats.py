@@ -155,3 +155,19 @@ def test_unknown_protocol_and_pipe(tmp_path):
         read_all("nosuchproto://bucket/a.tar")
     with pytest.raises(ValueError, match="allow_pipe"):
         expand_urls(["pipe:cat x.tar"])
+
+
+def test_optional_backends_build_or_say_which_extra(monkeypatch):
+    import importlib.util
+
+    from streampack.io import storage
+    from streampack.io.storage import OpenOptions
+
+    monkeypatch.setattr(storage, "_FILESYSTEMS", {})
+    if importlib.util.find_spec("huggingface_hub") is not None:  # built without touching the network
+        fs, path = storage.filesystem("hf://datasets/org/name/data/train-00000.parquet", OpenOptions())
+        assert type(fs).__name__ == "HfFileSystem" and path == "datasets/org/name/data/train-00000.parquet"
+    for url, extra, module in [("gs://bucket/a.parquet", "gcs", "gcsfs"), ("az://container/a.tar", "azure", "adlfs")]:
+        if importlib.util.find_spec(module) is None:
+            with pytest.raises(ImportError, match=rf"pip install 'streampack\[{extra}\]'"):
+                storage.filesystem(url, OpenOptions())
