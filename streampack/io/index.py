@@ -66,7 +66,7 @@ from streampack.io.tar import _group_length, iter_tar_groups, split_key
 from streampack.io.urls import shard_format
 
 INDEX_VERSION = 2
-_MEMO_SIZE = 64
+_MEMO_SIZE = 4  # a worker reads one split shard at a time; a big shard's index is tens of MB
 _memo: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
 _memo_lock = threading.Lock()
 

@@ -66,7 +66,9 @@ class ShardReader(BaseNode[Sample]):
     finite pass reads epochs ``[N, 2N)`` and so reshuffles). ``dp_rank``/``worker_id`` (and their
     sizes) may be None to take them from ``resolve_topology()`` / the DataLoader worker info.
     ``on_error="skip"`` drops bad samples (and the rest of a corrupt shard) and counts them in
-    ``errors``.
+    ``errors``. ``open_options`` says how shards are fetched (retry budget, timeouts, fsspec
+    ``storage_options``: :class:`~streampack.io.storage.OpenOptions`); reads, retries and faults
+    are counted in ``io_stats``, which may be shared like ``errors``.
     """
 
     def __init__(
