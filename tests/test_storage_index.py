@@ -181,3 +181,21 @@ def test_index_of_a_4m_line_shard_is_built_in_bounded_memory(tmp_path):
     assert samples == 4_000_000
     assert grown_mib < 150, f"building the index grew RSS by {grown_mib} MiB (was ~1 GiB)"
     assert stored < 12 * 2**20, f"index file of {stored / 2**20:.1f} MiB (the json sidecar was 123 MiB)"
+
+
+def test_cache_dir_may_be_a_url(tmp_path, monkeypatch):
+    import fsspec
+
+    import streampack.io.index as index_mod
+
+    docs = make_token_docs(20, seed=7)
+    (url,) = write_tar_shards(tmp_path, docs, 1)
+    built = load_or_build_index(url, cache_dir="memory://index-cache-test")
+    try:
+        assert fsspec.filesystem("memory").ls("/index-cache-test", detail=False)
+        monkeypatch.setattr(index_mod, "_memo", type(index_mod._memo)())  # another process
+        monkeypatch.setattr(index_mod, "build_index", lambda *a, **k: pytest.fail("the shared index was rebuilt"))
+        again = load_or_build_index(url, cache_dir="memory://index-cache-test")
+        assert again.offsets.tolist() == built.offsets.tolist() and again.keys == built.keys
+    finally:
+        fsspec.filesystem("memory").rm("/index-cache-test", recursive=True)

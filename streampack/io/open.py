@@ -108,7 +108,7 @@ class _Local:
 class _Remote:
     """One object of an fsspec filesystem, read by ranged requests."""
 
-    def __init__(self, url: str, opts: OpenOptions, stats: IOStats | None, size: int | None) -> None:
+    def __init__(self, url: str, opts: OpenOptions, size: int | None) -> None:
         self.url, self.size = url, size
         self._fs, self._path = filesystem(url, opts)
         from fsspec.asyn import AsyncFileSystem
@@ -291,7 +291,7 @@ def open_shard(url: str, offset: int = 0, end: int | None = None, *, opts: OpenO
         size = None
         if end is None:  # the object's size is where its bytes must end
             size = stat(url, opts, stats).size
-        source: _Local | _Remote = _Remote(url, opts, stats, size)
+        source: _Local | _Remote = _Remote(url, opts, size)
         raw = ResumableStream(source, url=url, start=offset, end=end, opts=opts, stats=stats, block=opts.block_size)
         return io.BufferedReader(raw, buffer_size=REMOTE_BUFFER)  # type: ignore[return-value]
     path = local_path(url)
