@@ -1,4 +1,4 @@
-"""jsonl / jsonl.gz shards, and the record -> Sample decoding shared with tar json members.
+"""jsonl / jsonl.gz / jsonl.zst shards, and the record -> Sample decoding shared with tar json members.
 
 A line is one json object. Pre-tokenized: a list of ids under ``tokens_key``; text: a string
 under ``text_key`` (tokens win when both exist). Optional ``labels_key`` / ``loss_mask_key``
@@ -9,31 +9,20 @@ Resume cost, honestly:
 
 - ``.jsonl``: the byte offset of the next line is recorded while reading, so a resume is one
   ``seek`` — bytes before the offset are never read.
-- ``.jsonl.gz``: gzip has no random access, so the offset is in *uncompressed* bytes and a
-  resume decompresses and discards everything before it (O(offset); zlib inflates roughly
-  0.3-1 GB/s on one core). Use plain jsonl or tar shards when mid-shard resume must be O(1).
+- ``.jsonl.gz`` / ``.jsonl.zst``: no random access, so the offset is in *uncompressed* bytes
+  and a resume decompresses and discards everything before it (see
+  :mod:`streampack.io.compression`).
 """
 
 from __future__ import annotations
 
-import gzip
 import json
-import zlib
 from collections.abc import Iterator
 from typing import BinaryIO
 
 from streampack.errors import DataError
+from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import DecodeOptions, Item, decode_record, parse_json_object
-
-DECOMPRESS_ERRORS: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error)
-"""What a damaged ``.gz`` raises while inflating (``zlib.error`` for bad deflate data, which is
-neither an ``OSError`` nor an ``EOFError``). Other ``OSError``s are I/O failures (a dropped
-connection): they propagate so the reader reopens the shard at the recorded offset and retries."""
-
-
-def text_stream(raw: BinaryIO, url: str) -> BinaryIO:
-    """The uncompressed byte stream of a jsonl / jsonl.gz shard opened at byte 0."""
-    return gzip.GzipFile(fileobj=raw, mode="rb") if url.split("?", 1)[0].endswith(".gz") else raw
 
 
 def iter_lines(f: BinaryIO, *, start: int, first_index: int, end: int | None) -> Iterator[tuple[bytes, int, int, bool]]:
