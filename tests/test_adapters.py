@@ -87,8 +87,6 @@ def test_flash_attn_worked_example() -> None:
 
     assert kernel(**kw) == 4
     assert set(kw.as_dict()) == {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        kw.max_seqlen_q = 5  # type: ignore[misc]
 
 
 def test_te_padded_tensors_identity_when_nothing_is_padded() -> None:
