@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 # setattr on a copy and refuses frozen ones (see streampack.layout.batch).
 @dataclass(slots=True, kw_only=True, eq=False)
 class WorkerStats:
-    """Running totals of one reader since the start of its stream (restored on resume; a new
-    pass of a finite stream starts them again from 0)."""
+    """Running totals of one reader since the start of its stream (the counts are restored on
+    resume; a new pass of a finite stream starts them again from 0)."""
 
     dp_rank: int
     """Data-parallel rank of the reader."""
@@ -42,7 +42,8 @@ class WorkerStats:
     skipped: int = 0
     """Samples (or shard remainders) dropped under ``on_error="skip"``, all reasons."""
     build_seconds: float = 0.0
-    """Wall time spent building batches, waiting on reads, tokenizing and packing included."""
+    """Wall time this reader's process spent building batches (reads, tokenizing and packing
+    included); like ``events``, counted since the process started reading, not restored."""
     events: Mapping[str, int] = field(default_factory=dict)
     """Counts of the rate-limited log events of the reader's process by kind (``retry``,
     ``slow_batch``, ...; see :mod:`streampack.logs`), suppressed ones included."""
