@@ -80,7 +80,11 @@ def test_accelerate_would_reshard_or_dispatch_a_stream_that_is_already_per_rank(
     """What ``Trainer`` does with an IterableDataset on 2 processes, and why PackedTrainer's
     loader never goes through it: either every rank reads the whole stream and keeps half
     (IterableDatasetShard) or rank 0 reads and sends to all (dispatch, the default)."""
-    from accelerate.data_loader import DataLoaderDispatcher, IterableDatasetShard, prepare_data_loader
+    from accelerate.data_loader import (
+        DataLoaderDispatcher,
+        IterableDatasetShard,
+        prepare_data_loader,
+    )
 
     ds = PackedDataset(urls, capacity=128, window=16, dp_rank=1, dp_size=2)
     sharded = prepare_data_loader(DataLoader(ds, batch_size=1), num_processes=2, process_index=1,
