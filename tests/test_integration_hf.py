@@ -4,11 +4,13 @@ stream metrics in its logs. The model is a tiny random Llama built from a config
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers_data import make_token_docs, write_tar_shards
+from test_examples import EXAMPLES, run
 from torch.utils.data import DataLoader
 
 from streampack import PackedDataset
@@ -131,3 +133,9 @@ def test_resuming_without_the_data_position_is_refused(urls: list[str], tmp_path
                             train_dataset=PackedDataset(urls, capacity=128, window=16))
     with pytest.raises(ValueError, match="streampack_loader_rank0.pt"):
         trainer.train(resume_from_checkpoint=str(checkpoint))
+
+
+@pytest.mark.slow
+def test_example_hf_trainer() -> None:
+    out = run([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--workers", "2"])
+    assert "identical batches True; identical weights True" in out

@@ -5,12 +5,14 @@ stateful-loader support is one batch ahead), stream metrics in its loggers."""
 from __future__ import annotations
 
 import glob
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers_data import make_token_docs, write_tar_shards
+from test_examples import EXAMPLES, run
 
 from streampack import PackedDataset, pack_batch
 
@@ -128,3 +130,9 @@ def test_lightnings_own_stateful_loader_support_skips_the_prefetched_batch(urls:
 
     full, resumed = _resumed(urls, tmp_path, Native)
     assert torch.equal(full.seen[7], resumed.seen[0])  # batch 6 was never trained
+
+
+@pytest.mark.slow
+def test_example_lightning_train() -> None:
+    out = run([sys.executable, str(EXAMPLES / "lightning_train.py"), "--workers", "2", "--precision", "bf16-true"])
+    assert "identical batches True; identical weights True" in out and "streampack/fill" in out

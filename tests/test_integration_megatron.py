@@ -8,9 +8,12 @@ token axis by ``cu_seqlens_q_padded``.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
+from test_examples import EXAMPLES, run
 
 from streampack import pack_batch
 from streampack.attention import te_kwargs
@@ -80,3 +83,9 @@ def test_megatrons_thd_rope_restarts_at_every_document(align: int, group_of_one)
     # ... which is exactly RoPE at the batch's own position_ids
     at_positions = apply_rotary_pos_emb(q[:, None], freqs[b.position_ids], config, cp_group=group_of_one)[:, 0]
     torch.testing.assert_close(packed, at_positions)
+
+
+@pytest.mark.slow
+def test_example_megatron_batches() -> None:
+    out = run([sys.executable, str(EXAMPLES / "megatron_batches.py")])
+    assert out.count("thd RoPE per document: True") == 3
