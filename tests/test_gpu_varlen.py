@@ -130,3 +130,17 @@ def test_head_counts_must_divide() -> None:
     k = v = torch.randn(batch.total_tokens, 2, 8)
     with pytest.raises(ValueError, match="multiple"):
         varlen_attention(q, k, v, batch.flash_attn_kwargs(), kernel=varlen_attn_2_13)
+
+
+@pytest.mark.slow
+def test_bench_gpu_code_paths_run_on_cpu() -> None:
+    """benchmarks/bench_gpu.py --cpu-check: every path of the GPU benchmark, tiny, on CPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_gpu.py"), "--cpu-check"],
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "packed THD (varlen_attn)" in out.stdout and "earlier helper" in out.stdout
