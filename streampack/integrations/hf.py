@@ -8,7 +8,8 @@
   defaults to True for iterable datasets) or wraps it in ``IterableDatasetShard`` (every rank
   reads the whole stream and keeps 1/N of it). A PackedDataset already shards per rank and
   worker, so either way data is lost or read N times (``tests/test_integration_hf.py`` shows
-  both with accelerate's own ``prepare_data_loader``). :meth:`PackedTrainer.get_train_dataloader`
+  both with accelerate's own ``prepare_data_loader``; ``split_batches`` only changes how
+  ``IterableDatasetShard`` slices, and ``even_batches`` concerns map-style samplers). :meth:`PackedTrainer.get_train_dataloader`
   returns a ``StatefulDataLoader(ds, batch_size=None)`` (honouring ``dataloader_num_workers``,
   ``dataloader_pin_memory``, ...) that accelerate never sees; each batch becomes ``hf_inputs()``
   in the training process, after its stats are read.
