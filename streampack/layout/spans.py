@@ -22,6 +22,10 @@ Worked example (``capacity=8, align=2``; documents ``a`` of 3 tokens and ``b`` o
 
 Every position lies in some span, so the kernel writes every output row (flash-attn leaves rows
 past ``cu_seqlens[-1]`` uninitialised).
+
+Cost, measured on the shared 2-core development machine under load (provisional): both span
+layouts of a batch of 8 packs x 4096 tokens (50 documents) take ~0.24 ms, next to ~5.6 ms for
+the whole ``pack_batch``; on the GPU the same derivation cost a host sync per adapter call.
 """
 
 from __future__ import annotations
