@@ -99,6 +99,7 @@ def test_accelerate_would_reshard_or_dispatch_a_stream_that_is_already_per_rank(
         next(iter(DataLoader(ds, batch_size=2)))
 
 
+@pytest.mark.slow  # ~3 s of Trainer start-up and steps; the device-helper test above is the fast smoke
 def test_packed_trainer_trains_and_logs_stream_metrics(urls: list[str], tmp_path: Path) -> None:
     trainer, _, seen = train(urls, tmp_path, steps=2, save_steps=100)
     loader = trainer.get_train_dataloader()
