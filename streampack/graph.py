@@ -214,7 +214,8 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, opt
         node = wrap("packer", node)
     node = nodes["collate"] = ThdCollate(
         node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.align,
-        pad_id=config.pad_id, ignore_index=config.ignore_index, num_batches=_quota(config, place))
+        pad_id=config.pad_id, ignore_index=config.ignore_index, num_batches=_quota(config, place),
+        errors=errors, dp_rank=place.dp_rank, worker_id=place.worker_id)
     return Graph(root=wrap("collate", node), nodes=nodes, errors=errors, io_stats=io_stats)
 
 
