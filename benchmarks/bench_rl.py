@@ -6,8 +6,9 @@ padded ``[b, L]`` micro-batches under a hard ``b * L <= budget`` cap. Packed = o
 per micro-batch, Karmarkar-Karp to ranks, then KK or FFD to micro-batches (each sequence
 aligned to ``round``). "padded tokens" counts what the GPUs compute; packed counts packed
 lengths; "fixed-shape tokens" what packs padded to the budget compute (``fixed_shape=True``).
-"micro-batch size / budget" shows how evenly micro-batches are filled (KK vs FFD) and
-that only ROLL's soft-cap convention goes over the budget.
+"micro-batch size / budget" shows how evenly micro-batches are filled (KK vs FFD); every method
+stays within the budget (ROLL's convention too: its code is a hard cap with one list of
+micro-batch boundaries shared by every rank).
 "balance" is max / mean real tokens per rank; "compute balance" the same over padded tokens.
 
     python benchmarks/bench_rl.py --out bench_rl.md
@@ -65,9 +66,9 @@ def run(n: int = 1024, max_len: int = 16384, dp_size: int = 8, budget: int = 163
         "naive (pad to batch max)": lambda: naive(lens, dp_size, budget, rnd),
         "dynamic batching": lambda: summarize(plan_dynamic_batches(
             lens, dp_size=dp_size, max_tokens_per_microbatch=budget, sequence_length_round=rnd)),
-        "dynamic, ROLL convention (soft cap)": lambda: summarize(plan_dynamic_batches(
+        "dynamic, ROLL's convention (shared boundaries)": lambda: summarize(plan_dynamic_batches(
             lens, dp_size=dp_size, max_tokens_per_microbatch=budget, sequence_length_round=rnd,
-            round_before_budget=False)),
+            convention="roll")),
         "packed + KK": lambda: summarize(plan_packed_microbatches(
             lens, dp_size=dp_size, max_tokens_per_microbatch=budget, align=rnd)),
         "packed + FFD": lambda: summarize(plan_packed_microbatches(

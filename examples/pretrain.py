@@ -23,12 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
-import webdataset as wds
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from example_data import write_shards  # noqa: E402
 from tiny_gpt import TinyGPT, packed_forward  # noqa: E402
 
 from streampack import PackedDataset  # noqa: E402
@@ -36,23 +35,6 @@ from streampack.attention.loss import packed_cross_entropy  # noqa: E402
 from streampack.state import load_loader_state  # noqa: E402
 
 VOCAB = 64
-
-
-def write_shards(directory: Path, num_shards: int = 4, docs_per_shard: int = 200, seed: int = 0) -> list[str]:
-    """Token documents with a long tail of lengths; each is a noisy counting sequence, so the
-    model has something learnable (next = previous + stride mod VOCAB)."""
-    rng = np.random.default_rng(seed)
-    paths = []
-    for s in range(num_shards):
-        path = directory / f"train-{s:06d}.tar"
-        with wds.TarWriter(str(path)) as sink:
-            for i in range(docs_per_shard):
-                n = int(np.clip(rng.lognormal(np.log(60), 0.9), 2, 600))
-                start, stride = rng.integers(VOCAB), rng.integers(1, 4)
-                ids = (start + stride * np.arange(n)) % VOCAB
-                sink.write({"__key__": f"doc{s:02d}x{i:05d}", "npy": ids.astype(np.int64)})
-        paths.append(str(path))
-    return paths
 
 
 def make_job(shards: list[str], workers: int, seed: int):
@@ -89,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 0:
         p.error(f"--workers={args.workers} must be >= 0")
     with tempfile.TemporaryDirectory() as tmp:
-        shards = write_shards(Path(tmp))
+        shards = write_shards(Path(tmp), vocab=VOCAB)
         ckpt = Path(tmp) / "ckpt.pt"
 
         reference: list[tuple[str, float]] = []

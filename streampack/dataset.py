@@ -28,6 +28,7 @@ from streampack.graph import (
 )
 from streampack.io.limits import Limits
 from streampack.io.packed_format import is_packed_dataset, packed_manifest
+from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.layout.batch import PackedBatch, alignment
 from streampack.nodes.window_packer import fill
@@ -48,7 +49,7 @@ URLs = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
 class PackedDataset(IterableDataset):
-    """Packed THD batches from sharded tar / jsonl data, with exact resumable state.
+    """Packed THD batches from tar / jsonl / parquet shards on any fsspec store, with exact resumable state.
 
     Use with ``DataLoader(ds, batch_size=None, num_workers=N)`` or
     ``StatefulDataLoader(ds, batch_size=None, num_workers=N)``; each item is a
@@ -95,7 +96,10 @@ class PackedDataset(IterableDataset):
                  slack: int | None = None, batches_per_epoch: int | None = None,
                  labels_key: str | None = None, loss_mask_key: str | None = None,
                  sequence_parallel: bool = True, align_multiple: int = 1, allow_pipe: bool = False,
-                 allow_pickle: bool = False, cache_dir: str | None = None, retries: int = 3,
+                 allow_pickle: bool = False, cache_dir: str | None = None, retries: int | None = None,
+                 retry_budget: float = 120.0, connect_timeout: float = 10.0, read_timeout: float = 30.0,
+                 request_deadline: float = 120.0, allow_redirects: bool = False,
+                 storage_options: Mapping[str, Any] | None = None,
                  pin_memory: bool = False, mixture_stop: str = "all", vocab_size: int | None = None,
                  limits: Limits | None = None) -> None:
         super().__init__()
@@ -112,8 +116,11 @@ class PackedDataset(IterableDataset):
             batches_per_epoch=batches_per_epoch, vocab_size=vocab_size,
             limits=limits if limits is not None else Limits())
         self.options = ReadOptions(allow_pipe=allow_pipe, allow_pickle=allow_pickle, cache_dir=cache_dir,
-                                   retries=retries, num_threads=num_threads, tokenize_block=tokenize_block)
-        self.sources = _sources(urls, allow_pipe=allow_pipe, mixture_stop=mixture_stop)
+                                   retries=retries, retry_budget=retry_budget, connect_timeout=connect_timeout,
+                                   read_timeout=read_timeout, request_deadline=request_deadline,
+                                   allow_redirects=allow_redirects, storage_options=storage_options,
+                                   num_threads=num_threads, tokenize_block=tokenize_block)
+        self.sources = _sources(urls, opts=self.options.open_options(), mixture_stop=mixture_stop)
         self.tokenizer, self.stages, self.pin_memory = tokenizer, list(stages), pin_memory
         self.dp_rank, self.dp_size = resolve_topology(dp_rank, dp_size)
         if epochs is not None and self.dp_size > 1 and batches_per_epoch is None:
@@ -197,6 +204,7 @@ class PackedDataset(IterableDataset):
             "packing": {**packer, "fill": fill(packer)} if packer else {},
             "overlong": n["overlong"].counters.as_dict() if "overlong" in n else {},
             "errors": self._graph.errors.as_dict(),
+            "io": self._graph.io_stats.as_dict(),
             "tokenize": dict(n["tokenize"].counters) if "tokenize" in n else {},
             "stages": [dict(s.counters) for s in n.get("stages", ()) if hasattr(s, "counters")],
             "batches": dict(n["collate"].counters),
@@ -223,9 +231,11 @@ class PackedDataset(IterableDataset):
             # A restored graph has read exactly as far as the saved one (each node replays up to
             # its saved read position), so the saved error counts are the counts now; errors met
             # while replaying are already in them.
-            saved_errors = (state.get(METRICS_KEY) or {}).get("errors")
-            if saved_errors is not None:
-                self._graph.errors.load(saved_errors)
+            saved = state.get(METRICS_KEY) or {}
+            if saved.get("errors") is not None:
+                self._graph.errors.load(saved["errors"])
+            if saved.get("io") is not None:
+                self._graph.io_stats.load(saved["io"])
         else:
             self._graph.root.reset(None)
         self._generation += 1
@@ -252,7 +262,7 @@ class PackedDataset(IterableDataset):
         return {**self.__dict__, "_graph": None}
 
 
-def _sources(urls: URLs | Mapping[str, Any], *, allow_pipe: bool, mixture_stop: str) -> Sources:
+def _sources(urls: URLs | Mapping[str, Any], *, opts: OpenOptions, mixture_stop: str) -> Sources:
     """Expand what the user named, once: a mixture mapping, a packed directory, or shards."""
     if isinstance(urls, Mapping):
         shards, weights = {}, {}
@@ -262,14 +272,14 @@ def _sources(urls: URLs | Mapping[str, Any], *, allow_pipe: bool, mixture_stop: 
             if is_packed_dataset(source):
                 raise ValueError(f"mixture source {name!r} is a `streampack pack` directory; mixtures "
                                  f"read raw shards only")
-            shards[name] = ShardList.of(source, allow_pipe=allow_pipe)
+            shards[name] = ShardList.of(source, allow_pipe=opts.allow_pipe, opts=opts)
         if not shards:
             raise ValueError("a mixture needs at least one source")
         by_name = dict(sorted(weights.items(), key=lambda kv: str(kv[0])))  # mapping order never matters
         return Sources(mixture=shards, weights=by_name, stop=mixture_stop)
     if is_packed_dataset(urls):
         return Sources(packed=packed_manifest(urls), packed_urls=urls)
-    return Sources(shards=ShardList.of(urls, allow_pipe=allow_pipe))
+    return Sources(shards=ShardList.of(urls, allow_pipe=opts.allow_pipe, opts=opts))
 
 
 def _tokenizer_id(tokenizer: Any) -> str | None:

@@ -104,7 +104,7 @@ class ErrorCounter:
             self.skipped_bytes[err.reason] = self.skipped_bytes.get(err.reason, 0) + err.skipped_bytes
         self.recent.append(str(err))
         if self.log_skips:
-            warn_every(_LOG, err.reason, "skipped bad input (%d %s so far, in metrics()['errors']): %s",
+            warn_every(_LOG, f"skip:{err.reason}", "skipped bad input (%d %s so far, in metrics()['errors']): %s",
                        self.counts[err.reason], err.reason, err)
 
     @property

@@ -28,6 +28,8 @@ from torchdata.nodes import BaseNode
 from streampack.errors import ErrorCounter
 from streampack.io.limits import Limits
 from streampack.io.packed_format import Manifest
+from streampack.io.retry import IOStats, RetryPolicy
+from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.layout.batch import PackedBatch
 from streampack.nodes.collate import ThdCollate
@@ -110,9 +112,22 @@ class ReadOptions:
     allow_pipe: bool = False
     allow_pickle: bool = False
     cache_dir: str | None = None
-    retries: int = 3
+    retries: int | None = None
+    retry_budget: float = 120.0
+    connect_timeout: float = 10.0
+    read_timeout: float = 30.0
+    request_deadline: float = 120.0
+    allow_redirects: bool = False
+    storage_options: Mapping[str, Any] | None = None
     num_threads: int = 1
     tokenize_block: int = 64
+
+    def open_options(self) -> OpenOptions:
+        """How the readers fetch shards (validated here: bad values raise ``ValueError``)."""
+        return OpenOptions(retry=RetryPolicy(budget=self.retry_budget, retries=self.retries),
+                           connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                           request_deadline=self.request_deadline, allow_redirects=self.allow_redirects,
+                           storage_options=dict(self.storage_options or {}), allow_pipe=self.allow_pipe)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,13 +158,18 @@ class Graph:
     root: BaseNode[PackedBatch]
     nodes: Mapping[str, Any]
     errors: ErrorCounter
+    io_stats: IOStats = field(default_factory=IOStats)
+    """Reads, retries and faults of every shard read (``metrics()["io"]``)."""
 
 
 def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, options: ReadOptions = ReadOptions(),
                   tokenizer: Any = None, stages: Sequence[Any] = (), errors: ErrorCounter | None = None,
-                  around: Mapping[str, Wrap] | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
+                  around: Mapping[str, Wrap] | None = None,
+                  io_stats: IOStats | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
     """The sample half of the graph: reader(s) -> [mixture] -> [tokenize] -> [stages]."""
     errors = errors if errors is not None else ErrorCounter()
+    io_stats = io_stats if io_stats is not None else IOStats()
+    open_options = options.open_options()
     wrap = _wrapper(around)
     epochs, start = _epochs(config, place)
     readers = {name: ShardReader(
@@ -158,8 +178,9 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
         tokens_key=config.tokens_key, text_key=config.text_key, labels_key=config.labels_key,
         loss_mask_key=config.loss_mask_key, on_error=config.on_error, errors=errors,
         allow_pipe=options.allow_pipe, allow_pickle=options.allow_pickle, cache_dir=options.cache_dir,
-        retries=options.retries, vocab_size=config.vocab_size, limits=config.limits) for name, shards in (sources.mixture or {"": sources.shards}).items()}
-    nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "errors": errors}
+        open_options=open_options, io_stats=io_stats, vocab_size=config.vocab_size, limits=config.limits)
+        for name, shards in (sources.mixture or {"": sources.shards}).items()}
+    nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "errors": errors, "io": io_stats}
     node: BaseNode[Sample] = nodes["reader"]
     if sources.mixture:
         node = nodes["mixture"] = Mixture(readers, sources.weights, seed=config.seed, worker=place.global_worker,
@@ -178,7 +199,7 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, opt
                 tokenizer: Any = None, stages: Sequence[Any] = (),
                 around: Mapping[str, Wrap] | None = None) -> Graph:
     """The whole graph of one reader, ending in :class:`~streampack.nodes.collate.ThdCollate`."""
-    errors = ErrorCounter()
+    errors, io_stats = ErrorCounter(), IOStats()
     wrap = _wrapper(around)
     if sources.packed is not None:  # `streampack pack` output: no tokenizing or packing
         epochs, start = _epochs(config, place)
@@ -189,7 +210,7 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, opt
         node = wrap("reader", node)
     else:
         node, nodes = build_samples(config, sources, place, options=options, tokenizer=tokenizer, stages=stages,
-                                    errors=errors, around=around)
+                                    errors=errors, around=around, io_stats=io_stats)
         node = nodes["overlong"] = OverlongNode(node, config.capacity, config.overlong)
         node = wrap("overlong", node)
         node = nodes["packer"] = WindowPacker(
@@ -199,8 +220,9 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, opt
         node = wrap("packer", node)
     node = nodes["collate"] = ThdCollate(
         node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.align,
-        pad_id=config.pad_id, ignore_index=config.ignore_index, num_batches=_quota(config, place))
-    return Graph(root=wrap("collate", node), nodes=nodes, errors=errors)
+        pad_id=config.pad_id, ignore_index=config.ignore_index, num_batches=_quota(config, place),
+        errors=errors, dp_rank=place.dp_rank, worker_id=place.worker_id)
+    return Graph(root=wrap("collate", node), nodes=nodes, errors=errors, io_stats=io_stats)
 
 
 def _epochs(config: StreamConfig, place: Placement) -> tuple[int | None, int]:

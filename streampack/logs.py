@@ -3,9 +3,18 @@
 A web-scale stream can skip thousands of bad samples or retry hundreds of reads an hour; one
 log line each would drown the training log. :func:`warn_every` emits the first occurrence of a
 kind of event at once and then at most one line per ``interval`` seconds per kind, saying how
-many were suppressed in between. Exact counts are always in the metrics, never only in logs.
+many were suppressed in between. Exact counts are always in the metrics, never only in logs:
+every :func:`warn_every` call (logged, suppressed, or below the logger's level) also counts its
+``kind`` in this process (:func:`event_counts`), and each batch carries its reader's counts to
+the training process (``batch.stats.events``).
 
-Configure it like any library logger, e.g. ``logging.getLogger("streampack").setLevel("INFO")``.
+Event kinds: ``slow_batch`` (a reader took more than ``STREAMPACK_SLOW_BATCH_SECONDS``, default
+30, to build one batch: reads, tokenizing and packing included), ``first_batch`` (INFO: how long
+a reader took to its first batch), and the kinds the readers use (``retry``, ``skip``,
+``filler``, ...).
+
+Configure it like any library logger, e.g. ``logging.getLogger("streampack").setLevel("INFO")``;
+DataLoader workers inherit the configuration when they fork, and log to the same handlers.
 """
 
 from __future__ import annotations
@@ -31,13 +40,27 @@ class _Window:
 
 
 _windows: dict[tuple[str, str], _Window] = {}
+_counts: dict[str, int] = {}
 _lock = threading.Lock()
+
+
+def count(kind: str, n: int = 1) -> None:
+    """Count ``n`` events of ``kind`` in this process without logging."""
+    with _lock:
+        _counts[kind] = _counts.get(kind, 0) + n
+
+
+def event_counts() -> dict[str, int]:
+    """Events counted in this process so far, by kind (a copy)."""
+    with _lock:
+        return dict(_counts)
 
 
 def warn_every(logger: logging.Logger, kind: str, message: str, *args: object,
                interval: float = DEFAULT_INTERVAL, level: int = logging.WARNING) -> bool:
-    """Log ``message % args`` unless a ``kind`` event was logged less than ``interval`` seconds
-    ago (then count it as suppressed); returns whether it was logged."""
+    """Count a ``kind`` event and log ``message % args`` unless a ``kind`` event was logged less
+    than ``interval`` seconds ago (then count it as suppressed); returns whether it was logged."""
+    count(kind)
     if not logger.isEnabledFor(level):
         return False
     now = time.monotonic()
@@ -56,6 +79,7 @@ def warn_every(logger: logging.Logger, kind: str, message: str, *args: object,
 
 
 def reset_rate_limits() -> None:
-    """Forget every window (tests; a fresh worker process starts empty anyway)."""
+    """Forget every window and count (tests; a fresh worker process starts empty anyway)."""
     with _lock:
         _windows.clear()
+        _counts.clear()

@@ -55,3 +55,9 @@ def test_multi_rank_with_torchrun(tmp_path):
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                str(EXAMPLES / "multi_rank.py")], env={"STREAMPACK_EXAMPLE_DATA": str(tmp_path)})
     assert "disjoint=True covered=240/240" in out
+
+
+def test_hand_built_graph():
+    out = run([sys.executable, str(EXAMPLES / "hand_built_graph.py")])
+    assert "by_hand: equals PackedDataset and resumes exactly from Loader.state_dict(): True" in out
+    assert "with_builder: equals PackedDataset and resumes exactly from Loader.state_dict(): True" in out

@@ -59,6 +59,12 @@ def test_vocab_size_bounds_ids_and_labels_in_every_format(tmp_path) -> None:
         sample("00000000", [1, 999]), sample("00000001", np.array([2, 1000], dtype=np.uint16)),
         sample("00000002", [3, 5], **{"labels.npy": npy_bytes(np.array([-100, 4000]))}), sample("00000003", [4])))
     assert skip(tar, vocab_size=1000) == ([1, 4], {"out_of_vocab_id": 2})
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = str(tmp_path / "ids.parquet")
+    pq.write_table(pa.table({"input_ids": [[1, 999], [2, 1000], [3, 2**40], [4]]}), parquet)
+    assert skip(parquet, vocab_size=1000) == ([1, 4], {"out_of_vocab_id": 2})
     with pytest.raises(ValueError, match="vocab_size"):
         ShardReader(url, vocab_size=0)
 
@@ -79,10 +85,10 @@ def test_vocab_size_bounds_tokenizer_output() -> None:
 
 
 # ------------------------------------------------------------------ zero-byte shards
-@pytest.mark.parametrize("name", ["empty.jsonl.gz", "empty.tar"])
+@pytest.mark.parametrize("name", ["empty.jsonl.gz", "empty.jsonl.zst", "empty.tar"])
 def test_zero_byte_shard_is_a_clear_error(tmp_path, name: str) -> None:
-    # before: a 0-byte .jsonl.gz read as empty while a 0-byte .tar was an error; both are
-    # failed writes (a gzip of nothing is 20 bytes, an empty tar 1024)
+    # before: a 0-byte .jsonl.gz (or .zst) read as empty while a 0-byte .tar was an error; all
+    # are failed writes (a gzip of nothing is 20 bytes, a zstd frame 9, an empty tar 1024)
     url = write_bytes(tmp_path / name, b"")
     good = write_bytes(tmp_path / "good.jsonl", b'{"input_ids": [1]}\n')
     with pytest.raises(DataError, match=r"corrupt_shard: 0-byte file is not a") as info:
@@ -94,7 +100,10 @@ def test_zero_byte_shard_is_a_clear_error(tmp_path, name: str) -> None:
 def test_valid_empty_shards_read_as_empty(tmp_path) -> None:
     import gzip
 
+    import zstandard
+
     urls = [write_bytes(tmp_path / "e.jsonl.gz", gzip.compress(b"")), write_bytes(tmp_path / "e.tar", bytes(1024)),
+            write_bytes(tmp_path / "e.jsonl.zst", zstandard.ZstdCompressor().compress(b"")),
             write_bytes(tmp_path / "e.jsonl", b""), write_bytes(tmp_path / "g.jsonl", b'{"input_ids": [1]}\n')]
     assert skip(urls) == ([1], {})
 

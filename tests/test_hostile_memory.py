@@ -72,11 +72,11 @@ def test_overlong_line_is_never_held(tmp_path) -> None:
 def test_index_scan_steps_over_an_overlong_line(tmp_path) -> None:
     url = write_bytes(tmp_path / "s.jsonl", _line(1) + _line(9, 8 * KiB) + _line(2))
     index = build_index(url)
-    assert index.lengths == [2, 2, 2]
+    assert index.lengths.tolist() == [2, 2, 2]
     from streampack.io.decode import DecodeOptions
 
     small = build_index(url, decode=DecodeOptions(limits=Limits(max_line_bytes=KiB)))
-    assert small.offsets == index.offsets and small.lengths == [2, -1, 2]
+    assert small.offsets.tolist() == index.offsets.tolist() and small.lengths.tolist() == [2, -1, 2]
 
 
 def test_member_over_max_member_bytes_loses_only_its_sample(tmp_path) -> None:
@@ -103,8 +103,9 @@ def test_sample_over_max_sample_bytes(tmp_path) -> None:
 
 
 def test_members_the_decoder_never_reads_are_not_limited_nor_held(tmp_path) -> None:
-    # a 64 KB image next to the tokens: skipped unread, whatever the member limit
-    with_image = [sample(f"{i:08d}", [i + 1, 7], jpg=bytes(64 * KiB)) for i in range(4)]
+    # a 4 MiB image next to the tokens: skipped unread (a seek past it), whatever the member
+    # limit; what is held is the reader's 256 KiB read blocks, not the image
+    with_image = [sample(f"{i:08d}", [i + 1, 7], jpg=bytes(4 * MiB)) for i in range(4)]
     url = write_bytes(tmp_path / "img.tar", archive(*with_image))
     tracemalloc.start()
     try:
@@ -112,7 +113,7 @@ def test_members_the_decoder_never_reads_are_not_limited_nor_held(tmp_path) -> N
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert ids(out) == [1, 2, 3, 4] and peak < 48 * KiB
+    assert ids(out) == [1, 2, 3, 4] and peak < 2 * MiB, f"peak {peak / MiB:.1f} MiB"
 
 
 def test_extension_headers_are_capped(tmp_path) -> None:

@@ -101,18 +101,28 @@ def test_token_mean_equals_unpacked_and_ignores_nan_padding() -> None:
     docs = make_docs(3)
     batch = pack_all(docs)
     logits = logits_for(batch, requires_grad=True)
-    poisoned = torch.where((batch.labels == batch.ignore_index)[:, None],
-                           torch.full_like(logits, float("nan")), logits)
-    res = packed_cross_entropy(poisoned, batch)
     parts = unpack_per_document(logits, batch)
     total = sum(F.cross_entropy(p, doc_targets(d), reduction="sum", ignore_index=-100)
                 for p, d in zip(parts, docs))
     n = sum(int((doc_targets(d) != -100).sum()) for d in docs)
+    res = packed_cross_entropy(logits, batch, per_token=True)
     assert res.num_targets == n == batch.num_targets and res.denominator == n
     torch.testing.assert_close(res.loss, total / n)
-    (grad,) = torch.autograd.grad(res.loss, logits)
-    assert torch.isfinite(grad).all(), "NaN at padding rows reached the gradient"
     assert res.per_token.shape == (batch.total_tokens,)
+    torch.testing.assert_close(res.per_token.sum(), res.loss_sum)
+    # finite garbage at ignored rows gets an exact zero gradient on the common path
+    (grad,) = torch.autograd.grad(res.loss, logits)
+    ignored = batch.labels == batch.ignore_index
+    assert bool((grad[ignored] == 0).all()) and bool((grad[~ignored] != 0).any())
+    # NaN at ignored rows (uninitialised kernel output): mask_ignored keeps it out of the
+    # value and the gradient of the poisoned tensor itself
+    poisoned = torch.where(ignored[:, None], torch.full_like(logits, float("nan")),
+                           logits).detach().requires_grad_()
+    res = packed_cross_entropy(poisoned, batch, mask_ignored=True)
+    torch.testing.assert_close(res.loss, (total / n).detach())
+    (grad,) = torch.autograd.grad(res.loss, poisoned)
+    assert torch.isfinite(grad).all(), "NaN at padding rows reached the gradient"
+    assert packed_cross_entropy(poisoned, batch).per_token is None  # only on request
 
 
 def test_sequence_mean() -> None:

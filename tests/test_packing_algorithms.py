@@ -122,3 +122,15 @@ def test_seed_changes_shuffled_packers_only() -> None:
         a, b = pack(lengths, 128, name, seed=0), pack(lengths, 128, name, seed=1)
         same = len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
         assert same == (name not in ("ffs", "shuffle_pack")), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_int64_limits(name: str) -> None:
+    # kernels count in int64: refuse what would overflow instead of packing it wrongly
+    with pytest.raises(ValueError, match=r"capacity=4611686018427387905 must be in 1..2\*\*62"):
+        pack([1], 2**62 + 1, name)
+    with pytest.raises(ValueError, match=r"sum to at most 2\*\*62"):
+        pack([2**61, 2**61, 2], 2**62, name)
+    lengths = np.array([2**61, 2**61 - 4, 3], dtype=np.int64)  # sums to 2**62 - 1: allowed
+    for backend in ("python", "numba"):
+        check_packing(pack(lengths, 2**62, name, backend=backend), lengths, 2**62)

@@ -12,6 +12,8 @@ from node_checks import ListSource, drain, make_samples
 
 from streampack.errors import DataError, ErrorCounter
 from streampack.io import open as open_mod
+from streampack.io.retry import RetryPolicy
+from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.tokenize import Tokenize
 from streampack.sample import Sample
@@ -55,7 +57,7 @@ def test_damaged_gzip_is_a_data_error_naming_the_shard(tmp_path) -> None:
 def test_jsonl_read_failure_is_retried_not_corrupt(tmp_path, monkeypatch, gz: bool) -> None:
     # bug: any OSError while reading a jsonl shard (a dropped connection) became corrupt_shard
     # at once, losing the rest of the shard, where tar shards reopen at the recorded offset
-    docs = make_token_docs(400, seed=12, min_len=40, max_len=40)
+    docs = make_token_docs(4000, seed=12, min_len=40, max_len=40)  # several 256 KiB local reads
     (url,) = write_jsonl_shards(tmp_path, docs, 1, gz=gz)
     opens: list[int] = []
     limit = (open(url, "rb").seek(0, 2)) // 2
@@ -76,7 +78,8 @@ def test_jsonl_read_failure_is_retried_not_corrupt(tmp_path, monkeypatch, gz: bo
         return Flaky(path, "rb")
 
     monkeypatch.setattr(open_mod, "_open_local", open_local)
-    assert [s.tokens.tolist() for s in ShardReader([url], epochs=1, retries=2)] == docs
+    retry = OpenOptions(retry=RetryPolicy(retries=2, backoff=0.01))
+    assert [s.tokens.tolist() for s in ShardReader([url], epochs=1, open_options=retry)] == docs
     assert len(opens) == 3
 
 

@@ -122,8 +122,8 @@ NAMES = {
                              "global_num_sequences", "packed_cross_entropy", "leak_probe", "cp_rank_inputs",
                              "unpack_per_document", "unpack_padded", "token_logprobs"],
     "streampack.rl": ["apply_dynamic_plan", "apply_packed_plan", "MicroBatchPlan"],
-    "streampack.packing": ["pack", "ALGORITHMS", "karmarkar_karp", "packing_metrics", "PackingMetrics",
-                           "MetricsAccumulator"],
+    "streampack.packing": ["pack", "pack_flat", "PackResult", "THRESHOLD", "CostModel", "ALGORITHMS",
+                           "karmarkar_karp", "packing_metrics", "PackingMetrics", "MetricsAccumulator"],
     "streampack.state": ["dataset_states", "load_loader_state"],
     "streampack.nodes.stages": ["NodeStage"],
     "streampack.errors": ["DataError"],
@@ -169,7 +169,7 @@ def test_signatures_written_in_the_readme():
     assert {"packs", "capacity", "align", "pad_id", "ignore_index"} <= keywords(streampack.pack_batch)
     assert {"lengths", "capacity", "algorithm", "seed"} <= keywords(packing.pack)
     assert {"seq_lens", "dp_size", "max_tokens_per_microbatch", "sequence_length_round", "pp_size",
-            "chunk_size", "round_before_budget", "allow_overlong"} == keywords(rl.plan_dynamic_batches)
+            "chunk_size", "convention", "allow_overlong"} == keywords(rl.plan_dynamic_batches)
     assert {"seq_lens", "dp_size", "max_tokens_per_microbatch", "min_num_microbatches", "algorithm",
             "align"} == keywords(rl.plan_packed_microbatches)
     from streampack.attention import packed_cross_entropy

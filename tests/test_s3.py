@@ -1,18 +1,21 @@
-"""``s3://`` shards against a loopback moto server: same stream as local, ranged resume,
-index-based splitting, missing keys, unreachable endpoints, prefix listing."""
+"""``s3://`` shards through s3fs against a loopback moto server, behind a proxy that logs every
+request and injects faults: same stream as local, ranged resume, index-based splitting, missing
+keys, unreachable endpoints, prefix listing, and short bodies / resets / SlowDown bursts retried
+at the exact offset."""
 
 from __future__ import annotations
 
 import io
 import logging
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("boto3")
+pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 import torch
@@ -22,32 +25,46 @@ from helpers_data import (
     write_jsonl_shards,
     write_tar_shards,
 )
+from helpers_faults import Fault, join_prefetch, proxy_faulty
 from moto.server import ThreadedMotoServer
 
 from streampack.cli.main import main
 from streampack.dataset import PackedDataset
 from streampack.errors import DataError, ErrorCounter
-from streampack.io import s3 as s3_mod
+from streampack.io import storage
 from streampack.io.open import open_shard
-from streampack.io.urls import expand_urls
+from streampack.io.retry import IOStats, RetryPolicy
+from streampack.io.storage import OpenOptions
+from streampack.io.urls import ShardList, expand_urls
 from streampack.nodes.reader import OFFSET_KEY, ShardReader
 
 BUCKET = "streampack-test"
 DOCS = make_token_docs(30, seed=7, min_len=20, max_len=60)
+FAST = OpenOptions(retry=RetryPolicy(backoff=0.01, max_backoff=0.05, budget=10))
 
 
 class S3Fixture:
-    """The bucket's shards (``local[fmt]`` and ``remote[fmt]`` list the same files) and a log of
-    every S3 request the code under test sent: ``(operation, Range header or None)``."""
+    """The bucket's shards (``local[fmt]`` and ``remote[fmt]`` list the same files) and the
+    proxy in front of moto (``proxy.requests``: every request the code under test sent)."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
+    def __init__(self, proxy) -> None:
+        self.proxy = proxy
         self.local: dict[str, list[str]] = {}
         self.remote: dict[str, list[str]] = {}
-        self.requests: list[tuple[str, str | None]] = []
 
-    def gets(self) -> list[str | None]:
-        return [r for op, r in self.requests if op == "GetObject"]
+    @property
+    def endpoint(self) -> str:
+        return self.proxy.url
+
+    def gets(self, key: str = "") -> list[str | None]:
+        """Range headers of the GetObject requests (listings excluded)."""
+        return [r.range for r in self.proxy.gets(f"/{BUCKET}/{key}") if "list-type" not in r.path]
+
+    def heads(self) -> list[str]:
+        return [r.path for r in self.proxy.requests if r.method == "HEAD"]
+
+    def listings(self) -> int:
+        return sum("list-type" in r.path for r in self.proxy.requests)
 
 
 @pytest.fixture(scope="module")
@@ -56,30 +73,17 @@ def s3(tmp_path_factory):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    fx = S3Fixture(f"http://{host}:{port}")
-    real_new_client = s3_mod._new_client
-
-    def hooked_client(endpoint, timeout):
-        client = real_new_client(endpoint, timeout)
-
-        def record(request, event_name, **_):
-            rng = request.headers.get("Range")
-            fx.requests.append((event_name.rsplit(".", 1)[-1], rng.decode() if isinstance(rng, bytes) else rng))
-
-        client.meta.events.register("before-send.s3", record)
-        return client
-
-    with pytest.MonkeyPatch.context() as mp:
+    with proxy_faulty(f"http://{host}:{port}") as proxy, pytest.MonkeyPatch.context() as mp:
+        fx = S3Fixture(proxy)
         for name, value in [("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                            ("AWS_DEFAULT_REGION", "us-east-1"), (s3_mod.ENDPOINT_ENV, fx.endpoint)]:
+                            ("AWS_DEFAULT_REGION", "us-east-1"), (storage.ENDPOINT_ENV, fx.endpoint)]:
             mp.setenv(name, value)
         for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
             mp.delenv(name, raising=False)
-        mp.setattr(s3_mod, "_new_client", hooked_client)
-        mp.setattr(s3_mod, "_CLIENTS", {})
+        mp.setattr(storage, "_FILESYSTEMS", {})
         import boto3
 
-        admin = boto3.client("s3", endpoint_url=fx.endpoint)
+        admin = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
         admin.create_bucket(Bucket=BUCKET)
         root = tmp_path_factory.mktemp("s3src")
         fx.local = {
@@ -100,8 +104,12 @@ def s3(tmp_path_factory):
 
 @pytest.fixture
 def log(s3):
-    s3.requests.clear()
-    return s3
+    join_prefetch()
+    s3.proxy.requests.clear()
+    s3.proxy.plan.clear()
+    yield s3
+    join_prefetch()
+    s3.proxy.plan.clear()
 
 
 def tokens_and_keys(samples) -> list[tuple[list[int], str]]:
@@ -136,64 +144,73 @@ def test_resume_inside_shard_uses_ranged_get(log, fmt):
     head = [next(reader) for _ in range(15)]  # inside the second shard (10 docs per shard)
     state = reader.state_dict()
     assert state[OFFSET_KEY] > 0
-    log.requests.clear()
+    log.proxy.requests.clear()
     resumed = ShardReader(remote, epochs=1, shuffle=False)
     resumed.reset(state)
     assert tokens_and_keys(head) + tokens_and_keys(resumed) == want
-    assert log.gets()[0] == f"bytes={state[OFFSET_KEY]}-", log.requests
-    assert log.gets()[1:] == [None], "later shards are read whole, the resumed one never from 0"
+    second = remote[1].split(f"{BUCKET}/", 1)[1]
+    ranges = log.gets(second)
+    assert ranges and ranges[0].startswith(f"bytes={state[OFFSET_KEY]}-"), log.proxy.requests
+    assert all(int(r.split("=")[1].split("-")[0]) >= state[OFFSET_KEY] for r in ranges), "read before the offset"
+    assert not log.gets(remote[0].split(f"{BUCKET}/", 1)[1]), "the finished shard was read again"
 
 
 def test_fewer_shards_than_workers_splits_via_index(log, tmp_path):
     def read_split():
         return [
-            tokens_and_keys(ShardReader(log.remote["one"], worker_id=w, num_workers=3, epochs=1, cache_dir=str(tmp_path)))
+            tokens_and_keys(ShardReader(log.remote["one"], worker_id=w, num_workers=3, epochs=1,
+                                        cache_dir=str(tmp_path)))
             for w in range(3)
         ]
 
     per_worker = read_split()
     assert [x for part in per_worker for x in part] == [(d, f"{i:08d}") for i, d in enumerate(DOCS)]
     assert [len(p) for p in per_worker] == [10, 10, 10]
-    ranges = [r for r in log.gets() if r]
-    assert len(ranges) == 3 and all(r.split("=")[1].split("-")[1] for r in ranges), ranges  # each "a-b"
-    assert ("HeadObject", None) in log.requests  # the index cache key: ETag + size + LastModified
+    size = os.path.getsize(log.local["one"][0])
+    ranges = log.gets("one/")
+    assert ranges[0] == f"bytes=0-{size - 1}", "one read of the whole object builds the index, once"
+    assert len(ranges) == 4 and all(r.split("=")[1].split("-")[1] for r in ranges[1:]), ranges  # "a-b"
+    assert log.heads(), "the index cache key: size + ETag"
 
-    log.requests.clear()
+    log.proxy.requests.clear()
     assert read_split() == per_worker
-    assert None not in log.gets(), "the cached index was rebuilt (a whole-object GET)"
+    assert f"bytes=0-{size - 1}" not in log.gets("one/"), "the cached index was rebuilt"
 
 
 def test_missing_key_is_missing_shard(log):
     url = f"s3://{BUCKET}/tar/nope.tar"
     with pytest.raises(DataError, match="missing_shard") as info:
-        next(ShardReader(url, retries=0))
+        next(ShardReader(url))
     assert url in str(info.value)
-    log.requests.clear()
+    log.proxy.requests.clear()
     errors = ErrorCounter()
     out = list(ShardReader([url, *log.remote["tar-npy"]], shuffle=False, epochs=1, on_error="skip", errors=errors))
     assert len(out) == 30 and errors.counts == {"missing_shard": 1}
-    assert log.gets().count(None) == 4, "a missing key is not retried"
+    assert sum(r.path.endswith("/nope.tar") for r in log.proxy.requests) == 1, "a missing key is not retried"
 
 
-def test_unreachable_endpoint_bounded_retries(s3, monkeypatch):
-    monkeypatch.setenv(s3_mod.ENDPOINT_ENV, f"http://127.0.0.1:{closed_port()}")
+def test_unreachable_endpoint_gives_up_within_the_budget(s3, monkeypatch):
+    monkeypatch.setenv(storage.ENDPOINT_ENV, f"http://127.0.0.1:{closed_port()}")
     url = s3.remote["tar-npy"][0]
     t0 = time.perf_counter()
+    opts = OpenOptions(retry=RetryPolicy(retries=1, backoff=0.01), connect_timeout=2)
     with pytest.raises(DataError, match="unreachable_url") as info:
-        next(ShardReader(url, retries=1, retry_backoff=0.01, timeout=2))
-    assert url in str(info.value) and "2 attempts" in str(info.value)
+        next(ShardReader(url, open_options=opts))
+    assert url in str(info.value) and "2 attempt(s)" in str(info.value)
     assert time.perf_counter() - t0 < 5
 
 
-def test_prefix_listing(log, monkeypatch):
+def test_prefix_listing_once_per_dataset(log):
     assert expand_urls(f"s3://{BUCKET}/tar/") == log.remote["tar-npy"]  # README.txt left out
     assert expand_urls(f"s3://{BUCKET}/") == sorted(log.remote["jsonl"] + log.remote["one"] + log.remote["tar-npy"])
-    log.requests.clear()
-    monkeypatch.setattr(s3_mod, "LIST_PAGE_SIZE", 2)
-    assert expand_urls(f"s3://{BUCKET}/jsonl/") == log.remote["jsonl"]
-    assert [op for op, _ in log.requests] == ["ListObjectsV2"] * 2, "paginated"
-    with pytest.raises(ValueError, match="holds no shard objects"):
+    with pytest.raises(ValueError, match="matches no shard files"):
         expand_urls(f"s3://{BUCKET}/nothing/")
+    storage._FILESYSTEMS.clear()  # no listing cache left from the calls above
+    log.proxy.requests.clear()
+    ds = PackedDataset(f"s3://{BUCKET}/jsonl/", capacity=64, window=4, epochs=2, seed=0)
+    worker_copy = pickle.loads(pickle.dumps(ds))  # what each DataLoader worker gets
+    assert len(list(worker_copy)) > 0 and len(list(ds)) > 0
+    assert log.listings() == 1, "the prefix is listed once, by the process that built the dataset"
 
 
 def test_cli_inspect_reads_s3(s3, capsys):
@@ -202,30 +219,47 @@ def test_cli_inspect_reads_s3(s3, capsys):
     assert "samples: 30" in capsys.readouterr().out
 
 
-def test_broken_read_is_an_oserror_and_offsets_are_exact(s3):
-    from botocore.exceptions import ResponseStreamingError
-
-    class Broken:
-        def read(self, n):
-            raise ResponseStreamingError(error="peer went away")
-
-        def close(self):
-            pass
-
-    with pytest.raises(OSError, match="peer went away"):
-        s3_mod._Body(Broken(), "s3://x/y.tar").readinto(bytearray(4))
+def test_ranged_reads_are_exact(s3):
     url, path = s3.remote["jsonl"][0], s3.local["jsonl"][0]
     data = Path(path).read_bytes()
     with open_shard(url, 7, 40) as f:
         assert f.read() == data[7:40]
     with open_shard(url, len(data)) as f:
         assert f.read() == b""
+    with open_shard(url, 0, opts=OpenOptions(block_size=4096)) as f:  # many blocks, prefetched
+        assert f.read() == data
 
 
-def test_missing_boto3_message(monkeypatch):
-    monkeypatch.setitem(sys.modules, "boto3", None)
-    monkeypatch.setitem(sys.modules, "botocore", None)
-    monkeypatch.setattr(s3_mod, "_CLIENTS", {})
+@pytest.mark.parametrize(("kind", "block_size"), [
+    ("status", 8 << 20), ("short", 4096), ("reset", 4096),
+    *(pytest.param(k, b, marks=pytest.mark.slow) for k, b in [("status", 4096), ("short", 8 << 20), ("reset", 8 << 20)]),
+])
+def test_faults_are_retried_at_the_exact_offset(log, kind, block_size):
+    # a GetObject body cut short, a reset connection, a burst of 503 SlowDown: the stream
+    # resumes where it was, so the samples are bit-identical to reading the files locally
+    want = tokens_and_keys(ShardReader(log.local["tar-npy"], epochs=1, shuffle=False))
+    log.proxy.plan.add(Fault(kind, fraction=0.4, path="/tar/"), times=4)
+    stats = IOStats()
+    opts = OpenOptions(retry=FAST.retry, block_size=block_size)
+    got = tokens_and_keys(ShardReader(log.remote["tar-npy"], epochs=1, shuffle=False, open_options=opts,
+                                      io_stats=stats))
+    assert got == want
+    assert sum(r.fault is not None for r in log.proxy.requests) == 4
+    assert 1 <= stats.retries <= sum(stats.faults.values()) <= 4, stats
+    if kind == "status" and block_size > 4096:
+        # exact: botocore's and s3fs's own retries are off, and every faulted block is needed
+        # (with small blocks a prefetched block past the end-of-archive marker is not, and
+        # aiohttp itself may reopen a connection reset before the response once)
+        assert stats.retries == 4 == stats.faults["HTTP 503"], stats
+
+
+def test_missing_s3fs_message(monkeypatch):
+    import fsspec  # noqa: F401
+
+    registry = sys.modules["fsspec.registry"]._registry  # (fsspec.registry is the read-only view)
+    monkeypatch.setitem(sys.modules, "s3fs", None)
+    monkeypatch.delitem(registry, "s3", raising=False)  # forget the imported class
+    monkeypatch.setattr(storage, "_FILESYSTEMS", {})
     with pytest.raises(ImportError, match=r"pip install 'streampack\[s3\]'"):
         open_shard(f"s3://{BUCKET}/tar/shard-000000.tar")
 
@@ -241,8 +275,7 @@ def test_state_roundtrips_weights_only(s3):
     assert len(list(resumed)) == 29
 
 
-def test_boto3_endpoint_env_is_honoured(s3, monkeypatch):
-    monkeypatch.delenv(s3_mod.ENDPOINT_ENV)
+def test_botocore_endpoint_env_is_honoured(s3, monkeypatch):
+    monkeypatch.delenv(storage.ENDPOINT_ENV)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
-    monkeypatch.setattr(s3_mod, "_CLIENTS", {})
-    assert len(list(ShardReader(s3.remote["one"], epochs=1))) == 30
+    assert len(list(ShardReader(ShardList.of(s3.remote["one"]), epochs=1))) == 30

@@ -32,6 +32,7 @@ from streampack.attention.reference import (
     sdpa_packed,
     varlen_attention_reference,
 )
+from streampack.attention.varlen import varlen_attention
 from streampack.layout.adapters import (
     FlashAttnKwargs,
     HFInputs,
@@ -55,5 +56,6 @@ __all__ = [
     "global_num_sequences", "global_num_targets", "hf_inputs", "hf_labels",
     "num_supervised_sequences", "packed_attention_mask", "packed_cross_entropy",
     "packed_seq_params", "sdpa_packed", "ssm_kwargs", "te_kwargs", "token_logprobs",
-    "unpack_padded", "unpack_per_document", "varlen_attention_reference", "varlen_cu_seqlens",
+    "unpack_padded", "unpack_per_document", "varlen_attention", "varlen_attention_reference",
+    "varlen_cu_seqlens",
 ]

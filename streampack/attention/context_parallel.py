@@ -37,7 +37,7 @@ from streampack.layout.batch import PackedBatch
 from streampack.layout.cp import CPShard, cp_shard
 
 
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+@dataclass(init=False, slots=True, kw_only=True, eq=False)  # a KwargsRecord (see adapters)
 class CPFlashAttnKwargs(KwargsRecord):
     """``flash_attn_varlen_func`` arguments for one CP rank (pass ``causal=True``): the local
     queries against ``k_full[k_indices]`` / ``v_full[k_indices]``."""

@@ -11,9 +11,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from streampack.cli import bench_cmd, demo, inspect_cmd, pack_cmd
+from streampack.cli import bench_cmd, demo, index_cmd, inspect_cmd, pack_cmd
 
-_COMMANDS = (demo, inspect_cmd, pack_cmd, bench_cmd)
+_COMMANDS = (demo, inspect_cmd, pack_cmd, index_cmd, bench_cmd)
 # Exceptions that mean "the input is wrong", not "streampack is broken".
 _USER_ERRORS = (ValueError, TypeError, OSError, KeyError)
 

@@ -1,9 +1,10 @@
 """One shard range -> decoded items, whatever the format: the only place that knows formats.
 
-The reader node hands over *where* to read (:class:`ShardRange`: the byte offset and number of
-the first sample, and where to stop) and gets :class:`~streampack.io.decode.Item` s back, each
-with the position of the sample after it, so it can resume anywhere without knowing how a
-format lays its samples out.
+The reader node hands over *where* to read (:class:`ShardRange`: the position and number of the
+first sample, and where to stop) and gets :class:`~streampack.io.decode.Item` s back, each with
+the position of the sample after it, so it can resume anywhere without knowing how a format
+lays its samples out. A position is a byte offset (tar, jsonl; uncompressed bytes for
+``.gz`` / ``.zst``) or a row number (parquet).
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from streampack.errors import DataError
+from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import DecodeOptions, Item
-from streampack.io.jsonl import DECOMPRESS_ERRORS, iter_jsonl_items, text_stream
-from streampack.io.open import open_shard
-from streampack.io.retry import OpenOptions
+from streampack.io.jsonl import iter_jsonl_items
+from streampack.io.open import open_shard, skip_bytes
+from streampack.io.parquet import iter_parquet_items
+from streampack.io.retry import IOStats
+from streampack.io.storage import OpenOptions
 from streampack.io.tar import iter_tar_items
-from streampack.io.urls import is_remote, shard_format
+from streampack.io.urls import shard_format
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,36 +30,41 @@ class ShardRange:
     """Where to read in one shard."""
 
     start: int
-    """Offset of the first sample to read (a byte offset; uncompressed bytes for .gz)."""
+    """Position of the first sample to read: a byte offset (uncompressed bytes for .gz/.zst)
+    or, for parquet, a row number."""
     first: int
-    """Number of that sample in the shard (tar ordinal, jsonl line number)."""
+    """Number of that sample in the shard (tar ordinal, jsonl line number, parquet row)."""
     end: int | None = None
-    """Offset to stop at (exclusive), or None for the end of the shard."""
+    """Position to stop at (exclusive), or None for the end of the shard."""
 
 
 def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions,
-               streams: list[BinaryIO]) -> Iterator[Item]:
+               streams: list[BinaryIO], stats: IOStats | None = None) -> Iterator[Item]:
     """Decoded items of ``where`` in ``url``; every stream opened is appended to ``streams``
-    (the caller closes them). A missing, unreachable or corrupt shard raises ``DataError``;
-    a dropped connection raises ``OSError`` (the caller reopens at its recorded position)."""
+    (the caller closes them). A missing, unreachable or corrupt shard raises ``DataError``
+    (remote faults were already retried, at the exact offset, under ``opts.retry``)."""
     start, end = where.start, where.end
-    remote = is_remote(url) or url.startswith("pipe:")
-    if shard_format(url) == "tar":
-        streams.append(open_shard(url, start, end if remote else None, opts=opts))
+    fmt = shard_format(url)
+    if fmt == "parquet":
+        streams.append(open_shard(url, opts=opts, stats=stats))
+        return iter_parquet_items(streams[-1], decode, url=url, start=start, end=end)
+    if fmt == "tar":
+        streams.append(open_shard(url, start, end, opts=opts, stats=stats))
         return iter_tar_items(streams[-1], decode, url=url, start=start, first_index=where.first, end=end,
-                              seekable=not remote)
-    gz = url.split("?", 1)[0].endswith(".gz")
-    streams.append(open_shard(url, 0 if gz else start, end if remote and not gz else None, opts=opts))
-    streams.append(text_stream(_NotEmpty(streams[-1], url) if gz else streams[-1], url))
-    if gz and start:
-        _skip_uncompressed(streams[-1], start, url)
+                              seekable=not url.startswith("pipe:"))
+    compressed = fmt != "jsonl"
+    streams.append(open_shard(url, 0 if compressed else start, None if compressed else end, opts=opts, stats=stats))
+    streams.append(text_stream(_NotEmpty(streams[-1], url) if compressed else streams[-1], url))
+    if compressed and start:
+        skip_uncompressed(streams[-1], start, url)
     return iter_jsonl_items(streams[-1], decode, url=url, start=start, first_index=where.first, end=end)
 
 
 class _NotEmpty:
-    """The raw stream of a compressed shard, which must not be 0 bytes: gzip reads a 0-byte
-    file as an empty stream, but a 0-byte ``.gz`` is a failed write (a gzip of nothing is 20
-    bytes), as a 0-byte ``.tar`` is (an empty archive is 1024 bytes): both are errors."""
+    """The raw stream of a compressed shard, which must not be 0 bytes: gzip and zstd read a
+    0-byte file as an empty stream, but a 0-byte ``.gz`` / ``.zst`` is a failed write (a gzip
+    of nothing is 20 bytes, a zstd frame at least 9), as a 0-byte ``.tar`` is (an empty archive
+    is 1024 bytes): all are ``corrupt_shard``."""
 
     def __init__(self, raw: BinaryIO, url: str) -> None:
         self._raw, self._url, self._checked = raw, url, False
@@ -72,13 +81,13 @@ class _NotEmpty:
         return getattr(self._raw, name)
 
 
-def _skip_uncompressed(f: BinaryIO, n: int, url: str) -> None:
-    """gzip cannot seek: inflate and drop ``n`` bytes (O(n) CPU, documented in jsonl_source)."""
-    while n > 0:
-        try:
-            chunk = f.read(min(n, 1 << 20))
-        except DECOMPRESS_ERRORS as e:  # other OSErrors (a dropped connection) are retried
-            raise DataError("corrupt_shard", f"cannot decompress: {e}", url=url, value=n) from None
-        if not chunk:
-            raise DataError("corrupt_shard", "stream ended before the resume offset", url=url, value=n)
-        n -= len(chunk)
+def skip_uncompressed(f: BinaryIO, n: int, url: str) -> None:
+    """``.gz`` / ``.zst`` cannot seek: decompress and drop ``n`` bytes (O(n) CPU; see
+    :mod:`streampack.io.compression`)."""
+    try:
+        skip_bytes(f, n, url)
+    except DECOMPRESS_ERRORS as e:
+        raise DataError("corrupt_shard", f"cannot decompress: {e}", url=url, value=n) from None
+
+
+__all__ = ["ShardRange", "open_range", "skip_uncompressed"]

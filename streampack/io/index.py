@@ -1,60 +1,147 @@
-"""Per-shard sample index: byte offset, key and token length of every sample, built once.
+"""Per-shard sample index: where each sample starts, its key and token length, built once.
 
-The reader needs it only to split one shard between several workers (fewer shards than
-global workers) into contiguous byte ranges, so no worker reads another's bytes; planners use
-``lengths`` (token counts, -1 where unknown: text samples). Resuming does *not* need it: the
-reader records the next sample's offset while reading.
+A reader needs it to split one shard between several workers (fewer shards than workers) into
+contiguous ranges, so no worker reads another's bytes, and planners use ``lengths`` (token
+counts, -1 where unknown: text samples, parquet). Resuming does *not* need it: the reader
+records the next sample's position while reading.
 
-Build cost: a local tar is scanned header by header with ``seek`` over member data (only the
-first 512 bytes of each ``.npy`` token member and whole ``.json`` members are read); jsonl and
-remote shards are read once in full. The result is cached as json next to the shard
-(``<shard>.spidx.json``), or under ``cache_dir`` when given or when the shard's directory is
-not writable (default ``$STREAMPACK_CACHE`` or ``~/.cache/streampack``). A cached index is
-used only if its fingerprint (path + size + mtime_ns, or URL + Content-Length + Last-Modified
-+ ETag, + ``tokens_key`` + format version) still matches.
+**Built once, never per worker.** The first process that needs the index of a shard builds it
+under an exclusive lock (``fcntl.flock`` on ``<index>.lock`` in the cache directory); the others
+wait, then load it. ``streampack index URLS --cache-dir D`` builds them ahead of time (for
+remote data: run it once, point every node's ``cache_dir`` at ``D``, which may itself be a
+URL such as ``s3://bucket/index/``, read without a lock). A cached index is used only while its
+fingerprint (path + size + mtime, or URL + size + ETag; plus ``tokens_key`` and the format
+version) matches. Index files live in ``cache_dir`` (default ``$STREAMPACK_CACHE/index`` or
+``~/.cache/streampack/index``), never beside the data, so read-only data directories work.
+
+**Cost.** A local tar is scanned header by header with ``seek`` over member data (only the
+first 512 bytes of each ``.npy`` token member and whole ``.json`` members are read); a remote
+tar the same way through ranged reads; jsonl is read once (token lengths parsed only from lines
+that contain the ``tokens_key`` field); parquet costs its footer only. Memory is O(samples):
+int64 offsets, int32 lengths and the keys (tar), accumulated in ``array`` buffers (12 bytes per
+sample plus the keys, never a Python object per sample), stored as one compressed ``.npz``
+(:mod:`streampack.io.index_cache`). Measured on a 4M-line jsonl shard
+(``benchmarks/bench_storage.py``, provisional): a 6.0 MiB index file (1.6 bytes per line; the
+old json sidecar of the same index: 124 MiB) and 73 MiB peak traced memory while building (the
+old code: 1 GiB RSS); ``tests/test_storage_index.py`` holds the RSS growth under 150 MiB.
+
+**Damage.** A shard that is cut short or corrupt is indexed up to the damage: every readable
+sample is in the index and ``damage`` says why reading stops at ``end``. Only the range that
+ends the shard (``range(..., last=True)``; the last ``part``) reads past ``end``, so split
+readers deliver every readable sample once and the damage is met, and counted, once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import os
-import tempfile
-from dataclasses import asdict, dataclass
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO, NamedTuple
+
+import numpy as np
 
 from streampack.errors import DataError
-from streampack.io.decode import DecodeOptions
-from streampack.io.jsonl import scan_jsonl, text_stream
-from streampack.io.open import open_shard, remote_fingerprint
-from streampack.io.retry import OpenOptions
-from streampack.io.tar import scan_tar
-from streampack.io.urls import is_remote, shard_format
+from streampack.io import parquet, storage
+from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
+from streampack.io.decode import DecodeOptions, token_count
+from streampack.io.formats import ShardRange
+from streampack.io.index_cache import (
+    INDEX_SUFFIX,
+    cache_path,
+    default_cache_dir,
+    index_dir,
+    load_arrays,
+    locked,
+    save_arrays,
+)
+from streampack.io.jsonl import iter_lines
+from streampack.io.open import open_shard
+from streampack.io.retry import IOStats
+from streampack.io.storage import OpenOptions, is_remote, local_path
+from streampack.io.tar import TarRegion, group_length, iter_tar_units, split_key
+from streampack.io.urls import shard_format
 
-INDEX_VERSION = 1
-INDEX_SUFFIX = ".spidx.json"
+INDEX_VERSION = 2
+_MEMO_SIZE = 4  # a worker reads one split shard at a time; a big shard's index is tens of MB
+_memo: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
+_memo_lock = threading.Lock()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+class Position(NamedTuple):
+    """Where sample ``i`` starts: its position (byte offset, or row) and its number."""
+
+    offset: int
+    number: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class ShardIndex:
-    """Where each sample of one shard starts. ``i``-th entries describe the ``i``-th sample."""
+    """Where each sample of one shard starts. Entry ``i`` describes the ``i``-th readable sample."""
 
     url: str
     fingerprint: str
-    offsets: list[int]
-    """Byte offset of each sample (first tar header; jsonl line start, uncompressed for .gz)."""
-    numbers: list[int]
-    """Sample number inside the shard: ordinal for tar, 0-based line number for jsonl."""
-    keys: list[str]
-    lengths: list[int]
-    """Token count of each sample when cheap to know, else -1."""
+    offsets: np.ndarray
+    """int64 ``[n]``: position of each sample (tar: first header; jsonl: line start, in
+    uncompressed bytes for .gz/.zst; parquet: row)."""
+    lengths: np.ndarray
+    """int32 (int64 past 2**31) ``[n]``: token count when cheap to know, else -1."""
     end: int
-    """Offset just past the last sample (tar: the end-of-archive block)."""
+    """Position just past the last readable sample (tar: the end-of-archive block)."""
+    damage: str = ""
+    """Why reading stops at ``end`` ("" when the shard is whole)."""
+    number_array: np.ndarray | None = None
+    """int64 ``[n]`` sample numbers when they are not ``0..n-1`` (jsonl with blank lines)."""
+    key_blob: bytes = b""
+    """Tar keys, UTF-8, back to back (empty for jsonl / parquet: the key is the number)."""
+    key_ends: np.ndarray | None = None
 
     def __len__(self) -> int:
-        return len(self.offsets)
+        return int(self.offsets.shape[0])
 
-    def part(self, part: int, parts: int) -> tuple[int, int, int]:
-        """``(start_offset, end_offset, first_number)`` of contiguous part ``part`` of ``parts``.
+    @property
+    def numbers(self) -> np.ndarray:
+        """int64 ``[n]``: sample number (tar ordinal, jsonl line number, parquet row)."""
+        return self.number_array if self.number_array is not None else np.arange(len(self), dtype=np.int64)
+
+    def number(self, i: int) -> int:
+        return int(self.number_array[i]) if self.number_array is not None else i
+
+    def key(self, i: int) -> str:
+        if self.key_ends is None:
+            return str(self.number(i))
+        start = int(self.key_ends[i - 1]) if i else 0
+        return self.key_blob[start:int(self.key_ends[i])].decode("utf-8", "surrogateescape")
+
+    @property
+    def keys(self) -> list[str]:
+        return [self.key(i) for i in range(len(self))]
+
+    def position(self, i: int) -> Position:
+        """Where sample ``i`` starts; ``i == len(self)`` is the end (where the damage starts
+        in a damaged shard)."""
+        n = len(self)
+        if not 0 <= i <= n:
+            raise IndexError(f"sample {i} of a shard with {n} samples")
+        if i < n:
+            return Position(int(self.offsets[i]), self.number(i))
+        return Position(self.end, self.number(n - 1) + 1 if n else 0)
+
+    def range(self, lo: int, hi: int, *, last: bool = False) -> ShardRange:
+        """Samples ``[lo, hi)`` as a range to read. ``last``: this range ends the shard's
+        reading; in a damaged shard it reads past ``end`` (``end=None``) to meet the damage."""
+        if not 0 <= lo <= hi <= len(self):
+            raise ValueError(f"bad sample range [{lo}, {hi}) of {len(self)}")
+        start, first = self.position(lo)
+        end = None if (last and self.damage and hi == len(self)) else self.position(hi).offset
+        return ShardRange(start=start, first=first, end=end)
+
+    def part(self, part: int, parts: int) -> tuple[int, int | None, int]:
+        """``(start, end, first)`` of contiguous part ``part`` of ``parts`` (``end`` is None
+        only for the last part of a damaged shard: see :meth:`range`).
 
         Sample ``i`` belongs to part ``i * parts // len``; parts differ in size by at most one
         sample, and a part is empty (``start == end``) only if ``parts > len``.
@@ -62,92 +149,174 @@ class ShardIndex:
         if not 0 <= part < parts:
             raise ValueError(f"{part=} must be in [0, {parts=})")
         n = len(self)
-        lo, hi = -(-part * n // parts), -(-(part + 1) * n // parts)
-        start = self.offsets[lo] if lo < n else self.end
-        end = self.offsets[hi] if hi < n else self.end
-        first = self.numbers[lo] if lo < n else (self.numbers[-1] + 1 if n else 0)
-        return start, end, first
+        where = self.range(-(-part * n // parts), -(-(part + 1) * n // parts), last=part == parts - 1)
+        return where.start, where.end, where.first
 
 
-def default_cache_dir() -> str:
-    return os.environ.get("STREAMPACK_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "streampack")
-
-
-def _fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions) -> str:
+def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats: IOStats | None = None) -> str:
+    """What a cached index must match: the shard's identity and what the index depends on."""
     if is_remote(url):
-        ident = f"{url}|{remote_fingerprint(url, opts)}"
+        st = storage.stat(url, opts, stats)
+        ident = f"{url}|{st.size}|{st.tag}"
     else:
-        st = os.stat(url)
-        ident = f"{os.path.abspath(url)}|{st.st_size}|{st.st_mtime_ns}"
+        path = local_path(url)
+        try:
+            st_local = os.stat(path)
+        except OSError as e:
+            raise DataError("missing_shard", f"cannot stat: {e.strerror}", url=url, value=url) from None
+        ident = f"{os.path.abspath(path)}|{st_local.st_size}|{st_local.st_mtime_ns}"
     return f"v{INDEX_VERSION}|{decode.tokens_key}|{ident}"
 
 
-def _candidates(url: str, cache_dir: str | None) -> list[str]:
-    name = hashlib.sha1(url.encode()).hexdigest()[:16] + "-" + os.path.basename(url.split("?", 1)[0]) + INDEX_SUFFIX
-    if cache_dir is not None:
-        return [os.path.join(cache_dir, name)]
-    beside = [] if is_remote(url) else [url + INDEX_SUFFIX]
-    return [*beside, os.path.join(default_cache_dir(), name)]
-
-
-def load_or_build_index(
-    url: str, *, decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(), cache_dir: str | None = None
-) -> ShardIndex:
-    """The cached index of ``url`` if still valid, else a fresh one (then cached)."""
-    if not is_remote(url) and not os.path.exists(url):
-        raise DataError("missing_shard", "no such file", url=url, value=url)
-    fingerprint = _fingerprint(url, decode, opts)
-    paths = _candidates(url, cache_dir)
-    for path in paths:
-        index = _load(path, fingerprint)
-        if index is not None:
-            return index
-    index = build_index(url, fingerprint=fingerprint, decode=decode, opts=opts)
-    for path in paths:
-        if _save(path, index):
-            break
+def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),
+                        cache_dir: str | None = None, stats: IOStats | None = None) -> ShardIndex:
+    """The cached index of ``url`` if still valid, else one built now (by this process or,
+    under the lock, by whichever got there first) and cached."""
+    fp = index_fingerprint(url, decode, opts, stats)
+    path = cache_path(url, cache_dir)
+    with _memo_lock:
+        hit = _memo.get((path, fp))
+    if hit is not None:
+        return hit
+    index = _cached(path, fp, opts)
+    if index is None:
+        with locked(path):
+            index = _cached(path, fp, opts)  # built by another process while this one waited
+            if index is None:
+                index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats)
+                save_arrays(path, _encode(index), opts)
+    with _memo_lock:
+        _memo[(path, fp)] = index
+        while len(_memo) > _MEMO_SIZE:
+            _memo.popitem(last=False)
     return index
 
 
-def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions()) -> ShardIndex:
+def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = DecodeOptions(),
+                opts: OpenOptions = OpenOptions(), stats: IOStats | None = None) -> ShardIndex:
+    """Scan ``url`` once (see the module docstring for what is read)."""
     fmt = shard_format(url)
-    with open_shard(url, 0, opts=opts) as raw:
+    with open_shard(url, 0, opts=opts, stats=stats) as raw:
+        if fmt == "parquet":
+            rows = int(parquet.row_counts(raw, url).sum())
+            return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(rows, dtype=np.int64),
+                              lengths=np.full(rows, -1, np.int32), end=rows)
+        scan = _Scan()
         if fmt == "tar":
-            offsets, keys, lengths, end = scan_tar(raw, decode, url=url, seekable=not is_remote(url))
-            numbers = list(range(len(offsets)))
+            scan.tar(raw, decode, url)
         else:
-            offsets, numbers, lengths, end = scan_jsonl(text_stream(raw, url), decode, url=url)
-            keys = [str(n) for n in numbers]
-    return ShardIndex(url=url, fingerprint=fingerprint, offsets=offsets, numbers=numbers, keys=keys, lengths=lengths, end=end)
+            scan.jsonl(text_stream(raw, url), decode, url)
+    return scan.index(url, fingerprint)
 
 
-def _load(path: str, fingerprint: str) -> ShardIndex | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if data.get("fingerprint") != fingerprint:
-            return None
-        return ShardIndex(**data)
-    except (OSError, ValueError, TypeError):
-        return None
+class _Scan:
+    """Index entries accumulated in compact buffers (never one Python object per sample)."""
 
+    def __init__(self) -> None:
+        self.offsets, self.lengths = array("q"), array("i")
+        self.numbers: array | None = None  # only when they stop being 0..n-1
+        self.keys, self.key_ends = bytearray(), array("q")
+        self.end, self.damage = 0, ""
 
-def _save(path: str, index: ShardIndex) -> bool:
-    """Atomically write ``index`` to ``path``; False when the directory is not writable."""
-    directory = os.path.dirname(path) or "."
-    try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".spidx-", suffix=".tmp")
-    except OSError:
-        return False
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(asdict(index), f)
-        os.replace(tmp, path)
-        return True
-    except OSError:
+    def add(self, offset: int, number: int, length: int) -> None:
+        n = len(self.offsets)
+        if self.numbers is None and number != n:
+            self.numbers = array("q", range(n))
+        if self.numbers is not None:
+            self.numbers.append(number)
+        self.offsets.append(offset)
+        self.lengths.append(min(length, 2**31 - 1))
+
+    def tar(self, f: BinaryIO, decode: DecodeOptions, url: str) -> None:
+        token_npy = {"npy", f"{decode.tokens_key}.npy"}
+
+        def want(name: str) -> int:
+            field = (split_key(name) or ("", ""))[1]
+            return 512 if field in token_npy else (-1 if field == "json" else 0)
+
+        with self._damage_stops_the_scan():
+            for unit in iter_tar_units(f, url=url, start=0, end=None, want=want, seekable=True, limits=decode.limits):
+                # a corrupt region belongs to the range of the sample before it (whose reader
+                # meets and counts it); one before every sample gets an entry of its own
+                if isinstance(unit, TarRegion) and self.offsets:
+                    self.end = unit.next_offset
+                    continue
+                offset, key = (unit.region.start, "") if isinstance(unit, TarRegion) else (unit.offset, unit.key)
+                self.add(offset, len(self.offsets), -1 if isinstance(unit, TarRegion) else
+                         group_length(unit, decode, token_npy))
+                self.keys += key.encode("utf-8", "surrogateescape")
+                self.key_ends.append(len(self.keys))
+                self.end = unit.next_offset
+
+    def jsonl(self, f: BinaryIO, decode: DecodeOptions, url: str) -> None:
+        field = f'"{decode.tokens_key}"'.encode()
+        with self._damage_stops_the_scan():
+            for line in iter_lines(f, start=0, first_index=0, end=None, max_bytes=decode.limits.max_line_bytes):
+                self.end = line.offset + line.size
+                if line.data is None:  # over max_line_bytes: its reader reports it
+                    self.add(line.offset, line.number, -1)
+                elif not line.data.isspace():
+                    self.add(line.offset, line.number, token_count(line.data, decode) if field in line.data else -1)
+
+    @contextlib.contextmanager
+    def _damage_stops_the_scan(self) -> Iterator[None]:
+        """Damage ends the index where it starts; failing to *read* (unreachable) is no index."""
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
+            yield
+        except DataError as e:
+            if e.reason != "corrupt_shard":
+                raise
+            self.damage = str(e)
+        except DECOMPRESS_ERRORS as e:
+            self.damage = f"corrupt_shard: cannot decompress after uncompressed byte {self.end}: {e}"
+
+    def index(self, url: str, fp: str) -> ShardIndex:
+        """The entries as arrays that share the buffers (no copy: the scan is over)."""
+        def arr(a: array, dtype: Any = np.int64) -> np.ndarray:
+            return np.frombuffer(a, dtype=dtype) if len(a) else np.zeros(0, dtype)
+
+        return ShardIndex(url=url, fingerprint=fp, offsets=arr(self.offsets), lengths=arr(self.lengths, np.int32),
+                          end=self.end, damage=self.damage,
+                          number_array=None if self.numbers is None else arr(self.numbers),
+                          key_blob=bytes(self.keys), key_ends=arr(self.key_ends) if self.key_ends else None)
+
+
+# ------------------------------------------------------------------ index <-> stored arrays
+
+
+def _encode(index: ShardIndex) -> dict[str, np.ndarray]:
+    n = len(index)
+    out = {"version": np.array(INDEX_VERSION), "url": np.array(index.url), "fingerprint": np.array(index.fingerprint),
+           "end": np.array(index.end, dtype=np.int64), "damage": np.array(index.damage), "n": np.array(n)}
+    if n and index.offsets[-1] != n - 1:  # increasing, so `last == n - 1` means 0..n-1: parquet rows
+        out["offsets"] = index.offsets
+    if index.number_array is not None:
+        out["numbers"] = index.number_array
+    if (index.lengths != -1).any():
+        out["lengths"] = index.lengths
+    if index.key_ends is not None:
+        out["key_blob"] = np.frombuffer(index.key_blob, dtype=np.uint8)
+        out["key_ends"] = index.key_ends
+    return out
+
+
+def _decode(data: Any) -> ShardIndex:
+    n = int(data["n"])
+    return ShardIndex(url=str(data["url"]), fingerprint=str(data["fingerprint"]),
+                      offsets=data["offsets"] if "offsets" in data else np.arange(n, dtype=np.int64),
+                      lengths=data["lengths"] if "lengths" in data else np.full(n, -1, np.int32),
+                      end=int(data["end"]), damage=str(data["damage"]),
+                      number_array=data["numbers"] if "numbers" in data else None,
+                      key_blob=data["key_blob"].tobytes() if "key_blob" in data else b"",
+                      key_ends=data["key_ends"] if "key_ends" in data else None)
+
+
+def _cached(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
+    data = load_arrays(path, opts)
+    if data is None or int(data.get("version", -1)) != INDEX_VERSION or str(data.get("fingerprint")) != fp:
+        return None  # absent, stale or from another version: rebuild
+    return _decode(data)
+
+
+__all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",
+           "default_cache_dir", "index_dir", "index_fingerprint", "load_or_build_index"]

@@ -1,4 +1,4 @@
-"""jsonl / jsonl.gz shards, and the record -> Sample decoding shared with tar json members.
+"""jsonl / jsonl.gz / jsonl.zst shards, and the record -> Sample decoding shared with tar json members.
 
 A line is one json object. Pre-tokenized: a list of ids under ``tokens_key``; text: a string
 under ``text_key`` (tokens win when both exist). Optional ``labels_key`` / ``loss_mask_key``
@@ -9,39 +9,21 @@ Resume cost, honestly:
 
 - ``.jsonl``: the byte offset of the next line is recorded while reading, so a resume is one
   ``seek`` — bytes before the offset are never read.
-- ``.jsonl.gz``: gzip has no random access, so the offset is in *uncompressed* bytes and a
-  resume decompresses and discards everything before it (O(offset); zlib inflates roughly
-  0.3-1 GB/s on one core). Use plain jsonl or tar shards when mid-shard resume must be O(1).
+- ``.jsonl.gz`` / ``.jsonl.zst``: no random access, so the offset is in *uncompressed* bytes
+  and a resume decompresses and discards everything before it (see
+  :mod:`streampack.io.compression`).
 """
 
 from __future__ import annotations
 
-import gzip
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from streampack.errors import DataError
-from streampack.io.decode import (
-    DecodeOptions,
-    Item,
-    decode_record,
-    parse_json_object,
-    token_count,
-)
+from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
+from streampack.io.decode import DecodeOptions, Item, decode_record, parse_json_object
 from streampack.io.limits import Limits
-
-DECOMPRESS_ERRORS: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error)
-"""What a damaged ``.gz`` raises while inflating (``zlib.error`` for bad deflate data, which is
-neither an ``OSError`` nor an ``EOFError``). Other ``OSError``s are I/O failures (a dropped
-connection): they propagate so the reader reopens the shard at the recorded offset and retries."""
-
-
-def text_stream(raw: BinaryIO, url: str) -> BinaryIO:
-    """The uncompressed byte stream of a jsonl / jsonl.gz shard opened at byte 0."""
-    return gzip.GzipFile(fileobj=raw, mode="rb") if url.split("?", 1)[0].endswith(".gz") else raw
-
 
 _DISCARD_CHUNK = 1 << 20
 
@@ -126,27 +108,4 @@ def iter_jsonl_items(
                         url=url, key=str(number), value=reached) from None
 
 
-def scan_jsonl(f: BinaryIO, opts: DecodeOptions, *, url: str) -> tuple[list[int], list[int], list[int], int]:
-    """Index data for a whole shard: offsets and numbers of non-blank lines, their token
-    lengths (-1 = text/unknown/over the line limit) and the end offset.
-
-    Reads the whole shard once (it is built once per shard and cached), one line at a time.
-    """
-    offsets: list[int] = []
-    numbers: list[int] = []
-    lengths: list[int] = []
-    end = 0
-    try:
-        for line in iter_lines(f, start=0, first_index=0, end=None, max_bytes=opts.limits.max_line_bytes):
-            end = line.offset + line.size
-            if line.data is not None and line.data.isspace():
-                continue
-            offsets.append(line.offset)
-            numbers.append(line.number)
-            lengths.append(-1 if line.data is None else token_count(line.data, opts))
-    except (OSError, *DECOMPRESS_ERRORS) as e:
-        raise DataError("corrupt_shard", f"cannot decompress/read: {e}", url=url, value=end) from None
-    return offsets, numbers, lengths, end
-
-
-__all__ = ["DECOMPRESS_ERRORS", "iter_jsonl_items", "scan_jsonl", "text_stream"]
+__all__ = ["DECOMPRESS_ERRORS", "Line", "iter_jsonl_items", "iter_lines", "text_stream"]

@@ -1,57 +1,159 @@
-"""One retry policy for every remote read: how many attempts, how long to wait, and the loop.
+"""One retry policy for every read: backoff with full jitter inside a time budget, and counters.
 
-Each transport (HTTP, S3) classifies its own failures: a transient one (a connection error, a
-5xx, a throttle) is raised as :class:`Transient` inside the attempt and retried here with
-exponential backoff; anything else propagates at once. When the attempts run out the last
-failure becomes ``DataError("unreachable_url")`` naming the URL.
+A read (one block of a shard, a listing, a ``HEAD``) is an *attempt*. A failure the storage layer
+classifies as transient (a connection error, a timeout, a 5xx or 429, a body shorter than it
+should be) is raised as :class:`Transient` inside the attempt; :func:`with_retries` sleeps and
+tries again until the attempt succeeds, the failures of this *run* (consecutive failures of the
+same read) have lasted ``budget`` seconds, or ``retries`` retries were spent. Then the last
+failure becomes ``DataError("unreachable_url")`` (``"corrupt_shard"`` for a local file) naming
+the URL. Anything not transient propagates at once.
+
+Why full jitter (``sleep = uniform(0, min(max_backoff, backoff * 2**n))``): every DataLoader
+worker of every rank meets the same outage at the same moment; the old fixed 0.5/1/2 s
+schedule retried them in lockstep, so a throttling store saw the same burst again three times
+and then the run gave up after 3.5 s. Jitter spreads the retries out, and the budget (default
+two minutes) outlasts a routine burst of 503s or a load balancer restart.
+
+A run's total time is at most ``budget`` plus one attempt (an attempt in flight is never cut
+short by the budget; its own deadline bounds it: see ``OpenOptions.request_deadline``).
 """
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from streampack.errors import DataError
+from streampack.logs import get_logger, warn_every
 
 T = TypeVar("T")
+log = get_logger(__name__)
+_rng = random.Random()  # jitter only: it never affects which data is read
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class OpenOptions:
-    """How shards are opened; passed as one value from the reader to the sources."""
+class RetryPolicy:
+    """How long one read keeps trying before it gives up."""
 
-    retries: int = 3
-    """Extra attempts after a failed connection to an ``http(s)`` or ``s3`` URL."""
+    budget: float = 120.0
+    """Seconds a run of consecutive failures of one read may last (then ``DataError``)."""
+    retries: int | None = None
+    """At most this many retries per run of failures; None: only ``budget`` bounds them."""
     backoff: float = 0.5
-    """Seconds before the first retry; doubled after each."""
-    timeout: float = 30.0
-    """Socket timeout of one HTTP / S3 request, seconds."""
-    allow_pipe: bool = False
-    """Accept ``pipe:`` URLs (runs a shell command)."""
+    """Upper bound of the first (jittered) wait, seconds; doubles after each failure."""
+    max_backoff: float = 15.0
+    """Cap of the doubled bound."""
 
     def __post_init__(self) -> None:
-        if self.retries < 0 or self.backoff < 0 or self.timeout <= 0:
-            raise ValueError(f"need retries >= 0, backoff >= 0, timeout > 0; got {self.retries=} {self.backoff=} {self.timeout=}")
+        if not self.budget >= 0 or not self.backoff >= 0 or not self.max_backoff >= self.backoff:
+            raise ValueError(f"need budget >= 0 and 0 <= backoff <= max_backoff; got {self.budget=} "
+                             f"{self.backoff=} {self.max_backoff=}")
+        if self.retries is not None and (isinstance(self.retries, bool) or not isinstance(self.retries, int)
+                                         or self.retries < 0):
+            raise ValueError(f"retries={self.retries!r} must be None or an int >= 0")
+
+    def delay(self, failures: int) -> float:
+        """The (jittered) wait after the ``failures``-th failure of a run (1-based)."""
+        return _rng.uniform(0.0, min(self.max_backoff, self.backoff * 2 ** (failures - 1)))
+
+
+class IOStats:
+    """Counts of reads, retries and faults by kind, shared by every stream of one graph.
+
+    Like :class:`~streampack.errors.ErrorCounter` it is plain counters, saved in the state's
+    metrics and loaded back after a restore (``metrics()["io"]``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # prefetch threads count too
+        self.requests = 0
+        """Read attempts sent (blocks, listings, ``HEAD`` s)."""
+        self.retries = 0
+        self.gave_up = 0
+        """Reads that failed for the whole budget (each became a DataError)."""
+        self.bytes = 0
+        """Bytes received from remote stores."""
+        self.faults: dict[str, int] = {}
+        """Transient failures by kind (``"HTTP 503"``, ``"short_read"``, ``"timeout"``, ...)."""
+
+    def count(self, *, requests: int = 0, retries: int = 0, gave_up: int = 0, nbytes: int = 0,
+              fault: str | None = None) -> None:
+        with self._lock:
+            self.requests += requests
+            self.retries += retries
+            self.gave_up += gave_up
+            self.bytes += nbytes
+            if fault is not None:
+                self.faults[fault] = self.faults.get(fault, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"requests", "retries", "gave_up", "bytes", "faults": {kind: n}}`` (plain data)."""
+        with self._lock:
+            return {"requests": self.requests, "retries": self.retries, "gave_up": self.gave_up,
+                    "bytes": self.bytes, "faults": dict(self.faults)}
+
+    def load(self, saved: dict[str, Any]) -> None:
+        """Replace the counters with an :meth:`as_dict` taken earlier."""
+        with self._lock:
+            self.requests, self.retries = int(saved.get("requests", 0)), int(saved.get("retries", 0))
+            self.gave_up, self.bytes = int(saved.get("gave_up", 0)), int(saved.get("bytes", 0))
+            self.faults = {str(k): int(v) for k, v in saved.get("faults", {}).items()}
+
+    def __repr__(self) -> str:
+        return f"IOStats({self.as_dict()})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.as_dict()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+        self.load(state)
 
 
 class Transient(Exception):
     """Raised inside an attempt to ask :func:`with_retries` for another one."""
 
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(repr(cause))
+    def __init__(self, kind: str, cause: BaseException | None = None, detail: str = "") -> None:
+        super().__init__(f"{kind}: {detail or repr(cause)}")
+        self.kind = kind
         self.cause = cause
 
 
-def with_retries(attempt: Callable[[], T], *, url: str, opts: OpenOptions) -> T:
-    """``attempt()``, retried after :class:`Transient` failures per ``opts``."""
-    last: BaseException | None = None
-    for n in range(opts.retries + 1):
-        if n:
-            time.sleep(opts.backoff * 2 ** (n - 1))
+def with_retries(attempt: Callable[[], T], *, url: str, policy: RetryPolicy, stats: IOStats | None = None,
+                 what: str = "read", reason: str = "unreachable_url",
+                 first_failure: Transient | None = None) -> T:
+    """``attempt()``, retried after :class:`Transient` failures per ``policy``.
+
+    ``first_failure``: a failure that already happened (and was counted: a prefetch that
+    failed in the background): the run starts with it, as if the first attempt had been here.
+    """
+    failures, started, last = 0, time.monotonic(), first_failure
+    if last is not None:
+        failures += 1
+    while True:
+        if last is not None:
+            wait = policy.delay(failures)
+            spent = time.monotonic() - started
+            if (policy.retries is not None and failures > policy.retries) or spent + wait > policy.budget:
+                if stats is not None:
+                    stats.count(gave_up=1)
+                tries = f"{failures} attempt(s) in {spent:.1f} s"
+                raise DataError(reason, f"{what} failed after {tries} (retry budget {policy.budget:g} s): {last}",
+                                url=url, value=url) from last.cause
+            warn_every(log, f"retry:{last.kind}", "retrying %s of %s after %s", what, url, last)
+            time.sleep(wait)
+            if stats is not None:
+                stats.count(retries=1)
         try:
             return attempt()
         except Transient as e:
-            last = e.cause
-    raise DataError("unreachable_url", f"failed after {opts.retries + 1} attempts: {last}", url=url, value=url)
+            last, failures = e, failures + 1
+            if stats is not None:
+                stats.count(fault=e.kind)
+
+
+__all__ = ["IOStats", "RetryPolicy", "Transient", "with_retries"]

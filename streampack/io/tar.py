@@ -36,7 +36,6 @@ from streampack.io.limits import Limits
 from streampack.io.npy import npy_length
 from streampack.io.tar_decode import decode_tar_sample, decoder_want
 from streampack.io.tar_stream import (
-    BLOCK,
     CorruptRegion,
     Cursor,
     TarMember,
@@ -238,36 +237,9 @@ def _region_error(unit: TarRegion, url: str) -> DataError:
                      value=r.start, skipped_bytes=unit.next_offset - r.start)
 
 
-def scan_tar(
-    f: BinaryIO, opts: DecodeOptions, *, url: str, seekable: bool
-) -> tuple[list[int], list[str], list[int], int]:
-    """Index data for a whole shard: sample offsets, keys, token lengths (-1 unknown), end.
-
-    Reads headers only, plus the first 512 bytes of each ``.npy`` token member and each
-    ``.json`` member in full (that is the length when tokens are json); everything else is
-    skipped by ``seek`` on local files. Corrupt regions are not samples: they fall inside the
-    byte range of the sample before them, whose reader reports them.
-    """
-    token_npy = {"npy", f"{opts.tokens_key}.npy"}
-
-    def want(name: str) -> int:
-        field = (split_key(name) or ("", ""))[1]
-        return BLOCK if field in token_npy else (-1 if field == "json" else 0)
-
-    offsets: list[int] = []
-    keys: list[str] = []
-    lengths: list[int] = []
-    end = 0
-    for unit in iter_tar_units(f, url=url, start=0, end=None, want=want, seekable=seekable, limits=opts.limits):
-        end = unit.next_offset
-        if isinstance(unit, TarGroup):
-            offsets.append(unit.offset)
-            keys.append(unit.key)
-            lengths.append(_group_length(unit, opts, token_npy))
-    return offsets, keys, lengths, end
-
-
-def _group_length(group: TarGroup, opts: DecodeOptions, token_npy: set[str]) -> int:
+def group_length(group: TarGroup, opts: DecodeOptions, token_npy: set[str]) -> int:
+    """Token count of a group read for an index (``token_npy`` members read as a 512-byte
+    prefix, ``json`` whole); -1 when unknown."""
     for name in token_npy:
         if group.fields.get(name):
             return npy_length(group.fields[name])

@@ -1,10 +1,18 @@
 """Shard URLs: what a user may write in ``urls`` and what it expands to.
 
-A path, a directory (its shard files, sorted, recursive), a brace pattern
-(``train-{000000..000999}.tar``, expanded by the ``braceexpand`` package: nested braces and
-steps such as ``f{1..9..2}`` included), a glob, an ``http(s)://`` or ``s3://`` URL, an
-``s3://bucket/prefix/`` (its shard objects, sorted), or, if allowed, a ``pipe:`` command.
-Expansion runs once per dataset, in the process that builds it; workers get the list.
+Each item is a local path, a directory (its shard files, sorted, recursive), a brace pattern
+(``train-{000000..000999}.tar``, expanded by the ``braceexpand`` package: nested braces and steps
+such as ``f{1..9..2}`` included), a glob, or a URL of any fsspec filesystem (``http(s)://``,
+``s3://``, ``gs://``, ``az://``, ``hf://datasets/...``, ``memory://``, ...): a URL naming a
+shard is kept as is, one ending in ``/`` or without a shard suffix is a prefix / directory
+(its shard objects, sorted, recursive: ``s3://bucket/train/``, ``hf://datasets/org/name``), one
+with ``*`` / ``[`` is a glob. A ``pipe:`` command is accepted only when allowed.
+
+Expansion runs once per dataset, in the process that builds it (:class:`ShardList`); workers
+get the list. A path that names a shard by its suffix is taken as is, without a ``stat``
+(20 000 explicit paths cost no filesystem call; a missing one fails as ``missing_shard`` when
+read, so ``on_error="skip"`` can ride over it); a pattern or directory that matches nothing
+raises.
 """
 
 from __future__ import annotations
@@ -17,18 +25,26 @@ from dataclasses import dataclass
 
 from braceexpand import braceexpand
 
-from streampack.io import s3
-from streampack.io.retry import OpenOptions
+from streampack.io import storage
+from streampack.io.storage import OpenOptions, is_remote, local_path
 
-SHARD_SUFFIXES: dict[str, str] = {".tar": "tar", ".jsonl": "jsonl", ".ndjson": "jsonl", ".jsonl.gz": "jsonl.gz"}
+SHARD_SUFFIXES: dict[str, str] = {
+    ".tar": "tar",
+    ".jsonl": "jsonl", ".ndjson": "jsonl",
+    ".jsonl.gz": "jsonl.gz", ".ndjson.gz": "jsonl.gz", ".json.gz": "jsonl.gz",
+    ".jsonl.zst": "jsonl.zst", ".ndjson.zst": "jsonl.zst", ".json.zst": "jsonl.zst",
+    ".parquet": "parquet",
+}
+"""Suffix -> format. Compressed ``.json`` is JSON lines (Dolma's and RedPajama's convention)."""
+_BY_LENGTH = sorted(SHARD_SUFFIXES, key=len, reverse=True)
 
 
 @dataclass(frozen=True, slots=True)
 class ShardList:
     """Shard URLs expanded once (in the process that builds the dataset), with their digest.
 
-    Pass one to a reader so DataLoader workers neither expand patterns again (a stat per URL per
-    worker) nor hash the list on every ``state_dict()``.
+    Pass one to a reader so DataLoader workers neither expand patterns again (a stat or a
+    listing per worker) nor hash the list on every ``state_dict()``.
     """
 
     urls: tuple[str, ...]
@@ -37,42 +53,38 @@ class ShardList:
 
     @classmethod
     def of(cls, urls: ShardList | str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
-           allow_pipe: bool = False) -> ShardList:
+           allow_pipe: bool = False, opts: OpenOptions | None = None) -> ShardList:
         """``urls`` itself when already a ShardList, else its expansion (:func:`expand_urls`)."""
         if isinstance(urls, ShardList):
             return urls
-        expanded = tuple(expand_urls(urls, allow_pipe=allow_pipe))
+        expanded = tuple(expand_urls(urls, allow_pipe=allow_pipe, opts=opts))
         return cls(expanded, hashlib.sha1("\n".join(expanded).encode()).hexdigest()[:16])
 
     def __len__(self) -> int:
         return len(self.urls)
 
 
-def is_remote(url: str) -> bool:
-    return url.startswith(("http://", "https://", s3.S3_PREFIX))
+def _suffix(url: str) -> str | None:
+    path = url.split("?", 1)[0].split("#", 1)[0] if is_remote(url) else url
+    return next((s for s in _BY_LENGTH if path.endswith(s)), None)
 
 
 def shard_format(url: str) -> str:
-    """``"tar"``, ``"jsonl"`` or ``"jsonl.gz"`` from the URL's suffix (query string ignored)."""
-    path = url.split("?", 1)[0].split("#", 1)[0]
-    for suffix in sorted(SHARD_SUFFIXES, key=len, reverse=True):
-        if path.endswith(suffix):
-            return SHARD_SUFFIXES[suffix]
-    raise ValueError(f"cannot tell the format of shard {url!r}: want one of {sorted(SHARD_SUFFIXES)}")
+    """``"tar"``, ``"jsonl"``, ``"jsonl.gz"``, ``"jsonl.zst"`` or ``"parquet"`` from the URL's
+    suffix (a remote URL's query string ignored)."""
+    suffix = _suffix(url)
+    if suffix is None:
+        raise ValueError(f"cannot tell the format of shard {url!r}: want one of {sorted(SHARD_SUFFIXES)}")
+    return SHARD_SUFFIXES[suffix]
 
 
-def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, allow_pipe: bool = False) -> list[str]:
-    """Shards, in order: each item is a path, a directory (its shard files, sorted, recursive),
-    a brace pattern, a glob, an ``http(s)://`` or ``s3://`` URL, an ``s3://bucket/prefix/``
-    (its shard objects, sorted; listed with default ``OpenOptions``) or (if allowed) a
-    ``pipe:`` command.
-
-    A local path that does not exist is kept (it fails as ``missing_shard`` when read, so
-    ``on_error="skip"`` can ride over it); a pattern or directory that matches nothing raises.
-    """
+def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, allow_pipe: bool = False,
+                opts: OpenOptions | None = None) -> list[str]:
+    """Shards, in order (see the module docstring); remote listings use ``opts``."""
     items = [urls] if isinstance(urls, (str, os.PathLike)) else list(urls)
     if not items:
         raise ValueError("no shard URLs given")
+    opts = opts if opts is not None else OpenOptions(allow_pipe=allow_pipe)
     out: list[str] = []
     for item in items:
         item = os.fspath(item)
@@ -81,35 +93,39 @@ def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                 raise ValueError(f"refusing {item!r}: pipe: URLs run shell commands; pass allow_pipe=True to accept them")
             out.append(item)
             continue
-        if item.startswith("file://"):
-            item = item[len("file://") :]
         for name in braceexpand(item):
-            out.extend(_expand_one(name))
+            out.extend(_expand_remote(name, opts) if is_remote(name) else _expand_local(local_path(name)))
     for url in out:
         if not url.startswith("pipe:"):
             shard_format(url)
     return out
 
 
-def _expand_one(name: str) -> list[str]:
-    if s3.is_s3(name) and (name.endswith("/") or not s3.split_url(name)[1]):
-        return s3.list_prefix(name, tuple(SHARD_SUFFIXES), OpenOptions())
-    if is_remote(name):
-        return [name]
-    if os.path.isdir(name):
-        found = sorted(
-            os.path.join(root, f)
-            for root, _, files in os.walk(name)
-            for f in files
-            if any(f.endswith(s) for s in SHARD_SUFFIXES)
-        )
-        if not found:
-            raise ValueError(f"directory {name!r} holds no shard files ({sorted(SHARD_SUFFIXES)})")
-        return found
+def _expand_remote(url: str, opts: OpenOptions) -> list[str]:
+    path = url.split("?", 1)[0] if storage.protocol_of(url) in ("http", "https") else url
+    pattern = "*" in path or "[" in path.split("://", 1)[1]
+    if not pattern and not url.endswith("/") and _suffix(url) is not None:
+        return [url]
+    found = [u for u in storage.find(url, opts, pattern=pattern) if _suffix(u) is not None]
+    if not found:
+        what = "glob" if pattern else "prefix"
+        raise ValueError(f"{what} {url!r} matches no shard files ({sorted(SHARD_SUFFIXES)})")
+    return found
+
+
+def _expand_local(name: str) -> list[str]:
     if glob.has_magic(name):
         found = sorted(glob.glob(name))
         if not found:
             raise ValueError(f"glob {name!r} matches no files")
+        return found
+    if _suffix(name) is not None:
+        return [name]
+    if os.path.isdir(name):
+        found = sorted(os.path.join(root, f) for root, _, files in os.walk(name) for f in files
+                       if _suffix(f) is not None)
+        if not found:
+            raise ValueError(f"directory {name!r} holds no shard files ({sorted(SHARD_SUFFIXES)})")
         return found
     return [name]
 

@@ -1,9 +1,17 @@
 """One :class:`~streampack.layout.batch.PackedBatch`, each attention consumer's own convention.
 
-Every adapter returns a frozen record that is also a ``Mapping``, so it splats straight into
-the consumer (``flash_attn_varlen_func(q, k, v, **kw, causal=True)``) and ``.as_dict()``
-gives a plain dict. Nothing here imports flash-attn, Transformer Engine or Megatron; only
+Every adapter returns a record that is also a ``Mapping``, so it splats straight into the
+consumer (``flash_attn_varlen_func(q, k, v, **kw, causal=True)``) and ``.as_dict()`` gives a
+plain dict. Nothing here imports flash-attn, Transformer Engine or Megatron; only
 :func:`packed_seq_params` tries ``megatron.core`` and falls back to a local record.
+
+No adapter syncs the host with the device: the spans they need travel with the batch
+(computed on the CPU when it was built), ``max_*`` values are Python ints of the batch, and
+what is left to compute on the device (HF positions, ``seq_idx``) uses only ops whose output
+shape is known on the host (``repeat_interleave(..., output_size=T)``, gathers, ``where``).
+So ``batch.to("cuda")`` followed by any adapter call never waits for the GPU
+(``tests/test_sync_free.py`` checks it with a dispatch-mode sync detector and on the meta
+device; on a GPU, under ``torch.cuda.set_sync_debug_mode("error")``).
 
 Worked example (``capacity=8, align=2``; documents ``a`` of 3 tokens and ``b`` of 2)::
 
@@ -24,10 +32,12 @@ no padded variant) and their labels are ``ignore_index``, so a loss that selects
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Protocol
 
 import torch
+
+from streampack.layout.spans import span_index
 
 HF_IGNORE_INDEX = -100
 """What HF ``ForCausalLMLoss`` ignores; :func:`hf_inputs` maps ``batch.ignore_index`` to it."""
@@ -42,26 +52,45 @@ class PackedBatch(Protocol):
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
     max_seqlen: int
+    varlen_cu_seqlens: torch.Tensor
+    varlen_max_seqlen: int
+    varlen_cu_seqlens_bidirectional: torch.Tensor
+    varlen_max_seqlen_bidirectional: int
     ignore_index: int
 
     @property
     def total_tokens(self) -> int: ...
     @property
-    def doc_lengths(self) -> torch.Tensor: ...
-    @property
-    def aligned_lengths(self) -> torch.Tensor: ...
+    def has_padding(self) -> bool: ...
     @property
     def seq_idx(self) -> torch.Tensor: ...
 
 
 class KwargsRecord(Mapping[str, Any]):
-    """Mixin for frozen dataclasses whose fields are exactly a consumer's keyword arguments.
+    """Mixin for dataclasses whose fields are exactly a consumer's keyword arguments.
 
-    ``fn(**record)`` works because a Mapping is splattable. Equality is identity (the fields
-    hold tensors, whose ``==`` is elementwise).
+    ``fn(**record)`` works because a Mapping is splattable. Built like a dict too --
+    ``type(record)({...})`` -- because that is how HF Trainer's ``_prepare_input``, accelerate's
+    ``send_to_device`` and Lightning's ``apply_to_collection`` rebuild a mapping after moving
+    its tensors; ``.to(device)`` moves the tensors itself (a tensor shared by two fields stays
+    shared). Not frozen, for Lightning (see :class:`streampack.layout.batch.PackedBatch`).
+    Equality is identity (the fields hold tensors, whose ``==`` is elementwise).
     """
 
     __slots__ = ()
+
+    def __init__(self, values: Mapping[str, Any] | None = None, /, **kwargs: Any) -> None:
+        given = {**(values if values is not None else {}), **kwargs}
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.name in given:
+                value = given.pop(f.name)
+            elif f.default is not MISSING:
+                value = f.default
+            else:
+                raise TypeError(f"{type(self).__name__} needs {f.name!r}")
+            object.__setattr__(self, f.name, value)
+        if given:
+            raise TypeError(f"{type(self).__name__} has no field(s) {sorted(given)}")
 
     def _names(self) -> tuple[str, ...]:
         return tuple(f.name for f in fields(self))  # type: ignore[arg-type]
@@ -86,8 +115,20 @@ class KwargsRecord(Mapping[str, Any]):
         """A shallow ``dict`` copy (tensors are shared, not cloned)."""
         return {name: getattr(self, name) for name in self._names()}
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Any:
+        """A copy with every tensor field on ``device`` (other fields unchanged)."""
+        moved: dict[int, torch.Tensor] = {}
+        out = {}
+        for name, value in self.as_dict().items():
+            if isinstance(value, torch.Tensor):
+                if id(value) not in moved:
+                    moved[id(value)] = value.to(device, non_blocking=non_blocking)
+                value = moved[id(value)]
+            out[name] = value
+        return type(self)(out)
 
-_RECORD = {"frozen": True, "slots": True, "kw_only": True, "eq": False}
+
+_RECORD = {"init": False, "slots": True, "kw_only": True, "eq": False}
 
 
 @dataclass(**_RECORD)
@@ -179,36 +220,25 @@ class SSMKwargs(KwargsRecord):
 
 
 def varlen_cu_seqlens(batch: PackedBatch, *, causal: bool = True) -> torch.Tensor:
-    """int32 ``[m+1]`` (CPU) span offsets for kernels without a padded variant.
+    """int32 ``[m+1]`` span offsets for kernels without a padded variant, on the batch's device
+    (carried by the batch: computed once on the CPU when it was built).
 
     ``causal=True``: each document's span is its aligned length and a pack's trailing padding
     is its own span. ``causal=False``: every run of padding is its own span, because in
     bidirectional attention a real token would otherwise attend to the padding after it.
     """
-    cup = batch.cu_seqlens_padded.to("cpu", torch.int64)
-    lengths = batch.aligned_lengths if causal else batch.doc_lengths
-    ends = cup[:-1] + lengths.to("cpu", torch.int64)
-    return torch.unique(torch.cat([cup, ends])).to(torch.int32)
-
-
-def _span_positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(span index int32 ``[T]``, position within span int64 ``[T]``) for CPU offsets ``cu``."""
-    spans = (cu[1:] - cu[:-1]).to(torch.int64)
-    index = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32), spans)
-    positions = torch.arange(total) - torch.repeat_interleave(cu[:-1].to(torch.int64), spans)
-    return index, positions
+    return batch.varlen_cu_seqlens if causal else batch.varlen_cu_seqlens_bidirectional
 
 
 def _device_int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.to(device=device, dtype=torch.int32).contiguous()
+    return t.to(device=device, dtype=torch.int32).contiguous()  # no-op when already so
 
 
 def flash_attn_kwargs(batch: PackedBatch, *, causal: bool = True) -> FlashAttnKwargs:
     """``cu_seqlens_q/k`` and ``max_seqlen_q/k`` for ``flash_attn_varlen_func`` (pass
     ``causal=True`` to the kernel yourself) or torch's ``varlen_attn(window_size=(-1, 0))``."""
-    cu = varlen_cu_seqlens(batch, causal=causal)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    cu = _device_int32(cu, batch.input_ids.device)
+    cu = _device_int32(varlen_cu_seqlens(batch, causal=causal), batch.input_ids.device)
+    max_len = batch.varlen_max_seqlen if causal else batch.varlen_max_seqlen_bidirectional
     return FlashAttnKwargs(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
                            max_seqlen_k=max_len)
 
@@ -218,10 +248,9 @@ def te_kwargs(batch: PackedBatch, *, causal: bool = True) -> TEKwargs:
     (global ``cu_seqlens``; TE divides by ``cp_size`` itself) with the rank's local tokens."""
     device = batch.input_ids.device
     real = _device_int32(batch.cu_seqlens, device)
-    if torch.equal(batch.cu_seqlens, batch.cu_seqlens_padded):
-        padded = real  # identity, not equality, is what TE checks
-    else:
-        padded = _device_int32(batch.cu_seqlens_padded, device)
+    # identity, not equality, is what TE checks; `has_padding` is a Python comparison of the
+    # batch's token counts, so this costs no device sync
+    padded = _device_int32(batch.cu_seqlens_padded, device) if batch.has_padding else real
     return TEKwargs(
         cu_seqlens_q=real, cu_seqlens_kv=real,
         cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
@@ -233,7 +262,8 @@ def te_kwargs(batch: PackedBatch, *, causal: bool = True) -> TEKwargs:
 def packed_seq_params(batch: PackedBatch, *, causal: bool = True) -> Any:
     """Megatron ``PackedSeqParams`` (the same tensors as :func:`te_kwargs`), or a
     :class:`LocalPackedSeqParams` with the same fields when megatron-core is not installed.
-    Megatron's own ``attn_mask_type`` stays in its config; use ``padding_causal`` there too."""
+    Megatron's own ``attn_mask_type`` stays in its config; use ``padding_causal`` there too.
+    (The first call imports ``megatron.core``: about 8 s on a CPU machine.)"""
     te = te_kwargs(batch, causal=causal)
     values = {k: te[k] for k in (f.name for f in fields(LocalPackedSeqParams))}
     try:
@@ -244,13 +274,13 @@ def packed_seq_params(batch: PackedBatch, *, causal: bool = True) -> Any:
 
 
 def hf_labels(batch: PackedBatch) -> torch.Tensor:
-    """int64 ``[T]`` unshifted labels: ``out[t] = batch.labels[t-1]`` inside a document,
-    ``-100`` at every document start (and wherever ``batch.labels`` ignores)."""
-    shifted = torch.full_like(batch.labels, HF_IGNORE_INDEX)
-    shifted[1:] = batch.labels[:-1]
-    shifted[shifted == batch.ignore_index] = HF_IGNORE_INDEX
-    starts = batch.cu_seqlens_padded[:-1].to(device=batch.labels.device, dtype=torch.int64)
-    shifted[starts] = HF_IGNORE_INDEX  # already ignored by the PackedBatch contract; be explicit
+    """int64 ``[T]`` unshifted labels: ``out[t] = batch.labels[t-1]``, ``-100`` at ``t = 0`` and
+    wherever ``batch.labels`` ignores. Every document start gets ``-100`` from the PackedBatch
+    contract (the previous position is a document's last token or padding, both ignored)."""
+    labels = batch.labels
+    shifted = torch.cat([labels.new_full((1,), HF_IGNORE_INDEX), labels[:-1]])
+    if batch.ignore_index != HF_IGNORE_INDEX:
+        shifted = torch.where(shifted == batch.ignore_index, HF_IGNORE_INDEX, shifted)
     return shifted
 
 
@@ -259,16 +289,17 @@ def hf_inputs(batch: PackedBatch) -> HFInputs:
     sdpa/eager/flex rebuild the same spans from ``position_ids``). Loss:
     ``model(**batch.hf_inputs()).loss`` is the token mean over ``batch.num_targets``."""
     device = batch.input_ids.device
-    cu = varlen_cu_seqlens(batch)
-    index, positions = _span_positions(cu, batch.total_tokens)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    cu = _device_int32(cu, device)
+    cu = _device_int32(batch.varlen_cu_seqlens, device)
+    total = batch.total_tokens
+    index = span_index(cu, total)
+    positions = torch.arange(total, device=device) - cu.to(torch.int64)[index.to(torch.int64)]
     return HFInputs(
         input_ids=batch.input_ids.unsqueeze(0),
-        position_ids=positions.to(device).unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
         labels=hf_labels(batch).unsqueeze(0),
-        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
-        seq_idx=index.to(device).unsqueeze(0),
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+        max_length_q=batch.varlen_max_seqlen, max_length_k=batch.varlen_max_seqlen,
+        seq_idx=index.unsqueeze(0),
     )
 
 

@@ -30,12 +30,23 @@ from streampack.layout.documents import (
     normalize,
     targets,
 )
-from streampack.sample import Sample
+from streampack.layout.spans import (
+    doc_spans,
+    longest,
+    span_index,
+    varlen_fields,
+    varlen_offsets,
+)
+from streampack.layout.stats import WorkerStats
 
 _INT32_MAX = 2**31 - 1
 
 
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+# Not frozen (treat it as immutable: `.to`, `map_tensors` and `dataclasses.replace` return new
+# batches): Lightning's apply_to_collection, which its precision plugins ("bf16-true", "16-true")
+# and FSDP / DeepSpeed input conversion run on every batch, rebuilds a dataclass by setattr on a
+# copy and raises "A frozen dataclass was passed" for a frozen one.
+@dataclass(slots=True, kw_only=True, eq=False)
 class PackedBatch:
     """One micro-batch of ``num_packs`` packs of ``capacity`` tokens, flattened to ``T`` tokens."""
 
@@ -52,10 +63,22 @@ class PackedBatch:
     """int32 ``[n+1]``: token offsets of the documents' padded spans; last entry ``== T``."""
     max_seqlen: int
     """Longest padded span (what kernels size their grid by)."""
+    varlen_cu_seqlens: torch.Tensor
+    """int32 ``[m+1]``: span offsets for causal varlen kernels (flash-attn, torch's
+    ``varlen_attn``, HF ``flash_attention_2``): each document's span holds its alignment
+    padding, a pack's trailing padding is its own span (:mod:`streampack.layout.spans`)."""
+    varlen_max_seqlen: int
+    """Longest span of ``varlen_cu_seqlens``."""
+    varlen_cu_seqlens_bidirectional: torch.Tensor
+    """int32: the spans for bidirectional attention (every padding run its own span); the same
+    tensor object as ``varlen_cu_seqlens`` when ``align == 1``."""
+    varlen_max_seqlen_bidirectional: int
     num_tokens: int
     """Real (non-padding) tokens."""
     num_targets: int
     """Positions whose label is not ``ignore_index``: the token-mean loss denominator."""
+    num_target_docs: int
+    """Documents with at least one target: the per-document-mean loss denominator."""
     doc_keys: tuple[str, ...]
     """Provenance of each document (``url#key``, plus ``/chunk`` when split)."""
     capacity: int
@@ -65,6 +88,9 @@ class PackedBatch:
     ignore_index: int = -100
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Per-token side tensors ``[T, ...]`` packed with the same layout, zero-padded."""
+    stats: WorkerStats | None = None
+    """Running totals of the reader that built this batch (set by the pipeline's collate stage;
+    ``None`` for a batch built directly with :func:`pack_batch`)."""
 
     @property
     def num_docs(self) -> int:
@@ -74,6 +100,11 @@ class PackedBatch:
     def total_tokens(self) -> int:
         """``T`` = ``num_packs * capacity``."""
         return int(self.input_ids.shape[0])
+
+    @property
+    def has_padding(self) -> bool:
+        """Whether any span holds padding (``cu_seqlens != cu_seqlens_padded``), from Python ints."""
+        return self.num_tokens != self.total_tokens
 
     @property
     def doc_lengths(self) -> torch.Tensor:
@@ -89,9 +120,7 @@ class PackedBatch:
     def seq_idx(self) -> torch.Tensor:
         """int32 ``[T]``: document index of every token (padding belongs to its span's document);
         what Mamba / linear-attention kernels take to reset their state at boundaries."""
-        spans = self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]
-        docs = torch.arange(self.num_docs, dtype=torch.int32, device=self.input_ids.device)
-        return torch.repeat_interleave(docs, spans.to(torch.int64))
+        return span_index(self.cu_seqlens_padded, self.total_tokens)
 
     @property
     def fill(self) -> float:
@@ -99,12 +128,17 @@ class PackedBatch:
         return self.num_tokens / self.total_tokens if self.total_tokens else 0.0
 
     def map_tensors(self, fn: Any) -> PackedBatch:
-        """A copy with ``fn`` applied to every tensor field (including extras)."""
-        changes = {
-            name: fn(getattr(self, name))
-            for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded")
-        }
-        changes["extras"] = {k: fn(v) for k, v in self.extras.items()}
+        """A copy with ``fn`` applied once to every tensor field (including extras); a tensor
+        shared by two fields stays shared."""
+        done: dict[int, torch.Tensor] = {}
+
+        def once(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in done:
+                done[id(t)] = fn(t)
+            return done[id(t)]
+
+        changes: dict[str, Any] = {name: once(getattr(self, name)) for name in _TENSOR_FIELDS}
+        changes["extras"] = {k: once(v) for k, v in self.extras.items()}
         return replace(self, **changes)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
@@ -128,6 +162,10 @@ class PackedBatch:
         return adapters.hf_inputs(self)
 
 
+_TENSOR_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded",
+                  "varlen_cu_seqlens", "varlen_cu_seqlens_bidirectional")
+
+
 def alignment(cp_size: int = 1, tp_size: int = 1, *, sequence_parallel: bool = True,
               multiple: int = 1) -> int:
     """Per-document alignment: ``2*cp*tp`` with context parallelism (the 2 lets causal
@@ -149,33 +187,6 @@ def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
     return int(value)
-
-
-def _spans(docs: list[list[Sample]], capacity: int, align: int) -> list[tuple[int, int, int]]:
-    """``(start, real length, span end)`` of every document in layout order; each span is its
-    length rounded up to ``align``, and a pack's trailing padding joins its last span."""
-    out = []
-    for p, pack in enumerate(docs):
-        if not pack:
-            raise ValueError(f"pack {p} is empty")
-        start = p * capacity
-        for i, doc in enumerate(pack):
-            n = len(doc)
-            if n == 0:
-                raise ValueError(f"document {doc.doc_key!r} in pack {p} has zero length")
-            span = -(-n // align) * align
-            if span > capacity:
-                raise ValueError(f"document {doc.doc_key!r} of length {n} needs {span} tokens "
-                                 f"after {align=}, more than {capacity=}")
-            end = start + span
-            if end > (p + 1) * capacity:
-                raise ValueError(f"pack {p} holds {end - p * capacity} tokens after {align=}, "
-                                 f"more than {capacity=}")
-            if i == len(pack) - 1:
-                end = (p + 1) * capacity
-            out.append((start, n, end))
-            start = end
-    return out
 
 
 def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
@@ -208,26 +219,29 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     labels = np.full(total, ignore_index, dtype=np.int64)
     positions = np.empty(total, dtype=np.int64)
     extras = alloc_extras(docs, extra_names, total)
-    real, padded, keys = [0], [0], []
-    for doc, (start, n, end) in zip((d for pack in docs for d in pack), _spans(docs, capacity, align)):
+    real, padded, keys, target_docs = [0], [0], [], 0
+    for doc, (start, n, end) in zip((d for pack in docs for d in pack), doc_spans(docs, capacity, align)):
         input_ids[start:start + n] = doc.tokens
         labels[start:start + n - 1] = targets(doc, ignore_index)[1:]
+        target_docs += bool((labels[start:start + n - 1] != ignore_index).any())
         positions[start:end] = np.arange(end - start)
         for name in extra_names:
             extras[name][start:start + n] = doc.extras[name]
         real.append(real[-1] + n)
         padded.append(end)
         keys.append(doc.doc_key)
-    cu_padded = np.asarray(padded, dtype=np.int32)
+    cu_real, cu_padded = np.asarray(real, dtype=np.int32), np.asarray(padded, dtype=np.int32)
     return PackedBatch(
         input_ids=torch.from_numpy(input_ids),
         labels=torch.from_numpy(labels),
         position_ids=torch.from_numpy(positions),
-        cu_seqlens=torch.from_numpy(np.asarray(real, dtype=np.int32)),
+        cu_seqlens=torch.from_numpy(cu_real),
         cu_seqlens_padded=torch.from_numpy(cu_padded),
-        max_seqlen=int(np.diff(cu_padded).max()),
+        max_seqlen=longest(cu_padded),
+        **varlen_fields(cu_real, cu_padded, align),
         num_tokens=real[-1],
         num_targets=int(np.count_nonzero(labels != ignore_index)),
+        num_target_docs=target_docs,
         doc_keys=tuple(keys),
         capacity=capacity,
         num_packs=len(docs),
@@ -255,6 +269,11 @@ def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = 
     assert batch.num_tokens == int(cu[-1]), "num_tokens != cu_seqlens[-1]"
     ignore = batch.ignore_index
     assert batch.num_targets == int((batch.labels != ignore).sum()), "num_targets mismatch"
+    for name, causal in (("varlen_cu_seqlens", True), ("varlen_cu_seqlens_bidirectional", False)):
+        got = getattr(batch, name).cpu().numpy()
+        want = varlen_offsets(cup.cpu().numpy(), lengths.cpu().numpy(), batch.align, causal=causal)
+        assert got.dtype == np.int32 and np.array_equal(got, want), f"{name} mismatch"
+        assert getattr(batch, name.replace("cu_seqlens", "max_seqlen")) == longest(got), f"{name} max"
     starts, ends = cup[:-1].long(), (cup[:-1] + lengths).long()
     real = torch.zeros(T, dtype=torch.bool)
     for s, e, ps in zip(starts.tolist(), ends.tolist(), cup[1:].tolist()):
@@ -264,6 +283,8 @@ def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = 
         real[s:e] = True
     assert bool((batch.labels[~real] == ignore).all()), "padding carries a label"
     assert bool((batch.input_ids[~real] == batch.pad_id).all()), "padding is not pad_id"
+    supervised = [bool((batch.labels[s:e] != ignore).any()) for s, e in zip(starts.tolist(), ends.tolist())]
+    assert batch.num_target_docs == sum(supervised), "num_target_docs mismatch"
     pack_of_start = starts // batch.capacity
     pack_of_end = (ends - 1) // batch.capacity
     assert torch.equal(pack_of_start, pack_of_end), "a document crosses a pack boundary"

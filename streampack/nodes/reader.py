@@ -24,7 +24,7 @@ Restoring a state whose ``config`` differs raises ``ValueError`` naming both val
 
 from __future__ import annotations
 
-import http.client
+import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
@@ -36,8 +36,9 @@ from streampack.io.decode import DecodeOptions, Item
 from streampack.io.formats import ShardRange, open_range
 from streampack.io.index import ShardIndex, load_or_build_index
 from streampack.io.limits import Limits
-from streampack.io.retry import OpenOptions
-from streampack.io.urls import ShardList, is_remote
+from streampack.io.retry import IOStats
+from streampack.io.storage import OpenOptions
+from streampack.io.urls import ShardList
 from streampack.nodes.sharding import ShardSpan, assign_shards
 from streampack.sample import Sample
 from streampack.state import (
@@ -66,8 +67,10 @@ class ShardReader(BaseNode[Sample]):
     finite pass reads epochs ``[N, 2N)`` and so reshuffles). ``dp_rank``/``worker_id`` (and their
     sizes) may be None to take them from ``resolve_topology()`` / the DataLoader worker info.
     ``on_error="skip"`` drops bad samples (and corrupt byte ranges, or the rest of an unreadable
-    shard) and counts them in ``errors``. ``vocab_size`` bounds token ids and ``limits`` the
-    bytes one sample may make the reader hold (see :mod:`streampack.io.limits`).
+    shard) and counts them in ``errors``; ``vocab_size`` bounds token ids and ``limits`` the bytes
+    one sample may make the reader hold (:mod:`streampack.io.limits`). ``open_options`` says how shards are fetched (retry budget, timeouts, fsspec
+    ``storage_options``: :class:`~streampack.io.storage.OpenOptions`); reads, retries and faults
+    are counted in ``io_stats``, which may be shared like ``errors``.
     """
 
     def __init__(
@@ -91,9 +94,8 @@ class ShardReader(BaseNode[Sample]):
         allow_pipe: bool = False,
         allow_pickle: bool = False,
         cache_dir: str | None = None,
-        retries: int = 3,
-        retry_backoff: float = 0.5,
-        timeout: float = 30.0,
+        open_options: OpenOptions | None = None,
+        io_stats: IOStats | None = None,
         vocab_size: int | None = None,
         limits: Limits | None = None,
     ) -> None:
@@ -111,7 +113,9 @@ class ShardReader(BaseNode[Sample]):
             auto_id, auto_n = here.id, here.readers
             worker_id, num_workers = (auto_id if worker_id is None else worker_id), (auto_n if num_workers is None else num_workers)
         validate_topology(dp_rank, dp_size, worker_id, num_workers)
-        shards = ShardList.of(urls, allow_pipe=allow_pipe)
+        self._open = dataclasses.replace(open_options or OpenOptions(), allow_pipe=allow_pipe)
+        self.io_stats: IOStats = io_stats if io_stats is not None else IOStats()
+        shards = ShardList.of(urls, allow_pipe=allow_pipe, opts=self._open)
         self.urls: tuple[str, ...] = shards.urls
         self.seed, self.shuffle, self.epochs, self.start_epoch = seed, shuffle, epochs, start_epoch
         self.global_worker = dp_rank * num_workers + worker_id
@@ -122,7 +126,6 @@ class ShardReader(BaseNode[Sample]):
             tokens_key=tokens_key, text_key=text_key, labels_key=labels_key, loss_mask_key=loss_mask_key, allow_pickle=allow_pickle,
             vocab_size=vocab_size, limits=limits if limits is not None else Limits(),
         )
-        self._open = OpenOptions(retries=retries, backoff=retry_backoff, timeout=timeout, allow_pipe=allow_pipe)
         self._cache_dir = cache_dir
         self._config: dict[str, Any] = {
             "sources": shards.digest,
@@ -138,7 +141,6 @@ class ShardReader(BaseNode[Sample]):
         self._spans_cache: tuple[int, list[ShardSpan]] | None = None
         self._streams: list[BinaryIO] = []
         self._items: Iterator[Item] | None = None
-        self._read_failures = 0
         self._starved_shards: set[int] = set()  # shards read empty since the last sample (not state)
         self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
 
@@ -160,7 +162,8 @@ class ShardReader(BaseNode[Sample]):
     def index(self, shard: int | str) -> ShardIndex:
         """The sample index (offsets, keys, token lengths) of a shard, built once and cached."""
         url = self.urls[shard] if isinstance(shard, int) else shard
-        return load_or_build_index(url, decode=self._decode, opts=self._open, cache_dir=self._cache_dir)
+        return load_or_build_index(url, decode=self._decode, opts=self._open, cache_dir=self._cache_dir,
+                                   stats=self.io_stats)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -200,16 +203,11 @@ class ShardReader(BaseNode[Sample]):
             except DataError as e:  # missing / unreachable / corrupt: the rest of the span is lost
                 self._advance(e, next_span=True)
                 continue
-            except (OSError, http.client.HTTPException) as e:  # dropped connection, I/O error
-                self.close()  # reopen at the recorded offset of the next sample
-                self._read_failures += 1
-                if self._read_failures > self._open.retries:
-                    url = self.urls[spans[self._shard_pos].shard]
-                    reason = "unreachable_url" if is_remote(url) else "corrupt_shard"
-                    err = DataError(reason, f"read failed {self._read_failures} times: {e!r}", url=url, value=self._offset)
-                    self._advance(err, next_span=True)
+            except OSError as e:  # a broken `pipe:` (files and stores retry inside io.open)
+                url = self.urls[spans[self._shard_pos].shard]
+                self._advance(DataError("corrupt_shard", f"read failed: {e!r}", url=url, value=self._offset),
+                              next_span=True)
                 continue
-            self._read_failures = 0
             if item is None:
                 self._next_span()
                 continue
@@ -245,7 +243,6 @@ class ShardReader(BaseNode[Sample]):
 
     def _next_span(self) -> None:
         self.close()
-        self._read_failures = 0
         self._shard_pos, self._offset, self._sample = self._shard_pos + 1, -1, 0
         # Roll over eagerly so `epoch` and the state name the epoch of the next sample.
         if (self.epochs is None or self._epoch < self.epochs) and self._shard_pos >= len(self.spans(self._epoch)):
@@ -288,4 +285,4 @@ class ShardReader(BaseNode[Sample]):
         if end is not None and start >= end:
             return iter(())
         return open_range(url, ShardRange(start=start, first=first, end=end), decode=self._decode,
-                          opts=self._open, streams=self._streams)
+                          opts=self._open, streams=self._streams, stats=self.io_stats)

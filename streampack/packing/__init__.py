@@ -1,49 +1,47 @@
 """Packing algorithms: pure functions from item lengths to bins of item indices.
 
-Every algorithm has the signature ``(lengths, capacity, *, seed=0) -> list[np.ndarray]``:
+Every algorithm is called as ``(lengths, capacity, *, seed=0) -> list[np.ndarray]``:
 ``lengths`` is int ``[n]`` (each 1..capacity), the result holds one int64 array per bin with
 the indices of its items in layout order, every index exactly once, no bin over capacity,
-no empty bin, deterministic for a given seed. ``pack`` is the one entry point; ``ALGORITHMS``
-is the registry that config validates names against (``get_algorithm``).
+no empty bin, deterministic for a given seed. ``pack`` is the one entry point and
+``pack_flat`` its flat form (``PackResult``: item order plus bin offsets, for large inputs);
+``ALGORITHMS`` is the registry that config validates names against (``get_algorithm``).
 
-Measured (1 core, lognormal mean 600 clipped to [1, 4096], C = 4096, 1e6 lengths): ``bfd``,
-``ffd``, ``mffd`` and ``histogram`` reach ceil(sum/C)·1.00004 bins in 0.13–0.3 s; ``ffs``
-+0.22%; ``greedy`` / ``shuffle_pack`` +17%. See benchmarks/bench_packing.py.
+Inputs below ``THRESHOLD`` items (every streaming window) run as plain Python/numpy; larger
+ones run the same kernels compiled by numba, imported on first use — identical bins either
+way. Importing this package loads neither numba nor torch.
+
+Measured (1 core, lognormal mean 600 clipped to [1, 4096], C = 4096): see
+benchmarks/PACKING_NOTES.md for every algorithm at 1e4, 1e5 and 1e6.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from streampack.packing._common import validate
+from streampack.packing._engine import THRESHOLD, Backend, Packer
+from streampack.packing.balanced import kk
 from streampack.packing.best_fit import bfd
-from streampack.packing.first_fit import ffd, ffs, mffd
+from streampack.packing.cost import CostModel
+from streampack.packing.first_fit import ffd, ffs
 from streampack.packing.histogram import histogram
-from streampack.packing.karmarkar_karp import karmarkar_karp, kk
-from streampack.packing.metrics import (
-    MetricsAccumulator,
-    PackingMetrics,
-    packing_metrics,
-)
+from streampack.packing.karmarkar_karp import karmarkar_karp
+from streampack.packing.metrics import MetricsAccumulator, PackingMetrics, packing_metrics
+from streampack.packing.mffd import mffd
+from streampack.packing.result import PackResult
 from streampack.packing.sequential import greedy, shuffle_pack
 
 Algorithm = Callable[..., list[np.ndarray]]
 
-ALGORITHMS: dict[str, Algorithm] = {
-    "greedy": greedy,
-    "shuffle_pack": shuffle_pack,
-    "ffd": ffd,
-    "ffs": ffs,
-    "bfd": bfd,
-    "mffd": mffd,
-    "histogram": histogram,
-    "kk": kk,
+ALGORITHMS: dict[str, Packer] = {
+    p.name: p for p in (greedy, shuffle_pack, ffd, ffs, bfd, mffd, histogram, kk)
 }
 
 
-def get_algorithm(name: str) -> Algorithm:
+def get_algorithm(name: str) -> Packer:
     """The packer registered as ``name``; ``ValueError`` listing the valid names otherwise."""
     try:
         return ALGORITHMS[name]
@@ -53,30 +51,42 @@ def get_algorithm(name: str) -> Algorithm:
         ) from None
 
 
-def pack(
-    lengths: np.ndarray, capacity: int, algorithm: str = "bfd", seed: int = 0
-) -> list[np.ndarray]:
-    """Pack items of the given lengths into bins of ``capacity`` tokens.
+def pack_flat(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
+              backend: Backend = "auto") -> PackResult:
+    """Pack items of the given lengths into bins of ``capacity`` tokens, as flat arrays.
 
     Args:
         lengths: integer array ``[n]``, every entry in 1..capacity.
-        capacity: tokens per bin, >= 1.
+        capacity: tokens per bin, 1..2^62.
         algorithm: a name in ``ALGORITHMS``.
         seed: randomness for ``ffs`` / ``shuffle_pack``; ignored by the others.
+        backend: ``"auto"`` (plain Python below ``THRESHOLD`` items, compiled above),
+            ``"python"`` or ``"numba"`` to force one; the bins are the same.
 
     Returns:
-        One int64 array per bin with the indices of its items, in layout order (see each
-        algorithm). ``[]`` when n = 0.
+        ``PackResult`` with ``order`` int64 ``[n]`` and ``offsets`` int64 ``[num_bins + 1]``;
+        ``result.bins()`` gives what ``pack`` returns.
+
+    Example: ``pack_flat([5, 4, 3, 3, 3], 10, "ffd")`` -> ``order=[0, 1, 2, 3, 4]``,
+    ``offsets=[0, 2, 5]``.
+    """
+    return get_algorithm(algorithm).flat(lengths, capacity, seed=seed, backend=backend)
+
+
+def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
+         backend: Backend = "auto") -> list[np.ndarray]:
+    """Pack items of the given lengths into bins of ``capacity`` tokens.
+
+    Arguments as ``pack_flat``. Returns one int64 array per bin with the indices of its
+    items, in layout order (see each algorithm); ``[]`` when n = 0.
 
     Example: ``pack([5, 4, 3, 3, 3], 10, "ffd")`` -> ``[array([0, 1]), array([2, 3, 4])]``.
     """
-    packer = get_algorithm(algorithm)
-    lengths, capacity = validate(lengths, capacity)
-    return packer(lengths, capacity, seed=seed)
+    return pack_flat(lengths, capacity, algorithm, seed, backend=backend).bins()
 
 
 __all__ = [
-    "ALGORITHMS", "Algorithm", "MetricsAccumulator", "PackingMetrics", "bfd", "ffd", "ffs",
-    "get_algorithm", "greedy", "histogram", "karmarkar_karp", "kk", "mffd", "pack",
-    "packing_metrics", "shuffle_pack",
+    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "CostModel", "MetricsAccumulator", "PackResult",
+    "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram",
+    "karmarkar_karp", "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack",
 ]

@@ -3,49 +3,49 @@
 Next fit keeps one open bin and closes it as soon as an item does not fit, so every bin is a
 run of consecutive items in the processing order. O(n), no sort, and the only packer that
 keeps the stream order; the price is +16…+33% bins over FFD (REFERENCE.md).
+
+Each bin is found with one binary search over the prefix sums (the longest run that fits),
+so the Python loop runs once per bin, not per item: measured (1 core, lognormal mean 600,
+C = 4096) 0.1 ms at 1024 items and 0.1–0.18 s at 1e6 with no compiled kernel, which is why
+these packers never compile (``backend`` makes no difference).
 """
 
 from __future__ import annotations
 
-import numba
+from bisect import bisect_right
+
 import numpy as np
 
-from streampack.packing._common import shuffled_order, split_runs, validate
+from streampack.packing._common import from_starts, shuffled_order
+from streampack.packing._engine import Engine, Packer
+from streampack.packing.result import PackResult
 
 
-@numba.njit(cache=True)
-def _next_fit_starts(lengths: np.ndarray, seq: np.ndarray, capacity: int) -> np.ndarray:
-    starts = np.empty(seq.size, dtype=np.int64)
-    num_bins = 0
-    room = 0
-    for j in range(seq.size):
-        x = lengths[seq[j]]
-        if x > room:
-            starts[num_bins] = j
-            num_bins += 1
-            room = capacity
-        room -= x
-    return starts[:num_bins]
+def _next_fit(lengths: np.ndarray, capacity: int, seq: np.ndarray) -> PackResult:
+    prefix = np.zeros(seq.size + 1, dtype=np.int64)
+    np.cumsum(lengths[seq], out=prefix[1:])
+    sums = prefix.tolist()
+    starts = []
+    start = 0
+    while start < seq.size:  # every item fits an empty bin, so each run is non-empty
+        starts.append(start)
+        start = bisect_right(sums, sums[start] + capacity) - 1
+    return from_starts(seq, np.asarray(starts, dtype=np.int64))
 
 
-def greedy(lengths: np.ndarray, capacity: int, *, seed: int = 0) -> list[np.ndarray]:
-    """Order-preserving next fit, O(n): concatenate items in index order, starting a new bin
-    when the next item does not fit (NeMo AutoModel's ``pack_dataset``, NeMo-RL's
-    concatenative packer, without splitting items).
-
-    Layout: bins in stream order, items in index order. ``seed`` is unused.
-    """
-    lengths, capacity = validate(lengths, capacity)
-    seq = np.arange(lengths.size, dtype=np.int64)
-    return split_runs(seq, _next_fit_starts(lengths, seq, capacity))
+def _greedy(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
+    """Order-preserving next fit, O(n): concatenate items in index order, starting a new
+    bin when the next item does not fit (NeMo AutoModel's ``pack_dataset``, NeMo-RL's
+    concatenative packer, without splitting items). Layout: bins in stream order, items in
+    index order. ``seed`` is unused."""
+    return _next_fit(lengths, capacity, np.arange(lengths.size, dtype=np.int64))
 
 
-def shuffle_pack(lengths: np.ndarray, capacity: int, *, seed: int = 0) -> list[np.ndarray]:
-    """NeVA's ``shuffle_and_pack``, O(n): a seeded random permutation
-    (``default_rng(seed)``), then next fit over it.
+def _shuffle_pack(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
+    """NeVA's ``shuffle_and_pack``, O(n): a seeded random permutation (``default_rng(seed)``),
+    then next fit over it. Layout: bins in creation order, items in shuffled order."""
+    return _next_fit(lengths, capacity, shuffled_order(lengths.size, seed))
 
-    Layout: bins in creation order, items in shuffled order.
-    """
-    lengths, capacity = validate(lengths, capacity)
-    seq = shuffled_order(lengths.size, seed)
-    return split_runs(seq, _next_fit_starts(lengths, seq, capacity))
+
+greedy = Packer(name="greedy", impl=_greedy, compiles=False)
+shuffle_pack = Packer(name="shuffle_pack", impl=_shuffle_pack, compiles=False)

@@ -2,23 +2,23 @@
 
 Two planners, one record (:class:`MicroBatchPlan`: rank -> micro-batch -> sequence indices):
 
-* :func:`plan_dynamic_batches` (padded ``[b, L]`` micro-batches, any attention kernel):
-  sort by length inside chunks, deal to DP ranks, cut each rank's sorted run greedily into
-  micro-batches. Two conventions, chosen by ``round_before_budget``:
+* :func:`plan_dynamic_batches` (padded ``[b, L]`` micro-batches, any attention kernel): sort by
+  length inside chunks, deal to DP ranks, cut into micro-batches whose padded size
+  ``count x L`` never exceeds the budget (``L`` = the longest length rounded up to
+  ``sequence_length_round``). Two conventions, both hard caps:
 
-  - ``True`` (default, streampack): ``count * round_up(max_len) <= budget`` -- a hard cap on
-    what memory sees. Longest first, so the peak-memory micro-batch runs first (an OOM shows
-    at micro-batch 0, and the caching allocator reserves its largest blocks first). Ranks are
-    dealt one round of ``dp_size`` sorted sequences at a time, largest to the lightest rank.
-    This reproduces NeMo-RL's diagram (seed 000, MBS = 16 tokens: ``[2, 3]`` padded to 7,
-    then ``[1, 5, 4, 0]`` padded to 4) exactly, order included.
-  - ``False`` (ROLL's convention, as a whole): shortest first, plain stride ``sorted[r::dp]``,
-    the budget bounds a micro-batch's *real* tokens and rounding comes after, so the padded
-    size may exceed it. Micro-batch ``j`` has one padded length on every rank (ROLL keeps one
-    ``micro_batch_lengths`` list for all shards) and a split keeps its parent's length
-    (ROLL's ``_split_ranges_to_vpp_multiple``). This reproduces ROLL's worked example (seed
-    003) exactly: ``[1,5] [6] [8]`` / ``[3,6] [7] [8]`` padded ``6, 8, 8`` = 56 tokens.
-    "count x longest real length" does not: ``[3, 6]`` (2 x 6 = 12 > 10) would be cut.
+  - ``"balanced"`` (default, :mod:`streampack.rl._dynamic`): longest first, ranks dealt
+    largest-to-lightest, each rank cut on its own; reproduces NeMo-RL's diagram exactly.
+  - ``"roll"`` (:mod:`streampack.rl._roll`): ROLL's ``dynamic_batching_shard`` as its code
+    does it -- shortest first, stride deal ``sorted[r::dp]``, one list of micro-batch
+    boundaries and padded lengths shared by every rank, ROLL's split rule for pipeline
+    parallelism. Its unit tests (``[2, 4, 7, 6, 3, 4]``, dp 2, budget 20, round 2 ->
+    ``[[0, 2], [2, 3]]`` with lengths ``[4, 8]``, ...) come out exactly.
+
+  An earlier ``round_before_budget=False`` mode was documented as "ROLL's convention" but
+  bounded real tokens and rounded afterwards (the worked example in ROLL's documentation, not
+  its code): on ROLL's unit-test input it built micro-batches of 24 padded tokens over a budget
+  of 20, and on 200 random rollouts it exceeded the budget in 156, by up to 2.44x. It is gone.
 
 * :func:`plan_packed_microbatches` (one THD pack per micro-batch): Karmarkar-Karp from the
   batch to DP ranks, then from each rank to ``M`` micro-batches (ROLL sequence packing §2.4).
@@ -37,9 +37,8 @@ dp 8, budget 16384, round/align 128; 3.01M real tokens):
     packed + FFD            24      3,079,168     2.1%          1.002  (smallest mb 0.51 of
                                                                         budget; KK 0.97)
 
-Dealing to ranks largest-to-lightest (above) rather than ROLL's stride: stride gives rank
-``dp-1`` the longest of every round; on the benchmark that is balance 1.018 vs 1.0001.
-ROLL's convention there: 27 micro-batches, 3,403,392 padded tokens, some over the budget.
+Dealing to ranks largest-to-lightest rather than ROLL's stride: stride gives rank ``dp-1`` the
+longest of every round; on the benchmark that is balance 1.018 vs 1.0001.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from streampack.rl import _partition
+from streampack.rl import _dynamic, _partition, _roll
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -170,23 +169,27 @@ def _finish(kind: str, lens: np.ndarray, mbs: list[list[np.ndarray]],
         padded_lengths=tuple(tuple(int(v) for v in rank) for rank in padded))
 
 
+CONVENTIONS = ("balanced", "roll")
+
+
 def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbatch: int,
                          sequence_length_round: int, pp_size: int = 1,
-                         chunk_size: int | None = None, round_before_budget: bool = True,
+                         chunk_size: int | None = None, convention: str = "balanced",
                          allow_overlong: bool = False) -> MicroBatchPlan:
     """Plan padded micro-batches of similar-length sequences for ``dp_size`` ranks.
 
     Args:
         seq_lens: int ``[n]`` real length of each sequence (e.g. ``attention_mask.sum(-1)``).
         dp_size: data-parallel ranks.
-        max_tokens_per_microbatch: budget; with ``round_before_budget`` a hard cap on
-            ``count * L`` where ``L`` = longest length rounded up to ``sequence_length_round``.
+        max_tokens_per_microbatch: budget, a hard cap on ``count * L`` where ``L`` = the
+            micro-batch's longest length rounded up to ``sequence_length_round``.
         sequence_length_round: every micro-batch's ``L`` is a multiple of it (TP*CP, 64, 128).
         pp_size: micro-batches per rank (per chunk) are made a multiple of it by splitting the
             largest multi-sequence micro-batches (ROLL's VPP rule).
         chunk_size: sort inside consecutive chunks of this many sequences only, so the
             training order of chunks is kept; micro-batches never cross a chunk.
-        round_before_budget: ``False`` selects ROLL's convention (module docstring).
+        convention: ``"balanced"`` (streampack) or ``"roll"`` (ROLL's code; needs every chunk
+            to divide by ``dp_size``); module docstring.
         allow_overlong: a sequence whose rounded length exceeds the budget gets a micro-batch
             of its own (over budget) instead of a ``ValueError``.
     """
@@ -194,7 +197,9 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
                        sequence_length_round=sequence_length_round, pp_size=pp_size)
     if chunk_size is not None:
         _check_args([1], chunk_size=chunk_size)
-    budget, roll = int(max_tokens_per_microbatch), not round_before_budget
+    if convention not in CONVENTIONS:
+        raise ValueError(f"{convention=} must be one of {CONVENTIONS}")
+    budget = int(max_tokens_per_microbatch)
     rounded = _round_up(lens, sequence_length_round)
     overlong = rounded > budget
     if not allow_overlong:
@@ -209,76 +214,21 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
             raise ValueError(f"the chunk of sequences {idx[0]}..{idx[-1]} has {idx.size} sequences, "
                              f"fewer than {dp_size=}: they cannot fill {dp_size} non-empty "
                              f"micro-batches (use a chunk_size that leaves >= dp_size per chunk)")
-        shards = _deal(idx, lens, load, roll)
-        groups = [_group(shard, lens, rounded, overlong, budget, roll) for shard in shards]
-        target = _round_up(max(len(g) for g in groups), pp_size)
-        for r, g in enumerate(groups):
-            _split_to(g, target, rounded, keep_length=roll,
-                      where=f"rank {r}, sequences {idx[0]}..{idx[-1]} ({dp_size=}, {pp_size=})")
-        if roll:  # one padded length per micro-batch slot, shared by all ranks (as ROLL)
-            shared = [max(g[j][1] for g in groups) for j in range(target)]
-            groups = [[(ix, shared[j]) for j, (ix, _) in enumerate(g)] for g in groups]
+        where = f"sequences {idx[0]}..{idx[-1]} ({dp_size=}, {pp_size=})"
+        if convention == "roll":
+            rank_mbs, shared = _roll.roll_rows(idx, lens, rounded, overlong, dp_size, budget,
+                                               pp_size, where)
+            groups = [list(zip(r, shared)) for r in rank_mbs]
+        else:
+            groups = [_dynamic.group(s, rounded, overlong, budget)
+                      for s in _dynamic.deal(idx, lens, load)]
+            target = _round_up(max(len(g) for g in groups), pp_size)
+            for r, g in enumerate(groups):
+                _dynamic.split_to(g, target, rounded, where=f"rank {r}, {where}")
         for r, g in enumerate(groups):
             mbs[r] += [ix for ix, _ in g]
             padded[r] += [length for _, length in g]
     return _finish("dynamic", lens, mbs, padded, budget, sequence_length_round)
-
-
-def _deal(idx: np.ndarray, lens: np.ndarray, load: np.ndarray, roll: bool) -> list[np.ndarray]:
-    """Sorted sequences of one chunk -> one sorted run per rank, token-balanced."""
-    dp = load.size
-    if roll:
-        order = idx[np.argsort(lens[idx], kind="stable")]
-        return [order[r::dp] for r in range(dp)]
-    order = idx[np.argsort(-lens[idx], kind="stable")]
-    shards: list[list[int]] = [[] for _ in range(dp)]
-    # One round of dp sequences at a time, largest to the lightest rank: counts stay within
-    # one of each other (similar micro-batch counts) and tokens balance better than a stride.
-    for s in range(0, order.size, dp):
-        batch = order[s:s + dp]
-        for i, r in zip(batch, np.argsort(load, kind="stable")[:batch.size]):
-            shards[r].append(int(i))
-            load[r] += lens[i]
-    return [np.asarray(s, dtype=np.int64) for s in shards]
-
-
-def _group(shard: np.ndarray, lens: np.ndarray, rounded: np.ndarray, overlong: np.ndarray,
-           budget: int, roll: bool) -> list[tuple[np.ndarray, int]]:
-    """Greedy maximal runs of a sorted shard (optimal in count, since any sub-run of a run
-    that fits also fits); each run with its padded length."""
-    groups: list[tuple[np.ndarray, int]] = []
-    cur: list[int] = []
-    real = width = 0
-    for i in shard.tolist():
-        if cur and not overlong[i] and not overlong[cur[0]]:
-            new_width = max(width, int(rounded[i]))
-            fits = (real + lens[i] <= budget) if roll else ((len(cur) + 1) * new_width <= budget)
-            if fits:
-                cur.append(i)
-                real, width = real + int(lens[i]), new_width
-                continue
-        if cur:
-            groups.append((np.asarray(cur, dtype=np.int64), width))
-        cur, real, width = [i], int(lens[i]), int(rounded[i])
-    if cur:
-        groups.append((np.asarray(cur, dtype=np.int64), width))
-    return groups
-
-
-def _split_to(groups: list[tuple[np.ndarray, int]], target: int, rounded: np.ndarray, *,
-              keep_length: bool, where: str) -> None:
-    """Split the largest multi-sequence micro-batch in two until there are ``target``."""
-    while len(groups) < target:
-        multi = [j for j, (ix, _) in enumerate(groups) if ix.size > 1]
-        if not multi:
-            have = sum(ix.size for ix, _ in groups)
-            raise ValueError(f"{where}: {have} sequences cannot fill {target} non-empty "
-                             f"micro-batches (every rank needs the same count); give each rank "
-                             f"more sequences, a larger chunk_size or a smaller pp_size")
-        j = max(multi, key=lambda j: (groups[j][0].size * groups[j][1], groups[j][0].size, -j))
-        ix, length = groups[j]
-        halves = (ix[:ix.size // 2], ix[ix.size // 2:])
-        groups[j:j + 1] = [(h, length if keep_length else int(rounded[h].max())) for h in halves]
 
 
 def plan_packed_microbatches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbatch: int,

@@ -1,0 +1,145 @@
+"""Lightning ``Trainer`` on a :class:`~streampack.dataset.PackedDataset`.
+
+``trainer.fit(model, datamodule=PackedDataModule(ds, num_workers=2), ckpt_path=...)``: the
+``training_step`` receives a :class:`~streampack.layout.batch.PackedBatch` on the model's
+device. What the module does, each for a measured failure:
+
+* **Device transfer and precision plugins.** Lightning moves batches with
+  ``move_data_to_device`` (any object with ``.to``) and converts them with
+  ``apply_to_collection``, which its "bf16-true" / "16-true" precisions and FSDP / DeepSpeed run
+  on every batch and which refused the frozen PackedBatch ("A frozen dataclass was passed").
+  PackedBatch and the adapter records are plain dataclasses now, so this needs no code here.
+* **The data position of the batches trained.** Lightning fetches one batch ahead of the one it
+  trains (to know the last batch of an unsized loader), so a stateful loader's own
+  ``state_dict()`` at a checkpoint is one batch ahead: a resume would skip that batch. The
+  module's loader remembers the loader state after each batch it yields, counts the batches
+  Lightning actually hands to ``training_step`` (``on_before_batch_transfer``), and its
+  ``state_dict()`` -- saved in every Lightning checkpoint -- is the state at the last trained
+  batch. With several ranks every rank's state is gathered into the checkpoint (Lightning
+  writes it from rank 0) and each rank loads its own on resume.
+* **Stream metrics.** Every ``log_every_n_steps`` the summed per-worker stats go to the
+  trainer's loggers (``streampack/tokens``, ``streampack/fill``, ...; over all ranks).
+
+If your LightningModule overrides ``on_before_batch_transfer`` it is still called (from the
+module's own hook; Lightning warns that both define it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from streampack.integrations.metrics import StreamMetrics
+from streampack.state import load_loader_state
+
+STATES_KEY = "loader_states"
+
+
+class TrainedLoader:
+    """Iterates a ``StatefulDataLoader``, keeping its state after each yielded batch until the
+    batch is trained, so :meth:`trained_state` is the position of the batches trained.
+
+    Not a DataLoader and without ``state_dict``: Lightning neither re-creates it (it would lose
+    a loaded state) nor saves its own, one-batch-ahead, state for it.
+    """
+
+    def __init__(self, loader: StatefulDataLoader) -> None:
+        self.loader = loader
+        self._states: dict[int, dict[str, Any]] = {}
+        self._trained = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self._states, self._trained = {}, 0
+        for yielded, batch in enumerate(self.loader, 1):
+            self._states[yielded] = self.loader.state_dict()
+            yield batch
+
+    def mark_trained(self) -> None:
+        self._trained += 1
+        for k in [k for k in self._states if k < self._trained]:
+            del self._states[k]
+
+    def trained_state(self) -> dict[str, Any]:
+        return self._states.get(self._trained) or self.loader.state_dict()
+
+
+class PackedDataModule(L.LightningDataModule):
+    """Training data from a PackedDataset (module docstring).
+
+    ``num_workers``, ``pin_memory`` (default: when CUDA is available), ``persistent_workers``
+    and ``prefetch_factor`` go to the ``StatefulDataLoader``; ``log_metrics=False`` keeps the
+    stream metrics out of the loggers (they are always in ``dm.stream_metrics``).
+    """
+
+    def __init__(self, train_dataset: Any, *, num_workers: int = 0, pin_memory: bool | None = None,
+                 persistent_workers: bool = False, prefetch_factor: int | None = None,
+                 log_metrics: bool = True) -> None:
+        super().__init__()
+        self.train_dataset = train_dataset
+        self.loader_kwargs = {
+            "num_workers": num_workers,
+            "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
+            "persistent_workers": persistent_workers if num_workers else False,
+            "prefetch_factor": prefetch_factor if num_workers else None,
+        }
+        self.log_metrics = log_metrics
+        self.stream_metrics = StreamMetrics()
+        self._loader: TrainedLoader | None = None
+        self._pending: dict[str, Any] | None = None
+        self._logged_step = -1
+
+    def train_dataloader(self) -> TrainedLoader:
+        loader = StatefulDataLoader(self.train_dataset, batch_size=None, **self.loader_kwargs)
+        if self._pending is not None:
+            load_loader_state(loader, self._pending)
+            self._pending = None
+        self._loader = TrainedLoader(loader)
+        return self._loader
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = self.trainer
+        if trainer is not None and trainer.training and self._loader is not None:
+            self._loader.mark_trained()
+            self.stream_metrics.update(batch)
+            self._maybe_log(trainer)
+        module = trainer.lightning_module if trainer is not None else None
+        if module is not None and is_overridden("on_before_batch_transfer", module):
+            batch = module.on_before_batch_transfer(batch, dataloader_idx)
+        return batch
+
+    def _maybe_log(self, trainer: Any) -> None:
+        step = trainer.global_step
+        if not self.log_metrics or step == self._logged_step or step % trainer.log_every_n_steps:
+            return
+        self._logged_step = step
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        scalars = self.stream_metrics.scalars(group=True if distributed else None)
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._loader is None:
+            return {}
+        state = self._loader.trained_state()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            states: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(states, state)  # Lightning saves from rank 0
+            return {STATES_KEY: states}
+        return {STATES_KEY: [state]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        states = state_dict[STATES_KEY]
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank, world = ((torch.distributed.get_rank(), torch.distributed.get_world_size())
+                       if distributed else (0, 1))
+        if len(states) != world:
+            raise ValueError(f"the checkpoint holds loader states of {len(states)} ranks, this run "
+                             f"has {world}: the packed stream depends on the rank count")
+        self._pending = states[rank]

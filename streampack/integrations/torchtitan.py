@@ -1,0 +1,112 @@
+"""torchtitan's data convention for packed batches, with document boundaries that are not
+guessed from EOS tokens.
+
+torchtitan's training loop reads ``(input_dict, labels)`` from a ``BaseDataLoader``:
+``input_dict["input"]`` is ``[B, S]`` token ids, every other key is passed to the model's
+``forward`` (``positions`` indexes the RoPE cache), ``labels`` are already shifted with ``-100``
+ignored, and the loss is ``cross_entropy(..., reduction="sum") / global_valid_tokens``. For
+``attn_type="varlen"`` / ``"flex"`` its Llama models build the document masks from EOS
+positions (``create_varlen_metadata_for_document``, with a ``.item()`` host sync per forward).
+That is only right when every document ends with exactly one EOS and nothing sits between
+documents: a split overlong sample (its chunks carry no EOS) merges with the next document,
+and alignment padding (CP/TP) is counted into the next document's span, so real tokens attend
+to padding (``tests/test_integration_torchtitan.py`` shows both with torchtitan's own
+function).
+
+Here every batch becomes ``({"input", "positions", + the spans}, labels)`` (:func:`titan_collate`)
+and :func:`post_dataloading_process` -- torchtitan's hook of that name, assign it on a Trainer
+subclass -- turns the carried spans into the ``attention_masks`` torchtitan's attention takes,
+without a host sync. :func:`titan_dataloader` is torchtitan's own ``ParallelAwareDataloader``
+(its checkpoint format) over a PackedDataset.
+
+``import torchtitan`` needs ``triton`` (torchtitan 0.2.2 imports its MoE kernels at package
+import): on a CPU-only machine ``pip install triton`` makes it importable; its ``varlen``
+attention still needs CUDA and its ``flex`` attention has no backward on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from streampack.layout.adapters import HF_IGNORE_INDEX
+from streampack.layout.batch import PackedBatch
+
+SPANS_KEY = "streampack_varlen_cu_seqlens"
+"""``input_dict`` key of the spans (int32 ``[m+1]``; a tensor, so torchtitan moves it)."""
+MAX_KEY = "streampack_varlen_max_seqlen"
+"""``input_dict`` key of the longest span (a Python int)."""
+LAYOUT_KEY = "streampack_layout"
+"""``input_dict`` key of ``(cu_seqlens, cu_seqlens_padded)`` for flex block masks."""
+
+
+def titan_collate(batch: PackedBatch) -> tuple[dict[str, Any], torch.Tensor]:
+    """``(input_dict, labels)`` in torchtitan's convention: ``[1, T]`` ``input``, per-document
+    ``positions`` and ``labels`` (shifted, ``-100`` ignored), plus the spans for
+    :func:`post_dataloading_process`."""
+    labels = batch.labels
+    if batch.ignore_index != HF_IGNORE_INDEX:
+        labels = torch.where(labels == batch.ignore_index, HF_IGNORE_INDEX, labels)
+    inputs = {
+        "input": batch.input_ids.unsqueeze(0),
+        "positions": batch.position_ids.unsqueeze(0),
+        SPANS_KEY: batch.varlen_cu_seqlens,
+        MAX_KEY: batch.varlen_max_seqlen,
+        LAYOUT_KEY: torch.stack([batch.cu_seqlens, batch.cu_seqlens_padded]),
+    }
+    return inputs, labels.unsqueeze(0)
+
+
+def varlen_metadata(cu_seqlens: torch.Tensor, max_seqlen: int) -> Any:
+    """torchtitan's ``VarlenMetadata`` for the spans (what ``attn_type="varlen"`` takes)."""
+    from torchtitan.models.attention import VarlenMetadata
+
+    return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=max_seqlen, max_k=max_seqlen)
+
+
+def post_dataloading_process(trainer: Any, input_dict: dict[str, Any], labels: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]]:
+    """torchtitan's ``Trainer.post_dataloading_process`` for :func:`titan_collate` batches::
+
+        class Trainer(torchtitan.train.Trainer):
+            post_dataloading_process = streampack.integrations.torchtitan.post_dataloading_process
+
+    Returns ``(inputs, labels, extra_inputs, extra_kwargs)`` like torchtitan's: ``positions``
+    in ``extra_inputs``, the document masks in ``extra_kwargs["attention_masks"]``.
+    """
+    input_dict = dict(input_dict)
+    cu, max_len, layout = input_dict.pop(SPANS_KEY), input_dict.pop(MAX_KEY), input_dict.pop(LAYOUT_KEY)
+    inputs = input_dict.pop("input")
+    attn_type = getattr(trainer.model_args, "attn_type", "sdpa")
+    parallel = getattr(trainer, "parallel_dims", None)
+    if parallel is not None and getattr(parallel, "cp_enabled", False):
+        raise NotImplementedError("context parallelism: shard with streampack.attention.cp_rank_inputs "
+                                  "instead of torchtitan's prepare_context_parallel_input")
+    if attn_type == "varlen":
+        masks = varlen_metadata(cu.to(inputs.device, torch.int32), max_len)
+    elif attn_type == "flex":
+        masks = flex_block_mask(layout.to(inputs.device))
+    else:
+        raise ValueError(f"attn_type={attn_type!r} attends across the whole packed sequence; "
+                         f"use 'varlen' (CUDA) or 'flex' so documents do not see each other")
+    return inputs, labels, input_dict, {"attention_masks": masks}
+
+
+def flex_block_mask(layout: torch.Tensor) -> Any:
+    """A FlexAttention ``BlockMask`` (batch dimension 1) from ``stack([cu_seqlens,
+    cu_seqlens_padded])`` as :func:`titan_collate` carries it."""
+    from types import SimpleNamespace
+
+    from streampack.attention.reference import flex_block_mask as block_mask
+
+    return block_mask(SimpleNamespace(cu_seqlens=layout[0], cu_seqlens_padded=layout[1]))
+
+
+def titan_dataloader(dataset: Any, *, dp_rank: int, dp_world_size: int, **kwargs: Any) -> Any:
+    """torchtitan's ``ParallelAwareDataloader`` (a ``StatefulDataLoader`` whose state is keyed by
+    DP rank, as torchtitan checkpoints it) yielding :func:`titan_collate` batches."""
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                                   batch_size=None, collate_fn=titan_collate, **kwargs)

@@ -1,0 +1,158 @@
+"""Compressed jsonl: ``.gz`` (gzip) and ``.zst`` (zstandard), streamed, never random-access.
+
+Neither format can seek, so a jsonl position is an offset in *uncompressed* bytes and resuming
+at it decompresses and drops everything before it (O(offset): zlib inflates roughly 0.3-1 GB/s
+on one core, zstd 1-2 GB/s). Use plain jsonl, tar or parquet when mid-shard resume must be O(1).
+
+A stream that ends inside a frame is damage, not an end: gzip raises ``EOFError``; zstandard's
+reader silently returns the partial data (measured: half a 1.3 MB frame read back as 524 kB and
+a clean end), so :class:`ZstdReader` follows the frame layout itself (frame and block headers
+only: a few operations per 128 KiB block) and raises :class:`CorruptStream` when the input
+stops anywhere but between two frames. Multi-frame files (``pzstd``, concatenations) and
+skippable frames are read across.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import zlib
+from typing import Any, BinaryIO
+
+
+class CorruptStream(Exception):
+    """Undecodable or truncated compressed data (raised by :class:`ZstdReader`)."""
+
+
+DECOMPRESS_ERRORS: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error, CorruptStream)
+"""What a damaged ``.gz`` / ``.zst`` raises while decompressing (``zlib.error`` for bad deflate
+data, which is neither an ``OSError`` nor an ``EOFError``). Other ``OSError`` s are I/O failures
+that the stream below already retried; they propagate."""
+
+COMPRESSED_SUFFIXES = (".gz", ".zst")
+
+
+def compression_of(url: str) -> str | None:
+    """``"gz"``, ``"zst"`` or None, from the URL's suffix (query string ignored)."""
+    path = url.split("?", 1)[0]
+    return next((s[1:] for s in COMPRESSED_SUFFIXES if path.endswith(s)), None)
+
+
+def text_stream(raw: BinaryIO, url: str) -> BinaryIO:
+    """The uncompressed byte stream of a jsonl shard opened at byte 0."""
+    kind = compression_of(url)
+    if kind == "gz":
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+    if kind == "zst":
+        return io.BufferedReader(ZstdReader(raw), buffer_size=1 << 16)  # type: ignore[return-value]
+    return raw
+
+
+class _FrameTracker:
+    """Follows zstd frame / block headers in the compressed bytes to know whether the input
+    ended between frames (RFC 8878 section 3.1)."""
+
+    MAGIC, SKIPPABLE = 0xFD2FB528, 0x184D2A50
+
+    def __init__(self) -> None:
+        self._pending = bytearray()  # header bytes being collected
+        self._need, self._skip, self._state = 4, 0, "magic"
+        self._checksum = False
+
+    @property
+    def between_frames(self) -> bool:
+        return self._state == "magic" and not self._pending and not self._skip
+
+    def feed(self, data: bytes) -> None:
+        view, i = memoryview(data), 0
+        while i < len(view):
+            if self._skip:
+                step = min(self._skip, len(view) - i)
+                self._skip -= step
+                i += step
+                continue
+            take = min(self._need - len(self._pending), len(view) - i)
+            self._pending += view[i:i + take]
+            i += take
+            if len(self._pending) == self._need:
+                header, self._pending = bytes(self._pending), bytearray()
+                self._advance(header)
+
+    def _advance(self, h: bytes) -> None:
+        if self._state == "magic":
+            magic = int.from_bytes(h, "little")
+            if magic == self.MAGIC:
+                self._state, self._need = "descriptor", 1
+            elif magic & 0xFFFFFFF0 == self.SKIPPABLE:
+                self._state, self._need = "skippable", 4
+            else:
+                raise CorruptStream(f"not a zstd frame (magic {magic:#x})")
+        elif self._state == "skippable":
+            self._state, self._need, self._skip = "magic", 4, int.from_bytes(h, "little")
+        elif self._state == "descriptor":
+            fhd = h[0]
+            single, did, fcs = (fhd >> 5) & 1, fhd & 3, fhd >> 6
+            self._checksum = bool((fhd >> 2) & 1)
+            rest = (0 if single else 1) + (0, 1, 2, 4)[did] + ((1 if single else 0), 2, 4, 8)[fcs]
+            self._state, self._need, self._skip = "block", 3, rest
+        elif self._state == "block":
+            header = int.from_bytes(h, "little")
+            last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+            if kind == 3:
+                raise CorruptStream("reserved zstd block type")
+            self._skip = 1 if kind == 1 else size
+            if last:
+                self._state, self._need = "magic", 4
+                self._skip += 4 if self._checksum else 0
+
+
+class _Tracked(io.RawIOBase):
+    """The compressed input, seen by the frame tracker on its way to the decompressor."""
+
+    def __init__(self, raw: BinaryIO, tracker: _FrameTracker) -> None:
+        super().__init__()
+        self._raw, self._tracker = raw, tracker
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self._raw.read(len(b))
+        if data:
+            self._tracker.feed(data)
+            memoryview(b).cast("B")[:len(data)] = data
+        return len(data)
+
+
+class ZstdReader(io.RawIOBase):
+    """Decompressed bytes of a zstd stream, across frames; truncation raises CorruptStream."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        import zstandard
+
+        super().__init__()
+        self._tracker = _FrameTracker()
+        self._reader = zstandard.ZstdDecompressor().stream_reader(_Tracked(raw, self._tracker),
+                                                                  read_across_frames=True, closefd=False)
+        self._zstd_error = zstandard.ZstdError
+        self._raw = raw
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        try:
+            n = self._reader.readinto(b)
+        except self._zstd_error as e:
+            raise CorruptStream(str(e)) from None
+        if n == 0 and not self._tracker.between_frames:
+            raise CorruptStream("zstd stream ended inside a frame (truncated)")
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._reader.close()
+        super().close()
+
+
+__all__ = ["COMPRESSED_SUFFIXES", "DECOMPRESS_ERRORS", "CorruptStream", "ZstdReader", "compression_of", "text_stream"]

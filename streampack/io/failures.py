@@ -1,0 +1,110 @@
+"""Read failures sorted into "retry" and "give up", whatever the store raised them as.
+
+Each fsspec back-end reports failures its own way (aiohttp's ``ClientResponseError.status``,
+botocore's ``ClientError`` behind s3fs's ``OSError``, huggingface_hub's ``HfHubHTTPError``,
+fsspec's http ``info`` turning *every* failure into ``FileNotFoundError``); :func:`classify`
+looks through the cause chain for an HTTP status first, then at the exception types:
+
+- give up at once (``DataError``): 404 / 410 and missing files (``missing_shard``); 401 / 403,
+  missing credentials, other 4xx, a refused cross-host redirect (``unreachable_url``, or
+  ``corrupt_shard`` for an unreadable local file);
+- retry (:class:`~streampack.io.retry.Transient`, by kind): 408 / 425 / 429 / 5xx and S3
+  throttling (``HTTP <status>``), timeouts (``timeout``), a body that ended early
+  (``short_body``), connection and other OS errors (``connection``; ``io_error`` locally);
+- anything else is not an I/O failure (a bug): it propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Mapping
+
+from streampack.errors import DataError
+from streampack.io.retry import Transient
+
+
+class RedirectRefused(Exception):
+    """An http(s) redirect to another host while ``allow_redirects=False``."""
+
+
+def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseException:
+    """A read failure as :class:`Transient` (retry), ``DataError`` (give up at once), or
+    ``exc`` itself (not an I/O failure: a bug, let it propagate)."""
+    gone, denied = "missing_shard", "corrupt_shard" if local else "unreachable_url"
+    if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
+        # fsspec's http `info` turns *every* failure into FileNotFoundError: judge its cause
+        cause = classify(exc.__cause__, url, local=local)
+        if cause is not exc.__cause__:
+            return cause
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return DataError(gone, f"no such {'file' if local else 'object'}", url=url, value=url)
+    if isinstance(exc, RedirectRefused):
+        return DataError("unreachable_url", str(exc), url=url, value=url)
+    status, code = _status(exc)
+    if status is not None:
+        if status in (404, 410) or code in ("NoSuchKey", "NoSuchBucket"):
+            return DataError(gone, f"HTTP {status}", url=url, value=url)
+        if status in (408, 425, 429) or status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout"):
+            return Transient(f"HTTP {status}", exc)
+        if status >= 400:
+            return DataError(denied, f"HTTP {status} {code or ''}".strip(), url=url, value=url)
+    name = type(exc).__name__
+    if isinstance(exc, PermissionError) or name in ("NoCredentialsError", "PartialCredentialsError"):
+        return DataError(denied, f"access denied: {exc}", url=url, value=url)
+    if _is_timeout(exc):
+        return Transient("timeout", exc)
+    if name in ("ClientPayloadError", "IncompleteRead", "ContentLengthError", "TransferEncodingError"):
+        return Transient("short_body", exc)
+    if isinstance(exc, (ConnectionError, OSError)) or _is_client_error(exc):
+        return Transient("connection" if not local else "io_error", exc)
+    return exc
+
+
+def _status(exc: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status (and S3 error code) anywhere in ``exc``'s cause chain."""
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            break
+        status = getattr(seen, "status", None)
+        if isinstance(status, int) and 100 <= status < 600:
+            return status, None
+        response = getattr(seen, "response", None)
+        if isinstance(response, Mapping):  # botocore ClientError
+            code = str(response.get("Error", {}).get("Code", "")) or None
+            meta = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if meta or code:
+                return (meta or 500), code
+        status = getattr(response, "status_code", None)  # requests / httpx (huggingface_hub)
+        if isinstance(status, int):
+            return status, None
+        seen = seen.__cause__ or seen.__context__
+    return None, None
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return True
+    names = {type(e).__name__ for e in _chain(exc)}
+    return bool(names & {"FSTimeoutError", "ServerTimeoutError", "ReadTimeoutError", "ConnectTimeoutError",
+                         "ConnectionTimeoutError", "SocketTimeoutError", "ReadTimeout", "ConnectTimeout"})
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    aiohttp = sys.modules.get("aiohttp")
+    botocore = sys.modules.get("botocore.exceptions")
+    return bool((aiohttp is not None and isinstance(exc, aiohttp.ClientError))
+                or (botocore is not None and isinstance(exc, botocore.BotoCoreError))
+                or type(exc).__name__ in ("HTTPException", "RemoteDisconnected", "ProtocolError"))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out, seen = [], exc
+    while seen is not None and len(out) < 6:
+        out.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return out
+
+
+__all__ = ["RedirectRefused", "classify"]

@@ -1,0 +1,100 @@
+"""Which path runs a packer: plain Python below ``THRESHOLD`` items, compiled kernels above.
+
+Both paths run the same kernel source (see ``_jit``), so an algorithm gives identical bins
+on either; only speed differs. How the threshold was chosen — measured here (1 core,
+lognormal lengths with mean 600, C = 4096; benchmarks/PACKING_NOTES.md), plain Python vs
+compiled, in ms:
+
+    n        bfd          ffd / ffs / mffd    kk          histogram, greedy
+    8192     2.7 / 0.3    10–25 / 0.3–0.5     85 / 15     1–10 (numpy both ways)
+    65536    23 / 2.5     86–96 / 4–5         216 / 28    5–21
+    131072   50 / 6       172–199 / 7–10      534 / 61    12–25
+
+A fresh process pays once ~0.7 s to import numba and load the cached kernels (1.2–4.8 s
+when it must compile them). The streaming window packer calls ``pack`` with 1024–8192
+items, so any threshold above 8192 keeps it off numba; at 2^16 = 65536 every algorithm's
+plain path still costs at most ~0.2 s, while above it the plain path grows past the speed
+budget (kk 0.53 s at 131072, over the 0.3 s allowed at 1e5) and the compiled kernels are
+8–20x faster per call. 2^17 would leave kk too slow; 2^15 would buy little (all plain
+paths are <= 0.13 s there) and charge the 0.7 s load on calls that take 20–100 ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from streampack.packing import _jit  # numba itself is imported by _jit.compiled, not here
+from streampack.packing._common import from_log, group_log, validate
+from streampack.packing.result import PackResult
+
+THRESHOLD = 1 << 16
+"""Inputs with at least this many items use the compiled kernels (``backend="auto"``)."""
+
+Backend = Literal["auto", "python", "numba"]
+IntBuffer = list[int] | np.ndarray
+"""What a kernel indexes: a Python list on the plain path, an int64 array when compiled."""
+BACKENDS = ("auto", "python", "numba")
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """How kernels run for one call: as plain Python on lists, or compiled on arrays."""
+
+    compiled: bool
+
+    def kernel(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not self.compiled:
+            return fn
+        return _jit.compiled(fn)
+
+    def buffer(self, values: np.ndarray) -> IntBuffer:
+        """``values`` as the container its kernel is fastest on: the array for numba, a list
+        for CPython (indexing a list is ~3x faster than indexing an array)."""
+        return values if self.compiled else values.tolist()
+
+    def result(self, items: np.ndarray, bins: Any, num_bins: int) -> PackResult:
+        """Placement log (``bins`` an array or list) -> ``PackResult``."""
+        bins = np.asarray(bins, dtype=np.int64)
+        if not self.compiled:
+            return from_log(items, bins, num_bins)
+        order = np.empty(items.size, dtype=np.int64)
+        offsets = np.zeros(num_bins + 1, dtype=np.int64)
+        self.kernel(group_log)(items, bins, order, offsets)
+        return PackResult(order=order, offsets=offsets)
+
+
+Impl = Callable[[np.ndarray, int, int, Engine], PackResult]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Packer:
+    """One registered packing algorithm. Calling it gives one index array per bin."""
+
+    name: str
+    """Registry name (``ALGORITHMS`` key)."""
+    impl: Impl
+    """``(lengths, capacity, seed, engine) -> PackResult`` on validated input, n >= 1."""
+    compiles: bool = True
+    """Whether the large-input path compiles kernels; False when numpy alone meets the
+    speed targets at every size (then both backends run the same numpy code)."""
+
+    def __call__(self, lengths: Any, capacity: int, *, seed: int = 0) -> list[np.ndarray]:
+        return self.flat(lengths, capacity, seed=seed).bins()
+
+    def flat(self, lengths: Any, capacity: int, *, seed: int = 0,
+             backend: Backend = "auto") -> PackResult:
+        """The packing as a ``PackResult`` (see ``streampack.packing.pack_flat``)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"{backend=} is not one of {', '.join(BACKENDS)}")
+        lengths, capacity = validate(lengths, capacity)
+        if lengths.size == 0:
+            return PackResult(order=np.zeros(0, dtype=np.int64), offsets=np.zeros(1, dtype=np.int64))
+        big = backend == "numba" or (backend == "auto" and lengths.size >= THRESHOLD)
+        return self.impl(lengths, capacity, seed, Engine(compiled=big and self.compiles))
+
+    def __repr__(self) -> str:
+        return f"<packing algorithm {self.name!r}>"
