@@ -156,3 +156,14 @@ def test_good_neighbours_kept_through_the_loader(tmp_path, num_workers: int) -> 
     keys = [f"{damaged}#{i:08d}" for i in (0, 1, 3, 4, 5)] + [f"{bad_line}#0", f"{bad_line}#2"]
     check_both_modes([damaged, bad_line], num_workers=num_workers, reason="corrupt_shard", url=damaged, kept=keys,
                      counts={"corrupt_shard": 1, "negative_id": 1})
+
+
+def test_a_corrupt_region_before_every_sample_is_read_once_when_split(tmp_path) -> None:
+    # the index gives the region its own entry, so the part that starts the shard meets it
+    parts = samples(8)
+    url = write_bytes(tmp_path / "s.tar", damage_header(archive(*parts), 0))
+    errors = ErrorCounter()
+    per_worker = [ids(ShardReader(url, shuffle=False, epochs=1, worker_id=w, num_workers=2, on_error="skip",
+                                  errors=errors, cache_dir=str(tmp_path / "c"))) for w in range(2)]
+    assert sorted(per_worker[0] + per_worker[1]) == [2, 3, 4, 5, 6, 7, 8]
+    assert errors.counts == {"corrupt_shard": 1}
