@@ -167,3 +167,22 @@ def test_a_corrupt_region_before_every_sample_is_read_once_when_split(tmp_path) 
                                   errors=errors, cache_dir=str(tmp_path / "c"))) for w in range(2)]
     assert sorted(per_worker[0] + per_worker[1]) == [2, 3, 4, 5, 6, 7, 8]
     assert errors.counts == {"corrupt_shard": 1}
+
+
+def test_long_runs_of_damage_are_judged_alike_after_any_resume(tmp_path) -> None:
+    # every other sample loses its labels header for 30 samples: the ones between keep their
+    # fields, but only those with an intact sample within 16 units after them can show it
+    parts = [_labelled(i) for i in range(50)]
+    at = offsets_of(parts)
+    data = archive(*parts)
+    for k in range(10, 40, 2):
+        data = damage_header(data, at[k] + 1024)
+    url = write_bytes(tmp_path / "long.tar", data)
+    kept, counts = skip(url)
+    assert 11 + 1 not in kept and 39 + 1 in kept and counts["corrupt_shard"] == 15
+    for k in range(0, len(kept) + 1, 3):
+        reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
+        head = [next(reader) for _ in range(k)]
+        resumed = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
+        resumed.reset(_roundtrip(reader.state_dict()))
+        assert ids(head) + ids(resumed) == kept, f"resumed after {k} samples"

@@ -13,8 +13,10 @@ Bad structure costs exactly the samples it touches:
   not become a sample trained on its own tokens); otherwise it is ``incomplete_sample`` —
   or, right after the region, part of the region's ``corrupt_shard`` error. Judging by the
   sample *after* (never before) keeps the verdict the same when a read resumes mid-range;
-- a key met earlier in the range (``a, b, a``) is ``repeated_key`` (hashed keys, about 10
-  bytes each: :class:`~streampack.io.keys.KeySet`). The one verdict that looks back: a read
+  with no intact sample after it in the reader's range (the shard's end, or the end of a
+  worker's part of a split shard) it is dropped;
+- a key met earlier in the range (``a, b, a``; a worker's part when a shard is split) is
+  ``repeated_key`` (hashed keys, about 10 bytes each: :class:`~streampack.io.keys.KeySet`). The one verdict that looks back: a read
   resumed at a byte offset knows only the keys after that offset. Remembering the earlier
   ones would mean re-reading the range prefix at every resume (every worker re-downloading
   up to a shard per restart on remote data, where resuming is now one ranged request) or a
@@ -43,7 +45,9 @@ from streampack.io.tar_stream import (
 )
 
 _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
-_MAX_PENDING = 16  # samples awaiting a verdict between corrupt regions (a bound on memory)
+_LOOKAHEAD = 16
+"""Units after a sample next to a corrupt region within which an intact sample must show its
+fields (else the sample is dropped): bounds what waits for a verdict."""
 
 
 def split_key(name: str) -> tuple[str, str] | None:
@@ -65,6 +69,8 @@ class TarGroup:
     before_region: bool = False
     next_offset: int = -1
     last: bool = False
+    seen: int = 0
+    """Units read after this sample while its verdict is pending; -1 once decided."""
 
     def fail(self, err: DataError) -> None:
         if self.problem is None:
@@ -151,55 +157,83 @@ def _units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable
 
 
 def _judged(units: Iterator[Unit], url: str) -> Iterator[Unit]:
-    """Judge the samples next to corrupt regions by the next intact sample (see the module), then
-    check each sample's key against the range's earlier ones, in stream order."""
-    pending: list[Unit] = []
-    keys = KeySet()
+    """Judge each sample next to a corrupt region by the first intact sample among the
+    ``_LOOKAHEAD`` units after it (a rule that looks only forward, so a resumed read judges
+    alike), then check keys against the range's earlier ones, in stream order."""
+    judge = _Judge(url)
     try:
         for unit in units:
-            if isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region):
-                if pending:
-                    yield from _keyed(_verdicts(pending, frozenset(unit.fields), url), keys, url)
-                    pending = []
-                if not keys.add(unit.key):
-                    unit.fail(_repeated(unit, url))
-                yield unit
-                continue
-            pending.append(unit)
-            if len(pending) > _MAX_PENDING and not isinstance(pending[-1], TarRegion):
-                yield from _keyed(_verdicts(pending, None, url), keys, url)
-                pending = []
+            yield from judge.push(unit)
     except DataError:
-        yield from _keyed(_verdicts(pending, None, url), keys, url)
+        yield from judge.finish()
         raise
-    yield from _keyed(_verdicts(pending, None, url), keys, url)
+    yield from judge.finish()
 
 
-def _repeated(group: TarGroup, url: str) -> DataError:
-    return DataError("repeated_key", "an earlier sample of this shard has the same key", url=url, key=group.key,
-                     value=group.offset)
+class _Judge:
+    """The units awaiting a verdict (at most ``_LOOKAHEAD`` + 2: a bound on memory)."""
 
+    def __init__(self, url: str) -> None:
+        self.url, self.pending, self.keys = url, [], KeySet()
+        self.undecided: list[TarGroup] = []
 
-def _keyed(units: list[Unit], keys: KeySet, url: str) -> list[Unit]:
-    for unit in units:
-        for group in unit.merged if isinstance(unit, TarRegion) else [unit]:
-            if not keys.add(group.key):
-                group.fail(_repeated(group, url))
-    return units
+    def push(self, unit: Unit) -> list[Unit]:
+        for group in self.undecided:
+            group.seen += 1
+        intact = isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region)
+        if intact:
+            self._decide(self.undecided, frozenset(unit.fields))
+        else:
+            self.pending.append(unit)
+            if isinstance(unit, TarGroup):
+                self.undecided.append(unit)
+            self._decide([g for g in self.undecided if g.seen >= _LOOKAHEAD], None)
+        out = self._ready(final=False)
+        return out + self._keyed([unit]) if intact else out
 
+    def finish(self) -> list[Unit]:
+        self._decide(self.undecided, None)
+        return self._ready(final=True)
 
-def _verdicts(pending: list[Unit], intact: frozenset[str] | None, url: str) -> list[Unit]:
-    out: list[Unit] = []
-    for unit in pending:
-        if isinstance(unit, TarGroup) and frozenset(unit.fields) != intact:
-            shown = sorted(intact) if intact is not None else "none follows"
-            unit.fail(DataError("incomplete_sample", f"next to a corrupt region, with fields {sorted(unit.fields)} "
-                                f"where the next intact sample has {shown}", url=url, key=unit.key, value=unit.offset))
-            if unit.after_region and out and isinstance(out[-1], TarRegion):
-                out[-1].merged.append(unit)  # no resume point between a region and what it broke
+    def _decide(self, groups: list[TarGroup], intact: frozenset[str] | None) -> None:
+        for group in groups:
+            if frozenset(group.fields) != intact:
+                shown = sorted(intact) if intact is not None else f"none in the next {_LOOKAHEAD} units"
+                group.fail(DataError("incomplete_sample", f"next to a corrupt region, with fields "
+                                     f"{sorted(group.fields)} where the next intact sample has {shown}",
+                                     url=self.url, key=group.key, value=group.offset))
+            group.seen = -1  # decided
+        self.undecided = [g for g in self.undecided if g.seen >= 0]
+
+    def _ready(self, *, final: bool) -> list[Unit]:
+        """Decided units from the front; a region leaves with the samples after it that it
+        broke (no resume point between a region and what it broke)."""
+        out: list[Unit] = []
+        while self.pending:
+            head = self.pending[0]
+            if isinstance(head, TarGroup):
+                if head.seen >= 0:
+                    break
+                out.append(self.pending.pop(0))
                 continue
-        out.append(unit)
-    return out
+            after = self.pending[1] if len(self.pending) > 1 else None
+            if after is None and not final:
+                break
+            if isinstance(after, TarGroup) and after.after_region:
+                if after.seen >= 0:
+                    break
+                if after.problem is not None and after.problem.reason == "incomplete_sample":
+                    head.merged.append(self.pending.pop(1))
+            out.append(self.pending.pop(0))
+        return self._keyed(out)
+
+    def _keyed(self, units: list[Unit]) -> list[Unit]:
+        for unit in units:
+            for group in unit.merged if isinstance(unit, TarRegion) else [unit]:
+                if not self.keys.add(group.key):
+                    group.fail(DataError("repeated_key", "an earlier sample of this shard has the same key",
+                                         url=self.url, key=group.key, value=group.offset))
+        return units
 
 
 def iter_tar_units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable[[str], int],
