@@ -53,6 +53,16 @@ class ShardIndex:
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def position(self, i: int) -> tuple[int, int]:
+        """``(offset, number)`` where sample ``i`` starts; ``i == len`` gives the end of the
+        shard (``end``, one past the last number), so ``[position(i), position(j))`` is a range."""
+        n = len(self)
+        if not 0 <= i <= n:
+            raise ValueError(f"sample position {i} is outside [0, {n}] of {self.url!r}")
+        if i < n:
+            return self.offsets[i], self.numbers[i]
+        return self.end, (self.numbers[-1] + 1 if n else 0)
+
     def part(self, part: int, parts: int) -> tuple[int, int, int]:
         """``(start_offset, end_offset, first_number)`` of contiguous part ``part`` of ``parts``.
 
