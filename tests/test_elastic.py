@@ -91,6 +91,12 @@ def _old_run(make, a: int, b: int, steps: int) -> tuple[list, list]:
     return consumed, [s for rk in ranks for s in rk.states()]
 
 
+def _new_run(make, c: int, d: int, states) -> tuple[list, list[int]]:
+    """Every new rank's batches to the end (each loads all old states), and the counts."""
+    runs = [list(SimRank(lambda r=rank: make(r, c), d, load=states)) for rank in range(c)]
+    return [x for run in runs for x in run], [len(run) for run in runs]
+
+
 def _chunks(batches) -> Counter:
     return Counter(k for b in batches for k in b.doc_keys if k != FILLER_KEY)
 
@@ -100,12 +106,9 @@ def test_elastic_simulated_topologies_and_pending_chunks(shards, a, b, c, d, ste
     urls, _ = shards
     make = lambda r, size: _ds(urls, r, size, window=8, packs_per_batch=1)  # noqa: E731
     consumed, states = _old_run(make, a, b, steps)
-    counts = []
-    for rank in range(c):
-        got = list(SimRank(lambda r=rank: make(r, c), d, load=states))
-        counts.append(len(got))
-        consumed += got
+    got, counts = _new_run(make, c, d, states)
     assert len(set(counts)) == 1
+    consumed += got
     full = [x for r in range(a) for x in SimRank(lambda r=r: make(r, a), b)]
     assert _chunks(consumed) == _chunks(full) and max(_chunks(full).values()) == 1
 
@@ -117,8 +120,7 @@ def test_pending_chunks_of_a_split_document_move_to_the_new_readers(tmp_path):
     make = lambda r, size: _ds(urls, r, size, window=4, shuffle=False, packs_per_batch=1)  # noqa: E731
     consumed, states = _old_run(make, 2, 0, 6)
     assert _carried(states)[1] == 1, "one reader must be in the middle of the long document"
-    for rank in range(3):
-        consumed += list(SimRank(lambda r=rank: make(r, 3), 0, load=states))
+    consumed += _new_run(make, 3, 0, states)[0]
     assert collect_documents(consumed) == {f"{i:08d}": doc for i, doc in enumerate(docs)}
 
 
@@ -142,8 +144,7 @@ def test_elastic_twice_and_across_epochs(shards):
     mid = [SimRank(lambda r=r: make(r, 2), 2, load=states) for r in range(2)]
     consumed += [next(rk) for rk in mid for _ in range(4)]
     states = [s for rk in mid for s in rk.states()]
-    for rank in range(4):
-        consumed += list(SimRank(lambda r=rank: make(r, 4), 0, load=states))
+    consumed += _new_run(make, 4, 0, states)[0]
     full = [x for r in range(3) for x in SimRank(lambda r=r: make(r, 3), 1)]
     assert _chunks(consumed) == _chunks(full) and set(_chunks(full).values()) == {2}  # two epochs
 
@@ -186,11 +187,8 @@ def test_elastic_offline_packs(tmp_path):
     make = lambda r, size: PackedDataset(out, capacity=256, epochs=2, dp_rank=r, dp_size=size,  # noqa: E731
                                          packs_per_batch=2, shuffle=True)
     consumed, states = _old_run(make, 3, 2, 4)
-    counts = []
-    for rank in range(2):
-        got = list(SimRank(lambda r=rank: make(r, 2), 3, load=states))
-        counts.append(len(got))
-        consumed += got
+    got, counts = _new_run(make, 2, 3, states)
+    consumed += got
     full = [x for r in range(3) for x in SimRank(lambda r=r: make(r, 3), 2)]
     assert len(set(counts)) == 1 and _chunks(consumed) == _chunks(full)
 
@@ -235,10 +233,6 @@ def test_elastic_randomized(tmp_path, seed):
     full = [list(SimRank(lambda r=r: make(r, a), b)) for r in range(a)]
     assert len({len(x) for x in full}) == 1
     consumed, states = _old_run(make, a, b, int(rng.integers(0, len(full[0]) + 1)))
-    counts = []
-    for rank in range(c):
-        got = list(SimRank(lambda r=rank: make(r, c), d, load=states))
-        counts.append(len(got))
-        consumed += got
+    got, counts = _new_run(make, c, d, states)
     assert len(set(counts)) == 1
-    assert _chunks(consumed) == _chunks([x for f in full for x in f])
+    assert _chunks(consumed + got) == _chunks([x for f in full for x in f])

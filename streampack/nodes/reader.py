@@ -1,19 +1,17 @@
 """ShardReader: the source node. Sharded tar / jsonl files -> a deterministic stream of Samples.
 
-Order: epoch by epoch; in each epoch this worker's spans in order — by default
-``sharding.assign_shards`` (whole shards, or parts of few shards), or the explicit ``work``
-the graph hands over for an epoch (a finite epoch's sample-balanced plan, an elastic resume's
-share); inside a span, samples in file order. Every sample carries its
-:class:`~streampack.sample.SampleOrigin` (shard, offset, number, where the next one starts,
-epoch), which is what resume states store instead of tokens. The position is ``(epoch, shard_pos, offset, sample)`` — the
-byte offset and number of the next sample, recorded while reading — so a restore opens the
-shard at ``offset`` (a ``seek`` locally, a ``Range`` request remotely) and continues
-bit-identically without reading the bytes before it (``.jsonl.gz`` excepted: see
-``jsonl_source``).
+Order: epoch by epoch; in each epoch this worker's spans in order — ``sharding.assign_shards``
+by default, or the explicit ``work`` the graph hands over for an epoch (a finite epoch's plan,
+an elastic resume's share); inside a span, samples in file order. Every sample carries its
+:class:`~streampack.sample.SampleOrigin`, which resume states store instead of tokens. The
+position is ``(epoch, shard_pos, offset, sample)`` — the byte offset and number of the next
+sample, recorded while reading — so a restore opens the shard at ``offset`` (a ``seek``
+locally, a ``Range`` request remotely) without reading the bytes before it (``.jsonl.gz``
+excepted: see ``io.jsonl``).
 
 State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
 
-    {"version": 2,
+    {"version": 3,
      "config": {"sources": <sha1 of the URL list, 16 hex>, "num_sources": S, "seed", "shuffle",
                 "dp_rank", "dp_size", "worker_id", "num_workers", "fields": [tokens_key, ...]},
      "epoch": e,            # epoch of the next sample
@@ -44,7 +42,13 @@ from streampack.io.formats import ShardRange, open_range
 from streampack.io.index import ShardIndex, load_or_build_index
 from streampack.io.retry import OpenOptions
 from streampack.io.urls import ShardList, is_remote
-from streampack.nodes.sharding import ShardSpan, Span, assign_shards
+from streampack.nodes.sharding import (
+    ShardSpan,
+    Span,
+    assign_shards,
+    spans_from_array,
+    spans_to_array,
+)
 from streampack.sample import Sample, SampleOrigin
 from streampack.state import (
     STATE_VERSION,
@@ -71,17 +75,11 @@ Work = dict[int, list[Span]]
 def work_to_state(work: Work) -> dict[int, Any]:
     import torch
 
-    return {e: torch.tensor([[s.shard, s.start, s.first, _int(s.end), _int(s.epoch)] for s in spans],
-                            dtype=torch.int64).reshape(-1, 5) for e, spans in work.items()}
+    return {e: torch.from_numpy(spans_to_array(spans)) for e, spans in work.items()}
 
 
 def work_from_state(saved: dict[Any, Any]) -> Work:
-    return {int(e): [Span(shard=a, start=b, first=c, end=None if d < 0 else d, epoch=None if x < 0 else x)
-                     for a, b, c, d, x in t.tolist()] for e, t in saved.items()}
-
-
-def _int(value: int | None) -> int:
-    return -1 if value is None else value
+    return {int(e): spans_from_array(t.numpy()) for e, t in saved.items()}
 
 
 class ShardReader(BaseNode[Sample]):

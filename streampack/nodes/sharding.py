@@ -120,6 +120,18 @@ def cut_two_level(costs: np.ndarray, ranks: int, workers: int) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
+def spans_to_array(spans: Sequence[Span]) -> np.ndarray:
+    """int64 ``[n, 5]``: shard, start, first, end, epoch per span (-1 for None)."""
+    rows = [[s.shard, s.start, s.first, -1 if s.end is None else s.end, -1 if s.epoch is None else s.epoch]
+            for s in spans]
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+
+
+def spans_from_array(rows: np.ndarray) -> list[Span]:
+    return [Span(shard=a, start=b, first=c, end=None if d < 0 else d, epoch=None if e < 0 else e)
+            for a, b, c, d, e in rows.tolist()]
+
+
 def split_ranges(ranges: Sequence[IndexRange], lo: int, hi: int) -> list[IndexRange]:
     """The pieces of ``ranges`` (read back to back) that cover overall positions ``[lo, hi)``."""
     out: list[IndexRange] = []
