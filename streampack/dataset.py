@@ -91,7 +91,7 @@ class PackedDataset(IterableDataset):
 
     **State.** ``state_dict()`` is this process's (or worker's) position: versioned,
     fingerprinted, plain data, bounded by the window (carried samples are stored as references,
-    48 bytes each). ``load_state_dict(state)`` validates it and the next ``__iter__`` continues
+    56 bytes each). ``load_state_dict(state)`` validates it and the next ``__iter__`` continues
     bit-identically. ``load_state_dict([states of every reader of every rank])`` resumes on any
     ``dp_size`` / ``num_workers``: each new reader takes its share of what the old readers had not
     yet handed to the trainer, so every sample of the epoch is trained exactly once (on the same

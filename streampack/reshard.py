@@ -176,7 +176,7 @@ class PendingResume:
 
     def for_reader(self, ds: Any, here: Worker) -> tuple[dict[str, Any] | None, Share | None]:
         """This reader's own state on the same topology, else its elastic share."""
-        if (self.dp_size, max(self.num_workers, 1)) == (ds.dp_size, here.readers) and self.num_workers == here.num_workers:
+        if (self.dp_size, self.num_workers) == (ds.dp_size, here.num_workers):
             for s in self.states:
                 if (s[WORKER_KEY]["dp_rank"], s[WORKER_KEY]["worker_id"]) == (ds.dp_rank, here.id):
                     return s, None
@@ -184,4 +184,10 @@ class PendingResume:
             self.left = remaining(self.states, ds.config, ds.sources, ds.options, ds.stages)
         place = Placement(dp_rank=ds.dp_rank, dp_size=ds.dp_size, worker_id=here.id, num_workers=here.readers,
                           passes=self.left.passes)
-        return None, share(self.left, ds.config, ds.sources, ds.options, place)
+        mine = share(self.left, ds.config, ds.sources, ds.options, place)
+        carried = 0 if mine.carry is None else table_size(mine.carry)
+        _log.info("elastic resume: %d old readers (dp_size=%d x %d) -> reader %d of %d reads %d carried sample(s) "
+                  "and %d span(s) / %d pack(s) in epoch %d", self.left.old_dp_size * self.left.old_readers,
+                  self.left.old_dp_size, self.left.old_readers, place.global_worker, place.global_workers, carried,
+                  len(mine.spans), 0 if mine.packs is None else len(mine.packs), mine.epoch)
+        return None, mine

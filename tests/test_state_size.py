@@ -75,3 +75,27 @@ def test_state_does_not_grow_with_capacity_or_length(tmp_path, capacity, window)
     tokens = state_nbytes(_state_after(PackedDataset(urls, capacity=capacity, window=window, stages=node_stage),
                                        1)[0])
     assert refs < 100 << 10 and tokens > 10 * refs, (refs, tokens)
+
+
+def test_restore_rereads_carried_samples_over_http_with_ranged_requests(tmp_path):
+    """References are re-read where they were read: over HTTP, one ranged GET per run of
+    carried samples of a shard (plus the reader's own reopen), not one per sample."""
+    from helpers_data import serve_directory
+
+    local = _shards(tmp_path, np.random.default_rng(3).integers(5, 60, 120), num_shards=3)
+    with serve_directory(tmp_path) as server:
+        urls = server.urls_for(local)
+        make = lambda: PackedDataset(urls, capacity=256, window=48, seed=1)  # noqa: E731
+        ds = make()
+        state, it = _state_after(ds, 4)
+        assert _carried(state) > 10
+        want = [canon(next(it)) for _ in range(6)]
+        del it
+        server.requests.clear()
+        resumed = make()
+        resumed.load_state_dict(roundtrip(state))
+        got = iter(resumed)
+        first = canon(next(got))
+        ranged = [r for _, r in server.requests if r is not None]
+        assert [first] + [canon(next(got)) for _ in range(5)] == want
+        assert 1 <= len(ranged) <= 2 * len(urls), server.requests

@@ -13,8 +13,9 @@ save, is an error rather than a silently different stream.
 
 Why: a state that stores tokens grows with document length (one 4M-token document under
 ``overlong="split"`` made every checkpoint 28.5 MB; capacity 32k with window 256 gave 17.6 MB
-per worker). References cost 48 bytes per carried sample whatever its length
-(``benchmarks/bench_state.py``); restoring costs one read of the carried samples.
+per worker). References cost 56 bytes per carried sample whatever its length: ~65 KB per worker at
+window 1024 whether the capacity is 4k or 128k (63 MB with tokens at 128k;
+``benchmarks/bench_state.py``, provisional); restoring costs one read of the carried samples.
 
 A graph with a user ``BaseNode`` stage cannot be replayed per sample (the node may hold its own
 buffer): it has no Replayer and its states keep storing tokens.

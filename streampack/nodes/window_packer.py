@@ -24,10 +24,10 @@ a table of references (where to re-read each one, see :mod:`streampack.nodes.rep
 many packs of the round were already emitted (+ metrics). Restoring re-reads the samples of
 the packs not yet emitted and of the carry and rebuilds exactly those packs (no re-packing);
 ``get_state`` is O(1) after its first call in a round (cached per round), which matters because
-StatefulDataLoader snapshots after every batch. Size: 48 bytes per sample of the window
-(~50 KB at window 1024) whatever the capacity or the documents' lengths; without a replay
-function (a graph with a user node stage) the table stores tokens instead (~5 MB for 1024
-samples of mean 600 tokens). ``carry=`` starts the packer with samples already in its window
+StatefulDataLoader snapshots after every batch. Size: 56 bytes per sample of the window
+(~65 KB per worker at window 1024, measured at capacities 4k, 32k and 128k) whatever the
+documents' lengths; without a replay function (a graph with a user node stage) the table
+stores tokens instead (2 MB at capacity 4k, 63 MB at 128k: ``benchmarks/bench_state.py``). ``carry=`` starts the packer with samples already in its window
 (an elastic resume hands each new worker its share of the old windows that way).
 
 Log (lognormal mean ~600 sigma 1, capacity 4096, split policy; 2-core shared CPU box):
