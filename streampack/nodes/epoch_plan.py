@@ -14,10 +14,10 @@ Trade-off against agreeing at run time (``streampack.sync_batches``: one all-red
 still have data" per step), measured on this shared 2-core box (``python
 benchmarks/bench_state.py --plan --sync``; provisional): the plan costs one index read per
 shard (cached beside the shard) and a packing simulation of the whole epoch in every reader
-at the start of each epoch — 1.8 µs per sample, 1.8 s per million samples whether 2, 8 or 64
-ranks — and nothing per step; it needs token lengths in the index (pre-tokenized shards) and
+at the start of each epoch — 0.6 µs per sample, 0.6 s per million samples whether 2, 8 or 64
+ranks (1.8 s with the box loaded) — and nothing per step; it needs token lengths in the index (pre-tokenized shards) and
 no stage that changes lengths. Agreeing per step works for any data (text, stages) but costs
-one all-reduce per step (0.9 ms on gloo with 2 local processes; NCCL is far cheaper) and needs
+one all-reduce per step (0.35 ms on gloo with 2 local processes, 0.9 ms loaded; NCCL is far cheaper) and needs
 the training loop's cooperation. Both leave the same fillers for the same split: on 1M
 lognormal samples (mean 600, capacity 4096, 2 packs per batch, 2 readers per rank) 2 over 2
 ranks, 7 over 8, 117 over 64 (0.16% of 73k batches; the lower bound with batches free to
