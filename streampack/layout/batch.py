@@ -33,8 +33,8 @@ from streampack.layout.documents import (
 from streampack.layout.spans import (
     doc_spans,
     longest,
-    span_index,
     offset_fields,
+    span_index,
     varlen_offsets,
 )
 from streampack.layout.stats import WorkerStats
