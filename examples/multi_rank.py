@@ -3,10 +3,11 @@
     torchrun --nproc_per_node 2 examples/multi_rank.py        # gloo on CPU, ~30 s
 
 - ``PackedDataset`` takes its data-parallel rank and size from the initialised process group
-  (no arguments), so each rank reads a disjoint share of the shards.
-- One finite epoch with ``batches_per_epoch``: every rank yields exactly that many batches
-  (a rank that runs out pads with zero-target filler batches), so the gradient all-reduce of
-  DistributedDataParallel never hangs.
+  (no arguments; with TP/CP/PP groups pass ``dp_group=``), so each rank reads a disjoint share.
+- One finite epoch with no batch count to guess: every reader of every rank plans the epoch
+  from the shard index (balanced by tokens) and counts every rank's batches, so every rank
+  yields the same number (the ranks with less data end with zero-target filler batches, as
+  few as the data allows) and the gradient all-reduce never hangs.
 - The loss is a *global* token mean: each rank's summed loss is divided by the number of
   targets summed over all ranks (``global_num_targets``) and the ranks' gradients are summed —
   the only normalisation that makes packed training equal to unpacked training. (With DDP,
@@ -42,8 +43,7 @@ def main() -> int:
         write_shards(data_dir, num_shards=4, docs_per_shard=60)
     dist.barrier()
     shards = sorted(str(p) for p in data_dir.glob("train-*.tar"))
-    ds = PackedDataset(shards, capacity=256, window=32, packs_per_batch=2, tokens_key="npy",
-                       epochs=1, batches_per_epoch=24)
+    ds = PackedDataset(shards, capacity=256, window=32, packs_per_batch=2, tokens_key="npy", epochs=1)
     assert (ds.dp_rank, ds.dp_size) == (rank, world), "rank must come from torch.distributed"
     torch.manual_seed(0)
     model = TinyGPT(vocab=VOCAB, dim=32, layers=1, heads=2, max_len=256)  # same init on every rank

@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "PackedDataset": "streampack.dataset",
+    "sync_batches": "streampack.sync",
     "PackedBatch": "streampack.layout.batch",
     "alignment": "streampack.layout.batch",
     "check_invariants": "streampack.layout.batch",

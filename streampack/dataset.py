@@ -3,35 +3,38 @@
 A thin front over :func:`streampack.graph.build_graph`: the constructor expands the sources
 once, resolves the topology once, and builds the graph once in the main process, which is
 where every setting is validated (by the node that uses it). ``__iter__`` builds the same
-graph in each DataLoader worker and continues from a loaded state if there is one.
+graph in each DataLoader worker and continues from a loaded state if there is one — its own
+state on the same topology, or its share of every old reader's state after a change of
+``dp_size`` / ``num_workers`` (:mod:`streampack.elastic`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import os
 from collections.abc import Iterator, Mapping, Sequence
-from numbers import Real
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
 
-from streampack.graph import (
-    Graph,
+from streampack.graph import Graph, build_graph, graph_metrics, make_planner
+from streampack.io.limits import Limits
+from streampack.layout.batch import PackedBatch, alignment, pack_batch
+from streampack.nodes.collate import filler_pack
+from streampack.nodes.epochs import add_metrics
+from streampack.nodes.window_packer import fill
+from streampack.passes import PassTracker
+from streampack.reshard import PendingResume
+from streampack.settings import (
+    EQUAL_BATCHES,
     Placement,
     ReadOptions,
-    Sources,
+    Share,
     StreamConfig,
-    build_graph,
+    URLs,
+    sources_of,
+    tokenizer_id,
 )
-from streampack.io.limits import Limits
-from streampack.io.packed_format import is_packed_dataset, packed_manifest
-from streampack.io.storage import OpenOptions
-from streampack.io.urls import ShardList
-from streampack.layout.batch import PackedBatch, alignment
-from streampack.nodes.window_packer import fill
 from streampack.state import (
     FINGERPRINT_KEY,
     GRAPH_KEY,
@@ -45,7 +48,11 @@ from streampack.state import (
 )
 from streampack.topology import current_worker, resolve_topology
 
-URLs = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+_STATELESS_MAIN = ("this PackedDataset is read by DataLoader worker processes: the copy in the main process "
+                   "has no position, so its state_dict() would silently restart the data. Checkpoint the loader "
+                   "instead: torchdata's StatefulDataLoader(ds, batch_size=None, num_workers=N) and "
+                   "loader.state_dict() (each worker's state is inside; streampack.state.dataset_states() lists "
+                   "them), or the streampack.integrations helpers for your trainer")
 
 
 class PackedDataset(IterableDataset):
@@ -57,32 +64,41 @@ class PackedDataset(IterableDataset):
 
     **Streams and equal batch counts.** ``epochs=None`` (default) is infinite: every worker of
     every rank streams forever, so no rank ever runs out and collectives never hang.
-    ``epochs=N`` is finite: each fresh ``__iter__`` runs N epochs (pass ``p`` reads epochs
-    ``[p*N, (p+1)*N)``, so a second pass reshuffles; call ``set_epoch(p)`` before creating
-    workers to choose it, like ``DistributedSampler``). Ranks hold different amounts of data,
-    so in finite mode with ``dp_size > 1`` you must give ``batches_per_epoch`` (per rank, a
-    multiple of the worker count): every worker yields exactly ``batches_per_epoch /
-    num_workers`` batches per pass, padding with *filler* batches (``doc_keys ==
-    ("<filler>",)``, zero targets, counted in ``metrics()["batches"]["fillers"]``) when its data
-    runs out, and raising ``ValueError`` when it has more (it never drops data silently). The
-    last real batch of a finite worker may hold fewer than ``packs_per_batch`` packs.
+    ``epochs=N`` is finite: each fresh iteration runs N epochs (pass ``p`` reads epochs
+    ``[p*N, (p+1)*N)``, so a second pass reshuffles, identically with any worker count;
+    ``set_epoch(p)`` chooses the pass, like ``DistributedSampler``). Each epoch's samples are
+    split between all readers of all ranks at sample granularity, balanced by token count, and
+    every sample is read exactly once. With ``dp_size > 1`` every rank yields the same number of
+    batches per epoch with no number to guess: by default (``equal_batches="plan"``) each reader
+    computes every reader's batch count from the shard index (token lengths of pre-tokenized
+    shards) by simulating the packer, and readers of ranks with fewer batches end the epoch with
+    *filler* batches (``doc_keys`` all ``"<filler>"``, zero targets, the same shape as every
+    batch), as few as the data allows (``metrics()["plan"]``, ``metrics()["batches"]["fillers"]``).
+    ``equal_batches="sync"`` (text shards, stages that change lengths) leaves the counts to the
+    training loop: iterate ``streampack.sync_batches(loader, ds)``, which agrees with an
+    all-reduce per step. ``batches_per_epoch`` (per rank, a multiple of the worker count)
+    overrides both with a fixed count. The last batch of an epoch is completed with filler packs,
+    so every batch has ``packs_per_batch * capacity`` tokens.
 
     **Mixtures.** ``urls`` may map source names to ``urls`` (weight 1) or ``(urls, weight)``,
     e.g. ``{"web": ("web-{000..099}.tar", 0.7), "code": ("code/*.tar", 0.3)}``: one ShardReader
     per source under a :class:`~streampack.nodes.mixture.Mixture` (torchdata's
     ``MultiNodeWeightedSampler``). Finite mixtures end by ``mixture_stop``.
 
-    **Topology.** ``dp_rank``/``dp_size`` default to ``torch.distributed`` (pass the
-    data-parallel rank when TP/CP/PP groups exist), then ``RANK``/``WORLD_SIZE``; they are
-    resolved when the dataset is constructed.
+    **Topology.** The data-parallel rank and size come from ``dp_group`` (the data-parallel
+    process group), else ``dp_rank``/``dp_size``, else ``torch.distributed`` when the world group
+    is its only group (with TP/CP/PP groups present that raises instead of using the global
+    rank), else ``RANK``/``WORLD_SIZE``; resolved when the dataset is constructed.
 
     **State.** ``state_dict()`` is this process's (or worker's) position: versioned,
-    fingerprinted (:class:`~streampack.graph.StreamConfig`, sources, tokenizer, dp_size,
-    dp_rank, num_workers), plain data, bounded by the window. ``load_state_dict`` validates it
-    and the next ``__iter__`` continues exactly; a fresh ``__iter__`` without a loaded state
-    starts a new pass. Loading a state invalidates any live iterator of this dataset (it
-    raises ``RuntimeError`` on its next step) so two iterators never share one position. With
-    StatefulDataLoader, check the worker count with :func:`streampack.state.load_loader_state`.
+    fingerprinted, plain data, bounded by the window (carried samples are stored as references,
+    56 bytes each). ``load_state_dict(state)`` validates it and the next ``__iter__`` continues
+    bit-identically. ``load_state_dict([states of every reader of every rank])`` resumes on any
+    ``dp_size`` / ``num_workers``: each new reader takes its share of what the old readers had not
+    yet handed to the trainer, so every sample of the epoch is trained exactly once (on the same
+    topology that is the exact resume). In the main process of a DataLoader with workers
+    ``state_dict()`` raises (that copy has no position): checkpoint a StatefulDataLoader instead.
+    Loading a state invalidates any live iterator of this dataset.
     """
 
     def __init__(self, urls: URLs | Mapping[str, Any], *, capacity: int, window: int = 1024,
@@ -90,10 +106,10 @@ class PackedDataset(IterableDataset):
                  text_key: str = "text", tokens_key: str = "input_ids", overlong: str = "split",
                  cp_size: int = 1, tp_size: int = 1, seed: int = 0, shuffle: bool = True,
                  epochs: int | None = None, dp_rank: int | None = None, dp_size: int | None = None,
-                 on_error: str = "raise", pad_id: int = 0, ignore_index: int = -100,
+                 dp_group: Any = None, on_error: str = "raise", pad_id: int = 0, ignore_index: int = -100,
                  bos_id: int | None = None, eos_id: int | None = None, stages: Sequence[Any] = (),
                  num_threads: int = 1, tokenize_block: int = 64, max_wait: int = 8,
-                 slack: int | None = None, batches_per_epoch: int | None = None,
+                 slack: int | None = None, batches_per_epoch: int | None = None, equal_batches: str = "plan",
                  labels_key: str | None = None, loss_mask_key: str | None = None,
                  sequence_parallel: bool = True, align_multiple: int = 1, allow_pipe: bool = False,
                  allow_pickle: bool = False, cache_dir: str | None = None, retries: int | None = None,
@@ -107,31 +123,32 @@ class PackedDataset(IterableDataset):
             raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
         if batches_per_epoch is not None and (epochs is None or batches_per_epoch < 1):
             raise ValueError(f"{batches_per_epoch=} needs a finite stream (epochs=N) and must be >= 1")
+        if equal_batches not in EQUAL_BATCHES:
+            raise ValueError(f"{equal_batches=} must be one of {EQUAL_BATCHES}")
         self.config = StreamConfig(
             capacity=capacity, window=window, algorithm=algorithm, packs_per_batch=packs_per_batch,
             align=alignment(cp_size, tp_size, sequence_parallel=sequence_parallel, multiple=align_multiple),
             text_key=text_key, tokens_key=tokens_key, labels_key=labels_key, loss_mask_key=loss_mask_key,
             overlong=overlong, seed=seed, shuffle=shuffle, epochs=epochs, on_error=on_error, pad_id=pad_id,
             ignore_index=ignore_index, bos_id=bos_id, eos_id=eos_id, max_wait=max_wait, slack=slack,
-            batches_per_epoch=batches_per_epoch, vocab_size=vocab_size,
+            batches_per_epoch=batches_per_epoch, equal_batches=equal_batches, vocab_size=vocab_size,
             limits=limits if limits is not None else Limits())
         self.options = ReadOptions(allow_pipe=allow_pipe, allow_pickle=allow_pickle, cache_dir=cache_dir,
                                    retries=retries, retry_budget=retry_budget, connect_timeout=connect_timeout,
                                    read_timeout=read_timeout, request_deadline=request_deadline,
                                    allow_redirects=allow_redirects, storage_options=storage_options,
                                    num_threads=num_threads, tokenize_block=tokenize_block)
-        self.sources = _sources(urls, opts=self.options.open_options(), mixture_stop=mixture_stop)
+        self.sources = sources_of(urls, opts=self.options.open_options(), mixture_stop=mixture_stop)
         self.tokenizer, self.stages, self.pin_memory = tokenizer, list(stages), pin_memory
-        self.dp_rank, self.dp_size = resolve_topology(dp_rank, dp_size)
-        if epochs is not None and self.dp_size > 1 and batches_per_epoch is None:
-            raise ValueError(f"finite mode (epochs={epochs}) with dp_size={self.dp_size} needs "
-                             f"batches_per_epoch, or ranks may yield different batch counts and hang")
-        self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size))  # validates every setting
-        self._tokenizer_id = _tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
+        self.dp_rank, self.dp_size = resolve_topology(dp_rank, dp_size, dp_group)
+        self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size), validate=True)  # checks every setting
+        self._check_equal_batches()
+        self._tokenizer_id = tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
+        self._tracker = PassTracker()
         self._graph: Graph | None = None
-        self._pending: dict[str, Any] | None = None
+        self._pending: Any = None  # a loaded state, or elastic.Pending
+        self._pending_generation = 0
         self._pass = 0
-        self._next_pass = 0
         self._generation = 0
 
     # ----------------------------------------------------------------- what users read
@@ -155,10 +172,10 @@ class PackedDataset(IterableDataset):
         return dict(self.sources.weights)
 
     def set_epoch(self, epoch: int) -> None:
-        """Finite mode: the pass the next fresh ``__iter__`` runs (its shard order)."""
+        """Finite mode: the pass the next fresh iteration runs (its shard order), in every worker."""
         if epoch < 0:
             raise ValueError(f"{epoch=} must be >= 0")
-        self._next_pass = epoch
+        self._tracker.set_next_pass(epoch)
 
     def fingerprint(self, num_workers: int | None = None) -> dict[str, Any]:
         """Every setting that changes the stream (compared on load)."""
@@ -172,24 +189,42 @@ class PackedDataset(IterableDataset):
                 "num_stages": len(self.stages), "dp_size": self.dp_size, "dp_rank": self.dp_rank,
                 "num_workers": num_workers}
 
+    def filler(self) -> PackedBatch:
+        """A batch of the stream's shape that trains nothing (what ``sync_batches`` feeds a rank
+        that ran out)."""
+        c = self.config
+        return pack_batch([filler_pack(c.capacity, c.pad_id)] * c.packs_per_batch, capacity=c.capacity,
+                          align=c.align, pad_id=c.pad_id, ignore_index=c.ignore_index)
+
     def state_dict(self) -> dict[str, Any]:
-        if self._pending is not None:
-            return self._pending  # saved right after a load: the loaded position
         here = current_worker()
+        if self._graph is None and here.num_workers == 0 and self._tracker.workers_iterated():
+            raise RuntimeError(_STATELESS_MAIN)
+        if isinstance(self._pending, dict):
+            return self._pending  # saved right after a load: the loaded position
+        if self._pending is not None:
+            raise RuntimeError("an elastic resume was loaded but has not started: iterate first, or keep "
+                               "the old states to load again")
         return {
             VERSION_KEY: STATE_VERSION,
             FINGERPRINT_KEY: self.fingerprint(here.num_workers),
             WORKER_KEY: {"dp_rank": self.dp_rank, "worker_id": here.id},
-            PASSES_KEY: self._pass if self._graph is not None else self._next_pass,
+            PASSES_KEY: self._pass if self._graph is not None else self._tracker.next_pass(here.id),
             GRAPH_KEY: self._graph.root.state_dict() if self._graph is not None else None,
             METRICS_KEY: self.metrics(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_version(state)
-        saved = state[FINGERPRINT_KEY]
-        check_fingerprint(saved, self.fingerprint(saved.get("num_workers")))  # workers: in __iter__
-        self._pending = state
+    def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+        """One state (this reader's, same topology) or the states of every reader of every rank
+        of a run (any topology; see the class docstring)."""
+        if isinstance(state, Mapping):
+            check_version(state)
+            saved = state[FINGERPRINT_KEY]
+            check_fingerprint(saved, self.fingerprint(saved.get("num_workers")))  # workers: in __iter__
+            self._pending = state
+        else:
+            self._pending = PendingResume.load(self, list(state))
+        self._pending_generation = self._tracker.new_generation()
         self._generation += 1  # a live iterator must not continue from a replaced position
 
     def metrics(self) -> dict[str, Any]:
@@ -197,40 +232,37 @@ class PackedDataset(IterableDataset):
         state: ``[s["metrics"] for s in streampack.state.dataset_states(loader.state_dict())]``)."""
         if self._graph is None:
             return {}
-        n = self._graph.nodes
-        packer = n["packer"].metrics if "packer" in n else {}
-        return {
-            **({"mixture": n["mixture"].metrics} if "mixture" in n else {}),
-            "packing": {**packer, "fill": fill(packer)} if packer else {},
-            "overlong": n["overlong"].counters.as_dict() if "overlong" in n else {},
-            "errors": self._graph.errors.as_dict(),
-            "io": self._graph.io_stats.as_dict(),
-            "tokenize": dict(n["tokenize"].counters) if "tokenize" in n else {},
-            "stages": [dict(s.counters) for s in n.get("stages", ()) if hasattr(s, "counters")],
-            "batches": dict(n["collate"].counters),
-        }
+        now = graph_metrics(self._graph.nodes)
+        plan = now.pop("plan")
+        if self._graph.loop is not None:
+            now = add_metrics(self._graph.loop.totals, now)
+            if now.get("packing"):
+                now["packing"]["fill"] = fill(now["packing"])
+        return {**now, "plan": plan, "errors": self._graph.errors.as_dict(), "io": self._graph.io_stats.as_dict()}
 
     # ----------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[PackedBatch]:
         here = current_worker()
-        state, self._pending = self._pending, None
+        pending, self._pending = self._pending, None
+        if pending is not None and not self._tracker.claim(here.id, self._pending_generation):
+            pending = None  # used by this reader in an earlier iteration: a fresh pass now
+        state, share = pending, None
+        if isinstance(pending, PendingResume):
+            state, share = pending.for_reader(self, here)
         if state is not None:
             check_fingerprint(state[FINGERPRINT_KEY], self.fingerprint(here.num_workers))
             saved = state[WORKER_KEY]
             if saved["worker_id"] != here.id or saved["dp_rank"] != self.dp_rank:
                 raise ValueError(f"state of dp_rank={saved['dp_rank']} worker_id={saved['worker_id']} "
                                  f"loaded into dp_rank={self.dp_rank} worker_id={here.id}")
-            self._pass = state[PASSES_KEY]
-        else:
-            self._pass = self._next_pass
-        self._next_pass = self._pass + 1
+        resume = state[PASSES_KEY] if state is not None else (pending.left.passes if share is not None else None)
+        self._pass = self._tracker.begin(here.id, in_worker_process=here.num_workers > 0, resume=resume)
         self._graph = self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size, worker_id=here.id,
-                                            num_workers=here.readers, passes=self._pass))
+                                            num_workers=here.readers, passes=self._pass), share=share)
         if state is not None and state[GRAPH_KEY] is not None:
             self._graph.root.reset(state[GRAPH_KEY])
             # A restored graph has read exactly as far as the saved one (each node replays up to
-            # its saved read position), so the saved error counts are the counts now; errors met
-            # while replaying are already in them.
+            # its saved read position), so the saved error and I/O counts are the counts now.
             saved = state.get(METRICS_KEY) or {}
             if saved.get("errors") is not None:
                 self._graph.errors.load(saved["errors"])
@@ -241,9 +273,25 @@ class PackedDataset(IterableDataset):
         self._generation += 1
         return self._run(self._generation, self._graph, pin=self.pin_memory and here.num_workers == 0)
 
-    def _build(self, place: Placement) -> Graph:
+    def _build(self, place: Placement, share: Share | None = None, validate: bool = False) -> Graph:
         return build_graph(self.config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
-                           stages=self.stages)
+                           stages=self.stages, share=share, validate=validate)
+
+    def _check_equal_batches(self) -> None:
+        """Finite, several ranks, counts planned from the index: the index must know lengths."""
+        c = self.config
+        if c.epochs is None or self.dp_size == 1 or c.batches_per_epoch is not None or c.equal_batches != "plan":
+            return
+        if self.sources.mixture:
+            raise ValueError(f"a finite mixture over dp_size={self.dp_size} ranks cannot be planned (sources are drawn "
+                             f"at random): pass batches_per_epoch, or equal_batches='sync' and iterate "
+                             f"streampack.sync_batches(loader, ds)")
+        planner = make_planner(c, self.sources, Placement(dp_size=self.dp_size), self.options)
+        if planner is not None and not planner.known_lengths():
+            raise ValueError(f"finite epochs over dp_size={self.dp_size} ranks are planned from the shard index, "
+                             f"which has no token lengths for these shards (text to tokenize?): pass "
+                             f"equal_batches='sync' and iterate streampack.sync_batches(loader, ds) (one all-reduce "
+                             f"per step), or batches_per_epoch")
 
     def _run(self, generation: int, graph: Graph, pin: bool) -> Iterator[PackedBatch]:
         pin = pin and torch.cuda.is_available()
@@ -260,36 +308,3 @@ class PackedDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get a copy without the live graph (it is rebuilt in __iter__)
         return {**self.__dict__, "_graph": None}
-
-
-def _sources(urls: URLs | Mapping[str, Any], *, opts: OpenOptions, mixture_stop: str) -> Sources:
-    """Expand what the user named, once: a mixture mapping, a packed directory, or shards."""
-    if isinstance(urls, Mapping):
-        shards, weights = {}, {}
-        for name, value in urls.items():
-            weighted = isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Real)
-            source, weights[name] = value if weighted else (value, 1.0)
-            if is_packed_dataset(source):
-                raise ValueError(f"mixture source {name!r} is a `streampack pack` directory; mixtures "
-                                 f"read raw shards only")
-            shards[name] = ShardList.of(source, allow_pipe=opts.allow_pipe, opts=opts)
-        if not shards:
-            raise ValueError("a mixture needs at least one source")
-        by_name = dict(sorted(weights.items(), key=lambda kv: str(kv[0])))  # mapping order never matters
-        return Sources(mixture=shards, weights=by_name, stop=mixture_stop)
-    if is_packed_dataset(urls):
-        return Sources(packed=packed_manifest(urls), packed_urls=urls)
-    return Sources(shards=ShardList.of(urls, allow_pipe=opts.allow_pipe, opts=opts))
-
-
-def _tokenizer_id(tokenizer: Any) -> str | None:
-    """What identifies a tokenizer in the fingerprint: a changed vocabulary changes every id."""
-    if tokenizer is None:
-        return None
-    if isinstance(tokenizer, (str, os.PathLike)):  # the Tokenize node checked that it exists
-        with open(tokenizer, "rb") as f:
-            return "sha1:" + hashlib.sha1(f.read()).hexdigest()[:16]
-    if hasattr(tokenizer, "to_str"):  # tokenizers.Tokenizer: its full serialized definition
-        return "sha1:" + hashlib.sha1(tokenizer.to_str().encode()).hexdigest()[:16]
-    name = getattr(tokenizer, "__qualname__", type(tokenizer).__qualname__)
-    return f"{getattr(tokenizer, '__module__', '')}.{name}"

@@ -6,6 +6,11 @@
     (one per source)
     PackedShardReader (``streampack pack`` output) ───────────────────────────────────────────> ThdCollate
 
+A finite stream (``epochs=N``) runs that chain once per epoch under an
+:class:`~streampack.nodes.epochs.EpochLoop`, each epoch read as planned by
+:class:`~streampack.nodes.epoch_plan.EpochPlanner` (sample-balanced spans, and with several
+ranks the batch quota that gives every rank the same count). An infinite stream is one chain.
+
 :class:`StreamConfig` holds every setting that shapes the stream (it is what a resume state is
 fingerprinted on); :class:`ReadOptions` holds the ones that do not (retries, caching, thread
 counts). The builder hands each node only the values that node uses; each node validates its
@@ -20,27 +25,31 @@ graph's state like any other.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torchdata.nodes import BaseNode
 
 from streampack.errors import ErrorCounter
-from streampack.io.limits import Limits
-from streampack.io.packed_format import Manifest
-from streampack.io.retry import IOStats, RetryPolicy
-from streampack.io.storage import OpenOptions
-from streampack.io.urls import ShardList
+from streampack.io.decode import DecodeOptions
+from streampack.io.index import load_or_build_index
+from streampack.io.retry import IOStats
 from streampack.layout.batch import PackedBatch
 from streampack.nodes.collate import ThdCollate
+from streampack.nodes.epoch_plan import Counting, EpochPlanner
+from streampack.nodes.epochs import EpochLoop
 from streampack.nodes.mixture import Mixture
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
 from streampack.nodes.reader import ShardReader
-from streampack.nodes.stages import build_stages
+from streampack.nodes.replay import Replayer, ReplaySpec
+from streampack.nodes.sharding import Span
+from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
-from streampack.nodes.window_packer import WindowPacker
+from streampack.nodes.window_packer import WindowPacker, fill
+from streampack.nodes.window_rounds import PackerRules, worker_seed
 from streampack.sample import Sample
+from streampack.settings import Placement, ReadOptions, Share, Sources, StreamConfig
 
 Wrap = Callable[[BaseNode[Any]], BaseNode[Any]]
 STAGES = ("reader", "tokenize", "stages", "overlong", "packer", "collate")
@@ -48,138 +57,46 @@ STAGES = ("reader", "tokenize", "stages", "overlong", "packer", "collate")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Sources:
-    """What to read, expanded once: plain shards, a weighted mixture, or offline packs."""
-
-    shards: ShardList | None = None
-    mixture: Mapping[str, ShardList] = field(default_factory=dict)
-    weights: Mapping[str, float] = field(default_factory=dict)
-    """Mixture weights by source name (checked by :class:`~streampack.nodes.mixture.Mixture`)."""
-    stop: str = "all"
-    """When a finite mixture ends (see :class:`~streampack.nodes.mixture.Mixture`)."""
-    packed: Manifest | None = None
-    packed_urls: Any = None
-    """What the user named for ``packed`` (a directory, its manifest, or some of its shards)."""
-
-    @property
-    def digest(self) -> str:
-        if self.packed is not None:
-            return f"packed:{self.packed.digest}"
-        if self.mixture:
-            return ";".join(f"{n}={s.digest}" for n, s in sorted(self.mixture.items()))
-        assert self.shards is not None
-        return self.shards.digest
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StreamConfig:
-    """Every setting that changes the stream of batches (a resume state is fingerprinted on
-    these; see ``PackedDataset`` for what each means)."""
-
-    capacity: int
-    window: int = 1024
-    algorithm: str = "bfd"
-    packs_per_batch: int = 1
-    align: int = 1
-    text_key: str = "text"
-    tokens_key: str = "input_ids"
-    labels_key: str | None = None
-    loss_mask_key: str | None = None
-    overlong: str = "split"
-    seed: int = 0
-    shuffle: bool = True
-    epochs: int | None = None
-    """Epochs per pass (None = infinite)."""
-    on_error: str = "raise"
-    pad_id: int = 0
-    ignore_index: int = -100
-    bos_id: int | None = None
-    eos_id: int | None = None
-    max_wait: int = 8
-    slack: int | None = None
-    batches_per_epoch: int | None = None
-    vocab_size: int | None = None
-    """Token ids (read or tokenized) must be below it; None = below 2**31."""
-    limits: Limits = Limits()
-    """Bytes per line / member / sample and json depth a reader accepts (they decide which
-    samples are kept, so they are part of the fingerprint)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReadOptions:
-    """Settings that do not change the stream: how shards are fetched and how fast."""
-
-    allow_pipe: bool = False
-    allow_pickle: bool = False
-    cache_dir: str | None = None
-    retries: int | None = None
-    retry_budget: float = 120.0
-    connect_timeout: float = 10.0
-    read_timeout: float = 30.0
-    request_deadline: float = 120.0
-    allow_redirects: bool = False
-    storage_options: Mapping[str, Any] | None = None
-    num_threads: int = 1
-    tokenize_block: int = 64
-
-    def open_options(self) -> OpenOptions:
-        """How the readers fetch shards (validated here: bad values raise ``ValueError``)."""
-        return OpenOptions(retry=RetryPolicy(budget=self.retry_budget, retries=self.retries),
-                           connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                           request_deadline=self.request_deadline, allow_redirects=self.allow_redirects,
-                           storage_options=dict(self.storage_options or {}), allow_pipe=self.allow_pipe)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Placement:
-    """Which reader this graph is: data-parallel rank and DataLoader worker."""
-
-    dp_rank: int = 0
-    dp_size: int = 1
-    worker_id: int = 0
-    num_workers: int = 1
-    """Readers on this rank (``max(DataLoader num_workers, 1)``)."""
-    passes: int = 0
-    """Finite mode: completed passes before this one (pass ``p`` reads epochs ``[p*N, (p+1)*N)``)."""
-
-    @property
-    def global_worker(self) -> int:
-        return self.dp_rank * self.num_workers + self.worker_id
-
-    @property
-    def global_workers(self) -> int:
-        return self.dp_size * self.num_workers
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Graph:
-    """A built graph: its root and its named nodes (for metrics and restores)."""
+    """A built graph: its root and its named nodes (for metrics and restores; a finite stream
+    updates them in place as epochs pass)."""
 
     root: BaseNode[PackedBatch]
-    nodes: Mapping[str, Any]
+    nodes: dict[str, Any]
     errors: ErrorCounter
-    io_stats: IOStats = field(default_factory=IOStats)
-    """Reads, retries and faults of every shard read (``metrics()["io"]``)."""
+    io_stats: IOStats
+    """Requests, retries and faults of this reader's I/O (shared by every epoch's chain)."""
+    loop: EpochLoop[PackedBatch] | None = None
+    planner: EpochPlanner | None = None
+
+
+def replayable(stages: Sequence[Any]) -> bool:
+    """Whether carried samples can be re-read per sample: only function stages (a node stage
+    may hold its own buffer, so its output cannot be recomputed sample by sample)."""
+    return all(not isinstance(s, (NodeStage, type)) for s in stages)
 
 
 def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, options: ReadOptions = ReadOptions(),
                   tokenizer: Any = None, stages: Sequence[Any] = (), errors: ErrorCounter | None = None,
-                  around: Mapping[str, Wrap] | None = None,
+                  around: Mapping[str, Wrap] | None = None, epoch: int | None = None,
+                  work: list[Span] | None = None, keep_work: bool = False,
                   io_stats: IOStats | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
-    """The sample half of the graph: reader(s) -> [mixture] -> [tokenize] -> [stages]."""
+    """The sample half of the graph: reader(s) -> [mixture] -> [tokenize] -> [stages].
+    ``epoch`` reads that one epoch (``work``: its spans) instead of the pass's epochs."""
     errors = errors if errors is not None else ErrorCounter()
     io_stats = io_stats if io_stats is not None else IOStats()
     open_options = options.open_options()
     wrap = _wrapper(around)
-    epochs, start = _epochs(config, place)
+    end, start = _epochs(config, place) if epoch is None else (epoch + 1 if config.epochs else None, epoch)
     readers = {name: ShardReader(
-        shards, seed=config.seed, shuffle=config.shuffle, epochs=epochs, start_epoch=start, dp_rank=place.dp_rank,
+        shards, seed=config.seed, shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank,
         dp_size=place.dp_size, worker_id=place.worker_id, num_workers=place.num_workers,
         tokens_key=config.tokens_key, text_key=config.text_key, labels_key=config.labels_key,
         loss_mask_key=config.loss_mask_key, on_error=config.on_error, errors=errors,
         allow_pipe=options.allow_pipe, allow_pickle=options.allow_pickle, cache_dir=options.cache_dir,
-        open_options=open_options, io_stats=io_stats, vocab_size=config.vocab_size, limits=config.limits)
-        for name, shards in (sources.mixture or {"": sources.shards}).items()}
+        open_options=open_options, io_stats=io_stats, source=i, work=None if work is None else {start: work},
+        keep_work=keep_work, vocab_size=config.vocab_size, limits=config.limits)
+        for i, (name, shards) in enumerate(sorted(sources.mixture.items()) or [("", sources.shards)])}
     nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "errors": errors, "io": io_stats}
     node: BaseNode[Sample] = nodes["reader"]
     if sources.mixture:
@@ -197,32 +114,175 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
 
 def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, options: ReadOptions = ReadOptions(),
                 tokenizer: Any = None, stages: Sequence[Any] = (),
-                around: Mapping[str, Wrap] | None = None) -> Graph:
-    """The whole graph of one reader, ending in :class:`~streampack.nodes.collate.ThdCollate`."""
+                around: Mapping[str, Wrap] | None = None, share: Share | None = None,
+                validate: bool = False) -> Graph:
+    """The whole graph of one reader, ending in :class:`~streampack.nodes.collate.ThdCollate`;
+    ``share`` starts it from an elastic resume's share. A finite stream builds each epoch's
+    chain when the epoch starts; ``validate`` builds the first one at once (without planning
+    it), so every setting is checked here."""
     errors, io_stats = ErrorCounter(), IOStats()
-    wrap = _wrapper(around)
-    if sources.packed is not None:  # `streampack pack` output: no tokenizing or packing
-        epochs, start = _epochs(config, place)
-        node: BaseNode[Any] = PackedShardReader(
-            sources.packed_urls, capacity=config.capacity, align=config.align, seed=config.seed,
-            shuffle=config.shuffle, epochs=epochs, start_epoch=start, dp_rank=place.dp_rank, dp_size=place.dp_size, worker_id=place.worker_id, num_workers=place.num_workers)
-        nodes: dict[str, Any] = {"reader": node, "errors": errors}
-        node = wrap("reader", node)
-    else:
-        node, nodes = build_samples(config, sources, place, options=options, tokenizer=tokenizer, stages=stages,
-                                    errors=errors, around=around, io_stats=io_stats)
-        node = nodes["overlong"] = OverlongNode(node, config.capacity, config.overlong)
-        node = wrap("overlong", node)
+    nodes: dict[str, Any] = {}
+    build = _Builder(config, sources, place, options, tokenizer, stages, around, errors, share, io_stats)
+    if config.epochs is None or (sources.mixture and sources.packed is None):
+        root, named = build.chain(None)
+        nodes.update(named)
+        return Graph(root=root, nodes=nodes, errors=errors, io_stats=io_stats)
+    last, first = _epochs(config, place)
+    assert last is not None
+    if share is not None:
+        first = share.epoch
+    if validate:
+        build.chain(first, planned=False)
+    loop = EpochLoop(build.chain, first=first, last=last, nodes=nodes,
+                     metrics=lambda n: {k: v for k, v in graph_metrics(n).items() if k not in ("errors", "plan")})
+    return Graph(root=loop, nodes=nodes, errors=errors, io_stats=io_stats, loop=loop, planner=build.planner)
+
+
+class _Builder:
+    """Builds the chain of one epoch (or the one chain of an infinite stream)."""
+
+    def __init__(self, config: StreamConfig, sources: Sources, place: Placement, options: ReadOptions,
+                 tokenizer: Any, stages: Sequence[Any], around: Mapping[str, Wrap] | None,
+                 errors: ErrorCounter, share: Share | None, io_stats: IOStats) -> None:
+        self.config, self.sources, self.place, self.options = config, sources, place, options
+        self.tokenizer, self.stages, self.around, self.errors, self.share = tokenizer, stages, around, errors, share
+        self.io_stats = io_stats
+        self.wrap = _wrapper(around)
+        self.planner = make_planner(config, sources, place, options, io_stats) if config.epochs is not None else None
+
+    def chain(self, epoch: int | None, planned: bool = True) -> tuple[BaseNode[PackedBatch], dict[str, Any]]:
+        config = self.config
+        share = self.share if self.share is not None and (epoch is None or epoch == self.share.epoch) else None
+        if self.sources.packed is not None:
+            node, nodes, quota = self._packed(epoch, share)
+        else:
+            node, nodes, quota = self._samples(epoch, share, planned)
+        node = nodes["collate"] = ThdCollate(
+            node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.align,
+            pad_id=config.pad_id, ignore_index=config.ignore_index, num_batches=quota,
+            surplus_hint=_SURPLUS_HINT if config.batches_per_epoch is None else "raise batches_per_epoch",
+            errors=self.errors, dp_rank=self.place.dp_rank, worker_id=self.place.worker_id)
+        nodes["plan"] = {"epoch": epoch, "quota": quota, **(self._plan_info(epoch, share) if planned else {})}
+        return self.wrap("collate", node), nodes
+
+    def _packed(self, epoch: int | None, share: Share | None) -> tuple[BaseNode[Any], dict[str, Any], int | None]:
+        config, place = self.config, self.place
+        end, start = (None, 0) if epoch is None else (epoch + 1, epoch)
+        if share is not None:
+            start = share.epoch
+        reader = PackedShardReader(
+            self.sources.packed_urls, capacity=config.capacity, align=config.align, seed=config.seed,
+            shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank, dp_size=place.dp_size,
+            worker_id=place.worker_id, num_workers=place.num_workers, packs_per_batch=config.packs_per_batch,
+            work=None if share is None else {share.epoch: share.packs})
+        quota = None
+        if epoch is not None:
+            quota = share.quota if share is not None else self._fixed_quota()
+            if quota is None and place.dp_size > 1:
+                quota = reader.quotas(epoch)[place.global_worker]
+        return self.wrap("reader", reader), {"reader": reader, "errors": self.errors, "io": self.io_stats}, quota
+
+    def _samples(self, epoch: int | None, share: Share | None,
+                 planned: bool) -> tuple[BaseNode[Any], dict[str, Any], int | None]:
+        config, place = self.config, self.place
+        work, quota = None, None
+        if share is not None:
+            work, quota = share.spans, share.quota
+        elif epoch is not None and not self.sources.mixture and planned:
+            assert self.planner is not None
+            plan = self.planner.plan(epoch).workers[place.global_worker]
+            work, quota = plan.spans, self._fixed_quota() or plan.quota
+        elif self.sources.mixture and config.epochs is not None:
+            quota = _mixture_quota(config, place)
+        node, nodes = build_samples(config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
+                                    stages=self.stages, errors=self.errors, around=self.around,
+                                    epoch=share.epoch if share is not None and epoch is None else epoch,
+                                    work=work, keep_work=share is not None, io_stats=self.io_stats)
+        replayer = self._replayer(nodes)
+        node = nodes["overlong"] = OverlongNode(node, config.capacity, config.overlong,
+                                                replay=None if replayer is None else replayer.chunks)
+        node = self.wrap("overlong", node)
         node = nodes["packer"] = WindowPacker(
             node, capacity=config.capacity, window=config.window, algorithm=config.algorithm, align=config.align,
-            seed=config.seed * 1_000_003 + place.global_worker, max_wait=config.max_wait, slack=config.slack,
-            shuffle=config.shuffle)
-        node = wrap("packer", node)
-    node = nodes["collate"] = ThdCollate(
-        node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.align,
-        pad_id=config.pad_id, ignore_index=config.ignore_index, num_batches=_quota(config, place),
-        errors=errors, dp_rank=place.dp_rank, worker_id=place.worker_id)
-    return Graph(root=wrap("collate", node), nodes=nodes, errors=errors, io_stats=io_stats)
+            seed=packer_seed(config, place), max_wait=config.max_wait, slack=config.slack,
+            shuffle=config.shuffle, replay=replayer, carry=None if share is None else share.carry)
+        return self.wrap("packer", node), nodes, quota
+
+    def _fixed_quota(self) -> int | None:
+        per_rank = self.config.batches_per_epoch
+        if per_rank is None:
+            return None
+        if per_rank % self.place.num_workers:
+            raise ValueError(f"batches_per_epoch={per_rank} must be a multiple of num_workers={self.place.num_workers}")
+        return per_rank // self.place.num_workers
+
+    def _replayer(self, nodes: Mapping[str, Any]) -> Replayer | None:
+        if not replayable(self.stages):
+            return None
+        config, options = self.config, self.options
+        encoder = nodes["tokenize"].encoder if "tokenize" in nodes else None
+        return Replayer(ReplaySpec(
+            sources=self.sources.lists, decode=DecodeOptions(
+                tokens_key=config.tokens_key, text_key=config.text_key, labels_key=config.labels_key,
+                loss_mask_key=config.loss_mask_key, allow_pickle=options.allow_pickle,
+                vocab_size=config.vocab_size, limits=config.limits),  # re-read as first read
+            opts=options.open_options(), encoder=encoder,
+            stages=list(self.stages), max_len=config.capacity, policy=config.overlong))
+
+    def _plan_info(self, epoch: int | None, share: Share | None) -> dict[str, Any]:
+        if epoch is None or share is not None or self.planner is None or self.sources.mixture:
+            return {}
+        plan = self.planner.plan(epoch)
+        mine = plan.workers[self.place.global_worker]
+        return {"batches": mine.batches, "fillers_all_ranks": plan.fillers, "min_fillers_all_ranks": plan.min_fillers}
+
+
+_SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than the data made: samples "
+                 "were skipped (on_error='skip') or a stage changed lengths; pass batches_per_epoch, or "
+                 "equal_batches='sync' with streampack.sync_batches in the training loop")
+
+
+def make_planner(config: StreamConfig, sources: Sources, place: Placement, options: ReadOptions,
+                 io_stats: IOStats | None = None) -> EpochPlanner | None:
+    """The planner of a finite single-source stream (None for mixtures and offline packs)."""
+    if sources.mixture or sources.packed is not None or sources.shards is None:
+        return None
+    shards = sources.shards
+    decode = DecodeOptions(tokens_key=config.tokens_key, text_key=config.text_key, allow_pickle=options.allow_pickle,
+                           vocab_size=config.vocab_size, limits=config.limits)
+    opts = options.open_options()
+    return EpochPlanner(len(shards), lambda i: load_or_build_index(shards.urls[i], decode=decode, opts=opts,
+                                                                   cache_dir=options.cache_dir, stats=io_stats),
+                        seed=config.seed, shuffle=config.shuffle, dp_size=place.dp_size,
+                        num_workers=place.num_workers, counting=counting_for(config, place))
+
+
+def counting_for(config: StreamConfig, place: Placement) -> Counting | None:
+    """What a plan needs to count batches, when ranks must yield equal counts by plan."""
+    if place.dp_size == 1 or config.batches_per_epoch is not None or config.equal_batches != "plan":
+        return None
+    rules = PackerRules(capacity=config.capacity, window=config.window, algorithm=config.algorithm,
+                        align=config.align, seed=config.seed, max_wait=config.max_wait, slack=config.slack)
+    return Counting(rules=rules, max_len=config.capacity, policy=config.overlong,
+                    packs_per_batch=config.packs_per_batch)
+
+
+def packer_seed(config: StreamConfig, place: Placement) -> int:
+    return worker_seed(config.seed, place.global_worker)
+
+
+def graph_metrics(nodes: Mapping[str, Any]) -> dict[str, Any]:
+    """Counters of a graph's named nodes (see ``PackedDataset.metrics``)."""
+    packer = nodes["packer"].metrics if "packer" in nodes else {}
+    return {
+        **({"mixture": nodes["mixture"].metrics} if "mixture" in nodes else {}),
+        "packing": {**packer, "fill": fill(packer)} if packer else {},
+        "overlong": nodes["overlong"].counters.as_dict() if "overlong" in nodes else {},
+        "tokenize": dict(nodes["tokenize"].counters) if "tokenize" in nodes else {},
+        "stages": [dict(s.counters) for s in nodes.get("stages", ()) if hasattr(s, "counters")],
+        "batches": dict(nodes["collate"].counters) if "collate" in nodes else {},
+        "plan": dict(nodes.get("plan", {})),
+    }
 
 
 def _epochs(config: StreamConfig, place: Placement) -> tuple[int | None, int]:
@@ -232,14 +292,14 @@ def _epochs(config: StreamConfig, place: Placement) -> tuple[int | None, int]:
     return (place.passes + 1) * config.epochs, place.passes * config.epochs
 
 
-def _quota(config: StreamConfig, place: Placement) -> int | None:
-    """Batches per reader per pass when ``batches_per_epoch`` (per rank) is set."""
-    if config.epochs is None or config.batches_per_epoch is None:
+def _mixture_quota(config: StreamConfig, place: Placement) -> int | None:
+    """A finite mixture's batches per reader per pass when ``batches_per_epoch`` is set."""
+    if config.batches_per_epoch is None:
         return None
     if config.batches_per_epoch % place.num_workers:
         raise ValueError(f"batches_per_epoch={config.batches_per_epoch} must be a multiple "
                          f"of num_workers={place.num_workers}")
-    return config.batches_per_epoch // place.num_workers * config.epochs
+    return config.batches_per_epoch // place.num_workers * config.epochs  # type: ignore[operator]
 
 
 def _wrapper(around: Mapping[str, Wrap] | None) -> Callable[[str, BaseNode[Any]], BaseNode[Any]]:

@@ -9,6 +9,28 @@ import numpy as np
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SampleOrigin:
+    """Where a sample was read: enough to read it again (a resume state stores this, not the
+    tokens) and to know where the reader stood after it."""
+
+    shard: int
+    """Index of the shard in its source's URL list."""
+    offset: int
+    """Where the sample starts: byte offset (uncompressed for ``.gz``) handed to the format reader."""
+    number: int
+    """Its number in the shard (tar ordinal, jsonl line number)."""
+    next_offset: int
+    """Where the next sample of the shard starts."""
+    next_number: int
+    epoch: int = 0
+    """Epoch the reader read it in."""
+    source: int = 0
+    """Index of the source (mixture sources sorted by name; 0 for a single source)."""
+    chunk: int = -1
+    """Chunk index after the overlong policy (``-1``: the whole sample)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Sample:
     """One document between reading and packing.
 
@@ -32,6 +54,9 @@ class Sample:
     """bool ``[L]``: ``loss_mask[i]`` says whether token ``i`` is a supervised target."""
     extras: Mapping[str, np.ndarray] = field(default_factory=dict)
     """Per-token side arrays ``[L, ...]`` (e.g. 3-D mRoPE positions), packed alongside."""
+    origin: SampleOrigin | None = None
+    """Set by the reader; kept through tokenizing and the overlong policy (``chunk``). A stage
+    that builds a new Sample without it makes the state store that sample's tokens instead."""
 
     @property
     def doc_key(self) -> str:

@@ -2,23 +2,32 @@
 
 A :class:`~streampack.dataset.PackedDataset` state (one per DataLoader worker) is::
 
-    {"version": 2,
+    {"version": 3,
      "fingerprint": {"sources": [...], "capacity": 4096, "window": 1024, "algorithm": "bfd",
                      "align": 1, "seed": 0, "dp_size": 1, "num_workers": 2, ...},
      "worker": {"dp_rank": 0, "worker_id": 1},
      "passes": 0,                   # completed fresh iterations (finite mode)
-     "graph": {...}}                # nested node state, or None = start of the pass
+     "graph": {...},                # nested node state, or None = start of the pass
+     "metrics": {...}}
 
 Only ints, strings, lists, dicts and tensors appear, so ``torch.load(weights_only=True)``
-accepts it. Buffered samples are stored as a few flat tensors (not one object per sample):
-StatefulDataLoader diffs every worker state against the previous one at each snapshot, and a
-handful of tensors compares in microseconds where a list of 1024 dicts does not.
+accepts it. Samples held in buffers (the packer's window, a split document's chunks) are
+stored as *references* — one row of :data:`REF_COLUMNS` (56 bytes) saying where to re-read the
+sample and which chunk it was (:mod:`streampack.nodes.replay`) — so a state grows with the
+window's sample count, never with document length or capacity; only a graph that cannot
+replay samples (a user node stage) stores their tokens (:func:`samples_to_state`). Either form
+is a few flat tensors, not one object per sample: StatefulDataLoader diffs every worker state
+against the previous one at each snapshot, and a handful of tensors compares in microseconds
+where a list of 1024 dicts does not.
+
+The states of every reader of a run (``dataset_states`` of every rank's loader state) also
+resume on another ``dp_size`` / ``num_workers``: see :mod:`streampack.elastic`.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +35,7 @@ import torch
 
 from streampack.sample import Sample
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 VERSION_KEY = "version"
 FINGERPRINT_KEY = "fingerprint"
 WORKER_KEY = "worker"
@@ -108,6 +117,86 @@ def _split_optional(field: Mapping[str, Any] | None, lengths: list[int]) -> list
     return out
 
 
+# ----------------------------------------------------------------- carried samples by reference
+REF_COLUMNS = ("source", "shard", "offset", "number", "epoch", "chunk", "length")
+"""Columns of a reference row: where to re-read a carried sample and which chunk it was,
+plus its token length (checked when it is re-read: a stage that is not a pure function of
+the sample is caught instead of silently changing the stream)."""
+Replay = Callable[[np.ndarray], list[Sample]]
+"""Re-reads rows of ``REF_COLUMNS`` (int64 ``[n, 7]``) -> the samples, in row order."""
+
+
+def ref_row(sample: Sample) -> list[int] | None:
+    """The reference row of ``sample``, or None when it has no origin (then store its tokens)."""
+    o = sample.origin
+    if o is None:
+        return None
+    return [o.source, o.shard, o.offset, o.number, o.epoch, o.chunk, len(sample)]
+
+
+def samples_to_table(samples: Sequence[Sample], *, by_reference: bool) -> dict[str, Any]:
+    """Samples -> a small table: a reference row for each sample with an origin (when
+    ``by_reference``), the tokens of the others (:func:`samples_to_state`), and which is which.
+
+    A reference costs ``8 * len(REF_COLUMNS)`` bytes whatever the sample's length, so a state
+    made of them grows with the window's sample count, never with document length.
+    """
+    rows = [ref_row(s) if by_reference else None for s in samples]
+    is_ref = [r is not None for r in rows]
+    refs = [r for r in rows if r is not None]
+    return {
+        "is_ref": torch.tensor(is_ref, dtype=torch.bool),
+        "refs": torch.tensor(refs, dtype=torch.int64).reshape(-1, len(REF_COLUMNS)),
+        "stored": samples_to_state([s for s, r in zip(samples, is_ref) if not r]),
+    }
+
+
+def table_size(table: Mapping[str, Any]) -> int:
+    return int(table["is_ref"].shape[0])
+
+
+def table_slice(table: Mapping[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """Rows ``[lo, hi)`` of a table (by position, references and stored samples alike)."""
+    is_ref = table["is_ref"]
+    before = int(is_ref[:lo].sum())
+    inside = int(is_ref[lo:hi].sum())
+    stored = samples_from_state(table["stored"])
+    s_before = lo - before
+    return {"is_ref": is_ref[lo:hi].clone(), "refs": table["refs"][before:before + inside].clone(),
+            "stored": samples_to_state(stored[s_before:s_before + (hi - lo - inside)])}
+
+
+def concat_tables(tables: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    if not tables:
+        return samples_to_table([], by_reference=True)
+    return {"is_ref": torch.cat([t["is_ref"] for t in tables]),
+            "refs": torch.cat([t["refs"] for t in tables]),
+            "stored": samples_to_state([s for t in tables for s in samples_from_state(t["stored"])])}
+
+
+def table_lengths(table: Mapping[str, Any]) -> np.ndarray:
+    """int64 ``[n]`` token length of every row."""
+    out = np.zeros(table_size(table), dtype=np.int64)
+    is_ref = table["is_ref"].numpy()
+    out[is_ref] = table["refs"].numpy()[:, REF_COLUMNS.index("length")]
+    out[~is_ref] = table["stored"]["lengths"].numpy()
+    return out
+
+
+def samples_from_table(table: Mapping[str, Any], replay: Replay | None) -> list[Sample]:
+    """Inverse of :func:`samples_to_table`; references are re-read with ``replay``."""
+    is_ref = table["is_ref"].tolist()
+    stored = iter(samples_from_state(table["stored"]))
+    if any(is_ref):
+        if replay is None:
+            raise ValueError("this state holds carried samples by reference but the graph cannot re-read "
+                             "them (it has a user node stage); it was saved by another graph")
+        replayed = iter(replay(table["refs"].numpy()))
+    else:
+        replayed = iter(())
+    return [next(replayed) if r else next(stored) for r in is_ref]
+
+
 def check_version(state: Mapping[str, Any], *, what: str = "state") -> None:
     """Every versioned state (the dataset's and each node's that keeps one) carries
     ``STATE_VERSION``; one number for the whole library, bumped when any layout changes."""
@@ -148,8 +237,10 @@ def check_loader_state(loader_state: Mapping[str, Any], num_workers: int) -> Non
         saved = snapshot.get("_main_snapshot", {}).get("_num_workers", len(snapshot.get("_worker_snapshots", {})))
     if saved != num_workers:
         raise ValueError(f"cannot resume: the loader state was saved with num_workers={saved}, "
-                         f"the loader now has num_workers={num_workers}; the packed stream depends "
-                         f"on the worker count, so resume with num_workers={saved}")
+                         f"the loader now has num_workers={num_workers}; resume with num_workers={saved}, "
+                         f"or load the dataset states of every rank into the dataset instead "
+                         f"(ds.load_state_dict(all_states), all_states from streampack.state.dataset_states) "
+                         f"for an elastic resume on the new worker count")
 
 
 def load_loader_state(loader: Any, loader_state: Mapping[str, Any]) -> None:

@@ -48,25 +48,62 @@ def validate_topology(dp_rank: int, dp_size: int, worker_id: int, num_workers: i
 
 
 def resolve_topology(dp_rank: int | None = None, dp_size: int | None = None, process_group: Any = None) -> tuple[int, int]:
-    """``(dp_rank, dp_size)``: explicit args, else ``torch.distributed`` (rank and size *within
-    ``process_group``* — pass the data-parallel group when TP/CP/PP exist), else the
-    ``RANK``/``WORLD_SIZE`` environment (the global rank: only right without model parallelism),
-    else ``(0, 1)``."""
-    if dp_rank is None or dp_size is None:
-        auto_rank, auto_size = _auto_topology(process_group)
+    """``(dp_rank, dp_size)`` of this process, in this order of precedence:
+
+    1. ``process_group`` (the data-parallel group: ``dp_group=`` of ``PackedDataset``): rank
+       and size within it;
+    2. explicit ``dp_rank`` / ``dp_size``;
+    3. ``torch.distributed`` when initialised — but only while the world group is the only
+       process group: once other groups exist (TP/CP/PP, a ``DeviceMesh``), the global rank
+       is not the data-parallel rank, so this raises ``ValueError`` asking for ``dp_group``
+       instead of letting every model-parallel rank of a replica read different data;
+    4. the ``RANK`` / ``WORLD_SIZE`` environment (the global rank: right only without model
+       parallelism, which cannot be detected from the environment);
+    5. ``(0, 1)``.
+    """
+    if process_group is not None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("dp_group given but torch.distributed is not initialized")
+        group_rank, group_size = dist.get_rank(group=process_group), dist.get_world_size(group=process_group)
+        if group_rank < 0:
+            raise ValueError("this process is not a member of the dp_group it was given")
+        for name, given, actual in (("dp_rank", dp_rank, group_rank), ("dp_size", dp_size, group_size)):
+            if given is not None and given != actual:
+                raise ValueError(f"{name}={given} contradicts dp_group ({name} {actual} there); pass one or the other")
+        dp_rank, dp_size = group_rank, group_size
+    elif dp_rank is None or dp_size is None:
+        auto_rank, auto_size = _auto_topology()
         dp_rank = auto_rank if dp_rank is None else dp_rank
         dp_size = auto_size if dp_size is None else dp_size
     validate_topology(dp_rank, dp_size, 0, 1)
     return int(dp_rank), int(dp_size)
 
 
-def _auto_topology(process_group: Any) -> tuple[int, int]:
+def process_groups() -> int:
+    """How many process groups ``torch.distributed`` knows (the world group included); 0
+    when it cannot tell (the registry is private to torch, checked against torch 2.13)."""
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    names = getattr(world, "pg_names", None)
+    return len(names) if isinstance(names, dict) else 0
+
+
+def _auto_topology() -> tuple[int, int]:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group=process_group), dist.get_world_size(group=process_group)
-    if process_group is not None:
-        raise ValueError("process_group given but torch.distributed is not initialized")
+        if process_groups() > 1:
+            raise ValueError(
+                f"torch.distributed has {process_groups() - 1} process group(s) besides the world group "
+                f"(tensor / context / pipeline parallelism or a DeviceMesh), so the global rank "
+                f"{dist.get_rank()} is not the data-parallel rank: pass dp_group= the data-parallel group "
+                f"(Megatron: parallel_state.get_data_parallel_group(); a DeviceMesh: mesh['dp'].get_group()), "
+                f"or dp_rank= and dp_size=, or dp_group=torch.distributed.group.WORLD if every rank is a "
+                f"data-parallel rank")
+        return dist.get_rank(), dist.get_world_size()
     rank, size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if rank is None and size is None:
         return 0, 1

@@ -1,8 +1,9 @@
 """Run by tests/test_distributed.py under ``torchrun --nproc_per_node 2``.
 
-Each rank finds its rank from ``torch.distributed`` (gloo), reads one finite epoch, joins
-every batch with an all_reduce (a rank with fewer batches would hang it), and rank 0 writes
-every rank's document keys and batch count to ``argv[2]`` as json.
+Each rank finds its rank from ``torch.distributed`` (gloo), reads one finite epoch (no batch
+count given: the plan makes every rank's count equal), joins every batch with an all_reduce (a
+rank with fewer batches would hang it), and rank 0 writes every rank's document keys and batch
+count to ``argv[2]`` as json.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from streampack.dataset import PackedDataset
 def main() -> None:
     urls, out = json.loads(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
-    ds = PackedDataset(urls, capacity=512, window=32, epochs=1, batches_per_epoch=80)
+    ds = PackedDataset(urls, capacity=512, window=32, epochs=1)
     keys, batches = [], 0
     for batch in DataLoader(ds, batch_size=None, num_workers=2):
         total = torch.tensor([batch.num_tokens])

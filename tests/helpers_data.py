@@ -244,3 +244,35 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class CountingFile(io.RawIOBase):
+    """Wraps a real file, recording every byte range it reads."""
+
+    log: list[tuple[int, int]] = []
+
+    def __init__(self, path: str) -> None:
+        self._f = open(path, "rb")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self._f.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readinto(self, b) -> int:
+        pos = self._f.tell()
+        n = self._f.readinto(b)
+        if n:
+            CountingFile.log.append((pos, n))
+        return n
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()

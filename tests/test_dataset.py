@@ -102,7 +102,7 @@ def test_fingerprint_mismatch_names_both_values(shards) -> None:
     ({"packs_per_batch": 0}, "packs_per_batch=0"),
     ({"on_error": "ignore"}, "on_error='ignore'"),
     ({"batches_per_epoch": 5}, "needs a finite stream"),
-    ({"epochs": 1, "dp_rank": 0, "dp_size": 2}, "needs batches_per_epoch"),
+    ({"epochs": 1, "dp_rank": 0, "dp_size": 2, "equal_batches": "guess"}, "equal_batches='guess'"),
     ({"tokenizer": "/no/such/tokenizer.json"}, "does not exist"),
 ])
 def test_validation(shards, kwargs, pattern) -> None:
@@ -172,3 +172,46 @@ def test_fingerprint_knows_which_tokenizer(tmp_path) -> None:
     with pytest.raises(ValueError, match="pad_id: saved 0, now 3"):
         check_fingerprint(saved, ds(str(a), pad_id=3).fingerprint(0))
     assert ds(len).fingerprint(0)["tokenizer"] == "builtins.len"
+
+
+def test_main_process_state_dict_refuses_while_workers_read(shards) -> None:
+    """Finding: with a plain DataLoader and workers, ``ds.state_dict()`` in the main process
+    silently returned the start position; the checkpoint failed only at resume, with a
+    misleading ``num_workers: saved 0, now 2``."""
+    urls, _ = shards
+    ds = PackedDataset(urls, capacity=CAP, window=16)
+    start = ds.state_dict()  # before anything ran, the start position is the truth
+    assert start["graph"] is None and start["passes"] == 0
+    it = iter(DataLoader(ds, batch_size=None, num_workers=2))
+    next(it)
+    with pytest.raises(RuntimeError, match="StatefulDataLoader"):
+        ds.state_dict()
+    del it
+    main_only = PackedDataset(urls, capacity=CAP, window=16)
+    first = next(iter(DataLoader(main_only, batch_size=None, num_workers=0)))
+    assert main_only.state_dict()["graph"] is not None and first.num_docs > 0
+
+
+@pytest.mark.slow  # three loaders with worker processes
+def test_a_loaded_state_is_used_once_per_reader(shards) -> None:
+    """A state loaded into the dataset before a loader with workers resumes that iteration
+    only; iterating the loader again starts the next pass instead of the checkpoint again.
+    (A plain DataLoader restarts its round-robin at worker 0, so the workers' exact streams
+    interleave differently from StatefulDataLoader's; compare them as multisets.)"""
+    urls, _ = shards
+    loader = StatefulDataLoader(PackedDataset(urls, capacity=CAP, window=16, epochs=1), batch_size=None,
+                                num_workers=2)
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    states = dataset_states(loader.state_dict())
+    del it
+    ds = PackedDataset(urls, capacity=CAP, window=16, epochs=1)
+    ds.load_state_dict(states)  # every worker's state: picks its own on the same topology
+    plain = DataLoader(ds, batch_size=None, num_workers=2)
+    resumed = list(plain)
+    full = list(StatefulDataLoader(PackedDataset(urls, capacity=CAP, window=16, epochs=1), batch_size=None,
+                                   num_workers=2))
+    assert sorted(canon(b) for b in head + resumed) == sorted(canon(b) for b in full)
+    again = list(plain)  # the next pass, not the checkpoint's rest once more
+    assert collect_documents(again) == collect_documents(full)
+    assert [canon(b) for b in again] != [canon(b) for b in full]

@@ -61,3 +61,20 @@ def test_hand_built_graph():
     out = run([sys.executable, str(EXAMPLES / "hand_built_graph.py")])
     assert "by_hand: equals PackedDataset and resumes exactly from Loader.state_dict(): True" in out
     assert "with_builder: equals PackedDataset and resumes exactly from Loader.state_dict(): True" in out
+
+
+@pytest.mark.distributed
+def test_elastic_restart_with_torchrun(tmp_path):
+    """Finite training on 2 ranks x 2 workers, a checkpoint of every reader's state, and a
+    restart on 3 ranks x 1 worker that finishes the epoch with every document once."""
+    env = {"STREAMPACK_EXAMPLE_DATA": str(tmp_path)}
+    ckpt = str(tmp_path / "ckpt.pt")
+
+    def torchrun(n: int, *extra: str) -> str:
+        return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                    str(EXAMPLES / "elastic_restart.py"), "--ckpt", ckpt, *extra], env=env)
+
+    assert "checkpoint after 6 steps per rank (4 reader states)" in torchrun(2, "--stop-after", "6")
+    out = torchrun(3)
+    assert "every document exactly once: True; steps per rank equal: True" in out, out

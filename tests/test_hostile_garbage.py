@@ -171,8 +171,10 @@ def test_tokens_still_win_over_text(tmp_path) -> None:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_garbage_through_the_loader(tmp_path, num_workers: int) -> None:
-    rep = write_bytes(tmp_path / "rep.tar", archive(sample("a", [1]), sample("b", [2]), sample("a", [3])))
-    ids_ = _jsonl(tmp_path, [{"input_ids": [1, 2]}, {"input_ids": [5, 2**40]}])
-    keys = [f"{rep}#a", f"{rep}#b", f"{ids_}#0"]
-    check_both_modes([rep, ids_], num_workers=num_workers, reason="repeated_key", url=rep, kept=keys,
-                     counts={"repeated_key": 1, "out_of_vocab_id": 1})
+    # per-sample garbage (repeated keys are checked per reader: see test_repeated_key_*)
+    both = sample("00000001", [2], json=json.dumps({"input_ids": [2]}).encode())
+    tar = write_bytes(tmp_path / "c.tar", archive(sample("00000000", [1]), both, sample("00000002", [3])))
+    ids_ = _jsonl(tmp_path, [{"input_ids": [1, 2]}, {"input_ids": [5, 2**40]}, {"input_ids": [3]}])
+    keys = [f"{tar}#00000000", f"{tar}#00000002", f"{ids_}#0", f"{ids_}#2"]
+    check_both_modes([tar, ids_], num_workers=num_workers, raises={("conflicting_fields", tar), ("out_of_vocab_id", ids_)},
+                     kept=keys, counts={"conflicting_fields": 1, "out_of_vocab_id": 1})

@@ -154,7 +154,8 @@ def test_good_neighbours_kept_through_the_loader(tmp_path, num_workers: int) -> 
     damaged = write_bytes(tmp_path / "d.tar", damage_header(archive(*parts), offsets_of(parts)[2]))
     bad_line = write_bytes(tmp_path / "l.jsonl", b'{"input_ids": [1]}\n{"input_ids": [1, -1]}\n{"input_ids": [2]}\n')
     keys = [f"{damaged}#{i:08d}" for i in (0, 1, 3, 4, 5)] + [f"{bad_line}#0", f"{bad_line}#2"]
-    check_both_modes([damaged, bad_line], num_workers=num_workers, reason="corrupt_shard", url=damaged, kept=keys,
+    check_both_modes([damaged, bad_line], num_workers=num_workers, raises={("corrupt_shard", damaged), ("negative_id", bad_line)},
+                     kept=keys,
                      counts={"corrupt_shard": 1, "negative_id": 1})
 
 
@@ -186,3 +187,20 @@ def test_long_runs_of_damage_are_judged_alike_after_any_resume(tmp_path) -> None
         resumed = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
         resumed.reset(_roundtrip(reader.state_dict()))
         assert ids(head) + ids(resumed) == kept, f"resumed after {k} samples"
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_split_readers_judge_like_one_reader(tmp_path, num_workers: int) -> None:
+    # damage next to every part boundary (12 samples: boundaries at 4, 6, 8): the reader before
+    # it looks past its end, the one after it starts at the region (the index puts it there)
+    parts = [_labelled(i) for i in range(12)]
+    at = offsets_of(parts)
+    for k in range(3, 9):
+        for member_at in (0, 1024):  # the npy header, or the labels.npy header
+            url = write_bytes(tmp_path / f"d{k}-{member_at}.tar", damage_header(archive(*parts), at[k] + member_at))
+            one, one_counts = skip(url)
+            errors = ErrorCounter()
+            split = sum((ids(ShardReader(url, shuffle=False, epochs=1, worker_id=w, num_workers=num_workers,
+                                         on_error="skip", errors=errors, cache_dir=str(tmp_path / f"c{k}-{member_at}")))
+                         for w in range(num_workers)), [])
+            assert sorted(split) == one and errors.counts == one_counts, f"damage at sample {k} (+{member_at})"

@@ -153,8 +153,10 @@ def test_dataset_takes_limits_and_fingerprints_them(tmp_path) -> None:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_limits_through_the_loader(tmp_path, num_workers: int) -> None:
     lines = write_bytes(tmp_path / "l.jsonl.gz", gzip.compress(_line(1) + _line(9, 8 * KiB) + _line(2)))
-    tar = write_bytes(tmp_path / "m.tar", archive(*samples(2), sample("00000002", np.arange(2000) % 50)))
-    keys = [f"{lines}#0", f"{lines}#2", f"{tar}#00000000", f"{tar}#00000001"]
-    check_both_modes([lines, tar], num_workers=num_workers, reason="line_too_long", url=lines, kept=keys,
-                     counts={"line_too_long": 1, "member_too_large": 1},
-                     limits=Limits(max_line_bytes=4 * KiB, max_member_bytes=4 * KiB))
+    # token counts alike (the plan balances tokens), one npy member 4288 bytes, over the limit
+    parts = [sample(f"{i:08d}", np.arange(500 if i != 2 else 520) % 50) for i in range(5)]
+    tar = write_bytes(tmp_path / "m.tar", archive(*parts))
+    keys = [f"{lines}#0", f"{lines}#2"] + [f"{tar}#{i:08d}" for i in (0, 1, 3, 4)]
+    check_both_modes([lines, tar], num_workers=num_workers, raises={("line_too_long", lines), ("member_too_large", tar)},
+                     kept=keys, counts={"line_too_long": 1, "member_too_large": 1}, capacity=1024,
+                     limits=Limits(max_line_bytes=4 * KiB, max_member_bytes=4200))

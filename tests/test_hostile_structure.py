@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers_hostile import (
     archive,
+    assert_resume_exact,
     check_both_modes,
     header,
     ids,
@@ -109,6 +110,7 @@ def test_malformed_pax_header_loses_only_the_member_it_describes(tmp_path, recor
     url = write_bytes(tmp_path / "pax.tar", archive(*samples(3), bad, *samples(3, start=4)))
     kept, errors = raise_and_skip(url, "corrupt_shard")
     assert kept == [1, 2, 3, 5, 6, 7] and errors.counts == {"corrupt_shard": 1}
+    assert assert_resume_exact(url) == kept  # the offsets after the region are the real ones
 
 
 def test_gnu_long_name_declaring_64_gib(tmp_path) -> None:
@@ -117,6 +119,7 @@ def test_gnu_long_name_declaring_64_gib(tmp_path) -> None:
     url = write_bytes(tmp_path / "long.tar", archive(*samples(3), bad, *samples(3, start=4)))
     kept, errors = raise_and_skip(url, "corrupt_shard")
     assert kept == [1, 2, 3, 5, 6, 7] and errors.counts == {"corrupt_shard": 1}
+    assert assert_resume_exact(url) == kept
 
 
 def test_a_valid_long_name_still_works(tmp_path) -> None:
@@ -134,6 +137,7 @@ def test_unparsable_size_field_is_a_corrupt_region(tmp_path, size_field: bytes) 
     url = write_bytes(tmp_path / "size.tar", archive(*samples(3), bad, *samples(3, start=4)))
     kept, errors = raise_and_skip(url, "corrupt_shard")
     assert kept == [1, 2, 3, 5, 6, 7] and errors.counts == {"corrupt_shard": 1}
+    assert assert_resume_exact(url) == kept
 
 
 # ------------------------------------------------------------------ absurd declared sizes
@@ -146,6 +150,7 @@ def test_member_declaring_an_absurd_size(tmp_path, declared: int, field: str) ->
     url = write_bytes(tmp_path / "big.tar", archive(*samples(3), bad, *samples(3, start=4)))
     kept, errors = raise_and_skip(url, "corrupt_shard")
     assert kept == [1, 2, 3, 5, 6, 7] and errors.counts == {"corrupt_shard": 1}
+    assert assert_resume_exact(url) == kept
 
 
 def test_absurd_size_on_a_stream_that_cannot_seek(tmp_path) -> None:
@@ -183,7 +188,7 @@ def test_hostile_structure_through_the_loader(tmp_path, num_workers: int) -> Non
     tar = write_bytes(tmp_path / "pax.tar", archive(*samples(3), pax, *samples(3, start=4)))
     deep = write_bytes(tmp_path / "deep.jsonl", b'{"input_ids": [5]}\n' + DEEP)
     keys = [f"{tar}#{i:08d}" for i in (0, 1, 2, 4, 5, 6)] + [f"{deep}#0"]
-    check_both_modes([tar, deep], num_workers=num_workers, reason="corrupt_shard", url=tar, kept=keys,
+    check_both_modes([tar, deep], num_workers=num_workers, raises={("corrupt_shard", tar), ("json_too_deep", deep)}, kept=keys,
                      counts={"corrupt_shard": 1, "json_too_deep": 1})
 
 
@@ -232,3 +237,4 @@ def _check_damage(tmp_path, edits) -> None:
         assert len(read(url)) == len(kept)
     except DataError as e:  # raise mode: only DataErrors, naming the shard
         assert e.url == url
+    assert assert_resume_exact(url, every=max(1, len(kept) // 2)) == ids(kept)  # offsets stay true

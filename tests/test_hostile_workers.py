@@ -65,7 +65,8 @@ def test_raise_mode_reaches_the_loop_as_data_error(tmp_path, num_workers: int) -
             pass
     e = info.value
     assert isinstance(e, ValueError)
-    assert (e.reason, e.url, e.key) == ("out_of_vocab_id", urls[1], "1")
+    # the bad shard may be split between the workers: either of its bad lines can come first
+    assert (e.reason, e.url, e.key) in {("out_of_vocab_id", urls[1], "1"), ("json_too_deep", urls[1], "6")}
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -17,6 +17,7 @@ from streampack import PackedDataset, pack_batch
 from streampack.integrations.metrics import StreamMetrics
 from streampack.layout.stats import WorkerStats
 from streampack.logs import event_counts, get_logger, reset_rate_limits, warn_every
+from streampack.nodes.collate import FILLER_KEY
 from streampack.state import dataset_states
 
 
@@ -57,10 +58,15 @@ def test_every_batch_carries_its_readers_running_totals(tmp_path: Path) -> None:
     last = batches[-1].stats
     assert (last.dp_rank, last.worker_id) == (0, 0)
     assert [b.stats.batches for b in batches] == list(range(1, len(batches) + 1))
-    assert last.docs == sum(b.num_docs for b in batches) == 120
-    assert last.tokens == sum(b.num_tokens for b in batches)
-    assert last.slots == sum(b.total_tokens for b in batches)
-    assert last.packs == sum(b.num_packs for b in batches)
+    # the last batch is completed with a filler pack (pad tokens, zero targets): not data
+    real = [[i for i, k in enumerate(b.doc_keys) if k != FILLER_KEY] for b in batches]
+    lengths = [b.doc_lengths.tolist() for b in batches]
+    filler_packs = sum(b.doc_keys.count(FILLER_KEY) for b in batches)
+    assert filler_packs == 1 and batches[-1].doc_keys[-1] == FILLER_KEY
+    assert last.docs == sum(len(r) for r in real) == 120
+    assert last.tokens == sum(lengths[j][i] for j, r in enumerate(real) for i in r)
+    assert last.packs == sum(b.num_packs for b in batches) - filler_packs
+    assert last.slots == last.packs * 64
     assert last.targets == sum(b.num_targets for b in batches)
     assert last.fill == pytest.approx(ds.metrics()["packing"]["fill"])
     assert last.build_seconds > 0 and last.skipped == 0 and last.fillers == 0
@@ -88,13 +94,17 @@ def test_skips_and_fillers_are_counted(tmp_path: Path) -> None:
     lines = [json.dumps(d) for d in good]
     lines.insert(3, "{not json")
     path.write_text("\n".join(lines) + "\n")
-    ds = PackedDataset([str(path)], capacity=16, window=4, epochs=1, on_error="skip",
-                       dp_rank=0, dp_size=2, batches_per_epoch=8)
-    stats = list(ds)[-1].stats
-    assert stats.skipped == ds.metrics()["errors"]["total"] == 1
-    assert stats.fillers == ds.metrics()["batches"]["fillers"] > 0
-    assert stats.batches == 8 and stats.docs <= 6  # fillers add no documents, tokens or slots
-    assert stats.tokens == 8 * stats.docs
+    skipped = 0
+    for rank in (0, 1):  # the bad line lands on one of the two ranks
+        ds = PackedDataset([str(path)], capacity=16, window=4, epochs=1, on_error="skip",
+                           dp_rank=rank, dp_size=2, batches_per_epoch=8)
+        stats = list(ds)[-1].stats
+        assert stats.skipped == ds.metrics()["errors"]["total"]
+        assert stats.fillers == ds.metrics()["batches"]["fillers"] > 0
+        assert stats.batches == 8 and stats.docs <= 6  # fillers add no documents, tokens or slots
+        assert stats.tokens == 8 * stats.docs
+        skipped += stats.skipped
+    assert skipped == 1
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -119,18 +119,32 @@ def test_text_shards_need_a_tokenizer(tmp_path, capsys):
     assert "--tokenizer" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("dp_size,num_workers", [(1, 1), (2, 1), (2, 3)])
-def test_ranks_and_workers_read_disjoint_equal_shares(tmp_path, dp_size, num_workers):
+@pytest.mark.parametrize("dp_size,num_workers,packs_per_batch", [(1, 1, 1), (2, 1, 1), (2, 3, 1), (3, 2, 2), (2, 2, 3)])
+def test_ranks_and_workers_read_every_pack_once(tmp_path, dp_size, num_workers, packs_per_batch):
+    """Every pack exactly once per epoch whatever the worker count (it used to deal N // G packs
+    per worker and drop the rest), and quotas that give every rank the same batch count."""
     out = _pack(tmp_path, make_token_docs(150, seed=6, max_len=60), capacity=128)
     n = read_manifest(out).num_packs
     seen: list[str] = []
-    for rank in range(dp_size):
-        for worker in range(num_workers):
-            packs = list(PackedShardReader(out, capacity=128, dp_rank=rank, dp_size=dp_size, worker_id=worker,
-                                           num_workers=num_workers, shuffle=True, seed=3))
-            assert len(packs) == n // (dp_size * num_workers)
-            seen.extend(s.doc_key for p in packs for s in p)
-    assert len(seen) == len(set(seen)) > 0
+    for epoch in range(2):
+        per_rank = []
+        for rank in range(dp_size):
+            batches = 0
+            for worker in range(num_workers):
+                reader = PackedShardReader(out, capacity=128, dp_rank=rank, dp_size=dp_size, worker_id=worker,
+                                           num_workers=num_workers, shuffle=True, seed=3, epochs=epoch + 1,
+                                           start_epoch=epoch, packs_per_batch=packs_per_batch)
+                packs = list(reader)
+                assert len(packs) == len(reader.dealt(epoch, reader.global_worker))
+                quota = reader.quotas(epoch)[reader.global_worker]
+                assert quota >= -(-len(packs) // packs_per_batch)
+                batches += quota
+                seen.extend(f"{epoch}:{s.doc_key}" for p in packs for s in p)
+            per_rank.append(batches)
+        assert len(set(per_rank)) == 1, per_rank
+        # fillers: at most dp_size - 1 per epoch (the fewest any split of the batches needs)
+        assert per_rank[0] * dp_size - -(-n // packs_per_batch) < dp_size
+    assert len(seen) == len(set(seen)) == 2 * sum(read_manifest(out).pack_docs)
 
 
 @pytest.mark.parametrize("shuffle,epochs", [(False, 1), (True, 2)])
@@ -172,12 +186,15 @@ def test_packed_dataset_reads_offline_packs_and_resumes(tmp_path):
     m = read_manifest(out)
     ds = PackedDataset(out, capacity=256, packs_per_batch=2, epochs=1, shuffle=False)
     batches = list(ds)
-    assert sum(b.num_packs for b in batches) == len(m.pack_lengths)
+    # every batch has the full shape: the last one is completed with a filler pack
+    assert all(b.num_packs == 2 for b in batches)
+    assert sum(b.num_packs - b.doc_keys.count("<filler>") for b in batches) == len(m.pack_lengths)
     seen = {}
     for b in batches:
         check_invariants(b)
         for k, (s, n) in zip(b.doc_keys, zip(b.cu_seqlens_padded[:-1].tolist(), b.doc_lengths.tolist())):
-            seen[k] = b.input_ids[s:s + n].tolist()
+            if k != "<filler>":
+                seen[k] = b.input_ids[s:s + n].tolist()
     assert sorted(seen.values()) == sorted(docs)
 
     ds2 = PackedDataset(out, capacity=256, packs_per_batch=2, epochs=1, shuffle=False)
@@ -250,3 +267,28 @@ def test_offline_pack_and_online_stream_give_the_same_targets(tmp_path):
             # BOS opens every document (its first chunk when split), EOS closes every unsplit one
             assert all(t[0] == 1 for k, (t, _) in online.items() if "/" not in k.split("#")[1] or k.endswith("/0"))
             assert all(t[-1] == 2 for k, (t, _) in online.items() if "/" not in k.split("#")[1])
+
+
+@pytest.mark.parametrize("dp_size,num_workers", [pytest.param(1, 2, marks=pytest.mark.slow),
+                                                 pytest.param(1, 3, marks=pytest.mark.slow), (2, 3)])
+def test_packed_directory_complete_under_dataloader_workers(tmp_path, dp_size, num_workers):
+    """Finding: the README's evaluation recipe (``epochs=1, shuffle=False``) over a `streampack
+    pack` directory silently dropped the last 1-2 packs per epoch with 2 or 3 workers."""
+    from torch.utils.data import DataLoader
+
+    from streampack import PackedDataset
+
+    docs = make_token_docs(150, seed=11, max_len=90)
+    out = _pack(tmp_path, docs, capacity=256)
+    assert read_manifest(out).num_packs == 29  # divides between no number of readers
+    counts, seen = [], []
+    for rank in range(dp_size):
+        ds = PackedDataset(out, capacity=256, packs_per_batch=2, epochs=1, shuffle=False, dp_rank=rank,
+                           dp_size=dp_size)
+        batches = list(DataLoader(ds, batch_size=None, num_workers=num_workers))
+        counts.append(len(batches))
+        seen += [k for b in batches for k in b.doc_keys if k != "<filler>"]
+        assert all(b.total_tokens == 512 for b in batches)
+    assert len(set(counts)) == 1, counts
+    assert sorted(seen) == sorted(k for p in PackedShardReader(out, capacity=256) for k in (s.doc_key for s in p))
+    assert len(seen) == len(docs)

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers_data import make_text_docs, make_token_docs
+from helpers_data import CountingFile, make_text_docs, make_token_docs
 from helpers_formats import write_parquet, write_parquet_shards
 
 from streampack.dataset import PackedDataset
@@ -108,38 +108,6 @@ def test_unreadable_file_is_corrupt_shard(tmp_path, damage):
     errors = ErrorCounter()
     assert [s.tokens.tolist() for s in read_all([bad, good], on_error="skip", errors=errors)] == docs[10:]
     assert errors.counts == {"corrupt_shard": 1}
-
-
-class CountingFile(io.RawIOBase):
-    """A real file that logs every byte range read from it."""
-
-    log: list[tuple[int, int]] = []
-
-    def __init__(self, path: str) -> None:
-        self._f = open(path, "rb")
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        return self._f.seek(pos, whence)
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def readinto(self, b) -> int:
-        pos = self._f.tell()
-        n = self._f.readinto(b)
-        if n:
-            CountingFile.log.append((pos, n))
-        return n
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
 
 
 def _row_group_spans(path: str) -> list[tuple[int, int]]:

@@ -198,7 +198,8 @@ def test_state_layout_and_mismatch(tmp_path):
     reader = ShardReader(urls, seed=1, epochs=1)
     next(reader)
     state = reader.state_dict()
-    assert set(state) == {"version", "config", "epoch", "shard_pos", "offset", "sample", "yielded", "epoch_yielded"}
+    assert set(state) == {"version", "kind", "config", "start_epoch", "work", "epoch", "shard_pos", "offset", "sample",
+                          "yielded", "epoch_yielded"}
     assert (state["epoch"], state["shard_pos"], state["sample"], state["yielded"]) == (0, 0, 1, 1)
     with pytest.raises(ValueError, match="seed: state=1 reader=2"):
         ShardReader(urls, seed=2, epochs=1).reset(state)

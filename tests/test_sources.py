@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_data import (
+    CountingFile,
     closed_port,
     make_text_docs,
     make_token_docs,
@@ -116,38 +117,6 @@ def test_url_expansion(tmp_path):
         expand_urls("data.csv")
     with pytest.raises(ValueError, match="matches no files"):
         expand_urls(str(tmp_path / "nothing-*.tar"))
-
-
-class CountingFile(io.RawIOBase):
-    """Wraps a real file, recording every byte range it reads."""
-
-    log: list[tuple[int, int]] = []
-
-    def __init__(self, path: str) -> None:
-        self._f = open(path, "rb")
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        return self._f.seek(pos, whence)
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def readinto(self, b) -> int:
-        pos = self._f.tell()
-        n = self._f.readinto(b)
-        if n:
-            CountingFile.log.append((pos, n))
-        return n
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
 
 
 @pytest.mark.parametrize("fmt", ["tar-npy", "jsonl"])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from streampack.nodes.collate import FILLER_KEY
+
 from .corpus import Corpus, write_parquet, write_tar
 from .measure import Count
 
@@ -55,7 +57,11 @@ class StreampackPeer:
         return loader
 
     def count(self, batch: Any) -> Count:
-        return Count(tokens=batch.num_tokens, slots=batch.input_ids.numel(), ids=batch.input_ids)
+        # a finite stream's last batch is completed with filler packs: one pad-token document
+        # each (in a span, so kernels write every row), no targets, not data
+        fillers = batch.doc_keys.count(FILLER_KEY)
+        return Count(tokens=batch.num_tokens - fillers * batch.capacity, slots=batch.input_ids.numel(),
+                     ids=batch.input_ids)
 
     def save(self, loader: Any, batches: int) -> Any:
         return loader.state_dict()

@@ -22,6 +22,7 @@ from streampack.io.parquet import iter_parquet_items
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.tar import iter_tar_items
+from streampack.io.tar_header import BLOCK as TAR_BLOCK
 from streampack.io.urls import shard_format
 
 
@@ -49,9 +50,16 @@ def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
         streams.append(open_shard(url, opts=opts, stats=stats))
         return iter_parquet_items(streams[-1], decode, url=url, start=start, end=end)
     if fmt == "tar":
-        streams.append(open_shard(url, start, end, opts=opts, stats=stats))
+        def reopen(offset: int, stop: int | None) -> BinaryIO:  # to judge a split range's last samples
+            streams.append(open_shard(url, offset, stop, opts=opts, stats=stats))
+            return streams[-1]
+
+        # a split range is opened one header past its end: the tar reader looks there for a
+        # corrupt region (an index-made end is followed at least by the end-of-archive blocks)
+        streams.append(open_shard(url, start, None if end is None else end + TAR_BLOCK, opts=opts, stats=stats))
+        pipe = url.startswith("pipe:")
         return iter_tar_items(streams[-1], decode, url=url, start=start, first_index=where.first, end=end,
-                              seekable=not url.startswith("pipe:"))
+                              seekable=not pipe, reopen=None if pipe else reopen)
     compressed = fmt != "jsonl"
     streams.append(open_shard(url, 0 if compressed else start, None if compressed else end, opts=opts, stats=stats))
     streams.append(text_stream(_NotEmpty(streams[-1], url) if compressed else streams[-1], url))

@@ -235,18 +235,22 @@ class _Scan:
             return 512 if field in token_npy else (-1 if field == "json" else 0)
 
         with self._damage_stops_the_scan():
+            region_at = None  # where the corrupt region(s) before the next sample start
             for unit in iter_tar_units(f, url=url, start=0, end=None, want=want, seekable=True, limits=decode.limits):
-                # a corrupt region belongs to the range of the sample before it (whose reader
-                # meets and counts it); one before every sample gets an entry of its own
-                if isinstance(unit, TarRegion) and self.offsets:
-                    self.end = unit.next_offset
-                    continue
-                offset, key = (unit.region.start, "") if isinstance(unit, TarRegion) else (unit.offset, unit.key)
-                self.add(offset, len(self.offsets), -1 if isinstance(unit, TarRegion) else
-                         group_length(unit, decode, token_npy))
-                self.keys += key.encode("utf-8", "surrogateescape")
-                self.key_ends.append(len(self.keys))
                 self.end = unit.next_offset
+                if isinstance(unit, TarRegion):
+                    # the sample after a region starts its entry at the region, so whichever
+                    # reader gets that sample also meets the region (and judges the sample alike)
+                    region_at = unit.region.start if region_at is None else region_at
+                    if not unit.merged:
+                        continue
+                    group, length = unit.merged[0], -1  # samples the region broke: its reader reports them
+                else:
+                    group, length = unit, group_length(unit, decode, token_npy)
+                self.add(group.offset if region_at is None else region_at, len(self.offsets), length)
+                self.keys += group.key.encode("utf-8", "surrogateescape")
+                self.key_ends.append(len(self.keys))
+                region_at = None
 
     def jsonl(self, f: BinaryIO, decode: DecodeOptions, url: str) -> None:
         field = f'"{decode.tokens_key}"'.encode()

@@ -37,7 +37,9 @@ from streampack.io.keys import KeySet
 from streampack.io.limits import Limits
 from streampack.io.npy import npy_length
 from streampack.io.tar_decode import decode_tar_sample, decoder_want
+from streampack.io.tar_header import BLOCK, is_plain_member
 from streampack.io.tar_stream import (
+    ZERO_BLOCK,
     CorruptRegion,
     Cursor,
     TarMember,
@@ -109,9 +111,9 @@ def _add_member(group: TarGroup, name: str, member: TarMember, *, limits: Limits
 
 
 def _units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable[[str], int], seekable: bool,
-           limits: Limits) -> Iterator[Unit]:
+           limits: Limits, after_region: bool = False) -> Iterator[Unit]:
     """Members -> sample groups and corrupt regions, in stream order (one member read ahead)."""
-    cursor, cur, after = Cursor(start), None, False
+    cursor, cur, after = Cursor(start), None, after_region
 
     def member_want(name: str) -> int:  # the rest of a sample already judged bad is not read
         if cur is None or cur.problem is None:
@@ -156,18 +158,45 @@ def _units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable
         yield cur
 
 
-def _judged(units: Iterator[Unit], url: str) -> Iterator[Unit]:
+def _judged(units: Iterator[Unit], url: str, peek: _Peek | None = None) -> Iterator[Unit]:
     """Judge each sample next to a corrupt region by the first intact sample among the
     ``_LOOKAHEAD`` units after it (a rule that looks only forward, so a resumed read judges
-    alike), then check keys against the range's earlier ones, in stream order."""
-    judge = _Judge(url)
+    alike), then check keys against the range's earlier ones, in stream order. A range that
+    ends inside the shard (``peek``) looks past its end for that, as a whole-shard read would."""
+    judge, last = _Judge(url), None
     try:
-        for unit in units:
-            yield from judge.push(unit)
+        for last in units:
+            if peek is not None and isinstance(last, TarGroup) and last.last:
+                last.before_region = peek.region_next()
+            yield from judge.push(last)
     except DataError:
         yield from judge.finish()
         raise
+    if peek is not None and judge.undecided:
+        judge.look_ahead(peek.units(after_region=isinstance(last, TarRegion)))
     yield from judge.finish()
+
+
+class _Peek:
+    """What follows a shard range that ends inside the shard: the header just past its end (read
+    from the range's own stream, which is opened one block longer), and only when that is not a
+    plain member, the units after it (from a second stream: damage is rare)."""
+
+    def __init__(self, f: BinaryIO, reopen: Callable[[int, int | None], BinaryIO], *, at: int, url: str,
+                 want: Callable[[str], int], seekable: bool, limits: Limits) -> None:
+        self.f, self.reopen, self.at, self.url = f, reopen, at, url
+        self.want, self.seekable, self.limits = want, seekable, limits
+        self._region: bool | None = None
+
+    def region_next(self) -> bool:
+        if self._region is None:
+            block = self.f.read(BLOCK)  # the range's stream stands at its end
+            self._region = bool(block) and block != ZERO_BLOCK and not is_plain_member(block)
+        return self._region
+
+    def units(self, *, after_region: bool) -> Iterator[Unit]:
+        return _units(self.reopen(self.at, None), url=self.url, start=self.at, end=None, want=self.want,
+                      seekable=self.seekable, limits=self.limits, after_region=after_region)
 
 
 class _Judge:
@@ -194,6 +223,20 @@ class _Judge:
     def finish(self) -> list[Unit]:
         self._decide(self.undecided, None)
         return self._ready(final=True)
+
+    def look_ahead(self, units: Iterator[Unit]) -> None:
+        """Decide the waiting samples from units past the range (they are not this range's)."""
+        try:
+            for unit in units:
+                for group in self.undecided:
+                    group.seen += 1
+                if isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region):
+                    self._decide(self.undecided, frozenset(unit.fields))
+                self._decide([g for g in self.undecided if g.seen >= _LOOKAHEAD], None)
+                if not self.undecided:
+                    return
+        except DataError:  # unreadable past the range: no intact sample shows the fields
+            return
 
     def _decide(self, groups: list[TarGroup], intact: frozenset[str] | None) -> None:
         for group in groups:
@@ -237,20 +280,25 @@ class _Judge:
 
 
 def iter_tar_units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable[[str], int],
-                   seekable: bool, limits: Limits) -> Iterator[Unit]:
-    """Judged sample groups and corrupt regions of the range ``[start, end)``."""
-    return _judged(_units(f, url=url, start=start, end=end, want=want, seekable=seekable, limits=limits), url)
+                   seekable: bool, limits: Limits,
+                   reopen: Callable[[int, int | None], BinaryIO] | None = None) -> Iterator[Unit]:
+    """Judged sample groups and corrupt regions of the range ``[start, end)``. With ``reopen(a,
+    b)`` (opens bytes ``[a, b)`` of the same shard) a range that ends inside the shard looks past
+    ``end``: ``f`` must then hold one more block after ``end``."""
+    peek = None if end is None or reopen is None else _Peek(f, reopen, at=end, url=url, want=want,
+                                                            seekable=seekable, limits=limits)
+    return _judged(_units(f, url=url, start=start, end=end, want=want, seekable=seekable, limits=limits), url, peek)
 
 
 def iter_tar_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, first_index: int, end: int | None,
-                   seekable: bool) -> Iterator[Item]:
+                   seekable: bool, reopen: Callable[[int, int | None], BinaryIO] | None = None) -> Iterator[Item]:
     """Decoded samples of one shard range; a bad sample (or corrupt region) becomes an ``Item``
     with ``error`` set. A shard that cannot be read on (truncated, or corrupt to its end)
     raises ``DataError("corrupt_shard")`` out of the iterator.
     """
     idx = first_index
     for unit in iter_tar_units(f, url=url, start=start, end=end, want=decoder_want(opts), seekable=seekable,
-                               limits=opts.limits):
+                               limits=opts.limits, reopen=reopen):
         if isinstance(unit, TarRegion):
             yield Item(None, _region_error(unit, url), unit.next_offset, idx, False)
             continue

@@ -22,6 +22,9 @@ class Unreadable(Exception):
         self.detail, self.first, self.at, self.poison = detail, first, at, poison
         self.name = name
         """The member's name when its header parsed but its size is impossible."""
+        self.resume = at + BLOCK
+        """Where the stream stands, so where a resync scans from (past an extension's data
+        when that data was read before it proved malformed)."""
 
 
 def _number(field: bytes) -> int:
@@ -58,6 +61,12 @@ def _signed_checksum(hdr: bytes) -> int:
     """The checksum old writers computed over signed chars (tarfile accepts it too)."""
     high = sum(1 for b in hdr[:148] if b >= 128) + sum(1 for b in hdr[156:] if b >= 128)
     return sum(hdr[:148]) + 256 + sum(hdr[156:]) - 256 * high
+
+
+def is_plain_member(block: bytes) -> bool:
+    """Whether ``block`` is a valid header of a plain member (not an extension header, whose
+    content could still prove malformed)."""
+    return is_header(block) and block[156:157] in (b"0", b"\0", b"7")
 
 
 def is_header(block: bytes) -> bool:

@@ -157,7 +157,11 @@ class _Reader:
             if kind == b"L":
                 long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             elif kind == b"x":
-                pax = parse_pax(data[:size], first=first, at=pos)
+                try:
+                    pax = parse_pax(data[:size], first=first, at=pos)
+                except Unreadable as bad:
+                    bad.resume = pos + BLOCK + padded(size)  # its data is read already
+                    raise
             pos += BLOCK + padded(size)
             if kind == b"g":  # a global header belongs to no member
                 first = pos
@@ -172,7 +176,7 @@ class _Reader:
     def resync(self, bad: Unreadable) -> tuple[CorruptRegion, bytes | None]:
         """Skip to the next readable header after ``bad``: the region lost and that header's
         block (None when the range ended first); raises when the stream ends first."""
-        pos = bad.at + BLOCK
+        pos = bad.resume
         while self.end is None or pos < self.end:
             block = self.read(BLOCK)
             if len(block) < BLOCK:

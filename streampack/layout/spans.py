@@ -63,19 +63,27 @@ def span_index(offsets: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(index, spans, output_size=total)
 
 
-def varlen_fields(cu_real: np.ndarray, cu_padded: np.ndarray, align: int) -> dict[str, Any]:
-    """The ``varlen_*`` fields of a :class:`~streampack.layout.batch.PackedBatch` from its
-    int32 real and padded offsets."""
+def offset_fields(cu_real: np.ndarray, cu_padded: np.ndarray, align: int) -> dict[str, Any]:
+    """The int32 offset fields of a :class:`~streampack.layout.batch.PackedBatch`
+    (``cu_seqlens``, ``cu_seqlens_padded`` and the ``varlen_*`` spans) from its real and padded
+    offsets, all views of one int32 buffer (one shared-memory segment across processes)."""
     lengths = np.diff(cu_real)
     causal = varlen_offsets(cu_padded, lengths, align, causal=True)
     # with align == 1 there is no alignment padding: the only padding (a pack's tail) is
     # already its own span, so both layouts are one tensor
     bidirectional = causal if align == 1 else varlen_offsets(cu_padded, lengths, align, causal=False)
-    varlen = torch.from_numpy(causal)
+    parts = [cu_real, cu_padded, causal] + ([] if align == 1 else [bidirectional])
+    buffer = torch.from_numpy(np.concatenate(parts).astype(np.int32, copy=False))
+    views, start = [], 0
+    for part in parts:
+        views.append(buffer[start:start + part.size])
+        start += part.size
     return {
-        "varlen_cu_seqlens": varlen,
+        "cu_seqlens": views[0],
+        "cu_seqlens_padded": views[1],
+        "varlen_cu_seqlens": views[2],
         "varlen_max_seqlen": longest(causal),
-        "varlen_cu_seqlens_bidirectional": varlen if align == 1 else torch.from_numpy(bidirectional),
+        "varlen_cu_seqlens_bidirectional": views[2] if align == 1 else views[3],
         "varlen_max_seqlen_bidirectional": longest(bidirectional),
     }
 

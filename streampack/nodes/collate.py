@@ -1,12 +1,14 @@
 """Collate stage: ``packs_per_batch`` packs -> one THD :class:`~streampack.layout.batch.PackedBatch`.
 
-Finite streams: the last batch may hold fewer packs. With ``num_batches`` set (a per-worker
-quota, used by ``PackedDataset(batches_per_epoch=...)`` so every rank yields the same count),
-a worker that runs out of data emits *filler* batches until it reaches the quota: one pack
-holding a single document of ``capacity`` pad tokens with every label ignored, so it adds
-zero targets to a token-mean loss. Fillers have ``doc_keys == ("<filler>",)`` and are counted
-in ``counters["fillers"]``. A worker with more data than its quota refuses (ValueError) rather
-than silently dropping the rest.
+Every batch has the same shape, ``packs_per_batch * capacity`` tokens, so ranks stepping
+together never see different shapes: the last batch of a finite stream is completed with
+*filler packs*, and with ``num_batches`` set (this worker's quota for the stream, from the
+epoch plan or ``batches_per_epoch``) a worker that runs out of data emits whole *filler
+batches* until it reaches the quota. A filler pack holds one document of ``capacity`` pad
+tokens with every label ignored, so it adds zero targets to a token-mean loss; its doc key is
+``"<filler>"``. They are counted in ``counters["fillers"]`` (whole batches) and
+``counters["filler_packs"]`` (packs completing a partial batch) and logged (rate-limited). A
+worker with more data than its quota refuses (ValueError) rather than silently dropping it.
 
 Every batch leaves with a :class:`~streampack.layout.stats.WorkerStats`: this reader's running
 totals (batches, fillers, packs, documents, real tokens, slots, targets, skipped samples, build
@@ -18,6 +20,7 @@ this process's own (wall time in a state would make two identical runs' states d
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import replace
@@ -36,11 +39,18 @@ FILLER_KEY = "<filler>"
 SLOW_BATCH_ENV = "STREAMPACK_SLOW_BATCH_SECONDS"
 """Environment variable: seconds one batch may take to build before a ``slow_batch`` warning."""
 _STATS = ("packs", "docs", "tokens", "slots", "targets")
-log = get_logger(__name__)
+_log = get_logger(__name__)
 
 
 def is_filler(batch: PackedBatch) -> bool:
-    return batch.doc_keys == (FILLER_KEY,)
+    """True for a batch made only of filler packs (no data, zero targets)."""
+    return bool(batch.doc_keys) and all(k == FILLER_KEY for k in batch.doc_keys)
+
+
+def filler_pack(capacity: int, pad_id: int) -> list[Sample]:
+    """One pack of ``capacity`` pad tokens that supervises nothing."""
+    return [Sample(key=FILLER_KEY, tokens=np.full(capacity, pad_id, dtype=np.int64),
+                   loss_mask=np.zeros(capacity, dtype=bool))]
 
 
 class ThdCollate(BaseNode[PackedBatch]):
@@ -49,11 +59,12 @@ class ThdCollate(BaseNode[PackedBatch]):
     SOURCE_KEY = "source"
     YIELDED_KEY = "yielded"
     COUNTERS_KEY = "counters"
+    QUOTA_KEY = "num_batches"
 
     def __init__(self, source: BaseNode[list[Sample]], *, capacity: int, packs_per_batch: int = 1,
                  align: int = 1, pad_id: int = 0, ignore_index: int = -100,
-                 num_batches: int | None = None, errors: ErrorCounter | None = None,
-                 dp_rank: int = 0, worker_id: int = 0) -> None:
+                 num_batches: int | None = None, surplus_hint: str = "raise batches_per_epoch",
+                 errors: ErrorCounter | None = None, dp_rank: int = 0, worker_id: int = 0) -> None:
         super().__init__()
         if packs_per_batch < 1:
             raise ValueError(f"{packs_per_batch=} must be >= 1")
@@ -62,7 +73,7 @@ class ThdCollate(BaseNode[PackedBatch]):
         self.source = source
         self.capacity, self.packs_per_batch, self.align = capacity, packs_per_batch, align
         self.pad_id, self.ignore_index = pad_id, ignore_index
-        self.num_batches = num_batches
+        self.num_batches, self.surplus_hint = num_batches, surplus_hint
         self.errors, self.dp_rank, self.worker_id = errors, dp_rank, worker_id
         self.slow_seconds = float(os.environ.get(SLOW_BATCH_ENV, "30"))
         self._yielded = 0
@@ -81,6 +92,8 @@ class ThdCollate(BaseNode[PackedBatch]):
             self.source.reset(initial_state[self.SOURCE_KEY])
             self._yielded = initial_state[self.YIELDED_KEY]
             self.counters = {**_fresh_counters(), **initial_state[self.COUNTERS_KEY]}
+            # the quota is part of the position: an elastic resume's epoch has its own
+            self.num_batches = initial_state.get(self.QUOTA_KEY, self.num_batches)
 
     def next(self) -> PackedBatch:
         started = time.perf_counter()
@@ -93,38 +106,39 @@ class ThdCollate(BaseNode[PackedBatch]):
                 packs.append(next(self.source))
             except StopIteration:
                 break
-        if packs:
-            batch = pack_batch(packs, capacity=self.capacity, align=self.align,
-                               pad_id=self.pad_id, ignore_index=self.ignore_index)
-        elif self.num_batches is not None:
-            batch = self._filler()
-            self.counters["fillers"] += 1
-        else:
+        if not packs and self.num_batches is None:
             raise StopIteration
+        real = packs[:]
+        missing = self.packs_per_batch - len(packs)
+        if missing:
+            self._count_fillers(whole=not packs, missing=missing)
+            packs += [filler_pack(self.capacity, self.pad_id)] * missing
+        batch = pack_batch(packs, capacity=self.capacity, align=self.align,
+                           pad_id=self.pad_id, ignore_index=self.ignore_index)
         self._yielded += 1
         self.counters["batches"] += 1
-        return self._with_stats(batch, time.perf_counter() - started)
+        return self._with_stats(batch, real, time.perf_counter() - started)
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self.source.state_dict(), self.YIELDED_KEY: self._yielded,
-                self.COUNTERS_KEY: dict(self.counters)}
+                self.COUNTERS_KEY: dict(self.counters), self.QUOTA_KEY: self.num_batches}
 
-    def _with_stats(self, batch: PackedBatch, seconds: float) -> PackedBatch:
-        """Count ``batch`` into the running totals and attach them; log a slow or first batch."""
+    def _with_stats(self, batch: PackedBatch, real: list[list[Sample]], seconds: float) -> PackedBatch:
+        """Count the batch's real packs into the running totals and attach them; log a slow or
+        first batch. Filler packs are padding: no documents, tokens or slots of data."""
         c = self.counters
-        if not is_filler(batch):  # a filler is padding: no documents, tokens or slots of data
-            c["packs"] += batch.num_packs
-            c["docs"] += batch.num_docs
-            c["tokens"] += batch.num_tokens
-            c["slots"] += batch.total_tokens
-            c["targets"] += batch.num_targets
+        c["packs"] += len(real)
+        c["docs"] += sum(len(p) for p in real)
+        c["tokens"] += sum(len(s) for p in real for s in p)
+        c["slots"] += len(real) * self.capacity
+        c["targets"] += batch.num_targets
         self._build_seconds += seconds
         where = f"rank {self.dp_rank} worker {self.worker_id}"
         if self._first:
             self._first = False
-            log.info("%s: first batch after %.2f s", where, seconds)
+            _log.info("%s: first batch after %.2f s", where, seconds)
         elif seconds > self.slow_seconds:
-            warn_every(log, "slow_batch", "%s took %.1f s to build one batch (reading, tokenizing "
+            warn_every(_log, "slow_batch", "%s took %.1f s to build one batch (reading, tokenizing "
                        "and packing included; threshold %s=%g)", where, seconds, SLOW_BATCH_ENV,
                        self.slow_seconds)
         stats = WorkerStats(dp_rank=self.dp_rank, worker_id=self.worker_id,
@@ -134,20 +148,24 @@ class ThdCollate(BaseNode[PackedBatch]):
                             **{k: c[k] for k in _STATS})
         return replace(batch, stats=stats)
 
+    def _count_fillers(self, *, whole: bool, missing: int) -> None:
+        if whole:
+            self.counters["fillers"] += 1
+            what = "emits a filler batch"
+        else:
+            self.counters["filler_packs"] += missing
+            what = f"completes its last batch with {missing} filler pack(s)"
+        warn_every(_log, "filler", "this worker %s (pad tokens, zero targets) so that every rank steps with "
+                   "the same batch shape and count; counted in metrics()['batches']", what, level=logging.INFO)
+
     def _refuse_surplus(self) -> None:
         try:
             next(self.source)
         except StopIteration:
             return
         raise ValueError(f"this worker has more than num_batches={self.num_batches} batches of "
-                         f"data in this epoch; raise batches_per_epoch (data would be lost)")
-
-    def _filler(self) -> PackedBatch:
-        doc = Sample(key=FILLER_KEY, tokens=np.full(self.capacity, self.pad_id, dtype=np.int64),
-                     loss_mask=np.zeros(self.capacity, dtype=bool))
-        return pack_batch([[doc]], capacity=self.capacity, align=self.align,
-                          pad_id=self.pad_id, ignore_index=self.ignore_index)
+                         f"data in this epoch (data would be lost); {self.surplus_hint}")
 
 
 def _fresh_counters() -> dict[str, Any]:
-    return {"batches": 0, "fillers": 0, **dict.fromkeys(_STATS, 0)}
+    return {"batches": 0, "fillers": 0, "filler_packs": 0, **dict.fromkeys(_STATS, 0)}

@@ -4,20 +4,20 @@ truncate, drop or error — as a policy function and the node that applies it be
 The right default differs by use case (pretraining wants ``split`` so no token is lost; chat
 SFT often wants ``drop`` or ``truncate`` because a split conversation is not a conversation),
 so the policy is explicit and every token it touches is counted; the counters travel in the
-node state so metrics stay exact across a resume. Node state = upstream state + the not yet
-emitted chunks of the current sample (at most one sample's tokens) + counters.
+node state so metrics stay exact across a resume.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack.sample import Sample
+from streampack.sample import Sample, SampleOrigin
 from streampack.state import samples_from_state, samples_to_state
 
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
@@ -46,13 +46,14 @@ def check_policy(policy: str) -> None:
         raise ValueError(f"overlong={policy!r} must be one of {POLICIES}")
 
 
-def _slice(sample: Sample, start: int, stop: int, key: str) -> Sample:
+def _slice(sample: Sample, start: int, stop: int, key: str, chunk: int) -> Sample:
     def cut(a):
         return None if a is None else a[start:stop]
 
+    origin = None if sample.origin is None else replace(sample.origin, chunk=chunk)
     return replace(sample, key=key, tokens=sample.tokens[start:stop], labels=cut(sample.labels),
                    loss_mask=cut(sample.loss_mask),
-                   extras={k: v[start:stop] for k, v in sample.extras.items()})
+                   extras={k: v[start:stop] for k, v in sample.extras.items()}, origin=origin)
 
 
 def apply_overlong(sample: Sample, max_len: int, policy: str,
@@ -80,8 +81,8 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
     if policy == "truncate":
         counters.samples_truncated += 1
         counters.tokens_truncated += n - max_len
-        return [_slice(sample, 0, max_len, sample.key)]
-    chunks = [_slice(sample, s, min(s + max_len, n), f"{sample.key}/{i}")
+        return [_slice(sample, 0, max_len, sample.key, 0)]
+    chunks = [_slice(sample, s, min(s + max_len, n), f"{sample.key}/{i}", i)
               for i, s in enumerate(range(0, n, max_len))]
     counters.samples_split += 1
     counters.tokens_split += n
@@ -90,13 +91,25 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
 
 
 class OverlongNode(BaseNode[Sample]):
-    """Yields documents of at most ``max_len`` tokens according to ``policy``."""
+    """Yields documents of at most ``max_len`` tokens according to ``policy``.
+
+    State = upstream state + the sample being split, as a reference (where to re-read it and
+    how many of its chunks were emitted; its tokens only when ``replay`` is None or the sample
+    has no origin) + counters + the origin of the last sample pulled from each source: every
+    sample after it in its reader's order is still unread downstream, which is what an elastic
+    resume needs to know.
+    """
 
     SOURCE_KEY = "source"
     PENDING_KEY = "pending"
     COUNTERS_KEY = "counters"
+    LAST_KEY = "last"
+    KIND_KEY = "kind"
+    KIND = "OverlongNode"
+    LAST_COLUMNS = ("source", "shard", "epoch", "offset", "number", "next_offset", "next_number")
 
-    def __init__(self, source: BaseNode[Sample], max_len: int, policy: str = "split") -> None:
+    def __init__(self, source: BaseNode[Sample], max_len: int, policy: str = "split", *,
+                 replay: Callable[[list[int]], list[Sample]] | None = None) -> None:
         super().__init__()
         check_policy(policy)
         if max_len < 1:
@@ -104,27 +117,72 @@ class OverlongNode(BaseNode[Sample]):
         self.source = source
         self.max_len = max_len
         self.policy = policy
+        self.replay = replay
+        """``[source, shard, offset, number, epoch] -> every chunk of that sample`` (a Replayer's
+        ``chunks``), or None to keep pending chunks as tokens."""
+        self._clear()
+
+    def _clear(self) -> None:
         self.counters = OverlongCounters()
         self._pending: deque[Sample] = deque()
+        self._split: tuple[SampleOrigin, int, int] | None = None  # origin, chunks, tokens of the sample split
+        self._last: dict[int, SampleOrigin] = {}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self._clear()
         if initial_state is None:
             self.source.reset(None)
-            self.counters = OverlongCounters()
-            self._pending = deque()
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
         self.counters = OverlongCounters(**initial_state[self.COUNTERS_KEY])
-        self._pending = deque(samples_from_state(initial_state[self.PENDING_KEY]))
+        self._last = {row[0]: _origin(row) for row in initial_state[self.LAST_KEY].tolist()}
+        pending = initial_state[self.PENDING_KEY]
+        if "ref" not in pending:
+            self._pending = deque(samples_from_state(pending))
+            return
+        if self.replay is None:
+            raise ValueError("this OverlongNode state holds its split sample by reference, but the node "
+                             "has no replay function to re-read it")
+        ref, nxt, count, tokens = pending["ref"].tolist(), pending["next"], pending["count"], pending["tokens"]
+        chunks = self.replay(ref)
+        if len(chunks) != count or sum(len(c) for c in chunks) != tokens:
+            raise ValueError(f"split sample at {ref} re-read as {len(chunks)} chunks, {count} when the state "
+                             f"was saved: the shard changed, or a stage is not a pure function")
+        self._split = (chunks[0].origin, count, tokens)  # type: ignore[assignment]
+        self._pending = deque(chunks[nxt:])
 
     def next(self) -> Sample:
         while not self._pending:
             sample = next(self.source)
-            self._pending.extend(apply_overlong(sample, self.max_len, self.policy, self.counters))
+            if sample.origin is not None:
+                self._last[sample.origin.source] = sample.origin
+            chunks = apply_overlong(sample, self.max_len, self.policy, self.counters)
+            self._split = (sample.origin, len(chunks), len(sample)) if len(chunks) > 1 and sample.origin else None
+            self._pending.extend(chunks)
         return self._pending.popleft()
 
     def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: self.source.state_dict(),
-                self.PENDING_KEY: samples_to_state(list(self._pending)),
-                self.COUNTERS_KEY: self.counters.as_dict()}
+        import torch
+
+        last = [[o.source, o.shard, o.epoch, o.offset, o.number, o.next_offset, o.next_number]
+                for _, o in sorted(self._last.items())]
+        return {self.KIND_KEY: self.KIND, self.SOURCE_KEY: self.source.state_dict(),
+                self.PENDING_KEY: self._pending_state(), self.COUNTERS_KEY: self.counters.as_dict(),
+                self.LAST_KEY: torch.tensor(last, dtype=torch.int64).reshape(-1, len(self.LAST_COLUMNS))}
+
+    def _pending_state(self) -> dict[str, Any]:
+        import torch
+
+        if not self._pending or self._split is None or self.replay is None:
+            return samples_to_state(list(self._pending))
+        origin, count, tokens = self._split
+        return {"ref": torch.tensor([origin.source, origin.shard, origin.offset, origin.number, origin.epoch],
+                                    dtype=torch.int64),
+                "next": count - len(self._pending), "count": count, "tokens": tokens}
+
+
+def _origin(row: list[int]) -> SampleOrigin:
+    source, shard, epoch, offset, number, next_offset, next_number = row
+    return SampleOrigin(shard=shard, offset=offset, number=number, next_offset=next_offset,
+                        next_number=next_number, epoch=epoch, source=source)

@@ -1,11 +1,17 @@
 """PackedShardReader: the source node of an offline-packed dataset (``streampack pack``).
 
 Sharding: the ``N`` packs of an epoch (in file order, or a permutation seeded by
-``(seed, epoch)`` with ``shuffle``) are dealt round-robin to the ``G = dp_size * num_workers``
-global workers; every worker gets ``N // G`` packs, so every rank yields the same number of
-batches (the last ``N % G`` packs of the order are left out of that epoch). The state is
-``(epoch, position)`` in this worker's list; restoring seeks straight to the pack's byte
-offset from the manifest, reading nothing before it.
+``(seed, epoch)`` with ``shuffle``) are grouped into batches of ``packs_per_batch`` packs, and
+batch ``u`` goes to rank ``u % dp_size``, worker ``(u // dp_size) % num_workers`` of that rank.
+Every pack is read exactly once per epoch whatever the worker count, and rank totals differ by
+at most one batch; :meth:`quotas` says how many batches (fillers included) each worker yields
+so that every rank's count is the same — at most ``dp_size - 1`` fillers per epoch, the fewest
+possible. (Until this rework each worker got ``N // G`` packs and the last ``N % G`` packs
+of every epoch were silently left out.)
+
+The state is ``(epoch, position)`` in this worker's list; restoring seeks straight to the pack's
+byte offset from the manifest, reading nothing before it. ``work`` (pack indices per epoch,
+kept in the state) replaces the dealt list for an epoch, as an elastic resume does.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from streampack.io.packed_format import (
     read_pack,
     resolve_packed,
 )
+from streampack.nodes.epoch_plan import equalize
 from streampack.sample import Sample
 from streampack.state import STATE_VERSION, VERSION_KEY, check_version
 
@@ -37,10 +44,14 @@ class PackedShardReader(BaseNode[list[Sample]]):
     POSITION_KEY = "position"
     NEXT_KEY = "next_pack"
     FINGERPRINT_KEY = "fingerprint"
+    WORK_KEY = "work"
+    KIND_KEY = "kind"
+    KIND = "PackedShardReader"
 
     def __init__(self, urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, capacity: int,
                  align: int = 1, seed: int = 0, shuffle: bool = False, epochs: int | None = 1, start_epoch: int = 0,
-                 dp_rank: int = 0, dp_size: int = 1, worker_id: int = 0, num_workers: int = 1) -> None:
+                 dp_rank: int = 0, dp_size: int = 1, worker_id: int = 0, num_workers: int = 1,
+                 packs_per_batch: int = 1, work: dict[int, np.ndarray] | None = None) -> None:
         super().__init__()
         root, names = resolve_packed(urls)
         self.manifest = m = read_manifest(root)
@@ -56,28 +67,58 @@ class PackedShardReader(BaseNode[list[Sample]]):
             raise ValueError(f"{epochs=} must be >= 1 or None (endless)")
         if start_epoch < 0 or (epochs is not None and start_epoch >= epochs):
             raise ValueError(f"{start_epoch=} must be in [0, {epochs=})")
+        if packs_per_batch < 1:
+            raise ValueError(f"{packs_per_batch=} must be >= 1")
         self.start_epoch = start_epoch
+        self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
         self.global_worker = dp_rank * num_workers + worker_id
         self.global_workers = dp_size * num_workers
+        self.packs_per_batch = packs_per_batch
         wanted = None if names is None else set(names)
         self._locations = [loc for loc in m.locations() if wanted is None or m.shards[loc[0]].name in wanted]
-        self.per_worker = len(self._locations) // self.global_workers
-        if self.per_worker == 0:
-            raise ValueError(f"{len(self._locations)} packs cannot feed {self.global_workers} workers "
-                             f"({dp_size=} x {num_workers=})")
+        if not self._locations:
+            raise ValueError(f"{str(root)!r} holds no packs")
         self.seed, self.shuffle, self.epochs = seed, shuffle, epochs
+        self.work: dict[int, np.ndarray] = {int(e): np.asarray(w, dtype=np.int64) for e, w in (work or {}).items()}
         self._fingerprint = {"manifest": m.digest, "shards": sorted(names or []), "capacity": capacity,
                              "align": align, "seed": seed, "shuffle": shuffle, "dp_size": dp_size, "num_workers": num_workers,
-                             "global_worker": self.global_worker}
+                             "global_worker": self.global_worker, "packs_per_batch": packs_per_batch}
         self._epoch = start_epoch
         self._position = 0
         self._order_epoch = -1
         self._order: np.ndarray = np.zeros(0, dtype=np.int64)
         self._file: BinaryIO | None = None
         self._file_shard = -1
+        if epochs is None and not len(self.dealt(start_epoch, self.global_worker)):
+            raise ValueError(f"{self.num_packs} packs in batches of {packs_per_batch} cannot feed "
+                             f"{self.global_workers} workers ({dp_size=} x {num_workers=}) in an endless stream")
+
+    @property
+    def num_packs(self) -> int:
+        return len(self._locations)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Every pack of ``epoch`` (indices into the locations), in reading order."""
+        n = self.num_packs
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+    def dealt(self, epoch: int, global_worker: int) -> np.ndarray:
+        """The packs global worker ``global_worker`` reads in ``epoch`` (see the module docstring)."""
+        order = self.epoch_order(epoch)
+        rank, worker = divmod(global_worker, self.num_workers)
+        units = np.arange(-(-len(order) // self.packs_per_batch))
+        mine = units[(units % self.dp_size == rank) & ((units // self.dp_size) % self.num_workers == worker)]
+        idx = (mine[:, None] * self.packs_per_batch + np.arange(self.packs_per_batch)).ravel()
+        return order[idx[idx < len(order)]]
+
+    def quotas(self, epoch: int) -> list[int]:
+        """Batches each global worker yields in ``epoch`` so every rank yields the same count."""
+        counts = [-(-len(self.dealt(epoch, g)) // self.packs_per_batch) for g in range(self.global_workers)]
+        return equalize(counts, self.dp_size)[0]
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self._order_epoch = -1
         if initial_state is None:
             self._epoch, self._position = self.start_epoch, 0
             return
@@ -87,39 +128,42 @@ class PackedShardReader(BaseNode[list[Sample]]):
             if saved.get(name) != value:
                 raise ValueError(f"cannot restore PackedShardReader state: it was saved with "
                                  f"{name}={saved.get(name)!r}, this reader has {name}={value!r}")
+        self.work = {int(e): w.numpy() for e, w in initial_state.get(self.WORK_KEY, {}).items()} or self.work
         self._epoch = int(initial_state[self.EPOCH_KEY])
         self._position = int(initial_state[self.POSITION_KEY])
 
     def get_state(self) -> dict[str, Any]:
+        import torch
+
         nxt = self._peek()
-        return {VERSION_KEY: STATE_VERSION, self.FINGERPRINT_KEY: dict(self._fingerprint),
+        return {VERSION_KEY: STATE_VERSION, self.KIND_KEY: self.KIND, self.FINGERPRINT_KEY: dict(self._fingerprint),
                 self.EPOCH_KEY: self._epoch, self.POSITION_KEY: self._position,
-                self.NEXT_KEY: None if nxt is None else list(self._locations[nxt])}
+                self.NEXT_KEY: None if nxt is None else list(self._locations[nxt]),
+                self.WORK_KEY: {e: torch.from_numpy(w) for e, w in self.work.items()}}
 
     def next(self) -> list[Sample]:
-        index = self._peek()
-        if index is None:
-            raise StopIteration
-        if self._position >= self.per_worker:  # crossed into the next epoch
+        while True:
+            if self.epochs is not None and self._epoch >= self.epochs:
+                raise StopIteration
+            order = self._epoch_order(self._epoch)
+            if self._position < len(order):
+                self._position += 1
+                return self._read(int(order[self._position - 1]))
             self._epoch, self._position = self._epoch + 1, 0
-        self._position += 1
-        return self._read(index)
 
     def _peek(self) -> int | None:
         """Global index of the next pack this worker yields, or None at the end."""
         epoch, position = self._epoch, self._position
-        if position >= self.per_worker:
-            if self.epochs is not None and epoch + 1 >= self.epochs:
-                return None
+        while self.epochs is None or epoch < self.epochs:
+            order = self._epoch_order(epoch)
+            if position < len(order):
+                return int(order[position])
             epoch, position = epoch + 1, 0
-        return int(self._epoch_order(epoch)[position])  # index into self._locations
+        return None
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
-            n = len(self._locations)
-            order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
-                     else np.arange(n))
-            self._order = order[self.global_worker::self.global_workers][: self.per_worker]
+            self._order = self.work[epoch] if epoch in self.work else self.dealt(epoch, self.global_worker)
             self._order_epoch = epoch
         return self._order
 

@@ -1,18 +1,22 @@
 """ShardReader: the source node. Sharded tar / jsonl files -> a deterministic stream of Samples.
 
-Order: epoch by epoch; in each epoch this worker's spans (see ``sharding``) in order; inside a
-span, samples in file order. The position is ``(epoch, shard_pos, offset, sample)`` — the
-byte offset and number of the next sample, recorded while reading — so a restore opens the
-shard at ``offset`` (a ``seek`` locally, a ``Range`` request remotely) and continues
-bit-identically without reading the bytes before it (``.jsonl.gz`` excepted: see
-``jsonl_source``).
+Order: epoch by epoch; in each epoch this worker's spans in order — ``sharding.assign_shards``
+by default, or the explicit ``work`` the graph hands over for an epoch (a finite epoch's plan,
+an elastic resume's share); inside a span, samples in file order. Every sample carries its
+:class:`~streampack.sample.SampleOrigin`, which resume states store instead of tokens. The
+position is ``(epoch, shard_pos, offset, sample)`` — the byte offset and number of the next
+sample, recorded while reading — so a restore opens the shard at ``offset`` (a ``seek``
+locally, a ``Range`` request remotely) without reading the bytes before it (``.jsonl.gz``
+excepted: see ``io.jsonl``).
 
 State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
 
-    {"version": 2,
+    {"version": 3,
      "config": {"sources": <sha1 of the URL list, 16 hex>, "num_sources": S, "seed", "shuffle",
                 "dp_rank", "dp_size", "worker_id", "num_workers", "fields": [tokens_key, ...]},
      "epoch": e,            # epoch of the next sample
+     "start_epoch": s,      # first epoch of this stream
+     "work": {e: int64 [n, 5] (shard, start, first, end or -1, epoch or -1)},  # explicit spans
      "shard_pos": i,        # index into this worker's span list of epoch e
      "offset": b,           # byte offset of the next sample in that shard; -1 = start of span
      "sample": n,           # number (tar ordinal / jsonl line) of that sample
@@ -27,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any, BinaryIO
 
 from torchdata.nodes import BaseNode
@@ -39,8 +44,14 @@ from streampack.io.limits import Limits
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
-from streampack.nodes.sharding import ShardSpan, assign_shards
-from streampack.sample import Sample
+from streampack.nodes.sharding import (
+    ShardSpan,
+    Span,
+    assign_shards,
+    spans_from_array,
+    spans_to_array,
+)
+from streampack.sample import Sample, SampleOrigin
 from streampack.state import (
     STATE_VERSION,
     VERSION_KEY,
@@ -56,6 +67,21 @@ OFFSET_KEY = "offset"
 SAMPLE_KEY = "sample"
 YIELDED_KEY = "yielded"
 EPOCH_YIELDED_KEY = "epoch_yielded"
+START_EPOCH_KEY = "start_epoch"
+WORK_KEY = "work"
+KIND_KEY = "kind"
+KIND = "ShardReader"
+Work = dict[int, list[Span]]
+
+
+def work_to_state(work: Work) -> dict[int, Any]:
+    import torch
+
+    return {e: torch.from_numpy(spans_to_array(spans)) for e, spans in work.items()}
+
+
+def work_from_state(saved: dict[Any, Any]) -> Work:
+    return {int(e): spans_from_array(t.numpy()) for e, t in saved.items()}
 
 
 class ShardReader(BaseNode[Sample]):
@@ -68,9 +94,13 @@ class ShardReader(BaseNode[Sample]):
     sizes) may be None to take them from ``resolve_topology()`` / the DataLoader worker info.
     ``on_error="skip"`` drops bad samples (and corrupt byte ranges, or the rest of an unreadable
     shard) and counts them in ``errors``; ``vocab_size`` bounds token ids and ``limits`` the bytes
-    one sample may make the reader hold (:mod:`streampack.io.limits`). ``open_options`` says how shards are fetched (retry budget, timeouts, fsspec
-    ``storage_options``: :class:`~streampack.io.storage.OpenOptions`); reads, retries and faults
-    are counted in ``io_stats``, which may be shared like ``errors``.
+    one sample may make the reader hold (:mod:`streampack.io.limits`). ``open_options`` says how
+    shards are fetched (retry budget, timeouts, fsspec ``storage_options``:
+    :class:`~streampack.io.storage.OpenOptions`); reads, retries and faults are counted in
+    ``io_stats``, which may be shared like ``errors``. ``work`` gives explicit
+    spans for some epochs (others use the default assignment); ``keep_work`` stores them in the
+    state (when they cannot be recomputed, as after an elastic resume). ``source`` is the source
+    index recorded in each sample's origin.
     """
 
     def __init__(
@@ -96,6 +126,9 @@ class ShardReader(BaseNode[Sample]):
         cache_dir: str | None = None,
         open_options: OpenOptions | None = None,
         io_stats: IOStats | None = None,
+        work: Work | None = None,
+        keep_work: bool = False,
+        source: int = 0,
         vocab_size: int | None = None,
         limits: Limits | None = None,
     ) -> None:
@@ -138,7 +171,10 @@ class ShardReader(BaseNode[Sample]):
             "num_workers": num_workers,
             "fields": [tokens_key, text_key, labels_key, loss_mask_key],
         }
-        self._spans_cache: tuple[int, list[ShardSpan]] | None = None
+        self.work: Work = dict(work or {})
+        self.keep_work, self.source = keep_work, source
+        self._work_tensors = work_to_state(self.work) if keep_work else {}  # built once: get_state runs per batch
+        self._spans_cache: tuple[int, list[ShardSpan | Span]] | None = None
         self._streams: list[BinaryIO] = []
         self._items: Iterator[Item] | None = None
         self._starved_shards: set[int] = set()  # shards read empty since the last sample (not state)
@@ -149,10 +185,13 @@ class ShardReader(BaseNode[Sample]):
         """Epoch of the next sample."""
         return self._epoch
 
-    def spans(self, epoch: int) -> list[ShardSpan]:
-        """What this worker reads in ``epoch``, in order (see ``sharding.assign_shards``)."""
+    def spans(self, epoch: int) -> list[ShardSpan | Span]:
+        """What this worker reads in ``epoch``, in order: ``work[epoch]`` when given, else
+        ``sharding.assign_shards``."""
+        if epoch in self.work:
+            return self.work[epoch]
         if self._spans_cache is None or self._spans_cache[0] != epoch:
-            spans = assign_shards(
+            spans: list[ShardSpan | Span] = assign_shards(
                 len(self.urls), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                 global_worker=self.global_worker, global_workers=self.global_workers,
             )
@@ -174,12 +213,20 @@ class ShardReader(BaseNode[Sample]):
             return
         check_version(initial_state, what="ShardReader state")
         check_node_config(initial_state.get(CONFIG_KEY, {}), self._config, node="ShardReader", label="reader")
+        if initial_state.get(WORK_KEY):
+            self.work, self.keep_work = work_from_state(initial_state[WORK_KEY]), True
+            self._work_tensors = dict(initial_state[WORK_KEY])
+            self._spans_cache = None
+        self.start_epoch = int(initial_state.get(START_EPOCH_KEY, self.start_epoch))
         self._set_position(*(int(initial_state[k]) for k in (EPOCH_KEY, SHARD_POS_KEY, OFFSET_KEY, SAMPLE_KEY, YIELDED_KEY, EPOCH_YIELDED_KEY)))
 
     def get_state(self) -> dict[str, Any]:
         return {
             VERSION_KEY: STATE_VERSION,
+            KIND_KEY: KIND,
             CONFIG_KEY: dict(self._config, fields=list(self._config["fields"])),
+            START_EPOCH_KEY: self.start_epoch,
+            WORK_KEY: dict(self._work_tensors),
             EPOCH_KEY: self._epoch,
             SHARD_POS_KEY: self._shard_pos,
             OFFSET_KEY: self._offset,
@@ -211,13 +258,19 @@ class ShardReader(BaseNode[Sample]):
             if item is None:
                 self._next_span()
                 continue
-            self._offset, self._sample = item.next_offset, item.next_index
-            if item.sample is not None:
+            sample = item.sample
+            if sample is not None:
+                span = spans[self._shard_pos]
+                epoch = self._epoch if not isinstance(span, Span) or span.epoch is None else span.epoch
+                sample = replace(sample, origin=SampleOrigin(
+                    shard=span.shard, offset=self._offset, number=self._sample, next_offset=item.next_offset,
+                    next_number=item.next_index, epoch=epoch, source=self.source))
                 self._yielded += 1
                 self._epoch_yielded += 1
+            self._offset, self._sample = item.next_offset, item.next_index
             self._advance(item.error, next_span=item.at_end)
-            if item.sample is not None:
-                return item.sample
+            if sample is not None:
+                return sample
 
     def close(self) -> None:
         """Release the open shard (the position is kept)."""
@@ -249,7 +302,7 @@ class ShardReader(BaseNode[Sample]):
             self._next_epoch()
 
     def _next_epoch(self) -> None:
-        if self.epochs is None and self._epoch_yielded == 0:
+        if self.epochs is None and self._epoch_yielded == 0 and self._epoch not in self.work:
             self._check_not_starved()
         elif self._epoch_yielded:
             self._starved_shards.clear()
@@ -275,13 +328,17 @@ class ShardReader(BaseNode[Sample]):
             f"{self.errors.as_dict()['counts']}); an infinite stream would spin forever"
         )
 
-    def _open_span(self, span: ShardSpan) -> Iterator[Item]:
+    def _open_span(self, span: ShardSpan | Span) -> Iterator[Item]:
         url = self.urls[span.shard]
-        start, end, first = 0, None, 0
-        if span.parts > 1:
+        if isinstance(span, Span):
+            start, end, first = span.start, span.end, span.first
+        elif span.parts > 1:
             start, end, first = self.index(url).part(span.part, span.parts)
-        if self._offset >= 0:
-            start, first = self._offset, self._sample
+        else:
+            start, end, first = 0, None, 0
+        if self._offset < 0:  # the position names where the next sample starts from now on
+            self._offset, self._sample = start, first
+        start, first = self._offset, self._sample
         if end is not None and start >= end:
             return iter(())
         return open_range(url, ShardRange(start=start, first=first, end=end), decode=self._decode,

@@ -19,11 +19,16 @@ the pack order does not follow length.
 Lengths are packed *aligned* (``ceil(L / align) * align``) so every pack still fits after
 the collate pads each document to the CP/TP alignment.
 
-State = the upstream state at the start of the current round + the carried samples at that
-point + how many packs of the round were already emitted (+ metrics). Restoring re-reads one
-window and re-packs it, which is deterministic; ``get_state`` is O(1) (cached per round),
-which matters because StatefulDataLoader snapshots after every batch. Size: at most one
-window of tokens (~5 MB for 1024 samples of mean 600 tokens as int64).
+State = the upstream state after the round's refill + the round's packs and carried samples as
+a table of references (where to re-read each one, see :mod:`streampack.nodes.replay`) + how
+many packs of the round were already emitted (+ metrics). Restoring re-reads the samples of
+the packs not yet emitted and of the carry and rebuilds exactly those packs (no re-packing);
+``get_state`` is O(1) after its first call in a round (cached per round), which matters because
+StatefulDataLoader snapshots after every batch. Size: 56 bytes per sample of the window
+(~65 KB per worker at window 1024, measured at capacities 4k, 32k and 128k) whatever the
+documents' lengths; without a replay function (a graph with a user node stage) the table
+stores tokens instead (2 MB at capacity 4k, 63 MB at 128k: ``benchmarks/bench_state.py``). ``carry=`` starts the packer with samples already in its window
+(an elastic resume hands each new worker its share of the old windows that way).
 
 Log (lognormal mean ~600 sigma 1, capacity 4096, split policy; 2-core shared CPU box):
 
@@ -40,32 +45,54 @@ Log (lognormal mean ~600 sigma 1, capacity 4096, split policy; 2-core shared CPU
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack import packing
+from streampack.nodes.window_rounds import (
+    PackerRules,
+    aligned_lengths,
+    choose,
+    pack_round,
+)
 from streampack.sample import Sample
-from streampack.state import samples_from_state, samples_to_state
+from streampack.state import (
+    Replay,
+    samples_from_table,
+    samples_to_table,
+    table_size,
+    table_slice,
+)
 
 _METRIC_NAMES = ("rounds", "packs", "docs", "tokens", "aligned_tokens", "slots",
                  "forced_by_age", "forced_by_carry", "flushed", "max_rounds_waited")
 
 
 class WindowPacker(BaseNode[list[Sample]]):
-    """Packs a stream of tokenized samples; yields one pack (a list of samples) per ``next``."""
+    """Packs a stream of tokenized samples; yields one pack (a list of samples) per ``next``.
+
+    ``replay`` re-reads samples from their origins (a :class:`~streampack.nodes.replay.Replayer`):
+    with it the state holds references, without it tokens. ``carry`` is a table
+    (``state.samples_to_table``) of samples the window starts with.
+    """
 
     SOURCE_KEY = "source"
-    CARRY_KEY = "carry"
+    TABLE_KEY = "table"
+    SIZES_KEY = "pack_sizes"
     ENTERED_KEY = "entered"
     ROUND_KEY = "round"
     EMITTED_KEY = "emitted"
     METRICS_KEY = "metrics"
+    KIND_KEY = "kind"
+    KIND = "WindowPacker"
 
     def __init__(self, source: BaseNode[Sample], *, capacity: int, window: int = 1024,
                  algorithm: str = "bfd", align: int = 1, seed: int = 0, max_wait: int = 8,
-                 slack: int | None = None, shuffle: bool = True) -> None:
+                 slack: int | None = None, shuffle: bool = True, replay: Replay | None = None,
+                 carry: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         if window < 1:
             raise ValueError(f"{window=} must be >= 1")
@@ -79,19 +106,21 @@ class WindowPacker(BaseNode[list[Sample]]):
                              f"parallelism, combined with align_multiple)")
         packing.get_algorithm(algorithm)  # unknown names fail here, not mid-stream
         self.source = source
+        self.rules = PackerRules(capacity=capacity, window=window, algorithm=algorithm, align=align,
+                                 seed=seed, max_wait=max_wait, slack=slack)
         self.capacity, self.window, self.algorithm = capacity, window, algorithm
         self.align, self.seed, self.max_wait, self.shuffle = align, seed, max_wait, shuffle
-        self.slack = capacity // 256 if slack is None else slack
+        self.slack = self.rules.free_ok
+        self.replay, self.initial_carry = replay, carry
         self._clear()
 
     def _clear(self) -> None:
         self._carry: list[Sample] = []
         self._entered: list[int] = []
-        self._ready: list[list[Sample]] = []
+        self._packs: list[list[Sample]] = []  # every pack of the current round, in emission order
         self._emitted = 0
         self._round = 0
-        self._round_state: dict[str, Any] | None = None
-        self._fresh = False  # _round_state already describes the start of the next round
+        self._cache: dict[str, Any] | None = None  # this round's state (without emitted / metrics)
         self.metrics = dict.fromkeys(_METRIC_NAMES, 0)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -99,54 +128,60 @@ class WindowPacker(BaseNode[list[Sample]]):
         self._clear()
         if initial_state is None:
             self.source.reset(None)
+            if self.initial_carry is not None and table_size(self.initial_carry):
+                self._carry = samples_from_table(self.initial_carry, self.replay)
+                self._entered = [0] * len(self._carry)
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
-        self._carry = samples_from_state(initial_state[self.CARRY_KEY])
+        table, sizes = initial_state[self.TABLE_KEY], initial_state[self.SIZES_KEY].tolist()
+        emitted = int(initial_state[self.EMITTED_KEY])
+        start = sum(sizes[:emitted])
+        rest = samples_from_table(table_slice(table, start, table_size(table)), self.replay)
+        self._packs = [[] for _ in range(emitted)]
+        for n in sizes[emitted:]:
+            self._packs.append(rest[:n])
+            rest = rest[n:]
+        self._carry = rest
         self._entered = initial_state[self.ENTERED_KEY].tolist()
-        self._round = initial_state[self.ROUND_KEY]
-        emitted = initial_state[self.EMITTED_KEY]
-        if emitted:
-            self._round_state = {k: initial_state[k] for k in
-                                 (self.SOURCE_KEY, self.CARRY_KEY, self.ENTERED_KEY, self.ROUND_KEY)}
-            self._fresh = True
-            self._run_round()
-            self._ready = self._ready[emitted:]
-            self._emitted = emitted
+        self._round, self._emitted = int(initial_state[self.ROUND_KEY]), emitted
+        self._cache = {k: initial_state[k] for k in (self.SOURCE_KEY, self.TABLE_KEY, self.SIZES_KEY,
+                                                     self.ENTERED_KEY, self.ROUND_KEY)}
         self.metrics = dict(initial_state[self.METRICS_KEY])
 
     def next(self) -> list[Sample]:
-        if not self._ready:
+        if self._emitted >= len(self._packs):
             self._run_round()
-            if not self._ready:
+            if not self._packs:
                 raise StopIteration
-        pack = self._ready.pop(0)
+        pack = self._packs[self._emitted]
         self._emitted += 1
         self._count(pack)
         return pack
 
     def get_state(self) -> dict[str, Any]:
-        if not self._ready and not self._fresh:
-            # between rounds: describe the start of the next one (restores without a replay)
-            self._round_state = self._snapshot()
-            self._emitted = 0
-            self._fresh = True
-        return {**self._round_state, self.EMITTED_KEY: self._emitted,
+        if self._cache is None:
+            import torch
+
+            samples = [s for p in self._packs for s in p] + self._carry
+            self._cache = {
+                self.SOURCE_KEY: self.source.state_dict(),  # the upstream rests between rounds
+                self.TABLE_KEY: samples_to_table(samples, by_reference=self.replay is not None),
+                self.SIZES_KEY: torch.tensor([len(p) for p in self._packs], dtype=torch.int64),
+                self.ENTERED_KEY: torch.tensor(self._entered, dtype=torch.int64),
+                self.ROUND_KEY: self._round,
+            }
+        return {self.KIND_KEY: self.KIND, **self._cache, self.EMITTED_KEY: self._emitted,
                 self.METRICS_KEY: dict(self.metrics)}
 
-    def _snapshot(self) -> dict[str, Any]:
-        import torch
-
-        return {self.SOURCE_KEY: self.source.state_dict(),
-                self.CARRY_KEY: samples_to_state(self._carry),
-                self.ENTERED_KEY: torch.tensor(self._entered, dtype=torch.int64),
-                self.ROUND_KEY: self._round}
+    @classmethod
+    def unemitted(cls, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The rows of a saved state's table not yet emitted (the packs left and the carry)."""
+        start = sum(state[cls.SIZES_KEY].tolist()[:int(state[cls.EMITTED_KEY])])
+        return table_slice(state[cls.TABLE_KEY], start, table_size(state[cls.TABLE_KEY]))
 
     def _run_round(self) -> None:
         """Refill, pack once, queue the packs to emit (shuffled), carry the rest."""
-        if not self._fresh:
-            self._round_state = self._snapshot()
-        self._fresh = False
-        self._emitted = 0
+        self._cache = None
         samples, entered = self._carry, self._entered
         ended = False
         while len(samples) < self.window:
@@ -156,24 +191,24 @@ class WindowPacker(BaseNode[list[Sample]]):
                 ended = True
                 break
             entered.append(self._round)
-        self._carry, self._entered = [], []
+        self._carry, self._entered, self._packs, self._emitted = [], [], [], 0
         if not samples:
-            self._ready = []
             return
         lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
-        aligned = -(-lengths // self.align) * self.align
+        aligned = aligned_lengths(self.rules, lengths)
         if int(aligned.max()) > self.capacity:
             i = int(aligned.argmax())
             raise ValueError(f"sample {samples[i].doc_key!r} has {int(lengths[i])} tokens "
                              f"({int(aligned[i])} aligned), more than {self.capacity=}; "
                              f"apply an overlong policy before packing")
-        bins = packing.pack(aligned, self.capacity, algorithm=self.algorithm,
-                            seed=self.seed + self._round)
-        emit, keep = self._choose(bins, aligned, np.asarray(entered, dtype=np.int64), ended)
+        emit, keep, forced = choose(self.rules, pack_round(self.rules, aligned, self._round), aligned, np.asarray(entered, dtype=np.int64),
+                                    self._round, ended)
+        for name, n in forced.items():
+            self.metrics[name] += n
         order = np.arange(len(emit))
         if self.shuffle:
             order = np.random.default_rng((self.seed, self._round)).permutation(len(emit))
-        self._ready = [[samples[i] for i in emit[j].tolist()] for j in order]
+        self._packs = [[samples[i] for i in emit[j].tolist()] for j in order]
         waited = [self._round - entered[i] for b in emit for i in b.tolist()]
         self.metrics["max_rounds_waited"] = max(self.metrics["max_rounds_waited"], *waited, 0)
         kept = np.sort(np.concatenate(keep)) if keep else np.zeros(0, dtype=np.int64)
@@ -181,35 +216,6 @@ class WindowPacker(BaseNode[list[Sample]]):
         self._entered = [entered[i] for i in kept.tolist()]
         self._round += 1
         self.metrics["rounds"] += 1
-
-    def _choose(self, bins: list[np.ndarray], aligned: np.ndarray, entered: np.ndarray,
-                ended: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Split ``bins`` into (emit, keep) by the rules in the module docstring."""
-        if ended:
-            self.metrics["flushed"] += len(bins)
-            return bins, []
-        emit: list[np.ndarray] = []
-        rest: list[tuple[int, np.ndarray]] = []
-        oldest = self._round - self.max_wait + 1
-        for b in bins:
-            free = self.capacity - int(aligned[b].sum())
-            if free <= self.slack:
-                emit.append(b)
-            elif int(entered[b].min()) <= oldest:
-                emit.append(b)
-                self.metrics["forced_by_age"] += 1
-            else:
-                rest.append((free, b))
-        carried = sum(len(b) for _, b in rest)
-        limit = self.window // 2
-        if carried > limit:
-            rest.sort(key=lambda fb: fb[0])  # fullest first; stable, so deterministic
-            while carried > limit:
-                _, b = rest.pop(0)
-                emit.append(b)
-                carried -= len(b)
-                self.metrics["forced_by_carry"] += 1
-        return emit, [b for _, b in rest]
 
     def _count(self, pack: list[Sample]) -> None:
         m = self.metrics

@@ -1,0 +1,277 @@
+"""Elastic resume: the states of every reader of a run on ``(dp_size=a, num_workers=b)`` ->
+each reader's share on ``(c, d)``, with every sample of the epoch read exactly once.
+
+What an old reader had not yet handed to the trainer is exactly (see ``OverlongNode``):
+
+- its *carried* samples: the packs of the packer's round not yet emitted, the packer's carry
+  and the chunks left of a split document — all stored as references (shard, offset, chunk);
+- every sample after its *frontier*, the last sample the overlong stage pulled (samples read
+  but still in a tokenize block are after it): the rest of its spans in the frontier's epoch,
+  then its whole share of any later epoch up to ``E*``, the latest frontier epoch of all
+  readers (readers of an infinite stream may be an epoch apart).
+
+:func:`remaining` gathers that from the old states (once per process, from plain data: no
+shard is read, only the indexes the old plans need); :mod:`streampack.reshard` cuts it into
+the new readers' shares. The new readers read their share in epoch ``E*`` (each sample keeps
+the epoch it belongs to in its origin) and then follow the regular plan of the new topology
+from ``E* + 1``. The frontier is exact because every stage between the reader and the
+overlong stage keeps the reader's order (tokenizing, function stages).
+
+Not supported (a clear ``ValueError``): mixtures (the mixture's draw sequence is per reader), and
+graphs with a user node stage (its own buffer cannot be split). On the same topology nothing
+changes: each reader takes its own state back and continues bit-identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from streampack.graph import make_planner, replayable
+from streampack.io.decode import DecodeOptions
+from streampack.io.index import load_or_build_index
+from streampack.nodes.epoch_plan import (
+    ShardSamples,
+    chunk_lengths,
+)
+from streampack.nodes.overlong import OverlongNode
+from streampack.nodes.packed_reader import PackedShardReader
+from streampack.nodes.reader import KIND as READER_KIND
+from streampack.nodes.reader import work_from_state
+from streampack.nodes.sharding import (
+    ShardSpan,
+    Span,
+    assign_shards,
+)
+from streampack.nodes.window_packer import WindowPacker
+from streampack.settings import Placement, ReadOptions, Sources, StreamConfig
+from streampack.state import (
+    FINGERPRINT_KEY,
+    GRAPH_KEY,
+    PASSES_KEY,
+    REF_COLUMNS,
+    WORKER_KEY,
+    concat_tables,
+    samples_from_state,
+    samples_to_table,
+)
+
+TOPOLOGY_KEYS = ("dp_size", "dp_rank", "num_workers")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OldReader:
+    """What one old reader had left: carried samples, then spans (or offline packs)."""
+
+    carry: Mapping[str, Any]
+    spans: list[Span] = field(default_factory=list)
+    packs: np.ndarray | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Remaining:
+    """The unread part of a run, from the states of all its readers."""
+
+    epoch: int
+    """``E*``: the epoch the new readers read it in."""
+    passes: int
+    old_dp_size: int
+    old_readers: int
+    readers: list[OldReader]
+    """By old global worker."""
+
+
+def topology_of(states: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
+    """``(dp_size, num_workers)`` the states were saved with, after checking they are all the
+    readers of one run, each exactly once."""
+    if not states:
+        raise ValueError("an elastic resume needs the states of every reader of the old run; got none")
+    prints = [s[FINGERPRINT_KEY] for s in states]
+    first = {k: v for k, v in prints[0].items() if k not in TOPOLOGY_KEYS}
+    for p in prints[1:]:
+        rest = {k: v for k, v in p.items() if k not in TOPOLOGY_KEYS}
+        if rest != first:
+            diff = sorted(k for k in set(rest) | set(first) if rest.get(k) != first.get(k))
+            raise ValueError(f"the states come from different runs (settings {diff} differ)")
+    sizes = {(p["dp_size"], p["num_workers"]) for p in prints}
+    if len(sizes) != 1:
+        raise ValueError(f"the states mix topologies {sorted(sizes)}")
+    dp_size, num_workers = sizes.pop()
+    readers = max(num_workers, 1)
+    seen = sorted((s[WORKER_KEY]["dp_rank"], s[WORKER_KEY]["worker_id"]) for s in states)
+    want = [(r, w) for r in range(dp_size) for w in range(readers)]
+    if seen != want:
+        missing, extra = sorted(set(want) - set(seen)), sorted({x for x in seen if seen.count(x) > 1 or x not in want})
+        raise ValueError(f"an elastic resume needs the state of every reader of the old run exactly once "
+                         f"(dp_size={dp_size} x {readers} readers): missing {missing}, duplicated or foreign {extra}")
+    if len({s[PASSES_KEY] for s in states}) != 1:
+        raise ValueError("the states are from different passes of the data")
+    return dp_size, num_workers
+
+
+def find_state(tree: Any, kind: str) -> dict[str, Any] | None:
+    """The first node state of ``kind`` nested anywhere in ``tree``."""
+    if isinstance(tree, Mapping):
+        if tree.get("kind") == kind:
+            return dict(tree)
+        children: Iterator[Any] = iter(tree.values())
+    elif isinstance(tree, (list, tuple)):
+        children = iter(tree)
+    else:
+        return None
+    for child in children:
+        found = find_state(child, kind)
+        if found is not None:
+            return found
+    return None
+
+
+def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources: Sources,
+              options: ReadOptions, stages: Sequence[Any]) -> Remaining:
+    """What the old run's readers had left (see the module docstring)."""
+    if sources.mixture:
+        raise ValueError("elastic resume of a mixture is not supported (each reader's draw sequence belongs to "
+                         "its topology): resume on the same dp_size and num_workers")
+    if not replayable(stages):
+        raise ValueError("elastic resume needs stages that are plain functions: a BaseNode stage may hold samples "
+                         "of its own that cannot be split between new readers; resume on the same topology")
+    dp_size, num_workers = topology_of(states)
+    readers = max(num_workers, 1)
+    ordered = sorted(states, key=lambda s: (s[WORKER_KEY]["dp_rank"], s[WORKER_KEY]["worker_id"]))
+    passes = int(ordered[0][PASSES_KEY])
+    old = _OldPlans(config, sources, options, dp_size, readers, passes)
+    frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]
+    last = max(f.epoch for f in frontiers)
+    out = [old.left(g, f, last) for g, f in enumerate(frontiers)]
+    return Remaining(epoch=last, passes=passes, old_dp_size=dp_size, old_readers=readers, readers=out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Frontier:
+    epoch: int
+    origin: list[int] | None
+    """``OverlongNode.LAST_COLUMNS`` of the last sample pulled, or None (nothing yet this epoch)."""
+    position: int = 0
+    """Offline packs: packs read in ``epoch``."""
+    carry: Mapping[str, Any] | None = None
+    work: dict[int, Any] = field(default_factory=dict)
+    done: bool = False
+
+
+class _OldPlans:
+    """The old topology's plans, to know what each old reader had left."""
+
+    def __init__(self, config: StreamConfig, sources: Sources, options: ReadOptions, dp_size: int,
+                 readers: int, passes: int) -> None:
+        self.config, self.sources, self.options = config, sources, options
+        self.dp_size, self.readers, self.passes = dp_size, readers, passes
+        self.place = Placement(dp_size=dp_size, num_workers=readers, passes=passes)
+        self.planner = make_planner(config, sources, self.place, options) if config.epochs else None
+        first = passes * config.epochs if config.epochs else 0
+        self.first, self.last = first, (first + config.epochs if config.epochs else None)
+        self._packed: PackedShardReader | None = None
+
+    def frontier(self, g: int, graph: Any) -> _Frontier:
+        if graph is None:
+            return _Frontier(epoch=self.first, origin=None, carry=None)
+        chain = graph
+        if self.config.epochs is not None:  # an EpochLoop
+            epoch, chain = int(graph["epoch"]), graph["chain"]
+            if chain is None:
+                return _Frontier(epoch=min(epoch, self.last - 1), origin=None, done=epoch >= self.last)
+        if self.sources.packed is not None:
+            reader = find_state(chain, PackedShardReader.KIND)
+            assert reader is not None
+            return _Frontier(epoch=int(reader["epoch"]), origin=None, position=int(reader["position"]),
+                             work={e: w.numpy() for e, w in reader["work"].items()})
+        reader, overlong, packer = (find_state(chain, k) for k in (READER_KIND, OverlongNode.KIND, WindowPacker.KIND))
+        assert reader is not None and overlong is not None and packer is not None, "not a PackedDataset graph state"
+        last = overlong["last"].tolist()
+        origin = last[0] if last else None
+        epoch = int(graph["epoch"]) if self.config.epochs is not None else (origin[2] if origin else int(reader["start_epoch"]))
+        carry = concat_tables([WindowPacker.unemitted(packer), self._pending(overlong["pending"])])
+        return _Frontier(epoch=epoch, origin=origin, carry=carry, work=work_from_state(reader["work"]))
+
+    def _pending(self, pending: Mapping[str, Any]) -> dict[str, Any]:
+        """The chunks a split document still had to emit, as table rows."""
+        if "ref" not in pending:
+            return samples_to_table(samples_from_state(pending), by_reference=False)
+        import torch
+
+        source, shard, offset, number, epoch = pending["ref"].tolist()
+        total, count, nxt = int(pending["tokens"]), int(pending["count"]), int(pending["next"])
+        lengths = chunk_lengths(np.asarray([total]), self.config.capacity, self.config.overlong)
+        rows = [[source, shard, offset, number, epoch, k, int(lengths[k])] for k in range(nxt, count)]
+        return {"is_ref": torch.ones(len(rows), dtype=torch.bool),
+                "refs": torch.tensor(rows, dtype=torch.int64).reshape(-1, len(REF_COLUMNS)),
+                "stored": samples_to_table([], by_reference=False)["stored"]}
+
+    def left(self, g: int, f: _Frontier, last: int) -> OldReader:
+        carry = f.carry if f.carry is not None else samples_to_table([], by_reference=True)
+        if f.done:
+            return OldReader(carry=carry, packs=np.zeros(0, np.int64) if self.sources.packed is not None else None)
+        if self.sources.packed is not None:
+            packs = [self._packs(g, f.epoch, f.work)[f.position:]]
+            packs += [self._packs(g, e, f.work) for e in range(f.epoch + 1, last + 1)]
+            return OldReader(carry=carry, packs=np.concatenate(packs))
+        spans = self._after(self._spans(g, f.epoch, f.work), f.origin)
+        for e in range(f.epoch + 1, last + 1):
+            spans += self._spans(g, e, f.work)
+        return OldReader(carry=carry, spans=spans)
+
+    def _tagged(self, spans: list[Span], epoch: int) -> list[Span]:
+        """``spans`` with the epoch their samples belong to."""
+        return [s if s.epoch is not None else replace(s, epoch=epoch) for s in spans]
+
+    def _packs(self, g: int, epoch: int, work: Mapping[int, Any]) -> np.ndarray:
+        if epoch in work:
+            return np.asarray(work[epoch], dtype=np.int64)
+        if self._packed is None:
+            self._packed = PackedShardReader(
+                self.sources.packed_urls, capacity=self.config.capacity, align=self.config.align,
+                seed=self.config.seed, shuffle=self.config.shuffle, epochs=None if self.last is None else self.last,
+                dp_size=self.dp_size, num_workers=self.readers, packs_per_batch=self.config.packs_per_batch)
+        return self._packed.dealt(epoch, g)
+
+    def _spans(self, g: int, epoch: int, work: Mapping[int, list[Span]]) -> list[Span]:
+        if epoch in work:
+            return self._tagged(list(work[epoch]), epoch)
+        if self.planner is not None:
+            return self._tagged(list(self.planner.plan(epoch).workers[g].spans), epoch)
+        shards = self.sources.shards
+        assert shards is not None
+        out = []
+        for s in assign_shards(len(shards), seed=self.config.seed, epoch=epoch, shuffle=self.config.shuffle,
+                               global_worker=g, global_workers=self.dp_size * self.readers):
+            out.append(_resolve(s, lambda i: shard_samples(shards.urls[i], self.config, self.options)))
+        return self._tagged(out, epoch)
+
+    def _after(self, spans: list[Span], origin: list[int] | None) -> list[Span]:
+        """``spans`` after the sample ``origin`` (all of them when None)."""
+        if origin is None:
+            return spans
+        _, shard, _, offset, _, next_offset, next_number = origin
+        for i, s in enumerate(spans):
+            if s.shard == shard and s.start <= offset and (s.end is None or offset < s.end):
+                rest = replace(s, start=next_offset, first=next_number)
+                return ([rest] if s.end is None or next_offset < s.end else []) + spans[i + 1:]
+        raise ValueError(f"the state's last sample (shard {shard} @ {offset}) is not in its reader's plan: "
+                         f"the states were saved with other settings or shards")
+
+
+def shard_samples(url: str, config: StreamConfig, options: ReadOptions) -> ShardSamples:
+    decode = DecodeOptions(tokens_key=config.tokens_key, text_key=config.text_key, allow_pickle=options.allow_pickle)
+    return ShardSamples.of(load_or_build_index(url, decode=decode, opts=options.open_options(),
+                                               cache_dir=options.cache_dir))
+
+
+def _resolve(span: ShardSpan, index: Any) -> Span:
+    if span.parts == 1:
+        return Span(shard=span.shard)
+    samples: ShardSamples = index(span.shard)
+    n = len(samples)
+    lo, hi = -(-span.part * n // span.parts), -(-(span.part + 1) * n // span.parts)
+    return samples.span(span.shard, lo, hi)

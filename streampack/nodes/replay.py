@@ -1,0 +1,164 @@
+"""Re-reading carried samples from where they were read, instead of storing their tokens.
+
+A resume state refers to each sample that sat in a buffer (the packer's window, a split
+document's pending chunks) by its origin — source, shard, byte offset, number, chunk — and
+:class:`Replayer` turns those references back into the very samples the buffer held: it reads
+the raw samples again (grouped by shard, one pass per shard in offset order, reopening at the
+next wanted offset only where that skips more than ``REOPEN_GAP`` bytes of a seekable shard;
+``.jsonl.gz`` is inflated once from the start), tokenizes them with the graph's own
+:class:`~streampack.nodes.tokenize.TextEncoder`, applies the function stages, and cuts the
+same chunk with the overlong policy. Each result's length is checked against the one
+recorded, so a stage that is not a pure function of the sample, or a shard changed since the
+save, is an error rather than a silently different stream.
+
+Why: a state that stores tokens grows with document length (one 4M-token document under
+``overlong="split"`` made every checkpoint 28.5 MB; capacity 32k with window 256 gave 17.6 MB
+per worker). References cost 56 bytes per carried sample whatever its length: ~65 KB per worker at
+window 1024 whether the capacity is 4k or 128k (63 MB with tokens at 128k;
+``benchmarks/bench_state.py``, provisional); restoring costs one read of the carried samples.
+
+A graph with a user ``BaseNode`` stage cannot be replayed per sample (the node may hold its own
+buffer): it has no Replayer and its states keep storing tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import BinaryIO
+
+import numpy as np
+
+from streampack.errors import DataError
+from streampack.io.decode import DecodeOptions
+from streampack.io.formats import ShardRange, open_range
+from streampack.io.storage import OpenOptions
+from streampack.io.urls import ShardList
+from streampack.nodes.overlong import apply_overlong
+from streampack.nodes.tokenize import TextEncoder
+from streampack.sample import Sample, SampleOrigin
+from streampack.state import REF_COLUMNS
+
+REOPEN_GAP = 1 << 20
+"""Bytes between two wanted samples of a seekable shard above which a new ranged read is
+cheaper than reading through (a local seek or one HTTP ``Range`` request)."""
+_SOURCE, _SHARD, _OFFSET, _NUMBER, _EPOCH, _CHUNK, _LENGTH = (REF_COLUMNS.index(c) for c in REF_COLUMNS)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplaySpec:
+    """What a graph does to a raw sample before packing: everything a replay repeats."""
+
+    sources: Sequence[ShardList]
+    """URL list of each source, by source index."""
+    decode: DecodeOptions
+    opts: OpenOptions
+    encoder: TextEncoder | None
+    stages: Sequence[Callable[[Sample], Sample | None]]
+    """The function stages, in order (a graph with node stages is not replayable)."""
+    max_len: int
+    policy: str
+
+
+class Replayer:
+    """``replayer(rows) -> samples``: re-reads reference rows (see ``state.REF_COLUMNS``)."""
+
+    def __init__(self, spec: ReplaySpec) -> None:
+        self.spec = spec
+
+    def __call__(self, rows: np.ndarray) -> list[Sample]:
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1, len(REF_COLUMNS))
+        raw = self._read_all(rows)
+        keys = {(r[_SOURCE], r[_SHARD], r[_OFFSET], r[_EPOCH]) for r in rows.tolist()}
+        ready = self._prepare({k: raw[k[:3]] for k in sorted(keys)})
+        out = []
+        for row in rows.tolist():
+            chunks = ready[(row[_SOURCE], row[_SHARD], row[_OFFSET], row[_EPOCH])]
+            chunk = chunks[max(row[_CHUNK], 0)] if max(row[_CHUNK], 0) < len(chunks) else None
+            if chunk is None or len(chunk) != row[_LENGTH]:
+                got = None if chunk is None else len(chunk)
+                raise ValueError(f"carried sample {self._where(row)} chunk {row[_CHUNK]} re-read with "
+                                 f"{got} tokens, {row[_LENGTH]} when the state was saved: the shard changed "
+                                 f"since, or a stage is not a pure function of the sample")
+            out.append(chunk)
+        return out
+
+    def chunks(self, ref: Sequence[int]) -> list[Sample]:
+        """Every chunk the overlong policy cuts from the sample at ``[source, shard, offset,
+        number, epoch]``."""
+        source, shard, offset, number, epoch = (int(v) for v in ref)
+        raw = self._read_shard(source, shard, [(offset, number)])
+        key = (source, shard, offset, epoch)
+        return self._prepare({key: raw[offset]})[key]
+
+    def _where(self, row: Sequence[int]) -> str:
+        return f"{self.spec.sources[row[_SOURCE]].urls[row[_SHARD]]!r}@{row[_OFFSET]}"
+
+    def _read_all(self, rows: np.ndarray) -> dict[tuple[int, int, int], Sample]:
+        wanted: dict[tuple[int, int], dict[int, int]] = {}
+        for source, shard, offset, number in rows[:, [_SOURCE, _SHARD, _OFFSET, _NUMBER]].tolist():
+            wanted.setdefault((source, shard), {})[offset] = number
+        out: dict[tuple[int, int, int], Sample] = {}
+        for (source, shard), where in sorted(wanted.items()):
+            for offset, sample in self._read_shard(source, shard, sorted(where.items())).items():
+                out[(source, shard, offset)] = sample
+        return out
+
+    def _read_shard(self, source: int, shard: int, wanted: list[tuple[int, int]]) -> dict[int, Sample]:
+        """Raw samples at ``wanted`` ``(offset, number)`` positions of one shard, in one pass
+        (reopening only across gaps larger than ``REOPEN_GAP``)."""
+        url = self.spec.sources[source].urls[shard]
+        seekable = not url.split("?", 1)[0].endswith(".gz")
+        found: dict[int, Sample] = {}
+        i = 0
+        while i < len(wanted):
+            start = wanted[i][0]
+            pos, num = wanted[i]
+            streams: list[BinaryIO] = []
+            try:
+                for item in open_range(url, ShardRange(start=pos, first=num), decode=self.spec.decode,
+                                       opts=self.spec.opts, streams=streams):
+                    if pos > wanted[i][0]:
+                        break  # no sample starts there: reopen at it, which reports the problem
+                    if pos == wanted[i][0]:
+                        if item.sample is None:
+                            raise ValueError(f"cannot re-read carried sample {url!r}@{pos}: {item.error} "
+                                             f"(the shard changed since the state was saved?)")
+                        origin = SampleOrigin(shard=shard, offset=pos, number=num, next_offset=item.next_offset,
+                                              next_number=item.next_index, source=source)
+                        found[pos] = replace(item.sample, origin=origin)
+                        i += 1
+                        if i == len(wanted) or (seekable and wanted[i][0] - item.next_offset > REOPEN_GAP):
+                            break
+                    pos, num = item.next_offset, item.next_index
+            except DataError as e:
+                raise ValueError(f"cannot re-read carried samples of {url!r}: {e}") from None
+            finally:
+                for stream in streams:
+                    stream.close()
+            if start not in found:
+                raise ValueError(f"no sample starts at offset {start} of {url!r} any more "
+                                 f"(the shard changed since the state was saved)")
+        return found
+
+    def _prepare(self, raw: dict[tuple[int, int, int, int], Sample]) -> dict[tuple[int, int, int, int], list[Sample]]:
+        """Tokenize, apply the function stages and the overlong policy, as the graph did
+        (keys: source, shard, offset, epoch — the epoch the sample was read in)."""
+        keys = list(raw)
+        samples = [replace(raw[k], origin=replace(raw[k].origin, epoch=k[3])) for k in keys]
+        if self.spec.encoder is not None:
+            encoded = self.spec.encoder.encode(samples)
+            for k, s in zip(keys, encoded):
+                if not isinstance(s, Sample):
+                    raise ValueError(f"carried sample {raw[k].doc_key!r} no longer tokenizes ({s!r})")
+            samples = encoded  # type: ignore[assignment]
+        out = {}
+        for k, sample in zip(keys, samples):
+            for fn in self.spec.stages:
+                result = fn(sample)
+                if not isinstance(result, Sample):
+                    raise ValueError(f"stage {fn!r} returned {result!r} for carried sample {sample.doc_key!r}, "
+                                     f"which it kept when the state was saved: stages must be pure functions")
+                sample = result
+            out[k] = apply_overlong(sample, self.spec.max_len, self.spec.policy)
+        return out

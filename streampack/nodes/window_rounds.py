@@ -1,0 +1,104 @@
+"""One round of the window packer, on lengths alone: the rules both the node and a plan run.
+
+:class:`~streampack.nodes.window_packer.WindowPacker` packs its window once per round and
+:func:`choose` decides which packs leave; :func:`count_packs` runs the very same rounds over a
+list of lengths, so an epoch plan (``epoch_plan``) counts exactly the packs the node will
+emit — no second implementation to drift apart (``tests/test_topology_plan.py`` checks both
+agree on random streams).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from streampack import packing
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackerRules:
+    """The settings that decide which packs leave a round (shared by the node and
+    :func:`count_packs`, so a plan counts exactly the packs the node will emit)."""
+
+    capacity: int
+    window: int = 1024
+    algorithm: str = "bfd"
+    align: int = 1
+    seed: int = 0
+    max_wait: int = 8
+    slack: int | None = None
+
+    @property
+    def free_ok(self) -> int:
+        return self.capacity // 256 if self.slack is None else self.slack
+
+
+def worker_seed(seed: int, global_worker: int) -> int:
+    """The packing seed of one global worker (its rounds use ``worker_seed + round``)."""
+    return seed * 1_000_003 + global_worker
+
+
+def choose(rules: PackerRules, bins: list[np.ndarray], aligned: np.ndarray, entered: np.ndarray,
+           round_: int, ended: bool) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, int]]:
+    """Split one round's ``bins`` into (emit, keep) by the rules in the module docstring;
+    also returns the counts of packs forced out (``forced_by_age`` / ``_carry``, ``flushed``)."""
+    if ended:
+        return bins, [], {"flushed": len(bins)}
+    emit: list[np.ndarray] = []
+    rest: list[tuple[int, np.ndarray]] = []
+    forced = {"forced_by_age": 0, "forced_by_carry": 0}
+    oldest = round_ - rules.max_wait + 1
+    for b in bins:
+        free = rules.capacity - int(aligned[b].sum())
+        if free <= rules.free_ok:
+            emit.append(b)
+        elif int(entered[b].min()) <= oldest:
+            emit.append(b)
+            forced["forced_by_age"] += 1
+        else:
+            rest.append((free, b))
+    carried = sum(len(b) for _, b in rest)
+    limit = rules.window // 2
+    if carried > limit:
+        rest.sort(key=lambda fb: fb[0])  # fullest first; stable, so deterministic
+        while carried > limit:
+            _, b = rest.pop(0)
+            emit.append(b)
+            carried -= len(b)
+            forced["forced_by_carry"] += 1
+    return emit, [b for _, b in rest], forced
+
+
+def aligned_lengths(rules: PackerRules, lengths: np.ndarray) -> np.ndarray:
+    return -(-lengths // rules.align) * rules.align
+
+
+def pack_round(rules: PackerRules, aligned: np.ndarray, round_: int) -> list[np.ndarray]:
+    """The bins of one round's (aligned) lengths."""
+    return packing.pack(aligned, rules.capacity, algorithm=rules.algorithm, seed=rules.seed + round_)
+
+
+def count_packs(rules: PackerRules, stream: np.ndarray, carry: np.ndarray | None = None) -> int:
+    """Packs a :class:`WindowPacker` with these rules emits for a finite stream of ``stream``
+    lengths (each ``<= capacity``), starting with ``carry`` lengths in its window: the same
+    rounds, packing and choices as the node, on lengths alone."""
+    window = np.zeros(0, dtype=np.int64) if carry is None else np.asarray(carry, dtype=np.int64)
+    entered = np.zeros(len(window), dtype=np.int64)
+    stream = np.asarray(stream, dtype=np.int64)
+    pos, round_, packs = 0, 0, 0
+    while True:
+        take = max(rules.window - len(window), 0)
+        new = stream[pos:pos + take]
+        ended = len(new) < take
+        pos += len(new)
+        window = np.concatenate([window, new])
+        entered = np.concatenate([entered, np.full(len(new), round_, dtype=np.int64)])
+        if not len(window):
+            return packs
+        aligned = aligned_lengths(rules, window)
+        emit, keep, _ = choose(rules, pack_round(rules, aligned, round_), aligned, entered, round_, ended)
+        packs += len(emit)
+        kept = np.sort(np.concatenate(keep)) if keep else np.zeros(0, dtype=np.int64)
+        window, entered = window[kept], entered[kept]
+        round_ += 1

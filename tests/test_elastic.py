@@ -1,0 +1,238 @@
+"""Elastic resume (issue 11, build item 4): the states of every reader of a run on
+``(dp_size=a, num_workers=b)`` resume on ``(c, d)`` with every sample of the epoch trained
+exactly once, including samples that sat in packer windows and chunks of a split document
+still pending at save time.
+
+Finding: a checkpoint only resumed on the same ``dp_size`` and ``num_workers``.
+
+The 4x2 -> 3x3 and 2x1 -> 4x2 cases run real StatefulDataLoader workers; the others simulate
+ranks and workers in-process (``topology_sim``) to try many stop points quickly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from helpers_data import (
+    make_text_docs,
+    make_token_docs,
+    write_jsonl_shards,
+    write_tar_shards,
+)
+from node_checks import canon, collect_documents, write_token_shards
+from topology_sim import SimRank, roundtrip
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from streampack import elastic
+from streampack.dataset import PackedDataset
+from streampack.nodes.collate import FILLER_KEY
+from streampack.nodes.stages import MapSamples, NodeStage
+from streampack.state import dataset_states, table_size
+
+CAP = 256
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    # long-tail lengths up to 3 x capacity: windows carry samples and documents get split
+    urls, docs = write_token_shards(tmp_path_factory.mktemp("elastic"), 300, 5, mean=110, seed=3, max_len=3 * CAP)
+    list(PackedDataset(urls, capacity=CAP, window=16, epochs=1))  # compile the packer before forking workers
+    return urls, docs
+
+
+def _ds(urls, rank: int, size: int, **kw) -> PackedDataset:
+    return PackedDataset(urls, **{"capacity": CAP, "window": 24, "epochs": 1, "seed": 2, "packs_per_batch": 2,
+                                  "max_wait": 3, "dp_rank": rank, "dp_size": size, **kw})
+
+
+def _carried(states) -> tuple[int, int]:
+    """(samples carried in packer windows, split documents with chunks pending) at save time."""
+    found = [(elastic.find_state(s["graph"], "WindowPacker"), elastic.find_state(s["graph"], "OverlongNode"))
+             for s in states if s["graph"] is not None]
+    carried = sum(table_size(elastic.WindowPacker.unemitted(p)) for p, _ in found if p is not None)
+    pending = sum("ref" in o["pending"] for _, o in found if o is not None)
+    return carried, pending
+
+
+@pytest.mark.parametrize("old,new,steps", [pytest.param((4, 2), (3, 3), 3, marks=pytest.mark.slow),
+                                           ((2, 1), (4, 2), 5)])
+def test_elastic_resume_with_dataloader_workers(shards, old, new, steps):
+    urls, docs = shards
+    (a, b), (c, d) = old, new
+    consumed, states = [], []
+    for rank in range(a):
+        loader = StatefulDataLoader(_ds(urls, rank, a), batch_size=None, num_workers=b)
+        it = iter(loader)
+        consumed += [next(it) for _ in range(steps)]
+        states += dataset_states(roundtrip(loader.state_dict()))  # e.g. all_gather_object of each rank's
+        del it
+    assert len(states) == a * max(b, 1)
+    carried, _ = _carried(states)
+    assert carried > 0, "the save point must hold samples in packer windows (else this proves little)"
+    counts = []
+    for rank in range(c):
+        ds = _ds(urls, rank, c)
+        ds.load_state_dict(states)
+        got = list(StatefulDataLoader(ds, batch_size=None, num_workers=d))
+        counts.append(len(got))
+        consumed += got
+    assert len(set(counts)) == 1, counts
+    assert all(b.total_tokens == 2 * CAP for b in consumed)
+    # every chunk of every document exactly once (collect_documents refuses a chunk seen twice)
+    assert collect_documents(consumed) == {f"{i:08d}": doc for i, doc in enumerate(docs)}
+
+
+def _old_run(make, a: int, b: int, steps: int) -> tuple[list, list]:
+    ranks = [SimRank(lambda r=r: make(r, a), b) for r in range(a)]
+    consumed = [next(rk) for rk in ranks for _ in range(steps)]
+    return consumed, [s for rk in ranks for s in rk.states()]
+
+
+def _new_run(make, c: int, d: int, states) -> tuple[list, list[int]]:
+    """Every new rank's batches to the end (each loads all old states), and the counts."""
+    runs = [list(SimRank(lambda r=rank: make(r, c), d, load=states)) for rank in range(c)]
+    return [x for run in runs for x in run], [len(run) for run in runs]
+
+
+def _chunks(batches) -> Counter:
+    return Counter(k for b in batches for k in b.doc_keys if k != FILLER_KEY)
+
+
+@pytest.mark.parametrize("a,b,c,d,steps", [(4, 2, 3, 3, 2), (3, 0, 1, 2, 4), (1, 3, 2, 2, 6)])
+def test_elastic_simulated_topologies_and_pending_chunks(shards, a, b, c, d, steps):
+    urls, _ = shards
+    make = lambda r, size: _ds(urls, r, size, window=8, packs_per_batch=1)  # noqa: E731
+    consumed, states = _old_run(make, a, b, steps)
+    got, counts = _new_run(make, c, d, states)
+    assert len(set(counts)) == 1
+    consumed += got
+    full = [x for r in range(a) for x in SimRank(lambda r=r: make(r, a), b)]
+    assert _chunks(consumed) == _chunks(full) and max(_chunks(full).values()) == 1
+
+
+def test_pending_chunks_of_a_split_document_move_to_the_new_readers(tmp_path):
+    docs = make_token_docs(40, seed=1, max_len=60)
+    docs[3] = list(range(20 * CAP))  # 20 chunks
+    urls = write_tar_shards(tmp_path, docs, 2)
+    make = lambda r, size: _ds(urls, r, size, window=4, shuffle=False, packs_per_batch=1)  # noqa: E731
+    consumed, states = _old_run(make, 2, 0, 6)
+    assert _carried(states)[1] == 1, "one reader must be in the middle of the long document"
+    consumed += _new_run(make, 3, 0, states)[0]
+    assert collect_documents(consumed) == {f"{i:08d}": doc for i, doc in enumerate(docs)}
+
+
+def test_same_topology_through_the_list_is_the_exact_resume(shards):
+    urls, _ = shards
+    make = lambda r, size: _ds(urls, r, size, epochs=2)  # noqa: E731
+    full = [[canon(x) for x in SimRank(lambda r=r: make(r, 2), 0)] for r in range(2)]
+    ranks = [SimRank(lambda r=r: make(r, 2), 0) for r in range(2)]
+    heads = [[canon(next(rk)) for _ in range(7)] for rk in ranks]
+    states = [s for rk in ranks for s in rk.states()]
+    for rank in range(2):
+        rest = [canon(x) for x in SimRank(lambda r=rank: make(r, 2), 0, load=states)]
+        assert heads[rank] + rest == full[rank]
+
+
+def test_elastic_twice_and_across_epochs(shards):
+    urls, _ = shards
+    urls = urls[:3]
+    make = lambda r, size: _ds(urls, r, size, epochs=2, window=8)  # noqa: E731
+    consumed, states = _old_run(make, 3, 1, 9)
+    mid = [SimRank(lambda r=r: make(r, 2), 2, load=states) for r in range(2)]
+    consumed += [next(rk) for rk in mid for _ in range(4)]
+    states = [s for rk in mid for s in rk.states()]
+    consumed += _new_run(make, 4, 0, states)[0]
+    full = [x for r in range(3) for x in SimRank(lambda r=r: make(r, 3), 1)]
+    assert _chunks(consumed) == _chunks(full) and set(_chunks(full).values()) == {2}  # two epochs
+
+
+def _tag_epoch(sample):
+    return replace(sample, key=f"{sample.key}@{sample.origin.epoch}")
+
+
+def test_elastic_infinite_stream_text_and_tokenizer(tmp_path):
+    """Infinite stream, text tokenized in blocks (samples read but not yet tokenized at save):
+    every (sample, epoch) up to the resumed epoch E* exactly once, later epochs at most once."""
+    urls = write_jsonl_shards(tmp_path, make_text_docs(50, seed=2), 3)
+    kw = {"tokenizer": lambda t: list(t.encode()), "tokenize_block": 5, "stages": [_tag_epoch], "window": 6,
+          "epochs": None, "capacity": 64}
+    make = lambda r, size: _ds(urls, r, size, **kw)  # noqa: E731
+    consumed, states = _old_run(make, 2, 1, 7)
+    probe = make(0, 3)
+    last = elastic.remaining(states, probe.config, probe.sources, probe.options, probe.stages).epoch
+    for rank in range(3):
+        rk = SimRank(lambda r=rank: make(r, 3), 0, load=states)
+        consumed += [next(rk) for _ in range(60)]
+    seen = Counter()
+    for k, n in _chunks(consumed).items():
+        base, _, chunk = k.rpartition("#")[2].partition("/")
+        key, _, epoch = base.partition("@")
+        seen[(k.rpartition("#")[0], key, chunk, int(epoch))] += n
+    assert max(seen.values()) == 1
+    every = {(u, k, ch) for (u, k, ch, _) in seen}
+    for epoch in range(last + 1):
+        assert {(u, k, ch) for (u, k, ch, e) in seen if e == epoch} == every, epoch
+
+
+def test_elastic_offline_packs(tmp_path):
+    from streampack.cli.main import main
+
+    paths = write_tar_shards(tmp_path / "in", make_token_docs(120, seed=4, max_len=90), 3)
+    out = tmp_path / "packed"
+    assert main(["pack", *paths, "--out", str(out), "--capacity", "256", "--packs-per-shard", "5",
+                 "--no-progress"]) == 0
+    make = lambda r, size: PackedDataset(out, capacity=256, epochs=2, dp_rank=r, dp_size=size,  # noqa: E731
+                                         packs_per_batch=2, shuffle=True)
+    consumed, states = _old_run(make, 3, 2, 4)
+    got, counts = _new_run(make, 2, 3, states)
+    consumed += got
+    full = [x for r in range(3) for x in SimRank(lambda r=r: make(r, 3), 2)]
+    assert len(set(counts)) == 1 and _chunks(consumed) == _chunks(full)
+
+
+def test_elastic_refuses_what_it_cannot_split(shards, tmp_path):
+    urls, _ = shards
+    _, states = _old_run(lambda r, size: _ds(urls, r, size), 2, 1, 2)
+    with pytest.raises(ValueError, match=r"missing \[\(1, 0\)\]"):
+        _ds(urls, 0, 3).load_state_dict(states[:1])
+    with pytest.raises(ValueError, match="different runs"):
+        _ds(urls, 0, 3).load_state_dict([states[0], {**states[1], "fingerprint": {**states[1]["fingerprint"],
+                                                                                   "seed": 99}}])
+    with pytest.raises(ValueError, match="seed: saved 2, now 5"):
+        _ds(urls, 0, 3, seed=5).load_state_dict(states)
+    node_stage = [NodeStage(lambda up: MapSamples(up, lambda s: s))]
+    _, staged = _old_run(lambda r, size: _ds(urls, r, size, stages=node_stage), 2, 0, 2)
+    with pytest.raises(ValueError, match="BaseNode stage"):
+        _ds(urls, 0, 3, stages=node_stage).load_state_dict(staged)
+    mix = {"a": urls[:2], "b": urls[2:]}
+    make = lambda r, size: PackedDataset(mix, capacity=CAP, window=8, dp_rank=r, dp_size=size)  # noqa: E731
+    _, mixed = _old_run(make, 2, 0, 2)
+    with pytest.raises(ValueError, match="mixture"):
+        make(0, 3).load_state_dict(mixed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(40))
+def test_elastic_randomized(tmp_path, seed):
+    """Random data (tar / jsonl / jsonl.gz, long documents), topologies, stop points, policies."""
+    rng = np.random.default_rng(seed)
+    cap = int(rng.choice([64, 128]))
+    lengths = np.maximum(1, rng.lognormal(np.log(cap / 3), 1.0, int(rng.integers(30, 150)))).astype(int)
+    docs = [rng.integers(0, 1000, n).tolist() for n in lengths]
+    fmt, num_shards = str(rng.choice(["tar", "jsonl", "gz"])), int(rng.integers(1, 7))
+    urls = (write_tar_shards(tmp_path, docs, num_shards) if fmt == "tar"
+            else write_jsonl_shards(tmp_path, docs, num_shards, gz=fmt == "gz"))
+    a, b, c, d = (int(x) for x in rng.integers([1, 0, 1, 0], [5, 4, 5, 4]))
+    kw = {"capacity": cap, "window": int(rng.choice([4, 8, 16])), "epochs": int(rng.integers(1, 3)),
+          "packs_per_batch": int(rng.integers(1, 3)), "overlong": str(rng.choice(["split", "truncate", "drop"])),
+          "max_wait": int(rng.integers(1, 5)), "seed": seed}
+    make = lambda r, size: PackedDataset(urls, dp_rank=r, dp_size=size, **kw)  # noqa: E731
+    full = [list(SimRank(lambda r=r: make(r, a), b)) for r in range(a)]
+    assert len({len(x) for x in full}) == 1
+    consumed, states = _old_run(make, a, b, int(rng.integers(0, len(full[0]) + 1)))
+    got, counts = _new_run(make, c, d, states)
+    assert len(set(counts)) == 1
+    assert _chunks(consumed + got) == _chunks([x for f in full for x in f])

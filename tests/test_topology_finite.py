@@ -1,0 +1,148 @@
+"""Finite epochs over several ranks with no number to guess (issue 11, build item 1).
+
+Ranks are simulated in-process (one PackedDataset per rank with explicit ``dp_rank`` /
+``dp_size``) and read through real DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers_data import make_text_docs, write_jsonl_shards, write_tar_shards
+from node_checks import (
+    ListSource,
+    collect_documents,
+    lognormal_lengths,
+    make_samples,
+    write_token_shards,
+)
+from torch.utils.data import DataLoader
+
+from streampack import check_invariants
+from streampack.dataset import PackedDataset
+from streampack.nodes.collate import ThdCollate, is_filler
+from streampack.nodes.overlong import OverlongNode
+from streampack.nodes.window_packer import WindowPacker
+from streampack.nodes.window_rounds import PackerRules, count_packs
+
+CAP = 512
+
+
+@pytest.fixture(scope="module")
+def few_shards(tmp_path_factory):
+    # 6 shards of long-tail documents: whole-shard assignment left some of 4 x 2 readers a
+    # whole shard and others half of one; the plan balances samples instead
+    urls, docs = write_token_shards(tmp_path_factory.mktemp("few"), 360, 6, mean=140, seed=4, max_len=3 * CAP)
+    list(PackedDataset(urls, capacity=CAP, window=16, epochs=1))  # compile the packer before forking workers
+    return urls, docs
+
+
+def _ranks(urls, dp_size: int, num_workers: int, **kw) -> list[list]:
+    out = []
+    for rank in range(dp_size):
+        ds = PackedDataset(urls, capacity=CAP, window=32, epochs=1, dp_rank=rank, dp_size=dp_size, seed=5,
+                           packs_per_batch=2, **kw)
+        out.append(list(DataLoader(ds, batch_size=None, num_workers=num_workers)))
+    return out
+
+
+@pytest.mark.parametrize("dp_size,num_workers", [(3, 0), (2, 2), pytest.param(3, 2, marks=pytest.mark.slow),
+                                                 pytest.param(2, 3, marks=pytest.mark.slow),
+                                                 pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_equal_batch_counts_and_every_sample_once_without_batches_per_epoch(few_shards, dp_size, num_workers):
+    """Finding: finite mode with dp_size > 1 needed a guessed batches_per_epoch (too small: the
+    run died at the end of the epoch; too large: ranks trained on fillers)."""
+    urls, docs = few_shards
+    ranks = _ranks(urls, dp_size, num_workers)
+    assert len({len(r) for r in ranks}) == 1, [len(r) for r in ranks]
+    batches = [b for r in ranks for b in r]
+    for b in batches:
+        check_invariants(b)
+        assert b.total_tokens == 2 * CAP  # every batch, fillers and the last one included
+    assert collect_documents(batches) == {f"{i:08d}": d for i, d in enumerate(docs)}
+    fillers = [b for b in batches if is_filler(b)]
+    assert all(b.num_targets == 0 for b in fillers)
+    # as few fillers as the balanced split allows: a few per epoch, not a guessed margin
+    assert len(fillers) <= 2 * dp_size, len(fillers)
+
+
+def test_plan_is_reported_and_fillers_counted(few_shards):
+    urls, _ = few_shards
+    counts, fillers = [], 0
+    for rank in range(3):
+        ds = PackedDataset(urls, capacity=CAP, window=32, epochs=1, dp_rank=rank, dp_size=3, seed=5)
+        counts.append(sum(1 for _ in ds))
+        plan, got = ds.metrics()["plan"], ds.metrics()["batches"]
+        assert plan["quota"] == counts[-1] and plan["batches"] == got["batches"] - got["fillers"]
+        assert plan["fillers_all_ranks"] >= plan["min_fillers_all_ranks"] >= 0
+        fillers += got["fillers"]
+    assert len(set(counts)) == 1 and fillers == plan["fillers_all_ranks"]
+
+
+def test_fillers_have_the_shape_of_every_batch():
+    """Finding: a filler batch had ``capacity`` tokens instead of ``packs_per_batch * capacity``,
+    so ranks saw different shapes in the same step."""
+    samples = make_samples([CAP] * 7)  # 7 full packs: batches of 3, 3, then 1 + 2 filler packs
+    source = WindowPacker(OverlongNode(ListSource(samples), CAP, "split"), capacity=CAP, window=16)
+    batches = list(ThdCollate(source, capacity=CAP, packs_per_batch=3, num_batches=10))
+    assert len(batches) == 10 and sum(is_filler(b) for b in batches) >= 1
+    assert {b.total_tokens for b in batches} == {3 * CAP} and {b.num_packs for b in batches} == {3}
+    partial = [b for b in batches if not is_filler(b) and "<filler>" in b.doc_keys]
+    assert partial and all(b.num_targets > 0 for b in partial)  # the last real batch, completed
+
+
+def test_explicit_batches_per_epoch_still_overrides(few_shards):
+    urls, _ = few_shards
+    ranks = _ranks(urls, 2, 0, batches_per_epoch=40)
+    assert [len(r) for r in ranks] == [40, 40]
+    with pytest.raises(ValueError, match="more than num_batches=3"):
+        _ranks(urls, 2, 0, batches_per_epoch=3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_counts_exactly_the_packs_the_node_emits(seed):
+    """The plan simulates the packer on lengths alone: it must agree with the node."""
+    rng = np.random.default_rng(seed)
+    cap = int(rng.choice([64, 100, 256]))
+    align = int(rng.choice([1, 4])) if cap % 4 == 0 else 1
+    lengths = lognormal_lengths(int(rng.integers(0, 400)), mean=cap / 4, seed=seed, max_len=cap)
+    carry = lognormal_lengths(int(rng.integers(0, 40)), mean=cap / 3, seed=seed + 7, max_len=cap)
+    rules = PackerRules(capacity=cap, window=int(rng.choice([1, 8, 32])), align=align, seed=seed,
+                        max_wait=int(rng.integers(1, 5)), algorithm=str(rng.choice(["bfd", "ffd", "kk"])))
+    from streampack.state import samples_to_table
+
+    node = WindowPacker(ListSource(make_samples(lengths)), capacity=cap, window=rules.window, align=align,
+                        seed=seed, max_wait=rules.max_wait, algorithm=rules.algorithm,
+                        carry=samples_to_table(make_samples(carry), by_reference=False))
+    assert count_packs(rules, lengths, carry) == sum(1 for _ in node)
+
+
+def test_text_shards_over_ranks_need_sync_or_a_count(tmp_path):
+    """Text has no token lengths before tokenizing: the plan cannot count, so it says what to do."""
+    urls = write_jsonl_shards(tmp_path, make_text_docs(20), 2)
+    with pytest.raises(ValueError, match="equal_batches='sync'"):
+        PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t], dp_rank=0, dp_size=2)
+    PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t], dp_rank=0, dp_size=2,
+                  equal_batches="sync")
+    PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t], dp_rank=0, dp_size=2,
+                  batches_per_epoch=4)
+
+
+def _passes(ds, num_workers: int, passes: int = 2) -> list[list[tuple]]:
+    loader = DataLoader(ds, batch_size=None, num_workers=num_workers)
+    return [[b.doc_keys for b in loader] for _ in range(passes)]
+
+
+def test_reiterating_reshuffles_identically_with_any_worker_count(tmp_path):
+    """Finding: re-iterating a finite loader reshuffled with num_workers=0 but repeated the same
+    order with workers (each pass's workers started from the main process's pass counter)."""
+    urls = write_tar_shards(tmp_path, [[i] * (1 + i % 7) for i in range(60)], 6)
+    make = lambda: PackedDataset(urls, capacity=32, window=8, epochs=1, seed=3)  # noqa: E731
+    main, one, two = _passes(make(), 0), _passes(make(), 1), _passes(make(), 2)
+    for run in (main, one, two):
+        assert run[0] != run[1], "the second pass must reshuffle"
+    assert one == main  # one reader either way: the very same stream, pass after pass
+    assert sorted(k for b in two[1] for k in b) == sorted(k for b in main[1] for k in b)
+    ds = make()
+    ds.set_epoch(1)  # choose the pass explicitly, as with DistributedSampler
+    assert _passes(ds, 2, passes=1)[0] == two[1]
