@@ -134,7 +134,9 @@ def test_split_shards_read_disjoint_bytes(tmp_path, monkeypatch):
         assert len(list(reader)) == 10
         spans[g] = reads
     windows = sorted((min(a for a, _ in r), max(b for _, b in r)) for r in spans.values())
-    assert all(w0[1] <= w1[0] for w0, w1 in zip(windows, windows[1:])), windows
+    # each worker also reads the first header of the next part (512 bytes: is a corrupt region
+    # there, next to its last sample? issue 13), and nothing more of it
+    assert all(w0[1] <= w1[0] + 512 for w0, w1 in zip(windows, windows[1:])), windows
 
 
 def test_infinite_mode_reshuffles_each_epoch(tmp_path):
