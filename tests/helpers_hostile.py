@@ -9,10 +9,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import tarfile
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -82,6 +85,19 @@ def ids(out) -> list[int]:
     return [int(s.tokens[0]) for s in out]
 
 
+@contextlib.contextmanager
+def closing_workers(it: Any) -> Iterator[Any]:
+    """A DataLoader iterator whose worker processes are shut down on exit, also when a
+    DataError escapes: an abandoned one lives on and slows every later test (its ``__del__``
+    may even run in a later test's forked worker)."""
+    try:
+        yield it
+    finally:
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
 def through_loader(urls: list[str], *, num_workers: int, capacity: int = 64,
                    **kw) -> tuple[list[str], dict[str, int]]:
     """Read ``urls`` end to end (PackedDataset under a StatefulDataLoader with ``num_workers``):
@@ -94,7 +110,8 @@ def through_loader(urls: list[str], *, num_workers: int, capacity: int = 64,
 
     ds = PackedDataset(urls, capacity=capacity, window=8, epochs=1, shuffle=False, **kw)
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
-    keys = sorted(k for batch in loader for k in batch.doc_keys)
+    with closing_workers(iter(loader)) as batches:
+        keys = sorted(k for batch in batches for k in batch.doc_keys)
     metrics = [s["metrics"] for s in dataset_states(loader.state_dict())] if num_workers else [ds.metrics()]
     counts: dict[str, int] = {}
     for m in metrics:

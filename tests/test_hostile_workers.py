@@ -9,7 +9,7 @@ import pickle
 import sys
 
 import pytest
-from helpers_hostile import write_bytes
+from helpers_hostile import closing_workers, write_bytes
 from torch.utils.data import DataLoader
 
 from streampack.dataset import PackedDataset
@@ -60,8 +60,8 @@ def test_raise_mode_reaches_the_loop_as_data_error(tmp_path, num_workers: int) -
     urls = _shards(tmp_path)
     ds = PackedDataset(urls, capacity=16, window=4, epochs=1, shuffle=False)
     loader = DataLoader(ds, batch_size=None, num_workers=num_workers)
-    with pytest.raises(DataError) as info:
-        for _ in loader:
+    with pytest.raises(DataError) as info, closing_workers(iter(loader)) as batches:
+        for _ in batches:
             pass
     e = info.value
     assert isinstance(e, ValueError)
@@ -76,7 +76,8 @@ def test_skip_mode_counts_reach_the_main_process(tmp_path, num_workers: int) -> 
     urls = _shards(tmp_path)
     ds = PackedDataset(urls, capacity=16, window=4, epochs=1, shuffle=False, on_error="skip")
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
-    docs = sum(b.num_docs for b in loader)
+    with closing_workers(iter(loader)) as batches:
+        docs = sum(b.num_docs for b in batches)
     metrics = [s["metrics"] for s in dataset_states(loader.state_dict())] if num_workers else [ds.metrics()]
     counts: dict[str, int] = {}
     for m in metrics:
