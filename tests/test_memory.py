@@ -71,7 +71,9 @@ try:  # reset the peak to the current RSS (Linux), so the delta is the reading's
         f.write("5")
     base, peak = rss_kib("VmRSS:"), lambda: rss_kib("VmHWM:")
 except OSError:  # elsewhere ru_maxrss: a lower bound when importing peaked higher
-    base, peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def peak():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peak()
 kept = [s.key for s in reader]
 print(kept, errors.counts, (peak() - base) // 1024)
 """
