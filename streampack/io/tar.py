@@ -207,6 +207,10 @@ class _Judge:
         self.undecided: list[TarGroup] = []
 
     def push(self, unit: Unit) -> list[Unit]:
+        if not self.pending and isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region):
+            if not self.keys.add(unit.key):  # the common case: nothing waits for a verdict
+                unit.fail(self._repeated(unit))
+            return [unit]
         for group in self.undecided:
             group.seen += 1
         intact = isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region)
@@ -274,9 +278,12 @@ class _Judge:
         for unit in units:
             for group in unit.merged if isinstance(unit, TarRegion) else [unit]:
                 if not self.keys.add(group.key):
-                    group.fail(DataError("repeated_key", "an earlier sample of this shard has the same key",
-                                         url=self.url, key=group.key, value=group.offset))
+                    group.fail(self._repeated(group))
         return units
+
+    def _repeated(self, group: TarGroup) -> DataError:
+        return DataError("repeated_key", "an earlier sample of this shard has the same key", url=self.url,
+                         key=group.key, value=group.offset)
 
 
 def iter_tar_units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable[[str], int],
