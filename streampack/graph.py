@@ -97,7 +97,8 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
         open_options=open_options, io_stats=io_stats, source=i, work=None if work is None else {start: work},
         keep_work=keep_work, vocab_size=config.vocab_size, limits=config.limits)
         for i, (name, shards) in enumerate(sorted(sources.mixture.items()) or [("", sources.shards)])}
-    nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "errors": errors, "io": io_stats}
+    nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "readers": list(readers.values()),
+                             "errors": errors, "io": io_stats}
     node: BaseNode[Sample] = nodes["reader"]
     if sources.mixture:
         node = nodes["mixture"] = Mixture(readers, sources.weights, seed=config.seed, worker=place.global_worker,
@@ -227,7 +228,8 @@ class _Builder:
                 loss_mask_key=config.loss_mask_key, allow_pickle=options.allow_pickle,
                 vocab_size=config.vocab_size, limits=config.limits),  # re-read as first read
             opts=options.open_options(), encoder=encoder,
-            stages=list(self.stages), max_len=config.capacity, policy=config.overlong))
+            stages=list(self.stages), max_len=config.capacity, policy=config.overlong,
+            verify=lambda source, shard: nodes["readers"][source].verify_shard(shard)))
 
     def _plan_info(self, epoch: int | None, share: Share | None) -> dict[str, Any]:
         if epoch is None or share is not None or self.planner is None or self.sources.mixture:

@@ -155,17 +155,10 @@ class ShardIndex:
 
 def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats: IOStats | None = None) -> str:
     """What a cached index must match: the shard's identity and what the index depends on."""
-    if is_remote(url):
-        st = storage.stat(url, opts, stats)
-        ident = f"{url}|{st.size}|{st.tag}"
-    else:
-        path = local_path(url)
-        try:
-            st_local = os.stat(path)
-        except OSError as e:
-            raise DataError("missing_shard", f"cannot stat: {e.strerror}", url=url, value=url) from None
-        ident = f"{os.path.abspath(path)}|{st_local.st_size}|{st_local.st_mtime_ns}"
-    return f"v{INDEX_VERSION}|{decode.tokens_key}|{ident}"
+    ident = storage.identity(url, opts, stats)
+    where = url if is_remote(url) else os.path.abspath(local_path(url))
+    tag = ident.tag.removeprefix("mtime_ns=") if not is_remote(url) else ident.tag
+    return f"v{INDEX_VERSION}|{decode.tokens_key}|{where}|{ident.size}|{tag}"
 
 
 def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from streampack.errors import DataError
 from streampack.io.failures import RedirectRefused, classify
 from streampack.io.retry import IOStats, RetryPolicy, with_retries
 
@@ -218,6 +219,18 @@ def stat(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat
     return ShardStat(size=None if size is None else int(size), tag=tag)
 
 
+def identity(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat:
+    """What identifies a shard's current contents: its size and the store's tag (ETag / mtime
+    / blob id) for a remote object, its size and ``st_mtime_ns`` for a local file."""
+    if is_remote(url):
+        return stat(url, opts, stats)
+    try:
+        st = os.stat(local_path(url))
+    except OSError as e:
+        raise DataError("missing_shard", f"cannot stat: {e.strerror}", url=url, value=url) from None
+    return ShardStat(size=st.st_size, tag=f"mtime_ns={st.st_mtime_ns}")
+
+
 def find(url: str, opts: OpenOptions, *, pattern: bool) -> list[str]:
     """Every object under a remote prefix / directory (``pattern=False``) or matching a glob,
     as full URLs, sorted."""
@@ -229,5 +242,5 @@ def find(url: str, opts: OpenOptions, *, pattern: bool) -> list[str]:
     return sorted(fs.unstrip_protocol(p) if "://" not in p else p for p in found)
 
 
-__all__ = ["ENDPOINT_ENV", "OpenOptions", "ShardStat", "call", "filesystem", "find", "is_remote", "local_path",
+__all__ = ["ENDPOINT_ENV", "OpenOptions", "ShardStat", "call", "filesystem", "find", "identity", "is_remote", "local_path",
            "protocol_of", "stat"]

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, BinaryIO
 
@@ -42,7 +43,7 @@ from streampack.io.formats import ShardRange, open_range
 from streampack.io.index import ShardIndex, load_or_build_index
 from streampack.io.limits import Limits
 from streampack.io.retry import IOStats
-from streampack.io.storage import OpenOptions
+from streampack.io.storage import OpenOptions, ShardStat, identity
 from streampack.io.urls import ShardList
 from streampack.nodes.sharding import (
     ShardSpan,
@@ -71,6 +72,10 @@ START_EPOCH_KEY = "start_epoch"
 WORK_KEY = "work"
 KIND_KEY = "kind"
 KIND = "ShardReader"
+IDENTITY_KEY = "identity"
+RECENT_SHARDS = 256
+"""Shards whose identity (size, ETag / mtime) a state keeps: the shard being read and the ones
+read before it, where the packer's carried samples come from (~70 bytes each)."""
 Work = dict[int, list[Span]]
 
 
@@ -170,6 +175,8 @@ class ShardReader(BaseNode[Sample]):
             "worker_id": worker_id,
             "num_workers": num_workers,
             "fields": [tokens_key, text_key, labels_key, loss_mask_key],
+            "vocab_size": vocab_size,  # both decide which samples are kept
+            "limits": dataclasses.asdict(self._decode.limits),
         }
         self.work: Work = dict(work or {})
         self.keep_work, self.source = keep_work, source
@@ -178,6 +185,8 @@ class ShardReader(BaseNode[Sample]):
         self._streams: list[BinaryIO] = []
         self._items: Iterator[Item] | None = None
         self._starved_shards: set[int] = set()  # shards read empty since the last sample (not state)
+        self._identities: OrderedDict[int, ShardStat] = OrderedDict()  # recently opened shards, newest last
+        self._saved_identities: dict[int, ShardStat] = {}  # what a restored state recorded
         self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
 
     @property
@@ -219,11 +228,32 @@ class ShardReader(BaseNode[Sample]):
             self._spans_cache = None
         self.start_epoch = int(initial_state.get(START_EPOCH_KEY, self.start_epoch))
         self._set_position(*(int(initial_state[k]) for k in (EPOCH_KEY, SHARD_POS_KEY, OFFSET_KEY, SAMPLE_KEY, YIELDED_KEY, EPOCH_YIELDED_KEY)))
+        self._saved_identities = identities_from_state(initial_state.get(IDENTITY_KEY))
+        self._identities = OrderedDict(self._saved_identities)
+        spans = self.spans(self._epoch) if self.epochs is None or self._epoch < self.epochs else []
+        if self._offset >= 0 and self._shard_pos < len(spans):  # resuming inside a shard: it must be the same one
+            self.verify_shard(spans[self._shard_pos].shard)
+
+    def verify_shard(self, shard: int) -> None:
+        """``ValueError`` naming the shard and what changed when shard ``shard`` is not the one a
+        restored state read (its size or ETag / mtime differs); nothing when the state did not
+        record it. The packer's replay of carried samples calls this for every shard it re-reads."""
+        saved = self._saved_identities.get(shard)
+        if saved is None:
+            return
+        url = self.urls[shard]
+        now = identity(url, self._open, self.io_stats)
+        if now != saved:
+            changes = [f"{what} {a!r} -> {b!r}" for what, a, b in
+                       (("size", saved.size, now.size), ("tag", saved.tag, now.tag)) if a != b]
+            raise ValueError(f"cannot resume: shard {url!r} changed since the state was saved "
+                             f"({'; '.join(changes)}); the saved positions point into the old contents")
 
     def get_state(self) -> dict[str, Any]:
         return {
             VERSION_KEY: STATE_VERSION,
             KIND_KEY: KIND,
+            IDENTITY_KEY: identities_to_state(self._identities),
             CONFIG_KEY: dict(self._config, fields=list(self._config["fields"])),
             START_EPOCH_KEY: self.start_epoch,
             WORK_KEY: dict(self._work_tensors),
@@ -328,6 +358,18 @@ class ShardReader(BaseNode[Sample]):
             f"{self.errors.as_dict()['counts']}); an infinite stream would spin forever"
         )
 
+    def _remember(self, shard: int, url: str) -> None:
+        """Record the identity of a shard this reader opens (once per shard: a local ``stat``,
+        a ``HEAD`` for a remote object), newest last, keeping the ``RECENT_SHARDS`` newest. A
+        ``pipe:`` command has no identity to record."""
+        if url.startswith("pipe:"):
+            return
+        if shard not in self._identities:
+            self._identities[shard] = identity(url, self._open, self.io_stats)
+        self._identities.move_to_end(shard)
+        while len(self._identities) > RECENT_SHARDS:
+            self._identities.popitem(last=False)
+
     def _open_span(self, span: ShardSpan | Span) -> Iterator[Item]:
         url = self.urls[span.shard]
         if isinstance(span, Span):
@@ -336,6 +378,7 @@ class ShardReader(BaseNode[Sample]):
             start, end, first = self.index(url).part(span.part, span.parts)
         else:
             start, end, first = 0, None, 0
+        self._remember(span.shard, url)
         if self._offset < 0:  # the position names where the next sample starts from now on
             self._offset, self._sample = start, first
         start, first = self._offset, self._sample
@@ -343,3 +386,16 @@ class ShardReader(BaseNode[Sample]):
             return iter(())
         return open_range(url, ShardRange(start=start, first=first, end=end), decode=self._decode,
                           opts=self._open, streams=self._streams, stats=self.io_stats)
+
+
+def identities_to_state(identities: Mapping[int, ShardStat]) -> dict[str, list[Any]]:
+    """Shard identities as plain lists (``size`` -1 where the store gave none)."""
+    return {"shards": list(identities), "sizes": [-1 if v.size is None else v.size for v in identities.values()],
+            "tags": [v.tag for v in identities.values()]}
+
+
+def identities_from_state(saved: Mapping[str, list[Any]] | None) -> dict[int, ShardStat]:
+    if not saved:
+        return {}
+    return {int(shard): ShardStat(size=None if size < 0 else int(size), tag=str(tag))
+            for shard, size, tag in zip(saved["shards"], saved["sizes"], saved["tags"])}

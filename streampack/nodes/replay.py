@@ -58,6 +58,9 @@ class ReplaySpec:
     """The function stages, in order (a graph with node stages is not replayable)."""
     max_len: int
     policy: str
+    verify: Callable[[int, int], None] | None = None
+    """``verify(source, shard)`` raises when the shard is not the one the state was saved from
+    (:meth:`~streampack.nodes.reader.ShardReader.verify_shard`)."""
 
 
 class Replayer:
@@ -108,7 +111,9 @@ class Replayer:
         """Raw samples at ``wanted`` ``(offset, number)`` positions of one shard, in one pass
         (reopening only across gaps larger than ``REOPEN_GAP``)."""
         url = self.spec.sources[source].urls[shard]
-        seekable = not url.split("?", 1)[0].endswith(".gz")
+        if self.spec.verify is not None:
+            self.spec.verify(source, shard)
+        seekable = not url.split("?", 1)[0].endswith((".gz", ".zst"))
         found: dict[int, Sample] = {}
         i = 0
         while i < len(wanted):
