@@ -182,8 +182,7 @@ class WindowPacker(BaseNode[list[Sample]]):
         """The reservoir's packs are the state's packs (re-read above); its counters are saved."""
         res = self.reservoir
         assert res is not None
-        res.first_batch, res.emitted = int(saved["first_batch"]), int(saved["emitted"])
-        res.counts = saved["counts"].numpy().astype(np.int64)
+        res.load(counts=saved["counts"].numpy(), first_batch=saved["first_batch"], emitted=saved["emitted"])
         res.add(self._packs, self._costs(self._packs), born=saved["born"].tolist(), count=False)
         self._packs, self._emitted = [], 0
 

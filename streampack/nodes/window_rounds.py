@@ -88,12 +88,21 @@ def emission_order(rules: PackerRules, round_: int, n: int, shuffle: bool) -> np
     return np.random.default_rng((rules.seed, round_)).permutation(n)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Round:
+    """What one round emits, on lengths alone."""
+
+    packs: list[np.ndarray]
+    """int64 lengths of each emitted pack's documents, in emission order."""
+    waited: list[np.ndarray]
+    """int64 rounds each of those documents waited in the window (0: packed in its first round)."""
+
+
 def run_rounds(rules: PackerRules, read: Callable[[int], np.ndarray], carry: np.ndarray | None = None,
-               shuffle: bool = True) -> Iterator[list[np.ndarray]]:
-    """The rounds of a :class:`WindowPacker` with these rules, on lengths alone: each yields
-    the lengths of the packs it emits, in emission order. ``read(n)`` returns up to ``n``
-    further lengths of the stream (fewer: the stream ended); ``carry``: lengths already in
-    the window."""
+               shuffle: bool = True) -> Iterator[Round]:
+    """The rounds of a :class:`WindowPacker` with these rules, on lengths alone (what a plan
+    and a simulation run). ``read(n)`` returns up to ``n`` further lengths of the stream
+    (fewer: the stream ended); ``carry``: lengths already in the window."""
     window = np.zeros(0, dtype=np.int64) if carry is None else np.asarray(carry, dtype=np.int64)
     entered = np.zeros(len(window), dtype=np.int64)
     round_ = 0
@@ -107,7 +116,8 @@ def run_rounds(rules: PackerRules, read: Callable[[int], np.ndarray], carry: np.
             return
         aligned = aligned_lengths(rules, window)
         emit, keep, _ = choose(rules, pack_round(rules, aligned, round_), aligned, entered, round_, ended)
-        yield [window[emit[j]] for j in emission_order(rules, round_, len(emit), shuffle)]
+        order = emission_order(rules, round_, len(emit), shuffle)
+        yield Round(packs=[window[emit[j]] for j in order], waited=[round_ - entered[emit[j]] for j in order])
         kept = np.sort(np.concatenate(keep)) if keep else np.zeros(0, dtype=np.int64)
         window, entered = window[kept], entered[kept]
         round_ += 1
@@ -127,4 +137,4 @@ def count_packs(rules: PackerRules, stream: np.ndarray, carry: np.ndarray | None
         pos += n
         return stream[pos - n:pos]
 
-    return sum(len(r) for r in run_rounds(rules, read, carry, shuffle=False))
+    return sum(len(r.packs) for r in run_rounds(rules, read, carry, shuffle=False))

@@ -82,10 +82,15 @@ class Schedule:
         return batch * self.lanes + self.lane
 
 
-def schedule_point(seed: int, step: int) -> float:
+def schedule_start(seed: int) -> float:
+    """``u0``: where the schedule of ``seed`` starts."""
+    return float(np.random.default_rng([int(seed), 0x5CED]).random())
+
+
+def schedule_point(seed: int, step: int, start: float | None = None) -> float:
     """``u`` in [0, 1) of global step ``step``: ``frac(u0(seed) + step * GOLDEN)`` — the same on
-    every rank, evenly spread over any window of steps."""
-    u0 = float(np.random.default_rng([int(seed), 0x5CED]).random())
+    every rank, evenly spread over any window of steps (``start``: ``schedule_start(seed)``)."""
+    u0 = schedule_start(seed) if start is None else start
     return (u0 + math.fmod(step * GOLDEN, 1.0)) % 1.0
 
 
@@ -133,7 +138,10 @@ class CostScale:
     def levels(self, counts: np.ndarray, q: np.ndarray) -> np.ndarray:
         """Normalized cost at quantiles ``q`` (``[..., k]``) of histograms ``counts``
         (int ``[..., BINS]``): the upper edge of the first bin reaching ``q`` of the total."""
-        cum = np.cumsum(counts, axis=-1)
+        return self.levels_of(np.cumsum(counts, axis=-1), q)
+
+    def levels_of(self, cum: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """:meth:`levels` from cumulative counts ``cum`` (``np.cumsum(counts, axis=-1)``)."""
         need = q * cum[..., -1:]
         b = (cum[..., None, :] < need[..., :, None]).sum(-1)
         return self.lo + (np.minimum(b, BINS - 1) + 1) / BINS * (1 - self.lo)
@@ -192,6 +200,8 @@ class Reservoir(Generic[T]):
         self.costs: list[float] = []
         self.born: list[int] = []
         self.emitted = 0
+        self._start = schedule_start(schedule.seed)
+        self._cum: np.ndarray | None = None  # cumulative counts, until the next add
 
     def __len__(self) -> int:
         return len(self.items)
@@ -200,6 +210,12 @@ class Reservoir(Generic[T]):
     def batch(self) -> int:
         """The batch (of this reader, counted over the pass) the next pack goes to."""
         return self.first_batch + self.emitted // self.schedule.packs_per_batch
+
+    def load(self, *, counts: np.ndarray, first_batch: int, emitted: int) -> None:
+        """Restore the counters of a saved reservoir (its packs are then ``add``-ed with
+        ``count=False``)."""
+        self.counts = np.array(counts, dtype=np.int64)
+        self.first_batch, self.emitted, self._cum = int(first_batch), int(emitted), None
 
     def add(self, items: Sequence[T], y: np.ndarray, *, born: Sequence[int] | None = None,
             count: bool = True) -> None:
@@ -212,13 +228,16 @@ class Reservoir(Generic[T]):
         self.born += [self.batch] * len(items) if born is None else [int(b) for b in born]
         if count:
             self.counts += np.bincount(self.scale.bins(y), minlength=BINS)
+            self._cum = None
 
     def target(self) -> float:
         """The normalized cost level the next slot aims at."""
         k = self.schedule.packs_per_batch
-        u = schedule_point(self.schedule.seed, self.schedule.step(self.batch))
+        u = schedule_point(self.schedule.seed, self.schedule.step(self.batch), self._start)
         q = target_quantiles(self.balance, u, k, self.floor)[self.emitted % k]
-        return float(self.scale.levels(self.counts, np.array([q]))[0])
+        if self._cum is None:
+            self._cum = np.cumsum(self.counts)
+        return float(self.scale.levels_of(self._cum, np.array([q]))[0])
 
     def take(self) -> tuple[T, int, bool]:
         """``(item, steps it waited, forced)`` for the next slot; the reservoir must not be empty."""
