@@ -9,10 +9,12 @@ import pytest
 from node_checks import canon, collect_documents, write_token_shards
 from test_resume import _interrupted, _take
 from test_topology_finite import _ranks
+from topology_sim import SimRank
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack import check_invariants
 from streampack.dataset import PackedDataset
+from streampack.elastic import find_state
 from streampack.graph import build_graph
 from streampack.integrations.metrics import StreamMetrics
 from streampack.nodes.collate import is_filler
@@ -130,3 +132,21 @@ def test_settings_are_validated(shards, tmp_path) -> None:
     ds = PackedDataset(urls, capacity=256, cost_model=MODEL, balance="cost")
     assert ds.fingerprint(0)["balance"] == {"reservoir": 64, "max_hold": None, "tail": 0.1, "over": 0.2,
                                             "tolerance": 0.02}
+
+
+@pytest.mark.parametrize("a,b,c,d,steps", [(2, 2, 3, 1, 3), (3, 0, 1, 2, 4)])
+def test_elastic_resume_hands_the_reservoirs_on(a: int, b: int, c: int, d: int, steps: int, tmp_path) -> None:
+    """The packs waiting in every old reader's reservoir are unemitted data: an elastic resume
+    hands them to the new readers like the window's carry, so every chunk is trained once."""
+    from test_elastic import _chunks, _new_run, _old_run
+
+    urls, _ = write_token_shards(tmp_path, 300, 5, mean=110, seed=3, max_len=768)
+    make = lambda r, size: PackedDataset(urls, capacity=256, window=8, epochs=1, seed=2, max_wait=3,  # noqa: E731
+                                         dp_rank=r, dp_size=size, cost_model=SHAPE, balance=Balance(reservoir=5))
+    consumed, states = _old_run(make, a, b, steps)
+    held = [find_state(s["graph"], "WindowPacker") for s in states if s["graph"] is not None]
+    assert sum(int(p["pack_sizes"].numel()) for p in held) > 0, "reservoirs must hold packs at the save point"
+    got, counts = _new_run(make, c, d, states)
+    assert len(set(counts)) == 1
+    full = [x for r in range(a) for x in SimRank(lambda r=r: make(r, a), b)]
+    assert _chunks(consumed + got) == _chunks(full) and max(_chunks(full).values()) == 1
