@@ -27,10 +27,11 @@ the packs emitted), latency (rounds a document waits in the packer's window — 
 both modes — and steps a made pack waits before it is emitted), packs forced out by the
 reservoir's hold limit, and the packer's resume state measured on a real ``WindowPacker``.
 
-*Warm* rows start every reader's cost histogram with ``prewarm`` pack costs drawn from a pool
-of packs the same packer made from an independent stream (what a reader has counted after
-``prewarm / packs_per_batch`` steps of training); *cold* rows start from nothing, like step 0
-of a run.
+Each balanced variant starts every reader's cost histogram with ``warm`` pack costs drawn
+from a pool of packs the same packer made from an independent stream: what a reader has
+counted after ``warm / packs_per_batch`` steps of training (the steady state of a long run).
+*cold* rows start from nothing, like step 0 of a run. Fill is the packer's (every pack each
+rank made): the balance reorders packs, it never changes them.
 """
 
 from __future__ import annotations
@@ -59,12 +60,10 @@ class Setup:
     ranks: int = 1024
     steps: int = 400
     window: int = 1024
-    prewarm: int = 20_000
     seed: int = 0
-    variants: dict[str, Balance] = field(default_factory=lambda: {"cost-balanced": Balance()})
-    """Balanced consumers to run on the same packs (name -> options)."""
-    cold: bool = True
-    """Also run the first variant from an empty histogram."""
+    variants: dict[str, tuple[Balance, int]] = field(
+        default_factory=lambda: {"cost-balanced": (Balance(), 20_000), "cost-balanced, cold start": (Balance(), 0)})
+    """Balanced consumers to run on the same packs: name -> (options, packs counted before)."""
 
 
 def doc_lengths(rng: np.random.Generator, n: int, capacity: int) -> np.ndarray:
@@ -122,58 +121,54 @@ def pack_pool(setup: Setup, model: CostModel, scale: CostScale, n: int) -> np.nd
 
 
 def simulate(setup: Setup, model: CostModel) -> list[dict[str, Any]]:
-    """One row per consumer: token-only, each balanced variant, and the first one cold."""
+    """One row per consumer: token-only and each balanced variant."""
     k, started = setup.packs_per_batch, time.perf_counter()
     scale = CostScale.of(model.linear, model.attention, setup.capacity)
-    pool = pack_pool(setup, model, scale, 4 * setup.prewarm) if setup.prewarm else np.zeros(0)
+    warmest = max((w for _, w in setup.variants.values()), default=0)
+    pool = pack_pool(setup, model, scale, 4 * warmest) if warmest else np.zeros(0)
     rng = np.random.default_rng(setup.seed + 2)
-    names = ["token-only", *setup.variants] + (["cost-balanced, cold start"] if setup.cold else [])
-    options = [None, *setup.variants.values()] + ([next(iter(setup.variants.values()))] if setup.cold else [])
+    names = ["token-only", *setup.variants]
+    options = [None, *setup.variants.values()]
     cost = {n: np.zeros((setup.steps, setup.ranks)) for n in names}
-    fill, waits, forced = {n: [0, 0] for n in names}, {n: [] for n in names}, dict.fromkeys(names, 0)
+    waits, forced, made = {n: [] for n in names}, dict.fromkeys(names, 0), [0, 0]
     for r in range(setup.ranks):
         packs = Packs(setup, r, model, scale)
         sched = Schedule(seed=setup.seed, packs_per_batch=k, ranks=setup.ranks)
         consumers = []
-        for name, balance in zip(names, options):
-            if balance is None:
+        for name, option in zip(names, options):
+            if option is None:
                 consumers.append((name, _TokenOnly(packs, k)))
                 continue
+            balance, warm = option
             res: Reservoir[int] = Reservoir(balance, sched, scale)
-            if setup.prewarm and "cold" not in name:
-                res.counts += np.bincount(scale.bins(rng.choice(pool, setup.prewarm)), minlength=BINS)
+            if warm:
+                res.counts += np.bincount(scale.bins(rng.choice(pool, warm)), minlength=BINS)
             consumers.append((name, _Balanced(packs, res, balance.reservoir, scale)))
         for name, consumer in consumers:
             for step in range(setup.steps):
                 for _ in range(k):
                     i, waited, was_forced = consumer.take(step)
                     cost[name][step, r] += packs.cost[i]
-                    fill[name][0] += packs.tokens[i]
-                    fill[name][1] += setup.capacity
                     waits[name].append(waited)
                     forced[name] += was_forced
         window = np.concatenate(packs.waited)
+        made[0] += sum(packs.tokens)
+        made[1] += len(packs) * setup.capacity
     rows = []
     for name in names:
         sf = cost[name].max(1) / cost[name].mean(1)
         w = np.asarray(waits[name])
         rows.append({"capacity": setup.capacity, "packs_per_batch": k, "ranks": setup.ranks,
                      "steps": setup.steps, "mode": name,
-                     "reservoir": _reservoir_of(setup, name), "straggler": round(float(sf.mean()), 4),
+                     "reservoir": "-" if name == "token-only" else setup.variants[name][0].reservoir,
+                     "warm": "-" if name == "token-only" else setup.variants[name][1],
+                     "straggler": round(float(sf.mean()), 4),
                      "straggler_p99": round(float(np.quantile(sf, 0.99)), 4),
-                     "fill_%": round(100 * fill[name][0] / fill[name][1], 3),
+                     "fill_%": round(100 * made[0] / made[1], 3),
                      "window_rounds_mean": round(float(window.mean()), 2), "window_rounds_max": int(window.max()),
                      "held_steps_mean": round(float(w.mean()), 1), "held_steps_max": int(w.max()),
                      "forced_by_hold": forced[name], "seconds": round(time.perf_counter() - started, 1)})
     return rows
-
-
-def _reservoir_of(setup: Setup, name: str) -> int | str:
-    if name == "token-only":
-        return "-"
-    if "cold" in name:
-        return next(iter(setup.variants.values())).reservoir
-    return setup.variants[name].reservoir
 
 
 class _TokenOnly:
@@ -237,15 +232,15 @@ def state_bytes(setup: Setup, model: CostModel, balance: Balance | None, steps: 
 
 
 def setups(quick: bool) -> list[Setup]:
-    ranks, steps, prewarm = (128, 120, 5_000) if quick else (1024, 400, 20_000)
+    ranks, steps, warm = (128, 120, 5_000) if quick else (1024, 400, 20_000)
     out = []
     for capacity in (32768, 131072):
         for k in (1, 4):
-            variants = {"cost-balanced": Balance()}
-            if capacity == 131072 and k == 1 and not quick:  # the trade-off sweep
-                variants = {f"cost-balanced, reservoir {r}": Balance(reservoir=r) for r in (64, 16, 32, 128)}
-            out.append(Setup(capacity=capacity, packs_per_batch=k, ranks=ranks, steps=steps, prewarm=prewarm,
-                             variants=variants))
+            variants = {"cost-balanced": (Balance(), warm), "cost-balanced, cold start": (Balance(), 0)}
+            if capacity == 131072 and k == 1 and not quick:  # the trade-offs: reservoir size, warm-up
+                variants.update({f"cost-balanced, reservoir {r}": (Balance(reservoir=r), warm) for r in (16, 32, 128)})
+                variants["cost-balanced, histogram of 2,000 packs"] = (Balance(), 2_000)
+            out.append(Setup(capacity=capacity, packs_per_batch=k, ranks=ranks, steps=steps, variants=variants))
     return out
 
 
@@ -269,7 +264,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    cols = ["capacity", "packs_per_batch", "mode", "reservoir", "straggler", "straggler_p99", "fill_%",
+    cols = ["capacity", "packs_per_batch", "mode", "reservoir", "warm", "straggler", "straggler_p99", "fill_%",
             "window_rounds_mean", "window_rounds_max", "held_steps_mean", "held_steps_max", "forced_by_hold",
             "state_KB"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

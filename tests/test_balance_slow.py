@@ -28,7 +28,8 @@ def test_simulator_shows_the_balance_on_a_small_setup() -> None:
 
     from streampack.packing import CostModel
 
-    setup = bench_balance.Setup(capacity=131072, packs_per_batch=1, ranks=64, steps=80, prewarm=4000)
+    setup = bench_balance.Setup(capacity=131072, packs_per_batch=1, ranks=64, steps=80,
+                                variants={"cost-balanced": (bench_balance.Balance(), 4000)})
     rows = {r["mode"]: r for r in bench_balance.simulate(setup, CostModel.from_shape(**bench_balance.LLAMA3_8B))}
     token, balanced = rows["token-only"], rows["cost-balanced"]
     assert token["straggler"] > 1.5 and balanced["straggler"] < 1.1, rows
