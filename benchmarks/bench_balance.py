@@ -11,7 +11,7 @@ WindowPacker` runs, on lengths alone. The packs each rank makes feed two consume
 
 * *token-only* (today's packer): packs leave in the order the packer emits them (each round's
   packs shuffled), ``packs_per_batch`` consecutive packs per batch;
-* *cost-balanced*: the same packs go through a :class:`~streampack.packing.schedule.Reservoir`
+* *cost-balanced*: the same packs go through a :class:`~streampack.packing.reservoir.Reservoir`
   (the node's own emission logic) with the step schedule every rank shares.
 
 Lengths: 98% lognormal (median 1,000 tokens, sigma 1.2) and 2% Pareto (alpha 1.2, from 8,000
@@ -48,7 +48,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from streampack.nodes.window_rounds import PackerRules, run_rounds  # noqa: E402
 from streampack.packing import CostModel  # noqa: E402
-from streampack.packing.schedule import BINS, Balance, CostScale, Reservoir, Schedule  # noqa: E402
+from streampack.packing.reservoir import Reservoir  # noqa: E402
+from streampack.packing.schedule import BINS, Balance, CostScale, Schedule  # noqa: E402
 
 LLAMA3_8B = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
 

@@ -15,10 +15,10 @@ from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.window_packer import WindowPacker
 from streampack.nodes.window_rounds import PackerRules, count_packs
 from streampack.packing import CostModel
+from streampack.packing.reservoir import Reservoir
 from streampack.packing.schedule import (
     Balance,
     CostScale,
-    Reservoir,
     Schedule,
     choose,
     schedule_point,

@@ -14,7 +14,11 @@ A pack is emitted when
      go first), so every round makes progress even on a stream that never fills a pack, or
   4. the upstream is exhausted (flush: nothing is ever lost at the end of a finite stream).
 The packs of a round are emitted in an order permuted by ``default_rng((seed, round))``, so
-the pack order does not follow length.
+the pack order does not follow length. With ``balance`` (cost-balanced emission,
+:mod:`streampack.packing.schedule`) they go to a reservoir of ready packs instead and leave in
+the order a schedule shared by every rank picks, so each rank's step costs about the same; the
+packs themselves, and so fill and pack counts, are the same. Its state adds the reservoir's
+packs (as references, like the carry), their steps and a cost histogram.
 
 Lengths are packed *aligned* (``ceil(L / align) * align``) so every pack still fits after
 the collate pads each document to the CP/TP alignment.
@@ -60,7 +64,8 @@ from streampack.nodes.window_rounds import (
     pack_round,
 )
 from streampack.packing.cost import CostModel
-from streampack.packing.schedule import Balance, CostScale, Reservoir, Schedule
+from streampack.packing.reservoir import Reservoir
+from streampack.packing.schedule import Balance, CostScale, Schedule
 from streampack.sample import Sample
 from streampack.state import (
     Replay,
@@ -83,7 +88,7 @@ class WindowPacker(BaseNode[list[Sample]]):
     (``state.samples_to_table``) of samples the window starts with.
 
     ``balance`` (with ``cost_model``) turns on cost-balanced emission: the round's packs go to
-    a :class:`~streampack.packing.schedule.Reservoir` and leave in the order the rank-shared
+    a :class:`~streampack.packing.reservoir.Reservoir` and leave in the order the rank-shared
     ``schedule`` picks (see :mod:`streampack.packing.schedule`); the packs themselves are the
     same. ``first_batch`` / ``levels``: batches this reader yielded earlier in the pass and
     the cost histogram it had then (an epoch carries on from the previous one).

@@ -1,14 +1,73 @@
 """Cost-balanced emission: which ready pack a reader emits at each step, with no communication.
 
-(Design notes and measured trade-offs: filled in below once measured.)
+**Why.** Packs hold the same tokens, not the same work: causal attention grows with ``Σ L²``,
+so with a Llama-3-8B shape a 128k pack of one document costs 3.3x a pack of short ones. In
+data-parallel training every step waits for the slowest rank, and with 1,024 ranks some rank
+nearly always holds a heavy pack: the straggler factor (max over ranks / mean, per step) is
+2.5 at 128k and 1.35 at 32k with today's packer (``benchmarks/bench_balance.py``).
+
+**Design.** The packs are the ones the window packer makes anyway (fill and batch counts do
+not change); only their order — and with ``packs_per_batch = k > 1`` their grouping — does.
+Every rank computes the same schedule from ``(seed, step)`` alone: global step ``s`` gets the
+point ``u = frac(u0(seed) + s * GOLDEN)`` (any run of n steps covers [0, 1) evenly), each of
+the batch's k slots a quantile (stratified: ``(j + u) / k``, so a batch holds one pack of each
+k-th of the cost distribution), reshaped so that the costliest ``tail`` of the levels is aimed
+at ``1 + over`` times as often as such packs arrive and the lowest quantiles, where some of
+``ranks`` readers would hold no pack, are skipped. A reader turns the quantile into a cost level
+with the histogram of every pack cost it has seen — every rank's stream has the same length
+distribution, so the histograms converge to the same levels — and emits from its
+:class:`~streampack.packing.reservoir.Reservoir` of ready packs the heaviest one not above the level (any within
+``tolerance`` below it may go instead, the oldest first). So at each step every rank emits a
+pack of about the same cost, and hardly any rank exceeds the level: that is the straggler.
+
+**Latency.** A pack waits ``reservoir / k`` steps on average (Little's law). After ``hold``
+steps it goes at the first step where it is within tolerance of the best match, after
+``2 * hold`` at the first step whose level it does not exceed (counted as ``forced``): an old
+heavy pack never leaves at a light step, the one event that makes a straggler.
+
+**Why these rules** (earlier versions, the same simulator, 1,024 ranks, 128k, k = 1,
+reservoir 64; straggler factor):
+
+- the reservoir's own quantile instead of a cost level: 1.15 — the 60th of 64 packs differs
+  too much between readers in the tail;
+- levels without serving the tail faster: heavy packs piled up in some readers, and once old
+  had to leave at light steps: 1.9-2.1;
+- every quantile shifted up (``q * (1 + over)``) instead of the tail served proportionally:
+  9% of steps aimed at the maximum while 3.7% of packs are that heavy, and the readers
+  without one dragged the mean down: 1.11-1.16;
+- the rules above, histograms warm (20,000 packs counted): 1.035; from a cold start (the
+  first 400 steps of a run): 1.10.
+
+**Trade-offs** (1,024 ranks, 400 steps, Llama-3-8B shape, warm histograms; provisional,
+measured on a shared 2-core box, ``python benchmarks/bench_balance.py``):
+
+=========  ===  =========  =========  =====  ============  ===================  ========
+capacity   k    reservoir  straggler  p99    fill          steps waited (mean,  state
+                                                           max)
+=========  ===  =========  =========  =====  ============  ===================  ========
+128k       1    (tokens)   2.512      2.59   99.73%        7, 26                63 KB
+128k       1    16         1.230      2.19   same packs    21, 252              121 KB
+128k       1    32         1.072      1.29   same packs    34, 268              168 KB
+128k       1    64         1.035      1.21   same packs    60, 294              291 KB
+128k       1    128        1.022      1.15   same packs    107, 394             478 KB
+128k       4    (tokens)   1.924      2.29   99.70%        2, 7                 63 KB
+128k       4    64         1.042      1.11   same packs    17, 143              278 KB
+32k        1    (tokens)   1.351      1.37   99.99%        32, 83               62 KB
+32k        1    64         1.015      1.05   same packs    78, 294              84 KB
+32k        4    (tokens)   1.276      1.35   99.91%        8, 21                62 KB
+32k        4    64         1.020      1.04   same packs    23, 88               141 KB
+=========  ===  =========  =========  =====  ============  ===================  ========
+
+Host memory: the reservoir's packs, ``reservoir x capacity`` tokens per reader (64 MB of int64
+ids at 128k). State: the reservoir's documents as references (56 bytes each), a histogram of
+``BINS`` counts (8 KB) and each pack's step. Building it costs 7.7 ms per ``state_dict()`` at
+128k (0.9 ms at 4k): it re-lists ~3,300 held documents, cheap next to a 128k training step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -175,79 +234,3 @@ def choose(costs: np.ndarray, ages: np.ndarray, valid: np.ndarray, target: np.nd
     index = np.where(pool, ages * 4.0 + costs, -np.inf).argmax(1)
     assert bool(valid[np.arange(costs.shape[0]), index].all()), "picked an empty slot"
     return index, forced
-
-
-T = TypeVar("T")
-
-
-class Reservoir(Generic[T]):
-    """The ready packs of one reader and the histogram of every pack cost it has seen.
-
-    ``add(items, y)`` puts packs (any objects) with their normalized costs ``y``; ``take()``
-    emits the one the schedule picks for the next slot. ``first_batch``: batches this
-    reader yielded before (earlier epochs of the pass), so its steps stay aligned with the
-    other ranks'; ``counts``: a histogram to start from (the previous epoch's).
-    """
-
-    def __init__(self, balance: Balance, schedule: Schedule, scale: CostScale, *, first_batch: int = 0,
-                 counts: np.ndarray | None = None) -> None:
-        self.balance, self.schedule, self.scale = balance, schedule, scale
-        self.floor = quantile_floor(balance.reservoir, schedule.ranks)
-        self.hold = balance.hold(schedule.packs_per_batch)
-        self.first_batch = first_batch
-        self.counts = np.zeros(BINS, dtype=np.int64) if counts is None else np.array(counts, dtype=np.int64)
-        self.items: list[T] = []
-        self.costs: list[float] = []
-        self.born: list[int] = []
-        self.emitted = 0
-        self._start = schedule_start(schedule.seed)
-        self._cum: np.ndarray | None = None  # cumulative counts, until the next add
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    @property
-    def batch(self) -> int:
-        """The batch (of this reader, counted over the pass) the next pack goes to."""
-        return self.first_batch + self.emitted // self.schedule.packs_per_batch
-
-    def load(self, *, counts: np.ndarray, first_batch: int, emitted: int) -> None:
-        """Restore the counters of a saved reservoir (its packs are then ``add``-ed with
-        ``count=False``)."""
-        self.counts = np.array(counts, dtype=np.int64)
-        self.first_batch, self.emitted, self._cum = int(first_batch), int(emitted), None
-
-    def add(self, items: Sequence[T], y: np.ndarray, *, born: Sequence[int] | None = None,
-            count: bool = True) -> None:
-        """Hold ``items`` (normalized costs ``y``); ``count`` them in the histogram unless they
-        were counted before (a restore)."""
-        y = np.asarray(y, dtype=np.float64)
-        assert len(items) == y.size, (len(items), y.size)
-        self.items += list(items)
-        self.costs += y.tolist()
-        self.born += [self.batch] * len(items) if born is None else [int(b) for b in born]
-        if count:
-            self.counts += np.bincount(self.scale.bins(y), minlength=BINS)
-            self._cum = None
-
-    def target(self) -> float:
-        """The normalized cost level the next slot aims at."""
-        k = self.schedule.packs_per_batch
-        u = schedule_point(self.schedule.seed, self.schedule.step(self.batch), self._start)
-        q = target_quantiles(self.balance, u, k, self.floor)[self.emitted % k]
-        if self._cum is None:
-            self._cum = np.cumsum(self.counts)
-        return float(self.scale.levels_of(self._cum, np.array([q]))[0])
-
-    def take(self) -> tuple[T, int, bool]:
-        """``(item, steps it waited, forced)`` for the next slot; the reservoir must not be empty."""
-        assert self.items, "take() from an empty reservoir"
-        ages = self.batch - np.asarray(self.born, dtype=np.int64)
-        index, forced = choose(np.asarray(self.costs)[None], ages[None], np.ones((1, len(self.items)), dtype=bool),
-                               np.array([self.target()]), hold=self.hold, tolerance=self.balance.tolerance)
-        i = int(index[0])
-        waited = int(ages[i])
-        self.costs.pop(i)
-        self.born.pop(i)
-        self.emitted += 1
-        return self.items.pop(i), waited, bool(forced[0])
