@@ -207,10 +207,11 @@ class PackedDataset(IterableDataset):
 
     def filler(self) -> PackedBatch:
         """A batch of the stream's shape that trains nothing (what ``sync_batches`` feeds a rank
-        that ran out)."""
+        that ran out); with a cost model its ``est_cost`` is 0, like every filler's."""
         c = self.config
-        return pack_batch([filler_pack(c.capacity, c.pad_id)] * c.packs_per_batch, capacity=c.capacity,
-                          align=c.align, pad_id=c.pad_id, ignore_index=c.ignore_index)
+        batch = pack_batch([filler_pack(c.capacity, c.pad_id)] * c.packs_per_batch, capacity=c.capacity,
+                           align=c.align, pad_id=c.pad_id, ignore_index=c.ignore_index)
+        return batch if c.cost_model is None else dataclasses.replace(batch, est_cost=0.0)
 
     def state_dict(self) -> dict[str, Any]:
         here = current_worker()

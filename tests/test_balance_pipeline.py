@@ -48,6 +48,7 @@ def test_every_batch_carries_its_estimated_cost(shards) -> None:
     total = sum(b.est_cost for b in batches)
     assert batches[-1].stats.cost == pytest.approx(total) == ds.metrics()["batches"]["cost"]
     assert metrics.scalars()["streampack/cost"] == pytest.approx(total)
+    assert ds.filler().est_cost == 0.0  # what sync_batches feeds a rank that ran out
     assert PackedDataset(urls, capacity=256).filler().est_cost is None  # no cost model: not estimated
     assert list(PackedDataset(urls, capacity=256, epochs=1))[0].est_cost is None
 

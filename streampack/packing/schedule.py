@@ -20,10 +20,10 @@ distribution, so the histograms converge to the same levels — and emits from i
 ``tolerance`` below it may go instead, the oldest first). So at each step every rank emits a
 pack of about the same cost, and hardly any rank exceeds the level: that is the straggler.
 
-**Latency.** A pack waits ``reservoir / k`` steps on average (Little's law). After ``hold``
-steps it goes at the first step where it is within tolerance of the best match, after
-``2 * hold`` at the first step whose level it does not exceed (counted as ``forced``): an old
-heavy pack never leaves at a light step, the one event that makes a straggler.
+**Latency.** A pack waits ``reservoir / k`` steps on average (Little's law); among the packs
+within tolerance of the best match the oldest goes. After ``max_hold`` steps a pack goes at the
+first step whose level it does not exceed, whatever else is ready (counted as ``forced``): an
+old heavy pack never leaves at a light step, the one event that makes a straggler.
 
 **Why these rules** (earlier versions, the same simulator, 1,024 ranks, 128k, k = 1,
 reservoir 64; straggler factor):
@@ -74,7 +74,7 @@ import numpy as np
 GOLDEN = (math.sqrt(5) - 1) / 2
 """Step of the schedule's low-discrepancy sequence (any run of n steps covers [0, 1) evenly)."""
 BINS = 1024
-"""Histogram bins of normalized pack cost between ``CostLevels.lo`` and 1."""
+"""Histogram bins of normalized pack cost between ``CostScale.lo`` and 1."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,11 +85,10 @@ class Balance:
     """Ready packs each reader holds to choose from (more: better balance, more latency and
     host memory; the resume state stores them as references)."""
     max_hold: int | None = None
-    """Steps (batches of this reader) after which a waiting pack goes at the first step it
-    does not make a straggler; after twice as many it goes at the first step whose target
-    it does not exceed (counted in ``metrics()["packing"]["forced_by_hold"]``). Default
-    ``max(8, 2 * ceil(reservoir / packs_per_batch))``: a pack waits ``reservoir /
-    packs_per_batch`` steps on average."""
+    """Steps (batches of this reader) after which a waiting pack goes at the first step whose
+    level it does not exceed, whatever else is ready (counted in
+    ``metrics()["packing"]["forced_by_hold"]``). Default ``max(16, 4 * ceil(reservoir /
+    packs_per_batch))``: a pack waits ``reservoir / packs_per_batch`` steps on average."""
     tail: float = 0.1
     """Share of the costliest packs whose levels the schedule serves faster than they arrive."""
     over: float = 0.2
@@ -115,7 +114,7 @@ class Balance:
     def hold(self, packs_per_batch: int) -> int:
         if self.max_hold is not None:
             return self.max_hold
-        return max(8, 2 * -(-self.reservoir // packs_per_batch))
+        return max(16, 4 * -(-self.reservoir // packs_per_batch))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -213,10 +212,10 @@ def choose(costs: np.ndarray, ages: np.ndarray, valid: np.ndarray, target: np.nd
     ``costs`` / ``ages`` / ``valid``: ``[rows, n]`` normalized cost, steps waited and which
     slots hold a pack (each row holds at least one); ``target``: ``[rows]`` level to aim at.
     The best match is the heaviest pack not above the target (or the lightest if all are
-    above); any pack within ``tolerance`` below it may go instead: one that has waited
-    ``hold`` steps first, else the oldest. A pack that has waited ``2 * hold`` steps goes at
-    the first step whose target it does not exceed, whatever else is ready (``forced``): never
-    above the target, so it never makes a straggler.
+    above); any pack within ``tolerance`` below it may go instead, and the oldest of those
+    goes. A pack that has waited ``hold`` steps goes at the first step whose target it does not
+    exceed, whatever else is ready (``forced``): never above the target, so it never makes a
+    straggler.
     """
     below = valid & (costs <= target[:, None])
     best = np.where(below, costs, -np.inf).max(1)
@@ -226,10 +225,9 @@ def choose(costs: np.ndarray, ages: np.ndarray, valid: np.ndarray, target: np.nd
     upper = np.where(has, target, lightest)[:, None]
     fits = valid & (costs <= upper)
     near = fits & (costs >= ref[:, None] * (1 - tolerance))
-    overdue = near & (ages >= hold)
-    expired = fits & (ages >= 2 * hold)
+    expired = fits & (ages >= hold)
     forced = expired.any(1)
-    pool = np.where(forced[:, None], expired, np.where(overdue.any(1)[:, None], overdue, near))
+    pool = np.where(forced[:, None], expired, near)
     # the oldest of the pool (ties: the heavier, then the lower slot)
     index = np.where(pool, ages * 4.0 + costs, -np.inf).argmax(1)
     assert bool(valid[np.arange(costs.shape[0]), index].all()), "picked an empty slot"
