@@ -43,6 +43,8 @@ def load(path: Path) -> Any:
     spec = importlib.util.spec_from_file_location(f"streampack_bench_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # registered before it runs: a module-level dataclass looks its module up in sys.modules
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -23,6 +23,8 @@ from streampack.layout.batch import PackedBatch, alignment, pack_batch
 from streampack.nodes.collate import filler_pack
 from streampack.nodes.epochs import add_metrics
 from streampack.nodes.window_packer import fill
+from streampack.packing.cost import CostModel
+from streampack.packing.schedule import Balance
 from streampack.passes import PassTracker
 from streampack.reshard import PendingResume
 from streampack.settings import (
@@ -32,6 +34,8 @@ from streampack.settings import (
     Share,
     StreamConfig,
     URLs,
+    balance_of,
+    cost_model_of,
     sources_of,
     tokenizer_id,
 )
@@ -90,6 +94,14 @@ class PackedDataset(IterableDataset):
     is its only group (with TP/CP/PP groups present that raises instead of using the global
     rank), else ``RANK``/``WORLD_SIZE``; resolved when the dataset is constructed.
 
+    **Compute cost.** ``cost_model`` (a :class:`~streampack.packing.CostModel` or a model shape
+    for ``CostModel.from_shape``) gives every batch ``est_cost`` (``linear × tokens + attention ×
+    Σ L²``) and the readers' totals (``batch.stats.cost``). ``balance="cost"`` (or a
+    :class:`~streampack.packing.Balance`) also orders the packs so that every rank's step costs
+    about the same with no communication (:mod:`streampack.packing.schedule`): the packs are the
+    ones the packer makes anyway, so fill and batch counts do not change; each reader holds
+    ``Balance.reservoir`` ready packs.
+
     **State.** ``state_dict()`` is this process's (or worker's) position: versioned,
     fingerprinted, plain data, bounded by the window (carried samples are stored as references,
     56 bytes each). ``load_state_dict(state)`` validates it and the next ``__iter__`` continues
@@ -117,7 +129,9 @@ class PackedDataset(IterableDataset):
                  request_deadline: float = 120.0, allow_redirects: bool = False,
                  storage_options: Mapping[str, Any] | None = None,
                  pin_memory: bool = False, mixture_stop: str = "all", vocab_size: int | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None,
+                 cost_model: CostModel | Mapping[str, Any] | None = None,
+                 balance: str | Balance | None = None) -> None:
         super().__init__()
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
@@ -125,6 +139,7 @@ class PackedDataset(IterableDataset):
             raise ValueError(f"{batches_per_epoch=} needs a finite stream (epochs=N) and must be >= 1")
         if equal_batches not in EQUAL_BATCHES:
             raise ValueError(f"{equal_batches=} must be one of {EQUAL_BATCHES}")
+        cost = cost_model_of(cost_model)
         self.config = StreamConfig(
             capacity=capacity, window=window, algorithm=algorithm, packs_per_batch=packs_per_batch,
             align=alignment(cp_size, tp_size, sequence_parallel=sequence_parallel, multiple=align_multiple),
@@ -132,13 +147,17 @@ class PackedDataset(IterableDataset):
             overlong=overlong, seed=seed, shuffle=shuffle, epochs=epochs, on_error=on_error, pad_id=pad_id,
             ignore_index=ignore_index, bos_id=bos_id, eos_id=eos_id, max_wait=max_wait, slack=slack,
             batches_per_epoch=batches_per_epoch, equal_batches=equal_batches, vocab_size=vocab_size,
-            limits=limits if limits is not None else Limits())
+            limits=limits if limits is not None else Limits(), cost_model=cost,
+            balance=balance_of(balance, cost))
         self.options = ReadOptions(allow_pipe=allow_pipe, allow_pickle=allow_pickle, cache_dir=cache_dir,
                                    retries=retries, retry_budget=retry_budget, connect_timeout=connect_timeout,
                                    read_timeout=read_timeout, request_deadline=request_deadline,
                                    allow_redirects=allow_redirects, storage_options=storage_options,
                                    num_threads=num_threads, tokenize_block=tokenize_block)
         self.sources = sources_of(urls, opts=self.options.open_options(), mixture_stop=mixture_stop)
+        if self.config.balance is not None and self.sources.packed is not None:
+            raise ValueError("balance='cost' orders the packs of the streaming packer; a `streampack pack` "
+                             "directory holds packs made offline: read raw shards to balance them")
         self.tokenizer, self.stages, self.pin_memory = tokenizer, list(stages), pin_memory
         self.dp_rank, self.dp_size = resolve_topology(dp_rank, dp_size, dp_group)
         self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size), validate=True)  # checks every setting
@@ -191,10 +210,11 @@ class PackedDataset(IterableDataset):
 
     def filler(self) -> PackedBatch:
         """A batch of the stream's shape that trains nothing (what ``sync_batches`` feeds a rank
-        that ran out)."""
+        that ran out); with a cost model its ``est_cost`` is 0, like every filler's."""
         c = self.config
-        return pack_batch([filler_pack(c.capacity, c.pad_id)] * c.packs_per_batch, capacity=c.capacity,
-                          align=c.align, pad_id=c.pad_id, ignore_index=c.ignore_index)
+        batch = pack_batch([filler_pack(c.capacity, c.pad_id)] * c.packs_per_batch, capacity=c.capacity,
+                           align=c.align, pad_id=c.pad_id, ignore_index=c.ignore_index)
+        return batch if c.cost_model is None else dataclasses.replace(batch, est_cost=0.0)
 
     def state_dict(self) -> dict[str, Any]:
         here = current_worker()

@@ -48,6 +48,7 @@ from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
 from streampack.nodes.window_packer import WindowPacker, fill
 from streampack.nodes.window_rounds import PackerRules, worker_seed
+from streampack.packing.schedule import Schedule
 from streampack.sample import Sample
 from streampack.settings import Placement, ReadOptions, Share, Sources, StreamConfig
 
@@ -150,6 +151,7 @@ class _Builder:
         self.io_stats = io_stats
         self.wrap = _wrapper(around)
         self.planner = make_planner(config, sources, place, options, io_stats) if config.epochs is not None else None
+        self._last: tuple[WindowPacker, ThdCollate] | None = None  # the previous epoch's, for balance
 
     def chain(self, epoch: int | None, planned: bool = True) -> tuple[BaseNode[PackedBatch], dict[str, Any]]:
         config = self.config
@@ -162,7 +164,10 @@ class _Builder:
             node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.align,
             pad_id=config.pad_id, ignore_index=config.ignore_index, num_batches=quota,
             surplus_hint=_SURPLUS_HINT if config.batches_per_epoch is None else "raise batches_per_epoch",
-            errors=self.errors, dp_rank=self.place.dp_rank, worker_id=self.place.worker_id)
+            errors=self.errors, dp_rank=self.place.dp_rank, worker_id=self.place.worker_id,
+            cost_model=config.cost_model)
+        if planned and "packer" in nodes:
+            self._last = (nodes["packer"], node)
         nodes["plan"] = {"epoch": epoch, "quota": quota, **(self._plan_info(epoch, share) if planned else {})}
         return self.wrap("collate", node), nodes
 
@@ -206,8 +211,25 @@ class _Builder:
         node = nodes["packer"] = WindowPacker(
             node, capacity=config.capacity, window=config.window, algorithm=config.algorithm, align=config.align,
             seed=packer_seed(config, place), max_wait=config.max_wait, slack=config.slack,
-            shuffle=config.shuffle, replay=replayer, carry=None if share is None else share.carry)
+            shuffle=config.shuffle, replay=replayer, carry=None if share is None else share.carry,
+            **self._balance())
         return self.wrap("packer", node), nodes, quota
+
+    def _balance(self) -> dict[str, Any]:
+        """The packer's balance arguments: an epoch continues the previous epoch's schedule
+        position (its batches, fillers included) and cost histogram."""
+        config, place = self.config, self.place
+        if config.balance is None:
+            return {}
+        first, levels = 0, None
+        if self._last is not None and self._last[0].reservoir is not None:
+            packer, collate = self._last
+            first = packer.reservoir.first_batch + collate.counters["batches"]
+            levels = packer.reservoir.counts.copy()
+        schedule = Schedule(seed=config.seed, packs_per_batch=config.packs_per_batch, lane=place.worker_id,
+                            lanes=place.num_workers, ranks=place.dp_size)
+        return {"balance": config.balance, "cost_model": config.cost_model, "schedule": schedule,
+                "first_batch": first, "levels": levels}
 
     def _fixed_quota(self) -> int | None:
         per_rank = self.config.batches_per_epoch

@@ -24,6 +24,8 @@ from streampack.io.retry import RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.nodes.sharding import Span
+from streampack.packing.cost import CostModel
+from streampack.packing.schedule import Balance
 
 EQUAL_BATCHES = ("plan", "sync")
 URLs = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
@@ -94,6 +96,10 @@ class StreamConfig:
     limits: Limits = Limits()
     """Bytes per line / member / sample and json depth a reader accepts (they decide which
     samples are kept, so they are part of the fingerprint)."""
+    cost_model: CostModel | None = None
+    """Estimated compute per batch (``PackedBatch.est_cost``); None = not estimated."""
+    balance: Balance | None = None
+    """Cost-balanced emission (needs ``cost_model``); None = packs leave in shuffled order."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,6 +162,38 @@ class Share:
     """Offline packs to read (a ``streampack pack`` directory)."""
     quota: int | None = None
     """Batches to yield in ``epoch`` (finite streams with several ranks)."""
+
+
+def cost_model_of(value: CostModel | Mapping[str, Any] | None) -> CostModel | None:
+    """``PackedDataset(cost_model=...)``: a :class:`CostModel`, a model shape (the keyword
+    arguments of ``CostModel.from_shape``, e.g. ``{"hidden": 4096, "layers": 32, "heads": 32,
+    "kv_heads": 8, "ffn": 14336, "vocab": 128256}``), or None."""
+    if value is None or isinstance(value, CostModel):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return CostModel.from_shape(**value)
+        except TypeError as e:
+            raise ValueError(f"cost_model={dict(value)!r} is not a model shape for CostModel.from_shape: {e}") from None
+    raise TypeError(f"cost_model must be a CostModel, a mapping of CostModel.from_shape arguments or None, "
+                    f"got {type(value).__name__}")
+
+
+def balance_of(value: str | Balance | None, cost_model: CostModel | None) -> Balance | None:
+    """``PackedDataset(balance=...)``: None, ``"cost"`` (default :class:`Balance` options) or a
+    :class:`Balance`; any of them but None needs a cost model."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value != "cost":
+            raise ValueError(f"balance={value!r} must be None, 'cost' or a streampack.packing.Balance")
+        value = Balance()
+    if not isinstance(value, Balance):
+        raise TypeError(f"balance must be None, 'cost' or a Balance, got {type(value).__name__}")
+    if cost_model is None:
+        raise ValueError("balance='cost' needs cost_model= (a CostModel, or a model shape such as "
+                         "{'hidden': 4096, 'layers': 32, 'heads': 32, 'kv_heads': 8, 'ffn': 14336})")
+    return value
 
 
 def sources_of(urls: URLs | Mapping[str, Any], *, opts: OpenOptions, mixture_stop: str) -> Sources:

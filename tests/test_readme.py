@@ -123,7 +123,7 @@ NAMES = {
                              "unpack_per_document", "unpack_padded", "token_logprobs"],
     "streampack.rl": ["apply_dynamic_plan", "apply_packed_plan", "MicroBatchPlan"],
     "streampack.packing": ["pack", "pack_flat", "PackResult", "THRESHOLD", "CostModel", "ALGORITHMS",
-                           "karmarkar_karp", "packing_metrics", "PackingMetrics", "MetricsAccumulator"],
+                           "karmarkar_karp", "packing_metrics", "PackingMetrics", "MetricsAccumulator", "Balance"],
     "streampack.state": ["dataset_states", "load_loader_state"],
     "streampack.nodes.stages": ["NodeStage"],
     "streampack.errors": ["DataError"],
@@ -171,7 +171,7 @@ def test_signatures_written_in_the_readme():
     assert {"seq_lens", "dp_size", "max_tokens_per_microbatch", "sequence_length_round", "pp_size",
             "chunk_size", "convention", "allow_overlong"} == keywords(rl.plan_dynamic_batches)
     assert {"seq_lens", "dp_size", "max_tokens_per_microbatch", "min_num_microbatches", "algorithm",
-            "align"} == keywords(rl.plan_packed_microbatches)
+            "align", "cost_model"} == keywords(rl.plan_packed_microbatches)
     from streampack.attention import packed_cross_entropy
 
     assert {"reduction", "num_targets"} <= keywords(packed_cross_entropy)

@@ -88,6 +88,12 @@ class PackedBatch:
     ignore_index: int = -100
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Per-token side tensors ``[T, ...]`` packed with the same layout, zero-padded."""
+    est_cost: float | None = None
+    """Estimated compute of the batch's real documents, ``linear × num_tokens + attention ×
+    Σ L²`` of a :class:`streampack.packing.CostModel` (FLOPs for a model shape; filler packs
+    cost 0), set by the pipeline's collate when ``PackedDataset(cost_model=...)`` is given,
+    else ``None``. Gather it over data-parallel ranks to see a step's imbalance: the step
+    takes as long as the costliest rank."""
     stats: WorkerStats | None = None
     """Running totals of the reader that built this batch (set by the pipeline's collate stage;
     ``None`` for a batch built directly with :func:`pack_batch`)."""

@@ -39,6 +39,9 @@ class WorkerStats:
     """Token slots of the packs (``packs x capacity``): ``tokens / slots`` is the fill."""
     targets: int = 0
     """Supervised target tokens."""
+    cost: float = 0.0
+    """Estimated compute of the real packs (``PackedBatch.est_cost`` summed; 0 without a cost
+    model): ``cost / batches`` against other readers' shows a standing imbalance."""
     skipped: int = 0
     """Samples (or shard remainders) dropped under ``on_error="skip"``, all reasons."""
     build_seconds: float = 0.0

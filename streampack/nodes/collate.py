@@ -10,6 +10,10 @@ tokens with every label ignored, so it adds zero targets to a token-mean loss; i
 ``counters["filler_packs"]`` (packs completing a partial batch) and logged (rate-limited). A
 worker with more data than its quota refuses (ValueError) rather than silently dropping it.
 
+With a ``cost_model`` every batch carries ``est_cost``, the estimated compute of its real
+packs (``linear × tokens + attention × Σ L²`` over its documents; filler packs cost 0),
+computed here once from the documents' lengths, and the running total ``counters["cost"]``.
+
 Every batch leaves with a :class:`~streampack.layout.stats.WorkerStats`: this reader's running
 totals (batches, fillers, packs, documents, real tokens, slots, targets, skipped samples, build
 time, log-event counts), so the training process can aggregate metrics of every worker
@@ -33,12 +37,13 @@ from streampack.errors import ErrorCounter
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.layout.stats import WorkerStats
 from streampack.logs import event_counts, get_logger, warn_every
+from streampack.packing.cost import CostModel
 from streampack.sample import Sample
 
 FILLER_KEY = "<filler>"
 SLOW_BATCH_ENV = "STREAMPACK_SLOW_BATCH_SECONDS"
 """Environment variable: seconds one batch may take to build before a ``slow_batch`` warning."""
-_STATS = ("packs", "docs", "tokens", "slots", "targets")
+_STATS = ("packs", "docs", "tokens", "slots", "targets", "cost")
 _log = get_logger(__name__)
 
 
@@ -64,7 +69,8 @@ class ThdCollate(BaseNode[PackedBatch]):
     def __init__(self, source: BaseNode[list[Sample]], *, capacity: int, packs_per_batch: int = 1,
                  align: int = 1, pad_id: int = 0, ignore_index: int = -100,
                  num_batches: int | None = None, surplus_hint: str = "raise batches_per_epoch",
-                 errors: ErrorCounter | None = None, dp_rank: int = 0, worker_id: int = 0) -> None:
+                 errors: ErrorCounter | None = None, dp_rank: int = 0, worker_id: int = 0,
+                 cost_model: CostModel | None = None) -> None:
         super().__init__()
         if packs_per_batch < 1:
             raise ValueError(f"{packs_per_batch=} must be >= 1")
@@ -75,6 +81,7 @@ class ThdCollate(BaseNode[PackedBatch]):
         self.pad_id, self.ignore_index = pad_id, ignore_index
         self.num_batches, self.surplus_hint = num_batches, surplus_hint
         self.errors, self.dp_rank, self.worker_id = errors, dp_rank, worker_id
+        self.cost_model = cost_model
         self.slow_seconds = float(os.environ.get(SLOW_BATCH_ENV, "30"))
         self._yielded = 0
         self._first = True
@@ -127,6 +134,10 @@ class ThdCollate(BaseNode[PackedBatch]):
         """Count the batch's real packs into the running totals and attach them; log a slow or
         first batch. Filler packs are padding: no documents, tokens or slots of data."""
         c = self.counters
+        if self.cost_model is not None:
+            lengths = np.fromiter((len(s) for p in real for s in p), dtype=np.int64)
+            batch = replace(batch, est_cost=self.cost_model.pack_cost(lengths))
+            c["cost"] += batch.est_cost
         c["packs"] += len(real)
         c["docs"] += sum(len(p) for p in real)
         c["tokens"] += sum(len(s) for p in real for s in p)
@@ -168,4 +179,4 @@ class ThdCollate(BaseNode[PackedBatch]):
 
 
 def _fresh_counters() -> dict[str, Any]:
-    return {"batches": 0, "fillers": 0, "filler_packs": 0, **dict.fromkeys(_STATS, 0)}
+    return {"batches": 0, "fillers": 0, "filler_packs": 0, **dict.fromkeys(_STATS, 0), "cost": 0.0}

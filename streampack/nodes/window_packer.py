@@ -14,7 +14,11 @@ A pack is emitted when
      go first), so every round makes progress even on a stream that never fills a pack, or
   4. the upstream is exhausted (flush: nothing is ever lost at the end of a finite stream).
 The packs of a round are emitted in an order permuted by ``default_rng((seed, round))``, so
-the pack order does not follow length.
+the pack order does not follow length. With ``balance`` (cost-balanced emission,
+:mod:`streampack.packing.schedule`) they go to a reservoir of ready packs instead and leave in
+the order a schedule shared by every rank picks, so each rank's step costs about the same; the
+packs themselves, and so fill and pack counts, are the same. Its state adds the reservoir's
+packs (as references, like the carry), their steps and a cost histogram.
 
 Lengths are packed *aligned* (``ceil(L / align) * align``) so every pack still fits after
 the collate pads each document to the CP/TP alignment.
@@ -56,8 +60,12 @@ from streampack.nodes.window_rounds import (
     PackerRules,
     aligned_lengths,
     choose,
+    emission_order,
     pack_round,
 )
+from streampack.packing.cost import CostModel
+from streampack.packing.reservoir import Reservoir
+from streampack.packing.schedule import Balance, CostScale, Schedule
 from streampack.sample import Sample
 from streampack.state import (
     Replay,
@@ -69,6 +77,7 @@ from streampack.state import (
 
 _METRIC_NAMES = ("rounds", "packs", "docs", "tokens", "aligned_tokens", "slots",
                  "forced_by_age", "forced_by_carry", "flushed", "max_rounds_waited")
+_BALANCE_METRICS = ("forced_by_hold", "held_steps", "max_held_steps")
 
 
 class WindowPacker(BaseNode[list[Sample]]):
@@ -77,6 +86,12 @@ class WindowPacker(BaseNode[list[Sample]]):
     ``replay`` re-reads samples from their origins (a :class:`~streampack.nodes.replay.Replayer`):
     with it the state holds references, without it tokens. ``carry`` is a table
     (``state.samples_to_table``) of samples the window starts with.
+
+    ``balance`` (with ``cost_model``) turns on cost-balanced emission: the round's packs go to
+    a :class:`~streampack.packing.reservoir.Reservoir` and leave in the order the rank-shared
+    ``schedule`` picks (see :mod:`streampack.packing.schedule`); the packs themselves are the
+    same. ``first_batch`` / ``levels``: batches this reader yielded earlier in the pass and
+    the cost histogram it had then (an epoch carries on from the previous one).
     """
 
     SOURCE_KEY = "source"
@@ -87,12 +102,15 @@ class WindowPacker(BaseNode[list[Sample]]):
     EMITTED_KEY = "emitted"
     METRICS_KEY = "metrics"
     KIND_KEY = "kind"
+    RESERVOIR_KEY = "reservoir"
     KIND = "WindowPacker"
 
     def __init__(self, source: BaseNode[Sample], *, capacity: int, window: int = 1024,
                  algorithm: str = "bfd", align: int = 1, seed: int = 0, max_wait: int = 8,
                  slack: int | None = None, shuffle: bool = True, replay: Replay | None = None,
-                 carry: Mapping[str, Any] | None = None) -> None:
+                 carry: Mapping[str, Any] | None = None, balance: Balance | None = None,
+                 cost_model: CostModel | None = None, schedule: Schedule | None = None,
+                 first_batch: int = 0, levels: np.ndarray | None = None) -> None:
         super().__init__()
         if window < 1:
             raise ValueError(f"{window=} must be >= 1")
@@ -105,6 +123,8 @@ class WindowPacker(BaseNode[list[Sample]]):
                              f"2*cp_size*tp_size with context parallelism, tp_size with sequence "
                              f"parallelism, combined with align_multiple)")
         packing.get_algorithm(algorithm)  # unknown names fail here, not mid-stream
+        if balance is not None and cost_model is None:
+            raise ValueError("balance needs a cost_model (a CostModel, or a model shape for CostModel.from_shape)")
         self.source = source
         self.rules = PackerRules(capacity=capacity, window=window, algorithm=algorithm, align=align,
                                  seed=seed, max_wait=max_wait, slack=slack)
@@ -112,6 +132,11 @@ class WindowPacker(BaseNode[list[Sample]]):
         self.align, self.seed, self.max_wait, self.shuffle = align, seed, max_wait, shuffle
         self.slack = self.rules.free_ok
         self.replay, self.initial_carry = replay, carry
+        self.balance, self.cost_model = balance, cost_model
+        self.schedule = schedule if schedule is not None else Schedule()
+        self.first_batch, self.levels = first_batch, levels
+        if cost_model is not None:
+            self.scale = CostScale.of(cost_model.linear, cost_model.attention, capacity)
         self._clear()
 
     def _clear(self) -> None:
@@ -121,7 +146,12 @@ class WindowPacker(BaseNode[list[Sample]]):
         self._emitted = 0
         self._round = 0
         self._cache: dict[str, Any] | None = None  # this round's state (without emitted / metrics)
-        self.metrics = dict.fromkeys(_METRIC_NAMES, 0)
+        self._ended = False
+        self.metrics = dict.fromkeys(_METRIC_NAMES + (_BALANCE_METRICS if self.balance is not None else ()), 0)
+        self.reservoir: Reservoir[list[Sample]] | None = None
+        if self.balance is not None:
+            self.reservoir = Reservoir(self.balance, self.schedule, self.scale, first_batch=self.first_batch,
+                                       counts=self.levels)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -144,11 +174,26 @@ class WindowPacker(BaseNode[list[Sample]]):
         self._carry = rest
         self._entered = initial_state[self.ENTERED_KEY].tolist()
         self._round, self._emitted = int(initial_state[self.ROUND_KEY]), emitted
-        self._cache = {k: initial_state[k] for k in (self.SOURCE_KEY, self.TABLE_KEY, self.SIZES_KEY,
-                                                     self.ENTERED_KEY, self.ROUND_KEY)}
+        if (self.RESERVOIR_KEY in initial_state) != (self.reservoir is not None):
+            raise ValueError(f"WindowPacker state saved with balance {'on' if self.reservoir is None else 'off'} "
+                             f"restored into a packer with balance {'off' if self.reservoir is None else 'on'}")
+        kept = (self.SOURCE_KEY, self.TABLE_KEY, self.SIZES_KEY, self.ENTERED_KEY, self.ROUND_KEY)
+        self._cache = {k: initial_state[k] for k in kept + ((self.RESERVOIR_KEY,) if self.reservoir is not None else ())}
         self.metrics = dict(initial_state[self.METRICS_KEY])
+        if self.reservoir is not None:
+            self._restore_reservoir(initial_state[self.RESERVOIR_KEY])
+
+    def _restore_reservoir(self, saved: Mapping[str, Any]) -> None:
+        """The reservoir's packs are the state's packs (re-read above); its counters are saved."""
+        res = self.reservoir
+        assert res is not None
+        res.load(counts=saved["counts"].numpy(), first_batch=saved["first_batch"], emitted=saved["emitted"])
+        res.add(self._packs, self._costs(self._packs), born=saved["born"].tolist(), count=False)
+        self._packs, self._emitted = [], 0
 
     def next(self) -> list[Sample]:
+        if self.reservoir is not None:
+            return self._next_balanced(self.reservoir)
         if self._emitted >= len(self._packs):
             self._run_round()
             if not self._packs:
@@ -158,18 +203,48 @@ class WindowPacker(BaseNode[list[Sample]]):
         self._count(pack)
         return pack
 
+    def _next_balanced(self, res: Reservoir[list[Sample]]) -> list[Sample]:
+        """Keep ``reservoir`` packs ready (rounds as usual), emit the one the schedule picks."""
+        while len(res) < self.balance.reservoir and not self._ended:  # type: ignore[union-attr]
+            self._run_round()
+            res.add(self._packs, self._costs(self._packs))
+            self._packs = []
+        if not len(res):
+            raise StopIteration
+        self._cache = None
+        pack, waited, forced = res.take()
+        m = self.metrics
+        m["forced_by_hold"] += forced
+        m["held_steps"] += waited
+        m["max_held_steps"] = max(m["max_held_steps"], waited)
+        self._count(pack)
+        return pack
+
+    def _costs(self, packs: list[list[Sample]]) -> np.ndarray:
+        """Normalized estimated cost of each pack (real document lengths)."""
+        assert self.cost_model is not None
+        full = self.scale.full
+        return np.array([self.cost_model.pack_cost(np.fromiter((len(s) for s in p), np.int64, len(p))) / full
+                         for p in packs], dtype=np.float64)
+
     def get_state(self) -> dict[str, Any]:
         if self._cache is None:
             import torch
 
-            samples = [s for p in self._packs for s in p] + self._carry
+            held = self.reservoir.items if self.reservoir is not None else self._packs
+            samples = [s for p in held for s in p] + self._carry
             self._cache = {
                 self.SOURCE_KEY: self.source.state_dict(),  # the upstream rests between rounds
                 self.TABLE_KEY: samples_to_table(samples, by_reference=self.replay is not None),
-                self.SIZES_KEY: torch.tensor([len(p) for p in self._packs], dtype=torch.int64),
+                self.SIZES_KEY: torch.tensor([len(p) for p in held], dtype=torch.int64),
                 self.ENTERED_KEY: torch.tensor(self._entered, dtype=torch.int64),
                 self.ROUND_KEY: self._round,
             }
+            if self.reservoir is not None:
+                res = self.reservoir
+                self._cache[self.RESERVOIR_KEY] = {
+                    "born": torch.tensor(res.born, dtype=torch.int64), "counts": torch.from_numpy(res.counts.copy()),
+                    "emitted": res.emitted, "first_batch": res.first_batch}
         return {self.KIND_KEY: self.KIND, **self._cache, self.EMITTED_KEY: self._emitted,
                 self.METRICS_KEY: dict(self.metrics)}
 
@@ -192,6 +267,7 @@ class WindowPacker(BaseNode[list[Sample]]):
                 break
             entered.append(self._round)
         self._carry, self._entered, self._packs, self._emitted = [], [], [], 0
+        self._ended = ended or not samples
         if not samples:
             return
         lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
@@ -205,9 +281,7 @@ class WindowPacker(BaseNode[list[Sample]]):
                                     self._round, ended)
         for name, n in forced.items():
             self.metrics[name] += n
-        order = np.arange(len(emit))
-        if self.shuffle:
-            order = np.random.default_rng((self.seed, self._round)).permutation(len(emit))
+        order = emission_order(self.rules, self._round, len(emit), self.shuffle)
         self._packs = [[samples[i] for i in emit[j].tolist()] for j in order]
         waited = [self._round - entered[i] for b in emit for i in b.tolist()]
         self.metrics["max_rounds_waited"] = max(self.metrics["max_rounds_waited"], *waited, 0)

@@ -9,6 +9,7 @@ agree on random streams).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,26 +80,61 @@ def pack_round(rules: PackerRules, aligned: np.ndarray, round_: int) -> list[np.
     return packing.pack(aligned, rules.capacity, algorithm=rules.algorithm, seed=rules.seed + round_)
 
 
-def count_packs(rules: PackerRules, stream: np.ndarray, carry: np.ndarray | None = None) -> int:
-    """Packs a :class:`WindowPacker` with these rules emits for a finite stream of ``stream``
-    lengths (each ``<= capacity``), starting with ``carry`` lengths in its window: the same
-    rounds, packing and choices as the node, on lengths alone."""
+def emission_order(rules: PackerRules, round_: int, n: int, shuffle: bool) -> np.ndarray:
+    """The order a round's ``n`` packs leave in: permuted by ``(seed, round)`` so the pack
+    order does not follow length (or as packed, without ``shuffle``)."""
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng((rules.seed, round_)).permutation(n)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Round:
+    """What one round emits, on lengths alone."""
+
+    packs: list[np.ndarray]
+    """int64 lengths of each emitted pack's documents, in emission order."""
+    waited: list[np.ndarray]
+    """int64 rounds each of those documents waited in the window (0: packed in its first round)."""
+
+
+def run_rounds(rules: PackerRules, read: Callable[[int], np.ndarray], carry: np.ndarray | None = None,
+               shuffle: bool = True) -> Iterator[Round]:
+    """The rounds of a :class:`WindowPacker` with these rules, on lengths alone (what a plan
+    and a simulation run). ``read(n)`` returns up to ``n`` further lengths of the stream
+    (fewer: the stream ended); ``carry``: lengths already in the window."""
     window = np.zeros(0, dtype=np.int64) if carry is None else np.asarray(carry, dtype=np.int64)
     entered = np.zeros(len(window), dtype=np.int64)
-    stream = np.asarray(stream, dtype=np.int64)
-    pos, round_, packs = 0, 0, 0
+    round_ = 0
     while True:
         take = max(rules.window - len(window), 0)
-        new = stream[pos:pos + take]
+        new = np.asarray(read(take), dtype=np.int64) if take else np.zeros(0, dtype=np.int64)
         ended = len(new) < take
-        pos += len(new)
         window = np.concatenate([window, new])
         entered = np.concatenate([entered, np.full(len(new), round_, dtype=np.int64)])
         if not len(window):
-            return packs
+            return
         aligned = aligned_lengths(rules, window)
         emit, keep, _ = choose(rules, pack_round(rules, aligned, round_), aligned, entered, round_, ended)
-        packs += len(emit)
+        order = emission_order(rules, round_, len(emit), shuffle)
+        yield Round(packs=[window[emit[j]] for j in order], waited=[round_ - entered[emit[j]] for j in order])
         kept = np.sort(np.concatenate(keep)) if keep else np.zeros(0, dtype=np.int64)
         window, entered = window[kept], entered[kept]
         round_ += 1
+
+
+def count_packs(rules: PackerRules, stream: np.ndarray, carry: np.ndarray | None = None) -> int:
+    """Packs a :class:`WindowPacker` with these rules emits for a finite stream of ``stream``
+    lengths (each ``<= capacity``), starting with ``carry`` lengths in its window: the same
+    rounds, packing and choices as the node, on lengths alone. Cost-balanced emission
+    (``balance``) reorders and regroups packs but never adds or drops one, so the count holds
+    for it too."""
+    stream = np.asarray(stream, dtype=np.int64)
+    pos = 0
+
+    def read(n: int) -> np.ndarray:
+        nonlocal pos
+        pos += n
+        return stream[pos - n:pos]
+
+    return sum(len(r.packs) for r in run_rounds(rules, read, carry, shuffle=False))

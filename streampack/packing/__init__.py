@@ -32,6 +32,7 @@ from streampack.packing.karmarkar_karp import karmarkar_karp
 from streampack.packing.metrics import MetricsAccumulator, PackingMetrics, packing_metrics
 from streampack.packing.mffd import mffd
 from streampack.packing.result import PackResult
+from streampack.packing.schedule import Balance
 from streampack.packing.sequential import greedy, shuffle_pack
 
 Algorithm = Callable[..., list[np.ndarray]]
@@ -86,7 +87,7 @@ def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
 
 
 __all__ = [
-    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "CostModel", "MetricsAccumulator", "PackResult",
+    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "Balance", "CostModel", "MetricsAccumulator", "PackResult",
     "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram",
     "karmarkar_karp", "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack",
 ]

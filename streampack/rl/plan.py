@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from streampack.packing.cost import CostModel
 from streampack.rl import _dynamic, _partition, _roll
 
 
@@ -118,6 +119,17 @@ class MicroBatchPlan:
         tokens = self.tokens_per_rank
         return float(tokens.max() / tokens.mean()) if tokens.sum() else 1.0
 
+    def cost_per_rank(self, cost_model: CostModel) -> np.ndarray:
+        """float64 ``[dp_size]``: estimated compute of each rank's sequences (each packed on its
+        own span: ``linear · aligned length + attention · L²``)."""
+        weights = sequence_costs(self.seq_lens, cost_model, self.align)
+        return np.array([sum(float(weights[ix].sum()) for ix in rank) for rank in self.microbatches])
+
+    def cost_balance(self, cost_model: CostModel) -> float:
+        """max / mean estimated compute per rank (1.0 = every rank's step takes as long)."""
+        costs = self.cost_per_rank(cost_model)
+        return float(costs.max() / costs.mean()) if costs.sum() else 1.0
+
     def stats(self) -> dict[str, Any]:
         """The summary as one flat dict (for logging)."""
         real = int(self.seq_lens.sum())
@@ -126,6 +138,22 @@ class MicroBatchPlan:
                 "padded_tokens": self.padded_tokens,
                 "padding_fraction": 1 - real / self.padded_tokens if self.padded_tokens else 0.0,
                 "balance": self.balance}
+
+
+def sequence_costs(lens: np.ndarray, cost_model: CostModel, align: int = 1) -> np.ndarray:
+    """float64 ``[n]``: each sequence's estimated compute in a pack (its aligned span runs through
+    the linear layers, its real tokens attend causally)."""
+    lens = np.asarray(lens, dtype=np.float64)
+    return cost_model.linear * _round_up(lens, align) + cost_model.attention * lens * lens
+
+
+def _cost_weights(aligned: np.ndarray, lens: np.ndarray, cost_model: CostModel | None) -> np.ndarray:
+    """Integer weights to balance: tokens, or the estimated cost in token-equivalents of the
+    linear coefficient (``aligned + attention / linear · L²``; ``L²`` when linear is 0)."""
+    if cost_model is None:
+        return aligned
+    scale = cost_model.linear if cost_model.linear > 0 else (cost_model.attention or 1.0)
+    return np.rint(sequence_costs(lens, cost_model) / scale - lens + aligned).astype(np.int64)
 
 
 def _check_args(seq_lens: Any, **positive: int) -> np.ndarray:
@@ -233,7 +261,7 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
 
 def plan_packed_microbatches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbatch: int,
                              min_num_microbatches: int = 1, algorithm: str = "kk",
-                             align: int = 1) -> MicroBatchPlan:
+                             align: int = 1, cost_model: CostModel | None = None) -> MicroBatchPlan:
     """Plan one THD pack per micro-batch, balanced across ranks and across micro-batches.
 
     Each sequence occupies ``round_up(len, align)`` tokens. Ranks get balanced token sums
@@ -242,6 +270,12 @@ def plan_packed_microbatches(seq_lens: Any, *, dp_size: int, max_tokens_per_micr
     ``algorithm="kk"``: ``M = max(min_num_microbatches, ceil(rank tokens / budget))``, raised
     until every part fits (ROLL §2.4). ``"ffd"``/``"bfd"`` (or another packing-registry
     name): bins of the budget per rank, then the largest bins split until counts match.
+
+    ``cost_model``: balance estimated compute (``linear · tokens + attention · Σ L²``,
+    :class:`streampack.packing.CostModel`) instead of tokens — across ranks always, and across
+    each rank's micro-batches with ``"kk"`` (the token budget stays a hard cap). Long
+    sequences cost more than their share of tokens, so token-balanced ranks wait for the one
+    that drew them (``plan.cost_balance(cost_model)``; measured in ``benchmarks/bench_rl.py``).
     """
     lens = _check_args(seq_lens, dp_size=dp_size, max_tokens_per_microbatch=max_tokens_per_microbatch,
                        min_num_microbatches=min_num_microbatches, align=align)
@@ -251,11 +285,22 @@ def plan_packed_microbatches(seq_lens: Any, *, dp_size: int, max_tokens_per_micr
     if lens.size < dp_size * min_num_microbatches:
         raise ValueError(f"{lens.size} sequences cannot fill {dp_size=} ranks x "
                          f"{min_num_microbatches=} non-empty micro-batches")
-    ranks = _partition.balanced_parts(aligned, dp_size)
-    if algorithm == "kk":
-        parts = _kk_microbatches(ranks, aligned, budget, min_num_microbatches)
-    else:
-        parts = _binned_microbatches(ranks, aligned, budget, min_num_microbatches, algorithm)
+    weights = _cost_weights(aligned, lens, cost_model)
+    tries = [(weights, weights), (aligned, weights), (aligned, aligned)] if cost_model else [(aligned, aligned)]
+    for i, (by_rank, by_microbatch) in enumerate(tries):
+        # Cost-balanced ranks may hold too few sequences for the common micro-batch count
+        # (a rank of one long sequence): then balance tokens across ranks, then nothing by cost,
+        # so a cost model never makes a batch unplannable that plans by tokens.
+        try:
+            ranks = _partition.balanced_parts(by_rank, dp_size)
+            if algorithm == "kk":
+                parts = _kk_microbatches(ranks, aligned, by_microbatch, budget, min_num_microbatches)
+            else:
+                parts = _binned_microbatches(ranks, aligned, budget, min_num_microbatches, algorithm)
+            break
+        except ValueError:
+            if i == len(tries) - 1:
+                raise
     mbs, padded = [], []
     for rank_parts in parts:  # largest micro-batch first (peak memory at step 0)
         rank_parts = sorted(rank_parts, key=lambda ix: (-int(aligned[ix].sum()), int(ix[0])))
@@ -264,12 +309,12 @@ def plan_packed_microbatches(seq_lens: Any, *, dp_size: int, max_tokens_per_micr
     return _finish("packed", lens, mbs, padded, budget, align)
 
 
-def _kk_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, budget: int,
+def _kk_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, weights: np.ndarray, budget: int,
                      min_mb: int) -> list[list[np.ndarray]]:
     count = max(min_mb, max(math.ceil(int(aligned[r].sum()) / budget) for r in ranks))
     smallest = min(r.size for r in ranks)
     while count <= smallest:
-        parts = [[r[p] for p in _partition.balanced_parts(aligned[r], count)] for r in ranks]
+        parts = [[r[p] for p in _partition.balanced_parts(weights[r], count)] for r in ranks]
         if all(int(aligned[ix].sum()) <= budget for rank in parts for ix in rank):
             return [[np.sort(ix) for ix in rank] for rank in parts]
         count += 1  # a part overflowed: one more micro-batch on every rank

@@ -1,0 +1,238 @@
+"""Cost-balanced emission: which ready pack a reader emits at each step, with no communication.
+
+**Why.** Packs hold the same tokens, not the same work: causal attention grows with ``Σ L²``,
+so with a Llama-3-8B shape a 128k pack of one document costs 3.3x a pack of short ones. In
+data-parallel training every step waits for the slowest rank, and with 1,024 ranks some rank
+nearly always holds a heavy pack: the straggler factor (max over ranks / mean, per step) is
+2.5 at 128k and 1.35 at 32k with today's packer (``benchmarks/bench_balance.py``).
+
+**Design.** The packs are the ones the window packer makes anyway (fill and batch counts do
+not change); only their order — and with ``packs_per_batch = k > 1`` their grouping — does.
+Every rank computes the same schedule from ``(seed, step)`` alone: global step ``s`` gets the
+point ``u = frac(u0(seed) + s * GOLDEN)`` (any run of n steps covers [0, 1) evenly), each of
+the batch's k slots a quantile (stratified: ``(j + u) / k``, so a batch holds one pack of each
+k-th of the cost distribution), reshaped so that the costliest ``tail`` of the levels is aimed
+at ``1 + over`` times as often as such packs arrive and the lowest quantiles, where some of
+``ranks`` readers would hold no pack, are skipped. A reader turns the quantile into a cost level
+with the histogram of every pack cost it has seen — every rank's stream has the same length
+distribution, so the histograms converge to the same levels — and emits from its
+:class:`~streampack.packing.reservoir.Reservoir` of ready packs the heaviest one not above the level (any within
+``tolerance`` below it may go instead, the oldest first). So at each step every rank emits a
+pack of about the same cost, and hardly any rank exceeds the level: that is the straggler.
+
+**Latency.** A pack waits ``reservoir / k`` steps on average (Little's law); among the packs
+within tolerance of the best match the oldest goes. After ``max_hold`` steps a pack goes at the
+first step whose level it does not exceed, whatever else is ready (counted as ``forced``): an
+old heavy pack never leaves at a light step, the one event that makes a straggler.
+
+**Why these rules** (earlier versions, the same simulator, 1,024 ranks, 128k, k = 1,
+reservoir 64; straggler factor):
+
+- the reservoir's own quantile instead of a cost level: 1.15 — the 60th of 64 packs differs
+  too much between readers in the tail;
+- levels without serving the tail faster: heavy packs piled up in some readers, and once old
+  had to leave at light steps: 1.9-2.1;
+- every quantile shifted up (``q * (1 + over)``) instead of the tail served proportionally:
+  9% of steps aimed at the maximum while 3.7% of packs are that heavy, and the readers
+  without one dragged the mean down: 1.11-1.16;
+- the rules above, histograms warm (20,000 packs counted): 1.035; from a cold start (the
+  first 400 steps of a run): 1.10.
+
+**Trade-offs** (1,024 ranks, 400 steps, Llama-3-8B shape, warm histograms; provisional,
+measured on a shared 2-core box, ``python benchmarks/bench_balance.py``):
+
+=========  ===  =========  =========  =====  ============  ===================  ========
+capacity   k    reservoir  straggler  p99    fill          steps waited (mean,  state
+                                                           max)
+=========  ===  =========  =========  =====  ============  ===================  ========
+128k       1    (tokens)   2.512      2.59   99.72%        7, 26                63 KB
+128k       1    16         1.215      2.14   the same      21, 218              121 KB
+128k       1    32         1.072      1.29   the same      34, 268              168 KB
+128k       1    64         1.035      1.19   the same      60, 288              291 KB
+128k       1    128        1.021      1.15   the same      107, 399             478 KB
+128k       4    (tokens)   1.923      2.29   99.70%        2, 7                 62 KB
+128k       4    64         1.042      1.11   the same      17, 143              278 KB
+32k        1    (tokens)   1.351      1.37   99.94%        32, 83               62 KB
+32k        1    64         1.015      1.05   the same      78, 294              84 KB
+32k        4    (tokens)   1.276      1.35   99.91%        8, 21                62 KB
+32k        4    64         1.020      1.04   the same      23, 88               141 KB
+=========  ===  =========  =========  =====  ============  ===================  ========
+
+Cold (the first 400 steps of a run, histograms empty at step 0): 1.104 at 128k k = 1, 1.087 at
+k = 4; with 2,000 packs counted, 1.053. The target of issue 14 (at most 1.05 at 128k, fill loss
+under 0.5 points) holds once the histograms are warm, with no fill loss at all.
+
+Host memory: the reservoir's packs, ``reservoir x capacity`` tokens per reader (64 MB of int64
+ids at 128k). State: the reservoir's documents as references (56 bytes each), a histogram of
+``BINS`` counts (8 KB) and each pack's step. Building it costs 7.7 ms per ``state_dict()`` at
+128k (0.9 ms at 4k): it re-lists ~3,300 held documents, cheap next to a 128k training step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+GOLDEN = (math.sqrt(5) - 1) / 2
+"""Step of the schedule's low-discrepancy sequence (any run of n steps covers [0, 1) evenly)."""
+BINS = 1024
+"""Histogram bins of normalized pack cost between ``CostScale.lo`` and 1."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Balance:
+    """Options of cost-balanced emission (``PackedDataset(balance=...)``)."""
+
+    reservoir: int = 64
+    """Ready packs each reader holds to choose from (more: better balance, more latency and
+    host memory; the resume state stores them as references)."""
+    max_hold: int | None = None
+    """Steps (batches of this reader) after which a waiting pack goes at the first step whose
+    level it does not exceed, whatever else is ready (counted in
+    ``metrics()["packing"]["forced_by_hold"]``). Default ``max(16, 4 * ceil(reservoir /
+    packs_per_batch))``: a pack waits ``reservoir / packs_per_batch`` steps on average."""
+    tail: float = 0.1
+    """Share of the costliest packs whose levels the schedule serves faster than they arrive."""
+    over: float = 0.2
+    """How much faster: the schedule targets the tail's levels ``1 + over`` times as often as
+    they arrive, so heavy packs never pile up in a reader (a pile-up would force one out at a
+    light step, the one event that makes a straggler)."""
+    tolerance: float = 0.02
+    """A pack up to this share lighter than the best match may go instead, the oldest first
+    (bounds waiting at ~the cost of that share of balance)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reservoir, bool) or not isinstance(self.reservoir, int) or self.reservoir < 1:
+            raise ValueError(f"reservoir={self.reservoir!r} must be an int >= 1")
+        if self.max_hold is not None and (isinstance(self.max_hold, bool) or not isinstance(self.max_hold, int)
+                                          or self.max_hold < 1):
+            raise ValueError(f"max_hold={self.max_hold!r} must be None or an int >= 1")
+        if not (0 < self.tail < 1 and self.over >= 0 and self.tail * (1 + self.over) < 1):
+            raise ValueError(f"need 0 < tail < 1, over >= 0 and tail * (1 + over) < 1; got "
+                             f"tail={self.tail!r}, over={self.over!r}")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"tolerance={self.tolerance!r} must be in [0, 1)")
+
+    def hold(self, packs_per_batch: int) -> int:
+        if self.max_hold is not None:
+            return self.max_hold
+        return max(16, 4 * -(-self.reservoir // packs_per_batch))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+    """Where one reader's steps sit in the schedule every rank shares."""
+
+    seed: int = 0
+    """The stream's seed (the same on every rank; not the per-worker packing seed)."""
+    packs_per_batch: int = 1
+    lane: int = 0
+    """This reader's index among its rank's readers (the DataLoader worker id)."""
+    lanes: int = 1
+    """Readers per rank: a DataLoader hands out their batches in turn, so the rank's step of
+    this reader's batch ``b`` is ``b * lanes + lane`` on every rank."""
+    ranks: int = 1
+    """Data-parallel ranks (sets the lowest quantile worth aiming at)."""
+
+    def __post_init__(self) -> None:
+        if not (self.packs_per_batch >= 1 and self.lanes >= 1 and 0 <= self.lane < self.lanes and self.ranks >= 1):
+            raise ValueError(f"need packs_per_batch, lanes, ranks >= 1 and 0 <= lane < lanes; got {self!r}")
+
+    def step(self, batch: int) -> int:
+        return batch * self.lanes + self.lane
+
+
+def schedule_start(seed: int) -> float:
+    """``u0``: where the schedule of ``seed`` starts."""
+    return float(np.random.default_rng([int(seed), 0x5CED]).random())
+
+
+def schedule_point(seed: int, step: int, start: float | None = None) -> float:
+    """``u`` in [0, 1) of global step ``step``: ``frac(u0(seed) + step * GOLDEN)`` — the same on
+    every rank, evenly spread over any window of steps (``start``: ``schedule_start(seed)``)."""
+    u0 = schedule_start(seed) if start is None else start
+    return (u0 + math.fmod(step * GOLDEN, 1.0)) % 1.0
+
+
+def quantile_floor(reservoir: int, ranks: int) -> float:
+    """The lowest quantile worth aiming at: below it, some of ``ranks`` readers of ``reservoir``
+    ready packs each would hold none (chance ``(1 - q) ** reservoir`` per reader, kept under
+    ``0.1 / ranks``), and those would emit a heavier pack than the others at that step."""
+    return min(0.5, 1 - (0.1 / max(ranks, 1)) ** (1 / reservoir))
+
+
+def target_quantiles(balance: Balance, u: float, k: int, floor: float = 0.0) -> np.ndarray:
+    """float64 ``[k]``: the cost quantile each of a batch's ``k`` packs aims at.
+
+    Stratified (``(j + u) / k`` for slot j), so a batch of ``k`` packs holds one from each
+    k-th of the cost distribution; then the tail (survival below ``tail * (1 + over)``) is
+    served ``1 + over`` times as often as it arrives, and the body is spread over the
+    quantiles ``[floor, 1 - tail]``.
+    """
+    survival = 1 - (np.arange(k) + u) / k
+    cut = balance.tail * (1 + balance.over)
+    body = balance.tail + (survival - cut) * (1 - floor - balance.tail) / (1 - cut)
+    return 1 - np.where(survival < cut, survival / (1 + balance.over), body)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostScale:
+    """Normalized cost ``y = cost / full`` (``full``: one document filling the pack), and
+    the histogram range ``[lo, 1]`` (half the linear cost of a full pack; lower clamps)."""
+
+    full: float
+    lo: float
+
+    @classmethod
+    def of(cls, linear: float, attention: float, capacity: int) -> CostScale:
+        full = linear * capacity + attention * float(capacity) ** 2
+        if full <= 0:
+            raise ValueError(f"the cost model gives a full pack of {capacity=} no cost")
+        return cls(full=full, lo=0.5 * linear * capacity / full)
+
+    def bins(self, y: np.ndarray) -> np.ndarray:
+        """Histogram bin of each normalized cost (int64)."""
+        b = np.floor((np.asarray(y, dtype=np.float64) - self.lo) / (1 - self.lo) * BINS)
+        return np.clip(b, 0, BINS - 1).astype(np.int64)
+
+    def levels(self, counts: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """Normalized cost at quantiles ``q`` (``[..., k]``) of histograms ``counts``
+        (int ``[..., BINS]``): the upper edge of the first bin reaching ``q`` of the total."""
+        return self.levels_of(np.cumsum(counts, axis=-1), q)
+
+    def levels_of(self, cum: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """:meth:`levels` from cumulative counts ``cum`` (``np.cumsum(counts, axis=-1)``)."""
+        need = q * cum[..., -1:]
+        b = (cum[..., None, :] < need[..., :, None]).sum(-1)
+        return self.lo + (np.minimum(b, BINS - 1) + 1) / BINS * (1 - self.lo)
+
+
+def choose(costs: np.ndarray, ages: np.ndarray, valid: np.ndarray, target: np.ndarray, *,
+           hold: int, tolerance: float) -> tuple[np.ndarray, np.ndarray]:
+    """One pick per row (a reader): ``(index [rows], forced [rows])``.
+
+    ``costs`` / ``ages`` / ``valid``: ``[rows, n]`` normalized cost, steps waited and which
+    slots hold a pack (each row holds at least one); ``target``: ``[rows]`` level to aim at.
+    The best match is the heaviest pack not above the target (or the lightest if all are
+    above); any pack within ``tolerance`` below it may go instead, and the oldest of those
+    goes. A pack that has waited ``hold`` steps goes at the first step whose target it does not
+    exceed, whatever else is ready (``forced``): never above the target, so it never makes a
+    straggler.
+    """
+    below = valid & (costs <= target[:, None])
+    best = np.where(below, costs, -np.inf).max(1)
+    lightest = np.where(valid, costs, np.inf).min(1)
+    has = np.isfinite(best)
+    ref = np.where(has, best, lightest)
+    upper = np.where(has, target, lightest)[:, None]
+    fits = valid & (costs <= upper)
+    near = fits & (costs >= ref[:, None] * (1 - tolerance))
+    expired = fits & (ages >= hold)
+    forced = expired.any(1)
+    pool = np.where(forced[:, None], expired, near)
+    # the oldest of the pool (ties: the heavier, then the lower slot)
+    index = np.where(pool, ages * 4.0 + costs, -np.inf).argmax(1)
+    assert bool(valid[np.arange(costs.shape[0]), index].all()), "picked an empty slot"
+    return index, forced
