@@ -31,7 +31,6 @@ import argparse
 import gzip
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,8 @@ from streampack.nodes.reader import ShardReader
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from rss_child import read_in_child  # noqa: E402
 
 
 def _per_call(fn: Callable[[], Any], min_seconds: float = 0.3) -> float:
@@ -138,33 +139,6 @@ def key_set_rows(n: int) -> list[dict[str, Any]]:
     return [{"bench": "key_set", "keys": n, "us_per_insert": took / n * 1e6, "bytes_per_key_peak": peak / n}]
 
 
-_CHILD = """
-import resource, sys
-from streampack.errors import ErrorCounter
-from streampack.nodes.reader import ShardReader
-
-
-def rss_kib(field):
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(field)).split()[1])
-
-
-url = sys.argv[1]
-reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip", errors=(errors := ErrorCounter()),
-                     allow_pipe=True)
-try:  # reset the peak to the current RSS (Linux), so the delta is the reading's own peak
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base, peak = rss_kib("VmRSS:"), lambda: rss_kib("VmHWM:")
-except OSError:  # elsewhere ru_maxrss: a lower bound when importing peaked higher
-    def peak():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    base = peak()
-kept = sum(1 for _ in reader)
-print(kept, (peak() - base) // 1024, dict(errors.counts))
-"""
-
-
 def _bomb(f: Any, mib: int) -> None:
     f.write(b'{"input_ids": [1, 2]}\n{"text": "')
     for _ in range(mib):
@@ -189,15 +163,13 @@ def rss_rows(mib: int) -> list[dict[str, Any]]:
         for name, url, size in ((f"gzip bomb ({mib} MiB line)", bomb, os.path.getsize(bomb)),
                                 (f"jsonl ({mib} MiB line)", line, os.path.getsize(line)),
                                 (f"tar via pipe ({mib} MiB member)", f"pipe:cat {tar}", os.path.getsize(tar))):
-            # cwd: `python -c` puts it first on sys.path; PYTHONPATH must decide which tree runs
-            out = subprocess.run([sys.executable, "-c", _CHILD, url], capture_output=True, text=True, timeout=600,
-                                 cwd=tmp)
-            if out.returncode:
-                rows.append({"bench": "rss", "input": name, "error": out.stderr.strip().splitlines()[-1]})
+            try:
+                read = read_in_child(url, cwd=tmp)
+            except RuntimeError as exc:
+                rows.append({"bench": "rss", "input": name, "error": str(exc)})
                 continue
-            kept, growth, counts = out.stdout.strip().split(" ", 2)
-            rows.append({"bench": "rss", "input": name, "file_bytes": size, "kept": int(kept),
-                         "peak_rss_growth_mib": int(growth), "errors": counts})
+            rows.append({"bench": "rss", "input": name, "file_bytes": size, "kept": len(read.keys),
+                         "peak_rss_growth_mib": read.growth_mib, "errors": read.errors})
     return rows
 
 

@@ -85,6 +85,21 @@ def ids(out) -> list[int]:
     return [int(s.tokens[0]) for s in out]
 
 
+def read(url: str, **kw: Any) -> list:
+    """Every sample one reader yields from ``url``, in order (one epoch, unshuffled)."""
+    from streampack.nodes.reader import ShardReader
+
+    return list(ShardReader(url, shuffle=False, epochs=1, **kw))
+
+
+def skip(url: str, **kw: Any) -> tuple[list[int], dict[str, int]]:
+    """The sample ids ``on_error="skip"`` keeps, and what it counts."""
+    from streampack.errors import ErrorCounter
+
+    errors = ErrorCounter()
+    return ids(read(url, on_error="skip", errors=errors, **kw)), errors.counts
+
+
 @contextlib.contextmanager
 def closing_workers(it: Any) -> Iterator[Any]:
     """A DataLoader iterator whose worker processes are shut down on exit, also when a

@@ -8,6 +8,8 @@ taken right after a restore that restores again.
 
 from __future__ import annotations
 
+import io
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +65,19 @@ def make_samples(lengths: Any, *, vocab: int = 50_000, seed: int = 0, text: bool
         else:
             out.append(Sample(key=f"s{i:06d}", url="mem", tokens=ids))
     return out
+
+
+def roundtrip(state: Any) -> Any:
+    """``torch.save`` + ``torch.load(weights_only=True)``: what a checkpoint does to a state."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def take(it: Any, n: int) -> list[Any]:
+    """The next ``n`` items of ``it``, or fewer when it ends first."""
+    return list(itertools.islice(it, n))
 
 
 def canon(item: Any) -> Any:

@@ -14,8 +14,10 @@ from helpers_hostile import (
     json_sample,
     member,
     npy_bytes,
+    read,
     sample,
     samples,
+    skip,
     write_bytes,
 )
 from node_checks import ListSource
@@ -24,15 +26,6 @@ from streampack.errors import DataError, ErrorCounter
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.tokenize import TextEncoder, Tokenize
 from streampack.sample import Sample
-
-
-def read(url, **kw) -> list:
-    return list(ShardReader(url, shuffle=False, epochs=1, **kw))
-
-
-def skip(url, **kw) -> tuple[list[int], dict[str, int]]:
-    errors = ErrorCounter()
-    return ids(read(url, on_error="skip", errors=errors, **kw)), errors.counts
 
 
 # ------------------------------------------------------------------ vocabulary bound

@@ -3,33 +3,24 @@ every skip is counted; the verdicts next to corrupt regions are the same after a
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
-import torch
 from helpers_hostile import (
     archive,
     check_both_modes,
     ids,
     member,
     npy_bytes,
+    read,
     sample,
     samples,
+    skip,
     write_bytes,
 )
+from node_checks import roundtrip
 
 from streampack.errors import DataError, ErrorCounter
 from streampack.nodes.reader import ShardReader
-
-
-def read(url, **kw) -> list:
-    return list(ShardReader(url, shuffle=False, epochs=1, **kw))
-
-
-def skip(url, **kw) -> tuple[list[int], dict[str, int]]:
-    errors = ErrorCounter()
-    return ids(read(url, on_error="skip", errors=errors, **kw)), errors.counts
 
 
 def damage_header(data: bytes, offset: int) -> bytes:
@@ -97,13 +88,6 @@ def test_every_skip_is_counted_and_nothing_good_is_lost(tmp_path) -> None:
     assert errors.skipped_bytes["corrupt_shard"] > 0
 
 
-def _roundtrip(state: dict) -> dict:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 def test_verdicts_near_corrupt_regions_are_resume_exact(tmp_path) -> None:
     # the samples next to a region are judged by the intact sample *after* them, so a reader
     # resumed at any item boundary makes the same verdicts as one that never stopped
@@ -113,7 +97,7 @@ def test_verdicts_near_corrupt_regions_are_resume_exact(tmp_path) -> None:
         reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
         head = [next(reader) for _ in range(k)]
         resumed = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
-        resumed.reset(_roundtrip(reader.state_dict()))
+        resumed.reset(roundtrip(reader.state_dict()))
         assert ids(head) + ids(resumed) == kept, f"resumed after {k} samples"
 
 
@@ -185,7 +169,7 @@ def test_long_runs_of_damage_are_judged_alike_after_any_resume(tmp_path) -> None
         reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
         head = [next(reader) for _ in range(k)]
         resumed = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
-        resumed.reset(_roundtrip(reader.state_dict()))
+        resumed.reset(roundtrip(reader.state_dict()))
         assert ids(head) + ids(resumed) == kept, f"resumed after {k} samples"
 
 

@@ -17,6 +17,7 @@ from helpers_hostile import (
     check_both_modes,
     ids,
     npy_bytes,
+    read,
     sample,
     samples,
     write_bytes,
@@ -25,13 +26,8 @@ from helpers_hostile import (
 from streampack.errors import DataError, ErrorCounter
 from streampack.io.index import build_index
 from streampack.io.limits import Limits
-from streampack.nodes.reader import ShardReader
 
 KiB, MiB = 1 << 10, 1 << 20
-
-
-def read(url, **kw) -> list:
-    return list(ShardReader(url, shuffle=False, epochs=1, **kw))
 
 
 def _line(i: int, pad: int = 0) -> bytes:

@@ -19,6 +19,7 @@ from helpers_hostile import (
     member,
     npy_bytes,
     pad,
+    read,
     sample,
     samples,
     write_bytes,
@@ -29,11 +30,6 @@ from hypothesis import strategies as st
 from streampack.errors import DataError, ErrorCounter
 from streampack.io.index import build_index
 from streampack.io.limits import Limits
-from streampack.nodes.reader import ShardReader
-
-
-def read(url, **kw) -> list:
-    return list(ShardReader(url, shuffle=False, epochs=1, **kw))
 
 
 def raise_and_skip(url, reason: str, key: str | None = None, **kw) -> tuple[list[int], ErrorCounter]:

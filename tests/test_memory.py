@@ -4,12 +4,18 @@ a hostile shard (a decompression bomb, a huge line, a huge member) costs at most
 from __future__ import annotations
 
 import gc
+import os
+import sys
+from pathlib import Path
 
 import psutil
 import pytest
 from node_checks import write_token_shards
 
 from streampack.dataset import PackedDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from rss_child import read_in_child  # noqa: E402
 
 
 def _rss_growth(urls, samples: int) -> tuple[float, int]:
@@ -52,48 +58,13 @@ def test_rss_flat_long(shards) -> None:
 # whole 400 MiB line, its decoded str and the parse; measured with benchmarks/bench_hostile.py);
 # with the default 32 MiB line limit a reader holds at most a line prefix and its one-line
 # lookahead (~64 MiB measured): the bound is 4 x the limit + 64 MiB.
-_RSS_CHILD = """
-import resource, sys
-from streampack.errors import ErrorCounter
-from streampack.nodes.reader import ShardReader
-
-
-def rss_kib(field):
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(field)).split()[1])
-
-
-url = sys.argv[1]
-reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip", errors=(errors := ErrorCounter()),
-                     allow_pipe=True)
-try:  # reset the peak to the current RSS (Linux), so the delta is the reading's own peak
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base, peak = rss_kib("VmRSS:"), lambda: rss_kib("VmHWM:")
-except OSError:  # elsewhere ru_maxrss: a lower bound when importing peaked higher
-    def peak():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    base = peak()
-kept = [s.key for s in reader]
-print(kept, errors.counts, (peak() - base) // 1024)
-"""
 _LINE_LIMIT_MIB = 32
 _BOUND_MIB = 4 * _LINE_LIMIT_MIB + 64
 
 
 def _child_rss_growth(url: str) -> tuple[list[str], dict, int]:
-    import ast
-    import os
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, url], capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(url.removeprefix("pipe:cat ")))
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = out.stdout.strip().splitlines()[-1]
-    kept_s, rest = line.split("] ", 1)
-    counts_s, growth_s = rest.rsplit(" ", 1)
-    return ast.literal_eval(kept_s + "]"), ast.literal_eval(counts_s), int(growth_s)
+    read = read_in_child(url, cwd=os.path.dirname(url.removeprefix("pipe:cat ")), timeout=300)
+    return read.keys, read.errors, read.growth_mib
 
 
 def _bomb_lines(f, line_mib: int) -> None:

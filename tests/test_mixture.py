@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import io
 import math
 from collections import Counter
 
 import pytest
-import torch
 from node_checks import (
     ListSource,
     canon,
     check_save_load,
     drain,
     make_samples,
+    roundtrip,
     write_token_shards,
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -30,13 +29,6 @@ def sources(tmp_path_factory):
     web, _ = write_token_shards(root / "web", 160, 4, mean=90, seed=1)
     code, _ = write_token_shards(root / "code", 60, 2, mean=60, seed=2)
     return {"web": web, "code": code}
-
-
-def _roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def _lists(sizes: dict[str, int]) -> dict[str, ListSource]:
@@ -70,7 +62,7 @@ def test_node_infinite_resume_through_torch_save(sources) -> None:
     full = drain(make(), 700)  # several epochs of both sources
     node = make()
     head = drain(node, 333)
-    state = _roundtrip(node.state_dict())
+    state = roundtrip(node.state_dict())
     assert CONFIG_KEY in state and state[Mixture.NUM_YIELDED_KEY] == 333
     assert sum(c["drawn"] for c in state[Mixture.DATASET_NODE_STATES_KEY].values()) == 333
     restored = make()
@@ -140,7 +132,7 @@ def _interrupted(urls, num_workers: int, stops: list[int], total: int) -> list:
     for start, stop in zip([0, *stops], [*stops, total]):
         loader = StatefulDataLoader(_ds(urls), batch_size=None, num_workers=num_workers)
         if state is not None:
-            load_loader_state(loader, _roundtrip(state))
+            load_loader_state(loader, roundtrip(state))
         it = iter(loader)
         out += _take(it, stop - start)
         state = loader.state_dict()
@@ -163,7 +155,7 @@ def test_dataset_mixes_both_sources_and_reports_draws(sources) -> None:
     assert set(drawn) == {"web", "code"} and drawn["web"] > drawn["code"] > 0
     dirs = Counter(k.split("#")[0].split("/")[-2] for b in batches for k in b.doc_keys)
     assert dirs["web"] > 0 and dirs["code"] > 0  # doc keys name each document's shard
-    state = _roundtrip(ds.state_dict())
+    state = roundtrip(ds.state_dict())
     assert state["metrics"]["mixture"] == drawn
     restored = _ds(_mix(sources))
     restored.load_state_dict(state)
@@ -181,7 +173,7 @@ def test_fingerprint_refuses_changed_weights(sources) -> None:
     ds = _ds(_mix(sources))
     it = iter(ds)
     next(it)
-    state = _roundtrip(ds.state_dict())
+    state = roundtrip(ds.state_dict())
     with pytest.raises(ValueError, match=r"mixture_weights: saved \{'code': 0.3, 'web': 0.7\}, "
                                          r"now \{'code': 0.5, 'web': 0.5\}"):
         _ds(_mix(sources, 0.5, 0.5)).load_state_dict(state)

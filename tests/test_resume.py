@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import io
 from collections import Counter
 
 import numpy as np
 import pytest
-import torch
-from node_checks import canon, write_token_shards
+from node_checks import canon, roundtrip, take, write_token_shards
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack.dataset import PackedDataset
@@ -26,41 +24,24 @@ def _ds(urls, **kw) -> PackedDataset:
                                   "max_wait": 3, **kw})
 
 
-def _roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
-def _take(it, n: int) -> list:
-    out = []
-    for _ in range(n):
-        try:
-            out.append(next(it))
-        except StopIteration:
-            break
-    return out
-
-
 def _interrupted(urls, num_workers: int, stops: list[int], total: int, **kw) -> list:
     out, state, done = [], None, 0
     for stop in [*stops, total]:
         loader = StatefulDataLoader(_ds(urls, **kw), batch_size=None, num_workers=num_workers)
         if state is not None:
-            load_loader_state(loader, _roundtrip(state))
+            load_loader_state(loader, roundtrip(state))
         it = iter(loader)
         if state is not None:
             # save right after the restore, restore that in another loader: same continuation
             again = loader.state_dict()
             other = StatefulDataLoader(_ds(urls, **kw), batch_size=None, num_workers=num_workers)
-            other.load_state_dict(_roundtrip(again))
-            probe = [canon(b) for b in _take(iter(other), 2)]
-            head = [canon(b) for b in _take(it, 2)]
+            other.load_state_dict(roundtrip(again))
+            probe = [canon(b) for b in take(iter(other), 2)]
+            head = [canon(b) for b in take(it, 2)]
             assert probe == head[:len(probe)], "state saved right after a restore diverged"
             out += head
             done += len(head)
-        out += [canon(b) for b in _take(it, stop - done)]
+        out += [canon(b) for b in take(it, stop - done)]
         done = stop
         state = loader.state_dict()
         del it
@@ -72,7 +53,7 @@ def test_three_interruptions_infinite(shards, num_workers: int) -> None:
     urls, _ = shards
     total = 120  # ~3 epochs of this tiny dataset: the stops cross epoch boundaries
     loader = StatefulDataLoader(_ds(urls), batch_size=None, num_workers=num_workers)
-    full = [canon(b) for b in _take(iter(loader), total)]
+    full = [canon(b) for b in take(iter(loader), total)]
     stops = sorted(np.random.default_rng(num_workers).choice(np.arange(3, total - 3), 3, replace=False).tolist())
     assert _interrupted(urls, num_workers, stops, total) == full
 
@@ -99,7 +80,7 @@ def test_many_random_interruptions(shards, num_workers: int) -> None:
     urls, _ = shards
     total = 200
     loader = StatefulDataLoader(_ds(urls, window=64), batch_size=None, num_workers=num_workers)
-    full = [canon(b) for b in _take(iter(loader), total)]
+    full = [canon(b) for b in take(iter(loader), total)]
     for seed in range(3):
         rng = np.random.default_rng(seed + 10)
         stops = sorted(rng.choice(np.arange(1, total - 1), 5, replace=False).tolist())

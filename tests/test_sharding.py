@@ -7,19 +7,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
 from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
+from node_checks import roundtrip
 
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.sharding import assign_shards, epoch_permutation
 from streampack.topology import Worker, current_worker, resolve_topology
-
-
-def roundtrip_state(state: dict) -> dict:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def docs_with_ids(n: int, seed: int = 0) -> list[list[int]]:
@@ -181,17 +174,17 @@ def test_resume_at_every_step_across_epochs(tmp_path, cfg):
     for k in range(len(full) + 1):
         reader = make()
         head = ids(next(reader) for _ in range(k))
-        state = roundtrip_state(reader.state_dict())
+        state = roundtrip(reader.state_dict())
         resumed = make()
         resumed.reset(state)
         mid = ids(next(resumed, None) for _ in range(min(3, len(full) - k)))
         second = make()  # a second restore, taken right after the first one continued
-        second.reset(roundtrip_state(resumed.state_dict()))
+        second.reset(roundtrip(resumed.state_dict()))
         assert head + mid + ids(second) == full, f"diverged after resuming at step {k}"
     done = make()
     list(done)
     again = make()
-    again.reset(roundtrip_state(done.state_dict()))
+    again.reset(roundtrip(done.state_dict()))
     assert list(again) == []
 
 

@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from helpers_data import (
     CountingFile,
     closed_port,
@@ -22,6 +21,7 @@ from helpers_data import (
     write_tar,
     write_tar_shards,
 )
+from node_checks import roundtrip
 
 from streampack.errors import DataError, ErrorCounter
 from streampack.io import open as open_mod
@@ -39,13 +39,6 @@ def write(fmt: str, directory, docs, num_shards: int, **kw) -> list[str]:
     if fmt.startswith("tar-"):
         return write_tar_shards(directory, docs, num_shards, fmt[4:], **kw)
     return write_jsonl_shards(directory, docs, num_shards, gz=fmt.endswith(".gz"), **kw)
-
-
-def roundtrip_state(state: dict) -> dict:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def content(s) -> list[int] | str:
@@ -125,7 +118,7 @@ def test_resume_inside_shard_seeks_to_offset(tmp_path, fmt, monkeypatch):
     (url,) = write(fmt, tmp_path, docs, 1)
     reader = ShardReader(url, epochs=1)
     head = [next(reader) for _ in range(25)]
-    state = roundtrip_state(reader.state_dict())
+    state = roundtrip(reader.state_dict())
     offset = state[OFFSET_KEY]
     assert offset > os.path.getsize(url) // 2
 
@@ -146,7 +139,7 @@ def test_gzip_resume_is_exact(tmp_path):
     reader = ShardReader(urls, epochs=1, shuffle=False)
     head = [next(reader) for _ in range(20)]
     resumed = ShardReader(urls, epochs=1, shuffle=False)
-    resumed.reset(roundtrip_state(reader.state_dict()))
+    resumed.reset(roundtrip(reader.state_dict()))
     assert [s.text for s in head + list(resumed)] == docs
 
 
@@ -196,7 +189,7 @@ def test_remote_matches_local_and_resumes_with_range(tmp_path, fmt):
 
         reader = ShardReader(remote, epochs=2, seed=3)
         head = [next(reader).tokens.tolist() for _ in range(15)]
-        state = roundtrip_state(reader.state_dict())
+        state = roundtrip(reader.state_dict())
         assert state[OFFSET_KEY] > 0
         server.requests.clear()
         resumed = ShardReader(remote, epochs=2, seed=3)
@@ -396,7 +389,7 @@ def test_works_under_torchdata_loader(tmp_path):
     state = loader.state_dict()
     rest = [s.tokens.tolist() for s in it]
     resumed = Loader(ShardReader(urls, seed=2, epochs=2))
-    resumed.load_state_dict(roundtrip_state(state))
+    resumed.load_state_dict(roundtrip(state))
     assert [s.tokens.tolist() for s in resumed] == rest and len(head + rest) == 24
 
 

@@ -10,11 +10,11 @@ import os
 
 import fsspec
 import pytest
-import torch
 import zstandard
 from helpers_data import make_text_docs, make_token_docs, write_jsonl_shards
 from helpers_faults import serve_faulty
 from helpers_formats import jsonl_bytes, write_zst_shards
+from node_checks import roundtrip
 
 from streampack.errors import DataError, ErrorCounter
 from streampack.io import urls as urls_mod
@@ -25,13 +25,6 @@ from streampack.nodes.reader import OFFSET_KEY, ShardReader
 
 def read_all(urls, **kw) -> list:
     return list(ShardReader(urls, shuffle=False, epochs=1, **kw))
-
-
-def roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 @pytest.mark.parametrize("frames", [1, 3])

@@ -7,16 +7,14 @@ the remote run; each format with 2 workers is in the slow set."""
 
 from __future__ import annotations
 
-import io
 import os
 
 import numpy as np
 import pytest
-import torch
 from helpers_data import write_jsonl_shards, write_tar_shards
 from helpers_faults import Fault, join_prefetch, serve_faulty
 from helpers_formats import write_parquet_shards, write_zst_shards
-from node_checks import canon, lognormal_lengths
+from node_checks import canon, lognormal_lengths, roundtrip, take
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack.dataset import PackedDataset
@@ -46,21 +44,8 @@ def _ds(urls, **kw) -> PackedDataset:
                                   "cache_dir": None, **kw})
 
 
-def _roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
-def _take(it, n: int) -> list:
-    out = []
-    for _ in range(n):
-        try:
-            out.append(canon(next(it)))
-        except StopIteration:
-            break
-    return out
+def take_canon(it, n: int) -> list:
+    return [canon(b) for b in take(it, n)]
 
 
 def _run(urls, num_workers: int, stops: list[int], total: int, **kw) -> list:
@@ -69,9 +54,9 @@ def _run(urls, num_workers: int, stops: list[int], total: int, **kw) -> list:
     for stop in [*stops, total]:
         loader = StatefulDataLoader(_ds(urls, **kw), batch_size=None, num_workers=num_workers)
         if state is not None:
-            load_loader_state(loader, _roundtrip(state))
+            load_loader_state(loader, roundtrip(state))
         it = iter(loader)
-        out += _take(it, stop - done)
+        out += take_canon(it, stop - done)
         done = stop
         state = loader.state_dict()
         del it

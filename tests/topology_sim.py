@@ -10,12 +10,11 @@ topologies and stop points in seconds.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
+from node_checks import roundtrip
 
 import streampack.dataset as dataset_mod
 from streampack.topology import Worker
@@ -29,14 +28,6 @@ def as_worker(worker_id: int, num_workers: int) -> Iterator[None]:
         yield
     finally:
         dataset_mod.current_worker = saved
-
-
-def roundtrip(state: Any) -> Any:
-    """``torch.save`` + ``torch.load(weights_only=True)``: what a checkpoint does to a state."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 class SimRank:
