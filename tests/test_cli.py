@@ -249,3 +249,26 @@ def test_closed_pipe_is_quiet(tmp_path):
                           f"--algorithms bfd | head -c 10", shell=True, capture_output=True, text=True,
                           env=_env(), timeout=60)
     assert proc.stdout == "samples: 3" and proc.stderr == "", proc.stderr
+
+
+def test_pack_and_inspect_take_the_vocabulary_bound_and_reader_limits(tmp_path, capsys):
+    # before: neither command had --vocab-size or the reader limits, so the offline path
+    # accepted ids PackedDataset(vocab_size=...) rejects
+    import json
+
+    docs = make_token_docs(40, vocab=100)
+    urls = write_jsonl_shards(tmp_path / "in", docs, 1)
+    bad = sum(1 for d in docs if max(d) >= 95)
+    assert 0 < bad < len(docs)
+    out = tmp_path / "p"
+    assert main(["pack", *urls, "--out", str(out), "--capacity", "64", "--vocab-size", "95",
+                 "--on-error", "skip", "--no-progress"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["errors"]["counts"] == {"out_of_vocab_id": bad}
+    assert main(["pack", *urls, "--out", str(tmp_path / "q"), "--capacity", "64", "--vocab-size", "95",
+                 "--no-progress"]) == 2
+    assert "out_of_vocab_id" in capsys.readouterr().err
+    assert main(["inspect", *urls, "--capacity", "64", "--max-line-bytes", "20", "--no-progress"]) == 2
+    assert "line_too_long" in capsys.readouterr().err
+    assert main(["inspect", *urls, "--capacity", "64", "--max-json-depth", "0"]) == 2
+    assert "--max-json-depth=0 must be an int >= 1" in capsys.readouterr().err

@@ -54,7 +54,48 @@ class DocumentOptions:
     bos_id: int | None = None
     eos_id: int | None = None
     on_error: str = "raise"
-    retries: int = 3
+    retries: int | None = None
+    """None = retry within ``retry_budget`` seconds (PackedDataset's default)."""
+    retry_budget: float = 120.0
+    vocab_size: int | None = None
+    limits: Any = None
+    """A ``streampack.io.limits.Limits``; None = the defaults."""
+
+
+def add_input_guards(p: Any) -> None:
+    """The options ``pack`` and ``inspect`` share with ``PackedDataset`` for remote and hostile
+    input: retries, the vocabulary bound and the reader limits (defaults: ``Limits()``)."""
+    from streampack.io.limits import Limits
+
+    default = Limits()
+    p.add_argument("--retries", type=int, default=None,
+                   help="retries per read of a remote shard (default: as many as --retry-budget allows)")
+    p.add_argument("--retry-budget", type=float, default=120.0,
+                   help="seconds of backoff a remote read may spend retrying (default %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids and labels must be below it (default: below 2**31)")
+    for name in ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(default, name),
+                       help=f"reader limit, as Limits.{name} (default %(default)s)")
+
+
+def input_guards(args: Any) -> dict[str, Any]:
+    """``DocumentOptions`` keywords from the options :func:`add_input_guards` added."""
+    from streampack.io.limits import Limits
+
+    if args.retries is not None and args.retries < 0:
+        raise CliError(f"--retries={args.retries} must be >= 0")
+    if not args.retry_budget >= 0:
+        raise CliError(f"--retry-budget={args.retry_budget} must be >= 0")
+    if args.vocab_size is not None and not 1 <= args.vocab_size <= 2**31:
+        raise CliError(f"--vocab-size={args.vocab_size} must be in [1, 2**31]")
+    try:
+        limits = Limits(max_line_bytes=args.max_line_bytes, max_member_bytes=args.max_member_bytes,
+                        max_sample_bytes=args.max_sample_bytes, max_json_depth=args.max_json_depth)
+    except ValueError as e:
+        raise CliError(str(e).replace("_", "-").replace("max-", "--max-", 1)) from None
+    return {"retries": args.retries, "retry_budget": args.retry_budget, "vocab_size": args.vocab_size,
+            "limits": limits}
 
 
 class Documents:
@@ -71,6 +112,7 @@ class Documents:
             StreamConfig,
             build_samples,
         )
+        from streampack.io.limits import Limits
         from streampack.io.packed_format import is_packed_dataset
         from streampack.io.urls import ShardList
 
@@ -81,9 +123,10 @@ class Documents:
         check_tokenizer(opts.tokenizer)
         config = StreamConfig(capacity=capacity, tokens_key=opts.tokens_key, text_key=opts.text_key,
                               labels_key=opts.labels_key, loss_mask_key=opts.loss_mask_key, shuffle=False,
-                              epochs=1, on_error=opts.on_error, bos_id=opts.bos_id, eos_id=opts.eos_id)
+                              epochs=1, on_error=opts.on_error, bos_id=opts.bos_id, eos_id=opts.eos_id,
+                              vocab_size=opts.vocab_size, limits=opts.limits if opts.limits is not None else Limits())
         node, self.nodes = build_samples(config, Sources(shards=ShardList.of(list(urls))), Placement(),
-                                         options=ReadOptions(retries=opts.retries), tokenizer=opts.tokenizer)
+                                         options=ReadOptions(retries=opts.retries, retry_budget=opts.retry_budget), tokenizer=opts.tokenizer)
         node.reset(None)
         self.root = node
 

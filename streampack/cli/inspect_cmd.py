@@ -21,7 +21,9 @@ from streampack.cli._data import (
     CliError,
     DocumentOptions,
     Documents,
+    add_input_guards,
     describe,
+    input_guards,
     no_bar,
     sample_lengths,
 )
@@ -43,7 +45,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--windows", default=",".join(map(str, DEFAULT_WINDOWS)),
                    help="comma-separated window sizes to simulate ('' = none; default %(default)s)")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a length histogram PNG")
-    p.add_argument("--retries", type=int, default=3, help="retries (with backoff) for an unreachable URL")
+    add_input_guards(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
     return p
@@ -197,10 +199,8 @@ def run(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):
             raise CliError(f"--plot {args.plot!r}: no such directory {folder!r}")
-    if args.retries < 0:
-        raise CliError(f"--retries={args.retries} must be >= 0")
     opts = DocumentOptions(tokenizer=args.tokenizer, tokens_key=args.tokens_key, text_key=args.text_key,
-                           retries=args.retries)
+                           **input_guards(args))
     samples = Documents(args.urls, opts, capacity=args.capacity)
     with tqdm(desc="reading", unit="sample", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
         lengths, unit = sample_lengths(iter(samples), progress=bar.update)

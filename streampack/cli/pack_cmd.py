@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from streampack.cli._data import CliError, DocumentOptions, Documents, describe, no_bar
+from streampack.cli._data import CliError, DocumentOptions, Documents, add_input_guards, describe, input_guards, no_bar
 from streampack.errors import ON_ERROR_CHOICES
 from streampack.nodes.overlong import POLICIES, OverlongCounters, apply_overlong
 
@@ -50,7 +50,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--overlong", default="split", choices=POLICIES, help="documents longer than capacity (default split)")
     p.add_argument("--packs-per-shard", type=int, default=1000, help="packs per output tar shard (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of randomized algorithms")
-    p.add_argument("--retries", type=int, default=3, help="retries (with backoff) for an unreachable URL")
+    add_input_guards(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
     return p
@@ -83,8 +83,6 @@ def run(args: argparse.Namespace) -> int:
     for name in ("cp_size", "tp_size", "align_multiple", "packs_per_shard"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    if args.retries < 0:
-        raise CliError(f"--retries={args.retries} must be >= 0")
     align = alignment(args.cp_size, args.tp_size, multiple=args.align_multiple)
     if args.capacity < 1 or args.capacity % align:
         raise CliError(f"--capacity={args.capacity} must be a positive multiple of the alignment "
@@ -92,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                        f"align_multiple={args.align_multiple})")
     opts = DocumentOptions(tokenizer=args.tokenizer, tokens_key=args.tokens_key, text_key=args.text_key,
                            labels_key=args.labels_key, loss_mask_key=args.loss_mask_key, bos_id=args.bos_id,
-                           eos_id=args.eos_id, on_error=args.on_error, retries=args.retries)
+                           eos_id=args.eos_id, on_error=args.on_error, **input_guards(args))
     samples = Documents(args.urls, opts, capacity=args.capacity)
     counters = OverlongCounters()
     docs = []
