@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -298,6 +299,22 @@ def report(c: Config, speeds: dict[str, dict[str, tuple[float, float]]], adapter
 def sum_params(c: Config) -> int:
     per_layer = c.dim * (c.heads + 2 * c.kv_heads) * (c.dim // c.heads) + c.dim * c.dim + 3 * c.dim * c.ffn
     return c.layers * per_layer + 2 * c.vocab * c.dim
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """Rows for ``benchmarks/run_all.py``: packed vs padded tokens/s (one row saying why when
+    there is no CUDA)."""
+    global DEVICE
+    if not torch.cuda.is_available():
+        return [{"skipped": f"no CUDA device (torch {torch.__version__})"}]
+    DEVICE = torch.device("cuda")
+    c = Config(dim=256, layers=4, heads=8, kv_heads=4, ffn=704, vocab=8192, packs=4, steps=5,
+               warmup=2) if quick else Config()
+    rows = []
+    for kind in ("lognormal", "long tail"):
+        for method, (real_s, slots_s) in train_speed(c, make_batches(c, kind.replace(" ", ""), count=4)).items():
+            rows.append({"lengths": kind, "method": method, "slots_per_s": slots_s, "real_tokens_per_s": real_s})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,8 +104,8 @@ def plan_rows(samples: int, ranks: tuple[int, ...], workers: int = 2, capacity: 
 
     lengths = lognormal(samples, 600)
     shards = np.array_split(lengths, 16)
-    indexes = [ShardIndex(url=f"s{i}", fingerprint="", offsets=list(range(len(s))), numbers=list(range(len(s))),
-                          keys=[""] * len(s), lengths=s.tolist(), end=len(s)) for i, s in enumerate(shards)]
+    indexes = [ShardIndex(url=f"s{i}", fingerprint="", offsets=np.arange(len(s), dtype=np.int64),
+                          lengths=s.astype(np.int32), end=len(s)) for i, s in enumerate(shards)]
     rows = []
     for dp in ranks:
         counting = Counting(rules=PackerRules(capacity=capacity, window=1024), max_len=capacity, policy="split",
