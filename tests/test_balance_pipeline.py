@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from node_checks import canon, collect_documents, write_token_shards
-from test_resume import _interrupted, _take
+from node_checks import canon, collect_documents, take, write_token_shards
+from test_resume import _interrupted
 from test_topology_finite import _ranks
 from topology_sim import SimRank
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -60,12 +60,12 @@ def test_balanced_stream_resumes_exactly_after_three_interruptions(shards, num_w
     total = 60  # an infinite stream over ~1.5 epochs of this tiny dataset: the stops cross one
     make = lambda **more: PackedDataset(urls, capacity=256, window=24, packs_per_batch=2, seed=7,  # noqa: E731
                                         max_wait=3, **more)
-    full = [canon(b) for b in _take(iter(StatefulDataLoader(make(**kw), batch_size=None,
+    full = [canon(b) for b in take(iter(StatefulDataLoader(make(**kw), batch_size=None,
                                                             num_workers=num_workers)), total)]
     stops = sorted(np.random.default_rng(num_workers + 3).choice(np.arange(3, total - 3), 3, replace=False).tolist())
     assert _interrupted(urls, num_workers, stops, total, **kw) == full
     if num_workers == 0:  # balance changed the order: the comparison is not vacuous
-        assert [canon(b) for b in _take(iter(make(cost_model=SHAPE)), total)] != full
+        assert [canon(b) for b in take(iter(make(cost_model=SHAPE)), total)] != full
 
 
 def test_balanced_finite_resume_across_epochs_and_changed_settings_refused(shards) -> None:

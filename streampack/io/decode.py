@@ -204,10 +204,13 @@ def validate_tokens(value: Any, *, url: str, key: str, vocab_size: int | None = 
         raise DataError("bad_dtype", f"tokens field is {type(value).__name__}, want a list of ints", url=url, key=key, value=value)
     if arr.shape[0] == 0:
         raise DataError("empty_sample", "sample has 0 tokens", url=url, key=key, value=[])
-    if arr.min() < 0:
-        bad = int(arr[np.argmax(arr < 0)])
-        raise DataError("negative_id", "negative token id", url=url, key=key, value=bad)
-    check_id_bound(arr, vocab_size, what="token id", url=url, key=key)
+    # one reduction checks both ends: viewed as uint64 a negative id is >= 2**63, past any bound
+    # (min + max took 2 of the 3 reductions per sample, ~3 us each on a 600-token sample)
+    if int(arr.view(np.uint64).max()) >= id_bound(vocab_size):
+        if arr.min() < 0:
+            bad = int(arr[np.argmax(arr < 0)])
+            raise DataError("negative_id", "negative token id", url=url, key=key, value=bad)
+        check_id_bound(arr, vocab_size, what="token id", url=url, key=key)
     return arr
 
 

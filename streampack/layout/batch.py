@@ -230,18 +230,23 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     input_ids.fill(pad_id)
     labels.fill(ignore_index)
     extras = alloc_extras(docs, extra_names, total)
-    real, padded, keys, target_docs = [0], [0], [], 0
+    real, padded, keys = [0], [0], []
     for doc, (start, n, end) in zip((d for pack in docs for d in pack), doc_spans(docs, capacity, align)):
         input_ids[start:start + n] = doc.tokens
         labels[start:start + n - 1] = targets(doc, ignore_index)[1:]
-        target_docs += bool((labels[start:start + n - 1] != ignore_index).any())
-        positions[start:end] = np.arange(end - start)
         for name in extra_names:
             extras[name][start:start + n] = doc.extras[name]
         real.append(real[-1] + n)
         padded.append(end)
         keys.append(doc.doc_key)
     cu_real, cu_padded = np.asarray(real, dtype=np.int32), np.asarray(padded, dtype=np.int32)
+    # positions and per-document target counts in whole-batch operations rather than one
+    # arange / any() per document (~60 documents per batch of 8 x 4096 lognormal(600) tokens)
+    spans = np.diff(cu_padded)
+    positions[:] = np.arange(total) - np.repeat(cu_padded[:-1].astype(np.int64), spans)
+    supervised = labels != ignore_index
+    seen = np.concatenate(([0], np.cumsum(supervised)))
+    target_docs = int(np.count_nonzero(seen[cu_padded[1:]] - seen[cu_padded[:-1]]))
     return PackedBatch(
         input_ids=rows[0],
         labels=rows[1],
@@ -249,7 +254,7 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         **offset_fields(cu_real, cu_padded, align),
         max_seqlen=longest(cu_padded),
         num_tokens=real[-1],
-        num_targets=int(np.count_nonzero(labels != ignore_index)),
+        num_targets=int(seen[-1]),
         num_target_docs=target_docs,
         doc_keys=tuple(keys),
         capacity=capacity,

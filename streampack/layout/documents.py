@@ -9,7 +9,6 @@ cast ``-100`` into a small unsigned dtype without a word, which trains on paddin
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -104,7 +103,8 @@ def check_doc(doc: Sample, ignore_index: int) -> Sample:
             raise ValueError(f"loss_mask of document {key!r} has {mask.shape[0]} entries for "
                              f"{n} tokens")
     extras = {k: _as_array(v, k, key) for k, v in doc.extras.items()}
-    return replace(doc, tokens=tokens, labels=labels, loss_mask=mask, extras=extras)
+    # labels / loss_mask stay None when they were: evolve keeps a field given as None
+    return doc.evolve(tokens=tokens, labels=labels, loss_mask=mask, extras=extras)
 
 
 def targets(doc: Sample, ignore_index: int) -> np.ndarray:

@@ -184,6 +184,13 @@ class EpochPlanner:
 
     def _make(self, epoch: int) -> EpochPlan:
         order = epoch_permutation(self.num_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle).tolist()
+        if self.dp_size * self.num_workers == 1 and self.counting is None:
+            # one reader reads every shard whole: nothing to split or count, so no index (building
+            # the indexes read every shard once more before the first batch: 2.8 s of a 5.9 s
+            # epoch of 60,000 samples in 8 tar shards, benchmarks/bench_pipeline.py)
+            spans = [Span(shard=s) for s in order]
+            return EpochPlan(epoch=epoch, workers=[WorkerPlan(spans=spans, batches=None, quota=None)],
+                             fillers=0, min_fillers=0)
         tokens = self.counting is not None or self.known_lengths()
         ranges = [IndexRange(shard=s, lo=0, hi=len(self.samples(s))) for s in order]
         costs = np.concatenate([self.samples(s).costs(tokens=tokens) for s in order] or [np.zeros(0, np.int64)])

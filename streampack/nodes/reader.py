@@ -32,7 +32,6 @@ import dataclasses
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
 from typing import Any, BinaryIO
 
 from torchdata.nodes import BaseNode
@@ -292,7 +291,7 @@ class ShardReader(BaseNode[Sample]):
             if sample is not None:
                 span = spans[self._shard_pos]
                 epoch = self._epoch if not isinstance(span, Span) or span.epoch is None else span.epoch
-                sample = replace(sample, origin=SampleOrigin(
+                sample = sample.evolve(origin=SampleOrigin(
                     shard=span.shard, offset=self._offset, number=self._sample, next_offset=item.next_offset,
                     next_number=item.next_index, epoch=epoch, source=self.source))
                 self._yielded += 1

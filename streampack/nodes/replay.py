@@ -131,7 +131,7 @@ class Replayer:
                                              f"(the shard changed since the state was saved?)")
                         origin = SampleOrigin(shard=shard, offset=pos, number=num, next_offset=item.next_offset,
                                               next_number=item.next_index, source=source)
-                        found[pos] = replace(item.sample, origin=origin)
+                        found[pos] = item.sample.evolve(origin=origin)
                         i += 1
                         if i == len(wanted) or (seekable and wanted[i][0] - item.next_offset > REOPEN_GAP):
                             break
