@@ -41,13 +41,18 @@ def discover(directory: Path = HERE) -> list[Path]:
 
 
 def load(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(f"streampack_bench_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # registered before it runs: a module-level dataclass looks its module up in sys.modules
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """Import a benchmark under its own name with its folder on ``sys.path``: a module that
+    starts processes (``torch.multiprocessing.spawn`` in bench_state's sync rows) must be
+    importable by that name in its children, and a module-level dataclass looks its module up
+    in ``sys.modules``."""
+    folder = str(path.parent.resolve())
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
+    loaded = sys.modules.get(path.stem)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() != path.resolve():
+        del sys.modules[path.stem]  # another folder's module of the same name
+    return importlib.import_module(path.stem)
 
 
 def _cell(value: Any) -> str:

@@ -31,7 +31,7 @@ class StreampackPeer:
             raise ValueError(f"{fmt=} must be 'tar' or 'parquet'")
         self.capacity, self.fmt, self.window = capacity, fmt, window
         self.name = "streampack" if fmt == "tar" else "streampack (parquet)"
-        self.notes = ["state holds the packer window's waiting samples, their tokens included"]
+        self.notes = ["state holds where to re-read each sample waiting in the packer window (shard, offset), not its tokens"]
         self.urls: list[str] = []
 
     def missing(self) -> str | None:
