@@ -104,8 +104,11 @@ class MosaicPeer:
         if state is not None:
             ds.load_state_dict(state)
         self._dataset = ds
+        # fork, whatever start method another peer set process-wide (litdata's writer forces one): a spawned
+        # worker imports `streaming` afresh, without the `streaming.vision` stand-in, and dies
+        context = "fork" if num_workers else None
         return DataLoader(ds, batch_size=self.raw_batch, collate_fn=Collate(self.capacity), num_workers=num_workers,
-                          prefetch_factor=8 if num_workers else None)
+                          prefetch_factor=8 if num_workers else None, multiprocessing_context=context)
 
     def count(self, batch: PaddedBatch) -> Count:
         return Count(tokens=batch.num_tokens, slots=batch.input_ids.numel(), ids=batch.input_ids)
