@@ -107,6 +107,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
     assert len(err) == 1 and err[0].startswith("streampack: error: ") and message in err[0], err
 
 
+@pytest.mark.slow  # a subprocess / spawned processes: the integration set
 def test_bad_input_subprocess_has_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "streampack", "inspect", str(tmp_path / "missing.tar"),
                            "--capacity", "64"], capture_output=True, text=True, env=_env(), timeout=60)
@@ -243,6 +244,7 @@ def test_packed_output_is_not_read_as_documents(tmp_path, capsys):
         assert len(err) == 1 and "output of `streampack pack`" in err[0], err
 
 
+@pytest.mark.slow  # a subprocess / spawned processes: the integration set
 def test_closed_pipe_is_quiet(tmp_path):
     tar = write_tar_shards(tmp_path, make_token_docs(30), 1)[0]
     proc = subprocess.run(f"'{sys.executable}' -m streampack inspect '{tar}' --capacity 64 --windows '' "

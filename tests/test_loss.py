@@ -202,6 +202,7 @@ def _dist_worker(rank: int, world: int, init_file: str, results: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a subprocess / spawned processes: the integration set
 def test_global_num_targets_all_reduces_over_ranks() -> None:
     world = 2
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:

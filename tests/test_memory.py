@@ -39,6 +39,7 @@ def shards(tmp_path_factory):
     return urls
 
 
+@pytest.mark.slow  # 40,000 samples, ~4 s: the integration set (with the 400,000-sample run)
 def test_rss_flat_short(shards) -> None:
     growth, docs = _rss_growth(shards, 40_000)
     assert docs >= 40_000

@@ -126,6 +126,7 @@ print(json.dumps({"import": after_import, "calls": after_calls,
     assert result["import"] == [] and result["calls"] == []
 
 
+@pytest.mark.slow  # a subprocess / spawned processes: the integration set
 def test_compiled_kernels_cache_outside_the_package(tmp_path: Path) -> None:
     code = ISOLATED_IMPORT + """
 from streampack.packing import _jit
