@@ -46,6 +46,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from report import emit  # noqa: E402  (benchmarks/report.py; this folder is on sys.path)
+
 from streampack.nodes.window_rounds import PackerRules, run_rounds  # noqa: E402
 from streampack.packing import CostModel  # noqa: E402
 from streampack.packing.reservoir import Reservoir  # noqa: E402
@@ -282,10 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"{rows[0]['ranks']} ranks, {rows[0]['steps']} steps measured, cost model: Llama-3-8B shape "
             f"(training FLOPs)")
     text = head + "\n\n" + markdown(rows)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
-    return 0
+    return emit(text, args.out)
 
 
 if __name__ == "__main__":

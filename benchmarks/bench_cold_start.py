@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import emit  # benchmarks/report.py (this folder is on sys.path)
+
 CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -84,10 +86,7 @@ def main() -> int:
         f"{'yes' if med['numba_loaded'] else 'no'} |",
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return emit(text, args.out)
 
 
 if __name__ == "__main__":

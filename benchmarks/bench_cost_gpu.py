@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import bench_gpu  # noqa: E402  (the decoder, the timer and the CPU stand-in kernel)
 from bench_gpu import Config, Decoder, timed  # noqa: E402
+from report import emit  # noqa: E402
 
 from streampack import pack_batch  # noqa: E402
 from streampack.attention.varlen import varlen_attention  # noqa: E402
@@ -179,10 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_gpu.DEVICE = torch.device("cuda")
     c = configs(args.quick, args.cpu_check)
     text = report(c, *run_config(c))
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
-    return 0
+    return emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from report import emit  # noqa: E402  (benchmarks/report.py; this folder is on sys.path)
+
 from streampack import PackedBatch, pack_batch  # noqa: E402
 from streampack.attention import (  # noqa: E402
     packed_cross_entropy,
@@ -345,10 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(c, speeds, adapter_overhead(device_batch),
                   loss_overhead(device_batch, c.vocab, max(c.steps * 2, 1), c.warmup),
                   c.packs * c.capacity / packed_tokens_s)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
-    return 0
+    return emit(text, args.out)
 
 
 if __name__ == "__main__":

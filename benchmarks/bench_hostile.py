@@ -44,6 +44,7 @@ from streampack.nodes.reader import ShardReader
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
+from report import emit_rows  # noqa: E402
 from rss_child import read_in_child  # noqa: E402
 
 
@@ -193,11 +194,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the rows as json here")
     args = parser.parse_args()
     rows = run(args.quick, tuple(args.only.split(",")))
-    for row in rows:
-        print(json.dumps(row))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    emit_rows(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from report import emit_rows  # noqa: E402  (benchmarks/report.py; this folder is on sys.path)
 
 from streampack.dataset import PackedDataset
 from streampack.nodes.stages import MapSamples, NodeStage
@@ -179,11 +180,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the rows as json here")
     args = parser.parse_args()
     rows = run(quick=args.quick, plan=args.plan, sync=args.sync)
-    for row in rows:
-        print(json.dumps(row))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    emit_rows(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from report import emit  # noqa: E402  (benchmarks/report.py; this folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,10 +42,7 @@ def main() -> int:
              "| suite | wall time | pytest summary |", "|---|---|---|"]
     lines += [f"| {name} | {seconds:.0f} s | {summary} |" for name, seconds, summary in rows]
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return emit(text, args.out)
 
 
 if __name__ == "__main__":
