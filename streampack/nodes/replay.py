@@ -30,6 +30,7 @@ from typing import BinaryIO
 import numpy as np
 
 from streampack.errors import DataError
+from streampack.io.compression import compression_of
 from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange, open_range
 from streampack.io.storage import OpenOptions
@@ -113,7 +114,7 @@ class Replayer:
         url = self.spec.sources[source].urls[shard]
         if self.spec.verify is not None:
             self.spec.verify(source, shard)
-        seekable = not url.split("?", 1)[0].endswith((".gz", ".zst"))
+        seekable = compression_of(url) is None
         found: dict[int, Sample] = {}
         i = 0
         while i < len(wanted):
@@ -150,7 +151,7 @@ class Replayer:
         """Tokenize, apply the function stages and the overlong policy, as the graph did
         (keys: source, shard, offset, epoch — the epoch the sample was read in)."""
         keys = list(raw)
-        samples = [replace(raw[k], origin=replace(raw[k].origin, epoch=k[3])) for k in keys]
+        samples = [raw[k].evolve(origin=replace(raw[k].origin, epoch=k[3])) for k in keys]
         if self.spec.encoder is not None:
             encoded = self.spec.encoder.encode(samples)
             for k, s in zip(keys, encoded):
