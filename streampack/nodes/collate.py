@@ -134,10 +134,10 @@ class ThdCollate(BaseNode[PackedBatch]):
         """Count the batch's real packs into the running totals and attach them; log a slow or
         first batch. Filler packs are padding: no documents, tokens or slots of data."""
         c = self.counters
+        est_cost = None
         if self.cost_model is not None:
-            lengths = np.fromiter((len(s) for p in real for s in p), dtype=np.int64)
-            batch = replace(batch, est_cost=self.cost_model.pack_cost(lengths))
-            c["cost"] += batch.est_cost
+            est_cost = self.cost_model.pack_cost(np.fromiter((len(s) for p in real for s in p), dtype=np.int64))
+            c["cost"] += est_cost
         c["packs"] += len(real)
         c["docs"] += sum(len(p) for p in real)
         c["tokens"] += sum(len(s) for p in real for s in p)
@@ -157,7 +157,7 @@ class ThdCollate(BaseNode[PackedBatch]):
                             skipped=self.errors.total if self.errors is not None else 0,
                             build_seconds=self._build_seconds, events=event_counts(),
                             **{k: c[k] for k in _STATS})
-        return replace(batch, stats=stats)
+        return replace(batch, stats=stats, est_cost=est_cost)
 
     def _count_fillers(self, *, whole: bool, missing: int) -> None:
         if whole:
