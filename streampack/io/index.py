@@ -155,7 +155,11 @@ class ShardIndex:
 
 def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats: IOStats | None = None) -> str:
     """What a cached index must match: the shard's identity and what the index depends on."""
-    ident = storage.identity(url, opts, stats)
+    return fingerprint_of(url, decode, storage.identity(url, opts, stats))
+
+
+def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) -> str:
+    """:func:`index_fingerprint` for a known identity (a manifest's entry: no request)."""
     where = url if is_remote(url) else os.path.abspath(local_path(url))
     tag = ident.tag.removeprefix("mtime_ns=") if not is_remote(url) else ident.tag
     return f"v{INDEX_VERSION}|{decode.tokens_key}|{where}|{ident.size}|{tag}"
@@ -171,13 +175,13 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
         hit = _memo.get((path, fp))
     if hit is not None:
         return hit
-    index = _cached(path, fp, opts)
+    index = cached_index(path, fp, opts)
     if index is None:
         with locked(path):
-            index = _cached(path, fp, opts)  # built by another process while this one waited
+            index = cached_index(path, fp, opts)  # built by another process while this one waited
             if index is None:
                 index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats)
-                save_arrays(path, _encode(index), opts)
+                save_arrays(path, encode_index(index), opts)
     with _memo_lock:
         _memo[(path, fp)] = index
         while len(_memo) > _MEMO_SIZE:
@@ -281,7 +285,7 @@ class _Scan:
 # ------------------------------------------------------------------ index <-> stored arrays
 
 
-def _encode(index: ShardIndex) -> dict[str, np.ndarray]:
+def encode_index(index: ShardIndex) -> dict[str, np.ndarray]:
     n = len(index)
     out = {"version": np.array(INDEX_VERSION), "url": np.array(index.url), "fingerprint": np.array(index.fingerprint),
            "end": np.array(index.end, dtype=np.int64), "damage": np.array(index.damage), "n": np.array(n)}
@@ -297,7 +301,7 @@ def _encode(index: ShardIndex) -> dict[str, np.ndarray]:
     return out
 
 
-def _decode(data: Any) -> ShardIndex:
+def decode_index(data: Any) -> ShardIndex:
     n = int(data["n"])
     return ShardIndex(url=str(data["url"]), fingerprint=str(data["fingerprint"]),
                       offsets=data["offsets"] if "offsets" in data else np.arange(n, dtype=np.int64),
@@ -308,12 +312,12 @@ def _decode(data: Any) -> ShardIndex:
                       key_ends=data["key_ends"] if "key_ends" in data else None)
 
 
-def _cached(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
+def cached_index(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
     data = load_arrays(path, opts)
     if data is None or int(data.get("version", -1)) != INDEX_VERSION or str(data.get("fingerprint")) != fp:
         return None  # absent, stale or from another version: rebuild
-    return _decode(data)
+    return decode_index(data)
 
 
 __all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",
-           "default_cache_dir", "index_dir", "index_fingerprint", "load_or_build_index"]
+           "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_dir", "index_fingerprint", "load_or_build_index"]

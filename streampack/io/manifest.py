@@ -1,0 +1,204 @@
+"""One data-set manifest: every shard's identity and totals, read once, so a reader pays only for its share.
+
+A manifest lives in a directory (local or any fsspec URL), written by ``streampack index``::
+
+    <location>/manifest.spm.npz     per shard: URL, size, tag (ETag / generation / mtime), samples,
+                                    token total (-1 when any length is unknown), byte cost
+    <location>/shards/<h>-<name>.spidx.npz   per shard: the sample index (offsets, keys, lengths)
+
+Planning an epoch needs only the per-shard totals (prefix sums over the epoch's shard order and
+one ``searchsorted`` cut every reader); a reader then fetches the per-sample index of the shards
+it reads and of at most the few shards its boundaries fall in. The manifest is also the shards'
+identity for resume checks, so a start makes no per-shard HEAD: a changed shard is found when it
+is opened (its size / tag against the manifest's).
+
+**Cost per reader** (N shards, G readers, T samples): loading the manifest is 1 request and
+O(N) memory (~40 bytes per shard plus its URL); the per-sample indexes it fetches are
+O(N/G + 4) requests and O(T/G) memory.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from streampack.io import storage
+from streampack.io.decode import DecodeOptions
+from streampack.io.index import ShardIndex, build_index, cache_path, cached_index, encode_index, fingerprint_of
+from streampack.io.index_cache import load_arrays, save_arrays
+from streampack.io.retry import IOStats
+from streampack.io.storage import OpenOptions, ShardStat, is_remote
+
+MANIFEST_VERSION = 1
+MANIFEST_FILE = "manifest.spm.npz"
+SHARDS_DIR = "shards"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardTotals:
+    """What the manifest keeps of one shard."""
+
+    url: str
+    size: int
+    """Bytes (-1 when the store does not say)."""
+    tag: str
+    """ETag / generation / ``mtime_ns=...``: changes when the object does."""
+    samples: int
+    tokens: int
+    """Sum of the samples' token counts; -1 when any sample's count is unknown (text, parquet)."""
+    byte_cost: int
+    """Sum of the samples' byte sizes (each at least 1): the balancing cost without token counts."""
+
+    @classmethod
+    def of(cls, index: ShardIndex, ident: ShardStat) -> ShardTotals:
+        lengths = np.asarray(index.lengths, dtype=np.int64)
+        nxt = np.append(index.offsets[1:], index.end).astype(np.int64)
+        return cls(url=index.url, size=-1 if ident.size is None else int(ident.size), tag=ident.tag,
+                   samples=len(index), tokens=int(lengths.sum()) if (lengths >= 0).all() else -1,
+                   byte_cost=int(np.maximum(nxt - index.offsets, 1).sum()) if len(index) else 0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Manifest:
+    """Every shard of a data set, in URL-list order, as parallel arrays."""
+
+    location: str
+    tokens_key: str
+    urls: tuple[str, ...]
+    sizes: np.ndarray
+    """int64 ``[N]``."""
+    tags: tuple[str, ...]
+    samples: np.ndarray
+    """int64 ``[N]``."""
+    tokens: np.ndarray
+    """int64 ``[N]``; -1 where a shard has samples of unknown length."""
+    byte_costs: np.ndarray
+    """int64 ``[N]``."""
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    @classmethod
+    def of(cls, location: str, tokens_key: str, totals: Sequence[ShardTotals]) -> Manifest:
+        def col(name: str) -> np.ndarray:
+            return np.asarray([getattr(t, name) for t in totals], dtype=np.int64).reshape(-1)
+
+        return cls(location=location, tokens_key=tokens_key, urls=tuple(t.url for t in totals),
+                   sizes=col("size"), tags=tuple(t.tag for t in totals), samples=col("samples"),
+                   tokens=col("tokens"), byte_costs=col("byte_cost"))
+
+    def known_lengths(self) -> bool:
+        """Whether every sample's token count is known (what counting batches needs)."""
+        return bool((self.tokens >= 0).all())
+
+    def costs(self, *, tokens: bool) -> np.ndarray:
+        """int64 ``[N]``: each shard's balancing cost (token total, or byte cost)."""
+        return self.tokens if tokens else self.byte_costs
+
+    def identity(self, shard: int) -> ShardStat:
+        size = int(self.sizes[shard])
+        return ShardStat(size=None if size < 0 else size, tag=self.tags[shard])
+
+    def check_urls(self, urls: Sequence[str]) -> None:
+        """``ValueError`` unless the manifest lists exactly ``urls``, in that order."""
+        if tuple(urls) == self.urls:
+            return
+        missing = [u for u in urls if u not in set(self.urls)]
+        raise ValueError(f"the manifest at {self.location!r} lists {len(self.urls)} shards, the data set "
+                         f"{len(urls)}; " + (f"not in it: {missing[:3]} ({len(missing)} in all)" if missing else
+                                              "the order differs") + ": rebuild it with `streampack index`")
+
+    def index_path(self, shard: int) -> str:
+        return cache_path(self.urls[shard], _join(self.location, SHARDS_DIR))
+
+    def load_index(self, shard: int, decode: DecodeOptions, opts: OpenOptions) -> ShardIndex:
+        """Shard ``shard``'s sample index: one read of its index file, checked against the
+        manifest's identity of the shard (no request to the shard itself)."""
+        url = self.urls[shard]
+        index = cached_index(self.index_path(shard), fingerprint_of(url, decode, self.identity(shard)), opts)
+        if index is None:
+            raise ValueError(f"the manifest at {self.location!r} has no valid index of shard {url!r} "
+                             f"(written for other settings, or deleted): rebuild it with `streampack index`")
+        return index
+
+
+def build_entry(url: str, location: str, decode: DecodeOptions, opts: OpenOptions,
+                stats: IOStats | None = None) -> ShardTotals:
+    """Index one shard into ``location`` (kept when a valid one is there) and return its totals."""
+    ident = storage.identity(url, opts, stats)
+    fp = fingerprint_of(url, decode, ident)
+    path = cache_path(url, _join(location, SHARDS_DIR))
+    index = cached_index(path, fp, opts)
+    if index is None:
+        index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats)
+        if not save_arrays(path, encode_index(index), opts):
+            raise OSError(f"cannot write the index of {url!r} to {path!r}")
+    return ShardTotals.of(index, ident)
+
+
+def build_manifest(urls: Sequence[str], location: str, *, decode: DecodeOptions = DecodeOptions(),
+                   opts: OpenOptions = OpenOptions(), stats: IOStats | None = None,
+                   each: Callable[[Callable[[str], ShardTotals], Sequence[str]], Sequence[ShardTotals]] | None = None
+                   ) -> Manifest:
+    """Index every shard of ``urls`` into ``location`` and write the manifest there.
+    ``each(function, urls)`` maps the per-shard work (default: one after another)."""
+    work = (lambda u: build_entry(u, location, decode, opts, stats))
+    totals = each(work, urls) if each is not None else [work(u) for u in urls]
+    manifest = Manifest.of(location, decode.tokens_key, totals)
+    save_manifest(manifest, opts)
+    return manifest
+
+
+def save_manifest(manifest: Manifest, opts: OpenOptions) -> None:
+    """Write the manifest file atomically (local: temp file + rename; object stores: one PUT)."""
+    urls, url_ends = _blob(manifest.urls)
+    tags, tag_ends = _blob(manifest.tags)
+    arrays = {"version": np.array(MANIFEST_VERSION), "tokens_key": np.array(manifest.tokens_key),
+              "urls": urls, "url_ends": url_ends, "tags": tags, "tag_ends": tag_ends, "sizes": manifest.sizes,
+              "samples": manifest.samples, "tokens": manifest.tokens, "byte_costs": manifest.byte_costs}
+    path = _join(manifest.location, MANIFEST_FILE)
+    if not save_arrays(path, arrays, opts):
+        raise OSError(f"cannot write the manifest {path!r}")
+
+
+def load_manifest(location: str, opts: OpenOptions = OpenOptions()) -> Manifest:
+    """The manifest in ``location`` (one read); ``ValueError`` naming it when absent or of
+    another version."""
+    path = _join(location, MANIFEST_FILE)
+    data = load_arrays(path, opts)
+    if data is None:
+        raise ValueError(f"no manifest at {path!r}: write one with `streampack index URLS --out {location}`")
+    version = int(data.get("version", -1))
+    if version != MANIFEST_VERSION:
+        raise ValueError(f"the manifest {path!r} has version {version}, this streampack reads "
+                         f"{MANIFEST_VERSION}: rebuild it with `streampack index`")
+    return Manifest(location=location, tokens_key=str(data["tokens_key"]),
+                    urls=_unblob(data["urls"], data["url_ends"]), sizes=data["sizes"],
+                    tags=_unblob(data["tags"], data["tag_ends"]), samples=data["samples"],
+                    tokens=data["tokens"], byte_costs=data["byte_costs"])
+
+
+def _join(location: str, name: str) -> str:
+    return f"{location.rstrip('/')}/{name}" if is_remote(location) else os.path.join(location, name)
+
+
+def _blob(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Strings as one UTF-8 byte array and end offsets (no pickled object arrays)."""
+    out, ends = io.BytesIO(), []
+    for s in strings:
+        out.write(s.encode("utf-8", "surrogateescape"))
+        ends.append(out.tell())
+    return np.frombuffer(out.getvalue(), dtype=np.uint8).copy(), np.asarray(ends, dtype=np.int64)
+
+
+def _unblob(blob: np.ndarray, ends: np.ndarray) -> tuple[str, ...]:
+    raw, starts = blob.tobytes(), np.concatenate([[0], ends[:-1]]) if len(ends) else ends
+    return tuple(raw[int(a):int(b)].decode("utf-8", "surrogateescape") for a, b in zip(starts, ends))
+
+
+__all__ = ["MANIFEST_FILE", "MANIFEST_VERSION", "Manifest", "ShardTotals", "build_entry", "build_manifest",
+           "load_manifest", "save_manifest"]
