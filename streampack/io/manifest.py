@@ -19,6 +19,7 @@ O(N/G + 4) requests and O(T/G) memory.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 from collections.abc import Callable, Sequence
@@ -29,7 +30,7 @@ import numpy as np
 from streampack.io import storage
 from streampack.io.decode import DecodeOptions
 from streampack.io.index import ShardIndex, build_index, cache_path, cached_index, encode_index, fingerprint_of
-from streampack.io.index_cache import load_arrays, save_arrays
+from streampack.io.index_cache import index_dir, load_arrays, locked, save_arrays
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, ShardStat, is_remote
 
@@ -153,6 +154,34 @@ def build_manifest(urls: Sequence[str], location: str, *, decode: DecodeOptions 
     return manifest
 
 
+def obtain_manifest(urls: Sequence[str], *, location: str | None, cache_dir: str | None,
+                    decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),
+                    stats: IOStats | None = None) -> Manifest:
+    """The manifest of ``urls``: the one at ``location`` (checked to list exactly ``urls``), else
+    for local shards one built once under a lock in the cache directory (other processes wait,
+    then read it); remote shards without a ``location`` are refused, naming ``streampack index``:
+    building it here would read the whole data set in every job."""
+    if location is not None:
+        manifest = load_manifest(location, opts)
+        manifest.check_urls(urls)
+        return manifest
+    remote = [u for u in urls if is_remote(u)]
+    if remote:
+        raise ValueError(f"planning this run needs the data set's manifest ({len(urls)} shards, e.g. {remote[0]!r} "
+                         f"is remote): build it once with `streampack index URLS --out DIR` and pass manifest=DIR")
+    digest = hashlib.sha1("\n".join([decode.tokens_key, repr(decode.limits), *urls]).encode()).hexdigest()[:16]
+    where = _join(_join(index_dir(cache_dir), "manifests"), digest)
+    with locked(_join(where, MANIFEST_FILE)):
+        try:
+            manifest = load_manifest(where, opts)
+            if manifest.urls == tuple(urls) and all(
+                    manifest.identity(i) == storage.identity(u, opts, stats) for i, u in enumerate(urls)):
+                return manifest
+        except ValueError:
+            pass  # none yet, or of another version
+        return build_manifest(urls, where, decode=decode, opts=opts, stats=stats)
+
+
 def save_manifest(manifest: Manifest, opts: OpenOptions) -> None:
     """Write the manifest file atomically (local: temp file + rename; object stores: one PUT)."""
     urls, url_ends = _blob(manifest.urls)
@@ -201,4 +230,4 @@ def _unblob(blob: np.ndarray, ends: np.ndarray) -> tuple[str, ...]:
 
 
 __all__ = ["MANIFEST_FILE", "MANIFEST_VERSION", "Manifest", "ShardTotals", "build_entry", "build_manifest",
-           "load_manifest", "save_manifest"]
+           "load_manifest", "obtain_manifest", "save_manifest"]
