@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 SETUP = [
-    'pip install "torch==2.13.0" -e . && streampack demo',
-    'pip install "torch==2.13.0" -e ".[test]" && python -m pytest -m "not slow" -q',
+    'pip install -c constraints.txt "torch==2.13.0" -e . && streampack demo',
+    'pip install -c constraints.txt "torch==2.13.0" -e ".[test]" && python -m pytest -m "not slow" -q',
 ]
 
 
