@@ -229,8 +229,10 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
         max_tokens_per_microbatch: budget, a hard cap on ``count * L`` where ``L`` = the
             micro-batch's longest length rounded up to ``sequence_length_round``.
         sequence_length_round: every micro-batch's ``L`` is a multiple of it (TP*CP, 64, 128).
-        pp_size: micro-batches per rank (per chunk) are made a multiple of it by splitting the
-            largest multi-sequence micro-batches (ROLL's VPP rule).
+        pp_size: micro-batches per rank (per chunk) are made a multiple of it by splitting
+            multi-sequence micro-batches: ``"balanced"`` the largest, again until it is a
+            multiple; ``"roll"`` ROLL's rule with VPP (each of the ones with the most padded
+            tokens once; :mod:`streampack.rl._roll`).
         chunk_size: sort inside consecutive chunks of this many sequences only, so the
             training order of chunks is kept; micro-batches never cross a chunk.
         convention: ``"balanced"`` (streampack) or ``"roll"`` (ROLL's code; needs every chunk
