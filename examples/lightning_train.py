@@ -18,7 +18,6 @@ ended with bit-identical weights. Exit code 1 if not.
 from __future__ import annotations
 
 import argparse
-import glob
 import sys
 import tempfile
 from pathlib import Path
@@ -65,7 +64,7 @@ def fit(shards: list[str], out: Path, steps: int, args: argparse.Namespace,
         max_steps=steps, accelerator="auto", devices=1, precision=args.precision,
         accumulate_grad_batches=2, log_every_n_steps=2, enable_progress_bar=False,
         enable_model_summary=False, logger=L.pytorch.loggers.CSVLogger(str(out / "logs")),
-        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=str(out / "ckpt"), save_top_k=-1,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=str(out / "ckpt"), save_top_k=-1, save_last=True,
                                                        every_n_train_steps=args.preempt_at)])
     trainer.fit(model, datamodule=data, ckpt_path=ckpt)
     return model
@@ -84,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         shards = write_shards(Path(tmp) / "data", vocab=VOCAB)
         full = fit(shards, Path(tmp) / "full", args.steps, args)
         fit(shards, Path(tmp) / "cut", args.preempt_at, args)
-        (checkpoint,) = glob.glob(str(Path(tmp) / "cut" / "ckpt" / f"*step={args.preempt_at}.ckpt"))
-        resumed = fit(shards, Path(tmp) / "cut", args.steps, args, ckpt=checkpoint)
+        # the same command again, as after a preemption: save_last=True is what makes "last" exist
+        resumed = fit(shards, Path(tmp) / "cut", args.steps, args, ckpt="last")
         metrics = (Path(tmp) / "full" / "logs").rglob("metrics.csv")
         header, *rows = next(metrics).read_text().splitlines()
     print(f"logged columns: {header}")

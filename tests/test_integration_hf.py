@@ -4,12 +4,16 @@ stream metrics in its logs. The model is a tiny random Llama built from a config
 
 from __future__ import annotations
 
+import logging
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers_data import make_token_docs, write_tar_shards
+from node_checks import collect_documents
+from topology_sim import SimRank
 from test_examples import EXAMPLES, run
 from torch.utils.data import DataLoader
 
@@ -18,7 +22,14 @@ from streampack.layout.adapters import HFInputs
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from streampack.integrations.hf import PackedTrainer, loader_state_path  # noqa: E402
+from streampack.integrations.hf import (  # noqa: E402
+    PackedTrainer,
+    last_resumable_checkpoint,
+    loader_state_path,
+    read_loader_states,
+    write_loader_state,
+)
+from streampack.integrations.resume import every_reader  # noqa: E402
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -140,3 +151,118 @@ def test_resuming_without_the_data_position_is_refused(urls: list[str], tmp_path
 def test_example_hf_trainer() -> None:
     out = run([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--workers", "2"])
     assert "identical batches True; identical weights True" in out
+
+
+def _folder(out: Path, step: int, ranks: list[int], world_size: int, trainer_state: bool = True) -> Path:
+    folder = out / f"checkpoint-{step}"
+    for rank in ranks:
+        write_loader_state(folder, rank, world_size, {"step": step})
+    folder.mkdir(parents=True, exist_ok=True)
+    if trainer_state:
+        (folder / "trainer_state.json").write_text("{}")
+    return folder
+
+
+def test_resume_true_takes_the_newest_folder_with_every_ranks_loader_state(tmp_path: Path, caplog) -> None:
+    """HF's own choice (get_last_checkpoint) is the newest checkpoint-N folder, with or without
+    the loader state: PackedTrainer then refused it, and a 2-rank run whose rank 1 died before
+    its file was written resumed rank 0 from one folder and rank 1 from none."""
+    good = _folder(tmp_path, 3, [0, 1], 2)
+    _folder(tmp_path, 6, [], 2)  # HF's files, no loader state (a user on_save hook raised, a kill)
+    _folder(tmp_path, 9, [0], 2)  # rank 1 never wrote its file
+    _folder(tmp_path, 12, [0, 1], 2, trainer_state=False)  # HF's own save did not finish
+    (tmp_path / "checkpoint-15.tmp").mkdir()  # not a checkpoint-N name at all
+    with caplog.at_level(logging.WARNING, logger="streampack.integrations.hf"):
+        assert last_resumable_checkpoint(tmp_path) == str(good)
+    said = caplog.text
+    assert "checkpoint-6: no streampack_loader_rank0.pt" in said
+    assert "checkpoint-9: missing streampack_loader_rank1.pt of the world_size=2 run" in said
+    assert "checkpoint-12: no trainer_state.json" in said
+    assert read_loader_states(good, rank=2) == [{"step": 3}, {"step": 3}, None]  # a 3rd rank: elastic
+    with pytest.raises(ValueError, match="checkpoint-9: missing streampack_loader_rank1.pt"):
+        read_loader_states(tmp_path / "checkpoint-9", 0)  # an explicit folder: refused, not guessed
+    shutil.rmtree(good)
+    with pytest.raises(ValueError, match="found no checkpoint to resume from"):
+        last_resumable_checkpoint(tmp_path)
+
+
+def test_the_loader_state_is_written_atomically(tmp_path: Path, monkeypatch) -> None:
+    """A kill during torch.save leaves no half-written rank file where a resume would read it."""
+    def killed(obj, path):  # noqa: ANN001, ANN202
+        Path(path).write_bytes(b"half a pickle")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_loader_state(tmp_path / "checkpoint-3", 0, 1, {"step": 3})
+    assert not Path(loader_state_path(tmp_path / "checkpoint-3", 0)).exists()
+
+
+class RaiseOnSave(transformers.TrainerCallback):
+    """A user ``on_save`` hook that fails (or a kill right after HF's save)."""
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        raise RuntimeError("user on_save hook failed")
+
+
+@pytest.mark.slow
+def test_the_loader_state_is_part_of_the_checkpoint_and_resume_true_skips_folders_without_it(
+        urls: list[str], tmp_path: Path, caplog) -> None:
+    """The loader state was written by a callback after HF's save and after user callbacks: a
+    raising user ``on_save`` left checkpoint-3 without it. Now it is there, and a newer folder
+    without it is skipped (logged) by ``resume_from_checkpoint=True``, which resumes exactly."""
+    _, _, full = train(urls, tmp_path / "full", steps=6)
+    with pytest.raises(RuntimeError, match="user on_save hook failed"):
+        model = tiny_llama()
+        PackedTrainer(model=model, args=training_args(tmp_path / "cut", 6),
+                      train_dataset=PackedDataset(urls, capacity=128, window=16),
+                      callbacks=[RaiseOnSave()]).train()
+    checkpoint = tmp_path / "cut" / "checkpoint-3"
+    assert Path(loader_state_path(checkpoint, 0)).exists()
+    stale = tmp_path / "cut" / "checkpoint-6"  # the old failure: HF's files without the data position
+    shutil.copytree(checkpoint, stale)
+    Path(loader_state_path(stale, 0)).unlink()
+    with caplog.at_level(logging.WARNING, logger="streampack.integrations.hf"):
+        _, _, resumed = train(urls, tmp_path / "cut", steps=6, resume=True)
+    assert f"skipping {stale}: no streampack_loader_rank0.pt" in caplog.text
+    assert len(resumed) == 6 and all(torch.equal(a, b) for a, b in zip(full[6:], resumed))
+
+
+class SimRankTrainer(PackedTrainer):
+    """One rank of a simulated multi-process run: its loader-state file is rank ``sim_rank``'s."""
+
+    sim_rank, sim_world = 0, 1
+
+    def process(self) -> tuple[int, int]:
+        return self.sim_rank, self.sim_world
+
+
+@pytest.mark.slow
+def test_elastic_resume_through_the_trainer_trains_every_sample_once(tmp_path: Path) -> None:
+    """2 ranks x 0 workers train 3 steps and checkpoint; 1 rank x 2 workers resumes from the
+    folder (all rank files into ``load_state_dict([...])``): every sample of the epoch once.
+    Before, rank 0's file alone went into the new loader and the fingerprint refused it."""
+    docs = make_token_docs(120, max_len=60, vocab=128, seed=5)
+    shards = write_tar_shards(tmp_path / "data", docs, 3)
+    make = lambda rank, size: PackedDataset(shards, capacity=128, window=8, epochs=1, dp_rank=rank,  # noqa: E731
+                                            dp_size=size)
+    trained = []
+
+    def run(trainer_cls: type, ds: PackedDataset, steps: int, resume: bool | None = None, **kw) -> None:  # noqa: ANN003
+        trainer = trainer_cls(model=tiny_llama(), args=training_args(tmp_path / "out", steps, **kw),
+                              train_dataset=ds)
+        update = trainer.stream_metrics.update
+        trainer.stream_metrics.update = lambda batch: (trained.append(batch), update(batch))
+        trainer.train(resume_from_checkpoint=resume)
+
+    for rank in range(2):
+        SimRankTrainer.sim_rank, SimRankTrainer.sim_world = rank, 2
+        run(SimRankTrainer, make(rank, 2), steps=3, gradient_accumulation_steps=1)
+    assert len(trained) == 6
+    # how many batches the resumed rank (2 workers, simulated in-process) has left in the epoch
+    old = every_reader(read_loader_states(tmp_path / "out" / "checkpoint-3", 0))
+    left = len(list(SimRank(lambda: make(0, 1), 2, load=old)))
+    run(PackedTrainer, make(0, 1), steps=3 + left, resume=True, gradient_accumulation_steps=1,
+        dataloader_num_workers=2)
+    assert len(trained) == 6 + left
+    assert collect_documents(trained) == {f"{i:08d}": doc for i, doc in enumerate(docs)}

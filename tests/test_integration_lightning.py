@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 from helpers_data import make_token_docs, write_tar_shards
+from node_checks import collect_documents
 from test_examples import EXAMPLES, run
+from topology_sim import SimRank
 
 from streampack import PackedDataset, pack_batch
 
@@ -20,7 +22,8 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
-from streampack.integrations.lightning import PackedDataModule  # noqa: E402
+from streampack.integrations.lightning import STATES_KEY, PackedDataModule  # noqa: E402
+from streampack.integrations.resume import every_reader  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +64,13 @@ class Recorder(Logger):
         pass
 
 
-def fit(datamodule: Any, steps: int, out: Path, ckpt: str | None = None, **kw: Any) -> TinyLM:
-    model = TinyLM()
+def fit(datamodule: Any, steps: int, out: Path, ckpt: str | None = None, model: TinyLM | None = None,
+        **kw: Any) -> TinyLM:
+    model = model if model is not None else TinyLM()
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(out), every_n_train_steps=3, save_top_k=-1)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[checkpoints],
-                        accumulate_grad_batches=2, **{"logger": False, **kw})
+                        **{"logger": False, "accumulate_grad_batches": 2, **kw})
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt)
     return model
 
@@ -136,3 +140,85 @@ def test_lightnings_own_stateful_loader_support_skips_the_prefetched_batch(urls:
 def test_example_lightning_train() -> None:
     out = run([sys.executable, str(EXAMPLES / "lightning_train.py"), "--workers", "2", "--precision", "bf16-true"])
     assert "identical batches True; identical weights True" in out and "streampack/fill" in out
+
+
+class Keeper(TinyLM):
+    """Keeps every trained batch (their doc_keys show which samples were trained)."""
+
+    def __init__(self, trained: list[Any]) -> None:
+        super().__init__()
+        self.trained = trained
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        self.trained.append(batch)
+        return super().training_step(batch, batch_idx)
+
+
+def readme_fit(model: Any, dm: PackedDataModule, out: Path, steps: int, **checkpoint: Any) -> None:
+    """The README's Lightning snippet, at test scale (every 3 steps instead of 500)."""
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                        logger=False, callbacks=[L.pytorch.callbacks.ModelCheckpoint(
+                            dirpath=str(out), every_n_train_steps=3, **checkpoint)])
+    trainer.fit(model, datamodule=dm, ckpt_path="last")
+
+
+@pytest.mark.slow
+def test_the_readme_snippet_with_save_last_resumes_exactly(urls: list[str], tmp_path: Path) -> None:
+    """``ModelCheckpoint(every_n_train_steps=..., save_last=True)`` + ``ckpt_path="last"``, run
+    once, stopped at step 3 (a preemption), run again: the batches of an uninterrupted run."""
+    make_dm = lambda: PackedDataModule(PackedDataset(urls, capacity=64, window=8))  # noqa: E731
+    full = TinyLM()
+    readme_fit(full, make_dm(), tmp_path / "full", steps=6, save_last=True)
+    readme_fit(TinyLM(), make_dm(), tmp_path / "cut", steps=3, save_last=True)
+    resumed = TinyLM()
+    readme_fit(resumed, make_dm(), tmp_path / "cut", steps=6, save_last=True)
+    assert len(full.seen) == 6 and len(resumed.seen) == 3
+    assert all(torch.equal(a, b) for a, b in zip(full.seen[3:], resumed.seen))
+    assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))
+
+
+@pytest.mark.slow
+def test_a_resume_that_restores_no_data_position_says_so(urls: list[str], tmp_path: Path) -> None:
+    """The README's old snippet (no ``save_last=True``): ``ckpt_path="last"`` loaded nothing,
+    Lightning only hinted at it, and the data restarted at batch 1 with no word from
+    streampack. A checkpoint without the datamodule's state is refused."""
+    make_dm = lambda: PackedDataModule(PackedDataset(urls, capacity=64, window=8))  # noqa: E731
+    first = TinyLM()
+    readme_fit(first, make_dm(), tmp_path, steps=3)
+    again = TinyLM()
+    with pytest.warns(UserWarning, match=r"restored no data position.*save_last=True"):
+        readme_fit(again, make_dm(), tmp_path, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(first.seen, again.seen))  # batch 1 again: why it warns
+    (saved,) = glob.glob(str(tmp_path / "*step=3.ckpt"))
+    checkpoint = torch.load(saved, weights_only=False)
+    del checkpoint["PackedDataModule"]  # e.g. saved with another datamodule
+    torch.save(checkpoint, tmp_path / "foreign.ckpt")
+    with pytest.raises(ValueError, match="holds no PackedDataModule state"):
+        fit(make_dm(), steps=6, out=tmp_path / "x", ckpt=str(tmp_path / "foreign.ckpt"))
+
+
+@pytest.mark.slow
+def test_elastic_resume_through_lightning_trains_every_sample_once(tmp_path: Path) -> None:
+    """2 ranks x 0 workers train 3 steps, their states gathered into the checkpoint (what
+    ``state_dict`` does under torch.distributed, simulated here); 1 rank x 2 workers resumes:
+    every sample of the epoch once. Before, a changed world size was refused."""
+    docs = make_token_docs(120, max_len=60, vocab=128, seed=5)
+    shards = write_tar_shards(tmp_path / "data", docs, 3)
+    make = lambda rank, size: PackedDataset(shards, capacity=64, window=8, epochs=1, dp_rank=rank,  # noqa: E731
+                                            dp_size=size)
+    trained: list[Any] = []
+    states = []
+    for rank in range(2):
+        fit(PackedDataModule(make(rank, 2)), steps=3, out=tmp_path / f"rank{rank}", accumulate_grad_batches=1,
+            model=Keeper(trained))
+        (saved,) = glob.glob(str(tmp_path / f"rank{rank}" / "*step=3.ckpt"))
+        checkpoint = torch.load(saved, weights_only=False)
+        states += checkpoint["PackedDataModule"][STATES_KEY]
+    assert len(trained) == 6 and len(states) == 2
+    checkpoint["PackedDataModule"][STATES_KEY] = states  # one state per rank, as all_gather_object gives
+    torch.save(checkpoint, tmp_path / "gathered.ckpt")
+    left = len(list(SimRank(lambda: make(0, 1), 2, load=every_reader(states))))
+    fit(PackedDataModule(make(0, 1), num_workers=2), steps=3 + left, out=tmp_path / "resumed",
+        ckpt=str(tmp_path / "gathered.ckpt"), accumulate_grad_batches=1, model=Keeper(trained))
+    assert len(trained) == 6 + left
+    assert collect_documents(trained) == {f"{i:08d}": doc for i, doc in enumerate(docs)}

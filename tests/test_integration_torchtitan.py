@@ -159,3 +159,19 @@ def test_example_torchtitan_loop() -> None:
     _titan()
     out = run([sys.executable, str(EXAMPLES / "torchtitan_loop.py")])
     assert "identical losses after resume: True" in out
+
+
+def test_titan_dataloader_refuses_a_dp_rank_the_dataset_does_not_read(tmp_path: Path, monkeypatch) -> None:
+    """torchtitan keys the loader state by its dp_rank; the data came from the rank the dataset
+    resolved (here the RANK/WORLD_SIZE default of 0 of 1): the two silently disagreed. (The
+    check runs before torchtitan is imported, so this needs no torchtitan.)"""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from streampack.integrations.torchtitan import titan_dataloader
+
+    urls = write_tar_shards(tmp_path, make_token_docs(20, max_len=40, seed=3), 2)
+    with pytest.raises(ValueError, match=r"dp_rank=1, dp_world_size=2\) but the dataset resolved dp_rank=0, dp_size=1"):
+        titan_dataloader(PackedDataset(urls, capacity=64, window=8), dp_rank=1, dp_world_size=2)
+    with pytest.raises(ValueError, match=r"dp_rank=0, dp_world_size=2\) but the dataset resolved dp_rank=0, dp_size=4"):
+        titan_dataloader(PackedDataset(urls, capacity=64, window=8, dp_rank=0, dp_size=4), dp_rank=0,
+                         dp_world_size=2)

@@ -7,4 +7,6 @@ PackedDataset and a PackedBatch (one module per framework, each importing its fr
   ``titan_dataloader``
 * :mod:`streampack.integrations.megatron` -- ``megatron_batch``
 * :mod:`streampack.integrations.metrics` -- ``StreamMetrics`` (per-worker stats, any trainer)
+* :mod:`streampack.integrations.resume` -- ``plan_resume``: a rank's own loader state (same
+  topology) or every old reader's state (elastic), for HF and Lightning
 """

@@ -13,14 +13,25 @@
   returns a ``StatefulDataLoader(ds, batch_size=None)`` (honouring ``dataloader_num_workers``,
   ``dataloader_pin_memory``, ...) that accelerate never sees; each batch becomes ``hf_inputs()``
   in the training process, after its stats are read.
-* **An exact data position.** On every checkpoint save the loader's ``state_dict()`` goes into
-  the checkpoint folder (``streampack_loader_rank{process_index}.pt``, next to HF's own
-  ``rng_state_{process_index}.pth``); ``train(resume_from_checkpoint=...)`` loads it back, and
-  HF's own "skip the first N batches" replay is off (``ignore_data_skip=True``), because it
-  would re-read the stream from its start and then skip past the right position. The
-  ``Trainer`` pulls exactly ``gradient_accumulation_steps`` batches per step, so the saved
-  position is the batches trained. Resuming from a checkpoint without the file is a
-  ``ValueError``: silently restarting the stream would train on its first batches again.
+* **An exact data position, written with the checkpoint.** The loader's ``state_dict()`` is
+  written into the checkpoint folder (``streampack_loader_rank{process_index}.pt``, next to HF's
+  own ``rng_state_{process_index}.pth``) by ``_save_checkpoint`` itself, before HF writes the
+  model and ``trainer_state.json``, atomically (temporary file + ``os.replace``): a callback
+  (``on_save``) ran after HF's save and after user callbacks, so a raising user hook or a kill
+  in that window left a folder HF would pick that had no data position.
+  ``train(resume_from_checkpoint=...)`` loads it back, and HF's own "skip the first N batches"
+  replay is off (``ignore_data_skip=True``), because it would re-read the stream from its
+  start and then skip past the right position. The ``Trainer`` pulls exactly
+  ``gradient_accumulation_steps`` batches per step, so the saved position is the batches
+  trained. ``resume_from_checkpoint=True`` takes the newest folder that holds every rank's
+  loader state and HF's ``trainer_state.json`` and logs each newer folder it skipped and why
+  (ranks decide alike on a shared filesystem, as HF's own resume assumes); an explicit folder
+  without them is a ``ValueError``: silently restarting the stream would train on its first
+  batches again.
+* **Elastic resume.** On another world size or ``dataloader_num_workers`` than the checkpoint
+  was saved with, every rank reads all ``streampack_loader_rank{i}.pt`` files of the folder and
+  hands every old reader's state to ``PackedDataset.load_state_dict([...])``
+  (:mod:`streampack.integrations.resume`): every sample of the epoch is trained exactly once.
 * **Stream metrics in its logs.** Training log lines get :class:`StreamMetrics` scalars
   (``streampack/tokens``, ``streampack/fill``, ...; summed over ranks when distributed), so the
   ``report_to`` integrations (TensorBoard, W&B, ...) receive them with the loss.
@@ -31,20 +42,29 @@ mapping as ``type(data)({...})`` after moving its tensors.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import transformers
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from streampack.integrations.metrics import StreamMetrics
+from streampack.integrations.resume import LoaderResume, plan_resume
 from streampack.layout.adapters import HFInputs
-from streampack.state import load_loader_state
 
 LOADER_STATE_FILE = "streampack_loader_rank{rank}.pt"
+LOADER_KEY, WORLD_SIZE_KEY = "loader", "world_size"
+"""A rank's file is ``{"loader": loader.state_dict(), "world_size": W}``: ``W`` tells a resume
+how many rank files make the folder complete (a plain loader state, as older versions wrote,
+is read as the loader state of an unknown world size)."""
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_log = logging.getLogger(__name__)
 
 
 class HFBatches:
@@ -76,10 +96,13 @@ class PackedTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         self.stream_metrics = StreamMetrics()
         self._loader: StatefulDataLoader | None = None
-        self._loader_state: dict[str, Any] | None = None
+        self._resume: LoaderResume | None = None
         # HF's replay would re-read the stream from the start; the loader state resumes exactly
         self.args.ignore_data_skip = True
-        self.add_callback(_SaveLoaderState(self))
+
+    def process(self) -> tuple[int, int]:
+        """``(rank, world_size)`` naming this process's loader-state file (HF's process index)."""
+        return self.args.process_index, self.args.world_size
 
     def get_train_dataloader(self) -> HFBatches:  # type: ignore[override]
         if self.train_dataset is None:
@@ -92,9 +115,9 @@ class PackedTrainer(transformers.Trainer):
             persistent_workers=args.dataloader_persistent_workers if workers else False,
             prefetch_factor=args.dataloader_prefetch_factor if workers else None,
             multiprocessing_context=args.dataloader_multiprocessing_context if workers else None)
-        if self._loader_state is not None:
-            load_loader_state(loader, self._loader_state)
-            self._loader_state = None
+        if self._resume is not None:
+            self._resume.apply(self.train_dataset, loader)
+            self._resume = None
         self._loader = loader
         return HFBatches(loader, self.stream_metrics)
 
@@ -102,10 +125,23 @@ class PackedTrainer(transformers.Trainer):
               **kwargs: Any) -> Any:
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
-            checkpoint = get_last_checkpoint(self.args.output_dir)
+            checkpoint = last_resumable_checkpoint(self.args.output_dir)
         if isinstance(checkpoint, (str, os.PathLike)):
-            self._loader_state = read_loader_state(checkpoint, self.args.process_index)
+            rank, _ = self.process()
+            states = read_loader_states(checkpoint, rank)
+            self._resume = plan_resume(states, rank=rank, dataset=self.train_dataset,
+                                       num_workers=self.args.dataloader_num_workers)
+            resume_from_checkpoint = str(checkpoint)  # HF must not pick another folder itself
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        # The data position goes in first, so no folder HF finishes lacks it (module docstring)
+        if self._loader is not None:
+            folder = os.path.join(self._get_output_dir(trial=trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            rank, world_size = self.process()
+            write_loader_state(folder, rank, world_size, self._loader.state_dict())
+        super()._save_checkpoint(model, trial)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if not any(k.startswith(("eval_", "test_")) for k in logs):
@@ -119,6 +155,25 @@ def loader_state_path(checkpoint: str | os.PathLike[str], rank: int) -> str:
     return os.path.join(checkpoint, LOADER_STATE_FILE.format(rank=rank))
 
 
+def write_loader_state(checkpoint: str | os.PathLike[str], rank: int, world_size: int,
+                       loader_state: dict[str, Any]) -> None:
+    """Atomically: a reader sees the whole file or none (a kill mid-write leaves only the
+    temporary file, which no reader looks at)."""
+    os.makedirs(checkpoint, exist_ok=True)
+    path = loader_state_path(checkpoint, rank)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save({LOADER_KEY: loader_state, WORLD_SIZE_KEY: world_size}, tmp)
+    os.replace(tmp, path)
+
+
+def _read(path: str) -> tuple[dict[str, Any], int | None]:
+    """(loader state, world size that wrote it, or None for a file of an older version)."""
+    saved = torch.load(path, weights_only=True)
+    if isinstance(saved, dict) and LOADER_KEY in saved and WORLD_SIZE_KEY in saved:
+        return saved[LOADER_KEY], int(saved[WORLD_SIZE_KEY])
+    return saved, None
+
+
 def read_loader_state(checkpoint: str | os.PathLike[str], rank: int) -> dict[str, Any]:
     """The loader state :class:`PackedTrainer` saved in ``checkpoint`` for process ``rank``."""
     path = loader_state_path(checkpoint, rank)
@@ -126,19 +181,65 @@ def read_loader_state(checkpoint: str | os.PathLike[str], rank: int) -> dict[str
         raise ValueError(f"{checkpoint} has no {os.path.basename(path)}: it was not saved by a "
                          f"PackedTrainer, so the data position is unknown (resuming would train on "
                          f"the stream's first batches again)")
-    return torch.load(path, weights_only=True)
+    return _read(path)[0]
 
 
-class _SaveLoaderState(transformers.TrainerCallback):
-    """Writes the loader position into every checkpoint folder the trainer saves."""
+def read_loader_states(checkpoint: str | os.PathLike[str], rank: int) -> list[dict[str, Any] | None]:
+    """Every rank's loader state in ``checkpoint`` (None for a rank without a file, which only
+    an elastic resume from the others can survive), after :func:`checkpoint_problem`."""
+    problem = checkpoint_problem(checkpoint)
+    if problem is not None:
+        raise ValueError(f"cannot resume from {checkpoint}: {problem} (resuming would lose the data "
+                         f"position and train on the stream's first batches again)")
+    world_size = _saved_world_size(checkpoint) or 1
+    ranks = _rank_files(checkpoint)
+    return [_read(loader_state_path(checkpoint, r))[0] if r in ranks else None
+            for r in range(max(world_size, max(ranks) + 1, rank + 1))]
 
-    def __init__(self, trainer: PackedTrainer) -> None:
-        self.trainer = trainer
 
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        loader = self.trainer._loader
-        if loader is None:
-            return
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        torch.save(loader.state_dict(), loader_state_path(folder, args.process_index))
+def _rank_files(checkpoint: str | os.PathLike[str]) -> set[int]:
+    names = os.listdir(checkpoint) if os.path.isdir(checkpoint) else []
+    pattern = re.compile("^" + re.escape(LOADER_STATE_FILE).replace(r"\{rank\}", r"(\d+)") + "$")
+    return {int(m.group(1)) for m in map(pattern.match, names) if m}
+
+
+def _saved_world_size(checkpoint: str | os.PathLike[str]) -> int | None:
+    path = loader_state_path(checkpoint, 0)
+    return _read(path)[1] if os.path.exists(path) else None
+
+
+def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
+    """Why ``checkpoint`` cannot be resumed from (None: it can): it must hold
+    ``streampack_loader_rank{i}.pt`` of every rank of the run that saved it and HF's
+    ``trainer_state.json`` (which HF writes after them)."""
+    ranks = _rank_files(checkpoint)
+    if 0 not in ranks:
+        return (f"no {LOADER_STATE_FILE.format(rank=0)} (not saved by a PackedTrainer, or the save "
+                f"was interrupted)")
+    world_size = _saved_world_size(checkpoint)
+    want = range(world_size) if world_size is not None else range(max(ranks) + 1)
+    missing = [r for r in want if r not in ranks]
+    if missing:
+        names = ", ".join(LOADER_STATE_FILE.format(rank=r) for r in missing)
+        return f"missing {names} of the world_size={world_size or len(want)} run that saved it"
+    if not os.path.exists(os.path.join(checkpoint, TRAINER_STATE_NAME)):
+        return f"no {TRAINER_STATE_NAME} (HF's save was interrupted)"
+    return None
+
+
+def last_resumable_checkpoint(output_dir: str | os.PathLike[str]) -> str:
+    """The newest ``checkpoint-N`` folder of ``output_dir`` that :func:`checkpoint_problem`
+    accepts; every newer folder is logged as skipped, with why. ``ValueError`` when none."""
+    found = sorted(((int(m.group(1)), name) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+                    if (m := _CHECKPOINT_RE.match(name)) and os.path.isdir(os.path.join(output_dir, name))),
+                   reverse=True)
+    skipped = []
+    for _, name in found:
+        folder = os.path.join(output_dir, name)
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder
+        _log.warning("resume_from_checkpoint=True: skipping %s: %s", folder, problem)
+        skipped.append(f"{name}: {problem}")
+    raise ValueError(f"resume_from_checkpoint=True found no checkpoint to resume from in {output_dir} "
+                     f"(skipped: {'; '.join(skipped) or 'no checkpoint-N folders'})")

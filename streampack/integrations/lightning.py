@@ -17,6 +17,15 @@ device. What the module does, each for a measured failure:
   ``state_dict()`` -- saved in every Lightning checkpoint -- is the state at the last trained
   batch. With several ranks every rank's state is gathered into the checkpoint (Lightning
   writes it from rank 0) and each rank loads its own on resume.
+* **Elastic resume.** On another world size or ``num_workers`` than the checkpoint was saved
+  with, every rank hands every old reader's state to ``PackedDataset.load_state_dict([...])``
+  (:mod:`streampack.integrations.resume`): every sample of the epoch is trained exactly once.
+* **A resume that silently restarts the data.** ``fit(ckpt_path="last")`` with a
+  ``ModelCheckpoint`` that has no ``save_last=True`` finds no checkpoint, and Lightning only
+  warns ("No checkpoint will be loaded") and trains from batch 1 again. When a fit restores no
+  data position while a ``ModelCheckpoint`` folder already holds checkpoints, the module warns
+  naming ``save_last=True``; a restored checkpoint without this module's state is a
+  ``ValueError``.
 * **Stream metrics.** Every ``log_every_n_steps`` the summed per-worker stats go to the
   trainer's loggers (``streampack/tokens``, ``streampack/fill``, ...; over all ranks).
 
@@ -31,11 +40,14 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack.integrations.metrics import StreamMetrics
-from streampack.state import load_loader_state
+from streampack.integrations.resume import LoaderResume, plan_resume
 
 STATES_KEY = "loader_states"
 
@@ -90,16 +102,46 @@ class PackedDataModule(L.LightningDataModule):
         self.log_metrics = log_metrics
         self.stream_metrics = StreamMetrics()
         self._loader: TrainedLoader | None = None
-        self._pending: dict[str, Any] | None = None
+        self._resume: LoaderResume | None = None
+        self._restored = False  # load_state_dict ran in this fit
+        self._check_resume = True  # the first train_dataloader of this fit checks it
         self._logged_step = -1
 
+    def setup(self, stage: str) -> None:
+        """Subclasses that override ``setup`` call ``super().setup(stage)``."""
+        self._check_resume = True
+
     def train_dataloader(self) -> TrainedLoader:
+        if self._check_resume or self._loader is None:
+            self._check_resume = False
+            self._check_restored()
         loader = StatefulDataLoader(self.train_dataset, batch_size=None, **self.loader_kwargs)
-        if self._pending is not None:
-            load_loader_state(loader, self._pending)
-            self._pending = None
+        if self._resume is not None:
+            self._resume.apply(self.train_dataset, loader)
+            self._resume = None
         self._loader = TrainedLoader(loader)
         return self._loader
+
+    def _check_restored(self) -> None:
+        """A fit that restores no data position where the user meant to resume (module docstring)."""
+        restored, self._restored = self._restored, False
+        trainer = self.trainer
+        if restored or trainer is None:
+            return
+        if trainer.ckpt_path:
+            raise ValueError(f"the checkpoint {trainer.ckpt_path} holds no {type(self).__qualname__} state (it "
+                             f"was not saved with this datamodule): the data position is unknown and the stream "
+                             f"would restart at its first batch")
+        if trainer.global_step:
+            return
+        found = [f for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath
+                 for f in _checkpoint_files(str(cb.dirpath))]
+        if found:
+            rank_zero_warn(
+                f"PackedDataModule: this fit restored no data position, but {len(found)} checkpoint(s) already "
+                f"exist (e.g. {found[0]}): the data restarts at batch 1. To resume, pass ckpt_path=<a checkpoint>, "
+                f"or ckpt_path='last' with ModelCheckpoint(..., save_last=True): without save_last=True there is "
+                f"no last checkpoint and ckpt_path='last' loads nothing")
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         trainer = self.trainer
@@ -133,13 +175,17 @@ class PackedDataModule(L.LightningDataModule):
         return {STATES_KEY: [state]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not state_dict:
+        self._restored = True
+        if not state_dict:  # saved before the first batch: the start of the stream is right
             return
-        states = state_dict[STATES_KEY]
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        rank, world = ((torch.distributed.get_rank(), torch.distributed.get_world_size())
-                       if distributed else (0, 1))
-        if len(states) != world:
-            raise ValueError(f"the checkpoint holds loader states of {len(states)} ranks, this run "
-                             f"has {world}: the packed stream depends on the rank count")
-        self._pending = states[rank]
+        rank = torch.distributed.get_rank() if distributed else 0
+        self._resume = plan_resume(state_dict[STATES_KEY], rank=rank, dataset=self.train_dataset,
+                                   num_workers=self.loader_kwargs["num_workers"])
+
+
+def _checkpoint_files(dirpath: str) -> list[str]:
+    fs = get_filesystem(dirpath)
+    if not fs.isdir(dirpath):
+        return []
+    return sorted(p for p in fs.ls(dirpath, detail=False) if str(p).endswith(ModelCheckpoint.FILE_EXTENSION))

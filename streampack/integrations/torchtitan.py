@@ -105,8 +105,19 @@ def flex_block_mask(layout: torch.Tensor) -> Any:
 
 def titan_dataloader(dataset: Any, *, dp_rank: int, dp_world_size: int, **kwargs: Any) -> Any:
     """torchtitan's ``ParallelAwareDataloader`` (a ``StatefulDataLoader`` whose state is keyed by
-    DP rank, as torchtitan checkpoints it) yielding :func:`titan_collate` batches."""
-    from torchtitan.components.dataloader import ParallelAwareDataloader
+    DP rank, as torchtitan checkpoints it) yielding :func:`titan_collate` batches.
+
+    ``dp_rank`` / ``dp_world_size`` must be the topology the dataset resolved (a PackedDataset
+    shards by its own ``dp_rank`` / ``dp_size``): torchtitan keys the checkpoint by the one, the
+    data comes from the other, so a mismatch is a ``ValueError`` naming both.
+    """
+    resolved = (getattr(dataset, "dp_rank", None), getattr(dataset, "dp_size", None))
+    if None not in resolved and resolved != (dp_rank, dp_world_size):
+        raise ValueError(f"titan_dataloader({dp_rank=}, {dp_world_size=}) but the dataset resolved "
+                         f"dp_rank={resolved[0]}, dp_size={resolved[1]}: pass the data-parallel rank and size "
+                         f"of torchtitan's parallel_dims to the PackedDataset too (dp_rank=..., dp_size=..., or "
+                         f"dp_group=...), or its data would be another rank's")
+    from torchtitan.components.dataloader import ParallelAwareDataloader  # after the check: it takes ~10 s
 
     return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                    batch_size=None, collate_fn=titan_collate, **kwargs)

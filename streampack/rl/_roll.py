@@ -11,8 +11,19 @@ real tokens and lets padded micro-batches exceed the budget:
 3. rows are cut greedily into micro-batches with a hard cap: a micro-batch of ``b`` rows and
    padded length ``L`` (its longest row) satisfies ``b * L <= budget``; one list of boundaries
    and lengths is shared by every rank;
-4. with pipeline parallelism the largest micro-batch (most rows; the first on ties) is split
-   at its middle, keeping its length, until the count is a multiple of ``pp_size``.
+4. with pipeline parallelism (``pp_size > 1``; in ROLL, ``pipeline_model_parallel_size > 1``
+   with ``virtual_pipeline_model_parallel_size`` set -- without VPP ROLL splits nothing, which
+   is ``pp_size=1`` here) the ``k`` micro-batches still missing to a multiple of ``pp_size``
+   come from splitting the ``k`` multi-row micro-batches with the most padded tokens
+   (``rows x length``; the first on ties), each once, at its middle, both halves keeping its
+   length. When fewer than ``k`` have two rows ROLL asserts; this raises ``ValueError``.
+
+Which ROLL: ``roll/utils/dynamic_batching.py`` on ROLL's main branch as published in v0.2.0
+(commit 3077befc; unchanged at 8eb27cc2, 2026-08-19, the newest snapshot read). A commit of
+ROLL outside that branch (896aba12) has ``_split_ranges_to_vpp_multiple`` instead, which
+halves the range with the most *rows* until the count is a multiple, splitting halves again;
+streampack followed that one until 2026-11-25 and differed from main's rule in 89 of 192
+random pp/vpp cases (same counts and padded totals, other groupings).
 """
 
 from __future__ import annotations
@@ -48,15 +59,20 @@ def roll_rows(idx: np.ndarray, lens: np.ndarray, rounded: np.ndarray, overlong: 
 
 
 def _split_to_multiple(ranges: list[list[int]], lengths: list[int], pp_size: int, where: str) -> None:
-    """ROLL's ``_split_ranges_to_vpp_multiple``: halve the range with the most rows (the first
-    on ties), keeping its padded length, until the count is a multiple of ``pp_size``."""
-    while len(ranges) % pp_size:
-        multi = [i for i, (s, e) in enumerate(ranges) if e - s > 1]
-        if not multi:
-            raise ValueError(f"{where}: {len(ranges)} micro-batches of single rows cannot fill a "
-                             f"multiple of {pp_size=} non-empty micro-batches (every rank needs the "
-                             f"same count); give each rank more sequences or a smaller pp_size")
-        i = max(multi, key=lambda i: (ranges[i][1] - ranges[i][0], -i))
+    """ROLL's VPP padding (module docstring, rule 4), in place: the ``missing`` multi-row
+    ranges with the most padded tokens are each split once at their middle."""
+    missing = -len(ranges) % pp_size
+    if not missing:
+        return
+    multi = [i for i, (s, e) in enumerate(ranges) if e - s > 1]
+    if len(multi) < missing:
+        raise ValueError(f"{where}: ROLL's pipeline split makes {len(ranges)} micro-batches a multiple of "
+                         f"{pp_size=} by splitting {missing} of them once each, but only {len(multi)} hold more "
+                         f"than one row: no {len(ranges) + missing} non-empty micro-batches that way (ROLL asserts "
+                         f"here); give each rank more sequences, a smaller pp_size, or convention='balanced'")
+    # sorted() is stable: equal token counts keep their order, as in ROLL's list.sort(reverse=True)
+    chosen = set(sorted(multi, key=lambda i: (ranges[i][1] - ranges[i][0]) * lengths[i], reverse=True)[:missing])
+    for i in sorted(chosen, reverse=True):  # from the back, so earlier positions stay valid
         start, end = ranges[i]
         mid = start + (end - start) // 2
         ranges[i:i + 1] = [[start, mid], [mid, end]]

@@ -18,7 +18,9 @@ Two planners, one record (:class:`MicroBatchPlan`: rank -> micro-batch -> sequen
   An earlier ``round_before_budget=False`` mode was documented as "ROLL's convention" but
   bounded real tokens and rounded afterwards (the worked example in ROLL's documentation, not
   its code): on ROLL's unit-test input it built micro-batches of 24 padded tokens over a budget
-  of 20, and on 200 random rollouts it exceeded the budget in 156, by up to 2.44x. It is gone.
+  of 20, and on 200 random rollouts it exceeded the budget in 156, by up to 2.44x. It is gone:
+  ``round_before_budget`` is still accepted, deprecated, as ``convention`` (``True`` ->
+  ``"balanced"``, what it always selected; ``False`` -> ``"roll"``, ROLL's code, a hard cap).
 
 * :func:`plan_packed_microbatches` (one THD pack per micro-batch): Karmarkar-Karp from the
   batch to DP ranks, then from each rank to ``M`` micro-batches (ROLL sequence packing §2.4).
@@ -44,6 +46,7 @@ longest of every round; on the benchmark that is balance 1.018 vs 1.0001.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,10 +203,24 @@ def _finish(kind: str, lens: np.ndarray, mbs: list[list[np.ndarray]],
 CONVENTIONS = ("balanced", "roll")
 
 
+def _convention_of(round_before_budget: bool, convention: str) -> str:
+    """The ``convention`` the removed ``round_before_budget`` flag maps to (module docstring)."""
+    new = "balanced" if round_before_budget else "roll"
+    if convention not in ("balanced", new):
+        raise ValueError(f"{round_before_budget=} means convention={new!r}, which contradicts {convention=}; "
+                         f"pass convention only")
+    note = ("" if round_before_budget else
+            "; the old soft-cap mode (budget on real tokens, rounded afterwards) is gone: ROLL's code caps the "
+            "padded tokens, so micro-batches may differ from what round_before_budget=False made")
+    warnings.warn(f"plan_dynamic_batches(round_before_budget={round_before_budget}) is deprecated: pass "
+                  f"convention={new!r}{note}", DeprecationWarning, stacklevel=3)
+    return new
+
+
 def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbatch: int,
                          sequence_length_round: int, pp_size: int = 1,
                          chunk_size: int | None = None, convention: str = "balanced",
-                         allow_overlong: bool = False) -> MicroBatchPlan:
+                         allow_overlong: bool = False, round_before_budget: bool | None = None) -> MicroBatchPlan:
     """Plan padded micro-batches of similar-length sequences for ``dp_size`` ranks.
 
     Args:
@@ -212,15 +229,20 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
         max_tokens_per_microbatch: budget, a hard cap on ``count * L`` where ``L`` = the
             micro-batch's longest length rounded up to ``sequence_length_round``.
         sequence_length_round: every micro-batch's ``L`` is a multiple of it (TP*CP, 64, 128).
-        pp_size: micro-batches per rank (per chunk) are made a multiple of it by splitting the
-            largest multi-sequence micro-batches (ROLL's VPP rule).
+        pp_size: micro-batches per rank (per chunk) are made a multiple of it by splitting
+            multi-sequence micro-batches: ``"balanced"`` the largest, again until it is a
+            multiple; ``"roll"`` ROLL's rule with VPP (each of the ones with the most padded
+            tokens once; :mod:`streampack.rl._roll`).
         chunk_size: sort inside consecutive chunks of this many sequences only, so the
             training order of chunks is kept; micro-batches never cross a chunk.
         convention: ``"balanced"`` (streampack) or ``"roll"`` (ROLL's code; needs every chunk
             to divide by ``dp_size``); module docstring.
         allow_overlong: a sequence whose rounded length exceeds the budget gets a micro-batch
             of its own (over budget) instead of a ``ValueError``.
+        round_before_budget: deprecated, use ``convention`` (module docstring).
     """
+    if round_before_budget is not None:
+        convention = _convention_of(round_before_budget, convention)
     lens = _check_args(seq_lens, dp_size=dp_size, max_tokens_per_microbatch=max_tokens_per_microbatch,
                        sequence_length_round=sequence_length_round, pp_size=pp_size)
     if chunk_size is not None:
