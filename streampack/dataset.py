@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from streampack.graph import Graph, build_graph, graph_metrics, make_planner
+from streampack.io.index import unknown_lengths_hint
 from streampack.io.limits import Limits
 from streampack.layout.batch import PackedBatch, alignment, pack_batch
 from streampack.nodes.collate import filler_pack
@@ -309,7 +310,8 @@ class PackedDataset(IterableDataset):
         planner = make_planner(c, self.sources, Placement(dp_size=self.dp_size), self.options)
         if planner is not None and not planner.known_lengths():
             raise ValueError(f"finite epochs over dp_size={self.dp_size} ranks are planned from the shard index, "
-                             f"which has no token lengths for these shards (text to tokenize?): pass "
+                             f"which has no token lengths for some samples of these shards "
+                             f"({unknown_lengths_hint(self.sources.shards.urls)}): pass "
                              f"equal_batches='sync' and iterate streampack.sync_batches(loader, ds) (one all-reduce "
                              f"per step), or batches_per_epoch")
 

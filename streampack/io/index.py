@@ -38,7 +38,7 @@ import os
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, NamedTuple
 
@@ -59,13 +59,14 @@ from streampack.io.index_cache import (
     save_arrays,
 )
 from streampack.io.jsonl import iter_lines
+from streampack.io.limits import Limits
 from streampack.io.open import open_shard
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote, local_path
 from streampack.io.tar import TarRegion, group_length, iter_tar_units, split_key
 from streampack.io.urls import shard_format
 
-INDEX_VERSION = 2
+INDEX_VERSION = 3  # 3: tar lengths no longer follow PYTHONHASHSEED; limits in the fingerprint
 _MEMO_SIZE = 4  # a worker reads one split shard at a time; a big shard's index is tens of MB
 _memo: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
 _memo_lock = threading.Lock()
@@ -153,22 +154,53 @@ class ShardIndex:
         return where.start, where.end, where.first
 
 
+def index_decode(tokens_key: str = "input_ids", limits: Limits | None = None) -> DecodeOptions:
+    """The :class:`DecodeOptions` every index is built and looked up with: only what changes an
+    index (``tokens_key``: which lengths it counts; ``limits``: an over-limit line or member is
+    indexed with length -1). One function for every call site (reader, planner, elastic resume,
+    ``streampack index``), so two of them never key the same shard differently."""
+    return DecodeOptions(tokens_key=tokens_key, limits=limits if limits is not None else Limits())
+
+
+def limits_key(url: str, limits: Limits) -> str:
+    """The limits an index of ``url``'s format depends on, as a fingerprint part: jsonl lines
+    (``max_line_bytes``, ``max_json_depth``), tar members and samples (``max_member_bytes``,
+    ``max_sample_bytes``, ``max_json_depth`` of ``json`` members); none for parquet (footer
+    only). A limit the index does not depend on does not invalidate it."""
+    fmt = shard_format(url)
+    names = {"tar": ("max_member_bytes", "max_sample_bytes", "max_json_depth"),
+             "parquet": ()}.get(fmt, ("max_line_bytes", "max_json_depth"))
+    return ",".join(f"{getattr(limits, n)}" for n in names)
+
+
+def unknown_lengths_hint(urls: Sequence[str]) -> str:
+    """Why an index may lack some token counts of ``urls`` (for an error message)."""
+    parquet = sum(shard_format(u) == "parquet" for u in urls)
+    if parquet:
+        return (f"{parquet} of {len(urls)} shard(s) are parquet, whose index reads only the footer: row counts, "
+                f"no token counts")
+    return "text to tokenize, or samples over the limits or unreadable, which the index counts as unknown"
+
+
 def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats: IOStats | None = None) -> str:
     """What a cached index must match: the shard's identity and what the index depends on."""
     return fingerprint_of(url, decode, storage.identity(url, opts, stats))
 
 
 def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) -> str:
-    """:func:`index_fingerprint` for a known identity (a manifest's entry: no request)."""
+    """:func:`index_fingerprint` for a known identity (a manifest's entry: no request). Always
+    the strict identity (size + ETag / mtime), whatever ``OpenOptions.identity`` says: a stale
+    index would point into other bytes, while a rebuilt one only costs a scan."""
     where = url if is_remote(url) else os.path.abspath(local_path(url))
     tag = ident.tag.removeprefix("mtime_ns=") if not is_remote(url) else ident.tag
-    return f"v{INDEX_VERSION}|{decode.tokens_key}|{where}|{ident.size}|{tag}"
+    return f"v{INDEX_VERSION}|{decode.tokens_key}|{limits_key(url, decode.limits)}|{where}|{ident.size}|{tag}"
 
 
 def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),
                         cache_dir: str | None = None, stats: IOStats | None = None) -> ShardIndex:
     """The cached index of ``url`` if still valid, else one built now (by this process or,
     under the lock, by whichever got there first) and cached."""
+    decode = index_decode(decode.tokens_key, decode.limits)
     fp = index_fingerprint(url, decode, opts, stats)
     path = cache_path(url, cache_dir)
     with _memo_lock:
@@ -225,7 +257,7 @@ class _Scan:
         self.lengths.append(min(length, 2**31 - 1))
 
     def tar(self, f: BinaryIO, decode: DecodeOptions, url: str) -> None:
-        token_npy = {"npy", f"{decode.tokens_key}.npy"}
+        token_npy = ("npy", f"{decode.tokens_key}.npy")  # the reader's order (io.tar_decode)
 
         def want(name: str) -> int:
             field = (split_key(name) or ("", ""))[1]
@@ -320,4 +352,5 @@ def cached_index(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
 
 
 __all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",
-           "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_dir", "index_fingerprint", "load_or_build_index"]
+           "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_decode", "index_dir", "index_fingerprint",
+           "limits_key", "load_or_build_index", "unknown_lengths_hint"]

@@ -39,7 +39,7 @@ from torchdata.nodes import BaseNode
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io.decode import DecodeOptions, Item
 from streampack.io.formats import ShardRange, open_range
-from streampack.io.index import ShardIndex, load_or_build_index
+from streampack.io.index import ShardIndex, index_decode, load_or_build_index
 from streampack.io.limits import Limits
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, ShardStat, identity
@@ -209,7 +209,8 @@ class ShardReader(BaseNode[Sample]):
     def index(self, shard: int | str) -> ShardIndex:
         """The sample index (offsets, keys, token lengths) of a shard, built once and cached."""
         url = self.urls[shard] if isinstance(shard, int) else shard
-        return load_or_build_index(url, decode=self._decode, opts=self._open, cache_dir=self._cache_dir,
+        return load_or_build_index(url, decode=index_decode(self._decode.tokens_key, self._decode.limits),
+                                   opts=self._open, cache_dir=self._cache_dir,
                                    stats=self.io_stats)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
