@@ -111,7 +111,10 @@ class PackedDataset(IterableDataset):
     yet handed to the trainer, so every sample of the epoch is trained exactly once (on the same
     topology that is the exact resume). In the main process of a DataLoader with workers
     ``state_dict()`` raises (that copy has no position): checkpoint a StatefulDataLoader instead.
-    Loading a state invalidates any live iterator of this dataset.
+    Loading a state invalidates any live iterator of this dataset. A shard that changed since the
+    state was saved is refused by name; ``identity`` says what "changed" means: ``"tag"`` (size +
+    ETag / mtime, the default), ``"size"`` (accepts a re-staged copy), ``"digest"`` (size + a hash
+    of the first and last 64 KiB) or ``"off"`` (:mod:`streampack.io.shard_identity`).
     """
 
     def __init__(self, urls: URLs | Mapping[str, Any], *, capacity: int, window: int = 1024,
@@ -132,7 +135,7 @@ class PackedDataset(IterableDataset):
                  pin_memory: bool = False, mixture_stop: str = "all", vocab_size: int | None = None,
                  limits: Limits | None = None,
                  cost_model: CostModel | Mapping[str, Any] | None = None,
-                 balance: str | Balance | None = None) -> None:
+                 balance: str | Balance | None = None, identity: str = "tag") -> None:
         super().__init__()
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
@@ -154,7 +157,7 @@ class PackedDataset(IterableDataset):
                                    retries=retries, retry_budget=retry_budget, connect_timeout=connect_timeout,
                                    read_timeout=read_timeout, request_deadline=request_deadline,
                                    allow_redirects=allow_redirects, storage_options=storage_options,
-                                   num_threads=num_threads, tokenize_block=tokenize_block)
+                                   num_threads=num_threads, tokenize_block=tokenize_block, identity=identity)
         self.sources = sources_of(urls, opts=self.options.open_options(), mixture_stop=mixture_stop)
         if self.config.balance is not None and self.sources.packed is not None:
             raise ValueError("balance='cost' orders the packs of the streaming packer; a `streampack pack` "
