@@ -63,6 +63,7 @@ from streampack.io.limits import Limits
 from streampack.io.open import open_shard
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote, local_path
+from streampack.io.tar_sparse import open_sparse
 from streampack.io.tar import TarRegion, group_length, iter_tar_units, split_key
 from streampack.io.urls import shard_format
 
@@ -201,7 +202,8 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
     """The cached index of ``url`` if still valid, else one built now (by this process or,
     under the lock, by whichever got there first) and cached."""
     decode = index_decode(decode.tokens_key, decode.limits)
-    fp = index_fingerprint(url, decode, opts, stats)
+    ident = storage.identity(url, opts, stats)
+    fp, size = fingerprint_of(url, decode, ident), ident.size
     path = cache_path(url, cache_dir)
     with _memo_lock:
         hit = _memo.get((path, fp))
@@ -212,7 +214,7 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
         with locked(path):
             index = cached_index(path, fp, opts)  # built by another process while this one waited
             if index is None:
-                index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats)
+                index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats, size=size)
                 save_arrays(path, encode_index(index), opts)
     with _memo_lock:
         _memo[(path, fp)] = index
@@ -222,10 +224,14 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
 
 
 def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = DecodeOptions(),
-                opts: OpenOptions = OpenOptions(), stats: IOStats | None = None) -> ShardIndex:
-    """Scan ``url`` once (see the module docstring for what is read)."""
+                opts: OpenOptions = OpenOptions(), stats: IOStats | None = None, size: int | None = None,
+                ranged: str = "auto") -> ShardIndex:
+    """Scan ``url`` once (see the module docstring for what is read). A remote tar of known
+    ``size`` is read by ranged requests where that skips enough (``ranged``:
+    :mod:`streampack.io.tar_sparse`)."""
     fmt = shard_format(url)
-    with open_shard(url, 0, opts=opts, stats=stats) as raw:
+    sparse = fmt == "tar" and is_remote(url) and size is not None and ranged != "never"
+    with (open_sparse(url, size, opts, stats, ranged) if sparse else open_shard(url, 0, opts=opts, stats=stats)) as raw:
         if fmt == "parquet":
             rows = int(parquet.row_counts(raw, url).sum())
             return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(rows, dtype=np.int64),
