@@ -10,13 +10,26 @@ under an exclusive lock (``fcntl.flock`` on ``<index>.lock`` in the cache direct
 wait, then load it. ``streampack index URLS --cache-dir D`` builds them ahead of time (for
 remote data: run it once, point every node's ``cache_dir`` at ``D``, which may itself be a
 URL such as ``s3://bucket/index/``, read without a lock). A cached index is used only while its
-fingerprint (path + size + mtime, or URL + size + ETag; plus ``tokens_key`` and the format
-version) matches. Index files live in ``cache_dir`` (default ``$STREAMPACK_CACHE/index`` or
-``~/.cache/streampack/index``), never beside the data, so read-only data directories work.
+fingerprint (path + size + mtime, or URL + size + ETag; plus ``tokens_key``, the limits the
+format's index depends on (:func:`limits_key`) and the format version) matches; every call
+site builds its options with :func:`index_decode`, so they agree on the key. Index files live
+in ``cache_dir`` (default ``$STREAMPACK_CACHE/index`` or ``~/.cache/streampack/index``), never
+beside the data, so read-only data directories work. Planning a run uses the data set's
+manifest instead (:mod:`streampack.io.manifest`: one read per process, no request per shard).
 
-**Cost.** A local tar is scanned header by header with ``seek`` over member data (only the
-first 512 bytes of each ``.npy`` token member and whole ``.json`` members are read); a remote
-tar the same way through ranged reads; jsonl is read once (token lengths parsed only from lines
+**Cost of the per-shard cache** (:func:`load_or_build_index`, what a reader that splits a
+shard calls): per shard, 1 stat / HEAD (the identity, made *before* the cache is consulted,
+since the key holds it) + 1 read of the index file (a GET for a URL cache), unless the shard
+is one of the :data:`_MEMO_SIZE` = 4 this process used last; a miss adds one scan of the shard
+and one write. An infinite reader of S shards split P ways thus pays about S HEADs + S GETs per
+epoch pass over its shards when S > 4. A cache directory that cannot be written is said once
+per process (not per shard) and the index is then used in memory only; a filesystem without
+``flock`` builds without the lock (:mod:`streampack.io.index_cache`).
+
+**Cost of a scan.** A local tar is scanned header by header with ``seek`` over member data
+(only the first 512 bytes of each ``.npy`` token member and whole ``.json`` members are read); a
+remote tar the same way, by 16 KiB ranged reads where members are large and else streamed
+whole (:mod:`streampack.io.tar_sparse`); jsonl is read once (token lengths parsed only from lines
 that contain the ``tokens_key`` field); parquet costs its footer only. Memory is O(samples):
 int64 offsets, int32 lengths and the keys (tar), accumulated in ``array`` buffers (12 bytes per
 sample plus the keys, never a Python object per sample), stored as one compressed ``.npz``

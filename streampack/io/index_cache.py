@@ -4,9 +4,11 @@ the cache directory (local or any fsspec URL), replaced atomically, built under 
 The lock is ``fcntl.flock`` on ``<index file>.lock``: the first process to need an index builds
 it while the others wait, then load it (tested with racing processes). A remote cache directory
 (``s3://bucket/index/``) is read and written without a lock (object stores replace objects
-atomically); build it ahead with ``streampack index``. A cache that cannot be written is
-warned about (rate-limited) and the index is used uncached: building may then happen again,
-never wrongly.
+atomically); build it ahead with ``streampack index``. A local directory that cannot be written
+(a read-only shared cache) is said once per process with what to do, and not tried again; the
+index is used uncached: building may then happen again, never wrongly. A filesystem without
+``flock`` (``ENOLCK``) builds without the lock, said once: never a data error. Files are created
+``0666 & ~umask`` (``0644`` under the usual umask), so a team can share a cache.
 """
 
 from __future__ import annotations

@@ -13,8 +13,20 @@ identity for resume checks, so a start makes no per-shard HEAD: a changed shard 
 is opened (its size / tag against the manifest's).
 
 **Cost per reader** (N shards, G readers, T samples): loading the manifest is 1 request and
-O(N) memory (~40 bytes per shard plus its URL); the per-sample indexes it fetches are
-O(N/G + 4) requests and O(T/G) memory.
+O(N) memory; the per-sample indexes it fetches are O(N/G + 4) requests and O(T/G) memory; the
+stale-shard check (:meth:`Manifest.check_identity`) makes no request of its own: it compares the
+identity the reader records when it opens a shard anyway (1 stat / HEAD, or with
+``identity="digest"`` 2 ranged reads more).
+
+Measured (``benchmarks/bench_index.py``, 2-core machine under load 7–10, 2026-11-25):
+
+- file: ``≈ 70 B × N`` (10^5 shards of ``s3://my-bucket/datasets/web-2026/train/shard-NNNNNN.tar``
+  with 36-char ETags and digests: 7.0 MB, compressed ``.npz``); load ``≈ 3.6 µs × N`` (359 ms at
+  10^5) and RSS ``≈ 500 B × N`` (+50 MiB at 10^5: three Python strings per shard — URL, tag,
+  digest — and 5 int64 columns).
+- per-shard index file: ``≈ 9 B × samples`` for 8-char tar keys (9.1 KB per 1,000 samples);
+  fetching one: 3.9 ms local, 8.5 ms over loopback http (1 GET).
+- building (``streampack index``): see :mod:`streampack.cli.index_cmd`.
 """
 
 from __future__ import annotations
@@ -298,8 +310,11 @@ def _blob(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _unblob(blob: np.ndarray, ends: np.ndarray) -> tuple[str, ...]:
-    raw, starts = blob.tobytes(), np.concatenate([[0], ends[:-1]]) if len(ends) else ends
-    return tuple(raw[int(a):int(b)].decode("utf-8", "surrogateescape") for a, b in zip(starts, ends))
+    raw, bounds = blob.tobytes(), [0, *ends.tolist()]
+    if raw.isascii():  # byte offsets are character offsets: one decode (3x faster at 10^5 shards)
+        text = raw.decode("ascii")
+        return tuple(text[a:b] for a, b in zip(bounds, bounds[1:]))
+    return tuple(raw[a:b].decode("utf-8", "surrogateescape") for a, b in zip(bounds, bounds[1:]))
 
 
 __all__ = ["MANIFEST_FILE", "MANIFEST_VERSION", "Manifest", "ShardTotals", "build_entry", "build_manifest",

@@ -10,13 +10,27 @@ and skips the bytes it seeks over — unless the shard turns out dense.
 **The rule.** After :data:`PROBE` ranged fetches the stream compares the mean bytes skipped
 per fetch with :data:`MIN_GAP`; below it (small members: the scan would touch nearly every
 block anyway) it streams the rest of the shard with the ordinary block reader, from where it
-stands. A ranged fetch costs one request (``t_req``) for ``BLOCK`` bytes, a skipped byte saves
-``1/bw``, so ranged is cheaper while ``gap > t_req × bw``. Measured on loopback HTTP (2-core
-shared machine, 2026-11-25; ``benchmarks/bench_index.py``): ``t_req`` ≈ 1.3 ms and ``bw`` ≈
-300–600 MB/s, so break-even ≈ 0.4–0.8 MB; on S3 / GCS (``t_req`` 10–30 ms, 100+ MB/s per
-stream) it is 1–3 MB. :data:`MIN_GAP` = 1 MiB sits between: shards of ~1 KB token samples
-stream whole (as before), shards whose samples carry images or audio of ≥ 1 MiB are read
-sparsely. ``streampack index --ranged always|never`` overrides the rule.
+stands. A ranged fetch costs one request (``t_req``), a skipped byte saves ``1/bw``, so ranged
+is cheaper while ``gap > t_req × bw``. Measured on loopback HTTP (Python threading server,
+2-core machine under load 7-10, 2026-11-25; ``benchmarks/bench_index.py``): ``t_req`` 2.8–5.5
+ms for 16 KiB, streaming 70–570 MB/s, break-even 0.4–2.1 MB. One 200-sample shard, whole /
+ranged / auto:
+
+=============  ========  ======================  ======================  =================
+member bytes   shard     whole (8 MiB blocks)    ranged (16 KiB reads)   auto
+=============  ========  ======================  ======================  =================
+~2 KB (npy)    1.1 MB    98 ms, 2 requests       385 ms, 63 requests     134 ms, 3 requests
+64 KiB         14 MB     173 ms, 3               355 ms, 201             185 ms, 4
+256 KiB        54 MB     451 ms, 8               967 ms, 201             430 ms, 9
+1 MiB          211 MB    1252 ms, 27             663 ms, 201             (ranged)
+4 MiB          840 MB    4909 ms, 102            2230 ms, 201            919 ms, 201
+=============  ========  ======================  ======================  =================
+
+So :data:`MIN_GAP` = 512 KiB: token shards (KB-sized samples) stream whole as before, at the
+cost of a 2-request probe (~2 × t_req per shard); shards whose samples carry images or audio of
+≥ 512 KiB are read sparsely (1 MiB members: 3.3 MB fetched instead of 211 MB). On S3 / GCS
+(``t_req`` 10–30 ms, ~100 MB/s per stream) break-even is 1–3 MB: between 512 KiB and that, ranged
+costs requests but saves egress. ``streampack index --ranged always|never`` overrides the rule.
 """
 
 from __future__ import annotations
@@ -30,9 +44,9 @@ from streampack.io.storage import OpenOptions
 
 BLOCK = 16 << 10
 """Bytes per ranged fetch: a header and a ``.npy`` prefix with room to spare."""
-PROBE = 4
+PROBE = 2
 """Ranged fetches before the stream judges the shard's density."""
-MIN_GAP = 1 << 20
+MIN_GAP = 512 << 10
 """Mean bytes skipped per ranged fetch below which the rest is streamed whole."""
 RANGED_MODES = ("auto", "always", "never")
 
