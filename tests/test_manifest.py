@@ -195,3 +195,56 @@ def test_remote_tar_headers_by_ranged_requests_where_members_are_large(tmp_path,
         assert fetched < 0.02 * size and len(ranges) <= 2 * 12 + 2, (fetched, size, ranges)
     else:  # small members: after a probe of a few blocks the rest streams in big blocks
         assert fetched > 0.9 * size and len(ranges) <= PROBE + 2, (fetched, size, ranges)
+
+
+def test_s3_re_upload_new_etag_and_a_manifest_on_s3(tmp_path, monkeypatch):
+    """An S3 re-upload with another part size changes the ETag, not the bytes: refused by
+    default, resumed with identity='size' or 'digest'. The manifest itself may live on S3."""
+    pytest.importorskip("s3fs")
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    from streampack.io import storage
+    from streampack.nodes.reader import ShardReader
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for name, value in [("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                            ("AWS_DEFAULT_REGION", "us-east-1"), (storage.ENDPOINT_ENV, f"http://{host}:{port}")]:
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(storage, "_FILESYSTEMS", {})
+        admin = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
+        admin.create_bucket(Bucket="sp-manifest")
+        (path,) = write_tar_shards(tmp_path, make_token_docs(300, seed=9, min_len=4500, max_len=5500), 1)
+        assert os.path.getsize(path) > 11 << 20  # two parts of >= 5 MiB each
+        admin.upload_file(path, "sp-manifest", "s.tar")
+        url = "s3://sp-manifest/s.tar"
+        assert _index([url], "s3://sp-manifest/idx") == 0
+        m = load_manifest("s3://sp-manifest/idx")
+        assert m.samples.tolist() == [300] and m.load_index(0, DecodeOptions(), OpenOptions()).lengths.min() >= 4500
+        states = {}
+        for mode in ("tag", "size", "digest"):
+            reader = ShardReader(url, epochs=1, open_options=OpenOptions(identity=mode))
+            for _ in range(5):
+                next(reader)
+            states[mode] = reader.state_dict()
+        from boto3.s3.transfer import TransferConfig
+
+        admin.upload_file(path, "sp-manifest", "s.tar", Config=TransferConfig(multipart_threshold=5 << 20,
+                                                                     multipart_chunksize=5 << 20))
+        now = current(url, OpenOptions())
+        assert now.tag.endswith('-3"') and now.tag != m.tags[0]  # a multipart ETag: same bytes
+        with pytest.raises(ValueError, match=r"changed since the state was saved \(tag"):
+            ShardReader(url, epochs=1).reset(states["tag"])
+        with pytest.raises(ValueError, match="stale manifest"):
+            m.check_identity(0, now, "tag")
+        for mode in ("size", "digest"):
+            reader = ShardReader(url, epochs=1, open_options=OpenOptions(identity=mode))
+            reader.reset(states[mode])
+            assert next(reader).key == f"{5:08d}"
+            m.check_identity(0, current(url, OpenOptions(identity=mode)), mode)
+    finally:
+        server.stop()
