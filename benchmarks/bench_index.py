@@ -68,9 +68,10 @@ def bench_manifest(shards: int) -> None:
     from streampack.io.storage import OpenOptions
 
     rng = np.random.default_rng(0)
-    totals = [ShardTotals(url=f"s3://my-bucket/datasets/web-2026/train/shard-{i:06d}.tar", size=int(rng.integers(1e8, 1e9)),
-                          tag=f'"{rng.bytes(16).hex()}-{int(rng.integers(1, 99))}"', samples=int(rng.integers(5e4, 1e5)),
-                          tokens=int(rng.integers(1e7, 1e8)), byte_cost=int(rng.integers(1e8, 1e9)),
+    totals = [ShardTotals(url=f"s3://my-bucket/datasets/web-2026/train/shard-{i:06d}.tar",
+                          size=int(rng.integers(1e8, 1e9)), tag=f'"{rng.bytes(16).hex()}-{int(rng.integers(1, 99))}"',
+                          samples=int(rng.integers(5e4, 1e5)), tokens=int(rng.integers(1e7, 1e8)),
+                          byte_cost=int(rng.integers(1e8, 1e9)),
                           digest="digest=" + rng.bytes(20).hex()) for i in range(shards)]
     with tempfile.TemporaryDirectory() as d:
         save_manifest(Manifest.of(d, "input_ids", totals), OpenOptions())
@@ -81,7 +82,8 @@ def bench_manifest(shards: int) -> None:
                   f"m = load_manifest({d!r}); dt = time.perf_counter() - t\n"
                   "print(dt, rss() - base, len(m))")
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
-    print(f"manifest of {shards} shards: {size} bytes ({size / shards:.1f} B/shard); load {float(out[0]) * 1e3:.0f} ms, "
+    print(f"manifest of {shards} shards: {size} bytes ({size / shards:.1f} B/shard); "
+          f"load {float(out[0]) * 1e3:.0f} ms, "
           f"RSS +{float(out[1]):.1f} MiB")
 
 

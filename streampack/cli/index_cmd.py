@@ -1,4 +1,4 @@
-"""``streampack index URLS --out DIR``: write the data set's manifest and every shard's sample index, once, ahead of training.
+"""``streampack index URLS --out DIR``: write a data set's manifest and shard indexes once, ahead of training.
 
 With ``--out DIR`` (a local directory or any fsspec URL such as ``s3://bucket/ds/index``) it
 writes ``DIR/manifest.spm.npz`` (per shard: identity, digest, sample count, token total, byte

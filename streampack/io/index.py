@@ -243,7 +243,9 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
     ``size`` is read by ranged requests where that skips enough (``ranged``:
     :mod:`streampack.io.tar_sparse`)."""
     fmt = shard_format(url)
-    sparse = fmt == "tar" and is_remote(url) and size is not None and ranged != "never"
+    # a shard within one block is one request read whole: ranged reads cannot beat that
+    sparse = fmt == "tar" and is_remote(url) and size is not None and (
+        ranged == "always" or (ranged == "auto" and size > opts.block_size))
     with (open_sparse(url, size, opts, stats, ranged) if sparse else open_shard(url, 0, opts=opts, stats=stats)) as raw:
         if fmt == "parquet":
             rows = int(parquet.row_counts(raw, url).sum())
@@ -371,5 +373,5 @@ def cached_index(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
 
 
 __all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",
-           "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_decode", "index_dir", "index_fingerprint",
-           "limits_key", "load_or_build_index", "unknown_lengths_hint"]
+           "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_decode",
+           "index_dir", "index_fingerprint", "limits_key", "load_or_build_index", "unknown_lengths_hint"]

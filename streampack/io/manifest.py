@@ -152,7 +152,8 @@ class Manifest:
                 raise ValueError(f"the manifest at {self.location!r} records no digest of shard "
                                  f"{self.urls[shard]!r}: rebuild it with `streampack index`, or pass identity='tag'")
             indexed = ShardStat(size=indexed.size, tag=self.digests[shard])
-        shard_identity.check(self.urls[shard], indexed, now, mode, since=f"the manifest at {self.location!r} indexed it",
+        shard_identity.check(self.urls[shard], indexed, now, mode,
+                             since=f"the manifest at {self.location!r} indexed it",
                              prefix="stale manifest: ",
                              consequence="; its index points into the old contents: rebuild it with `streampack index`")
 
@@ -239,7 +240,8 @@ def obtain_manifest(urls: Sequence[str], *, location: str | None, cache_dir: str
         raise ValueError(f"planning this run needs the data set's manifest ({len(urls)} shards, e.g. {remote[0]!r} "
                          f"is remote): build it once with `streampack index URLS --out DIR` and pass manifest=DIR")
     decode = index_decode(decode.tokens_key, decode.limits)
-    key = "\n".join([decode.tokens_key, limits_key("x.tar", decode.limits), limits_key("x.jsonl", decode.limits), *urls])
+    key = "\n".join([decode.tokens_key, limits_key("x.tar", decode.limits), limits_key("x.jsonl", decode.limits),
+                     *urls])
     where = _join(_join(index_dir(cache_dir), "manifests"), hashlib.sha1(key.encode()).hexdigest()[:16])
     with locked(_join(where, MANIFEST_FILE)):
         try:

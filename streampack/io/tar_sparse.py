@@ -7,7 +7,8 @@ block reader (:mod:`streampack.io.open`) fetches 8 MiB blocks from wherever the 
 10 min 45 s). :class:`SparseStream` instead fetches :data:`BLOCK` bytes where the scan reads,
 and skips the bytes it seeks over — unless the shard turns out dense.
 
-**The rule.** After :data:`PROBE` ranged fetches the stream compares the mean bytes skipped
+**The rule.** A shard of at most ``OpenOptions.block_size`` (8 MiB) is one request read whole:
+ranged reads cannot beat that. Above it, after :data:`PROBE` ranged fetches the stream compares the mean bytes skipped
 per fetch with :data:`MIN_GAP`; below it (small members: the scan would touch nearly every
 block anyway) it streams the rest of the shard with the ordinary block reader, from where it
 stands. A ranged fetch costs one request (``t_req``), a skipped byte saves ``1/bw``, so ranged
@@ -26,8 +27,8 @@ member bytes   shard     whole (8 MiB blocks)    ranged (16 KiB reads)   auto
 4 MiB          840 MB    4909 ms, 102            2230 ms, 201            919 ms, 201
 =============  ========  ======================  ======================  =================
 
-So :data:`MIN_GAP` = 512 KiB: token shards (KB-sized samples) stream whole as before, at the
-cost of a 2-request probe (~2 × t_req per shard); shards whose samples carry images or audio of
+So :data:`MIN_GAP` = 512 KiB: token shards (KB-sized samples) stream whole as before (above 8 MiB at the
+cost of a 2-request probe, ~2 × t_req); shards whose samples carry images or audio of
 ≥ 512 KiB are read sparsely (1 MiB members: 3.3 MB fetched instead of 211 MB). On S3 / GCS
 (``t_req`` 10–30 ms, ~100 MB/s per stream) break-even is 1–3 MB: between 512 KiB and that, ranged
 costs requests but saves egress. ``streampack index --ranged always|never`` overrides the rule.
