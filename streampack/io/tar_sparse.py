@@ -15,7 +15,7 @@ stands. A ranged fetch costs one request (``t_req``), a skipped byte saves ``1/b
 is cheaper while ``gap > t_req × bw``. Measured on loopback HTTP (Python threading server,
 2-core machine under load 7-10, 2026-11-25; ``benchmarks/bench_index.py``): ``t_req`` 2.8–5.5
 ms for 16 KiB, streaming 70–570 MB/s, break-even 0.4–2.1 MB. One 200-sample shard, whole /
-ranged / auto:
+ranged / auto (auto measured before the one-block rule: the first two shards now read whole):
 
 =============  ========  ======================  ======================  =================
 member bytes   shard     whole (8 MiB blocks)    ranged (16 KiB reads)   auto
