@@ -314,7 +314,7 @@ class PackedDataset(IterableDataset):
         if planner is not None and not planner.known_lengths():
             raise ValueError(f"finite epochs over dp_size={self.dp_size} ranks are planned from the shard index, "
                              f"which has no token lengths for some samples of these shards "
-                             f"({unknown_lengths_hint(self.sources.shards.urls)}): pass "
+                             f"({unknown_lengths_hint(self.sources.shards.urls if self.sources.shards else ())}): pass "
                              f"equal_batches='sync' and iterate streampack.sync_batches(loader, ds) (one all-reduce "
                              f"per step), or batches_per_epoch")
 
