@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from streampack.graph import Graph, build_graph, graph_metrics, make_planner
+from streampack.io.index import unknown_lengths_hint
 from streampack.io.limits import Limits
 from streampack.layout.batch import PackedBatch, alignment, pack_batch
 from streampack.nodes.collate import filler_pack
@@ -110,7 +111,10 @@ class PackedDataset(IterableDataset):
     yet handed to the trainer, so every sample of the epoch is trained exactly once (on the same
     topology that is the exact resume). In the main process of a DataLoader with workers
     ``state_dict()`` raises (that copy has no position): checkpoint a StatefulDataLoader instead.
-    Loading a state invalidates any live iterator of this dataset.
+    Loading a state invalidates any live iterator of this dataset. A shard that changed since the
+    state was saved is refused by name; ``identity`` says what "changed" means: ``"tag"`` (size +
+    ETag / mtime, the default), ``"size"`` (accepts a re-staged copy), ``"digest"`` (size + a hash
+    of the first and last 64 KiB) or ``"off"`` (:mod:`streampack.io.shard_identity`).
     """
 
     def __init__(self, urls: URLs | Mapping[str, Any], *, capacity: int, window: int = 1024,
@@ -131,7 +135,7 @@ class PackedDataset(IterableDataset):
                  pin_memory: bool = False, mixture_stop: str = "all", vocab_size: int | None = None,
                  limits: Limits | None = None,
                  cost_model: CostModel | Mapping[str, Any] | None = None,
-                 balance: str | Balance | None = None) -> None:
+                 balance: str | Balance | None = None, identity: str = "tag") -> None:
         super().__init__()
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
@@ -153,7 +157,7 @@ class PackedDataset(IterableDataset):
                                    retries=retries, retry_budget=retry_budget, connect_timeout=connect_timeout,
                                    read_timeout=read_timeout, request_deadline=request_deadline,
                                    allow_redirects=allow_redirects, storage_options=storage_options,
-                                   num_threads=num_threads, tokenize_block=tokenize_block)
+                                   num_threads=num_threads, tokenize_block=tokenize_block, identity=identity)
         self.sources = sources_of(urls, opts=self.options.open_options(), mixture_stop=mixture_stop)
         if self.config.balance is not None and self.sources.packed is not None:
             raise ValueError("balance='cost' orders the packs of the streaming packer; a `streampack pack` "
@@ -309,7 +313,8 @@ class PackedDataset(IterableDataset):
         planner = make_planner(c, self.sources, Placement(dp_size=self.dp_size), self.options)
         if planner is not None and not planner.known_lengths():
             raise ValueError(f"finite epochs over dp_size={self.dp_size} ranks are planned from the shard index, "
-                             f"which has no token lengths for these shards (text to tokenize?): pass "
+                             f"which has no token lengths for some samples of these shards "
+                             f"({unknown_lengths_hint(self.sources.shards.urls if self.sources.shards else ())}): pass "
                              f"equal_batches='sync' and iterate streampack.sync_batches(loader, ds) (one all-reduce "
                              f"per step), or batches_per_epoch")
 

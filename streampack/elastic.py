@@ -31,8 +31,7 @@ from typing import Any
 import numpy as np
 
 from streampack.graph import make_planner, replayable
-from streampack.io.decode import DecodeOptions
-from streampack.io.index import load_or_build_index
+from streampack.io.index import index_decode, load_or_build_index
 from streampack.nodes.epoch_plan import (
     ShardSamples,
     chunk_lengths,
@@ -263,7 +262,7 @@ class _OldPlans:
 
 
 def shard_samples(url: str, config: StreamConfig, options: ReadOptions) -> ShardSamples:
-    decode = DecodeOptions(tokens_key=config.tokens_key, text_key=config.text_key, allow_pickle=options.allow_pickle)
+    decode = index_decode(config.tokens_key, config.limits)  # was: default limits, another cache key
     return ShardSamples.of(load_or_build_index(url, decode=decode, opts=options.open_options(),
                                                cache_dir=options.cache_dir))
 

@@ -32,7 +32,7 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import ErrorCounter
 from streampack.io.decode import DecodeOptions
-from streampack.io.index import load_or_build_index
+from streampack.io.index import index_decode, load_or_build_index
 from streampack.io.retry import IOStats
 from streampack.layout.batch import PackedBatch
 from streampack.nodes.collate import ThdCollate
@@ -272,8 +272,7 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement, optio
     if sources.mixture or sources.packed is not None or sources.shards is None:
         return None
     shards = sources.shards
-    decode = DecodeOptions(tokens_key=config.tokens_key, text_key=config.text_key, allow_pickle=options.allow_pickle,
-                           vocab_size=config.vocab_size, limits=config.limits)
+    decode = index_decode(config.tokens_key, config.limits)
     opts = options.open_options()
     return EpochPlanner(len(shards), lambda i: load_or_build_index(shards.urls[i], decode=decode, opts=opts,
                                                                    cache_dir=options.cache_dir, stats=io_stats),

@@ -118,13 +118,16 @@ class ReadOptions:
     storage_options: Mapping[str, Any] | None = None
     num_threads: int = 1
     tokenize_block: int = 64
+    identity: str = "tag"
+    """What proves a shard unchanged on resume (:mod:`streampack.io.shard_identity`)."""
 
     def open_options(self) -> OpenOptions:
         """How the readers fetch shards (validated here: bad values raise ``ValueError``)."""
         return OpenOptions(retry=RetryPolicy(budget=self.retry_budget, retries=self.retries),
                            connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
                            request_deadline=self.request_deadline, allow_redirects=self.allow_redirects,
-                           storage_options=dict(self.storage_options or {}), allow_pipe=self.allow_pipe)
+                           storage_options=dict(self.storage_options or {}), allow_pipe=self.allow_pipe,
+                           identity=self.identity)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,11 +9,13 @@ for a local file, size and ETag / mtime for a remote object — and a restore co
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
 
 from streampack import PackedDataset
+from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
 
 
@@ -79,3 +81,63 @@ def test_packed_dataset_refuses_a_carried_samples_shard_that_changed(tmp_path):
     fresh.load_state_dict(state)
     with pytest.raises(ValueError, match=r"shard '.*shard-0000\d\d.jsonl' changed since the state was saved \(tag"):
         next(iter(fresh))
+
+
+# ------------------------------------------------------------------ issue 18, item 4: the identity option
+
+
+def _restage(path: str) -> None:
+    """What `cp` without `-p` (or a re-download) does: the same bytes under a new mtime."""
+    shutil.copyfile(path, path + ".new")
+    os.replace(path + ".new", path)
+    _touch_later(path)
+
+
+def _state_after(urls, n: int, **kw):
+    reader = ShardReader(urls, seed=0, epochs=1, shuffle=False, **kw)
+    head = [next(reader).key for _ in range(n)]
+    return reader.state_dict(), head, [s.key for s in reader]
+
+
+@pytest.mark.parametrize("identity", ["size", "digest", "off"])
+def test_a_re_staged_shard_resumes_when_the_identity_option_allows_it(tmp_path, identity):
+    # bug: a re-staged shard (same bytes, new mtime) refused every resume, with no opt-out
+    urls = write_tar_shards(tmp_path, make_token_docs(40, seed=3), 1)
+    opts = OpenOptions(identity=identity)
+    state, _, rest = _state_after(urls, 7, open_options=opts)
+    strict, _, _ = _state_after(urls, 7)
+    _restage(urls[0])
+    with pytest.raises(ValueError, match=r"changed since the state was saved \(tag .*identity='size' or 'digest'"):
+        ShardReader(urls, seed=0, epochs=1, shuffle=False).reset(strict)  # the default stays strict
+    restored = ShardReader(urls, seed=0, epochs=1, shuffle=False, open_options=opts)
+    restored.reset(state)
+    assert [s.key for s in restored] == rest
+
+
+def test_digest_refuses_a_same_size_edit_and_a_state_without_a_digest(tmp_path):
+    urls = write_tar_shards(tmp_path, make_token_docs(40, seed=3), 1)
+    digest = OpenOptions(identity="digest")
+    state, _, _ = _state_after(urls, 7, open_options=digest)
+    assert state["identity"]["tags"][0].startswith("digest=")
+    tag_state, _, _ = _state_after(urls, 7)
+    _same_size_rewrite(urls[0])  # a bit flipped 600 bytes before the end: inside the last 64 KiB
+    with pytest.raises(ValueError, match=r"changed since the state was saved \(digest 'digest="):
+        ShardReader(urls, seed=0, epochs=1, shuffle=False, open_options=digest).reset(state)
+    with pytest.raises(ValueError, match=r"recorded with identity='tag' \(no digest\).*identity='size'"):
+        ShardReader(urls, seed=0, epochs=1, shuffle=False, open_options=digest).reset(tag_state)
+    with pytest.raises(ValueError, match="identity='bogus' must be one of"):
+        OpenOptions(identity="bogus")
+
+
+def test_packed_dataset_identity_size_resumes_re_staged_carried_shards(tmp_path):
+    urls = write_jsonl_shards(tmp_path, make_token_docs(240, seed=5, max_len=60), 24)
+    kw = dict(capacity=256, window=64, seed=1, shuffle=False)
+    ds = PackedDataset(urls, **kw)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    for url in urls:
+        _restage(url)
+    fresh = PackedDataset(urls, identity="size", **kw)
+    fresh.load_state_dict(state)
+    assert next(iter(fresh)).doc_keys == next(it).doc_keys

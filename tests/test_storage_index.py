@@ -4,7 +4,10 @@ once and the damage counted once, and the ``streampack index`` command."""
 
 from __future__ import annotations
 
+import errno
 import gzip
+import io
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -13,13 +16,16 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
+from helpers_data import make_token_docs, write_jsonl_shards, write_tar, write_tar_shards
 from helpers_faults import Fault, serve_faulty
-from helpers_formats import jsonl_bytes, write_zst_shards
+from helpers_formats import jsonl_bytes, write_parquet_shards, write_zst_shards
 
+from streampack import PackedDataset
 from streampack.cli.main import main
 from streampack.errors import ErrorCounter
 from streampack.io.index import INDEX_SUFFIX, cache_path, load_or_build_index
+from streampack.io.limits import Limits
+from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
 
 
@@ -199,3 +205,75 @@ def test_cache_dir_may_be_a_url(tmp_path, monkeypatch):
         assert again.offsets.tolist() == built.offsets.tolist() and again.keys == built.keys
     finally:
         fsspec.filesystem("memory").rm("/index-cache-test", recursive=True)
+
+
+# ------------------------------------------------------------------ issue 18, items 5 to 7
+
+
+def _npy(n: int) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.arange(n, dtype=np.int64), allow_pickle=False)
+    return buf.getvalue()
+
+
+def test_tar_index_lengths_do_not_follow_pythonhashseed(tmp_path):
+    # bug: a sample with both `npy` and `input_ids.npy` was indexed with the length of whichever
+    # member a set iterated first (5 or 9 here, by PYTHONHASHSEED), and that length cut epochs
+    path = write_tar(tmp_path / "s.tar", [("a", {"npy": _npy(3)}), ("b", {"npy": _npy(5), "input_ids.npy": _npy(9)}),
+                                          ("c", {"input_ids.npy": _npy(7)})])
+    script = f"from streampack.io.index import build_index; print(build_index({path!r}).lengths.tolist())"
+    seen = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed),
+                                "PYTHONPATH": os.pathsep.join(sys.path)}).stdout.strip() for seed in range(6)}
+    assert seen == {"[3, -1, 7]"}, seen  # b: the reader refuses it (conflicting_fields), so no length is right
+    errors = ErrorCounter()
+    assert [s.key for s in ShardReader(path, epochs=1, on_error="skip", errors=errors)] == ["a", "c"]
+    assert errors.counts == {"conflicting_fields": 1}
+
+
+def test_a_filesystem_without_flock_is_no_lock_not_a_data_error(tmp_path, monkeypatch, caplog):
+    # bug: flock raising ENOLCK (some NFS / FUSE mounts) became corrupt_shard: the span was
+    # dropped under on_error="skip"
+    import fcntl
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    docs = make_token_docs(40, seed=8)
+    (url,) = write_tar_shards(tmp_path / "d", docs, 1)
+    with caplog.at_level(logging.WARNING, logger="streampack"):
+        out, errors = read_split(url, 3, str(tmp_path / "c"))
+    assert sorted(map(tuple, out)) == sorted(map(tuple, docs)) and errors.counts == {}
+    assert len([r for r in caplog.records if "cannot lock" in r.getMessage()]) == 1
+
+
+def test_an_index_built_under_tight_limits_does_not_poison_a_later_run(tmp_path):
+    # bug: the cache key ignored the limits: a run with max_line_bytes=1000 indexed the long line
+    # as length -1, and a later 2-rank run with the default limits was refused ("text to tokenize?")
+    docs = make_token_docs(39, seed=9) + [list(range(600))]  # the last line is ~3 KB
+    urls = write_jsonl_shards(tmp_path / "d", docs, 1)
+    cache = str(tmp_path / "c")
+    out, errors = read_split(urls[0], 2, cache, limits=Limits(max_line_bytes=1000))
+    assert len(out) == 39 and errors.counts == {"line_too_long": 1}
+    ds = PackedDataset(urls, capacity=1024, epochs=1, dp_rank=0, dp_size=2, cache_dir=cache)
+    assert sum(b.num_tokens for b in ds) > 0
+    index = load_or_build_index(urls[0], cache_dir=cache)
+    assert index.lengths.tolist() == [len(d) for d in docs]
+
+
+def test_only_the_limits_an_index_depends_on_key_it(tmp_path):
+    from streampack.io.index import index_decode, index_fingerprint
+
+    (tar,) = write_tar_shards(tmp_path, make_token_docs(4), 1)
+    (jsonl,) = write_jsonl_shards(tmp_path, make_token_docs(4), 1)
+    base, lines = index_decode(), index_decode(limits=Limits(max_line_bytes=10))
+    assert index_fingerprint(tar, base, OpenOptions()) == index_fingerprint(tar, lines, OpenOptions())
+    assert index_fingerprint(jsonl, base, OpenOptions()) != index_fingerprint(jsonl, lines, OpenOptions())
+
+
+def test_pre_tokenized_parquet_is_not_called_text_to_tokenize(tmp_path):
+    urls = write_parquet_shards(tmp_path, make_token_docs(20), 2)
+    with pytest.raises(ValueError, match="parquet, whose index reads only the footer") as caught:
+        PackedDataset(urls, capacity=256, epochs=1, dp_rank=0, dp_size=2, cache_dir=str(tmp_path / "c"))
+    assert "text to tokenize" not in str(caught.value)

@@ -10,13 +10,26 @@ under an exclusive lock (``fcntl.flock`` on ``<index>.lock`` in the cache direct
 wait, then load it. ``streampack index URLS --cache-dir D`` builds them ahead of time (for
 remote data: run it once, point every node's ``cache_dir`` at ``D``, which may itself be a
 URL such as ``s3://bucket/index/``, read without a lock). A cached index is used only while its
-fingerprint (path + size + mtime, or URL + size + ETag; plus ``tokens_key`` and the format
-version) matches. Index files live in ``cache_dir`` (default ``$STREAMPACK_CACHE/index`` or
-``~/.cache/streampack/index``), never beside the data, so read-only data directories work.
+fingerprint (path + size + mtime, or URL + size + ETag; plus ``tokens_key``, the limits the
+format's index depends on (:func:`limits_key`) and the format version) matches; every call
+site builds its options with :func:`index_decode`, so they agree on the key. Index files live
+in ``cache_dir`` (default ``$STREAMPACK_CACHE/index`` or ``~/.cache/streampack/index``), never
+beside the data, so read-only data directories work. Planning a run uses the data set's
+manifest instead (:mod:`streampack.io.manifest`: one read per process, no request per shard).
 
-**Cost.** A local tar is scanned header by header with ``seek`` over member data (only the
-first 512 bytes of each ``.npy`` token member and whole ``.json`` members are read); a remote
-tar the same way through ranged reads; jsonl is read once (token lengths parsed only from lines
+**Cost of the per-shard cache** (:func:`load_or_build_index`, what a reader that splits a
+shard calls): per shard, 1 stat / HEAD (the identity, made *before* the cache is consulted,
+since the key holds it) + 1 read of the index file (a GET for a URL cache), unless the shard
+is one of the :data:`_MEMO_SIZE` = 4 this process used last; a miss adds one scan of the shard
+and one write. An infinite reader of S shards split P ways thus pays about S HEADs + S GETs per
+epoch pass over its shards when S > 4. A cache directory that cannot be written is said once
+per process (not per shard) and the index is then used in memory only; a filesystem without
+``flock`` builds without the lock (:mod:`streampack.io.index_cache`).
+
+**Cost of a scan.** A local tar is scanned header by header with ``seek`` over member data
+(only the first 512 bytes of each ``.npy`` token member and whole ``.json`` members are read); a
+remote tar the same way, by 16 KiB ranged reads where members are large and else streamed
+whole (:mod:`streampack.io.tar_sparse`); jsonl is read once (token lengths parsed only from lines
 that contain the ``tokens_key`` field); parquet costs its footer only. Memory is O(samples):
 int64 offsets, int32 lengths and the keys (tar), accumulated in ``array`` buffers (12 bytes per
 sample plus the keys, never a Python object per sample), stored as one compressed ``.npz``
@@ -38,7 +51,7 @@ import os
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, NamedTuple
 
@@ -59,13 +72,15 @@ from streampack.io.index_cache import (
     save_arrays,
 )
 from streampack.io.jsonl import iter_lines
+from streampack.io.limits import Limits
 from streampack.io.open import open_shard
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote, local_path
+from streampack.io.tar_sparse import open_sparse
 from streampack.io.tar import TarRegion, group_length, iter_tar_units, split_key
 from streampack.io.urls import shard_format
 
-INDEX_VERSION = 2
+INDEX_VERSION = 3  # 3: tar lengths no longer follow PYTHONHASHSEED; limits in the fingerprint
 _MEMO_SIZE = 4  # a worker reads one split shard at a time; a big shard's index is tens of MB
 _memo: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
 _memo_lock = threading.Lock()
@@ -153,23 +168,55 @@ class ShardIndex:
         return where.start, where.end, where.first
 
 
+def index_decode(tokens_key: str = "input_ids", limits: Limits | None = None) -> DecodeOptions:
+    """The :class:`DecodeOptions` every index is built and looked up with: only what changes an
+    index (``tokens_key``: which lengths it counts; ``limits``: an over-limit line or member is
+    indexed with length -1). One function for every call site (reader, planner, elastic resume,
+    ``streampack index``), so two of them never key the same shard differently."""
+    return DecodeOptions(tokens_key=tokens_key, limits=limits if limits is not None else Limits())
+
+
+def limits_key(url: str, limits: Limits) -> str:
+    """The limits an index of ``url``'s format depends on, as a fingerprint part: jsonl lines
+    (``max_line_bytes``, ``max_json_depth``), tar members and samples (``max_member_bytes``,
+    ``max_sample_bytes``, ``max_json_depth`` of ``json`` members); none for parquet (footer
+    only). A limit the index does not depend on does not invalidate it."""
+    fmt = shard_format(url)
+    names = {"tar": ("max_member_bytes", "max_sample_bytes", "max_json_depth"),
+             "parquet": ()}.get(fmt, ("max_line_bytes", "max_json_depth"))
+    return ",".join(f"{getattr(limits, n)}" for n in names)
+
+
+def unknown_lengths_hint(urls: Sequence[str]) -> str:
+    """Why an index may lack some token counts of ``urls`` (for an error message)."""
+    parquet = sum(shard_format(u) == "parquet" for u in urls)
+    if parquet:
+        return (f"{parquet} of {len(urls)} shard(s) are parquet, whose index reads only the footer: row counts, "
+                f"no token counts")
+    return "text to tokenize, or samples over the limits or unreadable, which the index counts as unknown"
+
+
 def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats: IOStats | None = None) -> str:
     """What a cached index must match: the shard's identity and what the index depends on."""
     return fingerprint_of(url, decode, storage.identity(url, opts, stats))
 
 
 def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) -> str:
-    """:func:`index_fingerprint` for a known identity (a manifest's entry: no request)."""
+    """:func:`index_fingerprint` for a known identity (a manifest's entry: no request). Always
+    the strict identity (size + ETag / mtime), whatever ``OpenOptions.identity`` says: a stale
+    index would point into other bytes, while a rebuilt one only costs a scan."""
     where = url if is_remote(url) else os.path.abspath(local_path(url))
     tag = ident.tag.removeprefix("mtime_ns=") if not is_remote(url) else ident.tag
-    return f"v{INDEX_VERSION}|{decode.tokens_key}|{where}|{ident.size}|{tag}"
+    return f"v{INDEX_VERSION}|{decode.tokens_key}|{limits_key(url, decode.limits)}|{where}|{ident.size}|{tag}"
 
 
 def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),
                         cache_dir: str | None = None, stats: IOStats | None = None) -> ShardIndex:
     """The cached index of ``url`` if still valid, else one built now (by this process or,
     under the lock, by whichever got there first) and cached."""
-    fp = index_fingerprint(url, decode, opts, stats)
+    decode = index_decode(decode.tokens_key, decode.limits)
+    ident = storage.identity(url, opts, stats)
+    fp, size = fingerprint_of(url, decode, ident), ident.size
     path = cache_path(url, cache_dir)
     with _memo_lock:
         hit = _memo.get((path, fp))
@@ -180,7 +227,7 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
         with locked(path):
             index = cached_index(path, fp, opts)  # built by another process while this one waited
             if index is None:
-                index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats)
+                index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats, size=size)
                 save_arrays(path, encode_index(index), opts)
     with _memo_lock:
         _memo[(path, fp)] = index
@@ -190,10 +237,16 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
 
 
 def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = DecodeOptions(),
-                opts: OpenOptions = OpenOptions(), stats: IOStats | None = None) -> ShardIndex:
-    """Scan ``url`` once (see the module docstring for what is read)."""
+                opts: OpenOptions = OpenOptions(), stats: IOStats | None = None, size: int | None = None,
+                ranged: str = "auto") -> ShardIndex:
+    """Scan ``url`` once (see the module docstring for what is read). A remote tar of known
+    ``size`` is read by ranged requests where that skips enough (``ranged``:
+    :mod:`streampack.io.tar_sparse`)."""
     fmt = shard_format(url)
-    with open_shard(url, 0, opts=opts, stats=stats) as raw:
+    # a shard within one block is one request read whole: ranged reads cannot beat that
+    sparse = fmt == "tar" and is_remote(url) and size is not None and (
+        ranged == "always" or (ranged == "auto" and size > opts.block_size))
+    with (open_sparse(url, size, opts, stats, ranged) if sparse else open_shard(url, 0, opts=opts, stats=stats)) as raw:
         if fmt == "parquet":
             rows = int(parquet.row_counts(raw, url).sum())
             return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(rows, dtype=np.int64),
@@ -225,7 +278,7 @@ class _Scan:
         self.lengths.append(min(length, 2**31 - 1))
 
     def tar(self, f: BinaryIO, decode: DecodeOptions, url: str) -> None:
-        token_npy = {"npy", f"{decode.tokens_key}.npy"}
+        token_npy = ("npy", f"{decode.tokens_key}.npy")  # the reader's order (io.tar_decode)
 
         def want(name: str) -> int:
             field = (split_key(name) or ("", ""))[1]
@@ -320,4 +373,5 @@ def cached_index(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
 
 
 __all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",
-           "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_dir", "index_fingerprint", "load_or_build_index"]
+           "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_decode",
+           "index_dir", "index_fingerprint", "limits_key", "load_or_build_index", "unknown_lengths_hint"]

@@ -4,18 +4,21 @@ the cache directory (local or any fsspec URL), replaced atomically, built under 
 The lock is ``fcntl.flock`` on ``<index file>.lock``: the first process to need an index builds
 it while the others wait, then load it (tested with racing processes). A remote cache directory
 (``s3://bucket/index/``) is read and written without a lock (object stores replace objects
-atomically); build it ahead with ``streampack index``. A cache that cannot be written is
-warned about (rate-limited) and the index is used uncached: building may then happen again,
-never wrongly.
+atomically); build it ahead with ``streampack index``. A local directory that cannot be written
+(a read-only shared cache) is said once per process with what to do, and not tried again; the
+index is used uncached: building may then happen again, never wrongly. A filesystem without
+``flock`` (``ENOLCK``) builds without the lock, said once: never a data error. Files are created
+``0666 & ~umask`` (``0644`` under the usual umask), so a team can share a cache.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,7 +64,13 @@ def load_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:
 
 
 def save_arrays(path: str, arrays: dict[str, np.ndarray], opts: OpenOptions) -> bool:
-    """Write ``arrays`` to ``path`` atomically; False (with a warning) when it cannot."""
+    """Write ``arrays`` to ``path`` atomically (local: a temporary file renamed over it, created
+    ``0666 & ~umask`` like any file the user writes, so a team shares a cache; object stores:
+    one PUT); False when it cannot. A local directory that cannot be written is said once per
+    process and not tried again (a read-only shared cache)."""
+    directory = os.path.dirname(path)
+    if not is_remote(path) and directory in _unwritable:
+        return False
     buf = io.BytesIO()
     np.savez_compressed(buf, **arrays)
     tmp = None
@@ -70,9 +79,9 @@ def save_arrays(path: str, arrays: dict[str, np.ndarray], opts: OpenOptions) -> 
             fs, p = storage.filesystem(path, opts)
             fs.pipe_file(p, buf.getvalue())
             return True
-        directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".spidx-", suffix=".tmp")
+        tmp = os.path.join(directory, f".spidx-{os.getpid()}-{secrets.token_hex(6)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mkstemp's 0600 shut the team out
         with os.fdopen(fd, "wb") as f:
             f.write(buf.getvalue())
         os.replace(tmp, path)
@@ -81,31 +90,72 @@ def save_arrays(path: str, arrays: dict[str, np.ndarray], opts: OpenOptions) -> 
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        warn_every(log, "index-not-cached", "cannot cache a shard index at %s: %s", path, e)
+        if isinstance(e, PermissionError) or getattr(e, "errno", None) == errno.EROFS:
+            _read_only(directory, e)
+        else:
+            warn_every(log, "index-not-cached", "cannot cache a shard index at %s: %s", path, e)
         return False
+
+
+_unwritable: set[str] = set()  # local directories found read-only: not written again
+
+
+def _read_only(directory: str, e: BaseException) -> None:
+    if directory not in _unwritable:
+        _unwritable.add(directory)
+        _unlockable.add(directory)
+        log.warning("the index cache %s cannot be written (%s): a shard index missing there is built in memory by "
+                    "every process that needs it (one scan of the shard each). Build them once with "
+                    "`streampack index URLS --cache-dir %s`, or pass a writable cache_dir", directory, e, directory)
 
 
 @contextlib.contextmanager
 def locked(path: str) -> Iterator[None]:
-    """An exclusive lock beside a local index file (none for a remote cache, or when the
-    directory is not writable)."""
-    if is_remote(path):
+    """An exclusive lock beside a local index file; no lock for a remote cache, a directory
+    that cannot be written, or a filesystem without ``flock`` (``ENOLCK``: some NFS and FUSE
+    mounts). Without a lock two processes may build the same index (the same work twice, each
+    written atomically), never a wrong one: a lock error is never a data error. Each of these
+    is said once per process and directory."""
+    directory = os.path.dirname(path)
+    if is_remote(path) or directory in _unlockable:
         yield
         return
     try:
         import fcntl
 
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
         f = open(path + ".lock", "a+b")  # noqa: SIM115 - held for the with-block
-    except (ImportError, OSError):
+    except (ImportError, OSError) as e:
+        if isinstance(e, PermissionError) or getattr(e, "errno", None) == errno.EROFS:
+            _read_only(directory, e)
+        else:
+            _no_lock(directory, e)
         yield
         return
     with f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        held = True
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        except OSError as e:
+            held = False
+            _no_lock(directory, e)
         try:
             yield
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            if held:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+_unlockable: set[str] = set()  # directories where locking failed once: not tried again
+
+
+def _no_lock(directory: str, e: BaseException) -> None:
+    if directory not in _unlockable:
+        _unlockable.add(directory)
+        log.warning("cannot lock index files in %s (%s): indexes are built without a lock there (two processes may "
+                    "build the same one; never a wrong one). Build them ahead with `streampack index`", directory,
+                    e)
 
 
 __all__ = ["INDEX_SUFFIX", "cache_path", "default_cache_dir", "index_dir", "load_arrays", "locked", "save_arrays"]

@@ -61,8 +61,13 @@ class OpenOptions:
     """Bytes per remote read request (one more block is prefetched while one is parsed)."""
     allow_pipe: bool = False
     """Accept ``pipe:`` URLs (runs a shell command)."""
+    identity: str = "tag"
+    """What proves a shard unchanged on resume and against a manifest: ``tag`` (size + ETag /
+    mtime), ``size``, ``digest`` or ``off`` (:mod:`streampack.io.shard_identity`)."""
 
     def __post_init__(self) -> None:
+        if self.identity not in ("tag", "size", "digest", "off"):
+            raise ValueError(f"identity={self.identity!r} must be one of ('tag', 'size', 'digest', 'off')")
         for name in ("connect_timeout", "read_timeout", "request_deadline"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

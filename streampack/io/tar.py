@@ -326,12 +326,16 @@ def _region_error(unit: TarRegion, url: str) -> DataError:
                      value=r.start, skipped_bytes=unit.next_offset - r.start)
 
 
-def group_length(group: TarGroup, opts: DecodeOptions, token_npy: set[str]) -> int:
+def group_length(group: TarGroup, opts: DecodeOptions, token_npy: tuple[str, ...]) -> int:
     """Token count of a group read for an index (``token_npy`` members read as a 512-byte
-    prefix, ``json`` whole); -1 when unknown."""
-    for name in token_npy:
-        if group.fields.get(name):
-            return npy_length(group.fields[name])
-    if group.fields.get("json"):
-        return token_count(group.fields["json"], opts)
-    return -1
+    prefix, ``json`` whole): the count of the one member the reader takes the tokens from; -1
+    when unknown, or when several members give tokens (``npy`` and ``<tokens_key>.npy``, or one
+    of them and the json's ``tokens_key``): the reader refuses that sample (``conflicting_fields``),
+    so no member's count is the right one. Never a set iterated here: its order (and so the
+    count) followed ``PYTHONHASHSEED``."""
+    found = [name for name in dict.fromkeys(token_npy) if group.fields.get(name)]
+    raw = group.fields.get("json")
+    count = token_count(raw, opts) if raw else -1
+    if len(found) + (count >= 0) != 1:
+        return -1
+    return npy_length(group.fields[found[0]]) if found else count

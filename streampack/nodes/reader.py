@@ -37,12 +37,13 @@ from typing import Any, BinaryIO
 from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.io import shard_identity
 from streampack.io.decode import DecodeOptions, Item
 from streampack.io.formats import ShardRange, open_range
-from streampack.io.index import ShardIndex, load_or_build_index
+from streampack.io.index import ShardIndex, index_decode, load_or_build_index
 from streampack.io.limits import Limits
 from streampack.io.retry import IOStats
-from streampack.io.storage import OpenOptions, ShardStat, identity
+from streampack.io.storage import OpenOptions, ShardStat
 from streampack.io.urls import ShardList
 from streampack.nodes.sharding import (
     ShardSpan,
@@ -209,7 +210,8 @@ class ShardReader(BaseNode[Sample]):
     def index(self, shard: int | str) -> ShardIndex:
         """The sample index (offsets, keys, token lengths) of a shard, built once and cached."""
         url = self.urls[shard] if isinstance(shard, int) else shard
-        return load_or_build_index(url, decode=self._decode, opts=self._open, cache_dir=self._cache_dir,
+        return load_or_build_index(url, decode=index_decode(self._decode.tokens_key, self._decode.limits),
+                                   opts=self._open, cache_dir=self._cache_dir,
                                    stats=self.io_stats)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -235,18 +237,16 @@ class ShardReader(BaseNode[Sample]):
 
     def verify_shard(self, shard: int) -> None:
         """``ValueError`` naming the shard and what changed when shard ``shard`` is not the one a
-        restored state read (its size or ETag / mtime differs); nothing when the state did not
-        record it. The packer's replay of carried samples calls this for every shard it re-reads."""
+        restored state read, compared as ``open_options.identity`` says (size + ETag / mtime by
+        default: :mod:`streampack.io.shard_identity`); nothing when the state did not record it.
+        The packer's replay of carried samples calls this for every shard it re-reads."""
         saved = self._saved_identities.get(shard)
-        if saved is None:
+        if saved is None or self._open.identity == "off":
             return
         url = self.urls[shard]
-        now = identity(url, self._open, self.io_stats)
-        if now != saved:
-            changes = [f"{what} {a!r} -> {b!r}" for what, a, b in
-                       (("size", saved.size, now.size), ("tag", saved.tag, now.tag)) if a != b]
-            raise ValueError(f"cannot resume: shard {url!r} changed since the state was saved "
-                             f"({'; '.join(changes)}); the saved positions point into the old contents")
+        shard_identity.check(url, saved, shard_identity.current(url, self._open, self.io_stats), self._open.identity,
+                             since="the state was saved", prefix="cannot resume: ",
+                             consequence="; the saved positions point into the old contents")
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -359,12 +359,13 @@ class ShardReader(BaseNode[Sample]):
 
     def _remember(self, shard: int, url: str) -> None:
         """Record the identity of a shard this reader opens (once per shard: a local ``stat``,
-        a ``HEAD`` for a remote object), newest last, keeping the ``RECENT_SHARDS`` newest. A
-        ``pipe:`` command has no identity to record."""
-        if url.startswith("pipe:"):
+        a ``HEAD`` for a remote object, plus two ranged reads under ``identity="digest"``; none
+        under ``"off"``), newest last, keeping the ``RECENT_SHARDS`` newest. A ``pipe:`` command
+        has no identity to record."""
+        if url.startswith("pipe:") or self._open.identity == "off":
             return
         if shard not in self._identities:
-            self._identities[shard] = identity(url, self._open, self.io_stats)
+            self._identities[shard] = shard_identity.current(url, self._open, self.io_stats)
         self._identities.move_to_end(shard)
         while len(self._identities) > RECENT_SHARDS:
             self._identities.popitem(last=False)

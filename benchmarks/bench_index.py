@@ -1,0 +1,136 @@
+"""What the manifest and ``streampack index`` cost (numbers quoted in io/manifest.py, io/tar_sparse.py
+and cli/index_cmd.py).
+
+    python benchmarks/bench_index.py manifest --shards 100000
+    python benchmarks/bench_index.py local --shards 200 --samples 1000 --jobs 2
+    python benchmarks/bench_index.py http --shards 20 --samples 1000 --member 262144 --jobs 4
+
+``http`` serves the shards from a loopback server (Range support) and indexes them with
+``--ranged always`` and ``never``; member data is written as file holes, so a 5 GB data set
+takes no disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import resource
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def write_shard(path: str, samples: int, member: int, seed: int) -> None:
+    """A webdataset tar: per sample a 100-token ``npy`` and a ``bin`` member of ``member``
+    zero bytes, written as a hole."""
+    rng = np.random.default_rng(seed)
+    with open(path, "wb") as f:
+        for i in range(samples):
+            buf = io.BytesIO()
+            np.save(buf, rng.integers(0, 50_000, int(rng.integers(50, 2000)), dtype=np.int32))
+            for name, data, size in ((f"{i:08d}.npy", buf.getvalue(), None), (f"{i:08d}.bin", None, member)):
+                info = tarfile.TarInfo(name)
+                info.size = len(data) if data is not None else size
+                f.write(info.tobuf(format=tarfile.USTAR_FORMAT))
+                if data is not None:
+                    f.write(data)
+                else:
+                    f.seek(size, io.SEEK_CUR)
+                pad = -info.size % 512
+                f.write(b"\0" * pad)
+        f.write(b"\0" * 1024)
+
+
+def make_set(directory: str, shards: int, samples: int, member: int) -> list[str]:
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, f"shard-{s:06d}.tar") for s in range(shards)]
+    for s, p in enumerate(paths):
+        write_shard(p, samples, member, s)
+    return paths
+
+
+def timed_index(urls: list[str], out: str, *extra: str) -> float:
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "streampack", "index", *urls, "--out", out, "--quiet", *extra],
+                   check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
+def bench_manifest(shards: int) -> None:
+    from streampack.io.manifest import MANIFEST_FILE, Manifest, ShardTotals, save_manifest
+    from streampack.io.storage import OpenOptions
+
+    rng = np.random.default_rng(0)
+    totals = [ShardTotals(url=f"s3://my-bucket/datasets/web-2026/train/shard-{i:06d}.tar",
+                          size=int(rng.integers(1e8, 1e9)), tag=f'"{rng.bytes(16).hex()}-{int(rng.integers(1, 99))}"',
+                          samples=int(rng.integers(5e4, 1e5)), tokens=int(rng.integers(1e7, 1e8)),
+                          byte_cost=int(rng.integers(1e8, 1e9)),
+                          digest="digest=" + rng.bytes(20).hex()) for i in range(shards)]
+    with tempfile.TemporaryDirectory() as d:
+        save_manifest(Manifest.of(d, "input_ids", totals), OpenOptions())
+        size = os.path.getsize(os.path.join(d, MANIFEST_FILE))
+        script = ("import os, time; from streampack.io.manifest import load_manifest\n"
+                  "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20\n"
+                  "base = rss(); t = time.perf_counter()\n"
+                  f"m = load_manifest({d!r}); dt = time.perf_counter() - t\n"
+                  "print(dt, rss() - base, len(m))")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    print(f"manifest of {shards} shards: {size} bytes ({size / shards:.1f} B/shard); "
+          f"load {float(out[0]) * 1e3:.0f} ms, "
+          f"RSS +{float(out[1]):.1f} MiB")
+
+
+def bench_local(shards: int, samples: int, jobs: int) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        urls = make_set(os.path.join(d, "d"), shards, samples, 0)
+        for pool in ("threads", "processes"):
+            dt = timed_index(urls, os.path.join(d, pool), "--pool", pool, "--jobs", str(jobs))
+            print(f"local {shards}x{samples} samples, {pool} x{jobs}: {dt:.2f} s, {shards / dt:.1f} shards/s")
+        dt = timed_index(urls, os.path.join(d, "threads"), "--jobs", str(jobs))
+        print(f"local, again (resume: every index kept): {dt:.2f} s")
+
+
+def bench_http(shards: int, samples: int, member: int, jobs: int) -> None:
+    from helpers_data import serve_directory
+
+    with tempfile.TemporaryDirectory() as d:
+        paths = make_set(os.path.join(d, "d"), shards, samples, member)
+        size = sum(os.path.getsize(p) for p in paths)
+        with serve_directory(os.path.join(d, "d")) as server:
+            urls = server.urls_for(paths)
+            for mode in ("never", "always", "auto"):
+                server.requests.clear()
+                dt = timed_index(urls, os.path.join(d, mode), "--ranged", mode, "--jobs", str(jobs))
+                got = sum(int(b) - int(a) + 1 for _, r in server.requests if r
+                          for a, b in [r.split("=")[1].split("-")])
+                print(f"http {shards}x{samples}, members {member} B ({size / 1e6:.0f} MB), ranged={mode}, "
+                      f"jobs {jobs}: {dt:.2f} s, {shards / dt:.2f} shards/s, {len(server.requests)} requests, "
+                      f"{got / 1e6:.1f} MB fetched")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=("manifest", "local", "http"))
+    p.add_argument("--shards", type=int, default=20)
+    p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--member", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=4)
+    a = p.parse_args()
+    if a.what == "manifest":
+        bench_manifest(a.shards)
+    elif a.what == "local":
+        bench_local(a.shards, a.samples, a.jobs)
+    else:
+        bench_http(a.shards, a.samples, a.member, a.jobs)
+    print(f"(peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
