@@ -13,6 +13,7 @@ import threading
 import time
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -162,6 +163,9 @@ def test_record_pickles_and_bad_inputs_are_refused(store) -> None:
                 dict(dp_rank=0, worker_id=0, num_workers=1, count=-1)):
         with pytest.raises(ValueError, match=r"dp_rank|worker_id|count=-1"):
             agree_counts(a, key="e0", **bad)
+    one = _agreement(store, 1, prefix="one")  # one reader agrees with itself; numpy counts are ints
+    assert agree_counts(one, key="e0", dp_rank=0, worker_id=0, num_workers=1, count=np.int64(3)) == RankCounts(
+        target=3, workers=(3,))
     with pytest.raises(ValueError, match="port=0"):
         Agreement(host="127.0.0.1", port=0, prefix="p", dp_size=2)
     with pytest.raises(ValueError, match="dp_size=0"):
