@@ -1,5 +1,5 @@
 """Agreement on per-epoch counts through a real TCPStore on loopback: readers as threads, as
-spawned processes and (slow) as DataLoader workers of two gloo ranks."""
+spawned processes and (slow) as DataLoader workers of two torchrun ranks."""
 
 from __future__ import annotations
 
@@ -8,17 +8,18 @@ import multiprocessing as mp
 import os
 import pickle
 import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
 
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from streampack.agree import Agreement, RankCounts, agree_counts
 
@@ -201,40 +202,26 @@ def test_from_dist_with_a_gloo_group(tmp_path) -> None:
         dist.destroy_process_group()
 
 
-class _Rounds(IterableDataset):
-    """Each DataLoader worker reports ``rank * 3 + worker + 1`` and yields what was agreed."""
-
-    def __init__(self, agreement: Agreement, rank: int, epoch: int) -> None:
-        self.agreement, self.rank, self.epoch = agreement, rank, epoch
-
-    def __iter__(self):
-        info = get_worker_info()
-        got = agree_counts(self.agreement, key=f"epoch{self.epoch}", dp_rank=self.rank, worker_id=info.id,
-                           num_workers=info.num_workers, count=self.rank * 3 + info.id + 1)
-        yield {"rank": self.rank, "worker": info.id, "pid": os.getpid(), "target": got.target,
-               "workers": list(got.workers)}
-
-
-def _dist_rank(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    a = Agreement.from_dist(None, rank, 2, timeout_s=60)
-    # the main process connects first, so the forked workers inherit a client they must not reuse
-    warm = agree_counts(a, key="warm", dp_rank=rank, worker_id=0, num_workers=1, count=rank)
-    rows = [row for epoch in range(2)
-            for row in DataLoader(_Rounds(a, rank, epoch), batch_size=None, num_workers=2)]
-    dist.barrier()
-    dist.destroy_process_group()
-    with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump({"warm": warm.target, "rows": rows}, f)
-
-
-@pytest.mark.slow  # two gloo processes with two DataLoader workers each
+@pytest.mark.slow  # torchrun: two gloo ranks with two DataLoader workers each
 @pytest.mark.distributed
-def test_dataloader_workers_of_two_ranks_agree(tmp_path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.multiprocessing.spawn(_dist_rank, args=(_free_port(), str(tmp_path)), nprocs=2)
-    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
-    assert [r["warm"] for r in ranks] == [1, 1]
+def test_torchrun_dataloader_workers_agree(tmp_path) -> None:
+    out = tmp_path / "result.json"
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           os.path.join(here, "agree_worker.py"), str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the ranks too, not only torchrun
+        _, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    ranks = json.loads(out.read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["prefix"] == ranks[1]["prefix"] and [r["warm"] for r in ranks] == [1, 1]
     rows = [row for r in ranks for row in r["rows"]]
     assert len(rows) == 8 and len({row["pid"] for row in rows}) == 8  # 2 epochs x 2 ranks x 2 fresh workers
     for row in rows:
