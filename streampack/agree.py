@@ -134,7 +134,11 @@ def agree_counts(agreement: Agreement, *, key: str, dp_rank: int, worker_id: int
     """Report this reader's ``count`` for round ``key`` and wait for every reader's. Every reader
     of every rank calls it once per round; model-parallel peers may repeat a (dp_rank,
     worker_id) with the same count. Raises ValueError on disagreement, TimeoutError after
-    ``agreement.timeout_s`` naming the round, this reader and how many readers had arrived."""
+    ``agreement.timeout_s`` naming the round, this reader and how many readers had arrived.
+    ``key`` must name the round uniquely within the run: asking again (a resumed epoch) gets the
+    first answer if the count is the same and a ValueError if not."""
+    from torch.distributed import DistStoreError
+
     validate_topology(dp_rank, agreement.dp_size, worker_id, num_workers)
     if not isinstance(count, numbers.Integral) or isinstance(count, bool) or count < 0:
         raise ValueError(f"count={count!r} must be an int >= 0")
@@ -161,7 +165,8 @@ def agree_counts(agreement: Agreement, *, key: str, dp_rank: int, worker_id: int
                 _aggregate_global(store, base, key, agreement.dp_size)
     try:
         store.wait([done], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-    except RuntimeError as e:  # DistStoreError; torch cancels the wait, so the connection stays usable
+    except DistStoreError as e:  # a timeout (a lost store is DistNetworkError, raised as is); torch
+        # cancels the wait on the server, so the same connection can still count who arrived
         raise _timeout(store, agreement, key, dp_rank, worker_id, num_workers) from e
     value, rank = (v.decode() for v in store.multi_get([done, f"{base}/t/{dp_rank}"]))
     if value.startswith(_ERROR):
@@ -216,7 +221,9 @@ def _client(agreement: Agreement) -> Any:
     reuses its parent's socket."""
     from torch.distributed import TCPStore
 
-    clients = _local.__dict__.setdefault("clients", {})
+    if not hasattr(_local, "clients"):
+        _local.clients = {}
+    clients: dict[tuple[str, int], tuple[int, Any]] = _local.clients
     address = (agreement.host, agreement.port)
     pid, store = clients.get(address, (None, None))
     if pid != os.getpid():

@@ -191,6 +191,8 @@ def test_from_dist_with_a_gloo_group(tmp_path) -> None:
         # explicit dp_size > the group (e.g. the other ranks' groups elsewhere): usable here by threads
         a, b = Agreement.from_dist(None, 0, 2, timeout_s=30), Agreement.from_dist(None, 0, 2)
         assert a is not None and b is not None and a.prefix != b.prefix  # a fresh nonce every time
+        group = dist.new_group([0])  # an explicit dp_group: the store is under its PrefixStore too
+        assert Agreement.from_dist(group, 0, 2).port == a.port
         assert _run([(a, "e0", r, 0, 1, 6 - r) for r in range(2)]) == [
             RankCounts(target=6, workers=(6,)), RankCounts(target=6, workers=(5,))]
     finally:
