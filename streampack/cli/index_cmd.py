@@ -20,9 +20,9 @@ from typing import Any
 from streampack.cli._data import CliError, describe, no_bar
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("index", help="build the sample index of every shard ahead of training",
-                       description=describe(__doc__))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
+    p.description = describe(__doc__)
     p.add_argument("urls", nargs="+", help="shards: paths, globs, brace patterns, directories or fsspec URLs")
     p.add_argument("--cache-dir", default=None,
                    help="where the index files go (PackedDataset's cache_dir; default $STREAMPACK_CACHE/index "
@@ -34,7 +34,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="an fsspec storage option (VALUE parsed as JSON when it can be), repeatable")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
-    return p
 
 
 def _storage_options(pairs: list[str]) -> dict[str, Any]:
