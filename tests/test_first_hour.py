@@ -131,3 +131,16 @@ def test_worker_logs_one_line_before_torch_traceback(tmp_path):
     assert lines == [f"DataLoader worker 0 of 1 (dp_rank 0): DataError missing_field in shard={str(path)!r} "
                      "key='0': no 'input_ids' (token ids) or 'text' (text) field (fields: ['id']); "
                      "set tokens_key= / text_key="]
+
+
+def test_streampack_itself_emits_no_set_vital_warning(tmp_path):
+    # torchdata 0.11's StatefulDataLoader.__init__ calls torch.set_vital, deprecated in torch 2.13;
+    # streampack's own reading path must not be where a user sees it (pytest's config ignores
+    # it globally, hence "always" here)
+    from torch.utils.data import DataLoader
+
+    urls = write_jsonl_shards(tmp_path, make_token_docs(20), 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = list(DataLoader(PackedDataset(urls, capacity=64, epochs=1), batch_size=None))
+    assert batches and not [w for w in caught if "set_vital" in str(w.message)]

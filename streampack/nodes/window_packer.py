@@ -57,6 +57,7 @@ from torchdata.nodes import BaseNode
 
 from streampack import packing
 from streampack.nodes.window_rounds import (
+    WARMUP,
     PackerRules,
     aligned_lengths,
     choose,
@@ -110,10 +111,12 @@ class WindowPacker(BaseNode[list[Sample]]):
                  slack: int | None = None, shuffle: bool = True, replay: Replay | None = None,
                  carry: Mapping[str, Any] | None = None, balance: Balance | None = None,
                  cost_model: CostModel | None = None, schedule: Schedule | None = None,
-                 first_batch: int = 0, levels: np.ndarray | None = None) -> None:
+                 first_batch: int = 0, levels: np.ndarray | None = None, warmup: int = WARMUP) -> None:
         super().__init__()
         if window < 1:
             raise ValueError(f"{window=} must be >= 1")
+        if warmup < 1:
+            raise ValueError(f"{warmup=} must be >= 1 (samples in the first round; >= window turns the warm-up off)")
         if max_wait < 1:
             raise ValueError(f"{max_wait=} must be >= 1")
         if align < 1 or capacity < 1:
@@ -127,7 +130,7 @@ class WindowPacker(BaseNode[list[Sample]]):
             raise ValueError("balance needs a cost_model (a CostModel, or a model shape for CostModel.from_shape)")
         self.source = source
         self.rules = PackerRules(capacity=capacity, window=window, algorithm=algorithm, align=align,
-                                 seed=seed, max_wait=max_wait, slack=slack)
+                                 seed=seed, max_wait=max_wait, slack=slack, warmup=warmup)
         self.capacity, self.window, self.algorithm = capacity, window, algorithm
         self.align, self.seed, self.max_wait, self.shuffle = align, seed, max_wait, shuffle
         self.slack = self.rules.free_ok
@@ -259,7 +262,7 @@ class WindowPacker(BaseNode[list[Sample]]):
         self._cache = None
         samples, entered = self._carry, self._entered
         ended = False
-        while len(samples) < self.window:
+        while len(samples) < self.rules.size(self._round):
             try:
                 samples.append(next(self.source))
             except StopIteration:
