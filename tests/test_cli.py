@@ -334,3 +334,11 @@ def test_pack_overlong_choices_match_the_node():
     from streampack.nodes.overlong import POLICIES
 
     assert OVERLONG_POLICIES == POLICIES
+
+
+def test_brace_typo_fails_before_reading(tmp_path, capsys):
+    # before: `pack` / `inspect` read every listed shard up to the missing one, then failed
+    write_jsonl_shards(tmp_path, make_token_docs(8), 2)
+    assert main(["inspect", str(tmp_path / "shard-{000000..000003}.jsonl"), "--capacity", "64", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("streampack: error: 2 of 4 shards do not exist: ") and "shard-000003.jsonl" in err
