@@ -108,7 +108,6 @@ def test_worker_error_line_names_type_shard_key_reason_and_worker():
         "DataLoader worker 0 of 1 (dp_rank 0): KeyError: 'x'")
 
 
-@pytest.mark.slow
 def test_worker_logs_one_line_before_torch_traceback(tmp_path):
     from torch.utils.data import DataLoader
 
