@@ -5,8 +5,9 @@ registry algorithm (``bfd`` by default), emit every pack that is full enough, ca
 samples of the other packs into the next round. Packing once per round (not once per
 emitted pack) keeps the cost at one ``pack()`` call per ~``window`` samples. A fresh packer
 warms up: round ``r`` refills only to ``min(window, warmup * 2**r)`` samples (``warmup`` = 64),
-so the first packs leave after 64 samples, not a whole window (40 s -> ~2 s to the first batch
-on ~1,900-token text documents with 2 workers; see :mod:`~streampack.nodes.window_rounds`).
+so the first packs leave after 64 samples, not a whole window (window 1024, ~1,900-token text
+documents, 2 workers: 1.5 s instead of 23 s to the first batch, fill cost <= 0.035 pp; see
+:mod:`~streampack.nodes.window_rounds`).
 
 A pack is emitted when
   1. its free space is at most ``slack`` tokens (default ``capacity // 256``), or

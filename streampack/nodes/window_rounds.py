@@ -10,13 +10,18 @@ Warm-up. Round ``r`` refills the window to ``min(window, warmup * 2**r)`` sample
 and the carry rule keeps at most half of *that* many, so a fresh packer (a new stream, each epoch of a
 finite one, an elastic resume's new reader) emits its first packs after ``warmup`` (64) samples instead
 of ``window``: the first batch no longer waits for a whole window to be read and tokenized. The ramp
-is a function of the round number, so the plan counts it and an exact resume replays it. Measured
-(``benchmarks/bench_first_batch.py``; 2-core box shared with ~6 other jobs, best of 3): text shards of
-~1,900-token documents, BPE tokenizer, capacity 4096, 2 DataLoader workers, window 1024: first batch
-after TODO s with the warm-up vs TODO s without. Fill cost (lognormal lengths, capacity 4096, whole
-epoch, ``count_packs``): at most 0.035 percentage points (mean 600, window 256, 20k samples:
-99.816% -> 99.781%), 0.000-0.003 pp at window 1024 for 20k-200k samples; packs of the warm-up rounds
-are fuller than their share would suggest because bfd on 64+ samples still finds near-full bins.
+is a function of the round number, so the plan counts it and an exact resume replays it.
+
+Measured 2026-11-25 (``benchmarks/bench_first_batch.py --windows 256,1024 --doc-tokens 600,1900``;
+2-core box shared with other jobs, load average 4-8, best of 3), text shards + BPE tokenizer,
+capacity 4096, 2 DataLoader workers, seconds from ``iter(loader)`` to the first batch, warm-up on
+vs off (off = the packer before): ~1,900-token documents, window 1024: 1.50 vs 22.95; window 256:
+1.50 vs 13.66; ~600-token documents, window 1024: 0.60 vs 5.99 (window 256: 0.17 vs 0.67; the
+sub-second values are mostly noise on this box). With the warm-up the first batch no longer
+depends on the window. Fill cost over a whole epoch (lognormal lengths, capacity 4096,
+``count_packs``): at most 0.035 percentage points (mean 600, window 256, 20k samples: 99.816% ->
+99.781%); between -0.004 and +0.004 pp at 200k samples for windows 256-4096 (the warm-up rounds
+cover ~2 windows of samples, and bfd on 64+ samples still finds near-full bins).
 """
 
 from __future__ import annotations
