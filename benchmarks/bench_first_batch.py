@@ -115,7 +115,8 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| doc tokens (mean) | window | first batch, warm-up on | off (before) |", "|---|---|---|---|"]
     out += [f"| {r['doc_tokens']} | {r['window']} | {r['seconds_on']:.2f} s | {r['seconds_off']:.2f} s |"
             for r in rows if r["case"] == "first_batch"]
-    out += ["", "| doc tokens (mean) | samples | window | fill off | fill on | cost (pp) |", "|---|---|---|---|---|---|"]
+    out += ["", "| doc tokens (mean) | samples | window | fill off | fill on | cost (pp) |",
+            "|---|---|---|---|---|---|"]
     out += [f"| {r['doc_tokens']} | {r['samples']:,} | {r['window']} | {r['fill_off']:.5f} | {r['fill_on']:.5f} | "
             f"{r['cost_pp']:.4f} |" for r in rows if r["case"] == "fill"]
     return "\n".join(out)

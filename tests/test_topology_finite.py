@@ -125,8 +125,9 @@ def test_plan_counts_the_warmup_rounds_exactly(seed):
     cap = int(rng.choice([64, 256]))
     lengths = lognormal_lengths(int(rng.integers(50, 1500)), mean=cap / 4, seed=seed, max_len=cap)
     carry = lognormal_lengths(int(rng.integers(0, 200)), mean=cap / 3, seed=seed + 7, max_len=cap)
-    rules = PackerRules(capacity=cap, window=int(rng.choice([96, 256, 512])), seed=seed, max_wait=int(rng.integers(1, 9)),
-                        warmup=int(rng.choice([1, 4, 16, 64])), algorithm=str(rng.choice(["bfd", "ffd", "kk"])))
+    rules = PackerRules(capacity=cap, window=int(rng.choice([96, 256, 512])), seed=seed,
+                        max_wait=int(rng.integers(1, 9)), warmup=int(rng.choice([1, 4, 16, 64])),
+                        algorithm=str(rng.choice(["bfd", "ffd", "kk"])))
     from streampack.state import samples_to_table
 
     node = WindowPacker(ListSource(make_samples(lengths)), capacity=cap, window=rules.window, seed=seed,
