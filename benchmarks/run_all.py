@@ -6,7 +6,11 @@ defaults for a full run, small sizes for ``--quick``), else ``quick=`` when ``ru
 it, else none. A module that fails is reported with its error and the others still run; the
 exit code is 1 if any failed.
 
-Measured (2 cores): ``--quick`` takes ~22 s (bench_packing 13 s, bench_pipeline 7 s).
+``--quick`` is a smoke run: only the modules in :data:`QUICK` (packing speed and fill, the
+pipeline end to end, cold start), at small sizes; every other module is named in the report as
+skipped. Before, ``--quick`` ran all 13 modules and took 6 min (122 s CPU) on 2 cores. Measured
+2026-11-25 on the shared 2-core box (load average ~5): ``streampack bench --quick`` 35 s wall,
+20 s CPU (user + sys, children included).
 
     python benchmarks/run_all.py --quick --out report.md     (or: streampack bench --quick)
     python benchmarks/run_all.py --skip bench_balance         (the 1,024-rank simulator alone takes ~15 min)
@@ -34,6 +38,8 @@ ARGS: dict[str, dict[str, dict[str, Any]]] = {
     "bench_pipeline": {"full": {}, "quick": {"docs": 6_000, "shards": 4, "windows": (64, 1024)}},
     "bench_rl": {"full": {}, "quick": {}},
 }
+QUICK: tuple[str, ...] = ("bench_packing", "bench_pipeline", "bench_cold_start")
+"""The modules ``--quick`` runs (the rest take minutes even at their smallest sizes)."""
 
 
 def discover(directory: Path = HERE) -> list[Path]:
@@ -91,6 +97,8 @@ def run_all(*, quick: bool = False, out: str | None = None, paths: list[Path] | 
             echo: bool = True) -> tuple[str, int]:
     """Run the benchmarks; return (markdown report, number of failed modules)."""
     paths = discover() if paths is None else paths
+    skipped = [p.stem for p in paths if quick and p.stem not in QUICK]
+    paths = [p for p in paths if p.stem not in skipped]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     parts = [f"# streampack benchmarks\n\n{stamp} · {'quick' if quick else 'full'} run · "
              f"Python {platform.python_version()} · {platform.machine()} · {_cores()} cores\n"]
@@ -107,6 +115,8 @@ def run_all(*, quick: bool = False, out: str | None = None, paths: list[Path] | 
             parts.append(f"**failed** after {seconds:.1f} s:\n\n```\n{error.rstrip()}\n```\n")
         else:
             parts.append(markdown_table(rows) + f"\n_{len(rows)} rows in {seconds:.1f} s_\n")
+    if skipped:
+        parts.append(f"\n_skipped in a quick run (run without --quick for them): {', '.join(skipped)}_\n")
     report = "".join(parts)
     if out:
         Path(out).write_text(report)

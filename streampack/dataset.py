@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
+from streampack.errors import log_worker_error
 from streampack.graph import Graph, build_graph, graph_metrics, make_planner
 from streampack.io.index import unknown_lengths_hint
 from streampack.io.limits import Limits
@@ -27,6 +28,7 @@ from streampack.nodes.window_packer import fill
 from streampack.packing.cost import CostModel
 from streampack.packing.schedule import Balance
 from streampack.passes import PassTracker
+from streampack.preflight import preflight
 from streampack.reshard import PendingResume
 from streampack.settings import (
     EQUAL_BATCHES,
@@ -162,6 +164,8 @@ class PackedDataset(IterableDataset):
         if self.config.balance is not None and self.sources.packed is not None:
             raise ValueError("balance='cost' orders the packs of the streaming packer; a `streampack pack` "
                              "directory holds packs made offline: read raw shards to balance them")
+        if self.sources.packed is None:  # a typo fails now, not when a reader reaches the shard
+            preflight(self.sources.lists, self.config, self.options)
         self.tokenizer, self.stages, self.pin_memory = tokenizer, list(stages), pin_memory
         self.dp_rank, self.dp_size = resolve_topology(dp_rank, dp_size, dp_group)
         self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size), validate=True)  # checks every setting
@@ -328,6 +332,11 @@ class PackedDataset(IterableDataset):
                 batch = next(graph.root)
             except StopIteration:
                 return
+            except Exception as e:
+                here = current_worker()
+                if here.num_workers > 0:  # torch turns it into a long traceback: one line first
+                    log_worker_error(e, worker_id=here.id, num_workers=here.num_workers, dp_rank=self.dp_rank)
+                raise
             yield batch.pin_memory() if pin else batch
 
     def __getstate__(self) -> dict[str, Any]:

@@ -33,6 +33,11 @@ from streampack.logs import get_logger, warn_every
 OnError = Literal["raise", "skip"]
 ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "skip")
 _LOG = get_logger(__name__)
+NOT_TOKENIZED = ("is not tokenized yet: it has text but no token ids; pass tokenizer= (a tokenizers.Tokenizer, "
+                 "a tokenizer.json path or a str -> list[int] callable) to tokenize it, or tokens_key= naming "
+                 "the field that holds token ids")
+"""Why a text sample reached a stage that needs ids, and the two ways out (the same words wherever
+it is raised)."""
 _VALUE_REPR_CHARS = 80
 _VALUE_KEEP = 256  # a long str / bytes / list value is kept only this long on the exception
 _WHERE = " (shard="
@@ -143,3 +148,20 @@ class ErrorPolicy:
         self.errors.record(err)
         if self.on_error == "raise":
             raise err
+
+
+def log_worker_error(err: BaseException, *, worker_id: int, num_workers: int, dp_rank: int) -> str:
+    """Log one line saying what failed in a DataLoader worker, and return it.
+
+    torch re-raises a worker's exception in the main process with the worker's whole traceback
+    folded into the message (37-122 lines measured for streampack's errors); this line, logged
+    from the worker before it raises, says the same in one line: type, shard, key, reason."""
+    where = f"DataLoader worker {worker_id} of {num_workers} (dp_rank {dp_rank})"
+    if isinstance(err, DataError) and err.reason != "unknown":
+        key = f" key={err.key!r}" if err.key else ""
+        line = f"{where}: DataError {err.reason} in shard={err.url!r}{key}: {err.detail}"
+    else:
+        first = (str(err).strip().splitlines() or [""])[0]
+        line = f"{where}: {type(err).__name__}: {first}" if first else f"{where}: {type(err).__name__}"
+    _LOG.error("%s", line)
+    return line

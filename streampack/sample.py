@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from streampack.errors import NOT_TOKENIZED
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SampleOrigin:
@@ -79,5 +81,5 @@ class Sample:
 
     def __len__(self) -> int:
         if self.tokens is None:
-            raise ValueError(f"sample {self.doc_key!r} is not tokenized yet")
+            raise ValueError(f"sample {self.doc_key!r} {NOT_TOKENIZED}")
         return int(self.tokens.shape[0])

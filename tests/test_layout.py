@@ -97,7 +97,7 @@ ALLOWED = {
     "attention": {"layout"},
     "rl": {"packing", "layout"},
     "integrations": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset"},
-    "cli": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "integrations"},
+    "cli": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "integrations", "preflight"},
 }
 LEAVES = {"errors", "logs", "sample", "state", "topology"}
 

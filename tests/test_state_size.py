@@ -41,9 +41,11 @@ def _state_after(ds: PackedDataset, steps: int):
 def test_capacity_131072_window_1024_under_one_megabyte(tmp_path):
     # 1500 short documents never fill a 131072-token pack: the whole window stays carried, the
     # worst case for a state that stores one entry per carried sample
-    lengths = np.random.default_rng(0).integers(20, 200, 1500)
+    lengths = np.random.default_rng(0).integers(20, 200, 3000)
     urls = _shards(tmp_path, lengths)
-    state, _ = _state_after(PackedDataset(urls, capacity=131072, window=1024), 1)
+    # the warm-up rounds hold 64, 128, 256, 512 samples (one pack each here): the fifth pack is
+    # the first of a full 1024-sample window
+    state, _ = _state_after(PackedDataset(urls, capacity=131072, window=1024), 5)
     size = state_nbytes(state)
     assert _carried(state) >= 1000
     assert size < 1 << 20, size

@@ -117,6 +117,35 @@ def test_plan_counts_exactly_the_packs_the_node_emits(seed):
     assert count_packs(rules, lengths, carry) == sum(1 for _ in node)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_counts_the_warmup_rounds_exactly(seed):
+    """The warm-up ramps the window (warmup, 2*warmup, ... up to window): the plan must count the
+    node's packs through it, a carried window (elastic resume) included."""
+    rng = np.random.default_rng(100 + seed)
+    cap = int(rng.choice([64, 256]))
+    lengths = lognormal_lengths(int(rng.integers(50, 1500)), mean=cap / 4, seed=seed, max_len=cap)
+    carry = lognormal_lengths(int(rng.integers(0, 200)), mean=cap / 3, seed=seed + 7, max_len=cap)
+    rules = PackerRules(capacity=cap, window=int(rng.choice([96, 256, 512])), seed=seed,
+                        max_wait=int(rng.integers(1, 9)), warmup=int(rng.choice([1, 4, 16, 64])),
+                        algorithm=str(rng.choice(["bfd", "ffd", "kk"])))
+    from streampack.state import samples_to_table
+
+    node = WindowPacker(ListSource(make_samples(lengths)), capacity=cap, window=rules.window, seed=seed,
+                        max_wait=rules.max_wait, algorithm=rules.algorithm, warmup=rules.warmup,
+                        carry=samples_to_table(make_samples(carry), by_reference=False))
+    assert count_packs(rules, lengths, carry) == sum(1 for _ in node)
+    assert node.metrics["rounds"] >= 2  # the ramp ran (not one flush round)
+
+
+def test_equal_batch_counts_with_the_default_warmup(few_shards):
+    """window=256 > the default warm-up (64): the plan counts the ramping rounds of every reader."""
+    urls, docs = few_shards
+    ranks = [list(PackedDataset(urls, capacity=CAP, window=256, epochs=1, dp_rank=r, dp_size=3, seed=5,
+                                packs_per_batch=2)) for r in range(3)]
+    assert len({len(r) for r in ranks}) == 1, [len(r) for r in ranks]
+    assert collect_documents([b for r in ranks for b in r]) == {f"{i:08d}": d for i, d in enumerate(docs)}
+
+
 def test_text_shards_over_ranks_need_sync_or_a_count(tmp_path):
     """Text has no token lengths before tokenizing: the plan cannot count, so it says what to do."""
     urls = write_jsonl_shards(tmp_path, make_text_docs(20), 2)

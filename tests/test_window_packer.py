@@ -12,6 +12,7 @@ from streampack.nodes.collate import ThdCollate, is_filler
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.stages import MapSamples
 from streampack.nodes.window_packer import WindowPacker, fill
+from streampack.nodes.window_rounds import WARMUP, PackerRules
 
 CAP = 256
 
@@ -143,3 +144,32 @@ def test_fill_window_1024_long_tail() -> None:
 def test_fill_window_1024_long_tail_large() -> None:
     got, offline = _fill_vs_offline(300_000, 1024)
     assert got >= 0.998 and offline - got <= 0.001, (got, offline)
+
+
+@pytest.mark.parametrize("window", [256, 1024, 4096])
+def test_first_pack_comes_after_the_warmup_not_the_window(window: int) -> None:
+    # before: the first pack waited for `window` samples (a worker read and tokenized ~1,000
+    # documents of ~1,900 tokens first: 40 s to the first batch with 2 workers)
+    samples = make_samples([1900] * 5000)
+    source = ListSource(samples)
+    packer = WindowPacker(source, capacity=4096, window=window)
+    first = next(packer)
+    assert len(first) == 2 and source.state_dict()["index"] == WARMUP  # the same for every window
+
+
+def test_warmup_rounds_double_up_to_the_window() -> None:
+    rules = PackerRules(capacity=CAP, window=100, warmup=8)
+    assert [rules.size(r) for r in range(6)] == [8, 16, 32, 64, 100, 100]
+    assert PackerRules(capacity=CAP, window=100, warmup=100).size(0) == 100  # off: as before
+    assert PackerRules(capacity=CAP, window=100, warmup=1).size(10_000) == 100
+    with pytest.raises(ValueError, match="warmup=0"):
+        WindowPacker(ListSource([]), capacity=CAP, warmup=0)
+
+
+@pytest.mark.parametrize("algorithm", ["bfd", "kk"])
+def test_packer_save_load_during_the_warmup(algorithm: str) -> None:
+    # restores taken inside the ramping rounds (8, 16, 32, 64 samples) replay them exactly
+    samples = _samples(300, seed=4)
+    n = check_save_load(lambda: _packer(samples, algorithm=algorithm, window=64, warmup=8, max_wait=2),
+                        offsets=[0, 1, 2, 3, 5, 8, 13, 21, 34])
+    assert n > 34

@@ -125,8 +125,12 @@ class Documents:
                               labels_key=opts.labels_key, loss_mask_key=opts.loss_mask_key, shuffle=False,
                               epochs=1, on_error=opts.on_error, bos_id=opts.bos_id, eos_id=opts.eos_id,
                               vocab_size=opts.vocab_size, limits=opts.limits if opts.limits is not None else Limits())
-        node, self.nodes = build_samples(config, Sources(shards=ShardList.of(list(urls))), Placement(),
-                                         options=ReadOptions(retries=opts.retries, retry_budget=opts.retry_budget), tokenizer=opts.tokenizer)
+        from streampack.preflight import preflight
+
+        sources = Sources(shards=ShardList.of(list(urls)))
+        options = ReadOptions(retries=opts.retries, retry_budget=opts.retry_budget)
+        preflight(sources.lists, config, options)  # a missing shard or a wrong column type: now, not at the end
+        node, self.nodes = build_samples(config, sources, Placement(), options=options, tokenizer=opts.tokenizer)
         node.reset(None)
         self.root = node
 

@@ -15,13 +15,13 @@ from typing import Any
 from streampack.cli._data import CliError, describe
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="run the benchmarks and write a markdown report",
-                       description=describe(__doc__))
-    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about 30 s")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
+    p.description = describe(__doc__)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: packing, pipeline and cold start at small sizes (under a minute on 2 cores)")
     p.add_argument("--out", default="benchmark-report.md", help="markdown report path (default %(default)s)")
     p.set_defaults(run=run)
-    return p
 
 
 def find_runner() -> Path:

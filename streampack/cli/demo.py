@@ -27,9 +27,10 @@ from streampack.cli.render import fill_bar, glyphs, layout_block
 _CHUNK = re.compile(r"/\d+$")
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("demo", help="pack a synthetic long-tail corpus and show the result",
-                       description=describe(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
+    p.description = describe(__doc__)
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--cache-dir", default=None,
                    help="where the corpus and tokenizer live (default $STREAMPACK_CACHE/demo or ~/.cache/streampack/demo)")
     p.add_argument("--capacity", type=int, default=4096, help="tokens per pack")
@@ -46,7 +47,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
-    return p
 
 
 def cache_root(flag: str | None) -> Path:

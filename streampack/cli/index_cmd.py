@@ -41,11 +41,11 @@ from typing import Any
 from streampack.cli._data import CliError, describe
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
     from streampack.io.limits import Limits
 
-    p = sub.add_parser("index", help="write the manifest and sample index of every shard ahead of training",
-                       description=describe(__doc__))
+    p.description = describe(__doc__)
     p.add_argument("urls", nargs="+", help="shards: paths, globs, brace patterns, directories or fsspec URLs")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the manifest and index files here (PackedDataset's manifest=DIR); local or a URL")
@@ -71,7 +71,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
                    help="no progress bar (it is off anyway when stderr is not a terminal)")
     p.set_defaults(run=run)
-    return p
 
 
 def _storage_options(pairs: list[str]) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from torchdata.nodes import BaseNode
 
 from streampack.cli._data import (
     CliError,
@@ -27,14 +26,13 @@ from streampack.cli._data import (
     no_bar,
     sample_lengths,
 )
-from streampack.sample import Sample
 
 DEFAULT_WINDOWS = (64, 256, 1024, 4096)
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("inspect", help="length statistics and projected packing fill of a dataset",
-                       description=describe(__doc__))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
+    p.description = describe(__doc__)
     p.add_argument("urls", nargs="+", help="shards: paths, globs, brace patterns or a directory")
     p.add_argument("--capacity", type=int, required=True, help="tokens per pack")
     p.add_argument("--tokenizer", default=None,
@@ -48,7 +46,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_input_guards(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
-    return p
 
 
 def split_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
@@ -63,34 +60,9 @@ def split_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
     return out
 
 
-class LengthSource(BaseNode[Sample]):
-    """Stand-in samples of the given lengths (tokens = zero-stride views: no memory)."""
-
-    INDEX_KEY = "index"
-
-    def __init__(self, lengths: np.ndarray) -> None:
-        super().__init__()
-        self.lengths = lengths
-        self._zero = np.zeros(1, dtype=np.int64)
-        self._index = 0
-
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        self._index = 0 if initial_state is None else int(initial_state[self.INDEX_KEY])
-
-    def next(self) -> Sample:
-        if self._index >= len(self.lengths):
-            raise StopIteration
-        n = int(self.lengths[self._index])
-        self._index += 1
-        return Sample(key=str(self._index - 1), tokens=np.broadcast_to(self._zero, (n,)))
-
-    def get_state(self) -> dict[str, Any]:
-        return {self.INDEX_KEY: self._index}
-
-
 def windowed_fill(lengths: np.ndarray, capacity: int, window: int, algorithm: str, seed: int = 0) -> float:
     """Fill the streaming window packer reaches on ``lengths`` (each <= capacity), in order."""
+    from streampack.cli.length_source import LengthSource
     from streampack.nodes.window_packer import WindowPacker, fill
 
     packer = WindowPacker(LengthSource(lengths), capacity=capacity, window=window, algorithm=algorithm, seed=seed)

@@ -3,22 +3,45 @@
 A user error (bad flag value, missing file, bad data, a capacity the packed files were not made
 for) prints ``streampack: error: <message>`` and exits with code 2, like argparse's own usage
 errors; ``--debug`` shows the traceback instead. Anything else is a bug and keeps its traceback.
+
+Start-up: ``--version``, ``--help`` and a usage error import no subcommand module (1.3 s of
+python + numpy + argparse before; torch made ``--version`` take 4.7 s), and a subcommand imports
+only its own module: each module's heavy imports (torch, torchdata, numba) happen in ``run``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
-from streampack.cli import bench_cmd, demo, index_cmd, inspect_cmd, pack_cmd
 
-_COMMANDS = (demo, inspect_cmd, pack_cmd, index_cmd, bench_cmd)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Command:
+    """A subcommand as the top-level parser lists it, without importing its module."""
+
+    module: str
+    """Module with ``add_arguments(parser)`` and ``run(args) -> int``."""
+    help: str
+
+
+COMMANDS: dict[str, Command] = {
+    "demo": Command(module="streampack.cli.demo", help="pack a synthetic long-tail corpus and show the result"),
+    "inspect": Command(module="streampack.cli.inspect_cmd",
+                       help="length statistics and projected packing fill of a dataset"),
+    "pack": Command(module="streampack.cli.pack_cmd", help="pack a dataset offline into packed shards + manifest.json"),
+    "index": Command(module="streampack.cli.index_cmd", help="write the manifest and sample index of every shard ahead of training"),
+    "bench": Command(module="streampack.cli.bench_cmd", help="run the benchmarks and write a markdown report"),
+}
 # Exceptions that mean "the input is wrong", not "streampack is broken".
 _USER_ERRORS = (ValueError, TypeError, OSError, KeyError)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The parser, with the arguments of ``commands`` (every subcommand when None); the others
+    are listed by name and help only, so their modules are not imported."""
     from streampack import __version__
 
     parser = argparse.ArgumentParser(
@@ -29,16 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"streampack {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in _COMMANDS:
-        p = module.add_parser(sub)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help)
+        if commands is None or name in commands:
+            importlib.import_module(command.module).add_arguments(p)
         # SUPPRESS: a subcommand's default must not overwrite a --debug given before it
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show tracebacks instead of one-line errors")
     return parser
 
 
+def chosen_command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (top-level options
+    take no value), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = chosen_command(argv)
+    parser = build_parser([command] if command is not None else [])
     args = parser.parse_args(argv)  # argparse itself exits 2 on a usage error
     debug = bool(getattr(args, "debug", False))
     try:

@@ -16,18 +16,24 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streampack.cli._data import CliError, DocumentOptions, Documents, add_input_guards, describe, input_guards, no_bar
 from streampack.errors import ON_ERROR_CHOICES
-from streampack.nodes.overlong import POLICIES, OverlongCounters, apply_overlong
+
+if TYPE_CHECKING:
+    from streampack.nodes.overlong import OverlongCounters
+
+# streampack.nodes.overlong's POLICIES, written out: importing it loads torch (~3 s), and the
+# parser (``--help``, a usage error) must not wait for that; tests/test_cli.py pins them equal.
+OVERLONG_POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("pack", help="pack a dataset offline into packed shards + manifest.json",
-                       description=describe(__doc__))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
+    p.description = describe(__doc__)
     p.add_argument("urls", nargs="+", help="input shards: paths, globs, brace patterns or a directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--capacity", type=int, required=True, help="tokens per pack")
@@ -47,13 +53,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--eos-id", type=int, default=None, help="id added after each tokenized text")
     p.add_argument("--on-error", default="raise", choices=ON_ERROR_CHOICES,
                    help="bad samples: raise (default) or skip and count them")
-    p.add_argument("--overlong", default="split", choices=POLICIES, help="documents longer than capacity (default split)")
+    p.add_argument("--overlong", default="split", choices=OVERLONG_POLICIES, help="documents longer than capacity (default split)")
     p.add_argument("--packs-per-shard", type=int, default=1000, help="packs per output tar shard (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of randomized algorithms")
     add_input_guards(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
-    return p
 
 
 def _metrics(lengths: np.ndarray, bins: list[np.ndarray], capacity: int) -> dict[str, Any]:
@@ -76,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     from streampack.io.packed_writer import write_packed_dataset
     from streampack.layout.batch import alignment
+    from streampack.nodes.overlong import OverlongCounters, apply_overlong
     from streampack.packing import ALGORITHMS, pack
 
     if args.algorithm not in ALGORITHMS:

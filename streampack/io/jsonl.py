@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from streampack.errors import DataError
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
@@ -74,6 +74,15 @@ def iter_lines(f: BinaryIO, *, start: int, first_index: int, end: int | None,
         line, size, off, idx = nxt, nxt_size, nxt_off, idx + 1
 
 
+def _require_ids_or_text(record: dict[str, Any], opts: DecodeOptions, *, url: str, key: str) -> None:
+    """A line with neither field is ``missing_field`` naming the keys looked for and the fields
+    it has (a ``tokens_key`` / ``text_key`` typo is the usual cause), as parquet's error does."""
+    if record.get(opts.tokens_key) is None and record.get(opts.text_key) is None:
+        fields = list(record)[:20]
+        raise DataError("missing_field", f"no {opts.tokens_key!r} (token ids) or {opts.text_key!r} (text) field "
+                        f"(fields: {fields}); set tokens_key= / text_key=", url=url, key=key)
+
+
 def iter_jsonl_items(
     f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, first_index: int, end: int | None
 ) -> Iterator[Item]:
@@ -100,6 +109,7 @@ def iter_jsonl_items(
                 continue
             try:
                 record = parse_json_object(line.data, url=url, key=key, max_depth=opts.limits.max_json_depth)
+                _require_ids_or_text(record, opts, url=url, key=key)
                 yield Item(decode_record(record, opts, url=url, key=key), None, nxt, number, line.last)
             except DataError as e:
                 yield Item(None, e, nxt, number, line.last)

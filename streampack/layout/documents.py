@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from streampack.errors import NOT_TOKENIZED
 from streampack.sample import Sample
 
 _HF_IGNORE = -100
@@ -82,7 +83,7 @@ def check_doc(doc: Sample, ignore_index: int) -> Sample:
     label of ``-100`` (the Sample convention for "not supervised") becomes ``ignore_index``."""
     key = doc.doc_key
     if doc.tokens is None:
-        raise ValueError(f"sample {key!r} is not tokenized yet")
+        raise ValueError(f"sample {key!r} {NOT_TOKENIZED}")
     tokens = _as_ids(_as_array(doc.tokens, "tokens", key), "tokens", key)
     n = tokens.shape[0]
     labels = doc.labels
