@@ -143,3 +143,13 @@ def test_streampack_itself_emits_no_set_vital_warning(tmp_path):
         warnings.simplefilter("always")
         batches = list(DataLoader(PackedDataset(urls, capacity=64, epochs=1), batch_size=None))
     assert batches and not [w for w in caught if "set_vital" in str(w.message)]
+
+
+def test_the_trainer_integrations_build_their_loader_without_the_set_vital_warning(tmp_path):
+    from streampack.integrations.loader import stateful_loader
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = stateful_loader(list(range(4)), batch_size=None)
+    assert list(loader) == [0, 1, 2, 3]
+    assert not [w for w in caught if "set_vital" in str(w.message)]

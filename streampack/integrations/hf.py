@@ -50,10 +50,11 @@ from typing import Any
 
 import torch
 import transformers
-from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from torchdata.stateful_dataloader import StatefulDataLoader
 
+from streampack.integrations.loader import stateful_loader
 from streampack.integrations.metrics import StreamMetrics
 from streampack.integrations.resume import LoaderResume, plan_resume
 from streampack.layout.adapters import HFInputs
@@ -109,7 +110,7 @@ class PackedTrainer(transformers.Trainer):
             raise ValueError("PackedTrainer needs a train_dataset (a PackedDataset)")
         args = self.args
         workers = args.dataloader_num_workers
-        loader = StatefulDataLoader(
+        loader = stateful_loader(
             self.train_dataset, batch_size=None, num_workers=workers,
             pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
             persistent_workers=args.dataloader_persistent_workers if workers else False,

@@ -46,6 +46,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from streampack.integrations.loader import stateful_loader
 from streampack.integrations.metrics import StreamMetrics
 from streampack.integrations.resume import LoaderResume, plan_resume
 
@@ -115,7 +116,7 @@ class PackedDataModule(L.LightningDataModule):
         if self._check_resume or self._loader is None:
             self._check_resume = False
             self._check_restored()
-        loader = StatefulDataLoader(self.train_dataset, batch_size=None, **self.loader_kwargs)
+        loader = stateful_loader(self.train_dataset, batch_size=None, **self.loader_kwargs)
         if self._resume is not None:
             self._resume.apply(self.train_dataset, loader)
             self._resume = None
