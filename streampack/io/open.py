@@ -45,10 +45,14 @@ from typing import Any, BinaryIO
 
 from streampack.errors import DataError
 from streampack.io.failures import classify
+from streampack.io.http import Pin, get_range
 from streampack.io.retry import IOStats, Transient, with_retries
 from streampack.io.storage import (
     OpenOptions,
+    ShardStat,
+    deadline,
     filesystem,
+    is_http,
     is_remote,
     local_path,
     stat,
@@ -106,17 +110,19 @@ class _Local:
 
 
 class _Remote:
-    """One object of an fsspec filesystem, read by ranged requests."""
+    """One object of an fsspec filesystem, read by ranged requests (http(s): one version of it,
+    never more bytes than asked; see :mod:`streampack.io.http`)."""
 
-    def __init__(self, url: str, opts: OpenOptions, size: int | None) -> None:
-        self.url, self.size = url, size
+    def __init__(self, url: str, opts: OpenOptions, found: ShardStat | None) -> None:
+        self.url, self.size = url, None if found is None else found.size
         self._fs, self._path = filesystem(url, opts)
-        from fsspec.asyn import AsyncFileSystem
-
-        # fsspec's sync layer bounds a whole request on async stores; sync ones have their own
-        self._timeout = {"timeout": opts.request_deadline} if isinstance(self._fs, AsyncFileSystem) else {}
+        self._deadline = opts.request_deadline
+        self._timeout = deadline(self._fs, opts)
+        self._pin = Pin(size=self.size, etag=found.etag if found is not None else None) if is_http(url) else None
 
     def fetch(self, start: int, end: int) -> bytes:
+        if self._pin is not None:
+            return get_range(self._fs, self._path, start, end, self._pin, self._deadline)
         return self._fs.cat_file(self._path, start=start, end=end, **self._timeout)
 
     def length(self) -> int | None:
@@ -288,10 +294,10 @@ def open_shard(url: str, offset: int = 0, end: int | None = None, *, opts: OpenO
     if url.startswith("pipe:"):
         return _open_pipe(url, offset, opts)
     if is_remote(url):
-        size = None
+        found = None
         if end is None:  # the object's size is where its bytes must end
-            size = stat(url, opts, stats).size
-        source: _Local | _Remote = _Remote(url, opts, size)
+            found = stat(url, opts, stats)
+        source: _Local | _Remote = _Remote(url, opts, found)
         raw = ResumableStream(source, url=url, start=offset, end=end, opts=opts, stats=stats, block=opts.block_size)
         return io.BufferedReader(raw, buffer_size=REMOTE_BUFFER)  # type: ignore[return-value]
     path = local_path(url)
