@@ -95,6 +95,10 @@ async def _get(fs: Any, url: str, start: int, end: int, pin: Pin) -> bytes:
     async with session.get(fs.encode_url(url), **_kwargs(fs, headers)) as r:
         if r.status == 412:
             raise _changed(url, f"the server refused If-Match {pin.etag} (HTTP 412)")
+        if r.status == 416 and pin.size is not None:  # "bytes */<size>": is it still that long?
+            m = re.fullmatch(r"bytes \*/(\d+)", r.headers.get("Content-Range", ""))
+            if m is not None:
+                _check_total(m.group(1), url, pin)
         _check_status(fs, r, url)
         _check_version(r.headers, url, pin)
         if r.status == 206:
