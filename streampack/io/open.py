@@ -12,9 +12,11 @@ for a local file) naming the URL, which the reader counts or raises under ``on_e
   no fsspec layer). A local read error (EIO on a flaky parallel filesystem) is retried by
   reopening at the offset; a local file's end is wherever its reads end.
 - Remote URLs are read in blocks of ``OpenOptions.block_size`` bytes, each one request
-  (``fs.cat_file(path, start, end)``: an http ``Range`` GET, an S3 ranged ``GetObject``, ...),
-  and the next block is fetched in a background thread while this one is parsed. Each block
-  must be exactly as long as asked (a shorter one is the ``short_read`` fault).
+  (http(s): a ``Range`` GET of :mod:`streampack.io.http`, pinned to one version of the object
+  and never read past the range; other stores: ``fs.cat_file(path, start, end)``, e.g. an S3
+  ranged ``GetObject``), and the next block is fetched in a background thread while this one
+  is parsed. Each block must be exactly as long as asked (a shorter one is the ``short_read``
+  fault).
 - ``pipe:cmd`` runs a shell command, so it is refused unless ``allow_pipe=True`` (shard lists
   often come from config files; webdataset's ``gopen`` executes them unasked). A pipe cannot
   seek or resume: starting at ``offset`` reads and discards the bytes before it, and a broken
