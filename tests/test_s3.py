@@ -279,3 +279,24 @@ def test_botocore_endpoint_env_is_honoured(s3, monkeypatch):
     monkeypatch.delenv(storage.ENDPOINT_ENV)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
     assert len(list(ShardReader(ShardList.of(s3.remote["one"]), epochs=1))) == 30
+
+
+def test_object_overwritten_mid_read_is_refused_not_spliced(s3, tmp_path):
+    # issue 18, item 14: each ranged GetObject is pinned (IfMatch + ETag + ContentRange total)
+    import boto3
+
+    docs = make_token_docs(400, seed=9, min_len=100, max_len=200)
+    (path,) = write_jsonl_shards(tmp_path, docs, 1)
+    admin = boto3.client("s3", endpoint_url=s3.endpoint)
+    key = "changing/shard-000000.jsonl"
+    admin.upload_file(path, BUCKET, key)
+    opts = OpenOptions(retry=RetryPolicy(backoff=0.01, max_backoff=0.05, budget=5), block_size=16 << 10)
+    errors = ErrorCounter()
+    reader = ShardReader([f"s3://{BUCKET}/{key}"], shuffle=False, epochs=1, open_options=opts, on_error="skip",
+                         errors=errors)
+    head = [next(reader).tokens.tolist() for _ in range(5)]
+    data = open(path, "rb").read()
+    admin.put_object(Bucket=BUCKET, Key=key, Body=b"".join(reversed(data.splitlines(keepends=True))))
+    rest = [s.tokens.tolist() for s in reader]
+    assert head + rest == docs[:len(head) + len(rest)] and len(rest) < len(docs) - 5
+    assert errors.counts == {"shard_changed": 1}, errors.recent

@@ -39,6 +39,8 @@ class RedirectRefused(Exception):
 def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseException:
     """A read failure as :class:`Transient` (retry), ``DataError`` (give up at once), or
     ``exc`` itself (not an I/O failure: a bug, let it propagate)."""
+    if isinstance(exc, (DataError, Transient)):  # already judged (io.http, io.s3_read)
+        return exc
     gone, denied = "missing_shard", "corrupt_shard" if local else "unreachable_url"
     if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
         # fsspec's http `info` turns *every* failure into FileNotFoundError: judge its cause
@@ -61,7 +63,7 @@ def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseExcept
            for e in _chain(exc)):
         where = url.partition("://")[2].split("/", 1)[0] or url
         return Transient(REFUSED, exc, detail=f"connection refused by {where} (is the host and port right?)")
-    status, code = _status(exc)
+    status, code = status_of(exc)
     if status is not None:
         if status in (404, 410) or code in ("NoSuchKey", "NoSuchBucket"):
             return DataError(gone, f"HTTP {status}", url=url, value=url)
@@ -79,7 +81,7 @@ def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseExcept
     return exc
 
 
-def _status(exc: BaseException) -> tuple[int | None, str | None]:
+def status_of(exc: BaseException) -> tuple[int | None, str | None]:
     """The HTTP status (and S3 error code) anywhere in ``exc``'s cause chain."""
     seen: BaseException | None = exc
     for _ in range(6):
@@ -140,4 +142,4 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return out
 
 
-__all__ = ["RedirectRefused", "classify"]
+__all__ = ["RedirectRefused", "classify", "status_of"]

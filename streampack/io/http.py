@@ -94,24 +94,24 @@ async def _get(fs: Any, url: str, start: int, end: int, pin: Pin) -> bytes:
         headers["If-Match"] = pin.etag
     async with session.get(fs.encode_url(url), **_kwargs(fs, headers)) as r:
         if r.status == 412:
-            raise _changed(url, f"the server refused If-Match {pin.etag} (HTTP 412)")
+            raise changed(url, f"the server refused If-Match {pin.etag} (HTTP 412)")
         if r.status == 416 and pin.size is not None:  # "bytes */<size>": is it still that long?
             m = re.fullmatch(r"bytes \*/(\d+)", r.headers.get("Content-Range", ""))
             if m is not None:
-                _check_total(m.group(1), url, pin)
+                check_total(m.group(1), url, pin)
         _check_status(fs, r, url)
-        _check_version(r.headers, url, pin)
+        check_version(r.headers, url, pin)
         if r.status == 206:
             m = _RANGE.fullmatch(r.headers.get("Content-Range", ""))
             if m is None or int(m.group(1)) != start:
                 raise DataError("unreachable_url", f"asked for bytes {start}-{end - 1}, the answer is "
                                 f"{r.headers.get('Content-Range')!r}", url=url, value=start)
-            _check_total(m.group(3), url, pin)
+            check_total(m.group(3), url, pin)
             return await _body(r, 0, min(end, int(m.group(2)) + 1) - start, url)
         # 200: the server ignored Range and sends the whole object
         length = r.headers.get("Content-Length")
         if length is not None:
-            _check_total(length, url, pin)
+            check_total(length, url, pin)
         return await _body(r, start, end - start, url)
 
 
@@ -124,26 +124,26 @@ def _check_status(fs: Any, r: Any, url: str) -> None:
                         url=url, value=url)
 
 
-def _check_version(headers: Any, url: str, pin: Pin) -> None:
+def check_version(headers: Any, url: str, pin: Pin) -> None:
     etag = headers.get("ETag")
     if etag is None:
         return
     if pin.etag is None:
         pin.etag = etag
     elif etag != pin.etag:
-        raise _changed(url, f"ETag {pin.etag} -> {etag}")
+        raise changed(url, f"ETag {pin.etag} -> {etag}")
 
 
-def _check_total(total: str, url: str, pin: Pin) -> None:
+def check_total(total: str, url: str, pin: Pin) -> None:
     if total == "*":
         return
     if pin.size is None:
         pin.size = int(total)
     elif int(total) != pin.size:
-        raise _changed(url, f"size {pin.size} -> {total} bytes")
+        raise changed(url, f"size {pin.size} -> {total} bytes")
 
 
-def _changed(url: str, what: str) -> DataError:
+def changed(url: str, what: str) -> DataError:
     return DataError("shard_changed", f"object changed while it was read ({what}); the bytes read so far "
                      "belong to the old version", url=url, value=url)
 
@@ -188,4 +188,4 @@ def retry_after(headers: Any) -> float | None:
     return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
 
 
-__all__ = ["Pin", "get_range", "head", "retry_after"]
+__all__ = ["Pin", "changed", "check_total", "check_version", "get_range", "head", "retry_after"]

@@ -12,9 +12,9 @@ for a local file) naming the URL, which the reader counts or raises under ``on_e
   no fsspec layer). A local read error (EIO on a flaky parallel filesystem) is retried by
   reopening at the offset; a local file's end is wherever its reads end.
 - Remote URLs are read in blocks of ``OpenOptions.block_size`` bytes, each one request
-  (http(s): a ``Range`` GET of :mod:`streampack.io.http`, pinned to one version of the object
-  and never read past the range; other stores: ``fs.cat_file(path, start, end)``, e.g. an S3
-  ranged ``GetObject``), and the next block is fetched in a background thread while this one
+  (http(s) and S3: a ranged GET of :mod:`streampack.io.http` / :mod:`streampack.io.s3_read`,
+  pinned to one version of the object and never read past the range; other stores:
+  ``fs.cat_file(path, start, end)``), and the next block is fetched in a background thread while this one
   is parsed. Each block must be exactly as long as asked (a shorter one is the ``short_read``
   fault).
 - ``pipe:cmd`` runs a shell command, so it is refused unless ``allow_pipe=True`` (shard lists
@@ -49,6 +49,7 @@ from streampack.errors import DataError
 from streampack.io.failures import classify
 from streampack.io.http import Pin, get_range
 from streampack.io.retry import IOStats, Transient, with_retries
+from streampack.io.s3_read import s3_get_range
 from streampack.io.storage import (
     OpenOptions,
     ShardStat,
@@ -57,6 +58,7 @@ from streampack.io.storage import (
     is_http,
     is_remote,
     local_path,
+    protocol_of,
     stat,
 )
 
@@ -120,11 +122,12 @@ class _Remote:
         self._fs, self._path = filesystem(url, opts)
         self._deadline = opts.request_deadline
         self._timeout = deadline(self._fs, opts)
-        self._pin = Pin(size=self.size, etag=found.etag if found is not None else None) if is_http(url) else None
+        self._pin = Pin(size=self.size, etag=found.etag if found is not None else None)
+        self._get = get_range if is_http(url) else s3_get_range if protocol_of(url) in ("s3", "s3a") else None
 
     def fetch(self, start: int, end: int) -> bytes:
-        if self._pin is not None:
-            return get_range(self._fs, self._path, start, end, self._pin, self._deadline)
+        if self._get is not None:
+            return self._get(self._fs, self._path, start, end, self._pin, self._deadline)
         return self._fs.cat_file(self._path, start=start, end=end, **self._timeout)
 
     def length(self) -> int | None:
