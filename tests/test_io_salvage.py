@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 from helpers_formats import jsonl_bytes
-from helpers_hostile import archive, ids, member, read, sample, samples, skip, write_bytes
+from helpers_hostile import archive, ids, read, sample, samples, skip, write_bytes
 
 from streampack.errors import DataError
 

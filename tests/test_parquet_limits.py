@@ -12,8 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers_hostile import skip
+from helpers_hostile import read, skip
 
+from streampack.errors import DataError
 from streampack.io.limits import Limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -34,10 +35,6 @@ def test_one_row_group_over_the_limit_is_refused_from_the_footer(tmp_path):
     assert os.path.getsize(url) < 16 << 10  # 1 Mi ids (8 MiB decoded) in a few KiB
     kept, counts = skip(url, limits=Limits(max_sample_bytes=MiB))
     assert kept == [1, 2, 3, 4] and counts == {"sample_too_large": 1}
-    from helpers_hostile import read
-
-    from streampack.errors import DataError
-
     with pytest.raises(DataError, match=r"sample_too_large: row group 2 .* not read") as info:
         read(url, limits=Limits(max_sample_bytes=MiB))
     assert info.value.key == "2"
@@ -65,10 +62,10 @@ def test_parquet_bombs_cost_nothing_over_the_limit(tmp_path, bomb):
         table = pa.table({"text": ["good", "a" * (256 * MiB)]})
     pq.write_table(table, path, row_group_size=1, compression="zstd")
     del table
-    read = read_in_child(str(path), cwd=str(tmp_path), timeout=300)
-    assert read.keys == ["0"] and read.errors == {"sample_too_large": 1}
+    got = read_in_child(str(path), cwd=str(tmp_path), timeout=300)
+    assert got.keys == ["0"] and got.errors == {"sample_too_large": 1}
     # the first parquet read of a process costs ~80 MiB (pyarrow.parquet imported, its pools)
     plain = tmp_path / "plain.parquet"
     pq.write_table(pa.table({"input_ids": pa.array([[1, 2], [3, 4]], pa.list_(pa.int64()))}), plain, row_group_size=1)
     base = read_in_child(str(plain), cwd=str(tmp_path), timeout=300).growth_mib
-    assert read.growth_mib < base + 32, f"peak RSS grew {read.growth_mib} MiB (a 2-row file: {base} MiB)"
+    assert got.growth_mib < base + 32, f"peak RSS grew {got.growth_mib} MiB (a 2-row file: {base} MiB)"

@@ -9,8 +9,8 @@ guard and the user's ``client_kwargs`` / headers apply) and checks each answer:
   an endless body) is the ``long_body`` fault and the connection is closed, never reused (an
   endless body for a 12 KB object added +241 MiB RSS within a 4 s deadline through
   ``cat_file``);
-- **one version per read**: the first answer pins the object (ETag, and the size from the
-  ``Content-Range`` total or the ``HEAD``); every later block is sent ``If-Match`` and must
+- **one version per read**: the first answer pins the object (its ETag, and its size: the
+  ``HEAD``'s, else the ``Content-Range`` total); every later block is sent ``If-Match`` and must
   report the same ETag and total, else ``DataError("shard_changed")`` (an object replaced
   mid-read was spliced: 6,263 lines of the old version then 4,222 of the new, no error; a
   ``HEAD`` size smaller than the object silently truncated it);

@@ -52,7 +52,6 @@ from streampack.io.retry import IOStats, Transient, with_retries
 from streampack.io.s3_read import s3_get_range
 from streampack.io.storage import (
     OpenOptions,
-    ShardStat,
     deadline,
     filesystem,
     is_http,
@@ -117,12 +116,14 @@ class _Remote:
     """One object of an fsspec filesystem, read by ranged requests (http(s): one version of it,
     never more bytes than asked; see :mod:`streampack.io.http`)."""
 
-    def __init__(self, url: str, opts: OpenOptions, found: ShardStat | None) -> None:
-        self.url, self.size = url, None if found is None else found.size
+    def __init__(self, url: str, opts: OpenOptions, size: int | None) -> None:
+        self.url, self.size = url, size
         self._fs, self._path = filesystem(url, opts)
         self._deadline = opts.request_deadline
         self._timeout = deadline(self._fs, opts)
-        self._pin = Pin(size=self.size, etag=found.etag if found is not None else None)
+        # the ETag is pinned by the first GET, not the HEAD: a HEAD answered by another layer
+        # (a redirecting front, a CDN) may tag the object differently; the size must agree
+        self._pin = Pin(size=size)
         self._get = get_range if is_http(url) else s3_get_range if protocol_of(url) in ("s3", "s3a") else None
 
     def fetch(self, start: int, end: int) -> bytes:
@@ -299,10 +300,10 @@ def open_shard(url: str, offset: int = 0, end: int | None = None, *, opts: OpenO
     if url.startswith("pipe:"):
         return _open_pipe(url, offset, opts)
     if is_remote(url):
-        found = None
+        size = None
         if end is None:  # the object's size is where its bytes must end
-            found = stat(url, opts, stats)
-        source: _Local | _Remote = _Remote(url, opts, found)
+            size = stat(url, opts, stats).size
+        source: _Local | _Remote = _Remote(url, opts, size)
         raw = ResumableStream(source, url=url, start=offset, end=end, opts=opts, stats=stats, block=opts.block_size)
         return io.BufferedReader(raw, buffer_size=REMOTE_BUFFER)  # type: ignore[return-value]
     path = local_path(url)

@@ -19,8 +19,9 @@ a batch holds about ``max_sample_bytes`` worth of rows, and each decoded row is 
 Measured (peak RSS of a fresh child, ``benchmarks/rss_child.py``, as in
 ``tests/test_parquet_limits.py``): a 934-byte file with one row of 64M ids cost +1,707 MiB and
 is now refused at +80 MiB, what any first parquet read costs (a 2-row file: +79 MiB, pyarrow's
-import and pools); an 8.8 KB file with one 256 MiB string: +1,064 -> +36 MiB. Not caught from the footer: a dictionary-encoded string repeated in
-many rows (the footer counts its bytes once) — such a batch is decoded, then refused per row.
+import and pools); an 8.8 KB file with one 256 MiB string: +1,064 -> +36 MiB. Not caught from
+the footer: a dictionary-encoded string repeated in many rows (the footer counts its bytes
+once) — such a batch is decoded, then refused per row.
 
 Damage is located to the row: a batch that fails is read again one row at a time from its
 first row, so every good row before the bad page is delivered and the error names the first

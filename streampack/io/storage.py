@@ -91,8 +91,6 @@ class ShardStat:
     """Bytes, or None when the store does not say (an http server without Content-Length)."""
     tag: str
     """ETag / mtime / blob id where the store has one (changes when the object does)."""
-    etag: str | None = field(default=None, compare=False)
-    """The http ETag itself, when the store sent one (what a read pins with ``If-Match``)."""
 
 
 def protocol_of(url: str) -> str | None:
@@ -237,7 +235,7 @@ def stat(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat
     size = info.get("size")
     tag = next((str(info[k]) for k in ("ETag", "etag", "LastModified", "Last-Modified", "mtime", "updated",
                                        "last_commit", "blob_id", "md5", "created") if info.get(k)), "")
-    return ShardStat(size=None if size is None else int(size), tag=tag, etag=info.get("ETag") or None)
+    return ShardStat(size=None if size is None else int(size), tag=tag)
 
 
 def identity(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat:
