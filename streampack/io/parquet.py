@@ -102,18 +102,33 @@ def iter_parquet_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int
     columns = _columns(pf.schema_arrow.names, opts, url)
     names = sorted(set(columns.values()))
     limit = opts.limits.max_sample_bytes
-    group = int(np.searchsorted(firsts, start, side="right") - 1)
-    for g in range(group, int(np.searchsorted(firsts, stop, side="left"))):
-        lo, hi = max(start, firsts[g]), min(stop, firsts[g + 1])
-        per_row = _decoded_bytes(md.row_group(g), names) // max(1, int(counts[g]))
+    first_group = int(np.searchsorted(firsts, start, side="right") - 1)
+    # consecutive row groups with the same plan are read by one iter_batches: one call per group
+    # cost ~1 ms a group (20k rows in groups of 16: 2.0 s vs 0.9 s); a run reads at parity
+    run: list[int] = []
+    plan: tuple[int, bool] = (BATCH_ROWS, False)
+    for g in range(first_group, int(np.searchsorted(firsts, stop, side="left"))):
+        total = _decoded_bytes(md.row_group(g), names)
+        per_row = total // max(1, int(counts[g]))
         if per_row > limit:
+            if run:
+                yield from _run_items(pf, run, firsts, start, stop, *plan, columns, opts, url=url)
+                run, plan = [], None
+            lo, hi = max(start, firsts[g]), min(stop, firsts[g + 1])
             err = DataError("sample_too_large", f"row group {g} (rows {firsts[g]}..{firsts[g + 1] - 1}) decodes to "
                             f"~{per_row} bytes per row, over max_sample_bytes={limit}; not read",
                             url=url, key=str(lo), value=per_row)
             yield Item(None, err, hi, hi, hi == stop)
             continue
-        rows = max(1, min(BATCH_ROWS, limit // max(1, per_row)))
-        yield from _group_items(pf, g, firsts[g], lo, hi, rows, columns, opts, url=url, at_end=hi == stop)
+        # a batch holds ~max_sample_bytes; rows are checked one by one only where one could be over
+        this = (max(1, min(BATCH_ROWS, limit // max(1, per_row))), total > limit)
+        if run and this != plan:
+            yield from _run_items(pf, run, firsts, start, stop, *plan, columns, opts, url=url)
+            run = []
+        run.append(g)
+        plan = this
+    if run:
+        yield from _run_items(pf, run, firsts, start, stop, *plan, columns, opts, url=url)
 
 
 def _decoded_bytes(group: Any, names: list[str]) -> int:
@@ -127,14 +142,16 @@ def _decoded_bytes(group: Any, names: list[str]) -> int:
     return total
 
 
-def _group_items(pf: Any, g: int, first: int, lo: int, hi: int, rows: int, columns: dict[str, str],
-                 opts: DecodeOptions, *, url: str, at_end: bool) -> Iterator[Item]:
-    """Rows ``[lo, hi)`` of row group ``g`` (whose first row is ``first``), in batches of ``rows``."""
+def _run_items(pf: Any, groups: list[int], firsts: list[int], start: int, stop: int, rows: int, check: bool,
+               columns: dict[str, str], opts: DecodeOptions, *, url: str) -> Iterator[Item]:
+    """Rows ``[start, stop)`` that lie in the consecutive row ``groups``, in batches of ``rows``;
+    ``check``: measure each row against ``max_sample_bytes``."""
     import pyarrow as pa
 
-    row = first
+    row = firsts[groups[0]]
+    lo, hi = max(start, row), min(stop, firsts[groups[-1] + 1])
     try:
-        for batch in pf.iter_batches(batch_size=rows, row_groups=[g], columns=sorted(set(columns.values())),
+        for batch in pf.iter_batches(batch_size=rows, row_groups=groups, columns=sorted(set(columns.values())),
                                      use_threads=False):
             if row + batch.num_rows <= lo:
                 row += batch.num_rows
@@ -144,21 +161,23 @@ def _group_items(pf: Any, g: int, first: int, lo: int, hi: int, rows: int, colum
                 if row >= hi:
                     return
                 if row >= lo:
-                    yield _item(values, i, row, url=url, at_end=at_end and row + 1 == hi, opts=opts)
+                    yield _item(values, i, row, url=url, at_end=row + 1 == stop, opts=opts, check=check)
                 row += 1
     except (pa.ArrowException, OSError) as e:
         if rows > 1:  # find the bad row: every good row before it is delivered
-            yield from _group_items(pf, g, first, max(lo, row), hi, 1, columns, opts, url=url, at_end=at_end)
-            raise AssertionError(f"row group {g} of {url!r} failed in a batch but not row by row") from e
-        raise DataError("corrupt_shard", f"cannot read row {row} (row group {g}): {e}", url=url, key=str(row),
+            yield from _run_items(pf, groups, firsts, max(lo, row), stop, 1, check, columns, opts, url=url)
+            raise AssertionError(f"row groups {groups} of {url!r} failed in a batch but not row by row") from e
+        group = int(np.searchsorted(firsts, row, side="right") - 1)
+        raise DataError("corrupt_shard", f"cannot read row {row} (row group {group}): {e}", url=url, key=str(row),
                         value=row) from None
 
 
-def _item(values: dict[str, list[Any]], i: int, row: int, *, url: str, at_end: bool, opts: DecodeOptions) -> Item:
+def _item(values: dict[str, list[Any]], i: int, row: int, *, url: str, at_end: bool, opts: DecodeOptions,
+          check: bool) -> Item:
     key = str(row)
     field = {name: column[i] for name, column in values.items()}
     try:
-        size = sum(_nbytes(v) for v in field.values())
+        size = sum(_nbytes(v) for v in field.values()) if check else 0
         if size > opts.limits.max_sample_bytes:
             raise DataError("sample_too_large", f"row of {size} bytes, over max_sample_bytes="
                             f"{opts.limits.max_sample_bytes}", url=url, key=key, value=size)
