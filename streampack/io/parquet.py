@@ -164,10 +164,11 @@ def _run_items(pf: Any, groups: list[int], firsts: list[int], start: int, stop: 
                     yield _item(values, i, row, url=url, at_end=row + 1 == stop, opts=opts, check=check)
                 row += 1
     except (pa.ArrowException, OSError) as e:
-        if rows > 1:  # find the bad row: every good row before it is delivered
-            yield from _run_items(pf, groups, firsts, max(lo, row), stop, 1, check, columns, opts, url=url)
-            raise AssertionError(f"row groups {groups} of {url!r} failed in a batch but not row by row") from e
         group = int(np.searchsorted(firsts, row, side="right") - 1)
+        if rows > 1:  # find the bad row (from its batch's row group on): every good row before it is delivered
+            rest = groups[groups.index(group):]
+            yield from _run_items(pf, rest, firsts, max(lo, row), stop, 1, check, columns, opts, url=url)
+            raise AssertionError(f"row groups {rest} of {url!r} failed in a batch but not row by row") from e
         raise DataError("corrupt_shard", f"cannot read row {row} (row group {group}): {e}", url=url, key=str(row),
                         value=row) from None
 
