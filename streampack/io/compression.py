@@ -9,7 +9,10 @@ reader silently returns the partial data (measured: half a 1.3 MB frame read bac
 a clean end), so :class:`ZstdReader` follows the frame layout itself (frame and block headers
 only: a few operations per 128 KiB block) and raises :class:`CorruptStream` when the input
 stops anywhere but between two frames. Multi-frame files (``pzstd``, concatenations) and
-skippable frames are read across.
+skippable frames are read across. Bytes that start no frame (64 zero bytes appended by a
+careless writer) are damage too, but only *after* every line before them: the decompressor is
+handed the bytes before the damage and an end of input (``zstandard`` raising on them dropped
+its whole read-ahead: 20,000 of 20,000 lines lost in one test, 4,755 in the issue's).
 """
 
 from __future__ import annotations
