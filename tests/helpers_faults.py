@@ -16,7 +16,12 @@ Fault kinds: ``status`` (answer ``status``, e.g. a burst of 503s, or for ``secon
 ``truncate`` (a consistent but short answer: Content-Length and Content-Range say fewer bytes
 than asked), ``reset`` (send ``fraction`` of the body, then a TCP reset), ``trickle`` (one byte
 every ``interval`` seconds), ``hang`` (never answer), ``delay`` (answer after ``delay``
-seconds), ``redirect`` (302 to ``location``, where ``{path}`` is the request path).
+seconds), ``redirect`` (302 to ``location``, where ``{path}`` is the request path),
+``endless`` (no Content-Length, the body never ends), ``long`` (``extra`` bytes after the
+declared Content-Length), ``slow_headers`` (the status line and headers one byte every
+``interval`` seconds), ``head_size`` (a HEAD that declares ``size`` bytes). A ``status`` fault
+sends ``Retry-After: retry_after`` when that is set. The file server honours ``If-Match``
+(412 when it names another ETag) unless ``if_match=False``; its ETag is size + mtime.
 """
 
 from __future__ import annotations
@@ -56,6 +61,12 @@ class Fault:
     """Only requests whose Host header contains this."""
     seconds: float = 0.0
     """``status`` only: keep answering ``status`` for this long (instead of ``times`` requests)."""
+    retry_after: str = ""
+    """``status`` only: the Retry-After header to send."""
+    extra: int = 0
+    """``long`` only: bytes sent past the declared Content-Length."""
+    size: int = 0
+    """``head_size`` only: the Content-Length a HEAD declares."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,8 @@ class FaultPlan:
 class FaultyServer:
     url: str
     plan: FaultPlan
+    if_match: bool = True
+    """The file server answers 412 to an ``If-Match`` naming another ETag."""
     requests: list[Request] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -156,7 +169,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if fault is not None and fault.kind == "status":
             body = S3_SLOWDOWN if (self.upstream and fault.status == 503 and self.command != "HEAD") else b""
-            self._respond(fault.status, {"Content-Type": "application/xml"}, body)
+            headers = {"Content-Type": "application/xml"}
+            if fault.retry_after:
+                headers["Retry-After"] = fault.retry_after
+            self._respond(fault.status, headers, body)
+            return
+        if fault is not None and fault.kind == "slow_headers":
+            self._trickle(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n", fault.interval)
             return
         status, headers, body = self._upstream() if self.upstream else self._file()
         self._respond(status, headers, body, fault if status in (200, 206) else None)
@@ -196,6 +215,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return 416, {"Content-Range": f"bytes */{size}"}, b""
             status = 206
             headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        wanted = self.headers.get("If-Match")
+        if self.server_info.if_match and wanted and wanted != headers["ETag"]:
+            return 412, {}, b""
         if self.command == "HEAD":
             headers["Content-Length"] = str(size)
             return status, headers, b""
@@ -212,13 +234,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if rng:
                 a, _, total = re.match(r"bytes (\d+)-(\d+)/(\d+)", rng).groups()
                 headers["Content-Range"] = f"bytes {a}-{int(a) + max(len(sent), 1) - 1}/{total}"
+        if kind == "long":  # keep the connection open: the extra bytes reach the client's next answer
+            self.protocol_version, self.close_connection = "HTTP/1.1", False
+        if kind == "head_size" and self.command == "HEAD":
+            headers["Content-Length"] = str(fault.size)
         self.send_response(status)
         for k, v in headers.items():
             self.send_header(k, v)
-        if self.command != "HEAD" or "Content-Length" not in headers:
+        if kind != "endless" and (self.command != "HEAD" or "Content-Length" not in headers):
             self.send_header("Content-Length", str(len(sent)))
         self.end_headers()
         if self.command == "HEAD":
+            return
+        if kind == "endless":
+            self.close_connection = True
+            while not self.server_info.stop.is_set():
+                try:
+                    self.wfile.write(sent or b"x" * 65536)
+                except OSError:
+                    return
+            return
+        if kind == "long":
+            self.wfile.write(sent + b"X" * fault.extra)
             return
         if kind in ("short", "reset"):
             self.wfile.write(body[: int(len(body) * fault.fraction)])
@@ -229,17 +266,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR) if kind == "short" else self.connection.close()
             return
         if kind == "trickle":
-            for i in range(len(sent)):
-                if self.server_info.stop.is_set():
-                    return
-                try:
-                    self.wfile.write(sent[i:i + 1])
-                    self.wfile.flush()
-                except OSError:
-                    return
-                time.sleep(fault.interval)
+            self._trickle(sent, fault.interval)
             return
         self.wfile.write(sent)
+
+    def _trickle(self, data: bytes, interval: float) -> None:
+        for i in range(len(data)):
+            if self.server_info.stop.is_set():
+                return
+            try:
+                self.wfile.write(data[i:i + 1])
+                self.wfile.flush()
+            except OSError:
+                return
+            time.sleep(interval)
 
 
 @contextlib.contextmanager

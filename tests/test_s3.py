@@ -12,6 +12,7 @@ import pickle
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,6 +52,8 @@ class S3Fixture:
         self.proxy = proxy
         self.local: dict[str, list[str]] = {}
         self.remote: dict[str, list[str]] = {}
+        self.admin: Any = None
+        """A boto3 client of the moto server itself (no proxy)."""
 
     @property
     def endpoint(self) -> str:
@@ -83,7 +86,7 @@ def s3(tmp_path_factory):
         mp.setattr(storage, "_FILESYSTEMS", {})
         import boto3
 
-        admin = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
+        admin = fx.admin = boto3.client("s3", endpoint_url=f"http://{host}:{port}")  # straight to moto
         admin.create_bucket(Bucket=BUCKET)
         root = tmp_path_factory.mktemp("s3src")
         fx.local = {
@@ -279,3 +282,21 @@ def test_botocore_endpoint_env_is_honoured(s3, monkeypatch):
     monkeypatch.delenv(storage.ENDPOINT_ENV)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
     assert len(list(ShardReader(ShardList.of(s3.remote["one"]), epochs=1))) == 30
+
+
+def test_object_overwritten_mid_read_is_refused_not_spliced(s3, tmp_path):
+    # issue 18, item 14: each ranged GetObject is pinned (IfMatch + ETag + ContentRange total)
+    docs = make_token_docs(150, seed=9, min_len=100, max_len=200)
+    (path,) = write_jsonl_shards(tmp_path, docs, 1)
+    key = "changing/shard-000000.jsonl"
+    url = f"s3://{BUCKET}/{key}"
+    data = open(path, "rb").read()
+    s3.admin.put_object(Bucket=BUCKET, Key=key, Body=data)
+    opts = OpenOptions(retry=RetryPolicy(backoff=0.01, max_backoff=0.05, budget=5), block_size=16 << 10)
+    errors = ErrorCounter()
+    reader = ShardReader([url], shuffle=False, epochs=1, open_options=opts, on_error="skip", errors=errors)
+    head = [next(reader).tokens.tolist() for _ in range(5)]
+    s3.admin.put_object(Bucket=BUCKET, Key=key, Body=b"".join(reversed(data.splitlines(keepends=True))))
+    rest = [s.tokens.tolist() for s in reader]
+    assert head + rest == docs[:len(head) + len(rest)] and len(rest) < len(docs) - 5
+    assert errors.counts == {"shard_changed": 1}, errors.recent

@@ -345,9 +345,10 @@ def test_pipe_refused_unless_allowed(tmp_path):
 def test_pickle_refused_unless_allowed(tmp_path):
     payload = pickle.dumps({"input_ids": [4, 5, 6]})
     url = write_tar(tmp_path / "p.tar", [("00000000", {"pyd": payload})])
-    for on_error in ("raise", "skip"):
-        with pytest.raises(ValueError, match="allow_pickle"):
-            read_all(url, on_error=on_error)
+    with pytest.raises(DataError, match="pickle_refused.*allow_pickle"):
+        read_all(url)
+    errors = ErrorCounter()  # bad data, not bad settings: skip mode drops and counts it (issue 18 item 8)
+    assert read_all(url, on_error="skip", errors=errors) == [] and errors.counts == {"pickle_refused": 1}
     assert [s.tokens.tolist() for s in read_all(url, allow_pickle=True)] == [[4, 5, 6]]
 
 

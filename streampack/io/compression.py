@@ -9,7 +9,10 @@ reader silently returns the partial data (measured: half a 1.3 MB frame read bac
 a clean end), so :class:`ZstdReader` follows the frame layout itself (frame and block headers
 only: a few operations per 128 KiB block) and raises :class:`CorruptStream` when the input
 stops anywhere but between two frames. Multi-frame files (``pzstd``, concatenations) and
-skippable frames are read across.
+skippable frames are read across. Bytes that start no frame (64 zero bytes appended by a
+careless writer) are damage too, but only *after* every line before them: the decompressor is
+handed the bytes before the damage and an end of input (``zstandard`` raising on them dropped
+its whole read-ahead: 20,000 of 20,000 lines lost in one test, 4,755 in the issue's).
 """
 
 from __future__ import annotations
@@ -50,7 +53,11 @@ def text_stream(raw: BinaryIO, url: str) -> BinaryIO:
 
 class _FrameTracker:
     """Follows zstd frame / block headers in the compressed bytes to know whether the input
-    ended between frames (RFC 8878 section 3.1)."""
+    ended between frames (RFC 8878 section 3.1), and where bytes that start no frame begin.
+
+    It never raises: damage is recorded in ``error`` and ``confirmed`` stops at its first byte,
+    so the decompressor is handed only the bytes before it and delivers every line they hold.
+    """
 
     MAGIC, SKIPPABLE = 0xFD2FB528, 0x184D2A50
 
@@ -58,25 +65,43 @@ class _FrameTracker:
         self._pending = bytearray()  # header bytes being collected
         self._need, self._skip, self._state = 4, 0, "magic"
         self._checksum = False
+        self._fed = 0  # compressed bytes seen so far
+        self._header_at = 0  # where the header being collected starts
+        self.error: str | None = None
+        """What is wrong at ``confirmed`` (bytes that start no zstd frame), once seen."""
 
     @property
     def between_frames(self) -> bool:
         return self._state == "magic" and not self._pending and not self._skip
 
+    @property
+    def confirmed(self) -> int:
+        """Compressed bytes that may go to the decompressor: all but a frame magic still being
+        collected (``zstandard`` raises on a partial bad magic and drops the output it held)."""
+        if self.error is not None or (self._state == "magic" and self._pending):
+            return self._header_at
+        return self._fed
+
     def feed(self, data: bytes) -> None:
         view, i = memoryview(data), 0
-        while i < len(view):
+        while i < len(view) and self.error is None:
             if self._skip:
                 step = min(self._skip, len(view) - i)
                 self._skip -= step
                 i += step
                 continue
+            if not self._pending:
+                self._header_at = self._fed + i
             take = min(self._need - len(self._pending), len(view) - i)
             self._pending += view[i:i + take]
             i += take
             if len(self._pending) == self._need:
                 header, self._pending = bytes(self._pending), bytearray()
-                self._advance(header)
+                try:
+                    self._advance(header)
+                except CorruptStream as e:
+                    self.error = f"{e} at compressed byte {self._header_at}"
+        self._fed += len(data)
 
     def _advance(self, h: bytes) -> None:
         if self._state == "magic":
@@ -107,21 +132,36 @@ class _FrameTracker:
 
 
 class _Tracked(io.RawIOBase):
-    """The compressed input, seen by the frame tracker on its way to the decompressor."""
+    """The compressed input, seen by the frame tracker on its way to the decompressor, which
+    gets only the tracker's ``confirmed`` bytes (then an end of input, where damage starts)."""
 
     def __init__(self, raw: BinaryIO, tracker: _FrameTracker) -> None:
         super().__init__()
         self._raw, self._tracker = raw, tracker
+        self._held = bytearray()  # read and fed, not yet handed on; starts at compressed byte `_passed`
+        self._passed = 0
+        self._eof = False
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
-        data = self._raw.read(len(b))
-        if data:
+        ready = self._tracker.confirmed - self._passed
+        while ready <= 0:
+            if self._eof or self._tracker.error is not None:
+                return 0
+            data = self._raw.read(len(b))
+            if not data:
+                self._eof = True
+                return 0
+            self._held += data
             self._tracker.feed(data)
-            memoryview(b).cast("B")[:len(data)] = data
-        return len(data)
+            ready = self._tracker.confirmed - self._passed
+        n = min(len(b), ready)
+        memoryview(b).cast("B")[:n] = self._held[:n]
+        del self._held[:n]
+        self._passed += n
+        return n
 
 
 class ZstdReader(io.RawIOBase):
@@ -145,6 +185,8 @@ class ZstdReader(io.RawIOBase):
             n = self._reader.readinto(b)
         except self._zstd_error as e:
             raise CorruptStream(str(e)) from None
+        if n == 0 and self._tracker.error is not None:  # every byte before the damage was delivered
+            raise CorruptStream(self._tracker.error)
         if n == 0 and not self._tracker.between_frames:
             raise CorruptStream("zstd stream ended inside a frame (truncated)")
         return n

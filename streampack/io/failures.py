@@ -6,11 +6,16 @@ fsspec's http ``info`` turning *every* failure into ``FileNotFoundError``); :fun
 looks through the cause chain for an HTTP status first, then at the exception types:
 
 - give up at once (``DataError``): 404 / 410 and missing files (``missing_shard``); 401 / 403,
-  missing credentials, other 4xx, a refused cross-host redirect (``unreachable_url``, or
-  ``corrupt_shard`` for an unreadable local file);
+  missing credentials, other 4xx, a refused cross-host redirect, a redirect loop
+  (``unreachable_url``, or ``corrupt_shard`` for an unreadable local file); a redirect loop was
+  retried as transient for 120 s (440 requests);
 - retry (:class:`~streampack.io.retry.Transient`, by kind): 408 / 425 / 429 / 5xx and S3
-  throttling (``HTTP <status>``), timeouts (``timeout``), a body that ended early
-  (``short_body``), connection and other OS errors (``connection``; ``io_error`` locally);
+  throttling (``HTTP <status>``, with the ``Retry-After`` it asked for), timeouts (``timeout``),
+  a body that ended early (``short_body``), an answer aiohttp could not parse (``bad_response``:
+  the previous body on that connection was longer than its ``Content-Length``, which aiohttp
+  reported as ``HTTP 400`` and failed the shard at once), a refused connection (``refused``,
+  one line naming the host: :mod:`streampack.io.retry` gives it a short budget while the host
+  has never answered), other connection and OS errors (``connection``; ``io_error`` locally);
 - anything else is not an I/O failure (a bug): it propagates unchanged.
 """
 
@@ -21,7 +26,10 @@ import sys
 from collections.abc import Mapping
 
 from streampack.errors import DataError
-from streampack.io.retry import Transient
+from streampack.io.retry import REFUSED, Transient
+
+
+_SHORT_BODY = {"ClientPayloadError", "IncompleteRead", "ContentLengthError", "TransferEncodingError"}
 
 
 class RedirectRefused(Exception):
@@ -31,6 +39,8 @@ class RedirectRefused(Exception):
 def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseException:
     """A read failure as :class:`Transient` (retry), ``DataError`` (give up at once), or
     ``exc`` itself (not an I/O failure: a bug, let it propagate)."""
+    if isinstance(exc, (DataError, Transient)):  # already judged (io.http, io.s3_read)
+        return exc
     gone, denied = "missing_shard", "corrupt_shard" if local else "unreachable_url"
     if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
         # fsspec's http `info` turns *every* failure into FileNotFoundError: judge its cause
@@ -41,12 +51,24 @@ def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseExcept
         return DataError(gone, f"no such {'file' if local else 'object'}", url=url, value=url)
     if isinstance(exc, RedirectRefused):
         return DataError("unreachable_url", str(exc), url=url, value=url)
-    status, code = _status(exc)
+    names = {type(e).__name__ for e in _chain(exc)}
+    if "TooManyRedirects" in names:
+        return DataError("unreachable_url", f"redirect loop: still redirected after "
+                         f"{len(getattr(exc, 'history', ()))} redirects", url=url, value=url)
+    if names & _SHORT_BODY:
+        return Transient("short_body", exc)
+    if any(_is_parse_error(e) for e in _chain(exc)):
+        return Transient("bad_response", exc, detail=f"unparsable answer: {exc}")
+    if any(isinstance(e, ConnectionRefusedError) or isinstance(getattr(e, "os_error", None), ConnectionRefusedError)
+           for e in _chain(exc)):
+        where = url.partition("://")[2].split("/", 1)[0] or url
+        return Transient(REFUSED, exc, detail=f"connection refused by {where} (is the host and port right?)")
+    status, code = status_of(exc)
     if status is not None:
         if status in (404, 410) or code in ("NoSuchKey", "NoSuchBucket"):
             return DataError(gone, f"HTTP {status}", url=url, value=url)
         if status in (408, 425, 429) or status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout"):
-            return Transient(f"HTTP {status}", exc)
+            return Transient(f"HTTP {status}", exc, retry_after=_retry_after(exc))
         if status >= 400:
             return DataError(denied, f"HTTP {status} {code or ''}".strip(), url=url, value=url)
     name = type(exc).__name__
@@ -54,14 +76,12 @@ def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseExcept
         return DataError(denied, f"access denied: {exc}", url=url, value=url)
     if _is_timeout(exc):
         return Transient("timeout", exc)
-    if name in ("ClientPayloadError", "IncompleteRead", "ContentLengthError", "TransferEncodingError"):
-        return Transient("short_body", exc)
     if isinstance(exc, (ConnectionError, OSError)) or _is_client_error(exc):
         return Transient("connection" if not local else "io_error", exc)
     return exc
 
 
-def _status(exc: BaseException) -> tuple[int | None, str | None]:
+def status_of(exc: BaseException) -> tuple[int | None, str | None]:
     """The HTTP status (and S3 error code) anywhere in ``exc``'s cause chain."""
     seen: BaseException | None = exc
     for _ in range(6):
@@ -81,6 +101,21 @@ def _status(exc: BaseException) -> tuple[int | None, str | None]:
             return status, None
         seen = seen.__cause__ or seen.__context__
     return None, None
+
+
+def _is_parse_error(exc: BaseException) -> bool:
+    aiohttp_errors = sys.modules.get("aiohttp.http_exceptions")
+    return aiohttp_errors is not None and isinstance(exc, aiohttp_errors.HttpProcessingError)
+
+
+def _retry_after(exc: BaseException) -> float | None:
+    from streampack.io.http import retry_after
+
+    for e in _chain(exc):
+        headers = getattr(e, "headers", None)
+        if headers is not None and hasattr(headers, "get"):
+            return retry_after(headers)
+    return None
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -107,4 +142,4 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return out
 
 
-__all__ = ["RedirectRefused", "classify"]
+__all__ = ["RedirectRefused", "classify", "status_of"]

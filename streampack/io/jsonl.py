@@ -30,15 +30,22 @@ _DISCARD_CHUNK = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class Line:
-    """One line of a jsonl stream."""
+    """One line of a jsonl stream, or a run of blank lines."""
 
     data: bytes | None
-    """The line with its newline; None when it is over the limit (it was skipped unread)."""
+    """The line with its newline; None when it is over the limit (it was skipped unread);
+    ``b"\\n"`` for a run of ``count`` > 1 blank lines."""
     offset: int
     number: int
     size: int
-    """Bytes the line takes in the (uncompressed) stream, newline included."""
+    """Bytes the line (the run) takes in the (uncompressed) stream, newline(s) included."""
     last: bool
+    count: int = 1
+    """Lines it stands for: more than 1 only for a run of blank lines, skipped in bulk."""
+
+
+_BLANK = b" \t\r\n\x0b\x0c"  # what bytes.isspace() accepts
+_BLANK_PEEK = 1 << 16
 
 
 def _read_line(f: BinaryIO, limit: int) -> tuple[bytes | None, int]:
@@ -59,19 +66,59 @@ def _read_line(f: BinaryIO, limit: int) -> tuple[bytes | None, int]:
             return None, size
 
 
+def _skip_blank_lines(f: BinaryIO, room: int | None) -> tuple[int, int]:
+    """Consume the whole blank lines that follow in ``f`` (at most ``room`` bytes): ``(bytes,
+    lines)``. Bulk, from the buffer (``peek``): 16 MiB of newlines in a 0.5 KiB ``.zst`` took
+    239 s as one Python iteration per line, and well under a second this way."""
+    peek = getattr(f, "peek", None)
+    nbytes = lines = 0
+    while peek is not None and (room is None or nbytes < room):
+        buf = peek(1)[:_BLANK_PEEK]
+        if room is not None:
+            buf = buf[:room - nbytes]
+        blank = len(buf) - len(buf.lstrip(_BLANK))
+        cut = buf.rfind(b"\n", 0, blank) + 1  # whole lines only: a line may start with spaces
+        if not cut:
+            break
+        f.read(cut)
+        nbytes, lines = nbytes + cut, lines + buf.count(b"\n", 0, cut)
+        if cut < len(buf):
+            break
+    return nbytes, lines
+
+
+def _next_line(f: BinaryIO, off: int, idx: int, end: int | None, limit: int) -> Line | None:
+    if end is not None and off >= end:
+        return None
+    data, size = _read_line(f, limit)
+    if not size:
+        return None
+    if data is not None and data.endswith(b"\n") and data.isspace():
+        more, lines = _skip_blank_lines(f, None if end is None else end - off - size)
+        if lines:
+            return Line(b"\n", off, idx, size + more, False, 1 + lines)
+    return Line(data, off, idx, size, False)
+
+
 def iter_lines(f: BinaryIO, *, start: int, first_index: int, end: int | None,
                max_bytes: int = Limits().max_line_bytes) -> Iterator[Line]:
-    """The lines of a stream positioned at ``start``, each at most ``max_bytes`` long.
+    """The lines of a stream positioned at ``start``, each at most ``max_bytes`` long (a run of
+    blank lines comes as one :class:`Line`).
 
-    Reads one line ahead so the last line of a range is known when it is yielded.
+    Reads one line ahead so the last line of a range is known when it is yielded; when that
+    read fails (a truncated ``.gz``, damage after a ``.zst`` frame, an unreachable store) the
+    complete line already read is still yielded before the error propagates.
     """
-    off, idx = start, first_index
-    line, size = _read_line(f, max_bytes) if end is None or off < end else (b"", 0)
-    while size:
-        nxt_off = off + size
-        nxt, nxt_size = _read_line(f, max_bytes) if end is None or nxt_off < end else (b"", 0)
-        yield Line(line, off, idx, size, not nxt_size)
-        line, size, off, idx = nxt, nxt_size, nxt_off, idx + 1
+    line = _next_line(f, start, first_index, end, max_bytes)
+    while line is not None:
+        try:
+            nxt = _next_line(f, line.offset + line.size, line.number + line.count, end, max_bytes)
+        except BaseException:
+            if line.data is None or line.data.endswith(b"\n"):  # complete: it is good data
+                yield line
+            raise
+        yield Line(line.data, line.offset, line.number, line.size, nxt is None, line.count)
+        line = nxt
 
 
 def _require_ids_or_text(record: dict[str, Any], opts: DecodeOptions, *, url: str, key: str) -> None:
@@ -96,7 +143,7 @@ def iter_jsonl_items(
     try:
         for line in iter_lines(f, start=start, first_index=first_index, end=end, max_bytes=limit):
             reached = nxt = line.offset + line.size  # where the first lost line starts if a read fails
-            number = line.number + 1
+            number = line.number + line.count
             key = str(line.number)
             if line.data is None:
                 yield Item(None, DataError("line_too_long", f"line of {line.size} bytes, over max_line_bytes={limit}",

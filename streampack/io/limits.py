@@ -13,8 +13,10 @@ limit                  default    what crosses it (reason)
                                   ``readline(limit)``, the rest discarded unread)
 ``max_member_bytes``   32 MiB     one tar member the decoder reads (``member_too_large``;
                                   members it never reads, e.g. ``.jpg``, are skipped)
-``max_sample_bytes``   64 MiB     the members of one tar sample together
-                                  (``sample_too_large``)
+``max_sample_bytes``   64 MiB     the members of one tar sample together, the
+                                  decoded columns of one parquet row (checked from
+                                  the footer before a row group is decoded, then per
+                                  row; ``sample_too_large``)
 ``max_json_depth``     128        nesting of a json line or member (``json_too_deep``)
 =====================  =========  ===================================================
 
@@ -51,7 +53,8 @@ class Limits:
     max_member_bytes: int = 32 * MiB
     """Declared bytes of one tar member that the decoder reads."""
     max_sample_bytes: int = 64 * MiB
-    """Declared bytes of the read members of one tar sample, together."""
+    """Declared bytes of the read members of one tar sample, together; decoded bytes of the
+    read columns of one parquet row."""
     max_json_depth: int = 128
     """Nesting depth of one json document (``[[1]]`` is 2)."""
 

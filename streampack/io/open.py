@@ -12,9 +12,11 @@ for a local file) naming the URL, which the reader counts or raises under ``on_e
   no fsspec layer). A local read error (EIO on a flaky parallel filesystem) is retried by
   reopening at the offset; a local file's end is wherever its reads end.
 - Remote URLs are read in blocks of ``OpenOptions.block_size`` bytes, each one request
-  (``fs.cat_file(path, start, end)``: an http ``Range`` GET, an S3 ranged ``GetObject``, ...),
-  and the next block is fetched in a background thread while this one is parsed. Each block
-  must be exactly as long as asked (a shorter one is the ``short_read`` fault).
+  (http(s) and S3: a ranged GET of :mod:`streampack.io.http` / :mod:`streampack.io.s3_read`,
+  pinned to one version of the object and never read past the range; other stores:
+  ``fs.cat_file(path, start, end)``), and the next block is fetched in a background thread while this one
+  is parsed. Each block must be exactly as long as asked (a shorter one is the ``short_read``
+  fault).
 - ``pipe:cmd`` runs a shell command, so it is refused unless ``allow_pipe=True`` (shard lists
   often come from config files; webdataset's ``gopen`` executes them unasked). A pipe cannot
   seek or resume: starting at ``offset`` reads and discards the bytes before it, and a broken
@@ -45,12 +47,17 @@ from typing import Any, BinaryIO
 
 from streampack.errors import DataError
 from streampack.io.failures import classify
+from streampack.io.http import Pin, get_range
 from streampack.io.retry import IOStats, Transient, with_retries
+from streampack.io.s3_read import s3_get_range
 from streampack.io.storage import (
     OpenOptions,
+    deadline,
     filesystem,
+    is_http,
     is_remote,
     local_path,
+    protocol_of,
     stat,
 )
 
@@ -106,17 +113,22 @@ class _Local:
 
 
 class _Remote:
-    """One object of an fsspec filesystem, read by ranged requests."""
+    """One object of an fsspec filesystem, read by ranged requests (http(s): one version of it,
+    never more bytes than asked; see :mod:`streampack.io.http`)."""
 
     def __init__(self, url: str, opts: OpenOptions, size: int | None) -> None:
         self.url, self.size = url, size
         self._fs, self._path = filesystem(url, opts)
-        from fsspec.asyn import AsyncFileSystem
-
-        # fsspec's sync layer bounds a whole request on async stores; sync ones have their own
-        self._timeout = {"timeout": opts.request_deadline} if isinstance(self._fs, AsyncFileSystem) else {}
+        self._deadline = opts.request_deadline
+        self._timeout = deadline(self._fs, opts)
+        # the ETag is pinned by the first GET, not the HEAD: a HEAD answered by another layer
+        # (a redirecting front, a CDN) may tag the object differently; the size must agree
+        self._pin = Pin(size=size)
+        self._get = get_range if is_http(url) else s3_get_range if protocol_of(url) in ("s3", "s3a") else None
 
     def fetch(self, start: int, end: int) -> bytes:
+        if self._get is not None:
+            return self._get(self._fs, self._path, start, end, self._pin, self._deadline)
         return self._fs.cat_file(self._path, start=start, end=end, **self._timeout)
 
     def length(self) -> int | None:

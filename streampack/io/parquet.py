@@ -8,9 +8,25 @@ is a row range, so resuming at row ``r`` opens row group ``g`` (from the footer'
 and skips ``r - first_row(g)`` rows of that group only; earlier row groups are never read.
 The index of a parquet file is its footer's row counts (no scan).
 
-Only the needed columns are read; pyarrow decodes one row group's column chunks at a time, so
-memory follows the file's row group size (typically 64-256 MB uncompressed), read in batches of
-:data:`BATCH_ROWS` rows.
+Only the needed columns are read, one row group at a time, in batches of at most
+:data:`BATCH_ROWS` rows. Untrusted files are bounded by ``Limits.max_sample_bytes`` *before*
+anything is decoded, from the footer alone: a column chunk decodes to at least ``num_values``
+leaf values (8 bytes per token id once it is an int64 array) and to at least its
+``total_uncompressed_size`` (the bytes of its strings). A row group whose rows average more
+than the limit must hold a sample over it, so it is refused unread (``sample_too_large``,
+every row of the group: with one row per group, the bomb case, exactly that sample); otherwise
+a batch holds about ``max_sample_bytes`` worth of rows, and each decoded row is checked again.
+Measured (peak RSS of a fresh child, ``benchmarks/rss_child.py``, as in
+``tests/test_parquet_limits.py``): a 934-byte file with one row of 64M ids cost +1,707 MiB and
+is now refused at +80 MiB, what any first parquet read costs (a 2-row file: +79 MiB, pyarrow's
+import and pools); an 8.8 KB file with one 256 MiB string: +1,064 -> +36 MiB. Not caught from
+the footer: a dictionary-encoded string repeated in many rows (the footer counts its bytes
+once) — such a batch is decoded, then refused per row.
+
+Damage is located to the row: a batch that fails is read again one row at a time from its
+first row, so every good row before the bad page is delivered and the error names the first
+row that cannot be read (a bad page in row group 2 used to drop row group 1's rows read in
+the same batch, and the error named row 0).
 """
 
 from __future__ import annotations
@@ -96,49 +112,112 @@ def _rows(column: Any) -> list[Any]:
 
 def iter_parquet_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, end: int | None) -> Iterator[Item]:
     """Decoded samples of rows ``[start, end)`` (to the last row when ``end`` is None); a bad
-    row becomes an ``Item`` with ``error`` set; an unreadable file or page raises
-    ``DataError("corrupt_shard")``."""
-    import pyarrow as pa
-
+    row (or a row group over the limits) becomes an ``Item`` with ``error`` set; an unreadable
+    file or page raises ``DataError("corrupt_shard")`` naming the first row it loses."""
     pf = _parquet_file(f, url)
-    counts = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)], np.int64)
-    firsts = np.concatenate([[0], np.cumsum(counts)])
-    stop = int(firsts[-1]) if end is None else min(end, int(firsts[-1]))
+    md = pf.metadata
+    counts = np.array([md.row_group(i).num_rows for i in range(md.num_row_groups)], np.int64)
+    firsts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    stop = firsts[-1] if end is None else min(end, firsts[-1])
     if start >= stop:
         return
     columns = _columns(pf.schema_arrow.names, opts, url)
-    group = int(np.searchsorted(firsts, start, side="right") - 1)
-    last = int(np.searchsorted(firsts, stop, side="left"))  # first group not needed
-    row = int(firsts[group])
+    names = sorted(set(columns.values()))
+    limit = opts.limits.max_sample_bytes
+    first_group = int(np.searchsorted(firsts, start, side="right") - 1)
+    # consecutive row groups with the same plan are read by one iter_batches: one call per group
+    # cost ~1 ms a group (20k rows in groups of 16: 2.0 s vs 0.9 s); a run reads at parity
+    run: list[int] = []
+    plan: tuple[int, bool] = (BATCH_ROWS, False)
+    for g in range(first_group, int(np.searchsorted(firsts, stop, side="left"))):
+        total = _decoded_bytes(md.row_group(g), names)
+        per_row = total // max(1, int(counts[g]))
+        if per_row > limit:
+            if run:
+                yield from _run_items(pf, run, firsts, start, stop, *plan, columns, opts, url=url)
+                run, plan = [], None
+            lo, hi = max(start, firsts[g]), min(stop, firsts[g + 1])
+            err = DataError("sample_too_large", f"row group {g} (rows {firsts[g]}..{firsts[g + 1] - 1}) decodes to "
+                            f"~{per_row} bytes per row, over max_sample_bytes={limit}; not read",
+                            url=url, key=str(lo), value=per_row)
+            yield Item(None, err, hi, hi, hi == stop)
+            continue
+        # a batch holds ~max_sample_bytes; rows are checked one by one only where one could be over
+        this = (max(1, min(BATCH_ROWS, limit // max(1, per_row))), total > limit)
+        if run and this != plan:
+            yield from _run_items(pf, run, firsts, start, stop, *plan, columns, opts, url=url)
+            run = []
+        run.append(g)
+        plan = this
+    if run:
+        yield from _run_items(pf, run, firsts, start, stop, *plan, columns, opts, url=url)
+
+
+def _decoded_bytes(group: Any, names: list[str]) -> int:
+    """What the columns ``names`` of a row group decode to, at least (footer only)."""
+    total = 0
+    for i in range(group.num_columns):
+        col = group.column(i)
+        if col.path_in_schema.split(".", 1)[0] in names:
+            width = 4 if col.physical_type == "BYTE_ARRAY" else 8  # an offset per string; ids become int64
+            total += max(col.num_values * width, col.total_uncompressed_size)
+    return total
+
+
+def _run_items(pf: Any, groups: list[int], firsts: list[int], start: int, stop: int, rows: int, check: bool,
+               columns: dict[str, str], opts: DecodeOptions, *, url: str) -> Iterator[Item]:
+    """Rows ``[start, stop)`` that lie in the consecutive row ``groups``, in batches of ``rows``;
+    ``check``: measure each row against ``max_sample_bytes``."""
+    import pyarrow as pa
+
+    row = firsts[groups[0]]
+    lo, hi = max(start, row), min(stop, firsts[groups[-1] + 1])
     try:
-        batches = pf.iter_batches(batch_size=BATCH_ROWS, row_groups=list(range(group, last)),
-                                  columns=sorted(set(columns.values())), use_threads=False)
-        for batch in batches:
-            if row + batch.num_rows <= start:
+        for batch in pf.iter_batches(batch_size=rows, row_groups=groups, columns=sorted(set(columns.values())),
+                                     use_threads=False):
+            if row + batch.num_rows <= lo:
                 row += batch.num_rows
                 continue
             values = {field: _rows(batch.column(name)) for field, name in columns.items()}
             for i in range(batch.num_rows):
-                if row >= stop:
+                if row >= hi:
                     return
-                if row >= start:
-                    yield _item(values, i, row, url=url, at_end=row + 1 == stop, vocab_size=opts.vocab_size)
+                if row >= lo:
+                    yield _item(values, i, row, url=url, at_end=row + 1 == stop, opts=opts, check=check)
                 row += 1
     except (pa.ArrowException, OSError) as e:
-        raise DataError("corrupt_shard", f"cannot read row {row}: {e}", url=url, key=str(row), value=row) from None
+        group = int(np.searchsorted(firsts, row, side="right") - 1)
+        if rows > 1:  # find the bad row (from its batch's row group on): every good row before it is delivered
+            rest = groups[groups.index(group):]
+            yield from _run_items(pf, rest, firsts, max(lo, row), stop, 1, check, columns, opts, url=url)
+            raise AssertionError(f"row groups {rest} of {url!r} failed in a batch but not row by row") from e
+        raise DataError("corrupt_shard", f"cannot read row {row} (row group {group}): {e}", url=url, key=str(row),
+                        value=row) from None
 
 
-def _item(values: dict[str, list[Any]], i: int, row: int, *, url: str, at_end: bool,
-          vocab_size: int | None) -> Item:
+def _item(values: dict[str, list[Any]], i: int, row: int, *, url: str, at_end: bool, opts: DecodeOptions,
+          check: bool) -> Item:
     key = str(row)
     field = {name: column[i] for name, column in values.items()}
     try:
+        size = sum(_nbytes(v) for v in field.values()) if check else 0
+        if size > opts.limits.max_sample_bytes:
+            raise DataError("sample_too_large", f"row of {size} bytes, over max_sample_bytes="
+                            f"{opts.limits.max_sample_bytes}", url=url, key=key, value=size)
         tokens = field.get("tokens")
         sample = make_sample(url=url, key=key, tokens=tokens, text=None if tokens is not None else field.get("text"),
-                             labels=field.get("labels"), loss_mask=field.get("loss_mask"), vocab_size=vocab_size)
+                             labels=field.get("labels"), loss_mask=field.get("loss_mask"), vocab_size=opts.vocab_size)
         return Item(sample, None, row + 1, row + 1, at_end)
     except DataError as e:
         return Item(None, e, row + 1, row + 1, at_end)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, list):
+        return 8 * len(value)
+    return len(value) if isinstance(value, (str, bytes)) else 0
 
 
 __all__ = ["BATCH_ROWS", "check_schema", "iter_parquet_items", "row_counts"]

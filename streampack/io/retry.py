@@ -16,6 +16,12 @@ two minutes) outlasts a routine burst of 503s or a load balancer restart.
 
 A run's total time is at most ``budget`` plus one attempt (an attempt in flight is never cut
 short by the budget; its own deadline bounds it: see ``OpenOptions.request_deadline``).
+
+A server's ``Retry-After`` (429 / 503) is honoured: the wait is at least what it asks, and a wait
+that would overrun the budget gives up at once, naming it. A connection refused by a host that
+has never answered in this process (a wrong port, a server not started) is a mistake more often
+than an outage: such a run gets ``refused_budget`` (a few seconds), not ``budget`` (a wrong port
+was retried for 118 s before one line carrying aiohttp's ``ConnectionKey(...)`` repr).
 """
 
 from __future__ import annotations
@@ -47,18 +53,23 @@ class RetryPolicy:
     """Upper bound of the first (jittered) wait, seconds; doubles after each failure."""
     max_backoff: float = 15.0
     """Cap of the doubled bound."""
+    refused_budget: float = 5.0
+    """Seconds a run of refused connections may last while the host has never answered."""
 
     def __post_init__(self) -> None:
         if not self.budget >= 0 or not self.backoff >= 0 or not self.max_backoff >= self.backoff:
             raise ValueError(f"need budget >= 0 and 0 <= backoff <= max_backoff; got {self.budget=} "
                              f"{self.backoff=} {self.max_backoff=}")
+        if not self.refused_budget >= 0:
+            raise ValueError(f"refused_budget={self.refused_budget!r} must be >= 0 (seconds)")
         if self.retries is not None and (isinstance(self.retries, bool) or not isinstance(self.retries, int)
                                          or self.retries < 0):
             raise ValueError(f"retries={self.retries!r} must be None or an int >= 0")
 
     def delay(self, failures: int) -> float:
         """The (jittered) wait after the ``failures``-th failure of a run (1-based)."""
-        return _rng.uniform(0.0, min(self.max_backoff, self.backoff * 2 ** (failures - 1)))
+        # the exponent is capped: 2.0 ** 1024 overflows, and an infinite budget retries that long
+        return _rng.uniform(0.0, min(self.max_backoff, self.backoff * 2.0 ** min(failures - 1, 60)))
 
 
 class IOStats:
@@ -117,10 +128,29 @@ class IOStats:
 class Transient(Exception):
     """Raised inside an attempt to ask :func:`with_retries` for another one."""
 
-    def __init__(self, kind: str, cause: BaseException | None = None, detail: str = "") -> None:
+    def __init__(self, kind: str, cause: BaseException | None = None, detail: str = "",
+                 retry_after: float | None = None) -> None:
         super().__init__(f"{kind}: {detail or repr(cause)}")
         self.kind = kind
         self.cause = cause
+        self.retry_after = retry_after
+        """Seconds the server asked to wait (``Retry-After``), if it did."""
+
+
+REFUSED = "refused"
+"""The :class:`Transient` kind of a refused connection."""
+_answered: set[str] = set()  # hosts that answered at least once in this process
+_answered_lock = threading.Lock()
+
+
+def _host(url: str) -> str:
+    return url.partition("://")[2].split("/", 1)[0]
+
+
+def _budget(policy: RetryPolicy, url: str, last: Transient) -> float:
+    if last.kind == REFUSED and _host(url) not in _answered:
+        return min(policy.budget, policy.refused_budget)
+    return policy.budget
 
 
 def with_retries(attempt: Callable[[], T], *, url: str, policy: RetryPolicy, stats: IOStats | None = None,
@@ -136,24 +166,37 @@ def with_retries(attempt: Callable[[], T], *, url: str, policy: RetryPolicy, sta
         failures += 1
     while True:
         if last is not None:
-            wait = policy.delay(failures)
-            spent = time.monotonic() - started
-            if (policy.retries is not None and failures > policy.retries) or spent + wait > policy.budget:
+            wait = max(policy.delay(failures), last.retry_after or 0.0)
+            spent, budget = time.monotonic() - started, _budget(policy, url, last)
+            if (policy.retries is not None and failures > policy.retries) or spent + wait > budget:
                 if stats is not None:
                     stats.count(gave_up=1)
                 tries = f"{failures} attempt(s) in {spent:.1f} s"
-                raise DataError(reason, f"{what} failed after {tries} (retry budget {policy.budget:g} s): {last}",
+                asked = f"; the server asked to retry after {last.retry_after:g} s" if last.retry_after else ""
+                raise DataError(reason, f"{what} failed after {tries} (retry budget {budget:g} s{asked}): {last}",
                                 url=url, value=url) from last.cause
             warn_every(log, f"retry:{last.kind}", "retrying %s of %s after %s", what, url, last)
             time.sleep(wait)
             if stats is not None:
                 stats.count(retries=1)
         try:
-            return attempt()
+            result = attempt()
         except Transient as e:
             last, failures = e, failures + 1
             if stats is not None:
                 stats.count(fault=e.kind)
+            if e.kind.startswith("HTTP "):  # an HTTP status: the host is there
+                _answered_by(url)
+            continue
+        _answered_by(url)
+        return result
+
+
+def _answered_by(url: str) -> None:
+    host = _host(url)
+    if host not in _answered:
+        with _answered_lock:
+            _answered.add(host)
 
 
 __all__ = ["IOStats", "RetryPolicy", "Transient", "with_retries"]

@@ -15,8 +15,10 @@ What streampack sets on top of the user's ``storage_options`` (the user's values
 - ``s3``: botocore connect / read timeouts; s3fs's and botocore's own retries off, so the
   one policy (:mod:`streampack.io.retry`) decides; ``$STREAMPACK_S3_ENDPOINT`` (else
   botocore's ``$AWS_ENDPOINT_URL(_S3)``) with path-style addressing for S3-compatible stores.
-- every async filesystem (http, s3, gs, az): ``request_deadline`` bounds each request
-  (fsspec's ``timeout=``), so a server that trickles bytes cannot hold a read forever.
+- every async filesystem (http, s3, gs, az): ``request_deadline`` bounds each request, a
+  ``stat`` / ``HEAD`` and a listing included (fsspec's ``timeout=``, which cancels the
+  coroutine), so a server that trickles bytes cannot hold a read forever. http(s) stats and
+  reads go through :mod:`streampack.io.http`, which checks the answers fsspec would not.
 """
 
 from __future__ import annotations
@@ -198,6 +200,18 @@ def _known_protocols() -> set[str]:
     return set(fsspec.available_protocols()) | {"http", "https", "s3", "gs", "gcs", "az", "abfs", "hf", "memory"}
 
 
+def deadline(fs: Any, opts: OpenOptions) -> dict[str, Any]:
+    """``{"timeout": request_deadline}`` for an async filesystem's sync calls (fsspec cancels
+    the request when it runs out), ``{}`` for a sync one (its own timeouts apply)."""
+    from fsspec.asyn import AsyncFileSystem
+
+    return {"timeout": opts.request_deadline} if isinstance(fs, AsyncFileSystem) else {}
+
+
+def is_http(url: str) -> bool:
+    return protocol_of(url) in ("http", "https")
+
+
 def call(fn: Any, url: str, opts: OpenOptions, stats: IOStats | None, *, what: str) -> Any:
     """``fn()`` (one request to ``url``'s store) under the retry policy."""
     def attempt() -> Any:
@@ -217,7 +231,12 @@ def call(fn: Any, url: str, opts: OpenOptions, stats: IOStats | None, *, what: s
 def stat(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat:
     """Size and identity tag of a remote object (one ``HEAD`` or equivalent, retried)."""
     fs, path = filesystem(url, opts)
-    info = call(lambda: fs.info(path), url, opts, stats, what="stat")
+    if is_http(url):
+        from streampack.io.http import head
+
+        info = call(lambda: head(fs, path, opts.request_deadline), url, opts, stats, what="stat")
+    else:
+        info = call(lambda: fs.info(path, **deadline(fs, opts)), url, opts, stats, what="stat")
     size = info.get("size")
     tag = next((str(info[k]) for k in ("ETag", "etag", "LastModified", "Last-Modified", "mtime", "updated",
                                        "last_commit", "blob_id", "md5", "created") if info.get(k)), "")
@@ -241,11 +260,11 @@ def find(url: str, opts: OpenOptions, *, pattern: bool) -> list[str]:
     as full URLs, sorted."""
     fs, path = filesystem(url, opts)
     if pattern:
-        found = call(lambda: fs.glob(path), url, opts, None, what="glob")
+        found = call(lambda: fs.glob(path, **deadline(fs, opts)), url, opts, None, what="glob")
     else:
-        found = call(lambda: fs.find(path.rstrip("/")), url, opts, None, what="listing")
+        found = call(lambda: fs.find(path.rstrip("/"), **deadline(fs, opts)), url, opts, None, what="listing")
     return sorted(fs.unstrip_protocol(p) if "://" not in p else p for p in found)
 
 
-__all__ = ["ENDPOINT_ENV", "OpenOptions", "ShardStat", "call", "filesystem", "find", "identity", "is_remote", "local_path",
-           "protocol_of", "stat"]
+__all__ = ["ENDPOINT_ENV", "OpenOptions", "ShardStat", "call", "deadline", "filesystem", "find", "identity", "is_http",
+           "is_remote", "local_path", "protocol_of", "stat"]

@@ -3,7 +3,8 @@
 Fields (the member name after the key): ``npy`` or ``<tokens_key>.npy`` (token ids), ``json``
 (a record: ``tokens_key`` / ``text_key`` / ``labels_key`` / ``loss_mask_key``), ``txt`` (text),
 ``labels.npy``, ``loss_mask.npy``, and pickle members (``.pyd`` / ``.pickle`` / ``.pkl``, a
-dict record; refused unless ``allow_pickle=True``: unpickling runs code). Tokens win over text.
+dict record; refused unless ``allow_pickle=True``: unpickling runs code, so such a sample is a
+``DataError("pickle_refused")``, skipped and counted like any bad sample). Tokens win over text.
 
 Each of tokens, text, labels and loss mask must come from one member: a sample holding its ids
 both in ``npy`` and in its ``json`` (which copy is right?) is ``conflicting_fields``.
@@ -47,7 +48,9 @@ def decode_tar_sample(key: str, fields: dict[str, bytes], opts: DecodeOptions, *
     for field, raw in fields.items():
         if field.rsplit(".", 1)[-1] in PICKLE_EXTS:
             if not opts.allow_pickle:
-                raise ValueError(f"refusing pickle member {key}.{field} of {url!r}: pass allow_pickle=True to unpickle")
+                # bad data, not bad settings: one hostile sample must not end a run under on_error="skip"
+                raise DataError("pickle_refused", f"member {field!r} is a pickle; pass allow_pickle=True to unpickle "
+                                "(it runs code)", url=url, key=key, value=field)
             records.append((field, _unpickle(raw, field, url=url, key=key)))
     if "json" in fields:
         records.append(("json", parse_json_object(fields["json"], url=url, key=key,
