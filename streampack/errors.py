@@ -8,7 +8,7 @@ hands each one to an :class:`ErrorPolicy`: ``"raise"`` re-raises it, ``"skip"`` 
 
 Reasons used by the readers: ``corrupt_shard``, ``missing_shard``, ``unreachable_url``,
 ``empty_sample``, ``bad_utf8``, ``bad_json``, ``json_too_deep``, ``bad_dtype``, ``bad_npy``,
-``bad_pickle``, ``negative_id``, ``non_integer_id``, ``out_of_vocab_id``, ``missing_field``,
+``bad_pickle``, ``pickle_refused``, ``shard_changed``, ``negative_id``, ``non_integer_id``, ``out_of_vocab_id``, ``missing_field``,
 ``conflicting_fields``, ``bad_labels``, ``bad_loss_mask``, ``duplicate_member``,
 ``repeated_key``, ``incomplete_sample``, ``line_too_long``, ``member_too_large``,
 ``sample_too_large``; the tokenize stage adds ``tokenizer_error`` (and ``out_of_vocab_id``,
