@@ -63,6 +63,7 @@ def test_auto_switches_at_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(_jit, "compiled", spy)
     monkeypatch.setattr(_engine, "THRESHOLD", 40)
+    monkeypatch.setattr(_engine, "_LOADED", set())  # as in a process that compiled nothing yet
     lengths = np.arange(1, 41, dtype=np.int64)
     for name in NAMES:
         compiled_kernels.clear()

@@ -31,11 +31,11 @@ from streampack.packing.histogram import histogram
 from streampack.packing.karmarkar_karp import karmarkar_karp
 from streampack.packing.metrics import MetricsAccumulator, PackingMetrics, packing_metrics
 from streampack.packing.mffd import mffd
-from streampack.packing.result import PackResult
+from streampack.packing.result import Bins, PackResult
 from streampack.packing.schedule import Balance
 from streampack.packing.sequential import greedy, shuffle_pack
 
-Algorithm = Callable[..., list[np.ndarray]]
+Algorithm = Callable[..., Bins]
 
 ALGORITHMS: dict[str, Packer] = {
     p.name: p for p in (greedy, shuffle_pack, ffd, ffs, bfd, mffd, histogram, kk)
@@ -75,11 +75,13 @@ def pack_flat(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0
 
 
 def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
-         backend: Backend = "auto") -> list[np.ndarray]:
+         backend: Backend = "auto") -> Bins:
     """Pack items of the given lengths into bins of ``capacity`` tokens.
 
     Arguments as ``pack_flat``. Returns one int64 array per bin with the indices of its
-    items, in layout order (see each algorithm); ``[]`` when n = 0.
+    items, in layout order (see each algorithm), as a read-only sequence (``Bins``: each
+    array is made when read, so ``pack`` costs what ``pack_flat`` does); empty (``== []``)
+    when n = 0.
 
     Example: ``pack([5, 4, 3, 3, 3], 10, "ffd")`` -> ``[array([0, 1]), array([2, 3, 4])]``.
     """
@@ -87,7 +89,7 @@ def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
 
 
 __all__ = [
-    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "Balance", "CostModel", "MetricsAccumulator", "PackResult",
+    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "Balance", "Bins", "CostModel", "MetricsAccumulator", "PackResult",
     "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram",
     "karmarkar_karp", "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack",
 ]
