@@ -13,8 +13,11 @@ Per (algorithm, n), in one process, interleaved round-robin and best of ``--repe
 - ``pack``: ``pack`` (``Bins``); ``pack+walk``: ``pack`` then reading every bin;
 - ``ref``: a plain segment-tree BFD compiled by numba (stable argsort, then one kernel;
   ~50 lines, the kind of BFD a user writes), warm;
-- ``cold``: a fresh process's first ``pack_flat`` (``auto``), with numba's cache filled:
-  the plain path below ``THRESHOLD``, importing numba and loading kernels above it.
+- ``cold``: a fresh process's import of ``streampack.packing`` and first ``pack_flat``
+  (``auto``), with numba's cache filled: the plain path below ``THRESHOLD``, importing numba
+  and loading kernels above it; ``cold, AOT``: the same once ``python -m
+  streampack.packing.aot`` has built the ahead-of-time module (compiled kernels at every
+  size, numba never imported). The build's time is reported once.
 
 The box is shared, so ratios (taken in one process, interleaved) are the numbers to read.
 """
@@ -164,19 +167,29 @@ def run(quick: bool = False, sizes: tuple[int, ...] = SIZES, repeats: int = 5) -
             cold_seconds(name, THRESHOLD, cache)  # fill this cache: loads, not compiles, below
         for row in rows:
             row["cold_s"] = cold_seconds(row["algorithm"], row["n"], cache)
+        if not quick:  # the same with the ahead-of-time module built into this cache
+            env = {**os.environ, "STREAMPACK_CACHE": cache,
+                   "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "streampack.packing.aot"], env=env, check=True,
+                           capture_output=True, timeout=1200)
+            build_s = time.perf_counter() - start
+            for row in rows:
+                row["cold_aot_s"] = cold_seconds(row["algorithm"], row["n"], cache)
+                row["aot_build_s"] = build_s
     return rows
 
 
 def to_markdown(rows: list[dict]) -> str:
     lines = ["| algorithm | n | pack_flat ms | pack() ms | pack()/flat | pack()+walk ms | "
-             "plain path ms | ref BFD ms | flat/ref | cold first call s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "plain path ms | ref BFD ms | flat/ref | cold first call s | same, AOT built s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         plain = f"{r['plain_ms']:.1f}" if "plain_ms" in r else "–"
         lines.append(f"| {r['algorithm']} | {r['n']:,} | {r['flat_ms']:.1f} | {r['pack_ms']:.1f} | "
                      f"{r['pack_ms'] / r['flat_ms']:.2f} | {r['pack+walk_ms']:.1f} | {plain} | "
                      f"{r['ref_ms']:.1f} | {r['flat_ms'] / r['ref_ms']:.2f} | "
-                     f"{r.get('cold_s', float('nan')):.2f} |")
+                     f"{r.get('cold_s', float('nan')):.2f} | {r.get('cold_aot_s', float('nan')):.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -189,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(sizes=tuple(int(s) for s in args.sizes), repeats=args.repeats)
     print(f"load average at start {load:.1f} on {os.cpu_count()} cores\n")
     print(to_markdown(rows))
+    if rows and "aot_build_s" in rows[0]:
+        print(f"ahead-of-time build: {rows[0]['aot_build_s']:.1f} s\n")
     print(json.dumps(rows))
 
 

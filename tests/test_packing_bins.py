@@ -4,8 +4,12 @@ has loaded, at every size, with the same bins."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +20,7 @@ from test_packing_algorithms import check_packing, problems
 
 import streampack.packing as packing
 from streampack.packing import ALGORITHMS, Bins, pack, pack_flat
-from streampack.packing import _engine, _jit
+from streampack.packing import _engine, _jit, aot
 
 NAMES = sorted(ALGORITHMS)
 
@@ -67,6 +71,7 @@ def test_auto_uses_loaded_kernels_below_the_threshold(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(_jit, "compiled", spy)
     monkeypatch.setattr(_engine, "_LOADED", set())
+    monkeypatch.setitem(aot._STATE, "module", None)  # no ahead-of-time build either
     lengths = np.random.default_rng(1).integers(1, 300, 500)
     for name in NAMES:
         plain = pack_flat(lengths, 512, name)  # a fresh process: the plain path
@@ -105,3 +110,30 @@ def test_no_cliff_below_the_threshold(name: str) -> None:
         times["small"] = min(times["small"], _best(lambda: pack_flat(small, 4096, name), 1))
         times["large"] = min(times["large"], _best(lambda: pack_flat(large, 4096, name), 1))
     assert times["small"] <= 2 * times["large"], times
+
+
+AOT_CHECK = """
+import json, sys
+import numpy as np
+import streampack.packing as packing
+from streampack.packing import aot
+rng = np.random.default_rng(2)
+lengths = np.clip(np.round(rng.lognormal(5.9, 1.0, 3000)), 1, 4096).astype(np.int64)
+same = all(np.array_equal(packing.pack_flat(lengths, 4096, name).order,
+                          packing.pack_flat(lengths, 4096, name, backend="python").order)
+           for name in packing.ALGORITHMS)
+print(json.dumps({"built": aot.loaded() is not None, "same": same,
+                  "numba": sorted(m for m in sys.modules if m.split(".")[0] == "numba")}))
+"""
+
+
+@pytest.mark.slow  # builds the extension module: ~40-60 s with numba's pycc and a C compiler
+def test_ahead_of_time_build_runs_without_numba(tmp_path: Path) -> None:
+    from test_packing_backends import ROOT, run_fresh
+
+    env = {"STREAMPACK_CACHE": str(tmp_path)}
+    assert run_fresh(AOT_CHECK, **env)["built"] is False  # nothing built: the old paths
+    subprocess.run([sys.executable, "-m", "streampack.packing.aot"], check=True, timeout=600,
+                   env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+    result = run_fresh(AOT_CHECK, **env)
+    assert result == {"built": True, "same": True, "numba": []}
