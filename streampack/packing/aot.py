@@ -15,9 +15,9 @@ call. Building costs once what JIT-compiling every algorithm costs (~1 min here 
 for all eight kernels; a C compiler is needed, as for numba's pycc); without a build
 everything works as before (plain path below ``THRESHOLD``, numba JIT + cache above).
 
-The module's name carries a hash of every kernel's source, numba's and Python's version and
-the machine, so an edited kernel or an upgraded numba never loads a stale build: it is just
-not found, and the JIT path runs. ``numba.pycc`` is deprecated upstream; if a numba release
+The module's name carries a hash of the files that hold kernels, numpy's and Python's version
+and the machine, so an edited kernel never loads a stale build: it is just not found, and
+the JIT path runs (until rebuilt). ``numba.pycc`` is deprecated upstream; if a numba release
 drops it, ``build`` raises and nothing else changes.
 """
 
@@ -26,9 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.machinery
-import importlib.metadata
 import importlib.util
-import inspect
 import platform
 import sys
 from collections.abc import Callable
@@ -51,31 +49,37 @@ SIGNATURES = {  # kernel name -> numba signature; every array is int64, any layo
 }
 
 
+KERNEL_MODULES = {"_common": ["group_log"], "best_fit": ["_bfd_kernel"],
+                  "first_fit": ["first_fit_kernel"], "mffd": ["_pairs_kernel"],
+                  "balanced": ["_round_kernel", "_unlink_kernel"],
+                  "histogram": ["_configurations_kernel", "_emit_kernel"]}
+
+
+def _modules() -> list[ModuleType]:
+    # by module path: the package's `mffd` / `histogram` attributes are the packers. Imported
+    # here, not at module level: the algorithm modules import `_jit`, which imports this one.
+    return [importlib.import_module(f"streampack.packing.{m}") for m in KERNEL_MODULES]
+
+
 def kernels() -> dict[str, Callable[..., Any]]:
-    """Every kernel the compiled path runs, by name (imported here, not at module level:
-    the algorithm modules import ``_jit``, which imports this one)."""
-    found = {}
-    for module, names in (("_common", ["group_log"]), ("best_fit", ["_bfd_kernel"]),
-                          ("first_fit", ["first_fit_kernel"]), ("mffd", ["_pairs_kernel"]),
-                          ("balanced", ["_round_kernel", "_unlink_kernel"]),
-                          ("histogram", ["_configurations_kernel", "_emit_kernel"])):
-        # by module path: the package's `mffd` / `histogram` attributes are the packers
-        loaded_module = importlib.import_module(f"streampack.packing.{module}")
-        found.update({name: getattr(loaded_module, name) for name in names})
+    """Every kernel the compiled path runs, by name."""
+    found = {name: getattr(module, name)
+             for module, names in zip(_modules(), KERNEL_MODULES.values()) for name in names}
     assert set(found) == set(SIGNATURES), "a kernel without an AOT signature"
     return found
 
 
 def module_name() -> str:
-    """``streampack_kernels_<hash>`` of the kernel sources and the toolchain."""
-    try:
-        numba_version = importlib.metadata.version("numba")
-    except importlib.metadata.PackageNotFoundError:
-        numba_version = "none"
-    digest = hashlib.sha256()
-    for name, fn in sorted(kernels().items()):
-        digest.update(f"{name}\n{SIGNATURES[name]}\n{inspect.getsource(fn)}\n".encode())
-    digest.update(f"{numba_version} {sys.version} {platform.machine()}".encode())
+    """``streampack_kernels_<hash>`` of the files that hold kernels, the signatures, numpy's
+    ABI and the interpreter. Hashing whole files (~1 ms) rather than ``inspect.getsource``
+    (24 ms, paid by every fresh process's first call) errs towards a rebuild. numba's version
+    is not in it: a built module no longer needs numba."""
+    import numpy as np
+
+    digest = hashlib.sha256(repr(sorted(SIGNATURES.items())).encode())
+    for module in _modules():
+        digest.update(Path(module.__file__ or "").read_bytes())
+    digest.update(f"{np.__version__} {sys.version} {platform.machine()}".encode())
     return f"streampack_kernels_{digest.hexdigest()[:16]}"
 
 
