@@ -137,3 +137,18 @@ def test_ahead_of_time_build_runs_without_numba(tmp_path: Path) -> None:
                    env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
     result = run_fresh(AOT_CHECK, **env)
     assert result == {"built": True, "same": True, "numba": []}
+
+
+def test_a_broken_build_falls_back_to_the_jit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.machinery
+
+    monkeypatch.setenv("STREAMPACK_CACHE", str(tmp_path))
+    monkeypatch.setattr(aot, "_STATE", {})
+    assert aot.loaded() is None  # nothing built
+    target = aot.build_dir() / f"{aot.module_name()}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"not an extension module")
+    monkeypatch.setattr(aot, "_STATE", {})
+    assert aot.loaded() is None
+    monkeypatch.setattr(_engine, "_LOADED", set())
+    assert [b.tolist() for b in pack([5, 4, 3, 3, 3], 10, "ffd")] == [[0, 1], [2, 3, 4]]

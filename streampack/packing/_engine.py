@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from streampack.packing import _jit, aot  # numba itself is imported by _jit.compiled, not here
+from streampack.packing import _jit  # numba itself is imported by _jit.compiled, not here
 from streampack.packing._common import from_log, group_log, validate
 from streampack.packing.result import Bins, PackResult
 
@@ -106,6 +106,8 @@ class Packer:
         lengths, capacity = validate(lengths, capacity)
         if lengths.size == 0:
             return PackResult(order=np.zeros(0, dtype=np.int64), offsets=np.zeros(1, dtype=np.int64))
+        from streampack.packing import aot  # here: `python -m streampack.packing.aot` runs it
+
         auto = backend == "auto" and (lengths.size >= THRESHOLD or self.name in _LOADED
                                       or (self.compiles and aot.loaded() is not None))
         compiled = self.compiles and (backend == "numba" or auto)

@@ -33,19 +33,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from streampack.packing import aot
-
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
 def cache_dir() -> Path:
     """Where compiled kernels are cached: ``$STREAMPACK_CACHE/numba``, else
     ``~/.cache/streampack/numba`` (``$XDG_CACHE_HOME`` honoured)."""
-    root = os.environ.get("STREAMPACK_CACHE")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "streampack")
-    return Path(root) / "numba"
+    from streampack.packing import aot
+
+    return aot.cache_root() / "numba"
 
 
 def compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -53,6 +49,8 @@ def compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
     numba's JIT (once per process; from the disk cache when present)."""
     if kernel not in _COMPILED:
         _check_self_contained(kernel)
+        from streampack.packing import aot  # here: `python -m streampack.packing.aot` runs it
+
         built = aot.kernel(kernel)  # the ahead-of-time module, when built: no numba import
         if built is not None:
             _COMPILED[kernel] = built

@@ -27,6 +27,7 @@ import hashlib
 import importlib
 import importlib.machinery
 import importlib.util
+import os
 import platform
 import sys
 from collections.abc import Callable
@@ -83,10 +84,18 @@ def module_name() -> str:
     return f"streampack_kernels_{digest.hexdigest()[:16]}"
 
 
-def build_dir() -> Path:
-    from streampack.packing._jit import cache_dir
+def cache_root() -> Path:
+    """``$STREAMPACK_CACHE``, else ``~/.cache/streampack`` (``$XDG_CACHE_HOME`` honoured): the
+    built module goes to ``aot/`` under it, numba's JIT cache to ``numba/``."""
+    root = os.environ.get("STREAMPACK_CACHE")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "streampack")
+    return Path(root)
 
-    return cache_dir().parent / "aot"
+
+def build_dir() -> Path:
+    return cache_root() / "aot"
 
 
 def loaded() -> ModuleType | None:
@@ -97,9 +106,12 @@ def loaded() -> ModuleType | None:
         module = None
         if path.is_file():
             spec = importlib.util.spec_from_file_location(name, path)
-            if spec is not None and spec.loader is not None:
+            try:  # a build for another platform or a truncated file: use the JIT path
+                assert spec is not None and spec.loader is not None, path
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
+            except ImportError:
+                module = None
         _STATE["module"] = module
     return _STATE["module"]
 
