@@ -13,7 +13,8 @@ Lengths (fixed seed, clipped to [1, capacity]):
 Each algorithm runs through ``pack_flat`` with ``backend="auto"`` (plain Python below
 ``THRESHOLD`` items, compiled above). Time: best wall and best CPU time of 3 calls
 (``--repeats``) after one warm-up call, so compiling is excluded (bench_packing_cold.py
-reports it, and this script appends its tables). Peak
+reports it, and this script appends its tables, then bench_packing_scaling.py's table of
+``pack_flat`` / ``pack`` / first call in a fresh process against a plain numba BFD). Peak
 extra memory: in a fresh process, the rise of the peak RSS (Linux ``VmHWM``, reset before
 the call) over the RSS before it, so numba's allocations count too; it includes the result
 (order + offsets, ~9 MB at 1e6). Load CV: std / mean of bin loads.
@@ -225,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-refs", action="store_true", help="skip the slow reference packers")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (best kept)")
     parser.add_argument("--no-cold", action="store_true", help="skip compile / window-size tables")
+    parser.add_argument("--no-scaling", action="store_true",
+                        help="skip the algorithm x size table against a plain numba BFD")
     parser.add_argument("--out", type=str, default="benchmarks/packing_results.md",
                         help="also write the tables here")
     args = parser.parse_args(argv)
@@ -235,6 +238,11 @@ def main(argv: list[str] | None = None) -> None:
         import bench_packing_cold
 
         report += "\n" + bench_packing_cold.report(args.capacity)
+    if not args.no_scaling:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_packing_scaling
+
+        report += "\n" + bench_packing_scaling.to_markdown(bench_packing_scaling.run())
     print(report)
     if args.out:
         Path(args.out).write_text(report)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_packing_algorithms import check_packing, problems
 
 import streampack.packing as packing
-from streampack.packing import _engine, _jit
+from streampack.packing import _engine, _jit, aot
 
 NAMES = sorted(packing.ALGORITHMS)
 PACKAGE_DIR = Path(packing.__file__).parent
@@ -63,6 +63,8 @@ def test_auto_switches_at_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(_jit, "compiled", spy)
     monkeypatch.setattr(_engine, "THRESHOLD", 40)
+    monkeypatch.setattr(_engine, "_LOADED", set())  # as in a process that compiled nothing yet
+    monkeypatch.setitem(aot._STATE, "module", None)  # no ahead-of-time build either
     lengths = np.arange(1, 41, dtype=np.int64)
     for name in NAMES:
         compiled_kernels.clear()

@@ -1,18 +1,22 @@
 """Packing algorithms: pure functions from item lengths to bins of item indices.
 
-Every algorithm is called as ``(lengths, capacity, *, seed=0) -> list[np.ndarray]``:
+Every algorithm is called as ``(lengths, capacity, *, seed=0) -> Bins`` (a sequence of arrays):
 ``lengths`` is int ``[n]`` (each 1..capacity), the result holds one int64 array per bin with
 the indices of its items in layout order, every index exactly once, no bin over capacity,
 no empty bin, deterministic for a given seed. ``pack`` is the one entry point and
 ``pack_flat`` its flat form (``PackResult``: item order plus bin offsets, for large inputs);
 ``ALGORITHMS`` is the registry that config validates names against (``get_algorithm``).
 
-Inputs below ``THRESHOLD`` items (every streaming window) run as plain Python/numpy; larger
-ones run the same kernels compiled by numba, imported on first use — identical bins either
-way. Importing this package loads neither numba nor torch.
+The kernels run compiled when the ahead-of-time module is built (``python -m
+streampack.packing.aot``, once per machine: numba never imported at run time), when this
+process already ran them compiled, or for inputs of at least ``THRESHOLD`` items (numba's
+JIT, imported on first use); otherwise — every streaming window in a fresh process — as
+plain Python/numpy. Identical bins either way (see ``_engine``). Importing this package
+loads neither numba nor torch. ``pack`` returns ``Bins``, whose per-bin arrays are made on
+access, so it costs what ``pack_flat`` costs.
 
-Measured (1 core, lognormal mean 600 clipped to [1, 4096], C = 4096): see
-benchmarks/PACKING_NOTES.md for every algorithm at 1e4, 1e5 and 1e6.
+Measured (lognormal mean 600 clipped to [1, 4096], C = 4096): benchmarks/PACKING_NOTES.md
+and benchmarks/bench_packing_scaling.py for every algorithm at 1e4, 65535, 1e5 and 1e6.
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ from streampack.packing.histogram import histogram
 from streampack.packing.karmarkar_karp import karmarkar_karp
 from streampack.packing.metrics import MetricsAccumulator, PackingMetrics, packing_metrics
 from streampack.packing.mffd import mffd
-from streampack.packing.result import PackResult
+from streampack.packing.result import Bins, PackResult
 from streampack.packing.schedule import Balance
 from streampack.packing.sequential import greedy, shuffle_pack
 
-Algorithm = Callable[..., list[np.ndarray]]
+Algorithm = Callable[..., Bins]
 
 ALGORITHMS: dict[str, Packer] = {
     p.name: p for p in (greedy, shuffle_pack, ffd, ffs, bfd, mffd, histogram, kk)
@@ -61,8 +65,9 @@ def pack_flat(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0
         capacity: tokens per bin, 1..2^62.
         algorithm: a name in ``ALGORITHMS``.
         seed: randomness for ``ffs`` / ``shuffle_pack``; ignored by the others.
-        backend: ``"auto"`` (plain Python below ``THRESHOLD`` items, compiled above),
-            ``"python"`` or ``"numba"`` to force one; the bins are the same.
+        backend: ``"auto"`` (compiled when built ahead of time, already loaded, or at
+            ``THRESHOLD`` items and above; else plain Python), ``"python"`` or ``"numba"``
+            to force one; the bins are the same.
 
     Returns:
         ``PackResult`` with ``order`` int64 ``[n]`` and ``offsets`` int64 ``[num_bins + 1]``;
@@ -75,11 +80,13 @@ def pack_flat(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0
 
 
 def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
-         backend: Backend = "auto") -> list[np.ndarray]:
+         backend: Backend = "auto") -> Bins:
     """Pack items of the given lengths into bins of ``capacity`` tokens.
 
     Arguments as ``pack_flat``. Returns one int64 array per bin with the indices of its
-    items, in layout order (see each algorithm); ``[]`` when n = 0.
+    items, in layout order (see each algorithm), as a read-only sequence (``Bins``: each
+    array is made when read, so ``pack`` costs what ``pack_flat`` does); empty (``== []``)
+    when n = 0.
 
     Example: ``pack([5, 4, 3, 3, 3], 10, "ffd")`` -> ``[array([0, 1]), array([2, 3, 4])]``.
     """
@@ -87,7 +94,7 @@ def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
 
 
 __all__ = [
-    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "Balance", "CostModel", "MetricsAccumulator", "PackResult",
+    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "Balance", "Bins", "CostModel", "MetricsAccumulator", "PackResult",
     "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram",
     "karmarkar_karp", "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack",
 ]

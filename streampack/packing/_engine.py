@@ -1,22 +1,30 @@
-"""Which path runs a packer: plain Python below ``THRESHOLD`` items, compiled kernels above.
+"""Which path runs a packer: compiled kernels or the same kernels as plain Python.
 
 Both paths run the same kernel source (see ``_jit``), so an algorithm gives identical bins
-on either; only speed differs. How the threshold was chosen — measured here (1 core,
-lognormal lengths with mean 600, C = 4096; benchmarks/PACKING_NOTES.md), plain Python vs
-compiled, in ms:
+on either; only speed differs. ``backend="auto"`` runs the compiled kernels when
+
+1. the ahead-of-time module is built (``python -m streampack.packing.aot``): at every size,
+   since loading it costs 18 ms and never imports numba; or
+2. this process has already run the algorithm compiled (``_LOADED``): the one-time cost is
+   paid, so smaller inputs must not fall back to a 10–20x slower path; or
+3. the input has at least ``THRESHOLD`` items: then numba's JIT (with its disk cache) loads.
+
+Otherwise — a fresh process, no build, a small input — the plain path runs, and numba is
+never imported (every streaming window). Measured 2026-11-25 (2 shared cores, load 7–20;
+benchmarks/bench_packing_scaling.py; 1e5 lognormal items, C = 4096): a fresh process's first
+call costs 5–7 s for ffd / bfd / mffd / kk through numba (import, cache load; ~0.7 s on a
+quiet machine), 20–100 ms with the AOT module, and the plain path 0.12–1.2 s at 1e5. Before
+rules 1–2 a warm process had a cliff: ffd 86–96 ms at 65535 items vs 6 ms at 1e5 (quiet).
+
+The threshold for rule 3 (plain Python vs compiled, ms, quiet machine, compile excluded):
 
     n        bfd          ffd / ffs / mffd    kk          histogram, greedy
     8192     2.7 / 0.3    10–25 / 0.3–0.5     85 / 15     1–10 (numpy both ways)
     65536    23 / 2.5     86–96 / 4–5         216 / 28    5–21
     131072   50 / 6       172–199 / 7–10      534 / 61    12–25
 
-A fresh process pays once ~0.7 s to import numba and load the cached kernels (1.2–4.8 s
-when it must compile them). The streaming window packer calls ``pack`` with 1024–8192
-items, so any threshold above 8192 keeps it off numba; at 2^16 = 65536 every algorithm's
-plain path still costs at most ~0.2 s, while above it the plain path grows past the speed
-budget (kk 0.53 s at 131072, over the 0.3 s allowed at 1e5) and the compiled kernels are
-8–20x faster per call. 2^17 would leave kk too slow; 2^15 would buy little (all plain
-paths are <= 0.13 s there) and charge the 0.7 s load on calls that take 20–100 ms.
+At 2^16 every plain path still costs at most ~0.2 s, below the ~0.7 s numba load a one-off
+call would pay; above it the plain path grows past the speed budget (kk 0.53 s at 131072).
 """
 
 from __future__ import annotations
@@ -29,10 +37,15 @@ import numpy as np
 
 from streampack.packing import _jit  # numba itself is imported by _jit.compiled, not here
 from streampack.packing._common import from_log, group_log, validate
-from streampack.packing.result import PackResult
+from streampack.packing.result import Bins, PackResult
 
 THRESHOLD = 1 << 16
 """Inputs with at least this many items use the compiled kernels (``backend="auto"``)."""
+
+_LOADED: set[str] = set()
+"""Algorithms whose kernels this process has already compiled or loaded: ``auto`` runs them
+compiled at every size, since the one-time cost that the threshold guards is paid. Without
+this a warm process had a cliff: ffd took 86–96 ms at 65535 items and 6 ms at 1e5."""
 
 Backend = Literal["auto", "python", "numba"]
 IntBuffer = list[int] | np.ndarray
@@ -82,7 +95,7 @@ class Packer:
     """Whether the large-input path compiles kernels; False when numpy alone meets the
     speed targets at every size (then both backends run the same numpy code)."""
 
-    def __call__(self, lengths: Any, capacity: int, *, seed: int = 0) -> list[np.ndarray]:
+    def __call__(self, lengths: Any, capacity: int, *, seed: int = 0) -> Bins:
         return self.flat(lengths, capacity, seed=seed).bins()
 
     def flat(self, lengths: Any, capacity: int, *, seed: int = 0,
@@ -93,8 +106,15 @@ class Packer:
         lengths, capacity = validate(lengths, capacity)
         if lengths.size == 0:
             return PackResult(order=np.zeros(0, dtype=np.int64), offsets=np.zeros(1, dtype=np.int64))
-        big = backend == "numba" or (backend == "auto" and lengths.size >= THRESHOLD)
-        return self.impl(lengths, capacity, seed, Engine(compiled=big and self.compiles))
+        from streampack.packing import aot  # here: `python -m streampack.packing.aot` runs it
+
+        auto = backend == "auto" and (lengths.size >= THRESHOLD or self.name in _LOADED
+                                      or (self.compiles and aot.loaded() is not None))
+        compiled = self.compiles and (backend == "numba" or auto)
+        result = self.impl(lengths, capacity, seed, Engine(compiled=compiled))
+        if compiled:
+            _LOADED.add(self.name)
+        return result
 
     def __repr__(self) -> str:
         return f"<packing algorithm {self.name!r}>"

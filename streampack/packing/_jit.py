@@ -7,7 +7,9 @@ small-input path runs it as it is, on Python lists; the large-input path runs
 apart: they produce identical bins by construction, which the property tests then check.
 
 Nothing here imports numba at module level: ``compiled`` imports it on the first large
-input, so ``import streampack.packing`` and window-sized ``pack`` calls never load it.
+input, so ``import streampack.packing`` and window-sized ``pack`` calls never load it. When
+the ahead-of-time module is built (``streampack.packing.aot``), ``compiled`` returns its
+functions instead and numba is never imported (18 ms to load vs 0.7–7 s; see ``aot``).
 
 The on-disk cache, and why. Measured here (numba 0.68; benchmarks/PACKING_NOTES.md): a fresh
 process's first compiled call costs 1.2–1.8 s per algorithm with an empty cache (kk 4.8 s:
@@ -37,17 +39,22 @@ _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
 def cache_dir() -> Path:
     """Where compiled kernels are cached: ``$STREAMPACK_CACHE/numba``, else
     ``~/.cache/streampack/numba`` (``$XDG_CACHE_HOME`` honoured)."""
-    root = os.environ.get("STREAMPACK_CACHE")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "streampack")
-    return Path(root) / "numba"
+    from streampack.packing import aot
+
+    return aot.cache_root() / "numba"
 
 
 def compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """``kernel`` compiled by numba (once per process; from the disk cache when present)."""
+    """``kernel`` compiled: from the ahead-of-time module (``aot``) when built, else by
+    numba's JIT (once per process; from the disk cache when present)."""
     if kernel not in _COMPILED:
         _check_self_contained(kernel)
+        from streampack.packing import aot  # here: `python -m streampack.packing.aot` runs it
+
+        built = aot.kernel(kernel)  # the ahead-of-time module, when built: no numba import
+        if built is not None:
+            _COMPILED[kernel] = built
+            return built
         import numba  # only here: the small-input path must never pay for it
 
         dispatcher = numba.njit(kernel)

@@ -8,51 +8,43 @@ by remaining space r with a lazy max-heap over the non-empty groups. Unlike Krel
 there is no cap on sequences per pack.
 
 Cost O(n + N log N) time and O(n + N) memory after the sort by length, N = configurations
-created (each move of some packs from one group to another makes one; N ≪ n: 1k at 1024
-lognormal items, 41k at 1e6). So the loop runs over configurations in plain Python, and
-handing items out to packs is vectorised numpy: measured (1 core, lognormal mean 600,
-C = 4096) 1.5 ms at 1024 items, 10 ms at 8192 and 60–80 ms at 1e6 with no compiled kernel,
-which is why this packer never compiles (``backend`` makes no difference).
+created (each move of some packs from one group to another makes one; N <= n: 1k at 1024
+lognormal items, ~10k at 1e4, 41k at 1e6). Building the forest and walking it are two
+kernels (plain Python on lists below ``THRESHOLD``, compiled above, identical output);
+handing items out to packs is vectorised numpy. Measured (lognormal mean 600, C = 4096,
+load ~8 on 2 cores, best of 5): plain 1.6 ms at 1024 items and 55 ms at 1e4 (where N ~ n);
+compiled 2.5 ms at 1e4 (the old numpy-only version: 63 ms, 25x slower), 34 ms at 65535 and
+0.5 s at 1e6 (old 0.67 s) — 1.1–3.8x bfd's compiled time. It compiled nothing before 2026-11-25
+("numpy alone is fast enough"), which held at 1e6 but left 1e4–64k at 10–45x bfd.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from streampack.packing._common import decreasing_order
-from streampack.packing._engine import Engine, Packer
+from streampack.packing._engine import Engine, IntBuffer, Packer
 from streampack.packing.result import PackResult
 
 
-@dataclass(slots=True)
-class _Forest:
-    """Configurations: each is its parent configuration plus one item of size ``added``."""
-
-    parent: list[int] = field(default_factory=list)
-    added: list[int] = field(default_factory=list)
-    count: list[int] = field(default_factory=list)
-    """Packs with exactly this configuration's contents."""
-    nxt: list[int] = field(default_factory=list)
-    """Next configuration in the same room group, -1 at the end."""
-
-    def add(self, parent: int, size: int, count: int, nxt: int) -> int:
-        self.parent.append(parent)
-        self.added.append(size)
-        self.count.append(count)
-        self.nxt.append(nxt)
-        return len(self.parent) - 1
-
-
-def _configurations(sizes: list[int], counts: list[int], capacity: int) -> tuple[_Forest, list[int]]:
-    """The configuration forest and the head configuration of every room group by
-    increasing room (fullest packs first). ``sizes`` decreasing, ``counts`` items of each."""
-    f = _Forest()
-    group: dict[int, int] = {}  # room -> newest configuration with packs at that room
-    heap: list[int] = []  # negated rooms of groups that may be non-empty
-    for s, length in enumerate(sizes):
+def _configurations_kernel(sizes: IntBuffer, counts: IntBuffer, capacity: int,
+                           parent: IntBuffer, added: IntBuffer, count: IntBuffer,
+                           nxt: IntBuffer, heads: IntBuffer) -> tuple[int, int]:
+    """Build the configuration forest: configuration i is ``parent[i]`` plus one item of
+    size index ``added[i]``, ``count[i]`` packs have exactly its contents, ``nxt[i]`` is the
+    next configuration of its room group (-1 ends it). ``sizes`` decreasing, ``counts``
+    items of each; buffers ``[n]`` (each step adds at most one configuration per item
+    placed), ``heads`` ``[n + 1]``. Writes the head configuration of every room group by
+    increasing room (fullest packs first) to ``heads``; returns (configurations, groups)."""
+    group = {capacity: 0}  # room -> newest configuration with packs at that room
+    group.pop(capacity)  # (the literal gives numba the key and value types)
+    heap = [capacity]  # negated rooms of groups that may be non-empty
+    heap.pop()
+    num = 0
+    for s in range(len(sizes)):
+        length = sizes[s]
         c = counts[s]
         while c > 0:
             while heap and group.get(-heap[0], -1) < 0:
@@ -60,10 +52,10 @@ def _configurations(sizes: list[int], counts: list[int], capacity: int) -> tuple
             room = -heap[0] if heap else capacity
             if heap and room >= length:
                 link = group[room]
-                moved, per = min(c, f.count[link]), 1
-                f.count[link] -= moved
-                if f.count[link] == 0:
-                    group[room] = f.nxt[link]
+                moved, per = min(c, count[link]), 1
+                count[link] -= moved
+                if count[link] == 0:
+                    group[room] = nxt[link]
             else:
                 # Worst fit keeps filling a fresh pack while it is the roomiest one that
                 # fits, so new packs take `per` items each: c // per such packs now, the
@@ -71,40 +63,69 @@ def _configurations(sizes: list[int], counts: list[int], capacity: int) -> tuple
                 per = min(c, capacity // length)
                 moved, room, link = c // per, capacity - (per - 1) * length, -1
                 for _ in range(per - 1):
-                    link = f.add(link, s, 0, -1)
+                    parent[num], added[num], count[num], nxt[num] = link, s, 0, -1
+                    link = num
+                    num += 1
             target = room - length
             first = group.get(target, -1)
             if first < 0 and target > 0:
                 heapq.heappush(heap, -target)
-            group[target] = f.add(link, s, moved, first)
+            parent[num], added[num], count[num], nxt[num] = link, s, moved, first
+            group[target] = num
+            num += 1
             c -= moved * per
-    return f, [group[r] for r in sorted(group)]
+    rooms = list(group.keys())
+    rooms.sort()
+    for i in range(len(rooms)):
+        heads[i] = group[rooms[i]]
+    return num, len(rooms)
 
 
-def _emit(f: _Forest, heads: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """``(size index of every slot, items per pack)`` with packs in output order: by room
-    group (fullest first), then configuration; a pack's items longest first (chain root
-    first)."""
-    chain: list[int] = []
-    depth: list[int] = []
-    packs: list[int] = []
-    for e in heads:
+def _emit_kernel(parent: IntBuffer, added: IntBuffer, count: IntBuffer, nxt: IntBuffer,
+                 heads: IntBuffer, num_heads: int, chain: IntBuffer, depth: IntBuffer,
+                 packs: IntBuffer) -> tuple[int, int]:
+    """Non-empty configurations in output order (by room group, fullest first, then
+    configuration): their contents, root first, into ``chain``; items per pack into
+    ``depth``; packs into ``packs`` (each ``[n]``). Returns (chain length, configurations)."""
+    k = p = 0
+    for h in range(num_heads):
+        e = heads[h]
         while e >= 0:
-            if f.count[e]:
-                node, start = e, len(chain)
+            if count[e]:
+                node, start = e, k
                 while node >= 0:
-                    chain.append(f.added[node])
-                    node = f.parent[node]
-                chain[start:] = chain[start:][::-1]
-                depth.append(len(chain) - start)
-                packs.append(f.count[e])
-            e = f.nxt[e]
-    d = np.asarray(depth, dtype=np.int64)
-    k = np.asarray(packs, dtype=np.int64)
+                    chain[k] = added[node]
+                    k += 1
+                    node = parent[node]
+                i, j = start, k - 1
+                while i < j:  # the walk went leaf to root
+                    chain[i], chain[j] = chain[j], chain[i]
+                    i += 1
+                    j -= 1
+                depth[p] = k - start
+                packs[p] = count[e]
+                p += 1
+            e = nxt[e]
+    return k, p
+
+
+def _emit(sizes: list[int] | np.ndarray, counts: np.ndarray, capacity: int,
+          engine: Engine) -> tuple[np.ndarray, np.ndarray]:
+    """``(size index of every slot, items per pack)`` with packs in output order: by room
+    group (fullest first), then configuration; a pack's items longest first."""
+    n = int(counts.sum())
+    forest = [engine.buffer(np.zeros(n, dtype=np.int64)) for _ in range(4)]
+    heads = engine.buffer(np.zeros(n + 1, dtype=np.int64))
+    _, num_heads = engine.kernel(_configurations_kernel)(
+        engine.buffer(np.asarray(sizes, dtype=np.int64)), engine.buffer(counts), capacity,
+        *forest, heads)
+    out = [engine.buffer(np.zeros(n, dtype=np.int64)) for _ in range(3)]
+    size, num = engine.kernel(_emit_kernel)(*forest, heads, num_heads, *out)
+    chain, d, k = (np.asarray(b[:m], dtype=np.int64) for b, m in zip(out, (size, num, num)))
     chain_start = np.concatenate(([0], np.cumsum(d)[:-1]))
     slots = np.repeat(np.arange(d.size), k * d)  # configuration of every slot
     pos = np.arange(slots.size) - np.concatenate(([0], np.cumsum(k * d)[:-1]))[slots]
-    slot_size = np.asarray(chain, dtype=np.int64)[chain_start[slots] + pos % d[slots]]
+    slot_size = chain[chain_start[slots] + pos % d[slots]]
     return slot_size, np.repeat(d, k)
 
 
@@ -116,8 +137,7 @@ def _histogram(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) ->
     sorted_lengths = lengths[by_size]
     first = np.flatnonzero(np.diff(sorted_lengths, prepend=0))  # start of each distinct size
     counts = np.diff(first, append=lengths.size)
-    forest, heads = _configurations(sorted_lengths[first].tolist(), counts.tolist(), capacity)
-    slot_size, pack_sizes = _emit(forest, heads)
+    slot_size, pack_sizes = _emit(sorted_lengths[first], counts, capacity, engine)
     # Items of one size go out in emission order: a stable sort of the slots by size lines
     # them up with `by_size`, which lists each size's items in index order.
     key = slot_size.astype(np.uint16) if first.size <= 1 << 16 else slot_size
@@ -127,4 +147,4 @@ def _histogram(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) ->
     return PackResult(order=order, offsets=offsets)
 
 
-histogram = Packer(name="histogram", impl=_histogram, compiles=False)
+histogram = Packer(name="histogram", impl=_histogram)
