@@ -21,6 +21,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ def timed_index(urls: list[str], out: str, *extra: str) -> float:
     return time.perf_counter() - t
 
 
-def bench_manifest(shards: int) -> None:
+def bench_manifest(shards: int) -> list[dict[str, Any]]:
     from streampack.io.manifest import MANIFEST_FILE, Manifest, ShardTotals, save_manifest
     from streampack.io.storage import OpenOptions
 
@@ -85,19 +86,26 @@ def bench_manifest(shards: int) -> None:
     print(f"manifest of {shards} shards: {size} bytes ({size / shards:.1f} B/shard); "
           f"load {float(out[0]) * 1e3:.0f} ms, "
           f"RSS +{float(out[1]):.1f} MiB")
+    return [{"what": "manifest", "shards": shards, "bytes_per_shard": round(size / shards, 1),
+             "load_ms": round(float(out[0]) * 1e3, 1), "rss_mib": round(float(out[1]), 1)}]
 
 
-def bench_local(shards: int, samples: int, jobs: int) -> None:
+def bench_local(shards: int, samples: int, jobs: int) -> list[dict[str, Any]]:
+    rows = []
     with tempfile.TemporaryDirectory() as d:
         urls = make_set(os.path.join(d, "d"), shards, samples, 0)
         for pool in ("threads", "processes"):
             dt = timed_index(urls, os.path.join(d, pool), "--pool", pool, "--jobs", str(jobs))
             print(f"local {shards}x{samples} samples, {pool} x{jobs}: {dt:.2f} s, {shards / dt:.1f} shards/s")
+            rows.append({"what": f"local {pool}", "shards": shards, "samples": samples, "s": round(dt, 2)})
         dt = timed_index(urls, os.path.join(d, "threads"), "--jobs", str(jobs))
         print(f"local, again (resume: every index kept): {dt:.2f} s")
+        rows.append({"what": "local again", "shards": shards, "samples": samples, "s": round(dt, 2)})
+    return rows
 
 
-def bench_http(shards: int, samples: int, member: int, jobs: int) -> None:
+def bench_http(shards: int, samples: int, member: int, jobs: int) -> list[dict[str, Any]]:
+    rows = []
     from helpers_data import serve_directory
 
     with tempfile.TemporaryDirectory() as d:
@@ -113,6 +121,17 @@ def bench_http(shards: int, samples: int, member: int, jobs: int) -> None:
                 print(f"http {shards}x{samples}, members {member} B ({size / 1e6:.0f} MB), ranged={mode}, "
                       f"jobs {jobs}: {dt:.2f} s, {shards / dt:.2f} shards/s, {len(server.requests)} requests, "
                       f"{got / 1e6:.1f} MB fetched")
+                rows.append({"what": f"http ranged={mode}", "shards": shards, "member": member, "s": round(dt, 2),
+                             "requests": len(server.requests), "mb_fetched": round(got / 1e6, 1)})
+    return rows
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """The manifest at 10^4 (quick) or 10^5 shards, and a local build; over HTTP only in the full run."""
+    if quick:
+        return bench_manifest(10_000) + bench_local(10, 200, 2)
+    return bench_manifest(100_000) + bench_local(100, 1000, 2) + bench_http(20, 1000, 0, 4) + \
+        bench_http(20, 100, 2 << 20, 4)
 
 
 def main() -> None:
