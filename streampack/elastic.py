@@ -150,10 +150,31 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Pulled:
+    """The last sample an old reader's overlong stage pulled: one row of
+    ``OverlongNode.LAST_COLUMNS``, read by name (a positional unpack that dropped the epoch
+    column once re-trained a whole shard after two elastic resumes)."""
+
+    source: int
+    shard: int
+    epoch: int
+    """The epoch the sample belongs to (after an elastic resume a reader's work may hold the same
+    shard twice: an old reader's tail of the epoch before, and the shard's span in this one)."""
+    offset: int
+    number: int
+    next_offset: int
+    next_number: int
+
+    @classmethod
+    def of(cls, row: Sequence[int]) -> Pulled:
+        return cls(**{name: int(v) for name, v in zip(OverlongNode.LAST_COLUMNS, row, strict=True)})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Frontier:
     epoch: int
-    origin: list[int] | None
-    """``OverlongNode.LAST_COLUMNS`` of the last sample pulled, or None (nothing yet this epoch)."""
+    origin: Pulled | None
+    """The last sample pulled, or None (nothing yet this epoch)."""
     position: int = 0
     """Offline packs: packs read in ``epoch``."""
     carry: Mapping[str, Any] | None = None
@@ -169,7 +190,7 @@ class _OldPlans:
         self.config, self.sources, self.options = config, sources, options
         self.dp_size, self.readers, self.passes = dp_size, readers, passes
         self.place = Placement(dp_size=dp_size, num_workers=readers, passes=passes)
-        self.planner = make_planner(config, sources, self.place, options) if config.epochs else None
+        self.planner = make_planner(config, sources, self.place, options, count=False) if config.epochs else None
         first = passes * config.epochs if config.epochs else 0
         self.first, self.last = first, (first + config.epochs if config.epochs else None)
         self._packed: PackedShardReader | None = None
@@ -190,8 +211,9 @@ class _OldPlans:
         reader, overlong, packer = (find_state(chain, k) for k in (READER_KIND, OverlongNode.KIND, WindowPacker.KIND))
         assert reader is not None and overlong is not None and packer is not None, "not a PackedDataset graph state"
         last = overlong["last"].tolist()
-        origin = last[0] if last else None
-        epoch = int(graph["epoch"]) if self.config.epochs is not None else (origin[2] if origin else int(reader["start_epoch"]))
+        origin = Pulled.of(last[0]) if last else None
+        epoch = int(graph["epoch"]) if self.config.epochs is not None else (
+            origin.epoch if origin is not None else int(reader["start_epoch"]))
         carry = concat_tables([WindowPacker.unemitted(packer), self._pending(overlong["pending"])])
         return _Frontier(epoch=epoch, origin=origin, carry=carry, work=work_from_state(reader["work"]))
 
@@ -201,10 +223,10 @@ class _OldPlans:
             return samples_to_table(samples_from_state(pending), by_reference=False)
         import torch
 
-        source, shard, offset, number, epoch = pending["ref"].tolist()
+        ref = dict(zip(REF_COLUMNS, pending["ref"].tolist()))  # the document's reference, chunk and length unset
         total, count, nxt = int(pending["tokens"]), int(pending["count"]), int(pending["next"])
         lengths = chunk_lengths(np.asarray([total]), self.config.capacity, self.config.overlong)
-        rows = [[source, shard, offset, number, epoch, k, int(lengths[k])] for k in range(nxt, count)]
+        rows = [[{**ref, "chunk": k, "length": int(lengths[k])}[c] for c in REF_COLUMNS] for k in range(nxt, count)]
         return {"is_ref": torch.ones(len(rows), dtype=torch.bool),
                 "refs": torch.tensor(rows, dtype=torch.int64).reshape(-1, len(REF_COLUMNS)),
                 "stored": samples_to_table([], by_reference=False)["stored"]}
@@ -240,7 +262,7 @@ class _OldPlans:
         if epoch in work:
             return self._tagged(list(work[epoch]), epoch)
         if self.planner is not None:
-            return self._tagged(list(self.planner.plan(epoch).workers[g].spans), epoch)
+            return self._tagged(self.planner.spans(epoch, g), epoch)
         shards = self.sources.shards
         assert shards is not None
         out = []
@@ -249,17 +271,17 @@ class _OldPlans:
             out.append(_resolve(s, lambda i: shard_samples(shards.urls[i], self.config, self.options)))
         return self._tagged(out, epoch)
 
-    def _after(self, spans: list[Span], origin: list[int] | None) -> list[Span]:
-        """``spans`` after the sample ``origin`` (all of them when None)."""
+    def _after(self, spans: list[Span], origin: Pulled | None) -> list[Span]:
+        """``spans`` (tagged with their epochs) after the sample ``origin`` (all when None)."""
         if origin is None:
             return spans
-        _, shard, _, offset, _, next_offset, next_number = origin
         for i, s in enumerate(spans):
-            if s.shard == shard and s.start <= offset and (s.end is None or offset < s.end):
-                rest = replace(s, start=next_offset, first=next_number)
-                return ([rest] if s.end is None or next_offset < s.end else []) + spans[i + 1:]
-        raise ValueError(f"the state's last sample (shard {shard} @ {offset}) is not in its reader's plan: "
-                         f"the states were saved with other settings or shards")
+            if (s.epoch, s.shard) == (origin.epoch, origin.shard) and s.start <= origin.offset and (
+                    s.end is None or origin.offset < s.end):
+                rest = replace(s, start=origin.next_offset, first=origin.next_number)
+                return ([rest] if s.end is None or origin.next_offset < s.end else []) + spans[i + 1:]
+        raise ValueError(f"the state's last sample (shard {origin.shard} @ {origin.offset}, epoch {origin.epoch}) "
+                         f"is not in its reader's plan: the states were saved with other settings or shards")
 
 
 def shard_samples(url: str, config: StreamConfig, options: ReadOptions) -> ShardSamples:

@@ -109,6 +109,10 @@ class ReadOptions:
     allow_pipe: bool = False
     allow_pickle: bool = False
     cache_dir: str | None = None
+    manifest: str | None = None
+    """Where the data set's manifest is (``streampack index URLS --out DIR``): what plans finite
+    epochs over several readers and elastic resumes. None: built once in ``cache_dir`` for
+    local shards; remote shards without one are refused."""
     retries: int | None = None
     retry_budget: float = 120.0
     connect_timeout: float = 10.0

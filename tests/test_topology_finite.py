@@ -159,7 +159,8 @@ def test_one_reader_reads_a_finite_epoch_without_building_indexes(few_shards, mo
     def refuse(*args, **kwargs):
         raise AssertionError("a single reader must not need the shard index")
 
-    monkeypatch.setattr(graph, "load_or_build_index", refuse)
+    monkeypatch.setattr(graph, "obtain_manifest", refuse)
+    monkeypatch.setattr(graph, "make_planner", refuse)
     assert collect_documents(PackedDataset(urls, capacity=CAP, window=16, epochs=1)) == want
     reshuffled = collect_documents(PackedDataset(urls, capacity=CAP, window=16, epochs=1, seed=5))
     assert reshuffled == want and list(reshuffled) != list(want)  # every document once, in another order
