@@ -39,8 +39,9 @@ from streampack.nodes.epoch_plan import (
 )
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
+from streampack.io.storage import ShardStat
+from streampack.nodes.reader import IDENTITY_KEY, identities_from_state, work_from_state
 from streampack.nodes.reader import KIND as READER_KIND
-from streampack.nodes.reader import work_from_state
 from streampack.nodes.sharding import (
     ShardSpan,
     Span,
@@ -53,7 +54,9 @@ from streampack.state import (
     GRAPH_KEY,
     PASSES_KEY,
     REF_COLUMNS,
+    VERSION_KEY,
     WORKER_KEY,
+    check_version,
     concat_tables,
     samples_from_state,
     samples_to_table,
@@ -82,6 +85,8 @@ class Remaining:
     old_readers: int
     readers: list[OldReader]
     """By old global worker."""
+    identities: Mapping[int, ShardStat] = field(default_factory=dict)
+    """The identities the old readers recorded: a new reader refuses a changed shard when it opens it."""
 
 
 def topology_of(states: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
@@ -141,12 +146,61 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
     dp_size, num_workers = topology_of(states)
     readers = max(num_workers, 1)
     ordered = sorted(states, key=lambda s: (s[WORKER_KEY]["dp_rank"], s[WORKER_KEY]["worker_id"]))
+    for s in ordered:
+        check_node_versions(s[GRAPH_KEY], f"dp_rank={s[WORKER_KEY]['dp_rank']} worker_id={s[WORKER_KEY]['worker_id']}")
     passes = int(ordered[0][PASSES_KEY])
     old = _OldPlans(config, sources, options, dp_size, readers, passes)
+    identities = saved_identities(ordered, sources)
+    if old.planner is not None:  # the manifest names every shard's identity now: no request
+        check_identities(identities, old.planner.shards.identity, sources)
     frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]
     last = max(f.epoch for f in frontiers)
     out = [old.left(g, f, last) for g, f in enumerate(frontiers)]
-    return Remaining(epoch=last, passes=passes, old_dp_size=dp_size, old_readers=readers, readers=out)
+    return Remaining(epoch=last, passes=passes, old_dp_size=dp_size, old_readers=readers, readers=out,
+                     identities=identities)
+
+
+def check_node_versions(tree: Any, who: str) -> None:
+    """Every node state nested in ``tree`` that records a version has this library's
+    (``ValueError`` naming the node and the reader, as the same-topology restore does)."""
+    if isinstance(tree, Mapping):
+        if VERSION_KEY in tree:
+            check_version(tree, what=f"{tree.get('kind', 'node')} state of {who}")
+        children: Iterator[Any] = iter(tree.values())
+    elif isinstance(tree, (list, tuple)):
+        children = iter(tree)
+    else:
+        return
+    for child in children:
+        check_node_versions(child, who)
+
+
+def saved_identities(states: Sequence[Mapping[str, Any]], sources: Sources) -> dict[int, ShardStat]:
+    """The shard identities the old readers recorded (each the shards it read last), checked to
+    agree with each other."""
+    out: dict[int, ShardStat] = {}
+    for s in states:
+        reader = find_state(s[GRAPH_KEY], READER_KIND)
+        for shard, ident in identities_from_state(reader.get(IDENTITY_KEY) if reader else None).items():
+            if out.setdefault(shard, ident) != ident:
+                raise ValueError(f"the old readers recorded two identities of shard {_url(sources, shard)!r} "
+                                 f"({out[shard]} and {ident}): it changed during the run; cannot resume on it")
+    return out
+
+
+def check_identities(saved: Mapping[int, ShardStat], now: Any, sources: Sources) -> None:
+    """``ValueError`` naming each shard whose identity ``now(shard)`` is not the saved one."""
+    for shard, ident in saved.items():
+        current = now(shard)
+        if current != ident:
+            changes = [f"{what} {a!r} -> {b!r}" for what, a, b in
+                       (("size", ident.size, current.size), ("tag", ident.tag, current.tag)) if a != b]
+            raise ValueError(f"cannot resume: shard {_url(sources, shard)!r} changed since the states were saved "
+                             f"({'; '.join(changes)}); their positions point into the old contents")
+
+
+def _url(sources: Sources, shard: int) -> str:
+    return sources.shards.urls[shard] if sources.shards is not None and shard < len(sources.shards.urls) else str(shard)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

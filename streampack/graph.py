@@ -80,7 +80,8 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
                   tokenizer: Any = None, stages: Sequence[Any] = (), errors: ErrorCounter | None = None,
                   around: Mapping[str, Wrap] | None = None, epoch: int | None = None,
                   work: list[Span] | None = None, keep_work: bool = False,
-                  io_stats: IOStats | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
+                  io_stats: IOStats | None = None,
+                  identities: Mapping[int, Any] | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
     """The sample half of the graph: reader(s) -> [mixture] -> [tokenize] -> [stages].
     ``epoch`` reads that one epoch (``work``: its spans) instead of the pass's epochs."""
     errors = errors if errors is not None else ErrorCounter()
@@ -95,7 +96,7 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
         loss_mask_key=config.loss_mask_key, on_error=config.on_error, errors=errors,
         allow_pipe=options.allow_pipe, allow_pickle=options.allow_pickle, cache_dir=options.cache_dir,
         open_options=open_options, io_stats=io_stats, source=i, work=None if work is None else {start: work},
-        keep_work=keep_work, vocab_size=config.vocab_size, limits=config.limits)
+        keep_work=keep_work, vocab_size=config.vocab_size, limits=config.limits, saved_identities=identities)
         for i, (name, shards) in enumerate(sorted(sources.mixture.items()) or [("", sources.shards)])}
     nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "readers": list(readers.values()),
                              "errors": errors, "io": io_stats}
@@ -218,7 +219,8 @@ class _Builder:
         node, nodes = build_samples(config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
                                     stages=self.stages, errors=self.errors, around=self.around,
                                     epoch=share.epoch if share is not None and epoch is None else epoch,
-                                    work=work, keep_work=share is not None, io_stats=self.io_stats)
+                                    work=work, keep_work=share is not None, io_stats=self.io_stats,
+                                    identities=None if share is None else share.identities)
         replayer = self._replayer(nodes)
         node = nodes["overlong"] = OverlongNode(node, config.capacity, config.overlong,
                                                 replay=None if replayer is None else replayer.chunks)

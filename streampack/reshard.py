@@ -61,7 +61,7 @@ def _share_infinite(left: Remaining, place: Placement) -> Share:
     spans = [s for r in left.readers for s in r.spans]
     g, n = place.global_worker, place.global_workers
     lo, hi = table_size(carry) * g // n, table_size(carry) * (g + 1) // n
-    return Share(epoch=left.epoch, spans=spans[g::n], carry=table_slice(carry, lo, hi))
+    return Share(epoch=left.epoch, spans=spans[g::n], carry=table_slice(carry, lo, hi), identities=left.identities)
 
 
 def _share_packs(left: Remaining, config: StreamConfig, place: Placement) -> Share:
@@ -244,7 +244,7 @@ class _ShareFinite:
                 _log.info("elastic resume: %d old readers -> %d; epoch %d re-planned: %d batches per rank, "
                           "%d fillers over all ranks (fewest possible %d)", self.left.old_dp_size * self.left.old_readers,
                           place.global_workers, self.left.epoch, sum(quotas) // place.dp_size, fillers, least)
-        return Share(epoch=self.left.epoch, spans=spans, carry=carry, quota=quota)
+        return Share(epoch=self.left.epoch, spans=spans, carry=carry, quota=quota, identities=self.left.identities)
 
 
 def _whole(span: Span) -> bool:

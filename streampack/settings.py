@@ -166,6 +166,9 @@ class Share:
     """Offline packs to read (a ``streampack pack`` directory)."""
     quota: int | None = None
     """Batches to yield in ``epoch`` (finite streams with several ranks)."""
+    identities: Mapping[int, Any] = field(default_factory=dict)
+    """Shard -> the identity (``io.storage.ShardStat``) the old readers recorded: the new reader
+    refuses a shard that changed since when it opens it."""
 
 
 def cost_model_of(value: CostModel | Mapping[str, Any] | None) -> CostModel | None:

@@ -290,3 +290,49 @@ def test_second_elastic_resume_reads_each_shard_once_per_epoch(tmp_path):
             got = consumed + [x for _, x in zip(range(second), mid)]
             rest = list(SimRank(lambda: make(0, 1), 2, load=mid.states()))
             assert _doc_epochs(got + rest) == full, (len(consumed), second)
+
+
+@pytest.mark.parametrize("change", ["same_size", "truncated", "node_version"])
+def test_elastic_resume_refuses_changed_shards_and_other_versions(tmp_path, change):
+    """Finding (issue 17, 3b): the elastic path skipped the checks the same-topology resume makes.
+    Shards rewritten with the same size resumed silently on new bytes at old offsets; shards
+    truncated to 60% failed with ``lengths[0]=-1 must be >= 1``; a nested node state of another
+    version was accepted on 3x1 (and refused on 4x2). Each is now a named refusal."""
+    import os
+
+    docs = make_token_docs(60, seed=6, max_len=120)
+    urls = write_tar_shards(tmp_path, docs, 3)
+    make = lambda r, size: _ds(urls, r, size, window=8)  # noqa: E731
+    _, states = _old_run(make, 2, 1, 3)
+    if change == "node_version":
+        packer = elastic.find_state(states[1]["graph"], "OverlongNode")
+        assert packer is not None
+        _set_nested(states[1]["graph"], "OverlongNode", {**packer, "version": 99})
+        match = "OverlongNode state of dp_rank=1 worker_id=0 version=99"
+    else:
+        sizes = [os.path.getsize(u) for u in urls]
+        if change == "same_size":  # other tokens, same lengths: every file keeps its size
+            write_tar_shards(tmp_path, [[t + 1 for t in d] for d in docs], 3)
+            assert [os.path.getsize(u) for u in urls] == sizes
+        else:
+            for url in urls:
+                data = open(url, "rb").read()
+                with open(url, "wb") as f:
+                    f.write(data[:len(data) * 6 // 10])
+        for url in urls:  # a new mtime even on a coarse clock
+            os.utime(url, ns=(os.stat(url).st_atime_ns, os.stat(url).st_mtime_ns + 10**9))
+        # truncated shards lose the token count of their cut sample: a fresh plan refuses them too
+        match = "changed since the states were saved" + ("|shards do not have" if change == "truncated" else "")
+    for c, d in ((3, 0), (4, 2)):
+        with pytest.raises(ValueError, match=match):
+            SimRank(lambda: make(0, c), d, load=states)
+
+
+def _set_nested(tree, kind: str, value) -> bool:
+    for k, v in (tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()):
+        if isinstance(v, dict) and v.get("kind") == kind:
+            tree[k] = value
+            return True
+        if isinstance(v, (dict, list)) and _set_nested(v, kind, value):
+            return True
+    return False

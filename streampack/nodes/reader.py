@@ -135,6 +135,7 @@ class ShardReader(BaseNode[Sample]):
         source: int = 0,
         vocab_size: int | None = None,
         limits: Limits | None = None,
+        saved_identities: Mapping[int, ShardStat] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(seed, int) or seed < 0:
@@ -185,7 +186,7 @@ class ShardReader(BaseNode[Sample]):
         self._items: Iterator[Item] | None = None
         self._starved_shards: set[int] = set()  # shards read empty since the last sample (not state)
         self._identities: OrderedDict[int, ShardStat] = OrderedDict()  # recently opened shards, newest last
-        self._saved_identities: dict[int, ShardStat] = {}  # what a restored state recorded
+        self._saved_identities: dict[int, ShardStat] = dict(saved_identities or {})  # what a restored state recorded
         self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
 
     @property
@@ -240,9 +241,12 @@ class ShardReader(BaseNode[Sample]):
         saved = self._saved_identities.get(shard)
         if saved is None:
             return
+        self._check_same(shard, identity(self.urls[shard], self._open, self.io_stats))
+
+    def _check_same(self, shard: int, now: ShardStat) -> None:
+        saved = self._saved_identities.get(shard)
         url = self.urls[shard]
-        now = identity(url, self._open, self.io_stats)
-        if now != saved:
+        if saved is not None and now != saved:
             changes = [f"{what} {a!r} -> {b!r}" for what, a, b in
                        (("size", saved.size, now.size), ("tag", saved.tag, now.tag)) if a != b]
             raise ValueError(f"cannot resume: shard {url!r} changed since the state was saved "
@@ -364,7 +368,9 @@ class ShardReader(BaseNode[Sample]):
         if url.startswith("pipe:"):
             return
         if shard not in self._identities:
-            self._identities[shard] = identity(url, self._open, self.io_stats)
+            now = identity(url, self._open, self.io_stats)
+            self._check_same(shard, now)  # an elastic share: the old readers' record of the shard
+            self._identities[shard] = now
         self._identities.move_to_end(shard)
         while len(self._identities) > RECENT_SHARDS:
             self._identities.popitem(last=False)
