@@ -75,8 +75,10 @@ class PackedDataset(IterableDataset):
     split between all readers of all ranks at sample granularity, balanced by token count, and
     every sample is read exactly once. With ``dp_size > 1`` every rank yields the same number of
     batches per epoch with no number to guess: by default (``equal_batches="plan"``) each reader
-    computes every reader's batch count from the shard index (token lengths of pre-tokenized
-    shards) by simulating the packer, and readers of ranks with fewer batches end the epoch with
+    counts its own batches from the token lengths of its own shards (pre-tokenized shards) by
+    simulating the packer, the ranks agree on the counts through the ``torch.distributed`` store
+    (one round per epoch; without ``torch.distributed`` each reader counts every reader's), and
+    readers of ranks with fewer batches end the epoch with
     *filler* batches (``doc_keys`` all ``"<filler>"``, zero targets, the same shape as every
     batch), as few as the data allows (``metrics()["plan"]``, ``metrics()["batches"]["fillers"]``).
     ``equal_batches="sync"`` (text shards, stages that change lengths) leaves the counts to the
@@ -84,6 +86,12 @@ class PackedDataset(IterableDataset):
     all-reduce per step. ``batches_per_epoch`` (per rank, a multiple of the worker count)
     overrides both with a fixed count. The last batch of an epoch is completed with filler packs,
     so every batch has ``packs_per_batch * capacity`` tokens.
+
+    **Manifest.** Splitting a finite epoch between several readers, and an elastic resume, are
+    planned from the data set's manifest (per shard: identity, sample count, token total; written
+    by ``streampack index URLS --out DIR``), so a reader's start costs O(its own share), not
+    O(data set): pass ``manifest=DIR``. Local shards without one get it built once in
+    ``cache_dir``; remote shards without one are refused at construction, naming the command.
 
     **Mixtures.** ``urls`` may map source names to ``urls`` (weight 1) or ``(urls, weight)``,
     e.g. ``{"web": ("web-{000..099}.tar", 0.7), "code": ("code/*.tar", 0.3)}``: one ShardReader

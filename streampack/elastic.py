@@ -11,11 +11,17 @@ What an old reader had not yet handed to the trainer is exactly (see ``OverlongN
   readers (readers of an infinite stream may be an epoch apart).
 
 :func:`remaining` gathers that from the old states (once per process, from plain data: no
-shard is read, only the indexes the old plans need); :mod:`streampack.reshard` cuts it into
+shard is read; the old plans come from the manifest and the indexes of the shards their
+boundaries fall in: <= G_old + 1 index reads, O(N + G_old) CPU and memory, no per-shard HEAD); :mod:`streampack.reshard` cuts it into
 the new readers' shares. The new readers read their share in epoch ``E*`` (each sample keeps
 the epoch it belongs to in its origin) and then follow the regular plan of the new topology
 from ``E* + 1``. The frontier is exact because every stage between the reader and the
 overlong stage keeps the reader's order (tokenizing, function stages).
+
+Refused with a ``ValueError`` naming what differs, as the same-topology resume refuses: a
+nested node state of another version, and a shard whose identity (size, ETag / mtime) is not the
+one the old readers recorded — checked against the manifest up front, and by each new reader when
+it opens a shard (no extra request).
 
 Not supported (a clear ``ValueError``): mixtures (the mixture's draw sequence is per reader), and
 graphs with a user node stage (its own buffer cannot be split). On the same topology nothing

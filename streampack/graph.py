@@ -9,7 +9,10 @@
 A finite stream (``epochs=N``) runs that chain once per epoch under an
 :class:`~streampack.nodes.epochs.EpochLoop`, each epoch read as planned by
 :class:`~streampack.nodes.epoch_plan.EpochPlanner` (sample-balanced spans, and with several
-ranks the batch quota that gives every rank the same count). An infinite stream is one chain.
+ranks the batch quota that gives every rank the same count) over the data set's manifest
+(:func:`manifest_of`; one reader that counts nothing needs neither). An infinite stream is one
+chain. Building a reader's graph costs no request but the manifest's (1 read per process) and
+what its planner reads (see :mod:`streampack.nodes.epoch_plan`).
 
 :class:`StreamConfig` holds every setting that shapes the stream (it is what a resume state is
 fingerprinted on); :class:`ReadOptions` holds the ones that do not (retries, caching, thread
@@ -311,14 +314,26 @@ def decode_options(config: StreamConfig, options: ReadOptions) -> DecodeOptions:
                          vocab_size=config.vocab_size, limits=config.limits)
 
 
+_GIVEN: dict[tuple[str, str, str], Manifest] = {}
+
+
 def manifest_of(config: StreamConfig, sources: Sources, options: ReadOptions,
                 io_stats: IOStats | None = None) -> Manifest:
-    """The data set's manifest (1 read): ``options.manifest``, else built once for local shards
-    (then re-checked with one ``stat`` per shard); remote shards without one are refused, naming
-    ``streampack index``. Not cached across calls: a rewritten shard must be seen."""
+    """The data set's manifest: ``options.manifest`` (read once per process; forked DataLoader
+    workers inherit it), else built once for local shards (re-checked on every call with one
+    ``stat`` per shard, so a rewritten shard is seen); remote shards without one are refused,
+    naming ``streampack index``."""
     assert sources.shards is not None
-    return obtain_manifest(list(sources.shards.urls), location=options.manifest, cache_dir=options.cache_dir,
-                           decode=decode_options(config, options), opts=options.open_options(), stats=io_stats)
+    decode = decode_options(config, options)
+    key = (str(options.manifest), sources.shards.digest, repr(decode))
+    if options.manifest is not None and key in _GIVEN:
+        return _GIVEN[key]
+    manifest = obtain_manifest(list(sources.shards.urls), location=options.manifest, cache_dir=options.cache_dir,
+                               decode=decode, opts=options.open_options(), stats=io_stats)
+    if options.manifest is not None:
+        _GIVEN.clear()  # one data set at a time
+        _GIVEN[key] = manifest
+    return manifest
 
 
 def counting_for(config: StreamConfig, place: Placement) -> Counting | None:

@@ -1,9 +1,17 @@
 """Resharding: one new reader's share of what an old run had left (:mod:`streampack.elastic`).
 
 A finite stream is cut at sample granularity, balanced by token count (ranks first, then
-each rank's workers), and every new reader's batches are counted with the packer's own round
-logic (``window_rounds.count_packs``) so every new rank yields the same number of batches in
-the resumed epoch (logged, with the fillers it costs). An infinite stream deals whole spans
+each rank's workers) from the pieces' totals (the manifest's for whole shards, a byte-share
+estimate for parts of shards: no index read but at the <= 4 pieces a new reader's boundaries fall
+in), and each new reader counts its own batches with the packer's own round logic
+(``window_rounds.count_packs``); the counts are agreed through the store (``streampack.agree``),
+or without one every new reader counts every new reader's (O(T)), so every new rank yields the
+same number of batches in the resumed epoch (logged, with the fillers it costs).
+
+**Cost per new reader** (old readers G_old, new G, shards N, samples T): CPU and memory O(N +
+G_old · (window + 3)) for the pieces; requests: the indexes of <= 4 boundary pieces and of its
+own ~N/G shards (to count). What the old readers had left (:func:`streampack.elastic.remaining`,
+once per process) adds the boundary indexes of the old readers' plans: <= G_old + 1 reads. An infinite stream deals whole spans
 round-robin (no index needs reading) and the carried samples in equal runs. Offline packs are
 dealt by batches of ``packs_per_batch``, ranks first, as ``PackedShardReader`` deals an epoch.
 

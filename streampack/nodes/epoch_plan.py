@@ -1,28 +1,40 @@
-"""Finite epochs without guesswork: who reads which samples, and how many batches each yields.
+"""Finite epochs without guesswork: which samples one reader reads, and how many batches it yields.
 
-Every worker of every rank computes the same :class:`EpochPlan` from the shard indexes alone
-(no communication): the epoch's samples, shard after shard in the ``(seed, epoch)`` order, are
-cut into contiguous ranges balanced by token count — ranks first, then each rank's workers
-(``sharding.cut_two_level``) — and, when every rank must yield the same number of batches,
-each worker's packer is simulated on its known lengths (``window_packer.count_packs``: the
-node's own round logic on lengths alone) to count its batches. Every rank then yields the
-largest rank's count, the others completing theirs with filler batches
-(:func:`equalize`). The plan also reports the lower bound ``R * ceil(total / R) - total`` on
-fillers that any assignment of these batches to ``R`` ranks must pay.
+Each reader plans only its own share of an epoch, from the data set's manifest
+(:mod:`streampack.io.manifest`: per shard its sample count and token total): the epoch's shards
+in the ``(seed, epoch)`` order are cut into contiguous sample ranges balanced by token count —
+ranks first, then each rank's workers — by prefix sums over the shard totals and a
+``searchsorted`` per boundary (:class:`~streampack.nodes.sharding.PrefixCut`: exactly the
+boundaries ``sharding.cut_two_level`` gives over every sample, opening only the shard each of its
+<= 4 boundaries falls in). When every rank must yield the same number of batches, the reader
+counts its own batches (its own samples' lengths through the packer's round logic,
+``window_rounds.count_packs``) and the readers agree on the counts (``streampack.agree``: one
+store round per epoch, O(1) requests per reader); every rank then yields the largest rank's
+count, its readers completing theirs with filler batches (:func:`rank_quotas`, the same quotas
+:func:`equalize` gives). Without an agreement (explicit ``dp_rank``/``dp_size`` and no
+``torch.distributed``: in-process simulation, tests) each reader counts every reader's batches
+instead — O(T) CPU, memory and index reads per reader, today's fallback.
+
+**Cost per reader and epoch** (N shards, T samples, G readers; measured on this shared 2-core box,
+``python benchmarks/bench_scale.py``, provisional): requests: 1 manifest read per process, at most
+4 boundary shards' indexes and, to count batches, the indexes of its own ~N/G shards (with no
+counting a whole shard needs no index); CPU: ~0.2 µs · N (permutation, prefix sums, cut) +
+~1-6 µs · T/G (the packer's count; 1.1 µs unloaded, 6 µs with the box loaded); memory:
+~112 B · N for the manifest + ~28 B · T/G (offsets, numbers, int32 lengths of its own shards).
+At N=10^5, T=10^9, G=8,192: ~18 requests, 0.4-0.8 s, ~14 MB. An index length of 0 (an empty
+record) is left out of the count, as the reader skips it (counted as ``empty_sample``).
 
 Trade-off against agreeing at run time (``streampack.sync_batches``: one all-reduce of "I
-still have data" per step), measured on this shared 2-core box (``python
-benchmarks/bench_state.py --plan --sync``; provisional): the plan costs one index read per
-shard (cached beside the shard) and a packing simulation of the whole epoch in every reader
-at the start of each epoch — 0.6 µs per sample, 0.6 s per million samples whether 2, 8 or 64
-ranks (1.8 s with the box loaded) — and nothing per step; it needs token lengths in the index (pre-tokenized shards) and
-no stage that changes lengths. Agreeing per step works for any data (text, stages) but costs
-one all-reduce per step (0.35 ms on gloo with 2 local processes, 0.9 ms loaded; NCCL is far cheaper) and needs
-the training loop's cooperation. Both leave the same fillers for the same split: on 1M
-lognormal samples (mean 600, capacity 4096, 2 packs per batch, 2 readers per rank) 2 over 2
-ranks, 7 over 8, 117 over 64 (0.16% of 73k batches; the lower bound with batches free to
-move between ranks is 0, 7 and 53). A second, count-weighted re-cut did not help reliably
-(64 ranks: 113 -> 77..97; 8 ranks: 7 -> 12..17), so there is none.
+still have data" per step), measured before the per-reader plan (``python
+benchmarks/bench_state.py --plan --sync``; provisional): planning costs nothing per step but
+needs token lengths in the manifest (pre-tokenized shards) and no stage that changes lengths.
+Agreeing per step works for any data (text, stages) but costs one all-reduce per step (0.35 ms
+on gloo with 2 local processes, 0.9 ms loaded; NCCL is far cheaper) and needs the training
+loop's cooperation. Both leave the same fillers for the same split: on 1M lognormal samples
+(mean 600, capacity 4096, 2 packs per batch, 2 readers per rank) 2 over 2 ranks, 7 over 8, 117
+over 64 (0.16% of 73k batches; the lower bound with batches free to move between ranks is 0, 7
+and 53). A second, count-weighted re-cut did not help reliably (64 ranks: 113 -> 77..97;
+8 ranks: 7 -> 12..17), so there is none.
 """
 
 from __future__ import annotations
