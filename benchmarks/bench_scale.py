@@ -5,7 +5,8 @@ The data set is ``--shards`` tiny pre-tokenized jsonl shards (default 20,000 of 
 over loopback HTTP, with a prebuilt manifest (``streampack index`` equivalent) served beside them.
 Each measurement is a fresh interpreter playing reader ``dp_rank=0`` of ``dp_size=D``
 (``num_workers=0``): an infinite stream, a finite planned epoch and an elastic start (the states
-of every reader of a run on ``D/2`` ranks, or 2 for D=1, resumed on D). No ``torch.distributed``
+of every reader of a run on ``D/2`` ranks — at most ``--old-max``, 64: each old reader is run to
+its first batch to make its state — or 2 for D=1, resumed on D). No ``torch.distributed``
 runs here, so the store agreement (``streampack.agree``) is absent; without it a reader would
 count every reader's batches (the documented fallback, O(samples)). To measure the path a
 distributed run takes, the child injects a fake agreement that returns the reader's own count
@@ -123,13 +124,32 @@ def child(cfg: dict) -> dict:
 
 
 def old_states(urls: list[str], manifest: str, dp_size: int, path: Path) -> None:
-    """The states of every reader of a run on ``dp_size`` ranks that has not started yet."""
+    """The states of every reader of a run on ``dp_size`` ranks, each after its first batch (the
+    old readers plan with the same fake agreement as the measured ones)."""
+    import types
+
     import torch
 
+    import streampack.graph as graph
+    import streampack.reshard as reshard
     from streampack import PackedDataset
 
-    states = [PackedDataset(urls, capacity=1024, window=64, seed=1, epochs=1, dp_rank=r, dp_size=dp_size,
-                            manifest=manifest).state_dict() for r in range(dp_size)]
+    real = graph.make_planner
+
+    def make_planner(*a, **kw):  # type: ignore[no-untyped-def]
+        kw["agree"] = kw.get("agree") or (lambda key, r, w, n, c: types.SimpleNamespace(target=c, workers=(c,)))
+        return real(*a, **kw)
+
+    graph.make_planner = reshard.make_planner = make_planner
+    states = []
+    try:
+        for r in range(dp_size):
+            ds = PackedDataset(urls, capacity=1024, window=64, seed=1, epochs=1, dp_rank=r, dp_size=dp_size,
+                               manifest=manifest)
+            next(iter(ds))
+            states.append(ds.state_dict())
+    finally:
+        graph.make_planner = reshard.make_planner = real
     torch.save(states, path)
 
 
@@ -173,7 +193,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for d in args.sizes:
         states = work / f"states-{d}.pt"
         if not states.exists():
-            old_states(urls, manifest, max(d // 2, 2) if d > 1 else 2, states)
+            old_states(urls, manifest, min(max(d // 2, 2), args.old_max), states)
         for mode in ("infinite", "finite", "elastic"):
             before = store.snapshot()
             cfg = {"mode": mode, "D": d, "urls": str(work / "urls.txt"), "manifest": None if mode == "infinite" else manifest,
@@ -236,7 +256,7 @@ def extrapolate(c: dict[str, float], n: int = 100_000, t: int = 10**9, g: int = 
         f"| requests before the first batch, beyond infinite mode | 1 (manifest) + ≤4 (boundary indexes) + ⌈N/G⌉ (own indexes, to count) | {1 + 4 + int(-(-n // g))} |",
         f"| plan CPU per epoch | {c['cut_s_per_shard'] * 1e9:.0f} ns · N + {c['count_s_per_sample'] * 1e6:.2f} µs · T/G | {cpu:.2f} s |",
         f"| plan memory | ~112 B · N (manifest arrays + URL) + ~28 B · T/G (offsets, numbers, int32 lengths, chunks) | {mem / 2**20:.0f} MB |",
-        f"| elastic start, once per process | + (G_old + 1) boundary index reads for the old readers' plans + the above | {g + 1 + 5 + int(-(-n // g))} requests |",
+        f"| elastic start | the above; the old readers' plans come from their states (``work_ends``): no index read (a never-started old reader: its plan's <= 2 boundary indexes) | {1 + 4 + int(-(-n // g))} requests |",
     ])
 
 
@@ -255,6 +275,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,64,1024")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "streampack-bench-scale"))
     ap.add_argument("--rebuild", action="store_true")
+    ap.add_argument("--old-max", type=int, default=64, help="most ranks of the old run of an elastic start")
     ap.add_argument("--extrapolate", action="store_true", help="only the measured constants and the extrapolation")
     ap.add_argument("--out")
     args = ap.parse_args()

@@ -46,12 +46,20 @@ from streampack.nodes.epoch_plan import (
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
 from streampack.io.storage import ShardStat
-from streampack.nodes.reader import IDENTITY_KEY, identities_from_state, work_from_state
+from streampack.nodes.reader import (
+    ENDS_KEY,
+    IDENTITY_KEY,
+    WorkEnds,
+    ends_from_state,
+    identities_from_state,
+    work_from_state,
+)
 from streampack.nodes.reader import KIND as READER_KIND
 from streampack.nodes.sharding import (
     ShardSpan,
     Span,
     assign_shards,
+    epoch_permutation,
 )
 from streampack.nodes.window_packer import WindowPacker
 from streampack.settings import Placement, ReadOptions, Sources, StreamConfig
@@ -239,6 +247,8 @@ class _Frontier:
     """Offline packs: packs read in ``epoch``."""
     carry: Mapping[str, Any] | None = None
     work: dict[int, Any] = field(default_factory=dict)
+    ends: dict[int, WorkEnds] = field(default_factory=dict)
+    """The reader's planned spans of an epoch in O(1) (no index read to rebuild them)."""
     done: bool = False
 
 
@@ -254,6 +264,7 @@ class _OldPlans:
         first = passes * config.epochs if config.epochs else 0
         self.first, self.last = first, (first + config.epochs if config.epochs else None)
         self._packed: PackedShardReader | None = None
+        self._order: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def frontier(self, g: int, graph: Any) -> _Frontier:
         if graph is None:
@@ -275,7 +286,8 @@ class _OldPlans:
         epoch = int(graph["epoch"]) if self.config.epochs is not None else (
             origin.epoch if origin is not None else int(reader["start_epoch"]))
         carry = concat_tables([WindowPacker.unemitted(packer), self._pending(overlong["pending"])])
-        return _Frontier(epoch=epoch, origin=origin, carry=carry, work=work_from_state(reader["work"]))
+        return _Frontier(epoch=epoch, origin=origin, carry=carry, work=work_from_state(reader["work"]),
+                         ends=ends_from_state(reader.get(ENDS_KEY)))
 
     def _pending(self, pending: Mapping[str, Any]) -> dict[str, Any]:
         """The chunks a split document still had to emit, as table rows."""
@@ -299,9 +311,9 @@ class _OldPlans:
             packs = [self._packs(g, f.epoch, f.work)[f.position:]]
             packs += [self._packs(g, e, f.work) for e in range(f.epoch + 1, last + 1)]
             return OldReader(carry=carry, packs=np.concatenate(packs))
-        spans = self._after(self._spans(g, f.epoch, f.work), f.origin)
+        spans = self._after(self._spans(g, f.epoch, f.work, f.ends), f.origin)
         for e in range(f.epoch + 1, last + 1):
-            spans += self._spans(g, e, f.work)
+            spans += self._spans(g, e, f.work, f.ends)
         return OldReader(carry=carry, spans=spans)
 
     def _tagged(self, spans: list[Span], epoch: int) -> list[Span]:
@@ -318,9 +330,14 @@ class _OldPlans:
                 dp_size=self.dp_size, num_workers=self.readers, packs_per_batch=self.config.packs_per_batch)
         return self._packed.dealt(epoch, g)
 
-    def _spans(self, g: int, epoch: int, work: Mapping[int, list[Span]]) -> list[Span]:
+    def _spans(self, g: int, epoch: int, work: Mapping[int, list[Span]],
+               ends: Mapping[int, WorkEnds] | None = None) -> list[Span]:
         if epoch in work:
             return self._tagged(list(work[epoch]), epoch)
+        if self.planner is not None and ends and epoch in ends:
+            rebuilt = self._from_ends(epoch, ends[epoch])
+            if rebuilt is not None:
+                return self._tagged(rebuilt, epoch)
         if self.planner is not None:
             return self._tagged(self.planner.spans(epoch, g), epoch)
         shards = self.sources.shards
@@ -330,6 +347,25 @@ class _OldPlans:
                                global_worker=g, global_workers=self.dp_size * self.readers):
             out.append(_resolve(s, lambda i: shard_samples(shards.urls[i], self.config, self.options)))
         return self._tagged(out, epoch)
+
+    def _from_ends(self, epoch: int, ends: WorkEnds) -> list[Span] | None:
+        """A planned epoch's spans from their ends: the whole non-empty shards between them in
+        the epoch's order (O(N) once per epoch, no index read); None if they do not add up."""
+        if ends.spans == 1:
+            return [ends.head]
+        assert self.planner is not None
+        if self._order is None or self._order[0] != epoch:
+            order = epoch_permutation(self.planner.num_shards, seed=self.config.seed, epoch=epoch,
+                                      shuffle=self.config.shuffle)
+            where = np.empty_like(order)
+            where[order] = np.arange(len(order))
+            self._order = (epoch, order, where)
+        _, order, where = self._order
+        middle = order[where[ends.head.shard] + 1:where[ends.tail.shard]]
+        middle = middle[self.planner.shards.samples[middle] > 0]
+        if len(middle) + 2 != ends.spans:
+            return None
+        return [ends.head, *(Span(shard=int(s)) for s in middle), ends.tail]
 
     def _after(self, spans: list[Span], origin: Pulled | None) -> list[Span]:
         """``spans`` (tagged with their epochs) after the sample ``origin`` (all when None)."""

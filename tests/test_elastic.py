@@ -336,3 +336,26 @@ def _set_nested(tree, kind: str, value) -> bool:
         if isinstance(v, (dict, list)) and _set_nested(v, kind, value):
             return True
     return False
+
+
+def test_old_readers_plans_come_from_their_states_without_index_reads(shards, monkeypatch):
+    """Issue 17: knowing what every old reader had left cost every new reader the index of every
+    shard (the old plans were re-made for all old readers). A reader's state now keeps its planned
+    epoch's first and last span (``work_ends``), so the old plans are rebuilt from the states and
+    the manifest with no index read; the resume is still exact."""
+    from streampack.nodes.epoch_plan import EpochPlanner
+
+    urls, _ = shards
+    make = lambda r, size: _ds(urls, r, size, window=8, packs_per_batch=1)  # noqa: E731
+    consumed, states = _old_run(make, 3, 2, 4)
+    assert all(s["graph"] is not None and s["graph"]["chain"] is not None for s in states)
+    opened = []
+    real = EpochPlanner.samples
+    monkeypatch.setattr(EpochPlanner, "samples", lambda self, shard: opened.append(shard) or real(self, shard))
+    probe = make(0, 2)
+    elastic.remaining(states, probe.config, probe.sources, probe.options, probe.stages)
+    assert opened == []
+    got, counts = _new_run(make, 2, 3, states)
+    assert len(set(counts)) == 1
+    full = [x for r in range(3) for x in SimRank(lambda r=r: make(r, 3), 2)]
+    assert _chunks(consumed + got) == _chunks(full) and max(_chunks(full).values()) == 1

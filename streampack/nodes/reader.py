@@ -17,6 +17,7 @@ State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
      "epoch": e,            # epoch of the next sample
      "start_epoch": s,      # first epoch of this stream
      "work": {e: int64 [n, 5] (shard, start, first, end or -1, epoch or -1)},  # explicit spans
+     "work_ends": {e: {"head": [5 ints], "tail": [5 ints], "spans": n}},  # a planned epoch, in O(1)
      "shard_pos": i,        # index into this worker's span list of epoch e
      "offset": b,           # byte offset of the next sample in that shard; -1 = start of span
      "sample": n,           # number (tar ordinal / jsonl line) of that sample
@@ -69,6 +70,7 @@ YIELDED_KEY = "yielded"
 EPOCH_YIELDED_KEY = "epoch_yielded"
 START_EPOCH_KEY = "start_epoch"
 WORK_KEY = "work"
+ENDS_KEY = "work_ends"
 KIND_KEY = "kind"
 KIND = "ShardReader"
 IDENTITY_KEY = "identity"
@@ -86,6 +88,28 @@ def work_to_state(work: Work) -> dict[int, Any]:
 
 def work_from_state(saved: dict[Any, Any]) -> Work:
     return {int(e): spans_from_array(t.numpy()) for e, t in saved.items()}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class WorkEnds:
+    """A planned epoch's spans in O(1): the first and the last, and how many there are. Every
+    span between them is a whole non-empty shard, in the epoch's shard order
+    (``EpochPlanner.spans``), so an elastic resume rebuilds a reader's plan from its state and
+    the manifest with no index read."""
+
+    head: Span
+    tail: Span
+    spans: int
+
+
+def ends_to_state(work: Work) -> dict[int, dict[str, Any]]:
+    return {e: {"head": spans_to_array(spans[:1]).ravel().tolist(), "tail": spans_to_array(spans[-1:]).ravel().tolist(),
+                "spans": len(spans)} for e, spans in work.items() if spans}
+
+
+def ends_from_state(saved: Mapping[Any, Any] | None) -> dict[int, WorkEnds]:
+    return {int(e): WorkEnds(head=spans_from_array(v["head"])[0], tail=spans_from_array(v["tail"])[0],
+                             spans=int(v["spans"])) for e, v in (saved or {}).items()}
 
 
 class ShardReader(BaseNode[Sample]):
@@ -181,6 +205,7 @@ class ShardReader(BaseNode[Sample]):
         self.work: Work = dict(work or {})
         self.keep_work, self.source = keep_work, source
         self._work_tensors = work_to_state(self.work) if keep_work else {}  # built once: get_state runs per batch
+        self._ends = {} if keep_work else ends_to_state(self.work)
         self._spans_cache: tuple[int, list[ShardSpan | Span]] | None = None
         self._streams: list[BinaryIO] = []
         self._items: Iterator[Item] | None = None
@@ -260,6 +285,7 @@ class ShardReader(BaseNode[Sample]):
             CONFIG_KEY: dict(self._config, fields=list(self._config["fields"])),
             START_EPOCH_KEY: self.start_epoch,
             WORK_KEY: dict(self._work_tensors),
+            ENDS_KEY: self._ends,
             EPOCH_KEY: self._epoch,
             SHARD_POS_KEY: self._shard_pos,
             OFFSET_KEY: self._offset,
