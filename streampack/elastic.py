@@ -68,9 +68,9 @@ from streampack.state import (
     GRAPH_KEY,
     PASSES_KEY,
     REF_COLUMNS,
-    VERSION_KEY,
     WORKER_KEY,
-    check_version,
+    check_identities,
+    check_node_versions,
     concat_tables,
     samples_from_state,
     samples_to_table,
@@ -166,27 +166,12 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
     old = _OldPlans(config, sources, options, dp_size, readers, passes)
     identities = saved_identities(ordered, sources)
     if old.planner is not None:  # the manifest names every shard's identity now: no request
-        check_identities(identities, old.planner.shards.identity, sources)
+        check_identities(identities, old.planner.shards.identity, lambda shard: _url(sources, shard))
     frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]
     last = max(f.epoch for f in frontiers)
     out = [old.left(g, f, last) for g, f in enumerate(frontiers)]
     return Remaining(epoch=last, passes=passes, old_dp_size=dp_size, old_readers=readers, readers=out,
                      identities=identities)
-
-
-def check_node_versions(tree: Any, who: str) -> None:
-    """Every node state nested in ``tree`` that records a version has this library's
-    (``ValueError`` naming the node and the reader, as the same-topology restore does)."""
-    if isinstance(tree, Mapping):
-        if VERSION_KEY in tree:
-            check_version(tree, what=f"{tree.get('kind', 'node')} state of {who}")
-        children: Iterator[Any] = iter(tree.values())
-    elif isinstance(tree, (list, tuple)):
-        children = iter(tree)
-    else:
-        return
-    for child in children:
-        check_node_versions(child, who)
 
 
 def saved_identities(states: Sequence[Mapping[str, Any]], sources: Sources) -> dict[int, ShardStat]:
@@ -200,17 +185,6 @@ def saved_identities(states: Sequence[Mapping[str, Any]], sources: Sources) -> d
                 raise ValueError(f"the old readers recorded two identities of shard {_url(sources, shard)!r} "
                                  f"({out[shard]} and {ident}): it changed during the run; cannot resume on it")
     return out
-
-
-def check_identities(saved: Mapping[int, ShardStat], now: Any, sources: Sources) -> None:
-    """``ValueError`` naming each shard whose identity ``now(shard)`` is not the saved one."""
-    for shard, ident in saved.items():
-        current = now(shard)
-        if current != ident:
-            changes = [f"{what} {a!r} -> {b!r}" for what, a, b in
-                       (("size", ident.size, current.size), ("tag", ident.tag, current.tag)) if a != b]
-            raise ValueError(f"cannot resume: shard {_url(sources, shard)!r} changed since the states were saved "
-                             f"({'; '.join(changes)}); their positions point into the old contents")
 
 
 def _url(sources: Sources, shard: int) -> str:
