@@ -84,7 +84,7 @@ def write_shards(root: Path, n: int, per: int) -> list[Path]:
 class Counting:
     """A loopback store (tests/helpers_data.RangeRequestHandler) that counts requests and body bytes."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, port: int = 0) -> None:
         import functools
         import http.server
 
@@ -105,7 +105,7 @@ class Counting:
                 return super().send_head()
 
         self.lock, self.requests, self.bytes = threading.Lock(), 0, 0
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(directory)))
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(Handler, directory=str(directory)))
         self.server.requests = []  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
@@ -180,13 +180,15 @@ def local_manifest(paths: list[Path], urls: list[str], location: Path) -> None:
 def measure(args: argparse.Namespace) -> list[dict]:
     work = Path(args.work)
     paths = write_shards(work / "data", args.shards, args.per_shard)
-    store = Counting(work / "data")
+    store = Counting(work / "data", port=args.port)
     urls = [f"{store.url}/{p.name}" for p in paths]
     (work / "urls.txt").write_text("\n".join(urls))
     mdir = work / "data" / "manifest"
-    if not (mdir / "manifest.spm.npz").exists() or args.rebuild:
+    if args.rebuild or not (mdir / "manifest.spm.npz").exists() or not (work / "port").exists() or \
+            (work / "port").read_text() != store.url:  # the manifest names the URLs, port included
         t = time.perf_counter()
         local_manifest(paths, urls, mdir)
+        (work / "port").write_text(store.url)
         print(f"# manifest of {len(urls)} shards built in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     manifest = f"{store.url}/manifest"
     rows = []
@@ -275,6 +277,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,64,1024")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "streampack-bench-scale"))
     ap.add_argument("--rebuild", action="store_true")
+    ap.add_argument("--port", type=int, default=18734, help="the store's port (the manifest names it)")
     ap.add_argument("--old-max", type=int, default=64, help="most ranks of the old run of an elastic start")
     ap.add_argument("--extrapolate", action="store_true", help="only the measured constants and the extrapolation")
     ap.add_argument("--out")

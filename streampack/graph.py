@@ -155,6 +155,7 @@ class _Builder:
         self.io_stats, self.agreement = io_stats, agreement
         self.wrap = _wrapper(around)
         self._planner: EpochPlanner | None = None
+        self._last: tuple[WindowPacker, ThdCollate] | None = None  # the previous epoch's, for balance
         self.counting = counting_for(config, place) if config.epochs is not None else None
         # one reader that counts nothing reads every shard whole in the epoch's order: no plan,
         # no manifest (building it would read every shard once more before the first batch:
@@ -169,7 +170,6 @@ class _Builder:
                                          agreement=self.agreement)
             assert self._planner is not None
         return self._planner
-        self._last: tuple[WindowPacker, ThdCollate] | None = None  # the previous epoch's, for balance
 
     def chain(self, epoch: int | None, planned: bool = True) -> tuple[BaseNode[PackedBatch], dict[str, Any]]:
         config = self.config
