@@ -184,7 +184,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     urls = [f"{store.url}/{p.name}" for p in paths]
     (work / "urls.txt").write_text("\n".join(urls))
     mdir = work / "data" / "manifest"
-    if args.rebuild or not (mdir / "manifest.spm.npz").exists() or not (work / "port").exists() or \
+    if args.rebuild or args.port == 0 or not (mdir / "manifest.spm.npz").exists() or not (work / "port").exists() or \
             (work / "port").read_text() != store.url:  # the manifest names the URLs, port included
         t = time.perf_counter()
         local_manifest(paths, urls, mdir)
@@ -268,6 +268,15 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['mode']} | {r['D']} | {r['requests']} | {r['MB']:.2f} | {r['first_batch_s']:.2f} | "
                      f"{r['cpu_s']:.2f} | {r['rss_mb']:.0f} | {r['ok']} |")
     return "\n".join(lines)
+
+
+def run(quick: bool = False) -> list[dict]:
+    """``run_all`` rows: the measurements (quick: 500 shards, D in {1, 16}) and the extrapolation."""
+    args = argparse.Namespace(shards=500 if quick else 20_000, per_shard=8, sizes=[1, 16] if quick else [1, 64, 1024],
+                              work=str(Path(tempfile.gettempdir()) / f"streampack-bench-scale-{'quick' if quick else 'full'}"),
+                              rebuild=False, port=0, old_max=8 if quick else 64)
+    c = constants()
+    return measure(args) + [{"mode": "extrapolated N=1e5 T=1e9 G=8192", **c}]
 
 
 def main() -> int:

@@ -193,7 +193,7 @@ def test_state_layout_and_mismatch(tmp_path):
     reader = ShardReader(urls, seed=1, epochs=1)
     next(reader)
     state = reader.state_dict()
-    assert set(state) == {"version", "kind", "config", "start_epoch", "work", "epoch", "shard_pos", "offset", "sample",
+    assert set(state) == {"version", "kind", "config", "start_epoch", "work", "work_ends", "epoch", "shard_pos", "offset", "sample",
                           "yielded", "epoch_yielded", "identity"}
     assert (state["epoch"], state["shard_pos"], state["sample"], state["yielded"]) == (0, 0, 1, 1)
     with pytest.raises(ValueError, match="seed: state=1 reader=2"):
