@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import io
 import json
@@ -98,8 +100,12 @@ def long_document_rows(directory: str, total: int = 4_000_000, capacity: int = 4
 
 
 def plan_rows(samples: int, ranks: tuple[int, ...], workers: int = 2, capacity: int = 4096) -> list[dict[str, Any]]:
-    """Plan one finite epoch of ``samples`` lognormal(600) samples in 16 shards."""
+    """Plan one finite epoch of ``samples`` lognormal(600) samples in 16 shards: one reader's own
+    plan (what a distributed run pays, the counts agreed through the store) and the fallback
+    without an agreement (every reader counts every reader: what this in-process run pays)."""
     from streampack.io.index import ShardIndex
+    from streampack.io.manifest import Manifest, ShardTotals
+    from streampack.io.storage import ShardStat
     from streampack.nodes.epoch_plan import Counting, EpochPlanner
     from streampack.nodes.window_rounds import PackerRules
 
@@ -107,22 +113,33 @@ def plan_rows(samples: int, ranks: tuple[int, ...], workers: int = 2, capacity: 
     shards = np.array_split(lengths, 16)
     indexes = [ShardIndex(url=f"s{i}", fingerprint="", offsets=np.arange(len(s), dtype=np.int64),
                           lengths=s.astype(np.int32), end=len(s)) for i, s in enumerate(shards)]
+    manifest = Manifest.of("", "input_ids", [ShardTotals.of(ix, ShardStat(size=ix.end, tag="")) for ix in indexes])
     rows = []
     for dp in ranks:
         counting = Counting(rules=PackerRules(capacity=capacity, window=1024), max_len=capacity, policy="split",
                             packs_per_batch=2)
-        planner = EpochPlanner(len(indexes), lambda i: indexes[i], seed=0, shuffle=True, dp_size=dp,
-                               num_workers=workers, counting=counting)
-        for s in range(len(indexes)):
-            planner.samples(s)  # index loading is not what is measured
+        everyone = EpochPlanner(manifest, lambda i: indexes[i], seed=0, shuffle=True, dp_size=dp,
+                                num_workers=workers, counting=counting)
         start = time.perf_counter()
-        plan = planner.plan(0)
+        plan = everyone.plan(0, 0)
         seconds = time.perf_counter() - start
-        batches = sum(w.batches or 0 for w in plan.workers)
+        batches = sum(everyone.count(0, g) for g in range(dp * workers))
+        own = EpochPlanner(manifest, lambda i: indexes[i], seed=0, shuffle=True, dp_size=dp, num_workers=workers,
+                           counting=counting, agree=lambda key, r, w, n, c: _Agreed(target=c * n, workers=(c,) * n))
+        start = time.perf_counter()
+        own.plan(0, 0)
+        mine = time.perf_counter() - start
         rows.append({"case": f"plan one epoch, {samples:,} samples, {dp} ranks x {workers} workers",
-                     "seconds": seconds, "us_per_sample": 1e6 * seconds / samples, "batches": batches,
+                     "seconds_everyone": seconds, "us_per_sample": 1e6 * seconds / samples,
+                     "seconds_own_share": mine, "batches": batches,
                      "fillers": plan.fillers, "fewest_possible": plan.min_fillers})
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Agreed:
+    target: int
+    workers: tuple[int, ...]
 
 
 def _sync_worker(rank: int, world: int, init: str, steps: int, out: str) -> None:

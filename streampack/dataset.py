@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from streampack.errors import log_worker_error
-from streampack.graph import Graph, build_graph, graph_metrics, make_planner
-from streampack.io.index import unknown_lengths_hint
+from streampack.graph import Graph, build_graph, counting_for, graph_metrics, manifest_of
+from streampack.nodes.epoch_plan import unplannable
 from streampack.io.limits import Limits
 from streampack.layout.batch import PackedBatch, alignment, pack_batch
 from streampack.nodes.collate import filler_pack
@@ -77,8 +77,10 @@ class PackedDataset(IterableDataset):
     split between all readers of all ranks at sample granularity, balanced by token count, and
     every sample is read exactly once. With ``dp_size > 1`` every rank yields the same number of
     batches per epoch with no number to guess: by default (``equal_batches="plan"``) each reader
-    computes every reader's batch count from the shard index (token lengths of pre-tokenized
-    shards) by simulating the packer, and readers of ranks with fewer batches end the epoch with
+    counts its own batches from the token lengths of its own shards (pre-tokenized shards) by
+    simulating the packer, the ranks agree on the counts through the ``torch.distributed`` store
+    (one round per epoch; without ``torch.distributed`` each reader counts every reader's), and
+    readers of ranks with fewer batches end the epoch with
     *filler* batches (``doc_keys`` all ``"<filler>"``, zero targets, the same shape as every
     batch), as few as the data allows (``metrics()["plan"]``, ``metrics()["batches"]["fillers"]``).
     ``equal_batches="sync"`` (text shards, stages that change lengths) leaves the counts to the
@@ -86,6 +88,12 @@ class PackedDataset(IterableDataset):
     all-reduce per step. ``batches_per_epoch`` (per rank, a multiple of the worker count)
     overrides both with a fixed count. The last batch of an epoch is completed with filler packs,
     so every batch has ``packs_per_batch * capacity`` tokens.
+
+    **Manifest.** Splitting a finite epoch between several readers, and an elastic resume, are
+    planned from the data set's manifest (per shard: identity, sample count, token total; written
+    by ``streampack index URLS --out DIR``), so a reader's start costs O(its own share), not
+    O(data set): pass ``manifest=DIR``. Local shards without one get it built once in
+    ``cache_dir``; remote shards without one are refused at construction, naming the command.
 
     **Mixtures.** ``urls`` may map source names to ``urls`` (weight 1) or ``(urls, weight)``,
     e.g. ``{"web": ("web-{000..099}.tar", 0.7), "code": ("code/*.tar", 0.3)}``: one ShardReader
@@ -130,7 +138,8 @@ class PackedDataset(IterableDataset):
                  slack: int | None = None, batches_per_epoch: int | None = None, equal_batches: str = "plan",
                  labels_key: str | None = None, loss_mask_key: str | None = None,
                  sequence_parallel: bool = True, align_multiple: int = 1, allow_pipe: bool = False,
-                 allow_pickle: bool = False, cache_dir: str | None = None, retries: int | None = None,
+                 allow_pickle: bool = False, cache_dir: str | None = None, manifest: str | None = None,
+                 retries: int | None = None,
                  retry_budget: float = 120.0, connect_timeout: float = 10.0, read_timeout: float = 30.0,
                  request_deadline: float = 120.0, allow_redirects: bool = False,
                  storage_options: Mapping[str, Any] | None = None,
@@ -156,7 +165,7 @@ class PackedDataset(IterableDataset):
             limits=limits if limits is not None else Limits(), cost_model=cost,
             balance=balance_of(balance, cost))
         self.options = ReadOptions(allow_pipe=allow_pipe, allow_pickle=allow_pickle, cache_dir=cache_dir,
-                                   retries=retries, retry_budget=retry_budget, connect_timeout=connect_timeout,
+                                   manifest=manifest, retries=retries, retry_budget=retry_budget, connect_timeout=connect_timeout,
                                    read_timeout=read_timeout, request_deadline=request_deadline,
                                    allow_redirects=allow_redirects, storage_options=storage_options,
                                    num_threads=num_threads, tokenize_block=tokenize_block, identity=identity)
@@ -168,6 +177,7 @@ class PackedDataset(IterableDataset):
             preflight(self.sources.lists, self.config, self.options)
         self.tokenizer, self.stages, self.pin_memory = tokenizer, list(stages), pin_memory
         self.dp_rank, self.dp_size = resolve_topology(dp_rank, dp_size, dp_group)
+        self._agreement = _agreement(dp_group, self.dp_rank, self.dp_size)
         self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size), validate=True)  # checks every setting
         self._check_equal_batches()
         self._tokenizer_id = tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
@@ -303,24 +313,24 @@ class PackedDataset(IterableDataset):
 
     def _build(self, place: Placement, share: Share | None = None, validate: bool = False) -> Graph:
         return build_graph(self.config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
-                           stages=self.stages, share=share, validate=validate)
+                           stages=self.stages, share=share, validate=validate, agreement=self._agreement)
 
     def _check_equal_batches(self) -> None:
-        """Finite, several ranks, counts planned from the index: the index must know lengths."""
+        """Finite, several ranks: the plan needs the data set's manifest (1 read; refused, naming
+        ``streampack index``, for remote shards without one) and, to count batches, every shard's
+        token total in it (O(N) ints; the refusal names the shards without)."""
         c = self.config
-        if c.epochs is None or self.dp_size == 1 or c.batches_per_epoch is not None or c.equal_batches != "plan":
+        if c.epochs is None or self.dp_size == 1 or self.sources.packed is not None:
             return
         if self.sources.mixture:
-            raise ValueError(f"a finite mixture over dp_size={self.dp_size} ranks cannot be planned (sources are drawn "
-                             f"at random): pass batches_per_epoch, or equal_batches='sync' and iterate "
-                             f"streampack.sync_batches(loader, ds)")
-        planner = make_planner(c, self.sources, Placement(dp_size=self.dp_size), self.options)
-        if planner is not None and not planner.known_lengths():
-            raise ValueError(f"finite epochs over dp_size={self.dp_size} ranks are planned from the shard index, "
-                             f"which has no token lengths for some samples of these shards "
-                             f"({unknown_lengths_hint(self.sources.shards.urls if self.sources.shards else ())}): pass "
-                             f"equal_batches='sync' and iterate streampack.sync_batches(loader, ds) (one all-reduce "
-                             f"per step), or batches_per_epoch")
+            if c.batches_per_epoch is None and c.equal_batches == "plan":
+                raise ValueError(f"a finite mixture over dp_size={self.dp_size} ranks cannot be planned (sources are "
+                                 f"drawn at random): pass batches_per_epoch, or equal_batches='sync' and iterate "
+                                 f"streampack.sync_batches(loader, ds)")
+            return
+        manifest = manifest_of(c, self.sources, self.options)
+        if counting_for(c, Placement(dp_size=self.dp_size)) is not None and not manifest.known_lengths():
+            raise ValueError(unplannable(manifest, self.dp_size))
 
     def _run(self, generation: int, graph: Graph, pin: bool) -> Iterator[PackedBatch]:
         pin = pin and torch.cuda.is_available()
@@ -342,3 +352,15 @@ class PackedDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get a copy without the live graph (it is rebuilt in __iter__)
         return {**self.__dict__, "_graph": None}
+
+
+def _agreement(dp_group: Any, dp_rank: int, dp_size: int) -> Any:
+    """How this rank's readers agree on batch counts through the store (None without
+    ``torch.distributed``: then every reader counts every reader's batches)."""
+    if dp_size == 1:
+        return None
+    try:
+        from streampack.agree import Agreement
+    except ImportError:  # not in this build yet
+        return None
+    return Agreement.from_dist(dp_group, dp_rank, dp_size)

@@ -11,11 +11,17 @@ What an old reader had not yet handed to the trainer is exactly (see ``OverlongN
   readers (readers of an infinite stream may be an epoch apart).
 
 :func:`remaining` gathers that from the old states (once per process, from plain data: no
-shard is read, only the indexes the old plans need); :mod:`streampack.reshard` cuts it into
+shard is read; the old plans come from the manifest and the indexes of the shards their
+boundaries fall in: <= G_old + 1 index reads, O(N + G_old) CPU and memory, no per-shard HEAD); :mod:`streampack.reshard` cuts it into
 the new readers' shares. The new readers read their share in epoch ``E*`` (each sample keeps
 the epoch it belongs to in its origin) and then follow the regular plan of the new topology
 from ``E* + 1``. The frontier is exact because every stage between the reader and the
 overlong stage keeps the reader's order (tokenizing, function stages).
+
+Refused with a ``ValueError`` naming what differs, as the same-topology resume refuses: a
+nested node state of another version, and a shard whose identity (size, ETag / mtime) is not the
+one the old readers recorded — checked against the manifest up front, and by each new reader when
+it opens a shard (no extra request).
 
 Not supported (a clear ``ValueError``): mixtures (the mixture's draw sequence is per reader), and
 graphs with a user node stage (its own buffer cannot be split). On the same topology nothing
@@ -38,12 +44,21 @@ from streampack.nodes.epoch_plan import (
 )
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
+from streampack.io.storage import ShardStat
+from streampack.nodes.reader import (
+    ENDS_KEY,
+    IDENTITY_KEY,
+    WorkEnds,
+    ends_from_state,
+    identities_from_state,
+    work_from_state,
+)
 from streampack.nodes.reader import KIND as READER_KIND
-from streampack.nodes.reader import work_from_state
 from streampack.nodes.sharding import (
     ShardSpan,
     Span,
     assign_shards,
+    epoch_permutation,
 )
 from streampack.nodes.window_packer import WindowPacker
 from streampack.settings import Placement, ReadOptions, Sources, StreamConfig
@@ -53,6 +68,8 @@ from streampack.state import (
     PASSES_KEY,
     REF_COLUMNS,
     WORKER_KEY,
+    check_identities,
+    check_node_versions,
     concat_tables,
     samples_from_state,
     samples_to_table,
@@ -81,6 +98,8 @@ class Remaining:
     old_readers: int
     readers: list[OldReader]
     """By old global worker."""
+    identities: Mapping[int, ShardStat] = field(default_factory=dict)
+    """The identities the old readers recorded: a new reader refuses a changed shard when it opens it."""
 
 
 def topology_of(states: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
@@ -140,23 +159,69 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
     dp_size, num_workers = topology_of(states)
     readers = max(num_workers, 1)
     ordered = sorted(states, key=lambda s: (s[WORKER_KEY]["dp_rank"], s[WORKER_KEY]["worker_id"]))
+    for s in ordered:
+        check_node_versions(s[GRAPH_KEY], f"dp_rank={s[WORKER_KEY]['dp_rank']} worker_id={s[WORKER_KEY]['worker_id']}")
     passes = int(ordered[0][PASSES_KEY])
     old = _OldPlans(config, sources, options, dp_size, readers, passes)
+    identities = saved_identities(ordered, sources)
+    if old.planner is not None:  # the manifest names every shard's identity now: no request
+        check_identities(identities, old.planner.shards.identity, lambda shard: _url(sources, shard))
     frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]
     last = max(f.epoch for f in frontiers)
     out = [old.left(g, f, last) for g, f in enumerate(frontiers)]
-    return Remaining(epoch=last, passes=passes, old_dp_size=dp_size, old_readers=readers, readers=out)
+    return Remaining(epoch=last, passes=passes, old_dp_size=dp_size, old_readers=readers, readers=out,
+                     identities=identities)
+
+
+def saved_identities(states: Sequence[Mapping[str, Any]], sources: Sources) -> dict[int, ShardStat]:
+    """The shard identities the old readers recorded (each the shards it read last), checked to
+    agree with each other."""
+    out: dict[int, ShardStat] = {}
+    for s in states:
+        reader = find_state(s[GRAPH_KEY], READER_KIND)
+        for shard, ident in identities_from_state(reader.get(IDENTITY_KEY) if reader else None).items():
+            if out.setdefault(shard, ident) != ident:
+                raise ValueError(f"the old readers recorded two identities of shard {_url(sources, shard)!r} "
+                                 f"({out[shard]} and {ident}): it changed during the run; cannot resume on it")
+    return out
+
+
+def _url(sources: Sources, shard: int) -> str:
+    return sources.shards.urls[shard] if sources.shards is not None and shard < len(sources.shards.urls) else str(shard)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pulled:
+    """The last sample an old reader's overlong stage pulled: one row of
+    ``OverlongNode.LAST_COLUMNS``, read by name (a positional unpack that dropped the epoch
+    column once re-trained a whole shard after two elastic resumes)."""
+
+    source: int
+    shard: int
+    epoch: int
+    """The epoch the sample belongs to (after an elastic resume a reader's work may hold the same
+    shard twice: an old reader's tail of the epoch before, and the shard's span in this one)."""
+    offset: int
+    number: int
+    next_offset: int
+    next_number: int
+
+    @classmethod
+    def of(cls, row: Sequence[int]) -> Pulled:
+        return cls(**{name: int(v) for name, v in zip(OverlongNode.LAST_COLUMNS, row, strict=True)})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Frontier:
     epoch: int
-    origin: list[int] | None
-    """``OverlongNode.LAST_COLUMNS`` of the last sample pulled, or None (nothing yet this epoch)."""
+    origin: Pulled | None
+    """The last sample pulled, or None (nothing yet this epoch)."""
     position: int = 0
     """Offline packs: packs read in ``epoch``."""
     carry: Mapping[str, Any] | None = None
     work: dict[int, Any] = field(default_factory=dict)
+    ends: dict[int, WorkEnds] = field(default_factory=dict)
+    """The reader's planned spans of an epoch in O(1) (no index read to rebuild them)."""
     done: bool = False
 
 
@@ -168,10 +233,11 @@ class _OldPlans:
         self.config, self.sources, self.options = config, sources, options
         self.dp_size, self.readers, self.passes = dp_size, readers, passes
         self.place = Placement(dp_size=dp_size, num_workers=readers, passes=passes)
-        self.planner = make_planner(config, sources, self.place, options) if config.epochs else None
+        self.planner = make_planner(config, sources, self.place, options, count=False) if config.epochs else None
         first = passes * config.epochs if config.epochs else 0
         self.first, self.last = first, (first + config.epochs if config.epochs else None)
         self._packed: PackedShardReader | None = None
+        self._order: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def frontier(self, g: int, graph: Any) -> _Frontier:
         if graph is None:
@@ -189,10 +255,12 @@ class _OldPlans:
         reader, overlong, packer = (find_state(chain, k) for k in (READER_KIND, OverlongNode.KIND, WindowPacker.KIND))
         assert reader is not None and overlong is not None and packer is not None, "not a PackedDataset graph state"
         last = overlong["last"].tolist()
-        origin = last[0] if last else None
-        epoch = int(graph["epoch"]) if self.config.epochs is not None else (origin[2] if origin else int(reader["start_epoch"]))
+        origin = Pulled.of(last[0]) if last else None
+        epoch = int(graph["epoch"]) if self.config.epochs is not None else (
+            origin.epoch if origin is not None else int(reader["start_epoch"]))
         carry = concat_tables([WindowPacker.unemitted(packer), self._pending(overlong["pending"])])
-        return _Frontier(epoch=epoch, origin=origin, carry=carry, work=work_from_state(reader["work"]))
+        return _Frontier(epoch=epoch, origin=origin, carry=carry, work=work_from_state(reader["work"]),
+                         ends=ends_from_state(reader.get(ENDS_KEY)))
 
     def _pending(self, pending: Mapping[str, Any]) -> dict[str, Any]:
         """The chunks a split document still had to emit, as table rows."""
@@ -200,10 +268,10 @@ class _OldPlans:
             return samples_to_table(samples_from_state(pending), by_reference=False)
         import torch
 
-        source, shard, offset, number, epoch = pending["ref"].tolist()
+        ref = dict(zip(REF_COLUMNS, pending["ref"].tolist()))  # the document's reference, chunk and length unset
         total, count, nxt = int(pending["tokens"]), int(pending["count"]), int(pending["next"])
         lengths = chunk_lengths(np.asarray([total]), self.config.capacity, self.config.overlong)
-        rows = [[source, shard, offset, number, epoch, k, int(lengths[k])] for k in range(nxt, count)]
+        rows = [[{**ref, "chunk": k, "length": int(lengths[k])}[c] for c in REF_COLUMNS] for k in range(nxt, count)]
         return {"is_ref": torch.ones(len(rows), dtype=torch.bool),
                 "refs": torch.tensor(rows, dtype=torch.int64).reshape(-1, len(REF_COLUMNS)),
                 "stored": samples_to_table([], by_reference=False)["stored"]}
@@ -216,9 +284,9 @@ class _OldPlans:
             packs = [self._packs(g, f.epoch, f.work)[f.position:]]
             packs += [self._packs(g, e, f.work) for e in range(f.epoch + 1, last + 1)]
             return OldReader(carry=carry, packs=np.concatenate(packs))
-        spans = self._after(self._spans(g, f.epoch, f.work), f.origin)
+        spans = self._after(self._spans(g, f.epoch, f.work, f.ends), f.origin)
         for e in range(f.epoch + 1, last + 1):
-            spans += self._spans(g, e, f.work)
+            spans += self._spans(g, e, f.work, f.ends)
         return OldReader(carry=carry, spans=spans)
 
     def _tagged(self, spans: list[Span], epoch: int) -> list[Span]:
@@ -235,11 +303,16 @@ class _OldPlans:
                 dp_size=self.dp_size, num_workers=self.readers, packs_per_batch=self.config.packs_per_batch)
         return self._packed.dealt(epoch, g)
 
-    def _spans(self, g: int, epoch: int, work: Mapping[int, list[Span]]) -> list[Span]:
+    def _spans(self, g: int, epoch: int, work: Mapping[int, list[Span]],
+               ends: Mapping[int, WorkEnds] | None = None) -> list[Span]:
         if epoch in work:
             return self._tagged(list(work[epoch]), epoch)
+        if self.planner is not None and ends and epoch in ends:
+            rebuilt = self._from_ends(epoch, ends[epoch])
+            if rebuilt is not None:
+                return self._tagged(rebuilt, epoch)
         if self.planner is not None:
-            return self._tagged(list(self.planner.plan(epoch).workers[g].spans), epoch)
+            return self._tagged(self.planner.spans(epoch, g), epoch)
         shards = self.sources.shards
         assert shards is not None
         out = []
@@ -248,17 +321,36 @@ class _OldPlans:
             out.append(_resolve(s, lambda i: shard_samples(shards.urls[i], self.config, self.options)))
         return self._tagged(out, epoch)
 
-    def _after(self, spans: list[Span], origin: list[int] | None) -> list[Span]:
-        """``spans`` after the sample ``origin`` (all of them when None)."""
+    def _from_ends(self, epoch: int, ends: WorkEnds) -> list[Span] | None:
+        """A planned epoch's spans from their ends: the whole non-empty shards between them in
+        the epoch's order (O(N) once per epoch, no index read); None if they do not add up."""
+        if ends.spans == 1:
+            return [ends.head]
+        assert self.planner is not None
+        if self._order is None or self._order[0] != epoch:
+            order = epoch_permutation(self.planner.num_shards, seed=self.config.seed, epoch=epoch,
+                                      shuffle=self.config.shuffle)
+            where = np.empty_like(order)
+            where[order] = np.arange(len(order))
+            self._order = (epoch, order, where)
+        _, order, where = self._order
+        middle = order[where[ends.head.shard] + 1:where[ends.tail.shard]]
+        middle = middle[self.planner.shards.samples[middle] > 0]
+        if len(middle) + 2 != ends.spans:
+            return None
+        return [ends.head, *(Span(shard=int(s)) for s in middle), ends.tail]
+
+    def _after(self, spans: list[Span], origin: Pulled | None) -> list[Span]:
+        """``spans`` (tagged with their epochs) after the sample ``origin`` (all when None)."""
         if origin is None:
             return spans
-        _, shard, _, offset, _, next_offset, next_number = origin
         for i, s in enumerate(spans):
-            if s.shard == shard and s.start <= offset and (s.end is None or offset < s.end):
-                rest = replace(s, start=next_offset, first=next_number)
-                return ([rest] if s.end is None or next_offset < s.end else []) + spans[i + 1:]
-        raise ValueError(f"the state's last sample (shard {shard} @ {offset}) is not in its reader's plan: "
-                         f"the states were saved with other settings or shards")
+            if (s.epoch, s.shard) == (origin.epoch, origin.shard) and s.start <= origin.offset and (
+                    s.end is None or origin.offset < s.end):
+                rest = replace(s, start=origin.next_offset, first=origin.next_number)
+                return ([rest] if s.end is None or origin.next_offset < s.end else []) + spans[i + 1:]
+        raise ValueError(f"the state's last sample (shard {origin.shard} @ {origin.offset}, epoch {origin.epoch}) "
+                         f"is not in its reader's plan: the states were saved with other settings or shards")
 
 
 def shard_samples(url: str, config: StreamConfig, options: ReadOptions) -> ShardSamples:

@@ -9,7 +9,10 @@
 A finite stream (``epochs=N``) runs that chain once per epoch under an
 :class:`~streampack.nodes.epochs.EpochLoop`, each epoch read as planned by
 :class:`~streampack.nodes.epoch_plan.EpochPlanner` (sample-balanced spans, and with several
-ranks the batch quota that gives every rank the same count). An infinite stream is one chain.
+ranks the batch quota that gives every rank the same count) over the data set's manifest
+(:func:`manifest_of`; one reader that counts nothing needs neither). An infinite stream is one
+chain. Building a reader's graph costs no request but the manifest's (1 read per process) and
+what its planner reads (see :mod:`streampack.nodes.epoch_plan`).
 
 :class:`StreamConfig` holds every setting that shapes the stream (it is what a resume state is
 fingerprinted on); :class:`ReadOptions` holds the ones that do not (retries, caching, thread
@@ -32,11 +35,12 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import ErrorCounter
 from streampack.io.decode import DecodeOptions
-from streampack.io.index import index_decode, load_or_build_index
+from streampack.io.index import index_decode
+from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
 from streampack.layout.batch import PackedBatch
 from streampack.nodes.collate import ThdCollate
-from streampack.nodes.epoch_plan import Counting, EpochPlanner
+from streampack.nodes.epoch_plan import Agree, Counting, EpochPlanner
 from streampack.nodes.epochs import EpochLoop
 from streampack.nodes.mixture import Mixture
 from streampack.nodes.overlong import OverlongNode
@@ -68,7 +72,6 @@ class Graph:
     io_stats: IOStats
     """Requests, retries and faults of this reader's I/O (shared by every epoch's chain)."""
     loop: EpochLoop[PackedBatch] | None = None
-    planner: EpochPlanner | None = None
 
 
 def replayable(stages: Sequence[Any]) -> bool:
@@ -81,7 +84,8 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
                   tokenizer: Any = None, stages: Sequence[Any] = (), errors: ErrorCounter | None = None,
                   around: Mapping[str, Wrap] | None = None, epoch: int | None = None,
                   work: list[Span] | None = None, keep_work: bool = False,
-                  io_stats: IOStats | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
+                  io_stats: IOStats | None = None,
+                  identities: Mapping[int, Any] | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
     """The sample half of the graph: reader(s) -> [mixture] -> [tokenize] -> [stages].
     ``epoch`` reads that one epoch (``work``: its spans) instead of the pass's epochs."""
     errors = errors if errors is not None else ErrorCounter()
@@ -96,7 +100,7 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
         loss_mask_key=config.loss_mask_key, on_error=config.on_error, errors=errors,
         allow_pipe=options.allow_pipe, allow_pickle=options.allow_pickle, cache_dir=options.cache_dir,
         open_options=open_options, io_stats=io_stats, source=i, work=None if work is None else {start: work},
-        keep_work=keep_work, vocab_size=config.vocab_size, limits=config.limits)
+        keep_work=keep_work, vocab_size=config.vocab_size, limits=config.limits, saved_identities=identities)
         for i, (name, shards) in enumerate(sorted(sources.mixture.items()) or [("", sources.shards)])}
     nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "readers": list(readers.values()),
                              "errors": errors, "io": io_stats}
@@ -117,14 +121,15 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
 def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, options: ReadOptions = ReadOptions(),
                 tokenizer: Any = None, stages: Sequence[Any] = (),
                 around: Mapping[str, Wrap] | None = None, share: Share | None = None,
-                validate: bool = False) -> Graph:
+                validate: bool = False, agreement: Any = None) -> Graph:
     """The whole graph of one reader, ending in :class:`~streampack.nodes.collate.ThdCollate`;
     ``share`` starts it from an elastic resume's share. A finite stream builds each epoch's
     chain when the epoch starts; ``validate`` builds the first one at once (without planning
-    it), so every setting is checked here."""
+    it), so every setting is checked here. ``agreement`` (a ``streampack.agree.Agreement``, or
+    None) is how a planned epoch's readers agree on their batch counts."""
     errors, io_stats = ErrorCounter(), IOStats()
     nodes: dict[str, Any] = {}
-    build = _Builder(config, sources, place, options, tokenizer, stages, around, errors, share, io_stats)
+    build = _Builder(config, sources, place, options, tokenizer, stages, around, errors, share, io_stats, agreement)
     if config.epochs is None or (sources.mixture and sources.packed is None):
         root, named = build.chain(None)
         nodes.update(named)
@@ -137,7 +142,7 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, opt
         build.chain(first, planned=False)
     loop = EpochLoop(build.chain, first=first, last=last, nodes=nodes,
                      metrics=lambda n: {k: v for k, v in graph_metrics(n).items() if k not in ("errors", "plan")})
-    return Graph(root=loop, nodes=nodes, errors=errors, io_stats=io_stats, loop=loop, planner=build.planner)
+    return Graph(root=loop, nodes=nodes, errors=errors, io_stats=io_stats, loop=loop)
 
 
 class _Builder:
@@ -145,13 +150,27 @@ class _Builder:
 
     def __init__(self, config: StreamConfig, sources: Sources, place: Placement, options: ReadOptions,
                  tokenizer: Any, stages: Sequence[Any], around: Mapping[str, Wrap] | None,
-                 errors: ErrorCounter, share: Share | None, io_stats: IOStats) -> None:
+                 errors: ErrorCounter, share: Share | None, io_stats: IOStats, agreement: Any) -> None:
         self.config, self.sources, self.place, self.options = config, sources, place, options
         self.tokenizer, self.stages, self.around, self.errors, self.share = tokenizer, stages, around, errors, share
-        self.io_stats = io_stats
+        self.io_stats, self.agreement = io_stats, agreement
         self.wrap = _wrapper(around)
-        self.planner = make_planner(config, sources, place, options, io_stats) if config.epochs is not None else None
+        self._planner: EpochPlanner | None = None
         self._last: tuple[WindowPacker, ThdCollate] | None = None  # the previous epoch's, for balance
+        self.counting = counting_for(config, place) if config.epochs is not None else None
+        # one reader that counts nothing reads every shard whole in the epoch's order: no plan,
+        # no manifest (building it would read every shard once more before the first batch:
+        # 2.8 s of a 5.9 s epoch of 60,000 samples in 8 tar shards, benchmarks/bench_pipeline.py)
+        self.needs_plan = (sources.shards is not None and not sources.mixture and sources.packed is None
+                           and (place.global_workers > 1 or self.counting is not None))
+
+    @property
+    def planner(self) -> EpochPlanner:
+        if self._planner is None:
+            self._planner = make_planner(self.config, self.sources, self.place, self.options, self.io_stats,
+                                         agreement=self.agreement)
+            assert self._planner is not None
+        return self._planner
 
     def chain(self, epoch: int | None, planned: bool = True) -> tuple[BaseNode[PackedBatch], dict[str, Any]]:
         config = self.config
@@ -195,15 +214,17 @@ class _Builder:
         if share is not None:
             work, quota = share.spans, share.quota
         elif epoch is not None and not self.sources.mixture and planned:
-            assert self.planner is not None
-            plan = self.planner.plan(epoch).workers[place.global_worker]
-            work, quota = plan.spans, self._fixed_quota() or plan.quota
+            quota = self._fixed_quota()
+            if self.needs_plan:
+                plan = self.planner.plan(epoch, place.global_worker)
+                work, quota = plan.spans, quota or plan.quota
         elif self.sources.mixture and config.epochs is not None:
             quota = _mixture_quota(config, place)
         node, nodes = build_samples(config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
                                     stages=self.stages, errors=self.errors, around=self.around,
                                     epoch=share.epoch if share is not None and epoch is None else epoch,
-                                    work=work, keep_work=share is not None, io_stats=self.io_stats)
+                                    work=work, keep_work=share is not None, io_stats=self.io_stats,
+                                    identities=None if share is None else share.identities)
         replayer = self._replayer(nodes)
         node = nodes["overlong"] = OverlongNode(node, config.capacity, config.overlong,
                                                 replay=None if replayer is None else replayer.chunks)
@@ -254,11 +275,11 @@ class _Builder:
             verify=lambda source, shard: nodes["readers"][source].verify_shard(shard)))
 
     def _plan_info(self, epoch: int | None, share: Share | None) -> dict[str, Any]:
-        if epoch is None or share is not None or self.planner is None or self.sources.mixture:
+        if epoch is None or share is not None or not self.needs_plan or self.sources.mixture:
             return {}
-        plan = self.planner.plan(epoch)
-        mine = plan.workers[self.place.global_worker]
-        return {"batches": mine.batches, "fillers_all_ranks": plan.fillers, "min_fillers_all_ranks": plan.min_fillers}
+        mine = self.planner.plan(epoch, self.place.global_worker)
+        return {"batches": mine.batches, "fillers_rank": mine.rank_fillers, "fillers_all_ranks": mine.fillers,
+                "min_fillers_all_ranks": mine.min_fillers}
 
 
 _SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than the data made: samples "
@@ -267,17 +288,47 @@ _SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than
 
 
 def make_planner(config: StreamConfig, sources: Sources, place: Placement, options: ReadOptions,
-                 io_stats: IOStats | None = None) -> EpochPlanner | None:
-    """The planner of a finite single-source stream (None for mixtures and offline packs)."""
+                 io_stats: IOStats | None = None, *, agreement: Any = None, count: bool = True,
+                 agree: Agree | None = None) -> EpochPlanner | None:
+    """The planner of one reader of a finite single-source stream (None for mixtures and
+    offline packs), over the data set's manifest (:func:`manifest_of`). ``count`` False plans
+    spans only; ``agree`` replaces the store agreement made from ``agreement``."""
     if sources.mixture or sources.packed is not None or sources.shards is None:
         return None
-    shards = sources.shards
+    manifest = manifest_of(config, sources, options, io_stats)
+    decode, opts = index_decode(config.tokens_key, config.limits), options.open_options()
+    counting = counting_for(config, place) if count else None
+    if agree is None and agreement is not None and counting is not None:
+        from streampack.agree import agree_counts  # lazily: only a distributed run has an agreement
+
+        def agree(key: str, dp_rank: int, worker_id: int, num_workers: int, n: int) -> Any:
+            return agree_counts(agreement, key=key, dp_rank=dp_rank, worker_id=worker_id,
+                                num_workers=num_workers, count=n)
+    return EpochPlanner(manifest, lambda i: manifest.load_index(i, decode, opts), seed=config.seed,
+                        shuffle=config.shuffle, dp_size=place.dp_size, num_workers=place.num_workers,
+                        counting=counting, agree=agree)
+
+
+_GIVEN: dict[tuple[str, str, str], Manifest] = {}
+
+
+def manifest_of(config: StreamConfig, sources: Sources, options: ReadOptions,
+                io_stats: IOStats | None = None) -> Manifest:
+    """The data set's manifest: ``options.manifest`` (read once per process; forked DataLoader
+    workers inherit it), else built once for local shards (re-checked on every call with one
+    ``stat`` per shard, so a rewritten shard is seen); remote shards without one are refused,
+    naming ``streampack index``."""
+    assert sources.shards is not None
     decode = index_decode(config.tokens_key, config.limits)
-    opts = options.open_options()
-    return EpochPlanner(len(shards), lambda i: load_or_build_index(shards.urls[i], decode=decode, opts=opts,
-                                                                   cache_dir=options.cache_dir, stats=io_stats),
-                        seed=config.seed, shuffle=config.shuffle, dp_size=place.dp_size,
-                        num_workers=place.num_workers, counting=counting_for(config, place))
+    key = (str(options.manifest), sources.shards.digest, repr(decode))
+    if options.manifest is not None and key in _GIVEN:
+        return _GIVEN[key]
+    manifest = obtain_manifest(list(sources.shards.urls), location=options.manifest, cache_dir=options.cache_dir,
+                               decode=decode, opts=options.open_options(), stats=io_stats)
+    if options.manifest is not None:
+        _GIVEN.clear()  # one data set at a time
+        _GIVEN[key] = manifest
+    return manifest
 
 
 def counting_for(config: StreamConfig, place: Placement) -> Counting | None:

@@ -1,9 +1,17 @@
 """Resharding: one new reader's share of what an old run had left (:mod:`streampack.elastic`).
 
 A finite stream is cut at sample granularity, balanced by token count (ranks first, then
-each rank's workers), and every new reader's batches are counted with the packer's own round
-logic (``window_rounds.count_packs``) so every new rank yields the same number of batches in
-the resumed epoch (logged, with the fillers it costs). An infinite stream deals whole spans
+each rank's workers) from the pieces' totals (the manifest's for whole shards, a byte-share
+estimate for parts of shards: no index read but at the <= 4 pieces a new reader's boundaries fall
+in), and each new reader counts its own batches with the packer's own round logic
+(``window_rounds.count_packs``); the counts are agreed through the store (``streampack.agree``),
+or without one every new reader counts every new reader's (O(T)), so every new rank yields the
+same number of batches in the resumed epoch (logged, with the fillers it costs).
+
+**Cost per new reader** (old readers G_old, new G, shards N, samples T): CPU and memory O(N +
+G_old · (window + 3)) for the pieces; requests: the indexes of <= 4 boundary pieces and of its
+own ~N/G shards (to count). What the old readers had left (:func:`streampack.elastic.remaining`,
+once per process) adds the boundary indexes of the old readers' plans: <= G_old + 1 reads. An infinite stream deals whole spans
 round-robin (no index needs reading) and the carried samples in equal runs. Offline packs are
 dealt by batches of ``packs_per_batch``, ranks first, as ``PackedShardReader`` deals an epoch.
 
@@ -23,14 +31,12 @@ from streampack.elastic import (
     TOPOLOGY_KEYS,
     Remaining,
     remaining,
-    shard_samples,
     topology_of,
 )
-from streampack.graph import counting_for
+from streampack.graph import make_planner
 from streampack.logs import get_logger
-from streampack.nodes.epoch_plan import Counting, ShardSamples, chunk_lengths, equalize
-from streampack.nodes.sharding import IndexRange, Span, cut_two_level, split_ranges
-from streampack.nodes.window_rounds import PackerRules, count_packs
+from streampack.nodes.epoch_plan import ShardSamples, count_batches, equalize, rank_quotas
+from streampack.nodes.sharding import Span
 from streampack.settings import Placement, ReadOptions, Share, Sources, StreamConfig
 from streampack.state import (
     FINGERPRINT_KEY,
@@ -48,13 +54,14 @@ _log = get_logger(__name__)
 
 
 def share(left: Remaining, config: StreamConfig, sources: Sources, options: ReadOptions,
-          place: Placement) -> Share:
-    """This new reader's part of ``left`` (``place`` is the new topology)."""
+          place: Placement, *, agreement: Any = None, agree: Any = None) -> Share:
+    """This new reader's part of ``left`` (``place`` is the new topology); ``agreement`` /
+    ``agree`` as for :func:`streampack.graph.make_planner`."""
     if sources.packed is not None:
         return _share_packs(left, config, place)
     if config.epochs is None:
         return _share_infinite(left, place)
-    return _ShareFinite(left, config, sources, options, place).share()
+    return _ShareFinite(left, config, sources, options, place, agreement=agreement, agree=agree).share()
 
 
 def _share_infinite(left: Remaining, place: Placement) -> Share:
@@ -62,7 +69,7 @@ def _share_infinite(left: Remaining, place: Placement) -> Share:
     spans = [s for r in left.readers for s in r.spans]
     g, n = place.global_worker, place.global_workers
     lo, hi = table_size(carry) * g // n, table_size(carry) * (g + 1) // n
-    return Share(epoch=left.epoch, spans=spans[g::n], carry=table_slice(carry, lo, hi))
+    return Share(epoch=left.epoch, spans=spans[g::n], carry=table_slice(carry, lo, hi), identities=left.identities)
 
 
 def _share_packs(left: Remaining, config: StreamConfig, place: Placement) -> Share:
@@ -83,73 +90,173 @@ def _share_packs(left: Remaining, config: StreamConfig, place: Placement) -> Sha
     return Share(epoch=left.epoch, packs=mine, quota=quota)
 
 
+Point = tuple[int, int]
+"""``(piece, sample inside it)``; a piece's end is written ``(piece + 1, 0)``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Piece:
+    """One run of the remaining work, in order: an old reader's carried samples, or one span."""
+
+    carry: Mapping[str, Any] | None = None
+    span: Span | None = None
+    cost: int = 0
+    """Its balancing cost: exact for carried samples and whole shards (the manifest's total), the
+    shard's total times the span's share of its bytes for a part of a shard (no index read)."""
+
+
+class _PieceCut:
+    """``cut_two_level`` over the pieces' costs, one reader at a time: pieces are found by
+    ``searchsorted`` on their prefix sums and only the piece a boundary falls in is opened
+    (its per-sample costs scaled to the piece's cost, in integers so every reader computes the
+    same points). O(P) for the prefix sums, at most 4 opened pieces per reader."""
+
+    def __init__(self, costs: list[int], local: Any) -> None:
+        self.costs = np.asarray(costs, dtype=np.int64)
+        self.prefix = np.concatenate([[0], np.cumsum(self.costs)])
+        self._local, self._opened = local, {}
+
+    @property
+    def end(self) -> Point:
+        return (len(self.costs), 0)
+
+    def bounds(self, ranks: int, workers: int, g: int) -> tuple[Point, Point]:
+        r, w = divmod(g, workers)
+        lo, hi = self.boundary((0, 0), self.end, ranks, r), self.boundary((0, 0), self.end, ranks, r + 1)
+        return self.boundary(lo, hi, workers, w), self.boundary(lo, hi, workers, w + 1)
+
+    def boundary(self, lo: Point, hi: Point, parts: int, k: int) -> Point:
+        if k <= 0 or k >= parts:
+            return lo if k <= 0 else hi
+        base = self.value(lo)
+        target = float(self.value(hi) - base) * k / parts
+        if target <= 0:
+            return lo
+        j = int(np.searchsorted(self.prefix - base, target, side="left"))
+        q = j - 1  # j >= 1: value(lo) - base == 0 < target
+        values = self._values(q) - base
+        i = int(np.searchsorted(values, target, side="left"))
+        if len(values) == 1:  # an empty piece that was given a cost: its start is its end
+            return (q + 1, 0)
+        below, above = (q, i - 1), self._norm(q, i)
+        nearer_below = (target - (self.value(below) - base)) <= ((self.value(above) - base) - target)
+        return self._norm(*below) if nearer_below else above
+
+    def value(self, point: Point) -> int:
+        q, i = point
+        return int(self.prefix[q]) if i == 0 else int(self._values(q)[i])
+
+    def size(self, q: int) -> int:
+        return len(self._values(q)) - 1
+
+    def _norm(self, q: int, i: int) -> Point:
+        return (q + 1, 0) if i >= self.size(q) else (q, i)
+
+    def _values(self, q: int) -> np.ndarray:
+        """int64 ``[n + 1]``: the cost before each sample of piece ``q``, scaled to its cost."""
+        if q not in self._opened:
+            local = np.concatenate([[0], np.cumsum(np.asarray(self._local(q), dtype=np.int64))])
+            n, cost = len(local) - 1, int(self.costs[q])
+            inner = (cost * local) // local[-1] if local[-1] > 0 else (cost * np.arange(n + 1)) // max(n, 1)
+            inner[-1] = cost
+            self._opened[q] = int(self.prefix[q]) + inner
+        return self._opened[q]
+
+
 class _ShareFinite:
-    """Sample-granular, token-balanced cut of a finite stream's remaining samples."""
+    """Sample-granular, token-balanced cut of a finite stream's remaining samples.
+
+    **Cost per new reader** (P pieces = the old readers' carries and spans, about N + 3 G_old):
+    O(P) CPU and memory for the piece costs (from the manifest; no request), the indexes of at
+    most 4 boundary pieces and of its own share's shards (to count its batches: O(T/G)), and one
+    agreement on the counts (or, without one, every new reader's count: O(T)).
+    """
 
     def __init__(self, left: Remaining, config: StreamConfig, sources: Sources, options: ReadOptions,
-                 place: Placement) -> None:
+                 place: Placement, *, agreement: Any = None, agree: Any = None) -> None:
         self.left, self.config, self.sources, self.options, self.place = left, config, sources, options, place
-        assert sources.shards is not None
-        self.urls = sources.shards.urls
-        self._samples: dict[int, ShardSamples] = {}
+        self.planner = make_planner(config, sources, place, options, agreement=agreement, agree=agree)
+        assert self.planner is not None
+        self.manifest = self.planner.shards
+        self.tokens = self.manifest.known_lengths()
+        self.pieces = [p for r in left.readers for p in self._pieces(r.carry, r.spans)]
+        self.cut = _PieceCut([p.cost for p in self.pieces], self._local)
 
-    def samples(self, shard: int) -> ShardSamples:
-        if shard not in self._samples:
-            self._samples[shard] = shard_samples(self.urls[shard], self.config, self.options)
-        return self._samples[shard]
+    def _pieces(self, carry: Mapping[str, Any], spans: list[Span]) -> list[_Piece]:
+        lengths = table_lengths(carry)
+        out = [_Piece(carry=carry, cost=int(lengths.sum()) if self.tokens else len(lengths))]
+        for s in spans:
+            total = int(self.manifest.costs(tokens=self.tokens)[s.shard])
+            if not _whole(s):
+                width = int(self.manifest.byte_costs[s.shard])
+                end = width if s.end is None else s.end
+                total = total * min(max(end - s.start, 0), width) // max(width, 1)
+            out.append(_Piece(span=s, cost=total))
+        return out
 
-    def _range(self, span: Span) -> IndexRange:
-        s = self.samples(span.shard)
+    def _range(self, span: Span) -> tuple[ShardSamples, int, int]:
+        s = self.planner.samples(span.shard)
         lo = int(np.searchsorted(s.offsets, span.start, side="left"))
         hi = len(s) if span.end is None else int(np.searchsorted(s.offsets, span.end, side="left"))
-        return IndexRange(shard=span.shard, lo=lo, hi=max(lo, hi), epoch=span.epoch)
+        return s, lo, max(lo, hi)
+
+    def _local(self, q: int) -> np.ndarray:
+        piece = self.pieces[q]
+        if piece.carry is not None:
+            lengths = table_lengths(piece.carry)
+            return lengths if self.tokens else np.ones(len(lengths), np.int64)
+        assert piece.span is not None
+        s, lo, hi = self._range(piece.span)
+        return s.costs(lo, hi, tokens=self.tokens)
+
+    def part(self, g: int) -> tuple[dict[str, Any], list[Span], np.ndarray]:
+        """Reader ``g``'s carried samples, spans and the token lengths of its spans' samples."""
+        (p_lo, i_lo), (p_hi, i_hi) = self.cut.bounds(self.place.dp_size, self.place.num_workers, g)
+        carries, spans, lengths = [], [], []
+        for q in range(p_lo, min(p_hi + 1, len(self.pieces))):
+            a, whole_end = (i_lo if q == p_lo else 0), q < p_hi
+            if not whole_end and i_hi == 0:
+                break
+            piece = self.pieces[q]
+            if piece.carry is not None:
+                b = table_size(piece.carry) if whole_end else i_hi
+                carries.append(table_slice(piece.carry, a, b))
+                continue
+            assert piece.span is not None
+            if a == 0 and whole_end and self.planner.counting is None:
+                spans.append(piece.span)  # read as it is: no index needed
+                continue
+            s, lo, hi = self._range(piece.span)
+            b = hi if whole_end else lo + i_hi
+            if lo + a < b:
+                spans.append(s.span(piece.span.shard, lo + a, b, piece.span.epoch))
+                lengths.append(s.lengths[lo + a:b])
+        return concat_tables(carries), spans, np.concatenate(lengths or [np.zeros(0, np.int64)])
 
     def share(self) -> Share:
-        carries = [r.carry for r in self.left.readers]
-        ranges = [[self._range(s) for s in r.spans] for r in self.left.readers]
-        tokens = all((self.samples(p.shard).lengths >= 0).all() for rs in ranges for p in rs)
-        pieces, costs = [], []  # the remaining work in order: (kind, which, local index) runs
-        for carry, rs in zip(carries, ranges):
-            lengths = table_lengths(carry)
-            pieces.append(("carry", carry, len(lengths)))
-            costs.append(lengths.astype(np.float64) if tokens else np.ones(len(lengths)))
-            for p in rs:
-                pieces.append(("range", p, len(p)))
-                costs.append(self.samples(p.shard).costs(p.lo, p.hi, tokens=tokens).astype(np.float64))
-        bounds = cut_two_level(np.concatenate(costs or [np.zeros(0)]), self.place.dp_size, self.place.num_workers)
-        parts = [self._part(pieces, int(bounds[g]), int(bounds[g + 1])) for g in range(self.place.global_workers)]
-        counting = counting_for(self.config, self.place)
+        place, counting = self.place, self.planner.counting
+        carry, spans, lengths = self.part(place.global_worker)
         quota = None
         if counting is not None:
-            if not tokens:
-                raise ValueError("cannot plan equal batch counts: the shard index has no token lengths")
-            batches = [self._count(counting, g, carry, rs) for g, (carry, rs) in enumerate(parts)]
-            quotas, fillers, least = equalize(batches, self.place.dp_size)
-            quota = quotas[self.place.global_worker]
-            _log.info("elastic resume: %d old readers -> %d; epoch %d re-planned: %d batches per rank, "
-                      "%d fillers over all ranks (fewest possible %d)", self.left.old_dp_size * self.left.old_readers,
-                      self.place.global_workers, self.left.epoch, sum(quotas) // self.place.dp_size, fillers, least)
-        carry, rs = parts[self.place.global_worker]
-        spans = [self.samples(p.shard).span(p.shard, p.lo, p.hi, p.epoch) for p in rs]
-        return Share(epoch=self.left.epoch, spans=spans, carry=carry, quota=quota)
+            mine = count_batches(counting, place.global_worker, lengths, table_lengths(carry))
+            key = f"elastic/{self.left.epoch}"
+            if self.planner.agree is not None:
+                got = self.planner.agree(key, place.dp_rank, place.worker_id, place.num_workers, mine)
+                quota = rank_quotas(list(got.workers), int(got.target))[place.worker_id]
+            else:  # no agreement: count every new reader (O(T))
+                counts = [mine if g == place.global_worker else
+                          count_batches(counting, g, self.part(g)[2], table_lengths(self.part(g)[0]))
+                          for g in range(place.global_workers)]
+                quotas, fillers, least = equalize(counts, place.dp_size)
+                quota = quotas[place.global_worker]
+                _log.info("elastic resume: %d old readers -> %d; epoch %d re-planned: %d batches per rank, "
+                          "%d fillers over all ranks (fewest possible %d)", self.left.old_dp_size * self.left.old_readers,
+                          place.global_workers, self.left.epoch, sum(quotas) // place.dp_size, fillers, least)
+        return Share(epoch=self.left.epoch, spans=spans, carry=carry, quota=quota, identities=self.left.identities)
 
-    def _part(self, pieces: list[tuple[str, Any, int]], lo: int, hi: int) -> tuple[dict[str, Any], list[IndexRange]]:
-        carries, ranges, pos = [], [], 0
-        for kind, what, n in pieces:
-            a, b = max(lo, pos), min(hi, pos + n)
-            if a < b:
-                if kind == "carry":
-                    carries.append(table_slice(what, a - pos, b - pos))
-                else:
-                    ranges.extend(split_ranges([what], a - pos, b - pos))
-            pos += n
-        return concat_tables(carries), ranges
 
-    def _count(self, counting: Counting, g: int, carry: Mapping[str, Any], ranges: list[IndexRange]) -> int:
-        rules: PackerRules = counting.for_worker(g)
-        stream = np.concatenate([self.samples(p.shard).lengths[p.lo:p.hi] for p in ranges] or [np.zeros(0, np.int64)])
-        packs = count_packs(rules, chunk_lengths(stream, counting.max_len, counting.policy), table_lengths(carry))
-        return -(-packs // counting.packs_per_batch)
+def _whole(span: Span) -> bool:
+    return span.start == 0 and span.first == 0 and span.end is None
 
 
 @dataclass(slots=True)
@@ -184,7 +291,7 @@ class PendingResume:
             self.left = remaining(self.states, ds.config, ds.sources, ds.options, ds.stages)
         place = Placement(dp_rank=ds.dp_rank, dp_size=ds.dp_size, worker_id=here.id, num_workers=here.readers,
                           passes=self.left.passes)
-        mine = share(self.left, ds.config, ds.sources, ds.options, place)
+        mine = share(self.left, ds.config, ds.sources, ds.options, place, agreement=ds._agreement)
         carried = 0 if mine.carry is None else table_size(mine.carry)
         _log.info("elastic resume: %d old readers (dp_size=%d x %d) -> reader %d of %d reads %d carried sample(s) "
                   "and %d span(s) / %d pack(s) in epoch %d", self.left.old_dp_size * self.left.old_readers,

@@ -109,6 +109,10 @@ class ReadOptions:
     allow_pipe: bool = False
     allow_pickle: bool = False
     cache_dir: str | None = None
+    manifest: str | None = None
+    """Where the data set's manifest is (``streampack index URLS --out DIR``): what plans finite
+    epochs over several readers and elastic resumes. None: built once in ``cache_dir`` for
+    local shards; remote shards without one are refused."""
     retries: int | None = None
     retry_budget: float = 120.0
     connect_timeout: float = 10.0
@@ -165,6 +169,9 @@ class Share:
     """Offline packs to read (a ``streampack pack`` directory)."""
     quota: int | None = None
     """Batches to yield in ``epoch`` (finite streams with several ranks)."""
+    identities: Mapping[int, Any] = field(default_factory=dict)
+    """Shard -> the identity (``io.storage.ShardStat``) the old readers recorded: the new reader
+    refuses a shard that changed since when it opens it."""
 
 
 def cost_model_of(value: CostModel | Mapping[str, Any] | None) -> CostModel | None:

@@ -27,7 +27,7 @@ resume on another ``dp_size`` / ``num_workers``: see :mod:`streampack.elastic`.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -263,3 +263,30 @@ def state_nbytes(state: Any) -> int:
     buf = io.BytesIO()
     torch.save(state, buf)
     return buf.tell()
+
+
+def check_node_versions(tree: Any, who: str) -> None:
+    """Every node state nested in ``tree`` that records a version has this library's
+    (``ValueError`` naming the node and the reader, as the same-topology restore does)."""
+    if isinstance(tree, Mapping):
+        if VERSION_KEY in tree:
+            check_version(tree, what=f"{tree.get('kind', 'node')} state of {who}")
+        children: Iterator[Any] = iter(tree.values())
+    elif isinstance(tree, (list, tuple)):
+        children = iter(tree)
+    else:
+        return
+    for child in children:
+        check_node_versions(child, who)
+
+
+def check_identities(saved: Mapping[int, Any], now: Callable[[int], Any], name: Callable[[int], str]) -> None:
+    """``ValueError`` naming each shard whose identity ``now(shard)`` (an ``io.storage.ShardStat``)
+    is not the saved one."""
+    for shard, ident in saved.items():
+        current = now(shard)
+        if current != ident:
+            changes = [f"{what} {a!r} -> {b!r}" for what, a, b in
+                       (("size", ident.size, current.size), ("tag", ident.tag, current.tag)) if a != b]
+            raise ValueError(f"cannot resume: shard {name(shard)!r} changed since the states were saved "
+                             f"({'; '.join(changes)}); their positions point into the old contents")

@@ -29,6 +29,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from streampack import elastic
 from streampack.dataset import PackedDataset
 from streampack.nodes.collate import FILLER_KEY
+from streampack.nodes.sharding import Span
 from streampack.nodes.stages import MapSamples, NodeStage
 from streampack.state import dataset_states, table_size
 
@@ -236,3 +237,125 @@ def test_elastic_randomized(tmp_path, seed):
     got, counts = _new_run(make, c, d, states)
     assert len(set(counts)) == 1
     assert _chunks(consumed + got) == _chunks([x for f in full for x in f])
+
+
+def test_the_frontier_is_found_in_the_span_of_its_own_epoch(shards):
+    """Finding (issue 17, 3a): the frontier row's epoch column was dropped when it was unpacked
+    by position. After one elastic resume a reader's work for epoch E may hold the same shard
+    twice (an old reader's tail of E-1, then the shard's span in E); a second elastic resume
+    then continued after the frontier in the wrong span: 1 rank x 2 workers (old readers in
+    epochs [1, 0]) -> 1 x 1 -> 1 x 2 trained 765 (document, epoch) chunks for 710, 55 twice."""
+    urls, _ = shards
+    ds = _ds(urls, 0, 1, epochs=2)
+    old = elastic._OldPlans(ds.config, ds.sources, ds.options, 1, 1, 0)
+    spans = [Span(shard=2, start=3584, end=None, epoch=1), Span(shard=0, start=0, end=14848, epoch=1),
+             Span(shard=2, start=29696, end=None, epoch=0), Span(shard=1, start=0, end=None, epoch=1)]
+    row = {"source": 0, "shard": 2, "epoch": 0, "offset": 30720, "number": 20, "next_offset": 31744,
+           "next_number": 21}  # the last sample pulled was in the epoch-0 tail of shard 2
+    origin = (elastic.Pulled(**row) if hasattr(elastic, "Pulled")
+              else [row[c] for c in elastic.OverlongNode.LAST_COLUMNS])
+    assert old._after(spans, origin) == [Span(shard=2, start=31744, first=21, end=None, epoch=0), spans[3]]
+
+
+def _epochs_of(states) -> list[int]:
+    return [int(s["graph"]["epoch"]) for s in states]
+
+
+def _doc_epochs(batches) -> Counter:
+    return Counter(k for b in batches for k in b.doc_keys if k != FILLER_KEY)
+
+
+def test_second_elastic_resume_reads_each_shard_once_per_epoch(tmp_path):
+    """Finding (issue 17, 3a): the frontier's epoch column was dropped when it was unpacked, so
+    after one elastic resume (a reader's work for epoch E then holds the same shard twice: an old
+    reader's tail of E-1 and the shard's span in E) a second one picked the wrong span and
+    trained 55 (document, epoch) chunks twice (765 trained, 710 expected)."""
+    docs = make_token_docs(60, seed=5, max_len=2 * 64)
+    urls = write_tar_shards(tmp_path, docs, 3)
+    kw = {"capacity": 64, "window": 4, "epochs": 2, "seed": 1, "packs_per_batch": 1, "stages": [_tag_epoch],
+          "max_wait": 2}
+    make = lambda r, size: PackedDataset(urls, dp_rank=r, dp_size=size, **kw)  # noqa: E731
+    full = _doc_epochs(SimRank(lambda: make(0, 1), 0))
+    assert set(full.values()) == {1} and {k.rpartition("@")[2].partition("/")[0] for k in full} == {"0", "1"}
+    old, consumed, stops = SimRank(lambda: make(0, 1), 2), [], []
+    for batch in old:
+        consumed.append(batch)
+        states = old.states()
+        if sorted(_epochs_of(states)) == [0, 1]:  # the two old readers are in different epochs
+            stops.append((list(consumed), states))
+    assert stops, "no stop point left the two old readers in different epochs"
+    for consumed, states in stops[:1]:
+        for second in (5, 30, 55):
+            mid = SimRank(lambda: make(0, 1), 0, load=states)
+            got = consumed + [x for _, x in zip(range(second), mid)]
+            rest = list(SimRank(lambda: make(0, 1), 2, load=mid.states()))
+            assert _doc_epochs(got + rest) == full, (len(consumed), second)
+
+
+@pytest.mark.parametrize("change", ["same_size", "truncated", "node_version"])
+def test_elastic_resume_refuses_changed_shards_and_other_versions(tmp_path, change):
+    """Finding (issue 17, 3b): the elastic path skipped the checks the same-topology resume makes.
+    Shards rewritten with the same size resumed silently on new bytes at old offsets; shards
+    truncated to 60% failed with ``lengths[0]=-1 must be >= 1``; a nested node state of another
+    version was accepted on 3x1 (and refused on 4x2). Each is now a named refusal."""
+    import os
+
+    docs = make_token_docs(60, seed=6, max_len=120)
+    urls = write_tar_shards(tmp_path, docs, 3)
+    make = lambda r, size: _ds(urls, r, size, window=8)  # noqa: E731
+    _, states = _old_run(make, 2, 1, 3)
+    if change == "node_version":
+        packer = elastic.find_state(states[1]["graph"], "OverlongNode")
+        assert packer is not None
+        _set_nested(states[1]["graph"], "OverlongNode", {**packer, "version": 99})
+        match = "OverlongNode state of dp_rank=1 worker_id=0 version=99"
+    else:
+        sizes = [os.path.getsize(u) for u in urls]
+        if change == "same_size":  # other tokens, same lengths: every file keeps its size
+            write_tar_shards(tmp_path, [[t + 1 for t in d] for d in docs], 3)
+            assert [os.path.getsize(u) for u in urls] == sizes
+        else:
+            for url in urls:
+                data = open(url, "rb").read()
+                with open(url, "wb") as f:
+                    f.write(data[:len(data) * 6 // 10])
+        for url in urls:  # a new mtime even on a coarse clock
+            os.utime(url, ns=(os.stat(url).st_atime_ns, os.stat(url).st_mtime_ns + 10**9))
+        # truncated shards lose the token count of their cut sample: a fresh plan refuses them too
+        match = "changed since the states were saved" + ("|shards do not have" if change == "truncated" else "")
+    for c, d in ((3, 0), (4, 2)):
+        with pytest.raises(ValueError, match=match):
+            SimRank(lambda: make(0, c), d, load=states)
+
+
+def _set_nested(tree, kind: str, value) -> bool:
+    for k, v in (tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()):
+        if isinstance(v, dict) and v.get("kind") == kind:
+            tree[k] = value
+            return True
+        if isinstance(v, (dict, list)) and _set_nested(v, kind, value):
+            return True
+    return False
+
+
+def test_old_readers_plans_come_from_their_states_without_index_reads(shards, monkeypatch):
+    """Issue 17: knowing what every old reader had left cost every new reader the index of every
+    shard (the old plans were re-made for all old readers). A reader's state now keeps its planned
+    epoch's first and last span (``work_ends``), so the old plans are rebuilt from the states and
+    the manifest with no index read; the resume is still exact."""
+    from streampack.nodes.epoch_plan import EpochPlanner
+
+    urls, _ = shards
+    make = lambda r, size: _ds(urls, r, size, window=8, packs_per_batch=1)  # noqa: E731
+    consumed, states = _old_run(make, 3, 2, 4)
+    assert all(s["graph"] is not None and s["graph"]["chain"] is not None for s in states)
+    opened = []
+    real = EpochPlanner.samples
+    monkeypatch.setattr(EpochPlanner, "samples", lambda self, shard: opened.append(shard) or real(self, shard))
+    probe = make(0, 2)
+    elastic.remaining(states, probe.config, probe.sources, probe.options, probe.stages)
+    assert opened == []
+    got, counts = _new_run(make, 2, 3, states)
+    assert len(set(counts)) == 1
+    full = [x for r in range(3) for x in SimRank(lambda r=r: make(r, 3), 2)]
+    assert _chunks(consumed + got) == _chunks(full) and max(_chunks(full).values()) == 1

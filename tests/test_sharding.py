@@ -11,7 +11,7 @@ from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
 from node_checks import roundtrip
 
 from streampack.nodes.reader import ShardReader
-from streampack.nodes.sharding import assign_shards, epoch_permutation
+from streampack.nodes.sharding import assign_shards, cut_two_level, epoch_permutation
 from streampack.topology import Worker, current_worker, resolve_topology
 
 
@@ -193,7 +193,7 @@ def test_state_layout_and_mismatch(tmp_path):
     reader = ShardReader(urls, seed=1, epochs=1)
     next(reader)
     state = reader.state_dict()
-    assert set(state) == {"version", "kind", "config", "start_epoch", "work", "epoch", "shard_pos", "offset", "sample",
+    assert set(state) == {"version", "kind", "config", "start_epoch", "work", "work_ends", "epoch", "shard_pos", "offset", "sample",
                           "yielded", "epoch_yielded", "identity"}
     assert (state["epoch"], state["shard_pos"], state["sample"], state["yielded"]) == (0, 0, 1, 1)
     with pytest.raises(ValueError, match="seed: state=1 reader=2"):
@@ -210,3 +210,27 @@ def test_auto_topology_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     reader = ShardReader(urls, dp_rank=None, dp_size=None, worker_id=None, num_workers=None, epochs=1)
     assert reader.global_worker == 1 and reader.global_workers == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_cut_is_cut_two_level_from_shard_totals(seed):
+    """The per-reader cut from shard prefix sums gives exactly the boundaries ``cut_two_level``
+    gives over every sample's cost (zero costs, empty shards, more readers than samples), and
+    opens only the shards a boundary falls in."""
+    from streampack.nodes.sharding import PrefixCut
+
+    rng = np.random.default_rng(seed)
+    for _ in range(400):
+        n = int(rng.integers(1, 12))
+        counts = rng.integers(0, 8, n)
+        per = [rng.choice([0, 1, 3, 50, 1000], size=c) if rng.random() < 0.5 else rng.integers(0, 30, c)
+               for c in counts]
+        order = rng.permutation(n)
+        flat = np.concatenate([per[s] for s in order] + [np.zeros(0, np.int64)])
+        ranks, workers = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        want = cut_two_level(flat, ranks, workers)
+        opened: list[int] = []
+        cut = PrefixCut(order, counts, np.array([p.sum() for p in per]), lambda s: opened.append(s) or per[s])
+        for g in range(ranks * workers):
+            assert cut.bounds(ranks, workers, g) == (want[g], want[g + 1])
+        assert len(set(opened)) <= 2 * ranks * workers + 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers_data import make_text_docs, write_jsonl_shards, write_tar_shards
+from helpers_data import make_text_docs, make_token_docs, write_jsonl_shards, write_tar_shards
 from node_checks import (
     ListSource,
     collect_documents,
@@ -188,7 +188,49 @@ def test_one_reader_reads_a_finite_epoch_without_building_indexes(few_shards, mo
     def refuse(*args, **kwargs):
         raise AssertionError("a single reader must not need the shard index")
 
-    monkeypatch.setattr(graph, "load_or_build_index", refuse)
+    monkeypatch.setattr(graph, "obtain_manifest", refuse)
+    monkeypatch.setattr(graph, "make_planner", refuse)
     assert collect_documents(PackedDataset(urls, capacity=CAP, window=16, epochs=1)) == want
     reshuffled = collect_documents(PackedDataset(urls, capacity=CAP, window=16, epochs=1, seed=5))
     assert reshuffled == want and list(reshuffled) != list(want)  # every document once, in another order
+
+
+def test_an_empty_record_is_skipped_and_counted_by_the_plan(tmp_path):
+    """Finding (issue 17, 3c): one pre-tokenized record with 0 tokens crashed every rank of a
+    planned finite run, on_error='skip' included (``lengths[8]=0 must be >= 1`` at the first
+    ``next()``, naming no shard): the plan made it a 0-length chunk. It is skipped and counted
+    (``empty_sample``) as one reader does, and the counts stay equal and exact."""
+    docs = make_token_docs(40, seed=3, max_len=60)
+    docs[8] = []
+    urls = write_tar_shards(tmp_path, docs, 3)
+    ranks, errors = [], 0
+    for rank in range(2):
+        ds = PackedDataset(urls, capacity=64, window=8, epochs=1, dp_rank=rank, dp_size=2, seed=1,
+                           on_error="skip")
+        ranks.append(list(ds))
+        errors += ds.metrics()["errors"]["counts"].get("empty_sample", 0)
+        assert ds.metrics()["plan"]["batches"] == ds.metrics()["batches"]["batches"] - ds.metrics()["batches"]["fillers"]
+    assert errors == 1 and len({len(r) for r in ranks}) == 1
+    want = {f"{i:08d}": d for i, d in enumerate(docs) if d}
+    assert collect_documents([b for r in ranks for b in r]) == want
+
+
+def test_remote_shards_without_a_manifest_are_refused_naming_the_command(tmp_path):
+    """Planning over several readers needs the data set's manifest; building it in every job
+    would read the whole data set (issue 17): remote shards without ``manifest=`` are refused
+    at construction, naming ``streampack index``; with one the run plans from it."""
+    from helpers_data import serve_directory
+
+    from streampack.io.manifest import build_manifest
+
+    docs = make_token_docs(30, seed=2, max_len=50)
+    write_tar_shards(tmp_path / "d", docs, 3)
+    with serve_directory(tmp_path / "d") as server:
+        urls = [f"{server.url}/{p.name}" for p in sorted((tmp_path / "d").iterdir())]
+        with pytest.raises(ValueError, match="streampack index"):
+            PackedDataset(urls, capacity=64, epochs=1, dp_rank=0, dp_size=2)
+        build_manifest(urls, str(tmp_path / "m"))
+        got = [list(PackedDataset(urls, capacity=64, epochs=1, dp_rank=r, dp_size=2, manifest=str(tmp_path / "m")))
+               for r in range(2)]
+    assert len(got[0]) == len(got[1])
+    assert collect_documents(got[0] + got[1]) == {f"{i:08d}": d for i, d in enumerate(docs)}

@@ -1,45 +1,52 @@
-"""Finite epochs without guesswork: who reads which samples, and how many batches each yields.
+"""Finite epochs without guesswork: which samples one reader reads, and how many batches it yields.
 
-Every worker of every rank computes the same :class:`EpochPlan` from the shard indexes alone
-(no communication): the epoch's samples, shard after shard in the ``(seed, epoch)`` order, are
-cut into contiguous ranges balanced by token count — ranks first, then each rank's workers
-(``sharding.cut_two_level``) — and, when every rank must yield the same number of batches,
-each worker's packer is simulated on its known lengths (``window_packer.count_packs``: the
-node's own round logic on lengths alone) to count its batches. Every rank then yields the
-largest rank's count, the others completing theirs with filler batches
-(:func:`equalize`). The plan also reports the lower bound ``R * ceil(total / R) - total`` on
-fillers that any assignment of these batches to ``R`` ranks must pay.
+Each reader plans only its own share of an epoch, from the data set's manifest
+(:mod:`streampack.io.manifest`: per shard its sample count and token total): the epoch's shards
+in the ``(seed, epoch)`` order are cut into contiguous sample ranges balanced by token count —
+ranks first, then each rank's workers — by prefix sums over the shard totals and a
+``searchsorted`` per boundary (:class:`~streampack.nodes.sharding.PrefixCut`: exactly the
+boundaries ``sharding.cut_two_level`` gives over every sample, opening only the shard each of its
+<= 4 boundaries falls in). When every rank must yield the same number of batches, the reader
+counts its own batches (its own samples' lengths through the packer's round logic,
+``window_rounds.count_packs``) and the readers agree on the counts (``streampack.agree``: one
+store round per epoch, O(1) requests per reader); every rank then yields the largest rank's
+count, its readers completing theirs with filler batches (:func:`rank_quotas`, the same quotas
+:func:`equalize` gives). Without an agreement (explicit ``dp_rank``/``dp_size`` and no
+``torch.distributed``: in-process simulation, tests) each reader counts every reader's batches
+instead — O(T) CPU, memory and index reads per reader, today's fallback.
+
+**Cost per reader and epoch** (N shards, T samples, G readers; measured on this shared 2-core box,
+``python benchmarks/bench_scale.py``, provisional): requests: 1 manifest read per process, at most
+4 boundary shards' indexes and, to count batches, the indexes of its own ~N/G shards (with no
+counting a whole shard needs no index); CPU: ~0.2 µs · N (permutation, prefix sums, cut) +
+~1-6 µs · T/G (the packer's count; 1.1 µs unloaded, 6 µs with the box loaded); memory:
+~112 B · N for the manifest + ~28 B · T/G (offsets, numbers, int32 lengths of its own shards).
+At N=10^5, T=10^9, G=8,192: ~18 requests, 0.4-0.8 s, ~14 MB. An index length of 0 (an empty
+record) is left out of the count, as the reader skips it (counted as ``empty_sample``).
 
 Trade-off against agreeing at run time (``streampack.sync_batches``: one all-reduce of "I
-still have data" per step), measured on this shared 2-core box (``python
-benchmarks/bench_state.py --plan --sync``; provisional): the plan costs one index read per
-shard (cached beside the shard) and a packing simulation of the whole epoch in every reader
-at the start of each epoch — 0.6 µs per sample, 0.6 s per million samples whether 2, 8 or 64
-ranks (1.8 s with the box loaded) — and nothing per step; it needs token lengths in the index (pre-tokenized shards) and
-no stage that changes lengths. Agreeing per step works for any data (text, stages) but costs
-one all-reduce per step (0.35 ms on gloo with 2 local processes, 0.9 ms loaded; NCCL is far cheaper) and needs
-the training loop's cooperation. Both leave the same fillers for the same split: on 1M
-lognormal samples (mean 600, capacity 4096, 2 packs per batch, 2 readers per rank) 2 over 2
-ranks, 7 over 8, 117 over 64 (0.16% of 73k batches; the lower bound with batches free to
-move between ranks is 0, 7 and 53). A second, count-weighted re-cut did not help reliably
-(64 ranks: 113 -> 77..97; 8 ranks: 7 -> 12..17), so there is none.
+still have data" per step), measured before the per-reader plan (``python
+benchmarks/bench_state.py --plan --sync``; provisional): planning costs nothing per step but
+needs token lengths in the manifest (pre-tokenized shards) and no stage that changes lengths.
+Agreeing per step works for any data (text, stages) but costs one all-reduce per step (0.35 ms
+on gloo with 2 local processes, 0.9 ms loaded; NCCL is far cheaper) and needs the training
+loop's cooperation. Both leave the same fillers for the same split: on 1M lognormal samples
+(mean 600, capacity 4096, 2 packs per batch, 2 readers per rank) 2 over 2 ranks, 7 over 8, 117
+over 64 (0.16% of 73k batches; the lower bound with batches free to move between ranks is 0, 7
+and 53). A second, count-weighted re-cut did not help reliably (64 ranks: 113 -> 77..97;
+8 ranks: 7 -> 12..17), so there is none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
 
 from streampack.io.index import ShardIndex
-from streampack.nodes.sharding import (
-    IndexRange,
-    Span,
-    cut_two_level,
-    epoch_permutation,
-    split_ranges,
-)
+from streampack.nodes.sharding import IndexRange, PrefixCut, Span, epoch_permutation
 from streampack.nodes.window_rounds import PackerRules, count_packs, worker_seed
 
 
@@ -58,7 +65,7 @@ class ShardSamples:
     @classmethod
     def of(cls, index: ShardIndex) -> ShardSamples:
         return cls(offsets=np.asarray(index.offsets, dtype=np.int64), numbers=np.asarray(index.numbers, dtype=np.int64),
-                   lengths=np.asarray(index.lengths, dtype=np.int64), end=int(index.end), damaged=bool(index.damage))
+                   lengths=np.asarray(index.lengths, dtype=np.int32), end=int(index.end), damaged=bool(index.damage))
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -80,25 +87,36 @@ class ShardSamples:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerPlan:
-    """One global worker's share of an epoch."""
+class ReaderPlan:
+    """One global reader's share of an epoch."""
 
+    epoch: int
     spans: list[Span]
     batches: int | None
     """Batches its own data makes (None when not counted)."""
     quota: int | None
     """Batches it yields, fillers included (None: as many as its data makes)."""
+    rank_fillers: int = 0
+    """Fillers its rank's readers yield together."""
+    fillers: int | None = None
+    """Fillers over all ranks (None when only this rank's counts are known: counts agreed
+    through the store)."""
+    min_fillers: int | None = None
+    """Fewest fillers any assignment of these batches to the ranks needs (None: as ``fillers``)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EpochPlan:
-    epoch: int
-    workers: list[WorkerPlan]
-    """By global worker."""
-    fillers: int
-    """Filler batches over all ranks."""
-    min_fillers: int
-    """Fewest fillers any assignment of these batches to the ranks needs."""
+class RankCounts(Protocol):
+    """What agreeing on counts returns (``streampack.agree.RankCounts``)."""
+
+    @property
+    def target(self) -> int: ...
+    @property
+    def workers(self) -> tuple[int, ...]: ...
+
+
+Agree = Callable[[str, int, int, int, int], RankCounts]
+"""``agree(key, dp_rank, worker_id, num_workers, count)``: every rank's total of its readers'
+``count`` reduced to the largest (``target``) and this rank's per-worker counts (``workers``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,80 +149,133 @@ def chunk_lengths(lengths: np.ndarray, max_len: int, policy: str) -> np.ndarray:
 def count_batches(counting: Counting, global_worker: int, stream: np.ndarray, carry: np.ndarray | None = None) -> int:
     """Batches one worker's packer and collate make from documents of raw ``stream`` lengths
     (the overlong policy is applied here) after ``carry`` (already cut) lengths."""
+    stream = np.asarray(stream)
+    stream = stream[stream != 0]  # an empty record never reaches the packer (the reader skips it, or raises)
     chunks = chunk_lengths(stream, counting.max_len, counting.policy)
     packs = count_packs(counting.for_worker(global_worker), chunks, carry)
     return -(-packs // counting.packs_per_batch)
 
 
+def rank_quotas(workers: Sequence[int], target: int) -> list[int]:
+    """One rank's quotas: its workers' ``workers`` batches plus the ``target - sum(workers)``
+    fillers, given one by one to the worker with the fewest batches so far (so DataLoader
+    round-robin keeps them at the end of the epoch)."""
+    quotas = list(workers)
+    for _ in range(target - sum(workers)):
+        w = min(range(len(quotas)), key=lambda i: (quotas[i], i))
+        quotas[w] += 1
+    return quotas
+
+
 def equalize(batches: Sequence[int], ranks: int) -> tuple[list[int], int, int]:
     """Quotas making every rank's total the largest rank's: ``(quota per worker, fillers,
-    fewest fillers possible)``. A rank's fillers go one by one to its worker with the fewest
-    batches so far (so DataLoader round-robin keeps them at the end of the epoch)."""
+    fewest fillers possible)`` (:func:`rank_quotas` for each rank)."""
     per_rank = len(batches) // ranks
-    quotas = list(batches)
-    totals = [sum(batches[r * per_rank:(r + 1) * per_rank]) for r in range(ranks)]
-    target = max(totals, default=0)
-    for r, total in enumerate(totals):
-        for _ in range(target - total):
-            w = min(range(r * per_rank, (r + 1) * per_rank), key=lambda i: (quotas[i], i))
-            quotas[w] += 1
-    grand = sum(totals)
+    groups = [list(batches[r * per_rank:(r + 1) * per_rank]) for r in range(ranks)]
+    target = max((sum(g) for g in groups), default=0)
+    quotas = [q for g in groups for q in rank_quotas(g, target)]
+    grand = sum(batches)
     return quotas, ranks * target - grand, ranks * -(-grand // ranks) - grand
 
 
 class EpochPlanner:
-    """Plans finite epochs for ``dp_size`` ranks of ``num_workers`` readers each.
+    """Plans finite epochs for one reader of ``dp_size`` ranks x ``num_workers`` readers.
 
-    ``index(shard)`` gives a shard's index (loaded once per process and kept in compact
-    form). ``counting`` None plans who reads what without counting batches (one rank, or
-    ranks that agree at run time).
+    ``shards`` holds every shard's totals (a :class:`~streampack.io.manifest.Manifest`:
+    ``samples``, ``costs(tokens=)``, ``known_lengths()``, ``urls``); ``index(shard)`` loads one
+    shard's per-sample index — only for the shards a reader reads (to count its batches) and the
+    few its boundaries fall in. ``counting`` None plans who reads what without counting batches
+    (one rank, or ranks that agree at run time). ``agree`` (see :data:`Agree`) makes the batch
+    counts equal from this reader's own count; without it every reader counts every reader's
+    batches (in-process simulation and explicit ``dp_rank``/``dp_size`` with no
+    ``torch.distributed``: O(T) CPU, memory and index reads per reader).
     """
 
-    def __init__(self, num_shards: int, index: Callable[[int], ShardIndex], *, seed: int, shuffle: bool,
-                 dp_size: int, num_workers: int, counting: Counting | None) -> None:
-        self.num_shards, self._load = num_shards, index
+    def __init__(self, shards: Any, index: Callable[[int], ShardIndex], *, seed: int, shuffle: bool,
+                 dp_size: int, num_workers: int, counting: Counting | None, agree: Agree | None = None) -> None:
+        self.shards, self._load = shards, index
+        self.num_shards = len(shards.urls)
         self.seed, self.shuffle, self.dp_size, self.num_workers = seed, shuffle, dp_size, num_workers
-        self.counting = counting
+        self.counting, self.agree = counting, agree
+        if counting is not None and not shards.known_lengths():
+            raise ValueError(unplannable(shards, dp_size))
+        self.tokens = counting is not None or shards.known_lengths()
         self._samples: dict[int, ShardSamples] = {}
-        self._plans: dict[int, EpochPlan] = {}
+        self._cut: tuple[int, PrefixCut] | None = None
+        self._counts: dict[tuple[int, int], int] = {}
+        self._plan: ReaderPlan | None = None
+        self._plan_of: tuple[int, int] | None = None
+
+    @property
+    def global_workers(self) -> int:
+        return self.dp_size * self.num_workers
 
     def samples(self, shard: int) -> ShardSamples:
         if shard not in self._samples:
             self._samples[shard] = ShardSamples.of(self._load(shard))
         return self._samples[shard]
 
-    def known_lengths(self) -> bool:
-        """Whether every sample's token count is in the index (needed to count batches)."""
-        return all((self.samples(s).lengths >= 0).all() for s in range(self.num_shards))
+    def cut(self, epoch: int) -> PrefixCut:
+        """The epoch's order and shard prefix sums (one epoch kept at a time)."""
+        if self._cut is None or self._cut[0] != epoch:
+            order = epoch_permutation(self.num_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+            self._samples.clear()  # the last epoch's shards: memory stays O(own share)
+            self._counts = {k: v for k, v in self._counts.items() if k[0] == epoch}
+            self._cut = (epoch, PrefixCut(order, self.shards.samples, self.shards.costs(tokens=self.tokens),
+                                          lambda s: self.samples(s).costs(tokens=self.tokens)))
+        return self._cut[1]
 
-    def plan(self, epoch: int) -> EpochPlan:
-        if epoch not in self._plans:
-            self._plans = {epoch: self._make(epoch)}  # one epoch at a time is all a reader needs
-        return self._plans[epoch]
+    def ranges(self, epoch: int, global_worker: int) -> list[IndexRange]:
+        """Reader ``global_worker``'s samples in ``epoch``, shard piece by shard piece."""
+        cut = self.cut(epoch)
+        return cut.pieces(*cut.bounds(self.dp_size, self.num_workers, global_worker))
 
-    def _make(self, epoch: int) -> EpochPlan:
-        order = epoch_permutation(self.num_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle).tolist()
-        if self.dp_size * self.num_workers == 1 and self.counting is None:
-            # one reader reads every shard whole: nothing to split or count, so no index (building
-            # the indexes read every shard once more before the first batch: 2.8 s of a 5.9 s
-            # epoch of 60,000 samples in 8 tar shards, benchmarks/bench_pipeline.py)
-            spans = [Span(shard=s) for s in order]
-            return EpochPlan(epoch=epoch, workers=[WorkerPlan(spans=spans, batches=None, quota=None)],
-                             fillers=0, min_fillers=0)
-        tokens = self.counting is not None or self.known_lengths()
-        ranges = [IndexRange(shard=s, lo=0, hi=len(self.samples(s))) for s in order]
-        costs = np.concatenate([self.samples(s).costs(tokens=tokens) for s in order] or [np.zeros(0, np.int64)])
-        bounds = cut_two_level(costs, self.dp_size, self.num_workers)
-        pieces = [split_ranges(ranges, int(bounds[g]), int(bounds[g + 1])) for g in range(len(bounds) - 1)]
-        spans = [[self.samples(p.shard).span(p.shard, p.lo, p.hi) for p in ps] for ps in pieces]
+    def spans(self, epoch: int, global_worker: int) -> list[Span]:
+        """Its byte ranges: a whole shard needs no index (read to its end); a part is cut
+        through that shard's index."""
+        out = []
+        for p in self.ranges(epoch, global_worker):
+            whole = p.lo == 0 and p.hi == int(self.shards.samples[p.shard])
+            out.append(Span(shard=p.shard) if whole else self.samples(p.shard).span(p.shard, p.lo, p.hi))
+        return out
+
+    def count(self, epoch: int, global_worker: int) -> int:
+        """Batches reader ``global_worker`` makes in ``epoch`` (reads its shards' indexes)."""
+        assert self.counting is not None
+        key = (epoch, global_worker)
+        if key not in self._counts:
+            lengths = [self.samples(p.shard).lengths[p.lo:p.hi] for p in self.ranges(epoch, global_worker)]
+            self._counts[key] = count_batches(self.counting, global_worker,
+                                              np.concatenate(lengths or [np.zeros(0, np.int64)]))
+        return self._counts[key]
+
+    def plan(self, epoch: int, global_worker: int) -> ReaderPlan:
+        if self._plan is None or self._plan_of != (epoch, global_worker):
+            self._plan, self._plan_of = self._make(epoch, global_worker), (epoch, global_worker)
+        return self._plan
+
+    def _make(self, epoch: int, g: int) -> ReaderPlan:
+        spans = self.spans(epoch, g)
         if self.counting is None:
-            return EpochPlan(epoch=epoch, workers=[WorkerPlan(spans=s, batches=None, quota=None) for s in spans],
-                             fillers=0, min_fillers=0)
-        batches = [count_batches(self.counting, g, self.range_lengths(ps)) for g, ps in enumerate(pieces)]
-        quotas, fillers, least = equalize(batches, self.dp_size)
-        return EpochPlan(epoch=epoch, workers=[WorkerPlan(spans=s, batches=b, quota=q)
-                                               for s, b, q in zip(spans, batches, quotas)],
-                         fillers=fillers, min_fillers=least)
+            return ReaderPlan(epoch=epoch, spans=spans, batches=None, quota=None)
+        mine = self.count(epoch, g)
+        rank, worker = divmod(g, self.num_workers)
+        if self.agree is not None:  # one store round: O(1) requests, no one else's data
+            got = self.agree(f"plan/{epoch}", rank, worker, self.num_workers, mine)
+            quotas = rank_quotas(list(got.workers), int(got.target))
+            return ReaderPlan(epoch=epoch, spans=spans, batches=mine, quota=quotas[worker],
+                              rank_fillers=int(got.target) - sum(got.workers))
+        counts = [self.count(epoch, h) for h in range(self.global_workers)]  # the fallback: O(T)
+        quotas, fillers, least = equalize(counts, self.dp_size)
+        group = slice(rank * self.num_workers, (rank + 1) * self.num_workers)
+        return ReaderPlan(epoch=epoch, spans=spans, batches=mine, quota=quotas[g],
+                          rank_fillers=sum(quotas[group]) - sum(counts[group]), fillers=fillers, min_fillers=least)
 
-    def range_lengths(self, pieces: Sequence[IndexRange]) -> np.ndarray:
-        return np.concatenate([self.samples(p.shard).lengths[p.lo:p.hi] for p in pieces] or [np.zeros(0, np.int64)])
+
+def unplannable(shards: Any, dp_size: int) -> str:
+    """Why equal batch counts cannot be planned for these shards, naming them."""
+    unknown = [shards.urls[i] for i in np.flatnonzero(np.asarray(shards.tokens) < 0)]
+    return (f"finite epochs over dp_size={dp_size} ranks are planned from the shards' token lengths, which "
+            f"{len(unknown)} of {len(shards.urls)} shards do not have (text to tokenize, or samples without "
+            f"'{getattr(shards, 'tokens_key', 'input_ids')}'), e.g. {unknown[:3]}: pass equal_batches='sync' and "
+            f"iterate streampack.sync_batches(loader, ds) (one all-reduce per step), or batches_per_epoch")

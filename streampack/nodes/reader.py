@@ -17,6 +17,7 @@ State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
      "epoch": e,            # epoch of the next sample
      "start_epoch": s,      # first epoch of this stream
      "work": {e: int64 [n, 5] (shard, start, first, end or -1, epoch or -1)},  # explicit spans
+     "work_ends": {e: {"head": [5 ints], "tail": [5 ints], "spans": n}},  # a planned epoch, in O(1)
      "shard_pos": i,        # index into this worker's span list of epoch e
      "offset": b,           # byte offset of the next sample in that shard; -1 = start of span
      "sample": n,           # number (tar ordinal / jsonl line) of that sample
@@ -70,6 +71,7 @@ YIELDED_KEY = "yielded"
 EPOCH_YIELDED_KEY = "epoch_yielded"
 START_EPOCH_KEY = "start_epoch"
 WORK_KEY = "work"
+ENDS_KEY = "work_ends"
 KIND_KEY = "kind"
 KIND = "ShardReader"
 IDENTITY_KEY = "identity"
@@ -87,6 +89,28 @@ def work_to_state(work: Work) -> dict[int, Any]:
 
 def work_from_state(saved: dict[Any, Any]) -> Work:
     return {int(e): spans_from_array(t.numpy()) for e, t in saved.items()}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class WorkEnds:
+    """A planned epoch's spans in O(1): the first and the last, and how many there are. Every
+    span between them is a whole non-empty shard, in the epoch's shard order
+    (``EpochPlanner.spans``), so an elastic resume rebuilds a reader's plan from its state and
+    the manifest with no index read."""
+
+    head: Span
+    tail: Span
+    spans: int
+
+
+def ends_to_state(work: Work) -> dict[int, dict[str, Any]]:
+    return {e: {"head": spans_to_array(spans[:1]).ravel().tolist(), "tail": spans_to_array(spans[-1:]).ravel().tolist(),
+                "spans": len(spans)} for e, spans in work.items() if spans}
+
+
+def ends_from_state(saved: Mapping[Any, Any] | None) -> dict[int, WorkEnds]:
+    return {int(e): WorkEnds(head=spans_from_array(v["head"])[0], tail=spans_from_array(v["tail"])[0],
+                             spans=int(v["spans"])) for e, v in (saved or {}).items()}
 
 
 class ShardReader(BaseNode[Sample]):
@@ -136,6 +160,7 @@ class ShardReader(BaseNode[Sample]):
         source: int = 0,
         vocab_size: int | None = None,
         limits: Limits | None = None,
+        saved_identities: Mapping[int, ShardStat] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(seed, int) or seed < 0:
@@ -181,12 +206,13 @@ class ShardReader(BaseNode[Sample]):
         self.work: Work = dict(work or {})
         self.keep_work, self.source = keep_work, source
         self._work_tensors = work_to_state(self.work) if keep_work else {}  # built once: get_state runs per batch
+        self._ends = {} if keep_work else ends_to_state(self.work)
         self._spans_cache: tuple[int, list[ShardSpan | Span]] | None = None
         self._streams: list[BinaryIO] = []
         self._items: Iterator[Item] | None = None
         self._starved_shards: set[int] = set()  # shards read empty since the last sample (not state)
         self._identities: OrderedDict[int, ShardStat] = OrderedDict()  # recently opened shards, newest last
-        self._saved_identities: dict[int, ShardStat] = {}  # what a restored state recorded
+        self._saved_identities: dict[int, ShardStat] = dict(saved_identities or {})  # what a restored state recorded
         self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
 
     @property
@@ -243,10 +269,15 @@ class ShardReader(BaseNode[Sample]):
         saved = self._saved_identities.get(shard)
         if saved is None or self._open.identity == "off":
             return
+        self._check_same(shard, shard_identity.current(self.urls[shard], self._open, self.io_stats))
+
+    def _check_same(self, shard: int, now: ShardStat) -> None:
+        saved = self._saved_identities.get(shard)
         url = self.urls[shard]
-        shard_identity.check(url, saved, shard_identity.current(url, self._open, self.io_stats), self._open.identity,
-                             since="the state was saved", prefix="cannot resume: ",
-                             consequence="; the saved positions point into the old contents")
+        if saved is None:
+            return
+        shard_identity.check(url, saved, now, self._open.identity, since="the state was saved",
+                             prefix="cannot resume: ", consequence="; the saved positions point into the old contents")
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -256,6 +287,7 @@ class ShardReader(BaseNode[Sample]):
             CONFIG_KEY: dict(self._config, fields=list(self._config["fields"])),
             START_EPOCH_KEY: self.start_epoch,
             WORK_KEY: dict(self._work_tensors),
+            ENDS_KEY: self._ends,
             EPOCH_KEY: self._epoch,
             SHARD_POS_KEY: self._shard_pos,
             OFFSET_KEY: self._offset,
@@ -365,7 +397,9 @@ class ShardReader(BaseNode[Sample]):
         if url.startswith("pipe:") or self._open.identity == "off":
             return
         if shard not in self._identities:
-            self._identities[shard] = shard_identity.current(url, self._open, self.io_stats)
+            now = shard_identity.current(url, self._open, self.io_stats)
+            self._check_same(shard, now)  # an elastic share: the old readers' record of the shard
+            self._identities[shard] = now
         self._identities.move_to_end(shard)
         while len(self._identities) > RECENT_SHARDS:
             self._identities.popitem(last=False)
