@@ -1,0 +1,346 @@
+"""Model checker: random schedules over the public API, checked against ``modelcheck_model``.
+
+A schedule (one per seed) writes a tiny corpus (tar / jsonl / jsonl.zst / parquet shards of
+token id lists, some records empty, corrupt or over a limit), served from disk or over a faulty
+loopback HTTP server, and opens ``dp_size`` ranks x ``num_workers`` workers simulated in one
+process (``topology_sim.SimRank``). Its steps: take k batches from every rank; save every
+reader's state and resume on the same or another topology (elastic: each new reader loads the
+list of all states), possibly after a shard is rewritten, truncated or re-staged (same bytes,
+new mtime). At the end every rank runs to the end of its finite epochs, and what was trained
+is compared with the model. A step may end in a *named refusal* (a ValueError naming the
+changed shard, or with ``on_error="raise"`` a DataError naming a bad record's shard); anything
+else that differs is a :class:`Finding`. A failing seed is shrunk (``modelcheck_shrink``) and
+printed as readable steps with a command to rerun it::
+
+    PYTHONPATH=. python tests/modelcheck_driver.py SEED [--slow]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from helpers_faults import Fault, serve_faulty
+from modelcheck_model import (
+    BYTE_LIMIT,
+    VOCAB,
+    Record,
+    Shard,
+    Trained,
+    Unit,
+    batch_problems,
+    changed_shard_problems,
+    compare,
+    expected_units,
+    named_refusal,
+    shard_name,
+    tag_epoch_key,
+    unequal_counts,
+    write_shard,
+)
+from modelcheck_schedule import Schedule, Setup, Step, corpus_records, normalized, schedule_for, smaller
+from topology_sim import SimRank
+
+import streampack.settings as settings_mod
+from streampack import PackedDataset
+from streampack.errors import DataError
+from streampack.io.limits import Limits
+from streampack.io.retry import RetryPolicy
+from streampack.packing.cost import CostModel
+
+
+class Finding(AssertionError):
+    """A difference from the model (``kind`` groups findings while shrinking)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"[{kind}] {message}")
+        self.kind, self.message = kind, message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Change:
+    """A shard changed between save and resume, and how to put it back."""
+
+    kind: str
+    index: int
+    path: str
+    data: bytes
+    times: tuple[int, int]
+
+
+def tag_epoch(sample: Any) -> Any:
+    """The stage every reader runs: the epoch it read the sample in goes into the key."""
+    return replace(sample, key=tag_epoch_key(sample.key, sample.origin.epoch))
+
+
+@contextlib.contextmanager
+def fast_retries() -> Iterator[None]:
+    """Backoff of 10-50 ms instead of 0.5-15 s, so a schedule with HTTP faults stays fast."""
+    saved = settings_mod.RetryPolicy
+    settings_mod.RetryPolicy = lambda **kw: RetryPolicy(**kw, backoff=0.01, max_backoff=0.05)  # type: ignore
+    try:
+        yield
+    finally:
+        settings_mod.RetryPolicy = saved
+
+
+def dataset_options(s: Schedule) -> dict[str, Any]:
+    u = s.setup
+    kw: dict[str, Any] = {
+        "capacity": u.capacity, "window": u.window, "packs_per_batch": u.packs_per_batch, "epochs": u.epochs,
+        "seed": u.seed, "max_wait": 2, "on_error": u.on_error, "vocab_size": VOCAB, "stages": [tag_epoch],
+        "limits": Limits(max_line_bytes=BYTE_LIMIT, max_member_bytes=BYTE_LIMIT)}
+    if u.balance:
+        kw.update(cost_model=CostModel(linear=1.0, attention=0.05), balance="cost")
+    if u.http:
+        kw.update(retry_budget=10.0, connect_timeout=2.0, read_timeout=2.0)
+    return kw
+
+
+class Execution:
+    """One run of a schedule: the readers, what they trained, and the change to undo."""
+
+    def __init__(self, s: Schedule, directory: str, base_url: str | None, queue: Callable[[tuple[str, ...]], None]):
+        self.s, self.queue = s, queue
+        records = corpus_records(s.corpus, s.setup.capacity)
+        self.paths = [os.path.join(directory, shard_name(i, s.corpus.fmt)) for i in range(len(records))]
+        for path, recs in zip(self.paths, records):
+            write_shard(path, recs, s.corpus.fmt)
+        urls = [p if base_url is None else f"{base_url}/{os.path.basename(p)}" for p in self.paths]
+        self.shards = [Shard(url=u, records=tuple(r)) for u, r in zip(urls, records)]
+        self.expected = expected_units(self.shards, epochs=range(s.setup.epochs), capacity=s.setup.capacity)
+        self.options = dataset_options(s)
+        self.trained, self.snapshot = Trained(), Trained()
+        self.change: Change | None = None
+        self.saved: list[dict[str, Any]] | None = None
+        self.topology, self.moved = (s.dp_size, s.num_workers), False
+        self.ranks: list[SimRank] = []
+
+    def open(self, dp: int, nw: int, states: list | None, *, elastic: bool) -> list[SimRank]:
+        urls, readers = [sh.url for sh in self.shards], max(nw, 1)
+
+        def make(r: int) -> PackedDataset:
+            return PackedDataset(urls, dp_rank=r, dp_size=dp, **self.options)
+
+        def load(r: int) -> Any:
+            return states if states is None or elastic else (lambda w: states[r * readers + w])
+
+        return [SimRank(lambda r=r: make(r), nw, load=load(r)) for r in range(dp)]
+
+    def sink(self, batch: Any) -> None:
+        problems = batch_problems(batch, capacity=self.s.setup.capacity, packs_per_batch=self.s.setup.packs_per_batch)
+        if problems:
+            raise Finding("batch-contract", "; ".join(problems))
+        self.trained.add(batch)
+
+    def take(self, k: int) -> None:
+        for _ in range(k):
+            got = [next(rk, None) for rk in self.ranks]
+            if any(b is None for b in got):
+                if not all(b is None for b in got):
+                    raise Finding("unequal-batches", f"some ranks ended, others did not: {[b is None for b in got]}")
+                return
+            for b in got:
+                self.sink(b)
+
+    def drain(self) -> None:
+        counts = []
+        for rk in self.ranks:
+            counts.append(0)
+            for b in rk:
+                self.sink(b)
+                counts[-1] += 1
+        if (problem := unequal_counts(counts)) is not None:
+            raise Finding("unequal-batches", f"{problem} at the end of the run on {self.topology}")
+
+    def resume(self, step: Step) -> None:
+        self.saved = [st for rk in self.ranks for st in rk.states()]
+        self.snapshot = self.trained.copy()
+        if step.change:
+            self.change = apply_change(step.change, step.shard, self.paths[step.shard], self.shards, self.s.corpus.fmt)
+        self.queue(step.faults)
+        self.moved |= (step.dp_size, step.num_workers) != self.topology
+        self.topology = (step.dp_size, step.num_workers)
+        self.ranks = self.open(step.dp_size, step.num_workers, self.saved, elastic=step.elastic)
+
+    def redo_after_refusal(self) -> None:
+        """Put the refused shard back and resume again from the same saved states."""
+        assert self.change is not None and self.saved is not None
+        restore(self.change)
+        self.change, self.trained = None, self.snapshot.copy()
+        self.ranks = self.open(*self.topology, self.saved, elastic=True)
+
+    def explain(self, exc: BaseException) -> str:
+        """'refused' (undo the change and resume again), 'stopped' (on_error='raise'), or a Finding."""
+        if self.change is not None and named_refusal(exc, [self.shards[self.change.index].url]):
+            if self.change.kind == "restage" and not self.s.setup.http:
+                raise Finding("refused-restage", f"refused a re-staged shard with the same bytes: {exc}")
+            return "refused"
+        bad = {sh.url for sh in self.shards if any(r.bad for r in sh.records)}
+        if self.s.setup.on_error == "raise" and isinstance(exc, DataError) and exc.url in bad:
+            return "stopped"
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        at = f"{os.path.basename(where.filename)}:{where.lineno}"
+        raise Finding(f"crash at {at}", f"{type(exc).__name__}: {exc}")
+
+    def check_end(self, complete: bool) -> None:
+        changed = "" if self.change is None else self.shards[self.change.index].url
+        diff = compare(self.expected, self.trained, complete=complete, changed=changed)
+        if not diff.ok:
+            raise Finding(f"exactly-once: {diff.worst}", diff.describe())
+        if self.change is not None and complete:
+            versions = change_versions(self.change, self.shards[self.change.index], self.s.setup)
+            problems = changed_shard_problems(self.trained, changed, versions, range(self.s.setup.epochs))
+            if problems:
+                raise Finding("silent-change", f"{self.change.kind} of shard {self.change.index} was not refused, "
+                              f"and " + "; ".join(problems))
+        if complete and self.s.setup.on_error == "skip" and not self.moved and self.change is None:
+            self.check_skipped()
+
+    def check_skipped(self) -> None:
+        """Skipped samples are exactly the bad ones, counted once per epoch they were read in."""
+        want = sum(r.bad != "" for sh in self.shards for r in sh.records) * self.s.setup.epochs
+        got = sum(ds.metrics().get("errors", {}).get("total", 0) for rk in self.ranks for ds in rk.readers)
+        if got != want:
+            raise Finding("skip-count", f"the readers counted {got} skipped samples, the corpus has {want} bad reads")
+
+
+def rewritten(records: tuple[Record, ...]) -> list[Record]:
+    """Every good record with other ids (the same count, so jsonl lines keep their numbers)."""
+    return [r if r.bad else Record(key=r.key, tokens=tuple((t + 1) % VOCAB for t in r.tokens)) for r in records]
+
+
+def change_versions(change: Change, shard: Shard, u: Setup) -> list[dict[Unit, tuple[int, ...]]]:
+    """What a shard may train per epoch after a change that was not refused: its old contents,
+    its new ones (rewrite), or a prefix of its records (truncate: the rest is damage)."""
+    def units(records: Sequence[Record]) -> dict[Unit, tuple[int, ...]]:
+        return expected_units([replace(shard, records=tuple(records))], epochs=range(u.epochs), capacity=u.capacity)
+
+    if change.kind == "rewrite":
+        return [units(shard.records), units(rewritten(shard.records))]
+    if change.kind == "truncate":
+        return [units(shard.records[:k]) for k in range(len(shard.records) + 1)]
+    return [units(shard.records)]
+
+
+def apply_change(kind: str, index: int, path: str, shards: list[Shard], fmt: str) -> Change:
+    st = os.stat(path)
+    with open(path, "rb") as f:
+        change = Change(kind=kind, index=index, path=path, data=f.read(), times=(st.st_atime_ns, st.st_mtime_ns))
+    if kind == "rewrite":  # every good record gets other ids: any read of the new bytes shows
+        write_shard(path, rewritten(shards[index].records), fmt)
+    else:
+        os.remove(path)
+        with open(path, "wb") as f:
+            f.write(change.data[: len(change.data) // 2] if kind == "truncate" else change.data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    return change
+
+
+def restore(change: Change) -> None:
+    with open(change.path, "wb") as f:
+        f.write(change.data)
+    os.utime(change.path, ns=change.times)
+
+
+def execute(s: Schedule, directory: str, base_url: str | None = None,
+            queue: Callable[[tuple[str, ...]], None] = lambda faults: None) -> None:
+    """Run ``s``; raise a Finding where it differs from the model."""
+    run = Execution(s, directory, base_url, queue)
+    queue(s.faults)
+    try:
+        run.ranks = run.open(s.dp_size, s.num_workers, None, elastic=False)
+        for step in s.steps:
+            run.take(step.batches) if not step.dp_size else run.resume(step)
+        run.drain()
+    except Finding:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every exception is judged by the model
+        if run.explain(exc) == "stopped":
+            run.check_end(complete=False)
+            return
+        run.redo_after_refusal()
+        try:
+            run.drain()
+        except Finding:
+            raise
+        except Exception as again:  # noqa: BLE001
+            if run.explain(again) == "stopped":
+                run.check_end(complete=False)
+                return
+            raise Finding("refused-twice", f"refused again after the shard was restored: {again}") from again
+    run.check_end(complete=True)
+
+
+def check(s: Schedule) -> Finding | None:
+    """The Finding of one schedule (in a fresh directory), or None when it matches the model."""
+    with tempfile.TemporaryDirectory(prefix="modelcheck-") as directory, fast_retries():
+        try:
+            if not s.setup.http:
+                execute(s, directory)
+                return None
+            with serve_faulty(directory) as server:
+                def queue(faults: tuple[str, ...]) -> None:
+                    for kind in faults:
+                        server.plan.add(Fault("status", status=503) if kind == "503" else Fault(kind, fraction=0.4))
+                execute(s, directory, server.url, queue)
+        except Finding as f:
+            return f
+    return None
+
+
+def shrink(s: Schedule, finding: Finding, *, seconds: float = 20.0) -> tuple[Schedule, Finding]:
+    """Delta debugging: keep the first smaller variant that fails the same way, until none does
+    (or ``seconds`` run out)."""
+    deadline = time.monotonic() + seconds
+    progress = True
+    while progress and time.monotonic() < deadline:
+        progress = False
+        for candidate in map(normalized, smaller(s)):
+            if candidate == s or time.monotonic() > deadline:
+                continue
+            found = check(candidate)
+            if found is not None and found.kind == finding.kind:
+                s, finding, progress = candidate, found, True
+                break
+    return s, finding
+
+
+def report(seed: int, *, slow: bool = False, shrink_seconds: float = 20.0) -> str | None:
+    """None when the schedule of ``seed`` matches the model, else a minimal reproduction."""
+    s = schedule_for(seed, slow=slow)
+    finding = check(s)
+    if finding is None:
+        return None
+    small, small_finding = shrink(s, finding, seconds=shrink_seconds)
+    flag = " --slow" if slow else ""
+    return "\n".join([f"model check seed {seed}{flag}: {finding}", "", "minimal schedule (shrunk):",
+                       small.describe(), f"finding: {small_finding}", "",
+                       f"rerun: PYTHONPATH=. python tests/modelcheck_driver.py {seed}{flag}"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="run model-checker schedules (tests/modelcheck_driver.py)")
+    parser.add_argument("seeds", type=int, nargs="+")
+    parser.add_argument("--slow", action="store_true", help="the slow set's schedules")
+    parser.add_argument("--show", action="store_true", help="print each schedule before running it")
+    args = parser.parse_args(argv)
+    failed = 0
+    for seed in args.seeds:
+        if args.show:
+            print(schedule_for(seed, slow=args.slow).describe())
+        text = report(seed, slow=args.slow)
+        failed += text is not None
+        print(text or f"seed {seed}: ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
