@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import time
 import tempfile
+import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,10 +51,17 @@ from topology_sim import SimRank
 
 import streampack.settings as settings_mod
 from streampack import PackedDataset
+from streampack.elastic import find_state
 from streampack.errors import DataError
 from streampack.io.limits import Limits
 from streampack.io.retry import RetryPolicy
+from streampack.nodes.window_packer import WindowPacker
 from streampack.packing.cost import CostModel
+from streampack.state import table_size
+
+
+COVERAGE: Counter = Counter()
+"""What the schedules checked so far exercised (``test_model_check`` asserts it is not vacuous)."""
 
 
 class Finding(AssertionError):
@@ -162,6 +170,7 @@ class Execution:
 
     def resume(self, step: Step) -> None:
         self.saved = [st for rk in self.ranks for st in rk.states()]
+        note_save(self.saved, step, (step.dp_size, step.num_workers) != self.topology)
         self.snapshot = self.trained.copy()
         if step.change:
             self.change = apply_change(step.change, step.shard, self.paths[step.shard], self.shards, self.s.corpus.fmt)
@@ -182,9 +191,11 @@ class Execution:
         if self.change is not None and named_refusal(exc, [self.shards[self.change.index].url]):
             if self.change.kind == "restage" and not self.s.setup.http:
                 raise Finding("refused-restage", f"refused a re-staged shard with the same bytes: {exc}")
+            COVERAGE[f"named refusals of a {self.change.kind} shard"] += 1
             return "refused"
         bad = {sh.url for sh in self.shards if any(r.bad for r in sh.records)}
         if self.s.setup.on_error == "raise" and isinstance(exc, DataError) and exc.url in bad:
+            COVERAGE["DataErrors naming a bad record's shard (on_error='raise')"] += 1
             return "stopped"
         where = traceback.extract_tb(exc.__traceback__)[-1]
         at = f"{os.path.basename(where.filename)}:{where.lineno}"
@@ -210,6 +221,20 @@ class Execution:
         got = sum(ds.metrics().get("errors", {}).get("total", 0) for rk in self.ranks for ds in rk.readers)
         if got != want:
             raise Finding("skip-count", f"the readers counted {got} skipped samples, the corpus has {want} bad reads")
+
+
+def note_save(states: list[dict[str, Any]], step: Step, moved: bool) -> None:
+    """Count what a save point holds (split documents pending, samples in windows, epochs)."""
+    graphs = [st["graph"] for st in states if st["graph"] is not None]
+    overlong = [find_state(g, "OverlongNode") for g in graphs]
+    packers = [find_state(g, "WindowPacker") for g in graphs]
+    COVERAGE["saves"] += 1
+    COVERAGE["saves mid split document"] += any(o is not None and "ref" in o["pending"] for o in overlong)
+    COVERAGE["saves with samples in packer windows"] += any(
+        p is not None and table_size(WindowPacker.unemitted(p)) > 0 for p in packers)
+    COVERAGE["saves with readers in different epochs"] += len({int(g["epoch"]) for g in graphs if "epoch" in g}) > 1
+    COVERAGE["elastic resumes onto another topology"] += moved
+    COVERAGE[f"changes: {step.change}"] += bool(step.change)
 
 
 def rewritten(records: tuple[Record, ...]) -> list[Record]:
@@ -281,6 +306,7 @@ def execute(s: Schedule, directory: str, base_url: str | None = None,
 
 def check(s: Schedule) -> Finding | None:
     """The Finding of one schedule (in a fresh directory), or None when it matches the model."""
+    COVERAGE[f"schedules: {s.corpus.fmt}{' over HTTP' if s.setup.http else ''}"] += 1
     with tempfile.TemporaryDirectory(prefix="modelcheck-") as directory, fast_retries():
         try:
             if not s.setup.http:
