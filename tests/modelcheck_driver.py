@@ -36,6 +36,7 @@ from modelcheck_model import (
     Shard,
     Trained,
     Unit,
+    batch_epoch,
     batch_problems,
     changed_shard_problems,
     compare,
@@ -44,6 +45,7 @@ from modelcheck_model import (
     shard_name,
     tag_epoch_key,
     unequal_counts,
+    unequal_epochs,
     write_shard,
 )
 from modelcheck_schedule import Schedule, Setup, Step, corpus_records, normalized, schedule_for, smaller
@@ -130,6 +132,8 @@ class Execution:
         self.saved: list[dict[str, Any]] | None = None
         self.topology, self.moved = (s.dp_size, s.num_workers), False
         self.ranks: list[SimRank] = []
+        self.labels: list[list[int]] = [[] for _ in range(s.dp_size)] if s.num_workers <= 1 else []
+        """Each rank's batches' epochs while the topology never changed and had <= 1 worker per rank."""
 
     def open(self, dp: int, nw: int, states: list | None, *, elastic: bool) -> list[SimRank]:
         urls, readers = [sh.url for sh in self.shards], max(nw, 1)
@@ -142,7 +146,10 @@ class Execution:
 
         return [SimRank(lambda r=r: make(r), nw, load=load(r)) for r in range(dp)]
 
-    def sink(self, batch: Any) -> None:
+    def sink(self, batch: Any, rank: int) -> None:
+        if self.labels:
+            labels = self.labels[rank]
+            labels.append(batch_epoch(batch, labels[-1] if labels else 0))
         problems = batch_problems(batch, capacity=self.s.setup.capacity, packs_per_batch=self.s.setup.packs_per_batch)
         if problems:
             raise Finding("batch-contract", "; ".join(problems))
@@ -155,18 +162,20 @@ class Execution:
                 if not all(b is None for b in got):
                     raise Finding("unequal-batches", f"some ranks ended, others did not: {[b is None for b in got]}")
                 return
-            for b in got:
-                self.sink(b)
+            for r, b in enumerate(got):
+                self.sink(b, r)
 
     def drain(self) -> None:
         counts = []
-        for rk in self.ranks:
+        for r, rk in enumerate(self.ranks):
             counts.append(0)
             for b in rk:
-                self.sink(b)
+                self.sink(b, r)
                 counts[-1] += 1
         if (problem := unequal_counts(counts)) is not None:
             raise Finding("unequal-batches", f"{problem} at the end of the run on {self.topology}")
+        if (problem := unequal_epochs(self.labels)) is not None:
+            raise Finding("unequal-batches", problem)
 
     def resume(self, step: Step) -> None:
         self.saved = [st for rk in self.ranks for st in rk.states()]
@@ -176,6 +185,8 @@ class Execution:
             self.change = apply_change(step.change, step.shard, self.paths[step.shard], self.shards, self.s.corpus.fmt)
         self.queue(step.faults)
         self.moved |= (step.dp_size, step.num_workers) != self.topology
+        if self.moved or step.num_workers > 1:
+            self.labels = []
         self.topology = (step.dp_size, step.num_workers)
         self.ranks = self.open(step.dp_size, step.num_workers, self.saved, elastic=step.elastic)
 
@@ -183,7 +194,7 @@ class Execution:
         """Put the refused shard back and resume again from the same saved states."""
         assert self.change is not None and self.saved is not None
         restore(self.change)
-        self.change, self.trained = None, self.snapshot.copy()
+        self.change, self.trained, self.labels = None, self.snapshot.copy(), []
         self.ranks = self.open(*self.topology, self.saved, elastic=True)
 
     def explain(self, exc: BaseException) -> str:

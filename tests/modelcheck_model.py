@@ -200,6 +200,17 @@ def unequal_counts(counts: Sequence[int]) -> str | None:
     return None if len(set(counts)) <= 1 else f"ranks yielded different numbers of batches: {list(counts)}"
 
 
+def batch_epoch(batch: PackedBatch, previous: int) -> int:
+    """The epoch a batch belongs to: its newest unit's; a filler's is the batch before it."""
+    return max((parse_doc_key(k).epoch for k in batch.doc_keys if k != FILLER_KEY), default=previous)
+
+
+def unequal_epochs(labels: Sequence[Sequence[int]]) -> str | None:
+    """The batch-count rule per epoch: ``labels[r]`` is rank r's batches' epochs, in order."""
+    counts = [sorted(Counter(rank).items()) for rank in labels]
+    return None if len({tuple(c) for c in counts}) <= 1 else f"batches per epoch differ between ranks: {counts}"
+
+
 def named_refusal(exc: BaseException, urls: Iterable[str]) -> str | None:
     """The shard a ValueError names (its URL or file name), or None when it names none."""
     if not isinstance(exc, ValueError):
