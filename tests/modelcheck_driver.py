@@ -24,31 +24,26 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from helpers_faults import Fault, serve_faulty
+from modelcheck_corpus import BYTE_LIMIT, VOCAB, Change, apply_change, change_versions, restore, shard_name, write_shard
 from modelcheck_model import (
-    BYTE_LIMIT,
-    VOCAB,
-    Record,
     Shard,
     Trained,
-    Unit,
     batch_epoch,
     batch_problems,
     changed_shard_problems,
     compare,
     expected_units,
     named_refusal,
-    shard_name,
     tag_epoch_key,
     unequal_counts,
     unequal_epochs,
-    write_shard,
 )
-from modelcheck_schedule import Schedule, Setup, Step, corpus_records, normalized, schedule_for, smaller
+from modelcheck_schedule import Schedule, Step, corpus_records, normalized, schedule_for, smaller
 from topology_sim import SimRank
 
 import streampack.settings as settings_mod
@@ -72,17 +67,6 @@ class Finding(AssertionError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"[{kind}] {message}")
         self.kind, self.message = kind, message
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Change:
-    """A shard changed between save and resume, and how to put it back."""
-
-    kind: str
-    index: int
-    path: str
-    data: bytes
-    times: tuple[int, int]
 
 
 def tag_epoch(sample: Any) -> Any:
@@ -218,7 +202,8 @@ class Execution:
         if not diff.ok:
             raise Finding(f"exactly-once: {diff.worst}", diff.describe())
         if self.change is not None and complete:
-            versions = change_versions(self.change, self.shards[self.change.index], self.s.setup)
+            versions = change_versions(self.change, self.shards[self.change.index], epochs=self.s.setup.epochs,
+                                       capacity=self.s.setup.capacity)
             problems = changed_shard_problems(self.trained, changed, versions, range(self.s.setup.epochs))
             if problems:
                 raise Finding("silent-change", f"{self.change.kind} of shard {self.change.index} was not refused, "
@@ -246,44 +231,6 @@ def note_save(states: list[dict[str, Any]], step: Step, moved: bool) -> None:
     COVERAGE["saves with readers in different epochs"] += len({int(g["epoch"]) for g in graphs if "epoch" in g}) > 1
     COVERAGE["elastic resumes onto another topology"] += moved
     COVERAGE[f"changes: {step.change}"] += bool(step.change)
-
-
-def rewritten(records: tuple[Record, ...]) -> list[Record]:
-    """Every good record with other ids (the same count, so jsonl lines keep their numbers)."""
-    return [r if r.bad else Record(key=r.key, tokens=tuple((t + 1) % VOCAB for t in r.tokens)) for r in records]
-
-
-def change_versions(change: Change, shard: Shard, u: Setup) -> list[dict[Unit, tuple[int, ...]]]:
-    """What a shard may train per epoch after a change that was not refused: its old contents,
-    its new ones (rewrite), or a prefix of its records (truncate: the rest is damage)."""
-    def units(records: Sequence[Record]) -> dict[Unit, tuple[int, ...]]:
-        return expected_units([replace(shard, records=tuple(records))], epochs=range(u.epochs), capacity=u.capacity)
-
-    if change.kind == "rewrite":
-        return [units(shard.records), units(rewritten(shard.records))]
-    if change.kind == "truncate":
-        return [units(shard.records[:k]) for k in range(len(shard.records) + 1)]
-    return [units(shard.records)]
-
-
-def apply_change(kind: str, index: int, path: str, shards: list[Shard], fmt: str) -> Change:
-    st = os.stat(path)
-    with open(path, "rb") as f:
-        change = Change(kind=kind, index=index, path=path, data=f.read(), times=(st.st_atime_ns, st.st_mtime_ns))
-    if kind == "rewrite":  # every good record gets other ids: any read of the new bytes shows
-        write_shard(path, rewritten(shards[index].records), fmt)
-    else:
-        os.remove(path)
-        with open(path, "wb") as f:
-            f.write(change.data[: len(change.data) // 2] if kind == "truncate" else change.data)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
-    return change
-
-
-def restore(change: Change) -> None:
-    with open(change.path, "wb") as f:
-        f.write(change.data)
-    os.utime(change.path, ns=change.times)
 
 
 def execute(s: Schedule, directory: str, base_url: str | None = None,

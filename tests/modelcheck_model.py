@@ -15,16 +15,10 @@ the model's (a shard rewritten under a resume) is a silent difference, never acc
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-import pyarrow as pa
-import pyarrow.parquet as pq
-import zstandard
-from helpers_data import tar_members, write_tar
 
 from streampack import check_invariants
 from streampack.layout.batch import PackedBatch
@@ -217,47 +211,3 @@ def named_refusal(exc: BaseException, urls: Iterable[str]) -> str | None:
         return None
     text = str(exc)
     return next((u for u in urls if u in text or os.path.basename(u) in text), None)
-
-
-# ----------------------------------------------------------------- the corpus on disk
-VOCAB = 1000
-"""Token ids of good records are below this (the driver passes it as ``vocab_size``)."""
-BYTE_LIMIT = 1536
-"""``max_line_bytes`` / ``max_member_bytes``: above every good record (<= 128 ids), below a too_long one."""
-
-
-def bad_tokens(kind: str) -> tuple[int, ...]:
-    return {"empty": (), "too_long": tuple(range(400)), "out_of_vocab": (5, VOCAB + 7, 9)}.get(kind, (1, 2, 3))
-
-
-def _json_line(record: Record) -> bytes:
-    if record.bad == "corrupt":
-        return b'{"input_ids": [1, 2,\n'
-    return (json.dumps({"input_ids": list(record.tokens)}) + "\n").encode()
-
-
-def _tar_member(record: Record) -> dict[str, bytes]:
-    if record.bad == "corrupt":
-        return {"npy": b"\x93NUMPY\x01\x00garbage that is not a header"}
-    return tar_members(list(record.tokens), fmt="npy")
-
-
-def write_shard(path: str, records: Sequence[Record], fmt: str) -> None:
-    """One shard's file: ``fmt`` is 'jsonl', 'zst' (jsonl.zst), 'tar' or 'parquet'."""
-    if fmt == "tar":
-        write_tar(path, [(r.key, _tar_member(r)) for r in records])
-        return
-    if fmt == "parquet":  # no byte limit per row: its bad kinds are empty, out_of_vocab and a negative id
-        rows = [[-3, 4] if r.bad == "corrupt" else list(r.tokens) for r in records]
-        pq.write_table(pa.table({"input_ids": pa.array(rows, pa.list_(pa.int32()))}), path, row_group_size=4)
-        return
-    data = b"".join(_json_line(r) for r in records)
-    with open(path, "wb") as f:
-        f.write(zstandard.ZstdCompressor(level=3).compress(data) if fmt == "zst" else data)
-
-
-SUFFIX = {"jsonl": ".jsonl", "zst": ".jsonl.zst", "tar": ".tar", "parquet": ".parquet"}
-
-
-def shard_name(index: int, fmt: str) -> str:
-    return f"shard-{index:06d}{SUFFIX[fmt]}"

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
-from modelcheck_model import BAD_KINDS, VOCAB, Record, bad_tokens
+from modelcheck_corpus import VOCAB, bad_tokens
+from modelcheck_model import BAD_KINDS, Record
 
 FORMATS = ("jsonl", "zst", "tar", "parquet")
 CHANGES = ("rewrite", "truncate", "restage")
