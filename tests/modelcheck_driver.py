@@ -116,6 +116,7 @@ class Execution:
         self.saved: list[dict[str, Any]] | None = None
         self.topology, self.moved = (s.dp_size, s.num_workers), False
         self.ranks: list[SimRank] = []
+        self.at = "the start"
         self.labels: list[list[int]] = [[] for _ in range(s.dp_size)] if s.num_workers <= 1 else []
         """Each rank's batches' epochs while the topology never changed and had <= 1 worker per rank."""
 
@@ -194,7 +195,7 @@ class Execution:
             return "stopped"
         where = traceback.extract_tb(exc.__traceback__)[-1]
         at = f"{os.path.basename(where.filename)}:{where.lineno}"
-        raise Finding(f"crash at {at}", f"{type(exc).__name__}: {exc}")
+        raise Finding(f"crash at {at}", f"during {self.at}: {type(exc).__name__}: {exc}")
 
     def check_end(self, complete: bool) -> None:
         changed = "" if self.change is None else self.shards[self.change.index].url
@@ -215,6 +216,7 @@ class Execution:
         """Skipped samples are exactly the bad ones, counted once per epoch they were read in."""
         want = sum(r.bad != "" for sh in self.shards for r in sh.records) * self.s.setup.epochs
         got = sum(ds.metrics().get("errors", {}).get("total", 0) for rk in self.ranks for ds in rk.readers)
+        COVERAGE["skip counts checked"] += want > 0
         if got != want:
             raise Finding("skip-count", f"the readers counted {got} skipped samples, the corpus has {want} bad reads")
 
@@ -240,8 +242,14 @@ def execute(s: Schedule, directory: str, base_url: str | None = None,
     queue(s.faults)
     try:
         run.ranks = run.open(s.dp_size, s.num_workers, None, elastic=False)
-        for step in s.steps:
-            run.take(step.batches) if not step.dp_size else run.resume(step)
+        for i, step in enumerate(s.steps, 1):
+            run.at = f"step {i}"
+            try:
+                run.take(step.batches) if not step.dp_size else run.resume(step)
+                run.check_end(complete=False)  # nothing twice or foreign so far
+            except Finding as f:
+                raise Finding(f.kind, f"at step {i}: {f.message}") from None
+        run.at = "the final run to the end"
         run.drain()
     except Finding:
         raise
