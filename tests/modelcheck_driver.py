@@ -117,7 +117,7 @@ class Execution:
         self.topology, self.moved = (s.dp_size, s.num_workers), False
         self.ranks: list[SimRank] = []
         self.at = "the start"
-        self.labels: list[list[int]] = [[] for _ in range(s.dp_size)] if s.num_workers <= 1 else []
+        self.labels: list[list[int | None]] = [[] for _ in range(s.dp_size)] if s.num_workers <= 1 else []
         """Each rank's batches' epochs while the topology never changed and had <= 1 worker per rank."""
 
     def open(self, dp: int, nw: int, states: list | None, *, elastic: bool) -> list[SimRank]:
@@ -133,8 +133,7 @@ class Execution:
 
     def sink(self, batch: Any, rank: int) -> None:
         if self.labels:
-            labels = self.labels[rank]
-            labels.append(batch_epoch(batch, labels[-1] if labels else 0))
+            self.labels[rank].append(batch_epoch(batch))
         problems = batch_problems(batch, capacity=self.s.setup.capacity, packs_per_batch=self.s.setup.packs_per_batch)
         if problems:
             raise Finding("batch-contract", "; ".join(problems))
@@ -184,15 +183,15 @@ class Execution:
 
     def explain(self, exc: BaseException) -> str:
         """'refused' (undo the change and resume again), 'stopped' (on_error='raise'), or a Finding."""
+        bad = {(sh.url, r.key) for sh in self.shards for r in sh.records if r.bad}
+        if self.s.setup.on_error == "raise" and isinstance(exc, DataError) and (exc.url, exc.key) in bad:
+            COVERAGE["DataErrors naming a bad record (on_error='raise')"] += 1
+            return "stopped"
         if self.change is not None and named_refusal(exc, [self.shards[self.change.index].url]):
             if self.change.kind == "restage" and not self.s.setup.http:
                 raise Finding("refused-restage", f"refused a re-staged shard with the same bytes: {exc}")
             COVERAGE[f"named refusals of a {self.change.kind} shard"] += 1
             return "refused"
-        bad = {sh.url for sh in self.shards if any(r.bad for r in sh.records)}
-        if self.s.setup.on_error == "raise" and isinstance(exc, DataError) and exc.url in bad:
-            COVERAGE["DataErrors naming a bad record's shard (on_error='raise')"] += 1
-            return "stopped"
         where = traceback.extract_tb(exc.__traceback__)[-1]
         at = f"{os.path.basename(where.filename)}:{where.lineno}"
         raise Finding(f"crash at {at}", f"during {self.at}: {type(exc).__name__}: {exc}")

@@ -194,15 +194,27 @@ def unequal_counts(counts: Sequence[int]) -> str | None:
     return None if len(set(counts)) <= 1 else f"ranks yielded different numbers of batches: {list(counts)}"
 
 
-def batch_epoch(batch: PackedBatch, previous: int) -> int:
-    """The epoch a batch belongs to: its newest unit's; a filler's is the batch before it."""
-    return max((parse_doc_key(k).epoch for k in batch.doc_keys if k != FILLER_KEY), default=previous)
+def batch_epoch(batch: PackedBatch) -> int | None:
+    """The epoch a batch belongs to (its newest unit's); None for a filler (any epoch's end)."""
+    return max((parse_doc_key(k).epoch for k in batch.doc_keys if k != FILLER_KEY), default=None)
 
 
-def unequal_epochs(labels: Sequence[Sequence[int]]) -> str | None:
-    """The batch-count rule per epoch: ``labels[r]`` is rank r's batches' epochs, in order."""
-    counts = [sorted(Counter(rank).items()) for rank in labels]
-    return None if len({tuple(c) for c in counts}) <= 1 else f"batches per epoch differ between ranks: {counts}"
+def unequal_epochs(labels: Sequence[Sequence[int | None]]) -> str | None:
+    """The batch-count rule per epoch, for ranks stepped together (``labels[r][i]``: epoch of
+    rank r's i-th batch): equal counts per epoch means common epoch boundaries, so every batch
+    of an epoch on any rank comes before every batch of a later epoch on any rank."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for rank in labels:
+        for i, epoch in enumerate(rank):
+            if epoch is not None:
+                first[epoch], last[epoch] = min(first.get(epoch, i), i), max(last.get(epoch, i), i)
+    for a in last:
+        for b in first:
+            if a < b and last[a] >= first[b]:
+                return (f"batches per epoch differ between ranks: a rank's batch {last[a]} is in epoch {a} while "
+                        f"a rank's batch {first[b]} is already in epoch {b}")
+    return None
 
 
 def named_refusal(exc: BaseException, urls: Iterable[str]) -> str | None:
