@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 from modelcheck_driver import COVERAGE, check, report
 from modelcheck_model import Record, Shard, Trained, Unit, compare, expected_units, parse_doc_key
-from modelcheck_schedule import Corpus, Schedule, Setup, Step, schedule_for
+from modelcheck_schedule import BadRecord, Corpus, Schedule, Setup, Step, schedule_for
 
 FAST_SEEDS = range(200)
 SLOW_SEEDS = range(2000)
@@ -49,20 +49,57 @@ def test_the_fast_set_is_not_vacuous():
     assert [w for w in want if COVERAGE[w] == 0] == [], dict(COVERAGE)
 
 
+def _schedule(*steps: Step, fmt: str = "jsonl", shards: int = 1, docs: int = 8, seed: int = 4, epochs: int = 2,
+              capacity: int = 32, bad: tuple[BadRecord, ...] = (), on_error: str = "skip",
+              start: tuple[int, int] = (1, 0)) -> Schedule:
+    return Schedule(seed=-1, corpus=Corpus(fmt=fmt, shards=shards, docs=docs, long=0.3, seed=seed, bad=bad),
+                    setup=Setup(capacity=capacity, window=2, packs_per_batch=1, epochs=epochs, on_error=on_error,
+                                balance=False, http=False, seed=seed),
+                    dp_size=start[0], num_workers=start[1], steps=steps)
+
+
+def _passes(s: Schedule) -> None:
+    finding = check(s)
+    assert finding is None, f"{finding}\n{s.describe()}"
+
+
 def test_a_second_elastic_resume_trains_each_chunk_once():
     """The defect this checker was built to find: 1 rank x 2 workers whose readers are in epochs
     [1, 0] -> 1 x 1 -> 1 x 2 trained 27 (document, epoch) chunks against 20 (7 twice): after the
     first elastic resume the reader's work for epoch 1 held shard 0 twice (its epoch-0 rest and
     its epoch-1 span) and ``elastic._OldPlans._after`` dropped the frontier's epoch column."""
-    s = Schedule(seed=-1, corpus=Corpus(fmt="jsonl", shards=1, docs=8, long=0.3, seed=4),
-                 setup=Setup(capacity=32, window=2, packs_per_batch=1, epochs=2, on_error="skip", balance=False,
-                             http=False, seed=4),
-                 dp_size=1, num_workers=2,
-                 steps=(Step(batches=5), Step(dp_size=1, num_workers=1), Step(batches=7), Step(dp_size=1, num_workers=2)))
+    s = _schedule(Step(batches=5), Step(dp_size=1, num_workers=1), Step(batches=7), Step(dp_size=1, num_workers=2),
+                  start=(1, 2))
     before = COVERAGE["saves with readers in different epochs"]
-    finding = check(s)
+    _passes(s)
     assert COVERAGE["saves with readers in different epochs"] > before, "the first save must straddle epochs"
-    assert finding is None, f"{finding}\n{s.describe()}"
+
+
+@pytest.mark.parametrize("change", ["rewrite", "truncate"])
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_changed_shard_is_refused_by_name_on_the_same_topology(change, elastic):
+    before = COVERAGE[f"named refusals of a {change} shard"]
+    _passes(_schedule(Step(batches=3), Step(dp_size=1, num_workers=0, elastic=elastic, change=change), capacity=16))
+    assert COVERAGE[f"named refusals of a {change} shard"] == before + 1
+
+
+def test_an_elastic_resume_checks_the_identity_of_the_shards_it_resumes_in():
+    """Known defect (issue 18 list): 1 x 0 -> 2 x 0 after a rewrite trained the old bytes before the
+    save and the new bytes after it, in the same epoch, with no refusal."""
+    _passes(_schedule(Step(batches=1), Step(dp_size=2, num_workers=0, change="rewrite"), docs=2, epochs=1))
+
+
+def test_a_restaged_local_shard_resumes():
+    """Known defect (issue 18 list): the same bytes with a new mtime refused every resume inside it."""
+    _passes(_schedule(Step(batches=3), Step(dp_size=1, num_workers=0, elastic=False, change="restage"), capacity=16))
+
+
+@pytest.mark.parametrize("kind", ["empty", "corrupt", "too_long"])
+def test_a_bad_record_is_skipped_in_a_planned_multi_rank_run(kind):
+    """Empty: known defect (``lengths[1]=0 must be >= 1``). Corrupt / over max_line_bytes: found by
+    this checker: the index gives such a line length -1, so the planner refuses the whole run
+    ("no token lengths for these shards (text to tokenize?)"), naming no shard."""
+    _passes(_schedule(start=(2, 0), shards=2, docs=4, epochs=1, bad=(BadRecord(shard=0, index=1, kind=kind),)))
 
 
 def test_the_model_counts_chunks_per_epoch_and_leaves_bad_records_out():
