@@ -130,7 +130,8 @@ def schedule_for(seed: int, *, slow: bool = False) -> Schedule:
     """The schedule of ``seed`` (the fast set draws smaller corpora and fewer steps)."""
     rng = np.random.default_rng([seed, 18, int(slow)])
     fmt = str(rng.choice(FORMATS))
-    corpus = Corpus(fmt=fmt, shards=int(rng.integers(1, 5 if slow else 4)), docs=int(rng.integers(2, 16 if slow else 7)),
+    corpus = Corpus(fmt=fmt, shards=int(rng.integers(1, 5 if slow else 4)),
+                    docs=int(rng.integers(2, 16 if slow else 7)),
                     long=float(rng.choice([0.0, 0.15, 0.3])), seed=seed)
     kinds = [k for k in BAD_KINDS if not (fmt == "parquet" and k == "too_long")]
     if rng.random() < 0.3:

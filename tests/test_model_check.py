@@ -106,7 +106,8 @@ def test_the_model_counts_chunks_per_epoch_and_leaves_bad_records_out():
     shard = Shard(url="/d/a.jsonl", records=(Record(key="0", tokens=tuple(range(10))),
                                              Record(key="1", tokens=(), bad="empty"), Record(key="2", tokens=(7,))))
     units = expected_units([shard], epochs=range(2), capacity=4)
-    assert sorted(map(str, units)) == sorted(f"a.jsonl#{k}@epoch{e}" for e in range(2) for k in ("0/0", "0/1", "0/2", "2"))
+    keys = ("0/0", "0/1", "0/2", "2")
+    assert sorted(map(str, units)) == sorted(f"a.jsonl#{k}@epoch{e}" for e in range(2) for k in keys)
     assert units[Unit(url="/d/a.jsonl", key="0", chunk=2, epoch=1)] == (8, 9)
     assert parse_doc_key("/d/a.jsonl#0@1/2") == Unit(url="/d/a.jsonl", key="0", chunk=2, epoch=1)
     assert parse_doc_key("/d/a.jsonl#2@0") == Unit(url="/d/a.jsonl", key="2", chunk=-1, epoch=0)
