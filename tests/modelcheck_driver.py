@@ -305,16 +305,18 @@ def shrink(s: Schedule, finding: Finding, *, seconds: float = 20.0) -> tuple[Sch
 
 
 def report(seed: int, *, slow: bool = False, shrink_seconds: float = 20.0) -> str | None:
-    """None when the schedule of ``seed`` matches the model, else a minimal reproduction."""
+    """None when the schedule of ``seed`` matches the model, else a reproduction (shrunk for up
+    to ``shrink_seconds``; 0 prints the schedule as drawn, and the rerun command shrinks it)."""
     s = schedule_for(seed, slow=slow)
     finding = check(s)
     if finding is None:
         return None
-    small, small_finding = shrink(s, finding, seconds=shrink_seconds)
+    small, small_finding = shrink(s, finding, seconds=shrink_seconds) if shrink_seconds > 0 else (s, finding)
     flag = " --slow" if slow else ""
-    return "\n".join([f"model check seed {seed}{flag}: {finding}", "", "minimal schedule (shrunk):",
-                       small.describe(), f"finding: {small_finding}", "",
-                       f"rerun: PYTHONPATH=. python tests/modelcheck_driver.py {seed}{flag}"])
+    title = "minimal schedule (shrunk):" if shrink_seconds > 0 else "schedule (not shrunk; the rerun shrinks it):"
+    rerun = f"rerun: PYTHONPATH=. python tests/modelcheck_driver.py {seed}{flag}"
+    return "\n".join([f"model check seed {seed}{flag}: {finding}", "", title, small.describe(),
+                       f"finding: {small_finding}", "", rerun])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,8 @@ Fast set: ``FAST_SEEDS`` schedules; slow set (``-m slow``): ``SLOW_SEEDS`` large
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from modelcheck_driver import COVERAGE, check, report
 from modelcheck_model import Record, Shard, Trained, Unit, compare, expected_units, parse_doc_key
@@ -23,19 +25,27 @@ FAST_SEEDS = range(200)
 SLOW_SEEDS = range(2000)
 
 
+SHRINK_SECONDS = {"fast": 60.0, "slow": 600.0}
+"""Shrinking time per session and set: once spent, a failing seed prints its schedule as drawn."""
+
+
+def _check_seed(seed: int, which: str, per_seed: float) -> None:
+    start = time.monotonic()
+    text = report(seed, slow=which == "slow", shrink_seconds=min(per_seed, SHRINK_SECONDS[which]))
+    if text is not None:
+        SHRINK_SECONDS[which] = max(0.0, SHRINK_SECONDS[which] - (time.monotonic() - start))
+        pytest.fail(text, pytrace=False)
+
+
 @pytest.mark.parametrize("seed", FAST_SEEDS)
 def test_schedule(seed):
-    text = report(seed, shrink_seconds=5.0)
-    if text is not None:
-        pytest.fail(text, pytrace=False)
+    _check_seed(seed, "fast", per_seed=5.0)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SLOW_SEEDS)
 def test_schedule_slow(seed):
-    text = report(seed, slow=True, shrink_seconds=20.0)
-    if text is not None:
-        pytest.fail(text, pytrace=False)
+    _check_seed(seed, "slow", per_seed=20.0)
 
 
 def test_the_fast_set_is_not_vacuous():
