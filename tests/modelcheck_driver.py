@@ -231,7 +231,8 @@ def note_save(states: list[dict[str, Any]], step: Step, moved: bool) -> None:
         p is not None and table_size(WindowPacker.unemitted(p)) > 0 for p in packers)
     COVERAGE["saves with readers in different epochs"] += len({int(g["epoch"]) for g in graphs if "epoch" in g}) > 1
     COVERAGE["elastic resumes onto another topology"] += moved
-    COVERAGE[f"changes: {step.change}"] += bool(step.change)
+    if step.change:
+        COVERAGE[f"changes: {step.change}"] += 1
 
 
 def execute(s: Schedule, directory: str, base_url: str | None = None,

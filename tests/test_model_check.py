@@ -54,7 +54,8 @@ def test_the_fast_set_is_not_vacuous():
         pytest.skip("the fast set did not run in this session (deselected)")
     want = ["saves mid split document", "saves with samples in packer windows",
             "saves with readers in different epochs", "elastic resumes onto another topology",
-            "changes: rewrite", "changes: truncate", "changes: restage",
+            "changes: rewrite", "changes: truncate", "changes: restage", "named refusals of a truncate shard",
+            "skip counts checked", "DataErrors naming a bad record (on_error='raise')",
             *(f"schedules: {fmt}" for fmt in ("jsonl", "zst", "tar", "parquet")), "schedules: jsonl over HTTP"]
     assert [w for w in want if COVERAGE[w] == 0] == [], dict(COVERAGE)
 
