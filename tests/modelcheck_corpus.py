@@ -1,20 +1,31 @@
 """The model checker's corpus on disk: shards written from ``modelcheck_model.Record`` lists
-(bad records injected in each format's own way), and the shard changes a schedule makes between
-a save and a resume (rewrite, truncate, re-stage) with what each may legitimately train after.
+(bad records injected in each format's own way), the dataset settings that read them, and the
+shard changes a schedule makes between a save and a resume (rewrite, truncate, re-stage) with
+what each may legitimately train after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 from helpers_data import tar_members, write_tar
-from modelcheck_model import Record, Shard, Unit, expected_units
+from modelcheck_model import Record, Shard, Unit, expected_units, tag_epoch_key
+
+import streampack.settings as settings_mod
+from streampack.io.limits import Limits
+from streampack.io.retry import RetryPolicy
+from streampack.packing.cost import CostModel
+
+if TYPE_CHECKING:
+    from modelcheck_schedule import Setup
 
 VOCAB = 1000
 """Token ids of good records are below this (the driver passes it as ``vocab_size``)."""
@@ -106,3 +117,32 @@ def restore(change: Change) -> None:
     with open(change.path, "wb") as f:
         f.write(change.data)
     os.utime(change.path, ns=change.times)
+
+
+def tag_epoch(sample: Any) -> Any:
+    """The stage every reader runs: the epoch it read the sample in goes into the key."""
+    return replace(sample, key=tag_epoch_key(sample.key, sample.origin.epoch))
+
+
+@contextlib.contextmanager
+def fast_retries() -> Iterator[None]:
+    """Backoff of 10-50 ms instead of 0.5-15 s, so a schedule with HTTP faults stays fast."""
+    saved = settings_mod.RetryPolicy
+    settings_mod.RetryPolicy = lambda **kw: RetryPolicy(**kw, backoff=0.01, max_backoff=0.05)  # type: ignore
+    try:
+        yield
+    finally:
+        settings_mod.RetryPolicy = saved
+
+
+def dataset_options(u: Setup) -> dict[str, Any]:
+    """The PackedDataset settings of a schedule (every reader of every topology uses them)."""
+    kw: dict[str, Any] = {
+        "capacity": u.capacity, "window": u.window, "packs_per_batch": u.packs_per_batch, "epochs": u.epochs,
+        "seed": u.seed, "max_wait": 2, "on_error": u.on_error, "vocab_size": VOCAB, "stages": [tag_epoch],
+        "limits": Limits(max_line_bytes=BYTE_LIMIT, max_member_bytes=BYTE_LIMIT)}
+    if u.balance:
+        kw.update(cost_model=CostModel(linear=1.0, attention=0.05), balance="cost")
+    if u.http:
+        kw.update(retry_budget=10.0, connect_timeout=2.0, read_timeout=2.0)
+    return kw

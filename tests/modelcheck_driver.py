@@ -8,9 +8,10 @@ reader's state and resume on the same or another topology (elastic: each new rea
 list of all states), possibly after a shard is rewritten, truncated or re-staged (same bytes,
 new mtime). At the end every rank runs to the end of its finite epochs, and what was trained
 is compared with the model. A step may end in a *named refusal* (a ValueError naming the
-changed shard, or with ``on_error="raise"`` a DataError naming a bad record's shard); anything
-else that differs is a :class:`Finding`. A failing seed is shrunk (``modelcheck_shrink``) and
-printed as readable steps with a command to rerun it::
+changed shard: the shard is put back and the run resumes from the same save to the end; or with
+``on_error="raise"`` a DataError naming a bad record: the run stops); anything else that differs
+is a :class:`Finding`. A failing seed is shrunk (:func:`shrink`, delta debugging over
+``modelcheck_schedule.smaller``) and printed as readable steps with a command to rerun it::
 
     PYTHONPATH=. python tests/modelcheck_driver.py SEED [--slow]
 """
@@ -18,18 +19,24 @@ printed as readable steps with a command to rerun it::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import tempfile
-import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
 from helpers_faults import Fault, serve_faulty
-from modelcheck_corpus import BYTE_LIMIT, VOCAB, Change, apply_change, change_versions, restore, shard_name, write_shard
+from modelcheck_corpus import (
+    Change,
+    apply_change,
+    change_versions,
+    dataset_options,
+    fast_retries,
+    restore,
+    shard_name,
+    write_shard,
+)
 from modelcheck_model import (
     Shard,
     Trained,
@@ -39,23 +46,17 @@ from modelcheck_model import (
     compare,
     expected_units,
     named_refusal,
-    tag_epoch_key,
     unequal_counts,
     unequal_epochs,
 )
-from modelcheck_schedule import Schedule, Step, corpus_records, normalized, schedule_for, smaller
+from modelcheck_schedule import Schedule, Step, corpus_records, schedule_for, shrink
 from topology_sim import SimRank
 
-import streampack.settings as settings_mod
 from streampack import PackedDataset
 from streampack.elastic import find_state
 from streampack.errors import DataError
-from streampack.io.limits import Limits
-from streampack.io.retry import RetryPolicy
 from streampack.nodes.window_packer import WindowPacker
-from streampack.packing.cost import CostModel
 from streampack.state import table_size
-
 
 COVERAGE: Counter = Counter()
 """What the schedules checked so far exercised (``test_model_check`` asserts it is not vacuous)."""
@@ -67,35 +68,6 @@ class Finding(AssertionError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"[{kind}] {message}")
         self.kind, self.message = kind, message
-
-
-def tag_epoch(sample: Any) -> Any:
-    """The stage every reader runs: the epoch it read the sample in goes into the key."""
-    return replace(sample, key=tag_epoch_key(sample.key, sample.origin.epoch))
-
-
-@contextlib.contextmanager
-def fast_retries() -> Iterator[None]:
-    """Backoff of 10-50 ms instead of 0.5-15 s, so a schedule with HTTP faults stays fast."""
-    saved = settings_mod.RetryPolicy
-    settings_mod.RetryPolicy = lambda **kw: RetryPolicy(**kw, backoff=0.01, max_backoff=0.05)  # type: ignore
-    try:
-        yield
-    finally:
-        settings_mod.RetryPolicy = saved
-
-
-def dataset_options(s: Schedule) -> dict[str, Any]:
-    u = s.setup
-    kw: dict[str, Any] = {
-        "capacity": u.capacity, "window": u.window, "packs_per_batch": u.packs_per_batch, "epochs": u.epochs,
-        "seed": u.seed, "max_wait": 2, "on_error": u.on_error, "vocab_size": VOCAB, "stages": [tag_epoch],
-        "limits": Limits(max_line_bytes=BYTE_LIMIT, max_member_bytes=BYTE_LIMIT)}
-    if u.balance:
-        kw.update(cost_model=CostModel(linear=1.0, attention=0.05), balance="cost")
-    if u.http:
-        kw.update(retry_budget=10.0, connect_timeout=2.0, read_timeout=2.0)
-    return kw
 
 
 class Execution:
@@ -110,7 +82,7 @@ class Execution:
         urls = [p if base_url is None else f"{base_url}/{os.path.basename(p)}" for p in self.paths]
         self.shards = [Shard(url=u, records=tuple(r)) for u, r in zip(urls, records)]
         self.expected = expected_units(self.shards, epochs=range(s.setup.epochs), capacity=s.setup.capacity)
-        self.options = dataset_options(s)
+        self.options = dataset_options(s.setup)
         self.trained, self.snapshot = Trained(), Trained()
         self.change: Change | None = None
         self.saved: list[dict[str, Any]] | None = None
@@ -263,10 +235,9 @@ def execute(s: Schedule, directory: str, base_url: str | None = None,
         except Finding:
             raise
         except Exception as again:  # noqa: BLE001
-            if run.explain(again) == "stopped":
-                run.check_end(complete=False)
-                return
-            raise Finding("refused-twice", f"refused again after the shard was restored: {again}") from again
+            run.explain(again)  # nothing is left to refuse: 'stopped' by a bad record, or a Finding
+            run.check_end(complete=False)
+            return
     run.check_end(complete=True)
 
 
@@ -288,23 +259,6 @@ def check(s: Schedule) -> Finding | None:
     return None
 
 
-def shrink(s: Schedule, finding: Finding, *, seconds: float = 20.0) -> tuple[Schedule, Finding]:
-    """Delta debugging: keep the first smaller variant that fails the same way, until none does
-    (or ``seconds`` run out)."""
-    deadline = time.monotonic() + seconds
-    progress = True
-    while progress and time.monotonic() < deadline:
-        progress = False
-        for candidate in map(normalized, smaller(s)):
-            if candidate == s or time.monotonic() > deadline:
-                continue
-            found = check(candidate)
-            if found is not None and found.kind == finding.kind:
-                s, finding, progress = candidate, found, True
-                break
-    return s, finding
-
-
 def report(seed: int, *, slow: bool = False, shrink_seconds: float = 20.0) -> str | None:
     """None when the schedule of ``seed`` matches the model, else a reproduction (shrunk for up
     to ``shrink_seconds``; 0 prints the schedule as drawn, and the rerun command shrinks it)."""
@@ -312,7 +266,7 @@ def report(seed: int, *, slow: bool = False, shrink_seconds: float = 20.0) -> st
     finding = check(s)
     if finding is None:
         return None
-    small, small_finding = shrink(s, finding, seconds=shrink_seconds) if shrink_seconds > 0 else (s, finding)
+    small, small_finding = shrink(s, finding, check, seconds=shrink_seconds) if shrink_seconds > 0 else (s, finding)
     flag = " --slow" if slow else ""
     title = "minimal schedule (shrunk):" if shrink_seconds > 0 else "schedule (not shrunk; the rerun shrinks it):"
     rerun = f"rerun: PYTHONPATH=. python tests/modelcheck_driver.py {seed}{flag}"

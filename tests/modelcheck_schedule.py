@@ -7,8 +7,10 @@ shrinking sizes (:func:`smaller`); ``modelcheck_driver`` runs it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import numpy as np
 from modelcheck_corpus import VOCAB, bad_tokens
@@ -16,6 +18,8 @@ from modelcheck_model import BAD_KINDS, Record
 
 FORMATS = ("jsonl", "zst", "tar", "parquet")
 CHANGES = ("rewrite", "truncate", "restage")
+F = TypeVar("F", bound=Any)
+"""A finding: anything with a ``kind``."""
 FAULTS = ("503", "short", "reset", "truncate")
 
 
@@ -214,3 +218,21 @@ def smaller(s: Schedule) -> Iterator[Schedule]:
     for i, step in enumerate(s.steps):
         for new in _step_shrinks(step):
             yield replace(s, steps=s.steps[:i] + (new,) + s.steps[i + 1:])
+
+
+def shrink(s: Schedule, finding: F, check: Callable[[Schedule], F | None], *,
+           seconds: float = 20.0) -> tuple[Schedule, F]:
+    """Delta debugging: keep the first smaller variant that ``check`` finds failing the same way
+    (the same ``kind``), until none does (or ``seconds`` run out)."""
+    deadline = time.monotonic() + seconds
+    progress = True
+    while progress and time.monotonic() < deadline:
+        progress = False
+        for candidate in map(normalized, smaller(s)):
+            if candidate == s or time.monotonic() > deadline:
+                continue
+            found = check(candidate)
+            if found is not None and found.kind == finding.kind:
+                s, finding, progress = candidate, found, True
+                break
+    return s, finding
