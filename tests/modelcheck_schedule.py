@@ -23,6 +23,10 @@ F = TypeVar("F", bound=Any)
 FAULTS = ("503", "short", "reset", "truncate")
 
 
+def topology(dp_size: int, num_workers: int) -> str:
+    return f"{dp_size} rank{'s' if dp_size > 1 else ''} x {num_workers} workers"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BadRecord:
     shard: int
@@ -79,7 +83,7 @@ class Step:
         how = "elastic load_state_dict([all states])" if self.elastic else "each reader loads its own state"
         change = f"{self.change} shard {self.shard}, then " if self.change else ""
         faults = f" (HTTP faults {', '.join(self.faults)})" if self.faults else ""
-        return f"save; {change}resume on {self.dp_size} x {self.num_workers}: {how}{faults}"
+        return f"save; {change}resume on {topology(self.dp_size, self.num_workers)}: {how}{faults}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,7 +104,7 @@ class Schedule:
                  f"PackedDataset(capacity={u.capacity}, window={u.window}, packs_per_batch={u.packs_per_batch}, "
                  f"epochs={u.epochs}, on_error={u.on_error!r}, seed={u.seed}"
                  + (", balance='cost'" if u.balance else "") + ")" + (" over faulty HTTP" if u.http else " local"),
-                 f"start on {self.dp_size} x {self.num_workers}" + (f" (HTTP faults {', '.join(self.faults)})"
+                 f"start on {topology(self.dp_size, self.num_workers)}" + (f" (HTTP faults {', '.join(self.faults)})"
                                                                     if self.faults else "")]
         lines += [f"{i + 1}. {step.describe()}" for i, step in enumerate(self.steps)]
         return "\n".join(lines + [f"{len(self.steps) + 1}. run every rank to the end; compare with the model"])
