@@ -117,6 +117,19 @@ def test_a_truncated_shard_leaves_the_other_shards_exactly_once():
     _passes(s)
 
 
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_truncated_zst_shard_is_refused_on_the_same_topology(on_error):
+    """Found by this checker (slow seed 381): 2 ranks x 1 worker read 1 batch each from one
+    .jsonl.zst shard of 4 records; it is cut to half its bytes; each reader loads its own state.
+    Nothing is refused, no error is counted, and records 1 and 3 are never trained."""
+    s = Schedule(seed=-1, corpus=Corpus(fmt="zst", shards=1, docs=4, long=0.0, seed=381),
+                 setup=Setup(capacity=24, window=1, packs_per_batch=1, epochs=1, on_error=on_error, balance=False,
+                             http=False, seed=97),
+                 dp_size=2, num_workers=1,
+                 steps=(Step(batches=1), Step(dp_size=2, num_workers=1, elastic=False, change="truncate", shard=0)))
+    _passes(s)
+
+
 @pytest.mark.parametrize("kind", ["empty", "corrupt", "too_long"])
 def test_a_bad_record_is_skipped_in_a_planned_multi_rank_run(kind):
     """Empty: known defect (``lengths[1]=0 must be >= 1``). Corrupt / over max_line_bytes: found by
