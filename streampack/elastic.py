@@ -164,8 +164,10 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
     passes = int(ordered[0][PASSES_KEY])
     old = _OldPlans(config, sources, options, dp_size, readers, passes)
     identities = saved_identities(ordered, sources)
-    if old.planner is not None:  # the manifest names every shard's identity now: no request
-        check_identities(identities, old.planner.shards.identity, lambda shard: _url(sources, shard))
+    mode = options.open_options().identity
+    if old.planner is not None and mode != "off":  # the manifest names every shard's identity now: no request
+        check_identities(identities, lambda shard: old.planner.shards.recorded(shard, mode),
+                         lambda shard: _url(sources, shard), mode)
     frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]
     last = max(f.epoch for f in frontiers)
     out = [old.left(g, f, last) for g, f in enumerate(frontiers)]

@@ -280,13 +280,12 @@ def check_node_versions(tree: Any, who: str) -> None:
         check_node_versions(child, who)
 
 
-def check_identities(saved: Mapping[int, Any], now: Callable[[int], Any], name: Callable[[int], str]) -> None:
+def check_identities(saved: Mapping[int, Any], now: Callable[[int], Any], name: Callable[[int], str],
+                     mode: str = "tag") -> None:
     """``ValueError`` naming each shard whose identity ``now(shard)`` (an ``io.storage.ShardStat``)
-    is not the saved one."""
+    is not the saved one, compared as ``mode`` (``OpenOptions.identity``) says."""
+    from streampack.io import shard_identity  # io is upstream of state; imported where used
+
     for shard, ident in saved.items():
-        current = now(shard)
-        if current != ident:
-            changes = [f"{what} {a!r} -> {b!r}" for what, a, b in
-                       (("size", ident.size, current.size), ("tag", ident.tag, current.tag)) if a != b]
-            raise ValueError(f"cannot resume: shard {name(shard)!r} changed since the states were saved "
-                             f"({'; '.join(changes)}); their positions point into the old contents")
+        shard_identity.check(name(shard), ident, now(shard), mode, since="the states were saved",
+                             prefix="cannot resume: ", consequence="; their positions point into the old contents")

@@ -20,7 +20,9 @@ from helpers_data import tar_members, write_tar
 from modelcheck_model import Record, Shard, Unit, expected_units, tag_epoch_key
 
 import streampack.settings as settings_mod
+from streampack.io.index import index_decode
 from streampack.io.limits import Limits
+from streampack.io.manifest import build_manifest
 from streampack.io.retry import RetryPolicy
 from streampack.packing.cost import CostModel
 
@@ -145,4 +147,15 @@ def dataset_options(u: Setup) -> dict[str, Any]:
         kw.update(cost_model=CostModel(linear=1.0, attention=0.05), balance="cost")
     if u.http:
         kw.update(retry_budget=10.0, connect_timeout=2.0, read_timeout=2.0)
+    else:
+        # a re-staged local shard (same bytes, new mtime) must resume: the default identity ("tag")
+        # refuses it by design, "digest" compares the bytes (a tiny shard lies within its 64 KiB ends)
+        kw.update(identity="digest")
     return kw
+
+
+def served_manifest(urls: list[str], directory: str, options: dict[str, Any]) -> str:
+    """A manifest of the served shards (a finite run over remote shards is refused without one)."""
+    location = os.path.join(directory, "manifest")
+    build_manifest(urls, location, decode=index_decode("input_ids", options["limits"]))
+    return location

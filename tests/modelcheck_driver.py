@@ -34,6 +34,7 @@ from modelcheck_corpus import (
     dataset_options,
     fast_retries,
     restore,
+    served_manifest,
     shard_name,
     write_shard,
 )
@@ -211,6 +212,8 @@ def execute(s: Schedule, directory: str, base_url: str | None = None,
             queue: Callable[[tuple[str, ...]], None] = lambda faults: None) -> None:
     """Run ``s``; raise a Finding where it differs from the model."""
     run = Execution(s, directory, base_url, queue)
+    if base_url is not None:
+        run.options["manifest"] = served_manifest([sh.url for sh in run.shards], directory, run.options)
     queue(s.faults)
     try:
         run.ranks = run.open(s.dp_size, s.num_workers, None, elastic=False)
@@ -229,8 +232,8 @@ def execute(s: Schedule, directory: str, base_url: str | None = None,
         if run.explain(exc) == "stopped":
             run.check_end(complete=False)
             return
-        run.redo_after_refusal()
         try:
+            run.redo_after_refusal()  # loading the states again may itself refuse
             run.drain()
         except Finding:
             raise

@@ -160,14 +160,24 @@ def json_depth(raw: bytes, limit: int) -> int:
     return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
 
+BAD_LENGTH = -2
+"""An index length meaning "the reader refuses this record" (unparsable json, an id field that is
+not a list, a line or member over its limit): it never reaches the packer, so a plan counts it
+as nothing (the reader skips and counts it, or raises), where -1 means "length unknown" (text)."""
+
+
 def token_count(raw: bytes, opts: DecodeOptions) -> int:
-    """Length of the id list under ``tokens_key`` in the json ``raw``; -1 when it has none or
-    cannot be read (an index hint: the reader validates every sample itself)."""
+    """Length of the id list under ``tokens_key`` in the json ``raw``; -1 when it has no such
+    field, :data:`BAD_LENGTH` when it cannot be read or the field is not a list (an index hint:
+    the reader validates every sample itself)."""
     try:
-        ids = loads_bounded(raw, raw, opts.limits.max_json_depth).get(opts.tokens_key)
-    except (ValueError, AttributeError):
-        return -1
-    return len(ids) if isinstance(ids, list) else -1
+        record = loads_bounded(raw, raw, opts.limits.max_json_depth)
+        ids = record.get(opts.tokens_key, None) if isinstance(record, dict) else None
+    except ValueError:
+        return BAD_LENGTH
+    if ids is None:
+        return -1 if isinstance(record, dict) else BAD_LENGTH
+    return len(ids) if isinstance(ids, list) else BAD_LENGTH
 
 
 def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, key: str) -> Sample:

@@ -60,7 +60,7 @@ import numpy as np
 from streampack.errors import DataError
 from streampack.io import parquet, storage
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
-from streampack.io.decode import DecodeOptions, token_count
+from streampack.io.decode import BAD_LENGTH, DecodeOptions, token_count
 from streampack.io.formats import ShardRange
 from streampack.io.index_cache import (
     INDEX_SUFFIX,
@@ -80,7 +80,7 @@ from streampack.io.tar_sparse import open_sparse
 from streampack.io.tar import TarRegion, group_length, iter_tar_units, split_key
 from streampack.io.urls import shard_format
 
-INDEX_VERSION = 3  # 3: tar lengths no longer follow PYTHONHASHSEED; limits in the fingerprint
+INDEX_VERSION = 4  # 4: records the reader refuses are BAD_LENGTH (-2), not unknown (-1)  # 3: tar lengths no longer follow PYTHONHASHSEED; limits in the fingerprint
 _MEMO_SIZE = 4  # a worker reads one split shard at a time; a big shard's index is tens of MB
 _memo: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
 _memo_lock = threading.Lock()
@@ -308,7 +308,7 @@ class _Scan:
             for line in iter_lines(f, start=0, first_index=0, end=None, max_bytes=decode.limits.max_line_bytes):
                 self.end = line.offset + line.size
                 if line.data is None:  # over max_line_bytes: its reader reports it
-                    self.add(line.offset, line.number, -1)
+                    self.add(line.offset, line.number, BAD_LENGTH)
                 elif not line.data.isspace():
                     self.add(line.offset, line.number, token_count(line.data, decode) if field in line.data else -1)
 

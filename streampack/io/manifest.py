@@ -58,7 +58,7 @@ from streampack.io.limits import Limits
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, ShardStat, is_remote
 
-MANIFEST_VERSION = 2  # 2: digests and limits recorded
+MANIFEST_VERSION = 3  # 2: digests and limits recorded
 MANIFEST_FILE = "manifest.spm.npz"
 SHARDS_DIR = "shards"
 
@@ -87,7 +87,7 @@ class ShardTotals:
         lengths = np.asarray(index.lengths, dtype=np.int64)
         nxt = np.append(index.offsets[1:], index.end).astype(np.int64)
         return cls(url=index.url, size=-1 if ident.size is None else int(ident.size), tag=ident.tag,
-                   samples=len(index), tokens=int(lengths.sum()) if (lengths >= 0).all() else -1,
+                   samples=len(index), tokens=int(lengths[lengths > 0].sum()) if not (lengths == -1).any() else -1,
                    byte_cost=int(np.maximum(nxt - index.offsets, 1).sum()) if len(index) else 0,
                    digest=digest, damage=index.damage)
 
@@ -138,6 +138,17 @@ class Manifest:
         size = int(self.sizes[shard])
         return ShardStat(size=None if size < 0 else size, tag=self.tags[shard])
 
+    def recorded(self, shard: int, mode: str = "tag") -> ShardStat:
+        """The identity the manifest indexed shard ``shard`` with, as ``mode`` compares it (its
+        digest in the tag's place under ``"digest"``)."""
+        indexed = self.identity(shard)
+        if mode != "digest":
+            return indexed
+        if not (self.digests and self.digests[shard]):
+            raise ValueError(f"the manifest at {self.location!r} records no digest of shard "
+                             f"{self.urls[shard]!r}: rebuild it with `streampack index`, or pass identity='tag'")
+        return ShardStat(size=indexed.size, tag=self.digests[shard])
+
     def check_identity(self, shard: int, now: ShardStat, mode: str = "tag") -> None:
         """``ValueError`` naming shard ``shard`` when ``now`` (what the reader found when it
         opened it: :func:`streampack.io.shard_identity.current`) is not what the manifest
@@ -146,13 +157,7 @@ class Manifest:
         a changed shard is opened, never by a HEAD per shard at start."""
         if mode == "off":
             return
-        indexed = self.identity(shard)
-        if mode == "digest":
-            if not (self.digests and self.digests[shard]):
-                raise ValueError(f"the manifest at {self.location!r} records no digest of shard "
-                                 f"{self.urls[shard]!r}: rebuild it with `streampack index`, or pass identity='tag'")
-            indexed = ShardStat(size=indexed.size, tag=self.digests[shard])
-        shard_identity.check(self.urls[shard], indexed, now, mode,
+        shard_identity.check(self.urls[shard], self.recorded(shard, mode), now, mode,
                              since=f"the manifest at {self.location!r} indexed it",
                              prefix="stale manifest: ",
                              consequence="; its index points into the old contents: rebuild it with `streampack index`")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from streampack.errors import DataError
-from streampack.io.decode import DecodeOptions, Item, token_count
+from streampack.io.decode import BAD_LENGTH, DecodeOptions, Item, token_count
 from streampack.io.keys import KeySet
 from streampack.io.limits import Limits
 from streampack.io.npy import npy_length
@@ -336,6 +336,11 @@ def group_length(group: TarGroup, opts: DecodeOptions, token_npy: tuple[str, ...
     found = [name for name in dict.fromkeys(token_npy) if group.fields.get(name)]
     raw = group.fields.get("json")
     count = token_count(raw, opts) if raw else -1
+    if not found and count == BAD_LENGTH:
+        return BAD_LENGTH  # the reader refuses the json member
     if len(found) + (count >= 0) != 1:
         return -1
-    return npy_length(group.fields[found[0]]) if found else count
+    if not found:
+        return count
+    length = npy_length(group.fields[found[0]])
+    return length if length >= 0 else BAD_LENGTH  # an unreadable npy header: the reader refuses it (bad_npy)

@@ -80,8 +80,8 @@ class ShardSamples:
     def costs(self, lo: int = 0, hi: int | None = None, *, tokens: bool) -> np.ndarray:
         """Balancing cost of samples ``[lo, hi)``: token counts, or bytes when ``tokens`` is False."""
         hi = len(self) if hi is None else hi
-        if tokens:
-            return self.lengths[lo:hi]
+        if tokens:  # a refused record (BAD_LENGTH) costs nothing, as in the manifest's shard totals
+            return np.maximum(self.lengths[lo:hi], 0)
         nxt = np.append(self.offsets[1:], self.end)
         return np.maximum(nxt[lo:hi] - self.offsets[lo:hi], 1)
 
@@ -150,7 +150,8 @@ def count_batches(counting: Counting, global_worker: int, stream: np.ndarray, ca
     """Batches one worker's packer and collate make from documents of raw ``stream`` lengths
     (the overlong policy is applied here) after ``carry`` (already cut) lengths."""
     stream = np.asarray(stream)
-    stream = stream[stream != 0]  # an empty record never reaches the packer (the reader skips it, or raises)
+    stream = stream[stream > 0]  # an empty or refused record (0, BAD_LENGTH) never reaches the packer: the
+    # reader skips and counts it, or raises
     chunks = chunk_lengths(stream, counting.max_len, counting.policy)
     packs = count_packs(counting.for_worker(global_worker), chunks, carry)
     return -(-packs // counting.packs_per_batch)
