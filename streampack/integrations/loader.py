@@ -3,7 +3,9 @@
 torchdata 0.11's ``StatefulDataLoader.__init__`` calls ``torch.set_vital``, which torch 2.13
 deprecates: every run printed ``UserWarning: 'set_vital' is deprecated`` though nothing is
 wrong. The integrations build the loader for the user, so they silence exactly that warning
-there (a user who builds the loader themselves can use the same filter).
+there (a user who builds the loader themselves can use the same filter). Building it is also
+the first moment the worker count is known in the main process, so ``batches_per_epoch`` is
+checked against it here.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ SET_VITAL_WARNING = "'set_vital' is deprecated"
 
 
 def stateful_loader(dataset: Any, **kwargs: Any) -> StatefulDataLoader:
-    """``StatefulDataLoader(dataset, **kwargs)`` with torchdata's ``set_vital`` warning silenced."""
+    """``StatefulDataLoader(dataset, **kwargs)`` with torchdata's ``set_vital`` warning silenced,
+    refusing here, in the main process, a ``batches_per_epoch`` its workers cannot share evenly
+    (each worker would only find out inside its process, behind torch's worker traceback)."""
+    per_rank = getattr(getattr(dataset, "config", None), "batches_per_epoch", None)
+    workers = kwargs.get("num_workers") or 0
+    if per_rank is not None and workers and per_rank % workers:
+        raise ValueError(f"batches_per_epoch={per_rank} must be a multiple of num_workers={workers} "
+                         f"(each DataLoader worker yields an equal share of the rank's batches)")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SET_VITAL_WARNING, category=UserWarning)
         return StatefulDataLoader(dataset, **kwargs)
