@@ -17,6 +17,7 @@ from helpers_data import make_token_docs, serve_directory, write_jsonl_shards, w
 import streampack.io.index as index_mod
 import streampack.io.index_cache as cache_mod
 import streampack.io.manifest as manifest_mod
+from streampack.io.decode import BAD_LENGTH
 from streampack.cli.main import main
 from streampack.io.decode import DecodeOptions
 from streampack.io.index import build_index
@@ -93,8 +94,8 @@ def test_index_takes_the_limits_and_the_manifest_names_a_mismatch(tmp_path):
     urls = write_jsonl_shards(tmp_path / "d", docs, 1)
     assert _index(urls, tmp_path / "m", "--max-line-bytes", "1000") == 0
     m = load_manifest(str(tmp_path / "m"))
-    assert m.limits.max_line_bytes == 1000 and not m.known_lengths()
-    assert m.load_index(0, DecodeOptions(limits=Limits(max_line_bytes=1000)), OpenOptions()).lengths[-1] == -1
+    assert m.limits.max_line_bytes == 1000 and m.known_lengths()  # the over-limit line is planned as nothing
+    assert m.load_index(0, DecodeOptions(limits=Limits(max_line_bytes=1000)), OpenOptions()).lengths[-1] == BAD_LENGTH
     with pytest.raises(ValueError, match=r"indexed with tokens_key / limits .*1000.*this run reads"):
         m.load_index(0, DecodeOptions(), OpenOptions())
 

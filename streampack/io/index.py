@@ -193,7 +193,7 @@ def unknown_lengths_hint(urls: Sequence[str]) -> str:
     if parquet:
         return (f"{parquet} of {len(urls)} shard(s) are parquet, whose index reads only the footer: row counts, "
                 f"no token counts")
-    return "text to tokenize, or samples over the limits or unreadable, which the index counts as unknown"
+    return "text to tokenize, or samples without the tokens field"
 
 
 def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats: IOStats | None = None) -> str:

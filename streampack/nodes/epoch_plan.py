@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from streampack.io.index import ShardIndex
+from streampack.io.index import ShardIndex, unknown_lengths_hint
 from streampack.nodes.sharding import IndexRange, PrefixCut, Span, epoch_permutation
 from streampack.nodes.window_rounds import PackerRules, count_packs, worker_seed
 
@@ -277,6 +277,6 @@ def unplannable(shards: Any, dp_size: int) -> str:
     """Why equal batch counts cannot be planned for these shards, naming them."""
     unknown = [shards.urls[i] for i in np.flatnonzero(np.asarray(shards.tokens) < 0)]
     return (f"finite epochs over dp_size={dp_size} ranks are planned from the shards' token lengths, which "
-            f"{len(unknown)} of {len(shards.urls)} shards do not have (text to tokenize, or samples without "
-            f"'{getattr(shards, 'tokens_key', 'input_ids')}'), e.g. {unknown[:3]}: pass equal_batches='sync' and "
+            f"{len(unknown)} of {len(shards.urls)} shards do not have ({unknown_lengths_hint(unknown)}; tokens "
+            f"field '{getattr(shards, 'tokens_key', 'input_ids')}'), e.g. {unknown[:3]}: pass equal_batches='sync' and "
             f"iterate streampack.sync_batches(loader, ds) (one all-reduce per step), or batches_per_epoch")
