@@ -60,6 +60,7 @@ def _expected(counts: dict[tuple[int, int], int], dp_size: int, num_workers: int
     return max(sum(c) for c in ranks.values()), ranks
 
 
+@pytest.mark.slow  # ~6 s: 32 threads with staggered connects
 def test_threads_agree_on_target_and_rank_counts(store) -> None:
     R, W = 8, 4
     rng = random.Random(3)
@@ -81,6 +82,7 @@ def _spawned_reader(a: Agreement, dp_rank: int, count: int, queue) -> None:
         queue.put((dp_rank, repr(e)))
 
 
+@pytest.mark.slow  # ~5 s: spawned interpreters
 def test_spawned_processes_pickle_and_connect(store) -> None:
     a = _agreement(store, 4)
     ctx = mp.get_context("spawn")

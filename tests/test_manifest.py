@@ -198,6 +198,7 @@ def test_remote_tar_headers_by_ranged_requests_where_members_are_large(tmp_path,
         assert fetched > 0.9 * size and len(ranges) <= PROBE + 2, (fetched, size, ranges)
 
 
+@pytest.mark.slow  # ~3 s: moto's server
 def test_s3_re_upload_new_etag_and_a_manifest_on_s3(tmp_path, monkeypatch):
     """An S3 re-upload with another part size changes the ETag, not the bytes: refused by
     default, resumed with identity='size' or 'digest'. The manifest itself may live on S3."""

@@ -65,7 +65,8 @@ COUNTING = Counting(rules=PackerRules(capacity=512, window=16, algorithm="bfd", 
                     max_len=512, policy="split", packs_per_batch=2)
 
 
-@pytest.mark.parametrize("ranks,workers,num_shards", [(1024, 1, 300), (128, 8, 150), (64, 2, 2000)])
+@pytest.mark.parametrize("ranks,workers,num_shards", [pytest.param(1024, 1, 300, marks=pytest.mark.slow), (128, 8, 150),
+                                                       (64, 2, 2000)])
 def test_many_readers_each_plan_their_share_and_counts_agree(ranks, workers, num_shards):
     shards, indexes = fake_data(num_shards, seed=ranks)
     opened: list[int] = []
