@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from streampack.io import shard_identity
 from streampack.sample import Sample
 
 STATE_VERSION = 3
@@ -284,8 +285,6 @@ def check_identities(saved: Mapping[int, Any], now: Callable[[int], Any], name: 
                      mode: str = "tag") -> None:
     """``ValueError`` naming each shard whose identity ``now(shard)`` (an ``io.storage.ShardStat``)
     is not the saved one, compared as ``mode`` (``OpenOptions.identity``) says."""
-    from streampack.io import shard_identity  # io is upstream of state; imported where used
-
     for shard, ident in saved.items():
         shard_identity.check(name(shard), ident, now(shard), mode, since="the states were saved",
                              prefix="cannot resume: ", consequence="; their positions point into the old contents")
