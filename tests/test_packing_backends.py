@@ -53,7 +53,8 @@ def test_both_paths_agree_at_window_size(name: str, capacity: int) -> None:
     assert plain.num_bins > (1 if capacity < 2**31 else 0)
 
 
-def test_auto_switches_at_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+def spy_on_compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kernels compiled from now on (``_jit.compiled`` wrapped)."""
     compiled_kernels: list[str] = []
     real = _jit.compiled
 
@@ -62,6 +63,11 @@ def test_auto_switches_at_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None
         return real(kernel)
 
     monkeypatch.setattr(_jit, "compiled", spy)
+    return compiled_kernels
+
+
+def test_auto_switches_at_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled_kernels = spy_on_compiles(monkeypatch)
     monkeypatch.setattr(_engine, "THRESHOLD", 40)
     monkeypatch.setattr(_engine, "_LOADED", set())  # as in a process that compiled nothing yet
     monkeypatch.setitem(aot._STATE, "module", None)  # no ahead-of-time build either

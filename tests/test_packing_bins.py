@@ -10,13 +10,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_packing_algorithms import check_packing, problems
+from test_packing_backends import spy_on_compiles
 
 import streampack.packing as packing
 from streampack.packing import ALGORITHMS, Bins, pack, pack_flat
@@ -62,14 +62,7 @@ def test_bins_read_like_a_list() -> None:
 def test_auto_uses_loaded_kernels_below_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a process has loaded an algorithm's kernels, ``auto`` runs them at every size
     (the one-time cost the threshold guards is paid): no cliff below ``THRESHOLD``."""
-    compiled_kernels: list[str] = []
-    real = _jit.compiled
-
-    def spy(kernel: Callable[..., Any]) -> Callable[..., Any]:
-        compiled_kernels.append(kernel.__name__)
-        return real(kernel)
-
-    monkeypatch.setattr(_jit, "compiled", spy)
+    compiled_kernels = spy_on_compiles(monkeypatch)
     monkeypatch.setattr(_engine, "_LOADED", set())
     monkeypatch.setitem(aot._STATE, "module", None)  # no ahead-of-time build either
     lengths = np.random.default_rng(1).integers(1, 300, 500)
