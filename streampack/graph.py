@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack.errors import ErrorCounter
@@ -38,9 +39,11 @@ from streampack.io.decode import DecodeOptions
 from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
+from streampack.io.storage import is_remote
 from streampack.layout.batch import PackedBatch
 from streampack.nodes.collate import ThdCollate
-from streampack.nodes.epoch_plan import Agree, Counting, EpochPlanner
+from streampack.nodes.cost_seed import sample_lengths, seed_counts
+from streampack.nodes.epoch_plan import Agree, Counting, EpochPlanner, chunk_lengths
 from streampack.nodes.epochs import EpochLoop
 from streampack.nodes.mixture import Mixture
 from streampack.nodes.overlong import OverlongNode
@@ -52,7 +55,7 @@ from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
 from streampack.nodes.window_packer import WindowPacker, fill
 from streampack.nodes.window_rounds import PackerRules, worker_seed
-from streampack.packing.schedule import Schedule
+from streampack.packing.schedule import CostScale, Schedule
 from streampack.sample import Sample
 from streampack.settings import Placement, ReadOptions, Share, Sources, StreamConfig
 
@@ -157,6 +160,7 @@ class _Builder:
         self.wrap = _wrapper(around)
         self._planner: EpochPlanner | None = None
         self._last: tuple[WindowPacker, ThdCollate] | None = None  # the previous epoch's, for balance
+        self._seed: tuple[np.ndarray | None] | None = None  # the balance's starting histogram, once computed
         self.counting = counting_for(config, place) if config.epochs is not None else None
         # one reader that counts nothing reads every shard whole in the epoch's order: no plan,
         # no manifest (building it would read every shard once more before the first batch:
@@ -247,10 +251,38 @@ class _Builder:
             packer, collate = self._last
             first = packer.reservoir.first_batch + collate.counters["batches"]
             levels = packer.reservoir.counts.copy()
+        else:
+            if self._seed is None:  # one seed per reader: every epoch's and every rebuilt chain's start
+                self._seed = (self._seed_levels(),)
+            levels = None if self._seed[0] is None else self._seed[0].copy()
         schedule = Schedule(seed=config.seed, packs_per_batch=config.packs_per_batch, lane=place.worker_id,
                             lanes=place.num_workers, ranks=place.dp_size)
         return {"balance": config.balance, "cost_model": config.cost_model, "schedule": schedule,
                 "first_batch": first, "levels": levels}
+
+    def _seed_levels(self) -> np.ndarray | None:
+        """The cost histogram every reader of every rank starts from (``nodes.cost_seed``): the
+        packs of one length sample of the data set's indexes, chosen by the stream seed. None
+        (a cold start) for one reader alone, a mixture, offline packs, unknown lengths, or an
+        infinite stream of remote shards without ``manifest=`` (it would be refused: there is
+        nothing to plan, so no manifest is required of it)."""
+        config = self.config
+        if (not self.needs_plan or self.place.global_workers == 1 or config.balance is None
+                or not config.balance.seeded or config.cost_model is None):
+            return None
+        assert self.sources.shards is not None
+        if (config.epochs is None and self.options.manifest is None
+                and any(is_remote(u) for u in self.sources.shards.urls)):
+            return None
+        planner = self.planner
+        if not planner.shards.known_lengths():
+            return None
+        rules = PackerRules(capacity=config.capacity, window=config.window, algorithm=config.algorithm,
+                            align=config.align, seed=config.seed, max_wait=config.max_wait, slack=config.slack)
+        lengths = sample_lengths(planner.num_shards, lambda s: planner.samples(s).lengths, config.seed)
+        scale = CostScale.of(config.cost_model.linear, config.cost_model.attention, config.capacity)
+        return seed_counts(lengths, rules, config.cost_model, scale, seed=config.seed,
+                           cut=lambda n: chunk_lengths(n, config.capacity, config.overlong))
 
     def _fixed_quota(self) -> int | None:
         per_rank = self.config.batches_per_epoch

@@ -102,6 +102,10 @@ class Balance:
     tolerance: float = 0.02
     """A pack up to this share lighter than the best match may go instead, the oldest first
     (bounds waiting at ~the cost of that share of balance)."""
+    seeded: bool = True
+    """Start every reader's cost histogram from the packs of one length sample of the data set's
+    shard indexes, the same on every rank (:mod:`streampack.nodes.cost_seed`), so the levels agree
+    from step 0; False starts it empty (the ranks agree only after ~2,000 packs each)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.reservoir, bool) or not isinstance(self.reservoir, int) or self.reservoir < 1:
@@ -112,6 +116,8 @@ class Balance:
         if not (0 < self.tail < 1 and self.over >= 0 and self.tail * (1 + self.over) < 1):
             raise ValueError(f"need 0 < tail < 1, over >= 0 and tail * (1 + over) < 1; got "
                              f"tail={self.tail!r}, over={self.over!r}")
+        if not isinstance(self.seeded, bool):
+            raise TypeError(f"seeded={self.seeded!r} must be a bool")
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance={self.tolerance!r} must be in [0, 1)")
 

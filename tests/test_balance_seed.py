@@ -1,0 +1,115 @@
+"""Cost balance from step 0 (issue 21, item 4): every reader of every rank starts its cost
+histogram from the same seed, packed from the data set's own index lengths, before its first pack."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from helpers_data import serve_directory
+from node_checks import write_token_shards
+
+from streampack.dataset import PackedDataset
+from streampack.graph import build_graph
+from streampack.nodes import cost_seed
+from streampack.nodes.cost_seed import SEED_WEIGHT, sample_lengths, seed_counts
+from streampack.nodes.epoch_plan import chunk_lengths
+from streampack.nodes.window_rounds import PackerRules
+from streampack.packing import CostModel
+from streampack.packing.schedule import Balance, CostScale
+from streampack.settings import Placement
+
+SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 128}
+MODEL = CostModel.from_shape(**SHAPE)
+CAP = 256
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_token_shards(tmp_path_factory.mktemp("seed"), 600, 6, mean=60, seed=3)
+
+
+@pytest.fixture(autouse=True)
+def few_seed_packs(monkeypatch):
+    """256 seed packs, not 4,096: the same code, a fast test (window 32 makes many small rounds)."""
+    monkeypatch.setattr(cost_seed, "SEED_PACKS", 256)
+
+
+def _first_counts(urls: list[str], place: Placement, **kw) -> np.ndarray:
+    """The histogram reader ``place`` holds when its first batch is asked for, before any pack."""
+    ds = PackedDataset(urls, capacity=CAP, window=32, cost_model=SHAPE, **kw)
+    graph = build_graph(ds.config, ds.sources, place)
+    graph.root.reset(None)
+    packer = graph.nodes["packer"]
+    assert packer.metrics["packs"] == 0 and packer.reservoir is not None
+    return packer.reservoir.counts.copy()
+
+
+@pytest.mark.parametrize("epochs", [None, 2])
+def test_every_reader_of_every_rank_starts_from_the_same_histogram(shards, epochs) -> None:
+    """Finding: each reader's histogram started empty, so the ranks' cost levels disagreed for the
+    first ~2,000 packs (straggler 1.07 over steps 0-500 end to end at 128k, against 1.03 warm)."""
+    urls, _ = shards
+    found = [_first_counts(urls, Placement(dp_rank=r, dp_size=4, worker_id=w, num_workers=2),
+                           balance="cost", epochs=epochs) for r, w in ((0, 0), (3, 1))]
+    assert found[0].sum() > 0.9 * SEED_WEIGHT  # not empty: the seed, counted as SEED_WEIGHT packs
+    for counts in found[1:]:
+        np.testing.assert_array_equal(counts, found[0])
+    # the seed follows the data: the same sample under another stream seed gives a different histogram
+    other = _first_counts(urls, Placement(dp_rank=0, dp_size=4), balance="cost", epochs=epochs, seed=7)
+    assert other.sum() > 0.9 * SEED_WEIGHT and not np.array_equal(other, found[0])
+
+
+def test_unseeded_and_single_readers_start_cold(shards) -> None:
+    urls, _ = shards
+    assert _first_counts(urls, Placement(dp_rank=1, dp_size=4), balance=Balance(seeded=False)).sum() == 0
+    assert _first_counts(urls, Placement(), balance="cost", epochs=1).sum() == 0  # no other rank to agree with
+    with pytest.raises(TypeError, match="seeded"):
+        Balance(seeded=1)  # type: ignore[arg-type]
+
+
+def test_infinite_remote_stream_without_manifest_starts_cold_not_refused(shards) -> None:
+    """The seed needs the manifest, which an infinite stream of remote shards is not required to
+    have: it starts cold (as before) instead of refusing to start."""
+    urls, _ = shards
+    with serve_directory(os.path.dirname(urls[0])) as server:
+        remote = server.urls_for(urls)
+        assert _first_counts(remote, Placement(dp_rank=1, dp_size=4), balance="cost").sum() == 0
+        ds = PackedDataset(remote, capacity=CAP, window=32, cost_model=SHAPE, balance="cost", dp_rank=1, dp_size=4)
+        assert next(iter(ds)).num_tokens > 0
+
+
+def test_seed_is_the_packers_own_packs_of_the_sample() -> None:
+    rng = np.random.default_rng(0)
+    lengths = np.maximum(1, rng.lognormal(np.log(300), 1.2, 5000).astype(np.int64))
+    rules = PackerRules(capacity=4096, window=256, seed=0)
+    scale = CostScale.of(MODEL.linear, MODEL.attention, 4096)
+    cut = lambda n: chunk_lengths(n, 4096, "split")  # noqa: E731
+    a = seed_counts(lengths, rules, MODEL, scale, seed=1, cut=cut)
+    assert a is not None and abs(int(a.sum()) - SEED_WEIGHT) <= 1024 // 2 + 1  # rounding per bin
+    np.testing.assert_array_equal(a, seed_counts(lengths, rules, MODEL, scale, seed=1, cut=cut))
+    # lengths over the capacity enter as the overlong policy's chunks (here all full packs)
+    over = seed_counts(np.full(400, 3 * 4096), rules, MODEL, scale, seed=1, cut=cut)
+    assert over is not None and over[-1] == over.sum()  # every pack one full-length document: cost 1
+    assert seed_counts(lengths[:cost_seed.MIN_SAMPLES - 1], rules, MODEL, scale, seed=1) is None
+
+
+def test_sample_reads_a_few_shards_chosen_by_the_seed_alone(monkeypatch) -> None:
+    monkeypatch.setattr(cost_seed, "SEED_SAMPLES", 250)
+    read: list[int] = []
+
+    def lengths_of(shard: int) -> np.ndarray:
+        read.append(shard)
+        return np.array([-1, 0] + [shard + 1] * 100)  # unknown / refused entries are skipped
+
+    got = sample_lengths(1000, lengths_of, seed=5)
+    assert len(read) == 3 and got.size == 300 and (got > 0).all()
+    first = list(read)
+    read.clear()
+    sample_lengths(1000, lengths_of, seed=5)
+    assert read == first  # every reader reads the same shards
+    read.clear()
+    monkeypatch.setattr(cost_seed, "SEED_SAMPLES", 10**9)
+    sample_lengths(1000, lengths_of, seed=5)
+    assert len(read) == cost_seed.SEED_SHARDS  # bounded, whatever the data set's size
