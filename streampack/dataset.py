@@ -25,6 +25,7 @@ from streampack.layout.batch import PackedBatch, alignment, pack_batch
 from streampack.nodes.collate import filler_pack
 from streampack.nodes.epochs import add_metrics
 from streampack.nodes.window_packer import fill
+from streampack.nodes.window_rounds import default_max_wait
 from streampack.packing.cost import CostModel
 from streampack.packing.schedule import Balance
 from streampack.passes import PassTracker
@@ -134,7 +135,7 @@ class PackedDataset(IterableDataset):
                  epochs: int | None = None, dp_rank: int | None = None, dp_size: int | None = None,
                  dp_group: Any = None, on_error: str = "raise", pad_id: int = 0, ignore_index: int = -100,
                  bos_id: int | None = None, eos_id: int | None = None, stages: Sequence[Any] = (),
-                 num_threads: int = 1, tokenize_block: int = 64, max_wait: int = 8,
+                 num_threads: int = 1, tokenize_block: int = 64, max_wait: int | None = None,
                  slack: int | None = None, batches_per_epoch: int | None = None, equal_batches: str = "plan",
                  labels_key: str | None = None, loss_mask_key: str | None = None,
                  sequence_parallel: bool = True, align_multiple: int = 1, allow_pipe: bool = False,
@@ -160,7 +161,8 @@ class PackedDataset(IterableDataset):
             align=alignment(cp_size, tp_size, sequence_parallel=sequence_parallel, multiple=align_multiple),
             text_key=text_key, tokens_key=tokens_key, labels_key=labels_key, loss_mask_key=loss_mask_key,
             overlong=overlong, seed=seed, shuffle=shuffle, epochs=epochs, on_error=on_error, pad_id=pad_id,
-            ignore_index=ignore_index, bos_id=bos_id, eos_id=eos_id, max_wait=max_wait, slack=slack,
+            ignore_index=ignore_index, bos_id=bos_id, eos_id=eos_id,
+            max_wait=default_max_wait(window) if max_wait is None else max_wait, slack=slack,
             batches_per_epoch=batches_per_epoch, equal_batches=equal_batches, vocab_size=vocab_size,
             limits=limits if limits is not None else Limits(), cost_model=cost,
             balance=balance_of(balance, cost))
@@ -221,7 +223,10 @@ class PackedDataset(IterableDataset):
         mixture = ({"mixture_sources": {n: s.digest for n, s in sorted(self.sources.mixture.items())},
                     "mixture_weights": self.mixture_weights, "mixture_stop": self.sources.stop}
                    if self.sources.mixture else {})
-        return {**dataclasses.asdict(self.config), **mixture, "sources": self.sources.digest,
+        config = dataclasses.asdict(self.config)
+        if config["balance"] is not None:  # how a fresh run's histogram starts; a resume restores the saved one
+            del config["balance"]["seeded"]
+        return {**config, **mixture, "sources": self.sources.digest,
                 "num_sources": len(self.urls), "tokenizer": self._tokenizer_id,
                 "num_stages": len(self.stages), "dp_size": self.dp_size, "dp_rank": self.dp_rank,
                 "num_workers": num_workers}

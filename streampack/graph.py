@@ -252,13 +252,16 @@ class _Builder:
             first = packer.reservoir.first_batch + collate.counters["batches"]
             levels = packer.reservoir.counts.copy()
         else:
-            if self._seed is None:  # one seed per reader: every epoch's and every rebuilt chain's start
-                self._seed = (self._seed_levels(),)
-            levels = None if self._seed[0] is None else self._seed[0].copy()
+            levels = self._seed_once  # called when the packer starts fresh, never on a restore
         schedule = Schedule(seed=config.seed, packs_per_batch=config.packs_per_batch, lane=place.worker_id,
                             lanes=place.num_workers, ranks=place.dp_size)
         return {"balance": config.balance, "cost_model": config.cost_model, "schedule": schedule,
                 "first_batch": first, "levels": levels}
+
+    def _seed_once(self) -> np.ndarray | None:
+        if self._seed is None:  # one seed per reader: every epoch's and every rebuilt chain's start
+            self._seed = (self._seed_levels(),)
+        return None if self._seed[0] is None else self._seed[0].copy()
 
     def _seed_levels(self) -> np.ndarray | None:
         """The cost histogram every reader of every rank starts from (``nodes.cost_seed``): the

@@ -113,3 +113,19 @@ def test_sample_reads_a_few_shards_chosen_by_the_seed_alone(monkeypatch) -> None
     monkeypatch.setattr(cost_seed, "SEED_SAMPLES", 10**9)
     sample_lengths(1000, lengths_of, seed=5)
     assert len(read) == cost_seed.SEED_SHARDS  # bounded, whatever the data set's size
+
+
+def test_a_state_resumes_whether_or_not_the_histogram_was_seeded(shards) -> None:
+    """``seeded`` only decides how a fresh run starts: a resume restores the saved histogram, so a
+    checkpoint of a run saved before seeding existed (or with it off) resumes bit-identically."""
+    urls, _ = shards
+    kw = {"capacity": CAP, "window": 32, "cost_model": SHAPE, "dp_rank": 1, "dp_size": 4}
+    cold = PackedDataset(urls, balance=Balance(reservoir=8, seeded=False), **kw)
+    stream = iter(cold)
+    for _ in range(3):
+        next(stream)
+    state = cold.state_dict()
+    expected = [next(stream).doc_keys for _ in range(3)]
+    seeded = PackedDataset(urls, balance=Balance(reservoir=8), **kw)
+    seeded.load_state_dict(state)
+    assert [b.doc_keys for _, b in zip(range(3), seeded)] == expected

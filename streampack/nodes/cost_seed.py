@@ -13,7 +13,7 @@ rules (``window_rounds.run_rounds``: window, algorithm, alignment, overlong poli
 the costs of the packs it makes. The sample is drawn from the data set's own shard indexes, with
 shards and lengths chosen by the stream seed alone, so the seed histogram is bit-identical on
 every rank and worker: the levels agree from step 0. The sample's lengths are drawn with
-replacement to feed ``SEED_PACKS`` packs (a pack holds one long document or tens of short ones,
+replacement to feed ``SEED_PACKS`` packs (or ``SEED_ROUNDS`` rounds' worth; a pack holds one long document or tens of short ones,
 so a few thousand documents' lengths make thousands of distinct packs). The histogram then
 counts as ``SEED_WEIGHT`` packs, and the reader's own packs are added to it as before, so a
 stream whose lengths drift still moves the levels (after about ``SEED_WEIGHT`` own packs),
@@ -22,8 +22,9 @@ while over the first hundreds of steps the readers' own noise cannot pull them a
 **Cost per reader** (N shards, s samples per shard): the indexes of ``ceil(SEED_SAMPLES / s)``
 shards (at most ``SEED_SHARDS``), the same ones every reader reads (one request each,
 ``≈ 9 B × samples``; a planned reader fetches indexes anyway), O(N) to draw them, and the
-lengths-only rounds of ``SEED_PACKS`` packs: 0.15 s for 4,096 packs at capacity 131,072,
-~20 ms at 4,096 (2-core box under load). Without known token lengths (text or parquet shards
+lengths-only rounds of at most ``SEED_PACKS`` packs or ``SEED_ROUNDS`` rounds: 0.15 s for
+4,096 packs at capacity 131,072 (2-core box under load). Paid once per reader when it starts
+fresh (a restore brings its saved histogram and computes nothing). Without known token lengths (text or parquet shards
 the index cannot count) there is nothing to sample: the reader starts cold, as before.
 """
 
@@ -43,6 +44,9 @@ SEED_SHARDS = 64
 """At most this many shard indexes read for them."""
 SEED_PACKS = 4096
 """Packs made from the sample; their cost histogram is the seed."""
+SEED_ROUNDS = 256
+"""...or the packs of this many rounds, whichever comes first (bounds the cost for small windows:
+window 1,024 at capacity 131,072 makes ~3,700 packs in 256 rounds)."""
 SEED_WEIGHT = 20_000
 """Packs the seed counts as (the reader's own packs count 1 each)."""
 MIN_SAMPLES = 256
@@ -82,7 +86,8 @@ def seed_counts(lengths: np.ndarray, rules: PackerRules, model: CostModel, scale
     costs: list[float] = []
     for made in run_rounds(rules, lambda n: rng.choice(lengths, n)):
         costs += [model.pack_cost(p) for p in made.packs]
-        if len(costs) >= SEED_PACKS:
+        if len(costs) >= SEED_PACKS or made.number + 1 >= SEED_ROUNDS:
             break
-    counts = np.bincount(scale.bins(np.asarray(costs[:SEED_PACKS]) / scale.full), minlength=BINS)
-    return np.round(counts * (SEED_WEIGHT / SEED_PACKS)).astype(np.int64)
+    costs = costs[:SEED_PACKS]
+    counts = np.bincount(scale.bins(np.asarray(costs) / scale.full), minlength=BINS)
+    return np.round(counts * (SEED_WEIGHT / len(costs))).astype(np.int64)

@@ -54,7 +54,7 @@ Log (lognormal mean ~600 sigma 1, capacity 4096, split policy; 2-core shared CPU
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -97,7 +97,10 @@ class WindowPacker(BaseNode[list[Sample]]):
     a :class:`~streampack.packing.reservoir.Reservoir` and leave in the order the rank-shared
     ``schedule`` picks (see :mod:`streampack.packing.schedule`); the packs themselves are the
     same. ``first_batch`` / ``levels``: batches this reader yielded earlier in the pass and
-    the cost histogram it had then (an epoch carries on from the previous one). ``warmup``:
+    the cost histogram it had then (an epoch carries on from the previous one); ``levels`` may
+    be a function giving it (or None), called only when the packer starts fresh — a restore
+    brings its own histogram — so a seed (:mod:`~streampack.nodes.cost_seed`) costs a resume
+    nothing. ``warmup``:
     samples in the first round, doubling each round up to ``window`` (``>= window``: no warm-up).
     """
 
@@ -113,18 +116,19 @@ class WindowPacker(BaseNode[list[Sample]]):
     KIND = "WindowPacker"
 
     def __init__(self, source: BaseNode[Sample], *, capacity: int, window: int = 1024,
-                 algorithm: str = "bfd", align: int = 1, seed: int = 0, max_wait: int = 8,
+                 algorithm: str = "bfd", align: int = 1, seed: int = 0, max_wait: int | None = None,
                  slack: int | None = None, shuffle: bool = True, replay: Replay | None = None,
                  carry: Mapping[str, Any] | None = None, balance: Balance | None = None,
                  cost_model: CostModel | None = None, schedule: Schedule | None = None,
-                 first_batch: int = 0, levels: np.ndarray | None = None, warmup: int = WARMUP) -> None:
+                 first_batch: int = 0, levels: np.ndarray | Callable[[], np.ndarray | None] | None = None,
+                 warmup: int = WARMUP) -> None:
         super().__init__()
         if window < 1:
             raise ValueError(f"{window=} must be >= 1")
         if warmup < 1:
             raise ValueError(f"{warmup=} must be >= 1 (samples in the first round; >= window turns the warm-up off)")
-        if max_wait < 1:
-            raise ValueError(f"{max_wait=} must be >= 1")
+        if max_wait is not None and max_wait < 1:
+            raise ValueError(f"{max_wait=} must be None (the window's default) or >= 1")
         if align < 1 or capacity < 1:
             raise ValueError(f"need {capacity=} >= 1 and {align=} >= 1")
         if capacity % align:
@@ -138,7 +142,7 @@ class WindowPacker(BaseNode[list[Sample]]):
         self.rules = PackerRules(capacity=capacity, window=window, algorithm=algorithm, align=align,
                                  seed=seed, max_wait=max_wait, slack=slack, warmup=warmup)
         self.capacity, self.window, self.algorithm = capacity, window, algorithm
-        self.align, self.seed, self.max_wait, self.shuffle = align, seed, max_wait, shuffle
+        self.align, self.seed, self.max_wait, self.shuffle = align, seed, self.rules.max_wait, shuffle
         self.slack = self.rules.free_ok
         self.replay, self.initial_carry = replay, carry
         self.balance, self.cost_model = balance, cost_model
@@ -160,12 +164,16 @@ class WindowPacker(BaseNode[list[Sample]]):
         self.reservoir: Reservoir[list[Sample]] | None = None
         if self.balance is not None:
             self.reservoir = Reservoir(self.balance, self.schedule, self.scale, first_batch=self.first_batch,
-                                       counts=self.levels)
+                                       counts=None if callable(self.levels) else self.levels)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._clear()
         if initial_state is None:
+            if self.reservoir is not None and callable(self.levels):
+                seeded = self.levels()
+                if seeded is not None:
+                    self.reservoir.load(counts=seeded, first_batch=self.first_batch, emitted=0)
             self.source.reset(None)
             if self.initial_carry is not None and table_size(self.initial_carry):
                 self._carry = samples_from_table(self.initial_carry, self.replay)
