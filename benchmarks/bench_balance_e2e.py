@@ -86,7 +86,11 @@ def straggler(cost: np.ndarray) -> np.ndarray:
     return cost.max(1) / cost.mean(1)
 
 
-def run(docs: int, shards: int, ranks: int, steps: int, data: str | None) -> list[dict[str, Any]]:
+def run(quick: bool = False, *, docs: int = 120_000, shards: int = 64, ranks: int = 16, steps: int = 500,
+        data: str | None = None) -> list[dict[str, Any]]:
+    """Rows for ``benchmarks/run_all.py``; ``quick``: 4 ranks, 40 steps, 8,000 documents."""
+    if quick:
+        docs, shards, ranks, steps = 8_000, 8, 4, 40
     model = CostModel.from_shape(**LLAMA3_8B)
     heavy = {"FLOP model": model.attention, "attention 1.5x": 1.5 * model.attention}
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", help="keep the shards in this directory (reused when present)")
     p.add_argument("--out", help="also write the markdown table here")
     args = p.parse_args(argv)
-    rows = run(args.docs, args.shards, args.ranks, args.steps, args.data)
+    rows = run(docs=args.docs, shards=args.shards, ranks=args.ranks, steps=args.steps, data=args.data)
     head = (f"{args.ranks} ranks of PackedDataset, capacity {CAPACITY}, 1 pack per batch, {args.docs} generated "
             f"long-tail documents in {args.shards} tar shards, Llama-3-8B cost model; straggler over steps "
             f"0-{args.steps}")

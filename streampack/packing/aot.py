@@ -47,13 +47,15 @@ SIGNATURES = {  # kernel name -> numba signature; every array is int64, any layo
     "group_log": f"void({A}, {A}, {A}, {A})",
     "_configurations_kernel": f"UniTuple(i8, 2)({A}, {A}, i8, {', '.join([A] * 5)})",
     "_emit_kernel": f"UniTuple(i8, 2)({', '.join([A] * 5)}, i8, {A}, {A}, {A})",
+    "_next_fit_kernel": f"i8({A}, i8, {A})",
 }
 
 
 KERNEL_MODULES = {"_common": ["group_log"], "best_fit": ["_bfd_kernel"],
                   "first_fit": ["first_fit_kernel"], "mffd": ["_pairs_kernel"],
                   "balanced": ["_round_kernel", "_unlink_kernel"],
-                  "histogram": ["_configurations_kernel", "_emit_kernel"]}
+                  "histogram": ["_configurations_kernel", "_emit_kernel"],
+                  "sequential": ["_next_fit_kernel"]}
 
 
 def _modules() -> list[ModuleType]:

@@ -4,10 +4,12 @@ Next fit keeps one open bin and closes it as soon as an item does not fit, so ev
 run of consecutive items in the processing order. O(n), no sort, and the only packer that
 keeps the stream order; the price is +16…+33% bins over FFD (REFERENCE.md).
 
-Each bin is found with one binary search over the prefix sums (the longest run that fits),
-so the Python loop runs once per bin, not per item: measured (1 core, lognormal mean 600,
-C = 4096) 0.1 ms at 1024 items and 0.1–0.18 s at 1e6 with no compiled kernel, which is why
-these packers never compile (``backend`` makes no difference).
+On the plain path each bin is found with one binary search over the prefix sums (the
+longest run that fits), so the Python loop runs once per bin, not per item: measured (1 core,
+lognormal mean 600, C = 4096) 0.1 ms at 1024 items and 0.1–0.18 s at 1e6. That was once the
+only path ("no compiled kernel needed"), but at 65k–1e6 items it ran at 1.2–2.5x a plain
+compiled BFD (benchmarks/bench_packing_scaling.py, 2026-11-25), so the compiled path now runs
+one O(n) kernel over the lengths instead (same bins: a run ends where the next item does not fit).
 """
 
 from __future__ import annotations
@@ -17,11 +19,29 @@ from bisect import bisect_right
 import numpy as np
 
 from streampack.packing._common import from_starts, shuffled_order
-from streampack.packing._engine import Engine, Packer
+from streampack.packing._engine import Engine, IntBuffer, Packer
 from streampack.packing.result import PackResult
 
 
-def _next_fit(lengths: np.ndarray, capacity: int, seq: np.ndarray) -> PackResult:
+def _next_fit_kernel(lengths: IntBuffer, capacity: int, starts: IntBuffer) -> int:
+    """Next fit over ``lengths`` (already in processing order): writes where each bin starts
+    to ``starts`` (``[n]``), returns the bin count."""
+    m = 0
+    load = capacity  # no open bin: the first item opens one
+    for j in range(len(lengths)):
+        if load + lengths[j] > capacity:
+            starts[m] = j
+            m += 1
+            load = 0
+        load += lengths[j]
+    return m
+
+
+def _next_fit(lengths: np.ndarray, capacity: int, seq: np.ndarray, engine: Engine) -> PackResult:
+    if engine.compiled:
+        starts = np.empty(seq.size, dtype=np.int64)
+        m = engine.kernel(_next_fit_kernel)(np.ascontiguousarray(lengths[seq]), capacity, starts)
+        return from_starts(seq, starts[:m])
     prefix = np.zeros(seq.size + 1, dtype=np.int64)
     np.cumsum(lengths[seq], out=prefix[1:])
     sums = prefix.tolist()
@@ -38,14 +58,14 @@ def _greedy(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> Pa
     bin when the next item does not fit (NeMo AutoModel's ``pack_dataset``, NeMo-RL's
     concatenative packer, without splitting items). Layout: bins in stream order, items in
     index order. ``seed`` is unused."""
-    return _next_fit(lengths, capacity, np.arange(lengths.size, dtype=np.int64))
+    return _next_fit(lengths, capacity, np.arange(lengths.size, dtype=np.int64), engine)
 
 
 def _shuffle_pack(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
     """NeVA's ``shuffle_and_pack``, O(n): a seeded random permutation (``default_rng(seed)``),
     then next fit over it. Layout: bins in creation order, items in shuffled order."""
-    return _next_fit(lengths, capacity, shuffled_order(lengths.size, seed))
+    return _next_fit(lengths, capacity, shuffled_order(lengths.size, seed), engine)
 
 
-greedy = Packer(name="greedy", impl=_greedy, compiles=False)
-shuffle_pack = Packer(name="shuffle_pack", impl=_shuffle_pack, compiles=False)
+greedy = Packer(name="greedy", impl=_greedy)
+shuffle_pack = Packer(name="shuffle_pack", impl=_shuffle_pack)
