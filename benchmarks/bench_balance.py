@@ -30,7 +30,9 @@ reservoir's hold limit, and the packer's resume state measured on a real ``Windo
 Each balanced variant starts every reader's cost histogram with ``warm`` pack costs drawn
 from a pool of packs the same packer made from an independent stream: what a reader has
 counted after ``warm / packs_per_batch`` steps of training (the steady state of a long run).
-*cold* rows start from nothing, like step 0 of a run. Fill is the packer's (every pack each
+*cold* rows start from nothing, like step 0 of a run before 2026-11-25; *seeded* rows start
+every rank from the same seed histogram, as the library now does
+(:mod:`streampack.nodes.cost_seed`: the packs of one shared sample of lengths). Fill is the packer's (every pack each
 rank made): the balance reorders packs, it never changes them.
 """
 
@@ -123,6 +125,23 @@ def pack_pool(setup: Setup, model: CostModel, scale: CostScale, n: int) -> np.nd
     return np.asarray(packs.cost[:n]) / scale.full
 
 
+SEEDED = -1
+"""``warm`` of a variant whose readers all start from the library's seed (``nodes.cost_seed``):
+the packs of one shared sample of ``SEED_SAMPLES`` lengths, the same histogram on every rank."""
+
+
+def seed_of(setup: Setup, model: CostModel, scale: CostScale) -> np.ndarray:
+    """The seed histogram every rank starts from, made the node's way from one sample of lengths
+    (of an independent stream: the shard indexes' lengths, not any rank's own documents)."""
+    from streampack.nodes.cost_seed import SEED_SAMPLES, seed_counts
+
+    sample = doc_lengths(np.random.default_rng((setup.seed, 0x5EED)), SEED_SAMPLES, setup.capacity)
+    rules = PackerRules(capacity=setup.capacity, window=setup.window, seed=setup.seed)
+    counts = seed_counts(sample, rules, model, scale, seed=setup.seed)
+    assert counts is not None
+    return counts
+
+
 def simulate(setup: Setup, model: CostModel) -> list[dict[str, Any]]:
     """One row per consumer: token-only and each balanced variant."""
     k, started = setup.packs_per_batch, time.perf_counter()
@@ -130,6 +149,7 @@ def simulate(setup: Setup, model: CostModel) -> list[dict[str, Any]]:
     warmest = max((w for _, w in setup.variants.values()), default=0)
     pool = pack_pool(setup, model, scale, 4 * warmest) if warmest else np.zeros(0)
     rng = np.random.default_rng(setup.seed + 2)
+    seeded = seed_of(setup, model, scale)
     names = ["token-only", *setup.variants]
     options = [None, *setup.variants.values()]
     cost = {n: np.zeros((setup.steps, setup.ranks)) for n in names}
@@ -144,7 +164,9 @@ def simulate(setup: Setup, model: CostModel) -> list[dict[str, Any]]:
                 continue
             balance, warm = option
             res: Reservoir[int] = Reservoir(balance, sched, scale)
-            if warm:
+            if warm == SEEDED:
+                res.counts += seeded
+            elif warm:
                 res.counts += np.bincount(scale.bins(rng.choice(pool, warm)), minlength=BINS)
             consumers.append((name, _Balanced(packs, res, balance.reservoir, scale)))
         for name, consumer in consumers:
@@ -164,7 +186,8 @@ def simulate(setup: Setup, model: CostModel) -> list[dict[str, Any]]:
         rows.append({"capacity": setup.capacity, "packs_per_batch": k, "ranks": setup.ranks,
                      "steps": setup.steps, "mode": name,
                      "reservoir": "-" if name == "token-only" else setup.variants[name][0].reservoir,
-                     "warm": "-" if name == "token-only" else setup.variants[name][1],
+                     "warm": "-" if name == "token-only" else
+                     "seed" if setup.variants[name][1] == SEEDED else setup.variants[name][1],
                      "straggler": round(float(sf.mean()), 4),
                      "straggler_p99": round(float(np.quantile(sf, 0.99)), 4),
                      "fill_%": round(100 * made[0] / made[1], 3),
@@ -239,7 +262,8 @@ def setups(quick: bool) -> list[Setup]:
     out = []
     for capacity in (32768, 131072):
         for k in (1, 4):
-            variants = {"cost-balanced": (Balance(), warm), "cost-balanced, cold start": (Balance(), 0)}
+            variants = {"cost-balanced": (Balance(), warm), "cost-balanced, cold start": (Balance(), 0),
+                        "cost-balanced, seeded (the default)": (Balance(), SEEDED)}
             if capacity == 131072 and k == 1 and not quick:  # the trade-offs: reservoir size, warm-up
                 variants.update({f"cost-balanced, reservoir {r}": (Balance(reservoir=r), warm) for r in (16, 32, 128)})
                 variants["cost-balanced, histogram of 2,000 packs"] = (Balance(), 2_000)

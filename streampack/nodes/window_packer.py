@@ -13,7 +13,8 @@ A pack is emitted when
   1. its free space is at most ``slack`` tokens (default ``capacity // 256``), or
   2. one of its samples entered the window ``max_wait`` rounds ago (bounded latency: a sample
      is emitted at the latest in the round ``max_wait`` rounds after the one it arrived in,
-     i.e. before ``max_wait * window`` later samples are read), or
+     i.e. before ``max_wait * window`` later samples are read; default ``max(8, 8192 // window)``
+     rounds, so about 8,192 samples at any window up to 1024), or
   3. carrying it would leave less than half of this round's window for new samples (the
      fullest such packs go first), so every round makes progress even on a stream that never
      fills a pack, or
@@ -48,6 +49,13 @@ Log (lognormal mean ~600 sigma 1, capacity 4096, split policy; 2-core shared CPU
   (99.80%): half-empty packs then wait until forced.
 - fill by window (40k samples, benchmarks/bench_pipeline.py; offline bfd 99.99%): 64 -> 99.16%,
   256 -> 99.75%, 1024 -> 99.94%, 4096 -> 99.97%.
+- 2026-11-25, max_wait by window: with 8 rounds at every window a small window forced packs out
+  after few samples (window 256: 8 x 256 = 2,048 later samples), which made most of its fill
+  loss. The default is now ``window_rounds.default_max_wait``: ``max(8, 8192 // window)``
+  rounds, the same bound in samples as window 1024's 8 rounds. Window 256, 100k documents
+  (``benchmarks/bench_packing_scaling.py``, online vs offline bfd): lognormal 0.216 -> 0.084
+  points below, heavy-tail 0.220 -> 0.068; slack 8 with 32 rounds: 0.063 / 0.053 (but 8x the
+  packs forced out by age); windows >= 1024 unchanged.
 - the packer alone (in-memory source) runs at 140–230 M tokens/s; end to end the reader and
   the collate dominate.
 """
