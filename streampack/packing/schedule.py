@@ -62,6 +62,15 @@ Cold (the first 400 steps of a run, histograms empty at step 0): 1.104 at 128k k
 k = 4; with 2,000 packs counted, 1.053. The target of issue 14 (at most 1.05 at 128k, fill loss
 under 0.5 points) holds once the histograms are warm, with no fill loss at all.
 
+**Seeded** (since 2026-11-25, ``Balance.seeded``): what made a cold start worse was not too few
+packs but *different* ones — each reader's levels came from its own few packs. Now every reader
+starts from one histogram, the same on every rank (:mod:`streampack.nodes.cost_seed`: the
+packer's own packs of one sample of the shard indexes' lengths, counted as 20,000 packs), so the
+levels agree from step 0. Simulator ``--quick`` (128 ranks, steps 0–120, 128k): k = 1 1.018
+(cold 1.096, 5,000 independent packs counted 1.031), k = 4 1.025 (cold 1.094). End to end,
+16 ranks of ``PackedDataset`` at 128k, steps 0–500 (``benchmarks/bench_balance_e2e.py``):
+see ``benchmarks/balance_e2e_results.md``.
+
 Host memory: the reservoir's packs, ``reservoir x capacity`` tokens per reader (64 MB of int64
 ids at 128k). State: the reservoir's documents as references (56 bytes each), a histogram of
 ``BINS`` counts (8 KB) and each pack's step. Building it costs 7.7 ms per ``state_dict()`` at
