@@ -28,7 +28,7 @@ Then the criteria of issue 21, item 5, each printed PASS / FAIL with the offendi
 
 1. ``pack()`` within 1.2x ``pack_flat`` (every algorithm and size; the ratio of two CPU times
    of a few ms is noisy at 1e4, so a cell under 1 ms of difference passes);
-2. no size at which a larger input is faster than a smaller one: warm compiled, a fresh
+2. no size at which a larger input is faster (by more than ``NOISE``) than a smaller one: warm compiled, a fresh
    process's first call with the AOT module built, and without it (the plain path below
    ``THRESHOLD``, numba's JIT load above);
 3. every algorithm's warm time <= the plain compiled BFD's at each size (1e4–1e6), the kernels
@@ -222,6 +222,12 @@ def online_fill(windows: tuple[int, ...] = (256, 1024), n: int = 100_000) -> lis
     return rows
 
 
+NOISE = 0.1
+"""A larger input counts as faster only when it is more than this share faster: a fresh process's
+first call is mostly loading (5 ms with the AOT module, ~1 s through numba), and two loads differ
+by more than 2% between runs on the loaded box (the cliff of the issue was 5-15x)."""
+
+
 def criteria(rows: list[dict], fills: list[dict]) -> list[tuple[str, bool, str]]:
     """(criterion, passed, offending cells) for issue 21, item 5 (see the module docstring)."""
     out = []
@@ -234,7 +240,7 @@ def criteria(rows: list[dict], fills: list[dict]) -> list[tuple[str, bool, str]]
         for name in ALGORITHMS:
             mine = sorted((r["n"], r[key]) for r in rows if r["algorithm"] == name and key in r)
             bad += [f"{name}: {n2:,} {t2:.3g} < {n1:,} {t1:.3g}"
-                    for (n1, t1), (n2, t2) in zip(mine, mine[1:]) if t2 < t1]
+                    for (n1, t1), (n2, t2) in zip(mine, mine[1:]) if t2 < (1 - NOISE) * t1]
         if any(key in r for r in rows):
             out.append((f"larger never faster than smaller ({what})", not bad, "; ".join(bad)))
     over = [f"{r['algorithm']}@{r['n']:,}: {r['flat_ms'] / r['ref_ms']:.2f}x" for r in rows
