@@ -3,10 +3,11 @@
 **Why.** Cost-balanced emission (:mod:`streampack.packing.schedule`) turns each step's quantile
 into a cost level with the histogram of pack costs the reader has counted. Every rank reads its
 own documents, so at step 0 every histogram is empty, and for the first ~2,000 packs the
-readers' histograms — and with them the levels, the very thing that makes ranks agree — differ:
-end to end (16 real ``PackedDataset`` readers, capacity 131,072, the long-tail lengths of
-``benchmarks/bench_balance.py``) the straggler factor over steps 0–500 was 1.07 with a cold start
-against 1.03 once the histograms agreed.
+readers' histograms — and with them the levels, the very thing that makes ranks agree — differ.
+Measured end to end (``benchmarks/bench_balance_e2e.py``: 16 real ``PackedDataset`` readers,
+capacity 131,072, the generated long-tail lengths of ``benchmarks/bench_balance.py``, Llama-3-8B
+FLOP model), straggler factor over steps 0–500: cold 1.064, seeded 1.027; with attention truly
+1.5x the FLOP model, cold 1.079, seeded 1.034 (token-only: 1.994 and 2.325).
 
 **Design.** Every reader packs the *same* sample of document lengths with the packer's own
 rules (``window_rounds.run_rounds``: window, algorithm, alignment, overlong policy) and counts

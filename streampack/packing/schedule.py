@@ -69,7 +69,7 @@ packer's own packs of one sample of the shard indexes' lengths, counted as 20,00
 levels agree from step 0. Simulator ``--quick`` (128 ranks, steps 0–120, 128k): k = 1 1.018
 (cold 1.096, 5,000 independent packs counted 1.031), k = 4 1.025 (cold 1.094). End to end,
 16 ranks of ``PackedDataset`` at 128k, steps 0–500 (``benchmarks/bench_balance_e2e.py``):
-see ``benchmarks/balance_e2e_results.md``.
+1.027 (cold 1.064), and 1.034 (cold 1.079) when attention truly costs 1.5x the FLOP model.
 
 Host memory: the reservoir's packs, ``reservoir x capacity`` tokens per reader (64 MB of int64
 ids at 128k). State: the reservoir's documents as references (56 bytes each), a histogram of
