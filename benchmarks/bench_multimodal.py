@@ -39,8 +39,8 @@ import argparse
 import io
 import json
 import os
-import subprocess
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -339,8 +339,10 @@ def report(args: argparse.Namespace, lens: Lengths, kept: np.ndarray, dropped: i
     if row is None:
         out += [f"Not measured: {note}.", ""]
     else:
-        out += ["| pipeline | samples | fill | samples per 1k slots | samples/s (1 process) |", "|---|---:|---:|---:|---:|",
-                f"| {row.name} | {row.samples} | {row.fill:.1%} | {row.per_kslot:.3f} | {row.samples / row.seconds:,.1f} |",
+        out += ["| pipeline | samples | fill | samples per 1k slots | samples/s (1 process) |",
+                "|---|---:|---:|---:|---:|",
+                f"| {row.name} | {row.samples} | {row.fill:.1%} | {row.per_kslot:.3f} | "
+                f"{row.samples / row.seconds:,.1f} |",
                 "", f"The first shard's {row.samples} samples read from tar ({note}), every sample's length from "
                 "image headers, over-capacity samples dropped as in the rows above (`overlong=\"drop\"`: the "
                 "default `split` refuses a cut through an image). Its samples/s is bounded by decoding, resizing "

@@ -40,7 +40,8 @@ def hf_rope_index(ids: torch.Tensor, image_grid: torch.Tensor | None, video_grid
 def random_document(gen: torch.Generator, merge: int, videos: bool) -> dict:
     """Text runs around 0-3 images (and maybe a video); each placeholder run is closed by text,
     as Qwen2-VL's template does with <|vision_end|> (transformers merges adjacent runs)."""
-    parts, grids, vgrids = [torch.randint(10, VOCAB, (int(torch.randint(0, 5, (), generator=gen)),), generator=gen)], [], []
+    first = torch.randint(10, VOCAB, (int(torch.randint(0, 5, (), generator=gen)),), generator=gen)
+    parts, grids, vgrids = [first], [], []
     for _ in range(int(torch.randint(0, 4, (), generator=gen))):
         is_video = videos and bool(torch.rand((), generator=gen) < 0.4)
         t = int(torch.randint(1, 4, (), generator=gen)) if is_video else 1
@@ -59,8 +60,8 @@ def test_packed_mrope_equals_transformers_per_document(merge: int, videos: bool)
     checked_images = 0
     for _ in range(25):
         docs = [random_document(gen, merge, videos) for _ in range(int(torch.randint(1, 5, (), generator=gen)))]
-        docs = [d for d in docs if len(d["ids"])] or [{"ids": torch.tensor([11]), "image": torch.zeros(0, 3, dtype=torch.long),
-                                                        "video": torch.zeros(0, 3, dtype=torch.long)}]
+        none = torch.zeros(0, 3, dtype=torch.long)
+        docs = [d for d in docs if len(d["ids"])] or [{"ids": torch.tensor([11]), "image": none, "video": none}]
         ids = torch.cat([d["ids"] for d in docs])
         cu = torch.tensor([0] + [len(d["ids"]) for d in docs]).cumsum(0).int()
         want = torch.cat([hf_rope_index(d["ids"], d["image"] if len(d["image"]) else None,

@@ -205,7 +205,8 @@ class CostModel:
             encoder = self._vision("vision")
             if vision.patches.shape != lengths.shape or vision.squares.shape != lengths.shape:
                 raise ValueError(f"vision loads of shape {vision.patches.shape} for {lengths.size} items")
-            costs += encoder.linear * result.bin_sums(vision.patches) + encoder.attention * result.bin_sums(vision.squares)
+            costs += (encoder.linear * result.bin_sums(vision.patches)
+                      + encoder.attention * result.bin_sums(vision.squares))
         return costs
 
     def batch_cost(self, result: PackResult, lengths: np.ndarray, *,
