@@ -240,7 +240,7 @@ def streampack_window(lengths: np.ndarray, capacity: int, window: int) -> list[l
     return [[len(s) for s in pack] for pack in packer]
 
 
-def run(name: str, fn: Callable[[], list[list[int]]], capacity: int | None, repeats: int = 3) -> Row:
+def measure(name: str, fn: Callable[[], list[list[int]]], capacity: int | None, repeats: int = 3) -> Row:
     """Best wall time of ``repeats`` calls (the first also pays imports and compiling)."""
     seconds = float("inf")
     for _ in range(repeats):
@@ -350,7 +350,7 @@ def report(args: argparse.Namespace, lens: Lengths, kept: np.ndarray, dropped: i
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--samples", type=int, default=4000)
     p.add_argument("--shards", type=int, default=4)
@@ -362,8 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-end-to-end", dest="end_to_end", action="store_false",
                    help="skip the row that runs the media pipeline from the media branch")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def bench(args: argparse.Namespace) -> tuple[str, list[Row]]:
+    """The whole run: (markdown report, packer rows)."""
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         urls = write_shards(Path(tmp), args.samples, args.shards, args.seed)
@@ -373,14 +376,27 @@ def main(argv: list[str] | None = None) -> int:
         e2e = end_to_end(urls[:1], args.capacity, args.window) if args.end_to_end else (None, "--no-end-to-end")
     over = lens.lengths > args.capacity
     kept = lens.lengths[~over]
-    rows = [run(f"pad to longest, {args.pad_batch} per batch", lambda: pad_to_longest(kept, args.pad_batch), None)]
-    rows += [run(f"greedy buffer K={k} (Energon/AutoModel kind)", lambda k=k: greedy_buffer(kept, args.capacity, k),
-                 args.capacity) for k in args.buffers]
-    rows.append(run(f"streampack WindowPacker (bfd, window {args.window})",
-                    lambda: streampack_window(kept, args.capacity, args.window), args.capacity))
+    rows = [measure(f"pad to longest, {args.pad_batch} per batch", lambda: pad_to_longest(kept, args.pad_batch), None)]
+    rows += [measure(f"greedy buffer K={k} (Energon/AutoModel kind)",
+                     lambda k=k: greedy_buffer(kept, args.capacity, k), args.capacity) for k in args.buffers]
+    rows.append(measure(f"streampack WindowPacker (bfd, window {args.window})",
+                        lambda: streampack_window(kept, args.capacity, args.window), args.capacity))
     for r in rows:
         assert r.samples == len(kept) and r.tokens == int(kept.sum()), f"{r.name} lost samples"
-    text = report(args, lens, kept, int(over.sum()), rows, e2e)
+    return report(args, lens, kept, int(over.sum()), rows, e2e), rows
+
+
+def run(quick: bool = False) -> list[dict]:
+    """Rows for ``benchmarks/run_all.py`` (no end-to-end row there: it imports another branch)."""
+    sizes = ["--samples", "200", "--shards", "2"] if quick else ["--samples", "2000", "--shards", "4"]
+    _, rows = bench(parse([*sizes, "--no-end-to-end"]))
+    return [{"packer": r.name, "fill": round(r.fill, 4), "samples_per_kslot": round(r.per_kslot, 4),
+             "packer_samples_per_s": round(r.samples / r.seconds)} for r in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    text, _ = bench(args)
     print(text)
     if args.out is not None:
         args.out.write_text(text)

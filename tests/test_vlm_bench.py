@@ -26,16 +26,16 @@ def test_greedy_buffer_is_first_fit_in_arrival_order_without_carry_over() -> Non
 
 def test_rows_count_slots_as_each_packer_pays_them() -> None:
     lengths = np.array([3, 9, 2, 2, 7])
-    pad = bench.run("pad", lambda: bench.pad_to_longest(lengths, 2), None, repeats=1)
+    pad = bench.measure("pad", lambda: bench.pad_to_longest(lengths, 2), None, repeats=1)
     assert (pad.slots, pad.tokens, pad.samples) == (2 * 9 + 2 * 2 + 1 * 7, 23, 5)
-    greedy = bench.run("g", lambda: bench.greedy_buffer(lengths, 10, 5), 10, repeats=1)
+    greedy = bench.measure("g", lambda: bench.greedy_buffer(lengths, 10, 5), 10, repeats=1)
     assert (greedy.slots, greedy.tokens) == (10 * 3, 23)  # [3, 2, 2], [9], [7]
 
 
 @pytest.mark.slow  # the first WindowPacker in a process pays ~10 s of imports and compiling here
 def test_window_row_runs_the_real_window_packer() -> None:
     lengths = np.array([3, 9, 2, 2, 7])
-    window = bench.run("w", lambda: bench.streampack_window(lengths, 10, 8), 10, repeats=1)
+    window = bench.measure("w", lambda: bench.streampack_window(lengths, 10, 8), 10, repeats=1)
     assert window.samples == 5 and window.tokens == 23 and window.slots == 10 * 3  # BFD: 9, 7+3, 2+2
 
 
