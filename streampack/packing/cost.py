@@ -28,15 +28,104 @@ backward, which this ignores (~+0.5× of the forward attention term).
 Worked example: a Llama-2-7B shape (h = 4096, 32 layers, 32 heads, f = 11008, gated,
 V = 32000) gives linear = 39.6 GFLOP per token and attention = 786k FLOP per L² in
 training, so a 4096-token document costs 162 TFLOP linear + 13.2 TFLOP attention (7.5%).
+
+**Vision encoder** (``CostModel(vision=VisionCost(...))``). A VLM step also runs every image's
+patches through a ViT: linear in patches, plus attention that is *bidirectional* inside each
+attention segment (one image frame: ``h·w`` patches, see ``streampack.layout.vision``) and so
+quadratic per image, never across images. ``VisionCost.from_shape`` for a ViT of ``layers``
+blocks of width e, MLP size f (plain, two matrices), patch input P = C·tp·p² values and a
+Qwen2-VL patch merger (m² patches → one token: an e·m² → e·m² → ``out_hidden`` MLP), per patch:
+
+* patch embedding ``2Pe``; per layer QKV and output projections ``8e²`` and MLP ``4ef``;
+* merger ``(2(e·m²)² + 2·e·m²·out) / m² = 2e²m² + 2e·out``;
+* attention per segment of S patches and per layer ``4eS²`` (QKᵀ and AV, no causal mask).
+
+Training multiplies by 3 as above; pass ``training=False`` for a frozen encoder (no backward
+runs through it). The formula equals torch's FLOP counter on transformers' own Qwen2-VL vision
+tower (``tests/test_vlm_cost.py``). Worked example, Qwen2-VL-7B's ViT (e = 1280, 32 layers,
+f = 5120, P = 1176, m = 2, out = 3584) frozen: linear = 1.28 GFLOP per patch, attention = 164k
+FLOP per S²; a 1036x1036 image (S = 74² = 5476 patches, 1369 LLM tokens) costs 7.0 TFLOP
+linear + 4.9 TFLOP attention, as much as 281 more tokens of its 7B language model in training
+(42.4 GFLOP per token): an image costs ~1.2x its token count, and more the larger it is
+(the S² term), so the same token count can be very different work.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from streampack.packing.result import PackResult
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VisionCost:
+    """Cost of a pack's images = ``linear · Σ patches + attention · Σ S²`` (S: the patches of
+    each vision attention segment, one per image frame)."""
+
+    linear: float
+    """Cost per patch through the vision encoder (embedding, blocks, merger/projector)."""
+    attention: float
+    """Cost per squared segment length (bidirectional attention inside one frame)."""
+
+    def __post_init__(self) -> None:
+        if not (self.linear >= 0 and self.attention >= 0):
+            raise ValueError(f"vision coefficients must be >= 0, got linear={self.linear}, "
+                             f"attention={self.attention}")
+
+    @classmethod
+    def from_shape(cls, *, hidden: int, layers: int, mlp: int, patch_dim: int,
+                   spatial_merge: int = 1, out_hidden: int | None = None,
+                   training: bool = True) -> VisionCost:
+        """FLOPs of a ViT with a Qwen2-VL-style merger (module docstring); ``hidden`` is the
+        ViT width, ``out_hidden`` the language model's (default: ``hidden``)."""
+        out_hidden = hidden if out_hidden is None else out_hidden
+        _check_sizes(hidden=hidden, layers=layers, mlp=mlp, patch_dim=patch_dim,
+                     spatial_merge=spatial_merge, out_hidden=out_hidden)
+        e, m2 = hidden, spatial_merge * spatial_merge
+        per_patch = 2 * patch_dim * e + layers * (8 * e * e + 4 * e * mlp) + 2 * e * e * m2 + 2 * e * out_hidden
+        scale = 3 if training else 1
+        return cls(linear=float(scale * per_patch), attention=float(scale * 4 * e * layers))
+
+    def cost(self, segments: np.ndarray) -> float:
+        """Cost of vision attention segments of ``segments`` patches (int ``[k]``)."""
+        segments = np.asarray(segments, dtype=np.float64)
+        return self.linear * float(segments.sum()) + self.attention * float(np.dot(segments, segments))
+
+
+def frame_patches(grid_thw: np.ndarray) -> np.ndarray:
+    """int64 ``[Σ t]``: patches of each vision attention segment (one per frame, ``h·w``) of
+    images with patch grids ``grid_thw`` (int ``[n, 3]``, ``(t, h, w)``); numpy twin of
+    ``torch.diff(streampack.layout.vision.vision_cu_seqlens(grid_thw))``."""
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    if grid.size and grid.min() < 1:
+        raise ValueError(f"image grids must be >= 1 everywhere, got {grid.tolist()}")
+    return np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VisionLoad:
+    """Per-item (sample) vision totals, for the vectorised ``CostModel.pack_costs``."""
+
+    patches: np.ndarray
+    """float64 ``[n]``: Σ patches of each item's images (0 for a text-only item)."""
+    squares: np.ndarray
+    """float64 ``[n]``: Σ S² over each item's attention segments."""
+
+    @classmethod
+    def of(cls, segments: Sequence[np.ndarray]) -> VisionLoad:
+        """From each item's segment lengths (``frame_patches`` of its grids; empty: no image)."""
+        arrays = [np.asarray(s, dtype=np.float64) for s in segments]
+        return cls(patches=np.array([a.sum() for a in arrays], dtype=np.float64),
+                   squares=np.array([np.dot(a, a) for a in arrays], dtype=np.float64))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +136,8 @@ class CostModel:
     """Cost per token of everything but attention scores (FLOPs when from a model shape)."""
     attention: float
     """Cost per squared document length (causal attention scores)."""
+    vision: VisionCost | None = None
+    """The vision encoder of a VLM (None: text only); adds its cost for the packs' images."""
 
     def __post_init__(self) -> None:
         if not (self.linear >= 0 and self.attention >= 0):
@@ -59,11 +150,7 @@ class CostModel:
                    training: bool = True) -> CostModel:
         """FLOPs of a decoder-only transformer (see the module docstring for the formula)."""
         kv_heads = heads if kv_heads is None else kv_heads
-        sizes = {"hidden": hidden, "layers": layers, "heads": heads, "ffn": ffn,
-                 "kv_heads": kv_heads}
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        _check_sizes(hidden=hidden, layers=layers, heads=heads, ffn=ffn, kv_heads=kv_heads)
         if vocab < 0 or hidden % heads or heads % kv_heads:
             raise ValueError(f"need vocab >= 0, heads dividing hidden and kv_heads dividing "
                              f"heads; got {vocab=}, {hidden=}, {heads=}, {kv_heads=}")
@@ -73,13 +160,27 @@ class CostModel:
         return cls(linear=float(scale * (layers * per_layer + 2 * h * vocab)),
                    attention=float(scale * 2 * h * layers))
 
-    def pack_cost(self, lengths: np.ndarray, *, padded_to: int | None = None) -> float:
+    def _vision(self, what: str) -> VisionCost:
+        if self.vision is None:
+            raise ValueError(f"{what} given, but this CostModel has no vision encoder "
+                             f"(CostModel(..., vision=VisionCost(...)))")
+        return self.vision
+
+    def pack_cost(self, lengths: np.ndarray, *, padded_to: int | None = None,
+                  segments: np.ndarray | None = None) -> float:
         """Cost of one pack holding documents of ``lengths`` (int ``[k]``).
 
         ``padded_to``: the tokens the pack occupies (its capacity). Padding runs through
         the linear layers, so it counts in the linear term; it attends to nothing real
         (masked, or its own span), so it adds no attention cost.
+        ``segments``: the patches of every vision attention segment of the pack's images
+        (``frame_patches`` of their grids), priced by ``vision``; their placeholder tokens are
+        already in ``lengths``.
         """
+        vision = 0.0 if segments is None else self._vision("segments").cost(segments)
+        return self._text_cost(lengths, padded_to) + vision
+
+    def _text_cost(self, lengths: np.ndarray, padded_to: int | None) -> float:
         lengths = np.asarray(lengths, dtype=np.float64)  # L² in float: no int64 overflow
         tokens = float(lengths.sum())
         if padded_to is not None:
@@ -89,9 +190,9 @@ class CostModel:
         return self.linear * tokens + self.attention * float(np.dot(lengths, lengths))
 
     def pack_costs(self, result: PackResult, lengths: np.ndarray, *,
-                   padded_to: int | None = None) -> np.ndarray:
+                   padded_to: int | None = None, vision: VisionLoad | None = None) -> np.ndarray:
         """float64 ``[num_bins]``: ``pack_cost`` of every bin of ``result``, vectorised (one
-        pass over the flat arrays; lengths int ``[n]`` indexed by item)."""
+        pass over the flat arrays; lengths int ``[n]`` and ``vision`` indexed by item)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         tokens = result.loads(lengths).astype(np.float64)
         if padded_to is not None:
@@ -99,9 +200,16 @@ class CostModel:
                 raise ValueError(f"a pack holds {int(tokens.max())} tokens > {padded_to=}")
             tokens = np.full(tokens.size, float(padded_to))
         squares = result.bin_sums(lengths.astype(np.float64) ** 2)
-        return self.linear * tokens + self.attention * squares
+        costs = self.linear * tokens + self.attention * squares
+        if vision is not None:
+            encoder = self._vision("vision")
+            if vision.patches.shape != lengths.shape or vision.squares.shape != lengths.shape:
+                raise ValueError(f"vision loads of shape {vision.patches.shape} for {lengths.size} items")
+            costs += (encoder.linear * result.bin_sums(vision.patches)
+                      + encoder.attention * result.bin_sums(vision.squares))
+        return costs
 
     def batch_cost(self, result: PackResult, lengths: np.ndarray, *,
-                   padded_to: int | None = None) -> float:
+                   padded_to: int | None = None, vision: VisionLoad | None = None) -> float:
         """Cost of all packs of ``result`` together (one micro-batch of them)."""
-        return float(self.pack_costs(result, lengths, padded_to=padded_to).sum())
+        return float(self.pack_costs(result, lengths, padded_to=padded_to, vision=vision).sum())
