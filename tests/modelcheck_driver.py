@@ -163,6 +163,10 @@ class Execution:
         if self.change is not None and named_refusal(exc, [self.shards[self.change.index].url]):
             if self.change.kind == "restage" and not self.s.setup.http:
                 raise Finding("refused-restage", f"refused a re-staged shard with the same bytes: {exc}")
+            said_changed = "changed since" in str(exc)  # else: its new bytes cannot be planned (corrupt, no lengths)
+            if said_changed and not (isinstance(exc, DataError) and exc.reason == "shard_changed" and " -> " in str(exc)):
+                raise Finding("unclear-refusal", f"a {self.change.kind} shard was refused, but not with a "
+                              f"DataError('shard_changed') naming its old and new identity: {type(exc).__name__}: {exc}")
             COVERAGE[f"named refusals of a {self.change.kind} shard"] += 1
             return "refused"
         where = traceback.extract_tb(exc.__traceback__)[-1]
