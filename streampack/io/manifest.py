@@ -198,15 +198,24 @@ class Manifest:
         position a state saved under the other manifest holds is still right. O(N) CPU once
         per manifest and mode (``benchmarks/bench_resume_check.py``); no request."""
         if mode not in self._prints:
-            h = hashlib.sha1(f"{mode}|{len(self.urls)}|".encode())
-            for column in (self.samples, self.tokens, self.byte_costs, self.sizes):
-                h.update(np.ascontiguousarray(column, dtype=np.int64).tobytes())
-            if mode in ("tag", "all"):
-                h.update("\n".join(self.tags).encode("utf-8", "surrogateescape"))
-            if mode in ("digest", "all"):
-                h.update(b"|" + "\n".join(self.digests).encode())
-            self._prints[mode] = h.hexdigest()[:16]
+            parts = ["counts", "sizes", *{"tag": ["tags"], "digest": ["digests"], "all": ["tags", "digests"]}.get(mode, [])]
+            self._prints[mode] = hashlib.sha1("|".join([mode, str(len(self.urls)), *map(self._part, parts)])
+                                              .encode()).hexdigest()[:16]
         return self._prints[mode]
+
+    def _part(self, name: str) -> str:
+        """SHA-1 of one group of columns, computed once (the four fingerprints share them)."""
+        key = f"part:{name}"
+        if key not in self._prints:
+            if name == "counts":
+                data = b"".join(np.ascontiguousarray(c, dtype=np.int64).tobytes()
+                                for c in (self.samples, self.tokens, self.byte_costs))
+            elif name == "sizes":
+                data = np.ascontiguousarray(self.sizes, dtype=np.int64).tobytes()
+            else:
+                data = "\n".join(getattr(self, name)).encode("utf-8", "surrogateescape")
+            self._prints[key] = hashlib.sha1(data).hexdigest()
+        return self._prints[key]
 
     def changes_since(self, old: Manifest, mode: str) -> list[ShardChange]:
         """The shards whose identity under ``mode`` or whose totals differ in ``old`` (the same
