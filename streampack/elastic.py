@@ -171,7 +171,7 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
         for s in ordered:  # the old plans are cut from this manifest: it must be the one they were saved under
             reader = find_state(s[GRAPH_KEY], READER_KIND)
             check_manifest(reader.get(MANIFEST_KEY) if reader else None, old.planner.shards, options.open_options(),
-                           recorded=identities)
+                           recorded=identities, states="the states were")
         check_identities(identities, lambda shard: old.planner.shards.recorded(shard, mode),
                          lambda shard: _url(sources, shard), mode)
     frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]

@@ -472,7 +472,7 @@ def identities_from_state(saved: Mapping[str, list[Any]] | None) -> dict[int, Sh
 
 
 def check_manifest(saved: Mapping[str, str] | None, manifest: Manifest, opts: OpenOptions, *,
-                   recorded: Mapping[int, ShardStat] | None = None) -> None:
+                   recorded: Mapping[int, ShardStat] | None = None, states: str = "the state was") -> None:
     """:class:`~streampack.io.shard_identity.ShardChanged` naming the shards that changed since a
     state recorded ``saved`` (its manifest's fingerprints, :data:`PRINT_MODES`) when ``manifest``
     (the one planning now) differs from it as ``opts.identity`` compares: the epoch plan the
@@ -493,14 +493,14 @@ def check_manifest(saved: Mapping[str, str] | None, manifest: Manifest, opts: Op
                     shard_identity.hint(ident, manifest.recorded(s, mode), mode))
                    for s, ident in sorted((recorded or {}).items()) if s < len(manifest)
                    for diff in [shard_identity.changes(ident, manifest.recorded(s, mode), mode)] if diff]
-    why = (f"; the positions it holds belong to an epoch plan cut from the old contents (manifest at "
+    why = (f"; the positions saved belong to an epoch plan cut from the old contents (manifest at "
            f"{manifest.location!r}, fingerprint {saved.get(mode)} -> {manifest.fingerprint(mode)} under "
            f"identity={mode!r}): put the original bytes back to resume exactly, or start afresh")
     if not changed:
-        raise ShardChanged("shard_changed", "cannot resume: the data set's shards changed since the state was saved, "
-                           f"and the manifest it was saved under is no longer kept to name them{why}",
+        raise ShardChanged("shard_changed", f"cannot resume: the data set's shards changed since {states} saved, "
+                           f"and the manifest of that save is no longer kept to name them{why}",
                            url=manifest.location)
     shown = "; ".join(text for _, text, _ in changed[:4]) + (f"; ... ({len(changed)} in all)" if len(changed) > 4
                                                            else "")
-    raise ShardChanged("shard_changed", f"cannot resume: {len(changed)} shard(s) changed since the state was "
-                       f"saved: {shown}{why}{changed[0][2]}", url=changed[0][0])
+    raise ShardChanged("shard_changed", f"cannot resume: {len(changed)} shard(s) changed since {states} saved: "
+                       f"{shown}{why}{changed[0][2]}", url=changed[0][0])
