@@ -38,13 +38,13 @@ import numpy as np
 
 from streampack.graph import make_planner, replayable
 from streampack.io.index import index_decode, load_or_build_index
+from streampack.io.storage import ShardStat
 from streampack.nodes.epoch_plan import (
     ShardSamples,
     chunk_lengths,
 )
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
-from streampack.io.storage import ShardStat
 from streampack.nodes.reader import (
     ENDS_KEY,
     IDENTITY_KEY,

@@ -126,5 +126,5 @@ def check(url: str, saved: ShardStat, now: ShardStat, mode: str, *, since: str, 
                            f"{consequence}{hint(saved, now, mode)}", url=url)
 
 
-__all__ = ["DIGEST_PREFIX", "EDGE", "IDENTITY_MODES", "ShardChanged", "changes", "check", "check_mode", "current", "hint",
-           "shard_digest"]
+__all__ = ["DIGEST_PREFIX", "EDGE", "IDENTITY_MODES", "ShardChanged", "changes", "check", "check_mode", "current",
+           "hint", "shard_digest"]

@@ -36,8 +36,8 @@ that manifest (a remote shard re-staged under an unchanged manifest). Putting th
 back makes the same resume succeed. Cost per reader: no request of its own — one compare at
 restore (the fingerprint is O(N) CPU once per process: ~2 µs × N on the loaded dev box, 0.24 ×
 loading the manifest, ``benchmarks/bench_resume_check.py``), and per shard it opens the stat /
-HEAD it makes anyway;
-only a refusal reads the saved manifest's copy (1 read) to name the changed shards.
+HEAD it makes anyway; only a refusal reads the saved manifest's copy (1 read) to name the
+changed shards.
 """
 
 from __future__ import annotations
