@@ -228,8 +228,8 @@ class _Builder:
                                     epoch=share.epoch if share is not None and epoch is None else epoch,
                                     work=work, keep_work=share is not None, io_stats=self.io_stats,
                                     identities=None if share is None else share.identities,
-                                    manifest=self.planner.shards if self.needs_plan and planned and epoch is not None
-                                    else None)
+                                    manifest=self.planner.shards if epoch is not None and (
+                                        (self.needs_plan and planned) or share is not None) else None)
         replayer = self._replayer(nodes)
         node = nodes["overlong"] = OverlongNode(node, config.capacity, config.overlong,
                                                 replay=None if replayer is None else replayer.chunks)

@@ -232,8 +232,10 @@ class ShardReader(BaseNode[Sample]):
         self._streams: list[BinaryIO] = []
         self._items: Iterator[Item] | None = None
         self._starved_shards: set[int] = set()  # shards read empty since the last sample (not state)
-        self._identities: OrderedDict[int, ShardStat] = OrderedDict()  # recently opened shards, newest last
         self._saved_identities: dict[int, ShardStat] = dict(saved_identities or {})  # what a restored state recorded
+        # recently opened shards, newest last; an elastic share starts with the old readers' record, so a
+        # state saved before it opens them still names the shards its spans and carried samples point into
+        self._identities: OrderedDict[int, ShardStat] = OrderedDict(list(self._saved_identities.items())[-RECENT_SHARDS:])
         self.manifest = manifest  # what planned this reader's spans: its shards' identities and totals
         self._prints = {m: manifest.fingerprint(m) for m in PRINT_MODES} if manifest is not None else None
         self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
