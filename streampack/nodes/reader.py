@@ -236,6 +236,7 @@ class ShardReader(BaseNode[Sample]):
         # recently opened shards, newest last; an elastic share starts with the old readers' record, so a
         # state saved before it opens them still names the shards its spans and carried samples point into
         self._identities: OrderedDict[int, ShardStat] = OrderedDict(list(self._saved_identities.items())[-RECENT_SHARDS:])
+        self._checked: set[int] = set()  # shards this reader found unchanged in this process (not state)
         self.manifest = manifest  # what planned this reader's spans: its shards' identities and totals
         self._prints = {m: manifest.fingerprint(m) for m in PRINT_MODES} if manifest is not None else None
         self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
@@ -269,6 +270,7 @@ class ShardReader(BaseNode[Sample]):
         super().reset(initial_state)
         self.close()
         self._starved_shards.clear()
+        self._checked.clear()
         if initial_state is None:
             self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
             return
@@ -433,12 +435,13 @@ class ShardReader(BaseNode[Sample]):
         :class:`~streampack.io.shard_identity.ShardChanged` before a byte of it is read."""
         if url.startswith("pipe:") or self._open.identity == "off":
             return
-        if shard not in self._identities:
+        if shard not in self._checked or shard not in self._identities:  # a recorded one is checked again
             now = shard_identity.current(url, self._open, self.io_stats)
             self._check_same(shard, now)
             if self.manifest is not None:
                 self.manifest.check_identity(shard, now, self._open.identity)
             self._identities[shard] = now
+            self._checked.add(shard)
         self._identities.move_to_end(shard)
         while len(self._identities) > RECENT_SHARDS:
             self._identities.popitem(last=False)
