@@ -23,6 +23,7 @@ import dataclasses
 import os
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -49,33 +50,46 @@ def best(fn, repeat: int = 5) -> float:
     return min(times)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shards", type=int, default=100_000)
-    a = p.parse_args()
+def measure(shards: int) -> dict[str, Any]:
+    """One row: the costs above at ``shards`` shards (seconds)."""
     with tempfile.TemporaryDirectory() as d:
-        m = synthetic(a.shards, d)
+        m = synthetic(shards, d)
         fresh = lambda: dataclasses.replace(m)  # noqa: E731 - a new object: no cached fingerprint
         t_print = best(lambda: [fresh().fingerprint(mode) for mode in ("all", "tag", "size", "digest")])
         tags = list(m.tags)
-        tags[a.shards // 2] = '"re-staged"'
+        tags[shards // 2] = '"re-staged"'
         other = dataclasses.replace(m, tags=tuple(tags))
         t_tag = best(lambda: other.changes_since(m, "tag"))
         t_size = best(lambda: other.changes_since(m, "size"))
-        assert [c.shard for c in other.changes_since(m, "tag")] == [a.shards // 2]
+        assert [c.shard for c in other.changes_since(m, "tag")] == [shards // 2]
         t_save = best(lambda: save_manifest(m, OpenOptions()), repeat=2)
         key = m.fingerprint("all")
         t_load = best(lambda: load_saved(d, key), repeat=3)
         t_manifest = best(lambda: load_manifest(d), repeat=3)  # what every planned reader pays already
         size = os.path.getsize(os.path.join(d, "history", f"{key}.spm.npz"))
-    n = a.shards
+    return {"what": "resume_check", "shards": shards, "fingerprint_s": t_print, "manifest_load_s": t_manifest,
+            "changes_tag_s": t_tag, "changes_size_s": t_size, "save_s": t_save, "load_saved_s": t_load,
+            "copy_bytes": size}
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """10^4 shards (quick) or 10^5."""
+    return [measure(10_000 if quick else 100_000)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shards", type=int, default=100_000)
+    r = measure(p.parse_args().shards)
+    n = r["shards"]
     print(f"N={n:,} shards")
-    print(f"fingerprint (4 modes, once per process): {t_print * 1e3:.1f} ms = {t_print / n * 1e9:.0f} ns x N; "
-          f"loading the manifest (side by side): {t_manifest * 1e3:.0f} ms (fingerprint / load = {t_print / t_manifest:.2f})")
-    print(f"changes_since, tag: {t_tag * 1e3:.1f} ms = {t_tag / n * 1e9:.0f} ns x N; "
-          f"size: {t_size * 1e3:.1f} ms = {t_size / n * 1e9:.0f} ns x N")
-    print(f"save with history copy: {t_save * 1e3:.0f} ms; load_saved: {t_load * 1e3:.0f} ms; "
-          f"copy {size / 1e6:.1f} MB ({size / n:.0f} B x N)")
+    print(f"fingerprint (4 modes, once per process): {r['fingerprint_s'] * 1e3:.1f} ms = "
+          f"{r['fingerprint_s'] / n * 1e9:.0f} ns x N; loading the manifest (side by side): "
+          f"{r['manifest_load_s'] * 1e3:.0f} ms (fingerprint / load = {r['fingerprint_s'] / r['manifest_load_s']:.2f})")
+    print(f"changes_since, tag: {r['changes_tag_s'] * 1e3:.1f} ms = {r['changes_tag_s'] / n * 1e9:.0f} ns x N; "
+          f"size: {r['changes_size_s'] * 1e3:.1f} ms = {r['changes_size_s'] / n * 1e9:.0f} ns x N")
+    print(f"save with history copy: {r['save_s'] * 1e3:.0f} ms; load_saved: {r['load_saved_s'] * 1e3:.0f} ms; "
+          f"copy {r['copy_bytes'] / 1e6:.1f} MB ({r['copy_bytes'] / n:.0f} B x N)")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ its plan is cut from with the one the state recorded (a local data set's manifes
 when a shard changes, which moves every reader's cut), and checks each shard it opens against
 that manifest (a remote shard re-staged under an unchanged manifest). Putting the original bytes
 back makes the same resume succeed. Cost per reader: no request of its own — one compare at
-restore (the fingerprint is O(N) CPU once per process: ~2 µs × N on the loaded dev box, 0.24 ×
-loading the manifest, ``benchmarks/bench_resume_check.py``), and per shard it opens the stat /
+restore (the fingerprint is O(N) CPU once per process: 0.46 µs × N idle, 0.24–0.35 × loading
+the manifest, ``benchmarks/bench_resume_check.py``), and per shard it opens the stat /
 HEAD it makes anyway; only a refusal reads the saved manifest's copy (1 read) to name the
 changed shards.
 """
