@@ -38,17 +38,19 @@ import numpy as np
 
 from streampack.graph import make_planner, replayable
 from streampack.io.index import index_decode, load_or_build_index
+from streampack.io.storage import ShardStat
 from streampack.nodes.epoch_plan import (
     ShardSamples,
     chunk_lengths,
 )
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
-from streampack.io.storage import ShardStat
 from streampack.nodes.reader import (
     ENDS_KEY,
     IDENTITY_KEY,
+    MANIFEST_KEY,
     WorkEnds,
+    check_manifest,
     ends_from_state,
     identities_from_state,
     work_from_state,
@@ -166,6 +168,10 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
     identities = saved_identities(ordered, sources)
     mode = options.open_options().identity
     if old.planner is not None and mode != "off":  # the manifest names every shard's identity now: no request
+        for s in ordered:  # the old plans are cut from this manifest: it must be the one they were saved under
+            reader = find_state(s[GRAPH_KEY], READER_KIND)
+            check_manifest(reader.get(MANIFEST_KEY) if reader else None, old.planner.shards, options.open_options(),
+                           recorded=identities, states="the states were")
         check_identities(identities, lambda shard: old.planner.shards.recorded(shard, mode),
                          lambda shard: _url(sources, shard), mode)
     frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]

@@ -88,9 +88,11 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
                   around: Mapping[str, Wrap] | None = None, epoch: int | None = None,
                   work: list[Span] | None = None, keep_work: bool = False,
                   io_stats: IOStats | None = None,
-                  identities: Mapping[int, Any] | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
+                  identities: Mapping[int, Any] | None = None,
+                  manifest: Manifest | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
     """The sample half of the graph: reader(s) -> [mixture] -> [tokenize] -> [stages].
-    ``epoch`` reads that one epoch (``work``: its spans) instead of the pass's epochs."""
+    ``epoch`` reads that one epoch (``work``: its spans) instead of the pass's epochs;
+    ``manifest`` is what planned them (the reader checks its shards and its state against it)."""
     errors = errors if errors is not None else ErrorCounter()
     io_stats = io_stats if io_stats is not None else IOStats()
     open_options = options.open_options()
@@ -103,7 +105,8 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
         loss_mask_key=config.loss_mask_key, on_error=config.on_error, errors=errors,
         allow_pipe=options.allow_pipe, allow_pickle=options.allow_pickle, cache_dir=options.cache_dir,
         open_options=open_options, io_stats=io_stats, source=i, work=None if work is None else {start: work},
-        keep_work=keep_work, vocab_size=config.vocab_size, limits=config.limits, saved_identities=identities)
+        keep_work=keep_work, vocab_size=config.vocab_size, limits=config.limits, saved_identities=identities,
+        manifest=manifest)
         for i, (name, shards) in enumerate(sorted(sources.mixture.items()) or [("", sources.shards)])}
     nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "readers": list(readers.values()),
                              "errors": errors, "io": io_stats}
@@ -228,7 +231,9 @@ class _Builder:
                                     stages=self.stages, errors=self.errors, around=self.around,
                                     epoch=share.epoch if share is not None and epoch is None else epoch,
                                     work=work, keep_work=share is not None, io_stats=self.io_stats,
-                                    identities=None if share is None else share.identities)
+                                    identities=None if share is None else share.identities,
+                                    manifest=self.planner.shards if epoch is not None and (
+                                        (self.needs_plan and planned) or share is not None) else None)
         replayer = self._replayer(nodes)
         node = nodes["overlong"] = OverlongNode(node, config.capacity, config.overlong,
                                                 replay=None if replayer is None else replayer.chunks)

@@ -86,6 +86,9 @@ class Execution:
         self.options = dataset_options(s.setup)
         self.trained, self.snapshot = Trained(), Trained()
         self.change: Change | None = None
+        self.resumes, self.changed_at = 0, 0
+        """Resumes so far, and the one the change was made before: a refusal at a later resume comes
+        from states saved over the changed bytes (a change an earlier resume accepted)."""
         self.saved: list[dict[str, Any]] | None = None
         self.topology, self.moved = (s.dp_size, s.num_workers), False
         self.ranks: list[SimRank] = []
@@ -140,18 +143,24 @@ class Execution:
         self.snapshot = self.trained.copy()
         if step.change:
             self.change = apply_change(step.change, step.shard, self.paths[step.shard], self.shards, self.s.corpus.fmt)
+            self.changed_at = self.resumes + 1
         self.queue(step.faults)
         self.moved |= (step.dp_size, step.num_workers) != self.topology
         if self.moved or step.num_workers > 1:
             self.labels = []
         self.topology = (step.dp_size, step.num_workers)
+        self.resumes += 1
         self.ranks = self.open(step.dp_size, step.num_workers, self.saved, elastic=step.elastic)
 
     def redo_after_refusal(self) -> None:
-        """Put the refused shard back and resume again from the same saved states."""
+        """Put the refused shard back and resume again from the same saved states. When those
+        states were saved over the changed bytes (an earlier resume accepted the change), the
+        shard is still judged as changed: its epochs may each hold either version, never a splice."""
         assert self.change is not None and self.saved is not None
         restore(self.change)
-        self.change, self.trained, self.labels = None, self.snapshot.copy(), []
+        self.trained, self.labels = self.snapshot.copy(), []
+        if self.changed_at == self.resumes:
+            self.change = None
         self.ranks = self.open(*self.topology, self.saved, elastic=True)
 
     def explain(self, exc: BaseException) -> str:
@@ -163,6 +172,10 @@ class Execution:
         if self.change is not None and named_refusal(exc, [self.shards[self.change.index].url]):
             if self.change.kind == "restage" and not self.s.setup.http:
                 raise Finding("refused-restage", f"refused a re-staged shard with the same bytes: {exc}")
+            said_changed = "changed since" in str(exc)  # else: its new bytes cannot be planned (corrupt, no lengths)
+            if said_changed and not (isinstance(exc, DataError) and exc.reason == "shard_changed" and " -> " in str(exc)):
+                raise Finding("unclear-refusal", f"a {self.change.kind} shard was refused, but not with a "
+                              f"DataError('shard_changed') naming its old and new identity: {type(exc).__name__}: {exc}")
             COVERAGE[f"named refusals of a {self.change.kind} shard"] += 1
             return "refused"
         where = traceback.extract_tb(exc.__traceback__)[-1]

@@ -32,29 +32,11 @@ SHRINK_SECONDS = {"fast": 30.0, "slow": 600.0}
 """Shrinking time per session and set: once spent, a failing seed prints its schedule as drawn."""
 
 
-KNOWN_OPEN = ("a shard changed between save and resume: readers that were not inside it on the same topology, "
-              "and a resume after the shard is put back, are not refused consistently "
-              "(found by this checker; open in issue 18's closing note; the deterministic reproductions below "
-              "are strict xfails)")
-
-
-def known_open(seed: int, which: str, text: str) -> bool:
-    """Whether a failing schedule is the one open defect class: a shard changed between save and
-    resume (truncated, rewritten, or re-staged over HTTP, where its ETag changes), with a finding
-    of exactly-once, of a change trained silently, or of a changed-shard refusal after the shard
-    was put back. Anything else fails."""
-    changes = {step.change for step in schedule_for(seed, slow=which == "slow").steps}
-    findings = ("[exactly-once", "[silent-change", "changed since")
-    return bool(changes & {"truncate", "rewrite", "restage"}) and any(f in text for f in findings)
-
-
 def _check_seed(seed: int, which: str, per_seed: float) -> None:
     start = time.monotonic()
     text = report(seed, slow=which == "slow", shrink_seconds=min(per_seed, SHRINK_SECONDS[which]))
     if text is not None:
         SHRINK_SECONDS[which] = max(0.0, SHRINK_SECONDS[which] - (time.monotonic() - start))
-        if known_open(seed, which, text):
-            pytest.xfail(f"{KNOWN_OPEN}\n{text}")
         pytest.fail(text, pytrace=False)
 
 
@@ -126,31 +108,36 @@ def test_a_restaged_local_shard_resumes():
     _passes(_schedule(Step(batches=3), Step(dp_size=1, num_workers=0, elastic=False, change="restage"), capacity=16))
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_OPEN)
-def test_a_truncated_shard_leaves_the_other_shards_exactly_once():
+def test_a_truncated_shard_is_refused_by_readers_outside_it_and_put_back_resumes_exactly_once():
     """Found by this checker (slow seed 1354), on the same topology: 3 ranks x 3 workers read 1
-    batch each; shard 2 is cut to half its bytes; every reader loads its own state. Nothing is
-    refused, and shard 1, which did not change, trains its record 0 twice and record 1 never."""
+    batch each; shard 2 is cut to half its bytes; every reader loads its own state. Nothing was
+    refused, and shard 1, which did not change, trained its record 0 twice and record 1 never
+    (the local manifest was rebuilt and the plan cut moved). Now the resume is refused naming
+    shard 2, and with the original bytes back the same states train every chunk once."""
     s = Schedule(seed=-1, corpus=Corpus(fmt="jsonl", shards=4, docs=2, long=0.0, seed=1354),
                  setup=Setup(capacity=16, window=1, packs_per_batch=1, epochs=1, on_error="skip", balance=False,
                              http=False, seed=65),
                  dp_size=3, num_workers=3,
                  steps=(Step(batches=1), Step(dp_size=3, num_workers=3, elastic=False, change="truncate", shard=2)))
+    before = COVERAGE["named refusals of a truncate shard"]
     _passes(s)
+    assert COVERAGE["named refusals of a truncate shard"] == before + 1
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_OPEN)
 @pytest.mark.parametrize("on_error", ["skip", "raise"])
 def test_a_truncated_zst_shard_is_refused_on_the_same_topology(on_error):
     """Found by this checker (slow seed 381): 2 ranks x 1 worker read 1 batch each from one
     .jsonl.zst shard of 4 records; it is cut to half its bytes; each reader loads its own state.
-    Nothing is refused, no error is counted, and records 1 and 3 are never trained."""
+    Nothing was refused, no error counted, and records 1 and 3 were never trained. Now it is
+    refused by name (under ``skip`` too: a changed shard is never a skip)."""
     s = Schedule(seed=-1, corpus=Corpus(fmt="zst", shards=1, docs=4, long=0.0, seed=381),
                  setup=Setup(capacity=24, window=1, packs_per_batch=1, epochs=1, on_error=on_error, balance=False,
                              http=False, seed=97),
                  dp_size=2, num_workers=1,
                  steps=(Step(batches=1), Step(dp_size=2, num_workers=1, elastic=False, change="truncate", shard=0)))
+    before = COVERAGE["named refusals of a truncate shard"]
     _passes(s)
+    assert COVERAGE["named refusals of a truncate shard"] == before + 1
 
 
 @pytest.mark.parametrize("kind", ["empty", "corrupt", "too_long"])

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 
+from streampack.errors import DataError
 from streampack.io import storage
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, ShardStat, is_remote, local_path
@@ -43,6 +44,15 @@ IDENTITY_MODES = ("tag", "size", "digest", "off")
 DIGEST_PREFIX = "digest="
 EDGE = 64 << 10
 """Bytes hashed at each end of a shard for ``identity="digest"``."""
+
+
+class ShardChanged(DataError):
+    """A shard is not the one a resume state or a manifest recorded (reason ``shard_changed``).
+
+    A refusal, never a skip: ``on_error="skip"`` drops bad samples, but reading on over a changed
+    shard would train a splice of two versions, or lose or repeat samples. Its message names the
+    shard and its old and new identity; putting the original bytes back makes the same resume
+    succeed."""
 
 
 def check_mode(mode: str) -> str:
@@ -109,12 +119,12 @@ def hint(saved: ShardStat, now: ShardStat, mode: str) -> str:
 
 def check(url: str, saved: ShardStat, now: ShardStat, mode: str, *, since: str, prefix: str = "",
           consequence: str = "") -> None:
-    """``ValueError`` naming ``url`` and what changed when ``now`` is not ``saved`` under ``mode``."""
+    """:class:`ShardChanged` naming ``url`` and what changed when ``now`` is not ``saved`` under ``mode``."""
     diff = changes(saved, now, mode)
     if diff:
-        raise ValueError(f"{prefix}shard {url!r} changed since {since} ({'; '.join(diff)}){consequence}"
-                         f"{hint(saved, now, mode)}")
+        raise ShardChanged("shard_changed", f"{prefix}shard {url!r} changed since {since} ({'; '.join(diff)})"
+                           f"{consequence}{hint(saved, now, mode)}", url=url)
 
 
-__all__ = ["DIGEST_PREFIX", "EDGE", "IDENTITY_MODES", "changes", "check", "check_mode", "current", "hint",
-           "shard_digest"]
+__all__ = ["DIGEST_PREFIX", "EDGE", "IDENTITY_MODES", "ShardChanged", "changes", "check", "check_mode", "current",
+           "hint", "shard_digest"]

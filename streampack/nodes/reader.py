@@ -22,9 +22,22 @@ State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
      "offset": b,           # byte offset of the next sample in that shard; -1 = start of span
      "sample": n,           # number (tar ordinal / jsonl line) of that sample
      "yielded": k,          # samples yielded since the start
-     "epoch_yielded": k_e}  # samples yielded in epoch e
+     "epoch_yielded": k_e,  # samples yielded in epoch e
+     "identity": {"shards", "sizes", "tags"},   # the RECENT_SHARDS shards read last
+     "manifest": {"all", "tag", "size", "digest": 16 hex}}  # a planned reader: what its plan was cut from
 
-Restoring a state whose ``config`` differs raises ``ValueError`` naming both values.
+Restoring a state whose ``config`` differs raises ``ValueError`` naming both values. A shard
+that changed since the save is refused by *every* reader, not only the one inside it
+(:class:`~streampack.io.shard_identity.ShardChanged`, a ``DataError`` naming the shard and its
+old and new identity; never skipped): a planned reader compares the fingerprint of the manifest
+its plan is cut from with the one the state recorded (a local data set's manifest is rebuilt
+when a shard changes, which moves every reader's cut), and checks each shard it opens against
+that manifest (a remote shard re-staged under an unchanged manifest). Putting the original bytes
+back makes the same resume succeed. Cost per reader: no request of its own — one compare at
+restore (the fingerprint is O(N) CPU once per process: 0.46 µs × N idle, 0.24–0.35 × loading
+the manifest, ``benchmarks/bench_resume_check.py``), and per shard it opens the stat /
+HEAD it makes anyway; only a refusal reads the saved manifest's copy (1 read) to name the
+changed shards.
 """
 
 from __future__ import annotations
@@ -43,7 +56,9 @@ from streampack.io.decode import DecodeOptions, Item
 from streampack.io.formats import ShardRange, open_range
 from streampack.io.index import ShardIndex, index_decode, load_or_build_index
 from streampack.io.limits import Limits
+from streampack.io.manifest import Manifest, load_saved
 from streampack.io.retry import IOStats
+from streampack.io.shard_identity import ShardChanged
 from streampack.io.storage import OpenOptions, ShardStat
 from streampack.io.urls import ShardList
 from streampack.nodes.sharding import (
@@ -75,6 +90,11 @@ ENDS_KEY = "work_ends"
 KIND_KEY = "kind"
 KIND = "ShardReader"
 IDENTITY_KEY = "identity"
+MANIFEST_KEY = "manifest"
+PRINT_MODES = ("all", "tag", "size", "digest")
+"""The manifest fingerprints a state records (``Manifest.fingerprint``): one per identity mode,
+so a resume under another ``identity`` compares what that mode compares; ``all`` names the
+saved copy of the manifest (``io.manifest.load_saved``)."""
 RECENT_SHARDS = 256
 """Shards whose identity (size, ETag / mtime) a state keeps: the shard being read and the ones
 read before it, where the packer's carried samples come from (~70 bytes each)."""
@@ -161,6 +181,7 @@ class ShardReader(BaseNode[Sample]):
         vocab_size: int | None = None,
         limits: Limits | None = None,
         saved_identities: Mapping[int, ShardStat] | None = None,
+        manifest: Manifest | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(seed, int) or seed < 0:
@@ -211,8 +232,13 @@ class ShardReader(BaseNode[Sample]):
         self._streams: list[BinaryIO] = []
         self._items: Iterator[Item] | None = None
         self._starved_shards: set[int] = set()  # shards read empty since the last sample (not state)
-        self._identities: OrderedDict[int, ShardStat] = OrderedDict()  # recently opened shards, newest last
         self._saved_identities: dict[int, ShardStat] = dict(saved_identities or {})  # what a restored state recorded
+        # recently opened shards, newest last; an elastic share starts with the old readers' record, so a
+        # state saved before it opens them still names the shards its spans and carried samples point into
+        self._identities: OrderedDict[int, ShardStat] = OrderedDict(list(self._saved_identities.items())[-RECENT_SHARDS:])
+        self._checked: set[int] = set()  # shards this reader found unchanged in this process (not state)
+        self.manifest = manifest  # what planned this reader's spans: its shards' identities and totals
+        self._prints = {m: manifest.fingerprint(m) for m in PRINT_MODES} if manifest is not None else None
         self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
 
     @property
@@ -244,6 +270,7 @@ class ShardReader(BaseNode[Sample]):
         super().reset(initial_state)
         self.close()
         self._starved_shards.clear()
+        self._checked.clear()
         if initial_state is None:
             self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
             return
@@ -257,6 +284,9 @@ class ShardReader(BaseNode[Sample]):
         self._set_position(*(int(initial_state[k]) for k in (EPOCH_KEY, SHARD_POS_KEY, OFFSET_KEY, SAMPLE_KEY, YIELDED_KEY, EPOCH_YIELDED_KEY)))
         self._saved_identities = identities_from_state(initial_state.get(IDENTITY_KEY))
         self._identities = OrderedDict(self._saved_identities)
+        if self.manifest is not None:  # before any position is trusted: the plan they index may have moved
+            check_manifest(initial_state.get(MANIFEST_KEY), self.manifest, self._open,
+                           recorded=self._saved_identities)
         spans = self.spans(self._epoch) if self.epochs is None or self._epoch < self.epochs else []
         if self._offset >= 0 and self._shard_pos < len(spans):  # resuming inside a shard: it must be the same one
             self.verify_shard(spans[self._shard_pos].shard)
@@ -264,12 +294,16 @@ class ShardReader(BaseNode[Sample]):
     def verify_shard(self, shard: int) -> None:
         """``ValueError`` naming the shard and what changed when shard ``shard`` is not the one a
         restored state read, compared as ``open_options.identity`` says (size + ETag / mtime by
-        default: :mod:`streampack.io.shard_identity`); nothing when the state did not record it.
-        The packer's replay of carried samples calls this for every shard it re-reads."""
+        default: :mod:`streampack.io.shard_identity`), or, when the state did not record it, not
+        the one the manifest planned (nothing without one). The packer's replay of carried
+        samples calls this for every shard it re-reads."""
         saved = self._saved_identities.get(shard)
-        if saved is None or self._open.identity == "off":
+        if (saved is None and self.manifest is None) or self._open.identity == "off":
             return
-        self._check_same(shard, shard_identity.current(self.urls[shard], self._open, self.io_stats))
+        now = shard_identity.current(self.urls[shard], self._open, self.io_stats)
+        self._check_same(shard, now)
+        if self.manifest is not None:
+            self.manifest.check_identity(shard, now, self._open.identity)
 
     def _check_same(self, shard: int, now: ShardStat) -> None:
         saved = self._saved_identities.get(shard)
@@ -284,6 +318,7 @@ class ShardReader(BaseNode[Sample]):
             VERSION_KEY: STATE_VERSION,
             KIND_KEY: KIND,
             IDENTITY_KEY: identities_to_state(self._identities),
+            **({MANIFEST_KEY: dict(self._prints)} if self._prints is not None else {}),
             CONFIG_KEY: dict(self._config, fields=list(self._config["fields"])),
             START_EPOCH_KEY: self.start_epoch,
             WORK_KEY: dict(self._work_tensors),
@@ -308,6 +343,8 @@ class ShardReader(BaseNode[Sample]):
                 if self._items is None:
                     self._items = self._open_span(spans[self._shard_pos])
                 item = next(self._items, None)
+            except ShardChanged:  # a refusal, whatever on_error says: reading on would splice two versions
+                raise
             except DataError as e:  # missing / unreachable / corrupt: the rest of the span is lost
                 self._advance(e, next_span=True)
                 continue
@@ -393,13 +430,18 @@ class ShardReader(BaseNode[Sample]):
         """Record the identity of a shard this reader opens (once per shard: a local ``stat``,
         a ``HEAD`` for a remote object, plus two ranged reads under ``identity="digest"``; none
         under ``"off"``), newest last, keeping the ``RECENT_SHARDS`` newest. A ``pipe:`` command
-        has no identity to record."""
+        has no identity to record. A shard that is not the one the state recorded (an elastic
+        share: the old readers' record of it) or the one the manifest planned is refused with
+        :class:`~streampack.io.shard_identity.ShardChanged` before a byte of it is read."""
         if url.startswith("pipe:") or self._open.identity == "off":
             return
-        if shard not in self._identities:
+        if shard not in self._checked or shard not in self._identities:  # a recorded one is checked again
             now = shard_identity.current(url, self._open, self.io_stats)
-            self._check_same(shard, now)  # an elastic share: the old readers' record of the shard
+            self._check_same(shard, now)
+            if self.manifest is not None:
+                self.manifest.check_identity(shard, now, self._open.identity)
             self._identities[shard] = now
+            self._checked.add(shard)
         self._identities.move_to_end(shard)
         while len(self._identities) > RECENT_SHARDS:
             self._identities.popitem(last=False)
@@ -433,3 +475,38 @@ def identities_from_state(saved: Mapping[str, list[Any]] | None) -> dict[int, Sh
         return {}
     return {int(shard): ShardStat(size=None if size < 0 else int(size), tag=str(tag))
             for shard, size, tag in zip(saved["shards"], saved["sizes"], saved["tags"])}
+
+
+def check_manifest(saved: Mapping[str, str] | None, manifest: Manifest, opts: OpenOptions, *,
+                   recorded: Mapping[int, ShardStat] | None = None, states: str = "the state was") -> None:
+    """:class:`~streampack.io.shard_identity.ShardChanged` naming the shards that changed since a
+    state recorded ``saved`` (its manifest's fingerprints, :data:`PRINT_MODES`) when ``manifest``
+    (the one planning now) differs from it as ``opts.identity`` compares: the epoch plan the
+    state's positions belong to was cut from other sample counts or other bytes.
+
+    Cost: one compare of 16 hex digits (the fingerprint is computed once per process); only on a
+    difference, one read of the saved manifest's copy to name the shards (O(N) compares), else
+    the shards this reader ``recorded`` are compared with ``manifest`` (no request)."""
+    mode = opts.identity
+    if mode == "off" or not saved or saved.get(mode) == manifest.fingerprint(mode):
+        return
+    old = load_saved(manifest.location, str(saved.get("all", "")), opts)
+    if old is not None and old.urls == manifest.urls:
+        changed = [(c.url, c.describe(mode), shard_identity.hint(c.old, c.new, mode))
+                   for c in manifest.changes_since(old, mode)]
+    else:  # its copy is gone (another machine, a cleared cache): what this reader recorded
+        changed = [(manifest.urls[s], f"shard {manifest.urls[s]!r} ({'; '.join(diff)})",
+                    shard_identity.hint(ident, manifest.recorded(s, mode), mode))
+                   for s, ident in sorted((recorded or {}).items()) if s < len(manifest)
+                   for diff in [shard_identity.changes(ident, manifest.recorded(s, mode), mode)] if diff]
+    why = (f"; the positions saved belong to an epoch plan cut from the old contents (manifest at "
+           f"{manifest.location!r}, fingerprint {saved.get(mode)} -> {manifest.fingerprint(mode)} under "
+           f"identity={mode!r}): put the original bytes back to resume exactly, or start afresh")
+    if not changed:
+        raise ShardChanged("shard_changed", f"cannot resume: the data set's shards changed since {states} saved, "
+                           f"and the manifest of that save is no longer kept to name them{why}",
+                           url=manifest.location)
+    shown = "; ".join(text for _, text, _ in changed[:4]) + (f"; ... ({len(changed)} in all)" if len(changed) > 4
+                                                           else "")
+    raise ShardChanged("shard_changed", f"cannot resume: {len(changed)} shard(s) changed since {states} saved: "
+                       f"{shown}{why}{changed[0][2]}", url=changed[0][0])
