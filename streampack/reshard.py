@@ -3,14 +3,18 @@
 A finite stream is cut at sample granularity, balanced by token count (ranks first, then
 each rank's workers) from the pieces' totals (the manifest's for whole shards, a byte-share
 estimate for parts of shards: no index read but at the <= 4 pieces a new reader's boundaries fall
-in), and each new reader counts its own batches with the packer's own round logic
-(``window_rounds.count_packs``); the counts are agreed through the store (``streampack.agree``),
-or without one every new reader counts every new reader's (O(T)), so every new rank yields the
-same number of batches in the resumed epoch (logged, with the fillers it costs).
+in), and each new reader's quota is late (``nodes.quota``): after its first batch it counts its
+own batches with the packer's own round logic (``window_rounds.count_packs``) and the counts are
+agreed through the store (``streampack.agree``), or without one every new reader counts every new
+reader's (O(T)) when its data runs out, so every new rank yields the same number of batches in the
+resumed epoch (logged, with the fillers it costs). The quota is pinned into the reader's states
+(a state taken before it settled waits for it): after a later restore the old states it came from
+are gone.
 
 **Cost per new reader** (old readers G_old, new G, shards N, samples T): CPU and memory O(N +
-G_old · (window + 3)) for the pieces; requests: the indexes of <= 4 boundary pieces and of its
-own ~N/G shards (to count). What the old readers had left (:func:`streampack.elastic.remaining`,
+G_old · (window + 3)) for the pieces; requests before its first batch: the indexes of <= 4
+boundary pieces; after it, in the background, those of its own ~N/G shards (to count) and one
+store round. What the old readers had left (:func:`streampack.elastic.remaining`,
 once per process) adds the boundary indexes of the old readers' plans: <= G_old + 1 reads. An infinite stream deals whole spans
 round-robin (no index needs reading) and the carried samples in equal runs. Offline packs are
 dealt by batches of ``packs_per_batch``, ranks first, as ``PackedShardReader`` deals an epoch.
@@ -169,8 +173,9 @@ class _ShareFinite:
 
     **Cost per new reader** (P pieces = the old readers' carries and spans, about N + 3 G_old):
     O(P) CPU and memory for the piece costs (from the manifest; no request), the indexes of at
-    most 4 boundary pieces and of its own share's shards (to count its batches: O(T/G)), and one
-    agreement on the counts (or, without one, every new reader's count: O(T)).
+    most 4 boundary pieces before its first batch; after it its own share's shards' (to count
+    its batches: O(T/G)) and one agreement on the counts (or, without one, every new reader's
+    count: O(T), when its data runs out).
     """
 
     def __init__(self, left: Remaining, config: StreamConfig, sources: Sources, options: ReadOptions,

@@ -161,3 +161,22 @@ def test_a_late_quota_smaller_than_the_data_is_refused(data):
     batches = list(filled)
     assert len(batches) == 4 and [is_filler(b) for b in batches] == [False, False, True, True]
     assert filled.late.info["quota"] == 4 and np.isfinite(filled.late.info["batches"])
+
+
+@pytest.mark.slow  # ~2.5 s: an old run, then an elastic one with a real store
+def test_elastic_resume_counts_late_and_pins_its_quota(data, store):
+    """An elastic resume's new readers read no index of their own shards before their first batch
+    either; every sample of the epoch is still read once with equal counts, and the states taken
+    in the resumed epoch carry its quota (the old states it came from are gone after a restore)."""
+    urls, docs, cache = data
+    old = [SimRank(lambda r=r: PackedDataset(urls, capacity=CAP, window=16, epochs=1, dp_rank=r, dp_size=2, seed=5,
+                                             packs_per_batch=2, cache_dir=cache), 0) for r in range(2)]
+    head = _lockstep(old, 3)
+    states = [s for rank in old for s in rank.states()]
+    new = _ranks(data, _agreement(store, "elastic"), load=[lambda w: states] * RANKS)
+    tail = _lockstep(new, 2)
+    pinned = [s["graph"]["chain"]["num_batches"] for rank in new for s in rank.states()]
+    assert all(isinstance(q, int) and q > 0 for q in pinned), pinned
+    tail = [t + rest for t, rest in zip(tail, _lockstep(new))]
+    assert len({len(t) for t in tail}) == 1
+    assert collect_documents([b for r in head + tail for b in r]) == {f"{i:08d}": d for i, d in enumerate(docs)}

@@ -6,22 +6,25 @@ in the ``(seed, epoch)`` order are cut into contiguous sample ranges balanced by
 ranks first, then each rank's workers — by prefix sums over the shard totals and a
 ``searchsorted`` per boundary (:class:`~streampack.nodes.sharding.PrefixCut`: exactly the
 boundaries ``sharding.cut_two_level`` gives over every sample, opening only the shard each of its
-<= 4 boundaries falls in). When every rank must yield the same number of batches, the reader
-counts its own batches (its own samples' lengths through the packer's round logic,
-``window_rounds.count_packs``) and the readers agree on the counts (``streampack.agree``: one
-store round per epoch, O(1) requests per reader); every rank then yields the largest rank's
-count, its readers completing theirs with filler batches (:func:`rank_quotas`, the same quotas
-:func:`equalize` gives). Without an agreement (explicit ``dp_rank``/``dp_size`` and no
-``torch.distributed``: in-process simulation, tests) each reader counts every reader's batches
-instead — O(T) CPU, memory and index reads per reader, today's fallback.
+<= 4 boundaries falls in). When every rank must yield the same number of batches, the reader's
+plan carries a *late quota* (:mod:`streampack.nodes.quota`): after its first batch, in a
+background thread, the reader counts its own batches (its own samples' lengths through the
+packer's round logic, ``window_rounds.count_packs``) and the readers agree on the counts
+(``streampack.agree``: one store round per epoch, O(1) requests per reader); the quota is first
+used when the reader's own data runs out, to know how many filler batches make its rank's total
+the largest rank's (:func:`rank_quotas`, the same quotas :func:`equalize` gives). Without an
+agreement (explicit ``dp_rank``/``dp_size`` and no ``torch.distributed``: in-process simulation,
+tests) each reader counts every reader's batches instead, when its data runs out — O(T) CPU,
+memory and index reads per reader, the fallback.
 
-**Cost per reader and epoch** (N shards, T samples, G readers; measured on this shared 2-core box,
-``python benchmarks/bench_scale.py``, provisional): requests: 1 manifest read per process, at most
-4 boundary shards' indexes and, to count batches, the indexes of its own ~N/G shards (with no
-counting a whole shard needs no index); CPU: ~0.2 µs · N (permutation, prefix sums, cut) +
-~1-6 µs · T/G (the packer's count; 1.1 µs unloaded, 6 µs with the box loaded); memory:
-~112 B · N for the manifest + ~28 B · T/G (offsets, numbers, int32 lengths of its own shards).
-At N=10^5, T=10^9, G=8,192: ~18 requests, 0.4-0.8 s, ~14 MB. An index length of 0 (an empty
+**Cost per reader and epoch** (N shards, T samples, G readers; ``python benchmarks/bench_scale.py``
+on this shared 2-core box): before the first batch, 1 manifest read per process and at most 4
+boundary shards' indexes (a whole shard needs no index), CPU ~0.06-0.4 µs · N (permutation,
+prefix sums, cut); after it, in the background, the indexes of its own ~N/G shards (the boundary
+ones reused; none kept), ~1-6 µs · T/G of packer count (1.1 µs unloaded, 6 µs with the box
+loaded) and 5 store requests; memory ~112 B · N for the manifest + ~48 B · T/G at the count's
+peak (int32 lengths and the packer's temporaries). At N=10^5, T=10^9, G=8,192: 5 requests
+before the first batch, 18 after it, 0.2-0.7 s of CPU, ~17 MB. An index length of 0 (an empty
 record) is left out of the count, as the reader skips it (counted as ``empty_sample``).
 
 Trade-off against agreeing at run time (``streampack.sync_batches``: one all-reduce of "I
