@@ -145,7 +145,10 @@ class ThdCollate(BaseNode[PackedBatch]):
         return self._with_stats(batch, real, time.perf_counter() - started)
 
     def get_state(self) -> dict[str, Any]:
-        if self.late is not None and self.late.pin:
+        # a quota that cannot be recounted after a restore (pinned), or that costs no waiting on
+        # anyone (no agreement: settled here, as the plan once did) goes into the state, so a shard
+        # that changes between save and resume cannot change the epoch's count
+        if self.late is not None and (self.late.pin or (not self.late.background and self._yielded > 0)):
             self._quota(wait=True)
         quota = self.num_batches if not isinstance(self.num_batches, LateQuota) else None
         return {self.SOURCE_KEY: self.source.state_dict(), self.YIELDED_KEY: self._yielded,
