@@ -26,9 +26,12 @@ lengths) is refused as before, at the first batch after the quota is known.
 State: the reader's own count and its quota once known. A restore takes them back (no recount
 when they are there; else the reader recounts its own share, O(T/G)), and in a run with an
 agreement a restored reader still joins the new run's round (5 requests, no index read) so the
-readers that had not settled theirs can. An elastic resume's quota is pinned (``pin``): its
-inputs, the old readers' states, are not at hand after a later restore, so a state taken before
-it settled waits for it.
+readers that had not settled theirs can. Without an agreement the first state after a batch
+settles the quota (no one to wait for; what the plan did up front before), so a shard changed
+between save and resume cannot change the epoch's count. An elastic resume's quota is pinned
+(``pin``): its inputs, the old readers' states, are not at hand after a later restore, so a state
+taken before it settled waits for it. With an agreement, a state taken before the background count
+ended holds no count (the count is not waited for: a loader snapshots every step).
 """
 
 from __future__ import annotations
