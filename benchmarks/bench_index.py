@@ -4,6 +4,11 @@ and cli/index_cmd.py).
     python benchmarks/bench_index.py manifest --shards 100000
     python benchmarks/bench_index.py local --shards 200 --samples 1000 --jobs 2
     python benchmarks/bench_index.py http --shards 20 --samples 1000 --member 262144 --jobs 4
+    python benchmarks/bench_index.py parquet --samples 20000
+
+``parquet`` times one pre-tokenized parquet shard's index: the footer alone (row positions),
+with each row's token count (the token list column's lengths, ``io.parquet.token_lengths``), and
+a whole read of the shard through the reader's decoder, for scale.
 
 ``http`` serves the shards from a loopback server (Range support) and indexes them with
 ``--ranged always`` and ``never``; member data is written as file holes, so a 5 GB data set
@@ -126,6 +131,39 @@ def bench_http(shards: int, samples: int, member: int, jobs: int) -> list[dict[s
     return rows
 
 
+def bench_parquet(samples: int, mean: int = 600) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from streampack.io.decode import DecodeOptions
+    from streampack.io.index import build_index
+    from streampack.io.parquet import iter_parquet_items
+
+    rng = np.random.default_rng(0)
+    lengths = np.maximum(1, rng.lognormal(np.log(mean), 1.0, samples)).astype(np.int64)
+    values = rng.integers(0, 50_000, int(lengths.sum()), dtype=np.int32)
+    column = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)), values)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "shard.parquet")
+        pq.write_table(pa.table({"input_ids": column, "id": np.arange(samples)}), path, row_group_size=1000)
+        for case, work in (("footer only (row positions)", lambda: build_index(path, lengths=False)),
+                           ("with token counts", lambda: build_index(path)),
+                           ("whole read through the reader", lambda: sum(1 for _ in iter_parquet_items(
+                               open(path, "rb"), DecodeOptions(), url=path, start=0, end=None)))):
+            best = min(_timed(work) for _ in range(3))
+            rows.append({"case": f"parquet index, {samples:,} rows x ~{mean} ids ({os.path.getsize(path) / 1e6:.0f} MB): "
+                                 f"{case}", "seconds": round(best, 4)})
+            print(f"{rows[-1]['case']}: {best:.4f} s")
+    return rows
+
+
+def _timed(work: Any) -> float:
+    t = time.perf_counter()
+    work()
+    return time.perf_counter() - t
+
+
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """The manifest at 10^4 (quick) or 10^5 shards, and a local build; over HTTP only in the full run."""
     if quick:
@@ -136,7 +174,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("manifest", "local", "http"))
+    p.add_argument("what", choices=("manifest", "local", "http", "parquet"))
     p.add_argument("--shards", type=int, default=20)
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--member", type=int, default=0)
@@ -144,6 +182,8 @@ def main() -> None:
     a = p.parse_args()
     if a.what == "manifest":
         bench_manifest(a.shards)
+    elif a.what == "parquet":
+        bench_parquet(a.samples)
     elif a.what == "local":
         bench_local(a.shards, a.samples, a.jobs)
     else:

@@ -122,17 +122,19 @@ def plan_rows(samples: int, ranks: tuple[int, ...], workers: int = 2, capacity: 
                                 num_workers=workers, counting=counting)
         start = time.perf_counter()
         plan = everyone.plan(0, 0)
+        settled = plan.quota.get()  # settled now, as when the reader's data runs out
         seconds = time.perf_counter() - start
         batches = sum(everyone.count(0, g) for g in range(dp * workers))
         own = EpochPlanner(manifest, lambda i: indexes[i], seed=0, shuffle=True, dp_size=dp, num_workers=workers,
                            counting=counting, agree=lambda key, r, w, n, c: _Agreed(target=c * n, workers=(c,) * n))
         start = time.perf_counter()
-        own.plan(0, 0)
+        own.plan(0, 0).quota.get()
         mine = time.perf_counter() - start
         rows.append({"case": f"plan one epoch, {samples:,} samples, {dp} ranks x {workers} workers",
                      "seconds_everyone": seconds, "us_per_sample": 1e6 * seconds / samples,
                      "seconds_own_share": mine, "batches": batches,
-                     "fillers": plan.fillers, "fewest_possible": plan.min_fillers})
+                     "fillers": plan.quota.info["fillers_all_ranks"],
+                     "fewest_possible": plan.quota.info["min_fillers_all_ranks"], "quota": settled})
     return rows
 
 

@@ -36,7 +36,10 @@ Measured on the shared 2-core CPU box (gVisor sandbox), loopback libuv TCPStore,
     one round, G readers:     G=64 threads 0.09 s | 512 threads 0.29 s, 8 procs 0.17 s |
                               2,048 threads 8.1 s (42 s of sys time: 2,048 threads waking on 2
                               cores), 8 procs x 256 threads 2.6 s (slowest of 3: 3.6 s) |
-                              4,096 in 8 procs 8.8 s (slowest 24.5 s: this sandbox's 5 s network stalls)
+                              4,096 in 8 procs 8.8 s (slowest 24.5 s: this sandbox's 5 s network stalls) |
+                              8,192 in 8 procs x 1,024 threads (2026-11-25, the box also running the
+                              test suite): median of 3 rounds 97 s, slowest 132 s, one reader's
+                              call p50 36 s; connecting 97 s
 
 So a round costs at least (5 G + 3 R) / (store throughput) plus wake-ups: at 1,024 ranks x 8
 workers 44k requests, >= 5 s of this box's store; measured rounds grew faster than that (2.6 s at
@@ -53,8 +56,13 @@ central store, which is the scaling limit: at 10^5 readers, >= 1 min per round o
 
 Log: 2026-11-25 first version; the numbers above. Threads of one process under-state the store:
 at G=2,048 the round was bound by waking threads (sys time), not by the store's ~11k requests.
-G=8,192 was not run here (2 shared cores); rounds at 4,096 showed stalls in multiples of 5 s, as
-connects do in this sandbox, so its slowest rounds measure the sandbox more than the protocol.
+Rounds at 4,096 showed stalls in multiples of 5 s, as connects do in this sandbox, so its slowest
+rounds measure the sandbox more than the protocol. 2026-11-25: G=8,192 ran (``python
+benchmarks/bench_agree.py --readers 8192 --procs 8``): 8,192 threads on 2 loaded cores, ~41k store
+requests per round (5 per reader), 97 s — bound by this box (threads waking, ~400 requests/s
+under that load), not by the protocol's request count. Since quotas settle in the background
+after each reader's first batch (``nodes.quota``), a round's time no longer delays any batch
+unless it exceeds the reader's whole epoch of data.
 """
 
 from __future__ import annotations

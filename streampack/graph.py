@@ -48,6 +48,7 @@ from streampack.nodes.epochs import EpochLoop
 from streampack.nodes.mixture import Mixture
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
+from streampack.nodes.quota import LateQuota
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.replay import Replayer, ReplaySpec
 from streampack.nodes.sharding import Span
@@ -182,10 +183,11 @@ class _Builder:
     def chain(self, epoch: int | None, planned: bool = True) -> tuple[BaseNode[PackedBatch], dict[str, Any]]:
         config = self.config
         share = self.share if self.share is not None and (epoch is None or epoch == self.share.epoch) else None
+        info: dict[str, Any] = {"epoch": epoch}  # metrics()["plan"]; a late quota fills it in when it settles
         if self.sources.packed is not None:
             node, nodes, quota = self._packed(epoch, share)
         else:
-            node, nodes, quota = self._samples(epoch, share, planned)
+            node, nodes, quota = self._samples(epoch, share, planned, info)
         node = nodes["collate"] = ThdCollate(
             node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.align,
             pad_id=config.pad_id, ignore_index=config.ignore_index, num_batches=quota,
@@ -194,7 +196,9 @@ class _Builder:
             cost_model=config.cost_model)
         if planned and "packer" in nodes:
             self._last = (nodes["packer"], node)
-        nodes["plan"] = {"epoch": epoch, "quota": quota, **(self._plan_info(epoch, share) if planned else {})}
+        if not isinstance(quota, LateQuota):
+            info["quota"] = quota
+        nodes["plan"] = info
         return self.wrap("collate", node), nodes
 
     def _packed(self, epoch: int | None, share: Share | None) -> tuple[BaseNode[Any], dict[str, Any], int | None]:
@@ -214,17 +218,21 @@ class _Builder:
                 quota = reader.quotas(epoch)[place.global_worker]
         return self.wrap("reader", reader), {"reader": reader, "errors": self.errors, "io": self.io_stats}, quota
 
-    def _samples(self, epoch: int | None, share: Share | None,
-                 planned: bool) -> tuple[BaseNode[Any], dict[str, Any], int | None]:
+    def _samples(self, epoch: int | None, share: Share | None, planned: bool,
+                 info: dict[str, Any]) -> tuple[BaseNode[Any], dict[str, Any], int | LateQuota | None]:
         config, place = self.config, self.place
-        work, quota = None, None
+        work: list[Span] | None = None
+        quota: int | LateQuota | None = None
         if share is not None:
             work, quota = share.spans, share.quota
+            if isinstance(quota, LateQuota):
+                quota.report_to(info)
         elif epoch is not None and not self.sources.mixture and planned:
             quota = self._fixed_quota()
             if self.needs_plan:
-                plan = self.planner.plan(epoch, place.global_worker)
-                work, quota = plan.spans, quota or plan.quota
+                plan = self.planner.plan(epoch, place.global_worker, info=info if quota is None else None)
+                work = plan.spans
+                quota = quota if quota is not None else plan.quota
         elif self.sources.mixture and config.epochs is not None:
             quota = _mixture_quota(config, place)
         node, nodes = build_samples(config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
@@ -313,14 +321,6 @@ class _Builder:
             opts=options.open_options(), encoder=encoder,
             stages=list(self.stages), max_len=config.capacity, policy=config.overlong,
             verify=lambda source, shard: nodes["readers"][source].verify_shard(shard)))
-
-    def _plan_info(self, epoch: int | None, share: Share | None) -> dict[str, Any]:
-        if epoch is None or share is not None or not self.needs_plan or self.sources.mixture:
-            return {}
-        mine = self.planner.plan(epoch, self.place.global_worker)
-        return {"batches": mine.batches, "fillers_rank": mine.rank_fillers, "fillers_all_ranks": mine.fillers,
-                "min_fillers_all_ranks": mine.min_fillers}
-
 
 _SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than the data made: samples "
                  "were skipped (on_error='skip') or a stage changed lengths; pass batches_per_epoch, or "

@@ -3,14 +3,18 @@
 A finite stream is cut at sample granularity, balanced by token count (ranks first, then
 each rank's workers) from the pieces' totals (the manifest's for whole shards, a byte-share
 estimate for parts of shards: no index read but at the <= 4 pieces a new reader's boundaries fall
-in), and each new reader counts its own batches with the packer's own round logic
-(``window_rounds.count_packs``); the counts are agreed through the store (``streampack.agree``),
-or without one every new reader counts every new reader's (O(T)), so every new rank yields the
-same number of batches in the resumed epoch (logged, with the fillers it costs).
+in), and each new reader's quota is late (``nodes.quota``): after its first batch it counts its
+own batches with the packer's own round logic (``window_rounds.count_packs``) and the counts are
+agreed through the store (``streampack.agree``), or without one every new reader counts every new
+reader's (O(T)) when its data runs out, so every new rank yields the same number of batches in the
+resumed epoch (logged, with the fillers it costs). The quota is pinned into the reader's states
+(a state taken before it settled waits for it): after a later restore the old states it came from
+are gone.
 
 **Cost per new reader** (old readers G_old, new G, shards N, samples T): CPU and memory O(N +
-G_old · (window + 3)) for the pieces; requests: the indexes of <= 4 boundary pieces and of its
-own ~N/G shards (to count). What the old readers had left (:func:`streampack.elastic.remaining`,
+G_old · (window + 3)) for the pieces; requests before its first batch: the indexes of <= 4
+boundary pieces; after it, in the background, those of its own ~N/G shards (to count) and one
+store round. What the old readers had left (:func:`streampack.elastic.remaining`,
 once per process) adds the boundary indexes of the old readers' plans: <= G_old + 1 reads. An infinite stream deals whole spans
 round-robin (no index needs reading) and the carried samples in equal runs. Offline packs are
 dealt by batches of ``packs_per_batch``, ranks first, as ``PackedShardReader`` deals an epoch.
@@ -35,7 +39,8 @@ from streampack.elastic import (
 )
 from streampack.graph import make_planner
 from streampack.logs import get_logger
-from streampack.nodes.epoch_plan import ShardSamples, count_batches, equalize, rank_quotas
+from streampack.nodes.epoch_plan import ShardSamples, equalize, settle_agreed, settle_all
+from streampack.nodes.quota import LateQuota, Settled
 from streampack.nodes.sharding import Span
 from streampack.settings import Placement, ReadOptions, Share, Sources, StreamConfig
 from streampack.state import (
@@ -168,8 +173,9 @@ class _ShareFinite:
 
     **Cost per new reader** (P pieces = the old readers' carries and spans, about N + 3 G_old):
     O(P) CPU and memory for the piece costs (from the manifest; no request), the indexes of at
-    most 4 boundary pieces and of its own share's shards (to count its batches: O(T/G)), and one
-    agreement on the counts (or, without one, every new reader's count: O(T)).
+    most 4 boundary pieces before its first batch; after it its own share's shards' (to count
+    its batches: O(T/G)) and one agreement on the counts (or, without one, every new reader's
+    count: O(T), when its data runs out).
     """
 
     def __init__(self, left: Remaining, config: StreamConfig, sources: Sources, options: ReadOptions,
@@ -196,9 +202,7 @@ class _ShareFinite:
 
     def _range(self, span: Span) -> tuple[ShardSamples, int, int]:
         s = self.planner.samples(span.shard)
-        lo = int(np.searchsorted(s.offsets, span.start, side="left"))
-        hi = len(s) if span.end is None else int(np.searchsorted(s.offsets, span.end, side="left"))
-        return s, lo, max(lo, hi)
+        return (s, *s.range_of(span))
 
     def _local(self, q: int) -> np.ndarray:
         piece = self.pieces[q]
@@ -209,10 +213,10 @@ class _ShareFinite:
         s, lo, hi = self._range(piece.span)
         return s.costs(lo, hi, tokens=self.tokens)
 
-    def part(self, g: int) -> tuple[dict[str, Any], list[Span], np.ndarray]:
-        """Reader ``g``'s carried samples, spans and the token lengths of its spans' samples."""
+    def part(self, g: int) -> tuple[dict[str, Any], list[Span]]:
+        """Reader ``g``'s carried samples and spans (a piece it reads whole is kept as it is: no index)."""
         (p_lo, i_lo), (p_hi, i_hi) = self.cut.bounds(self.place.dp_size, self.place.num_workers, g)
-        carries, spans, lengths = [], [], []
+        carries, spans = [], []
         for q in range(p_lo, min(p_hi + 1, len(self.pieces))):
             a, whole_end = (i_lo if q == p_lo else 0), q < p_hi
             if not whole_end and i_hi == 0:
@@ -223,36 +227,42 @@ class _ShareFinite:
                 carries.append(table_slice(piece.carry, a, b))
                 continue
             assert piece.span is not None
-            if a == 0 and whole_end and self.planner.counting is None:
+            if a == 0 and whole_end:
                 spans.append(piece.span)  # read as it is: no index needed
                 continue
             s, lo, hi = self._range(piece.span)
             b = hi if whole_end else lo + i_hi
             if lo + a < b:
                 spans.append(s.span(piece.span.shard, lo + a, b, piece.span.epoch))
-                lengths.append(s.lengths[lo + a:b])
-        return concat_tables(carries), spans, np.concatenate(lengths or [np.zeros(0, np.int64)])
+        return concat_tables(carries), spans
 
     def share(self) -> Share:
-        place, counting = self.place, self.planner.counting
-        carry, spans, lengths = self.part(place.global_worker)
+        """This reader's share; its quota (finite, several ranks) is counted and agreed late
+        (``nodes.quota``: after its first batch) and pinned into its states."""
+        place, planner = self.place, self.planner
+        carry, spans = self.part(place.global_worker)
         quota = None
-        if counting is not None:
-            mine = count_batches(counting, place.global_worker, lengths, table_lengths(carry))
-            key = f"elastic/{self.left.epoch}"
-            if self.planner.agree is not None:
-                got = self.planner.agree(key, place.dp_rank, place.worker_id, place.num_workers, mine)
-                quota = rank_quotas(list(got.workers), int(got.target))[place.worker_id]
-            else:  # no agreement: count every new reader (O(T))
-                counts = [mine if g == place.global_worker else
-                          count_batches(counting, g, self.part(g)[2], table_lengths(self.part(g)[0]))
-                          for g in range(place.global_workers)]
-                quotas, fillers, least = equalize(counts, place.dp_size)
-                quota = quotas[place.global_worker]
-                _log.info("elastic resume: %d old readers -> %d; epoch %d re-planned: %d batches per rank, "
-                          "%d fillers over all ranks (fewest possible %d)", self.left.old_dp_size * self.left.old_readers,
-                          place.global_workers, self.left.epoch, sum(quotas) // place.dp_size, fillers, least)
+        if planner.counting is not None:
+            g = place.global_worker
+            quota = LateQuota(count=lambda: planner.count_spans(g, spans, table_lengths(carry)),
+                              settle=self._settle, background=planner.agree is not None, pin=True)
         return Share(epoch=self.left.epoch, spans=spans, carry=carry, quota=quota, identities=self.left.identities)
+
+    def _settle(self, mine: int) -> Settled:
+        place, planner = self.place, self.planner
+        if planner.agree is not None:
+            got = planner.agree(f"elastic/{self.left.epoch}", place.dp_rank, place.worker_id, place.num_workers, mine)
+            return settle_agreed(got, place.worker_id, mine)
+        counts = []  # no agreement: count every new reader (O(T))
+        for g in range(place.global_workers):
+            carry, spans = self.part(g)
+            counts.append(mine if g == place.global_worker else planner.count_spans(g, spans, table_lengths(carry)))
+        settled = settle_all(counts, place.dp_size, place.num_workers, place.global_worker)
+        _log.info("elastic resume: %d old readers -> %d; epoch %d re-planned: %d batches per rank, "
+                  "%d fillers over all ranks (fewest possible %d)", self.left.old_dp_size * self.left.old_readers,
+                  place.global_workers, self.left.epoch, (sum(counts) + settled.fillers) // place.dp_size,
+                  settled.fillers, settled.min_fillers)
+        return settled
 
 
 def _whole(span: Span) -> bool:

@@ -167,8 +167,9 @@ class Share:
     """Carried samples (a ``state.samples_to_table`` table) the packer's window starts with."""
     packs: np.ndarray | None = None
     """Offline packs to read (a ``streampack pack`` directory)."""
-    quota: int | None = None
-    """Batches to yield in ``epoch`` (finite streams with several ranks)."""
+    quota: Any = None
+    """Batches to yield in ``epoch`` (finite streams with several ranks): an int, or a
+    ``nodes.quota.LateQuota`` that settles after the reader's first batch."""
     identities: Mapping[int, Any] = field(default_factory=dict)
     """Shard -> the identity (``io.storage.ShardStat``) the old readers recorded: the new reader
     refuses a shard that changed since when it opens it."""

@@ -78,14 +78,17 @@ def test_many_readers_each_plan_their_share_and_counts_agree(ranks, workers, num
     planners = []
     for g in range(readers):  # phase 1: each reader counts its own batches (only its own shards opened)
         planner, before = make(), len(opened)
-        store.counts[divmod(g, workers)] = planner.count(3, g)
-        own = {p.shard for p in planner.ranges(3, g)}
-        assert len(set(opened[before:]) - own) <= 4, "opened more than 4 shards it does not read"
+        plan = planner.plan(3, g)
+        assert len(set(opened[before:])) <= 4, "planning (before the first batch) opens only boundary shards"
+        own, counted = {p.shard for p in planner.ranges(3, g)}, len(opened)
+        store.counts[divmod(g, workers)] = planner.count_spans(g, plan.spans)
+        assert set(opened[counted:]) <= own, "counting opens only its own shards"
+        assert len(opened) - before <= len(own) + 4, "no index read twice but the boundary shards'"
         for p in planner.ranges(3, g):
             seen[p.shard][p.lo:p.hi] += 1
         planners.append(planner)
     assert all((s == 1).all() for s in seen), "the readers' shares are the epoch, every sample once"
-    quotas = [planners[g].plan(3, g).quota for g in range(readers)]  # phase 2: one agreement each
+    quotas = [planners[g].plan(3, g).quota.get() for g in range(readers)]  # phase 2: one agreement each
     totals = np.asarray(quotas).reshape(ranks, workers).sum(axis=1)
     assert len(set(totals.tolist())) == 1 and totals[0] == store.counts.sum(axis=1).max()
     assert totals[0] > 0 and store.counts.sum() > readers // 4, "enough data that the check is not vacuous"

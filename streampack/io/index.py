@@ -2,7 +2,7 @@
 
 A reader needs it to split one shard between several workers (fewer shards than workers) into
 contiguous ranges, so no worker reads another's bytes, and planners use ``lengths`` (token
-counts, -1 where unknown: text samples, parquet). Resuming does *not* need it: the reader
+counts, -1 where unknown: text samples). Resuming does *not* need it: the reader
 records the next sample's position while reading.
 
 **Built once, never per worker.** The first process that needs the index of a shard builds it
@@ -30,7 +30,8 @@ per process (not per shard) and the index is then used in memory only; a filesys
 (only the first 512 bytes of each ``.npy`` token member and whole ``.json`` members are read); a
 remote tar the same way, by 16 KiB ranged reads where members are large and else streamed
 whole (:mod:`streampack.io.tar_sparse`); jsonl is read once (token lengths parsed only from lines
-that contain the ``tokens_key`` field); parquet costs its footer only. Memory is O(samples):
+that contain the ``tokens_key`` field); parquet reads its footer and its token column
+(``parquet.token_lengths``). Memory is O(samples):
 int64 offsets, int32 lengths and the keys (tar), accumulated in ``array`` buffers (12 bytes per
 sample plus the keys, never a Python object per sample), stored as one compressed ``.npz``
 (:mod:`streampack.io.index_cache`). Measured on a 4M-line jsonl shard
@@ -179,11 +180,14 @@ def index_decode(tokens_key: str = "input_ids", limits: Limits | None = None) ->
 def limits_key(url: str, limits: Limits) -> str:
     """The limits an index of ``url``'s format depends on, as a fingerprint part: jsonl lines
     (``max_line_bytes``, ``max_json_depth``), tar members and samples (``max_member_bytes``,
-    ``max_sample_bytes``, ``max_json_depth`` of ``json`` members); none for parquet (footer
-    only). A limit the index does not depend on does not invalidate it."""
+    ``max_sample_bytes``, ``max_json_depth`` of ``json`` members), parquet rows
+    (``max_sample_bytes``; prefixed ``lengths``: an index made before parquet indexes recorded
+    token counts is stale). A limit the index does not depend on does not invalidate it."""
     fmt = shard_format(url)
-    names = {"tar": ("max_member_bytes", "max_sample_bytes", "max_json_depth"),
-             "parquet": ()}.get(fmt, ("max_line_bytes", "max_json_depth"))
+    if fmt == "parquet":
+        return f"lengths,{limits.max_sample_bytes}"
+    names = ("max_member_bytes", "max_sample_bytes", "max_json_depth") if fmt == "tar" else (
+        "max_line_bytes", "max_json_depth")
     return ",".join(f"{getattr(limits, n)}" for n in names)
 
 
@@ -191,8 +195,9 @@ def unknown_lengths_hint(urls: Sequence[str]) -> str:
     """Why an index may lack some token counts of ``urls`` (for an error message)."""
     parquet = sum(shard_format(u) == "parquet" for u in urls)
     if parquet:
-        return (f"{parquet} of {len(urls)} shard(s) are parquet, whose index reads only the footer: row counts, "
-                f"no token counts")
+        return (f"{parquet} of {len(urls)} shard(s) are parquet: their rows have text to tokenize, no integer-list "
+                f"token column, or a null token list, or the manifest was built before parquet indexes recorded "
+                f"token counts (rebuild it with `streampack index`)")
     return "text to tokenize, or samples without the tokens field"
 
 
@@ -211,12 +216,16 @@ def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) ->
 
 
 def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),
-                        cache_dir: str | None = None, stats: IOStats | None = None) -> ShardIndex:
+                        cache_dir: str | None = None, stats: IOStats | None = None,
+                        positions_only: bool = False) -> ShardIndex:
     """The cached index of ``url`` if still valid, else one built now (by this process or,
-    under the lock, by whichever got there first) and cached."""
+    under the lock, by whichever got there first) and cached. ``positions_only``: a reader that
+    only splits the shard needs no token counts, so a parquet index is then its footer alone
+    (cached apart: ``|rows`` in its fingerprint), not a read of its token column."""
     decode = index_decode(decode.tokens_key, decode.limits)
     ident = storage.identity(url, opts, stats)
-    fp, size = fingerprint_of(url, decode, ident), ident.size
+    rows = positions_only and shard_format(url) == "parquet"
+    fp, size = fingerprint_of(url, decode, ident) + ("|rows" if rows else ""), ident.size
     path = cache_path(url, cache_dir)
     with _memo_lock:
         hit = _memo.get((path, fp))
@@ -227,7 +236,8 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
         with locked(path):
             index = cached_index(path, fp, opts)  # built by another process while this one waited
             if index is None:
-                index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats, size=size)
+                index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats, size=size,
+                                    lengths=not rows)
                 save_arrays(path, encode_index(index), opts)
     with _memo_lock:
         _memo[(path, fp)] = index
@@ -238,19 +248,21 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
 
 def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = DecodeOptions(),
                 opts: OpenOptions = OpenOptions(), stats: IOStats | None = None, size: int | None = None,
-                ranged: str = "auto") -> ShardIndex:
+                ranged: str = "auto", lengths: bool = True) -> ShardIndex:
     """Scan ``url`` once (see the module docstring for what is read). A remote tar of known
     ``size`` is read by ranged requests where that skips enough (``ranged``:
-    :mod:`streampack.io.tar_sparse`)."""
+    :mod:`streampack.io.tar_sparse`). ``lengths`` False: a parquet index of row positions only
+    (its footer), token counts unknown."""
     fmt = shard_format(url)
     # a shard within one block is one request read whole: ranged reads cannot beat that
     sparse = fmt == "tar" and is_remote(url) and size is not None and (
         ranged == "always" or (ranged == "auto" and size > opts.block_size))
     with (open_sparse(url, size, opts, stats, ranged) if sparse else open_shard(url, 0, opts=opts, stats=stats)) as raw:
         if fmt == "parquet":
-            rows = int(parquet.row_counts(raw, url).sum())
-            return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(rows, dtype=np.int64),
-                              lengths=np.full(rows, -1, np.int32), end=rows)
+            lengths = (parquet.token_lengths(raw, decode, url) if lengths
+                       else np.full(int(parquet.row_counts(raw, url).sum()), -1, np.int32))
+            return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(len(lengths), dtype=np.int64),
+                              lengths=lengths, end=len(lengths))
         scan = _Scan()
         if fmt == "tar":
             scan.tar(raw, decode, url)

@@ -89,7 +89,7 @@ class ShardTotals:
     """ETag / generation / ``mtime_ns=...``: changes when the object does."""
     samples: int
     tokens: int
-    """Sum of the samples' token counts; -1 when any sample's count is unknown (text, parquet)."""
+    """Sum of the samples' token counts; -1 when any sample's count is unknown (text)."""
     byte_cost: int
     """Sum of the samples' byte sizes (each at least 1): the balancing cost without token counts."""
     digest: str = ""

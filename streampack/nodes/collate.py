@@ -6,7 +6,9 @@ together never see different shapes: the last batch of a finite stream is comple
 epoch plan or ``batches_per_epoch``) a worker that runs out of data emits whole *filler
 batches* until it reaches the quota. A filler pack holds one document of ``capacity`` pad
 tokens with every label ignored, so it adds zero targets to a token-mean loss; its doc key is
-``"<filler>"``. They are counted in ``counters["fillers"]`` (whole batches) and
+``"<filler>"``. ``num_batches`` may be a :class:`~streampack.nodes.quota.LateQuota`: it is
+started once the first batch is out and waited for only when the data runs out (or taken as soon
+as it is ready, to refuse a surplus early). They are counted in ``counters["fillers"]`` (whole batches) and
 ``counters["filler_packs"]`` (packs completing a partial batch) and logged (rate-limited). A
 worker with more data than its quota refuses (ValueError) rather than silently dropping it.
 
@@ -37,6 +39,7 @@ from streampack.errors import ErrorCounter
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.layout.stats import WorkerStats
 from streampack.logs import event_counts, get_logger, warn_every
+from streampack.nodes.quota import LateQuota
 from streampack.packing.cost import CostModel
 from streampack.sample import Sample
 
@@ -65,21 +68,23 @@ class ThdCollate(BaseNode[PackedBatch]):
     YIELDED_KEY = "yielded"
     COUNTERS_KEY = "counters"
     QUOTA_KEY = "num_batches"
+    LATE_KEY = "late_quota"
 
     def __init__(self, source: BaseNode[list[Sample]], *, capacity: int, packs_per_batch: int = 1,
                  align: int = 1, pad_id: int = 0, ignore_index: int = -100,
-                 num_batches: int | None = None, surplus_hint: str = "raise batches_per_epoch",
+                 num_batches: int | LateQuota | None = None, surplus_hint: str = "raise batches_per_epoch",
                  errors: ErrorCounter | None = None, dp_rank: int = 0, worker_id: int = 0,
                  cost_model: CostModel | None = None) -> None:
         super().__init__()
         if packs_per_batch < 1:
             raise ValueError(f"{packs_per_batch=} must be >= 1")
-        if num_batches is not None and num_batches < 0:
+        if isinstance(num_batches, int) and num_batches < 0:
             raise ValueError(f"{num_batches=} must be >= 0")
         self.source = source
         self.capacity, self.packs_per_batch, self.align = capacity, packs_per_batch, align
         self.pad_id, self.ignore_index = pad_id, ignore_index
         self.num_batches, self.surplus_hint = num_batches, surplus_hint
+        self.late = num_batches if isinstance(num_batches, LateQuota) else None
         self.errors, self.dp_rank, self.worker_id = errors, dp_rank, worker_id
         self.cost_model = cost_model
         self.slow_seconds = float(os.environ.get(SLOW_BATCH_ENV, "30"))
@@ -100,11 +105,16 @@ class ThdCollate(BaseNode[PackedBatch]):
             self._yielded = initial_state[self.YIELDED_KEY]
             self.counters = {**_fresh_counters(), **initial_state[self.COUNTERS_KEY]}
             # the quota is part of the position: an elastic resume's epoch has its own
-            self.num_batches = initial_state.get(self.QUOTA_KEY, self.num_batches)
+            saved = initial_state.get(self.QUOTA_KEY, self.num_batches)
+            if self.late is not None and initial_state.get(self.LATE_KEY) is not None:
+                self.late.restore(initial_state[self.LATE_KEY])
+                saved = self.late if saved is None else saved
+            self.num_batches = saved
 
     def next(self) -> PackedBatch:
         started = time.perf_counter()
-        if self.num_batches is not None and self._yielded >= self.num_batches:
+        quota = self._quota(wait=False)
+        if quota is not None and self._yielded >= quota:
             self._refuse_surplus()
             raise StopIteration
         packs: list[list[Sample]] = []
@@ -113,8 +123,14 @@ class ThdCollate(BaseNode[PackedBatch]):
                 packs.append(next(self.source))
             except StopIteration:
                 break
-        if not packs and self.num_batches is None:
-            raise StopIteration
+        if not packs:
+            quota = self._quota(wait=True)  # the data ran out: now the fillers need the quota
+            if quota is None or self._yielded >= quota:
+                if quota is not None and self._yielded > quota:
+                    raise ValueError(f"this worker had {self._yielded} batches of data in this epoch, more than "
+                                     f"num_batches={quota} (its rank would step more often than the others); "
+                                     f"{self.surplus_hint}")
+                raise StopIteration
         real = packs[:]
         missing = self.packs_per_batch - len(packs)
         if missing:
@@ -124,11 +140,28 @@ class ThdCollate(BaseNode[PackedBatch]):
                            pad_id=self.pad_id, ignore_index=self.ignore_index)
         self._yielded += 1
         self.counters["batches"] += 1
+        if self.late is not None:
+            self.late.start()  # after the first batch: counting reads no index before it
         return self._with_stats(batch, real, time.perf_counter() - started)
 
     def get_state(self) -> dict[str, Any]:
+        # a quota that cannot be recounted after a restore (pinned), or that costs no waiting on
+        # anyone (no agreement: settled here, as the plan once did) goes into the state, so a shard
+        # that changes between save and resume cannot change the epoch's count
+        if self.late is not None and (self.late.pin or (not self.late.background and self._yielded > 0)):
+            self._quota(wait=True)
+        quota = self.num_batches if not isinstance(self.num_batches, LateQuota) else None
         return {self.SOURCE_KEY: self.source.state_dict(), self.YIELDED_KEY: self._yielded,
-                self.COUNTERS_KEY: dict(self.counters), self.QUOTA_KEY: self.num_batches}
+                self.COUNTERS_KEY: dict(self.counters), self.QUOTA_KEY: quota,
+                self.LATE_KEY: None if self.late is None else self.late.state()}
+
+    def _quota(self, *, wait: bool) -> int | None:
+        """The quota as an int (None: no quota); a late one only when ready or ``wait``."""
+        if isinstance(self.num_batches, LateQuota):
+            if not (wait or self.num_batches.ready()):
+                return None
+            self.num_batches = self.num_batches.get()
+        return self.num_batches
 
     def _with_stats(self, batch: PackedBatch, real: list[list[Sample]], seconds: float) -> PackedBatch:
         """Count the batch's real packs into the running totals and attach them; log a slow or

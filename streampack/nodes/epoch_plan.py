@@ -6,22 +6,25 @@ in the ``(seed, epoch)`` order are cut into contiguous sample ranges balanced by
 ranks first, then each rank's workers — by prefix sums over the shard totals and a
 ``searchsorted`` per boundary (:class:`~streampack.nodes.sharding.PrefixCut`: exactly the
 boundaries ``sharding.cut_two_level`` gives over every sample, opening only the shard each of its
-<= 4 boundaries falls in). When every rank must yield the same number of batches, the reader
-counts its own batches (its own samples' lengths through the packer's round logic,
-``window_rounds.count_packs``) and the readers agree on the counts (``streampack.agree``: one
-store round per epoch, O(1) requests per reader); every rank then yields the largest rank's
-count, its readers completing theirs with filler batches (:func:`rank_quotas`, the same quotas
-:func:`equalize` gives). Without an agreement (explicit ``dp_rank``/``dp_size`` and no
-``torch.distributed``: in-process simulation, tests) each reader counts every reader's batches
-instead — O(T) CPU, memory and index reads per reader, today's fallback.
+<= 4 boundaries falls in). When every rank must yield the same number of batches, the reader's
+plan carries a *late quota* (:mod:`streampack.nodes.quota`): after its first batch, in a
+background thread, the reader counts its own batches (its own samples' lengths through the
+packer's round logic, ``window_rounds.count_packs``) and the readers agree on the counts
+(``streampack.agree``: one store round per epoch, O(1) requests per reader); the quota is first
+used when the reader's own data runs out, to know how many filler batches make its rank's total
+the largest rank's (:func:`rank_quotas`, the same quotas :func:`equalize` gives). Without an
+agreement (explicit ``dp_rank``/``dp_size`` and no ``torch.distributed``: in-process simulation,
+tests) each reader counts every reader's batches instead, when its data runs out — O(T) CPU,
+memory and index reads per reader, the fallback.
 
-**Cost per reader and epoch** (N shards, T samples, G readers; measured on this shared 2-core box,
-``python benchmarks/bench_scale.py``, provisional): requests: 1 manifest read per process, at most
-4 boundary shards' indexes and, to count batches, the indexes of its own ~N/G shards (with no
-counting a whole shard needs no index); CPU: ~0.2 µs · N (permutation, prefix sums, cut) +
-~1-6 µs · T/G (the packer's count; 1.1 µs unloaded, 6 µs with the box loaded); memory:
-~112 B · N for the manifest + ~28 B · T/G (offsets, numbers, int32 lengths of its own shards).
-At N=10^5, T=10^9, G=8,192: ~18 requests, 0.4-0.8 s, ~14 MB. An index length of 0 (an empty
+**Cost per reader and epoch** (N shards, T samples, G readers; ``python benchmarks/bench_scale.py``
+on this shared 2-core box): before the first batch, 1 manifest read per process and at most 4
+boundary shards' indexes (a whole shard needs no index), CPU ~0.06-0.4 µs · N (permutation,
+prefix sums, cut); after it, in the background, the indexes of its own ~N/G shards (the boundary
+ones reused; none kept), ~1-6 µs · T/G of packer count (1.1 µs unloaded, 6 µs with the box
+loaded) and 5 store requests; memory ~112 B · N for the manifest + ~48 B · T/G at the count's
+peak (int32 lengths and the packer's temporaries). At N=10^5, T=10^9, G=8,192: 5 requests
+before the first batch, 18 after it, 0.2-0.7 s of CPU, ~17 MB. An index length of 0 (an empty
 record) is left out of the count, as the reader skips it (counted as ``empty_sample``).
 
 Trade-off against agreeing at run time (``streampack.sync_batches``: one all-reduce of "I
@@ -46,6 +49,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from streampack.io.index import ShardIndex, unknown_lengths_hint
+from streampack.nodes.quota import LateQuota, Settled
 from streampack.nodes.sharding import IndexRange, PrefixCut, Span, epoch_permutation
 from streampack.nodes.window_rounds import PackerRules, count_packs, worker_seed
 
@@ -70,6 +74,12 @@ class ShardSamples:
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def range_of(self, span: Span) -> tuple[int, int]:
+        """The samples ``[lo, hi)`` a span of this shard reads."""
+        lo = int(np.searchsorted(self.offsets, span.start, side="left"))
+        hi = len(self) if span.end is None else int(np.searchsorted(self.offsets, span.end, side="left"))
+        return lo, max(lo, hi)
+
     def span(self, shard: int, lo: int, hi: int, epoch: int | None = None) -> Span:
         """Samples ``[lo, hi)`` as a byte range."""
         start = int(self.offsets[lo]) if lo < len(self) else self.end
@@ -92,17 +102,9 @@ class ReaderPlan:
 
     epoch: int
     spans: list[Span]
-    batches: int | None
-    """Batches its own data makes (None when not counted)."""
-    quota: int | None
-    """Batches it yields, fillers included (None: as many as its data makes)."""
-    rank_fillers: int = 0
-    """Fillers its rank's readers yield together."""
-    fillers: int | None = None
-    """Fillers over all ranks (None when only this rank's counts are known: counts agreed
-    through the store)."""
-    min_fillers: int | None = None
-    """Fewest fillers any assignment of these batches to the ranks needs (None: as ``fillers``)."""
+    quota: LateQuota | None
+    """Batches it yields, fillers included, settled when first needed (None: as many as its data
+    makes)."""
 
 
 class RankCounts(Protocol):
@@ -241,7 +243,7 @@ class EpochPlanner:
         return out
 
     def count(self, epoch: int, global_worker: int) -> int:
-        """Batches reader ``global_worker`` makes in ``epoch`` (reads its shards' indexes)."""
+        """Batches reader ``global_worker`` makes in ``epoch`` (reads its shards' indexes, keeps them)."""
         assert self.counting is not None
         key = (epoch, global_worker)
         if key not in self._counts:
@@ -250,27 +252,51 @@ class EpochPlanner:
                                               np.concatenate(lengths or [np.zeros(0, np.int64)]))
         return self._counts[key]
 
-    def plan(self, epoch: int, global_worker: int) -> ReaderPlan:
+    def count_spans(self, global_worker: int, spans: Sequence[Span], carry: np.ndarray | None = None) -> int:
+        """Batches reader ``global_worker`` makes from ``spans`` after ``carry`` (chunk lengths
+        already in its window): one index read per shard not already open (the boundary shards a
+        plan opened are reused); the indexes read here are not kept (memory O(T/G) lengths)."""
+        assert self.counting is not None
+        lengths = []
+        for span in spans:
+            samples = self._samples.get(span.shard) or ShardSamples.of(self._load(span.shard))
+            lo, hi = samples.range_of(span)
+            lengths.append(samples.lengths[lo:hi])
+        return count_batches(self.counting, global_worker, np.concatenate(lengths or [np.zeros(0, np.int32)]), carry)
+
+    def plan(self, epoch: int, global_worker: int, info: dict[str, Any] | None = None) -> ReaderPlan:
+        """Reader ``global_worker``'s spans and (when batches are counted) its late quota, whose
+        settling updates ``info``. No index is read but its <= 4 boundary shards'."""
         if self._plan is None or self._plan_of != (epoch, global_worker):
-            self._plan, self._plan_of = self._make(epoch, global_worker), (epoch, global_worker)
+            spans = self.spans(epoch, global_worker)
+            quota = None
+            if self.counting is not None:
+                quota = LateQuota(count=lambda: self.count_spans(global_worker, spans),
+                                  settle=lambda mine: self._settle(epoch, global_worker, mine),
+                                  background=self.agree is not None, info=info)
+            self._plan, self._plan_of = ReaderPlan(epoch=epoch, spans=spans, quota=quota), (epoch, global_worker)
         return self._plan
 
-    def _make(self, epoch: int, g: int) -> ReaderPlan:
-        spans = self.spans(epoch, g)
-        if self.counting is None:
-            return ReaderPlan(epoch=epoch, spans=spans, batches=None, quota=None)
-        mine = self.count(epoch, g)
+    def _settle(self, epoch: int, g: int, mine: int) -> Settled:
         rank, worker = divmod(g, self.num_workers)
         if self.agree is not None:  # one store round: O(1) requests, no one else's data
-            got = self.agree(f"plan/{epoch}", rank, worker, self.num_workers, mine)
-            quotas = rank_quotas(list(got.workers), int(got.target))
-            return ReaderPlan(epoch=epoch, spans=spans, batches=mine, quota=quotas[worker],
-                              rank_fillers=int(got.target) - sum(got.workers))
-        counts = [self.count(epoch, h) for h in range(self.global_workers)]  # the fallback: O(T)
-        quotas, fillers, least = equalize(counts, self.dp_size)
-        group = slice(rank * self.num_workers, (rank + 1) * self.num_workers)
-        return ReaderPlan(epoch=epoch, spans=spans, batches=mine, quota=quotas[g],
-                          rank_fillers=sum(quotas[group]) - sum(counts[group]), fillers=fillers, min_fillers=least)
+            return settle_agreed(self.agree(f"plan/{epoch}", rank, worker, self.num_workers, mine), worker, mine)
+        counts = [mine if h == g else self.count(epoch, h) for h in range(self.global_workers)]  # fallback: O(T)
+        return settle_all(counts, self.dp_size, self.num_workers, g)
+
+
+def settle_agreed(got: RankCounts, worker: int, mine: int) -> Settled:
+    """A reader's quota from an agreement round's answer."""
+    quotas = rank_quotas(list(got.workers), int(got.target))
+    return Settled(quota=quotas[worker], batches=mine, rank_fillers=int(got.target) - sum(got.workers))
+
+
+def settle_all(counts: Sequence[int], ranks: int, workers: int, g: int) -> Settled:
+    """A reader's quota from every reader's count."""
+    quotas, fillers, least = equalize(counts, ranks)
+    group = slice(g // workers * workers, (g // workers + 1) * workers)
+    return Settled(quota=quotas[g], batches=int(counts[g]), rank_fillers=sum(quotas[group]) - sum(counts[group]),
+                   fillers=fillers, min_fillers=least)
 
 
 def unplannable(shards: Any, dp_size: int) -> str:

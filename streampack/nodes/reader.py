@@ -263,6 +263,7 @@ class ShardReader(BaseNode[Sample]):
         """The sample index (offsets, keys, token lengths) of a shard, built once and cached."""
         url = self.urls[shard] if isinstance(shard, int) else shard
         return load_or_build_index(url, decode=index_decode(self._decode.tokens_key, self._decode.limits),
+                                   positions_only=True,
                                    opts=self._open, cache_dir=self._cache_dir,
                                    stats=self.io_stats)
 
