@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from streampack.layout import adapters
+from streampack.layout import adapters, transfer
 from streampack.layout.documents import (
     alloc_extras,
     check_doc,
@@ -305,3 +305,7 @@ def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = 
     if docs is not None:
         got = [batch.input_ids[s:e].tolist() for s, e in zip(starts.tolist(), ends.tolist())]
         assert got == [list(map(int, d)) for d in docs], "tokens not conserved"
+
+
+# a worker hands batches to the training process as one byte blob (see the module for why)
+transfer.register(PackedBatch)
