@@ -287,7 +287,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown loaders {unknown}; known: {list(BOUNDARIES)}")
     if args.baseline and not args.child:
-        args.loaders += [x + BASELINE for x in args.loaders if x.startswith("streampack")]
+        # each baseline row right after its own: the two run side by side in every round
+        args.loaders = [y for x in args.loaders for y in ([x, x + BASELINE] if x.startswith("streampack") else [x])]
     args.workers = tuple(int(w) for w in args.workers.split(","))
     args.tokens = args.tokens or (1e6 if args.quick else 20e6)
     args.rounds = args.rounds or (1 if args.quick else 2)

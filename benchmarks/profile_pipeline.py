@@ -40,8 +40,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-if (HERE.parent / "streampack").is_dir():
-    sys.path.insert(0, str(HERE.parent))
+# --root DIR profiles another checkout's streampack (e.g. the main branch, for a before/after)
+ROOT = sys.argv[sys.argv.index("--root") + 1] if "--root" in sys.argv else str(HERE.parent)
+if (Path(ROOT) / "streampack").is_dir():
+    sys.path.insert(0, ROOT)
 
 from multiprocessing.reduction import ForkingPickler  # noqa: E402
 
@@ -51,8 +53,12 @@ import streampack.io.parquet as parquet_io  # noqa: E402
 import streampack.io.tar as tar_io  # noqa: E402
 import streampack.nodes.collate as collate_mod  # noqa: E402
 from peers.corpus import Corpus, CorpusSpec, write_parquet, write_tar  # noqa: E402
+import streampack  # noqa: E402
 from streampack import PackedDataset  # noqa: E402
-from streampack.layout import transfer  # noqa: E402
+try:
+    from streampack.layout import transfer  # noqa: E402
+except ImportError:  # a checkout from before the hand-over change: torch's reduction only
+    transfer = None
 from streampack.layout.batch import PackedBatch  # noqa: E402
 from streampack.nodes.collate import ThdCollate  # noqa: E402
 from streampack.nodes.overlong import OverlongNode  # noqa: E402
@@ -144,7 +150,7 @@ def handover(urls: list[str], workers: int, reducer: str) -> dict[str, Any]:
     """One epoch; ``reducer`` "torch" (the default fd reduction) or "streampack"."""
     if reducer == "torch":
         ForkingPickler._extra_reducers.pop(PackedBatch, None)
-    else:
+    elif transfer is not None:
         transfer.register(PackedBatch)
     try:
         loader = DataLoader(dataset(urls), batch_size=None, num_workers=workers,
@@ -161,7 +167,8 @@ def handover(urls: list[str], workers: int, reducer: str) -> dict[str, Any]:
         gc.collect()  # workers joined: their CPU is in RUSAGE_CHILDREN
         cpu1 = _cpu()
     finally:
-        transfer.register(PackedBatch)
+        if transfer is not None:
+            transfer.register(PackedBatch)
     main, kids = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
     return {"workers": workers, "reducer": reducer, "wall": wall, "main_cpu": main, "worker_cpu": kids,
             "tokens": tokens, "batches": batches}
@@ -208,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--formats", default="tar,parquet")
     parser.add_argument("--dir", default=None, help="keep the written corpus here")
     parser.add_argument("--out", default=None, help="also write the tables (markdown) here")
+    parser.add_argument("--root", default=None, help="profile the streampack of this checkout instead")
     args = parser.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     out = [f"# Pipeline profile\n\nCommand: `python benchmarks/profile_pipeline.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n"]
@@ -219,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):  # interleaved: a busy spell does not land on one case only
             for fmt in formats:
                 stages[fmt].append(stage_profile(urls[fmt]))
-                for workers, reducer in ((0, "streampack"), (2, "torch"), (2, "streampack")):
+                for workers, reducer in ((0, "streampack"), (2, "torch"), (2, "streampack"))[:3 if transfer else 2]:
                     hand[fmt].append(handover(urls[fmt], workers, reducer))
+        out.append(f"streampack: {Path(streampack.__file__).parent}\n")
         out.append(f"Corpus: {corpus.describe()}; capacity {CAPACITY}, window {WINDOW}, {PACKS} packs per batch.\n")
         out.append("## Stages, in-process (own CPU time of each stage)\n")
         out += [stage_table(fmt, stages[fmt]) + "\n" for fmt in formats]
