@@ -1,27 +1,30 @@
-"""How a batch crosses from a DataLoader worker to the training process: one byte blob.
+"""How a batch crosses from a DataLoader worker to the training process, without a handshake.
 
 torch's default for a tensor put on a ``multiprocessing`` queue is its ``file_descriptor``
 sharing strategy: the worker moves every storage into its own shared-memory segment, and the
 receiving process fetches each segment's descriptor from the worker's ``resource_sharer``
 thread over a fresh, HMAC-authenticated Unix socket. That thread needs the worker's GIL, which
 the worker holds while it builds the next batch, so the receiver waits and both processes burn
-CPU on the handshake. Profiled (``benchmarks/profile_pipeline.py``; 2 workers, batches of
-8 x 4096 tokens, two storages per batch): ~6 ms of the training process's time per batch went to
-``rebuild_storage_fd`` -- 0.9 s of 2.1 s for a 5 M-token epoch -- and the workers spent about
-twice the CPU the same epoch costs in-process.
+CPU on the handshake: profiled with 2 workers and batches of 8 x 4096 tokens (two storages per
+batch), ``rebuild_storage_fd`` took 0.9 s of the training process's 2.1 s for a 5 M-token epoch.
 
-A batch of ``packs x capacity`` tokens is small (8 x 4096 tokens: ~0.8 MB), so copying its bytes
-through the queue's pipe is cheaper than any handshake: :func:`reduce_batch` writes every
-distinct CPU storage of the batch into one ``bytes`` blob (8-byte aligned, so each dtype's view
-starts on its own alignment) plus, per tensor, where its view sits; :func:`rebuild_batch` makes
-one writable buffer of the blob and re-creates every tensor as a view of it. Views that shared a
-storage still share one (``input_ids``/``labels``/``position_ids``), and a tensor named by two
-fields stays one object (``varlen_cu_seqlens_bidirectional is varlen_cu_seqlens`` with
-``align == 1``). Measured side by side in ``benchmarks/profile_pipeline.py``.
+:func:`reduce_batch` sends each distinct storage of a batch once: a small one (the int32
+offsets, up to ``INLINE_BYTES``) inside the pickle, a large one (the ``[3, T]`` int64 rows) through
+torch's own ``file_system`` sharing for that one storage -- a *named* segment the receiver opens
+by name, with no socket and no wait on the worker; torch's ``torch_shm_manager`` unlinks it if a
+process dies first. The process-wide strategy is left alone. :func:`from_wire` re-creates every
+tensor as a view of its received storage: views that shared a storage still share one
+(``input_ids``/``labels``/``position_ids``), and a tensor named by two fields stays one object
+(``varlen_cu_seqlens_bidirectional is varlen_cu_seqlens`` with ``align == 1``).
+
+Measured (``benchmarks/profile_pipeline.py``, hand-over table; the same epoch, both reducers in one
+run on the loaded 2-core box, 4 M tokens): 2 workers cost 2.62x the CPU of the in-process epoch
+with torch's reduction and 1.65x with this one on tar (parquet: 2.04x -> 1.24x); per batch, the
+training process 5.3 -> 3.6 ms and the workers 19.5 -> 12.1 ms.
 
 Only the queue between processes uses this (``ForkingPickler.register``); ``pickle`` and
 ``torch.save`` are untouched. A batch holding a tensor that is not a plain dense CPU tensor
-(moved to a GPU in the worker, sparse, a subclass) goes the default way.
+(moved to a GPU in the worker, sparse, requiring grad, a subclass) goes the default way.
 """
 
 from __future__ import annotations
