@@ -12,6 +12,7 @@ from typing import Any
 
 from .hf_trl_peer import HfTrlPeer
 from .litdata_peer import LitdataPeer
+from .mosaic_concat_peer import MosaicConcatPeer
 from .mosaic_peer import MosaicPeer
 from .streampack_peer import StreampackPeer
 from .webdataset_peer import WebdatasetPeer
@@ -20,6 +21,7 @@ PEERS: dict[str, Callable[[int], Any]] = {
     "streampack": lambda capacity: StreampackPeer(capacity=capacity),
     "streampack-parquet": lambda capacity: StreampackPeer(capacity=capacity, fmt="parquet"),
     "mosaic": lambda capacity: MosaicPeer(capacity=capacity),
+    "mosaic-concat": lambda capacity: MosaicConcatPeer(capacity=capacity),
     "litdata": lambda capacity: LitdataPeer(capacity=capacity),
     "webdataset": lambda capacity: WebdatasetPeer(capacity=capacity),
     "hf-trl": lambda capacity: HfTrlPeer(capacity=capacity),
