@@ -21,6 +21,7 @@ from streampack.errors import log_worker_error
 from streampack.graph import Graph, build_graph, counting_for, graph_metrics, manifest_of
 from streampack.nodes.epoch_plan import unplannable
 from streampack.io.limits import Limits
+from streampack.media.options import MediaOptions
 from streampack.layout.batch import PackedBatch, alignment, pack_batch
 from streampack.nodes.collate import filler_pack
 from streampack.nodes.epochs import add_metrics
@@ -146,7 +147,8 @@ class PackedDataset(IterableDataset):
                  pin_memory: bool = False, mixture_stop: str = "all", vocab_size: int | None = None,
                  limits: Limits | None = None,
                  cost_model: CostModel | Mapping[str, Any] | None = None,
-                 balance: str | Balance | None = None, identity: str = "tag") -> None:
+                 balance: str | Balance | None = None, identity: str = "tag",
+                 media: MediaOptions | None = None) -> None:
         super().__init__()
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
@@ -163,7 +165,7 @@ class PackedDataset(IterableDataset):
             ignore_index=ignore_index, bos_id=bos_id, eos_id=eos_id, max_wait=max_wait, slack=slack,
             batches_per_epoch=batches_per_epoch, equal_batches=equal_batches, vocab_size=vocab_size,
             limits=limits if limits is not None else Limits(), cost_model=cost,
-            balance=balance_of(balance, cost))
+            balance=balance_of(balance, cost), media=media)
         self.options = ReadOptions(allow_pipe=allow_pipe, allow_pickle=allow_pickle, cache_dir=cache_dir,
                                    manifest=manifest, retries=retries, retry_budget=retry_budget, connect_timeout=connect_timeout,
                                    read_timeout=read_timeout, request_deadline=request_deadline,

@@ -29,6 +29,7 @@ import numpy as np
 
 from streampack.errors import DataError
 from streampack.io.limits import Limits, check_vocab_size, id_bound
+from streampack.media.options import MediaOptions
 from streampack.sample import Sample
 
 
@@ -50,6 +51,8 @@ class DecodeOptions:
     """Token ids (and labels) must be below it; None = below 2**31."""
     limits: Limits = Limits()
     """Bounds on line / member / sample bytes and json depth."""
+    media: MediaOptions | None = None
+    """Where a sample's images are (:mod:`streampack.media.read`); None = text only."""
 
     def __post_init__(self) -> None:
         check_vocab_size(self.vocab_size)
@@ -70,7 +73,7 @@ class Item:
 
 def make_sample(
     *, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, images: tuple[Any, ...] = (),
 ) -> Sample:
     """Validate raw fields into a :class:`Sample`; raises :class:`DataError`."""
     tok = txt = None
@@ -84,7 +87,7 @@ def make_sample(
     lab = None if labels is None else validate_per_token(labels, length, what="labels", url=url, key=key,
                                                          vocab_size=vocab_size)
     mask = None if loss_mask is None else validate_per_token(loss_mask, length, what="loss_mask", url=url, key=key)
-    return Sample(key=key, url=url, tokens=tok, text=txt, labels=lab, loss_mask=mask)
+    return Sample(key=key, url=url, tokens=tok, text=txt, labels=lab, loss_mask=mask, images=images)
 
 
 def parse_json_object(raw: bytes, *, url: str, key: str, max_depth: int = Limits().max_json_depth) -> dict[str, Any]:
@@ -181,7 +184,13 @@ def token_count(raw: bytes, opts: DecodeOptions) -> int:
 
 
 def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, key: str) -> Sample:
+    images: tuple[Any, ...] = ()
+    if opts.media is not None:
+        from streampack.media.read import path_images
+
+        images = path_images(record.get(opts.media.images_key), opts.media, opts.limits, url=url, key=key)
     return make_sample(
+        images=images,
         url=url,
         key=key,
         tokens=record.get(opts.tokens_key),

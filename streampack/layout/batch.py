@@ -38,6 +38,7 @@ from streampack.layout.spans import (
     varlen_offsets,
 )
 from streampack.layout.stats import WorkerStats
+from streampack.layout.vision_batch import VisionBatch, vision_batch
 
 _INT32_MAX = 2**31 - 1
 
@@ -94,6 +95,10 @@ class PackedBatch:
     cost 0), set by the pipeline's collate when ``PackedDataset(cost_model=...)`` is given,
     else ``None``. Gather it over data-parallel ranks to see a step's imbalance: the step
     takes as long as the costliest rank."""
+    vision: VisionBatch | None = None
+    """The images of the batch's documents (pixels, grids, owning document and token positions,
+    vision ``cu_seqlens``, mRoPE positions); None for text-only batches
+    (:mod:`streampack.layout.vision_batch`)."""
     stats: WorkerStats | None = None
     """Running totals of the reader that built this batch (set by the pipeline's collate stage;
     ``None`` for a batch built directly with :func:`pack_batch`)."""
@@ -145,6 +150,8 @@ class PackedBatch:
 
         changes: dict[str, Any] = {name: once(getattr(self, name)) for name in _TENSOR_FIELDS}
         changes["extras"] = {k: once(v) for k, v in self.extras.items()}
+        if self.vision is not None:
+            changes["vision"] = self.vision.map_tensors(once)
         return replace(self, **changes)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
@@ -230,7 +237,7 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     input_ids.fill(pad_id)
     labels.fill(ignore_index)
     extras = alloc_extras(docs, extra_names, total)
-    real, padded, keys = [0], [0], []
+    real, padded, keys, starts = [0], [0], [], []
     for doc, (start, n, end) in zip((d for pack in docs for d in pack), doc_spans(docs, capacity, align)):
         input_ids[start:start + n] = doc.tokens
         labels[start:start + n - 1] = targets(doc, ignore_index)[1:]
@@ -239,6 +246,7 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         real.append(real[-1] + n)
         padded.append(end)
         keys.append(doc.doc_key)
+        starts.append(start)
     cu_real, cu_padded = np.asarray(real, dtype=np.int32), np.asarray(padded, dtype=np.int32)
     # positions and per-document target counts in whole-batch operations rather than one
     # arange / any() per document (~60 documents per batch of 8 x 4096 lognormal(600) tokens)
@@ -263,6 +271,7 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         pad_id=pad_id,
         ignore_index=ignore_index,
         extras={k: torch.from_numpy(v) for k, v in extras.items()},
+        vision=vision_batch([d for pack in docs for d in pack], starts, rows[0], torch.from_numpy(cu_padded)),
     )
 
 

@@ -1,0 +1,106 @@
+"""An image's size and mode from its header only: what its token count needs, before any pixel.
+
+``PIL.Image.open`` is lazy: it parses the header (JPEG markers up to the frame header, PNG's
+IHDR, WebP's VP8/VP8L/VP8X chunk) and decodes no pixel until ``load()``. Header-only costs
+tens of microseconds per image against milliseconds for a full decode
+(``benchmarks/bench_media.py`` measures both per format, with the bytes the header parse touched).
+
+Untrusted bytes: only the JPEG, PNG and WebP decoders are ever tried (``formats=``), so no
+plugin that shells out (PIL's EPS plugin runs Ghostscript) can be reached; the declared size is
+checked against ``Limits.max_image_pixels`` here, before any decode (a 50,000 x 50,000 PNG is a
+few KB of zeros that would inflate to 7.5 GB); a mode the decoder cannot turn into RGB is
+refused. Each problem is a :class:`~streampack.errors.DataError` naming shard, key and image.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+from streampack.errors import DataError
+
+FORMATS = ("JPEG", "PNG", "WEBP")
+"""The only decoders tried; anything else is ``bad_image``."""
+MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "I;16"})
+"""Modes that convert to RGB the way the HF processors convert (8-bit or palette, plus 16-bit
+grey PNG); others (32-bit int ``I``, float ``F``) are ``unsupported_image_mode``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ImageHeader:
+    """What an image's header says."""
+
+    width: int
+    height: int
+    mode: str
+    """PIL mode (``RGB``, ``L``, ``P``...)."""
+    format: str
+    """``JPEG``, ``PNG`` or ``WEBP``."""
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MediaImage:
+    """One image of a sample between reading and decoding: its encoded bytes and header.
+    A resume state never holds it (carried samples are re-read from their origin)."""
+
+    name: str
+    """Where it came from in the sample: the tar member, column or path."""
+    data: bytes
+    header: ImageHeader
+
+
+def read_header(data: bytes, *, url: str, key: str, name: str, max_pixels: int) -> ImageHeader:
+    """The header of the encoded image ``data``; raises :class:`DataError` (``bad_image``,
+    ``image_too_large``, ``unsupported_image_mode``) naming ``url``, ``key`` and ``name``."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
+            with Image.open(io.BytesIO(data), formats=FORMATS) as im:
+                header = ImageHeader(width=int(im.width), height=int(im.height), mode=str(im.mode),
+                                     format=str(im.format))
+    except Image.DecompressionBombError as e:
+        raise DataError("image_too_large", f"image {name!r}: {e}", url=url, key=key, value=name) from None
+    except Exception as e:  # noqa: BLE001 — PIL raises many types for a bad header; all mean "not an image"
+        raise DataError("bad_image", f"image {name!r} has no readable JPEG/PNG/WebP header: {e}", url=url, key=key,
+                        value=data[:16]) from None
+    check_header(header, url=url, key=key, name=name, max_pixels=max_pixels)
+    return header
+
+
+def check_header(header: ImageHeader, *, url: str, key: str, name: str, max_pixels: int) -> None:
+    if header.width < 1 or header.height < 1:
+        raise DataError("bad_image", f"image {name!r} declares {header.width}x{header.height} pixels", url=url,
+                        key=key, value=(header.width, header.height))
+    if header.pixels > max_pixels:
+        raise DataError("image_too_large", f"image {name!r} declares {header.width}x{header.height} = "
+                        f"{header.pixels} pixels, over max_image_pixels={max_pixels}; not decoded", url=url, key=key,
+                        value=(header.width, header.height))
+    if header.mode not in MODES:
+        raise DataError("unsupported_image_mode", f"image {name!r} has mode {header.mode!r}; supported: "
+                        f"{sorted(MODES)}", url=url, key=key, value=header.mode)
+
+
+def read_images(named: list[tuple[str, bytes]], *, url: str, key: str, max_pixels: int,
+                max_sample_pixels: int) -> tuple[MediaImage, ...]:
+    """Every ``(name, bytes)`` of one sample as a :class:`MediaImage`, in order; the pixels of
+    all of them together must stay within ``max_sample_pixels`` (``sample_too_large``)."""
+    out, total = [], 0
+    for name, data in named:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise DataError("bad_image", f"image {name!r} is {type(data).__name__}, want bytes", url=url, key=key,
+                            value=name)
+        data = bytes(data)
+        header = read_header(data, url=url, key=key, name=name, max_pixels=max_pixels)
+        total += header.pixels
+        if total > max_sample_pixels:
+            raise DataError("sample_too_large", f"images up to {name!r} declare {total} pixels, over "
+                            f"max_sample_pixels={max_sample_pixels}", url=url, key=key, value=total)
+        out.append(MediaImage(name=name, data=data, header=header))
+    return tuple(out)
