@@ -255,11 +255,12 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     supervised = labels != ignore_index
     seen = np.concatenate(([0], np.cumsum(supervised)))
     target_docs = int(np.count_nonzero(seen[cu_padded[1:]] - seen[cu_padded[:-1]]))
+    offsets = offset_fields(cu_real, cu_padded, align)
     return PackedBatch(
         input_ids=rows[0],
         labels=rows[1],
         position_ids=rows[2],
-        **offset_fields(cu_real, cu_padded, align),
+        **offsets,
         max_seqlen=longest(cu_padded),
         num_tokens=real[-1],
         num_targets=int(seen[-1]),
@@ -271,7 +272,7 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         pad_id=pad_id,
         ignore_index=ignore_index,
         extras={k: torch.from_numpy(v) for k, v in extras.items()},
-        vision=vision_batch([d for pack in docs for d in pack], starts, rows[0], torch.from_numpy(cu_padded)),
+        vision=vision_batch([d for pack in docs for d in pack], starts, rows[0], offsets["varlen_cu_seqlens"]),
     )
 
 

@@ -61,9 +61,11 @@ _TENSORS = ("pixel_values", "image_grid_thw", "image_doc", "image_token_starts",
 
 
 def vision_batch(docs: Sequence[Any], starts: Sequence[int], input_ids: torch.Tensor,
-                 cu_seqlens_padded: torch.Tensor) -> VisionBatch | None:
+                 varlen_cu_seqlens: torch.Tensor) -> VisionBatch | None:
     """The batch's images from its documents (``streampack.media.node.DecodedImage`` each) laid
-    out at token offsets ``starts``; None when no document has an image."""
+    out at token offsets ``starts``; None when no document has an image. mRoPE positions
+    restart at the spans of ``varlen_cu_seqlens``, the spans ``hf_inputs``' text positions
+    restart at (a pack's trailing padding is its own span)."""
     images = [(d, doc, im) for d, doc in enumerate(docs) for im in doc.images]
     if not images:
         return None
@@ -88,6 +90,6 @@ def vision_batch(docs: Sequence[Any], starts: Sequence[int], input_ids: torch.Te
         from streampack.layout.vision import mrope_position_ids, vision_cu_seqlens
 
         out.vision_cu_seqlens = vision_cu_seqlens(grid)
-        out.mrope_position_ids = mrope_position_ids(input_ids, cu_seqlens_padded, grid, first.token_id,
+        out.mrope_position_ids = mrope_position_ids(input_ids, varlen_cu_seqlens, grid, first.token_id,
                                                     first.merge_size)
     return out

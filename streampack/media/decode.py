@@ -53,8 +53,6 @@ def open_rgb(image: MediaImage, *, url: str, key: str) -> "PIL.Image.Image":  # 
     if (im.width, im.height) != (image.header.width, image.header.height):
         raise DataError("bad_image", f"image {image.name!r} decoded to {im.width}x{im.height}, its header said "
                         f"{image.header.width}x{image.header.height}", url=url, key=key, value=image.name)
-    if im.mode == "I;16":
-        im = Image.fromarray((np.asarray(im, dtype=np.uint16) >> 8).astype(np.uint8))
     if "A" in im.getbands() or im.info.get("transparency") is not None:
         im = im.convert("RGBA")
         white = Image.new("RGBA", im.size, (255, 255, 255, 255))

@@ -22,9 +22,10 @@ from streampack.errors import DataError
 
 FORMATS = ("JPEG", "PNG", "WEBP")
 """The only decoders tried; anything else is ``bad_image``."""
-MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "I;16"})
-"""Modes that convert to RGB the way the HF processors convert (8-bit or palette, plus 16-bit
-grey PNG); others (32-bit int ``I``, float ``F``) are ``unsupported_image_mode``."""
+MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr"})
+"""8-bit and palette modes, which convert to RGB as the HF processors convert them. Others are
+``unsupported_image_mode``: 16-bit grey PNG (``I;16``, which ``convert("RGB")`` clips at 255
+rather than scales, so no processor reading is right) and 32-bit ``I`` / float ``F``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
