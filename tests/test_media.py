@@ -66,3 +66,14 @@ def test_placeholders_expand_with_labels_mask_and_extras() -> None:
         expand_placeholders(s, [3], IMAGE_ID)
     assert e.value.key == "k"
     assert expand_text("a<image>b<image>", "<image>", [2, 1]) == "a<image><image>b<image>"
+
+
+def test_adjacent_images_are_cut_by_their_counts() -> None:
+    from streampack.media.placeholders import image_starts
+
+    tokens = np.array([5, IMAGE_ID, IMAGE_ID, 6])
+    out = expand_placeholders(Sample(key="k", tokens=tokens), [2, 3], IMAGE_ID)
+    assert out.tokens.tolist() == [5] + [IMAGE_ID] * 5 + [6]
+    assert image_starts(out.tokens, IMAGE_ID, [2, 3]).tolist() == [1, 3]
+    assert image_starts(out.tokens, IMAGE_ID, [2, 2]) is None
+    assert expand_placeholders(out, [2, 3], IMAGE_ID).tokens.tolist() == out.tokens.tolist()

@@ -24,7 +24,7 @@ from torchdata.nodes import BaseNode
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.media.decode import decode_image
 from streampack.media.options import MediaOptions
-from streampack.media.placeholders import image_runs
+from streampack.media.placeholders import image_starts
 from streampack.media.tokens import DynamicResolution
 from streampack.sample import Sample
 
@@ -52,12 +52,13 @@ def decode_sample(sample: Sample, options: MediaOptions) -> Sample:
     if not sample.images:
         return sample
     assert sample.tokens is not None
-    starts, lengths = image_runs(sample.tokens, options.image_token_id)
     counts = [options.rule.count(im.header.width, im.header.height) for im in sample.images]
-    if lengths.tolist() != counts:
-        raise DataError("image_tokens_mismatch", f"image token runs {lengths.tolist()} do not match its "
-                        f"{len(counts)} images' counts {counts} (a split through an image? use overlong='drop' "
-                        f"or a larger capacity)", url=sample.url, key=sample.key, value=lengths.tolist())
+    starts = image_starts(sample.tokens, options.image_token_id, counts)
+    if starts is None:
+        found = int((sample.tokens == options.image_token_id).sum())
+        raise DataError("image_tokens_mismatch", f"{found} image tokens are not {len(counts)} contiguous runs of "
+                        f"{counts} (a split through an image? use overlong='drop' or a larger capacity)",
+                        url=sample.url, key=sample.key, value=found)
     merge = options.rule.merge_size if isinstance(options.rule, DynamicResolution) else 1
     decoded = []
     for image, start, n in zip(sample.images, starts.tolist(), counts):

@@ -29,12 +29,17 @@ def expand_text(text: str, placeholder: str, counts: Sequence[int]) -> str:
     return parts[0] + "".join(placeholder * n + rest for n, rest in zip(counts, parts[1:]))
 
 
-def image_runs(tokens: np.ndarray, image_token_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, lengths) of the maximal runs of ``image_token_id`` in ``tokens`` (int64 each)."""
-    hit = np.concatenate(([False], tokens == image_token_id, [False]))
-    edges = np.flatnonzero(hit[1:] != hit[:-1])
-    starts, ends = edges[::2], edges[1::2]
-    return starts.astype(np.int64), (ends - starts).astype(np.int64)
+def image_starts(tokens: np.ndarray, image_token_id: int, counts: Sequence[int]) -> np.ndarray | None:
+    """int64 ``[n_images]``: where each image's tokens start when the placeholders of ``tokens``
+    are exactly ``counts[k]`` contiguous tokens per image, in order (two images with no text
+    between them are two runs cut by their counts); None otherwise."""
+    want = np.asarray(counts, dtype=np.int64)
+    where = np.flatnonzero(tokens == image_token_id)
+    if where.size != int(want.sum()):
+        return None
+    ends = np.cumsum(want)
+    first, last = where[ends - want], where[ends - 1]
+    return first.astype(np.int64) if np.array_equal(last - first, want - 1) else None
 
 
 def expand_placeholders(sample: Sample, counts: Sequence[int], image_token_id: int) -> Sample:
@@ -47,7 +52,7 @@ def expand_placeholders(sample: Sample, counts: Sequence[int], image_token_id: i
     if where.size == len(want):
         reps = np.ones(tokens.shape[0], dtype=np.int64)
         reps[where] = want
-    elif where.size == int(want.sum()) and np.array_equal(image_runs(tokens, image_token_id)[1], want):
+    elif image_starts(tokens, image_token_id, want) is not None:
         reps = None  # already expanded
     else:
         raise DataError("image_placeholder_mismatch", f"{where.size} image tokens (id {image_token_id}) for "
