@@ -3,6 +3,8 @@ processors, placeholders."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -77,3 +79,22 @@ def test_adjacent_images_are_cut_by_their_counts() -> None:
     assert image_starts(out.tokens, IMAGE_ID, [2, 3]).tolist() == [1, 3]
     assert image_starts(out.tokens, IMAGE_ID, [2, 2]) is None
     assert expand_placeholders(out, [2, 3], IMAGE_ID).tokens.tolist() == out.tokens.tolist()
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "LA"])
+@pytest.mark.parametrize("lossless", [False, True])
+def test_webp_header_from_riff_agrees_with_pil(mode: str, lossless: bool) -> None:
+    from PIL import Image
+
+    from streampack.media.header import webp_header
+
+    rng = np.random.default_rng(0)
+    for w, h in ((1, 1), (9, 7), (300, 17), (2000, 3)):
+        im = Image.fromarray(rng.integers(0, 255, (h, w, 4), dtype=np.uint8), "RGBA").convert(mode)
+        out = io.BytesIO()
+        im.save(out, "WEBP", lossless=lossless)
+        data = out.getvalue()
+        pil = Image.open(io.BytesIO(data))
+        got = webp_header(data)
+        assert got is not None and (got.width, got.height, got.mode) == (pil.width, pil.height, pil.mode)
+    assert webp_header(b"RIFF\0\0\0\0WEBPVP8Z" + b"\0" * 20) is None  # unknown chunk: left to PIL
