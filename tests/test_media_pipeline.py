@@ -151,3 +151,19 @@ def test_per_sample_pixel_limit(tmp_path: Path) -> None:
     kept = list(ds)
     assert ds.metrics()["errors"]["counts"]["sample_too_large"] >= 1
     assert all(b.vision is None or int(torch.bincount(b.vision.image_doc).max()) <= 2 for b in kept)
+
+
+def test_tiles_rule_is_refused_when_the_graph_is_built(tmp_path: Path) -> None:
+    from streampack.media import AnyResTiles
+
+    url = str(write_tar(tmp_path / "a.tar", 4))
+    with pytest.raises(ValueError, match="counts tokens only"):
+        dataset([url], media=MediaOptions(rule=AnyResTiles(), image_token_id=IMAGE_ID))
+
+
+def test_a_split_through_an_image_is_an_error_not_misplaced_pixels(tmp_path: Path) -> None:
+    url = str(write_tar(tmp_path / "a.tar", 6, max_images=3, sizes=(80, 84), text=(30, 40)))
+    with pytest.raises(DataError, match="image_tokens_mismatch"):
+        list(dataset([url], capacity=32, overlong="split"))
+    kept = list(dataset([url], capacity=32, overlong="drop"))
+    assert all(check_vision(b) >= 0 for b in kept)
