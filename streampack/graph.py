@@ -355,6 +355,10 @@ def counting_for(config: StreamConfig, place: Placement) -> Counting | None:
     """What a plan needs to count batches, when ranks must yield equal counts by plan."""
     if place.dp_size == 1 or config.batches_per_epoch is not None or config.equal_batches != "plan":
         return None
+    if config.media is not None:  # the index knows text lengths; image tokens would make every count wrong
+        raise ValueError("media= with several ranks and a finite stream needs equal_batches='sync' or "
+                         "batches_per_epoch: the plan counts batches from the index's text lengths, "
+                         "which do not include image tokens")
     rules = PackerRules(capacity=config.capacity, window=config.window, algorithm=config.algorithm,
                         align=config.align, seed=config.seed, max_wait=config.max_wait, slack=config.slack)
     return Counting(rules=rules, max_len=config.capacity, policy=config.overlong,

@@ -167,3 +167,12 @@ def test_a_split_through_an_image_is_an_error_not_misplaced_pixels(tmp_path: Pat
         list(dataset([url], capacity=32, overlong="split"))
     kept = list(dataset([url], capacity=32, overlong="drop"))
     assert all(check_vision(b) >= 0 for b in kept)
+
+
+def test_planned_equal_batches_are_refused_with_images(tmp_path: Path) -> None:
+    url = str(write_tar(tmp_path / "a.tar", 8))
+    with pytest.raises(ValueError, match="equal_batches='sync'"):
+        list(dataset([url], dp_rank=0, dp_size=2))
+    ranks = [list(dataset([url], dp_rank=r, dp_size=2, batches_per_epoch=4)) for r in (0, 1)]
+    keys = sorted(k for rank in ranks for b in rank for k in b.doc_keys if k != "<filler>")
+    assert keys == sorted(f"{url}#k{i}" for i in range(8))
