@@ -176,3 +176,24 @@ def test_planned_equal_batches_are_refused_with_images(tmp_path: Path) -> None:
     ranks = [list(dataset([url], dp_rank=r, dp_size=2, batches_per_epoch=4)) for r in (0, 1)]
     keys = sorted(k for rank in ranks for b in rank for k in b.doc_keys if k != "<filler>")
     assert keys == sorted(f"{url}#k{i}" for i in range(8))
+
+
+def test_elastic_resume_trains_every_image_sample_once(tmp_path: Path) -> None:
+    from collections import Counter
+
+    from streampack import elastic
+    from streampack.state import table_size
+    from tests.topology_sim import SimRank
+
+    urls = [str(write_tar(tmp_path / f"{i}.tar", 14, seed=i, max_images=2)) for i in range(3)]
+    make = lambda r, size: dataset(urls, dp_rank=r, dp_size=size, equal_batches="sync", window=6)  # noqa: E731
+    old = [SimRank(lambda r=r: make(r, 2), 1) for r in range(2)]
+    consumed = [next(rk) for rk in old for _ in range(2)]
+    states = [s for rk in old for s in rk.states()]
+    packers = [elastic.find_state(s["graph"], "WindowPacker") for s in states]
+    assert sum(table_size(elastic.WindowPacker.unemitted(p)) for p in packers if p is not None) > 0  # not vacuous
+    for r in range(3):
+        consumed += list(SimRank(lambda r=r: make(r, 3), 0, load=states))
+    keys = Counter(k for b in consumed for k in b.doc_keys if k != "<filler>")
+    assert keys == Counter(f"{u}#k{i}" for u in urls for i in range(14))
+    assert sum(check_vision(b) for b in consumed) > 15
