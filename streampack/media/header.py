@@ -1,11 +1,12 @@
 """An image's size and mode from its header only: what its token count needs, before any pixel.
 
 ``PIL.Image.open`` is lazy: it parses the header (JPEG markers up to the frame header, PNG's
-IHDR) and decodes no pixel until ``load()`` — 623 bytes of a JPEG and 41 of a PNG read, ~30-45 us
-per image whatever its size, against 2-100 ms for a full decode (``benchmarks/bench_media.py``).
+IHDR) and decodes no pixel until ``load()`` — 623 bytes of a JPEG and 41 of a PNG read, ~30-75 us
+per image whatever its size, against 3-260 ms for a full decode of a 640x480 to 1920x1080 image
+(``benchmarks/bench_media.py``, loaded 2-core box).
 PIL's WebP plugin is the exception: its ``open`` hands the whole file to libwebp's demuxer (all
 823 KB of a 1080p WebP read, 2.5 ms). So WebP's size and alpha are read here from the first 30
-bytes of its RIFF header (the ``VP8 ``/``VP8L``/``VP8X`` chunk, RFC 9649), ~2 us, the same
+bytes of its RIFF header (the ``VP8 ``/``VP8L``/``VP8X`` chunk, RFC 9649), ~5 us, the same
 numbers as PIL's (tested on lossy, lossless and alpha files); a header this cannot read goes to
 PIL, and a body that disagrees with its header is refused at decode.
 
