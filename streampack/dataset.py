@@ -21,8 +21,8 @@ from streampack.errors import log_worker_error
 from streampack.graph import Graph, build_graph, counting_for, graph_metrics, manifest_of
 from streampack.nodes.epoch_plan import unplannable
 from streampack.io.limits import Limits
-from streampack.media.options import MediaOptions
 from streampack.layout.batch import PackedBatch, alignment, pack_batch
+from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
 from streampack.nodes.epochs import add_metrics
 from streampack.nodes.window_packer import fill

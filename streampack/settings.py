@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 
 from streampack.io.limits import Limits
-from streampack.media.options import MediaOptions
 from streampack.io.packed_format import Manifest, is_packed_dataset, packed_manifest
 from streampack.io.retry import RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
+from streampack.media.options import MediaOptions
 from streampack.nodes.sharding import Span
 from streampack.packing.cost import CostModel
 from streampack.packing.schedule import Balance

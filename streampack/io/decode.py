@@ -29,7 +29,6 @@ import numpy as np
 
 from streampack.errors import DataError
 from streampack.io.limits import Limits, check_vocab_size, id_bound
-from streampack.media.options import MediaOptions
 from streampack.sample import Sample
 
 
@@ -51,8 +50,9 @@ class DecodeOptions:
     """Token ids (and labels) must be below it; None = below 2**31."""
     limits: Limits = Limits()
     """Bounds on line / member / sample bytes and json depth."""
-    media: MediaOptions | None = None
-    """Where a sample's images are (:mod:`streampack.media.read`); None = text only."""
+    media: Any = None
+    """A :class:`streampack.media.MediaOptions` (where a sample's images are; its methods read
+    them, so this layer imports nothing of ``streampack.media``); None = text only."""
 
     def __post_init__(self) -> None:
         check_vocab_size(self.vocab_size)
@@ -186,9 +186,7 @@ def token_count(raw: bytes, opts: DecodeOptions) -> int:
 def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, key: str) -> Sample:
     images: tuple[Any, ...] = ()
     if opts.media is not None:
-        from streampack.media.read import path_images
-
-        images = path_images(record.get(opts.media.images_key), opts.media, opts.limits, url=url, key=key)
+        images = opts.media.path_images(record.get(opts.media.images_key), opts.limits, url=url, key=key)
     return make_sample(
         images=images,
         url=url,

@@ -38,7 +38,6 @@ import numpy as np
 
 from streampack.errors import DataError
 from streampack.io.decode import DecodeOptions, Item, make_sample
-from streampack.media.read import column_images
 
 BATCH_ROWS = 256
 
@@ -208,8 +207,8 @@ def _item(values: dict[str, list[Any]], i: int, row: int, *, url: str, at_end: b
             raise DataError("sample_too_large", f"row of {size} bytes, over max_sample_bytes="
                             f"{opts.limits.max_sample_bytes}", url=url, key=key, value=size)
         tokens = field.get("tokens")
-        images = () if opts.media is None else column_images(field.get("images"), opts.media, opts.limits, url=url,
-                                                             key=key)
+        images = () if opts.media is None else opts.media.column_images(field.get("images"), opts.limits, url=url,
+                                                                        key=key)
         sample = make_sample(url=url, key=key, tokens=tokens, text=None if tokens is not None else field.get("text"),
                              labels=field.get("labels"), loss_mask=field.get("loss_mask"), vocab_size=opts.vocab_size,
                              images=images)

@@ -293,7 +293,7 @@ def hf_inputs(batch: PackedBatch) -> HFInputs:
     total = batch.total_tokens
     index = span_index(cu, total)
     positions = torch.arange(total, device=device) - cu.to(torch.int64)[index.to(torch.int64)]
-    inputs = HFInputs(
+    return HFInputs(
         input_ids=batch.input_ids.unsqueeze(0),
         position_ids=positions.unsqueeze(0),
         labels=hf_labels(batch).unsqueeze(0),
@@ -301,11 +301,6 @@ def hf_inputs(batch: PackedBatch) -> HFInputs:
         max_length_q=batch.varlen_max_seqlen, max_length_k=batch.varlen_max_seqlen,
         seq_idx=index.unsqueeze(0),
     )
-    if batch.vision is None:
-        return inputs
-    from streampack.layout.vision_adapters import hf_vision_inputs  # the vision side, when there is one
-
-    return hf_vision_inputs(batch, inputs)
 
 
 def ssm_kwargs(batch: PackedBatch) -> SSMKwargs:

@@ -38,6 +38,7 @@ from streampack.layout.spans import (
     varlen_offsets,
 )
 from streampack.layout.stats import WorkerStats
+from streampack.layout.vision_adapters import hf_vision_inputs
 from streampack.layout.vision_batch import VisionBatch, vision_batch
 
 _INT32_MAX = 2**31 - 1
@@ -172,7 +173,8 @@ class PackedBatch:
         return adapters.packed_seq_params(self, causal=causal)
 
     def hf_inputs(self) -> adapters.HFInputs:
-        return adapters.hf_inputs(self)
+        inputs = adapters.hf_inputs(self)
+        return inputs if self.vision is None else hf_vision_inputs(self, inputs)
 
 
 _TENSOR_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded",

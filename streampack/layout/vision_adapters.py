@@ -6,7 +6,8 @@
   on the 3-D mRoPE positions (rows 1-3), the layout transformers 5 documents for packed input.
 - LLaVA (fixed-size images): ``pixel_values [n, 3, H, W]``; text positions as for a text model.
 
-The image tokens' own labels are already ``-100`` (their loss mask is 0), so no position is
+``PackedBatch.hf_inputs()`` adds these to :func:`streampack.layout.adapters.hf_inputs` (which
+stays text-only). The image tokens' own labels are already ``-100`` (their loss mask is 0), so no position is
 trained to predict an image token.
 """
 

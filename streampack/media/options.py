@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from streampack.media.tokens import RULES, AnyResTiles, DynamicResolution, TokenRule
 
@@ -53,3 +54,23 @@ class MediaOptions:
     def decodes(self) -> bool:
         """Whether pixels can be produced for this rule (any-res tiles count tokens only)."""
         return not isinstance(self.rule, AnyResTiles)
+
+    # The readers (streampack.io) call these: io imports nothing of streampack.media.
+    def is_image_field(self, field: str) -> bool:
+        """Whether the tar member field ``field`` (``0.jpg``) is an image."""
+        return field.rsplit(".", 1)[-1].lower() in self.image_exts
+
+    def tar_images(self, fields: dict[str, bytes], limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
+        from streampack.media.read import tar_images
+
+        return tar_images(fields, self, limits, url=url, key=key)
+
+    def column_images(self, value: Any, limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
+        from streampack.media.read import column_images
+
+        return column_images(value, self, limits, url=url, key=key)
+
+    def path_images(self, value: Any, limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
+        from streampack.media.read import path_images
+
+        return path_images(value, self, limits, url=url, key=key)

@@ -23,7 +23,6 @@ from typing import Any
 from streampack.errors import DataError
 from streampack.io.limits import Limits
 from streampack.media.header import MediaImage, read_images
-from streampack.media.options import MediaOptions
 
 
 def _images(named: list[tuple[str, Any]], limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
@@ -31,13 +30,9 @@ def _images(named: list[tuple[str, Any]], limits: Limits, *, url: str, key: str)
                        max_sample_pixels=limits.max_sample_pixels)
 
 
-def is_image_field(field: str, media: MediaOptions) -> bool:
-    return field.rsplit(".", 1)[-1].lower() in media.image_exts
-
-
-def tar_images(fields: Mapping[str, bytes], media: MediaOptions, limits: Limits, *, url: str,
+def tar_images(fields: Mapping[str, bytes], media: Any, limits: Limits, *, url: str,
                key: str) -> tuple[MediaImage, ...]:
-    named = sorted((f, raw) for f, raw in fields.items() if is_image_field(f, media))
+    named = sorted((f, raw) for f, raw in fields.items() if media.is_image_field(f))
     return _images(named, limits, url=url, key=key)
 
 
@@ -47,7 +42,7 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def column_images(value: Any, media: MediaOptions, limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
+def column_images(value: Any, media: Any, limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
     """Images of a parquet row's ``images_key`` value."""
     named = []
     for i, item in enumerate(_as_list(value)):
@@ -62,7 +57,7 @@ def column_images(value: Any, media: MediaOptions, limits: Limits, *, url: str, 
     return _images(named, limits, url=url, key=key)
 
 
-def path_images(value: Any, media: MediaOptions, limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
+def path_images(value: Any, media: Any, limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
     """Images of a jsonl record's ``images_key`` value: paths under ``image_root``."""
     from streampack.io.open import open_shard
 
