@@ -1,7 +1,7 @@
 """Images in samples: header-only sizes, token-count rules, placeholders, decode after packing.
 
 Data flow: a reader attaches each sample's image *bytes* with their header (:mod:`.header`);
-:func:`.stage.expand_images` turns every image placeholder into the rule's number of image
+:class:`.stage.ExpandImages` turns every image placeholder into the rule's number of image
 tokens (:mod:`.tokens`, :mod:`.placeholders`), so the packer sees true lengths; only the samples
 of emitted packs are decoded to pixels (:mod:`.decode`, :class:`.node.DecodeImages`).
 """
