@@ -3,6 +3,7 @@ exact resume with references only, hostile images under on_error."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 from pathlib import Path
@@ -17,10 +18,12 @@ from streampack.errors import DataError
 from streampack.media import DynamicResolution, FixedTokens, MediaOptions
 from tests.helpers_media import IMAGE_ID, image_bytes, png_header_only, sample_ids, write_tar
 
-pytest.importorskip("streampack.layout.vision")  # mmb's mRoPE / vision cu_seqlens functions
+needs_vision = pytest.mark.skipif(importlib.util.find_spec("streampack.layout.vision") is None,
+                                  reason="Qwen2-VL batches need streampack.layout.vision (mRoPE, vision cu_seqlens)")
 
 RULE = DynamicResolution(patch_size=14, merge_size=2, min_pixels=28 * 28, max_pixels=28 * 28 * 9)
 MEDIA = MediaOptions(rule=RULE, image_token_id=IMAGE_ID)
+FIXED = MediaOptions(rule=FixedTokens(size=28, tokens=4), image_token_id=IMAGE_ID)
 
 
 def dataset(urls: list[str], media: MediaOptions = MEDIA, **kw) -> PackedDataset:
@@ -48,6 +51,7 @@ def check_vision(batch, rule=RULE) -> int:
     return v.num_images
 
 
+@needs_vision
 def test_tar_images_packed_by_true_length_and_laid_out(tmp_path: Path) -> None:
     url = str(write_tar(tmp_path / "a.tar", 30, max_images=3))
     batches = list(dataset([url]))
@@ -59,6 +63,7 @@ def test_tar_images_packed_by_true_length_and_laid_out(tmp_path: Path) -> None:
     assert hf.pixel_values is batches[0].vision.pixel_values
 
 
+@needs_vision
 def test_only_emitted_packs_are_decoded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     url = str(write_tar(tmp_path / "a.tar", 40, max_images=2))
     calls = []
@@ -69,6 +74,7 @@ def test_only_emitted_packs_are_decoded(tmp_path: Path, monkeypatch: pytest.Monk
     assert len(calls) == (first.vision.num_images if first.vision is not None else 0)  # not the window's 16 samples
 
 
+@needs_vision
 def test_resume_is_exact_and_state_holds_no_image_bytes(tmp_path: Path) -> None:
     url = str(write_tar(tmp_path / "a.tar", 36, max_images=2))
     whole = list(dataset([url], window=6))
@@ -90,6 +96,7 @@ def test_resume_is_exact_and_state_holds_no_image_bytes(tmp_path: Path) -> None:
             assert torch.equal(a.vision.mrope_position_ids, b.vision.mrope_position_ids)
 
 
+@needs_vision
 def test_parquet_hf_image_column(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
@@ -135,9 +142,9 @@ def test_jsonl_paths_under_image_root(tmp_path: Path) -> None:
 def test_hostile_images_follow_on_error(tmp_path: Path, bad: bytes, reason: str) -> None:
     url = str(write_tar(tmp_path / "a.tar", 12, max_images=1, bad={5: bad}))
     with pytest.raises(DataError, match=reason) as e:
-        list(dataset([url]))
+        list(dataset([url], media=FIXED))
     assert (e.value.url, e.value.key) == (url, "k5")
-    ds = dataset([url], on_error="skip")
+    ds = dataset([url], media=FIXED, on_error="skip")
     batches = list(ds)
     assert sorted(k for b in batches for k in b.doc_keys) == sorted(f"{url}#k{i}" for i in range(12) if i != 5)
     assert ds.metrics()["errors"]["counts"] == {reason: 1}
@@ -147,7 +154,7 @@ def test_per_sample_pixel_limit(tmp_path: Path) -> None:
     from streampack.io.limits import Limits
 
     url = str(write_tar(tmp_path / "a.tar", 8, max_images=3, sizes=(60, 61)))
-    ds = dataset([url], on_error="skip", limits=Limits(max_sample_pixels=2 * 61 * 61))
+    ds = dataset([url], media=FIXED, on_error="skip", limits=Limits(max_sample_pixels=2 * 61 * 61))
     kept = list(ds)
     assert ds.metrics()["errors"]["counts"]["sample_too_large"] >= 1
     assert all(b.vision is None or int(torch.bincount(b.vision.image_doc).max()) <= 2 for b in kept)
@@ -161,6 +168,7 @@ def test_tiles_rule_is_refused_when_the_graph_is_built(tmp_path: Path) -> None:
         dataset([url], media=MediaOptions(rule=AnyResTiles(), image_token_id=IMAGE_ID))
 
 
+@needs_vision
 def test_a_split_through_an_image_is_an_error_not_misplaced_pixels(tmp_path: Path) -> None:
     url = str(write_tar(tmp_path / "a.tar", 6, max_images=3, sizes=(80, 84), text=(30, 40)))
     with pytest.raises(DataError, match="image_tokens_mismatch"):
@@ -169,6 +177,7 @@ def test_a_split_through_an_image_is_an_error_not_misplaced_pixels(tmp_path: Pat
     assert all(check_vision(b) >= 0 for b in kept)
 
 
+@needs_vision
 def test_planned_equal_batches_are_refused_with_images(tmp_path: Path) -> None:
     url = str(write_tar(tmp_path / "a.tar", 8))
     with pytest.raises(ValueError, match="equal_batches='sync'"):
@@ -178,6 +187,7 @@ def test_planned_equal_batches_are_refused_with_images(tmp_path: Path) -> None:
     assert keys == sorted(f"{url}#k{i}" for i in range(8))
 
 
+@needs_vision
 def test_elastic_resume_trains_every_image_sample_once(tmp_path: Path) -> None:
     from collections import Counter
 
