@@ -22,6 +22,7 @@ from streampack.graph import Graph, build_graph, counting_for, graph_metrics, ma
 from streampack.nodes.epoch_plan import unplannable
 from streampack.io.limits import Limits
 from streampack.layout.batch import PackedBatch, alignment, pack_batch
+from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
 from streampack.nodes.epochs import add_metrics
 from streampack.nodes.window_packer import fill
@@ -147,7 +148,8 @@ class PackedDataset(IterableDataset):
                  pin_memory: bool = False, mixture_stop: str = "all", vocab_size: int | None = None,
                  limits: Limits | None = None,
                  cost_model: CostModel | Mapping[str, Any] | None = None,
-                 balance: str | Balance | None = None, identity: str = "tag") -> None:
+                 balance: str | Balance | None = None, identity: str = "tag",
+                 media: MediaOptions | None = None) -> None:
         super().__init__()
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
@@ -165,7 +167,7 @@ class PackedDataset(IterableDataset):
             max_wait=default_max_wait(window) if max_wait is None else max_wait, slack=slack,
             batches_per_epoch=batches_per_epoch, equal_batches=equal_batches, vocab_size=vocab_size,
             limits=limits if limits is not None else Limits(), cost_model=cost,
-            balance=balance_of(balance, cost))
+            balance=balance_of(balance, cost), media=media)
         self.options = ReadOptions(allow_pipe=allow_pipe, allow_pickle=allow_pickle, cache_dir=cache_dir,
                                    manifest=manifest, retries=retries, retry_budget=retry_budget, connect_timeout=connect_timeout,
                                    read_timeout=read_timeout, request_deadline=request_deadline,

@@ -41,6 +41,8 @@ from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
 from streampack.io.storage import is_remote
 from streampack.layout.batch import PackedBatch
+from streampack.media.node import DecodeImages
+from streampack.media.stage import ExpandImages
 from streampack.nodes.collate import ThdCollate
 from streampack.nodes.cost_seed import sample_lengths, seed_counts
 from streampack.nodes.epoch_plan import Agree, Counting, EpochPlanner, chunk_lengths
@@ -84,6 +86,18 @@ def replayable(stages: Sequence[Any]) -> bool:
     return all(not isinstance(s, (NodeStage, type)) for s in stages)
 
 
+def media_stages(config: StreamConfig, stages: Sequence[Any], errors: ErrorCounter) -> list[Any]:
+    """``stages`` behind the image length stage when the stream has images. Carried image
+    samples must be re-read from their origin (a state never holds image bytes), so every
+    stage must be a replayable function."""
+    if config.media is None:
+        return list(stages)
+    if not replayable(stages):
+        raise ValueError("media= needs function stages only: a node stage makes resume states store samples, "
+                         "and a state never stores image bytes")
+    return [ExpandImages(config.media, on_error=config.on_error, errors=errors), *stages]
+
+
 def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, options: ReadOptions = ReadOptions(),
                   tokenizer: Any = None, stages: Sequence[Any] = (), errors: ErrorCounter | None = None,
                   around: Mapping[str, Wrap] | None = None, epoch: int | None = None,
@@ -107,7 +121,7 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
         allow_pipe=options.allow_pipe, allow_pickle=options.allow_pickle, cache_dir=options.cache_dir,
         open_options=open_options, io_stats=io_stats, source=i, work=None if work is None else {start: work},
         keep_work=keep_work, vocab_size=config.vocab_size, limits=config.limits, saved_identities=identities,
-        manifest=manifest)
+        manifest=manifest, media=config.media)
         for i, (name, shards) in enumerate(sorted(sources.mixture.items()) or [("", sources.shards)])}
     nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "readers": list(readers.values()),
                              "errors": errors, "io": io_stats}
@@ -159,7 +173,8 @@ class _Builder:
                  tokenizer: Any, stages: Sequence[Any], around: Mapping[str, Wrap] | None,
                  errors: ErrorCounter, share: Share | None, io_stats: IOStats, agreement: Any) -> None:
         self.config, self.sources, self.place, self.options = config, sources, place, options
-        self.tokenizer, self.stages, self.around, self.errors, self.share = tokenizer, stages, around, errors, share
+        self.tokenizer, self.around, self.errors, self.share = tokenizer, around, errors, share
+        self.stages = media_stages(config, stages, errors)
         self.io_stats, self.agreement = io_stats, agreement
         self.wrap = _wrapper(around)
         self._planner: EpochPlanner | None = None
@@ -251,7 +266,11 @@ class _Builder:
             seed=packer_seed(config, place), max_wait=config.max_wait, slack=config.slack,
             shuffle=config.shuffle, replay=replayer, carry=None if share is None else share.carry,
             **self._balance())
-        return self.wrap("packer", node), nodes, quota
+        node = self.wrap("packer", node)
+        if config.media is not None:  # pack first, decode after: only emitted packs' pixels
+            node = nodes["decode_images"] = DecodeImages(node, config.media, on_error=config.on_error,
+                                                         errors=self.errors)
+        return node, nodes, quota
 
     def _balance(self) -> dict[str, Any]:
         """The packer's balance arguments: an epoch continues the previous epoch's schedule
@@ -317,7 +336,7 @@ class _Builder:
             sources=self.sources.lists, decode=DecodeOptions(
                 tokens_key=config.tokens_key, text_key=config.text_key, labels_key=config.labels_key,
                 loss_mask_key=config.loss_mask_key, allow_pickle=options.allow_pickle,
-                vocab_size=config.vocab_size, limits=config.limits),  # re-read as first read
+                vocab_size=config.vocab_size, limits=config.limits, media=config.media),  # re-read as first read
             opts=options.open_options(), encoder=encoder,
             stages=list(self.stages), max_len=config.capacity, policy=config.overlong,
             verify=lambda source, shard: nodes["readers"][source].verify_shard(shard)))
@@ -375,6 +394,10 @@ def counting_for(config: StreamConfig, place: Placement) -> Counting | None:
     """What a plan needs to count batches, when ranks must yield equal counts by plan."""
     if place.dp_size == 1 or config.batches_per_epoch is not None or config.equal_batches != "plan":
         return None
+    if config.media is not None:  # the index knows text lengths; image tokens would make every count wrong
+        raise ValueError("media= with several ranks and a finite stream needs equal_batches='sync' or "
+                         "batches_per_epoch: the plan counts batches from the index's text lengths, "
+                         "which do not include image tokens")
     rules = PackerRules(capacity=config.capacity, window=config.window, algorithm=config.algorithm,
                         align=config.align, seed=config.seed, max_wait=config.max_wait, slack=config.slack)
     return Counting(rules=rules, max_len=config.capacity, policy=config.overlong,

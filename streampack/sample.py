@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -56,13 +57,16 @@ class Sample:
     """bool ``[L]``: ``loss_mask[i]`` says whether token ``i`` is a supervised target."""
     extras: Mapping[str, np.ndarray] = field(default_factory=dict)
     """Per-token side arrays ``[L, ...]`` (e.g. 3-D mRoPE positions), packed alongside."""
+    images: tuple[Any, ...] = ()
+    """The sample's images in placeholder order (:class:`streampack.media.MediaImage`: encoded
+    bytes and header before packing; decoded pixels only inside the batch)."""
     origin: SampleOrigin | None = None
     """Set by the reader; kept through tokenizing and the overlong policy (``chunk``). A stage
     that builds a new Sample without it makes the state store that sample's tokens instead."""
 
     def evolve(self, *, tokens: np.ndarray | None = None, labels: np.ndarray | None = None,
                loss_mask: np.ndarray | None = None, extras: Mapping[str, np.ndarray] | None = None,
-               origin: SampleOrigin | None = None) -> Sample:
+               origin: SampleOrigin | None = None, images: tuple[Any, ...] | None = None) -> Sample:
         """A copy with the given fields replaced (``None`` keeps the field). What
         ``dataclasses.replace`` does without its per-call field introspection: 1.1 us against
         6 us, and the pipeline copies every sample twice (its origin at reading, its checked
@@ -72,7 +76,8 @@ class Sample:
                       labels=self.labels if labels is None else labels,
                       loss_mask=self.loss_mask if loss_mask is None else loss_mask,
                       extras=self.extras if extras is None else extras,
-                      origin=self.origin if origin is None else origin)
+                      origin=self.origin if origin is None else origin,
+                      images=self.images if images is None else images)
 
     @property
     def doc_key(self) -> str:

@@ -23,6 +23,7 @@ from streampack.io.packed_format import Manifest, is_packed_dataset, packed_mani
 from streampack.io.retry import RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
+from streampack.media.options import MediaOptions
 from streampack.nodes.sharding import Span
 from streampack.packing.cost import CostModel
 from streampack.packing.schedule import Balance
@@ -100,6 +101,8 @@ class StreamConfig:
     """Estimated compute per batch (``PackedBatch.est_cost``); None = not estimated."""
     balance: Balance | None = None
     """Cost-balanced emission (needs ``cost_model``); None = packs leave in shuffled order."""
+    media: MediaOptions | None = None
+    """Images of image-text samples (``streampack.media``); None = text only."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

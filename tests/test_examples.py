@@ -35,6 +35,12 @@ def test_pretrain_resumes_the_exact_stream():
     assert "identical batch stream after resume: True; identical losses: True" in out
 
 
+def test_vlm_pretrain_resumes_the_exact_stream():
+    pytest.importorskip("streampack.layout.vision")  # mmb's mRoPE positions
+    out = run([sys.executable, str(EXAMPLES / "vlm_pretrain.py"), "--steps", "6", "--preempt-at", "3"])
+    assert "identical batch stream after resume: True; identical losses: True" in out
+
+
 def test_tokenize_chain():
     out = run([sys.executable, str(EXAMPLES / "tokenize_chain.py"), "--batches", "5"])
     assert "5 batches" in out and "'tokenize'" in out

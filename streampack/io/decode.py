@@ -50,6 +50,9 @@ class DecodeOptions:
     """Token ids (and labels) must be below it; None = below 2**31."""
     limits: Limits = Limits()
     """Bounds on line / member / sample bytes and json depth."""
+    media: Any = None
+    """A :class:`streampack.media.MediaOptions` (where a sample's images are; its methods read
+    them, so this layer imports nothing of ``streampack.media``); None = text only."""
 
     def __post_init__(self) -> None:
         check_vocab_size(self.vocab_size)
@@ -70,7 +73,7 @@ class Item:
 
 def make_sample(
     *, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, images: tuple[Any, ...] = (),
 ) -> Sample:
     """Validate raw fields into a :class:`Sample`; raises :class:`DataError`."""
     tok = txt = None
@@ -84,7 +87,7 @@ def make_sample(
     lab = None if labels is None else validate_per_token(labels, length, what="labels", url=url, key=key,
                                                          vocab_size=vocab_size)
     mask = None if loss_mask is None else validate_per_token(loss_mask, length, what="loss_mask", url=url, key=key)
-    return Sample(key=key, url=url, tokens=tok, text=txt, labels=lab, loss_mask=mask)
+    return Sample(key=key, url=url, tokens=tok, text=txt, labels=lab, loss_mask=mask, images=images)
 
 
 def parse_json_object(raw: bytes, *, url: str, key: str, max_depth: int = Limits().max_json_depth) -> dict[str, Any]:
@@ -181,7 +184,11 @@ def token_count(raw: bytes, opts: DecodeOptions) -> int:
 
 
 def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, key: str) -> Sample:
+    images: tuple[Any, ...] = ()
+    if opts.media is not None:
+        images = opts.media.path_images(record.get(opts.media.images_key), opts.limits, url=url, key=key)
     return make_sample(
+        images=images,
         url=url,
         key=key,
         tokens=record.get(opts.tokens_key),

@@ -18,7 +18,16 @@ limit                  default    what crosses it (reason)
                                   the footer before a row group is decoded, then per
                                   row; ``sample_too_large``)
 ``max_json_depth``     128        nesting of a json line or member (``json_too_deep``)
+``max_image_pixels``   32 Mi      declared width x height of one image, from its header
+                                  (``image_too_large``; never decoded)
+``max_sample_pixels``  128 Mi     declared pixels of one sample's images together
+                                  (``sample_too_large``)
 =====================  =========  ===================================================
+
+An image is bounded twice: its encoded bytes by the member / sample byte limits, its decoded
+size (3 bytes a pixel as RGB, 4 as float32 per channel after normalising) by the pixel limits,
+read from the header before any pixel is decoded: a 50,000 x 50,000 PNG of a few KB would
+otherwise inflate to 7.5 GB.
 
 Why these defaults: a 1M-token document is ~7 MB as a json id list and ~4 MB as text, so
 32 MiB leaves room for the longest contexts trained today while bounding a reader's peak
@@ -57,9 +66,14 @@ class Limits:
     read columns of one parquet row."""
     max_json_depth: int = 128
     """Nesting depth of one json document (``[[1]]`` is 2)."""
+    max_image_pixels: int = 32 * MiB
+    """Declared pixels (width x height) of one image."""
+    max_sample_pixels: int = 128 * MiB
+    """Declared pixels of one sample's images together."""
 
     def __post_init__(self) -> None:
-        for name in ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth"):
+        for name in ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth", "max_image_pixels",
+                     "max_sample_pixels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")

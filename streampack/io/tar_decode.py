@@ -31,7 +31,7 @@ def decoder_want(opts: DecodeOptions) -> Callable[[str], int]:
 
     def want(name: str) -> int:
         field = name.rsplit("/", 1)[-1].partition(".")[2]
-        if field in used or (opts.allow_pickle and field.rsplit(".", 1)[-1] in PICKLE_EXTS):
+        if field in used or (opts.media is not None and opts.media.is_image_field(field)) or (opts.allow_pickle and field.rsplit(".", 1)[-1] in PICKLE_EXTS):
             return -1
         return 0
 
@@ -63,8 +63,9 @@ def decode_tar_sample(key: str, fields: dict[str, bytes], opts: DecodeOptions, *
         labels = source.one("labels", npy=("labels.npy",), name=opts.labels_key)
     if "loss_mask.npy" in fields or (records and opts.loss_mask_key):
         mask = source.one("loss_mask", npy=("loss_mask.npy",), name=opts.loss_mask_key)
+    images = () if opts.media is None else opts.media.tar_images(fields, opts.limits, url=url, key=key)
     return make_sample(url=url, key=key, tokens=tokens, text=text, labels=labels, loss_mask=mask,
-                       vocab_size=opts.vocab_size)
+                       vocab_size=opts.vocab_size, images=images)
 
 
 def _unpickle(raw: bytes, field: str, *, url: str, key: str) -> dict[str, Any]:

@@ -38,6 +38,8 @@ from streampack.layout.spans import (
     varlen_offsets,
 )
 from streampack.layout.stats import WorkerStats
+from streampack.layout.vision_adapters import hf_vision_inputs
+from streampack.layout.vision_batch import VisionBatch, vision_batch
 from streampack.sample import Sample
 
 _INT32_MAX = 2**31 - 1
@@ -95,6 +97,10 @@ class PackedBatch:
     cost 0), set by the pipeline's collate when ``PackedDataset(cost_model=...)`` is given,
     else ``None``. Gather it over data-parallel ranks to see a step's imbalance: the step
     takes as long as the costliest rank."""
+    vision: VisionBatch | None = None
+    """The images of the batch's documents (pixels, grids, owning document and token positions,
+    vision ``cu_seqlens``, mRoPE positions); None for text-only batches
+    (:mod:`streampack.layout.vision_batch`)."""
     stats: WorkerStats | None = None
     """Running totals of the reader that built this batch (set by the pipeline's collate stage;
     ``None`` for a batch built directly with :func:`pack_batch`)."""
@@ -146,6 +152,8 @@ class PackedBatch:
 
         changes: dict[str, Any] = {name: once(getattr(self, name)) for name in _TENSOR_FIELDS}
         changes["extras"] = {k: once(v) for k, v in self.extras.items()}
+        if self.vision is not None:
+            changes["vision"] = self.vision.map_tensors(once)
         return replace(self, **changes)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
@@ -166,7 +174,8 @@ class PackedBatch:
         return adapters.packed_seq_params(self, causal=causal)
 
     def hf_inputs(self) -> adapters.HFInputs:
-        return adapters.hf_inputs(self)
+        inputs = adapters.hf_inputs(self)
+        return inputs if self.vision is None else hf_vision_inputs(self, inputs)
 
 
 _TENSOR_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded",
@@ -201,7 +210,7 @@ def _ready(doc: Any) -> bool:
     ids (any width that int64 holds), with no labels, loss mask or extras -- what a pre-tokenized
     reader yields. It skips the per-document checks and the copy into a new Sample (~25 µs of the
     ~30 µs a document cost here: ``benchmarks/profile_pipeline.py``, stage ``pack_batch``)."""
-    if type(doc) is not Sample or doc.labels is not None or doc.loss_mask is not None or doc.extras:
+    if type(doc) is not Sample or doc.labels is not None or doc.loss_mask is not None or doc.extras or doc.images:
         return False
     tokens = doc.tokens
     return type(tokens) is np.ndarray and tokens.ndim == 1 and (
@@ -243,7 +252,7 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     input_ids.fill(pad_id)
     labels.fill(ignore_index)
     extras = alloc_extras(docs, extra_names, total)
-    real, padded, keys = [0], [0], []
+    real, padded, keys, starts = [0], [0], [], []
     for doc, (start, n, end) in zip((d for pack in docs for d in pack), doc_spans(docs, capacity, align)):
         input_ids[start:start + n] = doc.tokens
         labels[start:start + n - 1] = doc.tokens[1:] if _ready(doc) else targets(doc, ignore_index)[1:]
@@ -252,6 +261,7 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         real.append(real[-1] + n)
         padded.append(end)
         keys.append(doc.doc_key)
+        starts.append(start)
     cu_real, cu_padded = np.asarray(real, dtype=np.int32), np.asarray(padded, dtype=np.int32)
     # positions and per-document target counts in whole-batch operations rather than one
     # arange / any() per document (~60 documents per batch of 8 x 4096 lognormal(600) tokens)
@@ -260,11 +270,12 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     supervised = labels != ignore_index
     seen = np.concatenate(([0], np.cumsum(supervised)))
     target_docs = int(np.count_nonzero(seen[cu_padded[1:]] - seen[cu_padded[:-1]]))
+    offsets = offset_fields(cu_real, cu_padded, align)
     return PackedBatch(
         input_ids=rows[0],
         labels=rows[1],
         position_ids=rows[2],
-        **offset_fields(cu_real, cu_padded, align),
+        **offsets,
         max_seqlen=longest(cu_padded),
         num_tokens=real[-1],
         num_targets=int(seen[-1]),
@@ -276,6 +287,7 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         pad_id=pad_id,
         ignore_index=ignore_index,
         extras={k: torch.from_numpy(v) for k, v in extras.items()},
+        vision=vision_batch([d for pack in docs for d in pack], starts, rows[0], offsets["varlen_cu_seqlens"]),
     )
 
 

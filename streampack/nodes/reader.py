@@ -180,6 +180,7 @@ class ShardReader(BaseNode[Sample]):
         source: int = 0,
         vocab_size: int | None = None,
         limits: Limits | None = None,
+        media: Any = None,
         saved_identities: Mapping[int, ShardStat] | None = None,
         manifest: Manifest | None = None,
     ) -> None:
@@ -208,7 +209,7 @@ class ShardReader(BaseNode[Sample]):
         self.errors: ErrorCounter = self._policy.errors
         self._decode = DecodeOptions(
             tokens_key=tokens_key, text_key=text_key, labels_key=labels_key, loss_mask_key=loss_mask_key, allow_pickle=allow_pickle,
-            vocab_size=vocab_size, limits=limits if limits is not None else Limits(),
+            vocab_size=vocab_size, limits=limits if limits is not None else Limits(), media=media,
         )
         self._cache_dir = cache_dir
         self._config: dict[str, Any] = {

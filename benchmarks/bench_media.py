@@ -1,0 +1,103 @@
+"""Header-only image lengths against decode-then-count, per image, for JPEG / PNG / WebP.
+
+Rows (``run()``), one per format and size: the encoded size; ``header_bytes``, the bytes
+``read_header`` reads (PIL's lazy ``Image.open`` through a counting stream for JPEG and PNG; the
+30-byte RIFF header for WebP) and ``pil_open_bytes``, what ``Image.open`` alone reads; ``header_us``, streampack's ``read_header`` (open + checks); ``decode_us``, a full
+decode to RGB (what a decode-then-count length would cost); ``pixels_us``, the whole
+after-packing path of one image (decode, Qwen2-VL ``smart_resize``, normalise, patchify); and
+the ratio decode / header. Best of ``repeats`` timings, all in one process side by side.
+
+The images are smooth gradients plus noise (photographs compress between flat colour and pure
+noise). Run: ``python benchmarks/bench_media.py`` (``--quick`` for fewer repeats).
+
+Measured 2026-11-25 on the shared 2-core box (loaded): see the README section "Images and video".
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from streampack.io.limits import Limits
+from streampack.media import DynamicResolution, MediaImage, MediaOptions, read_header
+from streampack.media.decode import decode_image, open_rgb
+
+SIZES = ((640, 480), (1920, 1080))
+FORMATS = (("jpg", "JPEG"), ("png", "PNG"), ("webp", "WEBP"))
+
+
+class _Counting(io.BytesIO):
+    """A stream that records the furthest byte any read reached."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.furthest = 0
+
+    def read(self, n: int | None = -1) -> bytes:  # type: ignore[override]
+        out = super().read(n)
+        self.furthest = max(self.furthest, self.tell())
+        return out
+
+
+def photo(width: int, height: int, fmt: str, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (width + height)], -1)
+    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt, **({"quality": 90} if fmt in ("JPEG", "WEBP") else {}))
+    return out.getvalue()
+
+
+def best_us(fn: Any, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e6
+
+
+def pil_open_bytes(data: bytes) -> int:
+    stream = _Counting(data)
+    with Image.open(stream, formats=[f for _, f in FORMATS]):
+        return stream.furthest
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    repeats = 5 if quick else 30
+    options = MediaOptions(rule=DynamicResolution(), image_token_id=0)
+    limit = Limits().max_image_pixels
+    rows = []
+    for width, height in SIZES:
+        for ext, fmt in FORMATS:
+            data = photo(width, height, fmt)
+            header = read_header(data, url="bench", key="k", name=ext, max_pixels=limit)
+            image = MediaImage(name=ext, data=data, header=header)
+            h_us = best_us(lambda: read_header(data, url="bench", key="k", name=ext, max_pixels=limit), repeats)
+            d_us = best_us(lambda: open_rgb(image, url="bench", key="k"), max(3, repeats // 3))
+            p_us = best_us(lambda: decode_image(image, options, url="bench", key="k"), max(3, repeats // 3))
+            rows.append({"format": ext, "size": f"{width}x{height}", "bytes": len(data),
+                         "header_bytes": 30 if fmt == "WEBP" else pil_open_bytes(data),
+                         "pil_open_bytes": pil_open_bytes(data), "header_us": round(h_us, 1),
+                         "decode_us": round(d_us, 1), "pixels_us": round(p_us, 1),
+                         "decode_over_header": round(d_us / h_us, 1),
+                         "tokens": options.rule.count(width, height)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    for row in run(quick=args.quick):
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

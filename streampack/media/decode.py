@@ -1,0 +1,102 @@
+"""Encoded image -> the pixel values a VLM's vision encoder takes, as its HF processor makes them.
+
+Runs only for samples of emitted packs (:class:`~streampack.media.node.DecodeImages`), in the
+reader process (a DataLoader worker). The steps are the transformers PIL-backend processors'
+(``Qwen2VLImageProcessorPil``, ``LlavaImageProcessorPil``), checked against them on the same
+images (``tests/test_media.py``): convert to RGB compositing transparency onto white, resize
+with PIL bicubic on 8-bit pixels, rescale by 1/255, normalise per channel (CLIP mean/std), then
+
+- :class:`~streampack.media.tokens.DynamicResolution`: ``smart_resize``, then the flattened
+  patches ``[gh·gw, C·t·p·p]`` (the frame repeated ``t`` = 2 times, merge-window order) with
+  ``grid_thw = (1, gh, gw)``;
+- :class:`~streampack.media.tokens.FixedTokens`: shortest edge to ``size``, center crop to
+  ``size x size``, ``[3, size, size]``.
+
+A body that the header accepted but that does not decode (truncated, corrupt) is
+``DataError("bad_image")`` naming shard, key and image. PIL's own decompression-bomb check
+stays on as a second line behind ``Limits.max_image_pixels`` (checked on the header first).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+from streampack.errors import DataError
+from streampack.media.header import FORMATS, MediaImage
+from streampack.media.options import MediaOptions
+from streampack.media.tokens import DynamicResolution, FixedTokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pixels:
+    """One decoded image."""
+
+    values: np.ndarray
+    """float32: ``[patches, C·t·p·p]`` (dynamic resolution) or ``[3, H, W]`` (fixed size)."""
+    grid_thw: tuple[int, int, int]
+    """(t, h, w) in patches (Qwen2-VL's ``image_grid_thw`` row); (1, H/p, W/p) for fixed size."""
+
+
+def open_rgb(image: MediaImage, *, url: str, key: str) -> "PIL.Image.Image":  # noqa: F821
+    """The fully decoded image as 8-bit RGB (transparency over white, as the HF processors)."""
+    from PIL import Image
+
+    try:
+        im = Image.open(io.BytesIO(image.data), formats=FORMATS)
+        im.load()
+    except Exception as e:  # noqa: BLE001 — PIL raises OSError, SyntaxError, ValueError... for bad bodies
+        raise DataError("bad_image", f"image {image.name!r} does not decode: {e}", url=url, key=key,
+                        value=image.name) from None
+    if (im.width, im.height) != (image.header.width, image.header.height):
+        raise DataError("bad_image", f"image {image.name!r} decoded to {im.width}x{im.height}, its header said "
+                        f"{image.header.width}x{image.header.height}", url=url, key=key, value=image.name)
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        im = im.convert("RGBA")
+        white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, im).convert("RGB")
+    return im.convert("RGB")
+
+
+def _normalized(im: "PIL.Image.Image", options: MediaOptions) -> np.ndarray:  # noqa: F821
+    """float32 ``[3, H, W]``: ``(x * rescale - mean) / std`` as one float32 multiply-add
+    (transformers rescales in float64 first; the two differ by < 5e-7)."""
+    scale = np.float32(options.rescale) / np.asarray(options.image_std, np.float32)
+    shift = np.asarray(options.image_mean, np.float32) / np.asarray(options.image_std, np.float32)
+    arr = np.asarray(im, dtype=np.float32) * scale - shift
+    return arr.transpose(2, 0, 1)
+
+
+def decode_image(image: MediaImage, options: MediaOptions, *, url: str, key: str) -> Pixels:
+    """Decode, resize and normalise one image for ``options.rule``."""
+    from PIL import Image
+
+    rule = options.rule
+    im = open_rgb(image, url=url, key=key)
+    if isinstance(rule, DynamicResolution):
+        h, w = rule.resized(im.width, im.height)
+        arr = _normalized(im.resize((w, h), resample=Image.Resampling.BICUBIC), options)
+        return Pixels(values=patchify(arr, rule), grid_thw=rule.grid(im.width, im.height))
+    if isinstance(rule, FixedTokens):
+        size = rule.size
+        short, long = sorted((im.width, im.height))
+        other = int(size * long / short)
+        w, h = (size, other) if im.width <= im.height else (other, size)
+        im = im.resize((w, h), resample=Image.Resampling.BICUBIC)
+        top, left = (h - size) // 2, (w - size) // 2
+        arr = _normalized(im, options)[:, top:top + size, left:left + size]
+        return Pixels(values=np.ascontiguousarray(arr), grid_thw=(1, size, size))
+    raise ValueError(f"{type(rule).__name__} counts tokens only: no pixel layout is produced for it")
+
+
+def patchify(image: np.ndarray, rule: DynamicResolution) -> np.ndarray:
+    """``[C, H, W]`` -> Qwen2-VL's ``[gh·gw, C·t·p·p]``: patches in merge-window order, the one
+    frame repeated over the temporal patch."""
+    c, height, width = image.shape
+    p, m, t = rule.patch_size, rule.merge_size, rule.temporal_patch_size
+    gh, gw = height // p, width // p
+    patches = image.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], t, p, p))
+    return np.ascontiguousarray(patches.reshape(gh * gw, c * t * p * p), dtype=np.float32)

@@ -1,0 +1,70 @@
+"""Image placeholders: each image's single placeholder token becomes its rule's count of tokens.
+
+A sample's text (chat template or plain) holds one placeholder per image where the image goes,
+in image order — Qwen2-VL's ``<|vision_start|><|image_pad|><|vision_end|>``, LLaVA's ``<image>``
+— tokenized to one ``image_token_id`` each. :func:`expand_placeholders` repeats each to the
+image's token count, which is what the HF processors do to the text before tokenizing
+(:func:`expand_text` does exactly that, for text built outside the pipeline). Image positions
+are never supervised: their loss mask is 0 (so no position is trained to predict an image token).
+
+A sample already expanded (pre-tokenized with ``count`` copies per image) passes unchanged; any
+other number of placeholders is ``image_placeholder_mismatch`` naming both counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from streampack.errors import DataError
+from streampack.sample import Sample
+
+
+def expand_text(text: str, placeholder: str, counts: Sequence[int]) -> str:
+    """``text`` with its k-th ``placeholder`` repeated ``counts[k]`` times."""
+    parts = text.split(placeholder)
+    if len(parts) - 1 != len(counts):
+        raise ValueError(f"text holds {len(parts) - 1} placeholders {placeholder!r} for {len(counts)} images")
+    return parts[0] + "".join(placeholder * n + rest for n, rest in zip(counts, parts[1:]))
+
+
+def image_starts(tokens: np.ndarray, image_token_id: int, counts: Sequence[int]) -> np.ndarray | None:
+    """int64 ``[n_images]``: where each image's tokens start when the placeholders of ``tokens``
+    are exactly ``counts[k]`` contiguous tokens per image, in order (two images with no text
+    between them are two runs cut by their counts); None otherwise."""
+    want = np.asarray(counts, dtype=np.int64)
+    where = np.flatnonzero(tokens == image_token_id)
+    if where.size != int(want.sum()):
+        return None
+    ends = np.cumsum(want)
+    first, last = where[ends - want], where[ends - 1]
+    return first.astype(np.int64) if np.array_equal(last - first, want - 1) else None
+
+
+def expand_placeholders(sample: Sample, counts: Sequence[int], image_token_id: int) -> Sample:
+    """``sample`` with every image placeholder repeated to its image's token count; labels,
+    loss mask and extras follow (extras repeat the placeholder's row)."""
+    assert sample.tokens is not None, "expand after tokenizing"
+    tokens = sample.tokens
+    where = np.flatnonzero(tokens == image_token_id)
+    want = np.asarray(counts, dtype=np.int64)
+    if where.size == len(want):
+        reps = np.ones(tokens.shape[0], dtype=np.int64)
+        reps[where] = want
+    elif image_starts(tokens, image_token_id, want) is not None:
+        reps = None  # already expanded
+    else:
+        raise DataError("image_placeholder_mismatch", f"{where.size} image tokens (id {image_token_id}) for "
+                        f"{len(want)} images needing {want.tolist()} tokens: want one placeholder per image",
+                        url=sample.url, key=sample.key, value=where.size)
+    if reps is not None:
+        tokens = np.repeat(tokens, reps)
+    image = tokens == image_token_id
+    mask = np.ones(tokens.shape[0], dtype=bool) if sample.loss_mask is None else sample.loss_mask.astype(bool)
+    labels, extras = sample.labels, sample.extras
+    if reps is not None:
+        mask = np.repeat(mask, reps) if sample.loss_mask is not None else mask
+        labels = None if labels is None else np.repeat(labels, reps)
+        extras = {k: np.repeat(v, reps, axis=0) for k, v in extras.items()}
+    return sample.evolve(tokens=tokens, labels=labels, loss_mask=mask & ~image, extras=extras)
