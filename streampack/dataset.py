@@ -19,14 +19,11 @@ from torch.utils.data import IterableDataset
 
 from streampack.errors import log_worker_error
 from streampack.graph import Graph, build_graph, counting_for, graph_metrics, manifest_of
-from streampack.nodes.epoch_plan import unplannable
-from streampack.layout.batch import PackedBatch, alignment, pack_batch
+from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.nodes.collate import filler_pack
+from streampack.nodes.epoch_plan import unplannable
 from streampack.nodes.epochs import add_metrics
 from streampack.nodes.window_packer import fill
-from streampack.passes import PassTracker
-from streampack.preflight import preflight
-from streampack.reshard import PendingResume
 from streampack.options import (
     CostOptions,
     PackOptions,
@@ -35,6 +32,9 @@ from streampack.options import (
     TopologyOptions,
     with_shortcuts,
 )
+from streampack.passes import PassTracker
+from streampack.preflight import preflight
+from streampack.reshard import PendingResume
 from streampack.settings import (
     Placement,
     Share,

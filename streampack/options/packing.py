@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streampack.packing import get_algorithm
 from streampack.nodes.overlong import POLICIES
 from streampack.options._check import need_choice, need_int, need_type
+from streampack.packing import get_algorithm
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
