@@ -71,6 +71,14 @@ class PackedDataset(IterableDataset):
     ``StatefulDataLoader(ds, batch_size=None, num_workers=N)``; each item is a
     :class:`~streampack.layout.batch.PackedBatch` of ``packs_per_batch`` packs of ``capacity`` tokens.
 
+    **Parameters.** The few most runs set (``urls``, ``capacity``, ``tokenizer``, ``epochs``,
+    ``shuffle``, ``seed``, ``packs_per_batch``, ``stages``), then one option record per stage
+    (:mod:`streampack.options`): ``read=ReadOptions(...)``, ``tokenize=TokenizeOptions(...)``,
+    ``packing=PackOptions(...)``, ``topology=TopologyOptions(...)``, ``cost=CostOptions(...)``;
+    each record checked its own values when it was made. The flat keywords of earlier versions
+    (``window=``, ``dp_size=``, ...) are shortcuts for exactly one record field each
+    (``streampack.options.SHORTCUTS``); setting a field both ways is a ``TypeError``.
+
     **Streams and equal batch counts.** ``epochs=None`` (default) is infinite: every worker of
     every rank streams forever, so no rank ever runs out and collectives never hang.
     ``epochs=N`` is finite: each fresh iteration runs N epochs (pass ``p`` reads epochs
@@ -78,7 +86,7 @@ class PackedDataset(IterableDataset):
     ``set_epoch(p)`` chooses the pass, like ``DistributedSampler``). Each epoch's samples are
     split between all readers of all ranks at sample granularity, balanced by token count, and
     every sample is read exactly once. With ``dp_size > 1`` every rank yields the same number of
-    batches per epoch with no number to guess: by default (``equal_batches="plan"``) each reader
+    batches per epoch with no number to guess: by default (``TopologyOptions.equal_batches="plan"``) each reader
     counts its own batches from the token lengths of its own shards (pre-tokenized shards) by
     simulating the packer, the ranks agree on the counts through the ``torch.distributed`` store
     (one round per epoch; without ``torch.distributed`` each reader counts every reader's), and
@@ -94,20 +102,20 @@ class PackedDataset(IterableDataset):
     **Manifest.** Splitting a finite epoch between several readers, and an elastic resume, are
     planned from the data set's manifest (per shard: identity, sample count, token total; written
     by ``streampack index URLS --out DIR``), so a reader's start costs O(its own share), not
-    O(data set): pass ``manifest=DIR``. Local shards without one get it built once in
+    O(data set): pass ``read=ReadOptions(manifest=DIR)``. Local shards without one get it built once in
     ``cache_dir``; remote shards without one are refused at construction, naming the command.
 
     **Mixtures.** ``urls`` may map source names to ``urls`` (weight 1) or ``(urls, weight)``,
     e.g. ``{"web": ("web-{000..099}.tar", 0.7), "code": ("code/*.tar", 0.3)}``: one ShardReader
     per source under a :class:`~streampack.nodes.mixture.Mixture` (torchdata's
-    ``MultiNodeWeightedSampler``). Finite mixtures end by ``mixture_stop``.
+    ``MultiNodeWeightedSampler``). Finite mixtures end by ``ReadOptions.mixture_stop``.
 
-    **Topology.** The data-parallel rank and size come from ``dp_group`` (the data-parallel
+    **Topology** (``TopologyOptions``). The data-parallel rank and size come from ``dp_group`` (the data-parallel
     process group), else ``dp_rank``/``dp_size``, else ``torch.distributed`` when the world group
     is its only group (with TP/CP/PP groups present that raises instead of using the global
     rank), else ``RANK``/``WORLD_SIZE``; resolved when the dataset is constructed.
 
-    **Compute cost.** ``cost_model`` (a :class:`~streampack.packing.CostModel` or a model shape
+    **Compute cost** (``CostOptions``). ``model`` (a :class:`~streampack.packing.CostModel` or a model shape
     for ``CostModel.from_shape``) gives every batch ``est_cost`` (``linear × tokens + attention ×
     Σ L²``) and the readers' totals (``batch.stats.cost``). ``balance="cost"`` (or a
     :class:`~streampack.packing.Balance`) also orders the packs so that every rank's step costs
@@ -124,7 +132,7 @@ class PackedDataset(IterableDataset):
     topology that is the exact resume). In the main process of a DataLoader with workers
     ``state_dict()`` raises (that copy has no position): checkpoint a StatefulDataLoader instead.
     Loading a state invalidates any live iterator of this dataset. A shard that changed since the
-    state was saved is refused by name; ``identity`` says what "changed" means: ``"tag"`` (size +
+    state was saved is refused by name; ``ReadOptions.identity`` says what "changed" means: ``"tag"`` (size +
     ETag / mtime, the default), ``"size"`` (accepts a re-staged copy), ``"digest"`` (size + a hash
     of the first and last 64 KiB) or ``"off"`` (:mod:`streampack.io.shard_identity`).
     """

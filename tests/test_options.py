@@ -104,6 +104,7 @@ def test_each_record_checks_its_own_values(make, kind, message):
 
 
 def test_records_hold_what_they_were_given_as_the_nodes_take_it():
+    assert ReadOptions(limits=None).limits == Limits()  # the flat keyword's old default spelling
     cost = CostOptions(model=SHAPE, balance="cost")
     assert cost.balance == Balance() and cost.model.linear > 0  # converted once, here
     assert TopologyOptions(cp_size=2, tp_size=2).align == 8

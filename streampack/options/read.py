@@ -41,7 +41,8 @@ class ReadOptions:
     vocab_size: int | None = None
     """Token ids (read or tokenized) and labels must be below it; None = below 2**31."""
     limits: Limits = Limits()
-    """Bytes per line / member / sample and json depth one sample may make a reader hold."""
+    """Bytes per line / member / sample and json depth one sample may make a reader hold (None,
+    as the flat ``limits=`` keyword took it: the defaults)."""
     mixture_stop: str = "all"
     """When a finite mixture ends: ``all``, ``first`` or ``cycle``."""
     manifest: str | None = None
@@ -79,6 +80,8 @@ class ReadOptions:
         need_type("ReadOptions", "loss_mask_key", self.loss_mask_key, str, optional=True)
         need_choice("ReadOptions", "on_error", self.on_error, ON_ERROR_CHOICES)
         need_choice("ReadOptions", "mixture_stop", self.mixture_stop, tuple(STOP_RULES))
+        if self.limits is None:
+            object.__setattr__(self, "limits", Limits())
         need_type("ReadOptions", "limits", self.limits, Limits)
         for name in ("manifest", "cache_dir"):
             need_type("ReadOptions", name, getattr(self, name), (str, os.PathLike), optional=True)
