@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from streampack.dataset import PackedDataset
 from streampack.nodes.mixture import CONFIG_KEY, Mixture
 from streampack.nodes.reader import ShardReader
-from streampack.options import ReadOptions
+from streampack.options import PackOptions, ReadOptions
 from streampack.state import load_loader_state
 
 
@@ -116,8 +116,8 @@ def test_node_refuses_mismatched_names() -> None:
 
 # ------------------------------------------------------------------ PackedDataset
 def _ds(urls, **kw) -> PackedDataset:
-    return PackedDataset(urls, **{"capacity": 256, "window": 16, "packs_per_batch": 2, "seed": 7,
-                                  "max_wait": 3, **kw})
+    return PackedDataset(urls, **{"capacity": 256, "packs_per_batch": 2, "seed": 7,
+                                  "packing": PackOptions(window=16, max_wait=3), **kw})
 
 
 def _mix(sources, web: float = 0.7, code: float = 0.3) -> dict:
