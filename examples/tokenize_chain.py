@@ -6,8 +6,8 @@ The chain ``ShardReader -> Tokenize -> user stage -> overlong policy -> WindowPa
 
 - the text corpus is webdataset tar shards of ``.txt`` members (``streampack.cli.corpus``);
 - a byte-level BPE is trained with ``tokenizers`` on the corpus itself and saved as
-  ``tokenizer.json``; ``PackedDataset(tokenizer=path, eos_id=...)`` batch-encodes with it on
-  ``num_threads`` threads without changing the order of the stream;
+  ``tokenizer.json``; ``PackedDataset(tokenizer=path, tokenize=TokenizeOptions(eos_id=...))``
+  batch-encodes with it on ``num_threads`` threads without changing the order of the stream;
 - a per-sample user function sits between tokenization and packing: here it drops documents
   shorter than 16 tokens (returning ``None`` drops a sample; drops are counted).
 """
