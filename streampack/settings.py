@@ -85,9 +85,14 @@ class StreamConfig:
     epochs: int | None = None
     """Epochs per pass; None = infinite."""
     tokenize: TokenizeOptions = TokenizeOptions()
+    """The Tokenize node's record."""
     packing: PackOptions = PackOptions()
+    """The OverlongNode's, WindowPacker's and ThdCollate's record."""
     topology: TopologyOptions = TopologyOptions()
+    """Alignment and equal batch counts (``PackedDataset`` keeps its resolved rank and size here,
+    never the process group)."""
     cost: CostOptions = CostOptions()
+    """Cost model and cost-balanced emission."""
 
     def __post_init__(self) -> None:
         need_int("StreamConfig", "capacity", self.capacity, 1)

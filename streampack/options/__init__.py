@@ -14,7 +14,9 @@ keywords as shortcuts onto their fields.
 =================  ===========================  =============================================
 
 Each record checks its own values when it is made, so a mistake names the record and the
-field before any shard is opened.
+field before any shard is opened. A new stage's record is one file here, one entry in
+:data:`RECORDS` and one ``PackedDataset`` parameter (the signature has room for one more under
+its limit of 15); new fields get no flat keyword.
 
 **Shortcuts.** Every keyword ``PackedDataset`` took before the records (``window=``,
 ``retry_budget=``, ``dp_size=``, ...) still works: :data:`SHORTCUTS` maps each one to exactly one
