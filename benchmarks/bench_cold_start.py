@@ -26,9 +26,10 @@ from report import emit  # benchmarks/report.py (this folder is on sys.path)
 CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from streampack import PackedDataset
+from streampack import PackedDataset, PackOptions, TokenizeOptions
 t1 = time.perf_counter()
-ds = PackedDataset(sys.argv[1:-1], capacity=4096, window=1024, tokenizer=sys.argv[-1], eos_id=0, seed=1)
+ds = PackedDataset(sys.argv[1:-1], capacity=4096, tokenizer=sys.argv[-1], seed=1,
+                   tokenize=TokenizeOptions(eos_id=0), packing=PackOptions(window=1024))
 t2 = time.perf_counter()
 batch = next(iter(ds))
 t3 = time.perf_counter()

@@ -56,8 +56,10 @@ def first_batch_seconds(urls: list[str], tokenizer: str, window: int, runs: int)
     from torch.utils.data import DataLoader
 
     from streampack import PackedDataset
+    from streampack.options import PackOptions, TokenizeOptions
 
-    ds = PackedDataset(urls, capacity=CAP, window=window, tokenizer=tokenizer, eos_id=0, seed=1)
+    ds = PackedDataset(urls, capacity=CAP, tokenizer=tokenizer, seed=1, tokenize=TokenizeOptions(eos_id=0),
+                       packing=PackOptions(window=window))
     best = float("inf")
     for _ in range(runs):
         start = time.perf_counter()

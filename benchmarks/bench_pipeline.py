@@ -27,6 +27,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack import packing
 from streampack.dataset import PackedDataset
+from streampack.options import PackOptions
 from streampack.state import state_nbytes
 
 CAP = 4096
@@ -50,8 +51,8 @@ def offline_fill(lengths: np.ndarray) -> float:
 
 def throughput(urls: list[str], num_workers: int, window: int = 1024,
                packs_per_batch: int = 8) -> dict[str, Any]:
-    ds = PackedDataset(urls, capacity=CAP, window=window, epochs=1, seed=0,
-                       packs_per_batch=packs_per_batch)
+    ds = PackedDataset(urls, capacity=CAP, epochs=1, seed=0, packs_per_batch=packs_per_batch,
+                       packing=PackOptions(window=window))
     loader = DataLoader(ds, batch_size=None, num_workers=num_workers,
                         prefetch_factor=8 if num_workers else None)
     start = time.perf_counter()
@@ -70,7 +71,7 @@ def fills(urls: list[str], lengths: np.ndarray, windows: list[int]) -> list[dict
     offline = offline_fill(lengths)
     rows = []
     for window in windows:
-        ds = PackedDataset(urls, capacity=CAP, window=window, epochs=1, seed=0)
+        ds = PackedDataset(urls, capacity=CAP, epochs=1, seed=0, packing=PackOptions(window=window))
         for _ in ds:
             pass
         m = ds.metrics()["packing"]
@@ -82,7 +83,7 @@ def fills(urls: list[str], lengths: np.ndarray, windows: list[int]) -> list[dict
 
 def state_and_resume(urls: list[str], window: int = 1024, steps: int = 300) -> dict[str, Any]:
     """Checkpoint deep inside a shard under StatefulDataLoader(num_workers=1), then resume."""
-    loader = StatefulDataLoader(PackedDataset(urls, capacity=CAP, window=window, seed=0),
+    loader = StatefulDataLoader(PackedDataset(urls, capacity=CAP, seed=0, packing=PackOptions(window=window)),
                                 batch_size=None, num_workers=1)
     it = iter(loader)
     for _ in range(steps):
@@ -90,7 +91,7 @@ def state_and_resume(urls: list[str], window: int = 1024, steps: int = 300) -> d
     state = loader.state_dict()
     want = next(it)
     del it
-    ds_state = PackedDataset(urls, capacity=CAP, window=window, seed=0)
+    ds_state = PackedDataset(urls, capacity=CAP, seed=0, packing=PackOptions(window=window))
     inner = iter(ds_state)
     for _ in range(steps):
         next(inner)
@@ -99,7 +100,7 @@ def state_and_resume(urls: list[str], window: int = 1024, steps: int = 300) -> d
     torch.save(state, buf)
     start = time.perf_counter()
     buf.seek(0)
-    fresh = StatefulDataLoader(PackedDataset(urls, capacity=CAP, window=window, seed=0),
+    fresh = StatefulDataLoader(PackedDataset(urls, capacity=CAP, seed=0, packing=PackOptions(window=window)),
                                batch_size=None, num_workers=1)
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     got = next(iter(fresh))

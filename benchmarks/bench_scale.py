@@ -148,6 +148,7 @@ def old_states(urls: list[str], manifest: str, dp_size: int, path: Path) -> None
     import streampack.graph as graph
     import streampack.reshard as reshard
     from streampack import PackedDataset
+    from streampack.options import PackOptions, ReadOptions, TopologyOptions
 
     real = graph.make_planner
 
@@ -159,8 +160,8 @@ def old_states(urls: list[str], manifest: str, dp_size: int, path: Path) -> None
     states = []
     try:
         for r in range(dp_size):
-            ds = PackedDataset(urls, capacity=1024, window=64, seed=1, epochs=1, dp_rank=r, dp_size=dp_size,
-                               manifest=manifest)
+            ds = PackedDataset(urls, capacity=1024, seed=1, epochs=1, read=ReadOptions(manifest=manifest),
+                               packing=PackOptions(window=64), topology=TopologyOptions(dp_rank=r, dp_size=dp_size))
             next(iter(ds))
             states.append(ds.state_dict())
     finally:

@@ -35,6 +35,7 @@ import torch
 from report import emit_rows  # noqa: E402  (benchmarks/report.py; this folder is on sys.path)
 
 from streampack.dataset import PackedDataset
+from streampack.options import PackOptions
 from streampack.nodes.stages import MapSamples, NodeStage
 from streampack.state import state_nbytes
 
@@ -72,7 +73,7 @@ def state_rows(capacity: int, window: int, docs: int, directory: str) -> list[di
     rows = []
     for mode, stages in (("refs", ()), ("tokens", (NodeStage(lambda up: MapSamples(up, lambda s: s)),))):
         def make() -> PackedDataset:
-            return PackedDataset(urls, capacity=capacity, window=window, stages=list(stages))
+            return PackedDataset(urls, capacity=capacity, stages=list(stages), packing=PackOptions(window=window))
 
         size, state = _largest_state(make(), [1, 3, 10, 30])
         buf = io.BytesIO()
@@ -92,7 +93,7 @@ def long_document_rows(directory: str, total: int = 4_000_000, capacity: int = 4
     urls = write_shards(directory, lengths, num_shards=1)
     rows = []
     for mode, stages in (("refs", ()), ("tokens", (NodeStage(lambda up: MapSamples(up, lambda s: s)),))):
-        ds = PackedDataset(urls, capacity=capacity, window=256, shuffle=False, stages=list(stages))
+        ds = PackedDataset(urls, capacity=capacity, shuffle=False, stages=list(stages), packing=PackOptions(window=256))
         size, _ = _largest_state(ds, [5, 50, 200, 600])
         rows.append({"case": f"one {total:,}-token document, overlong='split', capacity {capacity}",
                      "mode": mode, "state_bytes": size})

@@ -37,6 +37,7 @@ from tiny_gpt import TinyGPT, packed_forward  # noqa: E402
 
 from streampack import PackedDataset  # noqa: E402
 from streampack.attention.loss import global_num_targets, packed_cross_entropy  # noqa: E402
+from streampack.options import PackOptions, ReadOptions
 from streampack.state import dataset_states  # noqa: E402
 
 DOCS = 4 * 60
@@ -71,7 +72,8 @@ def main() -> int:
         write_shards(data, num_shards=4, docs_per_shard=DOCS // 4)
     dist.barrier()
     shards = sorted(str(p) for p in data.glob("train-*.tar"))
-    ds = PackedDataset(shards, capacity=256, window=32, packs_per_batch=2, tokens_key="npy", epochs=1, seed=1)
+    ds = PackedDataset(shards, capacity=256, packs_per_batch=2, epochs=1, seed=1, read=ReadOptions(tokens_key="npy"),
+                       packing=PackOptions(window=32))
     torch.manual_seed(0)
     model = TinyGPT(vocab=VOCAB, dim=32, layers=1, heads=2, max_len=256)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -25,6 +25,7 @@ from streampack import PackedDataset
 from streampack.graph import Placement, Sources, StreamConfig, build_graph
 from streampack.io.urls import ShardList
 from streampack.nodes import OverlongNode, ShardReader, TextEncoder, ThdCollate, WindowPacker
+from streampack.options import PackOptions, TokenizeOptions
 
 CAPACITY, WINDOW, SEED, EOS = 512, 64, 3, 0
 
@@ -44,15 +45,16 @@ def by_hand(urls: list[str], tokenizer: str) -> Loader:
 
 
 def with_builder(urls: list[str], tokenizer: str) -> Loader:
-    config = StreamConfig(capacity=CAPACITY, window=WINDOW, packs_per_batch=2, seed=SEED, eos_id=EOS)
+    config = StreamConfig(capacity=CAPACITY, packs_per_batch=2, seed=SEED, tokenize=TokenizeOptions(eos_id=EOS),
+                          packing=PackOptions(window=WINDOW))  # the records PackedDataset takes
     graph = build_graph(config, Sources(shards=ShardList.of(urls)), Placement(), tokenizer=tokenizer,
                         around={"tokenize": lambda n: Prefetcher(n, 16), "collate": lambda n: Prefetcher(n, 4)})
     return Loader(graph.root)
 
 
 def reference(urls: list[str], tokenizer: str) -> PackedDataset:
-    return PackedDataset(urls, capacity=CAPACITY, window=WINDOW, packs_per_batch=2, seed=SEED,
-                         tokenizer=tokenizer, eos_id=EOS)
+    return PackedDataset(urls, capacity=CAPACITY, packs_per_batch=2, seed=SEED, tokenizer=tokenizer,
+                         tokenize=TokenizeOptions(eos_id=EOS), packing=PackOptions(window=WINDOW))
 
 
 def take(iterator, n: int) -> list[tuple]:

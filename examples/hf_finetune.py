@@ -24,6 +24,7 @@ import transformers
 from streampack import PackedDataset
 from streampack.attention import unpack_per_document
 from streampack.cli.corpus import train_demo_tokenizer, write_demo_corpus
+from streampack.options import PackOptions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                                    mean_words=60)
         tok = train_demo_tokenizer(shards, Path(tmp) / "tokenizer.json", vocab_size=1024,
                                    sample_bytes=500_000)
-        ds = PackedDataset(shards, capacity=512, window=64, packs_per_batch=2, tokenizer=tok,
-                           overlong="truncate")
+        ds = PackedDataset(shards, capacity=512, packs_per_batch=2, tokenizer=tok,
+                           packing=PackOptions(window=64, overlong="truncate"))
         config = transformers.LlamaConfig(
             vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -31,6 +31,7 @@ from example_data import write_shards  # noqa: E402
 
 from streampack import PackedDataset  # noqa: E402
 from streampack.integrations.hf import PackedTrainer  # noqa: E402
+from streampack.options import PackOptions, ReadOptions
 
 VOCAB = 64
 
@@ -62,7 +63,8 @@ def run(shards: list[str], out: Path, args: argparse.Namespace, *, stop_at: int 
         dataloader_num_workers=args.workers)
     trainer = PackedTrainer(
         model=model, args=training, callbacks=[StopAt(stop_at)] if stop_at else None,
-        train_dataset=PackedDataset(shards, capacity=256, window=64, tokens_key="npy"))
+        train_dataset=PackedDataset(shards, capacity=256, read=ReadOptions(tokens_key="npy"),
+                                    packing=PackOptions(window=64)))
     trainer.train(resume_from_checkpoint=resume)
     return trainer, seen
 

@@ -31,6 +31,7 @@ from example_data import write_shards  # noqa: E402
 
 from streampack import PackedDataset  # noqa: E402
 from streampack.integrations.lightning import PackedDataModule  # noqa: E402
+from streampack.options import PackOptions, ReadOptions
 
 VOCAB = 64
 
@@ -58,7 +59,8 @@ class PackedLlama(L.LightningModule):
 def fit(shards: list[str], out: Path, steps: int, args: argparse.Namespace,
         ckpt: str | None = None) -> PackedLlama:
     model = PackedLlama()
-    data = PackedDataModule(PackedDataset(shards, capacity=256, window=64, tokens_key="npy"),
+    data = PackedDataModule(PackedDataset(shards, capacity=256, read=ReadOptions(tokens_key="npy"),
+                                          packing=PackOptions(window=64)),
                             num_workers=args.workers)
     trainer = L.Trainer(
         max_steps=steps, accelerator="auto", devices=1, precision=args.precision,

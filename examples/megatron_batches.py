@@ -35,6 +35,7 @@ from example_data import write_shards  # noqa: E402
 from streampack import PackedDataset  # noqa: E402
 from streampack.attention import packed_cross_entropy  # noqa: E402
 from streampack.integrations.megatron import megatron_batch  # noqa: E402
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 
 VOCAB = 64
 
@@ -63,7 +64,8 @@ def rope_is_per_document(mb, batch, group) -> bool:  # noqa: ANN001
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         shards = write_shards(Path(tmp) / "data", vocab=VOCAB)
-        ds = PackedDataset(shards, capacity=256, window=64, tokens_key="npy", cp_size=2, packs_per_batch=2)
+        ds = PackedDataset(shards, capacity=256, packs_per_batch=2, read=ReadOptions(tokens_key="npy"),
+                           packing=PackOptions(window=64), topology=TopologyOptions(cp_size=2))
         dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'pg'}", rank=0, world_size=1)
         try:
             torch.manual_seed(0)

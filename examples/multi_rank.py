@@ -32,6 +32,7 @@ from tiny_gpt import TinyGPT, packed_forward  # noqa: E402
 
 from streampack import PackedDataset  # noqa: E402
 from streampack.attention.loss import global_num_targets, packed_cross_entropy  # noqa: E402
+from streampack.options import PackOptions, ReadOptions
 
 
 def main() -> int:
@@ -43,7 +44,8 @@ def main() -> int:
         write_shards(data_dir, num_shards=4, docs_per_shard=60)
     dist.barrier()
     shards = sorted(str(p) for p in data_dir.glob("train-*.tar"))
-    ds = PackedDataset(shards, capacity=256, window=32, packs_per_batch=2, tokens_key="npy", epochs=1)
+    ds = PackedDataset(shards, capacity=256, packs_per_batch=2, epochs=1, read=ReadOptions(tokens_key="npy"),
+                       packing=PackOptions(window=32))
     assert (ds.dp_rank, ds.dp_size) == (rank, world), "rank must come from torch.distributed"
     torch.manual_seed(0)
     model = TinyGPT(vocab=VOCAB, dim=32, layers=1, heads=2, max_len=256)  # same init on every rank

@@ -32,6 +32,7 @@ from tiny_gpt import TinyGPT, packed_forward  # noqa: E402
 
 from streampack import PackedDataset  # noqa: E402
 from streampack.attention.loss import packed_cross_entropy  # noqa: E402
+from streampack.options import PackOptions, ReadOptions
 from streampack.state import load_loader_state  # noqa: E402
 
 VOCAB = 64
@@ -41,7 +42,8 @@ def make_job(shards: list[str], workers: int, seed: int):
     torch.manual_seed(seed)
     model = TinyGPT(vocab=VOCAB, dim=64, layers=2, heads=4, max_len=256)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ds = PackedDataset(shards, capacity=256, window=64, packs_per_batch=2, tokens_key="npy", seed=seed)
+    ds = PackedDataset(shards, capacity=256, packs_per_batch=2, seed=seed, read=ReadOptions(tokens_key="npy"),
+                       packing=PackOptions(window=64))
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
     return model, optim, loader
 

@@ -6,8 +6,8 @@ The chain ``ShardReader -> Tokenize -> user stage -> overlong policy -> WindowPa
 
 - the text corpus is webdataset tar shards of ``.txt`` members (``streampack.cli.corpus``);
 - a byte-level BPE is trained with ``tokenizers`` on the corpus itself and saved as
-  ``tokenizer.json``; ``PackedDataset(tokenizer=path, eos_id=...)`` batch-encodes with it on
-  ``num_threads`` threads without changing the order of the stream;
+  ``tokenizer.json``; ``PackedDataset(tokenizer=path, tokenize=TokenizeOptions(eos_id=...))``
+  batch-encodes with it on ``num_threads`` threads without changing the order of the stream;
 - a per-sample user function sits between tokenization and packing: here it drops documents
   shorter than 16 tokens (returning ``None`` drops a sample; drops are counted).
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from streampack import PackedDataset, Sample
 from streampack.cli.corpus import train_demo_tokenizer, write_demo_corpus
+from streampack.options import PackOptions, TokenizeOptions
 
 
 def drop_short(sample: Sample) -> Sample | None:
@@ -43,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         from tokenizers import Tokenizer
 
         eos = Tokenizer.from_file(tokenizer_json).token_to_id("<|endoftext|>")
-        ds = PackedDataset(shards, capacity=args.capacity, window=128, tokenizer=tokenizer_json,
-                           eos_id=eos, stages=[drop_short], num_threads=2, epochs=1)
+        ds = PackedDataset(shards, capacity=args.capacity, tokenizer=tokenizer_json, stages=[drop_short], epochs=1,
+                           tokenize=TokenizeOptions(eos_id=eos, num_threads=2), packing=PackOptions(window=128))
         start, tokens, batches = time.perf_counter(), 0, 0
         for batch in ds:
             tokens += batch.num_tokens

@@ -38,6 +38,7 @@ from example_data import write_shards  # noqa: E402
 from streampack import PackedDataset  # noqa: E402
 from streampack.attention import packed_attention_mask  # noqa: E402
 from streampack.integrations import torchtitan as titan  # noqa: E402
+from streampack.options import PackOptions, ReadOptions
 
 VOCAB, CAPACITY, ACCUMULATE = 64, 256, 2
 
@@ -106,7 +107,8 @@ def train_step(model, optim, data_iter, device, log: list[float]) -> None:  # no
 def job(shards: list[str], device: torch.device) -> tuple[Any, Any, Any]:
     model = build_model(device)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    loader = titan.titan_dataloader(PackedDataset(shards, capacity=CAPACITY, window=64, tokens_key="npy"),
+    loader = titan.titan_dataloader(PackedDataset(shards, capacity=CAPACITY, read=ReadOptions(tokens_key="npy"),
+                                                  packing=PackOptions(window=64)),
                                     dp_rank=0, dp_world_size=1)
     return model, optim, loader
 

@@ -13,6 +13,11 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "PackedDataset": "streampack.dataset",
+    "ReadOptions": "streampack.options",
+    "TokenizeOptions": "streampack.options",
+    "PackOptions": "streampack.options",
+    "TopologyOptions": "streampack.options",
+    "CostOptions": "streampack.options",
     "sync_batches": "streampack.sync",
     "PackedBatch": "streampack.layout.batch",
     "alignment": "streampack.layout.batch",

@@ -19,28 +19,29 @@ from torch.utils.data import IterableDataset
 
 from streampack.errors import log_worker_error
 from streampack.graph import Graph, build_graph, counting_for, graph_metrics, manifest_of
-from streampack.nodes.epoch_plan import unplannable
-from streampack.io.limits import Limits
-from streampack.layout.batch import PackedBatch, alignment, pack_batch
+from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
+from streampack.nodes.epoch_plan import unplannable
 from streampack.nodes.epochs import add_metrics
 from streampack.nodes.window_packer import fill
-from streampack.nodes.window_rounds import default_max_wait
-from streampack.packing.cost import CostModel
-from streampack.packing.schedule import Balance
+from streampack.options import (
+    CostOptions,
+    PackOptions,
+    ReadOptions,
+    TokenizeOptions,
+    TopologyOptions,
+    with_shortcuts,
+)
 from streampack.passes import PassTracker
 from streampack.preflight import preflight
 from streampack.reshard import PendingResume
 from streampack.settings import (
-    EQUAL_BATCHES,
     Placement,
-    ReadOptions,
     Share,
     StreamConfig,
     URLs,
-    balance_of,
-    cost_model_of,
+    fingerprint_settings,
     sources_of,
     tokenizer_id,
 )
@@ -71,6 +72,14 @@ class PackedDataset(IterableDataset):
     ``StatefulDataLoader(ds, batch_size=None, num_workers=N)``; each item is a
     :class:`~streampack.layout.batch.PackedBatch` of ``packs_per_batch`` packs of ``capacity`` tokens.
 
+    **Parameters.** The few most runs set (``urls``, ``capacity``, ``tokenizer``, ``epochs``,
+    ``shuffle``, ``seed``, ``packs_per_batch``, ``stages``), then one option record per stage
+    (:mod:`streampack.options`): ``read=ReadOptions(...)``, ``tokenize=TokenizeOptions(...)``,
+    ``packing=PackOptions(...)``, ``topology=TopologyOptions(...)``, ``cost=CostOptions(...)``;
+    each record checked its own values when it was made. The flat keywords of earlier versions
+    (``window=``, ``dp_size=``, ...) are shortcuts for exactly one record field each
+    (``streampack.options.SHORTCUTS``); setting a field both ways is a ``TypeError``.
+
     **Streams and equal batch counts.** ``epochs=None`` (default) is infinite: every worker of
     every rank streams forever, so no rank ever runs out and collectives never hang.
     ``epochs=N`` is finite: each fresh iteration runs N epochs (pass ``p`` reads epochs
@@ -78,7 +87,7 @@ class PackedDataset(IterableDataset):
     ``set_epoch(p)`` chooses the pass, like ``DistributedSampler``). Each epoch's samples are
     split between all readers of all ranks at sample granularity, balanced by token count, and
     every sample is read exactly once. With ``dp_size > 1`` every rank yields the same number of
-    batches per epoch with no number to guess: by default (``equal_batches="plan"``) each reader
+    batches per epoch with no number to guess: by default (``TopologyOptions.equal_batches="plan"``) each reader
     counts its own batches from the token lengths of its own shards (pre-tokenized shards) by
     simulating the packer, the ranks agree on the counts through the ``torch.distributed`` store
     (one round per epoch; without ``torch.distributed`` each reader counts every reader's), and
@@ -94,20 +103,20 @@ class PackedDataset(IterableDataset):
     **Manifest.** Splitting a finite epoch between several readers, and an elastic resume, are
     planned from the data set's manifest (per shard: identity, sample count, token total; written
     by ``streampack index URLS --out DIR``), so a reader's start costs O(its own share), not
-    O(data set): pass ``manifest=DIR``. Local shards without one get it built once in
+    O(data set): pass ``read=ReadOptions(manifest=DIR)``. Local shards without one get it built once in
     ``cache_dir``; remote shards without one are refused at construction, naming the command.
 
     **Mixtures.** ``urls`` may map source names to ``urls`` (weight 1) or ``(urls, weight)``,
     e.g. ``{"web": ("web-{000..099}.tar", 0.7), "code": ("code/*.tar", 0.3)}``: one ShardReader
     per source under a :class:`~streampack.nodes.mixture.Mixture` (torchdata's
-    ``MultiNodeWeightedSampler``). Finite mixtures end by ``mixture_stop``.
+    ``MultiNodeWeightedSampler``). Finite mixtures end by ``ReadOptions.mixture_stop``.
 
-    **Topology.** The data-parallel rank and size come from ``dp_group`` (the data-parallel
+    **Topology** (``TopologyOptions``). The data-parallel rank and size come from ``dp_group`` (the data-parallel
     process group), else ``dp_rank``/``dp_size``, else ``torch.distributed`` when the world group
     is its only group (with TP/CP/PP groups present that raises instead of using the global
     rank), else ``RANK``/``WORLD_SIZE``; resolved when the dataset is constructed.
 
-    **Compute cost.** ``cost_model`` (a :class:`~streampack.packing.CostModel` or a model shape
+    **Compute cost** (``CostOptions``). ``model`` (a :class:`~streampack.packing.CostModel` or a model shape
     for ``CostModel.from_shape``) gives every batch ``est_cost`` (``linear × tokens + attention ×
     Σ L²``) and the readers' totals (``batch.stats.cost``). ``balance="cost"`` (or a
     :class:`~streampack.packing.Balance`) also orders the packs so that every rank's step costs
@@ -124,65 +133,33 @@ class PackedDataset(IterableDataset):
     topology that is the exact resume). In the main process of a DataLoader with workers
     ``state_dict()`` raises (that copy has no position): checkpoint a StatefulDataLoader instead.
     Loading a state invalidates any live iterator of this dataset. A shard that changed since the
-    state was saved is refused by name; ``identity`` says what "changed" means: ``"tag"`` (size +
+    state was saved is refused by name; ``ReadOptions.identity`` says what "changed" means: ``"tag"`` (size +
     ETag / mtime, the default), ``"size"`` (accepts a re-staged copy), ``"digest"`` (size + a hash
     of the first and last 64 KiB) or ``"off"`` (:mod:`streampack.io.shard_identity`).
     """
 
-    def __init__(self, urls: URLs | Mapping[str, Any], *, capacity: int, window: int = 1024,
-                 algorithm: str = "bfd", packs_per_batch: int = 1, tokenizer: Any = None,
-                 text_key: str = "text", tokens_key: str = "input_ids", overlong: str = "split",
-                 cp_size: int = 1, tp_size: int = 1, seed: int = 0, shuffle: bool = True,
-                 epochs: int | None = None, dp_rank: int | None = None, dp_size: int | None = None,
-                 dp_group: Any = None, on_error: str = "raise", pad_id: int = 0, ignore_index: int = -100,
-                 bos_id: int | None = None, eos_id: int | None = None, stages: Sequence[Any] = (),
-                 num_threads: int = 1, tokenize_block: int = 64, max_wait: int | None = None,
-                 slack: int | None = None, batches_per_epoch: int | None = None, equal_batches: str = "plan",
-                 labels_key: str | None = None, loss_mask_key: str | None = None,
-                 sequence_parallel: bool = True, align_multiple: int = 1, allow_pipe: bool = False,
-                 allow_pickle: bool = False, cache_dir: str | None = None, manifest: str | None = None,
-                 retries: int | None = None,
-                 retry_budget: float = 120.0, connect_timeout: float = 10.0, read_timeout: float = 30.0,
-                 request_deadline: float = 120.0, allow_redirects: bool = False,
-                 storage_options: Mapping[str, Any] | None = None,
-                 pin_memory: bool = False, mixture_stop: str = "all", vocab_size: int | None = None,
-                 limits: Limits | None = None,
-                 cost_model: CostModel | Mapping[str, Any] | None = None,
-                 balance: str | Balance | None = None, identity: str = "tag",
-                 media: MediaOptions | None = None) -> None:
+    def __init__(self, urls: URLs | Mapping[str, Any], *, capacity: int, tokenizer: Any = None,
+                 epochs: int | None = None, shuffle: bool = True, seed: int = 0, packs_per_batch: int = 1,
+                 stages: Sequence[Any] = (), read: ReadOptions | None = None, tokenize: TokenizeOptions | None = None,
+                 packing: PackOptions | None = None, topology: TopologyOptions | None = None,
+                 cost: CostOptions | None = None, media: MediaOptions | None = None, **shortcuts: Any) -> None:
         super().__init__()
-        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
-            raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
-        if batches_per_epoch is not None and (epochs is None or batches_per_epoch < 1):
-            raise ValueError(f"{batches_per_epoch=} needs a finite stream (epochs=N) and must be >= 1")
-        if equal_batches not in EQUAL_BATCHES:
-            raise ValueError(f"{equal_batches=} must be one of {EQUAL_BATCHES}")
-        cost = cost_model_of(cost_model)
-        self.config = StreamConfig(
-            capacity=capacity, window=window, algorithm=algorithm, packs_per_batch=packs_per_batch,
-            align=alignment(cp_size, tp_size, sequence_parallel=sequence_parallel, multiple=align_multiple),
-            text_key=text_key, tokens_key=tokens_key, labels_key=labels_key, loss_mask_key=loss_mask_key,
-            overlong=overlong, seed=seed, shuffle=shuffle, epochs=epochs, on_error=on_error, pad_id=pad_id,
-            ignore_index=ignore_index, bos_id=bos_id, eos_id=eos_id,
-            max_wait=default_max_wait(window) if max_wait is None else max_wait, slack=slack,
-            batches_per_epoch=batches_per_epoch, equal_batches=equal_batches, vocab_size=vocab_size,
-            limits=limits if limits is not None else Limits(), cost_model=cost,
-            balance=balance_of(balance, cost), media=media)
-        self.options = ReadOptions(allow_pipe=allow_pipe, allow_pickle=allow_pickle, cache_dir=cache_dir,
-                                   manifest=manifest, retries=retries, retry_budget=retry_budget, connect_timeout=connect_timeout,
-                                   read_timeout=read_timeout, request_deadline=request_deadline,
-                                   allow_redirects=allow_redirects, storage_options=storage_options,
-                                   num_threads=num_threads, tokenize_block=tokenize_block, identity=identity)
-        self.sources = sources_of(urls, opts=self.options.open_options(), mixture_stop=mixture_stop)
-        if self.config.balance is not None and self.sources.packed is not None:
-            raise ValueError("balance='cost' orders the packs of the streaming packer; a `streampack pack` "
-                             "directory holds packs made offline: read raw shards to balance them")
+        records = with_shortcuts({"read": read, "tokenize": tokenize, "packing": packing, "topology": topology,
+                                  "cost": cost}, shortcuts)
+        asked = records["topology"]
+        self.dp_rank, self.dp_size = resolve_topology(asked.dp_rank, asked.dp_size, asked.dp_group)
+        # the group is a runtime object (not picklable into workers): only its numbers are kept
+        resolved = dataclasses.replace(asked, dp_group=None, dp_rank=self.dp_rank, dp_size=self.dp_size)
+        self.config = StreamConfig(capacity=capacity, packs_per_batch=packs_per_batch, seed=seed, shuffle=shuffle,
+                                   epochs=epochs, tokenize=records["tokenize"], packing=records["packing"],
+                                   topology=resolved, cost=records["cost"], media=media)
+        self.options: ReadOptions = records["read"]
+        self.sources = sources_of(urls, opts=self.options.open_options(), mixture_stop=self.options.mixture_stop)
         if self.sources.packed is None:  # a typo fails now, not when a reader reaches the shard
-            preflight(self.sources.lists, self.config, self.options)
-        self.tokenizer, self.stages, self.pin_memory = tokenizer, list(stages), pin_memory
-        self.dp_rank, self.dp_size = resolve_topology(dp_rank, dp_size, dp_group)
-        self._agreement = _agreement(dp_group, self.dp_rank, self.dp_size)
-        self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size), validate=True)  # checks every setting
+            preflight(self.sources.lists, self.options)
+        self.tokenizer, self.stages = tokenizer, list(stages)
+        self._agreement = _agreement(asked.dp_group, self.dp_rank, self.dp_size)
+        self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size), validate=True)  # what only nodes check
         self._check_equal_batches()
         self._tokenizer_id = tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
         self._tracker = PassTracker()
@@ -195,7 +172,7 @@ class PackedDataset(IterableDataset):
     # ----------------------------------------------------------------- what users read
     @property
     def align(self) -> int:
-        return self.config.align
+        return self.config.topology.align
 
     @property
     def urls(self) -> list[str]:
@@ -225,10 +202,7 @@ class PackedDataset(IterableDataset):
         mixture = ({"mixture_sources": {n: s.digest for n, s in sorted(self.sources.mixture.items())},
                     "mixture_weights": self.mixture_weights, "mixture_stop": self.sources.stop}
                    if self.sources.mixture else {})
-        config = dataclasses.asdict(self.config)
-        if config["balance"] is not None:  # how a fresh run's histogram starts; a resume restores the saved one
-            del config["balance"]["seeded"]
-        return {**config, **mixture, "sources": self.sources.digest,
+        return {**fingerprint_settings(self.config, self.options), **mixture, "sources": self.sources.digest,
                 "num_sources": len(self.urls), "tokenizer": self._tokenizer_id,
                 "num_stages": len(self.stages), "dp_size": self.dp_size, "dp_rank": self.dp_rank,
                 "num_workers": num_workers}
@@ -236,10 +210,10 @@ class PackedDataset(IterableDataset):
     def filler(self) -> PackedBatch:
         """A batch of the stream's shape that trains nothing (what ``sync_batches`` feeds a rank
         that ran out); with a cost model its ``est_cost`` is 0, like every filler's."""
-        c = self.config
-        batch = pack_batch([filler_pack(c.capacity, c.pad_id)] * c.packs_per_batch, capacity=c.capacity,
-                           align=c.align, pad_id=c.pad_id, ignore_index=c.ignore_index)
-        return batch if c.cost_model is None else dataclasses.replace(batch, est_cost=0.0)
+        c, pack = self.config, self.config.packing
+        batch = pack_batch([filler_pack(c.capacity, pack.pad_id)] * c.packs_per_batch, capacity=c.capacity,
+                           align=c.topology.align, pad_id=pack.pad_id, ignore_index=pack.ignore_index)
+        return batch if c.cost.model is None else dataclasses.replace(batch, est_cost=0.0)
 
     def state_dict(self) -> dict[str, Any]:
         here = current_worker()
@@ -316,7 +290,7 @@ class PackedDataset(IterableDataset):
         else:
             self._graph.root.reset(None)
         self._generation += 1
-        return self._run(self._generation, self._graph, pin=self.pin_memory and here.num_workers == 0)
+        return self._run(self._generation, self._graph, pin=self.config.packing.pin_memory and here.num_workers == 0)
 
     def _build(self, place: Placement, share: Share | None = None, validate: bool = False) -> Graph:
         return build_graph(self.config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
@@ -330,7 +304,7 @@ class PackedDataset(IterableDataset):
         if c.epochs is None or self.dp_size == 1 or self.sources.packed is not None:
             return
         if self.sources.mixture:
-            if c.batches_per_epoch is None and c.equal_batches == "plan":
+            if c.topology.batches_per_epoch is None and c.topology.equal_batches == "plan":
                 raise ValueError(f"a finite mixture over dp_size={self.dp_size} ranks cannot be planned (sources are "
                                  f"drawn at random): pass batches_per_epoch, or equal_batches='sync' and iterate "
                                  f"streampack.sync_batches(loader, ds)")

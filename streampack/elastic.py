@@ -278,7 +278,7 @@ class _OldPlans:
 
         ref = dict(zip(REF_COLUMNS, pending["ref"].tolist()))  # the document's reference, chunk and length unset
         total, count, nxt = int(pending["tokens"]), int(pending["count"]), int(pending["next"])
-        lengths = chunk_lengths(np.asarray([total]), self.config.capacity, self.config.overlong)
+        lengths = chunk_lengths(np.asarray([total]), self.config.capacity, self.config.packing.overlong)
         rows = [[{**ref, "chunk": k, "length": int(lengths[k])}[c] for c in REF_COLUMNS] for k in range(nxt, count)]
         return {"is_ref": torch.ones(len(rows), dtype=torch.bool),
                 "refs": torch.tensor(rows, dtype=torch.int64).reshape(-1, len(REF_COLUMNS)),
@@ -306,7 +306,7 @@ class _OldPlans:
             return np.asarray(work[epoch], dtype=np.int64)
         if self._packed is None:
             self._packed = PackedShardReader(
-                self.sources.packed_urls, capacity=self.config.capacity, align=self.config.align,
+                self.sources.packed_urls, capacity=self.config.capacity, align=self.config.topology.align,
                 seed=self.config.seed, shuffle=self.config.shuffle, epochs=None if self.last is None else self.last,
                 dp_size=self.dp_size, num_workers=self.readers, packs_per_batch=self.config.packs_per_batch)
         return self._packed.dealt(epoch, g)
@@ -326,7 +326,7 @@ class _OldPlans:
         out = []
         for s in assign_shards(len(shards), seed=self.config.seed, epoch=epoch, shuffle=self.config.shuffle,
                                global_worker=g, global_workers=self.dp_size * self.readers):
-            out.append(_resolve(s, lambda i: shard_samples(shards.urls[i], self.config, self.options)))
+            out.append(_resolve(s, lambda i: shard_samples(shards.urls[i], self.options)))
         return self._tagged(out, epoch)
 
     def _from_ends(self, epoch: int, ends: WorkEnds) -> list[Span] | None:
@@ -361,8 +361,8 @@ class _OldPlans:
                          f"is not in its reader's plan: the states were saved with other settings or shards")
 
 
-def shard_samples(url: str, config: StreamConfig, options: ReadOptions) -> ShardSamples:
-    decode = index_decode(config.tokens_key, config.limits)  # was: default limits, another cache key
+def shard_samples(url: str, options: ReadOptions) -> ShardSamples:
+    decode = index_decode(options.tokens_key, options.limits)  # was: default limits, another cache key
     return ShardSamples.of(load_or_build_index(url, decode=decode, opts=options.open_options(),
                                                cache_dir=options.cache_dir))
 

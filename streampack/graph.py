@@ -14,11 +14,13 @@ ranks the batch quota that gives every rank the same count) over the data set's 
 chain. Building a reader's graph costs no request but the manifest's (1 read per process) and
 what its planner reads (see :mod:`streampack.nodes.epoch_plan`).
 
-:class:`StreamConfig` holds every setting that shapes the stream (it is what a resume state is
-fingerprinted on); :class:`ReadOptions` holds the ones that do not (retries, caching, thread
-counts). The builder hands each node only the values that node uses; each node validates its
-own values in its constructor, so building a graph once in the main process (what
-``PackedDataset.__init__`` does) is the validation, and nothing is checked twice.
+:class:`ReadOptions` (the reading stage's record) and :class:`StreamConfig` (the batch's
+shape, order and epochs, with the record of every later stage: ``tokenize``, ``packing``,
+``topology``, ``cost``; see :mod:`streampack.options`) are what ``PackedDataset`` was given: each
+record checked its own values when it was made, and the builder hands each node the values of
+its stage's record, so nothing is checked twice. Building a graph once in the main process
+(what ``PackedDataset.__init__`` does) checks what only the nodes can: a tokenizer that loads,
+the shards' formats.
 
 ``around`` lets a caller wrap any named stage with torchdata's own nodes, e.g.
 ``around={"tokenize": lambda n: Prefetcher(n, 16)}``; the wrapped node's state nests in the
@@ -28,6 +30,7 @@ graph's state like any other.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +38,6 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack.errors import ErrorCounter
-from streampack.io.decode import DecodeOptions
 from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
@@ -86,7 +88,8 @@ def replayable(stages: Sequence[Any]) -> bool:
     return all(not isinstance(s, (NodeStage, type)) for s in stages)
 
 
-def media_stages(config: StreamConfig, stages: Sequence[Any], errors: ErrorCounter) -> list[Any]:
+def media_stages(config: StreamConfig, options: ReadOptions, stages: Sequence[Any],
+                 errors: ErrorCounter) -> list[Any]:
     """``stages`` behind the image length stage when the stream has images. Carried image
     samples must be re-read from their origin (a state never holds image bytes), so every
     stage must be a replayable function."""
@@ -95,7 +98,7 @@ def media_stages(config: StreamConfig, stages: Sequence[Any], errors: ErrorCount
     if not replayable(stages):
         raise ValueError("media= needs function stages only: a node stage makes resume states store samples, "
                          "and a state never stores image bytes")
-    return [ExpandImages(config.media, on_error=config.on_error, errors=errors), *stages]
+    return [ExpandImages(config.media, on_error=options.on_error, errors=errors), *stages]
 
 
 def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, options: ReadOptions = ReadOptions(),
@@ -116,11 +119,11 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
     readers = {name: ShardReader(
         shards, seed=config.seed, shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank,
         dp_size=place.dp_size, worker_id=place.worker_id, num_workers=place.num_workers,
-        tokens_key=config.tokens_key, text_key=config.text_key, labels_key=config.labels_key,
-        loss_mask_key=config.loss_mask_key, on_error=config.on_error, errors=errors,
+        tokens_key=options.tokens_key, text_key=options.text_key, labels_key=options.labels_key,
+        loss_mask_key=options.loss_mask_key, on_error=options.on_error, errors=errors,
         allow_pipe=options.allow_pipe, allow_pickle=options.allow_pickle, cache_dir=options.cache_dir,
         open_options=open_options, io_stats=io_stats, source=i, work=None if work is None else {start: work},
-        keep_work=keep_work, vocab_size=config.vocab_size, limits=config.limits, saved_identities=identities,
+        keep_work=keep_work, vocab_size=options.vocab_size, limits=options.limits, saved_identities=identities,
         manifest=manifest, media=config.media)
         for i, (name, shards) in enumerate(sorted(sources.mixture.items()) or [("", sources.shards)])}
     nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "readers": list(readers.values()),
@@ -131,9 +134,10 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
                                           num_workers=place.global_workers, stop=sources.stop)
     node = wrap("reader", node)
     if tokenizer is not None:
-        node = nodes["tokenize"] = Tokenize(node, tokenizer, bos_id=config.bos_id, eos_id=config.eos_id,
-                                            block_size=options.tokenize_block, num_threads=options.num_threads,
-                                            on_error=config.on_error, errors=errors, vocab_size=config.vocab_size)
+        tok = config.tokenize
+        node = nodes["tokenize"] = Tokenize(node, tokenizer, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                                            block_size=tok.block_size, num_threads=tok.num_threads,
+                                            on_error=options.on_error, errors=errors, vocab_size=options.vocab_size)
         node = wrap("tokenize", node)
     node, nodes["stages"] = build_stages(node, stages)
     return wrap("stages", node), nodes
@@ -148,6 +152,9 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, opt
     chain when the epoch starts; ``validate`` builds the first one at once (without planning
     it), so every setting is checked here. ``agreement`` (a ``streampack.agree.Agreement``, or
     None) is how a planned epoch's readers agree on their batch counts."""
+    if config.cost.balance is not None and sources.packed is not None:
+        raise ValueError("balance='cost' orders the packs of the streaming packer; a `streampack pack` "
+                         "directory holds packs made offline: read raw shards to balance them")
     errors, io_stats = ErrorCounter(), IOStats()
     nodes: dict[str, Any] = {}
     build = _Builder(config, sources, place, options, tokenizer, stages, around, errors, share, io_stats, agreement)
@@ -174,7 +181,7 @@ class _Builder:
                  errors: ErrorCounter, share: Share | None, io_stats: IOStats, agreement: Any) -> None:
         self.config, self.sources, self.place, self.options = config, sources, place, options
         self.tokenizer, self.around, self.errors, self.share = tokenizer, around, errors, share
-        self.stages = media_stages(config, stages, errors)
+        self.stages = media_stages(config, options, stages, errors)
         self.io_stats, self.agreement = io_stats, agreement
         self.wrap = _wrapper(around)
         self._planner: EpochPlanner | None = None
@@ -204,11 +211,11 @@ class _Builder:
         else:
             node, nodes, quota = self._samples(epoch, share, planned, info)
         node = nodes["collate"] = ThdCollate(
-            node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.align,
-            pad_id=config.pad_id, ignore_index=config.ignore_index, num_batches=quota,
-            surplus_hint=_SURPLUS_HINT if config.batches_per_epoch is None else "raise batches_per_epoch",
+            node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.topology.align,
+            pad_id=config.packing.pad_id, ignore_index=config.packing.ignore_index, num_batches=quota,
+            surplus_hint=_SURPLUS_HINT if config.topology.batches_per_epoch is None else "raise batches_per_epoch",
             errors=self.errors, dp_rank=self.place.dp_rank, worker_id=self.place.worker_id,
-            cost_model=config.cost_model)
+            cost_model=config.cost.model)
         if planned and "packer" in nodes:
             self._last = (nodes["packer"], node)
         if not isinstance(quota, LateQuota):
@@ -222,7 +229,7 @@ class _Builder:
         if share is not None:
             start = share.epoch
         reader = PackedShardReader(
-            self.sources.packed_urls, capacity=config.capacity, align=config.align, seed=config.seed,
+            self.sources.packed_urls, capacity=config.capacity, align=config.topology.align, seed=config.seed,
             shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank, dp_size=place.dp_size,
             worker_id=place.worker_id, num_workers=place.num_workers, packs_per_batch=config.packs_per_batch,
             work=None if share is None else {share.epoch: share.packs})
@@ -258,17 +265,18 @@ class _Builder:
                                     manifest=self.planner.shards if epoch is not None and (
                                         (self.needs_plan and planned) or share is not None) else None)
         replayer = self._replayer(nodes)
-        node = nodes["overlong"] = OverlongNode(node, config.capacity, config.overlong,
+        pack = config.packing
+        node = nodes["overlong"] = OverlongNode(node, config.capacity, pack.overlong,
                                                 replay=None if replayer is None else replayer.chunks)
         node = self.wrap("overlong", node)
         node = nodes["packer"] = WindowPacker(
-            node, capacity=config.capacity, window=config.window, algorithm=config.algorithm, align=config.align,
-            seed=packer_seed(config, place), max_wait=config.max_wait, slack=config.slack,
+            node, capacity=config.capacity, window=pack.window, algorithm=pack.algorithm,
+            align=config.topology.align, seed=packer_seed(config, place), max_wait=pack.max_wait, slack=pack.slack,
             shuffle=config.shuffle, replay=replayer, carry=None if share is None else share.carry,
             **self._balance())
         node = self.wrap("packer", node)
         if config.media is not None:  # pack first, decode after: only emitted packs' pixels
-            node = nodes["decode_images"] = DecodeImages(node, config.media, on_error=config.on_error,
+            node = nodes["decode_images"] = DecodeImages(node, config.media, on_error=self.options.on_error,
                                                          errors=self.errors)
         return node, nodes, quota
 
@@ -276,7 +284,7 @@ class _Builder:
         """The packer's balance arguments: an epoch continues the previous epoch's schedule
         position (its batches, fillers included) and cost histogram."""
         config, place = self.config, self.place
-        if config.balance is None:
+        if config.cost.balance is None:
             return {}
         first, levels = 0, None
         if self._last is not None and self._last[0].reservoir is not None:
@@ -287,7 +295,7 @@ class _Builder:
             levels = self._seed_once  # called when the packer starts fresh, never on a restore
         schedule = Schedule(seed=config.seed, packs_per_batch=config.packs_per_batch, lane=place.worker_id,
                             lanes=place.num_workers, ranks=place.dp_size)
-        return {"balance": config.balance, "cost_model": config.cost_model, "schedule": schedule,
+        return {"balance": config.cost.balance, "cost_model": config.cost.model, "schedule": schedule,
                 "first_batch": first, "levels": levels}
 
     def _seed_once(self) -> np.ndarray | None:
@@ -302,8 +310,8 @@ class _Builder:
         infinite stream of remote shards without ``manifest=`` (it would be refused: there is
         nothing to plan, so no manifest is required of it)."""
         config = self.config
-        if (not self.needs_plan or self.place.global_workers == 1 or config.balance is None
-                or not config.balance.seeded or config.cost_model is None):
+        if (not self.needs_plan or self.place.global_workers == 1 or config.cost.balance is None
+                or not config.cost.balance.seeded or config.cost.model is None):
             return None
         assert self.sources.shards is not None
         if (config.epochs is None and self.options.manifest is None
@@ -312,15 +320,16 @@ class _Builder:
         planner = self.planner
         if not planner.shards.known_lengths():
             return None
-        rules = PackerRules(capacity=config.capacity, window=config.window, algorithm=config.algorithm,
-                            align=config.align, seed=config.seed, max_wait=config.max_wait, slack=config.slack)
+        pack = config.packing
+        rules = PackerRules(capacity=config.capacity, window=pack.window, algorithm=pack.algorithm,
+                            align=config.topology.align, seed=config.seed, max_wait=pack.max_wait, slack=pack.slack)
         lengths = sample_lengths(planner.num_shards, lambda s: planner.samples(s).lengths, config.seed)
-        scale = CostScale.of(config.cost_model.linear, config.cost_model.attention, config.capacity)
-        return seed_counts(lengths, rules, config.cost_model, scale, seed=config.seed,
-                           cut=lambda n: chunk_lengths(n, config.capacity, config.overlong))
+        scale = CostScale.of(config.cost.model.linear, config.cost.model.attention, config.capacity)
+        return seed_counts(lengths, rules, config.cost.model, scale, seed=config.seed,
+                           cut=lambda n: chunk_lengths(n, config.capacity, pack.overlong))
 
     def _fixed_quota(self) -> int | None:
-        per_rank = self.config.batches_per_epoch
+        per_rank = self.config.topology.batches_per_epoch
         if per_rank is None:
             return None
         if per_rank % self.place.num_workers:
@@ -333,12 +342,9 @@ class _Builder:
         config, options = self.config, self.options
         encoder = nodes["tokenize"].encoder if "tokenize" in nodes else None
         return Replayer(ReplaySpec(
-            sources=self.sources.lists, decode=DecodeOptions(
-                tokens_key=config.tokens_key, text_key=config.text_key, labels_key=config.labels_key,
-                loss_mask_key=config.loss_mask_key, allow_pickle=options.allow_pickle,
-                vocab_size=config.vocab_size, limits=config.limits, media=config.media),  # re-read as first read
+            sources=self.sources.lists, decode=dataclasses.replace(options.decode(), media=config.media),  # re-read as first read
             opts=options.open_options(), encoder=encoder,
-            stages=list(self.stages), max_len=config.capacity, policy=config.overlong,
+            stages=list(self.stages), max_len=config.capacity, policy=config.packing.overlong,
             verify=lambda source, shard: nodes["readers"][source].verify_shard(shard)))
 
 _SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than the data made: samples "
@@ -355,7 +361,7 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement, optio
     if sources.mixture or sources.packed is not None or sources.shards is None:
         return None
     manifest = manifest_of(config, sources, options, io_stats)
-    decode, opts = index_decode(config.tokens_key, config.limits), options.open_options()
+    decode, opts = index_decode(options.tokens_key, options.limits), options.open_options()
     counting = counting_for(config, place) if count else None
     if agree is None and agreement is not None and counting is not None:
         from streampack.agree import agree_counts  # lazily: only a distributed run has an agreement
@@ -378,7 +384,7 @@ def manifest_of(config: StreamConfig, sources: Sources, options: ReadOptions,
     ``stat`` per shard, so a rewritten shard is seen); remote shards without one are refused,
     naming ``streampack index``."""
     assert sources.shards is not None
-    decode = index_decode(config.tokens_key, config.limits)
+    decode = index_decode(options.tokens_key, options.limits)
     key = (str(options.manifest), sources.shards.digest, repr(decode))
     if options.manifest is not None and key in _GIVEN:
         return _GIVEN[key]
@@ -392,15 +398,12 @@ def manifest_of(config: StreamConfig, sources: Sources, options: ReadOptions,
 
 def counting_for(config: StreamConfig, place: Placement) -> Counting | None:
     """What a plan needs to count batches, when ranks must yield equal counts by plan."""
-    if place.dp_size == 1 or config.batches_per_epoch is not None or config.equal_batches != "plan":
+    topology, pack = config.topology, config.packing
+    if place.dp_size == 1 or topology.batches_per_epoch is not None or topology.equal_batches != "plan":
         return None
-    if config.media is not None:  # the index knows text lengths; image tokens would make every count wrong
-        raise ValueError("media= with several ranks and a finite stream needs equal_batches='sync' or "
-                         "batches_per_epoch: the plan counts batches from the index's text lengths, "
-                         "which do not include image tokens")
-    rules = PackerRules(capacity=config.capacity, window=config.window, algorithm=config.algorithm,
-                        align=config.align, seed=config.seed, max_wait=config.max_wait, slack=config.slack)
-    return Counting(rules=rules, max_len=config.capacity, policy=config.overlong,
+    rules = PackerRules(capacity=config.capacity, window=pack.window, algorithm=pack.algorithm,
+                        align=topology.align, seed=config.seed, max_wait=pack.max_wait, slack=pack.slack)
+    return Counting(rules=rules, max_len=config.capacity, policy=pack.overlong,
                     packs_per_batch=config.packs_per_batch)
 
 
@@ -431,12 +434,12 @@ def _epochs(config: StreamConfig, place: Placement) -> tuple[int | None, int]:
 
 def _mixture_quota(config: StreamConfig, place: Placement) -> int | None:
     """A finite mixture's batches per reader per pass when ``batches_per_epoch`` is set."""
-    if config.batches_per_epoch is None:
+    per_rank = config.topology.batches_per_epoch
+    if per_rank is None:
         return None
-    if config.batches_per_epoch % place.num_workers:
-        raise ValueError(f"batches_per_epoch={config.batches_per_epoch} must be a multiple "
-                         f"of num_workers={place.num_workers}")
-    return config.batches_per_epoch // place.num_workers * config.epochs  # type: ignore[operator]
+    if per_rank % place.num_workers:
+        raise ValueError(f"batches_per_epoch={per_rank} must be a multiple of num_workers={place.num_workers}")
+    return per_rank // place.num_workers * config.epochs  # type: ignore[operator]
 
 
 def _wrapper(around: Mapping[str, Wrap] | None) -> Callable[[str, BaseNode[Any]], BaseNode[Any]]:

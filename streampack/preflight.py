@@ -15,17 +15,17 @@ from streampack.io.decode import DecodeOptions
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList, missing_local
 from streampack.logs import get_logger
-from streampack.settings import ReadOptions, StreamConfig
+from streampack.settings import ReadOptions
 
 _LOG = get_logger(__name__)
 _SHOWN = 5
 
 
-def preflight(lists: list[ShardList], config: StreamConfig, options: ReadOptions) -> None:
+def preflight(lists: list[ShardList], options: ReadOptions) -> None:
     """Every check above, for the shard lists of one dataset."""
-    check_local_shards(lists, on_error=config.on_error)
-    decode = DecodeOptions(tokens_key=config.tokens_key, text_key=config.text_key)
-    check_parquet_schema(lists, decode, options.open_options(), on_error=config.on_error)
+    check_local_shards(lists, on_error=options.on_error)
+    decode = DecodeOptions(tokens_key=options.tokens_key, text_key=options.text_key)
+    check_parquet_schema(lists, decode, options.open_options(), on_error=options.on_error)
 
 
 def check_local_shards(lists: list[ShardList], *, on_error: str) -> None:

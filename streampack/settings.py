@@ -1,14 +1,16 @@
-"""The records a graph is built from: what to read, every setting that shapes the stream,
-how to fetch, and where this reader sits.
+"""The records a graph is built from: what to read, the settings that shape the stream, and
+where this reader sits.
 
-:class:`StreamConfig` holds every setting that changes the stream (a resume state is
-fingerprinted on it); :class:`ReadOptions` the ones that do not; :class:`Sources` what the
-user named, expanded once; :class:`Placement` which reader a graph is; :class:`Share` what an
-elastic resume hands one new reader.
+:class:`StreamConfig` holds the batch's shape, the order and the epochs, and the option record
+of each stage after reading (:mod:`streampack.options`); :class:`ReadOptions` (the reading
+stage's record) travels beside it; :class:`Sources` is what the user named, expanded once;
+:class:`Placement` which reader a graph is; :class:`Share` what an elastic resume hands one new
+reader. :func:`fingerprint_settings` is what a resume state records of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
@@ -20,15 +22,20 @@ import numpy as np
 
 from streampack.io.limits import Limits
 from streampack.io.packed_format import Manifest, is_packed_dataset, packed_manifest
-from streampack.io.retry import RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.media.options import MediaOptions
 from streampack.nodes.sharding import Span
-from streampack.packing.cost import CostModel
-from streampack.packing.schedule import Balance
+from streampack.options import (
+    SHORTCUTS,
+    CostOptions,
+    PackOptions,
+    ReadOptions,
+    TokenizeOptions,
+    TopologyOptions,
+)
+from streampack.options._check import need_int, need_type
 
-EQUAL_BATCHES = ("plan", "sync")
 URLs = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
@@ -65,76 +72,88 @@ class Sources:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamConfig:
-    """Every setting that changes the stream of batches (a resume state is fingerprinted on
-    these; see ``PackedDataset`` for what each means)."""
+    """What shapes the stream after reading: the batch's shape, the order, the epochs, and the
+    record of each stage (the reading stage's :class:`ReadOptions` travels beside it as
+    ``options``). A resume state is fingerprinted on these (:func:`fingerprint_settings`)."""
 
     capacity: int
-    window: int = 1024
-    algorithm: str = "bfd"
+    """Tokens per pack; a multiple of ``topology.align``."""
     packs_per_batch: int = 1
-    align: int = 1
-    text_key: str = "text"
-    tokens_key: str = "input_ids"
-    labels_key: str | None = None
-    loss_mask_key: str | None = None
-    overlong: str = "split"
+    """Packs per batch (``T = packs_per_batch * capacity``)."""
     seed: int = 0
+    """Shard permutation per epoch ``(seed, epoch)``, pack order within a window."""
     shuffle: bool = True
+    """Shuffle shards per epoch and packs per window (False: file order, for eval)."""
     epochs: int | None = None
-    """Epochs per pass (None = infinite)."""
-    on_error: str = "raise"
-    pad_id: int = 0
-    ignore_index: int = -100
-    bos_id: int | None = None
-    eos_id: int | None = None
-    max_wait: int = 8
-    slack: int | None = None
-    batches_per_epoch: int | None = None
-    equal_batches: str = "plan"
-    """Finite, several ranks: ``plan`` the quotas from the index, or ``sync`` at run time."""
-    vocab_size: int | None = None
-    """Token ids (read or tokenized) must be below it; None = below 2**31."""
-    limits: Limits = Limits()
-    """Bytes per line / member / sample and json depth a reader accepts (they decide which
-    samples are kept, so they are part of the fingerprint)."""
-    cost_model: CostModel | None = None
-    """Estimated compute per batch (``PackedBatch.est_cost``); None = not estimated."""
-    balance: Balance | None = None
-    """Cost-balanced emission (needs ``cost_model``); None = packs leave in shuffled order."""
+    """Epochs per pass; None = infinite."""
+    tokenize: TokenizeOptions = TokenizeOptions()
+    """The Tokenize node's record."""
+    packing: PackOptions = PackOptions()
+    """The OverlongNode's, WindowPacker's and ThdCollate's record."""
+    topology: TopologyOptions = TopologyOptions()
+    """Alignment and equal batch counts (``PackedDataset`` keeps its resolved rank and size here,
+    never the process group)."""
+    cost: CostOptions = CostOptions()
+    """Cost model and cost-balanced emission."""
     media: MediaOptions | None = None
     """Images of image-text samples (``streampack.media``); None = text only."""
 
+    def __post_init__(self) -> None:
+        need_int("StreamConfig", "capacity", self.capacity, 1)
+        need_int("StreamConfig", "packs_per_batch", self.packs_per_batch, 1)
+        need_int("StreamConfig", "seed", self.seed, 0)
+        need_type("StreamConfig", "shuffle", self.shuffle, bool)
+        need_int("StreamConfig", "epochs", self.epochs, 1, optional=True)
+        for name, kind in (("tokenize", TokenizeOptions), ("packing", PackOptions), ("topology", TopologyOptions),
+                           ("cost", CostOptions)):
+            need_type("StreamConfig", name, getattr(self, name), kind)
+        align = self.topology.align
+        if self.capacity % align:
+            raise ValueError(f"capacity={self.capacity} must be a multiple of {align=} (the per-document "
+                             f"alignment: 2*cp_size*tp_size with context parallelism, tp_size with sequence "
+                             f"parallelism, combined with align_multiple)")
+        if self.topology.batches_per_epoch is not None and self.epochs is None:
+            raise ValueError(f"batches_per_epoch={self.topology.batches_per_epoch} needs a finite stream (epochs=N)")
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReadOptions:
-    """Settings that do not change the stream: how shards are fetched and how fast."""
 
-    allow_pipe: bool = False
-    allow_pickle: bool = False
-    cache_dir: str | None = None
-    manifest: str | None = None
-    """Where the data set's manifest is (``streampack index URLS --out DIR``): what plans finite
-    epochs over several readers and elastic resumes. None: built once in ``cache_dir`` for
-    local shards; remote shards without one are refused."""
-    retries: int | None = None
-    retry_budget: float = 120.0
-    connect_timeout: float = 10.0
-    read_timeout: float = 30.0
-    request_deadline: float = 120.0
-    allow_redirects: bool = False
-    storage_options: Mapping[str, Any] | None = None
-    num_threads: int = 1
-    tokenize_block: int = 64
-    identity: str = "tag"
-    """What proves a shard unchanged on resume (:mod:`streampack.io.shard_identity`)."""
+FINGERPRINT = ("capacity", "window", "algorithm", "packs_per_batch", "align", "text_key", "tokens_key",
+               "labels_key", "loss_mask_key", "overlong", "seed", "shuffle", "epochs", "on_error", "pad_id",
+               "ignore_index", "bos_id", "eos_id", "max_wait", "slack", "batches_per_epoch", "equal_batches",
+               "vocab_size", "limits", "cost_model", "balance")
+"""The settings a resume state is fingerprinted on, by their flat names, in the order states
+have always stored them (a state saved before the option records compares equal)."""
 
-    def open_options(self) -> OpenOptions:
-        """How the readers fetch shards (validated here: bad values raise ``ValueError``)."""
-        return OpenOptions(retry=RetryPolicy(budget=self.retry_budget, retries=self.retries),
-                           connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                           request_deadline=self.request_deadline, allow_redirects=self.allow_redirects,
-                           storage_options=dict(self.storage_options or {}), allow_pipe=self.allow_pipe,
-                           identity=self.identity)
+
+def fingerprint_settings(config: StreamConfig, options: ReadOptions) -> dict[str, Any]:
+    """:data:`FINGERPRINT`, each looked up through its record (``SHORTCUTS``), records as plain dicts."""
+    records = {"read": options, "tokenize": config.tokenize, "packing": config.packing,
+               "topology": config.topology, "cost": config.cost}
+
+    def value(name: str) -> Any:
+        if name == "align":
+            return config.topology.align
+        if name in SHORTCUTS:
+            param, field_name = SHORTCUTS[name]
+            return getattr(records[param], field_name)
+        return getattr(config, name)
+
+    settings = {name: _plain(value(name)) for name in FINGERPRINT}
+    if settings["balance"] is not None:  # how a fresh run's histogram starts; a resume restores the saved one
+        del settings["balance"]["seeded"]
+    if config.media is None:  # the image limits decide nothing for text: states saved before them compare equal
+        for name in _IMAGE_LIMITS:
+            if settings["limits"][name] == getattr(Limits(), name):
+                del settings["limits"][name]
+    else:
+        settings["media"] = _plain(config.media)
+    return settings
+
+
+_IMAGE_LIMITS = ("max_image_pixels", "max_sample_pixels")
+
+
+def _plain(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,38 +195,6 @@ class Share:
     identities: Mapping[int, Any] = field(default_factory=dict)
     """Shard -> the identity (``io.storage.ShardStat``) the old readers recorded: the new reader
     refuses a shard that changed since when it opens it."""
-
-
-def cost_model_of(value: CostModel | Mapping[str, Any] | None) -> CostModel | None:
-    """``PackedDataset(cost_model=...)``: a :class:`CostModel`, a model shape (the keyword
-    arguments of ``CostModel.from_shape``, e.g. ``{"hidden": 4096, "layers": 32, "heads": 32,
-    "kv_heads": 8, "ffn": 14336, "vocab": 128256}``), or None."""
-    if value is None or isinstance(value, CostModel):
-        return value
-    if isinstance(value, Mapping):
-        try:
-            return CostModel.from_shape(**value)
-        except TypeError as e:
-            raise ValueError(f"cost_model={dict(value)!r} is not a model shape for CostModel.from_shape: {e}") from None
-    raise TypeError(f"cost_model must be a CostModel, a mapping of CostModel.from_shape arguments or None, "
-                    f"got {type(value).__name__}")
-
-
-def balance_of(value: str | Balance | None, cost_model: CostModel | None) -> Balance | None:
-    """``PackedDataset(balance=...)``: None, ``"cost"`` (default :class:`Balance` options) or a
-    :class:`Balance`; any of them but None needs a cost model."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value != "cost":
-            raise ValueError(f"balance={value!r} must be None, 'cost' or a streampack.packing.Balance")
-        value = Balance()
-    if not isinstance(value, Balance):
-        raise TypeError(f"balance must be None, 'cost' or a Balance, got {type(value).__name__}")
-    if cost_model is None:
-        raise ValueError("balance='cost' needs cost_model= (a CostModel, or a model shape such as "
-                         "{'hidden': 4096, 'layers': 32, 'heads': 32, 'kv_heads': 8, 'ffn': 14336})")
-    return value
 
 
 def sources_of(urls: URLs | Mapping[str, Any], *, opts: OpenOptions, mixture_stop: str) -> Sources:

@@ -2,7 +2,8 @@
 
 ``PackedDataset(epochs=N)`` over several ranks plans every rank's batch count from the shard
 index by default. Text shards (no token lengths before tokenizing) and stages that change
-lengths cannot be planned: build the dataset with ``equal_batches="sync"`` and iterate::
+lengths cannot be planned: build the dataset with
+``topology=TopologyOptions(equal_batches="sync")`` and iterate::
 
     for batch in streampack.sync_batches(loader, ds, group=dp_group):
         ...

@@ -16,12 +16,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from streampack.dataset import PackedDataset
+from streampack.options import PackOptions
 
 
 def main() -> None:
     urls, out = json.loads(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
-    ds = PackedDataset(urls, capacity=512, window=32, epochs=1)
+    ds = PackedDataset(urls, capacity=512, epochs=1, packing=PackOptions(window=32))
     keys, batches = [], 0
     for batch in DataLoader(ds, batch_size=None, num_workers=2):
         total = torch.tensor([batch.num_tokens])

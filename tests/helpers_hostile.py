@@ -121,9 +121,10 @@ def through_loader(urls: list[str], *, num_workers: int, capacity: int = 64,
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from streampack.dataset import PackedDataset
+    from streampack.options import PackOptions
     from streampack.state import dataset_states
 
-    ds = PackedDataset(urls, capacity=capacity, window=8, epochs=1, shuffle=False, **kw)
+    ds = PackedDataset(urls, capacity=capacity, epochs=1, shuffle=False, packing=PackOptions(window=8), **kw)
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
     with closing_workers(iter(loader)) as batches:
         keys = sorted(k for batch in batches for k in batch.doc_keys)

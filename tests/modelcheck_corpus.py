@@ -19,7 +19,7 @@ import zstandard
 from helpers_data import tar_members, write_tar
 from modelcheck_model import Record, Shard, Unit, expected_units, tag_epoch_key
 
-import streampack.settings as settings_mod
+import streampack.options.read as read_options
 from streampack.io.index import index_decode
 from streampack.io.limits import Limits
 from streampack.io.manifest import build_manifest
@@ -129,12 +129,12 @@ def tag_epoch(sample: Any) -> Any:
 @contextlib.contextmanager
 def fast_retries() -> Iterator[None]:
     """Backoff of 10-50 ms instead of 0.5-15 s, so a schedule with HTTP faults stays fast."""
-    saved = settings_mod.RetryPolicy
-    settings_mod.RetryPolicy = lambda **kw: RetryPolicy(**kw, backoff=0.01, max_backoff=0.05)  # type: ignore
+    saved = read_options.RetryPolicy  # what ReadOptions.open_options() builds
+    read_options.RetryPolicy = lambda **kw: RetryPolicy(**kw, backoff=0.01, max_backoff=0.05)  # type: ignore
     try:
         yield
     finally:
-        settings_mod.RetryPolicy = saved
+        read_options.RetryPolicy = saved
 
 
 def dataset_options(u: Setup) -> dict[str, Any]:

@@ -57,6 +57,7 @@ from streampack import PackedDataset
 from streampack.elastic import find_state
 from streampack.errors import DataError
 from streampack.nodes.window_packer import WindowPacker
+from streampack.options import TopologyOptions
 from streampack.state import table_size
 
 COVERAGE: Counter = Counter()
@@ -100,7 +101,7 @@ class Execution:
         urls, readers = [sh.url for sh in self.shards], max(nw, 1)
 
         def make(r: int) -> PackedDataset:
-            return PackedDataset(urls, dp_rank=r, dp_size=dp, **self.options)
+            return PackedDataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=dp), **self.options)
 
         def load(r: int) -> Any:
             return states if states is None or elastic else (lambda w: states[r * readers + w])

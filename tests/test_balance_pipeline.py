@@ -18,6 +18,7 @@ from streampack.elastic import find_state
 from streampack.graph import build_graph
 from streampack.integrations.metrics import StreamMetrics
 from streampack.nodes.collate import is_filler
+from streampack.options import CostOptions, PackOptions, TopologyOptions
 from streampack.packing import CostModel
 from streampack.packing.schedule import Balance
 from streampack.settings import Placement
@@ -34,9 +35,9 @@ def shards(tmp_path_factory):
 def test_every_batch_carries_its_estimated_cost(shards) -> None:
     """Finding: a PackedBatch said how many tokens it held but not how much work they are."""
     urls, _ = shards
-    n = len(list(PackedDataset(urls, capacity=256, window=24, packs_per_batch=2, epochs=1)))
-    ds = PackedDataset(urls, capacity=256, window=24, packs_per_batch=2, epochs=1, cost_model=SHAPE,
-                       batches_per_epoch=n + 1)
+    n = len(list(PackedDataset(urls, capacity=256, packs_per_batch=2, epochs=1, packing=PackOptions(window=24))))
+    ds = PackedDataset(urls, capacity=256, packs_per_batch=2, epochs=1, packing=PackOptions(window=24),
+                       topology=TopologyOptions(batches_per_epoch=n + 1), cost=CostOptions(model=SHAPE))
     batches = list(ds)
     metrics = StreamMetrics()
     for b in batches:
@@ -58,8 +59,8 @@ def test_balanced_stream_resumes_exactly_after_three_interruptions(shards, num_w
     urls, _ = shards
     kw = {"cost_model": SHAPE, "balance": Balance(reservoir=6)}
     total = 60  # an infinite stream over ~1.5 epochs of this tiny dataset: the stops cross one
-    make = lambda **more: PackedDataset(urls, capacity=256, window=24, packs_per_batch=2, seed=7,  # noqa: E731
-                                        max_wait=3, **more)
+    make = lambda **more: PackedDataset(urls, capacity=256, packs_per_batch=2, seed=7,
+                                        packing=PackOptions(window=24, max_wait=3), **more)
     full = [canon(b) for b in take(iter(StatefulDataLoader(make(**kw), batch_size=None,
                                                             num_workers=num_workers)), total)]
     stops = sorted(np.random.default_rng(num_workers + 3).choice(np.arange(3, total - 3), 3, replace=False).tolist())
@@ -70,18 +71,21 @@ def test_balanced_stream_resumes_exactly_after_three_interruptions(shards, num_w
 
 def test_balanced_finite_resume_across_epochs_and_changed_settings_refused(shards) -> None:
     urls, _ = shards
-    kw = {"epochs": 2, "cost_model": SHAPE, "balance": "cost"}
-    full = [canon(b) for b in StatefulDataLoader(PackedDataset(urls, capacity=256, window=24, packs_per_batch=2,
-                                                               seed=7, max_wait=3, **kw), batch_size=None)]
+    kw = {"epochs": 2, "cost": CostOptions(model=SHAPE, balance="cost")}
+    first = PackedDataset(urls, capacity=256, packs_per_batch=2, seed=7, packing=PackOptions(window=24, max_wait=3),
+                          **kw)
+    full = [canon(b) for b in StatefulDataLoader(first, batch_size=None)]
     n = len(full)
     assert _interrupted(urls, 0, [5, n // 2, n // 2 + 3], n + 5, **kw) == full
-    ds = PackedDataset(urls, capacity=256, window=24, packs_per_batch=2, **kw)
+    ds = PackedDataset(urls, capacity=256, packs_per_batch=2, packing=PackOptions(window=24), **kw)
     it = iter(ds)
     next(it)
     state = ds.state_dict()
-    for other in ({"balance": None}, {"balance": Balance(reservoir=9)}, {"cost_model": {**SHAPE, "layers": 3}}):
+    for other in (CostOptions(model=SHAPE), CostOptions(model=SHAPE, balance=Balance(reservoir=9)),
+                  CostOptions(model={**SHAPE, "layers": 3}, balance="cost")):
         with pytest.raises(ValueError, match="cannot resume"):
-            PackedDataset(urls, capacity=256, window=24, packs_per_batch=2, **{**kw, **other}).load_state_dict(state)
+            PackedDataset(urls, capacity=256, packs_per_batch=2, packing=PackOptions(window=24),
+                          **{**kw, "cost": other}).load_state_dict(state)
 
 
 @pytest.mark.parametrize("dp_size,num_workers", [(3, 0), (2, 2)])
@@ -101,7 +105,8 @@ def test_a_new_epoch_continues_the_schedule_and_the_histogram(shards) -> None:
     off (batches yielded, fillers included, and the cost histogram), so a rank's steps stay
     aligned with the other ranks' and the targets stay informed."""
     urls, _ = shards
-    ds = PackedDataset(urls, capacity=256, window=24, packs_per_batch=2, epochs=2, cost_model=SHAPE, balance="cost")
+    ds = PackedDataset(urls, capacity=256, packs_per_batch=2, epochs=2, packing=PackOptions(window=24),
+                       cost=CostOptions(model=SHAPE, balance="cost"))
     graph = build_graph(ds.config, ds.sources, Placement(dp_size=1))
     graph.root.reset(None)
     first = 0
@@ -116,21 +121,21 @@ def test_a_new_epoch_continues_the_schedule_and_the_histogram(shards) -> None:
 
 def test_settings_are_validated(shards, tmp_path) -> None:
     urls, _ = shards
-    with pytest.raises(ValueError, match="needs cost_model"):
-        PackedDataset(urls, capacity=256, balance="cost")
+    with pytest.raises(ValueError, match=r"CostOptions\(balance='cost'\) needs model="):
+        PackedDataset(urls, capacity=256, cost=CostOptions(balance="cost"))
     with pytest.raises(ValueError, match="balance="):
-        PackedDataset(urls, capacity=256, balance="tokens", cost_model=SHAPE)
+        PackedDataset(urls, capacity=256, cost=CostOptions(balance="tokens", model=SHAPE))
     with pytest.raises(ValueError, match="model shape"):
-        PackedDataset(urls, capacity=256, cost_model={"hidden": 64})
-    with pytest.raises(TypeError, match="cost_model"):
-        PackedDataset(urls, capacity=256, cost_model=3)
+        PackedDataset(urls, capacity=256, cost=CostOptions(model={"hidden": 64}))
+    with pytest.raises(TypeError, match=r"CostOptions\(model=...\): must be a CostModel"):
+        PackedDataset(urls, capacity=256, cost=CostOptions(model=3))
     from streampack.cli.main import main
 
     out = tmp_path / "packed"
     assert main(["pack", *urls, "--out", str(out), "--capacity", "256", "--no-progress"]) == 0
     with pytest.raises(ValueError, match="streampack pack"):
-        PackedDataset(str(out), capacity=256, cost_model=SHAPE, balance="cost")
-    ds = PackedDataset(urls, capacity=256, cost_model=MODEL, balance="cost")
+        PackedDataset(str(out), capacity=256, cost=CostOptions(model=SHAPE, balance="cost"))
+    ds = PackedDataset(urls, capacity=256, cost=CostOptions(model=MODEL, balance="cost"))
     assert ds.fingerprint(0)["balance"] == {"reservoir": 64, "max_hold": None, "tail": 0.1, "over": 0.2,
                                             "tolerance": 0.02}
 
@@ -142,8 +147,10 @@ def test_elastic_resume_hands_the_reservoirs_on(a: int, b: int, c: int, d: int, 
     from test_elastic import _chunks, _new_run, _old_run
 
     urls, _ = write_token_shards(tmp_path, 300, 5, mean=110, seed=3, max_len=768)
-    make = lambda r, size: PackedDataset(urls, capacity=256, window=8, epochs=1, seed=2, max_wait=3,  # noqa: E731
-                                         dp_rank=r, dp_size=size, cost_model=SHAPE, balance=Balance(reservoir=5))
+    make = lambda r, size: PackedDataset(urls, capacity=256, epochs=1, seed=2,
+                                         packing=PackOptions(window=8, max_wait=3),
+                                         topology=TopologyOptions(dp_rank=r, dp_size=size),
+                                         cost=CostOptions(model=SHAPE, balance=Balance(reservoir=5)))
     consumed, states = _old_run(make, a, b, steps)
     held = [find_state(s["graph"], "WindowPacker") for s in states if s["graph"] is not None]
     assert sum(int(p["pack_sizes"].numel()) for p in held) > 0, "reservoirs must hold packs at the save point"

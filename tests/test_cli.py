@@ -217,12 +217,13 @@ def test_inspect_text_with_tokenizer_and_mixed_order(tmp_path, capsys):
 
 def test_pack_align_multiple_is_read_back(tmp_path):
     from streampack import PackedDataset
+    from streampack.options import TopologyOptions
 
     tar = write_tar_shards(tmp_path / "in", make_token_docs(40, max_len=50), 2)
     out = tmp_path / "packed"
     assert main(["pack", *tar, "--out", str(out), "--capacity", "128", "--align-multiple", "16",
                  "--no-progress"]) == 0
-    batch = next(iter(PackedDataset(str(out), capacity=128, align_multiple=16)))
+    batch = next(iter(PackedDataset(str(out), capacity=128, topology=TopologyOptions(align_multiple=16))))
     assert batch.align == 16 and all(int(x) % 16 == 0 for x in batch.cu_seqlens_padded)
 
 

@@ -13,6 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from streampack import PackedBatch, check_invariants
 from streampack.dataset import PackedDataset
 from streampack.nodes.stages import MapSamples, NodeStage
+from streampack.options import PackOptions, TopologyOptions
 from streampack.state import check_loader_state, dataset_states, load_loader_state
 
 CAP = 512
@@ -30,7 +31,7 @@ def _expected(docs) -> dict[str, list[int]]:
 @pytest.mark.parametrize("num_workers", [0, 1, 2, 4])
 def test_dataloader_covers_epoch(shards, num_workers: int) -> None:
     urls, docs = shards
-    ds = PackedDataset(urls, capacity=CAP, window=32, packs_per_batch=2, epochs=1, seed=3)
+    ds = PackedDataset(urls, capacity=CAP, packs_per_batch=2, epochs=1, seed=3, packing=PackOptions(window=32))
     loader = DataLoader(ds, batch_size=None, num_workers=num_workers)
     batches = list(loader)
     assert batches and all(isinstance(b, PackedBatch) for b in batches)  # survives default_convert
@@ -42,13 +43,13 @@ def test_dataloader_covers_epoch(shards, num_workers: int) -> None:
 
 def test_pin_memory_option_and_loader_pin(shards) -> None:
     urls, _ = shards
-    ds = PackedDataset(urls, capacity=CAP, window=8, epochs=1, pin_memory=True)
+    ds = PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=8, pin_memory=True))
     assert isinstance(next(iter(ds)), PackedBatch)  # no-op without CUDA
 
 
 def test_state_weights_only_roundtrip_and_size(shards) -> None:
     urls, _ = shards
-    ds = PackedDataset(urls, capacity=CAP, window=64)
+    ds = PackedDataset(urls, capacity=CAP, packing=PackOptions(window=64))
     it = iter(ds)
     for _ in range(5):
         next(it)
@@ -59,7 +60,7 @@ def test_state_weights_only_roundtrip_and_size(shards) -> None:
     loaded = torch.load(buf, weights_only=True)
     assert buf.tell() < 4 << 20
     want = [canon(next(it)) for _ in range(5)]
-    other = PackedDataset(urls, capacity=CAP, window=64)
+    other = PackedDataset(urls, capacity=CAP, packing=PackOptions(window=64))
     other.load_state_dict(loaded)
     assert other.state_dict() is loaded
     it2 = iter(other)
@@ -68,7 +69,7 @@ def test_state_weights_only_roundtrip_and_size(shards) -> None:
 
 def test_fingerprint_mismatch_names_both_values(shards) -> None:
     urls, _ = shards
-    ds = PackedDataset(urls, capacity=CAP, window=16, seed=1)
+    ds = PackedDataset(urls, capacity=CAP, seed=1, packing=PackOptions(window=16))
     next(iter(ds))
     state = ds.state_dict()
     for kwargs, pattern in [({"capacity": 2 * CAP}, "capacity: saved 512, now 1024"),
@@ -79,11 +80,12 @@ def test_fingerprint_mismatch_names_both_values(shards) -> None:
         with pytest.raises(ValueError, match=pattern):
             other.load_state_dict(state)
     # num_workers: the dataset refuses in the worker, the loader helper refuses up front
-    other = PackedDataset(urls, capacity=CAP, window=16, seed=1)
+    other = PackedDataset(urls, capacity=CAP, seed=1, packing=PackOptions(window=16))
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="num_workers: saved 0, now 1"):
         list(DataLoader(other, batch_size=None, num_workers=1))
-    loader = StatefulDataLoader(PackedDataset(urls, capacity=CAP, window=16), batch_size=None, num_workers=2)
+    loader = StatefulDataLoader(PackedDataset(urls, capacity=CAP, packing=PackOptions(window=16)), batch_size=None,
+                                num_workers=2)
     it = iter(loader)
     next(it)
     loader_state = loader.state_dict()
@@ -115,7 +117,7 @@ def test_stages_function_drop_and_node(shards) -> None:
     urls, docs = shards
     keep_even = lambda s: s if int(s.key) % 2 == 0 else None  # noqa: E731
     double = NodeStage(lambda up: MapSamples(up, lambda s: s))
-    ds = PackedDataset(urls, capacity=CAP, window=32, epochs=1, stages=[keep_even, double])
+    ds = PackedDataset(urls, capacity=CAP, epochs=1, stages=[keep_even, double], packing=PackOptions(window=32))
     got = collect_documents(ds)
     assert got == {k: v for k, v in _expected(docs).items() if int(k) % 2 == 0}
     assert ds.metrics()["stages"][0]["dropped"] == len(docs) // 2
@@ -125,7 +127,7 @@ def test_stages_function_drop_and_node(shards) -> None:
 
 def test_fresh_iter_starts_new_pass_and_stale_iterator_refuses(shards) -> None:
     urls, docs = shards
-    ds = PackedDataset(urls, capacity=CAP, window=32, epochs=1)
+    ds = PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=32))
     first = list(ds)
     second = list(ds)  # not empty: a new pass with a new shard order
     assert collect_documents(second) == _expected(docs)
@@ -139,7 +141,8 @@ def test_fresh_iter_starts_new_pass_and_stale_iterator_refuses(shards) -> None:
 
 def test_metrics_exposed(shards) -> None:
     urls, _ = shards
-    ds = PackedDataset(urls, capacity=CAP, window=32, epochs=1, batches_per_epoch=400)
+    ds = PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=32),
+                       topology=TopologyOptions(batches_per_epoch=400))
     n = sum(1 for _ in ds)
     m = ds.metrics()
     assert n == 400 and m["batches"]["fillers"] == 400 - (m["batches"]["batches"] - m["batches"]["fillers"])
@@ -161,7 +164,7 @@ def test_fingerprint_knows_which_tokenizer(tmp_path) -> None:
         tok.save(str(path))
 
     def ds(tok, pad_id=0):
-        return PackedDataset(urls, capacity=CAP, window=8, tokenizer=tok, pad_id=pad_id)
+        return PackedDataset(urls, capacity=CAP, tokenizer=tok, packing=PackOptions(window=8, pad_id=pad_id))
 
     saved = ds(str(a)).fingerprint(0)
     from streampack.state import check_fingerprint
@@ -179,7 +182,7 @@ def test_main_process_state_dict_refuses_while_workers_read(shards) -> None:
     silently returned the start position; the checkpoint failed only at resume, with a
     misleading ``num_workers: saved 0, now 2``."""
     urls, _ = shards
-    ds = PackedDataset(urls, capacity=CAP, window=16)
+    ds = PackedDataset(urls, capacity=CAP, packing=PackOptions(window=16))
     start = ds.state_dict()  # before anything ran, the start position is the truth
     assert start["graph"] is None and start["passes"] == 0
     it = iter(DataLoader(ds, batch_size=None, num_workers=2))
@@ -187,7 +190,7 @@ def test_main_process_state_dict_refuses_while_workers_read(shards) -> None:
     with pytest.raises(RuntimeError, match="StatefulDataLoader"):
         ds.state_dict()
     del it
-    main_only = PackedDataset(urls, capacity=CAP, window=16)
+    main_only = PackedDataset(urls, capacity=CAP, packing=PackOptions(window=16))
     first = next(iter(DataLoader(main_only, batch_size=None, num_workers=0)))
     assert main_only.state_dict()["graph"] is not None and first.num_docs > 0
 
@@ -199,18 +202,18 @@ def test_a_loaded_state_is_used_once_per_reader(shards) -> None:
     (A plain DataLoader restarts its round-robin at worker 0, so the workers' exact streams
     interleave differently from StatefulDataLoader's; compare them as multisets.)"""
     urls, _ = shards
-    loader = StatefulDataLoader(PackedDataset(urls, capacity=CAP, window=16, epochs=1), batch_size=None,
-                                num_workers=2)
+    ds16 = PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=16))
+    loader = StatefulDataLoader(ds16, batch_size=None, num_workers=2)
     it = iter(loader)
     head = [next(it) for _ in range(3)]
     states = dataset_states(loader.state_dict())
     del it
-    ds = PackedDataset(urls, capacity=CAP, window=16, epochs=1)
+    ds = PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=16))
     ds.load_state_dict(states)  # every worker's state: picks its own on the same topology
     plain = DataLoader(ds, batch_size=None, num_workers=2)
     resumed = list(plain)
-    full = list(StatefulDataLoader(PackedDataset(urls, capacity=CAP, window=16, epochs=1), batch_size=None,
-                                   num_workers=2))
+    full = list(StatefulDataLoader(PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=16)),
+                                   batch_size=None, num_workers=2))
     assert sorted(canon(b) for b in head + resumed) == sorted(canon(b) for b in full)
     again = list(plain)  # the next pass, not the checkpoint's rest once more
     assert collect_documents(again) == collect_documents(full)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from streampack import check_invariants
 from streampack.dataset import PackedDataset
 from streampack.nodes.collate import is_filler
+from streampack.options import PackOptions, TopologyOptions
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,8 @@ def test_dp4_workers2_disjoint_cover_equal_counts(shards) -> None:
     per_worker: dict[tuple[int, int], list] = {}
     counts = []
     for rank in range(4):
-        ds = PackedDataset(urls, capacity=512, window=32, epochs=1, dp_rank=rank, dp_size=4,
-                           batches_per_epoch=40, seed=9)
+        ds = PackedDataset(urls, capacity=512, epochs=1, seed=9, packing=PackOptions(window=32),
+                           topology=TopologyOptions(dp_rank=rank, dp_size=4, batches_per_epoch=40))
         batches = list(DataLoader(ds, batch_size=None, num_workers=2))
         counts.append(len(batches))
         for i, b in enumerate(batches):  # the DataLoader takes workers round-robin

@@ -31,6 +31,7 @@ from streampack.dataset import PackedDataset
 from streampack.nodes.collate import FILLER_KEY
 from streampack.nodes.sharding import Span
 from streampack.nodes.stages import MapSamples, NodeStage
+from streampack.options import PackOptions, TokenizeOptions, TopologyOptions
 from streampack.state import dataset_states, table_size
 
 CAP = 256
@@ -40,13 +41,14 @@ CAP = 256
 def shards(tmp_path_factory):
     # long-tail lengths up to 3 x capacity: windows carry samples and documents get split
     urls, docs = write_token_shards(tmp_path_factory.mktemp("elastic"), 300, 5, mean=110, seed=3, max_len=3 * CAP)
-    list(PackedDataset(urls, capacity=CAP, window=16, epochs=1))  # compile the packer before forking workers
+    list(PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=16)))  # compile the packer pre-fork
     return urls, docs
 
 
-def _ds(urls, rank: int, size: int, **kw) -> PackedDataset:
-    return PackedDataset(urls, **{"capacity": CAP, "window": 24, "epochs": 1, "seed": 2, "packs_per_batch": 2,
-                                  "max_wait": 3, "dp_rank": rank, "dp_size": size, **kw})
+def _ds(urls, rank: int, size: int, *, window: int = 24, **kw) -> PackedDataset:
+    return PackedDataset(urls, **{"capacity": CAP, "epochs": 1, "seed": 2, "packs_per_batch": 2,
+                                  "packing": PackOptions(window=window, max_wait=3),
+                                  "topology": TopologyOptions(dp_rank=rank, dp_size=size), **kw})
 
 
 def _carried(states) -> tuple[int, int]:
@@ -158,8 +160,8 @@ def test_elastic_infinite_stream_text_and_tokenizer(tmp_path):
     """Infinite stream, text tokenized in blocks (samples read but not yet tokenized at save):
     every (sample, epoch) up to the resumed epoch E* exactly once, later epochs at most once."""
     urls = write_jsonl_shards(tmp_path, make_text_docs(50, seed=2), 3)
-    kw = {"tokenizer": lambda t: list(t.encode()), "tokenize_block": 5, "stages": [_tag_epoch], "window": 6,
-          "epochs": None, "capacity": 64}
+    kw = {"tokenizer": lambda t: list(t.encode()), "tokenize": TokenizeOptions(block_size=5), "stages": [_tag_epoch],
+          "window": 6, "epochs": None, "capacity": 64}
     make = lambda r, size: _ds(urls, r, size, **kw)  # noqa: E731
     consumed, states = _old_run(make, 2, 1, 7)
     probe = make(0, 3)
@@ -185,8 +187,8 @@ def test_elastic_offline_packs(tmp_path):
     out = tmp_path / "packed"
     assert main(["pack", *paths, "--out", str(out), "--capacity", "256", "--packs-per-shard", "5",
                  "--no-progress"]) == 0
-    make = lambda r, size: PackedDataset(out, capacity=256, epochs=2, dp_rank=r, dp_size=size,  # noqa: E731
-                                         packs_per_batch=2, shuffle=True)
+    make = lambda r, size: PackedDataset(out, capacity=256, epochs=2, packs_per_batch=2, shuffle=True,
+                                         topology=TopologyOptions(dp_rank=r, dp_size=size))
     consumed, states = _old_run(make, 3, 2, 4)
     got, counts = _new_run(make, 2, 3, states)
     consumed += got
@@ -209,7 +211,8 @@ def test_elastic_refuses_what_it_cannot_split(shards, tmp_path):
     with pytest.raises(ValueError, match="BaseNode stage"):
         _ds(urls, 0, 3, stages=node_stage).load_state_dict(staged)
     mix = {"a": urls[:2], "b": urls[2:]}
-    make = lambda r, size: PackedDataset(mix, capacity=CAP, window=8, dp_rank=r, dp_size=size)  # noqa: E731
+    make = lambda r, size: PackedDataset(mix, capacity=CAP, packing=PackOptions(window=8),
+                                         topology=TopologyOptions(dp_rank=r, dp_size=size))  # noqa: E731
     _, mixed = _old_run(make, 2, 0, 2)
     with pytest.raises(ValueError, match="mixture"):
         make(0, 3).load_state_dict(mixed)
@@ -227,10 +230,11 @@ def test_elastic_randomized(tmp_path, seed):
     urls = (write_tar_shards(tmp_path, docs, num_shards) if fmt == "tar"
             else write_jsonl_shards(tmp_path, docs, num_shards, gz=fmt == "gz"))
     a, b, c, d = (int(x) for x in rng.integers([1, 0, 1, 0], [5, 4, 5, 4]))
-    kw = {"capacity": cap, "window": int(rng.choice([4, 8, 16])), "epochs": int(rng.integers(1, 3)),
-          "packs_per_batch": int(rng.integers(1, 3)), "overlong": str(rng.choice(["split", "truncate", "drop"])),
-          "max_wait": int(rng.integers(1, 5)), "seed": seed}
-    make = lambda r, size: PackedDataset(urls, dp_rank=r, dp_size=size, **kw)  # noqa: E731
+    window, epochs, per_batch = int(rng.choice([4, 8, 16])), int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    overlong, max_wait = str(rng.choice(["split", "truncate", "drop"])), int(rng.integers(1, 5))
+    kw = {"capacity": cap, "epochs": epochs, "packs_per_batch": per_batch, "seed": seed,
+          "packing": PackOptions(window=window, overlong=overlong, max_wait=max_wait)}
+    make = lambda r, size: PackedDataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=size), **kw)  # noqa: E731
     full = [list(SimRank(lambda r=r: make(r, a), b)) for r in range(a)]
     assert len({len(x) for x in full}) == 1
     consumed, states = _old_run(make, a, b, int(rng.integers(0, len(full[0]) + 1)))
@@ -272,9 +276,9 @@ def test_second_elastic_resume_reads_each_shard_once_per_epoch(tmp_path):
     trained 55 (document, epoch) chunks twice (765 trained, 710 expected)."""
     docs = make_token_docs(60, seed=5, max_len=2 * 64)
     urls = write_tar_shards(tmp_path, docs, 3)
-    kw = {"capacity": 64, "window": 4, "epochs": 2, "seed": 1, "packs_per_batch": 1, "stages": [_tag_epoch],
-          "max_wait": 2}
-    make = lambda r, size: PackedDataset(urls, dp_rank=r, dp_size=size, **kw)  # noqa: E731
+    kw = {"capacity": 64, "epochs": 2, "seed": 1, "packs_per_batch": 1, "stages": [_tag_epoch],
+          "packing": PackOptions(window=4, max_wait=2)}
+    make = lambda r, size: PackedDataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=size), **kw)  # noqa: E731
     full = _doc_epochs(SimRank(lambda: make(0, 1), 0))
     assert set(full.values()) == {1} and {k.rpartition("@")[2].partition("/")[0] for k in full} == {"0", "1"}
     old, consumed, stops = SimRank(lambda: make(0, 1), 2), [], []

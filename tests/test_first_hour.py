@@ -18,6 +18,7 @@ import pytest
 from helpers_data import make_text_docs, make_token_docs, write_jsonl_shards
 
 from streampack import DataError, PackedDataset
+from streampack.options import ReadOptions, TopologyOptions
 from streampack.errors import NOT_TOKENIZED, log_worker_error
 from streampack.logs import reset_rate_limits
 
@@ -49,7 +50,7 @@ def test_many_missing_shards_are_shown_first_few_and_counted(tmp_path):
 def test_missing_shards_under_skip_are_logged_not_raised(tmp_path, caplog):
     write_jsonl_shards(tmp_path, make_token_docs(4), 2)
     with caplog.at_level(logging.WARNING, logger="streampack"):
-        PackedDataset(str(tmp_path / "shard-{000000..000002}.jsonl"), capacity=64, on_error="skip")
+        PackedDataset(str(tmp_path / "shard-{000000..000002}.jsonl"), capacity=64, read=ReadOptions(on_error="skip"))
     assert "1 of 3 shards do not exist" in caplog.text and "skipped as missing_shard" in caplog.text
 
 
@@ -160,7 +161,8 @@ def test_batches_per_epoch_not_shared_by_the_workers_is_refused_when_the_loader_
     from streampack.integrations.loader import stateful_loader
 
     write_jsonl_shards(tmp_path, make_token_docs(16), 2)
-    ds = PackedDataset(str(tmp_path / "shard-{000000..000001}.jsonl"), capacity=64, epochs=1, batches_per_epoch=3)
+    ds = PackedDataset(str(tmp_path / "shard-{000000..000001}.jsonl"), capacity=64, epochs=1,
+                       topology=TopologyOptions(batches_per_epoch=3))
     with pytest.raises(ValueError, match=r"batches_per_epoch=3 must be a multiple of num_workers=2"):
         stateful_loader(ds, batch_size=None, num_workers=2)
     assert stateful_loader(ds, batch_size=None, num_workers=3) is not None

@@ -134,15 +134,16 @@ def test_limits_are_validated(bad) -> None:
 
 def test_dataset_takes_limits_and_fingerprints_them(tmp_path) -> None:
     from streampack.dataset import PackedDataset
+    from streampack.options import ReadOptions
 
     url = write_bytes(tmp_path / "s.jsonl", _line(1) + _line(9, 8 * KiB) + _line(2))
     with pytest.raises(TypeError, match="Limits"):
-        PackedDataset(url, capacity=16, limits={"max_line_bytes": 10})
-    ds = PackedDataset(url, capacity=16, epochs=1, on_error="skip", limits=Limits(max_line_bytes=KiB))
+        PackedDataset(url, capacity=16, read=ReadOptions(limits={"max_line_bytes": 10}))
+    ds = PackedDataset(url, capacity=16, epochs=1, read=ReadOptions(on_error="skip", limits=Limits(max_line_bytes=KiB)))
     batches = list(ds)
     assert sum(b.num_docs for b in batches) == 2
     assert ds.metrics()["errors"]["counts"] == {"line_too_long": 1}
-    other = PackedDataset(url, capacity=16, epochs=1, on_error="skip")
+    other = PackedDataset(url, capacity=16, epochs=1, read=ReadOptions(on_error="skip"))
     with pytest.raises(ValueError, match="limits"):
         other.load_state_dict(ds.state_dict())
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from streampack.dataset import PackedDataset
 from streampack.errors import DataError
+from streampack.options import PackOptions, ReadOptions
 from streampack.state import dataset_states
 
 
@@ -58,7 +59,7 @@ def _shards(tmp_path) -> list[str]:
 def test_raise_mode_reaches_the_loop_as_data_error(tmp_path, num_workers: int) -> None:
     # before: with workers, except DataError / except ValueError never fired (RuntimeError)
     urls = _shards(tmp_path)
-    ds = PackedDataset(urls, capacity=16, window=4, epochs=1, shuffle=False)
+    ds = PackedDataset(urls, capacity=16, epochs=1, shuffle=False, packing=PackOptions(window=4))
     loader = DataLoader(ds, batch_size=None, num_workers=num_workers)
     with pytest.raises(DataError) as info, closing_workers(iter(loader)) as batches:
         for _ in batches:
@@ -74,7 +75,8 @@ def test_skip_mode_counts_reach_the_main_process(tmp_path, num_workers: int) -> 
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     urls = _shards(tmp_path)
-    ds = PackedDataset(urls, capacity=16, window=4, epochs=1, shuffle=False, on_error="skip")
+    ds = PackedDataset(urls, capacity=16, epochs=1, shuffle=False, read=ReadOptions(on_error="skip"),
+                       packing=PackOptions(window=4))
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
     with closing_workers(iter(loader)) as batches:
         docs = sum(b.num_docs for b in batches)

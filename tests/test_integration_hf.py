@@ -18,6 +18,7 @@ from test_examples import EXAMPLES, run
 from torch.utils.data import DataLoader
 
 from streampack import PackedDataset
+from streampack.options import PackOptions, TopologyOptions
 from streampack.layout.adapters import HFInputs
 
 transformers = pytest.importorskip("transformers")
@@ -70,7 +71,7 @@ def train(urls: list[str], out: Path, steps: int, resume: str | None = None, sto
     model, seen = tiny_llama(), []
     model.register_forward_pre_hook(lambda m, a, k: seen.append(k["input_ids"].clone()), with_kwargs=True)
     trainer = PackedTrainer(model=model, args=training_args(out, steps, **kw),
-                            train_dataset=PackedDataset(urls, capacity=128, window=16),
+                            train_dataset=PackedDataset(urls, capacity=128, packing=PackOptions(window=16)),
                             callbacks=[StopAt(stop_at)] if stop_at else None)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model, seen
@@ -81,7 +82,7 @@ def test_hf_inputs_survive_the_trainers_own_device_helper(urls: list[str], tmp_p
     record raised TypeError there; only ``.as_dict()`` worked."""
     from accelerate.utils import send_to_device
 
-    batch = next(iter(PackedDataset(urls, capacity=128, window=16)))
+    batch = next(iter(PackedDataset(urls, capacity=128, packing=PackOptions(window=16))))
     trainer = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path, 1))
     for moved in (trainer._prepare_input(batch.hf_inputs()), send_to_device(batch.hf_inputs(), "cpu")):
         assert type(moved) is HFInputs and moved.max_length_q == batch.varlen_max_seqlen
@@ -99,7 +100,8 @@ def test_accelerate_would_reshard_or_dispatch_a_stream_that_is_already_per_rank(
         prepare_data_loader,
     )
 
-    ds = PackedDataset(urls, capacity=128, window=16, dp_rank=1, dp_size=2)
+    ds = PackedDataset(urls, capacity=128, packing=PackOptions(window=16),
+                       topology=TopologyOptions(dp_rank=1, dp_size=2))
     sharded = prepare_data_loader(DataLoader(ds, batch_size=1), num_processes=2, process_index=1,
                                   put_on_device=True, dispatch_batches=False)
     assert isinstance(sharded.dataset, IterableDatasetShard)
@@ -142,7 +144,7 @@ def test_resuming_without_the_data_position_is_refused(urls: list[str], tmp_path
     checkpoint = tmp_path / "checkpoint-3"
     checkpoint.mkdir()
     trainer = PackedTrainer(model=tiny_llama(), args=training_args(tmp_path, 6),
-                            train_dataset=PackedDataset(urls, capacity=128, window=16))
+                            train_dataset=PackedDataset(urls, capacity=128, packing=PackOptions(window=16)))
     with pytest.raises(ValueError, match="streampack_loader_rank0.pt"):
         trainer.train(resume_from_checkpoint=str(checkpoint))
 
@@ -215,7 +217,7 @@ def test_the_loader_state_is_part_of_the_checkpoint_and_resume_true_skips_folder
     with pytest.raises(RuntimeError, match="user on_save hook failed"):
         model = tiny_llama()
         PackedTrainer(model=model, args=training_args(tmp_path / "cut", 6),
-                      train_dataset=PackedDataset(urls, capacity=128, window=16),
+                      train_dataset=PackedDataset(urls, capacity=128, packing=PackOptions(window=16)),
                       callbacks=[RaiseOnSave()]).train()
     checkpoint = tmp_path / "cut" / "checkpoint-3"
     assert Path(loader_state_path(checkpoint, 0)).exists()
@@ -244,8 +246,8 @@ def test_elastic_resume_through_the_trainer_trains_every_sample_once(tmp_path: P
     Before, rank 0's file alone went into the new loader and the fingerprint refused it."""
     docs = make_token_docs(120, max_len=60, vocab=128, seed=5)
     shards = write_tar_shards(tmp_path / "data", docs, 3)
-    make = lambda rank, size: PackedDataset(shards, capacity=128, window=8, epochs=1, dp_rank=rank,  # noqa: E731
-                                            dp_size=size)
+    make = lambda rank, size: PackedDataset(shards, capacity=128, epochs=1, packing=PackOptions(window=8),
+                                            topology=TopologyOptions(dp_rank=rank, dp_size=size))
     trained = []
 
     def run(trainer_cls: type, ds: PackedDataset, steps: int, resume: bool | None = None, **kw) -> None:  # noqa: ANN003

@@ -17,6 +17,7 @@ from test_examples import EXAMPLES, run
 from topology_sim import SimRank
 
 from streampack import PackedDataset, pack_batch
+from streampack.options import PackOptions, TopologyOptions
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.loggers import Logger  # noqa: E402
@@ -95,7 +96,7 @@ def test_lightning_precision_and_device_helpers_take_packed_batches(precision: s
 
 def test_fit_with_the_datamodule_logs_stream_metrics(urls: list[str], tmp_path: Path) -> None:
     logger = Recorder()
-    dm = PackedDataModule(PackedDataset(urls, capacity=64, window=8))
+    dm = PackedDataModule(PackedDataset(urls, capacity=64, packing=PackOptions(window=8)))
     model = fit(dm, steps=2, out=tmp_path, logger=logger, log_every_n_steps=1, precision="bf16-true")
     assert len(model.seen) == 4
     streamed = [m for m, _ in logger.logged if "streampack/tokens" in m]
@@ -117,7 +118,7 @@ def _resumed(urls: list[str], tmp_path: Path, make_dm: Any) -> tuple[TinyLM, Tin
 def test_resume_from_a_lightning_checkpoint_is_exact(urls: list[str], tmp_path: Path, workers: int) -> None:
     """SGD without a schedule: the step-3 checkpoint of a 3-step run is the 6-step run's."""
     full, resumed = _resumed(urls, tmp_path, lambda: PackedDataModule(
-        PackedDataset(urls, capacity=64, window=8), num_workers=workers))
+        PackedDataset(urls, capacity=64, packing=PackOptions(window=8)), num_workers=workers))
     assert len(full.seen) == 12 and len(resumed.seen) == 6
     assert all(torch.equal(a, b) for a, b in zip(full.seen[6:], resumed.seen))
     assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))
@@ -130,7 +131,7 @@ def test_lightnings_own_stateful_loader_support_skips_the_prefetched_batch(urls:
 
     class Native(L.LightningDataModule):
         def train_dataloader(self) -> StatefulDataLoader:
-            return StatefulDataLoader(PackedDataset(urls, capacity=64, window=8), batch_size=None)
+            return StatefulDataLoader(PackedDataset(urls, capacity=64, packing=PackOptions(window=8)), batch_size=None)
 
     full, resumed = _resumed(urls, tmp_path, Native)
     assert torch.equal(full.seen[7], resumed.seen[0])  # batch 6 was never trained
@@ -166,7 +167,7 @@ def readme_fit(model: Any, dm: PackedDataModule, out: Path, steps: int, **checkp
 def test_the_readme_snippet_with_save_last_resumes_exactly(urls: list[str], tmp_path: Path) -> None:
     """``ModelCheckpoint(every_n_train_steps=..., save_last=True)`` + ``ckpt_path="last"``, run
     once, stopped at step 3 (a preemption), run again: the batches of an uninterrupted run."""
-    make_dm = lambda: PackedDataModule(PackedDataset(urls, capacity=64, window=8))  # noqa: E731
+    make_dm = lambda: PackedDataModule(PackedDataset(urls, capacity=64, packing=PackOptions(window=8)))  # noqa: E731
     full = TinyLM()
     readme_fit(full, make_dm(), tmp_path / "full", steps=6, save_last=True)
     readme_fit(TinyLM(), make_dm(), tmp_path / "cut", steps=3, save_last=True)
@@ -182,7 +183,7 @@ def test_a_resume_that_restores_no_data_position_says_so(urls: list[str], tmp_pa
     """The README's old snippet (no ``save_last=True``): ``ckpt_path="last"`` loaded nothing,
     Lightning only hinted at it, and the data restarted at batch 1 with no word from
     streampack. A checkpoint without the datamodule's state is refused."""
-    make_dm = lambda: PackedDataModule(PackedDataset(urls, capacity=64, window=8))  # noqa: E731
+    make_dm = lambda: PackedDataModule(PackedDataset(urls, capacity=64, packing=PackOptions(window=8)))  # noqa: E731
     first = TinyLM()
     readme_fit(first, make_dm(), tmp_path, steps=3)
     again = TinyLM()
@@ -204,8 +205,8 @@ def test_elastic_resume_through_lightning_trains_every_sample_once(tmp_path: Pat
     every sample of the epoch once. Before, a changed world size was refused."""
     docs = make_token_docs(120, max_len=60, vocab=128, seed=5)
     shards = write_tar_shards(tmp_path / "data", docs, 3)
-    make = lambda rank, size: PackedDataset(shards, capacity=64, window=8, epochs=1, dp_rank=rank,  # noqa: E731
-                                            dp_size=size)
+    make = lambda rank, size: PackedDataset(shards, capacity=64, epochs=1, packing=PackOptions(window=8),
+                                            topology=TopologyOptions(dp_rank=rank, dp_size=size))
     trained: list[Any] = []
     states = []
     for rank in range(2):

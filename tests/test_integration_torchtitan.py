@@ -26,6 +26,7 @@ from streampack.integrations.torchtitan import (
     post_dataloading_process,
     titan_collate,
 )
+from streampack.options import PackOptions, TopologyOptions
 
 EOS = 2
 
@@ -80,7 +81,7 @@ def test_torchtitans_dataloader_resumes_exactly(tmp_path: Path) -> None:
     urls = write_tar_shards(tmp_path, make_token_docs(200, max_len=40, seed=3), 4)
 
     def loader():  # noqa: ANN202
-        return titan_dataloader(PackedDataset(urls, capacity=64, window=8), dp_rank=0,
+        return titan_dataloader(PackedDataset(urls, capacity=64, packing=PackOptions(window=8)), dp_rank=0,
                                 dp_world_size=1, num_workers=2)
 
     full = [inputs["input"] for (inputs, _), _ in zip(loader(), range(10))]
@@ -171,7 +172,8 @@ def test_titan_dataloader_refuses_a_dp_rank_the_dataset_does_not_read(tmp_path: 
 
     urls = write_tar_shards(tmp_path, make_token_docs(20, max_len=40, seed=3), 2)
     with pytest.raises(ValueError, match=r"dp_rank=1, dp_world_size=2\) but the dataset resolved dp_rank=0, dp_size=1"):
-        titan_dataloader(PackedDataset(urls, capacity=64, window=8), dp_rank=1, dp_world_size=2)
+        titan_dataloader(PackedDataset(urls, capacity=64, packing=PackOptions(window=8)), dp_rank=1, dp_world_size=2)
     with pytest.raises(ValueError, match=r"dp_rank=0, dp_world_size=2\) but the dataset resolved dp_rank=0, dp_size=4"):
-        titan_dataloader(PackedDataset(urls, capacity=64, window=8, dp_rank=0, dp_size=4), dp_rank=0,
+        titan_dataloader(PackedDataset(urls, capacity=64, packing=PackOptions(window=8),
+                                       topology=TopologyOptions(dp_rank=0, dp_size=4)), dp_rank=0,
                          dp_world_size=2)

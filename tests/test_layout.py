@@ -94,10 +94,12 @@ ALLOWED = {
     "packing": set(),
     "layout": set(),
     "nodes": {"io", "packing", "layout"},
+    "options": {"io", "nodes", "packing", "layout"},  # the per-stage records the nodes' values come from
     "attention": {"layout"},
     "rl": {"packing", "layout"},
-    "integrations": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset"},
-    "cli": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "integrations", "preflight"},
+    "integrations": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "options"},
+    "cli": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "integrations", "preflight",
+            "options"},
 }
 LEAVES = {"errors", "logs", "sample", "state", "topology"}
 

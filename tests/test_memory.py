@@ -13,13 +13,14 @@ import pytest
 from node_checks import write_token_shards
 
 from streampack.dataset import PackedDataset
+from streampack.options import PackOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from rss_child import read_in_child  # noqa: E402
 
 
 def _rss_growth(urls, samples: int) -> tuple[float, int]:
-    ds = PackedDataset(urls, capacity=4096, window=1024, seed=1)
+    ds = PackedDataset(urls, capacity=4096, seed=1, packing=PackOptions(window=1024))
     proc = psutil.Process()
     seen, base = 0, None
     for batch in ds:

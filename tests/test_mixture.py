@@ -20,6 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from streampack.dataset import PackedDataset
 from streampack.nodes.mixture import CONFIG_KEY, Mixture
 from streampack.nodes.reader import ShardReader
+from streampack.options import PackOptions, ReadOptions
 from streampack.state import load_loader_state
 
 
@@ -115,8 +116,8 @@ def test_node_refuses_mismatched_names() -> None:
 
 # ------------------------------------------------------------------ PackedDataset
 def _ds(urls, **kw) -> PackedDataset:
-    return PackedDataset(urls, **{"capacity": 256, "window": 16, "packs_per_batch": 2, "seed": 7,
-                                  "max_wait": 3, **kw})
+    return PackedDataset(urls, **{"capacity": 256, "packs_per_batch": 2, "seed": 7,
+                                  "packing": PackOptions(window=16, max_wait=3), **kw})
 
 
 def _mix(sources, web: float = 0.7, code: float = 0.3) -> dict:
@@ -192,8 +193,8 @@ def test_plain_urls_are_unchanged(sources) -> None:
 
 
 def test_dataset_refuses_bad_mixture_settings_and_weights(sources) -> None:
-    with pytest.raises(ValueError, match="stop='sometimes' must be one of"):
-        _ds(_mix(sources), epochs=2, mixture_stop="sometimes")
+    with pytest.raises(ValueError, match=r"ReadOptions\(mixture_stop='sometimes'\): must be one of"):
+        _ds(_mix(sources), epochs=2, read=ReadOptions(mixture_stop="sometimes"))
     with pytest.raises(ValueError, match=r"positive finite.*'code': -0.3"):
         _ds(_mix(sources, code=-0.3))
     with pytest.raises(ValueError, match="at least one source"):

@@ -18,6 +18,7 @@ from streampack.integrations.metrics import StreamMetrics
 from streampack.layout.stats import WorkerStats
 from streampack.logs import event_counts, get_logger, reset_rate_limits, warn_every
 from streampack.nodes.collate import FILLER_KEY
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from streampack.state import dataset_states
 
 
@@ -52,7 +53,7 @@ def _shards(tmp_path: Path, n: int = 120, num_shards: int = 4) -> list[str]:
 
 
 def test_every_batch_carries_its_readers_running_totals(tmp_path: Path) -> None:
-    ds = PackedDataset(_shards(tmp_path), capacity=64, window=16, epochs=1, packs_per_batch=2)
+    ds = PackedDataset(_shards(tmp_path), capacity=64, epochs=1, packs_per_batch=2, packing=PackOptions(window=16))
     batches = list(ds)
     assert batches and all(isinstance(b.stats, WorkerStats) for b in batches)
     last = batches[-1].stats
@@ -75,12 +76,12 @@ def test_every_batch_carries_its_readers_running_totals(tmp_path: Path) -> None:
 
 def test_totals_continue_across_a_resume(tmp_path: Path) -> None:
     urls = _shards(tmp_path)
-    ds = PackedDataset(urls, capacity=64, window=16)
+    ds = PackedDataset(urls, capacity=64, packing=PackOptions(window=16))
     it = iter(ds)
     first = [next(it) for _ in range(5)]
     state = ds.state_dict()
     after = next(it).stats
-    resumed = PackedDataset(urls, capacity=64, window=16)
+    resumed = PackedDataset(urls, capacity=64, packing=PackOptions(window=16))
     resumed.load_state_dict(state)
     again = next(iter(resumed)).stats
     assert again.batches == after.batches == 6
@@ -96,8 +97,9 @@ def test_skips_and_fillers_are_counted(tmp_path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
     skipped = 0
     for rank in (0, 1):  # the bad line lands on one of the two ranks
-        ds = PackedDataset([str(path)], capacity=16, window=4, epochs=1, on_error="skip",
-                           dp_rank=rank, dp_size=2, batches_per_epoch=8)
+        ds = PackedDataset([str(path)], capacity=16, epochs=1, read=ReadOptions(on_error="skip"),
+                           packing=PackOptions(window=4),
+                           topology=TopologyOptions(dp_rank=rank, dp_size=2, batches_per_epoch=8))
         stats = list(ds)[-1].stats
         assert stats.skipped == ds.metrics()["errors"]["total"]
         assert stats.fillers == ds.metrics()["batches"]["fillers"] > 0
@@ -111,7 +113,7 @@ def test_skips_and_fillers_are_counted(tmp_path: Path) -> None:
 def test_stream_metrics_equal_the_loader_state_without_reading_it(tmp_path: Path, num_workers: int) -> None:
     """What used to need every worker's serialised state comes with the batches."""
     urls = _shards(tmp_path, n=160)
-    ds = PackedDataset(urls, capacity=64, window=16, epochs=1)
+    ds = PackedDataset(urls, capacity=64, epochs=1, packing=PackOptions(window=16))
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
     metrics = StreamMetrics()
     batches = []
@@ -128,7 +130,7 @@ def test_stream_metrics_equal_the_loader_state_without_reading_it(tmp_path: Path
 
 
 def test_a_new_pass_never_makes_totals_go_backwards(tmp_path: Path) -> None:
-    ds = PackedDataset(_shards(tmp_path, n=40, num_shards=2), capacity=64, window=8, epochs=1)
+    ds = PackedDataset(_shards(tmp_path, n=40, num_shards=2), capacity=64, epochs=1, packing=PackOptions(window=8))
     metrics = StreamMetrics()
     seen = []
     for _ in range(2):  # two passes: each reader's totals restart at 0
@@ -140,7 +142,7 @@ def test_a_new_pass_never_makes_totals_go_backwards(tmp_path: Path) -> None:
 
 def test_slow_batches_are_logged_and_counted(tmp_path: Path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("STREAMPACK_SLOW_BATCH_SECONDS", "0")
-    ds = PackedDataset(_shards(tmp_path, n=30), capacity=64, window=8, epochs=1)
+    ds = PackedDataset(_shards(tmp_path, n=30), capacity=64, epochs=1, packing=PackOptions(window=8))
     with caplog.at_level(logging.INFO, logger="streampack"):
         batches = list(ds)
     messages = [r.getMessage() for r in caplog.records if r.name == "streampack.nodes.collate"]
@@ -168,7 +170,7 @@ class FakeLightningLogger:
 
 
 def test_log_to_tensorboard_wandb_and_lightning_loggers(tmp_path: Path) -> None:
-    ds = PackedDataset(_shards(tmp_path, n=40), capacity=64, window=8, epochs=1)
+    ds = PackedDataset(_shards(tmp_path, n=40), capacity=64, epochs=1, packing=PackOptions(window=8))
     metrics = StreamMetrics()
     for batch in ds:
         metrics.update(batch)
@@ -220,7 +222,7 @@ def test_scalars_sum_over_ranks(tmp_path: Path) -> None:
 
 
 def test_batches_with_stats_still_move_and_pin(tmp_path: Path) -> None:
-    batch = next(iter(PackedDataset(_shards(tmp_path, n=20), capacity=64, window=8, epochs=1)))
+    batch = next(iter(PackedDataset(_shards(tmp_path, n=20), capacity=64, epochs=1, packing=PackOptions(window=8))))
     moved = batch.to("meta")
     assert moved.stats is batch.stats and moved.input_ids.device.type == "meta"
     assert torch.equal(batch.to("cpu").input_ids, batch.input_ids)

@@ -16,6 +16,7 @@ from streampack.cli.main import main
 from streampack.io.packed_format import is_packed_dataset, read_manifest
 from streampack.layout.batch import check_invariants, pack_batch
 from streampack.nodes.packed_reader import PackedShardReader
+from streampack.options import PackOptions, TopologyOptions
 
 
 def _pack(tmp_path: Path, docs, *, capacity: int, extra: list[str] = (), num_shards: int = 3, **kw) -> Path:
@@ -211,7 +212,7 @@ def test_packed_dataset_reads_offline_packs_and_resumes(tmp_path):
     with pytest.raises(ValueError, match="capacity=256"):
         PackedDataset(out, capacity=512, epochs=1)  # refused at construction, not in a worker
     with pytest.raises(ValueError, match="align=4"):
-        PackedDataset(out, capacity=256, cp_size=2, epochs=1)
+        PackedDataset(out, capacity=256, epochs=1, topology=TopologyOptions(cp_size=2))
 
 
 def test_repacking_a_folder_removes_stale_shards(tmp_path):
@@ -257,7 +258,8 @@ def test_offline_pack_and_online_stream_give_the_same_targets(tmp_path):
         out = tmp_path / f"packed{n}"
         assert main(["pack", *urls, "--out", str(out), "--capacity", "256", "--no-progress", *flags]) == 0
         offline = _targets_by_doc(PackedDataset(str(out), capacity=256, epochs=1, shuffle=False))
-        online = _targets_by_doc(PackedDataset(urls, capacity=256, epochs=1, shuffle=False, window=16, **kwargs))
+        online = _targets_by_doc(PackedDataset(urls, capacity=256, epochs=1, shuffle=False,
+                                               packing=PackOptions(window=16), **kwargs))
         assert offline == online
         assert len({re.sub(r"/\d+$", "", k) for k in online}) == (59 if n == 0 else 30)  # chunks of one doc
         if n == 0:
@@ -283,8 +285,8 @@ def test_packed_directory_complete_under_dataloader_workers(tmp_path, dp_size, n
     assert read_manifest(out).num_packs == 29  # divides between no number of readers
     counts, seen = [], []
     for rank in range(dp_size):
-        ds = PackedDataset(out, capacity=256, packs_per_batch=2, epochs=1, shuffle=False, dp_rank=rank,
-                           dp_size=dp_size)
+        ds = PackedDataset(out, capacity=256, packs_per_batch=2, epochs=1, shuffle=False,
+                           topology=TopologyOptions(dp_rank=rank, dp_size=dp_size))
         batches = list(DataLoader(ds, batch_size=None, num_workers=num_workers))
         counts.append(len(batches))
         seen += [k for b in batches for k in b.doc_keys if k != "<filler>"]

@@ -162,13 +162,15 @@ def test_skip_counts_survive_a_resume(tmp_path) -> None:
     # bug: the error counter was rebuilt empty on restore (only errors met while replaying the
     # current round came back), so `metrics()["errors"]` under-counted skipped samples
     from streampack.dataset import PackedDataset
+    from streampack.options import PackOptions, ReadOptions
 
     docs = make_token_docs(60, seed=2, max_len=30)
     docs[5], docs[33], docs[50] = [], [-3], []
     urls = write_jsonl_shards(tmp_path, docs, 3)
 
     def make() -> PackedDataset:
-        return PackedDataset(urls, capacity=64, window=4, epochs=1, on_error="skip", seed=1, max_wait=2)
+        return PackedDataset(urls, capacity=64, epochs=1, seed=1, read=ReadOptions(on_error="skip"),
+                             packing=PackOptions(window=4, max_wait=2))
 
     full = make()
     n = sum(1 for _ in full)

@@ -62,30 +62,54 @@ def test_readme_starts_with_the_two_setup_commands():
     assert first_block.group(1).strip().splitlines() == SETUP
 
 
-def test_packed_dataset_table_matches_the_signature():
-    from streampack import PackedDataset
-
-    params = inspect.signature(PackedDataset.__init__).parameters
-    documented: dict[str, object] = {}
+def _parameter_tables() -> dict[str, dict[str, str]]:
+    """The PackedDataset section's parameter tables: ``"PackedDataset"`` (its own parameters),
+    then one per option record (``#### `read=ReadOptions(...)` ...``), name -> default cell."""
+    tables: dict[str, dict[str, str]] = {}
+    current = "PackedDataset"
     for line in _section("PackedDataset").splitlines():
+        heading = re.match(r"#### `\w+=(\w+)\(\.\.\.\)`", line)
+        if heading:
+            current = heading.group(1)
         if not line.startswith("| `"):
             continue
         name_cell, default_cell = (c.strip() for c in line.split("|")[1:3])
         names = _code_names(name_cell)
         defaults = [d.strip() for d in default_cell.split(" / " if " / " in default_cell else ",")]
         for i, name in enumerate(names):
-            documented[name] = defaults[i] if len(defaults) == len(names) else defaults[0]
-    real = {n for n in params if n != "self"}
-    assert set(documented) == real, (f"README lists {sorted(set(documented) - real)} that do not exist; "
-                                     f"misses {sorted(real - set(documented))}")
-    for name, cell in documented.items():
-        default = params[name].default
+            tables.setdefault(current, {})[name] = defaults[i] if len(defaults) == len(names) else defaults[0]
+    return tables
+
+
+def _check_defaults(table: dict[str, str], defaults: dict[str, object], where: str) -> None:
+    assert set(table) == set(defaults), (f"README's {where} table lists {sorted(set(table) - set(defaults))} "
+                                         f"that do not exist; misses {sorted(set(defaults) - set(table))}")
+    for name, cell in table.items():
+        default = defaults[name]
         if cell == "—":
             assert default is inspect.Parameter.empty, name
         elif name == "slack":
             assert default is None and "capacity // 256" in cell  # None means capacity // 256
+        elif dataclasses.is_dataclass(default):
+            assert cell.strip("`") == f"{type(default).__name__}()" and default == type(default)(), name
         else:
-            assert _literal(cell) == default, f"{name}: README says {cell}, code has {default!r}"
+            assert _literal(cell) == default, f"{where}.{name}: README says {cell}, code has {default!r}"
+
+
+def test_packed_dataset_tables_match_the_signature_and_the_records():
+    """One table for PackedDataset's own parameters, one per option record, in the order of
+    ``streampack.options.RECORDS``; every default as in the code."""
+    from streampack import PackedDataset
+    from streampack.options import RECORDS
+
+    tables = _parameter_tables()
+    assert list(tables) == ["PackedDataset", *(kind.__name__ for kind in RECORDS.values())]
+    params = inspect.signature(PackedDataset).parameters
+    _check_defaults(tables["PackedDataset"], {n: p.default for n, p in params.items() if n != "shortcuts"},
+                    "PackedDataset")
+    for param, kind in RECORDS.items():
+        assert f"#### `{param}={kind.__name__}(...)`" in README
+        _check_defaults(tables[kind.__name__], {f.name: f.default for f in dataclasses.fields(kind)}, kind.__name__)
 
 
 def test_algorithm_names_in_the_readme_are_the_registry():
@@ -200,9 +224,11 @@ def test_metrics_keys_named_in_the_readme(tmp_path):
     from helpers_data import make_token_docs, write_tar_shards
 
     from streampack import PackedDataset
+    from streampack.options import PackOptions, TopologyOptions
 
     urls = write_tar_shards(tmp_path, make_token_docs(20, max_len=30), 2)
-    ds = PackedDataset(urls, capacity=32, window=8, epochs=1, dp_rank=0, dp_size=2, batches_per_epoch=40)
+    ds = PackedDataset(urls, capacity=32, epochs=1, packing=PackOptions(window=8),
+                       topology=TopologyOptions(dp_rank=0, dp_size=2, batches_per_epoch=40))
     batches = list(ds)
     metrics = ds.metrics()
     for key in re.findall(r'metrics\(\)\["(\w+)"\]', README):

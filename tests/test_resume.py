@@ -10,6 +10,7 @@ from node_checks import canon, roundtrip, take, write_token_shards
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack.dataset import PackedDataset
+from streampack.options import PackOptions
 from streampack.state import load_loader_state
 
 
@@ -20,8 +21,8 @@ def shards(tmp_path_factory):
 
 
 def _ds(urls, **kw) -> PackedDataset:
-    return PackedDataset(urls, **{"capacity": 256, "window": 24, "packs_per_batch": 2, "seed": 7,
-                                  "max_wait": 3, **kw})
+    return PackedDataset(urls, **{"capacity": 256, "packs_per_batch": 2, "seed": 7,
+                                  "packing": PackOptions(window=24, max_wait=3), **kw})
 
 
 def _interrupted(urls, num_workers: int, stops: list[int], total: int, **kw) -> list:
@@ -79,9 +80,9 @@ def test_resume_finite_across_epoch_boundary(shards, num_workers: int) -> None:
 def test_many_random_interruptions(shards, num_workers: int) -> None:
     urls, _ = shards
     total = 200
-    loader = StatefulDataLoader(_ds(urls, window=64), batch_size=None, num_workers=num_workers)
+    loader = StatefulDataLoader(_ds(urls, packing=PackOptions(window=64, max_wait=3)), batch_size=None, num_workers=num_workers)
     full = [canon(b) for b in take(iter(loader), total)]
     for seed in range(3):
         rng = np.random.default_rng(seed + 10)
         stops = sorted(rng.choice(np.arange(1, total - 1), 5, replace=False).tolist())
-        assert _interrupted(urls, num_workers, stops, total, window=64) == full
+        assert _interrupted(urls, num_workers, stops, total, packing=PackOptions(window=64, max_wait=3)) == full

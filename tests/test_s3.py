@@ -38,6 +38,7 @@ from streampack.io.retry import IOStats, RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList, expand_urls
 from streampack.nodes.reader import OFFSET_KEY, ShardReader
+from streampack.options import PackOptions
 
 BUCKET = "streampack-test"
 DOCS = make_token_docs(30, seed=7, min_len=20, max_len=60)
@@ -133,7 +134,7 @@ def test_s3_stream_equals_local(s3, fmt):
 def test_packed_dataset_from_s3_equals_local(s3):
     def batches(urls):
         return [(b.input_ids.tolist(), b.cu_seqlens.tolist(), [k.rsplit("/", 1)[-1] for k in b.doc_keys])
-                for b in PackedDataset(urls, capacity=128, window=8, epochs=1, seed=1)]
+                for b in PackedDataset(urls, capacity=128, epochs=1, seed=1, packing=PackOptions(window=8))]
 
     want = batches(s3.local["tar-npy"])
     assert want and batches(s3.remote["tar-npy"]) == want
@@ -210,7 +211,7 @@ def test_prefix_listing_once_per_dataset(log):
         expand_urls(f"s3://{BUCKET}/nothing/")
     storage._FILESYSTEMS.clear()  # no listing cache left from the calls above
     log.proxy.requests.clear()
-    ds = PackedDataset(f"s3://{BUCKET}/jsonl/", capacity=64, window=4, epochs=2, seed=0)
+    ds = PackedDataset(f"s3://{BUCKET}/jsonl/", capacity=64, epochs=2, seed=0, packing=PackOptions(window=4))
     worker_copy = pickle.loads(pickle.dumps(ds))  # what each DataLoader worker gets
     assert len(list(worker_copy)) > 0 and len(list(ds)) > 0
     assert log.listings() == 1, "the prefix is listed once, by the process that built the dataset"

@@ -17,6 +17,7 @@ from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
 from streampack import PackedDataset
 from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
+from streampack.options import PackOptions, ReadOptions
 
 
 def _touch_later(path: str) -> None:
@@ -66,18 +67,18 @@ def test_packed_dataset_refuses_a_carried_samples_shard_that_changed(tmp_path):
     """Samples in the packer's window are stored as references and re-read on restore: their
     shards are checked too, not only the one being read."""
     urls = write_jsonl_shards(tmp_path, make_token_docs(240, seed=5, max_len=60), 24)  # 10 docs per shard
-    ds = PackedDataset(urls, capacity=256, window=64, seed=1, shuffle=False)
+    ds = PackedDataset(urls, capacity=256, seed=1, shuffle=False, packing=PackOptions(window=64))
     it = iter(ds)
     next(it)
     state = ds.state_dict()
     current = state["graph"]["source"]["source"]["source"]["shard_pos"]  # collate -> packer -> overlong -> reader
-    fresh = PackedDataset(urls, capacity=256, window=64, seed=1, shuffle=False)
+    fresh = PackedDataset(urls, capacity=256, seed=1, shuffle=False, packing=PackOptions(window=64))
     fresh.load_state_dict(state)
     assert next(iter(fresh)).doc_keys == next(it).doc_keys  # unchanged: exact
     for shard, url in enumerate(urls):
         if shard != current:
             _touch_later(url)  # contents identical, mtime newer: the identity no longer matches
-    fresh = PackedDataset(urls, capacity=256, window=64, seed=1, shuffle=False)
+    fresh = PackedDataset(urls, capacity=256, seed=1, shuffle=False, packing=PackOptions(window=64))
     fresh.load_state_dict(state)
     with pytest.raises(ValueError, match=r"shard '.*shard-0000\d\d.jsonl' changed since the state was saved \(tag"):
         next(iter(fresh))
@@ -138,6 +139,6 @@ def test_packed_dataset_identity_size_resumes_re_staged_carried_shards(tmp_path)
     state = ds.state_dict()
     for url in urls:
         _restage(url)
-    fresh = PackedDataset(urls, identity="size", **kw)
+    fresh = PackedDataset(urls, read=ReadOptions(identity="size"), **kw)
     fresh.load_state_dict(state)
     assert next(iter(fresh)).doc_keys == next(it).doc_keys

@@ -16,6 +16,7 @@ from topology_sim import roundtrip
 
 from streampack.dataset import PackedDataset
 from streampack.nodes.stages import MapSamples, NodeStage
+from streampack.options import PackOptions
 from streampack.state import state_nbytes
 
 
@@ -45,7 +46,7 @@ def test_capacity_131072_window_1024_under_one_megabyte(tmp_path):
     urls = _shards(tmp_path, lengths)
     # the warm-up rounds hold 64, 128, 256, 512 samples (one pack each here): the fifth pack is
     # the first of a full 1024-sample window
-    state, _ = _state_after(PackedDataset(urls, capacity=131072, window=1024), 5)
+    state, _ = _state_after(PackedDataset(urls, capacity=131072, packing=PackOptions(window=1024)), 5)
     size = state_nbytes(state)
     assert _carried(state) >= 1000
     assert size < 1 << 20, size
@@ -55,7 +56,7 @@ def test_capacity_131072_window_1024_under_one_megabyte(tmp_path):
 def test_one_4m_token_document_split_does_not_blow_up_the_state(tmp_path):
     """Finding: pending chunks were stored as tokens: 28.5 MB in every checkpoint."""
     urls = _shards(tmp_path, [100, 4_000_000, 100], num_shards=1)
-    make = lambda: PackedDataset(urls, capacity=4096, window=64, shuffle=False)  # noqa: E731
+    make = lambda: PackedDataset(urls, capacity=4096, shuffle=False, packing=PackOptions(window=64))  # noqa: E731
     ds = make()
     state, it = _state_after(ds, 300)  # deep inside the document's 977 chunks
     assert state_nbytes(state) < 64 << 10, state_nbytes(state)
@@ -71,10 +72,12 @@ def test_state_does_not_grow_with_capacity_or_length(tmp_path, capacity, window)
     """Finding: capacity 32k with window 256 gave 17.6 MB per worker (tokens were stored)."""
     lengths = np.random.default_rng(1).lognormal(np.log(capacity / 8), 1.0, 2 * window).astype(int) + 1
     urls = _shards(tmp_path, lengths)
-    refs = max(state_nbytes(_state_after(PackedDataset(urls, capacity=capacity, window=window), k)[0])
+    packing = PackOptions(window=window)
+    refs = max(state_nbytes(_state_after(PackedDataset(urls, capacity=capacity, packing=packing), k)[0])
                for k in (1, 4))
     node_stage = [NodeStage(lambda up: MapSamples(up, lambda s: s))]  # cannot be replayed: keeps tokens
-    tokens = state_nbytes(_state_after(PackedDataset(urls, capacity=capacity, window=window, stages=node_stage),
+    tokens = state_nbytes(_state_after(PackedDataset(urls, capacity=capacity, stages=node_stage,
+                                                     packing=PackOptions(window=window)),
                                        1)[0])
     assert refs < 100 << 10 and tokens > 10 * refs, (refs, tokens)
 
@@ -87,7 +90,7 @@ def test_restore_rereads_carried_samples_over_http_with_ranged_requests(tmp_path
     local = _shards(tmp_path, np.random.default_rng(3).integers(5, 60, 120), num_shards=3)
     with serve_directory(tmp_path) as server:
         urls = server.urls_for(local)
-        make = lambda: PackedDataset(urls, capacity=256, window=48, seed=1)  # noqa: E731
+        make = lambda: PackedDataset(urls, capacity=256, seed=1, packing=PackOptions(window=48))  # noqa: E731
         ds = make()
         state, it = _state_after(ds, 4)
         assert _carried(state) > 10

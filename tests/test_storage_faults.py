@@ -21,6 +21,7 @@ from streampack.errors import DataError, ErrorCounter
 from streampack.io.retry import IOStats, RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
+from streampack.options import ReadOptions
 
 DOCS = make_token_docs(120, seed=1, min_len=100, max_len=300)
 
@@ -160,15 +161,16 @@ def test_packed_dataset_options_and_io_metrics(shards, server):
     urls = remote(server, shards[0]["jsonl"])
     want = [b.input_ids.tolist() for b in PackedDataset(shards[0]["jsonl"], capacity=512, epochs=1, seed=2)]
     server.plan.add(Fault("short", fraction=0.5), times=2)
-    ds = PackedDataset(urls, capacity=512, epochs=1, seed=2, retry_budget=5, connect_timeout=2, read_timeout=2,
-                       request_deadline=5, storage_options={"http": {"headers": {"X-Test": "1"}}})
+    ds = PackedDataset(urls, capacity=512, epochs=1, seed=2,
+                       read=ReadOptions(retry_budget=5, connect_timeout=2, read_timeout=2, request_deadline=5,
+                                        storage_options={"http": {"headers": {"X-Test": "1"}}}))
     assert [b.input_ids.tolist() for b in ds] == want
     io = ds.metrics()["io"]
     assert io["retries"] == 2 and io["faults"] == {"short_body": 2} and io["bytes"] > 0
     with pytest.raises(ValueError, match="read_timeout=0 must be a number > 0"):
-        PackedDataset(urls, capacity=512, read_timeout=0)
+        PackedDataset(urls, capacity=512, read=ReadOptions(read_timeout=0))
     with pytest.raises(ValueError, match="retries=-1"):
-        PackedDataset(urls, capacity=512, retries=-1)
+        PackedDataset(urls, capacity=512, read=ReadOptions(retries=-1))
 
 
 @pytest.mark.slow

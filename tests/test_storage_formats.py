@@ -101,9 +101,10 @@ def test_workers_never_expand_again(tmp_path, monkeypatch):
     import pickle
 
     from streampack.dataset import PackedDataset
+    from streampack.options import PackOptions
 
     urls = write_jsonl_shards(tmp_path, make_token_docs(40, seed=6), 4)
-    ds = PackedDataset(str(tmp_path / "shard-*.jsonl"), capacity=64, window=4, epochs=1)
+    ds = PackedDataset(str(tmp_path / "shard-*.jsonl"), capacity=64, epochs=1, packing=PackOptions(window=4))
 
     def no_expansion(*a, **k):
         raise AssertionError("URL expansion ran again after the dataset was built")

@@ -18,6 +18,7 @@ from node_checks import canon, lognormal_lengths, roundtrip, take
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack.dataset import PackedDataset
+from streampack.options import PackOptions
 from streampack.state import load_loader_state
 
 FORMATS = ["tar", "jsonl", "jsonl.gz", "jsonl.zst", "parquet"]
@@ -40,8 +41,8 @@ def corpus(tmp_path_factory):
 
 
 def _ds(urls, **kw) -> PackedDataset:
-    return PackedDataset(urls, **{"capacity": 256, "window": 16, "packs_per_batch": 2, "seed": 11, "max_wait": 3,
-                                  "cache_dir": None, **kw})
+    return PackedDataset(urls, **{"capacity": 256, "packs_per_batch": 2, "seed": 11,
+                                  "packing": PackOptions(window=16, max_wait=3), **kw})
 
 
 def take_canon(it, n: int) -> list:

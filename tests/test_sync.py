@@ -14,6 +14,7 @@ from helpers_data import make_text_docs, write_jsonl_shards
 from streampack import sync_batches
 from streampack.dataset import PackedDataset
 from streampack.nodes.collate import is_filler
+from streampack.options import PackOptions, TopologyOptions
 
 
 def _tokens(text: str) -> list[int]:
@@ -21,14 +22,16 @@ def _tokens(text: str) -> list[int]:
 
 
 def _make(urls: list[str], rank: int) -> PackedDataset:
-    return PackedDataset(urls, capacity=64, window=4, epochs=1, tokenizer=_tokens, dp_rank=rank, dp_size=2,
-                         equal_batches="sync", seed=1)
+    return PackedDataset(urls, capacity=64, epochs=1, tokenizer=_tokens, seed=1, packing=PackOptions(window=4),
+                         topology=TopologyOptions(dp_rank=rank, dp_size=2, equal_batches="sync"))
 
 
 def test_one_process_passes_batches_through(tmp_path):
     urls = write_jsonl_shards(tmp_path, make_text_docs(12), 1)
-    ds = PackedDataset(urls, capacity=64, window=4, epochs=1, tokenizer=_tokens, equal_batches="sync")
-    other = PackedDataset(urls, capacity=64, window=4, epochs=1, tokenizer=_tokens, equal_batches="sync")
+    ds = PackedDataset(urls, capacity=64, epochs=1, tokenizer=_tokens, packing=PackOptions(window=4),
+                       topology=TopologyOptions(equal_batches="sync"))
+    other = PackedDataset(urls, capacity=64, epochs=1, tokenizer=_tokens, packing=PackOptions(window=4),
+                          topology=TopologyOptions(equal_batches="sync"))
     assert [b.doc_keys for b in sync_batches(ds, ds)] == [b.doc_keys for b in other]
     filler = ds.filler()
     assert is_filler(filler) and filler.total_tokens == 64 and filler.num_targets == 0

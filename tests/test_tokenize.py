@@ -81,13 +81,15 @@ def test_dataset_with_tokenizer_resumes(tmp_path) -> None:
     from node_checks import canon
 
     from streampack.dataset import PackedDataset
+    from streampack.options import PackOptions, TokenizeOptions
 
     texts = [s.text for s in _texts(120)]
     urls = write_jsonl_shards(tmp_path, texts, 3)
     path = tmp_path / "tokenizer.json"
     _hf_tokenizer().save(str(path))
-    make = lambda: PackedDataset(urls, capacity=64, window=16, epochs=1, tokenizer=str(path),  # noqa: E731
-                                 eos_id=0, num_threads=2, tokenize_block=5)
+    make = lambda: PackedDataset(urls, capacity=64, epochs=1, tokenizer=str(path),
+                                 tokenize=TokenizeOptions(eos_id=0, num_threads=2, block_size=5),
+                                 packing=PackOptions(window=16))
     ds = make()
     batches = list(ds)
     got = [b.input_ids[s:s + n].tolist() for b in batches for s, n in

@@ -24,6 +24,7 @@ from streampack.nodes.collate import ThdCollate, is_filler
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.window_packer import WindowPacker
 from streampack.nodes.window_rounds import PackerRules, count_packs
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 
 CAP = 512
 
@@ -33,15 +34,15 @@ def few_shards(tmp_path_factory):
     # 6 shards of long-tail documents: whole-shard assignment left some of 4 x 2 readers a
     # whole shard and others half of one; the plan balances samples instead
     urls, docs = write_token_shards(tmp_path_factory.mktemp("few"), 360, 6, mean=140, seed=4, max_len=3 * CAP)
-    list(PackedDataset(urls, capacity=CAP, window=16, epochs=1))  # compile the packer before forking workers
+    list(PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=16)))  # compile the packer pre-fork
     return urls, docs
 
 
 def _ranks(urls, dp_size: int, num_workers: int, **kw) -> list[list]:
     out = []
     for rank in range(dp_size):
-        ds = PackedDataset(urls, capacity=CAP, window=32, epochs=1, dp_rank=rank, dp_size=dp_size, seed=5,
-                           packs_per_batch=2, **kw)
+        ds = PackedDataset(urls, capacity=CAP, epochs=1, seed=5, packs_per_batch=2, packing=PackOptions(window=32),
+                           topology=TopologyOptions(dp_rank=rank, dp_size=dp_size), **kw)
         out.append(list(DataLoader(ds, batch_size=None, num_workers=num_workers)))
     return out
 
@@ -70,7 +71,8 @@ def test_plan_is_reported_and_fillers_counted(few_shards):
     urls, _ = few_shards
     counts, fillers = [], 0
     for rank in range(3):
-        ds = PackedDataset(urls, capacity=CAP, window=32, epochs=1, dp_rank=rank, dp_size=3, seed=5)
+        ds = PackedDataset(urls, capacity=CAP, epochs=1, seed=5, packing=PackOptions(window=32),
+                           topology=TopologyOptions(dp_rank=rank, dp_size=3))
         counts.append(sum(1 for _ in ds))
         plan, got = ds.metrics()["plan"], ds.metrics()["batches"]
         assert plan["quota"] == counts[-1] and plan["batches"] == got["batches"] - got["fillers"]
@@ -140,8 +142,9 @@ def test_plan_counts_the_warmup_rounds_exactly(seed):
 def test_equal_batch_counts_with_the_default_warmup(few_shards):
     """window=256 > the default warm-up (64): the plan counts the ramping rounds of every reader."""
     urls, docs = few_shards
-    ranks = [list(PackedDataset(urls, capacity=CAP, window=256, epochs=1, dp_rank=r, dp_size=3, seed=5,
-                                packs_per_batch=2)) for r in range(3)]
+    ranks = [list(PackedDataset(urls, capacity=CAP, epochs=1, seed=5, packs_per_batch=2,
+                                packing=PackOptions(window=256), topology=TopologyOptions(dp_rank=r, dp_size=3)))
+             for r in range(3)]
     assert len({len(r) for r in ranks}) == 1, [len(r) for r in ranks]
     assert collect_documents([b for r in ranks for b in r]) == {f"{i:08d}": d for i, d in enumerate(docs)}
 
@@ -150,11 +153,12 @@ def test_text_shards_over_ranks_need_sync_or_a_count(tmp_path):
     """Text has no token lengths before tokenizing: the plan cannot count, so it says what to do."""
     urls = write_jsonl_shards(tmp_path, make_text_docs(20), 2)
     with pytest.raises(ValueError, match="equal_batches='sync'"):
-        PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t], dp_rank=0, dp_size=2)
-    PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t], dp_rank=0, dp_size=2,
-                  equal_batches="sync")
-    PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t], dp_rank=0, dp_size=2,
-                  batches_per_epoch=4)
+        PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t],
+                      topology=TopologyOptions(dp_rank=0, dp_size=2))
+    PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t],
+                  topology=TopologyOptions(dp_rank=0, dp_size=2, equal_batches="sync"))
+    PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t],
+                  topology=TopologyOptions(dp_rank=0, dp_size=2, batches_per_epoch=4))
 
 
 def _passes(ds, num_workers: int, passes: int = 2) -> list[list[tuple]]:
@@ -166,7 +170,7 @@ def test_reiterating_reshuffles_identically_with_any_worker_count(tmp_path):
     """Finding: re-iterating a finite loader reshuffled with num_workers=0 but repeated the same
     order with workers (each pass's workers started from the main process's pass counter)."""
     urls = write_tar_shards(tmp_path, [[i] * (1 + i % 7) for i in range(60)], 6)
-    make = lambda: PackedDataset(urls, capacity=32, window=8, epochs=1, seed=3)  # noqa: E731
+    make = lambda: PackedDataset(urls, capacity=32, epochs=1, seed=3, packing=PackOptions(window=8))  # noqa: E731
     main, one, two = _passes(make(), 0), _passes(make(), 1), _passes(make(), 2)
     for run in (main, one, two):
         assert run[0] != run[1], "the second pass must reshuffle"
@@ -183,15 +187,15 @@ def test_one_reader_reads_a_finite_epoch_without_building_indexes(few_shards, mo
     import streampack.graph as graph
 
     urls, docs = few_shards
-    want = collect_documents(PackedDataset(urls, capacity=CAP, window=16, epochs=1))
+    want = collect_documents(PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=16)))
 
     def refuse(*args, **kwargs):
         raise AssertionError("a single reader must not need the shard index")
 
     monkeypatch.setattr(graph, "obtain_manifest", refuse)
     monkeypatch.setattr(graph, "make_planner", refuse)
-    assert collect_documents(PackedDataset(urls, capacity=CAP, window=16, epochs=1)) == want
-    reshuffled = collect_documents(PackedDataset(urls, capacity=CAP, window=16, epochs=1, seed=5))
+    assert collect_documents(PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=16))) == want
+    reshuffled = collect_documents(PackedDataset(urls, capacity=CAP, epochs=1, seed=5, packing=PackOptions(window=16)))
     assert reshuffled == want and list(reshuffled) != list(want)  # every document once, in another order
 
 
@@ -205,8 +209,8 @@ def test_an_empty_record_is_skipped_and_counted_by_the_plan(tmp_path):
     urls = write_tar_shards(tmp_path, docs, 3)
     ranks, errors = [], 0
     for rank in range(2):
-        ds = PackedDataset(urls, capacity=64, window=8, epochs=1, dp_rank=rank, dp_size=2, seed=1,
-                           on_error="skip")
+        ds = PackedDataset(urls, capacity=64, epochs=1, seed=1, read=ReadOptions(on_error="skip"),
+                           packing=PackOptions(window=8), topology=TopologyOptions(dp_rank=rank, dp_size=2))
         ranks.append(list(ds))
         errors += ds.metrics()["errors"]["counts"].get("empty_sample", 0)
         assert ds.metrics()["plan"]["batches"] == ds.metrics()["batches"]["batches"] - ds.metrics()["batches"]["fillers"]
@@ -228,9 +232,10 @@ def test_remote_shards_without_a_manifest_are_refused_naming_the_command(tmp_pat
     with serve_directory(tmp_path / "d") as server:
         urls = [f"{server.url}/{p.name}" for p in sorted((tmp_path / "d").iterdir())]
         with pytest.raises(ValueError, match="streampack index"):
-            PackedDataset(urls, capacity=64, epochs=1, dp_rank=0, dp_size=2)
+            PackedDataset(urls, capacity=64, epochs=1, topology=TopologyOptions(dp_rank=0, dp_size=2))
         build_manifest(urls, str(tmp_path / "m"))
-        got = [list(PackedDataset(urls, capacity=64, epochs=1, dp_rank=r, dp_size=2, manifest=str(tmp_path / "m")))
+        got = [list(PackedDataset(urls, capacity=64, epochs=1, read=ReadOptions(manifest=str(tmp_path / "m")),
+                                  topology=TopologyOptions(dp_rank=r, dp_size=2)))
                for r in range(2)]
     assert len(got[0]) == len(got[1])
     assert collect_documents(got[0] + got[1]) == {f"{i:08d}": d for i, d in enumerate(docs)}

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from helpers_data import make_token_docs, write_tar_shards
 
 from streampack.dataset import PackedDataset
+from streampack.options import TopologyOptions
 from streampack.topology import process_groups, resolve_topology
 
 
@@ -39,12 +40,13 @@ def test_model_parallel_groups_require_the_dp_group(gloo, tmp_path):
     with pytest.raises(ValueError, match="dp_group"):
         PackedDataset(urls, capacity=64)
     dp = dist.new_group([0])
-    ds = PackedDataset(urls, capacity=64, dp_group=dp)
+    ds = PackedDataset(urls, capacity=64, topology=TopologyOptions(dp_group=dp))
     assert (ds.dp_rank, ds.dp_size) == (0, 1)
-    assert (PackedDataset(urls, capacity=64, dp_rank=0, dp_size=1).dp_size, tp) == (1, tp)  # explicit wins
+    explicit = PackedDataset(urls, capacity=64, topology=TopologyOptions(dp_rank=0, dp_size=1))
+    assert (explicit.dp_size, tp) == (1, tp)  # explicit wins
     with pytest.raises(ValueError, match="dp_size=2 contradicts dp_group"):
-        PackedDataset(urls, capacity=64, dp_group=dp, dp_size=2)
-    assert PackedDataset(urls, capacity=64, dp_group=dist.group.WORLD).dp_size == 1
+        PackedDataset(urls, capacity=64, topology=TopologyOptions(dp_group=dp, dp_size=2))
+    assert PackedDataset(urls, capacity=64, topology=TopologyOptions(dp_group=dist.group.WORLD)).dp_size == 1
 
 
 def test_dp_group_without_torch_distributed_is_an_error():

@@ -46,10 +46,11 @@ class StreampackPeer:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         from streampack import PackedDataset
+        from streampack.options import PackOptions
         from streampack.state import load_loader_state
 
-        ds = PackedDataset(self.urls, capacity=self.capacity, window=self.window, epochs=1, seed=0,
-                           packs_per_batch=PACKS_PER_BATCH)
+        ds = PackedDataset(self.urls, capacity=self.capacity, epochs=1, seed=0, packs_per_batch=PACKS_PER_BATCH,
+                           packing=PackOptions(window=self.window))
         loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers,
                                     prefetch_factor=8 if num_workers else None)
         if state is not None:

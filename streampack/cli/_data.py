@@ -115,21 +115,23 @@ class Documents:
         from streampack.io.limits import Limits
         from streampack.io.packed_format import is_packed_dataset
         from streampack.io.urls import ShardList
+        from streampack.options import TokenizeOptions
 
         if is_packed_dataset(list(urls) if len(urls) > 1 else urls[0]):
             raise CliError(f"{' '.join(map(str, urls))} is the output of `streampack pack` (packs, not "
                            "documents; its manifest.json holds the pack lengths and metrics): give the "
                            "original shards")
         check_tokenizer(opts.tokenizer)
-        config = StreamConfig(capacity=capacity, tokens_key=opts.tokens_key, text_key=opts.text_key,
-                              labels_key=opts.labels_key, loss_mask_key=opts.loss_mask_key, shuffle=False,
-                              epochs=1, on_error=opts.on_error, bos_id=opts.bos_id, eos_id=opts.eos_id,
-                              vocab_size=opts.vocab_size, limits=opts.limits if opts.limits is not None else Limits())
+        config = StreamConfig(capacity=capacity, shuffle=False, epochs=1,
+                              tokenize=TokenizeOptions(bos_id=opts.bos_id, eos_id=opts.eos_id))
         from streampack.preflight import preflight
 
         sources = Sources(shards=ShardList.of(list(urls)))
-        options = ReadOptions(retries=opts.retries, retry_budget=opts.retry_budget)
-        preflight(sources.lists, config, options)  # a missing shard or a wrong column type: now, not at the end
+        options = ReadOptions(tokens_key=opts.tokens_key, text_key=opts.text_key, labels_key=opts.labels_key,
+                              loss_mask_key=opts.loss_mask_key, on_error=opts.on_error, vocab_size=opts.vocab_size,
+                              limits=opts.limits if opts.limits is not None else Limits(), retries=opts.retries,
+                              retry_budget=opts.retry_budget)
+        preflight(sources.lists, options)  # a missing shard or a wrong column type: now, not at the end
         node, self.nodes = build_samples(config, sources, Placement(), options=options, tokenizer=opts.tokenizer)
         node.reset(None)
         self.root = node

@@ -126,11 +126,12 @@ def stream(urls: list[str], tokenizer: str, args: argparse.Namespace) -> tuple[T
     from tqdm import tqdm
 
     from streampack import PackedDataset
+    from streampack.options import PackOptions, TopologyOptions
 
-    ds = PackedDataset(urls, capacity=args.capacity, window=args.window, algorithm=args.algorithm,
-                       packs_per_batch=args.packs_per_batch, tokenizer=tokenizer, seed=args.seed,
-                       cp_size=args.cp_size, tp_size=args.tp_size,
-                       shuffle=True, epochs=1)
+    ds = PackedDataset(urls, capacity=args.capacity, packs_per_batch=args.packs_per_batch, tokenizer=tokenizer,
+                       seed=args.seed, shuffle=True, epochs=1,
+                       packing=PackOptions(window=args.window, algorithm=args.algorithm),
+                       topology=TopologyOptions(cp_size=args.cp_size, tp_size=args.tp_size))
     tally = Tally()
     start = time.perf_counter()
     with tqdm(total=args.batches, unit="batch", desc="packing", disable=no_bar(args.no_progress),
@@ -212,9 +213,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"corpus: {len(urls)} tar shards, {args.num_shards * args.docs_per_shard:,} text documents, "
           f"{size:.1f} MB in {Path(urls[0]).parent} ({'reused' if reused else 'written now'})")
     print(f"tokenizer: byte-level BPE {tokenizer}")
-    print(f"pipeline: PackedDataset(capacity={args.capacity}, window={args.window}, "
-          f"algorithm={args.algorithm!r}, packs_per_batch={args.packs_per_batch}, "
-          f"cp_size={args.cp_size}, tp_size={args.tp_size}, overlong='split')")
+    print(f"pipeline: PackedDataset(capacity={args.capacity}, packs_per_batch={args.packs_per_batch}, "
+          f"packing=PackOptions(window={args.window}, algorithm={args.algorithm!r}, overlong='split'), "
+          f"topology=TopologyOptions(cp_size={args.cp_size}, tp_size={args.tp_size}))")
     tally, seconds = stream(urls, tokenizer, args)
     if tally.batches == 0:
         raise ValueError("the pipeline produced no batches")

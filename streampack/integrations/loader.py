@@ -22,7 +22,8 @@ def stateful_loader(dataset: Any, **kwargs: Any) -> StatefulDataLoader:
     """``StatefulDataLoader(dataset, **kwargs)`` with torchdata's ``set_vital`` warning silenced,
     refusing here, in the main process, a ``batches_per_epoch`` its workers cannot share evenly
     (each worker would only find out inside its process, behind torch's worker traceback)."""
-    per_rank = getattr(getattr(dataset, "config", None), "batches_per_epoch", None)
+    topology = getattr(getattr(dataset, "config", None), "topology", None)  # a PackedDataset's, or none
+    per_rank = getattr(topology, "batches_per_epoch", None)
     workers = kwargs.get("num_workers") or 0
     if per_rank is not None and workers and per_rank % workers:
         raise ValueError(f"batches_per_epoch={per_rank} must be a multiple of num_workers={workers} "

@@ -1,0 +1,34 @@
+"""TokenizeOptions: how text becomes token ids (``PackedDataset(tokenize=...)``).
+
+The record of the :class:`~streampack.nodes.tokenize.Tokenize` node: its fields are that
+node's keyword arguments. The tokenizer itself is a runtime object and stays a
+``PackedDataset`` argument; ``on_error`` and ``vocab_size`` cover reading as well and live in
+:class:`~streampack.options.read.ReadOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streampack.options._check import need_int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenizeOptions:
+    """Ids around each text, and how the encoding is batched (order and determinism do not
+    depend on ``num_threads`` or ``block_size``)."""
+
+    bos_id: int | None = None
+    """Id added before each tokenized text (checked against ``vocab_size`` by the node)."""
+    eos_id: int | None = None
+    """Id added after each tokenized text."""
+    num_threads: int = 1
+    """Tokenizer threads."""
+    block_size: int = 64
+    """Texts batch-encoded together."""
+
+    def __post_init__(self) -> None:
+        need_int("TokenizeOptions", "bos_id", self.bos_id, 0, optional=True)
+        need_int("TokenizeOptions", "eos_id", self.eos_id, 0, optional=True)
+        need_int("TokenizeOptions", "num_threads", self.num_threads, 1)
+        need_int("TokenizeOptions", "block_size", self.block_size, 1)

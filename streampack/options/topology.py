@@ -1,0 +1,71 @@
+"""TopologyOptions: where this process sits among the parallel ranks, and how the ranks stay
+in step (``PackedDataset(topology=...)``).
+
+Data parallelism decides what each reader reads (``dp_*``); context / tensor parallelism
+decide the per-document alignment (:func:`~streampack.layout.batch.alignment`, what the packer,
+the collate and the offline-pack reader take as ``align``); ``equal_batches`` and
+``batches_per_epoch`` decide how every rank of a finite stream yields the same number of
+batches (the epoch planner and the collate take them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from streampack.layout.batch import alignment
+from streampack.options._check import need_choice, need_int, need_type
+from streampack.topology import validate_topology
+
+EQUAL_BATCHES = ("plan", "sync")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TopologyOptions:
+    """Data-parallel rank and size, CP/TP alignment, and equal batch counts across ranks."""
+
+    dp_group: Any = None
+    """The data-parallel process group: rank and size within it come first (required once
+    ``torch.distributed`` has TP/CP/PP groups, unless ``dp_rank``/``dp_size`` are given).
+    A runtime object: ``PackedDataset`` resolves it at construction and keeps only the numbers."""
+    dp_rank: int | None = None
+    """Explicit data-parallel rank; else ``torch.distributed`` (only while the world group is its
+    only group), else ``RANK``; else 0."""
+    dp_size: int | None = None
+    """Explicit data-parallel size; else as ``dp_rank`` (``WORLD_SIZE``); else 1."""
+    cp_size: int = 1
+    """Context-parallel size: documents aligned to ``2 * cp_size * tp_size``."""
+    tp_size: int = 1
+    """Tensor-parallel size: documents aligned to ``tp_size`` with sequence parallelism."""
+    sequence_parallel: bool = True
+    """Whether ``tp_size > 1`` means sequence parallelism (align to ``tp_size``)."""
+    align_multiple: int = 1
+    """An extra per-document multiple (lcm with the above), e.g. 16 for FP8."""
+    equal_batches: str = "plan"
+    """Finite stream, several ranks: ``plan`` the batch counts from the manifest (pre-tokenized
+    shards), or ``sync`` them per step in the training loop (``streampack.sync_batches``)."""
+    batches_per_epoch: int | None = None
+    """Finite stream: a fixed count of batches per rank per epoch (a multiple of the worker
+    count) that overrides ``equal_batches``."""
+
+    def __post_init__(self) -> None:
+        need_int("TopologyOptions", "dp_rank", self.dp_rank, 0, optional=True)
+        need_int("TopologyOptions", "dp_size", self.dp_size, 1, optional=True)
+        if self.dp_rank is not None and self.dp_size is not None:
+            try:
+                validate_topology(self.dp_rank, self.dp_size, 0, 1)
+            except ValueError as e:
+                raise ValueError(f"TopologyOptions: {e}") from None
+        need_type("TopologyOptions", "sequence_parallel", self.sequence_parallel, bool)
+        need_choice("TopologyOptions", "equal_batches", self.equal_batches, EQUAL_BATCHES)
+        need_int("TopologyOptions", "batches_per_epoch", self.batches_per_epoch, 1, optional=True)
+        try:
+            self.align  # noqa: B018  (cp_size, tp_size and align_multiple, checked by alignment())
+        except ValueError as e:
+            raise ValueError(f"TopologyOptions: {e}".replace("multiple=", "align_multiple=")) from None
+
+    @property
+    def align(self) -> int:
+        """The per-document alignment every pack's spans are padded to."""
+        return alignment(self.cp_size, self.tp_size, sequence_parallel=self.sequence_parallel,
+                         multiple=self.align_multiple)

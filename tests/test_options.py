@@ -1,0 +1,179 @@
+"""The front: PackedDataset's few parameters, the per-stage option records, and the old flat
+keywords as shortcuts onto them (streampack.options)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from streampack.dataset import PackedDataset
+from streampack.io.limits import Limits
+from streampack.options import (
+    RECORDS,
+    SHORTCUTS,
+    CostOptions,
+    PackOptions,
+    ReadOptions,
+    TokenizeOptions,
+    TopologyOptions,
+)
+from streampack.packing.schedule import Balance
+from streampack.settings import FINGERPRINT, StreamConfig, fingerprint_settings
+
+FIXTURES = Path(__file__).parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+import old_front_state as old  # noqa: E402
+
+OLD_SIGNATURE = (  # PackedDataset.__init__ before the records
+    "urls capacity window algorithm packs_per_batch tokenizer text_key tokens_key overlong cp_size tp_size seed "
+    "shuffle epochs dp_rank dp_size dp_group on_error pad_id ignore_index bos_id eos_id stages num_threads "
+    "tokenize_block max_wait slack batches_per_epoch equal_batches labels_key loss_mask_key sequence_parallel "
+    "align_multiple allow_pipe allow_pickle cache_dir manifest retries retry_budget connect_timeout read_timeout "
+    "request_deadline allow_redirects storage_options pin_memory mixture_stop vocab_size limits cost_model balance "
+    "identity").split()
+SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 128}
+
+
+@pytest.fixture
+def shards(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the fixture state names its shards by relative URL
+    return old.write_shards(tmp_path)
+
+
+def test_signature_is_small():
+    params = inspect.signature(PackedDataset).parameters
+    assert len(params) <= 15, list(params)
+    assert set(RECORDS) <= set(params)
+    assert params["shortcuts"].kind is inspect.Parameter.VAR_KEYWORD
+
+
+def test_every_old_keyword_is_a_parameter_or_exactly_one_record_field():
+    params = set(inspect.signature(PackedDataset).parameters) - {"shortcuts"}
+    assert len(OLD_SIGNATURE) == len(set(OLD_SIGNATURE)) == 51
+    assert set(OLD_SIGNATURE) == (params - set(RECORDS)) | set(SHORTCUTS)  # nothing lost, nothing new
+    assert not params & set(SHORTCUTS)  # a keyword is a parameter or a shortcut, never both
+    targets = list(SHORTCUTS.values())
+    assert len(set(targets)) == len(targets)  # 1:1: no two keywords set the same field
+    for keyword, (param, field) in SHORTCUTS.items():
+        assert field in {f.name for f in dataclasses.fields(RECORDS[param])}, keyword
+    renamed = {k: v for k, v in SHORTCUTS.items() if k != v[1]}
+    assert renamed == {"tokenize_block": ("tokenize", "block_size"), "cost_model": ("cost", "model")}
+
+
+@pytest.mark.parametrize(("make", "kind", "message"), [
+    (lambda: ReadOptions(on_error="ignore"), ValueError, r"ReadOptions\(on_error='ignore'\): must be one of"),
+    (lambda: ReadOptions(tokens_key=3), TypeError, r"ReadOptions\(tokens_key=3\): must be a str"),
+    (lambda: ReadOptions(vocab_size=0), ValueError, r"ReadOptions: vocab_size=0 must be None or an int"),
+    (lambda: ReadOptions(retry_budget=-1), ValueError, r"ReadOptions: need budget >= 0"),
+    (lambda: ReadOptions(read_timeout=0), ValueError, r"ReadOptions: read_timeout=0 must be a number > 0"),
+    (lambda: ReadOptions(identity="mtime"), ValueError, r"ReadOptions: identity='mtime' must be one of"),
+    (lambda: ReadOptions(mixture_stop="never"), ValueError, r"ReadOptions\(mixture_stop='never'\)"),
+    (lambda: ReadOptions(limits={"max_line_bytes": 1}), TypeError, r"ReadOptions\(limits=.*must be a Limits"),
+    (lambda: TokenizeOptions(num_threads=0), ValueError, r"TokenizeOptions\(num_threads=0\): must be an int >= 1"),
+    (lambda: TokenizeOptions(eos_id=-1), ValueError, r"TokenizeOptions\(eos_id=-1\): must be None or an int"),
+    (lambda: TokenizeOptions(block_size=0), ValueError, r"TokenizeOptions\(block_size=0\)"),
+    (lambda: PackOptions(window=0), ValueError, r"PackOptions\(window=0\): must be an int >= 1"),
+    (lambda: PackOptions(algorithm="best"), ValueError, r"PackOptions\(algorithm='best'\): unknown packing"),
+    (lambda: PackOptions(overlong="wrap"), ValueError, r"PackOptions\(overlong='wrap'\): must be one of"),
+    (lambda: PackOptions(max_wait=0), ValueError, r"PackOptions\(max_wait=0\)"),
+    (lambda: PackOptions(slack=-1), ValueError, r"PackOptions\(slack=-1\): must be None or an int >= 0"),
+    (lambda: TopologyOptions(equal_batches="count"), ValueError, r"TopologyOptions\(equal_batches='count'\)"),
+    (lambda: TopologyOptions(batches_per_epoch=0), ValueError, r"TopologyOptions\(batches_per_epoch=0\)"),
+    (lambda: TopologyOptions(dp_rank=2, dp_size=2), ValueError, r"TopologyOptions: need 0 <= dp_rank < dp_size"),
+    (lambda: TopologyOptions(cp_size=0), ValueError, r"TopologyOptions: cp_size=0 must be a positive int"),
+    (lambda: TopologyOptions(align_multiple=0), ValueError, r"TopologyOptions: align_multiple=0 must be"),
+    (lambda: CostOptions(balance="cost"), ValueError, r"CostOptions\(balance='cost'\) needs model="),
+    (lambda: CostOptions(model={"hidden": 64}), ValueError, r"CostOptions\(model=\{'hidden': 64\}\): not a model"),
+    (lambda: CostOptions(model=3), TypeError, r"CostOptions\(model=...\): must be a CostModel"),
+    (lambda: CostOptions(model=SHAPE, balance="fast"), ValueError, r"CostOptions\(balance='fast'\)"),
+    (lambda: StreamConfig(capacity=102, topology=TopologyOptions(cp_size=2)), ValueError,
+     r"capacity=102 must be a multiple of align=4"),
+    (lambda: StreamConfig(capacity=64, epochs=0), ValueError, r"StreamConfig\(epochs=0\): must be None or an int"),
+    (lambda: StreamConfig(capacity=64, topology=TopologyOptions(batches_per_epoch=4)), ValueError,
+     r"batches_per_epoch=4 needs a finite stream"),
+])
+def test_each_record_checks_its_own_values(make, kind, message):
+    with pytest.raises(kind, match=message):
+        make()
+
+
+def test_records_hold_what_they_were_given_as_the_nodes_take_it():
+    assert ReadOptions(limits=None).limits == Limits()  # the flat keyword's old default spelling
+    cost = CostOptions(model=SHAPE, balance="cost")
+    assert cost.balance == Balance() and cost.model.linear > 0  # converted once, here
+    assert TopologyOptions(cp_size=2, tp_size=2).align == 8
+    assert TopologyOptions(tp_size=2, sequence_parallel=False, align_multiple=16).align == 16
+    assert ReadOptions(tokens_key="ids", vocab_size=9).decode().tokens_key == "ids"
+
+
+def test_a_field_set_by_a_shortcut_and_by_its_record_is_a_type_error(shards):
+    with pytest.raises(TypeError, match=r"window=8 and packing=PackOptions\(window=16\) both set packing.window"):
+        PackedDataset(shards, capacity=64, window=8, packing=PackOptions(window=16))
+    with pytest.raises(TypeError, match=r"cost_model=.* and cost=CostOptions\(model=CostModel"):
+        PackedDataset(shards, capacity=64, cost_model=SHAPE, cost=CostOptions(model=SHAPE))
+    with pytest.raises(TypeError, match=r"retry_budget=5 and read=ReadOptions\(retry_budget=9\)"):
+        PackedDataset(shards, capacity=64, retry_budget=5, read=ReadOptions(retry_budget=9))
+
+
+def test_unknown_keywords_and_wrong_records_are_type_errors(shards):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['windw'\] \(did you mean 'windw' -> "
+                                        r"'window'\?\)"):
+        PackedDataset(shards, capacity=64, windw=8)
+    with pytest.raises(TypeError, match=r"packing= must be a streampack.options.PackOptions, got dict"):
+        PackedDataset(shards, capacity=64, packing={"window": 8})
+
+
+def test_shortcuts_are_the_record_fields(shards):
+    """A shortcut and the record it names build the same dataset; shortcuts for other fields of
+    a given record fill in fields left at their defaults."""
+    flat = PackedDataset(shards, capacity=64, window=8, algorithm="ffd", tokenize_block=7, dp_rank=0, dp_size=1,
+                         retry_budget=5.0, cost_model=SHAPE, balance="cost")
+    records = PackedDataset(shards, capacity=64, packing=PackOptions(window=8, algorithm="ffd"),
+                            tokenize=TokenizeOptions(block_size=7), topology=TopologyOptions(dp_rank=0, dp_size=1),
+                            read=ReadOptions(retry_budget=5.0), cost=CostOptions(model=SHAPE, balance="cost"))
+    mixed = PackedDataset(shards, capacity=64, packing=PackOptions(algorithm="ffd"), window=8, tokenize_block=7,
+                          dp_size=1, topology=TopologyOptions(dp_rank=0), retry_budget=5.0,
+                          cost=CostOptions(model=SHAPE), balance="cost")
+    for ds in (flat, mixed):
+        assert ds.config == records.config and ds.options == records.options
+        assert ds.fingerprint(0) == records.fingerprint(0)
+    assert records.fingerprint(0)["balance"] == dataclasses.asdict(Balance())
+    assert list(records.fingerprint(0))[:len(FINGERPRINT)] == list(FINGERPRINT)
+
+
+def test_the_group_is_resolved_and_not_kept(shards):
+    ds = PackedDataset(shards, capacity=64, topology=TopologyOptions(dp_rank=1, dp_size=2, equal_batches="sync"))
+    assert (ds.dp_rank, ds.dp_size) == (1, 2)
+    assert ds.config.topology.dp_group is None and ds.config.topology.equal_batches == "sync"
+
+
+def test_a_state_saved_by_the_old_front_resumes_exactly(shards):
+    """``tests/fixtures/old_front_state.pt`` was saved by PackedDataset(urls, **OLD_KEYWORDS)
+    before the records existed; the records form of the same settings resumes it bit-identically."""
+    state = torch.load(FIXTURES / "old_front_state.pt", weights_only=True)
+    expected = json.loads((FIXTURES / "old_front_state.json").read_text())["after"]
+    k = old.OLD_KEYWORDS
+    ds = PackedDataset(
+        shards, capacity=k["capacity"], packs_per_batch=k["packs_per_batch"], seed=k["seed"], epochs=k["epochs"],
+        read=ReadOptions(tokens_key="ids", on_error="skip", vocab_size=50_000, identity="size"),
+        packing=PackOptions(window=12, algorithm="ffd", max_wait=4, slack=2, overlong="truncate", pad_id=5,
+                            ignore_index=-1),
+        topology=TopologyOptions(align_multiple=4), cost=CostOptions(model=old.COST_SHAPE))
+    assert ds.fingerprint(0) == {**state["fingerprint"], "num_workers": 0}
+    ds.load_state_dict(state)
+    it = iter(ds)
+    assert [old.digest(next(it)) for _ in range(len(expected))] == expected
+    assert PackedDataset(shards, **k).fingerprint(0) == ds.fingerprint(0)  # the shortcuts: the same settings
+
+
+def test_fingerprint_names_every_setting_that_shapes_the_stream():
+    config, options = StreamConfig(capacity=64), ReadOptions()
+    got = fingerprint_settings(config, options)
+    assert list(got) == list(FINGERPRINT) and got["limits"] == dataclasses.asdict(Limits())
+    assert got["align"] == 1 and got["cost_model"] is None and got["balance"] is None
