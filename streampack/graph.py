@@ -401,6 +401,10 @@ def counting_for(config: StreamConfig, place: Placement) -> Counting | None:
     topology, pack = config.topology, config.packing
     if place.dp_size == 1 or topology.batches_per_epoch is not None or topology.equal_batches != "plan":
         return None
+    if config.media is not None:  # the index knows text lengths; image tokens would make every count wrong
+        raise ValueError("media= with several ranks and a finite stream needs equal_batches='sync' or "
+                         "batches_per_epoch: the plan counts batches from the index's text lengths, "
+                         "which do not include image tokens")
     rules = PackerRules(capacity=config.capacity, window=pack.window, algorithm=pack.algorithm,
                         align=topology.align, seed=config.seed, max_wait=pack.max_wait, slack=pack.slack)
     return Counting(rules=rules, max_len=config.capacity, policy=pack.overlong,

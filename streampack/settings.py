@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from streampack.io.limits import Limits
 from streampack.io.packed_format import Manifest, is_packed_dataset, packed_manifest
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.media.options import MediaOptions
 from streampack.nodes.sharding import Span
+from streampack.nodes.window_rounds import default_max_wait
 from streampack.options import (
     SHORTCUTS,
     CostOptions,
@@ -132,24 +132,22 @@ def fingerprint_settings(config: StreamConfig, options: ReadOptions) -> dict[str
     def value(name: str) -> Any:
         if name == "align":
             return config.topology.align
+        if name == "max_wait":  # the number the packer waits, as states have always stored it
+            return config.packing.max_wait or default_max_wait(config.packing.window)
         if name in SHORTCUTS:
             param, field_name = SHORTCUTS[name]
             return getattr(records[param], field_name)
         return getattr(config, name)
 
     settings = {name: _plain(value(name)) for name in FINGERPRINT}
+    if settings["cost_model"] is not None and settings["cost_model"].get("vision") is None:
+        settings["cost_model"].pop("vision", None)  # a text model: states saved before the vision term compare equal
     if settings["balance"] is not None:  # how a fresh run's histogram starts; a resume restores the saved one
         del settings["balance"]["seeded"]
-    if config.media is None:  # the image limits decide nothing for text: states saved before them compare equal
-        for name in _IMAGE_LIMITS:
-            if settings["limits"][name] == getattr(Limits(), name):
-                del settings["limits"][name]
-    else:
+    settings["limits"] = options.limits.recorded(images=config.media is not None)
+    if config.media is not None:
         settings["media"] = _plain(config.media)
     return settings
-
-
-_IMAGE_LIMITS = ("max_image_pixels", "max_sample_pixels")
 
 
 def _plain(value: Any) -> Any:

@@ -42,6 +42,7 @@ Fixed, not settable: pax / GNU long-name extension headers are capped at
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -80,6 +81,20 @@ class Limits:
         if self.max_json_depth > MAX_JSON_DEPTH_CEILING:
             raise ValueError(f"max_json_depth={self.max_json_depth} must be <= {MAX_JSON_DEPTH_CEILING}: "
                              f"deeper json overflows CPython's recursion limit while parsing")
+
+    def recorded(self, *, images: bool) -> dict[str, int]:
+        """The limits a resume state records: the image limits decide nothing for a text stream,
+        so at their defaults they are left out of its state (states saved before they existed
+        compare equal)."""
+        values, defaults = dataclasses.asdict(self), Limits()
+        if not images:
+            for name in IMAGE_LIMITS:
+                if values[name] == getattr(defaults, name):
+                    del values[name]
+        return values
+
+
+IMAGE_LIMITS = ("max_image_pixels", "max_sample_pixels")
 
 
 def check_vocab_size(vocab_size: int | None) -> int | None:

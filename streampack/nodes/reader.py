@@ -223,7 +223,7 @@ class ShardReader(BaseNode[Sample]):
             "num_workers": num_workers,
             "fields": [tokens_key, text_key, labels_key, loss_mask_key],
             "vocab_size": vocab_size,  # both decide which samples are kept
-            "limits": dataclasses.asdict(self._decode.limits),
+            "limits": self._decode.limits.recorded(images=media is not None),
         }
         self.work: Work = dict(work or {})
         self.keep_work, self.source = keep_work, source

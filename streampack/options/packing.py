@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streampack.nodes.overlong import POLICIES
-from streampack.nodes.window_rounds import default_max_wait
 from streampack.options._check import need_choice, need_int, need_type
 from streampack.packing import get_algorithm
 
@@ -45,9 +44,7 @@ class PackOptions:
 
     def __post_init__(self) -> None:
         need_int("PackOptions", "window", self.window, 1)
-        if self.max_wait is None:  # resolved here, so the fingerprint and the packer see one number
-            object.__setattr__(self, "max_wait", default_max_wait(self.window))
-        need_int("PackOptions", "max_wait", self.max_wait, 1)
+        need_int("PackOptions", "max_wait", self.max_wait, 1, optional=True)
         need_int("PackOptions", "slack", self.slack, 0, optional=True)
         need_int("PackOptions", "pad_id", self.pad_id, 0)
         need_type("PackOptions", "ignore_index", self.ignore_index, int)
