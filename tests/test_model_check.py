@@ -9,7 +9,7 @@ process; steps run k batches, save, and resume on the same or another topology (
 sometimes after a shard was rewritten, truncated or re-staged. A failing seed prints its shrunk
 schedule and the command that reruns it: ``PYTHONPATH=. python tests/modelcheck_driver.py SEED``.
 
-Fast set: 200 schedules (~110 ms of CPU each on the 2-core dev box, ~20 s in all); slow set
+Fast set: 120 schedules (~110 ms of CPU each on the 2-core dev box, ~13 s in all); slow set
 (``-m slow``): 2,000 larger ones (up to 4 ranks x 3 workers, 15 records per shard, 4 resumes;
 ~0.3 s each, ~8 min of CPU). Shrinking a failing seed has a time budget per session
 (``SHRINK_SECONDS``); the rerun command always shrinks in full.
