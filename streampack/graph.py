@@ -307,16 +307,15 @@ class _Builder:
         """The cost histogram every reader of every rank starts from (``nodes.cost_seed``): the
         packs of one length sample of the data set's indexes, chosen by the stream seed. None
         (a cold start) for one reader alone, a mixture, offline packs, unknown lengths, or an
-        infinite stream of remote shards without ``manifest=`` (it would be refused: there is
-        nothing to plan, so no manifest is required of it)."""
+        infinite stream without ``manifest=``: it plans nothing, so it is not made to build a
+        manifest (one pass over every shard at first start) only to seed the histograms."""
         config = self.config
         if (not self.needs_plan or self.place.global_workers == 1 or config.cost.balance is None
                 or not config.cost.balance.seeded or config.cost.model is None):
             return None
         assert self.sources.shards is not None
-        if (config.epochs is None and self.options.manifest is None
-                and any(is_remote(u) for u in self.sources.shards.urls)):
-            return None
+        if config.epochs is None and self.options.manifest is None:
+            return None  # infinite streams plan nothing: building a manifest to seed would read every shard
         planner = self.planner
         if not planner.shards.known_lengths():
             return None

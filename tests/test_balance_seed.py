@@ -12,6 +12,9 @@ from node_checks import write_token_shards
 
 from streampack.dataset import PackedDataset
 from streampack.graph import build_graph
+from streampack.io.index import index_decode
+from streampack.io.limits import Limits
+from streampack.io.manifest import build_manifest
 from streampack.nodes import cost_seed
 from streampack.nodes.cost_seed import SEED_WEIGHT, sample_lengths, seed_counts
 from streampack.nodes.epoch_plan import chunk_lengths
@@ -39,7 +42,7 @@ def few_seed_packs(monkeypatch):
 def _first_counts(urls: list[str], place: Placement, **kw) -> np.ndarray:
     """The histogram reader ``place`` holds when its first batch is asked for, before any pack."""
     ds = PackedDataset(urls, capacity=CAP, window=32, cost_model=SHAPE, **kw)
-    graph = build_graph(ds.config, ds.sources, place)
+    graph = build_graph(ds.config, ds.sources, place, options=ds.options)
     graph.root.reset(None)
     packer = graph.nodes["packer"]
     assert packer.metrics["packs"] == 0 and packer.reservoir is not None
@@ -47,17 +50,23 @@ def _first_counts(urls: list[str], place: Placement, **kw) -> np.ndarray:
 
 
 @pytest.mark.parametrize("epochs", [None, 2])
-def test_every_reader_of_every_rank_starts_from_the_same_histogram(shards, epochs) -> None:
+def test_every_reader_of_every_rank_starts_from_the_same_histogram(shards, epochs, tmp_path) -> None:
     """Finding: each reader's histogram started empty, so the ranks' cost levels disagreed for the
     first ~2,000 packs (straggler 1.07 over steps 0-500 end to end at 128k, against 1.03 warm)."""
     urls, _ = shards
+    if epochs is None:  # an infinite stream seeds only from a manifest it is given
+        location = str(tmp_path / "manifest")
+        build_manifest(urls, location, decode=index_decode("input_ids", Limits()))
+        kw = {"epochs": None, "manifest": location}
+    else:
+        kw = {"epochs": epochs}
     found = [_first_counts(urls, Placement(dp_rank=r, dp_size=4, worker_id=w, num_workers=2),
-                           balance="cost", epochs=epochs) for r, w in ((0, 0), (3, 1))]
+                           balance="cost", **kw) for r, w in ((0, 0), (3, 1))]
     assert found[0].sum() > 0.9 * SEED_WEIGHT  # not empty: the seed, counted as SEED_WEIGHT packs
     for counts in found[1:]:
         np.testing.assert_array_equal(counts, found[0])
     # the seed follows the data: the same sample under another stream seed gives a different histogram
-    other = _first_counts(urls, Placement(dp_rank=0, dp_size=4), balance="cost", epochs=epochs, seed=7)
+    other = _first_counts(urls, Placement(dp_rank=0, dp_size=4), balance="cost", seed=7, **kw)
     assert other.sum() > 0.9 * SEED_WEIGHT and not np.array_equal(other, found[0])
 
 
@@ -67,6 +76,15 @@ def test_unseeded_and_single_readers_start_cold(shards) -> None:
     assert _first_counts(urls, Placement(), balance="cost", epochs=1).sum() == 0  # no other rank to agree with
     with pytest.raises(TypeError, match="seeded"):
         Balance(seeded=1)  # type: ignore[arg-type]
+
+
+def test_an_infinite_local_stream_without_manifest_starts_cold_and_builds_none(shards, tmp_path) -> None:
+    """Seeding must not cost an infinite stream one pass over the data set: without ``manifest=``
+    it starts cold and builds no manifest (first version: it built one to seed)."""
+    urls, _ = shards
+    cache = tmp_path / "cache"
+    assert _first_counts(urls, Placement(dp_rank=1, dp_size=4), balance="cost", cache_dir=str(cache)).sum() == 0
+    assert not cache.exists() or not any(p.is_file() for p in cache.rglob("*"))
 
 
 def test_infinite_remote_stream_without_manifest_starts_cold_not_refused(shards) -> None:
