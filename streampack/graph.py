@@ -29,8 +29,8 @@ graph's state like any other.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,6 @@ from streampack.errors import ErrorCounter
 from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
-from streampack.io.storage import is_remote
 from streampack.layout.batch import PackedBatch
 from streampack.media.node import DecodeImages
 from streampack.media.stage import ExpandImages

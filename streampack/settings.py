@@ -134,6 +134,8 @@ def fingerprint_settings(config: StreamConfig, options: ReadOptions) -> dict[str
             return config.topology.align
         if name == "max_wait":  # the number the packer waits, as states have always stored it
             return config.packing.max_wait or default_max_wait(config.packing.window)
+        if name == "limits":  # the reader's own record of them (ShardReader keeps the same one)
+            return options.limits.recorded(images=config.media is not None)
         if name in SHORTCUTS:
             param, field_name = SHORTCUTS[name]
             return getattr(records[param], field_name)
@@ -144,7 +146,6 @@ def fingerprint_settings(config: StreamConfig, options: ReadOptions) -> dict[str
         settings["cost_model"].pop("vision", None)  # a text model: states saved before the vision term compare equal
     if settings["balance"] is not None:  # how a fresh run's histogram starts; a resume restores the saved one
         del settings["balance"]["seeded"]
-    settings["limits"] = options.limits.recorded(images=config.media is not None)
     if config.media is not None:
         settings["media"] = _plain(config.media)
     return settings
