@@ -144,3 +144,17 @@ def test_bench_gpu_code_paths_run_on_cpu() -> None:
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "packed THD (varlen_attn)" in out.stdout and "earlier helper" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_gpu_feed_code_paths_run_on_cpu() -> None:
+    """benchmarks/bench_gpu_feed.py --cpu-check: the loader, the ceiling and the fed loop, tiny, on CPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_gpu_feed.py"), "--cpu-check"],
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "loader alone, to the device" in out.stdout and "Margin: one worker delivers" in out.stdout
