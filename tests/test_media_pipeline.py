@@ -160,12 +160,26 @@ def test_per_sample_pixel_limit(tmp_path: Path) -> None:
     assert all(b.vision is None or int(torch.bincount(b.vision.image_doc).max()) <= 2 for b in kept)
 
 
-def test_tiles_rule_is_refused_when_the_graph_is_built(tmp_path: Path) -> None:
+def test_any_res_tiles_stream_with_their_sizes(tmp_path: Path) -> None:
     from streampack.media import AnyResTiles
 
-    url = str(write_tar(tmp_path / "a.tar", 4))
-    with pytest.raises(ValueError, match="counts tokens only"):
-        dataset([url], media=MediaOptions(rule=AnyResTiles(), image_token_id=IMAGE_ID))
+    rule = AnyResTiles(grid_pinpoints=((8, 16), (16, 8), (16, 16)), tile_size=8, patch_size=2)
+    url = str(write_tar(tmp_path / "a.tar", 10, max_images=2, sizes=(5, 30)))
+    batches = list(dataset([url], media=MediaOptions(rule=rule, image_token_id=IMAGE_ID), capacity=256))
+    images = 0
+    for b in batches:
+        check_vision(b, rule)
+        if b.vision is None:
+            continue
+        v, images = b.vision, images + b.vision.num_images
+        tiles = v.image_grid_thw[:, 0]
+        assert v.pixel_values.shape == (int(tiles.sum()), 3, 8, 8) and v.mrope_position_ids is None
+        for (h, w), n, t in zip(v.image_sizes.tolist(), v.image_token_lengths.tolist(), tiles.tolist()):
+            best = rule.best(w, h)
+            assert n == rule.count(w, h) and t == 1 + best[0] * best[1] // 64
+        hf = b.hf_inputs()
+        assert hf.image_sizes is v.image_sizes and hf.pixel_values is v.pixel_values
+    assert images > 5
 
 
 @needs_vision
