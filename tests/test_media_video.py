@@ -4,6 +4,7 @@ packing. Against transformers: ``tests/test_media_video_hf.py``."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -15,9 +16,9 @@ import streampack.media.node as media_node
 from streampack import PackedDataset
 from streampack.errors import DataError
 from streampack.io.limits import Limits
-from streampack.media import DynamicResolution, MediaOptions
+from streampack.media import AnyResTiles, DynamicResolution, MediaOptions
 from streampack.media.tokens import VideoFrames
-from tests.helpers_media import IMAGE_ID, VIDEO_ID, image_bytes, write_video_tar
+from tests.helpers_media import IMAGE_ID, VIDEO_ID, image_bytes, write_tar, write_video_tar
 
 RULE = DynamicResolution(patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=24 * 24)
 VIDEO = VideoFrames(frame=DynamicResolution(patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=16 * 16),
@@ -150,3 +151,31 @@ def test_videos_off_reads_frames_as_images(tmp_path: Path) -> None:
     order = {f"video.{f}.jpg": _frame(12, 12, f) for f in (0, 1, 2, 3, 4, 5, 6, 7)}
     (video,) = MediaReader(options=MEDIA).tar_images(order, Limits(), url="u", key="k")
     assert np.array_equal([int(f.name.split(".")[1]) for f in video.frames], np.arange(8))
+
+
+ANYRES = MediaOptions(rule=AnyResTiles(grid_pinpoints=((8, 16), (16, 8), (16, 16)), tile_size=8, patch_size=2),
+                      image_token_id=IMAGE_ID)
+
+
+@pytest.mark.parametrize("media,write", [(MEDIA, write_video_tar), (ANYRES, write_tar)], ids=["video", "any-res"])
+def test_resume_is_exact_and_state_holds_references_only(tmp_path: Path, media: MediaOptions, write) -> None:
+    url = str(write(tmp_path / "a.tar", 20, sizes=(5, 30)))
+    make = lambda: dataset([url], media=media, window=6, capacity=256)  # noqa: E731
+    whole = list(make())
+    ds = make()
+    it = iter(ds)
+    head = [next(it) for _ in range(3)]
+    buf = io.BytesIO()
+    torch.save(ds.state_dict(), buf)
+    assert buf.tell() < 64 * 1024  # references, not pixels or frame bytes
+    resumed = make()
+    resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    got = head + list(resumed)
+    assert len(got) == len(whole) and sum(b.vision is not None for b in whole) > 3
+    fields = ("pixel_values", "image_sizes", "pixel_values_videos", "video_grid_thw", "mrope_position_ids")
+    for a, b in zip(got, whole):
+        assert torch.equal(a.input_ids, b.input_ids) and a.doc_keys == b.doc_keys
+        assert (a.vision is None) == (b.vision is None)
+        for name in fields if a.vision is not None else ():
+            x, y = getattr(a.vision, name), getattr(b.vision, name)
+            assert (x is None and y is None) or torch.equal(x, y), name
