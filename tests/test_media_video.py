@@ -179,3 +179,12 @@ def test_resume_is_exact_and_state_holds_references_only(tmp_path: Path, media: 
         for name in fields if a.vision is not None else ():
             x, y = getattr(a.vision, name), getattr(b.vision, name)
             assert (x is None and y is None) or torch.equal(x, y), name
+
+
+def test_planned_equal_batches_count_video_tokens(tmp_path: Path) -> None:
+    urls = [str(write_video_tar(tmp_path / f"{i}.tar", 8, seed=i)) for i in range(2)]
+    got = [list(dataset(urls, dp_rank=r, dp_size=2, window=4, cache_dir=str(tmp_path / "cache"))) for r in (0, 1)]
+    assert len(got[0]) == len(got[1]) > 0
+    keys = sorted(k for rank in got for b in rank for k in b.doc_keys if k != "<filler>")
+    assert keys == sorted(f"{u}#k{i}" for u in urls for i in range(8))
+    assert sum(check_videos(b) for rank in got for b in rank) > 5
