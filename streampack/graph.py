@@ -339,9 +339,9 @@ class _Builder:
             return None
         config, options = self.config, self.options
         encoder = nodes["tokenize"].encoder if "tokenize" in nodes else None
+        media = None if config.media is None else config.media.reading(options.open_options())  # this run's settings
         return Replayer(ReplaySpec(
-            sources=self.sources.lists, decode=dataclasses.replace(options.decode(), media=None if config.media is None else
-                                                                   config.media.reading(options.open_options())),  # re-read as first read
+            sources=self.sources.lists, decode=dataclasses.replace(options.decode(), media=media),  # re-read as first read
             opts=options.open_options(), encoder=encoder,
             stages=list(self.stages), max_len=config.capacity, policy=config.packing.overlong,
             verify=lambda source, shard: nodes["readers"][source].verify_shard(shard)))

@@ -44,7 +44,8 @@ def check_videos(batch) -> int:
     grid = v.video_grid_thw
     assert v.video_token_lengths.tolist() == (grid.prod(1) // 4).tolist()
     assert v.pixel_values_videos.shape == (int(grid.prod(1).sum()), 3 * 2 * 2 * 2)
-    assert torch.diff(v.video_cu_seqlens).tolist() == torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]).tolist()
+    frames = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+    assert torch.diff(v.video_cu_seqlens).tolist() == frames.tolist()
     assert v.mrope_position_ids.shape == (3, batch.total_tokens)
     hf = batch.hf_inputs()
     assert hf.pixel_values_videos is v.pixel_values_videos and hf.video_grid_thw is v.video_grid_thw

@@ -78,7 +78,7 @@ class VisionBatch:
         return 0 if self.video_doc is None else int(self.video_doc.shape[0])
 
     def map_tensors(self, once: Any) -> VisionBatch:
-        return replace(self, **{name: once(getattr(self, name)) for name in _TENSORS if getattr(self, name) is not None})
+        return replace(self, **{n: once(getattr(self, n)) for n in _TENSORS if getattr(self, n) is not None})
 
 
 _TENSORS = ("pixel_values", "image_grid_thw", "image_doc", "image_token_starts", "image_token_lengths",

@@ -81,7 +81,8 @@ def shard_lengths(url: str, offsets: np.ndarray, decode: Any, opts: Any, media: 
     try:
         for item in open_range(url, ShardRange(start=0, first=0), decode=decode, opts=opts, streams=streams):
             i = int(np.searchsorted(offsets, pos))
-            if item.sample is not None and i < len(offsets) and int(offsets[i]) == pos and item.sample.tokens is not None:
+            known = item.sample is not None and item.sample.tokens is not None
+            if known and i < len(offsets) and int(offsets[i]) == pos:
                 sample = expand(item.sample)
                 out[i] = 0 if sample is None else len(sample)
             pos = item.next_offset

@@ -5,7 +5,8 @@ Runs between tokenizing and the overlong policy as a plain function stage, so th
 state keeps references only. Each image's token count comes from its header through the rule
 (:mod:`streampack.media.tokens`), each video's from its frame count and first frame's header
 (``VideoFrames``); each placeholder is expanded to that count
-(:mod:`streampack.media.placeholders`): image placeholders, then video placeholders. A bad sample follows ``on_error``: ``"skip"`` drops it
+(:mod:`streampack.media.placeholders`): image placeholders, then video placeholders. A bad
+sample follows ``on_error``: ``"skip"`` drops it
 (counted with the reading errors), ``"raise"`` raises the :class:`DataError`.
 """
 
@@ -47,8 +48,9 @@ class ExpandImages:
         try:
             images, videos = media_counts(sample, self.options)
             sample = expand_placeholders(sample, images, self.options.image_token_id)
-            if videos or (self.options.video is not None and bool((sample.tokens == self.options.video_token_id).any())):
-                sample = expand_placeholders(sample, videos, self.options.video_token_id, kind="video")
+            vid = self.options.video_token_id
+            if videos or (vid is not None and bool((sample.tokens == vid).any())):
+                sample = expand_placeholders(sample, videos, vid, kind="video")
             return sample
         except DataError as e:
             self._policy.handle(e)
