@@ -17,7 +17,8 @@ Result: float32 ``[1 + (H / tile)·(W / tile), 3, tile, tile]`` and the original
 width)``: what ``LlavaNextForConditionalGeneration`` takes as one image's rows of
 ``pixel_values`` (the flattened ``[Σ tiles, 3, tile, tile]`` form, no padding to the batch's most
 tiles) and its ``image_sizes`` row, from which the model recomputes the tile count and the
-unpadding that ``AnyResTiles.count`` counted.
+unpadding that ``AnyResTiles.count`` counted. The processor's ``size["shortest_edge"]`` and
+``crop_size`` are both ``tile_size`` here, as in every released LLaVA-NeXT (336).
 
 Cost (``benchmarks/bench_media.py``, best of 10, shared 2-core box, loaded, 2026-11-26): a
 640x480 JPEG -> 5 views of 336 px in 45 ms (its Qwen2-VL patches: 21 ms), a 1920x1080 one in
