@@ -13,7 +13,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MediaOptions:
-    """Images of image-text samples (one record: every value is validated here, once)."""
+    """Images and videos of multimodal samples (one record: every value is validated here, once)."""
 
     rule: TokenRule
     """Token count (and encoder input size) of an image: ``FixedTokens`` (LLaVA-1.5),
