@@ -11,6 +11,8 @@ state on the same topology, or its share of every old reader's state after a cha
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +21,7 @@ from torch.utils.data import IterableDataset
 
 from streampack.errors import log_worker_error
 from streampack.graph import Graph, build_graph, counting_for, graph_metrics, manifest_of
+from streampack.layout import transfer
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
@@ -274,6 +277,8 @@ class PackedDataset(IterableDataset):
             if saved["worker_id"] != here.id or saved["dp_rank"] != self.dp_rank:
                 raise ValueError(f"state of dp_rank={saved['dp_rank']} worker_id={saved['worker_id']} "
                                  f"loaded into dp_rank={self.dp_rank} worker_id={here.id}")
+        if here.num_workers > 0:
+            _settle_worker()
         resume = state[PASSES_KEY] if state is not None else (pending.left.passes if share is not None else None)
         self._pass = self._tracker.begin(here.id, in_worker_process=here.num_workers > 0, resume=resume)
         self._graph = self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size, worker_id=here.id,
@@ -333,6 +338,25 @@ class PackedDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get a copy without the live graph (it is rebuilt in __iter__)
         return {**self.__dict__, "_graph": None}
+
+
+_settled_pid = 0
+
+
+def _settle_worker() -> None:
+    """Once per DataLoader worker process, before its graph is built.
+
+    ``gc.freeze()``: everything the worker inherited from the training process (torch's modules
+    and the objects of the trainer: ~10^5-10^6 of them) moves to the collector's permanent
+    generation, so the worker's full collections no longer walk them -- nor write their headers,
+    which copied their pages out of the parent's (what the ``gc.freeze`` docs recommend for a
+    forked worker). Small tensors of the per-batch state deltas travel by value
+    (:func:`streampack.layout.transfer.inline_small_tensors`)."""
+    global _settled_pid
+    if _settled_pid != os.getpid():
+        _settled_pid = os.getpid()
+        gc.freeze()
+        transfer.inline_small_tensors()
 
 
 def _agreement(dp_group: Any, dp_rank: int, dp_size: int) -> Any:

@@ -1,0 +1,88 @@
+"""What a PackedDataset's DataLoader worker sends per batch: no handshakes, same batches, exact resume."""
+
+from __future__ import annotations
+
+import gc
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+import torch.multiprocessing.reductions as reductions
+from node_checks import write_token_shards
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import streampack.dataset as dataset_mod
+from streampack.dataset import PackedDataset
+from streampack.layout import shm_ring
+from streampack.options import PackOptions
+from streampack.state import load_loader_state
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_token_shards(tmp_path_factory.mktemp("handover"), 160, 4, mean=300, seed=3)[0]
+
+
+def _loader(urls, workers: int = 2) -> StatefulDataLoader:
+    # 2 packs of 2048: the [3, T] rows are 96 KiB, above what travels inside the pickle
+    ds = PackedDataset(urls, capacity=2048, packs_per_batch=2, epochs=1, seed=1, packing=PackOptions(window=16))
+    return StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+
+def _counting(monkeypatch) -> dict[str, int]:
+    """Count, in this (training) process, the storages rebuilt by torch's own sharing."""
+    calls = {"rebuild_storage_fd": 0, "rebuild_storage_filename": 0}
+    for name in calls:
+        real = getattr(reductions, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(reductions, name, counted)  # pickles name the function: loads look it up here
+    return calls
+
+
+@pytest.mark.skipif(not shm_ring.available(), reason="needs memfd_create and /proc (Linux)")
+def test_no_descriptor_handshake_and_no_torch_segment_per_batch(shards, monkeypatch) -> None:
+    calls = _counting(monkeypatch)
+    got = [b.input_ids.clone() for b in _loader(shards)]
+    assert len(got) > 10 and got[0].numel() == 4096
+    # batches in slots, and the per-batch state deltas (window references, pack sizes) by value
+    assert calls == {"rebuild_storage_fd": 0, "rebuild_storage_filename": 0}
+
+
+def test_batches_and_resume_are_the_same_as_with_torchs_reduction(shards, monkeypatch) -> None:
+    def epoch(stop: int | None = None) -> tuple[list[torch.Tensor], object]:
+        loader, out = _loader(shards), []
+        for batch in loader:
+            out.append(batch.input_ids.clone())
+            if len(out) == stop:
+                return out, loader.state_dict()
+        return out, None
+
+    fresh, _ = epoch()
+    head, state = epoch(stop=5)
+    with monkeypatch.context() as m:  # the old hand-over, in the workers too (forked after this)
+        m.setattr(shm_ring, "available", lambda: False)
+        m.setattr(dataset_mod, "_settle_worker", lambda: None)
+        old, _ = epoch()
+    assert len(fresh) == len(old) and all(torch.equal(a, b) for a, b in zip(fresh, old))
+    loader = _loader(shards)
+    load_loader_state(loader, state)
+    rest = [b.input_ids.clone() for b in loader]
+    assert all(torch.equal(a, b) for a, b in zip(head + rest, fresh)) and len(head) + len(rest) == len(fresh)
+
+
+def test_settling_a_worker_freezes_the_inherited_objects_and_inlines_small_tensors(monkeypatch) -> None:
+    saved = ForkingPickler._extra_reducers.get(torch.Tensor)
+    monkeypatch.setattr(dataset_mod, "_settled_pid", 0)
+    try:
+        dataset_mod._settle_worker()
+        assert gc.get_freeze_count() > 1000
+        assert ForkingPickler._extra_reducers[torch.Tensor] is not saved
+        frozen = gc.get_freeze_count()
+        dataset_mod._settle_worker()  # once per process
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+        ForkingPickler._extra_reducers[torch.Tensor] = saved
