@@ -219,8 +219,7 @@ def child_main(args: argparse.Namespace) -> int:
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     fmts, sizes, variants = args.formats.split(","), [float(t) for t in args.tokens.split(",")], args.variants.split(",")
-    epochs: dict[tuple, list[dict[str, Any]]] = {}
-    resumes: dict[tuple, list[dict[str, Any]]] = {}
+    got: dict[str, dict[tuple, list[dict[str, Any]]]] = {"epochs": {}, "resumes": {}}
     for fmt in fmts:
         for tokens in sizes:
             _urls(args.dir, tokens, fmt)  # written once, before any timing
@@ -231,24 +230,35 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             for tokens in sizes:
                 for variant in variants:
                     for workers in (0, 2):
-                        r = _spawn(args, "epoch", variant, fmt, tokens, workers)
-                        epochs.setdefault((fmt, tokens, variant, workers), []).append(r)
-                        print(f"epoch {fmt} {tokens:.0e} {variant} w{workers}: {_brief(r)}", file=sys.stderr)
+                        _note(args, got, "epochs", (fmt, tokens, variant, workers),
+                              _spawn(args, "epoch", variant, fmt, tokens, workers))
     if args.resume:
-        for fmt in fmts:
-            for workers in (0, 2):
-                for variant in variants:
-                    state = os.path.join(args.dir, f"state-{fmt}-{variant}-w{workers}.pt")
-                    _spawn(args, "save", variant, fmt, sizes[0], workers, ["--state", state])
-                    for _ in range(args.rounds):
-                        r = _spawn(args, "resume", variant, fmt, sizes[0], workers, ["--state", state])
-                        resumes.setdefault((fmt, variant, workers), []).append(r)
-                        print(f"resume {fmt} {variant} w{workers}: {_brief(r)}", file=sys.stderr)
-    return {"epochs": epochs, "resumes": resumes}
+        cases = [(fmt, variant, workers) for fmt in fmts for workers in (0, 2) for variant in variants]
+        state = {c: os.path.join(args.dir, "state-{}-{}-w{}.pt".format(*c)) for c in cases}
+        for fmt, variant, workers in cases:
+            _spawn(args, "save", variant, fmt, sizes[0], workers, ["--state", state[(fmt, variant, workers)]])
+        for _ in range(args.rounds):
+            for fmt, variant, workers in cases:
+                _note(args, got, "resumes", (fmt, variant, workers), _spawn(
+                    args, "resume", variant, fmt, sizes[0], workers, ["--state", state[(fmt, variant, workers)]]))
+    return got
 
 
-def _brief(r: dict[str, Any]) -> str:
-    return r.get("error") or " ".join(f"{k}={v:.3f}" for k, v in r.items() if isinstance(v, float))
+def _note(args: argparse.Namespace, got: dict[str, Any], kind: str, key: tuple, result: dict[str, Any]) -> None:
+    got[kind].setdefault(key, []).append(result)
+    print(f"{kind} {key}: " + (result.get("error") or " ".join(
+        f"{k}={v:.3f}" for k, v in result.items() if isinstance(v, float))), file=sys.stderr)
+    if args.raw:  # every result as it comes: tables can be made again from it (--from-raw)
+        with open(args.raw, "a") as f:
+            f.write(json.dumps({"kind": kind, "key": key, "result": result}) + "\n")
+
+
+def _from_raw(path: str) -> dict[str, Any]:
+    got: dict[str, dict[tuple, list[dict[str, Any]]]] = {"epochs": {}, "resumes": {}}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        got[row["kind"]].setdefault(tuple(row["key"]), []).append(row["result"])
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="also time resumes (smallest corpus)")
     parser.add_argument("--dir", default=None, help="keep the written corpora here")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--raw", default=None, help="append every result here (JSON lines) as it comes")
+    parser.add_argument("--from-raw", default=None, help="only make the tables, from a --raw file")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--child", choices=("epoch", "save", "resume"), help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="this", help=argparse.SUPPRESS)
@@ -274,9 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     variants = args.variants.split(",")
     if "baseline" in variants and not args.baseline:
         parser.error("the baseline variant needs --baseline DIR")
-    with tempfile.TemporaryDirectory() as tmp:
-        args.dir = args.dir or tmp
-        got = collect(args)
+    if args.from_raw:
+        got = _from_raw(args.from_raw)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.dir = args.dir or tmp
+            got = collect(args)
     fmts, sizes = args.formats.split(","), [float(t) for t in args.tokens.split(",")]
     text = "\n".join([
         "# DataLoader workers: where a 2-worker epoch's CPU goes\n",

@@ -38,8 +38,8 @@ def phase_table(epochs: dict[tuple, list[dict[str, Any]]], fmts: list[str], size
                 variants: list[str]) -> str:
     """Per process and phase, the best 2-worker run of each case (worker columns: both workers summed)."""
     head = ("| shards | tokens | variant | main: build ds | main: iter() | main ms/batch | main: teardown | "
-            "workers: fork to init | init to graph | graph to 1st batch | pipeline ms/batch | "
-            "feeder thread ms/batch | page faults per worker | fixed extra CPU-s | extra ms/batch |")
+            "workers: fork to init | init to graph | graph to 1st batch | workers ms/batch (all threads) | "
+            "of which feeder thread ms/batch | page faults per worker | fixed extra CPU-s | extra ms/batch |")
     lines = [head, "|---|---:|---|" + "---:|" * 12]
     for fmt in fmts:
         for variant in variants:
