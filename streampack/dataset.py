@@ -11,7 +11,6 @@ state on the same topology, or its share of every old reader's state after a cha
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -165,6 +164,7 @@ class PackedDataset(IterableDataset):
         self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size), validate=True)  # what only nodes check
         self._check_equal_batches()
         self._tokenizer_id = tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
+        self._fingerprints: dict[int, dict[str, Any]] = {}
         self._tracker = PassTracker()
         self._graph: Graph | None = None
         self._pending: Any = None  # a loaded state, or elastic.Pending
@@ -202,13 +202,19 @@ class PackedDataset(IterableDataset):
         """Every setting that changes the stream (compared on load)."""
         if num_workers is None:
             num_workers = current_worker().num_workers
-        mixture = ({"mixture_sources": {n: s.digest for n, s in sorted(self.sources.mixture.items())},
-                    "mixture_weights": self.mixture_weights, "mixture_stop": self.sources.stop}
-                   if self.sources.mixture else {})
-        return {**fingerprint_settings(self.config, self.options), **mixture, "sources": self.sources.digest,
-                "num_sources": len(self.urls), "tokenizer": self._tokenizer_id,
-                "num_stages": len(self.stages), "dp_size": self.dp_size, "dp_rank": self.dp_rank,
-                "num_workers": num_workers}
+        # the settings never change after construction, and StatefulDataLoader asks every worker
+        # for its state after every batch: made once (85 µs a time, ~2% of a batch of 8 x 4096
+        # pre-tokenized tokens), handed out as a copy
+        made = self._fingerprints.get(num_workers)
+        if made is None:
+            mixture = ({"mixture_sources": {n: s.digest for n, s in sorted(self.sources.mixture.items())},
+                        "mixture_weights": self.mixture_weights, "mixture_stop": self.sources.stop}
+                       if self.sources.mixture else {})
+            made = self._fingerprints[num_workers] = {
+                **fingerprint_settings(self.config, self.options), **mixture, "sources": self.sources.digest,
+                "num_sources": len(self.urls), "tokenizer": self._tokenizer_id, "num_stages": len(self.stages),
+                "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_workers": num_workers}
+        return _copied(made)
 
     def filler(self) -> PackedBatch:
         """A batch of the stream's shape that trains nothing (what ``sync_batches`` feeds a rank
@@ -340,22 +346,29 @@ class PackedDataset(IterableDataset):
         return {**self.__dict__, "_graph": None}
 
 
+def _copied(value: Any) -> Any:
+    """``value`` with its dicts and lists copied (what a caller may change in place)."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return [_copied(v) for v in value] if isinstance(value, list) else value
+
+
 _settled_pid = 0
 
 
 def _settle_worker() -> None:
-    """Once per DataLoader worker process, before its graph is built.
+    """Once per DataLoader worker process, before its graph is built: small tensors of the
+    per-batch state deltas travel by value (:func:`streampack.layout.transfer.inline_small_tensors`).
 
-    ``gc.freeze()``: everything the worker inherited from the training process (torch's modules
-    and the objects of the trainer: ~10^5-10^6 of them) moves to the collector's permanent
-    generation, so the worker's full collections no longer walk them -- nor write their headers,
-    which copied their pages out of the parent's (what the ``gc.freeze`` docs recommend for a
-    forked worker). Small tensors of the per-batch state deltas travel by value
-    (:func:`streampack.layout.transfer.inline_small_tensors`)."""
+    Not done, measured: ``gc.freeze()`` of what the worker inherited (the ``gc`` docs' advice for
+    forked workers) made the workers *slower*, 7.95 against 5.67 ms of worker CPU per batch (tar,
+    4 M tokens, 2 workers, 16-core machine; ``benchmarks/profile_workers.py``, variant
+    ``no-freeze``): with the ~175k inherited objects out of its count, the collector runs full
+    collections over the worker's own window of samples far more often, and the page faults it
+    was to save did not change (11.6k against 11.7k per worker)."""
     global _settled_pid
     if _settled_pid != os.getpid():
         _settled_pid = os.getpid()
-        gc.freeze()
         transfer.inline_small_tensors()
 
 

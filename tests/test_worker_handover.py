@@ -73,16 +73,24 @@ def test_batches_and_resume_are_the_same_as_with_torchs_reduction(shards, monkey
     assert all(torch.equal(a, b) for a, b in zip(head + rest, fresh)) and len(head) + len(rest) == len(fresh)
 
 
-def test_settling_a_worker_freezes_the_inherited_objects_and_inlines_small_tensors(monkeypatch) -> None:
+def test_settling_a_worker_inlines_small_tensors_once(monkeypatch) -> None:
     saved = ForkingPickler._extra_reducers.get(torch.Tensor)
     monkeypatch.setattr(dataset_mod, "_settled_pid", 0)
     try:
         dataset_mod._settle_worker()
-        assert gc.get_freeze_count() > 1000
-        assert ForkingPickler._extra_reducers[torch.Tensor] is not saved
-        frozen = gc.get_freeze_count()
-        dataset_mod._settle_worker()  # once per process
-        assert gc.get_freeze_count() == frozen
+        mine = ForkingPickler._extra_reducers[torch.Tensor]
+        assert mine is not saved
+        # not gc.freeze(): measured, it made the workers' collector run full collections more often
+        assert gc.get_freeze_count() == 0
     finally:
-        gc.unfreeze()
         ForkingPickler._extra_reducers[torch.Tensor] = saved
+
+
+def test_fingerprint_is_made_once_and_handed_out_as_a_copy(shards) -> None:
+    ds = PackedDataset(shards, capacity=2048)
+    first = ds.fingerprint(2)
+    first["limits"]["max_line_bytes"] = -1
+    first["seed"] = -1
+    again = ds.fingerprint(2)
+    assert again["seed"] == 0 and again["limits"]["max_line_bytes"] != -1 and again["num_workers"] == 2
+    assert ds.fingerprint(0)["num_workers"] == 0

@@ -29,17 +29,14 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import weakref
 from dataclasses import dataclass
-
-import numpy as np
-
 MAX_SLOTS = 64
 """Slots a process may have in flight (not yet released by their receivers); typical use holds
 ``prefetch_factor`` + 2 per worker (queued batches, the one the loop holds, the next one)."""
 MAX_BYTES = 4 << 30
 """Bytes of slots a process may hold in all."""
-_TICKET = struct.Struct("<II")  # slot index, generation
+TICKET = struct.Struct("<II")
+"""A release: slot index, generation."""
 _PAGE = mmap.PAGESIZE
 
 
@@ -78,7 +75,7 @@ class _Ring:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.pipe_id = _file_id(self.write_fd)
+        self.pipe_id = identity(self.write_fd)
         self.slots: list[_Slot] = []
 
     def drain(self) -> None:
@@ -89,7 +86,7 @@ class _Ring:
                 return
             if not data:
                 return
-            for slot, generation in _TICKET.iter_unpack(data[: len(data) - len(data) % _TICKET.size]):
+            for slot, generation in TICKET.iter_unpack(data[: len(data) - len(data) % TICKET.size]):
                 s = self.slots[slot] if slot < len(self.slots) else None
                 if s is not None and s.busy and s.generation == generation:
                     s.busy = False
@@ -117,7 +114,7 @@ class _Ring:
         size = -(-nbytes // _PAGE) * _PAGE
         fd = os.memfd_create("streampack-batch", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
-        slot = _Slot(fd=fd, file_id=_file_id(fd), size=size, memory=mmap.mmap(fd, size))
+        slot = _Slot(fd=fd, file_id=identity(fd), size=size, memory=mmap.mmap(fd, size))
         idle = [i for i, s in enumerate(self.slots) if not s.busy]
         if not idle:
             self.slots.append(slot)
@@ -166,36 +163,6 @@ def take(nbytes: int) -> tuple[SlotRef, mmap.mmap] | None:
     return _ring.take(nbytes)
 
 
-def attach(ref: SlotRef) -> np.ndarray:
-    """The slot's bytes in this process: a writable uint8 array over a mapping of the sender's
-    memfd. When the array (and every tensor made from it) is freed, the slot goes back."""
-    fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDWR | os.O_CLOEXEC)
-    try:
-        if _file_id(fd) != ref.file_id:
-            raise RuntimeError(f"batch slot of process {ref.pid} is gone (its fd {ref.fd} names another file)")
-        mapped = mmap.mmap(fd, ref.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-    array = np.frombuffer(mapped, dtype=np.uint8)
-    done = weakref.finalize(array, _release, ref.pid, ref.pipe_fd, ref.pipe_id, _TICKET.pack(ref.slot, ref.generation))
-    done.atexit = False
-    return array
-
-
-def _release(pid: int, pipe_fd: int, pipe_id: tuple[int, int], ticket: bytes) -> None:
-    try:
-        fd = os.open(f"/proc/{pid}/fd/{pipe_fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return  # the sender is gone: its ring went with it
-    try:
-        if _file_id(fd) == pipe_id:
-            os.write(fd, ticket)  # 8 bytes: atomic on a pipe; a full pipe (64 KiB) drops it, the slot stays held
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _file_id(fd: int) -> tuple[int, int]:
+def identity(fd: int) -> tuple[int, int]:
     st = os.fstat(fd)
     return (st.st_dev, st.st_ino)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef, rebuild_storage_filename, reduce_tensor, shared_cache
 
-from streampack.layout import shm_ring
+from streampack.layout import shm_receive, shm_ring
 from streampack.layout.shm_ring import SlotRef
 
 INLINE_BYTES = 1 << 16
@@ -183,7 +183,7 @@ def to_wire(batch: Any) -> Wire | None:
 def from_wire(wire: Wire) -> Any:
     """The batch :func:`to_wire` took apart, every tensor a view of its received storage (the
     storages that came in a slot: views of one storage over the whole slot)."""
-    slot = torch.from_numpy(shm_ring.attach(wire.slot)).untyped_storage() if wire.slot is not None else None
+    slot = torch.from_numpy(shm_receive.attach(wire.slot)).untyped_storage() if wire.slot is not None else None
     storages = [(slot, sent) if isinstance(sent, int) else (_receive_storage(sent), 0) for sent in wire.storages]
     made = []
     for v in wire.views:
