@@ -20,7 +20,9 @@ uninterrupted run delivered.
 
 Variants of this tree (``--variants``) switch one change off, to show what each is worth:
 ``torch-handover`` (no shared-memory ring: every batch in a new torch segment), ``state-by-torch``
-(the state deltas' tensors by torch's reduction) and ``no-freeze`` (no ``gc.freeze`` in workers).
+(the state deltas' tensors by torch's reduction); ``no-snapshot`` is the loader setting
+``snapshot_every_n_steps=10**9`` (the workers send no state with each batch), to show what
+StatefulDataLoader's per-step snapshots cost.
 
     PYTHONPATH=. python benchmarks/profile_workers.py --tokens 4e6,32e6 --rounds 2 \\
         --baseline /work/main --out benchmarks/PROFILE_WORKERS.md
@@ -46,7 +48,8 @@ sys.path.insert(0, str(HERE))
 from profile_workers_tables import epoch_table, phase_table, resume_table  # noqa: E402
 
 CAPACITY, WINDOW, PACKS = 4096, 1024, 8
-VARIANTS = ("baseline", "this", "torch-handover", "state-by-torch", "no-freeze")
+VARIANTS = ("baseline", "this", "torch-handover", "state-by-torch", "no-snapshot")
+SNAPSHOT_EVERY = {"no-snapshot": 10**9}  # StatefulDataLoader's snapshot_every_n_steps (default 1)
 
 
 def _cpu() -> tuple[float, float]:
@@ -71,18 +74,9 @@ def _apply_variant(variant: str) -> None:
     if variant == "torch-handover":
         from streampack.layout import shm_ring
         shm_ring.available = lambda: False
-    elif variant in ("state-by-torch", "no-freeze"):
+    elif variant == "state-by-torch":
         import streampack.dataset as dsmod
-        from streampack.layout import transfer
-
-        def settle() -> None:
-            if dsmod._settled_pid != os.getpid():
-                dsmod._settled_pid = os.getpid()
-                if variant == "state-by-torch":
-                    gc.freeze()
-                else:
-                    transfer.inline_small_tensors()
-        dsmod._settle_worker = settle
+        dsmod._settle_worker = lambda: None
 
 
 def _instrument(record: dict[str, Any], out_dir: str) -> Any:
@@ -119,18 +113,19 @@ def _dataset(urls: list[str]) -> Any:
     return PackedDataset(urls, capacity=CAPACITY, window=WINDOW, epochs=1, seed=0, packs_per_batch=PACKS)
 
 
-def _loader(urls: list[str], workers: int, init: Any = None) -> Any:
+def _loader(urls: list[str], workers: int, init: Any = None, variant: str = "this") -> Any:
     from torchdata.stateful_dataloader import StatefulDataLoader
     return StatefulDataLoader(_dataset(urls), batch_size=None, num_workers=workers,
-                              prefetch_factor=8 if workers else None, worker_init_fn=init)
+                              prefetch_factor=8 if workers else None, worker_init_fn=init,
+                              snapshot_every_n_steps=SNAPSHOT_EVERY.get(variant, 1))
 
 
-def child_epoch(urls: list[str], workers: int) -> dict[str, Any]:
+def child_epoch(urls: list[str], workers: int, variant: str) -> dict[str, Any]:
     out_dir = tempfile.mkdtemp()
     init = _instrument({}, out_dir) if workers else None
     gc.collect()
     c0, t0 = _cpu(), time.perf_counter()
-    loader = _loader(urls, workers, init)
+    loader = _loader(urls, workers, init, variant)
     c1 = _cpu()
     it = iter(loader)
     c2 = _cpu()
@@ -208,7 +203,7 @@ def child_main(args: argparse.Namespace) -> int:
     _apply_variant(args.variant)
     urls = _urls(args.dir, args.tokens, args.fmt)
     if args.child == "epoch":
-        result = child_epoch(urls, args.workers)
+        result = child_epoch(urls, args.workers, args.variant)
     elif args.child == "save":
         result = child_save(urls, args.workers, args.state)
     else:
