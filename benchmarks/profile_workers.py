@@ -10,9 +10,10 @@ best of its rounds (a busy spell on a shared machine only ever slows a run down)
 and ``bench_loaders.py`` use it. Total CPU = ``RUSAGE_SELF`` + ``RUSAGE_CHILDREN`` once the
 workers are joined. The training process's CPU is split into construction, ``iter()`` (forking the
 workers and waiting for their start-up acks), the batches, and teardown. Each worker writes at
-exit: its CPU at ``worker_init_fn`` (fork and torch's worker bootstrap), when its graph is built,
-at its first and last batch and at exit, the CPU of each of its threads (``python``: the
-pipeline; ``QueueFeederThread``: pickling and the hand-over) and its minor page faults.
+exit: its CPU at ``worker_init_fn`` (fork and torch's worker bootstrap), at its first batch (graph
+built, initial state sent, window filled) and its last, and at exit; the CPU of its main thread
+(the pipeline) and of its other threads (the queue feeder thread: pickling and the hand-over);
+its minor page faults.
 
 ``resume``: a state saved 80% into the epoch (a separate child) is ``torch.load``-ed in a
 fresh child; seconds from there to the first batch, and whether it is the batch the
@@ -75,8 +76,8 @@ def _apply_variant(variant: str) -> None:
         from streampack.layout import shm_ring
         shm_ring.available = lambda: False
     elif variant == "state-by-torch":
-        import streampack.dataset as dsmod
-        dsmod._settle_worker = lambda: None
+        from streampack.layout import transfer
+        transfer.settle_worker = lambda: None
 
 
 def _instrument(record: dict[str, Any], out_dir: str) -> Any:
@@ -89,7 +90,6 @@ def _instrument(record: dict[str, Any], out_dir: str) -> Any:
     run = dsmod.PackedDataset._run
 
     def timed_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        record["graph_ready"] = cpu()
         for i, batch in enumerate(run(self, *args, **kwargs)):
             if i == 0:
                 record["first_batch"] = cpu()
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tokens = float(args.tokens)
         return child_main(args)
     variants = args.variants.split(",")
-    if "baseline" in variants and not args.baseline:
+    if "baseline" in variants and not args.baseline and not args.from_raw:
         parser.error("the baseline variant needs --baseline DIR")
     if args.from_raw:
         got = _from_raw(args.from_raw)

@@ -38,9 +38,9 @@ def phase_table(epochs: dict[tuple, list[dict[str, Any]]], fmts: list[str], size
                 variants: list[str]) -> str:
     """Per process and phase, the best 2-worker run of each case (worker columns: both workers summed)."""
     head = ("| shards | tokens | variant | main: build ds | main: iter() | main ms/batch | main: teardown | "
-            "workers: fork to init | init to graph | graph to 1st batch | workers ms/batch (all threads) | "
+            "workers: fork to init | init to 1st batch | workers ms/batch (all threads) | "
             "of which feeder thread ms/batch | page faults per worker | fixed extra CPU-s | extra ms/batch |")
-    lines = [head, "|---|---:|---|" + "---:|" * 12]
+    lines = [head, "|---|---:|---|" + "---:|" * 11]
     for fmt in fmts:
         for variant in variants:
             fit = _fixed_per_batch([(_best(epochs.get((fmt, t, variant, 0), []), _total),
@@ -50,12 +50,12 @@ def phase_table(epochs: dict[tuple, list[dict[str, Any]]], fmts: list[str], size
                 if r is None or not r["workers"]:
                     continue
                 ws, n = r["workers"], r["batches"]
-                s = {k: sum(w.get(k, 0.0) for w in ws) for k in ("init", "graph_ready", "first_batch", "last_batch")}
+                s = {k: sum(w.get(k, 0.0) for w in ws) for k in ("init", "first_batch", "last_batch")}
                 feeder = sum(w["threads"]["other"] for w in ws)
                 lines.append(
                     f"| {fmt} | {tokens / 1e6:.0f} M | {variant} | {r['construct']:.3f} | {r['iter']:.3f} | "
                     f"{1e3 * r['loop'] / n:.2f} | {r['teardown']:.3f} | {s['init']:.3f} | "
-                    f"{s['graph_ready'] - s['init']:.3f} | {s['first_batch'] - s['graph_ready']:.3f} | "
+                    f"{s['first_batch'] - s['init']:.3f} | "
                     f"{1e3 * (s['last_batch'] - s['first_batch']) / n:.2f} | {1e3 * feeder / n:.2f} | "
                     f"{sum(w['minflt'] for w in ws) // len(ws):,} | {fit[0]:.2f} | {fit[1]:.2f} |")
     return "\n".join(lines)

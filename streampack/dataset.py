@@ -11,7 +11,7 @@ state on the same topology, or its share of every old reader's state after a cha
 from __future__ import annotations
 
 import dataclasses
-import os
+import multiprocessing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -283,8 +283,8 @@ class PackedDataset(IterableDataset):
             if saved["worker_id"] != here.id or saved["dp_rank"] != self.dp_rank:
                 raise ValueError(f"state of dp_rank={saved['dp_rank']} worker_id={saved['worker_id']} "
                                  f"loaded into dp_rank={self.dp_rank} worker_id={here.id}")
-        if here.num_workers > 0:
-            _settle_worker()
+        if here.num_workers > 0 and multiprocessing.parent_process() is not None:  # a worker process
+            transfer.settle_worker()
         resume = state[PASSES_KEY] if state is not None else (pending.left.passes if share is not None else None)
         self._pass = self._tracker.begin(here.id, in_worker_process=here.num_workers > 0, resume=resume)
         self._graph = self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size, worker_id=here.id,
@@ -351,25 +351,6 @@ def _copied(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _copied(v) for k, v in value.items()}
     return [_copied(v) for v in value] if isinstance(value, list) else value
-
-
-_settled_pid = 0
-
-
-def _settle_worker() -> None:
-    """Once per DataLoader worker process, before its graph is built: small tensors of the
-    per-batch state deltas travel by value (:func:`streampack.layout.transfer.inline_small_tensors`).
-
-    Not done, measured: ``gc.freeze()`` of what the worker inherited (the ``gc`` docs' advice for
-    forked workers) made the workers *slower*, 7.95 against 5.67 ms of worker CPU per batch (tar,
-    4 M tokens, 2 workers, 16-core machine; ``benchmarks/profile_workers.py``, variant
-    ``no-freeze``): with the ~175k inherited objects out of its count, the collector runs full
-    collections over the worker's own window of samples far more often, and the page faults it
-    was to save did not change (11.6k against 11.7k per worker)."""
-    global _settled_pid
-    if _settled_pid != os.getpid():
-        _settled_pid = os.getpid()
-        transfer.inline_small_tensors()
 
 
 def _agreement(dp_group: Any, dp_rank: int, dp_size: int) -> Any:

@@ -11,9 +11,8 @@ import torch.multiprocessing.reductions as reductions
 from node_checks import write_token_shards
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-import streampack.dataset as dataset_mod
 from streampack.dataset import PackedDataset
-from streampack.layout import shm_ring
+from streampack.layout import shm_ring, transfer
 from streampack.options import PackOptions
 from streampack.state import load_loader_state
 
@@ -64,7 +63,7 @@ def test_batches_and_resume_are_the_same_as_with_torchs_reduction(shards, monkey
     head, state = epoch(stop=5)
     with monkeypatch.context() as m:  # the old hand-over, in the workers too (forked after this)
         m.setattr(shm_ring, "available", lambda: False)
-        m.setattr(dataset_mod, "_settle_worker", lambda: None)
+        m.setattr(transfer, "settle_worker", lambda: None)
         old, _ = epoch()
     assert len(fresh) == len(old) and all(torch.equal(a, b) for a, b in zip(fresh, old))
     loader = _loader(shards)
@@ -73,17 +72,36 @@ def test_batches_and_resume_are_the_same_as_with_torchs_reduction(shards, monkey
     assert all(torch.equal(a, b) for a, b in zip(head + rest, fresh)) and len(head) + len(rest) == len(fresh)
 
 
-def test_settling_a_worker_inlines_small_tensors_once(monkeypatch) -> None:
+def test_settling_a_worker_process_inlines_small_tensors_once(monkeypatch) -> None:
     saved = ForkingPickler._extra_reducers.get(torch.Tensor)
-    monkeypatch.setattr(dataset_mod, "_settled_pid", 0)
+    ForkingPickler._extra_reducers[torch.Tensor] = reductions.reduce_tensor  # torch's, as in a fresh worker
+    monkeypatch.setattr(transfer, "_settled_pid", 0)
+    frozen = gc.get_freeze_count()
     try:
-        dataset_mod._settle_worker()
+        transfer.settle_worker()
         mine = ForkingPickler._extra_reducers[torch.Tensor]
-        assert mine is not saved
+        assert mine is not reductions.reduce_tensor
         # not gc.freeze(): measured, it made the workers' collector run full collections more often
-        assert gc.get_freeze_count() == 0
+        assert gc.get_freeze_count() == frozen
+        transfer.settle_worker()  # once per process
+        assert ForkingPickler._extra_reducers[torch.Tensor] is mine
     finally:
         ForkingPickler._extra_reducers[torch.Tensor] = saved
+
+
+def test_a_simulated_worker_in_this_process_changes_nothing_process_wide(shards) -> None:
+    """Tests simulate DataLoader workers in-process (``topology_sim``): only a worker *process*
+    sends its small tensors by value."""
+    from torch.utils.data._utils import worker as torch_worker
+
+    before = ForkingPickler._extra_reducers.get(torch.Tensor)
+    ds = PackedDataset(shards, capacity=2048, epochs=1)
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=0, num_workers=2, seed=0, dataset=ds)
+    try:
+        next(iter(ds))
+    finally:
+        torch_worker._worker_info = None
+    assert ForkingPickler._extra_reducers.get(torch.Tensor) is before
 
 
 def test_fingerprint_is_made_once_and_handed_out_as_a_copy(shards) -> None:

@@ -54,7 +54,11 @@ def attach(ref: SlotRef) -> np.ndarray:
 
 
 def _map(ref: SlotRef) -> mmap.mmap:
-    fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDWR | os.O_CLOEXEC)
+    except PermissionError as e:
+        raise RuntimeError(f"cannot open the batch slot of process {ref.pid} through /proc ({e}): set "
+                           f"STREAMPACK_SHM_RING=0 in the environment to hand batches over without slots") from e
     try:
         if identity(fd) != ref.file_id:
             raise RuntimeError(f"batch slot of process {ref.pid} is gone (its fd {ref.fd} names another file)")

@@ -20,8 +20,10 @@ pipe, and the receiver checks them on the file it opened before mapping or writi
 when a process dies: a memfd has no name; it lives while an fd or a mapping holds it. One send is
 received once (as with torch's own sharing: its descriptor is handed out once).
 
-Linux only (``memfd_create`` and ``/proc``); :func:`available` is False elsewhere, and when this
-process cannot open its own ``/proc/self/fd`` entries.
+Linux only (``memfd_create`` and ``/proc``); :func:`available` is False elsewhere, when this
+process cannot open its own ``/proc/self/fd`` entries, and with ``STREAMPACK_SHM_RING=0`` in the
+environment (for a system where the training process may not open its workers' ``/proc`` entries:
+the receiver then fails naming this variable).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass
 MAX_SLOTS = 64
 """Slots a process may have in flight (not yet released by their receivers); typical use holds
@@ -77,6 +80,7 @@ class _Ring:
         self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.pipe_id = identity(self.write_fd)
         self.slots: list[_Slot] = []
+        self.lock = threading.Lock()  # batches are pickled in the queue's feeder thread, or anywhere
 
     def drain(self) -> None:
         while True:
@@ -92,6 +96,10 @@ class _Ring:
                     s.busy = False
 
     def take(self, nbytes: int) -> tuple[SlotRef, mmap.mmap] | None:
+        with self.lock:
+            return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> tuple[SlotRef, mmap.mmap] | None:
         self.drain()
         free = [i for i, s in enumerate(self.slots) if not s.busy and s.size >= nbytes]
         if free:
@@ -139,7 +147,7 @@ def available() -> bool:
     global _available
     if _available is None:
         _available = False
-        if hasattr(os, "memfd_create") and hasattr(os, "pipe2"):
+        if hasattr(os, "memfd_create") and hasattr(os, "pipe2") and os.environ.get("STREAMPACK_SHM_RING") != "0":
             try:
                 fd = os.memfd_create("streampack-probe", os.MFD_CLOEXEC)
                 try:

@@ -30,6 +30,7 @@ Only the queue between processes uses this (``ForkingPickler.register``); ``pick
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
@@ -238,6 +239,25 @@ def inline_small_tensors() -> None:
     ~0.6-60 KB inside the pickle. A tensor already in shared memory (shared on purpose) keeps
     torch's reduction, so sharing it still shares it."""
     ForkingPickler.register(torch.Tensor, _reduce_small_tensor)
+
+
+_settled_pid = 0
+
+
+def settle_worker() -> None:
+    """Once per DataLoader worker process (``PackedDataset.__iter__`` calls it before building its
+    graph): small tensors of the per-batch state deltas travel by value (:func:`inline_small_tensors`).
+
+    Not done, measured: ``gc.freeze()`` of what the worker inherited (the ``gc`` docs' advice for
+    forked workers) made the workers *slower*, 7.95 against 5.67 ms of worker CPU per batch (tar,
+    4 M tokens, 2 workers, 16-core machine; ``benchmarks/PROFILE.md``): with the ~175k inherited
+    objects out of its count, the collector runs full collections over the worker's own window of
+    samples far more often, and the page faults it was to save did not change (11.6k against 11.7k
+    per worker)."""
+    global _settled_pid
+    if _settled_pid != os.getpid():
+        _settled_pid = os.getpid()
+        inline_small_tensors()
 
 
 def register(cls: type) -> None:
