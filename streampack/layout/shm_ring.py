@@ -6,7 +6,8 @@ to start: 0.25-1.4 s of wall time before its first batch on the 2-core box), a n
 pages faulted in and zeroed, a copy, and on the receiving side a new mapping and an unlink.
 Here a process keeps a *ring* of slots -- one anonymous ``memfd`` each, mapped once, so its pages
 are faulted in once -- and copies a batch's large storages into a free slot (one slot per batch).
-The receiver maps the slot through ``/proc/<pid>/fd/<fd>`` (no socket, no handshake, no manager)
+The receiver maps the slot through ``/proc/<pid>/fd/<fd>`` (no socket, no handshake, no manager;
+it keeps the mapping for the slot's next batch: :mod:`streampack.layout.shm_receive`)
 and views the batch's tensors in it; when the last of them is freed, it writes the slot's ticket
 into the sender's *release pipe*. The sender reads that pipe before taking a slot, so a slot comes
 back only after the receiver dropped every tensor viewing it: a batch the trainer still holds --

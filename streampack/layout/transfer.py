@@ -9,18 +9,24 @@ CPU on the handshake: profiled with 2 workers and batches of 8 x 4096 tokens (tw
 batch), ``rebuild_storage_fd`` took 0.9 s of the training process's 2.1 s for a 5 M-token epoch.
 
 :func:`reduce_batch` sends each distinct storage of a batch once: a small one (the int32
-offsets, up to ``INLINE_BYTES``) inside the pickle, a large one (the ``[3, T]`` int64 rows) through
-torch's own ``file_system`` sharing for that one storage -- a *named* segment the receiver opens
-by name, with no socket and no wait on the worker; torch's ``torch_shm_manager`` unlinks it if a
-process dies first. The process-wide strategy is left alone. :func:`from_wire` re-creates every
-tensor as a view of its received storage: views that shared a storage still share one
+offsets, up to ``INLINE_BYTES``) inside the pickle, the large ones (the ``[3, T]`` int64 rows,
+extras) copied together into one reused slot of the sending process's shared-memory ring
+(:mod:`streampack.layout.shm_ring`), which the receiver keeps mapped and gives back when it frees
+the batch (:mod:`streampack.layout.shm_receive`). Without a free slot (not Linux, or 64 batches
+still held by the receiver) a large storage goes through torch's own ``file_system`` sharing for
+that one storage -- a *named* segment the receiver opens by name, with no socket and no wait on
+the worker. The process-wide strategy is left alone. :func:`from_wire` re-creates every tensor as a
+view of its received storage: views that shared a storage still share one
 (``input_ids``/``labels``/``position_ids``), and a tensor named by two fields stays one object
 (``varlen_cu_seqlens_bidirectional is varlen_cu_seqlens`` with ``align == 1``).
 
-Measured (``benchmarks/profile_pipeline.py``, hand-over table; the same epoch, both reducers in one
-run on the loaded 2-core box, 4 M tokens): 2 workers cost 2.62x the CPU of the in-process epoch
-with torch's reduction and 1.65x with this one on tar (parquet: 2.04x -> 1.24x); per batch, the
-training process 5.3 -> 3.6 ms and the workers 19.5 -> 12.1 ms.
+Measured (``benchmarks/PROFILE.md``; 16-core machine, 2 workers, 8 x 4096-token batches, tar):
+per batch, the workers 7.1-8.8 ms with a named segment per batch -> 5.6-6.7 ms with the ring,
+their page faults 28k-135k per worker (growing with the epoch) -> 13-15k, the first batch 0.52 ->
+0.15 s (no ``torch_shm_manager`` to start); the hand-over alone (``benchmarks/bench_transfer.py``,
+one worker) 5.0 ms of CPU per batch with torch's default, 3.8 with named segments, 2.9 with the ring.
+In a worker, :func:`settle_worker` also sends the small tensors of StatefulDataLoader's per-batch
+state deltas by value (0.5 ms of worker CPU per batch).
 
 Only the queue between processes uses this (``ForkingPickler.register``); ``pickle`` and
 ``torch.save`` are untouched. A batch holding a tensor that is not a plain dense CPU tensor
