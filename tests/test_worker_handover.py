@@ -134,3 +134,17 @@ def test_snapshots_every_few_steps_still_resume_exactly(shards) -> None:
     load_loader_state(resumed, state)
     rest = [b.input_ids.clone() for b in resumed]
     assert len(head) + len(rest) == len(fresh) and all(torch.equal(a, b) for a, b in zip(head + rest, fresh))
+
+
+@pytest.mark.slow  # four 2-worker passes: ~1-2 s
+def test_persistent_workers_over_two_passes_keep_every_held_batch(shards) -> None:
+    """Persistent workers keep their rings across passes; every batch the loop holds (all of them
+    here) keeps its own bytes, and the passes are those of fresh workers."""
+    def passes(persistent: bool) -> list[torch.Tensor]:
+        ds = PackedDataset(shards, capacity=2048, packs_per_batch=2, epochs=1, seed=1, packing=PackOptions(window=16))
+        loader = StatefulDataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+        held = [b for _ in range(2) for b in loader]  # the batches themselves, not copies
+        return [b.input_ids for b in held]
+
+    kept, fresh = passes(True), passes(False)
+    assert len(kept) == len(fresh) > 20 and all(torch.equal(a, b) for a, b in zip(kept, fresh))
