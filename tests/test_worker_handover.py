@@ -148,3 +148,15 @@ def test_persistent_workers_over_two_passes_keep_every_held_batch(shards) -> Non
 
     kept, fresh = passes(True), passes(False)
     assert len(kept) == len(fresh) > 20 and all(torch.equal(a, b) for a, b in zip(kept, fresh))
+
+
+@pytest.mark.slow  # spawned workers import torch: several seconds
+@pytest.mark.skipif(not shm_ring.available(), reason="needs memfd_create and /proc (Linux)")
+def test_spawned_workers_hand_batches_over_the_same_way(shards, monkeypatch) -> None:
+    calls = _counting(monkeypatch)
+    ds = PackedDataset(shards, capacity=2048, packs_per_batch=2, epochs=1, seed=1, packing=PackOptions(window=16))
+    spawned = [b.input_ids.clone() for b in StatefulDataLoader(ds, batch_size=None, num_workers=2,
+                                                               multiprocessing_context="spawn")]
+    forked = [b.input_ids.clone() for b in _loader(shards)]
+    assert len(spawned) == len(forked) and all(torch.equal(a, b) for a, b in zip(spawned, forked))
+    assert calls == {"rebuild_storage_fd": 0, "rebuild_storage_filename": 0}
