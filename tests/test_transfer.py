@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np

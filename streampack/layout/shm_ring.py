@@ -34,6 +34,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
+
 MAX_SLOTS = 64
 """Slots a process may have in flight (not yet released by their receivers); typical use holds
 ``prefetch_factor`` + 2 per worker (queued batches, the one the loop holds, the next one)."""
