@@ -30,6 +30,7 @@ graph's state like any other.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,12 @@ from streampack.errors import ErrorCounter
 from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
+from streampack.io.token_block import block_format
 from streampack.layout.batch import PackedBatch
 from streampack.media.node import DecodeImages
 from streampack.media.stage import ExpandImages
+from streampack.nodes.block_reader import BlockReader
+from streampack.nodes.chunker import ChunkNode
 from streampack.nodes.collate import ThdCollate
 from streampack.nodes.cost_seed import sample_lengths, seed_counts
 from streampack.nodes.epoch_plan import Agree, Counting, EpochPlanner, chunk_lengths
@@ -54,6 +58,10 @@ from streampack.nodes.packed_reader import PackedShardReader
 from streampack.nodes.quota import LateQuota
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.replay import Replayer, ReplaySpec
+from streampack.nodes.row_collate import RowCollate
+from streampack.nodes.row_packer import RowPacker
+from streampack.nodes.row_replay import RowReplay
+from streampack.nodes.rows import BlockStore
 from streampack.nodes.sharding import Span
 from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
@@ -106,16 +114,19 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
                   work: list[Span] | None = None, keep_work: bool = False,
                   io_stats: IOStats | None = None,
                   identities: Mapping[int, Any] | None = None,
-                  manifest: Manifest | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
+                  manifest: Manifest | None = None, blocks: bool = False) -> tuple[BaseNode[Sample], dict[str, Any]]:
     """The sample half of the graph: reader(s) -> [mixture] -> [tokenize] -> [stages].
     ``epoch`` reads that one epoch (``work``: its spans) instead of the pass's epochs;
-    ``manifest`` is what planned them (the reader checks its shards and its state against it)."""
+    ``manifest`` is what planned them (the reader checks its shards and its state against it);
+    ``blocks``: the readers are :class:`~streampack.nodes.block_reader.BlockReader` s (the
+    contiguous path)."""
     errors = errors if errors is not None else ErrorCounter()
     io_stats = io_stats if io_stats is not None else IOStats()
     open_options = options.open_options()
     wrap = _wrapper(around)
     end, start = _epochs(config, place) if epoch is None else (epoch + 1 if config.epochs else None, epoch)
-    readers = {name: ShardReader(
+    reader_class = BlockReader if blocks else ShardReader
+    readers = {name: reader_class(
         shards, seed=config.seed, shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank,
         dp_size=place.dp_size, worker_id=place.worker_id, num_workers=place.num_workers,
         tokens_key=options.tokens_key, text_key=options.text_key, labels_key=options.labels_key,
@@ -192,6 +203,7 @@ class _Builder:
         # 2.8 s of a 5.9 s epoch of 60,000 samples in 8 tar shards, benchmarks/bench_pipeline.py)
         self.needs_plan = (sources.shards is not None and not sources.mixture and sources.packed is None
                            and (place.global_workers > 1 or self.counting is not None))
+        self.contiguous = contiguous_path(config, sources, options, tokenizer, self.stages, around)
 
     @property
     def planner(self) -> EpochPlanner:
@@ -209,7 +221,8 @@ class _Builder:
             node, nodes, quota = self._packed(epoch, share)
         else:
             node, nodes, quota = self._samples(epoch, share, planned, info)
-        node = nodes["collate"] = ThdCollate(
+        collate = RowCollate if self.contiguous and self.sources.packed is None else ThdCollate
+        node = nodes["collate"] = collate(
             node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.topology.align,
             pad_id=config.packing.pad_id, ignore_index=config.packing.ignore_index, num_batches=quota,
             surplus_hint=_SURPLUS_HINT if config.topology.batches_per_epoch is None else "raise batches_per_epoch",
@@ -262,7 +275,10 @@ class _Builder:
                                     work=work, keep_work=share is not None, io_stats=self.io_stats,
                                     identities=None if share is None else share.identities,
                                     manifest=self.planner.shards if epoch is not None and (
-                                        (self.needs_plan and planned) or share is not None) else None)
+                                        (self.needs_plan and planned) or share is not None) else None,
+                                    blocks=self.contiguous)
+        if self.contiguous:
+            return self._rows(node, nodes, share), nodes, quota
         replayer = self._replayer(nodes)
         pack = config.packing
         node = nodes["overlong"] = OverlongNode(node, config.capacity, pack.overlong,
@@ -278,6 +294,17 @@ class _Builder:
             node = nodes["decode_images"] = DecodeImages(node, config.media, on_error=self.options.on_error,
                                                          errors=self.errors)
         return node, nodes, quota
+
+    def _rows(self, reader: BaseNode[Any], nodes: dict[str, Any], share: Share | None) -> BaseNode[Any]:
+        """The contiguous path after the reader: ChunkNode -> RowPacker (see :func:`contiguous_path`)."""
+        config, pack, store = self.config, self.config.packing, BlockStore()
+        replay = RowReplay(self._replay_spec(nodes), store)
+        node = nodes["overlong"] = ChunkNode(reader, config.capacity, pack.overlong, replay=replay.chunks, store=store)
+        node = nodes["packer"] = RowPacker(
+            node, capacity=config.capacity, window=pack.window, algorithm=pack.algorithm, align=config.topology.align,
+            seed=packer_seed(config, self.place), max_wait=pack.max_wait, slack=pack.slack, shuffle=config.shuffle,
+            replay=replay, store=store, carry=None if share is None else share.carry)
+        return node
 
     def _balance(self) -> dict[str, Any]:
         """The packer's balance arguments: an epoch continues the previous epoch's schedule
@@ -337,17 +364,41 @@ class _Builder:
     def _replayer(self, nodes: Mapping[str, Any]) -> Replayer | None:
         if not replayable(self.stages):
             return None
+        return Replayer(self._replay_spec(nodes))
+
+    def _replay_spec(self, nodes: Mapping[str, Any]) -> ReplaySpec:
         config, options = self.config, self.options
         encoder = nodes["tokenize"].encoder if "tokenize" in nodes else None
-        return Replayer(ReplaySpec(
+        return ReplaySpec(
             sources=self.sources.lists, decode=dataclasses.replace(options.decode(), media=config.media),  # re-read as first read
             opts=options.open_options(), encoder=encoder,
             stages=list(self.stages), max_len=config.capacity, policy=config.packing.overlong,
-            verify=lambda source, shard: nodes["readers"][source].verify_shard(shard)))
+            verify=lambda source, shard: nodes["readers"][source].verify_shard(shard))
 
 _SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than the data made: samples "
                  "were skipped (on_error='skip') or a stage changed lengths; pass batches_per_epoch, or "
                  "equal_batches='sync' with streampack.sync_batches in the training loop")
+
+
+CONTIGUOUS_ENV = "STREAMPACK_CONTIGUOUS"
+"""Environment variable: ``0`` turns the contiguous fast path off (every stream then runs the
+per-sample path; the batches and states are the same either way)."""
+
+
+def contiguous_path(config: StreamConfig, sources: Sources, options: ReadOptions, tokenizer: Any,
+                    stages: Sequence[Any], around: Mapping[str, Wrap] | None) -> bool:
+    """Whether a reader's graph runs the contiguous fast path (``BlockReader -> ChunkNode ->
+    RowPacker -> RowCollate``, :mod:`streampack.nodes.rows`) instead of the per-sample one: one
+    source of pre-tokenized tar / parquet shards (no tokenizer, no mixture, no ``streampack pack``
+    directory), no user stage, no media, no cost-balanced emission, no labels or loss-mask
+    field, and no torchdata node wrapped around a stage before the collate. Every overlong
+    policy is supported. It yields the per-sample path's batches and states, batch for batch
+    (``tests/test_contiguous.py``); what it cannot read as blocks it reads per sample."""
+    if os.environ.get(CONTIGUOUS_ENV, "1") == "0" or sources.shards is None or sources.mixture:
+        return False
+    return (sources.packed is None and tokenizer is None and not stages and config.media is None
+            and config.cost.balance is None and options.labels_key is None and options.loss_mask_key is None
+            and not set(around or {}) - {"collate"} and all(block_format(u) for u in sources.shards.urls))
 
 
 def make_planner(config: StreamConfig, sources: Sources, place: Placement, options: ReadOptions,

@@ -131,18 +131,25 @@ class ThdCollate(BaseNode[PackedBatch]):
                                      f"num_batches={quota} (its rank would step more often than the others); "
                                      f"{self.surplus_hint}")
                 raise StopIteration
-        real = packs[:]
         missing = self.packs_per_batch - len(packs)
         if missing:
             self._count_fillers(whole=not packs, missing=missing)
-            packs += [filler_pack(self.capacity, self.pad_id)] * missing
-        batch = pack_batch(packs, capacity=self.capacity, align=self.align,
-                           pad_id=self.pad_id, ignore_index=self.ignore_index)
+        batch = self._layout(packs, missing)
         self._yielded += 1
         self.counters["batches"] += 1
         if self.late is not None:
             self.late.start()  # after the first batch: counting reads no index before it
-        return self._with_stats(batch, real, time.perf_counter() - started)
+        return self._with_stats(batch, self._lengths(packs), time.perf_counter() - started)
+
+    def _layout(self, real: list[Any], missing: int) -> PackedBatch:
+        """The batch of the ``real`` packs, completed with ``missing`` filler packs."""
+        packs = list(real) + [filler_pack(self.capacity, self.pad_id)] * missing
+        return pack_batch(packs, capacity=self.capacity, align=self.align, pad_id=self.pad_id,
+                          ignore_index=self.ignore_index)
+
+    def _lengths(self, real: list[Any]) -> list[np.ndarray]:
+        """int64 document lengths of each real pack."""
+        return [np.fromiter((len(s) for s in p), dtype=np.int64, count=len(p)) for p in real]
 
     def get_state(self) -> dict[str, Any]:
         # a quota that cannot be recounted after a restore (pinned), or that costs no waiting on
@@ -163,18 +170,19 @@ class ThdCollate(BaseNode[PackedBatch]):
             self.num_batches = self.num_batches.get()
         return self.num_batches
 
-    def _with_stats(self, batch: PackedBatch, real: list[list[Sample]], seconds: float) -> PackedBatch:
-        """Count the batch's real packs into the running totals and attach them; log a slow or
-        first batch. Filler packs are padding: no documents, tokens or slots of data."""
+    def _with_stats(self, batch: PackedBatch, lengths: list[np.ndarray], seconds: float) -> PackedBatch:
+        """Count the batch's real packs (``lengths``: each one's document lengths) into the running
+        totals and attach them; log a slow or first batch. Filler packs are padding: no
+        documents, tokens or slots of data."""
         c = self.counters
         est_cost = None
         if self.cost_model is not None:
-            est_cost = self.cost_model.pack_cost(np.fromiter((len(s) for p in real for s in p), dtype=np.int64))
+            est_cost = self.cost_model.pack_cost(np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
             c["cost"] += est_cost
-        c["packs"] += len(real)
-        c["docs"] += sum(len(p) for p in real)
-        c["tokens"] += sum(len(s) for p in real for s in p)
-        c["slots"] += len(real) * self.capacity
+        c["packs"] += len(lengths)
+        c["docs"] += sum(len(n) for n in lengths)
+        c["tokens"] += sum(int(n.sum()) for n in lengths)
+        c["slots"] += len(lengths) * self.capacity
         c["targets"] += batch.num_targets
         self._build_seconds += seconds
         where = f"rank {self.dp_rank} worker {self.worker_id}"

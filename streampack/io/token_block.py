@@ -1,0 +1,136 @@
+"""A run of pre-tokenized documents read in one piece: one token array, per-document arrays.
+
+The contiguous fast path (``streampack.nodes.block_reader``) reads a shard range as blocks
+instead of one :class:`~streampack.sample.Sample` per document: a :class:`TokenBlock` holds the
+bytes of many documents and says, per document, where its ids sit in one integer array and
+where the sample started in the shard (what a resume state refers to). A document is never
+copied out of the block: the packer moves row numbers, and the collate copies each
+document's ids once, into the batch.
+
+:func:`read_blocks` is the one entry: the blocks of a shard range when its format has a block
+reader (``tar`` with ``.npy`` token members: :mod:`streampack.io.tar_block`; ``parquet`` with an
+integer-list token column: :mod:`streampack.io.parquet_block`), else None. A block reader
+delivers only what the per-sample reader (:func:`~streampack.io.formats.open_range`) would
+deliver as valid samples with nothing to report; it stops (the iterator ends without a block
+whose ``done`` is set) at the first byte it does not judge plain, and the caller reads on with
+the per-sample reader, which raises, counts and skips exactly as it always does. So the error
+contract is the per-sample reader's by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+
+from streampack.io.decode import DecodeOptions
+from streampack.io.formats import ShardRange
+from streampack.io.retry import IOStats
+from streampack.io.storage import OpenOptions
+from streampack.io.urls import shard_format
+from streampack.sample import Sample
+
+BLOCK_FORMATS = ("tar", "parquet")
+"""Formats with a block reader."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class TokenBlock:
+    """``n`` consecutive documents of one shard range.
+
+    Document ``i`` is ``tokens[starts[i]:starts[i] + lengths[i]]``; it was sample number
+    ``numbers[i]`` at position ``offsets[i]`` (tar: its first header's byte offset; parquet: its
+    row), and the sample after it starts at ``next_offsets[i]`` / ``next_numbers[i]``.
+    """
+
+    url: str
+    tokens: np.ndarray
+    """1-D array of native-order integers (int32 for most shards; never copied from the read
+    buffer when the layout allows a view)."""
+    starts: np.ndarray
+    """int64 ``[n]``: element offset of each document in ``tokens``."""
+    lengths: np.ndarray
+    """int64 ``[n]``: token count of each document (>= 1)."""
+    offsets: np.ndarray
+    """int64 ``[n]``."""
+    next_offsets: np.ndarray
+    """int64 ``[n]``."""
+    numbers: np.ndarray
+    """int64 ``[n]``."""
+    next_numbers: np.ndarray
+    """int64 ``[n]``."""
+    done: bool
+    """The range ends with this block's last document (the per-sample reader's ``at_end``)."""
+    key_bytes: bytes = b""
+    """Where tar keys are read from (the block's raw bytes): key ``i`` is
+    ``key_bytes[key_at[i]:key_at[i] + key_len[i]]``; empty: the key is the sample number."""
+    key_at: np.ndarray | None = None
+    key_len: np.ndarray | None = None
+    samples: tuple[Sample, ...] | None = None
+    """The samples themselves, for a block made from the per-sample reader's output (they may
+    carry labels or a loss mask, which the fast layout does not handle)."""
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def key(self, i: int) -> str:
+        """The sample key of document ``i`` (what ``Sample.key`` is on the per-sample path)."""
+        if self.samples is not None:
+            return self.samples[i].key
+        if self.key_at is None:
+            return str(int(self.numbers[i]))
+        at = int(self.key_at[i])
+        return self.key_bytes[at:at + int(self.key_len[i])].decode("utf-8", "surrogateescape")
+
+    def ids(self, i: int) -> np.ndarray:
+        """int64 ids of document ``i`` (a copy)."""
+        s = int(self.starts[i])
+        return self.tokens[s:s + int(self.lengths[i])].astype(np.int64)
+
+    @classmethod
+    def of_samples(cls, samples: list[Sample], *, done: bool) -> TokenBlock:
+        """A block of samples the per-sample reader made (each with its origin)."""
+        lengths = np.array([len(s) for s in samples], dtype=np.int64)
+        starts = np.zeros(len(samples), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        origins = [s.origin for s in samples]
+        assert all(o is not None for o in origins), "samples of a block come from a reader"
+        tokens = np.concatenate([s.tokens for s in samples]) if samples else np.zeros(0, np.int64)
+        return cls(url=samples[0].url if samples else "", tokens=tokens, starts=starts, lengths=lengths,
+                   offsets=np.array([o.offset for o in origins], np.int64),
+                   next_offsets=np.array([o.next_offset for o in origins], np.int64),
+                   numbers=np.array([o.number for o in origins], np.int64),
+                   next_numbers=np.array([o.next_number for o in origins], np.int64),
+                   done=done, samples=tuple(samples))
+
+
+def block_format(url: str) -> bool:
+    """Whether ``url``'s format has a block reader."""
+    try:
+        return shard_format(url) in BLOCK_FORMATS and not url.startswith("pipe:")
+    except ValueError:
+        return False
+
+
+def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions,
+                streams: list[BinaryIO], stats: IOStats | None = None,
+                chunk_bytes: int | None = None) -> Iterator[TokenBlock] | None:
+    """The blocks of ``where`` in ``url`` (see the module docstring), or None when the format
+    has no block reader or the decode options ask for more than token ids (labels, a loss
+    mask, images, pickles: the per-sample reader handles those). Streams opened are appended
+    to ``streams`` (the caller closes them)."""
+    if not block_format(url) or decode.media is not None or decode.labels_key or decode.loss_mask_key:
+        return None
+    if shard_format(url) == "tar":
+        from streampack.io.tar_block import tar_blocks
+
+        return tar_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats,
+                          chunk_bytes=chunk_bytes)
+    from streampack.io.parquet_block import parquet_blocks
+
+    return parquet_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats)
+
+
+__all__ = ["BLOCK_FORMATS", "TokenBlock", "block_format", "read_blocks"]
