@@ -19,26 +19,43 @@ from torchdata.nodes import BaseNode
 
 from streampack.nodes.block_reader import BlockReader, DocRun
 from streampack.nodes.overlong import POLICIES, OverlongCounters, OverlongNode, check_policy
-from streampack.nodes.rows import BlockStore, rows_of
+from streampack.nodes.rows import (
+    BLOCK,
+    CHUNK,
+    CUT,
+    DOC,
+    EPOCH,
+    LENGTH,
+    NEXT_NUMBER,
+    NEXT_OFFSET,
+    NUMBER,
+    OFFSET,
+    SHARD,
+    SOURCE,
+    START,
+    BlockStore,
+    rows_of,
+)
 from streampack.state import samples_from_state, samples_to_state
 
-_LAST = ("source", "shard", "epoch", "offset", "number", "next_offset", "next_number")
+_LAST = [SOURCE, SHARD, EPOCH, OFFSET, NUMBER, NEXT_OFFSET, NEXT_NUMBER]  # OverlongNode.LAST_COLUMNS
 
 
 def base_rows(run: DocRun, k: int, store: BlockStore) -> np.ndarray:
     """The first ``k`` documents of ``run`` as rows (whole documents: chunk -1)."""
     block, lo = run.block, run.lo
-    rows = rows_of(k)
-    rows["length"] = block.lengths[lo:lo + k]
-    rows["source"], rows["shard"], rows["epoch"] = run.source, run.shard, run.epoch
-    rows["offset"] = block.offsets[lo:lo + k]
-    rows["number"] = block.numbers[lo:lo + k]
-    rows["next_offset"] = block.next_offsets[lo:lo + k]
-    rows["next_number"] = block.next_numbers[lo:lo + k]
-    rows["chunk"] = -1
-    rows["block"] = store.add(block)
-    rows["doc"] = np.arange(lo, lo + k)
-    rows["start"] = block.starts[lo:lo + k]
+    rows = np.empty((k, CUT + 1), dtype=np.int64)
+    rows[:, LENGTH] = block.lengths[lo:lo + k]
+    rows[:, SOURCE], rows[:, SHARD], rows[:, EPOCH] = run.source, run.shard, run.epoch
+    rows[:, OFFSET] = block.offsets[lo:lo + k]
+    rows[:, NUMBER] = block.numbers[lo:lo + k]
+    rows[:, NEXT_OFFSET] = block.next_offsets[lo:lo + k]
+    rows[:, NEXT_NUMBER] = block.next_numbers[lo:lo + k]
+    rows[:, CHUNK] = -1
+    rows[:, BLOCK] = store.add(block)
+    rows[:, DOC] = np.arange(lo, lo + k)
+    rows[:, START] = block.starts[lo:lo + k]
+    rows[:, CUT] = 0
     return rows
 
 
@@ -53,22 +70,23 @@ def chunk_counts(lengths: np.ndarray, max_len: int, policy: str) -> np.ndarray:
 
 def expand(rows: np.ndarray, max_len: int, policy: str) -> tuple[np.ndarray, np.ndarray]:
     """``rows`` after the overlong policy (every chunk), and the chunk count of each."""
-    counts = chunk_counts(rows["length"], max_len, policy)
-    over = rows["length"] > max_len
+    lengths = rows[:, LENGTH]
+    counts = chunk_counts(lengths, max_len, policy)
+    over = lengths > max_len
     if not over.any():
         return rows, counts
-    out = np.repeat(rows, counts)
+    out = np.repeat(rows, counts, axis=0)
     mine = np.repeat(over, counts)
     if policy == "truncate":
-        out["chunk"][mine] = 0
-        out["length"][mine] = max_len
+        out[mine, CHUNK] = 0
+        out[mine, LENGTH] = max_len
         return out, counts
     # split: chunk j of a document starts j * max_len tokens in
     j = np.arange(out.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
-    out["chunk"] = np.where(mine, j, out["chunk"])
-    out["start"] += np.where(mine, j * max_len, 0)
-    out["length"] = np.where(mine, np.minimum(max_len, out["length"] - j * max_len), out["length"])
-    out["cut"] = mine
+    out[:, CHUNK] = np.where(mine, j, out[:, CHUNK])
+    out[:, START] += np.where(mine, j * max_len, 0)
+    out[:, LENGTH] = np.where(mine, np.minimum(max_len, out[:, LENGTH] - j * max_len), out[:, LENGTH])
+    out[:, CUT] = mine
     return out, counts
 
 
@@ -113,7 +131,7 @@ class ChunkNode(BaseNode[np.ndarray]):
             return
         ref, nxt, count, tokens = pending["ref"].tolist(), pending["next"], pending["count"], pending["tokens"]
         chunks = self.replay(ref)
-        if len(chunks) != count or int(chunks["length"].sum()) != tokens:
+        if len(chunks) != count or int(chunks[:, LENGTH].sum()) != tokens:
             raise ValueError(f"split sample at {ref} re-read as {len(chunks)} chunks, {count} when the state "
                              f"was saved: the shard changed, or a stage is not a pure function")
         self._split = (ref, count, tokens)
@@ -135,9 +153,9 @@ class ChunkNode(BaseNode[np.ndarray]):
             self.pending = rows[n - have:]
             have += min(len(rows), n - have)
             if len(self.pending):
-                r = rows[-1]
-                self._split = ([int(r["source"]), int(r["shard"]), int(r["offset"]), int(r["number"]),
-                                int(r["epoch"])], last_count, int(rows["length"][-last_count:].sum()))
+                r = rows[-1].tolist()
+                self._split = ([r[SOURCE], r[SHARD], r[OFFSET], r[NUMBER], r[EPOCH]], last_count,
+                               int(rows[-last_count:, LENGTH].sum()))
         if len(parts) == 1:
             return parts[0]
         return np.concatenate(parts) if parts else rows_of(0)
@@ -155,8 +173,8 @@ class ChunkNode(BaseNode[np.ndarray]):
         if not run.consumed:
             self.source.consume(k)
         rows = base_rows(run, k, self.store)
-        last = rows[-1]
-        self._last[int(last["source"])] = [int(last[c]) for c in _LAST]
+        last = rows[-1, _LAST].tolist()
+        self._last[last[0]] = last
         if bad >= 0:
             key = run.block.key(run.lo + bad)
             raise ValueError(f"sample {run.block.url + '#' + key if run.block.url else key!r} has {int(lengths[bad])} "

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -198,7 +197,10 @@ class ThdCollate(BaseNode[PackedBatch]):
                             skipped=self.errors.total if self.errors is not None else 0,
                             build_seconds=self._build_seconds, events=event_counts(),
                             **{k: c[k] for k in _STATS})
-        return replace(batch, stats=stats, est_cost=est_cost)
+        # the batch was made just now for this call: set the two fields in place (dataclasses.replace
+        # rebuilt all ~25 fields, ~0.1 ms a batch)
+        batch.stats, batch.est_cost = stats, est_cost
+        return batch
 
     def _count_fillers(self, *, whole: bool, missing: int) -> None:
         if whole:

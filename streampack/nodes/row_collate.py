@@ -17,7 +17,7 @@ import numpy as np
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.layout.slices import pack_slices
 from streampack.nodes.collate import ThdCollate, filler_pack
-from streampack.nodes.rows import PackRows
+from streampack.nodes.rows import BLOCK, LENGTH, START, PackRows
 
 
 class RowCollate(ThdCollate):
@@ -34,14 +34,14 @@ class RowCollate(ThdCollate):
         keys: list[str] = []
         for p in packs:
             blocks = p.blocks
-            sources += [blocks[b].tokens for b in p.rows["block"].tolist()]
+            sources += [blocks[b].tokens for b in p.rows[:, BLOCK].tolist()]
             keys += p.doc_keys()
-        return pack_slices(sources, rows["start"], rows["length"], [len(p) for p in packs], tuple(keys),
+        return pack_slices(sources, rows[:, START], rows[:, LENGTH], [len(p) for p in packs], tuple(keys),
                            capacity=self.capacity, align=self.align, pad_id=self.pad_id,
                            ignore_index=self.ignore_index)
 
     def _lengths(self, real: list[Any]) -> list[np.ndarray]:
-        return [p.rows["length"] for p in real]
+        return [p.rows[:, LENGTH] for p in real]
 
 
 __all__ = ["RowCollate"]

@@ -24,7 +24,7 @@ from torchdata.nodes import BaseNode
 from streampack import packing
 from streampack.nodes.chunker import ChunkNode
 from streampack.nodes.row_replay import RowReplay
-from streampack.nodes.rows import BlockStore, PackRows, ref_table, rows_of
+from streampack.nodes.rows import LENGTH, BlockStore, PackRows, ref_table, rows_of
 from streampack.nodes.window_packer import _METRIC_NAMES, WindowPacker
 from streampack.nodes.window_rounds import WARMUP, PackerRules, aligned_lengths, choose, emission_order, pack_round
 from streampack.state import samples_from_state, samples_to_state, table_size, table_slice
@@ -101,13 +101,15 @@ class RowPacker(BaseNode[PackRows]):
         blocks = self.store.subset(rows) if len(rows) else {}
         rich = _rich(blocks)
         self._sizes = list(sizes)
-        self._packs, at = [], 0
-        for j, n in enumerate(sizes):
-            if j < emitted:
-                self._packs.append(PackRows(rows=rows_of(0), blocks={}))
-                continue
-            self._packs.append(PackRows(rows=rows[at:at + n], blocks=blocks, rich=rich))
-            at += n
+        left = sizes[emitted:]
+        bounds = np.cumsum([0] + left).tolist()
+        lengths = rows[:, LENGTH]
+        cut = bounds[:-1] if left else [0]
+        tokens = np.add.reduceat(lengths, cut).tolist() if len(rows) else []
+        aligned = np.add.reduceat(-(-lengths // self.align) * self.align, cut).tolist() if len(rows) else []
+        self._packs = [PackRows(rows=rows_of(0), blocks={}) for _ in range(emitted)]
+        self._packs += [PackRows(rows=rows[bounds[j]:bounds[j + 1]], blocks=blocks, tokens=tokens[j], aligned=aligned[j],
+                                 rich=rich) for j in range(len(left))]
         self._round_rows = rows
 
     def next(self) -> PackRows:
@@ -118,12 +120,11 @@ class RowPacker(BaseNode[PackRows]):
         pack = self._packs[self._emitted]
         self._emitted += 1
         m = self.metrics
-        lengths = pack.rows["length"]
         m["packs"] += 1
         m["docs"] += len(pack)
         m["slots"] += self.capacity
-        m["tokens"] += int(lengths.sum())
-        m["aligned_tokens"] += int((-(-lengths // self.align) * self.align).sum())
+        m["tokens"] += pack.tokens
+        m["aligned_tokens"] += pack.aligned
         return pack
 
     def get_state(self) -> dict[str, Any]:
@@ -155,11 +156,11 @@ class RowPacker(BaseNode[PackRows]):
         self._round_rows = rows_of(0)
         if not len(window):
             return
-        aligned = aligned_lengths(rules, window["length"])
+        aligned = aligned_lengths(rules, window[:, LENGTH])
         if int(aligned.max()) > self.capacity:
             i = int(aligned.argmax())
             key = PackRows(rows=window[i:i + 1], blocks=self.store.subset(window[i:i + 1])).doc_keys()[0]
-            raise ValueError(f"sample {key!r} has {int(window['length'][i])} tokens ({int(aligned[i])} aligned), "
+            raise ValueError(f"sample {key!r} has {int(window[i, LENGTH])} tokens ({int(aligned[i])} aligned), "
                              f"more than capacity={self.capacity}; apply an overlong policy before packing")
         emit, keep, forced = choose(rules, pack_round(rules, aligned, round_), aligned, entered, round_, ended)
         for name, n in forced.items():

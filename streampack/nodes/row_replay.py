@@ -26,7 +26,23 @@ from streampack.io.urls import shard_format
 from streampack.nodes.block_reader import DocRun
 from streampack.nodes.chunker import base_rows, expand
 from streampack.nodes.replay import LOCAL_REOPEN_GAP, REOPEN_GAP, Replayer, ReplaySpec
-from streampack.nodes.rows import BlockStore, rows_of
+from streampack.nodes.rows import (
+    BLOCK,
+    CHUNK,
+    CUT,
+    DOC,
+    EPOCH,
+    LENGTH,
+    NEXT_NUMBER,
+    NEXT_OFFSET,
+    NUMBER,
+    OFFSET,
+    SHARD,
+    SOURCE,
+    START,
+    BlockStore,
+    rows_of,
+)
 from streampack.state import REF_COLUMNS
 
 REPLAY_CHUNK = 1 << 20
@@ -54,7 +70,7 @@ class RowReplay:
             idx = np.asarray(members, dtype=np.int64)
             docs = np.fromiter((where[i][1] for i in members), dtype=np.int64, count=len(members))
             out[idx] = _doc_rows(block, docs, self.store.add(block), source, shard)
-        out["epoch"] = refs[:, _EPOCH]
+        out[:, EPOCH] = refs[:, _EPOCH]
         self._cut_as_saved(out, refs)
         return out
 
@@ -62,23 +78,23 @@ class RowReplay:
         """Each row made the chunk its reference names (``apply_overlong``'s cut, as columns);
         the first that cannot be, or has another length, raises as the Replayer does."""
         max_len, policy = self.spec.max_len, self.spec.policy
-        full, c = rows["length"].copy(), np.maximum(refs[:, _CHUNK], 0)
+        full, c = rows[:, LENGTH].copy(), np.maximum(refs[:, _CHUNK], 0)
         over = full > max_len
         if over.any():
             if policy == "split":
-                rows["start"] += np.where(over, c * max_len, 0)
-                rows["length"] = np.where(over, np.minimum(max_len, full - c * max_len), full)
-                rows["chunk"] = np.where(over, c, -1)
-                rows["cut"] = over
+                rows[:, START] += np.where(over, c * max_len, 0)
+                rows[:, LENGTH] = np.where(over, np.minimum(max_len, full - c * max_len), full)
+                rows[:, CHUNK] = np.where(over, c, -1)
+                rows[:, CUT] = over
             elif policy == "truncate":
-                rows["length"] = np.where(over, max_len, full)
-                rows["chunk"] = np.where(over, 0, -1)
+                rows[:, LENGTH] = np.where(over, max_len, full)
+                rows[:, CHUNK] = np.where(over, 0, -1)
         chunks = np.where(over, -(-full // max_len), 1) if policy == "split" else np.where(over & (policy == "drop"), 0, 1)
-        bad = (c >= chunks) | (rows["length"] != refs[:, _LENGTH]) | (over & (policy == "error"))
+        bad = (c >= chunks) | (rows[:, LENGTH] != refs[:, _LENGTH]) | (over & (policy == "error"))
         if bad.any():
             ref = refs[int(bad.argmax())].tolist()
             url = self.spec.sources[ref[_SOURCE]].urls[ref[_SHARD]]
-            got = None if c[int(bad.argmax())] >= chunks[int(bad.argmax())] else int(rows["length"][int(bad.argmax())])
+            got = None if c[int(bad.argmax())] >= chunks[int(bad.argmax())] else int(rows[int(bad.argmax()), LENGTH])
             raise ValueError(f"carried sample {url!r}@{ref[_OFFSET]} chunk {ref[_CHUNK]} re-read with "
                              f"{got} tokens, {ref[_LENGTH]} when the state was saved: the shard changed "
                              f"since, or a stage is not a pure function of the sample")
@@ -148,14 +164,14 @@ class RowReplay:
 def _doc_rows(block: TokenBlock, docs: np.ndarray, bid: int, source: int, shard: int) -> np.ndarray:
     """Documents ``docs`` of ``block`` as whole-document rows."""
     rows = rows_of(docs.shape[0])
-    rows["length"] = block.lengths[docs]
-    rows["source"], rows["shard"], rows["chunk"], rows["block"] = source, shard, -1, bid
-    rows["offset"] = block.offsets[docs]
-    rows["number"] = block.numbers[docs]
-    rows["next_offset"] = block.next_offsets[docs]
-    rows["next_number"] = block.next_numbers[docs]
-    rows["doc"] = docs
-    rows["start"] = block.starts[docs]
+    rows[:, LENGTH] = block.lengths[docs]
+    rows[:, SOURCE], rows[:, SHARD], rows[:, CHUNK], rows[:, BLOCK] = source, shard, -1, bid
+    rows[:, OFFSET] = block.offsets[docs]
+    rows[:, NUMBER] = block.numbers[docs]
+    rows[:, NEXT_OFFSET] = block.next_offsets[docs]
+    rows[:, NEXT_NUMBER] = block.next_numbers[docs]
+    rows[:, DOC] = docs
+    rows[:, START] = block.starts[docs]
     return rows
 
 
