@@ -17,7 +17,7 @@ import numpy as np
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.layout.slices import pack_slices
 from streampack.nodes.collate import ThdCollate, filler_pack
-from streampack.nodes.rows import BLOCK, LENGTH, START, PackRows
+from streampack.nodes.rows import LENGTH, PackRows
 
 
 class RowCollate(ThdCollate):
@@ -29,16 +29,18 @@ class RowCollate(ThdCollate):
             samples = [p.samples() for p in packs] + [filler_pack(self.capacity, self.pad_id)] * missing
             return pack_batch(samples, capacity=self.capacity, align=self.align, pad_id=self.pad_id,
                               ignore_index=self.ignore_index)
-        rows = np.concatenate([p.rows for p in packs]) if len(packs) > 1 else packs[0].rows
-        sources = []
+        sources: list[np.ndarray] = []
+        starts: list[int] = []
+        lengths: list[int] = []
         keys: list[str] = []
         for p in packs:
-            blocks = p.blocks
-            sources += [blocks[b].tokens for b in p.rows[:, BLOCK].tolist()]
-            keys += p.doc_keys()
-        return pack_slices(sources, rows[:, START], rows[:, LENGTH], [len(p) for p in packs], tuple(keys),
-                           capacity=self.capacity, align=self.align, pad_id=self.pad_id,
-                           ignore_index=self.ignore_index)
+            sources += p.sources
+            starts += p.starts
+            lengths += p.lengths
+            keys += p.keys
+        return pack_slices(sources, starts, lengths, [len(p) for p in packs], tuple(keys), capacity=self.capacity,
+                           align=self.align, pad_id=self.pad_id, ignore_index=self.ignore_index,
+                           ids_nonnegative=True)  # both readers check every id
 
     def _lengths(self, real: list[Any]) -> list[np.ndarray]:
         return [p.rows[:, LENGTH] for p in real]

@@ -24,7 +24,7 @@ from torchdata.nodes import BaseNode
 from streampack import packing
 from streampack.nodes.chunker import ChunkNode
 from streampack.nodes.row_replay import RowReplay
-from streampack.nodes.rows import LENGTH, BlockStore, PackRows, ref_table, rows_of
+from streampack.nodes.rows import LENGTH, BlockStore, PackRows, make_packs, ref_table, rows_of
 from streampack.nodes.window_packer import _METRIC_NAMES, WindowPacker
 from streampack.nodes.window_rounds import WARMUP, PackerRules, aligned_lengths, choose, emission_order, pack_round
 from streampack.state import samples_from_state, samples_to_state, table_size, table_slice
@@ -99,17 +99,9 @@ class RowPacker(BaseNode[PackRows]):
         """This round's packs: ``sizes`` documents each, the first ``emitted`` already out
         (``rows`` holds the others, in order)."""
         blocks = self.store.subset(rows) if len(rows) else {}
-        rich = _rich(blocks)
         self._sizes = list(sizes)
-        left = sizes[emitted:]
-        bounds = np.cumsum([0] + left).tolist()
-        lengths = rows[:, LENGTH]
-        cut = bounds[:-1] if left else [0]
-        tokens = np.add.reduceat(lengths, cut).tolist() if len(rows) else []
-        aligned = np.add.reduceat(-(-lengths // self.align) * self.align, cut).tolist() if len(rows) else []
         self._packs = [PackRows(rows=rows_of(0), blocks={}) for _ in range(emitted)]
-        self._packs += [PackRows(rows=rows[bounds[j]:bounds[j + 1]], blocks=blocks, tokens=tokens[j], aligned=aligned[j],
-                                 rich=rich) for j in range(len(left))]
+        self._packs += make_packs(rows, list(sizes[emitted:]), blocks, align=self.align, rich=_rich(blocks))
         self._round_rows = rows
 
     def next(self) -> PackRows:

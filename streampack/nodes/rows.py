@@ -16,7 +16,7 @@ they point into (so the collate never looks a block up in a store that has moved
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -75,10 +75,17 @@ class BlockStore:
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class PackRows:
-    """One pack: its documents' rows in layout order and the blocks they point into."""
+    """One pack: its documents' rows in layout order, the blocks they point into, and what the
+    collate reads per document as Python lists (made for a whole round at once: :func:`make_packs`)."""
 
     rows: np.ndarray
     blocks: Mapping[int, TokenBlock]
+    keys: list[str] = field(default_factory=list)
+    """Each document's ``url#key`` (``/<chunk>`` added for a split chunk): ``Sample.doc_key``."""
+    sources: list[np.ndarray] = field(default_factory=list)
+    """The token array each document is a slice of."""
+    starts: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
     tokens: int = 0
     """Real tokens (the sum of its lengths)."""
     aligned: int = 0
@@ -91,18 +98,7 @@ class PackRows:
         return int(self.rows.shape[0])
 
     def doc_keys(self) -> list[str]:
-        """Each document's ``url#key`` (``/<chunk>`` added for a split chunk), as the per-sample
-        path's ``Sample.doc_key``."""
-        blocks, rows = self.blocks, self.rows
-        bids, docs = rows[:, BLOCK].tolist(), rows[:, DOC].tolist()
-        if not rows[:, CUT].any():
-            first = bids[0] if bids else None
-            if bids.count(first) == len(bids):  # one block: the usual pack
-                keys = blocks[first].doc_keys()  # type: ignore[index]
-                return [keys[d] for d in docs]
-            return [blocks[b].doc_keys()[d] for b, d in zip(bids, docs)]
-        return [f"{blocks[b].doc_key(d)}/{c}" if cut else blocks[b].doc_key(d)
-                for b, d, cut, c in zip(bids, docs, rows[:, CUT].tolist(), rows[:, CHUNK].tolist())]
+        return self.keys
 
     def samples(self) -> list[Sample]:
         """The pack as the per-sample path's Samples (what a filler or a rich batch is laid out from)."""
@@ -129,4 +125,30 @@ class PackRows:
         return out
 
 
-__all__ = ["COLUMNS", "BlockStore", "PackRows", "ref_table", "rows_of"]
+def make_packs(rows: np.ndarray, sizes: list[int], blocks: Mapping[int, TokenBlock], *, align: int,
+               rich: bool) -> list[PackRows]:
+    """The packs of one round: ``rows`` holds them back to back, ``sizes[j]`` documents each.
+    Every per-document list is made in one pass over the round (keys, token arrays, starts,
+    lengths) and each pack's token sums in one ``reduceat``."""
+    if not len(rows):
+        return [PackRows(rows=rows, blocks=blocks) for _ in sizes]
+    bids, docs = rows[:, BLOCK].tolist(), rows[:, DOC].tolist()
+    lists = {b: blocks[b].doc_keys() for b in set(bids)}
+    arrays = {b: blocks[b].tokens for b in lists}
+    if rows[:, CUT].any():
+        keys = [f"{lists[b][d]}/{c}" if cut else lists[b][d]
+                for b, d, cut, c in zip(bids, docs, rows[:, CUT].tolist(), rows[:, CHUNK].tolist())]
+    else:
+        keys = [lists[b][d] for b, d in zip(bids, docs)]
+    sources = [arrays[b] for b in bids]
+    starts, lengths = rows[:, START].tolist(), rows[:, LENGTH].tolist()
+    bounds = np.cumsum([0] + sizes).tolist()
+    cut = bounds[:-1]
+    tokens = np.add.reduceat(rows[:, LENGTH], cut).tolist()
+    aligned = np.add.reduceat(-(-rows[:, LENGTH] // align) * align, cut).tolist()
+    return [PackRows(rows=rows[lo:hi], blocks=blocks, keys=keys[lo:hi], sources=sources[lo:hi], starts=starts[lo:hi],
+                     lengths=lengths[lo:hi], tokens=tokens[j], aligned=aligned[j], rich=rich)
+            for j, (lo, hi) in enumerate(zip(cut, bounds[1:]))]
+
+
+__all__ = ["COLUMNS", "BlockStore", "PackRows", "make_packs", "ref_table", "rows_of"]
