@@ -42,7 +42,7 @@ from streampack.errors import ErrorCounter
 from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
-from streampack.io.token_block import block_format
+from streampack.io.blocks import block_format
 from streampack.layout.batch import PackedBatch
 from streampack.media.node import DecodeImages
 from streampack.media.stage import ExpandImages

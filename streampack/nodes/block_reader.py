@@ -25,7 +25,8 @@ from typing import Any
 
 from streampack.io.decode import Item
 from streampack.io.formats import ShardRange, open_range
-from streampack.io.token_block import TokenBlock, block_format, read_blocks
+from streampack.io.blocks import block_format, read_blocks
+from streampack.io.token_block import TokenBlock
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.sharding import ShardSpan, Span
 
