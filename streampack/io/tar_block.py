@@ -318,6 +318,9 @@ def _names(headers: np.ndarray, tokens_key: str) -> tuple[np.ndarray, np.ndarray
     if (headers[:, 345] != 0).any():
         return None
     count = len(headers)
+    same = _same_length(rows, tokens_key)
+    if same is not None:
+        return same
     nul = rows == 0
     length = np.where(nul.any(1), nul.argmax(1), 100)
     first = bytes(rows[0, :int(length[0])])
@@ -347,13 +350,35 @@ def _names(headers: np.ndarray, tokens_key: str) -> tuple[np.ndarray, np.ndarray
     return key_len.astype(np.int64), clean
 
 
+def _same_length(rows: np.ndarray, tokens_key: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """``_names`` for the usual shard — every name ``<key>.<field>`` of one length, no ``/`` and
+    no ``.`` in the key (webdataset's fixed-width keys) — on the key columns alone; None
+    when the names are not all of that shape (then ``_names`` reads them in full)."""
+    first = bytes(rows[0])
+    n = first.find(b"\0")
+    n = 100 if n < 0 else n
+    dot = first.find(b".", 0, n)
+    if dot < 1 or first[dot + 1:n].decode("utf-8", "surrogateescape") not in ("npy", f"{tokens_key}.npy"):
+        return None
+    keys = rows[:, :dot]
+    if n < 100 and not (rows[:, n] == 0).all():
+        return None
+    if not (rows[:, dot:n] == rows[0, dot:n]).all() or (keys == 0).any() or (keys == 46).any() or (keys == 47).any():
+        return None  # another length, field or a dot / slash in a key: the full reading
+    if (keys == 10).any() or not _distinct(keys):
+        return None
+    clean = np.zeros((rows.shape[0], 100), dtype=np.uint8)
+    clean[:, :n] = rows[:, :n]
+    return np.full(rows.shape[0], dot, dtype=np.int64), clean
+
+
 def _distinct(names: np.ndarray) -> bool:
     """Whether the rows of ``names`` (uint8 ``[n, 100]``) differ pairwise: a 64-bit hash of each
     row, sorted; two equal hashes count as a repeat (the per-sample reader then decides; a
     false alarm costs speed, never a wrong verdict). ``np.unique`` on 100-byte rows cost ~1 ms
     a shard."""
     words = np.zeros((names.shape[0], 13), dtype=np.uint64)
-    words.view(np.uint8)[:, :100] = names
+    words.view(np.uint8)[:, :names.shape[1]] = names
     mixed = (words * _MIX).sum(1) if names.shape[0] else words[:, 0]
     ordered = np.sort(mixed ^ (mixed >> np.uint64(29)))
     return not (ordered[1:] == ordered[:-1]).any()
