@@ -3,7 +3,7 @@
 What :class:`~streampack.nodes.replay.Replayer` does for a state's references (``state.REF_COLUMNS``
 rows: where each carried sample was read, which chunk, its length), with block reads: per shard,
 the wanted positions are grouped into clusters (a gap over ``replay.REOPEN_GAP`` bytes remotely,
-``replay.LOCAL_REOPEN_GAP`` locally, starts another), each cluster is read as blocks from its first
+:data:`BLOCK_GAP` locally, starts another), each cluster is read as blocks from its first
 position until every wanted position of it is found, and the documents are cut by the overlong
 policy as the stream cut them. A position the blocks do not reach (a shard whose bytes the block
 reader does not judge plain) is re-read by the per-sample Replayer, so every check and error is
@@ -26,7 +26,7 @@ from streampack.io.token_block import TokenBlock
 from streampack.io.urls import shard_format
 from streampack.nodes.block_reader import DocRun
 from streampack.nodes.chunker import base_rows, expand
-from streampack.nodes.replay import LOCAL_REOPEN_GAP, REOPEN_GAP, Replayer, ReplaySpec
+from streampack.nodes.replay import REOPEN_GAP, Replayer, ReplaySpec
 from streampack.nodes.rows import (
     BLOCK,
     CHUNK,
@@ -46,8 +46,10 @@ from streampack.nodes.rows import (
 )
 from streampack.state import REF_COLUMNS
 
-REPLAY_CHUNK = 1 << 20
-"""First read of a cluster (tar doubles it while a sample does not fit)."""
+BLOCK_GAP = 256 << 10
+"""Bytes between two wanted samples of a local shard above which a cluster ends: the block
+reader parses ~1 MB in ~1 ms here, so reading through a gap beats reopening up to about this
+(the per-sample Replayer decodes each sample read through, so its gap is 64 KiB)."""
 _SOURCE, _SHARD, _OFFSET, _NUMBER, _EPOCH, _CHUNK, _LENGTH = range(len(REF_COLUMNS))
 
 
@@ -115,14 +117,16 @@ class RowReplay:
 
     def _read_all(self, refs: np.ndarray) -> dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]]:
         wanted: dict[tuple[int, int], dict[int, int]] = {}
-        for source, shard, offset, number in refs[:, [_SOURCE, _SHARD, _OFFSET, _NUMBER]].tolist():
+        lengths: dict[tuple[int, int], dict[int, int]] = {}
+        for source, shard, offset, number, length in refs[:, [_SOURCE, _SHARD, _OFFSET, _NUMBER, _LENGTH]].tolist():
             wanted.setdefault((source, shard), {})[offset] = number
+            lengths.setdefault((source, shard), {})[offset] = length
         out: dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]] = {}
         for (source, shard), where in sorted(wanted.items()):
             if self.spec.verify is not None:
                 self.spec.verify(source, shard)
             positions = sorted(where.items())
-            got = self._read_shard(source, shard, positions)
+            got = self._read_shard(source, shard, positions, lengths[(source, shard)])
             missing = [p for p in positions if p[0] not in got]
             if missing:  # the per-sample reader: its checks, its errors
                 for offset, sample in self.general._read_shard(source, shard, missing).items():
@@ -131,20 +135,22 @@ class RowReplay:
                 out[(source, shard, offset)] = (block, i, source, shard)
         return out
 
-    def _read_shard(self, source: int, shard: int, positions: list[tuple[int, int]]) -> dict[int, tuple[TokenBlock, int]]:
+    def _read_shard(self, source: int, shard: int, positions: list[tuple[int, int]],
+                    lengths: dict[int, int]) -> dict[int, tuple[TokenBlock, int]]:
+        """The wanted ``(offset, number)`` positions of one shard as ``(block, index)``, read one
+        cluster at a time, each in one read sized from its span and its last document's length
+        (``lengths``; the tar reader reads on if that was short)."""
         url = self.spec.sources[source].urls[shard]
-        gap = REOPEN_GAP if is_remote(url) else LOCAL_REOPEN_GAP
-        if shard_format(url) == "parquet":
-            gap = 1 << 62  # rows: one range
+        parquet = shard_format(url) == "parquet"
+        gap = 1 << 62 if parquet else REOPEN_GAP if is_remote(url) else BLOCK_GAP
         found: dict[int, tuple[TokenBlock, int]] = {}
         streams: list = []
         try:
             for cluster in _clusters(positions, gap):
-                last = cluster[-1][0]
-                end = last + 1 if shard_format(url) == "parquet" else None
-                blocks = read_blocks(url, ShardRange(start=cluster[0][0], first=cluster[0][1], end=end),
-                                     decode=self.spec.decode, opts=self.spec.opts, streams=streams,
-                                     chunk_bytes=REPLAY_CHUNK)
+                first, last = cluster[0][0], cluster[-1][0]
+                size = last - first + 8 * lengths.get(last, 0) + (64 << 10 if not lengths.get(last) else 4096)
+                blocks = read_blocks(url, ShardRange(start=first, first=cluster[0][1], end=last + 1 if parquet else None),
+                                     decode=self.spec.decode, opts=self.spec.opts, streams=streams, chunk_bytes=size)
                 if blocks is None:
                     return found
                 want = np.array([p for p, _ in cluster], dtype=np.int64)
@@ -186,4 +192,4 @@ def _clusters(positions: list[tuple[int, int]], gap: int) -> list[list[tuple[int
     return out
 
 
-__all__ = ["REPLAY_CHUNK", "RowReplay"]
+__all__ = ["BLOCK_GAP", "RowReplay"]
