@@ -283,6 +283,16 @@ def test_hostile_shard_errors_in_the_dataset(monkeypatch, tmp_path) -> None:
     assert errors[0] == errors[1] and errors[0][:2] == ("out_of_vocab_id", "00000100")
 
 
+def test_missing_shard_is_skipped_as_per_sample(monkeypatch, tmp_path) -> None:
+    urls = write_tar_shards(tmp_path, make_token_docs(60, seed=2, max_len=30), 3)
+    urls.insert(1, str(tmp_path / "gone.tar"))
+    open(urls[1], "wb").close()
+    os.remove(urls[1])
+    fast, ds = _run(monkeypatch, True, urls, read=ReadOptions(on_error="skip"), capacity=32)
+    assert ds.metrics()["errors"]["counts"] == {"missing_shard": 1}
+    _same(monkeypatch, urls, read=ReadOptions(on_error="skip"), capacity=32)
+
+
 def test_parquet_with_nulls_and_text_hands_over(monkeypatch, tmp_path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

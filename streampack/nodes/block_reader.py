@@ -23,9 +23,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from streampack.errors import DataError
 from streampack.io.decode import Item
 from streampack.io.formats import ShardRange, open_range
 from streampack.io.blocks import block_format, read_blocks
+from streampack.io.shard_identity import ShardChanged
 from streampack.io.token_block import TokenBlock
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.sharding import ShardSpan, Span
@@ -95,7 +97,17 @@ class BlockReader(ShardReader):
             here = (self._epoch, self._shard_pos)
             if self._items is None and self._per_sample != here:
                 if self._blocks is None:
-                    self._blocks = self._open_blocks(span)
+                    try:  # what ShardReader.next does when a span cannot be opened
+                        self._blocks = self._open_blocks(span)
+                    except ShardChanged:
+                        raise
+                    except DataError as e:
+                        self._advance(e, next_span=True)
+                        continue
+                    except OSError as e:
+                        self._advance(DataError("corrupt_shard", f"read failed: {e!r}", url=self.urls[span.shard],
+                                                value=self._offset), next_span=True)
+                        continue
                 if self._blocks is None:
                     self._per_sample = here
                 else:
