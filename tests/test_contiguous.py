@@ -115,9 +115,15 @@ def test_same_batches_infinite_several_ranks(monkeypatch, corpus) -> None:
         assert len(fast) == 30 and fast == slow
 
 
-@pytest.mark.parametrize("save_fast,load_fast", [(True, True), (True, False), (False, True)])
-def test_states_restore_on_either_path(monkeypatch, corpus, save_fast: bool, load_fast: bool) -> None:
-    kw = {"epochs": 2, "packing": PackOptions(window=16, overlong="split")}  # split chunks wait in the state
+@pytest.mark.parametrize("save_fast,load_fast,read_ahead", [(True, True, 16), (True, False, 16), (False, True, 16),
+                                                             (True, True, 1), (False, True, 1)])
+def test_states_restore_on_either_path(monkeypatch, corpus, save_fast: bool, load_fast: bool, read_ahead: int) -> None:
+    """Restored packs are re-read ``read_ahead`` at a time (1: every pack alone, and the window's
+    carried documents leave mixed with new ones in later rounds)."""
+    import streampack.nodes.row_packer as row_packer
+
+    monkeypatch.setattr(row_packer, "READ_AHEAD", read_ahead)
+    kw = {"epochs": 2, "packing": PackOptions(window=48, overlong="split")}  # split chunks wait in the state
     whole, _ = _run(monkeypatch, True, corpus["pax"], **kw)
     for stop in (1, 7, len(whole) // 2 + 3):
         monkeypatch.setenv(CONTIGUOUS_ENV, "1" if save_fast else "0")

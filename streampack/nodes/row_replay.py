@@ -102,6 +102,14 @@ class RowReplay:
                              f"{got} tokens, {ref[_LENGTH]} when the state was saved: the shard changed "
                              f"since, or a stage is not a pure function of the sample")
 
+    def verify(self, refs: np.ndarray) -> None:
+        """Check every shard ``refs`` point into is the one the state was saved from (what the
+        Replayer checks before re-reading a shard), without reading."""
+        if self.spec.verify is None:
+            return
+        for source, shard in sorted(set(map(tuple, refs[:, [_SOURCE, _SHARD]].tolist()))):
+            self.spec.verify(source, shard)
+
     def chunks(self, ref: Sequence[int]) -> np.ndarray:
         """Every chunk the overlong policy cuts from the sample at ``[source, shard, offset,
         number, epoch]``."""

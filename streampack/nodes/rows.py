@@ -31,6 +31,18 @@ ids are (``block``, ``doc``, ``start``); ``cut``: 1 when the overlong policy spl
 then ends in ``/<chunk>``)."""
 LENGTH, SOURCE, SHARD, OFFSET, NUMBER, NEXT_OFFSET, NEXT_NUMBER, EPOCH, CHUNK, BLOCK, DOC, START, CUT = range(13)
 _REF = [COLUMNS.index(c) for c in REF_COLUMNS]
+UNREAD = -1
+"""``BLOCK`` of a row known only by its reference (a restored window's document, not re-read yet)."""
+
+
+def unread_rows(refs: np.ndarray, policy: str) -> np.ndarray:
+    """Rows of references (``state.REF_COLUMNS``) whose ids are not read yet: what the packer
+    needs (length, origin) is in the reference; ``CUT`` follows the chunk and ``policy``."""
+    rows = np.zeros((refs.shape[0], len(COLUMNS)), dtype=np.int64)
+    rows[:, _REF] = refs
+    rows[:, BLOCK] = rows[:, DOC] = rows[:, START] = UNREAD
+    rows[:, CUT] = (rows[:, CHUNK] >= 0) & (policy == "split")
+    return rows
 
 
 def rows_of(n: int) -> np.ndarray:
@@ -63,14 +75,14 @@ class BlockStore:
 
     def keep(self, *live: np.ndarray) -> None:
         """Forget every block but the ones ``live`` rows point into and the last added."""
-        ids = {b for r in live for b in set(r[:, BLOCK].tolist())}
+        ids = {b for r in live for b in set(r[:, BLOCK].tolist())}  # UNREAD names no block
         if self._last is not None:
             ids.add(self._last[1])
         for bid in [b for b in self.blocks if b not in ids]:
             del self.blocks[bid]
 
     def subset(self, rows: np.ndarray) -> dict[int, TokenBlock]:
-        return {bid: self.blocks[bid] for bid in set(rows[:, BLOCK].tolist())}
+        return {bid: self.blocks[bid] for bid in set(rows[:, BLOCK].tolist()) if bid != UNREAD}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -93,6 +105,9 @@ class PackRows:
     rich: bool = False
     """A document may carry labels, a loss mask, extras or images (it came from the per-sample
     reader): the collate lays the pack out as the per-sample path does."""
+    lazy: bool = False
+    """Some rows are references not yet re-read (``BLOCK`` is :data:`UNREAD`): a restored
+    packer re-reads them when the pack is about to leave."""
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
@@ -132,6 +147,13 @@ def make_packs(rows: np.ndarray, sizes: list[int], blocks: Mapping[int, TokenBlo
     lengths) and each pack's token sums in one ``reduceat``."""
     if not len(rows):
         return [PackRows(rows=rows, blocks=blocks) for _ in sizes]
+    bounds = np.cumsum([0] + sizes).tolist()
+    cut = bounds[:-1]
+    tokens = np.add.reduceat(rows[:, LENGTH], cut).tolist()
+    aligned = np.add.reduceat(-(-rows[:, LENGTH] // align) * align, cut).tolist()
+    if (rows[:, BLOCK] == UNREAD).any():  # a restored window: the packer re-reads these when they leave
+        return [PackRows(rows=rows[lo:hi], blocks=blocks, tokens=tokens[j], aligned=aligned[j], lazy=True)
+                for j, (lo, hi) in enumerate(zip(cut, bounds[1:]))]
     bids, docs = rows[:, BLOCK].tolist(), rows[:, DOC].tolist()
     lists = {b: blocks[b].doc_keys() for b in set(bids)}
     arrays = {b: blocks[b].tokens for b in lists}
@@ -142,13 +164,9 @@ def make_packs(rows: np.ndarray, sizes: list[int], blocks: Mapping[int, TokenBlo
         keys = [lists[b][d] for b, d in zip(bids, docs)]
     sources = [arrays[b] for b in bids]
     starts, lengths = rows[:, START].tolist(), rows[:, LENGTH].tolist()
-    bounds = np.cumsum([0] + sizes).tolist()
-    cut = bounds[:-1]
-    tokens = np.add.reduceat(rows[:, LENGTH], cut).tolist()
-    aligned = np.add.reduceat(-(-rows[:, LENGTH] // align) * align, cut).tolist()
     return [PackRows(rows=rows[lo:hi], blocks=blocks, keys=keys[lo:hi], sources=sources[lo:hi], starts=starts[lo:hi],
                      lengths=lengths[lo:hi], tokens=tokens[j], aligned=aligned[j], rich=rich)
             for j, (lo, hi) in enumerate(zip(cut, bounds[1:]))]
 
 
-__all__ = ["COLUMNS", "BlockStore", "PackRows", "make_packs", "ref_table", "rows_of"]
+__all__ = ["COLUMNS", "UNREAD", "BlockStore", "PackRows", "make_packs", "ref_table", "rows_of", "unread_rows"]
