@@ -30,7 +30,6 @@ graph's state like any other.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,16 +37,15 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from streampack.contiguous import contiguous_path, row_chain
 from streampack.errors import ErrorCounter
 from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
-from streampack.io.blocks import block_format
 from streampack.layout.batch import PackedBatch
 from streampack.media.node import DecodeImages
 from streampack.media.stage import ExpandImages
 from streampack.nodes.block_reader import BlockReader
-from streampack.nodes.chunker import ChunkNode
 from streampack.nodes.collate import ThdCollate
 from streampack.nodes.cost_seed import sample_lengths, seed_counts
 from streampack.nodes.epoch_plan import Agree, Counting, EpochPlanner, chunk_lengths
@@ -59,9 +57,6 @@ from streampack.nodes.quota import LateQuota
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.replay import Replayer, ReplaySpec
 from streampack.nodes.row_collate import RowCollate
-from streampack.nodes.row_packer import RowPacker
-from streampack.nodes.row_replay import RowReplay
-from streampack.nodes.rows import BlockStore
 from streampack.nodes.sharding import Span
 from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
@@ -296,15 +291,9 @@ class _Builder:
         return node, nodes, quota
 
     def _rows(self, reader: BaseNode[Any], nodes: dict[str, Any], share: Share | None) -> BaseNode[Any]:
-        """The contiguous path after the reader: ChunkNode -> RowPacker (see :func:`contiguous_path`)."""
-        config, pack, store = self.config, self.config.packing, BlockStore()
-        replay = RowReplay(self._replay_spec(nodes), store)
-        node = nodes["overlong"] = ChunkNode(reader, config.capacity, pack.overlong, replay=replay.chunks, store=store)
-        node = nodes["packer"] = RowPacker(
-            node, capacity=config.capacity, window=pack.window, algorithm=pack.algorithm, align=config.topology.align,
-            seed=packer_seed(config, self.place), max_wait=pack.max_wait, slack=pack.slack, shuffle=config.shuffle,
-            replay=replay, store=store, carry=None if share is None else share.carry)
-        return node
+        """The contiguous path after the reader (:mod:`streampack.contiguous`)."""
+        return row_chain(reader, nodes, self.config, packer_seed(self.config, self.place), self._replay_spec(nodes),
+                         None if share is None else share.carry)
 
     def _balance(self) -> dict[str, Any]:
         """The packer's balance arguments: an epoch continues the previous epoch's schedule
@@ -378,27 +367,6 @@ class _Builder:
 _SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than the data made: samples "
                  "were skipped (on_error='skip') or a stage changed lengths; pass batches_per_epoch, or "
                  "equal_batches='sync' with streampack.sync_batches in the training loop")
-
-
-CONTIGUOUS_ENV = "STREAMPACK_CONTIGUOUS"
-"""Environment variable: ``0`` turns the contiguous fast path off (every stream then runs the
-per-sample path; the batches and states are the same either way)."""
-
-
-def contiguous_path(config: StreamConfig, sources: Sources, options: ReadOptions, tokenizer: Any,
-                    stages: Sequence[Any], around: Mapping[str, Wrap] | None) -> bool:
-    """Whether a reader's graph runs the contiguous fast path (``BlockReader -> ChunkNode ->
-    RowPacker -> RowCollate``, :mod:`streampack.nodes.rows`) instead of the per-sample one: one
-    source of pre-tokenized tar / parquet shards (no tokenizer, no mixture, no ``streampack pack``
-    directory), no user stage, no media, no cost-balanced emission, no labels or loss-mask
-    field, and no torchdata node wrapped around a stage before the collate. Every overlong
-    policy is supported. It yields the per-sample path's batches and states, batch for batch
-    (``tests/test_contiguous.py``); what it cannot read as blocks it reads per sample."""
-    if os.environ.get(CONTIGUOUS_ENV, "1") == "0" or sources.shards is None or sources.mixture:
-        return False
-    return (sources.packed is None and tokenizer is None and not stages and config.media is None
-            and config.cost.balance is None and options.labels_key is None and options.loss_mask_key is None
-            and not set(around or {}) - {"collate"} and all(block_format(u) for u in sources.shards.urls))
 
 
 def make_planner(config: StreamConfig, sources: Sources, place: Placement, options: ReadOptions,

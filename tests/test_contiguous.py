@@ -15,14 +15,15 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers_data import make_token_docs, tar_members, write_tar, write_tar_shards
+from helpers_data import make_token_docs, write_tar_shards
 from helpers_formats import write_parquet_shards
 from helpers_hostile import archive, member, npy_bytes, sample, write_bytes
 from node_checks import roundtrip, take
 
 from streampack.dataset import PackedDataset
 from streampack.errors import DataError
-from streampack.graph import CONTIGUOUS_ENV, build_graph
+from streampack.contiguous import CONTIGUOUS_ENV
+from streampack.graph import build_graph
 from streampack.io.urls import ShardList
 from streampack.layout.batch import pack_batch
 from streampack.layout.slices import pack_slices
