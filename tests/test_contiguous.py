@@ -58,7 +58,9 @@ def _run(monkeypatch, fast: bool, urls, n: int | None = None, state=None, **kw):
         ds.load_state_dict(roundtrip(state))
     it = iter(ds)
     ds.packer_kind = type(ds._graph.nodes["packer"])
+    reader = ds._graph.nodes["reader"]
     out = [full(b) for b in (take(it, n) if n is not None else it)]
+    ds.reader_kind_reads = getattr(reader, "sample_reads", None)
     return out, ds
 
 
@@ -114,6 +116,18 @@ def test_same_batches_infinite_several_ranks(monkeypatch, corpus) -> None:
         fast, _ = _run(monkeypatch, True, corpus["tar"], **kw)
         slow, _ = _run(monkeypatch, False, corpus["tar"], **kw)
         assert len(fast) == 30 and fast == slow
+
+
+def test_planned_ranges_end_inside_shards(monkeypatch, corpus) -> None:
+    """A finite epoch over two ranks cuts shards at sample boundaries; with pax headers the
+    per-sample reader judges a range's last sample by reading past its end: the blocks judge it
+    the same way (``tar_block._intact_after``) instead of handing the range over."""
+    for rank in range(2):
+        kw = {"topology": TopologyOptions(dp_rank=rank, dp_size=2)}
+        fast, ds = _run(monkeypatch, True, corpus["pax"], **kw)
+        slow, _ = _run(monkeypatch, False, corpus["pax"], **kw)
+        assert len(fast) > 2 and fast == slow
+        assert ds.reader_kind_reads == 0, "a planned range was read per sample"
 
 
 @pytest.mark.parametrize("save_fast,load_fast,read_ahead", [(True, True, 16), (True, False, 16), (False, True, 16),

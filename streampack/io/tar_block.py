@@ -29,7 +29,7 @@ Measured 2026-11-26 (2-core box shared with other jobs; ``benchmarks/bench_loade
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 import numpy as np
@@ -84,7 +84,8 @@ def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
         final = len(data) < want or pos == limit
         buf = tail + data if tail else data
         parsed = parse_tar(buf, base=base, first=number, end=end, final=final, url=url, tokens_key=decode.tokens_key,
-                           limits=decode.limits, bound=id_bound(decode.vocab_size))
+                           limits=decode.limits, bound=id_bound(decode.vocab_size),
+                           after=lambda field: _intact_after(url, end, field, decode, opts, stats))
         if parsed is None:
             return
         block, used, names = parsed
@@ -99,6 +100,43 @@ def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
             return
         tail, base, number = buf[used:], base + used, number + len(block)
         size = size if used else size * 2
+
+
+def _intact_after(url: str, at: int | None, field: bytes, decode: DecodeOptions, opts: OpenOptions,
+                  stats: IOStats | None) -> bool:
+    """Whether the sample at ``at`` (past a range's end, behind an extension header: webdataset's
+    pax headers) is one the per-sample reader's look-ahead finds intact, with the member field
+    ``field``: then that reader keeps the range's last sample, and so may the blocks. It is
+    judged by reading on (64 KiB, then more) until two whole samples past ``at`` pass every block
+    check (the second shows nothing corrupt follows the first), or the archive ends after one."""
+    if at is None:
+        return False
+    size = 64 << 10
+    try:
+        f, _ = _open(url, at, None, opts, stats)
+    except (DataError, OSError):
+        return False
+    try:
+        while size <= CHUNK_BYTES:
+            f.seek(at)
+            data = f.read(size)
+            final = len(data) < size
+            parsed = parse_tar(data, base=at, first=0, end=None, final=final, url=url, tokens_key=decode.tokens_key,
+                               limits=decode.limits, bound=id_bound(decode.vocab_size))
+            if parsed is None:
+                return False
+            block, _, names = parsed
+            if len(block) >= 2 or (block.done and len(block)):
+                first = names[0].tobytes().rstrip(b"\0")
+                return first[int(block.key_len[0]):] == field  # type: ignore[index]
+            if final:
+                return False
+            size *= 8
+        return False
+    except (DataError, OSError):
+        return False
+    finally:
+        f.close()
 
 
 def _open(url: str, start: int, stop: int | None, opts: OpenOptions,
@@ -119,22 +157,26 @@ def _open(url: str, start: int, stop: int | None, opts: OpenOptions,
 
 
 def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool, url: str,
-              tokens_key: str = "input_ids", limits: Limits = Limits(),
-              bound: int = 2**31) -> tuple[TokenBlock, int, np.ndarray] | None:
+              tokens_key: str = "input_ids", limits: Limits = Limits(), bound: int = 2**31,
+              after: Callable[[bytes], bool] | None = None) -> tuple[TokenBlock, int, np.ndarray] | None:
     """The whole plain samples at the start of ``buf`` (bytes of the shard from header offset
     ``base``, sample number ``first``; ``final``: nothing follows ``buf`` in the stream), the
-    bytes they take and their member names; None where the per-sample reader must read."""
+    bytes they take and their member names (uint8 ``[n, 100]``); None where the per-sample reader
+    must read. ``after(field)`` judges a range's last sample when the header past ``end`` is an
+    extension header (see :func:`_intact_after`); without it such a range is not taken."""
     n = len(buf) - len(buf) % BLOCK
     stop = None if end is None else end - base
     heads, sizes, p = _chain(buf, n if stop is None else min(n, stop))
-    done = False
+    done = look = False
     if stop is not None and p > stop:
         return None  # a member crosses the range's end
     if stop is not None and p == stop and p <= n:
         if p < n:
             peek = buf[p:p + BLOCK]
             if peek != _ZERO and not is_plain_member(peek):
-                return None  # the per-sample reader judges the last sample by what follows
+                if after is None:
+                    return None  # the per-sample reader judges the last sample by what follows
+                look = True
             done = True
         elif final:
             done = True
@@ -155,9 +197,15 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
     used = p if done else (heads[-1] + BLOCK + ((sizes[-1] + BLOCK - 1) & -BLOCK) if heads else 0)
     if not heads:
         return (_empty(url, done), used, np.zeros((0, 100), np.uint8)) if done or not final else None
-    return _samples(buf, np.asarray(heads, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
-                    np.asarray(kinds, dtype=np.uint8), base=base, first=first, done=done, url=url,
-                    tokens_key=tokens_key, limits=limits, bound=bound, used=used)
+    parsed = _samples(buf, np.asarray(heads, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
+                      np.asarray(kinds, dtype=np.uint8), base=base, first=first, done=done, url=url,
+                      tokens_key=tokens_key, limits=limits, bound=bound, used=used)
+    if look and parsed is not None:
+        block, _, names = parsed
+        name = names[-1].tobytes().rstrip(b"\0")
+        if not after(name[int(block.key_len[-1]):]):  # type: ignore[index, misc]
+            return None
+    return parsed
 
 
 def _chain(buf: bytes, limit: int) -> tuple[list[int], list[int], int]:

@@ -63,6 +63,8 @@ class BlockReader(ShardReader):
     def __init__(self, *args: Any, chunk_bytes: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chunk_bytes = chunk_bytes
+        self.sample_reads = 0
+        """Documents this process read per sample, not as blocks (a diagnostic, not state)."""
         self._in_run = False
         self._clear_blocks()
 
@@ -128,6 +130,7 @@ class BlockReader(ShardReader):
                 return None
             finally:
                 self._in_run = False
+            self.sample_reads += 1
             block = TokenBlock.of_samples([sample], done=False)
             return DocRun(block=block, lo=0, hi=1, epoch=sample.origin.epoch, source=self.source,  # type: ignore[union-attr]
                           shard=sample.origin.shard, consumed=True)  # type: ignore[union-attr]
