@@ -40,10 +40,10 @@ from streampack.nodes.window_rounds import WARMUP, PackerRules, aligned_lengths,
 from streampack.state import samples_from_state, samples_to_state, table_size, table_slice
 
 W = WindowPacker
-READ_AHEAD = 16
-"""Restored packs re-read at once (two batches of 8): the first batch after a restore reads its
-own documents and the next batch's, not the whole window (~1,000 documents from ~11 shards
-here: 24-30 ms of a ~35 ms resume)."""
+READ_AHEAD = 8
+"""Restored packs re-read at once (a batch of 8 packs): the first batch after a restore reads its
+own ~55 documents, not the whole window (~1,000 documents from ~11 shards: 24-30 ms of a ~35 ms
+resume on the loaded box); 16 cost the first batch ~1.5x the reads."""
 
 
 class RowPacker(BaseNode[PackRows]):

@@ -46,7 +46,7 @@ from streampack.nodes.rows import (
 )
 from streampack.state import REF_COLUMNS
 
-BLOCK_GAP = 256 << 10
+BLOCK_GAP = 262144
 """Bytes between two wanted samples of a local shard above which a cluster ends: the block
 reader parses ~1 MB in ~1 ms here, so reading through a gap beats reopening up to about this
 (the per-sample Replayer decodes each sample read through, so its gap is 64 KiB)."""
