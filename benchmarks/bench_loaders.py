@@ -19,8 +19,10 @@ Per loader and worker count (w0 = no DataLoader workers, w2 = 2):
   joins the workers); "no teardown": without this process's CPU in that teardown, whose full
   ``gc.collect()`` walks every object of the process (torch's too: 0.11-0.16 s here for any
   loader, more than litdata's whole epoch), the workers' CPU kept;
-- fill: real tokens / slots; document boundaries: whether the loop gets every document whole
-  with its boundaries (``cu_seqlens``), or documents cut at block edges;
+- fill: real tokens / slots, with no workers (each worker completes its own last batch with
+  filler packs, which count as slots: the step computes over them; the notes give the fill
+  without them); document boundaries: whether the loop gets every document whole with its
+  boundaries (``cu_seqlens``), or documents cut at block edges;
 - first batch: ``iter()`` to the first batch;
 - resume: a fresh process loads the state saved after 80% of the corpus's tokens
   (``torch.load``) and builds the loader; seconds to its first batch, and whether that batch is
@@ -102,6 +104,7 @@ def child_epoch(name: str, corpus: Corpus, workers: int, scratch: str) -> dict[s
     loader = peer.loader(workers)
     run = EpochRun(seconds=0.0, tokens=0, slots=0, batches=0)
     first = paused = 0.0
+    filler_slots = 0
     want_reference = False
     for batch in loader:
         if not run.batches:
@@ -109,6 +112,7 @@ def child_epoch(name: str, corpus: Corpus, workers: int, scratch: str) -> dict[s
         c = peer.count(batch)
         run.tokens += c.tokens
         run.slots += c.slots
+        filler_slots += c.filler_slots
         run.batches += 1
         if want_reference:
             run.reference, want_reference = c.ids.clone(), False
@@ -137,7 +141,7 @@ def child_epoch(name: str, corpus: Corpus, workers: int, scratch: str) -> dict[s
     torch.save({"state": run.state, "saved_after": run.saved_after, "reference": run.reference},
                os.path.join(scratch, f"{name}-w{workers}.pt"))
     return {"tokens": run.tokens, "slots": run.slots, "batches": run.batches, "wall": wall, "cpu": cpu,
-            "cpu_loader": cpu_loader,
+            "cpu_loader": cpu_loader, "filler_slots": filler_slots,
             "first_batch": first, "state_bytes": len(run.state) if run.state is not None else None,
             "rss_main_mib": _peak_rss_mib(),
             "rss_worker_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if workers else 0.0}
@@ -226,7 +230,11 @@ def summarize(results: dict[str, Any], loaders: Sequence[str], workers: Sequence
             row[f"resume_w{w}"] = _best(res, "resume_s")
             row[f"exact_w{w}"] = all(e["exact"] for e in res) if res and all(e["exact"] is not None for e in res) else None
             row[f"rss_w{w}"] = (_best(ok, "rss_main_mib"), _best(ok, "rss_worker_mib"))
-            row["fill"] = ok[0]["tokens"] / ok[0]["slots"]
+            if "fill" not in row:  # the first worker count's (w0): each worker completes its own last batch
+                row["fill"] = ok[0]["tokens"] / ok[0]["slots"]
+                fillers = ok[0].get("filler_slots") or 0
+                if fillers:
+                    row["pack_fill"] = ok[0]["tokens"] / (ok[0]["slots"] - fillers)
             row["delivered"] = ok[0]["tokens"] / results["_num_tokens"]
             row["state_bytes"] = ok[0]["state_bytes"]
             row["resume_kind"] = res[0]["kind"] if res else ""
@@ -269,7 +277,9 @@ def table(rows: Sequence[dict[str, Any]], workers: Sequence[int]) -> str:
         cells.append("yes" if all(e is True for e in exact) else "–" if all(e is None for e in exact) else "**no**")
         cells.append("none" if r.get("state_bytes") is None else f"{r['state_bytes']:,}")
         cells.append(" / ".join(f"{m:.0f} + {k:.0f}" if m else "–" for m, k in (r.get(f"rss_w{w}", (None, None)) for w in workers)))
-        cells.append(r.get("error", ""))
+        notes = [f"{100 * r['pack_fill']:.2f}% without the filler packs completing the last batch"] if r.get(
+            "pack_fill") else []
+        cells.append("; ".join(notes + ([r["error"]] if r.get("error") else [])))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -71,7 +71,7 @@ class StreampackPeer:
         # each (in a span, so kernels write every row), no targets, not data
         fillers = batch.doc_keys.count(FILLER_KEY)
         return Count(tokens=batch.num_tokens - fillers * batch.capacity, slots=batch.input_ids.numel(),
-                     ids=batch.input_ids)
+                     ids=batch.input_ids, filler_slots=fillers * batch.capacity)
 
     def save(self, loader: Any, batches: int) -> Any:
         return loader.state_dict()
