@@ -21,9 +21,16 @@ the sample it is in, and the per-sample reader reads from there (it raises, coun
 always). A range that ends inside the shard is judged by the header after it, as the per-sample
 reader judges it.
 
-Measured 2026-11-26 (2-core box shared with other jobs; ``benchmarks/bench_loaders.py`` corpus,
-1.8 MB shards of ~423 documents of ~590 int32 ids behind pax headers): ~1.5 ms a shard,
-~3.5 µs a document, where the per-sample reader took ~85 µs a document (read 58 + decode 25).
+Measured 2026-11-27 (2-core box shared with other jobs, load 3-5; ``benchmarks/bench_loaders.py``
+corpus: 1.8 MB shards of 423 documents of ~590 int32 ids behind pax headers): 2.6 ms a shard (min
+of 60 parses; the header loop 0.36, header columns 0.26, pax 0.14, names 0.22, ``.npy`` headers
+0.26, id ranges 0.17, gathering header rows 0.5), ~6 µs a document, where the per-sample reader
+took 60-100 µs a document (headers, members, npy decode and a Sample each).
+
+A bad sample hands the rest of its chunk over (the block that stops before it holds only the
+samples of earlier chunks): in one 8 MiB chunk, a shard with one bad sample is read per sample
+from its start. Exact, but slow for such shards; cutting the block at the first failing member
+would need every column check to name its first failure.
 """
 
 from __future__ import annotations

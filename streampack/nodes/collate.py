@@ -16,6 +16,10 @@ With a ``cost_model`` every batch carries ``est_cost``, the estimated compute of
 packs (``linear × tokens + attention × Σ L²`` over its documents; filler packs cost 0),
 computed here once from the documents' lengths, and the running total ``counters["cost"]``.
 
+The layout of a batch (``_layout``) and its packs' lengths (``_lengths``) are the two steps a
+subclass may change: :class:`~streampack.nodes.row_collate.RowCollate` (the contiguous fast
+path) lays packs of rows out from their read buffers, with the same counters, quota and state.
+
 Every batch leaves with a :class:`~streampack.layout.stats.WorkerStats`: this reader's running
 totals (batches, fillers, packs, documents, real tokens, slots, targets, skipped samples, build
 time, log-event counts), so the training process can aggregate metrics of every worker
