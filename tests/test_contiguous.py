@@ -118,6 +118,15 @@ def test_same_batches_infinite_several_ranks(monkeypatch, corpus) -> None:
         assert len(fast) == 30 and fast == slow
 
 
+def test_shard_parts_of_an_infinite_stream(monkeypatch, corpus) -> None:
+    """Fewer shards than readers: each reader reads one part of a shard, cut through its index."""
+    for rank in range(3):
+        kw = {"epochs": None, "n": 12, "topology": TopologyOptions(dp_rank=rank, dp_size=3)}
+        fast, ds = _run(monkeypatch, True, corpus["pax"][:1], **kw)
+        slow, _ = _run(monkeypatch, False, corpus["pax"][:1], **kw)
+        assert len(fast) == 12 and fast == slow and ds.reader_kind_reads == 0
+
+
 def test_planned_ranges_end_inside_shards(monkeypatch, corpus) -> None:
     """A finite epoch over two ranks cuts shards at sample boundaries; with pax headers the
     per-sample reader judges a range's last sample by reading past its end: the blocks judge it
