@@ -10,11 +10,12 @@ its state is a ShardReader state (same keys, same values), and a state saved on 
 restores on the other.
 
 Where a block reader cannot go on (a format without one, text, a sample it does not judge
-plain: see :mod:`streampack.io.token_block`), the span is read per sample by the ShardReader
+plain: see :mod:`streampack.io.blocks`), the span is read per sample by the ShardReader
 itself, one document per run. A span whose blocks stop part way is re-read per sample from where
 its reading began, skipping what was already handed out, so the per-sample reader judges the
 rest with everything it would have seen (the keys of the range, for ``repeated_key``): the
-stream, errors included, is the per-sample reader's.
+stream, errors included, is the per-sample reader's. (That re-read is the one cost of a bad
+sample on this path: the samples before it in its span are parsed twice.)
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from streampack.errors import DataError
+from streampack.io.blocks import block_format, read_blocks
 from streampack.io.decode import Item
 from streampack.io.formats import ShardRange, open_range
-from streampack.io.blocks import block_format, read_blocks
 from streampack.io.shard_identity import ShardChanged
 from streampack.io.token_block import TokenBlock
 from streampack.nodes.reader import ShardReader
