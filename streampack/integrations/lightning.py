@@ -26,6 +26,10 @@ device. What the module does, each for a measured failure:
   data position while a ``ModelCheckpoint`` folder already holds checkpoints, the module warns
   naming ``save_last=True``; a restored checkpoint without this module's state is a
   ``ValueError``.
+* **Workers that outlive the fit.** Lightning shuts down the workers of the DataLoaders it
+  sees when a fit ends, and the module's loader is not one: a fit stopped at ``max_steps`` left
+  its workers running until the garbage collector freed the loader (5 s of torch's join timeout
+  per worker, wherever that happened). ``teardown`` shuts them down.
 * **Stream metrics.** Every ``log_every_n_steps`` the summed per-worker stats go to the
   trainer's loggers (``streampack/tokens``, ``streampack/fill``, ...; over all ranks).
 
@@ -79,6 +83,15 @@ class TrainedLoader:
 
     def trained_state(self) -> dict[str, Any]:
         return self._states.get(self._trained) or self.loader.state_dict()
+
+    def close(self) -> None:
+        """Shut the loader's workers down now (the states kept stay valid). Lightning's own end-of-fit
+        reset shuts down the workers of the DataLoaders it sees, and this is not one; left to the
+        garbage collector, each worker cost 5 s of torch's join timeout wherever that ran."""
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self.loader._iterator = None
 
 
 class PackedDataModule(L.LightningDataModule):
@@ -143,6 +156,11 @@ class PackedDataModule(L.LightningDataModule):
                 f"exist (e.g. {found[0]}): the data restarts at batch 1. To resume, pass ckpt_path=<a checkpoint>, "
                 f"or ckpt_path='last' with ModelCheckpoint(..., save_last=True): without save_last=True there is "
                 f"no last checkpoint and ckpt_path='last' loads nothing")
+
+    def teardown(self, stage: str) -> None:
+        """Subclasses that override ``teardown`` call ``super().teardown(stage)``."""
+        if self._loader is not None:
+            self._loader.close()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         trainer = self.trainer
