@@ -14,8 +14,8 @@ Fast set: 120 schedules (~110 ms of CPU each on the 2-core dev box, ~13 s in all
 ~0.3 s of CPU each): seeds 0..299 by default, which is what CI runs (~1.5 min; the full 2,000
 took 12 of CI's 35 minutes, over its 30-minute limit), and thousands on request:
 ``STREAMPACK_MODELCHECK_SEEDS=2000`` (seeds 0..1999) or ``=2000:5000`` (a range) with ``-m slow``.
-The defects found by slow seeds 381 and 1354 have their own tests below. Shrinking a failing seed has a time budget per session (``SHRINK_SECONDS``); the
-rerun command always shrinks in full.
+The defects found by slow seeds 381 and 1354 have their own tests below. Shrinking a failing
+seed has a time budget per session (``SHRINK_SECONDS``); the rerun command always shrinks in full.
 """
 
 from __future__ import annotations
