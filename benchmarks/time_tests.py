@@ -1,7 +1,16 @@
-"""How long the test suites take: the fast inner loop (the README's command) and the
-integration set (``.ci/run``'s second step), each in a fresh pytest process.
+"""How long the test suites take: the fast inner loop (the README's command) cold and warm, and
+optionally the integration set (``.ci/run``'s second step), each in a fresh pytest process.
 
-Usage: ``python benchmarks/time_tests.py [--slow] [--out FILE]``
+Usage: ``python benchmarks/time_tests.py [--slow] [--runs N] [--out FILE]``
+
+*Cold* is a fresh clone on a fresh machine: empty numba kernel cache (``$STREAMPACK_CACHE``),
+matplotlib font cache (``$MPLCONFIGDIR``) and bytecode (``$PYTHONPYCACHEPREFIX``), each a new
+temporary directory, so nothing in ``~/.cache`` or ``__pycache__`` helps. *Warm* reruns with
+those directories as the cold run left them. ``--slow`` then times ``-m slow`` with the same
+warm caches (as ``.ci/run`` runs it, after the fast loop). Each row gives wall time and the CPU
+time of pytest and everything it started (user + sys; the workers, DataLoader workers and
+subprocesses), and the 1-minute load average before and after: on a shared box the wall time
+says as much about the neighbours as about the tests, so compare rows taken side by side.
 """
 
 from __future__ import annotations
@@ -9,40 +18,71 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from report import emit  # noqa: E402  (benchmarks/report.py; this folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
+CACHE_VARIABLES = ("STREAMPACK_CACHE", "MPLCONFIGDIR", "PYTHONPYCACHEPREFIX")
 
 
-def run(marker: str) -> tuple[float, str]:
-    start = time.perf_counter()
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timing:
+    suite: str
+    wall: float
+    """Seconds from start to exit."""
+    cpu: float
+    """User + sys seconds of pytest and every process it waited for."""
+    load: tuple[float, float]
+    """The 1-minute load average before and after."""
+    summary: str
+    """pytest's last line (counts and its own time)."""
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(suite: str, marker: str, caches: dict[str, str]) -> Timing:
+    env = {**os.environ, **caches}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # a fresh clone writes its bytecode on the first run
+    load, cpu, start = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "-p", "no:cacheprovider"],
-                          cwd=ROOT, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
     summary = next((line for line in reversed(proc.stdout.splitlines()) if re.search(r"\d+ passed", line)), "")
     if proc.returncode != 0:
-        raise SystemExit(f"pytest -m {marker!r} failed:\n{proc.stdout[-3000:]}")
-    return seconds, summary.strip("= ")
+        raise SystemExit(f"pytest -m {marker!r} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+    return Timing(suite=suite, wall=wall, cpu=cpu, load=(load, os.getloadavg()[0]), summary=summary.strip("= "))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slow", action="store_true", help="also time the integration set (-m slow)")
+    parser.add_argument("--runs", type=int, default=1, help="cold + warm pairs of the fast loop")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    rows = [("`-m \"not slow\"` (fast inner loop)", *run("not slow"))]
-    if args.slow:
-        rows.append(("`-m slow` (integration set)", *run("slow")))
-    lines = [f"Test suite wall time ({os.cpu_count()} cores, Python {sys.version.split()[0]}):", "",
-             "| suite | wall time | pytest summary |", "|---|---|---|"]
-    lines += [f"| {name} | {seconds:.0f} s | {summary} |" for name, seconds, summary in rows]
-    text = "\n".join(lines)
-    return emit(text, args.out)
+    rows = []
+    for i in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="time-tests-") as tmp:
+            caches = {name: os.path.join(tmp, name.lower()) for name in CACHE_VARIABLES}
+            rows.append(run('`-m "not slow"`, cold', "not slow", caches))
+            rows.append(run('`-m "not slow"`, warm', "not slow", caches))
+            if args.slow and i == args.runs - 1:
+                rows.append(run("`-m slow`, warm", "slow", caches))
+    lines = [f"Test suite times ({os.cpu_count()} cores, Python {sys.version.split()[0]}, "
+             f"{time.strftime('%Y-%m-%d %H:%M')}):", "",
+             "| suite | wall | CPU (user + sys) | load before → after | pytest summary |", "|---|---|---|---|---|"]
+    lines += [f"| {r.suite} | {r.wall:.0f} s | {r.cpu:.0f} s | {r.load[0]:.1f} → {r.load[1]:.1f} | {r.summary} |"
+              for r in rows]
+    return emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":
