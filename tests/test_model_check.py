@@ -15,8 +15,8 @@ Fast set: 120 schedules (~110 ms of CPU each on the 2-core dev box, ~13 s in all
 2,000 took 12 of CI's 35 minutes, over its 30-minute limit), and thousands on request:
 ``STREAMPACK_MODELCHECK_SEEDS=2000`` (seeds 0..1999) or ``=2000:5000`` (a range) with ``-m slow``
 (add ``--dist load`` to spread one file's seeds over both workers). All 2,000 passed on
-2026-11-27 (11.6 min on 2 workers, 695 s of CPU, loaded box); the defects found by slow seeds
-381 and 1354 have their own tests below. Shrinking a failing seed has a time budget per session
+2026-11-27 (seeds 300..1999: 11.6 min on 2 workers, 695 s of CPU, on the loaded 2-core box);
+the defects found by slow seeds 381 and 1354 have their own tests below. Shrinking a failing seed has a time budget per session
 (``SHRINK_SECONDS``); the rerun command always shrinks in full.
 """
 
