@@ -16,7 +16,10 @@ calls is charged to them), so the rows add up to the epoch:
 Part 2, the worker -> training-process hand-over: the same epoch with 0 and 2 DataLoader workers,
 CPU of the training process and of the workers (``RUSAGE_CHILDREN`` once they are joined), with
 torch's default tensor reduction (``file_descriptor`` strategy: one authenticated socket
-handshake per storage) next to streampack's (:mod:`streampack.layout.transfer`), interleaved.
+handshake per storage) next to streampack's (:mod:`streampack.layout.transfer`: each batch in a
+reused slot of the worker's shared-memory ring, :mod:`streampack.layout.shm_ring`), interleaved,
+in this process. ``benchmarks/profile_workers.py`` breaks a 2-worker epoch down per process and
+phase, each case in a fresh process, side by side with another checkout (``--baseline``).
 
 Data: the peers' corpus (``benchmarks/peers/corpus.py``: lognormal lengths, mean 600, clipped to
 [16, 4096], int32 ids), tar (webdataset ``.input_ids.npy``) and parquet (``list<int32>``),

@@ -339,8 +339,9 @@ class _Builder:
             return None
         config, options = self.config, self.options
         encoder = nodes["tokenize"].encoder if "tokenize" in nodes else None
+        media = None if config.media is None else config.media.reading(options.open_options())  # this run's settings
         return Replayer(ReplaySpec(
-            sources=self.sources.lists, decode=dataclasses.replace(options.decode(), media=config.media),  # re-read as first read
+            sources=self.sources.lists, decode=dataclasses.replace(options.decode(), media=media),  # re-read as first read
             opts=options.open_options(), encoder=encoder,
             stages=list(self.stages), max_len=config.capacity, policy=config.packing.overlong,
             verify=lambda source, shard: nodes["readers"][source].verify_shard(shard)))
@@ -367,9 +368,14 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement, optio
         def agree(key: str, dp_rank: int, worker_id: int, num_workers: int, n: int) -> Any:
             return agree_counts(agreement, key=key, dp_rank=dp_rank, worker_id=worker_id,
                                 num_workers=num_workers, count=n)
+    lengths = None
+    if counting is not None and config.media is not None:  # the index knows text lengths only
+        from streampack.media.plan_lengths import MediaLengths
+
+        lengths = MediaLengths(manifest, config.media, options, io_stats)
     return EpochPlanner(manifest, lambda i: manifest.load_index(i, decode, opts), seed=config.seed,
                         shuffle=config.shuffle, dp_size=place.dp_size, num_workers=place.num_workers,
-                        counting=counting, agree=agree)
+                        counting=counting, agree=agree, lengths=lengths)
 
 
 _GIVEN: dict[tuple[str, str, str], Manifest] = {}
@@ -399,10 +405,6 @@ def counting_for(config: StreamConfig, place: Placement) -> Counting | None:
     topology, pack = config.topology, config.packing
     if place.dp_size == 1 or topology.batches_per_epoch is not None or topology.equal_batches != "plan":
         return None
-    if config.media is not None:  # the index knows text lengths; image tokens would make every count wrong
-        raise ValueError("media= with several ranks and a finite stream needs equal_batches='sync' or "
-                         "batches_per_epoch: the plan counts batches from the index's text lengths, "
-                         "which do not include image tokens")
     rules = PackerRules(capacity=config.capacity, window=pack.window, algorithm=pack.algorithm,
                         align=topology.align, seed=config.seed, max_wait=pack.max_wait, slack=pack.slack)
     return Counting(rules=rules, max_len=config.capacity, policy=pack.overlong,

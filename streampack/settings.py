@@ -147,7 +147,7 @@ def fingerprint_settings(config: StreamConfig, options: ReadOptions) -> dict[str
     if settings["balance"] is not None:  # how a fresh run's histogram starts; a resume restores the saved one
         del settings["balance"]["seeded"]
     if config.media is not None:
-        settings["media"] = _plain(config.media)
+        settings["media"] = config.media.recorded()
     return settings
 
 

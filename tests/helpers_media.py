@@ -73,3 +73,37 @@ def write_tar(path: Path, n: int, *, seed: int = 0, max_images: int = 2, sizes: 
                     w, h, {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}[fmt], seed=i * 10 + j)
                 add_member(tf, f"k{i}.{j}.{fmt}", data)
     return path
+
+
+VIDEO_ID = 91
+"""The video placeholder id the tests use (a tiny Qwen2-VL's ``video_token_id``)."""
+
+
+def write_video_tar(path: Path, n: int, *, seed: int = 0, frames: tuple[int, int] = (1, 6),
+                    sizes: tuple[int, int] = (8, 40), text: tuple[int, int] = (3, 30),
+                    bad: dict[int, list[tuple[str, bytes]]] | None = None) -> Path:
+    """``n`` samples ``k<i>``: ids with placeholders for 0..1 image ``0.png`` and 0..2 videos;
+    one video is members ``video.<f>.jpg``, two are ``video.<v>.<f>.jpg`` (frames of one video
+    share a random size). ``bad[i]`` replaces sample i's videos with the given members."""
+    rng = np.random.default_rng(seed)
+    with tarfile.open(path, "w") as tf:
+        for i in range(n):
+            k, v = int(rng.integers(0, 2)), int(rng.integers(0, 3))
+            members: list[tuple[str, bytes]] = []
+            if k:
+                w, h = (int(x) for x in rng.integers(*sizes, size=2))
+                members.append(("0.png", image_bytes(w, h, "PNG", seed=i)))
+            for j in range(v):
+                w, h = (int(x) for x in rng.integers(*sizes, size=2))
+                prefix = "video" if v == 1 else f"video.{j}"
+                members += [(f"{prefix}.{f}.jpg", image_bytes(w, h, "JPEG", seed=100 * i + 10 * j + f))
+                            for f in range(int(rng.integers(*frames)))]
+            if bad and i in bad:
+                members, v = [m for m in members if not m[0].startswith("video")] + bad[i], max(v, 1)
+            ids = sample_ids(rng, k, int(rng.integers(*text)))
+            for j in range(v):
+                ids.insert(len(ids) // 2 + 2 * j, VIDEO_ID)  # text between: transformers reads adjacent runs as one
+            add_member(tf, f"k{i}.json", json.dumps({"input_ids": ids}).encode())
+            for name, data in members:
+                add_member(tf, f"k{i}.{name}", data)
+    return path

@@ -133,14 +133,19 @@ def test_head_counts_must_divide() -> None:
 
 
 @pytest.mark.slow
-def test_bench_gpu_code_paths_run_on_cpu() -> None:
-    """benchmarks/bench_gpu.py --cpu-check: every path of the GPU benchmark, tiny, on CPU."""
+@pytest.mark.parametrize("script, expected", [
+    ("bench_gpu.py", ("packed THD (varlen_attn)", "earlier helper")),
+    ("bench_gpu_feed.py", ("loader alone, to the device", "Margin: one worker delivers")),
+])
+def test_gpu_benchmark_code_paths_run_on_cpu(script: str, expected: tuple[str, ...]) -> None:
+    """``benchmarks/<script> --cpu-check``: every path of a GPU benchmark, tiny, on CPU (so it cannot
+    rot between GPU runs)."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_gpu.py"), "--cpu-check"],
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--cpu-check"],
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "packed THD (varlen_attn)" in out.stdout and "earlier helper" in out.stdout
+    assert all(text in out.stdout for text in expected), out.stdout[-3000:]

@@ -160,12 +160,26 @@ def test_per_sample_pixel_limit(tmp_path: Path) -> None:
     assert all(b.vision is None or int(torch.bincount(b.vision.image_doc).max()) <= 2 for b in kept)
 
 
-def test_tiles_rule_is_refused_when_the_graph_is_built(tmp_path: Path) -> None:
+def test_any_res_tiles_stream_with_their_sizes(tmp_path: Path) -> None:
     from streampack.media import AnyResTiles
 
-    url = str(write_tar(tmp_path / "a.tar", 4))
-    with pytest.raises(ValueError, match="counts tokens only"):
-        dataset([url], media=MediaOptions(rule=AnyResTiles(), image_token_id=IMAGE_ID))
+    rule = AnyResTiles(grid_pinpoints=((8, 16), (16, 8), (16, 16)), tile_size=8, patch_size=2)
+    url = str(write_tar(tmp_path / "a.tar", 10, max_images=2, sizes=(5, 30)))
+    batches = list(dataset([url], media=MediaOptions(rule=rule, image_token_id=IMAGE_ID), capacity=256))
+    images = 0
+    for b in batches:
+        check_vision(b, rule)
+        if b.vision is None:
+            continue
+        v, images = b.vision, images + b.vision.num_images
+        tiles = v.image_grid_thw[:, 0]
+        assert v.pixel_values.shape == (int(tiles.sum()), 3, 8, 8) and v.mrope_position_ids is None
+        for (h, w), n, t in zip(v.image_sizes.tolist(), v.image_token_lengths.tolist(), tiles.tolist()):
+            best = rule.best(w, h)
+            assert n == rule.count(w, h) and t == 1 + best[0] * best[1] // 64
+        hf = b.hf_inputs()
+        assert hf.image_sizes is v.image_sizes and hf.pixel_values is v.pixel_values
+    assert images > 5
 
 
 @needs_vision
@@ -178,17 +192,25 @@ def test_a_split_through_an_image_is_an_error_not_misplaced_pixels(tmp_path: Pat
 
 
 @needs_vision
-def test_planned_equal_batches_are_refused_with_images(tmp_path: Path) -> None:
-    url = str(write_tar(tmp_path / "a.tar", 8))
-    with pytest.raises(ValueError, match="equal_batches='sync'"):
-        list(dataset([url], dp_rank=0, dp_size=2))
-    ranks = [list(dataset([url], dp_rank=r, dp_size=2, batches_per_epoch=4)) for r in (0, 1)]
-    keys = sorted(k for rank in ranks for b in rank for k in b.doc_keys if k != "<filler>")
-    assert keys == sorted(f"{url}#k{i}" for i in range(8))
+def test_planned_equal_batches_count_image_tokens(tmp_path: Path) -> None:
+    """Several ranks, equal_batches="plan": each reader's count sees the image-expanded lengths
+    (text-only counts would fall short of the batches the data makes: a surplus error)."""
+    urls = [str(write_tar(tmp_path / f"{i}.tar", 12, seed=i, max_images=3)) for i in range(3)]
+    make = lambda r: dataset(urls, dp_rank=r, dp_size=2, window=4, cache_dir=str(tmp_path / "cache"))  # noqa: E731
+    ranks = [make(r) for r in (0, 1)]
+    got = [list(ds) for ds in ranks]
+    assert len(got[0]) == len(got[1]) > 0
+    keys = sorted(k for rank in got for b in rank for k in b.doc_keys if k != "<filler>")
+    assert keys == sorted(f"{u}#k{i}" for u in urls for i in range(12))
+    for ds, batches in zip(ranks, got):
+        plan = ds.metrics()["plan"]
+        assert plan["batches"] == sum(b.num_docs > 0 and b.doc_keys[0] != "<filler>" for b in batches)
+    assert sum(check_vision(b) for rank in got for b in rank) > 20  # the counts included images
 
 
 @needs_vision
-def test_elastic_resume_trains_every_image_sample_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("equal", ["sync", "plan"])
+def test_elastic_resume_trains_every_image_sample_once(tmp_path: Path, equal: str) -> None:
     from collections import Counter
 
     from streampack import elastic
@@ -196,7 +218,8 @@ def test_elastic_resume_trains_every_image_sample_once(tmp_path: Path) -> None:
     from tests.topology_sim import SimRank
 
     urls = [str(write_tar(tmp_path / f"{i}.tar", 14, seed=i, max_images=2)) for i in range(3)]
-    make = lambda r, size: dataset(urls, dp_rank=r, dp_size=size, equal_batches="sync", window=6)  # noqa: E731
+    make = lambda r, size: dataset(urls, dp_rank=r, dp_size=size, equal_batches=equal, window=6,  # noqa: E731
+                                   cache_dir=str(tmp_path / "cache"))
     old = [SimRank(lambda r=r: make(r, 2), 1) for r in range(2)]
     consumed = [next(rk) for rk in old for _ in range(2)]
     states = [s for rk in old for s in rk.states()]

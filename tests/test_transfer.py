@@ -6,9 +6,11 @@ import dataclasses
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from streampack.layout import shm_ring, transfer
 from streampack.layout.batch import PackedBatch, check_invariants, pack_batch
 from streampack.layout.stats import WorkerStats
 from streampack.sample import Sample
@@ -58,15 +60,65 @@ def test_round_trip_keeps_fields_sharing_and_identity() -> None:
         assert int(got.input_ids[0]) == before + 1
 
 
-def test_large_storages_go_by_name_not_by_descriptor_handshake() -> None:
+@pytest.mark.skipif(not shm_ring.available(), reason="needs memfd_create and /proc (Linux)")
+def test_large_storages_go_in_a_reused_slot_not_a_new_segment_per_batch() -> None:
     """torch's default (file_descriptor) reduction makes the receiver fetch each storage's fd
-    over an authenticated socket from the worker's resource_sharer thread: ~3 ms per storage
-    per batch while the worker holds its GIL building the next batch."""
-    batch = _batch()
+    over an authenticated socket from the worker's resource_sharer thread (~3 ms per storage per
+    batch while the worker holds its GIL); its file_system sharing needs a new segment per batch
+    and a torch_shm_manager process, which a worker starts on its first batch (0.25-1.4 s)."""
+    batch = _batch(2, extras=True)
     assert batch.input_ids.untyped_storage().nbytes() > 1 << 16
     data = bytes(ForkingPickler.dumps(batch))
-    assert b"rebuild_storage_fd" not in data and b"DupFd" not in data
-    assert b"/torch_" in data  # the named segment torch_shm_manager tracks
+    assert b"rebuild_storage_fd" not in data and b"DupFd" not in data and b"/torch_" not in data
+    assert b"SlotRef" in data
+    got = ForkingPickler.loads(data)
+    _same(batch, got)
+    # every large storage of the batch (the [3, T] rows and the extra) is in one slot: one mapping
+    ptrs = {got.input_ids.untyped_storage().data_ptr(), got.extras["pixel_rows"].untyped_storage().data_ptr()}
+    assert len(ptrs) == 1
+    # a held batch keeps its slot; released ones come back, so the ring stays as small as what is held
+    held = transfer.from_wire(transfer.to_wire(batch))
+    for _ in range(10):
+        transfer.from_wire(transfer.to_wire(batch))  # dropped at once
+    shm_ring._ring.drain()
+    assert sum(s.busy for s in shm_ring._ring.slots) == 2 and len(shm_ring._ring.slots) <= 3
+    _same(batch, held)
+
+
+def test_without_a_slot_large_storages_go_by_name(monkeypatch) -> None:
+    """No ring (not Linux, or too many batches held): torch's named segments, no handshake."""
+    monkeypatch.setattr(shm_ring, "take", lambda nbytes: None)
+    batch = _batch()
+    data = bytes(ForkingPickler.dumps(batch))
+    assert b"rebuild_storage_fd" not in data and b"/torch_" in data
+    _same(batch, ForkingPickler.loads(data))
+
+
+def test_held_batches_are_never_overwritten() -> None:
+    """The trainer keeps every batch (e.g. in a list): each keeps its own bytes while the worker
+    goes on sending."""
+    wires = [ForkingPickler.dumps(_batch(align=1 + i % 2)) for i in range(6)]
+    got = [ForkingPickler.loads(w) for w in wires]
+    for i, batch in enumerate(got):
+        _same(_batch(align=1 + i % 2), batch)
+
+
+def test_small_state_tensors_travel_by_value_in_a_worker() -> None:
+    """StatefulDataLoader sends the dataset's state delta after every batch; the tensors in it
+    (window references, pack sizes) went through torch's fd handshake one by one."""
+    state = {"refs": torch.arange(7000, dtype=torch.int64).reshape(1000, 7)[:, 1:], "n": torch.tensor(3),
+             "big": torch.zeros(2 << 20, dtype=torch.uint8), "shared": torch.ones(4).share_memory_()}
+    saved = ForkingPickler._extra_reducers.get(torch.Tensor)
+    try:
+        transfer.inline_small_tensors()
+        data = bytes(ForkingPickler.dumps(state))
+    finally:
+        ForkingPickler._extra_reducers[torch.Tensor] = saved
+    assert data.count(b"_rebuild_small_tensor") == 1 and data.count(b"rebuild_storage_fd") == 1  # big and shared
+    got = ForkingPickler.loads(data)
+    for k, v in state.items():
+        assert got[k].dtype == v.dtype and got[k].stride() == v.stride() and torch.equal(got[k], v), k
+    assert got["shared"].is_shared()
 
 
 def test_tensor_that_cannot_travel_as_bytes_takes_the_default_way() -> None:
@@ -79,14 +131,18 @@ def test_tensor_that_cannot_travel_as_bytes_takes_the_default_way() -> None:
 
 
 class _Batches(IterableDataset):
+    def __init__(self, n: int = 2) -> None:
+        self.n = n
+
     def __iter__(self):
-        for align in (1, 2):
-            yield _batch(align, extras=align == 2)
+        for i in range(self.n):
+            yield _batch(1 + i % 2, extras=i % 2 == 1)
 
 
 def test_through_a_dataloader_worker() -> None:
-    got = list(DataLoader(_Batches(), batch_size=None, num_workers=1))
-    assert len(got) == 2
-    for batch, want in zip(got, _Batches()):
+    # 12 batches all held by the loop, through 2 workers: the ring grows instead of reusing a held slot
+    got = list(DataLoader(_Batches(12), batch_size=None, num_workers=2))
+    assert len(got) == 24
+    for batch, want in zip(got, (b for b in _Batches(12) for _ in range(2))):
         _same(want, batch)
         check_invariants(batch)

@@ -186,7 +186,7 @@ def token_count(raw: bytes, opts: DecodeOptions) -> int:
 def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, key: str) -> Sample:
     images: tuple[Any, ...] = ()
     if opts.media is not None:
-        images = opts.media.path_images(record.get(opts.media.images_key), opts.limits, url=url, key=key)
+        images = opts.media.record_media(record, opts.limits, url=url, key=key)
     return make_sample(
         images=images,
         url=url,

@@ -109,7 +109,7 @@ def _columns(schema_names: list[str], opts: DecodeOptions, url: str) -> dict[str
     wanted = {"tokens": opts.tokens_key, "text": opts.text_key, "labels": opts.labels_key,
               "loss_mask": opts.loss_mask_key}
     if opts.media is not None:
-        wanted["images"] = opts.media.images_key
+        wanted.update(opts.media.columns())  # images, and videos when read
     out = {field: key for field, key in wanted.items() if key and key in schema_names}
     if "tokens" not in out and "text" not in out:
         raise DataError("missing_field", f"no column {opts.tokens_key!r} or {opts.text_key!r} "
@@ -252,8 +252,7 @@ def _item(values: dict[str, list[Any]], i: int, row: int, *, url: str, at_end: b
             raise DataError("sample_too_large", f"row of {size} bytes, over max_sample_bytes="
                             f"{opts.limits.max_sample_bytes}", url=url, key=key, value=size)
         tokens = field.get("tokens")
-        images = () if opts.media is None else opts.media.column_images(field.get("images"), opts.limits, url=url,
-                                                                        key=key)
+        images = () if opts.media is None else opts.media.column_media(field, opts.limits, url=url, key=key)
         sample = make_sample(url=url, key=key, tokens=tokens, text=None if tokens is not None else field.get("text"),
                              labels=field.get("labels"), loss_mask=field.get("loss_mask"), vocab_size=opts.vocab_size,
                              images=images)

@@ -9,18 +9,24 @@ CPU on the handshake: profiled with 2 workers and batches of 8 x 4096 tokens (tw
 batch), ``rebuild_storage_fd`` took 0.9 s of the training process's 2.1 s for a 5 M-token epoch.
 
 :func:`reduce_batch` sends each distinct storage of a batch once: a small one (the int32
-offsets, up to ``INLINE_BYTES``) inside the pickle, a large one (the ``[3, T]`` int64 rows) through
-torch's own ``file_system`` sharing for that one storage -- a *named* segment the receiver opens
-by name, with no socket and no wait on the worker; torch's ``torch_shm_manager`` unlinks it if a
-process dies first. The process-wide strategy is left alone. :func:`from_wire` re-creates every
-tensor as a view of its received storage: views that shared a storage still share one
+offsets, up to ``INLINE_BYTES``) inside the pickle, the large ones (the ``[3, T]`` int64 rows,
+extras) copied together into one reused slot of the sending process's shared-memory ring
+(:mod:`streampack.layout.shm_ring`), which the receiver keeps mapped and gives back when it frees
+the batch (:mod:`streampack.layout.shm_receive`). Without a free slot (not Linux, or 64 batches
+still held by the receiver) a large storage goes through torch's own ``file_system`` sharing for
+that one storage -- a *named* segment the receiver opens by name, with no socket and no wait on
+the worker. The process-wide strategy is left alone. :func:`from_wire` re-creates every tensor as a
+view of its received storage: views that shared a storage still share one
 (``input_ids``/``labels``/``position_ids``), and a tensor named by two fields stays one object
 (``varlen_cu_seqlens_bidirectional is varlen_cu_seqlens`` with ``align == 1``).
 
-Measured (``benchmarks/profile_pipeline.py``, hand-over table; the same epoch, both reducers in one
-run on the loaded 2-core box, 4 M tokens): 2 workers cost 2.62x the CPU of the in-process epoch
-with torch's reduction and 1.65x with this one on tar (parquet: 2.04x -> 1.24x); per batch, the
-training process 5.3 -> 3.6 ms and the workers 19.5 -> 12.1 ms.
+Measured (``benchmarks/PROFILE.md``; 16-core machine, 2 workers, 8 x 4096-token batches, tar):
+per batch, the workers 7.1-8.8 ms with a named segment per batch -> 5.6-6.7 ms with the ring,
+their page faults 28k-135k per worker (growing with the epoch) -> 13-15k, the first batch 0.52 ->
+0.15 s (no ``torch_shm_manager`` to start); the hand-over alone (``benchmarks/bench_transfer.py``,
+one worker) 5.0 ms of CPU per batch with torch's default, 3.8 with named segments, 2.9 with the ring.
+In a worker, :func:`settle_worker` also sends the small tensors of StatefulDataLoader's per-batch
+state deltas by value (0.5 ms of worker CPU per batch).
 
 Only the queue between processes uses this (``ForkingPickler.register``); ``pickle`` and
 ``torch.save`` are untouched. A batch holding a tensor that is not a plain dense CPU tensor
@@ -30,15 +36,26 @@ Only the queue between processes uses this (``ForkingPickler.register``); ``pick
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef, rebuild_storage_filename, shared_cache
+from torch.multiprocessing.reductions import StorageWeakRef, rebuild_storage_filename, reduce_tensor, shared_cache
+
+from streampack.layout import shm_receive, shm_ring
+from streampack.layout.shm_ring import SlotRef
 
 INLINE_BYTES = 1 << 16
 """Storages up to this size travel inside the pickle (a shared-memory segment costs more)."""
+TENSOR_INLINE_BYTES = 1 << 20
+"""With :func:`inline_small_tensors`: tensors whose storage is up to this size travel inside the
+pickle (a window of 1024 references is 57 KB; copying 1 MiB through the pipe costs less than a
+new shared-memory segment and its descriptor handshake)."""
+_ALIGN = 64
+"""Byte alignment of each storage inside a slot (any dtype's element size divides it)."""
 
 
 class TensorView(NamedTuple):
@@ -63,13 +80,15 @@ class Wire(NamedTuple):
     """Field name (``extras/NAME`` for an extra) -> index into ``views``."""
     views: tuple[TensorView, ...]
     storages: tuple[Any, ...]
-    """Per storage: its bytes (small ones), or torch's shared-memory file handle ``(manager,
-    handle, nbytes)`` from ``UntypedStorage._share_filename_cpu_``."""
+    """Per storage: its bytes (small ones), its byte offset in ``slot`` (an int), or torch's
+    shared-memory file handle ``(manager, handle, nbytes)`` from ``UntypedStorage._share_filename_cpu_``."""
+    slot: SlotRef | None = None
+    """The shared-memory slot holding every large storage of the batch (:mod:`streampack.layout.shm_ring`)."""
 
 
 def _plain_cpu(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided \
-        and not t.is_quantized and not t.requires_grad
+        and not t.is_quantized and not t.requires_grad and not t.is_conj() and not t.is_neg()
 
 
 def _tensor_items(batch: Any) -> dict[str, torch.Tensor] | None:
@@ -87,10 +106,14 @@ def _tensor_items(batch: Any) -> dict[str, torch.Tensor] | None:
     return out if all(_plain_cpu(t) for t in out.values()) else None
 
 
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
 def _send_storage(storage: torch.UntypedStorage) -> Any:
     nbytes = storage.nbytes()
     if nbytes <= INLINE_BYTES:
-        return bytes(memoryview(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)).numpy()))
+        return bytes(memoryview(_bytes_of(storage).numpy()))
     # torch's own file_system sharing for this one storage (what reduce_storage does under
     # set_sharing_strategy("file_system")): the segment is named, so the receiver opens it by
     # name with no handshake; torch_shm_manager unlinks it if either process dies first
@@ -98,6 +121,26 @@ def _send_storage(storage: torch.UntypedStorage) -> Any:
     storage._shared_incref()  # the receiver's rebuild_storage_filename drops this reference
     shared_cache[handle] = StorageWeakRef(storage)
     return (manager, handle, size)
+
+
+def _into_slot(large: list[torch.UntypedStorage]) -> tuple[SlotRef, list[int]] | None:
+    """Copy ``large`` into one free slot of this process's ring: the slot and each storage's
+    byte offset in it, or None (no ring here, or too many slots still held by receivers)."""
+    offsets, end = [], 0
+    for storage in large:
+        offsets.append(end)
+        end += -(-storage.nbytes() // _ALIGN) * _ALIGN
+    got = shm_ring.take(end)
+    if got is None:
+        return None
+    ref, memory = got
+    slot = np.frombuffer(memory, dtype=np.uint8, count=end)
+    for storage, offset in zip(large, offsets):
+        # numpy's copy: one thread, ~30 µs for 768 KiB; torch's copy_ may wake its thread pool
+        # (1.4-7 ms for the same bytes on the loaded 2-core box)
+        slot[offset:offset + storage.nbytes()] = _bytes_of(storage).numpy()
+    del slot
+    return ref, offsets
 
 
 def _receive_storage(sent: Any) -> torch.UntypedStorage:
@@ -114,8 +157,8 @@ def to_wire(batch: Any) -> Wire | None:
     items = _tensor_items(batch)
     if items is None:
         return None
-    storages: dict[int, int] = {}  # storage data_ptr -> index into sent
-    sent: list[Any] = []
+    storages: dict[int, int] = {}  # storage data_ptr -> index into distinct
+    distinct: list[torch.UntypedStorage] = []
     views: list[TensorView] = []
     slots: dict[str, int] = {}
     seen: dict[int, int] = {}  # id(tensor) -> view index: one object named twice stays one
@@ -126,20 +169,34 @@ def to_wire(batch: Any) -> Wire | None:
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key not in storages:
-            storages[key] = len(sent)
-            sent.append(_send_storage(storage))
+            storages[key] = len(distinct)
+            distinct.append(storage)
         seen[id(t)] = slots[name] = len(views)
         views.append(TensorView(storages[key], t.dtype, t.storage_offset(), tuple(t.shape), t.stride()))
+    large = [i for i, st in enumerate(distinct) if st.nbytes() > INLINE_BYTES]
+    placed = _into_slot([distinct[i] for i in large]) if large else None
+    sent: list[Any] = [None] * len(distinct)
+    if placed is not None:
+        for i, offset in zip(large, placed[1]):
+            sent[i] = offset
+    for i, storage in enumerate(distinct):
+        if sent[i] is None:
+            sent[i] = _send_storage(storage)
     plain = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
              if f.name not in items and not (f.name == "extras" and any(k.startswith("extras/") for k in items))}
-    return Wire(type(batch), plain, slots, tuple(views), tuple(sent))
+    return Wire(type(batch), plain, slots, tuple(views), tuple(sent), placed[0] if placed is not None else None)
 
 
 def from_wire(wire: Wire) -> Any:
-    """The batch :func:`to_wire` took apart, every tensor a view of its received storage."""
-    storages = [_receive_storage(s) for s in wire.storages]
-    made = [torch.empty(0, dtype=v.dtype).set_(storages[v.storage], v.storage_offset, v.size, v.stride)
-            for v in wire.views]
+    """The batch :func:`to_wire` took apart, every tensor a view of its received storage (the
+    storages that came in a slot: views of one storage over the whole slot)."""
+    slot = torch.from_numpy(shm_receive.attach(wire.slot)).untyped_storage() if wire.slot is not None else None
+    storages = [(slot, sent) if isinstance(sent, int) else (_receive_storage(sent), 0) for sent in wire.storages]
+    made = []
+    for v in wire.views:
+        storage, byte_offset = storages[v.storage]
+        offset = byte_offset // v.dtype.itemsize + v.storage_offset
+        made.append(torch.empty(0, dtype=v.dtype).set_(storage, offset, v.size, v.stride))
     fields = dict(wire.plain)
     extras = {}
     for name, index in wire.tensors.items():
@@ -158,6 +215,55 @@ def reduce_batch(batch: Any) -> Any:
     if wire is None:
         return batch.__reduce_ex__(4)
     return from_wire, (wire,)
+
+
+def _reduce_small_tensor(t: torch.Tensor) -> Any:
+    """``ForkingPickler`` reducer for ``torch.Tensor`` in a DataLoader worker: a small plain CPU
+    tensor travels inside the pickle; anything else (large, shared on purpose, on a GPU) the
+    default way."""
+    if _plain_cpu(t) and not t.is_shared():
+        storage = t.untyped_storage()
+        if storage.nbytes() <= TENSOR_INLINE_BYTES:
+            data = bytes(memoryview(_bytes_of(storage).numpy()))
+            return _rebuild_small_tensor, (data, t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+    return reduce_tensor(t)
+
+
+def _rebuild_small_tensor(data: bytes, dtype: torch.dtype, offset: int, size: tuple[int, ...],
+                          stride: tuple[int, ...]) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype).set_(_receive_storage(data), offset, size, stride)
+
+
+def inline_small_tensors() -> None:
+    """Send small plain tensors from this process by value (call it in a DataLoader worker).
+
+    StatefulDataLoader sends the dataset's state after every batch (``snapshot_every_n_steps=1``,
+    its default) as a delta of the last one; a reader's state holds a few tensors (window
+    references, pack sizes) that change every packing round. torch's own reduction moves each one
+    into a new shared-memory segment whose descriptor the training process fetches over a socket
+    from this worker, ~1-3 ms of both processes' CPU per tensor; by value it is a copy of
+    ~0.6-60 KB inside the pickle. A tensor already in shared memory (shared on purpose) keeps
+    torch's reduction, so sharing it still shares it."""
+    ForkingPickler.register(torch.Tensor, _reduce_small_tensor)
+
+
+_settled_pid = 0
+
+
+def settle_worker() -> None:
+    """Once per DataLoader worker process (``PackedDataset.__iter__`` calls it before building its
+    graph): small tensors of the per-batch state deltas travel by value (:func:`inline_small_tensors`).
+
+    Not done, measured: ``gc.freeze()`` of what the worker inherited (the ``gc`` docs' advice for
+    forked workers) made the workers *slower*, 7.95 against 5.67 ms of worker CPU per batch (tar,
+    4 M tokens, 2 workers, 16-core machine; ``benchmarks/PROFILE.md``): with the ~175k inherited
+    objects out of its count, the collector runs full collections over the worker's own window of
+    samples far more often, and the page faults it was to save did not change (11.6k against 11.7k
+    per worker)."""
+    global _settled_pid
+    if _settled_pid != os.getpid():
+        _settled_pid = os.getpid()
+        inline_small_tensors()
 
 
 def register(cls: type) -> None:

@@ -1,10 +1,16 @@
-"""``hf_inputs()`` of a batch with images: what transformers' Qwen2-VL and LLaVA forwards take.
+"""``hf_inputs()`` of a batch with images: what transformers' Qwen2-VL, LLaVA and LLaVA-NeXT
+forwards take.
 
 - Qwen2-VL / Qwen2.5-VL (flattened patches): ``pixel_values [Σ patches, C·t·p·p]``,
-  ``image_grid_thw [n, 3]`` and ``position_ids [4, 1, T]`` — the text positions (row 0, from
-  which the model builds its packed attention mask when no ``attention_mask`` is given) stacked
-  on the 3-D mRoPE positions (rows 1-3), the layout transformers 5 documents for packed input.
+  ``image_grid_thw [n, 3]``, for videos ``pixel_values_videos`` and ``video_grid_thw`` (None
+  when the batch has none of that kind), and ``position_ids [4, 1, T]`` — the text positions
+  (row 0, from which the model builds its packed attention mask when no ``attention_mask`` is
+  given) stacked on the 3-D mRoPE positions (rows 1-3), the layout transformers 5 documents
+  for packed input.
 - LLaVA (fixed-size images): ``pixel_values [n, 3, H, W]``; text positions as for a text model.
+- LLaVA-NeXT (any-res tiles): ``pixel_values [Σ (1 + tiles), 3, S, S]`` (the flattened form its
+  ``get_image_features`` accepts: no padding to the batch's most tiles) and ``image_sizes
+  [n, 2]`` (height, width), from which the model splits the rows per image.
 
 ``PackedBatch.hf_inputs()`` adds these to :func:`streampack.layout.adapters.hf_inputs` (which
 stays text-only). The image tokens' own labels are already ``-100`` (their loss mask is 0), so no position is
@@ -27,6 +33,8 @@ class VisionHFInputs(HFInputs):
 
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
 
 
 @dataclass(init=False, slots=True, kw_only=True, eq=False)
@@ -36,10 +44,23 @@ class LlavaHFInputs(HFInputs):
     pixel_values: torch.Tensor | None = None
 
 
+@dataclass(init=False, slots=True, kw_only=True, eq=False)
+class LlavaNextHFInputs(HFInputs):
+    """:class:`~streampack.layout.adapters.HFInputs` plus LLaVA-NeXT's ``pixel_values`` and ``image_sizes``."""
+
+    pixel_values: torch.Tensor | None = None
+    image_sizes: torch.Tensor | None = None
+
+
 def hf_vision_inputs(batch: Any, text: HFInputs) -> HFInputs:
     vision = batch.vision
     base = {name: getattr(text, name) for name in text}
+    if vision.image_sizes is not None:
+        return LlavaNextHFInputs(base, pixel_values=vision.pixel_values, image_sizes=vision.image_sizes)
     if vision.mrope_position_ids is None:
         return LlavaHFInputs(base, pixel_values=vision.pixel_values)
     base["position_ids"] = torch.cat([text.position_ids.unsqueeze(0), vision.mrope_position_ids.unsqueeze(1)])
-    return VisionHFInputs(base, pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw)
+    images = vision.num_images > 0
+    return VisionHFInputs(base, pixel_values=vision.pixel_values if images else None,
+                          image_grid_thw=vision.image_grid_thw if images else None,
+                          pixel_values_videos=vision.pixel_values_videos, video_grid_thw=vision.video_grid_thw)

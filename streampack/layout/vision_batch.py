@@ -11,6 +11,12 @@ grid (1, 4, 4) -> 16 patches, 4 image tokens ``I``, then 2 text tokens; document
     vision_cu_seqlens      [0, 16]                   (patches per image: varlen attention in the ViT)
     mrope_position_ids     [3, T]: per document, restarting at 0 (Qwen2-VL's rule)
 
+A video (Qwen2-VL, frames grouped by the temporal patch) has the same fields prefixed
+``video_`` (``pixel_values_videos``, ``video_grid_thw`` ``(t, h, w)``, ``video_doc``, ...,
+``video_cu_seqlens``: one segment per temporal patch); the mRoPE positions cover both. A
+LLaVA-NeXT any-res image is ``1 + tiles`` rows of ``pixel_values`` ``[Σ tiles, 3, S, S]``, with
+``image_grid_thw`` ``(1 + tiles, S, S)`` and its stored ``(height, width)`` in ``image_sizes``.
+
 The pure functions that compute ``vision_cu_seqlens`` and the 3-D mRoPE position ids live in
 :mod:`streampack.layout.vision`; this module only gathers a batch's images and calls them.
 """
@@ -27,13 +33,15 @@ import torch
 
 @dataclass(slots=True, kw_only=True, eq=False)
 class VisionBatch:
-    """Every image of a batch, in document order, then image order inside a document."""
+    """Every image (then every video) of a batch, in document order, then order inside a document."""
 
     pixel_values: torch.Tensor
-    """float32 ``[Σ patches, C·t·p·p]`` (Qwen2-VL flattened patches) or ``[n_images, 3, H, W]``
-    (fixed-size encoders such as LLaVA-1.5's CLIP)."""
+    """float32 ``[Σ patches, C·t·p·p]`` (Qwen2-VL flattened patches), ``[n_images, 3, H, W]``
+    (fixed-size encoders such as LLaVA-1.5's CLIP) or ``[Σ (1 + tiles), 3, S, S]`` (LLaVA-NeXT
+    any-res: each image's base view, then its tiles); 0 rows when the batch has only videos."""
     image_grid_thw: torch.Tensor
-    """int64 ``[n_images, 3]``: (t, h, w) in patches (Qwen2-VL); (1, H, W) pixels for fixed size."""
+    """int64 ``[n_images, 3]``: (t, h, w) in patches (Qwen2-VL); (1, H, W) pixels for fixed
+    size; (1 + tiles, S, S) for any-res."""
     image_doc: torch.Tensor
     """int64 ``[n_images]``: index of the document (``doc_keys``) each image belongs to."""
     image_token_starts: torch.Tensor
@@ -45,51 +53,92 @@ class VisionBatch:
     """int32 ``[n_images·t + 1]``: cumulative patches per frame, for varlen attention inside the
     vision encoder (flattened patches only)."""
     mrope_position_ids: torch.Tensor | None = None
-    """int64 ``[3, T]``: Qwen2-VL 3-D rotary positions (temporal, height, width), restarting at
-    each document (flattened patches only)."""
+    """int64 ``[3, T]``: Qwen2-VL 3-D rotary positions (temporal, height, width) of images and
+    videos, restarting at each document (flattened patches only)."""
+    image_sizes: torch.Tensor | None = None
+    """int64 ``[n_images, 2]``: (height, width) of each image as stored (any-res only)."""
+    pixel_values_videos: torch.Tensor | None = None
+    """float32 ``[Σ t·h·w, C·tp·p·p]``: the videos' flattened patches (None: no video)."""
+    video_grid_thw: torch.Tensor | None = None
+    """int64 ``[n_videos, 3]``: (t, h, w), t = temporal patches (frames / 2, rounded up)."""
+    video_doc: torch.Tensor | None = None
+    video_token_starts: torch.Tensor | None = None
+    video_token_lengths: torch.Tensor | None = None
+    video_token_id: int | None = None
+    video_cu_seqlens: torch.Tensor | None = None
+    """int32 ``[Σ t + 1]``: cumulative patches per temporal patch of the videos (the vision
+    encoder attends inside one at a time)."""
 
     @property
     def num_images(self) -> int:
         return int(self.image_doc.shape[0])
 
+    @property
+    def num_videos(self) -> int:
+        return 0 if self.video_doc is None else int(self.video_doc.shape[0])
+
     def map_tensors(self, once: Any) -> VisionBatch:
-        return replace(self, **{name: once(getattr(self, name)) for name in _TENSORS if getattr(self, name) is not None})
+        return replace(self, **{n: once(getattr(self, n)) for n in _TENSORS if getattr(self, n) is not None})
 
 
 _TENSORS = ("pixel_values", "image_grid_thw", "image_doc", "image_token_starts", "image_token_lengths",
-            "vision_cu_seqlens", "mrope_position_ids")
+            "vision_cu_seqlens", "mrope_position_ids", "image_sizes", "pixel_values_videos", "video_grid_thw",
+            "video_doc", "video_token_starts", "video_token_lengths", "video_cu_seqlens")
+
+
+def _gather(items: list[tuple[int, Any, Any]], starts: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Document index, token start, token length and grid of each ``(doc index, doc, item)``."""
+    return {"doc": torch.tensor([d for d, _, _ in items], dtype=torch.int64),
+            "starts": torch.tensor([starts[d] + im.offset for d, _, im in items], dtype=torch.int64),
+            "lengths": torch.tensor([im.length for _, _, im in items], dtype=torch.int64),
+            "grid": torch.tensor([im.grid_thw for _, _, im in items], dtype=torch.int64).reshape(-1, 3)}
 
 
 def vision_batch(docs: Sequence[Any], starts: Sequence[int], input_ids: torch.Tensor,
                  varlen_cu_seqlens: torch.Tensor) -> VisionBatch | None:
-    """The batch's images from its documents (``streampack.media.node.DecodedImage`` each) laid
-    out at token offsets ``starts``; None when no document has an image. mRoPE positions
+    """The batch's images and videos from its documents (``streampack.media.node.DecodedImage``
+    each) laid out at token offsets ``starts``; None when no document has one. mRoPE positions
     restart at the spans of ``varlen_cu_seqlens``, the spans ``hf_inputs``' text positions
     restart at (a pack's trailing padding is its own span)."""
-    images = [(d, doc, im) for d, doc in enumerate(docs) for im in doc.images]
-    if not images:
+    every = [(d, doc, im) for d, doc in enumerate(docs) for im in doc.images]
+    if not every:
         return None
-    first = images[0][2]
-    for _, doc, im in images:
+    for _, doc, im in every:
         if not hasattr(im, "pixels"):
             raise ValueError(f"document {doc.doc_key!r} carries undecoded images: pack_batch needs them decoded "
                              f"(streampack.media.node.DecodeImages)")
-        if (im.flat, im.token_id, im.merge_size) != (first.flat, first.token_id, first.merge_size):
-            raise ValueError("documents of one batch mix image layouts (flat patches / image token id / merge)")
-    doc_index = torch.tensor([d for d, _, _ in images], dtype=torch.int64)
-    token_starts = torch.tensor([starts[d] + im.offset for d, _, im in images], dtype=torch.int64)
-    lengths = torch.tensor([im.length for _, _, im in images], dtype=torch.int64)
-    grid = torch.tensor([im.grid_thw for _, _, im in images], dtype=torch.int64).reshape(-1, 3)
-    if first.flat:
-        pixels = torch.from_numpy(np.concatenate([im.pixels for _, _, im in images]))
+    images = [x for x in every if not x[2].video]
+    videos = [x for x in every if x[2].video]
+    first = (images or videos)[0][2]
+    if any((im.layout, im.token_id, im.merge_size) != (first.layout, first.token_id, first.merge_size)
+           for _, _, im in images) or any(im.merge_size != first.merge_size for _, _, im in videos):
+        raise ValueError("documents of one batch mix image layouts (flat patches / tiles / image token id / merge)")
+    layout = first.layout if images else "patches"
+    got = _gather(images, starts)
+    if images:
+        pixels = [im.pixels for _, _, im in images]
+        pixel_values = torch.from_numpy(np.concatenate(pixels) if first.flat else np.stack(pixels))
     else:
-        pixels = torch.from_numpy(np.stack([im.pixels for _, _, im in images]))
-    out = VisionBatch(pixel_values=pixels, image_grid_thw=grid, image_doc=doc_index, image_token_starts=token_starts,
-                      image_token_lengths=lengths, image_token_id=first.token_id)
-    if first.flat:
+        pixel_values = torch.zeros((0, videos[0][2].pixels.shape[1]), dtype=torch.float32)
+    out = VisionBatch(pixel_values=pixel_values, image_grid_thw=got["grid"], image_doc=got["doc"],
+                      image_token_starts=got["starts"], image_token_lengths=got["lengths"],
+                      image_token_id=first.token_id if images else -1)
+    if layout == "tiles":
+        out.image_sizes = torch.tensor([im.size for _, _, im in images], dtype=torch.int64).reshape(-1, 2)
+    if videos:
+        vid = _gather(videos, starts)
+        out.pixel_values_videos = torch.from_numpy(np.concatenate([im.pixels for _, _, im in videos]))
+        out.video_grid_thw, out.video_doc = vid["grid"], vid["doc"]
+        out.video_token_starts, out.video_token_lengths = vid["starts"], vid["lengths"]
+        out.video_token_id = videos[0][2].token_id
+    if layout == "patches":
         from streampack.layout.vision import mrope_position_ids, vision_cu_seqlens
 
-        out.vision_cu_seqlens = vision_cu_seqlens(grid)
-        out.mrope_position_ids = mrope_position_ids(input_ids, varlen_cu_seqlens, grid, first.token_id,
-                                                    first.merge_size)
+        out.vision_cu_seqlens = vision_cu_seqlens(out.image_grid_thw)
+        if videos:
+            out.video_cu_seqlens = vision_cu_seqlens(out.video_grid_thw)
+        out.mrope_position_ids = mrope_position_ids(input_ids, varlen_cu_seqlens, out.image_grid_thw,
+                                                    out.image_token_id, first.merge_size,
+                                                    video_grid_thw=out.video_grid_thw,
+                                                    video_token_id=out.video_token_id)
     return out

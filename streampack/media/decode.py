@@ -10,7 +10,12 @@ with PIL bicubic on 8-bit pixels, rescale by 1/255, normalise per channel (CLIP 
   patches ``[gh·gw, C·t·p·p]`` (the frame repeated ``t`` = 2 times, merge-window order) with
   ``grid_thw = (1, gh, gw)``;
 - :class:`~streampack.media.tokens.FixedTokens`: shortest edge to ``size``, center crop to
-  ``size x size``, ``[3, size, size]``.
+  ``size x size``, ``[3, size, size]``;
+- :class:`~streampack.media.tokens.AnyResTiles`: the base view and the tiles of the best grid
+  pinpoint, ``[1 + tiles, 3, S, S]`` (:mod:`streampack.media.tiles`, against
+  ``LlavaNextImageProcessorPil``).
+
+Videos (frame lists) are :mod:`streampack.media.video_decode`.
 
 A body that the header accepted but that does not decode (truncated, corrupt) is
 ``DataError("bad_image")`` naming shard, key and image. PIL's own decompression-bomb check
@@ -27,7 +32,7 @@ import numpy as np
 from streampack.errors import DataError
 from streampack.media.header import FORMATS, MediaImage
 from streampack.media.options import MediaOptions
-from streampack.media.tokens import DynamicResolution, FixedTokens
+from streampack.media.tokens import AnyResTiles, DynamicResolution, FixedTokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,9 +40,13 @@ class Pixels:
     """One decoded image."""
 
     values: np.ndarray
-    """float32: ``[patches, C·t·p·p]`` (dynamic resolution) or ``[3, H, W]`` (fixed size)."""
+    """float32: ``[patches, C·t·p·p]`` (dynamic resolution, video), ``[3, H, W]`` (fixed size)
+    or ``[1 + tiles, 3, S, S]`` (any-res)."""
     grid_thw: tuple[int, int, int]
-    """(t, h, w) in patches (Qwen2-VL's ``image_grid_thw`` row); (1, H/p, W/p) for fixed size."""
+    """(t, h, w) in patches (Qwen2-VL's ``image_grid_thw`` / ``video_grid_thw`` row); (1, H, W)
+    pixels for fixed size; (1 + tiles, S, S) for any-res."""
+    size: tuple[int, int] = (0, 0)
+    """(height, width) of the image as stored (LLaVA-NeXT's ``image_sizes`` row)."""
 
 
 def open_rgb(image: MediaImage, *, url: str, key: str) -> "PIL.Image.Image":  # noqa: F821
@@ -88,7 +97,13 @@ def decode_image(image: MediaImage, options: MediaOptions, *, url: str, key: str
         top, left = (h - size) // 2, (w - size) // 2
         arr = _normalized(im, options)[:, top:top + size, left:left + size]
         return Pixels(values=np.ascontiguousarray(arr), grid_thw=(1, size, size))
-    raise ValueError(f"{type(rule).__name__} counts tokens only: no pixel layout is produced for it")
+    if isinstance(rule, AnyResTiles):
+        from streampack.media.tiles import tile_pixels
+
+        tiles = tile_pixels(im, rule, lambda view: _normalized(view, options))
+        return Pixels(values=tiles, grid_thw=(tiles.shape[0], rule.tile_size, rule.tile_size),
+                      size=(im.height, im.width))
+    raise ValueError(f"no pixel layout for {type(rule).__name__}")
 
 
 def patchify(image: np.ndarray, rule: DynamicResolution) -> np.ndarray:

@@ -7,9 +7,9 @@ same image as Qwen2-VL float32 patches, 3 channels x 2 temporal copies: 1,564 x 
 7.4 MB). The node is a map over packs: its state is its source's plus counters,
 so resume is exactly the packer's.
 
-Each image becomes a :class:`DecodedImage` carrying where its tokens sit in its document (the
-run of ``image_token_id`` of the same length, in order); a sample whose image runs do not
-match its images (a document split by ``overlong="split"`` through an image, a stage that
+Each image (and each video) becomes a :class:`DecodedImage` carrying where its tokens sit in
+its document (the run of ``image_token_id`` / ``video_token_id`` of the same length, in order);
+a sample whose runs do not match its images (a document split by ``overlong="split"`` through an image, a stage that
 changed the tokens) is ``DataError("image_tokens_mismatch")``. A bad image follows ``on_error``:
 ``"skip"`` drops its sample from the pack (counted), ``"raise"`` raises.
 """
@@ -26,7 +26,9 @@ from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.media.decode import decode_image
 from streampack.media.options import MediaOptions
 from streampack.media.placeholders import image_starts
-from streampack.media.tokens import DynamicResolution
+from streampack.media.stage import media_counts
+from streampack.media.video import MediaVideo
+from streampack.media.video_decode import video_pixels
 from streampack.sample import Sample
 
 
@@ -35,7 +37,8 @@ class DecodedImage:
     """One image of a packed document, ready for the batch."""
 
     pixels: np.ndarray
-    """float32 ``[patches, C·t·p·p]`` (flat patches) or ``[3, H, W]``."""
+    """float32 ``[patches, C·t·p·p]`` (layout ``patches``), ``[3, H, W]`` (``image``) or
+    ``[1 + tiles, 3, S, S]`` (``tiles``)."""
     grid_thw: tuple[int, int, int]
     offset: int
     """Index of its first image token inside its document."""
@@ -43,29 +46,53 @@ class DecodedImage:
     """Its image tokens in the text."""
     token_id: int
     merge_size: int
-    """Spatial merge of the vision encoder (Qwen2-VL: 2; fixed-size encoders: 1)."""
-    flat: bool
-    """Whether ``pixels`` are flattened patches (else one ``[3, H, W]`` image)."""
+    """Spatial merge of the vision encoder (Qwen2-VL: 2; others: 1)."""
+    layout: str
+    """``patches`` (Qwen2-VL flattened patches), ``image`` (one fixed-size image) or ``tiles``
+    (LLaVA-NeXT base view + tiles)."""
+    size: tuple[int, int] = (0, 0)
+    """(height, width) as stored (``tiles``: LLaVA-NeXT's ``image_sizes`` row)."""
+    video: bool = False
+    """A video (``pixel_values_videos``), not an image."""
+
+    @property
+    def flat(self) -> bool:
+        """Whether ``pixels`` rows concatenate (patches, tiles) rather than stack (images)."""
+        return self.layout != "image"
+
+
+def _starts(sample: Sample, token_id: int, counts: list[int], kind: str) -> list[int]:
+    assert sample.tokens is not None
+    starts = image_starts(sample.tokens, token_id, counts)
+    if starts is None:
+        found = int((sample.tokens == token_id).sum())
+        raise DataError("image_tokens_mismatch", f"{found} {kind} tokens are not {len(counts)} contiguous runs of "
+                        f"{counts} (a split through an {kind}? use overlong='drop' or a larger capacity)",
+                        url=sample.url, key=sample.key, value=found)
+    return starts.tolist()
 
 
 def decode_sample(sample: Sample, options: MediaOptions) -> Sample:
-    """``sample`` with every image decoded and placed on its token run; raises DataError."""
+    """``sample`` with every image and video decoded and placed on its token run; raises DataError."""
     if not sample.images:
         return sample
-    assert sample.tokens is not None
-    counts = [options.rule.count(im.header.width, im.header.height) for im in sample.images]
-    starts = image_starts(sample.tokens, options.image_token_id, counts)
-    if starts is None:
-        found = int((sample.tokens == options.image_token_id).sum())
-        raise DataError("image_tokens_mismatch", f"{found} image tokens are not {len(counts)} contiguous runs of "
-                        f"{counts} (a split through an image? use overlong='drop' or a larger capacity)",
-                        url=sample.url, key=sample.key, value=found)
-    merge = options.rule.merge_size if isinstance(options.rule, DynamicResolution) else 1
+    counts = media_counts(sample, options)
+    images = [m for m in sample.images if not isinstance(m, MediaVideo)]
+    videos = [m for m in sample.images if isinstance(m, MediaVideo)]
+    layout = options.layout
+    merge = options.rule.merge_size if layout == "patches" else 1
     decoded = []
-    for image, start, n in zip(sample.images, starts.tolist(), counts):
+    for image, start, n in zip(images, _starts(sample, options.image_token_id, counts[0], "image"), counts[0]):
         px = decode_image(image, options, url=sample.url, key=sample.key)
-        decoded.append(DecodedImage(pixels=px.values, grid_thw=px.grid_thw, offset=start, length=n,
-                                    token_id=options.image_token_id, merge_size=merge, flat=options.flat_patches))
+        decoded.append(DecodedImage(pixels=px.values, grid_thw=px.grid_thw, offset=start, length=n, size=px.size,
+                                    token_id=options.image_token_id, merge_size=merge, layout=layout))
+    if videos:
+        assert options.video_token_id is not None
+        for video, start, n in zip(videos, _starts(sample, options.video_token_id, counts[1], "video"), counts[1]):
+            px = video_pixels(video, options, url=sample.url, key=sample.key)
+            decoded.append(DecodedImage(pixels=px.values, grid_thw=px.grid_thw, offset=start, length=n,
+                                        token_id=options.video_token_id, merge_size=merge, layout="patches",
+                                        video=True))
     return sample.evolve(images=tuple(decoded))
 
 
@@ -78,17 +105,16 @@ class DecodeImages(BaseNode[list[Sample]]):
     def __init__(self, source: BaseNode[list[Sample]], options: MediaOptions, *, on_error: str = "raise",
                  errors: ErrorCounter | None = None) -> None:
         super().__init__()
-        if not options.decodes:
-            raise ValueError(f"{type(options.rule).__name__} counts tokens only; pixels are produced for "
-                             f"FixedTokens and DynamicResolution")
         self.source, self.options = source, options
         self._policy = ErrorPolicy(on_error, errors)
-        self.counters = {"images": 0, "dropped": 0}
+        self.counters = {"images": 0, "videos": 0, "dropped": 0}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.source.reset(None if initial_state is None else initial_state[self.SOURCE_KEY])
-        self.counters = {"images": 0, "dropped": 0} if initial_state is None else dict(initial_state[self.COUNTERS_KEY])
+        self.counters = {"images": 0, "videos": 0, "dropped": 0}
+        if initial_state is not None:
+            self.counters.update(initial_state[self.COUNTERS_KEY])
 
     def next(self) -> list[Sample]:
         while True:
@@ -96,7 +122,8 @@ class DecodeImages(BaseNode[list[Sample]]):
             for sample in next(self.source):
                 try:
                     out.append(decode_sample(sample, self.options))
-                    self.counters["images"] += len(sample.images)
+                    self.counters["images"] += sum(not isinstance(m, MediaVideo) for m in sample.images)
+                    self.counters["videos"] += sum(isinstance(m, MediaVideo) for m in sample.images)
                 except DataError as e:
                     self._policy.handle(e)
                     self.counters["dropped"] += 1

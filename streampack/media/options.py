@@ -1,22 +1,23 @@
-"""``PackedDataset(media=MediaOptions(...))``: where a sample's images are and how they count."""
+"""``PackedDataset(media=MediaOptions(...))``: where a sample's images and videos are and how they count."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from streampack.media.tokens import RULES, AnyResTiles, DynamicResolution, TokenRule
+from streampack.media.tokens import RULES, AnyResTiles, DynamicResolution, TokenRule, VideoFrames
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MediaOptions:
-    """Images of image-text samples (one record: every value is validated here, once)."""
+    """Images and videos of multimodal samples (one record: every value is validated here, once)."""
 
     rule: TokenRule
     """Token count (and encoder input size) of an image: ``FixedTokens`` (LLaVA-1.5),
-    ``DynamicResolution`` (Qwen2-VL) or ``AnyResTiles`` (LLaVA-NeXT; lengths only)."""
+    ``DynamicResolution`` (Qwen2-VL) or ``AnyResTiles`` (LLaVA-NeXT)."""
     image_token_id: int
     """The placeholder id: one per image in the tokenized text, expanded to the image's count."""
     image_exts: tuple[str, ...] = IMAGE_EXTS
@@ -32,6 +33,15 @@ class MediaOptions:
     """Per-channel normalisation (OpenAI CLIP's, what Qwen2-VL's and LLaVA's processors use)."""
     image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
     rescale: float = 1 / 255
+    video: VideoFrames | None = None
+    """Read videos (ordered frame lists, :mod:`streampack.media.video`) as Qwen2-VL videos with
+    this rule; needs ``rule=DynamicResolution`` with the same patch, merge and temporal sizes
+    (one vision encoder) and ``video_token_id``. None: frames are not grouped (a tar member
+    ``video.0.jpg`` is then an image like any other)."""
+    video_token_id: int | None = None
+    """The video placeholder id (Qwen2-VL's ``<|video_pad|>``), one per video in the text."""
+    videos_key: str = "video"
+    """Tar member prefix (``video.<frame>.<ext>``) and json / parquet field of a sample's videos."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rule, RULES):
@@ -44,33 +54,65 @@ class MediaOptions:
         object.__setattr__(self, "image_exts", exts)
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
             raise ValueError(f"image_mean={self.image_mean} / image_std={self.image_std} must be 3 values (std > 0)")
+        self._check_video()
+
+    def _check_video(self) -> None:
+        if (self.video is None) != (self.video_token_id is None):
+            raise ValueError(f"video={self.video!r} and video_token_id={self.video_token_id!r} go together")
+        if not self.videos_key or "." in self.videos_key:
+            raise ValueError(f"videos_key={self.videos_key!r} must be a non-empty name without dots")
+        if self.video is None:
+            return
+        if not isinstance(self.video, VideoFrames):
+            raise TypeError(f"video must be a VideoFrames, got {type(self.video).__name__}")
+        tid = self.video_token_id
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0 or tid == self.image_token_id:
+            raise ValueError(f"video_token_id={tid!r} must be a token id >= 0 other than image_token_id")
+        rule, frame = self.rule, self.video.frame
+        sizes = ("patch_size", "merge_size", "temporal_patch_size")
+        if not isinstance(rule, DynamicResolution) or any(getattr(rule, n) != getattr(frame, n) for n in sizes):
+            raise ValueError(f"video= needs rule=DynamicResolution with the video frames' {sizes} "
+                             f"({[getattr(frame, n) for n in sizes]}): one vision encoder; got {rule!r}")
+
+    def recorded(self) -> dict[str, Any]:
+        """What a resume state's fingerprint records: the fields, the video ones only when set
+        (states saved before videos existed compare equal)."""
+        out = dataclasses.asdict(self)
+        if self.video is None and self.videos_key == "video":
+            del out["video"], out["video_token_id"], out["videos_key"]
+        return out
+
+    def reading(self, opts: Any = None, stats: Any = None) -> Any:
+        """A :class:`~streampack.media.read.MediaReader`: these options bound to a reader's
+        ``OpenOptions`` and ``IOStats`` (None: the defaults), what the format readers call."""
+        from streampack.io.storage import OpenOptions
+        from streampack.media.read import MediaReader
+
+        return MediaReader(options=self, open=opts if opts is not None else OpenOptions(), stats=stats)
 
     @property
-    def flat_patches(self) -> bool:
-        """Pixels as Qwen2-VL's flattened patches ``[Σ patches, C·t·p·p]`` (else ``[n, 3, H, W]``)."""
-        return isinstance(self.rule, DynamicResolution)
+    def layout(self) -> str:
+        """How an image's pixels are laid out: ``patches`` (Qwen2-VL's flattened patches
+        ``[Σ patches, C·t·p·p]``), ``tiles`` (LLaVA-NeXT ``[Σ tiles, 3, S, S]``) or ``image``
+        (``[n, 3, H, W]``)."""
+        if isinstance(self.rule, DynamicResolution):
+            return "patches"
+        return "tiles" if isinstance(self.rule, AnyResTiles) else "image"
 
-    @property
-    def decodes(self) -> bool:
-        """Whether pixels can be produced for this rule (any-res tiles count tokens only)."""
-        return not isinstance(self.rule, AnyResTiles)
-
-    # The readers (streampack.io) call these: io imports nothing of streampack.media.
     def is_image_field(self, field: str) -> bool:
-        """Whether the tar member field ``field`` (``0.jpg``) is an image."""
+        """Whether the tar member field ``field`` (``0.jpg``, ``video.3.jpg``) is an image or frame."""
         return field.rsplit(".", 1)[-1].lower() in self.image_exts
 
+    # The readers (streampack.io) call these, on the options bound by ``reading()`` (a
+    # ShardReader binds them to its own read settings): io imports nothing of streampack.media.
+    def columns(self) -> dict[str, str]:
+        return self.reading().columns()
+
     def tar_images(self, fields: dict[str, bytes], limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
-        from streampack.media.read import tar_images
+        return self.reading().tar_images(fields, limits, url=url, key=key)
 
-        return tar_images(fields, self, limits, url=url, key=key)
+    def column_media(self, row: Any, limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
+        return self.reading().column_media(row, limits, url=url, key=key)
 
-    def column_images(self, value: Any, limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
-        from streampack.media.read import column_images
-
-        return column_images(value, self, limits, url=url, key=key)
-
-    def path_images(self, value: Any, limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
-        from streampack.media.read import path_images
-
-        return path_images(value, self, limits, url=url, key=key)
+    def record_media(self, record: Any, limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
+        return self.reading().record_media(record, limits, url=url, key=key)

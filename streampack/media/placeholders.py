@@ -42,9 +42,10 @@ def image_starts(tokens: np.ndarray, image_token_id: int, counts: Sequence[int])
     return first.astype(np.int64) if np.array_equal(last - first, want - 1) else None
 
 
-def expand_placeholders(sample: Sample, counts: Sequence[int], image_token_id: int) -> Sample:
+def expand_placeholders(sample: Sample, counts: Sequence[int], image_token_id: int, *, kind: str = "image") -> Sample:
     """``sample`` with every image placeholder repeated to its image's token count; labels,
-    loss mask and extras follow (extras repeat the placeholder's row)."""
+    loss mask and extras follow (extras repeat the placeholder's row). ``kind`` (``"video"``)
+    names what the placeholders stand for in the error."""
     assert sample.tokens is not None, "expand after tokenizing"
     tokens = sample.tokens
     where = np.flatnonzero(tokens == image_token_id)
@@ -55,8 +56,8 @@ def expand_placeholders(sample: Sample, counts: Sequence[int], image_token_id: i
     elif image_starts(tokens, image_token_id, want) is not None:
         reps = None  # already expanded
     else:
-        raise DataError("image_placeholder_mismatch", f"{where.size} image tokens (id {image_token_id}) for "
-                        f"{len(want)} images needing {want.tolist()} tokens: want one placeholder per image",
+        raise DataError(f"{kind}_placeholder_mismatch", f"{where.size} {kind} tokens (id {image_token_id}) for "
+                        f"{len(want)} {kind}s needing {want.tolist()} tokens: want one placeholder per {kind}",
                         url=sample.url, key=sample.key, value=where.size)
     if reps is not None:
         tokens = np.repeat(tokens, reps)

@@ -1,68 +1,114 @@
-"""A sample's images from each shard format, as :class:`~streampack.media.header.MediaImage`.
+"""A sample's images and videos from each shard format, as :class:`~streampack.media.header.MediaImage`
+and :class:`~streampack.media.video.MediaVideo`, read with the dataset's own read settings.
 
 - webdataset tar: the sample's members whose extension is an image extension
-  (``MediaOptions.image_exts``), in member-name order (``0.jpg``, ``1.png``...); the tar reader
-  already bounds each member by ``max_member_bytes`` and the sample by ``max_sample_bytes``.
+  (``MediaOptions.image_exts``), in member-name order (``0.jpg``, ``1.png``...); with
+  ``MediaOptions.video`` set, those under ``videos_key`` are video frames
+  (:mod:`streampack.media.video`). The tar reader already bounds each member by
+  ``max_member_bytes`` and the sample by ``max_sample_bytes``.
 - parquet (HF datasets layout): the ``images_key`` column holds one image or a list, each an
-  ``{"bytes": ..., "path": ...}`` struct (the ``datasets.Image`` feature) or raw bytes.
+  ``{"bytes": ..., "path": ...}`` struct (the ``datasets.Image`` feature) or raw bytes; the
+  ``videos_key`` column a frame list or a list of them.
 - jsonl: the ``images_key`` field holds one path or a list, relative to
   ``MediaOptions.image_root`` (NeVA's ``image_folder``), local or any fsspec URL, each read
-  whole through the storage layer and bounded by ``max_member_bytes``.
+  whole through the storage layer and bounded by ``max_member_bytes``; ``videos_key`` holds
+  frame paths the same way.
 
-Every image's header is read and checked here (:func:`~streampack.media.header.read_images`):
-the reader, not the packer, is where a bad image is found, so ``on_error`` applies with the
-shard and key in the error.
+**Read settings.** A reader binds its :class:`~streampack.media.options.MediaOptions` to the
+dataset's :class:`~streampack.io.open.OpenOptions` and I/O counters
+(:meth:`MediaOptions.reading`, which ``ShardReader`` and the resume replay call), so a jsonl
+image path is fetched with the same retry budget, retry cap, timeouts, redirect rule and
+storage options as the shards, and its requests, retries and faults show in
+``metrics()["io"]``. An image that still fails is ``DataError("bad_image")`` naming the path.
+
+Every header is read and checked here (:func:`~streampack.media.header.read_images`): the
+reader, not the packer, is where a bad image is found, so ``on_error`` applies with the shard
+and key in the error.
 """
 
 from __future__ import annotations
 
 import posixpath
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from streampack.errors import DataError
 from streampack.io.limits import Limits
+from streampack.io.open import OpenOptions
+from streampack.io.retry import IOStats
 from streampack.media.header import MediaImage, read_images
+from streampack.media.video import MediaVideo, column_videos, read_video, split_tar_fields, tar_videos
 
 
-def _images(named: list[tuple[str, Any]], limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
-    return read_images(named, url=url, key=key, max_pixels=limits.max_image_pixels,
-                       max_sample_pixels=limits.max_sample_pixels)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MediaReader:
+    """:class:`~streampack.media.options.MediaOptions` bound to how one reader fetches bytes;
+    what the format readers (``streampack.io``) call, without importing this package."""
 
+    options: Any
+    """The :class:`~streampack.media.options.MediaOptions`."""
+    open: OpenOptions = OpenOptions()
+    stats: IOStats | None = None
 
-def tar_images(fields: Mapping[str, bytes], media: Any, limits: Limits, *, url: str,
-               key: str) -> tuple[MediaImage, ...]:
-    named = sorted((f, raw) for f, raw in fields.items() if media.is_image_field(f))
-    return _images(named, limits, url=url, key=key)
+    def reading(self, opts: OpenOptions, stats: IOStats | None = None) -> MediaReader:
+        return MediaReader(options=self.options, open=opts, stats=stats)
 
+    def is_image_field(self, field: str) -> bool:
+        """Whether the tar member field ``field`` (``0.jpg``, ``video.3.jpg``) is read."""
+        return self.options.is_image_field(field)
 
-def _as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    def columns(self) -> dict[str, str]:
+        """The parquet columns holding media: ``{"images": ..., "videos": ...}``."""
+        out = {"images": self.options.images_key}
+        if self.options.video is not None:
+            out["videos"] = self.options.videos_key
+        return out
 
+    def tar_images(self, fields: Mapping[str, bytes], limits: Limits, *, url: str, key: str) -> tuple[Any, ...]:
+        if self.options.video is None:
+            return _images(sorted((f, raw) for f, raw in fields.items() if self.is_image_field(f)), limits,
+                           url=url, key=key)
+        images, frames = split_tar_fields(fields, self.options.videos_key, self.is_image_field)
+        return self._media(images, tar_videos(frames, url=url, key=key), limits, url=url, key=key)
 
-def column_images(value: Any, media: Any, limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
-    """Images of a parquet row's ``images_key`` value."""
-    named = []
-    for i, item in enumerate(_as_list(value)):
-        name = f"{media.images_key}[{i}]"
-        if isinstance(item, Mapping):
-            name = str(item.get("path") or name)
-            item = item.get("bytes")
-            if item is None:
-                raise DataError("bad_image", f"image {name!r} has no bytes (a path-only datasets.Image is not "
-                                f"read)", url=url, key=key, value=name)
-        named.append((name, item))
-    return _images(named, limits, url=url, key=key)
+    def column_media(self, row: Mapping[str, Any], limits: Limits, *, url: str, key: str) -> tuple[Any, ...]:
+        """Images and videos of a parquet row (``{"images": value, "videos": value}``)."""
+        images = [_column_item(item, f"{self.options.images_key}[{i}]", url=url, key=key)
+                  for i, item in enumerate(_as_list(row.get("images")))]
+        videos = [(name, [_column_item(item, f"{name}[{i}]", url=url, key=key) for i, item in enumerate(frames)])
+                  for name, frames in self._videos(row.get("videos"), url=url, key=key)]
+        return self._media(images, videos, limits, url=url, key=key)
 
+    def record_media(self, record: Mapping[str, Any], limits: Limits, *, url: str, key: str) -> tuple[Any, ...]:
+        """Images and videos of a jsonl record: paths under ``image_root``."""
+        images = [self._path(p, limits, url=url, key=key) for p in _as_list(record.get(self.options.images_key))]
+        videos = [(name, [self._path(p, limits, url=url, key=key) for p in frames])
+                  for name, frames in self._videos(record.get(self.options.videos_key), url=url, key=key)]
+        return self._media(images, videos, limits, url=url, key=key)
 
-def path_images(value: Any, media: Any, limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
-    """Images of a jsonl record's ``images_key`` value: paths under ``image_root``."""
-    from streampack.io.open import open_shard
+    def _videos(self, value: Any, *, url: str, key: str) -> list[tuple[str, list[Any]]]:
+        if self.options.video is None:
+            return []
+        return column_videos(value, self.options.videos_key, url=url, key=key)
 
-    named = []
-    for path in _as_list(value):
+    def _media(self, images: list[tuple[str, Any]], videos: list[tuple[str, list[tuple[str, Any]]]], limits: Limits,
+               *, url: str, key: str) -> tuple[Any, ...]:
+        out: list[MediaImage | MediaVideo] = list(_images(images, limits, url=url, key=key))
+        for name, frames in videos:
+            out.append(read_video(name, frames, max_frames=self.options.video.max_frames,
+                                  max_pixels=limits.max_image_pixels, max_sample_pixels=limits.max_sample_pixels,
+                                  url=url, key=key))
+        total = sum(im.header.pixels for im in out if isinstance(im, MediaImage)) + sum(
+            f.header.pixels for v in out if isinstance(v, MediaVideo) for f in v.frames)
+        if total > limits.max_sample_pixels:
+            raise DataError("sample_too_large", f"images and video frames declare {total} pixels, over "
+                            f"max_sample_pixels={limits.max_sample_pixels}", url=url, key=key, value=total)
+        return tuple(out)
+
+    def _path(self, path: Any, limits: Limits, *, url: str, key: str) -> tuple[str, bytes]:
+        from streampack.io.open import open_shard
+
         if not isinstance(path, str) or not path:
             raise DataError("bad_image", f"image path {path!r} is not a non-empty string", url=url, key=key,
                             value=path)
@@ -71,12 +117,12 @@ def path_images(value: Any, media: Any, limits: Limits, *, url: str, key: str) -
             # paths come from the data: they may not escape the root the user chose
             raise DataError("bad_image", f"image path {path!r} must be relative and stay under image_root",
                             url=url, key=key, value=path)
-        if media.image_root is None:
+        if self.options.image_root is None:
             raise DataError("bad_image", "the record names image paths but MediaOptions.image_root is not set",
                             url=url, key=key, value=path)
-        where = media.image_root.rstrip("/") + "/" + norm
+        where = self.options.image_root.rstrip("/") + "/" + norm
         try:
-            with open_shard(where) as f:
+            with open_shard(where, opts=self.open, stats=self.stats) as f:
                 data = f.read(limits.max_member_bytes + 1)
         except DataError as e:
             raise DataError("bad_image", f"image {path!r} cannot be read: {e.detail}", url=url, key=key,
@@ -84,5 +130,26 @@ def path_images(value: Any, media: Any, limits: Limits, *, url: str, key: str) -
         if len(data) > limits.max_member_bytes:
             raise DataError("member_too_large", f"image {path!r} is over max_member_bytes={limits.max_member_bytes}",
                             url=url, key=key, value=path)
-        named.append((path, data))
-    return _images(named, limits, url=url, key=key)
+        return path, data
+
+
+def _images(named: list[tuple[str, Any]], limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
+    return read_images(named, url=url, key=key, max_pixels=limits.max_image_pixels,
+                       max_sample_pixels=limits.max_sample_pixels)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _column_item(item: Any, name: str, *, url: str, key: str) -> tuple[str, Any]:
+    """``(name, bytes)`` of one parquet image value: raw bytes or a ``datasets.Image`` struct."""
+    if isinstance(item, Mapping):
+        name = str(item.get("path") or name)
+        item = item.get("bytes")
+        if item is None:
+            raise DataError("bad_image", f"image {name!r} has no bytes (a path-only datasets.Image is not read)",
+                            url=url, key=key, value=name)
+    return name, item

@@ -132,5 +132,40 @@ class AnyResTiles:
         return cur_h * cur_w + cur_h + side * side + self.extra_tokens
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VideoFrames:
+    """A Qwen2-VL / Qwen2.5-VL video from its ordered frames (defaults: the released
+    ``Qwen2VLVideoProcessor``'s: frames of 128·28·28 to 768·28·28 pixels, at most 768 frames).
+
+    Every frame is resized to ``frame.resized(width, height)`` of the video's frame size; ``n``
+    frames are padded to a multiple of ``frame.temporal_patch_size`` by repeating the last one
+    (the processor's rule), so the grid is ``(ceil(n / tp), h / p, w / p)`` and the tokens
+    ``ceil(n / tp) * (h / 28) * (w / 28)``. The processor's optional per-video pixel budget
+    (``cap_pixels_per_frame``, off in transformers 5.24) is not applied."""
+
+    frame: DynamicResolution = DynamicResolution(min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768)
+    max_frames: int = 768
+    """More frames than this is ``DataError("video_too_long")`` when the sample is read."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.frame, DynamicResolution):
+            raise TypeError(f"frame must be a DynamicResolution, got {type(self.frame).__name__}")
+        if isinstance(self.max_frames, bool) or not isinstance(self.max_frames, int) or self.max_frames < 1:
+            raise ValueError(f"max_frames={self.max_frames!r} must be an int >= 1")
+
+    def grid(self, frames: int, width: int, height: int) -> tuple[int, int, int]:
+        """``video_grid_thw`` of ``frames`` frames of ``width x height``: (t, h / p, w / p)."""
+        if not 1 <= frames <= self.max_frames:
+            raise ValueError(f"{frames} frames: want 1 to max_frames={self.max_frames}")
+        h, w = self.frame.resized(width, height)
+        p = self.frame.patch_size
+        return -(-frames // self.frame.temporal_patch_size), h // p, w // p
+
+    def count(self, frames: int, width: int, height: int) -> int:
+        t, h, w = self.grid(frames, width, height)
+        m = self.frame.merge_size
+        return t * (h // m) * (w // m)
+
+
 TokenRule = Union[FixedTokens, DynamicResolution, AnyResTiles]
 RULES = (FixedTokens, DynamicResolution, AnyResTiles)

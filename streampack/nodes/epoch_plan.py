@@ -191,12 +191,15 @@ class EpochPlanner:
     (one rank, or ranks that agree at run time). ``agree`` (see :data:`Agree`) makes the batch
     counts equal from this reader's own count; without it every reader counts every reader's
     batches (in-process simulation and explicit ``dp_rank``/``dp_size`` with no
-    ``torch.distributed``: O(T) CPU, memory and index reads per reader).
+    ``torch.distributed``: O(T) CPU, memory and index reads per reader). ``lengths(shard,
+    samples)`` replaces the index's lengths in the counts (not in the cut): a media stream's
+    true lengths (:mod:`streampack.media.plan_lengths`).
     """
 
     def __init__(self, shards: Any, index: Callable[[int], ShardIndex], *, seed: int, shuffle: bool,
-                 dp_size: int, num_workers: int, counting: Counting | None, agree: Agree | None = None) -> None:
-        self.shards, self._load = shards, index
+                 dp_size: int, num_workers: int, counting: Counting | None, agree: Agree | None = None,
+                 lengths: Callable[[int, ShardSamples], np.ndarray] | None = None) -> None:
+        self.shards, self._load, self._lengths = shards, index, lengths
         self.num_shards = len(shards.urls)
         self.seed, self.shuffle, self.dp_size, self.num_workers = seed, shuffle, dp_size, num_workers
         self.counting, self.agree = counting, agree
@@ -247,7 +250,8 @@ class EpochPlanner:
         assert self.counting is not None
         key = (epoch, global_worker)
         if key not in self._counts:
-            lengths = [self.samples(p.shard).lengths[p.lo:p.hi] for p in self.ranges(epoch, global_worker)]
+            lengths = [self._count_lengths(p.shard, self.samples(p.shard))[p.lo:p.hi]
+                       for p in self.ranges(epoch, global_worker)]
             self._counts[key] = count_batches(self.counting, global_worker,
                                               np.concatenate(lengths or [np.zeros(0, np.int64)]))
         return self._counts[key]
@@ -261,8 +265,11 @@ class EpochPlanner:
         for span in spans:
             samples = self._samples.get(span.shard) or ShardSamples.of(self._load(span.shard))
             lo, hi = samples.range_of(span)
-            lengths.append(samples.lengths[lo:hi])
+            lengths.append(self._count_lengths(span.shard, samples)[lo:hi])
         return count_batches(self.counting, global_worker, np.concatenate(lengths or [np.zeros(0, np.int32)]), carry)
+
+    def _count_lengths(self, shard: int, samples: ShardSamples) -> np.ndarray:
+        return samples.lengths if self._lengths is None else self._lengths(shard, samples)
 
     def plan(self, epoch: int, global_worker: int, info: dict[str, Any] | None = None) -> ReaderPlan:
         """Reader ``global_worker``'s spans and (when batches are counted) its late quota, whose

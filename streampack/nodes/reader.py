@@ -209,7 +209,8 @@ class ShardReader(BaseNode[Sample]):
         self.errors: ErrorCounter = self._policy.errors
         self._decode = DecodeOptions(
             tokens_key=tokens_key, text_key=text_key, labels_key=labels_key, loss_mask_key=loss_mask_key, allow_pickle=allow_pickle,
-            vocab_size=vocab_size, limits=limits if limits is not None else Limits(), media=media,
+            vocab_size=vocab_size, limits=limits if limits is not None else Limits(),
+            media=None if media is None else media.reading(self._open, self.io_stats),  # images: this reader's I/O
         )
         self._cache_dir = cache_dir
         self._config: dict[str, Any] = {

@@ -1,0 +1,178 @@
+"""Reusable shared-memory slots for batches leaving a process, released by the receiver.
+
+A DataLoader worker used to put every batch into a fresh shared-memory segment (torch's
+``file_system`` sharing): per batch a request to ``torch_shm_manager`` (which the worker first has
+to start: 0.25-1.4 s of wall time before its first batch on the 2-core box), a new segment, its
+pages faulted in and zeroed, a copy, and on the receiving side a new mapping and an unlink.
+Here a process keeps a *ring* of slots -- one anonymous ``memfd`` each, mapped once, so its pages
+are faulted in once -- and copies a batch's large storages into a free slot (one slot per batch).
+The receiver maps the slot through ``/proc/<pid>/fd/<fd>`` (no socket, no handshake, no manager;
+it keeps the mapping for the slot's next batch: :mod:`streampack.layout.shm_receive`)
+and views the batch's tensors in it; when the last of them is freed, it writes the slot's ticket
+into the sender's *release pipe*. The sender reads that pipe before taking a slot, so a slot comes
+back only after the receiver dropped every tensor viewing it: a batch the trainer still holds --
+in a list, in a pin-memory queue, as a view -- is never overwritten (a held slot simply stays out
+of the ring; past ``MAX_SLOTS`` or ``MAX_BYTES`` in flight, :func:`take` returns None and the
+caller sends the batch the old way). The pipe also orders memory: the receiver's reads of the slot
+come before its ``write`` (the kernel's pipe lock), the sender's reuse after its ``read``.
+
+Safety against a reused pid: each reference carries the (device, inode) of the memfd and of the
+pipe, and the receiver checks them on the file it opened before mapping or writing. Nothing leaks
+when a process dies: a memfd has no name; it lives while an fd or a mapping holds it. One send is
+received once (as with torch's own sharing: its descriptor is handed out once).
+
+Linux only (``memfd_create`` and ``/proc``); :func:`available` is False elsewhere, when this
+process cannot open its own ``/proc/self/fd`` entries, and with ``STREAMPACK_SHM_RING=0`` in the
+environment (for a system where the training process may not open its workers' ``/proc`` entries:
+the receiver then fails naming this variable).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+
+MAX_SLOTS = 64
+"""Slots a process may have in flight (not yet released by their receivers); typical use holds
+``prefetch_factor`` + 2 per worker (queued batches, the one the loop holds, the next one)."""
+MAX_BYTES = 4 << 30
+"""Bytes of slots a process may hold in all."""
+TICKET = struct.Struct("<II")
+"""A release: slot index, generation."""
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """Where a receiver finds a batch's bytes, and how it gives the slot back."""
+
+    pid: int
+    fd: int
+    """The slot's memfd in process ``pid``."""
+    file_id: tuple[int, int]
+    """``(st_dev, st_ino)`` of that memfd (a reused pid or fd number is refused)."""
+    size: int
+    """Bytes mapped (the slot's size, a multiple of the page size)."""
+    slot: int
+    generation: int
+    """Which use of the slot this is (a stale or repeated release is ignored)."""
+    pipe_fd: int
+    pipe_id: tuple[int, int]
+    """The sender's release pipe (write end) and its ``(st_dev, st_ino)``."""
+
+
+@dataclass(slots=True)
+class _Slot:
+    fd: int
+    file_id: tuple[int, int]
+    size: int
+    memory: mmap.mmap
+    generation: int = 0
+    busy: bool = False
+
+
+class _Ring:
+    """One process's slots and the read end of its release pipe."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.pipe_id = identity(self.write_fd)
+        self.slots: list[_Slot] = []
+        self.lock = threading.Lock()  # batches are pickled in the queue's feeder thread, or anywhere
+
+    def drain(self) -> None:
+        while True:
+            try:
+                data = os.read(self.read_fd, 1 << 16)
+            except BlockingIOError:
+                return
+            if not data:
+                return
+            for slot, generation in TICKET.iter_unpack(data[: len(data) - len(data) % TICKET.size]):
+                s = self.slots[slot] if slot < len(self.slots) else None
+                if s is not None and s.busy and s.generation == generation:
+                    s.busy = False
+
+    def take(self, nbytes: int) -> tuple[SlotRef, mmap.mmap] | None:
+        with self.lock:
+            return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> tuple[SlotRef, mmap.mmap] | None:
+        self.drain()
+        free = [i for i, s in enumerate(self.slots) if not s.busy and s.size >= nbytes]
+        if free:
+            index = min(free, key=lambda i: self.slots[i].size)
+        else:
+            busy = [s for s in self.slots if s.busy]
+            if len(busy) >= MAX_SLOTS or sum(s.size for s in busy) + nbytes > MAX_BYTES:
+                return None
+            index = self._new(nbytes)
+        slot = self.slots[index]
+        slot.busy = True
+        slot.generation = (slot.generation + 1) & 0xFFFFFFFF
+        ref = SlotRef(pid=self.pid, fd=slot.fd, file_id=slot.file_id, size=slot.size, slot=index,
+                      generation=slot.generation, pipe_fd=self.write_fd, pipe_id=self.pipe_id)
+        return ref, slot.memory
+
+    def _new(self, nbytes: int) -> int:
+        """Index of a new slot of at least ``nbytes``: appended, or replacing the smallest free
+        slot (too small for this batch) so the ring does not keep slots it no longer uses."""
+        size = -(-nbytes // _PAGE) * _PAGE
+        fd = os.memfd_create("streampack-batch", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        slot = _Slot(fd=fd, file_id=identity(fd), size=size, memory=mmap.mmap(fd, size))
+        idle = [i for i, s in enumerate(self.slots) if not s.busy]
+        if not idle:
+            self.slots.append(slot)
+            return len(self.slots) - 1
+        index = min(idle, key=lambda i: self.slots[i].size)
+        old = self.slots[index]
+        # keep counting generations: a late duplicate release of the old slot's last use
+        # cannot free the new one
+        slot.generation = old.generation
+        old.memory.close()
+        os.close(old.fd)
+        self.slots[index] = slot
+        return index
+
+
+_ring: _Ring | None = None
+_available: bool | None = None
+
+
+def available() -> bool:
+    """Whether this platform has memfds and this process can open its own ``/proc`` fd links."""
+    global _available
+    if _available is None:
+        _available = False
+        if hasattr(os, "memfd_create") and hasattr(os, "pipe2") and os.environ.get("STREAMPACK_SHM_RING") != "0":
+            try:
+                fd = os.memfd_create("streampack-probe", os.MFD_CLOEXEC)
+                try:
+                    os.close(os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC))
+                    _available = True
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+    return _available
+
+
+def take(nbytes: int) -> tuple[SlotRef, mmap.mmap] | None:
+    """A free slot of at least ``nbytes`` (its reference and its writable bytes), or None when the
+    ring is full or unavailable. The slot is the receiver's until it releases it."""
+    global _ring
+    if not available():
+        return None
+    if _ring is None or _ring.pid != os.getpid():  # a forked child gets a ring of its own
+        _ring = _Ring()
+    return _ring.take(nbytes)
+
+
+def identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
