@@ -1,7 +1,7 @@
 """How long the test suites take: the fast inner loop (the README's command) cold and warm, and
 optionally the integration set (``.ci/run``'s second step), each in a fresh pytest process.
 
-Usage: ``python benchmarks/time_tests.py [--slow] [--runs N] [--out FILE]``
+Usage: ``python benchmarks/time_tests.py [--slow] [--runs N] [--workers N] [--out FILE]``
 
 *Cold* is a fresh clone on a fresh machine: empty numba kernel cache (``$STREAMPACK_CACHE``),
 matplotlib font cache (``$MPLCONFIGDIR``) and bytecode (``$PYTHONPYCACHEPREFIX``), each a new
@@ -11,6 +11,8 @@ warm caches (as ``.ci/run`` runs it, after the fast loop). Each row gives wall t
 time of pytest and everything it started (user + sys; the workers, DataLoader workers and
 subprocesses), and the 1-minute load average before and after: on a shared box the wall time
 says as much about the neighbours as about the tests, so compare rows taken side by side.
+``--workers 0`` runs each suite in one process (pyproject's ``-n 2`` overridden), as before
+pytest-xdist: ``--workers 0,2`` times both, interleaved.
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run(suite: str, marker: str, caches: dict[str, str]) -> Timing:
+def run(suite: str, marker: str, caches: dict[str, str], workers: str) -> Timing:
     env = {**os.environ, **caches}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # a fresh clone writes its bytecode on the first run
     load, cpu, start = os.getloadavg()[0], _children_cpu(), time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "-p", "no:cacheprovider"],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "-p", "no:cacheprovider",
+                           *(["-n", workers] if workers else [])], cwd=ROOT, env=env, capture_output=True, text=True)
     wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
     summary = next((line for line in reversed(proc.stdout.splitlines()) if re.search(r"\d+ passed", line)), "")
     if proc.returncode != 0:
@@ -67,16 +69,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slow", action="store_true", help="also time the integration set (-m slow)")
     parser.add_argument("--runs", type=int, default=1, help="cold + warm pairs of the fast loop")
+    parser.add_argument("--workers", default="", help="pytest-xdist workers, comma-separated (default: pyproject's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
     for i in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="time-tests-") as tmp:
-            caches = {name: os.path.join(tmp, name.lower()) for name in CACHE_VARIABLES}
-            rows.append(run('`-m "not slow"`, cold', "not slow", caches))
-            rows.append(run('`-m "not slow"`, warm', "not slow", caches))
-            if args.slow and i == args.runs - 1:
-                rows.append(run("`-m slow`, warm", "slow", caches))
+        for workers in args.workers.split(","):
+            name = f" -n {workers}" if workers else ""
+            with tempfile.TemporaryDirectory(prefix="time-tests-") as tmp:
+                caches = {var: os.path.join(tmp, var.lower()) for var in CACHE_VARIABLES}
+                rows.append(run(f'`-m "not slow"{name}`, cold', "not slow", caches, workers))
+                rows.append(run(f'`-m "not slow"{name}`, warm', "not slow", caches, workers))
+                if args.slow and i == args.runs - 1:
+                    rows.append(run(f"`-m slow{name}`, warm", "slow", caches, workers))
     lines = [f"Test suite times ({os.cpu_count()} cores, Python {sys.version.split()[0]}, "
              f"{time.strftime('%Y-%m-%d %H:%M')}):", "",
              "| suite | wall | CPU (user + sys) | load before → after | pytest summary |", "|---|---|---|---|---|"]
