@@ -3,10 +3,10 @@ optionally the integration set (``.ci/run``'s second step), each in a fresh pyte
 
 Usage: ``python benchmarks/time_tests.py [--slow] [--runs N] [--workers N] [--out FILE]``
 
-*Cold* is a fresh clone on a fresh machine: empty numba kernel cache (``$STREAMPACK_CACHE``),
-matplotlib font cache (``$MPLCONFIGDIR``) and bytecode (``$PYTHONPYCACHEPREFIX``), each a new
-temporary directory, so nothing in ``~/.cache`` or ``__pycache__`` helps. *Warm* reruns with
-those directories as the cold run left them. ``--slow`` then times ``-m slow`` with the same
+*Cold* is a fresh clone on a fresh machine: empty numba kernel cache (``$STREAMPACK_CACHE``)
+and matplotlib font cache (``$MPLCONFIGDIR``), each a new temporary directory, and no bytecode
+of the repository (its ``__pycache__`` folders are deleted; the installed packages keep theirs,
+as pip compiled them). *Warm* reruns with those caches as the cold run left them. ``--slow`` then times ``-m slow`` with the same
 warm caches (as ``.ci/run`` runs it, after the fast loop). Each row gives wall time and the CPU
 time of pytest and everything it started (user + sys; the workers, DataLoader workers and
 subprocesses), and the 1-minute load average before and after: on a shared box the wall time
@@ -21,6 +21,7 @@ import argparse
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from pathlib import Path
 from report import emit  # noqa: E402  (benchmarks/report.py; this folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE_VARIABLES = ("STREAMPACK_CACHE", "MPLCONFIGDIR", "PYTHONPYCACHEPREFIX")
+CACHE_VARIABLES = ("STREAMPACK_CACHE", "MPLCONFIGDIR")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +51,13 @@ class Timing:
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def forget_bytecode() -> None:
+    """The repository's bytecode, not that of a virtual environment kept inside it."""
+    for top in ("streampack", "tests", "benchmarks", "examples"):
+        for folder in (ROOT / top).rglob("__pycache__"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run(suite: str, marker: str, caches: dict[str, str], workers: str) -> Timing:
@@ -78,6 +86,7 @@ def main() -> int:
             name = f" -n {workers}" if workers else ""
             with tempfile.TemporaryDirectory(prefix="time-tests-") as tmp:
                 caches = {var: os.path.join(tmp, var.lower()) for var in CACHE_VARIABLES}
+                forget_bytecode()
                 rows.append(run(f'`-m "not slow"{name}`, cold', "not slow", caches, workers))
                 rows.append(run(f'`-m "not slow"{name}`, warm', "not slow", caches, workers))
                 if args.slow and i == args.runs - 1:
