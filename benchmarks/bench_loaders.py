@@ -14,9 +14,15 @@ Per loader and worker count (w0 = no DataLoader workers, w2 = 2):
 
 - tokens/s: real tokens handed to the loop over one epoch, from ``iter()`` to the last batch
   (worker start-up included), wall clock;
-- tokens per CPU-second: the same tokens over the CPU time of the process and its workers;
-- fill: real tokens / slots; document boundaries: whether the loop gets every document whole
-  with its boundaries (``cu_seqlens``), or documents cut at block edges;
+- tokens per CPU-second: the same tokens over the CPU time of the process and its workers,
+  from building the loader to after the epoch's teardown (``del loader; gc.collect()``, which
+  joins the workers); "no teardown": without this process's CPU in that teardown, whose full
+  ``gc.collect()`` walks every object of the process (torch's too: 0.11-0.16 s here for any
+  loader, more than litdata's whole epoch), the workers' CPU kept;
+- fill: real tokens / slots, with no workers (each worker completes its own last batch with
+  filler packs, which count as slots: the step computes over them; the notes give the fill
+  without them); document boundaries: whether the loop gets every document whole with its
+  boundaries (``cu_seqlens``), or documents cut at block edges;
 - first batch: ``iter()`` to the first batch;
 - resume: a fresh process loads the state saved after 80% of the corpus's tokens
   (``torch.load``) and builds the loader; seconds to its first batch, and whether that batch is
@@ -70,6 +76,11 @@ def _cpu() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _cpu_self() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
+
+
 def _peak_rss_mib() -> float:
     """This process's peak RSS since it started (``VmHWM``; ``ru_maxrss`` would carry the parent's
     peak across ``exec``)."""
@@ -88,11 +99,12 @@ def child_epoch(name: str, corpus: Corpus, workers: int, scratch: str) -> dict[s
     peer = _peer(name, corpus)
     checkpoint_at = int(RESUME_AT * corpus.num_tokens)
     gc.collect()
-    cpu0 = _cpu()
+    cpu0, self0 = _cpu(), _cpu_self()
     start = time.perf_counter()
     loader = peer.loader(workers)
     run = EpochRun(seconds=0.0, tokens=0, slots=0, batches=0)
     first = paused = 0.0
+    filler_slots = 0
     want_reference = False
     for batch in loader:
         if not run.batches:
@@ -100,6 +112,7 @@ def child_epoch(name: str, corpus: Corpus, workers: int, scratch: str) -> dict[s
         c = peer.count(batch)
         run.tokens += c.tokens
         run.slots += c.slots
+        filler_slots += c.filler_slots
         run.batches += 1
         if want_reference:
             run.reference, want_reference = c.ids.clone(), False
@@ -115,14 +128,20 @@ def child_epoch(name: str, corpus: Corpus, workers: int, scratch: str) -> dict[s
             run.saved_after, want_reference = run.batches, True
             paused += time.perf_counter() - t
     wall = time.perf_counter() - start - paused
+    self1 = _cpu_self()
     del loader
     gc.collect()  # join the workers: their CPU lands in RUSAGE_CHILDREN
     cpu = _cpu() - cpu0
+    # the same without this process's teardown: the full gc.collect above walks every object of
+    # the process (torch's included), 0.11-0.16 s here whatever the loader, more than litdata's
+    # whole epoch; the workers' CPU (children, joined by then) stays in
+    cpu_loader = (self1 - self0) + (_cpu() - _cpu_self()) - (cpu0 - self0)
     import torch
 
     torch.save({"state": run.state, "saved_after": run.saved_after, "reference": run.reference},
                os.path.join(scratch, f"{name}-w{workers}.pt"))
     return {"tokens": run.tokens, "slots": run.slots, "batches": run.batches, "wall": wall, "cpu": cpu,
+            "cpu_loader": cpu_loader, "filler_slots": filler_slots,
             "first_batch": first, "state_bytes": len(run.state) if run.state is not None else None,
             "rss_main_mib": _peak_rss_mib(),
             "rss_worker_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if workers else 0.0}
@@ -204,12 +223,18 @@ def summarize(results: dict[str, Any], loaders: Sequence[str], workers: Sequence
                 continue
             row[f"tokens_per_s_w{w}"] = max(e["tokens"] / e["wall"] for e in ok)
             row[f"tokens_per_cpu_s_w{w}"] = max(e["tokens"] / e["cpu"] for e in ok)
+            loader_only = [e["tokens"] / e["cpu_loader"] for e in ok if e.get("cpu_loader")]
+            row[f"tokens_per_loader_cpu_s_w{w}"] = max(loader_only) if loader_only else None
             row[f"cpu_s_w{w}"] = _best(ok, "cpu")
             row[f"first_batch_w{w}"] = _best(ok, "first_batch")
             row[f"resume_w{w}"] = _best(res, "resume_s")
             row[f"exact_w{w}"] = all(e["exact"] for e in res) if res and all(e["exact"] is not None for e in res) else None
             row[f"rss_w{w}"] = (_best(ok, "rss_main_mib"), _best(ok, "rss_worker_mib"))
-            row["fill"] = ok[0]["tokens"] / ok[0]["slots"]
+            if "fill" not in row:  # the first worker count's (w0): each worker completes its own last batch
+                row["fill"] = ok[0]["tokens"] / ok[0]["slots"]
+                fillers = ok[0].get("filler_slots") or 0
+                if fillers:
+                    row["pack_fill"] = ok[0]["tokens"] / (ok[0]["slots"] - fillers)
             row["delivered"] = ok[0]["tokens"] / results["_num_tokens"]
             row["state_bytes"] = ok[0]["state_bytes"]
             row["resume_kind"] = res[0]["kind"] if res else ""
@@ -230,7 +255,7 @@ def _s(v: float | None) -> str:
 def table(rows: Sequence[dict[str, Any]], workers: Sequence[int]) -> str:
     head = ["loader", "boundaries"]
     for w in workers:
-        head += [f"tok/s w{w}", f"tok/CPU-s w{w}"]
+        head += [f"tok/s w{w}", f"tok/CPU-s w{w}", f"tok/CPU-s w{w}, no teardown"]
     head += ["w2 CPU / w0 CPU", "fill", "first batch w0", "resume " + " / ".join(f"w{w}" for w in workers),
              "exact", "state bytes", "RSS MiB (main + worker) " + " / ".join(f"w{w}" for w in workers), "notes"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 3) + "---|"]
@@ -240,7 +265,8 @@ def table(rows: Sequence[dict[str, Any]], workers: Sequence[int]) -> str:
             continue
         cells = [r["loader"], r["boundaries"]]
         for w in workers:
-            cells += [_m(r.get(f"tokens_per_s_w{w}")), _m(r.get(f"tokens_per_cpu_s_w{w}"))]
+            cells += [_m(r.get(f"tokens_per_s_w{w}")), _m(r.get(f"tokens_per_cpu_s_w{w}")),
+                      _m(r.get(f"tokens_per_loader_cpu_s_w{w}"))]
         c0, c2 = r.get(f"cpu_s_w{workers[0]}"), r.get(f"cpu_s_w{workers[-1]}")
         cells.append(f"{c2 / c0:.2f}×" if c0 and c2 else "–")
         cells.append(f"{100 * r['fill']:.2f}%")
@@ -251,7 +277,9 @@ def table(rows: Sequence[dict[str, Any]], workers: Sequence[int]) -> str:
         cells.append("yes" if all(e is True for e in exact) else "–" if all(e is None for e in exact) else "**no**")
         cells.append("none" if r.get("state_bytes") is None else f"{r['state_bytes']:,}")
         cells.append(" / ".join(f"{m:.0f} + {k:.0f}" if m else "–" for m, k in (r.get(f"rss_w{w}", (None, None)) for w in workers)))
-        cells.append(r.get("error", ""))
+        notes = [f"{100 * r['pack_fill']:.2f}% without the filler packs completing the last batch"] if r.get(
+            "pack_fill") else []
+        cells.append("; ".join(notes + ([r["error"]] if r.get("error") else [])))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from streampack.contiguous import contiguous_path, row_chain
 from streampack.errors import ErrorCounter
 from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
@@ -44,6 +45,7 @@ from streampack.io.retry import IOStats
 from streampack.layout.batch import PackedBatch
 from streampack.media.node import DecodeImages
 from streampack.media.stage import ExpandImages
+from streampack.nodes.block_reader import BlockReader
 from streampack.nodes.collate import ThdCollate
 from streampack.nodes.cost_seed import sample_lengths, seed_counts
 from streampack.nodes.epoch_plan import Agree, Counting, EpochPlanner, chunk_lengths
@@ -54,6 +56,7 @@ from streampack.nodes.packed_reader import PackedShardReader
 from streampack.nodes.quota import LateQuota
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.replay import Replayer, ReplaySpec
+from streampack.nodes.row_collate import RowCollate
 from streampack.nodes.sharding import Span
 from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
@@ -106,16 +109,19 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
                   work: list[Span] | None = None, keep_work: bool = False,
                   io_stats: IOStats | None = None,
                   identities: Mapping[int, Any] | None = None,
-                  manifest: Manifest | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
+                  manifest: Manifest | None = None, blocks: bool = False) -> tuple[BaseNode[Sample], dict[str, Any]]:
     """The sample half of the graph: reader(s) -> [mixture] -> [tokenize] -> [stages].
     ``epoch`` reads that one epoch (``work``: its spans) instead of the pass's epochs;
-    ``manifest`` is what planned them (the reader checks its shards and its state against it)."""
+    ``manifest`` is what planned them (the reader checks its shards and its state against it);
+    ``blocks``: the readers are :class:`~streampack.nodes.block_reader.BlockReader` s (the
+    contiguous path)."""
     errors = errors if errors is not None else ErrorCounter()
     io_stats = io_stats if io_stats is not None else IOStats()
     open_options = options.open_options()
     wrap = _wrapper(around)
     end, start = _epochs(config, place) if epoch is None else (epoch + 1 if config.epochs else None, epoch)
-    readers = {name: ShardReader(
+    reader_class = BlockReader if blocks else ShardReader
+    readers = {name: reader_class(
         shards, seed=config.seed, shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank,
         dp_size=place.dp_size, worker_id=place.worker_id, num_workers=place.num_workers,
         tokens_key=options.tokens_key, text_key=options.text_key, labels_key=options.labels_key,
@@ -192,6 +198,7 @@ class _Builder:
         # 2.8 s of a 5.9 s epoch of 60,000 samples in 8 tar shards, benchmarks/bench_pipeline.py)
         self.needs_plan = (sources.shards is not None and not sources.mixture and sources.packed is None
                            and (place.global_workers > 1 or self.counting is not None))
+        self.contiguous = contiguous_path(config, sources, options, tokenizer, self.stages, around)
 
     @property
     def planner(self) -> EpochPlanner:
@@ -209,7 +216,8 @@ class _Builder:
             node, nodes, quota = self._packed(epoch, share)
         else:
             node, nodes, quota = self._samples(epoch, share, planned, info)
-        node = nodes["collate"] = ThdCollate(
+        collate = RowCollate if self.contiguous and self.sources.packed is None else ThdCollate
+        node = nodes["collate"] = collate(
             node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.topology.align,
             pad_id=config.packing.pad_id, ignore_index=config.packing.ignore_index, num_batches=quota,
             surplus_hint=_SURPLUS_HINT if config.topology.batches_per_epoch is None else "raise batches_per_epoch",
@@ -262,7 +270,10 @@ class _Builder:
                                     work=work, keep_work=share is not None, io_stats=self.io_stats,
                                     identities=None if share is None else share.identities,
                                     manifest=self.planner.shards if epoch is not None and (
-                                        (self.needs_plan and planned) or share is not None) else None)
+                                        (self.needs_plan and planned) or share is not None) else None,
+                                    blocks=self.contiguous)
+        if self.contiguous:
+            return self._rows(node, nodes, share), nodes, quota
         replayer = self._replayer(nodes)
         pack = config.packing
         node = nodes["overlong"] = OverlongNode(node, config.capacity, pack.overlong,
@@ -278,6 +289,11 @@ class _Builder:
             node = nodes["decode_images"] = DecodeImages(node, config.media, on_error=self.options.on_error,
                                                          errors=self.errors)
         return node, nodes, quota
+
+    def _rows(self, reader: BaseNode[Any], nodes: dict[str, Any], share: Share | None) -> BaseNode[Any]:
+        """The contiguous path after the reader (:mod:`streampack.contiguous`)."""
+        return row_chain(reader, nodes, self.config, packer_seed(self.config, self.place), self._replay_spec(nodes),
+                         None if share is None else share.carry)
 
     def _balance(self) -> dict[str, Any]:
         """The packer's balance arguments: an epoch continues the previous epoch's schedule
@@ -337,14 +353,17 @@ class _Builder:
     def _replayer(self, nodes: Mapping[str, Any]) -> Replayer | None:
         if not replayable(self.stages):
             return None
+        return Replayer(self._replay_spec(nodes))
+
+    def _replay_spec(self, nodes: Mapping[str, Any]) -> ReplaySpec:
         config, options = self.config, self.options
         encoder = nodes["tokenize"].encoder if "tokenize" in nodes else None
         media = None if config.media is None else config.media.reading(options.open_options())  # this run's settings
-        return Replayer(ReplaySpec(
+        return ReplaySpec(
             sources=self.sources.lists, decode=dataclasses.replace(options.decode(), media=media),  # re-read as first read
             opts=options.open_options(), encoder=encoder,
             stages=list(self.stages), max_len=config.capacity, policy=config.packing.overlong,
-            verify=lambda source, shard: nodes["readers"][source].verify_shard(shard)))
+            verify=lambda source, shard: nodes["readers"][source].verify_shard(shard))
 
 _SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than the data made: samples "
                  "were skipped (on_error='skip') or a stage changed lengths; pass batches_per_epoch, or "

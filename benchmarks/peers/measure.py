@@ -38,6 +38,9 @@ class Count:
     """Token slots the step computes over (packs x capacity)."""
     ids: torch.Tensor
     """The batch's token ids (compared to check a resume is exact)."""
+    filler_slots: int = 0
+    """Slots of packs that only complete an epoch's last batch to the batch shape (counted in
+    ``slots``: the step computes over them)."""
 
 
 class Peer(Protocol):

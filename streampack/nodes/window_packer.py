@@ -58,6 +58,9 @@ Log (lognormal mean ~600 sigma 1, capacity 4096, split policy; 2-core shared CPU
   packs forced out by age); windows >= 1024 unchanged.
 - the packer alone (in-memory source) runs at 140–230 M tokens/s; end to end the reader and
   the collate dominate.
+- 2026-11-27: for pre-tokenized tar / parquet shards the graph builder runs the same rounds on
+  rows of arrays instead (:class:`~streampack.nodes.row_packer.RowPacker`, the contiguous fast
+  path: :mod:`streampack.contiguous`); this node serves every other stream.
 """
 
 from __future__ import annotations

@@ -30,8 +30,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.random  # noqa: F401 - at import: numpy loads it lazily, ~15 ms inside the first round
 
 from streampack import packing
+from streampack.packing import aot  # noqa: F401 - at import: the first pack call would load it
 
 WARMUP = 64
 """Default :attr:`PackerRules.warmup` (see "Warm-up" in the module docstring)."""

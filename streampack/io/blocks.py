@@ -1,0 +1,55 @@
+"""Which shard ranges are read as token blocks, and by which reader: the one entry of the block readers.
+
+:func:`read_blocks` gives the :class:`~streampack.io.token_block.TokenBlock` s of a shard range
+when its format has a block reader (``tar`` with ``.npy`` token members:
+:mod:`streampack.io.tar_block`; ``parquet`` with an integer-list token column:
+:mod:`streampack.io.parquet_block`), else None. A block reader delivers only what the per-sample
+reader (:func:`~streampack.io.formats.open_range`) would deliver as valid samples with nothing to
+report; it stops (the iterator ends without a block whose ``done`` is set) at the first byte it
+does not judge plain, and the caller reads on with the per-sample reader, which raises, counts
+and skips exactly as it always does. So the error contract is the per-sample reader's by
+construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from streampack.io.decode import DecodeOptions
+from streampack.io.formats import ShardRange
+from streampack.io.parquet_block import parquet_blocks
+from streampack.io.retry import IOStats
+from streampack.io.storage import OpenOptions
+from streampack.io.tar_block import tar_blocks
+from streampack.io.token_block import TokenBlock
+from streampack.io.urls import shard_format
+
+BLOCK_FORMATS = ("tar", "parquet")
+"""Formats with a block reader."""
+
+
+def block_format(url: str) -> bool:
+    """Whether ``url``'s format has a block reader."""
+    try:
+        return shard_format(url) in BLOCK_FORMATS and not url.startswith("pipe:")
+    except ValueError:
+        return False
+
+
+def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions,
+                streams: list[BinaryIO], stats: IOStats | None = None,
+                chunk_bytes: int | None = None) -> Iterator[TokenBlock] | None:
+    """The blocks of ``where`` in ``url`` (see the module docstring), or None when the format
+    has no block reader or the decode options ask for more than token ids (labels, a loss
+    mask, images, pickles: the per-sample reader handles those). Streams opened are appended
+    to ``streams`` (the caller closes them)."""
+    if not block_format(url) or decode.media is not None or decode.labels_key or decode.loss_mask_key:
+        return None
+    if shard_format(url) == "tar":
+        return tar_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats,
+                          chunk_bytes=chunk_bytes)
+    return parquet_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats)
+
+
+__all__ = ["BLOCK_FORMATS", "block_format", "read_blocks"]

@@ -1,0 +1,113 @@
+"""A run of pre-tokenized documents read in one piece: one token array, per-document arrays.
+
+The contiguous fast path (``streampack.nodes.block_reader``) reads a shard range as blocks
+instead of one :class:`~streampack.sample.Sample` per document: a :class:`TokenBlock` holds the
+bytes of many documents and says, per document, where its ids sit in one integer array and
+where the sample started in the shard (what a resume state refers to). A document is never
+copied out of the block: the packer moves row numbers, and the collate copies each
+document's ids once, into the batch.
+
+The readers that make blocks, and when they stop: :mod:`streampack.io.blocks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from streampack.sample import Sample
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class TokenBlock:
+    """``n`` consecutive documents of one shard range.
+
+    Document ``i`` is ``tokens[starts[i]:starts[i] + lengths[i]]``; it was sample number
+    ``numbers[i]`` at position ``offsets[i]`` (tar: its first header's byte offset; parquet: its
+    row), and the sample after it starts at ``next_offsets[i]`` / ``next_numbers[i]``.
+    """
+
+    url: str
+    tokens: np.ndarray
+    """1-D array of native-order integers (int32 for most shards; never copied from the read
+    buffer when the layout allows a view)."""
+    starts: np.ndarray
+    """int64 ``[n]``: element offset of each document in ``tokens``."""
+    lengths: np.ndarray
+    """int64 ``[n]``: token count of each document (>= 1)."""
+    offsets: np.ndarray
+    """int64 ``[n]``."""
+    next_offsets: np.ndarray
+    """int64 ``[n]``."""
+    numbers: np.ndarray
+    """int64 ``[n]``."""
+    next_numbers: np.ndarray
+    """int64 ``[n]``."""
+    done: bool
+    """The range ends with this block's last document (the per-sample reader's ``at_end``)."""
+    key_bytes: bytes = b""
+    """Where tar keys are read from (the block's raw bytes): key ``i`` is
+    ``key_bytes[key_at[i]:key_at[i] + key_len[i]]``; empty: the key is the sample number."""
+    key_at: np.ndarray | None = None
+    key_len: np.ndarray | None = None
+    samples: tuple[Sample, ...] | None = None
+    """The samples themselves, for a block made from the per-sample reader's output (they may
+    carry labels or a loss mask, which the fast layout does not handle)."""
+    _doc_keys: list[str] = field(default_factory=list, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def key(self, i: int) -> str:
+        """The sample key of document ``i`` (what ``Sample.key`` is on the per-sample path)."""
+        if self.samples is not None:
+            return self.samples[i].key
+        if self.key_at is None:
+            return str(int(self.numbers[i]))
+        at = int(self.key_at[i])
+        return self.key_bytes[at:at + int(self.key_len[i])].decode("utf-8", "surrogateescape")
+
+    def doc_key(self, i: int) -> str:
+        """``url#key`` of document ``i`` (``Sample.doc_key``)."""
+        return self.doc_keys()[i]
+
+    def doc_keys(self) -> list[str]:
+        """Every document's ``url#key``, made on first use (one pass over the block: a key read
+        per document through numpy scalars cost ~6 µs)."""
+        keys = self._doc_keys
+        if not keys:
+            if self.samples is not None:
+                keys += [s.doc_key for s in self.samples]
+            elif self.key_at is None:
+                keys += [f"{self.url}#{n}" if self.url else str(n) for n in self.numbers.tolist()]
+            else:
+                raw, url = self.key_bytes, self.url
+                keys += [f"{url}#{raw[a:a + n].decode('utf-8', 'surrogateescape')}" if url
+                         else raw[a:a + n].decode("utf-8", "surrogateescape")
+                         for a, n in zip(self.key_at.tolist(), self.key_len.tolist())]
+        return keys
+
+    def ids(self, i: int) -> np.ndarray:
+        """int64 ids of document ``i`` (a copy)."""
+        s = int(self.starts[i])
+        return self.tokens[s:s + int(self.lengths[i])].astype(np.int64)
+
+    @classmethod
+    def of_samples(cls, samples: list[Sample], *, done: bool) -> TokenBlock:
+        """A block of samples the per-sample reader made (each with its origin)."""
+        lengths = np.array([len(s) for s in samples], dtype=np.int64)
+        starts = np.zeros(len(samples), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        origins = [s.origin for s in samples]
+        assert all(o is not None for o in origins), "samples of a block come from a reader"
+        tokens = np.concatenate([s.tokens for s in samples]) if samples else np.zeros(0, np.int64)
+        return cls(url=samples[0].url if samples else "", tokens=tokens, starts=starts, lengths=lengths,
+                   offsets=np.array([o.offset for o in origins], np.int64),
+                   next_offsets=np.array([o.next_offset for o in origins], np.int64),
+                   numbers=np.array([o.number for o in origins], np.int64),
+                   next_numbers=np.array([o.next_number for o in origins], np.int64),
+                   done=done, samples=tuple(samples))
+
+
+__all__ = ["TokenBlock"]

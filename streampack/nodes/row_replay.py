@@ -1,0 +1,210 @@
+"""Re-reading carried documents as rows, for the contiguous fast path's restores.
+
+What :class:`~streampack.nodes.replay.Replayer` does for a state's references (``state.REF_COLUMNS``
+rows: where each carried sample was read, which chunk, its length), with block reads: per shard,
+the wanted positions are grouped into clusters (a gap over ``replay.REOPEN_GAP`` bytes remotely,
+:data:`BLOCK_GAP` locally, starts another), each cluster is read as blocks from its first
+position until every wanted position of it is found, and the documents are cut by the overlong
+policy as the stream cut them. A position the blocks do not reach (a shard whose bytes the block
+reader does not judge plain) is re-read by the per-sample Replayer, so every check and error is
+its own: the shard's identity first, then each document's length against the one recorded.
+
+**Cost per reader** of a restore (W documents in the saved window, over S_W shards): at the
+restore, one identity check per shard (a ``stat`` locally, a ``HEAD`` remotely: S_W, as the
+Replayer's); then, as the restored packs leave (``RowPacker.READ_AHEAD`` packs at a time), one
+read per cluster of their documents, each covering the cluster's span plus its last document
+(the window's documents are read once in all, W rows of 104 bytes in memory). Measured
+2026-11-27 (``benchmarks/bench_loaders.py`` corpus, state 80% into the epoch, window 1024, 2-core
+box loaded): torch.load of the state to the first batch 23-40 ms, where reading the whole window
+at the restore took ~35 ms of ~100 before clusters were read whole, and the per-sample Replayer
+~0.1 s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from streampack.io.formats import ShardRange
+from streampack.io.storage import is_remote
+from streampack.io.blocks import read_blocks
+from streampack.io.token_block import TokenBlock
+from streampack.io.urls import shard_format
+from streampack.nodes.block_reader import DocRun
+from streampack.nodes.chunker import base_rows, expand
+from streampack.nodes.replay import REOPEN_GAP, Replayer, ReplaySpec
+from streampack.nodes.rows import (
+    BLOCK,
+    CHUNK,
+    CUT,
+    DOC,
+    EPOCH,
+    LENGTH,
+    NEXT_NUMBER,
+    NEXT_OFFSET,
+    NUMBER,
+    OFFSET,
+    SHARD,
+    SOURCE,
+    START,
+    BlockStore,
+    rows_of,
+)
+from streampack.state import REF_COLUMNS
+
+BLOCK_GAP = 262144
+"""Bytes between two wanted samples of a local shard above which a cluster ends: the block
+reader parses ~1 MB in ~1 ms here, so reading through a gap beats reopening up to about this
+(the per-sample Replayer decodes each sample read through, so its gap is 64 KiB)."""
+_SOURCE, _SHARD, _OFFSET, _NUMBER, _EPOCH, _CHUNK, _LENGTH = range(len(REF_COLUMNS))
+
+
+class RowReplay:
+    """``replay(refs) -> rows`` (int64 ``[n, 7]`` references, in order) and ``replay.chunks(ref)``."""
+
+    def __init__(self, spec: ReplaySpec, store: BlockStore) -> None:
+        self.spec, self.store = spec, store
+        self.general = Replayer(spec)
+
+    def __call__(self, refs: np.ndarray) -> np.ndarray:
+        refs = np.asarray(refs, dtype=np.int64).reshape(-1, len(REF_COLUMNS))
+        found = self._read_all(refs)
+        out = rows_of(len(refs))
+        where = [found[(s, h, o)] for s, h, o in refs[:, [_SOURCE, _SHARD, _OFFSET]].tolist()]
+        groups: dict[int, list[int]] = {}
+        for i, doc in enumerate(where):
+            groups.setdefault(id(doc[0]), []).append(i)
+        for members in groups.values():  # one block at a time, as columns
+            block, _, source, shard = where[members[0]]
+            idx = np.asarray(members, dtype=np.int64)
+            docs = np.fromiter((where[i][1] for i in members), dtype=np.int64, count=len(members))
+            out[idx] = _doc_rows(block, docs, self.store.add(block), source, shard)
+        out[:, EPOCH] = refs[:, _EPOCH]
+        self._cut_as_saved(out, refs)
+        return out
+
+    def _cut_as_saved(self, rows: np.ndarray, refs: np.ndarray) -> None:
+        """Each row made the chunk its reference names (``apply_overlong``'s cut, as columns);
+        the first that cannot be, or has another length, raises as the Replayer does."""
+        max_len, policy = self.spec.max_len, self.spec.policy
+        full, c = rows[:, LENGTH].copy(), np.maximum(refs[:, _CHUNK], 0)
+        over = full > max_len
+        if over.any():
+            if policy == "split":
+                rows[:, START] += np.where(over, c * max_len, 0)
+                rows[:, LENGTH] = np.where(over, np.minimum(max_len, full - c * max_len), full)
+                rows[:, CHUNK] = np.where(over, c, -1)
+                rows[:, CUT] = over
+            elif policy == "truncate":
+                rows[:, LENGTH] = np.where(over, max_len, full)
+                rows[:, CHUNK] = np.where(over, 0, -1)
+        chunks = np.where(over, -(-full // max_len), 1) if policy == "split" else np.where(over & (policy == "drop"), 0, 1)
+        bad = (c >= chunks) | (rows[:, LENGTH] != refs[:, _LENGTH]) | (over & (policy == "error"))
+        if bad.any():
+            ref = refs[int(bad.argmax())].tolist()
+            url = self.spec.sources[ref[_SOURCE]].urls[ref[_SHARD]]
+            got = None if c[int(bad.argmax())] >= chunks[int(bad.argmax())] else int(rows[int(bad.argmax()), LENGTH])
+            raise ValueError(f"carried sample {url!r}@{ref[_OFFSET]} chunk {ref[_CHUNK]} re-read with "
+                             f"{got} tokens, {ref[_LENGTH]} when the state was saved: the shard changed "
+                             f"since, or a stage is not a pure function of the sample")
+
+    def verify(self, refs: np.ndarray) -> None:
+        """Check every shard ``refs`` point into is the one the state was saved from (what the
+        Replayer checks before re-reading a shard), without reading."""
+        if self.spec.verify is None:
+            return
+        for source, shard in sorted(set(map(tuple, refs[:, [_SOURCE, _SHARD]].tolist()))):
+            self.spec.verify(source, shard)
+
+    def chunks(self, ref: Sequence[int]) -> np.ndarray:
+        """Every chunk the overlong policy cuts from the sample at ``[source, shard, offset,
+        number, epoch]``."""
+        source, shard, offset, number, epoch = (int(v) for v in ref)
+        found = self._read_all(np.array([[source, shard, offset, number, epoch, -1, 0]], dtype=np.int64))
+        return self._cut(found[(source, shard, offset)], epoch)
+
+    def _cut(self, doc: tuple[TokenBlock, int, int, int], epoch: int) -> np.ndarray:
+        block, i, source, shard = doc
+        run = DocRun(block=block, lo=i, hi=i + 1, epoch=epoch, source=source, shard=shard)
+        rows, _ = expand(base_rows(run, 1, self.store), self.spec.max_len, self.spec.policy)
+        return rows
+
+    def _read_all(self, refs: np.ndarray) -> dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]]:
+        wanted: dict[tuple[int, int], dict[int, int]] = {}
+        lengths: dict[tuple[int, int], dict[int, int]] = {}
+        for source, shard, offset, number, length in refs[:, [_SOURCE, _SHARD, _OFFSET, _NUMBER, _LENGTH]].tolist():
+            wanted.setdefault((source, shard), {})[offset] = number
+            lengths.setdefault((source, shard), {})[offset] = length
+        out: dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]] = {}
+        for (source, shard), where in sorted(wanted.items()):
+            if self.spec.verify is not None:
+                self.spec.verify(source, shard)
+            positions = sorted(where.items())
+            got = self._read_shard(source, shard, positions, lengths[(source, shard)])
+            missing = [p for p in positions if p[0] not in got]
+            if missing:  # the per-sample reader: its checks, its errors
+                for offset, sample in self.general._read_shard(source, shard, missing).items():
+                    got[offset] = (TokenBlock.of_samples([sample], done=False), 0)
+            for offset, (block, i) in got.items():
+                out[(source, shard, offset)] = (block, i, source, shard)
+        return out
+
+    def _read_shard(self, source: int, shard: int, positions: list[tuple[int, int]],
+                    lengths: dict[int, int]) -> dict[int, tuple[TokenBlock, int]]:
+        """The wanted ``(offset, number)`` positions of one shard as ``(block, index)``, read one
+        cluster at a time, each in one read sized from its span and its last document's length
+        (``lengths``; the tar reader reads on if that was short)."""
+        url = self.spec.sources[source].urls[shard]
+        parquet = shard_format(url) == "parquet"
+        gap = 1 << 62 if parquet else REOPEN_GAP if is_remote(url) else BLOCK_GAP
+        found: dict[int, tuple[TokenBlock, int]] = {}
+        streams: list = []
+        try:
+            for cluster in _clusters(positions, gap):
+                first, last = cluster[0][0], cluster[-1][0]
+                size = last - first + 8 * lengths.get(last, 0) + (64 << 10 if not lengths.get(last) else 4096)
+                blocks = read_blocks(url, ShardRange(start=first, first=cluster[0][1], end=last + 1 if parquet else None),
+                                     decode=self.spec.decode, opts=self.spec.opts, streams=streams, chunk_bytes=size)
+                if blocks is None:
+                    return found
+                want = np.array([p for p, _ in cluster], dtype=np.int64)
+                for block in blocks:
+                    if len(block):
+                        at = np.searchsorted(block.offsets, want)
+                        hit = (at < len(block)) & (block.offsets[np.minimum(at, len(block) - 1)] == want)
+                        for offset, i in zip(want[hit].tolist(), at[hit].tolist()):
+                            found[offset] = (block, i)
+                        if int(block.offsets[-1]) >= last:
+                            break
+        finally:
+            for f in streams:
+                f.close()
+        return found
+
+
+def _doc_rows(block: TokenBlock, docs: np.ndarray, bid: int, source: int, shard: int) -> np.ndarray:
+    """Documents ``docs`` of ``block`` as whole-document rows."""
+    rows = rows_of(docs.shape[0])
+    rows[:, LENGTH] = block.lengths[docs]
+    rows[:, SOURCE], rows[:, SHARD], rows[:, CHUNK], rows[:, BLOCK] = source, shard, -1, bid
+    rows[:, OFFSET] = block.offsets[docs]
+    rows[:, NUMBER] = block.numbers[docs]
+    rows[:, NEXT_OFFSET] = block.next_offsets[docs]
+    rows[:, NEXT_NUMBER] = block.next_numbers[docs]
+    rows[:, DOC] = docs
+    rows[:, START] = block.starts[docs]
+    return rows
+
+
+def _clusters(positions: list[tuple[int, int]], gap: int) -> list[list[tuple[int, int]]]:
+    out: list[list[tuple[int, int]]] = []
+    for p in positions:
+        if out and p[0] - out[-1][-1][0] <= gap:
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
+
+
+__all__ = ["BLOCK_GAP", "RowReplay"]

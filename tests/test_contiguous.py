@@ -1,0 +1,392 @@
+"""The contiguous fast path is an optimisation, not a second semantics.
+
+For the same settings it yields the per-sample path's PackedBatches, batch for batch and field
+for field (tar shards with or without pax headers, parquet; every overlong policy; alignment;
+shuffled or not; finite and infinite; several ranks), its states restore on either path, and
+what its block readers do not judge plain they hand to the per-sample reader, whose errors and
+counts are then the stream's (``STREAMPACK_CONTIGUOUS=0`` runs the per-sample path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers_data import make_token_docs, write_tar_shards
+from helpers_formats import write_parquet_shards
+from helpers_hostile import archive, member, npy_bytes, sample, write_bytes
+from node_checks import roundtrip, take
+
+from streampack.dataset import PackedDataset
+from streampack.errors import DataError
+from streampack.contiguous import CONTIGUOUS_ENV
+from streampack.graph import build_graph
+from streampack.io.urls import ShardList
+from streampack.layout.batch import pack_batch
+from streampack.layout.slices import pack_slices
+from streampack.nodes.block_reader import BlockReader
+from streampack.nodes.reader import ShardReader
+from streampack.nodes.row_collate import RowCollate
+from streampack.nodes.row_packer import RowPacker
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
+from streampack.sample import Sample
+from streampack.settings import Placement, Sources, StreamConfig
+
+_TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded", "varlen_cu_seqlens",
+            "varlen_cu_seqlens_bidirectional")
+_SCALARS = ("max_seqlen", "varlen_max_seqlen", "varlen_max_seqlen_bidirectional", "num_tokens", "num_targets",
+            "num_target_docs", "doc_keys", "capacity", "num_packs", "align", "pad_id", "ignore_index", "est_cost")
+
+
+def full(batch) -> tuple:
+    """Every field of a batch that the stream decides (the stats without this process's timings)."""
+    stats = None if batch.stats is None else {k: (type(v), v) for k, v in dataclasses.asdict(batch.stats).items()
+                                              if k not in ("build_seconds", "events")}
+    return (tuple(getattr(batch, f).dtype for f in _TENSORS), tuple(getattr(batch, f).numpy().tobytes() for f in _TENSORS),
+            tuple(getattr(batch, f) for f in _SCALARS), stats,
+            batch.varlen_cu_seqlens_bidirectional is batch.varlen_cu_seqlens)
+
+
+def _run(monkeypatch, fast: bool, urls, n: int | None = None, state=None, **kw):
+    monkeypatch.setenv(CONTIGUOUS_ENV, "1" if fast else "0")
+    ds = PackedDataset(urls, **{"capacity": 256, "packs_per_batch": 2, "seed": 3, "epochs": 1,
+                                "packing": PackOptions(window=16), **kw})
+    if state is not None:
+        ds.load_state_dict(roundtrip(state))
+    it = iter(ds)
+    ds.packer_kind = type(ds._graph.nodes["packer"])
+    reader = ds._graph.nodes["reader"]
+    out = [full(b) for b in (take(it, n) if n is not None else it)]
+    ds.reader_kind_reads = getattr(reader, "sample_reads", None)
+    return out, ds
+
+
+def _same(monkeypatch, urls, **kw):
+    fast, ds_fast = _run(monkeypatch, True, urls, **kw)
+    slow, ds_slow = _run(monkeypatch, False, urls, **kw)
+    assert len(fast) > 2, "too few batches for the comparison to mean anything"
+    assert fast == slow
+    assert ds_fast.metrics() == ds_slow.metrics()
+    assert ds_fast.packer_kind is RowPacker and ds_slow.packer_kind is not RowPacker
+    return fast
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Documents of 1..700 tokens (some over the capacity of 256) in three formats."""
+    root = tmp_path_factory.mktemp("contiguous")
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 30_000, int(n)).tolist() for n in np.clip(rng.lognormal(4.3, 1.0, 160), 1, 700)]
+    tar = write_tar_shards(root / "tar", docs, 3)
+    parquet = write_parquet_shards(root / "parquet", docs, 3, row_group_size=16)
+    import webdataset as wds  # pax headers, int32 ids, "<key>.input_ids.npy": what the benchmarks write
+
+    pax = []
+    for s in range(3):
+        path = str(root / f"pax-{s}.tar")
+        with wds.TarWriter(path) as sink:
+            for i in range(s * len(docs) // 3, (s + 1) * len(docs) // 3):
+                sink.write({"__key__": f"{i:09d}", "input_ids.npy": np.asarray(docs[i], dtype=np.int32)})
+        pax.append(path)
+    return {"tar": tar, "pax": pax, "parquet": parquet}
+
+
+@pytest.mark.parametrize("fmt", ["tar", "pax", "parquet"])
+@pytest.mark.parametrize("overlong", ["split", "truncate", "drop"])
+def test_same_batches_every_format_and_policy(monkeypatch, corpus, fmt: str, overlong: str) -> None:
+    _same(monkeypatch, corpus[fmt], packing=PackOptions(window=16, overlong=overlong))
+
+
+@pytest.mark.parametrize("settings", [
+    {"topology": TopologyOptions(cp_size=2)},                                  # align 4
+    {"shuffle": False, "packing": PackOptions(window=5, max_wait=2)},
+    {"packs_per_batch": 3, "packing": PackOptions(window=64, algorithm="ffd", pad_id=7, ignore_index=-1)},
+    {"epochs": 2, "packing": PackOptions(window=16, ignore_index=5)},           # ids may equal ignore_index
+])
+def test_same_batches_other_settings(monkeypatch, corpus, settings) -> None:
+    _same(monkeypatch, corpus["pax"], **settings)
+
+
+def test_same_batches_infinite_several_ranks(monkeypatch, corpus) -> None:
+    for rank in range(2):
+        kw = {"epochs": None, "n": 30, "topology": TopologyOptions(dp_rank=rank, dp_size=2)}
+        fast, _ = _run(monkeypatch, True, corpus["tar"], **kw)
+        slow, _ = _run(monkeypatch, False, corpus["tar"], **kw)
+        assert len(fast) == 30 and fast == slow
+
+
+def test_shard_parts_of_an_infinite_stream(monkeypatch, corpus) -> None:
+    """Fewer shards than readers: each reader reads one part of a shard, cut through its index."""
+    for rank in range(3):
+        kw = {"epochs": None, "n": 12, "topology": TopologyOptions(dp_rank=rank, dp_size=3)}
+        fast, ds = _run(monkeypatch, True, corpus["pax"][:1], **kw)
+        slow, _ = _run(monkeypatch, False, corpus["pax"][:1], **kw)
+        assert len(fast) == 12 and fast == slow and ds.reader_kind_reads == 0
+
+
+def test_planned_ranges_end_inside_shards(monkeypatch, corpus) -> None:
+    """A finite epoch over two ranks cuts shards at sample boundaries; with pax headers the
+    per-sample reader judges a range's last sample by reading past its end: the blocks judge it
+    the same way (``tar_block._intact_after``) instead of handing the range over."""
+    for rank in range(2):
+        kw = {"topology": TopologyOptions(dp_rank=rank, dp_size=2)}
+        fast, ds = _run(monkeypatch, True, corpus["pax"], **kw)
+        slow, _ = _run(monkeypatch, False, corpus["pax"], **kw)
+        assert len(fast) > 2 and fast == slow
+        assert ds.reader_kind_reads == 0, "a planned range was read per sample"
+
+
+@pytest.mark.parametrize("save_fast,load_fast,read_ahead", [(True, True, 16), (True, False, 16), (False, True, 16),
+                                                             (True, True, 1), (False, True, 1)])
+def test_states_restore_on_either_path(monkeypatch, corpus, save_fast: bool, load_fast: bool, read_ahead: int) -> None:
+    """Restored packs are re-read ``read_ahead`` at a time (1: every pack alone, and the window's
+    carried documents leave mixed with new ones in later rounds)."""
+    import streampack.nodes.row_packer as row_packer
+
+    monkeypatch.setattr(row_packer, "READ_AHEAD", read_ahead)
+    kw = {"epochs": 2, "packing": PackOptions(window=48, overlong="split")}  # split chunks wait in the state
+    whole, _ = _run(monkeypatch, True, corpus["pax"], **kw)
+    for stop in (1, 7, len(whole) // 2 + 3):
+        monkeypatch.setenv(CONTIGUOUS_ENV, "1" if save_fast else "0")
+        ds = PackedDataset(corpus["pax"], capacity=256, packs_per_batch=2, seed=3, **kw)
+        head = [full(b) for b in take(iter(ds), stop)]
+        rest, _ = _run(monkeypatch, load_fast, corpus["pax"], state=ds.state_dict(), **kw)
+        assert head + rest == whole, f"resume after {stop} batches diverged"
+
+
+def test_state_is_the_per_sample_state(monkeypatch, corpus) -> None:
+    """Same keys, same values: a checkpoint does not say which path wrote it."""
+    states = []
+    for fast in (True, False):
+        monkeypatch.setenv(CONTIGUOUS_ENV, "1" if fast else "0")
+        ds = PackedDataset(corpus["tar"], capacity=256, packs_per_batch=2, seed=3, epochs=1,
+                           packing=PackOptions(window=16))
+        take(iter(ds), 5)
+        state = ds.state_dict()
+        state.pop("metrics")
+        states.append(state)
+    assert _plain(states[0]) == _plain(states[1])
+
+
+def _plain(tree):
+    if isinstance(tree, dict):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_plain(v) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        return (str(tree.dtype), tuple(tree.shape), tree.tolist())
+    return tree
+
+
+def test_elastic_resume_same_on_both_paths(monkeypatch, corpus) -> None:
+    """States of two ranks, resumed by one: the same batches whichever path saved and loads."""
+    outs = []
+    for fast in (True, False):
+        monkeypatch.setenv(CONTIGUOUS_ENV, "1" if fast else "0")
+        states = []
+        for rank in range(2):
+            ds = PackedDataset(corpus["tar"], capacity=256, packs_per_batch=2, seed=3, epochs=1,
+                               packing=PackOptions(window=16), topology=TopologyOptions(dp_rank=rank, dp_size=2))
+            take(iter(ds), 3)
+            states.append(roundtrip(ds.state_dict()))
+        ds = PackedDataset(corpus["tar"], capacity=256, packs_per_batch=2, seed=3, epochs=1,
+                           packing=PackOptions(window=16))
+        ds.load_state_dict(states)
+        outs.append([full(b) for b in ds])
+    assert len(outs[0]) > 3 and outs[0] == outs[1]
+
+
+def _stream(reader, blocks: bool) -> list:
+    """Every document a reader hands out: (doc key, ids, origin), and its final state; a block
+    reader counts in ``reader.from_blocks`` the documents it read as blocks."""
+    reader.reset(None)
+    reader.from_blocks = 0
+    out = []
+    while True:
+        if not blocks:
+            try:
+                s = next(reader)
+            except StopIteration:
+                break
+            out.append((s.doc_key, s.tokens.tolist(), s.origin))
+            continue
+        run = reader.run()
+        if run is None:
+            break
+        k = len(run) if run.consumed else max(1, len(run) // 3)  # consume in uneven steps
+        if not run.consumed:
+            reader.consume(k)
+            reader.from_blocks += k
+        for i in range(run.lo, run.lo + k):
+            b = run.block
+            out.append((b.doc_key(i), b.ids(i).tolist(), (int(b.offsets[i]), int(b.numbers[i]), int(b.next_offsets[i]),
+                                                           int(b.next_numbers[i]))))
+    return out, _plain(reader.state_dict())
+
+
+def _origins(stream):
+    return [(k, t, o if isinstance(o, tuple) else (o.offset, o.number, o.next_offset, o.next_number)) for k, t, o in stream]
+
+
+def _both_readers(url, chunk_bytes=None, **kw):
+    """The documents a BlockReader hands out (as the ShardReader's), and how many came as blocks."""
+    reader = BlockReader(url, shuffle=False, epochs=1, chunk_bytes=chunk_bytes, **kw)
+    fast, fast_state = _stream(reader, True)
+    slow, slow_state = _stream(ShardReader(url, shuffle=False, epochs=1, **kw), False)
+    assert _origins(fast) == _origins(slow)
+    assert fast_state == slow_state
+    return fast, reader.from_blocks
+
+
+def test_block_reader_small_chunks_is_the_shard_reader(corpus) -> None:
+    for url in corpus["pax"] + corpus["tar"]:
+        for chunk in (None, 2048):
+            docs, from_blocks = _both_readers(url, chunk_bytes=chunk)
+            assert len(docs) > 20 and from_blocks == len(docs)
+
+
+def test_hostile_shard_hands_over(tmp_path) -> None:
+    """Each kind of sample the block reader does not take: the per-sample reader reads on from
+    there, so the stream (and what on_error='skip' counts) is the per-sample reader's."""
+    good = [sample(f"{i:08d}", [i + 1, 7, 9]) for i in range(40)]
+    bad = {
+        "float ids": member("00000100.npy", npy_bytes(np.array([1.5, 2.0]))),
+        "out of vocab": sample("00000101", [3, 2**31 + 5]),
+        "two members": sample("00000102", [4, 5], **{"labels.npy": npy_bytes(np.array([4, 5]))}),
+        "repeated key": sample("00000003", [6, 6]),
+        "dot in key": sample("a.b", [7, 7]),
+        "corrupt header": b"\x01" * 512,
+        "empty": member("00000103.npy", npy_bytes(np.array([], dtype=np.int64))),
+        "big-endian": member("00000104.npy", npy_bytes(np.array([1, 2], dtype=">i4"))),
+        "long name": _gnu_long_name("x" * 120 + ".npy", npy_bytes(np.array([1, 2]))),
+        "pax path": _pax_path("00000105.npy", npy_bytes(np.array([1, 2]))),
+    }
+    for what, part in bad.items():
+        url = write_bytes(tmp_path / f"{what.replace(' ', '_')}.tar", archive(*good[:20], part, *good[20:]))
+        for chunk in (None, 4096):
+            stream, from_blocks = _both_readers(url, on_error="skip", chunk_bytes=chunk)
+            # read in small chunks, the samples before the bad one come as blocks (in one chunk, a
+            # bad sample hands the whole chunk over: a known cost, not a difference)
+            assert len(stream) >= 40 and (chunk is None or from_blocks >= 16), (what, chunk, from_blocks)
+
+
+def _tar_member(name: str, data: bytes, fmt: int, pax: dict[str, str] | None = None) -> bytes:
+    """One member as ``tarfile`` writes it in format ``fmt`` (extension headers included)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    tf = tarfile.open(fileobj=buf, mode="w", format=fmt)
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    if pax:
+        info.pax_headers = pax
+    tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()  # before close(): no end-of-archive blocks yet
+
+
+def _gnu_long_name(name: str, data: bytes) -> bytes:
+    import tarfile
+
+    return _tar_member(name, data, tarfile.GNU_FORMAT)
+
+
+def _pax_path(name: str, data: bytes) -> bytes:
+    import tarfile
+
+    return _tar_member(name, data, tarfile.PAX_FORMAT, {"path": name, "comment": "x"})
+
+
+def test_hostile_shard_errors_in_the_dataset(monkeypatch, tmp_path) -> None:
+    good = [sample(f"{i:08d}", [i + 1] * (i % 9 + 1)) for i in range(60)]
+    url = write_bytes(tmp_path / "bad.tar", archive(*good[:30], sample("00000100", [3, 2**31 + 5]), *good[30:]))
+    _same(monkeypatch, [url], read=ReadOptions(on_error="skip"), capacity=32)
+    errors = []
+    for fast in (True, False):
+        monkeypatch.setenv(CONTIGUOUS_ENV, "1" if fast else "0")
+        with pytest.raises(DataError) as info:
+            list(PackedDataset([url], capacity=32, packs_per_batch=2, epochs=1, packing=PackOptions(window=16)))
+        errors.append((info.value.reason, info.value.key, str(info.value)))
+    assert errors[0] == errors[1] and errors[0][:2] == ("out_of_vocab_id", "00000100")
+
+
+def test_missing_shard_is_skipped_as_per_sample(monkeypatch, tmp_path) -> None:
+    urls = write_tar_shards(tmp_path, make_token_docs(60, seed=2, max_len=30), 3)
+    urls.insert(1, str(tmp_path / "gone.tar"))
+    open(urls[1], "wb").close()
+    os.remove(urls[1])
+    fast, ds = _run(monkeypatch, True, urls, read=ReadOptions(on_error="skip"), capacity=32)
+    assert ds.metrics()["errors"]["counts"] == {"missing_shard": 1}
+    _same(monkeypatch, urls, read=ReadOptions(on_error="skip"), capacity=32)
+
+
+def test_parquet_with_nulls_and_text_hands_over(monkeypatch, tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = make_token_docs(50, seed=1, min_len=1, max_len=30)
+    column = pa.array([None if i == 23 else d for i, d in enumerate(docs)], pa.list_(pa.int64()))
+    nulls = str(tmp_path / "nulls.parquet")
+    pq.write_table(pa.table({"input_ids": column}), nulls, row_group_size=8)
+    _same(monkeypatch, [nulls], read=ReadOptions(on_error="skip"), capacity=32)
+
+
+def test_jsonl_and_tokenizers_stay_per_sample(monkeypatch, tmp_path) -> None:
+    """The graph builder takes the fast path only where it applies."""
+    from helpers_data import write_jsonl_shards
+
+    tar = write_tar_shards(tmp_path / "t", make_token_docs(20), 2)
+    jsonl = write_jsonl_shards(tmp_path / "j", make_token_docs(20), 2)
+    config = StreamConfig(capacity=64, packing=PackOptions(window=8))
+
+    def packer(urls, **kw):
+        graph = build_graph(config, Sources(shards=ShardList.of(urls)), Placement(), **kw)
+        graph.root.reset(None)
+        next(graph.root)
+        return graph.nodes["packer"], graph.nodes["collate"]
+
+    monkeypatch.setenv(CONTIGUOUS_ENV, "1")
+    packer_node, collate = packer(tar)
+    assert isinstance(packer_node, RowPacker) and isinstance(collate, RowCollate)
+    assert not isinstance(packer(jsonl)[0], RowPacker)
+    assert not isinstance(packer(tar, stages=[lambda s: s])[0], RowPacker)
+    assert not isinstance(packer(tar, around={"packer": lambda n: n})[0], RowPacker)
+    assert not isinstance(packer(tar, options=ReadOptions(labels_key="labels"))[0], RowPacker)
+
+
+@pytest.mark.parametrize("align", [1, 2, 8])
+@pytest.mark.parametrize("pad_id,ignore_index", [(0, -100), (7, -1), (0, 3)])
+def test_pack_slices_is_pack_batch(align: int, pad_id: int, ignore_index: int) -> None:
+    rng = np.random.default_rng(align * 31 + pad_id)
+    buf = rng.integers(0, 9, 20_000).astype(np.int32)  # small ids: some equal ignore_index=3
+    capacity, packs, starts, lengths, samples = 64, [], [], [], []
+    at = 0
+    for _ in range(5):
+        room, pack = capacity, []
+        while True:
+            n = int(rng.integers(1, 30))
+            span = -(-n // align) * align
+            if span > room:
+                break
+            room -= span
+            pack.append(Sample(key=f"d{at}", url="u", tokens=buf[at:at + n].astype(np.int64)))
+            starts.append(at)
+            lengths.append(n)
+            at += n + int(rng.integers(0, 5))
+        packs.append(pack)
+    keys = tuple(s.doc_key for p in packs for s in p)
+    got = pack_slices([buf] * len(lengths), np.array(starts), np.array(lengths), [len(p) for p in packs], keys,
+                      capacity=capacity, align=align, pad_id=pad_id, ignore_index=ignore_index, ids_nonnegative=True)
+    want = pack_batch(packs, capacity=capacity, align=align, pad_id=pad_id, ignore_index=ignore_index)
+    assert full(got) == full(want)
+
+
+def test_fast_path_off_switch(monkeypatch, corpus) -> None:
+    monkeypatch.setenv(CONTIGUOUS_ENV, "0")
+    ds = PackedDataset(corpus["tar"], capacity=256, epochs=1)
+    iter(ds)
+    assert not isinstance(ds._graph.nodes["packer"], RowPacker)
+    assert os.environ[CONTIGUOUS_ENV] == "0"
