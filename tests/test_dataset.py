@@ -88,11 +88,10 @@ def test_fingerprint_mismatch_names_both_values(shards) -> None:
         list(batches)
     loader = StatefulDataLoader(PackedDataset(urls, capacity=CAP, packing=PackOptions(window=16)), batch_size=None,
                                 num_workers=2)
-    it = iter(loader)
-    next(it)
-    loader_state = loader.state_dict()
+    with closing_workers(iter(loader)) as it:
+        next(it)
+        loader_state = loader.state_dict()
     assert len(dataset_states(loader_state)) == 2
-    del it
     with pytest.raises(ValueError, match="num_workers=2.*num_workers=1"):
         load_loader_state(StatefulDataLoader(ds, batch_size=None, num_workers=1), loader_state)
     check_loader_state(loader_state, 2)
