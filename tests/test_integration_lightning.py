@@ -66,14 +66,51 @@ class Recorder(Logger):
 
 
 def fit(datamodule: Any, steps: int, out: Path, ckpt: str | None = None, model: TinyLM | None = None,
-        **kw: Any) -> TinyLM:
+        close_workers: bool = True, **kw: Any) -> TinyLM:
     model = model if model is not None else TinyLM()
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(out), every_n_train_steps=3, save_top_k=-1)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[checkpoints],
                         **{"logger": False, "accumulate_grad_batches": 2, **kw})
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt)
+    if close_workers:
+        shut_down_workers(trainer)
     return model
+
+
+def shut_down_workers(trainer: Any) -> None:
+    """Shut down the DataLoader workers a fit stopped at ``max_steps`` leaves running (see
+    ``test_a_fit_leaves_no_worker_processes``): freed later by the garbage collector, torch's
+    shutdown waits out a 5 s join timeout per worker, in some later test (30 s per slow run)."""
+    trained_loader = trainer.train_dataloader  # the PackedDataModule's TrainedLoader
+    iterator = getattr(getattr(trained_loader, "loader", None), "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+
+
+def _forked_children() -> set[int]:
+    """This process's live children running this same program: forked DataLoader workers."""
+    import psutil
+
+    me = psutil.Process()
+    return {p.pid for p in me.children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and p.cmdline() == me.cmdline()}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="library defect: Lightning's end-of-fit reset releases a DataLoader's worker "
+                   "iterator (combined_loader._shutdown_workers_and_reset_iterator) but cannot see the "
+                   "StatefulDataLoader inside PackedDataModule's TrainedLoader; its workers live until the garbage "
+                   "collector frees the loader, and torch's shutdown from there waits 5 s per worker")
+def test_a_fit_leaves_no_worker_processes(urls: list[str], tmp_path: Path) -> None:
+    before = _forked_children()
+    dm = PackedDataModule(PackedDataset(urls, capacity=64, packing=PackOptions(window=8)), num_workers=2)
+    model = fit(dm, steps=3, out=tmp_path, close_workers=False)
+    try:
+        left = _forked_children() - before
+        assert not left, f"{len(left)} DataLoader worker process(es) still running after trainer.fit returned"
+    finally:
+        shut_down_workers(model.trainer)
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
