@@ -6,6 +6,7 @@ import io
 
 import pytest
 import torch
+from helpers_hostile import closing_workers
 from node_checks import canon, collect_documents, write_token_shards
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -82,15 +83,15 @@ def test_fingerprint_mismatch_names_both_values(shards) -> None:
     # num_workers: the dataset refuses in the worker, the loader helper refuses up front
     other = PackedDataset(urls, capacity=CAP, seed=1, packing=PackOptions(window=16))
     other.load_state_dict(state)
-    with pytest.raises(ValueError, match="num_workers: saved 0, now 1"):
-        list(DataLoader(other, batch_size=None, num_workers=1))
+    loader = DataLoader(other, batch_size=None, num_workers=1)
+    with pytest.raises(ValueError, match="num_workers: saved 0, now 1"), closing_workers(iter(loader)) as batches:
+        list(batches)
     loader = StatefulDataLoader(PackedDataset(urls, capacity=CAP, packing=PackOptions(window=16)), batch_size=None,
                                 num_workers=2)
-    it = iter(loader)
-    next(it)
-    loader_state = loader.state_dict()
+    with closing_workers(iter(loader)) as it:
+        next(it)
+        loader_state = loader.state_dict()
     assert len(dataset_states(loader_state)) == 2
-    del it
     with pytest.raises(ValueError, match="num_workers=2.*num_workers=1"):
         load_loader_state(StatefulDataLoader(ds, batch_size=None, num_workers=1), loader_state)
     check_loader_state(loader_state, 2)

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers_data import make_text_docs, make_token_docs, write_jsonl_shards
+from helpers_hostile import closing_workers
 
 from streampack import DataError, PackedDataset
 from streampack.options import ReadOptions, TopologyOptions
@@ -120,8 +121,9 @@ def test_worker_logs_one_line_before_torch_traceback(tmp_path):
     logger.addHandler(handler)
     reset_rate_limits()
     try:
-        with pytest.raises(DataError) as info:
-            for _ in DataLoader(PackedDataset(str(path), capacity=64), batch_size=None, num_workers=1):
+        loader = DataLoader(PackedDataset(str(path), capacity=64), batch_size=None, num_workers=1)
+        with pytest.raises(DataError) as info, closing_workers(iter(loader)) as batches:
+            for _ in batches:
                 pass
     finally:
         logger.removeHandler(handler)

@@ -17,10 +17,18 @@ import torch
 from streampack.layout.vision import image_spans, mrope_position_ids, vision_cu_seqlens
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel  # noqa: E402
 from transformers.vision_utils import get_vision_cu_seqlens  # noqa: E402
 
 IMAGE, VIDEO, VOCAB = 7, 8, 50
+
+
+@functools.cache
+def qwen2_vl_model() -> type:
+    """transformers' ``Qwen2VLModel``, imported when first used: its module costs ~2.5 s, which
+    collection would pay in every pytest worker, the ones that never run this file too."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+    return Qwen2VLModel
 
 
 def hf_rope_index(ids: torch.Tensor, image_grid: torch.Tensor | None, video_grid: torch.Tensor | None,
@@ -28,12 +36,13 @@ def hf_rope_index(ids: torch.Tensor, image_grid: torch.Tensor | None, video_grid
     """transformers' ``get_rope_index`` on one document ``[L]``: ``[3, L]``. It reads only the
     merge size from the config and its own static-like ``get_vision_position_ids``."""
     model = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merge)))
-    model.get_vision_position_ids = functools.partial(Qwen2VLModel.get_vision_position_ids, model)
+    qwen = qwen2_vl_model()
+    model.get_vision_position_ids = functools.partial(qwen.get_vision_position_ids, model)
     types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     if image_grid is None and video_grid is None:  # text only: the model falls back to arange
         return torch.arange(len(ids)).expand(3, -1)
-    pos, _ = Qwen2VLModel.get_rope_index(model, ids[None], mm_token_type_ids=types[None],
-                                         image_grid_thw=image_grid, video_grid_thw=video_grid)
+    pos, _ = qwen.get_rope_index(model, ids[None], mm_token_type_ids=types[None],
+                                 image_grid_thw=image_grid, video_grid_thw=video_grid)
     return pos[:, 0]
 
 
