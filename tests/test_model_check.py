@@ -11,10 +11,11 @@ schedule and the command that reruns it: ``PYTHONPATH=. python tests/modelcheck_
 
 Fast set: 120 schedules (~110 ms of CPU each on the 2-core dev box, ~13 s in all). Slow set
 (``-m slow``): larger schedules (up to 4 ranks x 3 workers, 15 records per shard, 4 resumes;
-0.3-0.4 s of CPU each): seeds 0..299 by default, which is what CI runs (~2 min of CPU; the full
-2,000 took 12 of CI's 35 minutes, over its 30-minute limit), and thousands on request:
+0.3-0.4 s of CPU each): seeds 0..299 by default (~2 min of CPU), thousands on request:
 ``STREAMPACK_MODELCHECK_SEEDS=2000`` (seeds 0..1999) or ``=2000:5000`` (a range) with ``-m slow``
-(add ``--dist load`` to spread one file's seeds over both workers). All 2,000 passed on
+(add ``--dist load`` to spread one file's seeds over both workers). CI (``.ci/run``) runs 2,000
+that way, as its own step (with ``--dist loadfile`` the file's seeds sat on one worker: 12 of the
+35 minutes CI took then). All 2,000 passed on
 2026-11-27 (seeds 300..1999: 11.6 min on 2 workers, 695 s of CPU, on the loaded 2-core box);
 the defects found by slow seeds 381 and 1354 have their own tests below. Shrinking a failing seed has a time budget per session
 (``SHRINK_SECONDS``); the rerun command always shrinks in full.
