@@ -58,6 +58,8 @@ from streampack.state import (
     WORKER_KEY,
     check_fingerprint,
     check_version,
+    record_of,
+    record_text,
 )
 from streampack.topology import current_worker, resolve_topology
 
@@ -170,6 +172,7 @@ class PackedDataset(IterableDataset):
         self._check_equal_batches()
         self._tokenizer_id = tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
         self._fingerprints: dict[int, dict[str, Any]] = {}
+        self._fingerprint_texts: dict[int, str] = {}
         self._tracker = PassTracker()
         self._graph: Graph | None = None
         self._pending: Any = None  # a loaded state, or elastic.Pending
@@ -209,17 +212,27 @@ class PackedDataset(IterableDataset):
             num_workers = current_worker().num_workers
         # the settings never change after construction, and StatefulDataLoader asks every worker
         # for its state after every batch: made once (85 µs a time, ~2% of a batch of 8 x 4096
-        # pre-tokenized tokens), handed out as a copy
+        # pre-tokenized tokens), handed out as a copy; through JSON once, so it equals what a
+        # state's text decodes to (tuples as lists)
         made = self._fingerprints.get(num_workers)
         if made is None:
-            mixture = ({"mixture_sources": {n: s.digest for n, s in sorted(self.sources.mixture.items())},
-                        "mixture_weights": self.mixture_weights, "mixture_stop": self.sources.stop}
-                       if self.sources.mixture else {})
-            made = self._fingerprints[num_workers] = {
-                **fingerprint_settings(self.config, self.options), **mixture, "sources": self.sources.digest,
+            made = self._fingerprints[num_workers] = record_of(record_text(self._settings(num_workers)))
+        return _copied(made)
+
+    def _fingerprint_text(self, num_workers: int) -> str:
+        """The fingerprint as a state keeps it (:func:`~streampack.state.record_text`), made once."""
+        text = self._fingerprint_texts.get(num_workers)
+        if text is None:
+            text = self._fingerprint_texts[num_workers] = record_text(self.fingerprint(num_workers))
+        return text
+
+    def _settings(self, num_workers: int) -> dict[str, Any]:
+        mixture = ({"mixture_sources": {n: s.digest for n, s in sorted(self.sources.mixture.items())},
+                    "mixture_weights": self.mixture_weights, "mixture_stop": self.sources.stop}
+                   if self.sources.mixture else {})
+        return {**fingerprint_settings(self.config, self.options), **mixture, "sources": self.sources.digest,
                 "num_sources": len(self.urls), "tokenizer": self._tokenizer_id, "num_stages": len(self.stages),
                 "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_workers": num_workers}
-        return _copied(made)
 
     def filler(self) -> PackedBatch:
         """A batch of the stream's shape that trains nothing (what ``sync_batches`` feeds a rank
@@ -240,11 +253,11 @@ class PackedDataset(IterableDataset):
                                "the old states to load again")
         return {
             VERSION_KEY: STATE_VERSION,
-            FINGERPRINT_KEY: self.fingerprint(here.num_workers),
+            FINGERPRINT_KEY: self._fingerprint_text(here.num_workers),
             WORKER_KEY: {"dp_rank": self.dp_rank, "worker_id": here.id},
             PASSES_KEY: self._pass if self._graph is not None else self._tracker.next_pass(here.id),
             GRAPH_KEY: self._graph.root.state_dict() if self._graph is not None else None,
-            METRICS_KEY: self.metrics(),
+            METRICS_KEY: record_text(self.metrics()),
         }
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
@@ -252,7 +265,7 @@ class PackedDataset(IterableDataset):
         of a run (any topology; see the class docstring)."""
         if isinstance(state, Mapping):
             check_version(state)
-            saved = state[FINGERPRINT_KEY]
+            saved = record_of(state[FINGERPRINT_KEY])
             check_fingerprint(saved, self.fingerprint(saved.get("num_workers")))  # workers: in __iter__
             self._pending = state
         else:
@@ -283,7 +296,7 @@ class PackedDataset(IterableDataset):
         if isinstance(pending, PendingResume):
             state, share = pending.for_reader(self, here)
         if state is not None:
-            check_fingerprint(state[FINGERPRINT_KEY], self.fingerprint(here.num_workers))
+            check_fingerprint(record_of(state[FINGERPRINT_KEY]), self.fingerprint(here.num_workers))
             saved = state[WORKER_KEY]
             if saved["worker_id"] != here.id or saved["dp_rank"] != self.dp_rank:
                 raise ValueError(f"state of dp_rank={saved['dp_rank']} worker_id={saved['worker_id']} "
@@ -298,7 +311,7 @@ class PackedDataset(IterableDataset):
             self._graph.root.reset(state[GRAPH_KEY])
             # A restored graph has read exactly as far as the saved one (each node replays up to
             # its saved read position), so the saved error and I/O counts are the counts now.
-            saved = state.get(METRICS_KEY) or {}
+            saved = record_of(state.get(METRICS_KEY))
             if saved.get("errors") is not None:
                 self._graph.errors.load(saved["errors"])
             if saved.get("io") is not None:

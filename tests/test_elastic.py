@@ -32,7 +32,7 @@ from streampack.nodes.collate import FILLER_KEY
 from streampack.nodes.sharding import Span
 from streampack.nodes.stages import MapSamples, NodeStage
 from streampack.options import PackOptions, TokenizeOptions, TopologyOptions
-from streampack.state import dataset_states, table_size
+from streampack.state import dataset_states, record_of, table_size
 
 CAP = 256
 
@@ -202,7 +202,7 @@ def test_elastic_refuses_what_it_cannot_split(shards, tmp_path):
     with pytest.raises(ValueError, match=r"missing \[\(1, 0\)\]"):
         _ds(urls, 0, 3).load_state_dict(states[:1])
     with pytest.raises(ValueError, match="different runs"):
-        _ds(urls, 0, 3).load_state_dict([states[0], {**states[1], "fingerprint": {**states[1]["fingerprint"],
+        _ds(urls, 0, 3).load_state_dict([states[0], {**states[1], "fingerprint": {**record_of(states[1]["fingerprint"]),
                                                                                    "seed": 99}}])
     with pytest.raises(ValueError, match="seed: saved 2, now 5"):
         _ds(urls, 0, 3, seed=5).load_state_dict(states)

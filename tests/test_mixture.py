@@ -21,7 +21,7 @@ from streampack.dataset import PackedDataset
 from streampack.nodes.mixture import CONFIG_KEY, Mixture
 from streampack.nodes.reader import ShardReader
 from streampack.options import PackOptions, ReadOptions
-from streampack.state import load_loader_state
+from streampack.state import load_loader_state, record_of
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_dataset_mixes_both_sources_and_reports_draws(sources) -> None:
     dirs = Counter(k.split("#")[0].split("/")[-2] for b in batches for k in b.doc_keys)
     assert dirs["web"] > 0 and dirs["code"] > 0  # doc keys name each document's shard
     state = roundtrip(ds.state_dict())
-    assert state["metrics"]["mixture"] == drawn
+    assert record_of(state["metrics"])["mixture"] == drawn
     restored = _ds(_mix(sources))
     restored.load_state_dict(state)
     iter(restored)
