@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from report import emit  # benchmarks/report.py (this folder is on sys.path)
 
 CAP = 4096

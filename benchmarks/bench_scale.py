@@ -248,7 +248,8 @@ def constants() -> dict[str, float]:
     """Measured per-unit costs of planning: prefix sums and cut per shard, packer count per sample."""
     import numpy as np
 
-    from streampack.nodes.epoch_plan import Counting as Count, count_batches
+    from streampack.nodes.epoch_plan import Counting as Count
+    from streampack.nodes.epoch_plan import count_batches
     from streampack.nodes.sharding import PrefixCut, epoch_permutation
     from streampack.nodes.window_rounds import PackerRules
 

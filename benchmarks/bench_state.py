@@ -19,9 +19,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -35,8 +34,8 @@ import torch
 from report import emit_rows  # noqa: E402  (benchmarks/report.py; this folder is on sys.path)
 
 from streampack.dataset import PackedDataset
-from streampack.options import PackOptions
 from streampack.nodes.stages import MapSamples, NodeStage
+from streampack.options import PackOptions
 from streampack.state import state_nbytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))

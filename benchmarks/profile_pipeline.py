@@ -50,14 +50,15 @@ if (Path(ROOT) / "streampack").is_dir():
 
 from multiprocessing.reduction import ForkingPickler  # noqa: E402
 
+from peers.corpus import Corpus, CorpusSpec, write_parquet, write_tar  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+import streampack  # noqa: E402
 import streampack.io.parquet as parquet_io  # noqa: E402
 import streampack.io.tar as tar_io  # noqa: E402
 import streampack.nodes.collate as collate_mod  # noqa: E402
-from peers.corpus import Corpus, CorpusSpec, write_parquet, write_tar  # noqa: E402
-import streampack  # noqa: E402
 from streampack import PackedDataset  # noqa: E402
+
 try:
     from streampack.layout import transfer  # noqa: E402
 except ImportError:  # a checkout from before the hand-over change: torch's reduction only

@@ -20,9 +20,9 @@ from helpers_formats import write_parquet_shards
 from helpers_hostile import archive, member, npy_bytes, sample, write_bytes
 from node_checks import roundtrip, take
 
+from streampack.contiguous import CONTIGUOUS_ENV
 from streampack.dataset import PackedDataset
 from streampack.errors import DataError
-from streampack.contiguous import CONTIGUOUS_ENV
 from streampack.graph import build_graph
 from streampack.io.urls import ShardList
 from streampack.layout.batch import pack_batch
@@ -362,7 +362,7 @@ def test_jsonl_and_tokenizers_stay_per_sample(monkeypatch, tmp_path) -> None:
 def test_pack_slices_is_pack_batch(align: int, pad_id: int, ignore_index: int) -> None:
     rng = np.random.default_rng(align * 31 + pad_id)
     buf = rng.integers(0, 9, 20_000).astype(np.int32)  # small ids: some equal ignore_index=3
-    capacity, packs, starts, lengths, samples = 64, [], [], [], []
+    capacity, packs, starts, lengths = 64, [], [], []
     at = 0
     for _ in range(5):
         room, pack = capacity, []

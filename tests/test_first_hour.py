@@ -10,7 +10,6 @@ import json
 import logging
 import re
 import warnings
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,9 +18,9 @@ from helpers_data import make_text_docs, make_token_docs, write_jsonl_shards
 from helpers_hostile import closing_workers
 
 from streampack import DataError, PackedDataset
-from streampack.options import ReadOptions, TopologyOptions
 from streampack.errors import NOT_TOKENIZED, log_worker_error
 from streampack.logs import reset_rate_limits
+from streampack.options import ReadOptions, TopologyOptions
 
 
 def test_missing_directory_says_it_does_not_exist(tmp_path):

@@ -13,13 +13,13 @@ import pytest
 import torch
 from helpers_data import make_token_docs, write_tar_shards
 from node_checks import collect_documents
-from topology_sim import SimRank
 from test_examples import EXAMPLES, run
+from topology_sim import SimRank
 from torch.utils.data import DataLoader
 
 from streampack import PackedDataset
-from streampack.options import PackOptions, TopologyOptions
 from streampack.layout.adapters import HFInputs
+from streampack.options import PackOptions, TopologyOptions
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

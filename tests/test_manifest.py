@@ -17,9 +17,8 @@ from helpers_data import make_token_docs, serve_directory, write_jsonl_shards, w
 import streampack.io.index as index_mod
 import streampack.io.index_cache as cache_mod
 import streampack.io.manifest as manifest_mod
-from streampack.io.decode import BAD_LENGTH
 from streampack.cli.main import main
-from streampack.io.decode import DecodeOptions
+from streampack.io.decode import BAD_LENGTH, DecodeOptions
 from streampack.io.index import build_index
 from streampack.io.limits import Limits
 from streampack.io.manifest import MANIFEST_FILE, load_manifest, obtain_manifest

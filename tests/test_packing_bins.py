@@ -19,8 +19,7 @@ from test_packing_algorithms import check_packing, problems
 from test_packing_backends import spy_on_compiles
 
 import streampack.packing as packing
-from streampack.packing import ALGORITHMS, Bins, pack, pack_flat
-from streampack.packing import _engine, _jit, aot
+from streampack.packing import ALGORITHMS, Bins, _engine, aot, pack, pack_flat
 
 NAMES = sorted(ALGORITHMS)
 

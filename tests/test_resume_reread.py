@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers_data import write_tar_shards
 
 import streampack.io.tar as tar_io
-from helpers_data import write_tar_shards
 from streampack import PackedDataset
 
 pytestmark = pytest.mark.slow  # ~3 s: 60 batches, then a restore

@@ -10,7 +10,6 @@ import argparse
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
 
 from streampack.cli._data import CliError, describe
 

@@ -50,9 +50,9 @@ from typing import Any
 
 import torch
 import transformers
+from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack.integrations.loader import stateful_loader
 from streampack.integrations.metrics import StreamMetrics

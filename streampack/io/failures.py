@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from streampack.errors import DataError
 from streampack.io.retry import REFUSED, Transient
 
-
 _SHORT_BODY = {"ClientPayloadError", "IncompleteRead", "ContentLengthError", "TransferEncodingError"}
 
 

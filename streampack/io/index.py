@@ -77,8 +77,8 @@ from streampack.io.limits import Limits
 from streampack.io.open import open_shard
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote, local_path
-from streampack.io.tar_sparse import open_sparse
 from streampack.io.tar import TarRegion, group_length, iter_tar_units, split_key
+from streampack.io.tar_sparse import open_sparse
 from streampack.io.urls import shard_format
 
 INDEX_VERSION = 4  # 4: records the reader refuses are BAD_LENGTH (-2), not unknown (-1)  # 3: tar lengths no longer follow PYTHONHASHSEED; limits in the fingerprint

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from streampack.io.http import Pin, check_total, check_version, changed
+from streampack.io.http import Pin, changed, check_total, check_version
 from streampack.io.retry import Transient
 
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")

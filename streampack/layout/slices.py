@@ -95,7 +95,7 @@ def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np
             tokens += n
             multi += n > 1
             real.append(tokens)
-            start, used = used, used + n
+            used += n
             if j < k - 1:
                 places.append(ramp[:n])
                 padded.append(used)

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from streampack.io.blocks import read_blocks
 from streampack.io.formats import ShardRange
 from streampack.io.storage import is_remote
-from streampack.io.blocks import read_blocks
 from streampack.io.token_block import TokenBlock
 from streampack.io.urls import shard_format
 from streampack.nodes.block_reader import DocRun

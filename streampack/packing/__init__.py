@@ -24,8 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from streampack.packing._engine import THRESHOLD, Backend, Packer
 from streampack.packing.balanced import kk
 from streampack.packing.best_fit import bfd
