@@ -54,7 +54,7 @@ def test_every_batch_carries_its_estimated_cost(shards) -> None:
     assert list(PackedDataset(urls, capacity=256, epochs=1))[0].est_cost is None
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: ~3 s, -m slow
 def test_balanced_stream_resumes_exactly_after_three_interruptions(shards, num_workers: int) -> None:
     urls, _ = shards
     kw = {"cost_model": SHAPE, "balance": Balance(reservoir=6)}

@@ -49,7 +49,7 @@ def _interrupted(urls, num_workers: int, stops: list[int], total: int, **kw) -> 
     return out
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: ~3 s, -m slow
 def test_three_interruptions_infinite(shards, num_workers: int) -> None:
     urls, _ = shards
     total = 120  # ~3 epochs of this tiny dataset: the stops cross epoch boundaries
@@ -59,7 +59,7 @@ def test_three_interruptions_infinite(shards, num_workers: int) -> None:
     assert _interrupted(urls, num_workers, stops, total) == full
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: ~3 s, -m slow
 def test_resume_finite_across_epoch_boundary(shards, num_workers: int) -> None:
     urls, docs = shards
     kw = {"epochs": 2}
