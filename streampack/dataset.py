@@ -171,7 +171,6 @@ class PackedDataset(IterableDataset):
         self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size), validate=True)  # what only nodes check
         self._check_equal_batches()
         self._tokenizer_id = tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
-        self._fingerprints: dict[int, dict[str, Any]] = {}
         self._fingerprint_texts: dict[int, str] = {}
         self._tracker = PassTracker()
         self._graph: Graph | None = None
@@ -210,20 +209,17 @@ class PackedDataset(IterableDataset):
         """Every setting that changes the stream (compared on load)."""
         if num_workers is None:
             num_workers = current_worker().num_workers
-        # the settings never change after construction, and StatefulDataLoader asks every worker
-        # for its state after every batch: made once (85 µs a time, ~2% of a batch of 8 x 4096
-        # pre-tokenized tokens), handed out as a copy; through JSON once, so it equals what a
-        # state's text decodes to (tuples as lists)
-        made = self._fingerprints.get(num_workers)
-        if made is None:
-            made = self._fingerprints[num_workers] = record_of(record_text(self._settings(num_workers)))
-        return _copied(made)
+        # decoded from the state's text, so it equals what a saved state decodes to (tuples as lists)
+        return record_of(self._fingerprint_text(num_workers))
 
     def _fingerprint_text(self, num_workers: int) -> str:
-        """The fingerprint as a state keeps it (:func:`~streampack.state.record_text`), made once."""
+        """The fingerprint as a state keeps it (:func:`~streampack.state.record_text`). The settings
+        never change after construction, and StatefulDataLoader asks every worker for its state
+        after every batch: made once per worker count (85 µs a time, ~2% of a batch of 8 x 4096
+        pre-tokenized tokens)."""
         text = self._fingerprint_texts.get(num_workers)
         if text is None:
-            text = self._fingerprint_texts[num_workers] = record_text(self.fingerprint(num_workers))
+            text = self._fingerprint_texts[num_workers] = record_text(self._settings(num_workers))
         return text
 
     def _settings(self, num_workers: int) -> dict[str, Any]:
@@ -362,13 +358,6 @@ class PackedDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get a copy without the live graph (it is rebuilt in __iter__)
         return {**self.__dict__, "_graph": None}
-
-
-def _copied(value: Any) -> Any:
-    """``value`` with its dicts and lists copied (what a caller may change in place)."""
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    return [_copied(v) for v in value] if isinstance(value, list) else value
 
 
 def _agreement(dp_group: Any, dp_rank: int, dp_size: int) -> Any:

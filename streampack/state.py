@@ -247,16 +247,17 @@ def decoded_state(state: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(state)
     for key in (FINGERPRINT_KEY, METRICS_KEY):
         if isinstance(out.get(key), str):
-            out[key] = json.loads(out[key])
+            out[key] = record_of(out[key])
     return out
 
 
 def _plain(value: Any) -> Any:
-    """What ``json`` cannot write itself: numpy scalars and arrays as Python numbers and lists."""
+    """What ``json`` cannot write itself: numpy scalars and arrays as Python numbers and lists,
+    sets as sorted lists."""
     if isinstance(value, (np.generic, np.ndarray)):
         return value.tolist()
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
     raise TypeError(f"a state record holds {type(value).__name__} {value!r}, which is not plain data")
 
 

@@ -66,26 +66,14 @@ class Recorder(Logger):
 
 
 def fit(datamodule: Any, steps: int, out: Path, ckpt: str | None = None, model: TinyLM | None = None,
-        close_workers: bool = True, **kw: Any) -> TinyLM:
+        **kw: Any) -> TinyLM:
     model = model if model is not None else TinyLM()
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(out), every_n_train_steps=3, save_top_k=-1)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[checkpoints],
                         **{"logger": False, "accumulate_grad_batches": 2, **kw})
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt)
-    if close_workers:
-        shut_down_workers(trainer)
     return model
-
-
-def shut_down_workers(trainer: Any) -> None:
-    """Shut down the DataLoader workers a fit stopped at ``max_steps`` leaves running (see
-    ``test_a_fit_leaves_no_worker_processes``): freed later by the garbage collector, torch's
-    shutdown waits out a 5 s join timeout per worker, in some later test (30 s per slow run)."""
-    trained_loader = trainer.train_dataloader  # the PackedDataModule's TrainedLoader
-    iterator = getattr(getattr(trained_loader, "loader", None), "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
 
 
 def _forked_children() -> set[int]:
@@ -101,12 +89,12 @@ def _forked_children() -> set[int]:
 def test_a_fit_leaves_no_worker_processes(urls: list[str], tmp_path: Path) -> None:
     before = _forked_children()
     dm = PackedDataModule(PackedDataset(urls, capacity=64, packing=PackOptions(window=8)), num_workers=2)
-    model = fit(dm, steps=3, out=tmp_path, close_workers=False)
+    model = fit(dm, steps=3, out=tmp_path)
     try:
         left = _forked_children() - before
         assert not left, f"{len(left)} DataLoader worker process(es) still running after trainer.fit returned"
     finally:
-        shut_down_workers(model.trainer)
+        model.trainer.train_dataloader.close()  # the PackedDataModule's TrainedLoader: not leaked into later tests
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "64-true"])

@@ -9,7 +9,8 @@ process; steps run k batches, save, and resume on the same or another topology (
 sometimes after a shard was rewritten, truncated or re-staged. A failing seed prints its shrunk
 schedule and the command that reruns it: ``PYTHONPATH=. python tests/modelcheck_driver.py SEED``.
 
-Fast set: 120 schedules (~110 ms of CPU each on the 2-core dev box, ~13 s in all). Slow set
+Fast set: 120 schedules (~0.2 s of CPU each on the idle 2-core box, ~25 s in all on one xdist
+worker, 2026-11-27). Slow set
 (``-m slow``): larger schedules (up to 4 ranks x 3 workers, 15 records per shard, 4 resumes;
 0.3-0.4 s of CPU each): seeds 0..299 by default (~2 min of CPU), thousands on request:
 ``STREAMPACK_MODELCHECK_SEEDS=2000`` (seeds 0..1999) or ``=2000:5000`` (a range) with ``-m slow``
