@@ -222,10 +222,10 @@ def record_text(record: Mapping[str, Any]) -> str:
     and its metrics. ``StatefulDataLoader`` flattens every worker's state after every batch,
     diffs it leaf by leaf against the last one, sends the changed leaves, and the training
     process rebuilds every worker's whole state from its leaves; as nested dicts these two
-    records were 76 of a state's 156 leaves. As one text each (82 leaves; 2026-11-27, idle 2-core
-    box, the bench_loaders corpus, window 1024, 8 x 4096 tokens a batch): ``state_dict()`` plus
-    torchdata's delta 504 -> 372 µs a batch (the metrics' encoding adds ~50 µs of it), and in
-    ``benchmarks/profile_workers.py`` (tar, 4 M tokens, 2 workers, best of 3 interleaved) the
+    records were ~75 of a state's ~155 leaves. As one text each (``benchmarks/profile_state_step.py``,
+    2026-11-27, the commit before this change against it, the 2-core box running CI beside it):
+    154 -> 80 leaves, ``state_dict()`` plus torchdata's delta 285 -> 221 µs a batch (median; the
+    metrics' encoding adds ~27 µs to ``state_dict()``), and in ``benchmarks/profile_workers.py`` (tar, 4 M tokens, 2 workers, best of 3 interleaved) the
     workers' CPU per batch 3.29 -> 3.13 ms, their feeder thread's 0.65 -> 0.32, the training
     process's 1.18 -> 1.05: ~5% of a 2-worker epoch, within that run's noise for the total
     (0.82 -> 0.80 CPU-s)."""

@@ -118,8 +118,9 @@ def _leaves(tree) -> int:
 
 def test_settings_and_counters_are_one_leaf_each_in_the_per_step_state(tmp_path):
     """StatefulDataLoader flattens, diffs and rebuilds every worker's state after every batch,
-    leaf by leaf: the fingerprint (36 settings) and the metrics (40 counters) were 76 of ~160
-    leaves, a quarter of a 2-worker epoch's CPU. Each is one JSON text now; decoded, they are
+    leaf by leaf: the fingerprint (36 settings) and the metrics (40 counters) were ~75 of ~155
+    leaves (~5% of a 2-worker epoch's CPU: streampack.state.record_text). Each is one JSON text
+    now; decoded, they are
     the dicts they were, and the state resumes exactly (a state saved with them as dicts still
     loads: test_options' old-front fixture)."""
     urls = _shards(tmp_path, [300] * 40)
