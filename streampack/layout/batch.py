@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from streampack.layout import adapters, row_pool, transfer
+from streampack.layout import adapters, transfer
 from streampack.layout.documents import (
     alloc_extras,
     check_doc,
@@ -246,9 +246,8 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     # One buffer for the three [T] int64 fields: a DataLoader worker hands a batch over as one
     # shared-memory segment per storage, so three tensors on one storage cost one segment (the
     # int32 offsets share another). benchmarks/bench_transfer.py, 8 x 4096 tokens through one
-    # worker: 318 batches/s against 156 with a storage per field (2-core box, loaded). The buffer
-    # is a freed batch's when one is free (row_pool: a fresh process faults no new pages for it).
-    rows = row_pool.rows(total)
+    # worker: 318 batches/s against 156 with a storage per field (2-core box, loaded).
+    rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()
     input_ids.fill(pad_id)
     labels.fill(ignore_index)

@@ -5,8 +5,7 @@ documents (ids only: no labels, loss mask, extras or images) that are not Sample
 ``(array, start, length)`` slices — what the contiguous fast path's collate has: every
 document still sits in the buffer it was read into. The output is pack_batch's, field for
 field (``tests/test_contiguous.py`` compares them): the same one ``[3, T]`` int64 buffer for
-``input_ids`` / ``labels`` / ``position_ids`` (a reused one: :mod:`~streampack.layout.row_pool`), the
-same int32 offset buffer, the same counts.
+``input_ids`` / ``labels`` / ``position_ids``, the same int32 offset buffer, the same counts.
 
 Cost per batch (``align == 1``): three ``concatenate`` calls of views written into the batch's
 buffer (the int32 -> int64 widening happens in the copy), one Python pass over the documents
@@ -24,7 +23,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from streampack.layout import row_pool
 from streampack.layout.batch import PackedBatch
 from streampack.layout.spans import longest, offset_fields
 
@@ -74,7 +72,7 @@ def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np
     non-full pack's real end). ~0.16 ms a batch where per-pack copies and ``offset_fields``
     took ~0.29 ms (8 x 4096 tokens, ~55 documents, loaded box)."""
     total = len(pack_sizes) * capacity
-    rows = row_pool.rows(total)
+    rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()
     pad, ignore, ramp = _constant(pad_id, capacity), _constant(ignore_index, capacity), _ramp(capacity)
     ignore_one = ignore[:1]
@@ -163,7 +161,7 @@ def _aligned(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.ndar
     cu_padded[0] = 0
     cu_padded[1:] = doc_start + spans
     cu_padded[last + 1] = np.arange(capacity, total + 1, capacity)
-    rows = row_pool.rows(total)
+    rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()
     input_ids.fill(pad_id)
     labels.fill(ignore_index)
