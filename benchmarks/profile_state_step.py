@@ -6,7 +6,10 @@ the dataset's ``state_dict()``, flattens it and diffs it leaf by leaf against th
 its leaves. This measures, in one process over the peers' corpus (``benchmarks/peers/corpus.py``,
 pre-tokenized tar shards; capacity 4096, window 1024, 8 packs per batch): the state's leaves as
 torchdata counts them, and per batch the CPU of ``metrics()``, of ``state_dict()`` and of
-``state_dict()`` plus the delta (the batch itself is read outside the timings).
+``state_dict()`` plus the delta (the batch itself is read outside the timings), and what the
+training process then does per worker: apply the delta and rebuild the whole state from its flat
+leaves (``_IncrementalState.get_state``; ``StatefulDataLoader`` does it for every worker after
+every batch).
 
     python benchmarks/profile_state_step.py [--tokens 4e6] [--batches 100] [--dir DIR]
 
@@ -62,10 +65,26 @@ def main() -> None:
     state = per_batch_us(ds.state_dict, it, args.batches)
     incremental = _IncrementalState(ds.state_dict())
     delta = per_batch_us(lambda: incremental.generate_delta(ds.state_dict()), it, args.batches)
+    # the training process's side: apply a worker's delta, then rebuild its whole state from the
+    # flat leaves (StatefulDataLoader._update_snapshot does this for every worker after every batch)
+    sender, receiver = _IncrementalState(ds.state_dict()), _IncrementalState(ds.state_dict())
+    deltas = []
+    for _ in range(args.batches):
+        next(it)
+        deltas.append(sender.generate_delta(ds.state_dict()))
+    rebuild = []
+    for d in deltas:
+        start = time.process_time_ns()
+        receiver.apply_delta(d)
+        receiver.get_state()
+        rebuild.append((time.process_time_ns() - start) / 1e3)
+    rebuilt = sorted(rebuild)[len(rebuild) // 2]
+    depth = sum(len(k) for k in _flatten(ds.state_dict()))
     print(f"streampack at {os.path.dirname(streampack.__file__)}")
-    print(f"state leaves (torchdata's count): {leaves}")
+    print(f"state leaves (torchdata's count): {leaves}; their key depths summed: {depth}")
     print(f"per batch, median CPU: metrics() {metrics:.0f} µs, state_dict() {state:.0f} µs, "
-          f"state_dict() + delta {delta:.0f} µs")
+          f"state_dict() + delta {delta:.0f} µs; training process, per worker: apply the delta + "
+          f"rebuild the state {rebuilt:.0f} µs")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from streampack.io.index import index_decode
 from streampack.io.manifest import HISTORY_DIR, HISTORY_KEEP, build_manifest, load_manifest, load_saved
 from streampack.nodes.collate import FILLER_KEY
 from streampack.nodes.reader import MANIFEST_KEY
+from streampack.state import record_of
 
 DP = 2
 OPTIONS = {"capacity": 48, "window": 2, "packs_per_batch": 1, "epochs": 1, "seed": 3}
@@ -183,7 +184,7 @@ def test_a_shard_restaged_over_http_with_a_new_etag_is_refused_and_resumes_once_
         kw = {"manifest": location, "on_error": "skip"}
         want = _take(_ranks(urls, **kw))
         before, states = _save_after_one_batch(urls, **kw)
-        opened = {s for st in states for s in find_state(st["graph"], "ShardReader")["identity"]["shards"]}
+        opened = {s for st in states for s in record_of(find_state(st["graph"], "ShardReader")["identity"])["shards"]}
         shard = min(set(range(len(urls))) - opened)  # no reader had opened it: only the manifest knows it
         kept = Saved.of(urls_local[shard])
         _later(urls_local[shard])  # a re-upload: the same bytes, a new ETag

@@ -18,6 +18,7 @@ from streampack import PackedDataset
 from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
 from streampack.options import PackOptions, ReadOptions
+from streampack.state import record_of
 
 
 def _touch_later(path: str) -> None:
@@ -54,7 +55,8 @@ def test_unchanged_shard_resumes_and_a_finished_one_is_not_checked(tmp_path):
     reader = ShardReader(urls, seed=0, shuffle=False, epochs=1)
     head = [next(reader).key for _ in range(25)]  # into the second shard
     state = reader.state_dict()
-    assert state["identity"]["shards"] == [0, 1] and state["identity"]["sizes"][0] == os.path.getsize(urls[0])
+    identity = record_of(state["identity"])
+    assert identity["shards"] == [0, 1] and identity["sizes"][0] == os.path.getsize(urls[0])
     restored = ShardReader(urls, seed=0, shuffle=False, epochs=1)
     restored.reset(state)
     assert [s.key for s in restored][:3] == [s.key for s in ShardReader(urls, seed=0, shuffle=False, epochs=1)][25:28]
@@ -119,7 +121,7 @@ def test_digest_refuses_a_same_size_edit_and_a_state_without_a_digest(tmp_path):
     urls = write_tar_shards(tmp_path, make_token_docs(40, seed=3), 1)
     digest = OpenOptions(identity="digest")
     state, _, _ = _state_after(urls, 7, open_options=digest)
-    assert state["identity"]["tags"][0].startswith("digest=")
+    assert record_of(state["identity"])["tags"][0].startswith("digest=")
     tag_state, _, _ = _state_after(urls, 7)
     _same_size_rewrite(urls[0])  # a bit flipped 600 bytes before the end: inside the last 64 KiB
     with pytest.raises(ValueError, match=r"changed since the state was saved \(digest 'digest="):

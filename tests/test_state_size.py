@@ -140,3 +140,54 @@ def test_settings_and_counters_are_one_leaf_each_in_the_per_step_state(tmp_path)
     restored.load_state_dict(roundtrip(state))
     again = iter(restored)
     assert [canon(next(again)) for _ in range(3)] == after
+
+
+NODE_RECORDS = ("config", "identity", "counters", "metrics")
+
+
+def _node_records(tree, path=()):
+    """Every node-level settings or counters record in a graph state, by path."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key in NODE_RECORDS and not isinstance(value, dict):
+                yield path + (key,), value
+            else:
+                yield from _node_records(value, path + (key,))
+
+
+def _as_dicts(tree):
+    """The graph state as a state saved before the node records were texts kept them."""
+    if isinstance(tree, dict):
+        return {k: (record_of(v) if k in NODE_RECORDS and isinstance(v, str) else _as_dicts(v)) for k, v in tree.items()}
+    return tree
+
+
+@pytest.mark.parametrize("contiguous", ["1", "0"])
+def test_node_records_are_one_leaf_each_and_old_dict_records_still_load(tmp_path, monkeypatch, contiguous):
+    """torchdata rebuilds every worker's state from its flat leaves in the training process after
+    every batch (``_unflatten``: work per leaf and per level of its key): each reader's config and
+    identity and each node's counters and metrics are one JSON text now, so a state is 44 leaves
+    and 199 key levels, not 82 and 426 (streampack.state.record_text). Decoded they are the dicts
+    they were, and a state that kept them as dicts resumes to the same batches."""
+    from torchdata.stateful_dataloader.incremental_state import _flatten
+
+    monkeypatch.setenv("STREAMPACK_CONTIGUOUS", contiguous)
+    urls = _shards(tmp_path, [300] * 40)
+
+    def make() -> PackedDataset:
+        return PackedDataset(urls, capacity=1024, epochs=1, packing=PackOptions(window=16))
+
+    state, it = _state_after(make(), 3)
+    records = dict(_node_records(state["graph"]))
+    kinds = {path[-1] for path in records}
+    assert kinds == set(NODE_RECORDS) and all(isinstance(v, str) for v in records.values()), records
+    flat = _flatten(state)
+    assert len(flat) <= 46 and sum(len(k) for k in flat) <= 205, (len(flat), sum(len(k) for k in flat))
+    reader = next(v for p, v in records.items() if p[-1] == "identity")
+    assert record_of(reader)["shards"] and len(record_of(reader)["sizes"]) == len(record_of(reader)["shards"])
+    after = [canon(next(it)) for _ in range(3)]
+    for saved in (state, {**state, "graph": _as_dicts(state["graph"])}):
+        restored = make()
+        restored.load_state_dict(roundtrip(saved))
+        again = iter(restored)
+        assert [canon(next(again)) for _ in range(3)] == after

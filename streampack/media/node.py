@@ -30,6 +30,7 @@ from streampack.media.stage import media_counts
 from streampack.media.video import MediaVideo
 from streampack.media.video_decode import video_pixels
 from streampack.sample import Sample
+from streampack.state import record_of, record_text
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,7 +115,7 @@ class DecodeImages(BaseNode[list[Sample]]):
         self.source.reset(None if initial_state is None else initial_state[self.SOURCE_KEY])
         self.counters = {"images": 0, "videos": 0, "dropped": 0}
         if initial_state is not None:
-            self.counters.update(initial_state[self.COUNTERS_KEY])
+            self.counters.update(record_of(initial_state[self.COUNTERS_KEY]))
 
     def next(self) -> list[Sample]:
         while True:
@@ -131,4 +132,4 @@ class DecodeImages(BaseNode[list[Sample]]):
                 return out
 
     def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: self.source.state_dict(), self.COUNTERS_KEY: dict(self.counters)}
+        return {self.SOURCE_KEY: self.source.state_dict(), self.COUNTERS_KEY: record_text(self.counters)}

@@ -36,7 +36,7 @@ from streampack.nodes.rows import (
     BlockStore,
     rows_of,
 )
-from streampack.state import samples_from_state, samples_to_state
+from streampack.state import record_of, record_text, samples_from_state, samples_to_state
 
 _LAST = [SOURCE, SHARD, EPOCH, OFFSET, NUMBER, NEXT_OFFSET, NEXT_NUMBER]  # OverlongNode.LAST_COLUMNS
 
@@ -120,7 +120,7 @@ class ChunkNode(BaseNode[np.ndarray]):
             self.source.reset(None)
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
-        self.counters = OverlongCounters(**initial_state[self.COUNTERS_KEY])
+        self.counters = OverlongCounters(**record_of(initial_state[self.COUNTERS_KEY]))
         self._last = {row[0]: row for row in initial_state[self.LAST_KEY].tolist()}
         pending = initial_state[self.PENDING_KEY]
         if "ref" not in pending:
@@ -215,7 +215,7 @@ class ChunkNode(BaseNode[np.ndarray]):
         else:
             pending = samples_to_state([])
         return {self.KIND_KEY: self.KIND, self.SOURCE_KEY: self.source.state_dict(), self.PENDING_KEY: pending,
-                self.COUNTERS_KEY: self.counters.as_dict(),
+                self.COUNTERS_KEY: record_text(self.counters.as_dict()),
                 self.LAST_KEY: torch.tensor(last, dtype=torch.int64).reshape(-1, len(OverlongNode.LAST_COLUMNS))}
 
 

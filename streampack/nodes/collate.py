@@ -45,6 +45,7 @@ from streampack.logs import event_counts, get_logger, warn_every
 from streampack.nodes.quota import LateQuota
 from streampack.packing.cost import CostModel
 from streampack.sample import Sample
+from streampack.state import record_of, record_text
 
 FILLER_KEY = "<filler>"
 SLOW_BATCH_ENV = "STREAMPACK_SLOW_BATCH_SECONDS"
@@ -106,7 +107,7 @@ class ThdCollate(BaseNode[PackedBatch]):
         else:
             self.source.reset(initial_state[self.SOURCE_KEY])
             self._yielded = initial_state[self.YIELDED_KEY]
-            self.counters = {**_fresh_counters(), **initial_state[self.COUNTERS_KEY]}
+            self.counters = {**_fresh_counters(), **record_of(initial_state[self.COUNTERS_KEY])}
             # the quota is part of the position: an elastic resume's epoch has its own
             saved = initial_state.get(self.QUOTA_KEY, self.num_batches)
             if self.late is not None and initial_state.get(self.LATE_KEY) is not None:
@@ -162,7 +163,7 @@ class ThdCollate(BaseNode[PackedBatch]):
             self._quota(wait=True)
         quota = self.num_batches if not isinstance(self.num_batches, LateQuota) else None
         return {self.SOURCE_KEY: self.source.state_dict(), self.YIELDED_KEY: self._yielded,
-                self.COUNTERS_KEY: dict(self.counters), self.QUOTA_KEY: quota,
+                self.COUNTERS_KEY: record_text(self.counters), self.QUOTA_KEY: quota,
                 self.LATE_KEY: None if self.late is None else self.late.state()}
 
     def _quota(self, *, wait: bool) -> int | None:

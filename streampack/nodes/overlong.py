@@ -18,7 +18,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack.sample import Sample, SampleOrigin
-from streampack.state import samples_from_state, samples_to_state
+from streampack.state import record_of, record_text, samples_from_state, samples_to_state
 
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
 POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
@@ -135,7 +135,7 @@ class OverlongNode(BaseNode[Sample]):
             self.source.reset(None)
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
-        self.counters = OverlongCounters(**initial_state[self.COUNTERS_KEY])
+        self.counters = OverlongCounters(**record_of(initial_state[self.COUNTERS_KEY]))
         self._last = {row[0]: _origin(row) for row in initial_state[self.LAST_KEY].tolist()}
         pending = initial_state[self.PENDING_KEY]
         if "ref" not in pending:
@@ -168,7 +168,7 @@ class OverlongNode(BaseNode[Sample]):
         last = [[o.source, o.shard, o.epoch, o.offset, o.number, o.next_offset, o.next_number]
                 for _, o in sorted(self._last.items())]
         return {self.KIND_KEY: self.KIND, self.SOURCE_KEY: self.source.state_dict(),
-                self.PENDING_KEY: self._pending_state(), self.COUNTERS_KEY: self.counters.as_dict(),
+                self.PENDING_KEY: self._pending_state(), self.COUNTERS_KEY: record_text(self.counters.as_dict()),
                 self.LAST_KEY: torch.tensor(last, dtype=torch.int64).reshape(-1, len(self.LAST_COLUMNS))}
 
     def _pending_state(self) -> dict[str, Any]:

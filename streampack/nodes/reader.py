@@ -12,8 +12,8 @@ excepted: see ``io.jsonl``).
 State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
 
     {"version": 3,
-     "config": {"sources": <sha1 of the URL list, 16 hex>, "num_sources": S, "seed", "shuffle",
-                "dp_rank", "dp_size", "worker_id", "num_workers", "fields": [tokens_key, ...]},
+     "config": '{"sources": <sha1 of the URL list, 16 hex>, "num_sources": S, "seed", "shuffle",
+                "dp_rank", "dp_size", "worker_id", "num_workers", "fields": [tokens_key, ...], ...}',
      "epoch": e,            # epoch of the next sample
      "start_epoch": s,      # first epoch of this stream
      "work": {e: int64 [n, 5] (shard, start, first, end or -1, epoch or -1)},  # explicit spans
@@ -23,10 +23,12 @@ State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
      "sample": n,           # number (tar ordinal / jsonl line) of that sample
      "yielded": k,          # samples yielded since the start
      "epoch_yielded": k_e,  # samples yielded in epoch e
-     "identity": {"shards", "sizes", "tags"},   # the RECENT_SHARDS shards read last
+     "identity": '{"shards", "sizes", "tags"}',  # the RECENT_SHARDS shards read last
      "manifest": {"all", "tag", "size", "digest": 16 hex}}  # a planned reader: what its plan was cut from
 
-Restoring a state whose ``config`` differs raises ``ValueError`` naming both values. A shard
+``config`` and ``identity`` are one JSON text each (:func:`streampack.state.record_text`: one leaf
+each in the state ``StatefulDataLoader`` flattens after every batch); states that kept them as
+dicts still load. Restoring a state whose ``config`` differs raises ``ValueError`` naming both values. A shard
 that changed since the save is refused by *every* reader, not only the one inside it
 (:class:`~streampack.io.shard_identity.ShardChanged`, a ``DataError`` naming the shard and its
 old and new identity; never skipped): a planned reader compares the fingerprint of the manifest
@@ -74,6 +76,8 @@ from streampack.state import (
     VERSION_KEY,
     check_node_config,
     check_version,
+    record_of,
+    record_text,
 )
 from streampack.topology import current_worker, resolve_topology, validate_topology
 
@@ -226,6 +230,7 @@ class ShardReader(BaseNode[Sample]):
             "vocab_size": vocab_size,  # both decide which samples are kept
             "limits": self._decode.limits.recorded(images=media is not None),
         }
+        self._config_text = record_text(self._config)  # written once: get_state runs after every batch
         self.work: Work = dict(work or {})
         self.keep_work, self.source = keep_work, source
         self._work_tensors = work_to_state(self.work) if keep_work else {}  # built once: get_state runs per batch
@@ -238,6 +243,7 @@ class ShardReader(BaseNode[Sample]):
         # recently opened shards, newest last; an elastic share starts with the old readers' record, so a
         # state saved before it opens them still names the shards its spans and carried samples point into
         self._identities: OrderedDict[int, ShardStat] = OrderedDict(list(self._saved_identities.items())[-RECENT_SHARDS:])
+        self._identity_text: str | None = None  # identities_to_state(self._identities), made when they change
         self._checked: set[int] = set()  # shards this reader found unchanged in this process (not state)
         self.manifest = manifest  # what planned this reader's spans: its shards' identities and totals
         self._prints = {m: manifest.fingerprint(m) for m in PRINT_MODES} if manifest is not None else None
@@ -278,7 +284,8 @@ class ShardReader(BaseNode[Sample]):
             self._set_position(self.start_epoch, 0, -1, 0, 0, 0)
             return
         check_version(initial_state, what="ShardReader state")
-        check_node_config(initial_state.get(CONFIG_KEY, {}), self._config, node="ShardReader", label="reader")
+        check_node_config(record_of(initial_state.get(CONFIG_KEY)), record_of(self._config_text), node="ShardReader",
+                          label="reader")
         if initial_state.get(WORK_KEY):
             self.work, self.keep_work = work_from_state(initial_state[WORK_KEY]), True
             self._work_tensors = dict(initial_state[WORK_KEY])
@@ -287,6 +294,7 @@ class ShardReader(BaseNode[Sample]):
         self._set_position(*(int(initial_state[k]) for k in (EPOCH_KEY, SHARD_POS_KEY, OFFSET_KEY, SAMPLE_KEY, YIELDED_KEY, EPOCH_YIELDED_KEY)))
         self._saved_identities = identities_from_state(initial_state.get(IDENTITY_KEY))
         self._identities = OrderedDict(self._saved_identities)
+        self._identity_text = None
         if self.manifest is not None:  # before any position is trusted: the plan they index may have moved
             check_manifest(initial_state.get(MANIFEST_KEY), self.manifest, self._open,
                            recorded=self._saved_identities)
@@ -320,9 +328,9 @@ class ShardReader(BaseNode[Sample]):
         return {
             VERSION_KEY: STATE_VERSION,
             KIND_KEY: KIND,
-            IDENTITY_KEY: identities_to_state(self._identities),
+            IDENTITY_KEY: self._identity_state(),
             **({MANIFEST_KEY: dict(self._prints)} if self._prints is not None else {}),
-            CONFIG_KEY: dict(self._config, fields=list(self._config["fields"])),
+            CONFIG_KEY: self._config_text,
             START_EPOCH_KEY: self.start_epoch,
             WORK_KEY: dict(self._work_tensors),
             ENDS_KEY: self._ends,
@@ -429,6 +437,11 @@ class ShardReader(BaseNode[Sample]):
             f"{self.errors.as_dict()['counts']}); an infinite stream would spin forever"
         )
 
+    def _identity_state(self) -> str:
+        if self._identity_text is None:
+            self._identity_text = identities_to_state(self._identities)
+        return self._identity_text
+
     def _remember(self, shard: int, url: str) -> None:
         """Record the identity of a shard this reader opens (once per shard: a local ``stat``,
         a ``HEAD`` for a remote object, plus two ranged reads under ``identity="digest"``; none
@@ -448,6 +461,7 @@ class ShardReader(BaseNode[Sample]):
         self._identities.move_to_end(shard)
         while len(self._identities) > RECENT_SHARDS:
             self._identities.popitem(last=False)
+        self._identity_text = None
 
     def _open_span(self, span: ShardSpan | Span) -> Iterator[Item]:
         url = self.urls[span.shard]
@@ -467,13 +481,17 @@ class ShardReader(BaseNode[Sample]):
                           opts=self._open, streams=self._streams, stats=self.io_stats)
 
 
-def identities_to_state(identities: Mapping[int, ShardStat]) -> dict[str, list[Any]]:
-    """Shard identities as plain lists (``size`` -1 where the store gave none)."""
-    return {"shards": list(identities), "sizes": [-1 if v.size is None else v.size for v in identities.values()],
-            "tags": [v.tag for v in identities.values()]}
+def identities_to_state(identities: Mapping[int, ShardStat]) -> str:
+    """Shard identities as one JSON text of plain lists (``size`` -1 where the store gave none):
+    one leaf of the per-batch state (:func:`streampack.state.record_text`)."""
+    return record_text({"shards": list(identities),
+                        "sizes": [-1 if v.size is None else v.size for v in identities.values()],
+                        "tags": [v.tag for v in identities.values()]})
 
 
-def identities_from_state(saved: Mapping[str, list[Any]] | None) -> dict[int, ShardStat]:
+def identities_from_state(saved: str | Mapping[str, list[Any]] | None) -> dict[int, ShardStat]:
+    """What :func:`identities_to_state` wrote, or the dict of lists a state saved before kept."""
+    saved = record_of(saved) if saved else None
     if not saved:
         return {}
     return {int(shard): ShardStat(size=None if size < 0 else int(size), tag=str(tag))

@@ -45,7 +45,7 @@ from streampack.nodes.rows import (
 )
 from streampack.nodes.window_packer import _METRIC_NAMES, WindowPacker
 from streampack.nodes.window_rounds import WARMUP, PackerRules, aligned_lengths, choose, emission_order, pack_round
-from streampack.state import samples_from_state, samples_to_state, table_size, table_slice
+from streampack.state import record_of, record_text, samples_from_state, samples_to_state, table_size, table_slice
 
 W = WindowPacker
 READ_AHEAD = 8
@@ -107,7 +107,7 @@ class RowPacker(BaseNode[PackRows]):
         self._round, self._emitted = int(initial_state[W.ROUND_KEY]), emitted
         kept = (W.SOURCE_KEY, W.TABLE_KEY, W.SIZES_KEY, W.ENTERED_KEY, W.ROUND_KEY)
         self._cache = {k: initial_state[k] for k in kept}
-        self.metrics = dict(initial_state[W.METRICS_KEY])
+        self.metrics = record_of(initial_state[W.METRICS_KEY])
 
     def _rows(self, table: Mapping[str, Any]) -> np.ndarray:
         """A reference table's rows, not re-read yet: every shard they point into is checked now
@@ -179,7 +179,7 @@ class RowPacker(BaseNode[PackRows]):
                 W.ENTERED_KEY: torch.from_numpy(self._entered.copy()),
                 W.ROUND_KEY: self._round,
             }
-        return {W.KIND_KEY: W.KIND, **self._cache, W.EMITTED_KEY: self._emitted, W.METRICS_KEY: dict(self.metrics)}
+        return {W.KIND_KEY: W.KIND, **self._cache, W.EMITTED_KEY: self._emitted, W.METRICS_KEY: record_text(self.metrics)}
 
     def _run_round(self) -> None:
         """Refill, pack once, queue the packs to emit (in the round's order), carry the rest."""

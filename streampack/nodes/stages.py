@@ -21,6 +21,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from streampack.sample import Sample
+from streampack.state import record_of, record_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,7 @@ class MapSamples(BaseNode[Sample]):
             self.counters = {"mapped": 0, "dropped": 0}
         else:
             self.source.reset(initial_state[self.SOURCE_KEY])
-            self.counters = dict(initial_state[self.COUNTERS_KEY])
+            self.counters = record_of(initial_state[self.COUNTERS_KEY])
 
     def next(self) -> Sample:
         while True:
@@ -63,7 +64,7 @@ class MapSamples(BaseNode[Sample]):
             self.counters["dropped"] += 1
 
     def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: self.source.state_dict(), self.COUNTERS_KEY: dict(self.counters)}
+        return {self.SOURCE_KEY: self.source.state_dict(), self.COUNTERS_KEY: record_text(self.counters)}
 
 
 def check_stages(stages: Sequence[Any]) -> None:

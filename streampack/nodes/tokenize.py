@@ -37,6 +37,7 @@ from torchdata.nodes import BaseNode
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io.limits import check_vocab_size, id_bound
 from streampack.sample import Sample
+from streampack.state import record_of, record_text
 
 Encoder = Callable[[list[str]], list[list[int]]]
 
@@ -207,7 +208,7 @@ class Tokenize(BaseNode[Sample]):
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
         self._block_state = initial_state[self.SOURCE_KEY]
-        self.counters = dict(initial_state[self.COUNTERS_KEY])
+        self.counters = record_of(initial_state[self.COUNTERS_KEY])
         # replay exactly the saved block (not `block_size` samples: that setting may differ now)
         read = int(initial_state.get(self.READ_KEY, self.block_size))
         if read:
@@ -231,7 +232,7 @@ class Tokenize(BaseNode[Sample]):
         if self._block_state is None:
             self._block_state = self.source.state_dict()
         return {self.SOURCE_KEY: self._block_state, self.OFFSET_KEY: self._offset,
-                self.READ_KEY: self._read, self.COUNTERS_KEY: dict(self.counters)}
+                self.READ_KEY: self._read, self.COUNTERS_KEY: record_text(self.counters)}
 
     def _fill_block(self, *, replay: bool, limit: int | None = None) -> None:
         """Read up to ``limit`` (default ``block_size``) samples and encode them. On a restore

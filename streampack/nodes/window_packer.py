@@ -86,6 +86,8 @@ from streampack.packing.schedule import Balance, CostScale, Schedule
 from streampack.sample import Sample
 from streampack.state import (
     Replay,
+    record_of,
+    record_text,
     samples_from_table,
     samples_to_table,
     table_size,
@@ -207,7 +209,7 @@ class WindowPacker(BaseNode[list[Sample]]):
                              f"restored into a packer with balance {'off' if self.reservoir is None else 'on'}")
         kept = (self.SOURCE_KEY, self.TABLE_KEY, self.SIZES_KEY, self.ENTERED_KEY, self.ROUND_KEY)
         self._cache = {k: initial_state[k] for k in kept + ((self.RESERVOIR_KEY,) if self.reservoir is not None else ())}
-        self.metrics = dict(initial_state[self.METRICS_KEY])
+        self.metrics = record_of(initial_state[self.METRICS_KEY])
         if self.reservoir is not None:
             self._restore_reservoir(initial_state[self.RESERVOIR_KEY])
 
@@ -274,7 +276,7 @@ class WindowPacker(BaseNode[list[Sample]]):
                     "born": torch.tensor(res.born, dtype=torch.int64), "counts": torch.from_numpy(res.counts.copy()),
                     "emitted": res.emitted, "first_batch": res.first_batch}
         return {self.KIND_KEY: self.KIND, **self._cache, self.EMITTED_KEY: self._emitted,
-                self.METRICS_KEY: dict(self.metrics)}
+                self.METRICS_KEY: record_text(self.metrics)}
 
     @classmethod
     def unemitted(cls, state: Mapping[str, Any]) -> dict[str, Any]:
