@@ -217,7 +217,8 @@ class ShardReader(BaseNode[Sample]):
             media=None if media is None else media.reading(self._open, self.io_stats),  # images: this reader's I/O
         )
         self._cache_dir = cache_dir
-        self._config: dict[str, Any] = {
+        # the settings a state must match, as the state keeps them: written once, get_state runs after every batch
+        self._config_text = record_text({
             "sources": shards.digest,
             "num_sources": len(self.urls),
             "seed": seed,
@@ -229,8 +230,7 @@ class ShardReader(BaseNode[Sample]):
             "fields": [tokens_key, text_key, labels_key, loss_mask_key],
             "vocab_size": vocab_size,  # both decide which samples are kept
             "limits": self._decode.limits.recorded(images=media is not None),
-        }
-        self._config_text = record_text(self._config)  # written once: get_state runs after every batch
+        })
         self.work: Work = dict(work or {})
         self.keep_work, self.source = keep_work, source
         self._work_tensors = work_to_state(self.work) if keep_work else {}  # built once: get_state runs per batch
@@ -491,7 +491,7 @@ def identities_to_state(identities: Mapping[int, ShardStat]) -> str:
 
 def identities_from_state(saved: str | Mapping[str, list[Any]] | None) -> dict[int, ShardStat]:
     """What :func:`identities_to_state` wrote, or the dict of lists a state saved before kept."""
-    saved = record_of(saved) if saved else None
+    saved = record_of(saved)
     if not saved:
         return {}
     return {int(shard): ShardStat(size=None if size < 0 else int(size), tag=str(tag))
