@@ -241,8 +241,8 @@ def record_text(record: Mapping[str, Any]) -> str:
     worker after every batch, 426 -> 199 (an endless stream's: 80 -> 42, 348 -> 159). Per batch
     (``benchmarks/profile_state_step.py``, 3 interleaved pairs): ``state_dict()`` plus the delta
     211-226 -> 158-169 µs, the training process's rebuild of one worker's state 90-171 -> 42-68 µs;
-    with 2 workers over 32 M tokens the training process 1.09-1.35 -> 0.85-0.94 ms a batch
-    (``benchmarks/PROFILE.md``)."""
+    with 2 workers over 32 M tokens the training process 1.27-1.32 -> 0.94-1.00 ms a batch, its
+    snapshot 502-531 -> 278-291 µs (``benchmarks/profile_loader_parts.py``, ``benchmarks/PROFILE.md``)."""
     return json.dumps(record, separators=(",", ":"), default=_plain)
 
 
