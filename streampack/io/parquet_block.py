@@ -36,6 +36,52 @@ from streampack.io.token_block import TokenBlock
 def parquet_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions,
                    streams: list[BinaryIO], stats: IOStats | None = None) -> Iterator[TokenBlock]:
     """One block per row group of rows ``[where.start, where.end)`` (see the module docstring)."""
+    opened = _token_file(url, decode=decode, opts=opts, streams=streams, stats=stats)
+    if opened is None:
+        return
+    pf, firsts = opened
+    stop = firsts[-1] if where.end is None else min(where.end, firsts[-1])
+    if where.start >= stop:
+        yield _block(url, np.zeros(0, np.int64), np.zeros(1, np.int64), where.start, done=True)
+        return
+    group = int(np.searchsorted(firsts, where.start, side="right") - 1)
+    while firsts[group] < stop:
+        lo, hi = max(where.start, firsts[group]), min(stop, firsts[group + 1])
+        column = _group(pf, group, firsts, decode)
+        if column is None:
+            return
+        offsets, values = column
+        offsets = offsets[lo - firsts[group]:hi - firsts[group] + 1]
+        if not _rows_ok(offsets, values, decode.limits.max_sample_bytes, id_bound(decode.vocab_size)):
+            return
+        yield _block(url, values, offsets, lo, done=hi == stop)
+        group += 1
+
+
+def parquet_groups_at(url: str, rows: list[int], *, decode: DecodeOptions, opts: OpenOptions,
+                      streams: list[BinaryIO], stats: IOStats | None = None) -> list[TokenBlock] | None:
+    """The whole row groups holding ``rows``, one block each, every row of them checked as
+    :func:`parquet_blocks` checks a block's; None where one of them is not such a block (or a
+    row is past the file's end)."""
+    opened = _token_file(url, decode=decode, opts=opts, streams=streams, stats=stats)
+    if opened is None:
+        return None
+    pf, firsts = opened
+    out = []
+    for group in np.unique(np.searchsorted(firsts, rows, side="right") - 1).tolist():
+        if group >= len(firsts) - 1:
+            return None
+        column = _group(pf, group, firsts, decode)
+        if column is None or not _rows_ok(*column, decode.limits.max_sample_bytes, id_bound(decode.vocab_size)):
+            return None
+        out.append(_block(url, column[1], column[0], firsts[group], done=False))
+    return out
+
+
+def _token_file(url: str, *, decode: DecodeOptions, opts: OpenOptions, streams: list[BinaryIO],
+                stats: IOStats | None) -> tuple[Any, list[int]] | None:
+    """The shard opened (its stream appended to ``streams``) and each row group's first row
+    (and the row count after the last), when its token column is one a block holds."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -43,35 +89,26 @@ def parquet_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: 
         streams.append(open_shard(url, opts=opts, stats=stats))
         pf = pq.ParquetFile(streams[-1])
     except (DataError, OSError, pa.ArrowException):
-        return
+        return None
     md, schema = pf.metadata, pf.schema_arrow
     key = decode.tokens_key
     if key not in schema.names or (decode.text_key and decode.text_key in schema.names):
-        return
+        return None
     kind = schema.field(key).type
     if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type)):
-        return
+        return None
     counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
-    firsts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
-    stop = firsts[-1] if where.end is None else min(where.end, firsts[-1])
-    if where.start >= stop:
-        yield _block(url, np.zeros(0, np.int64), np.zeros(1, np.int64), where.start, done=True)
-        return
-    limit, bound = decode.limits.max_sample_bytes, id_bound(decode.vocab_size)
-    group = int(np.searchsorted(firsts, where.start, side="right") - 1)
-    while firsts[group] < stop:
-        lo, hi = max(where.start, firsts[group]), min(stop, firsts[group + 1])
-        if _decoded_bytes(md.row_group(group), [key]) // max(1, counts[group]) > limit:
-            return  # the per-sample reader refuses the group unread
-        column = _read(pf, group, key)
-        if column is None:
-            return
-        offsets, values = column
-        offsets = offsets[lo - firsts[group]:hi - firsts[group] + 1]
-        if not _rows_ok(offsets, values, limit, bound):
-            return
-        yield _block(url, values, offsets, lo, done=hi == stop)
-        group += 1
+    return pf, np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+
+
+def _group(pf: Any, group: int, firsts: list[int], decode: DecodeOptions) -> tuple[np.ndarray, np.ndarray] | None:
+    """Row group ``group``'s token column (:func:`_read`), unless the per-sample reader refuses
+    the group unread (over ``max_sample_bytes`` a row by the footer)."""
+    key = decode.tokens_key
+    if _decoded_bytes(pf.metadata.row_group(group), [key]) // max(1, firsts[group + 1] - firsts[group]) \
+            > decode.limits.max_sample_bytes:
+        return None
+    return _read(pf, group, key)
 
 
 def _read(pf: Any, group: int, key: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -114,4 +151,4 @@ def _block(url: str, values: np.ndarray, offsets: np.ndarray, first_row: int, *,
                       next_offsets=rows + 1, numbers=rows, next_numbers=rows + 1, done=done)
 
 
-__all__ = ["parquet_blocks"]
+__all__ = ["parquet_blocks", "parquet_groups_at"]

@@ -88,6 +88,7 @@ class RowPacker(BaseNode[PackRows]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._clear()
+        self.replay.forget()
         if initial_state is None:
             self.source.reset(None)
             if self.initial_carry is not None and table_size(self.initial_carry):
@@ -163,6 +164,8 @@ class RowPacker(BaseNode[PackRows]):
         packs = make_packs(rows, [len(self._packs[j]) for j in todo], blocks, align=self.align, rich=_rich(blocks))
         for j, pack in zip(todo, packs):
             self._packs[j] = pack
+        if not any(p.lazy for p in self._packs[end:]) and not (self._carry[:, BLOCK] == UNREAD).any():
+            self.replay.forget()  # every carried document is read again
         return self._packs[at]
 
     def get_state(self) -> dict[str, Any]:

@@ -1,23 +1,27 @@
 """Re-reading carried documents as rows, for the contiguous fast path's restores.
 
 What :class:`~streampack.nodes.replay.Replayer` does for a state's references (``state.REF_COLUMNS``
-rows: where each carried sample was read, which chunk, its length), with block reads: per shard,
-the wanted positions are grouped into clusters (a gap over ``replay.REOPEN_GAP`` bytes remotely,
-:data:`BLOCK_GAP` locally, starts another), each cluster is read as blocks from its first
-position until every wanted position of it is found, and the documents are cut by the overlong
-policy as the stream cut them. A position the blocks do not reach (a shard whose bytes the block
-reader does not judge plain) is re-read by the per-sample Replayer, so every check and error is
-its own: the shard's identity first, then each document's length against the one recorded.
+rows: where each carried sample was read, which chunk, its length), with block reads. In a tar
+shard only the wanted samples are read and parsed (:func:`~streampack.io.blocks.read_samples_at`):
+their positions are grouped into clusters (a gap over ``replay.REOPEN_GAP`` bytes remotely,
+:data:`PICK_GAP` locally, starts another), each cluster is one read, and each wanted sample is
+checked as the block reader checks it, the bytes between them not at all. A parquet shard, or a
+tar shard where a wanted position is not a plain sample, is read as blocks from each cluster's
+first position (:data:`BLOCK_GAP` locally) until every wanted position of it is found. The
+documents are then cut by the overlong policy as the stream cut them. A position the blocks do
+not reach is re-read by the per-sample Replayer, so every check and error is its own: the
+shard's identity first, then each document's length against the one recorded.
 
 **Cost per reader** of a restore (W documents in the saved window, over S_W shards): at the
 restore, one identity check per shard (a ``stat`` locally, a ``HEAD`` remotely: S_W, as the
 Replayer's); then, as the restored packs leave (``RowPacker.READ_AHEAD`` packs at a time), one
-read per cluster of their documents, each covering the cluster's span plus its last document
-(the window's documents are read once in all, W rows of 104 bytes in memory). Measured
-2026-11-27 (``benchmarks/bench_loaders.py`` corpus, state 80% into the epoch, window 1024, 2-core
-box loaded): torch.load of the state to the first batch 23-40 ms, where reading the whole window
-at the restore took ~35 ms of ~100 before clusters were read whole, and the per-sample Replayer
-~0.1 s.
+read per cluster of their documents, and for tar CPU and bytes O(W) in all (each carried sample
+read and checked once, ~16 µs a document and ~0.4 ms per shard and re-read here), W rows of 104
+bytes in memory. Before the samples were picked, each re-read parsed its clusters whole: the
+window's span of shard once per ``READ_AHEAD`` packs, O(W / (READ_AHEAD x documents per pack) x
+span). Measured 2026-11-27 (``benchmarks/bench_restore.py``: the ``bench_loaders.py`` corpus,
+window 1024, a state 60 batches into the epoch, 2-core box), the 25 batches after a restore:
+~7,000 samples (~30 MB) parsed to re-read 502 before, 502 after.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streampack.io.blocks import read_blocks
+from streampack.io.blocks import read_blocks, read_groups_at, read_samples_at
 from streampack.io.formats import ShardRange
 from streampack.io.storage import is_remote
 from streampack.io.token_block import TokenBlock
@@ -57,6 +61,10 @@ BLOCK_GAP = 262144
 """Bytes between two wanted samples of a local shard above which a cluster ends: the block
 reader parses ~1 MB in ~1 ms here, so reading through a gap beats reopening up to about this
 (the per-sample Replayer decodes each sample read through, so its gap is 64 KiB)."""
+PICK_GAP = 16384
+"""The same for a local tar shard whose wanted samples are picked (:mod:`streampack.io.tar_pick`):
+bytes read through are copied but not parsed, ~2-4 GB/s from the page cache, against a few µs
+for another seek and read."""
 _SOURCE, _SHARD, _OFFSET, _NUMBER, _EPOCH, _CHUNK, _LENGTH = range(len(REF_COLUMNS))
 
 
@@ -66,6 +74,12 @@ class RowReplay:
     def __init__(self, spec: ReplaySpec, store: BlockStore) -> None:
         self.spec, self.store = spec, store
         self.general = Replayer(spec)
+        self._groups: dict[tuple[int, int], list[TokenBlock]] = {}
+
+    def forget(self) -> None:
+        """Drop the parquet row groups kept for carried rows not re-read yet (the packer calls
+        this when none is left, and at a reset)."""
+        self._groups.clear()
 
     def __call__(self, refs: np.ndarray) -> np.ndarray:
         refs = np.asarray(refs, dtype=np.int64).reshape(-1, len(REF_COLUMNS))
@@ -156,14 +170,24 @@ class RowReplay:
         cluster at a time, each in one read sized from its span and its last document's length
         (``lengths``; the tar reader reads on if that was short)."""
         url = self.spec.sources[source].urls[shard]
-        parquet = shard_format(url) == "parquet"
-        gap = 1 << 62 if parquet else REOPEN_GAP if is_remote(url) else BLOCK_GAP
+        parquet, remote = shard_format(url) == "parquet", is_remote(url)
+        gap = 1 << 62 if parquet else REOPEN_GAP if remote else BLOCK_GAP
         found: dict[int, tuple[TokenBlock, int]] = {}
         streams: list = []
         try:
+            if parquet:
+                kept = self._from_groups(source, shard, url, positions, streams)
+                if kept is not None:
+                    return kept
+            else:  # only the wanted samples parsed, the bytes between them not even read locally
+                near = gap if remote else PICK_GAP
+                picked = read_samples_at(url, [(c, _span(c, lengths, remote)) for c in _clusters(positions, near)],
+                                         decode=self.spec.decode, opts=self.spec.opts, streams=streams)
+                if picked is not None:
+                    return {offset: (picked, i) for i, (offset, _) in enumerate(positions)}
             for cluster in _clusters(positions, gap):
+                size = _span(cluster, lengths, remote)
                 first, last = cluster[0][0], cluster[-1][0]
-                size = last - first + 8 * lengths.get(last, 0) + (64 << 10 if not lengths.get(last) else 4096)
                 blocks = read_blocks(url, ShardRange(start=first, first=cluster[0][1], end=last + 1 if parquet else None),
                                      decode=self.spec.decode, opts=self.spec.opts, streams=streams, chunk_bytes=size)
                 if blocks is None:
@@ -182,6 +206,35 @@ class RowReplay:
                 f.close()
         return found
 
+    def _from_groups(self, source: int, shard: int, url: str, positions: list[tuple[int, int]],
+                     streams: list) -> dict[int, tuple[TokenBlock, int]] | None:
+        """The wanted rows of a parquet shard from whole row groups, read once per restore: the
+        carried rows of one group leave over many re-reads (``READ_AHEAD`` packs at a time), and
+        reading the group each time cost the 25 batches after a restore ~10x their CPU. Kept
+        until :meth:`forget`: the groups the window's rows are in, which the stream held too."""
+        kept = self._groups.setdefault((source, shard), [])
+        rows = [offset for offset, _ in positions]
+        if any(_group_of(kept, r) is None for r in rows):
+            read = read_groups_at(url, [r for r in rows if _group_of(kept, r) is None], decode=self.spec.decode,
+                                  opts=self.spec.opts, streams=streams)
+            if read is None:
+                return None
+            kept += read
+        found = {}
+        for r in rows:
+            block = _group_of(kept, r)
+            if block is None:
+                return None
+            found[r] = (block, r - int(block.offsets[0]))
+        return found
+
+
+def _group_of(blocks: list[TokenBlock], row: int) -> TokenBlock | None:
+    for block in blocks:
+        if int(block.offsets[0]) <= row <= int(block.offsets[-1]):
+            return block
+    return None
+
 
 def _doc_rows(block: TokenBlock, docs: np.ndarray, bid: int, source: int, shard: int) -> np.ndarray:
     """Documents ``docs`` of ``block`` as whole-document rows."""
@@ -197,6 +250,16 @@ def _doc_rows(block: TokenBlock, docs: np.ndarray, bid: int, source: int, shard:
     return rows
 
 
+def _span(cluster: list[tuple[int, int]], lengths: dict[int, int], remote: bool) -> int:
+    """Bytes to read for ``cluster`` in one read: its span and its last sample (64 KiB when its
+    length is not known). The readers read on when that is short, which remotely is another
+    request: there the sample is sized for int64 ids and 4 KiB of headers, locally for int32
+    ids (what tokenizers below 2^31 write) and 2 KiB (a pax header, a header, an ``.npy`` header)."""
+    first, last = cluster[0][0], cluster[-1][0]
+    n = lengths.get(last, 0)
+    return last - first + (64 << 10 if not n else 8 * n + 4096 if remote else 4 * n + 2048)
+
+
 def _clusters(positions: list[tuple[int, int]], gap: int) -> list[list[tuple[int, int]]]:
     out: list[list[tuple[int, int]]] = []
     for p in positions:
@@ -207,4 +270,4 @@ def _clusters(positions: list[tuple[int, int]], gap: int) -> list[list[tuple[int
     return out
 
 
-__all__ = ["BLOCK_GAP", "RowReplay"]
+__all__ = ["BLOCK_GAP", "PICK_GAP", "RowReplay"]

@@ -1,0 +1,135 @@
+"""Re-reading chosen samples of a tar shard by their offsets, parsing only those samples.
+
+A restore re-reads the documents its packer window held (:mod:`streampack.nodes.row_replay`):
+a few dozen documents per batch, spread over the span of shard the window covered. The block
+reader (:mod:`streampack.io.tar_block`) follows the header chain from a cluster's first position
+and checks every sample on the way, so each re-read parsed the whole span again: measured on the
+``benchmarks/bench_loaders.py`` corpus (window 1024, state 60 batches into the epoch), the 25
+batches after a restore parsed ~7,000 samples (~30 MB) to re-read 502, and cost 4-5x the CPU of
+the same batches uninterrupted (``benchmarks/bench_restore.py``).
+
+Here the state already says where each wanted sample starts (its first header's offset), so the
+walk jumps there: a header, or a pax header and the member after it. Each wanted sample passes
+the block reader's own column checks (:func:`~streampack.io.tar_block.parse_tar`'s: header
+checksums and fields, pax records, member name, ``.npy`` header, id range), the bytes between
+them are read (one read per cluster: one request remotely) but not parsed. A position that is
+not such a sample (a corrupt header, a field the block reader does not take) gives None, and the
+caller re-reads it with the per-sample reader, which raises or counts as always. Whether the
+shard is still the one the state was saved from is the caller's identity check, made before.
+"""
+
+from __future__ import annotations
+
+from typing import BinaryIO
+
+import numpy as np
+
+from streampack.io.decode import DecodeOptions
+from streampack.io.limits import id_bound
+from streampack.io.retry import IOStats
+from streampack.io.storage import OpenOptions, is_remote
+from streampack.io.tar_block import _PAX, _open, _samples  # the block reader's own checks
+from streampack.io.tar_header import BLOCK
+from streampack.io.token_block import TokenBlock
+
+
+def tar_samples_at(url: str, clusters: list[tuple[list[tuple[int, int]], int]], *, decode: DecodeOptions,
+                   opts: OpenOptions, streams: list[BinaryIO], stats: IOStats | None = None) -> TokenBlock | None:
+    """The samples of ``clusters`` as one block, document ``i`` being the ``i``-th position in
+    cluster order; None where any of them is not a plain token sample. A cluster is sorted
+    ``(offset, number)`` positions (each sample's first header and its number in the shard) and
+    the bytes to read from its first offset in one read (more when a sample runs past them). Only
+    the wanted samples' bytes are kept (one copy of them, into the block's buffer) and parsed."""
+    limit = decode.limits.max_sample_bytes + 4 * BLOCK
+    pieces: list[bytes] = []
+    offsets: list[int] = []
+    numbers: list[int] = []
+    ends: list[int] = []
+    f = None
+    remote = is_remote(url)
+    for where, need in clusters:
+        first = where[0][0]
+        try:
+            if f is None or remote:  # a remote stream is one ranged request from where it opens
+                f, _ = _open(url, first, None, opts, stats)
+                streams.append(f)
+            else:
+                f.seek(first)
+            buf = _read_cluster(f, [offset - first for offset, _ in where], need, limit)
+        except OSError:
+            return None
+        if buf is None:
+            return None
+        buf, at, stops = buf
+        pieces += [buf[a:b] for a, b in zip(at, stops)]
+        offsets += [offset for offset, _ in where]
+        numbers += [number for _, number in where]
+        ends += [first + b for b in stops]
+    joined = b"".join(pieces)
+    rel = np.zeros(len(pieces), dtype=np.int64)
+    np.cumsum([len(p) for p in pieces[:-1]], out=rel[1:])
+    walked = _walk(joined, rel.tolist(), limit)
+    if walked is None or walked[-1]:
+        return None
+    heads, sizes, kinds, _, _ = walked
+    parsed = _samples(joined, np.asarray(heads, np.int64), np.asarray(sizes, np.int64), np.asarray(kinds, np.uint8),
+                      base=0, first=0, done=False, url=url, tokens_key=decode.tokens_key, limits=decode.limits,
+                      bound=id_bound(decode.vocab_size), used=0)
+    if parsed is None or len(parsed[0]) != len(pieces):
+        return None
+    got = parsed[0]
+    number = np.asarray(numbers, dtype=np.int64)
+    return TokenBlock(url=url, tokens=got.tokens, starts=got.starts, lengths=got.lengths,
+                      offsets=np.asarray(offsets, np.int64), next_offsets=np.asarray(ends, np.int64), numbers=number,
+                      next_numbers=number + 1, done=False, key_bytes=joined, key_at=got.key_at, key_len=got.key_len)
+
+
+def _read_cluster(f: BinaryIO, rel: list[int], need: int, limit: int) -> tuple[bytes, list[int], list[int]] | None:
+    """``need`` bytes (or more, until every sample at ``rel`` is whole), with where each of
+    those samples starts and ends in them; None where one does not walk."""
+    buf = b""
+    while True:
+        more = f.read(max(need - len(buf), 0))
+        buf = buf + more if buf else more
+        walked = _walk(buf, rel, limit)
+        if walked is None:
+            return None
+        _, _, _, stops, short = walked
+        if not short:
+            return buf, rel, stops
+        if not more or short - rel[-1] > limit:
+            return None  # the shard ends inside a sample, or the sample is over the limits
+        need = short
+
+
+def _walk(buf: bytes, at: list[int], limit: int) -> tuple[list[int], list[int], list[int], list[int], int] | None:
+    """The headers of the samples starting at ``at`` (a pax header then a member, or a member),
+    their sizes and type flags, where each sample ends, and 0, or the bytes to read when the
+    buffer stops short of a sample; None where a size field does not read."""
+    heads: list[int] = []
+    sizes: list[int] = []
+    kinds: list[int] = []
+    ends: list[int] = []
+    for p in at:
+        for _ in range(2):  # a pax header, then the member
+            if p + BLOCK > len(buf):
+                return heads, sizes, kinds, ends, p + BLOCK
+            try:
+                size = int(buf[p + 124:p + 135], 8)
+            except ValueError:
+                return None
+            if size > limit:
+                return None
+            heads.append(p)
+            sizes.append(size)
+            kinds.append(buf[p + 156])
+            p += BLOCK + ((size + BLOCK - 1) & -BLOCK)
+            if kinds[-1] != _PAX:
+                break
+        if p > len(buf):
+            return heads, sizes, kinds, ends, p
+        ends.append(p)
+    return heads, sizes, kinds, ends, 0
+
+
+__all__ = ["tar_samples_at"]
