@@ -97,6 +97,26 @@ def test_three_interruptions_over_http_with_faults(corpus, monkeypatch):
         join_prefetch()
 
 
+@pytest.mark.parametrize("fmt", ["tar", "parquet"])
+def test_contiguous_restores_over_http_with_faults(corpus, monkeypatch, fmt):
+    """One source of tar or parquet shards takes the contiguous path, whose restores pick the
+    carried tar samples with one ranged request per cluster, or read each parquet row group
+    once: over HTTP, with short reads and truncated bodies injected, three restores give the
+    uninterrupted batches."""
+    from streampack.io import retry
+
+    monkeypatch.setattr(retry._rng, "uniform", lambda lo, hi: min(hi, 0.01))
+    monkeypatch.setenv("STREAMPACK_CONTIGUOUS", "1")
+    local = _run(corpus[0][fmt], 0, [], 40)
+    with serve_faulty(corpus[1]) as server:
+        remote = [f"{server.url}/{os.path.relpath(u, corpus[1])}" for u in corpus[0][fmt]]
+        server.plan.add(Fault("short" if fmt == "tar" else "truncate", fraction=0.5, path=fmt), times=3)
+        got = _run(remote, 0, [7, 19, 31], 40)
+        assert [(tuple(k.replace(server.url, str(corpus[1])) for k in b[0]), *b[1:]) for b in got] == local
+        assert sum(r.fault is not None for r in server.requests) >= 3
+        join_prefetch()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_three_interruptions_two_workers(corpus, fmt):

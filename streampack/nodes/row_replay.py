@@ -135,7 +135,8 @@ class RowReplay:
         """Every chunk the overlong policy cuts from the sample at ``[source, shard, offset,
         number, epoch]``."""
         source, shard, offset, number, epoch = (int(v) for v in ref)
-        found = self._read_all(np.array([[source, shard, offset, number, epoch, -1, 0]], dtype=np.int64))
+        one = np.array([[source, shard, offset, number, epoch, -1, 0]], dtype=np.int64)
+        found = self._read_all(one, keep=False)  # a split sample's chunks, at a restore: no group kept for it
         return self._cut(found[(source, shard, offset)], epoch)
 
     def _cut(self, doc: tuple[TokenBlock, int, int, int], epoch: int) -> np.ndarray:
@@ -144,7 +145,7 @@ class RowReplay:
         rows, _ = expand(base_rows(run, 1, self.store), self.spec.max_len, self.spec.policy)
         return rows
 
-    def _read_all(self, refs: np.ndarray) -> dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]]:
+    def _read_all(self, refs: np.ndarray, keep: bool = True) -> dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]]:
         wanted: dict[tuple[int, int], dict[int, int]] = {}
         lengths: dict[tuple[int, int], dict[int, int]] = {}
         for source, shard, offset, number, length in refs[:, [_SOURCE, _SHARD, _OFFSET, _NUMBER, _LENGTH]].tolist():
@@ -155,7 +156,7 @@ class RowReplay:
             if self.spec.verify is not None:
                 self.spec.verify(source, shard)
             positions = sorted(where.items())
-            got = self._read_shard(source, shard, positions, lengths[(source, shard)])
+            got = self._read_shard(source, shard, positions, lengths[(source, shard)], keep)
             missing = [p for p in positions if p[0] not in got]
             if missing:  # the per-sample reader: its checks, its errors
                 for offset, sample in self.general._read_shard(source, shard, missing).items():
@@ -165,7 +166,7 @@ class RowReplay:
         return out
 
     def _read_shard(self, source: int, shard: int, positions: list[tuple[int, int]],
-                    lengths: dict[int, int]) -> dict[int, tuple[TokenBlock, int]]:
+                    lengths: dict[int, int], keep: bool = True) -> dict[int, tuple[TokenBlock, int]]:
         """The wanted ``(offset, number)`` positions of one shard as ``(block, index)``, read one
         cluster at a time, each in one read sized from its span and its last document's length
         (``lengths``; the tar reader reads on if that was short)."""
@@ -176,7 +177,7 @@ class RowReplay:
         streams: list = []
         try:
             if parquet:
-                kept = self._from_groups(source, shard, url, positions, streams)
+                kept = self._from_groups(source, shard, url, positions, streams, keep)
                 if kept is not None:
                     return kept
             else:  # only the wanted samples parsed, the bytes between them not even read locally
@@ -207,12 +208,13 @@ class RowReplay:
         return found
 
     def _from_groups(self, source: int, shard: int, url: str, positions: list[tuple[int, int]],
-                     streams: list) -> dict[int, tuple[TokenBlock, int]] | None:
+                     streams: list, keep: bool) -> dict[int, tuple[TokenBlock, int]] | None:
         """The wanted rows of a parquet shard from whole row groups, read once per restore: the
         carried rows of one group leave over many re-reads (``READ_AHEAD`` packs at a time), and
         reading the group each time cost the 25 batches after a restore ~10x their CPU. Kept
-        until :meth:`forget`: the groups the window's rows are in, which the stream held too."""
-        kept = self._groups.setdefault((source, shard), [])
+        (``keep``) until :meth:`forget`: the groups the window's rows are in, which the stream
+        held too."""
+        kept = self._groups.setdefault((source, shard), []) if keep else list(self._groups.get((source, shard), []))
         rows = [offset for offset, _ in positions]
         if any(_group_of(kept, r) is None for r in rows):
             read = read_groups_at(url, [r for r in rows if _group_of(kept, r) is None], decode=self.spec.decode,
