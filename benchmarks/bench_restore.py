@@ -16,7 +16,9 @@ side by side), format and round, in fresh processes, the trees alternating:
 - ``w2``: the same state's restore under ``StatefulDataLoader`` with 2 workers, ``torch.load`` to
   the first batch (wall; each worker restores its own window; the state is saved with 2 workers).
 
-Best (least) of the rounds per cell: a shared machine only ever slows a run down.
+Best (least) of the rounds per cell: a shared machine only ever slows a run down. Then, in this
+process and this tree only, the constants of a tar restore's pick (``io/tar_pick.py``): k random
+documents of one shard, each its own read (the worst case), least of 30: ms a call, µs a document.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def _child(what: str, urls: list[str], scratch: str, at: float, after: int) -> d
         blob = io.BytesIO()
         torch.save(loader.state_dict(), blob)
         cpu, rchar = time.process_time(), _rchar()
-        ids = [next(it).input_ids for _ in range(after)] if not workers else []
+        ids = [next(it).input_ids for _ in range(min(after, total - stop))] if not workers else []
         out = {"batches": total, "at": stop, "state_bytes": len(blob.getvalue()), "cpu_after": time.process_time() - cpu,
                "read_after": _rchar() - rchar}
         del it, loader
@@ -89,7 +91,7 @@ def _child(what: str, urls: list[str], scratch: str, at: float, after: int) -> d
     first = next(it)
     out = {"resume_s": time.perf_counter() - start}
     if not workers:
-        got = [first.input_ids] + [next(it).input_ids for _ in range(after - 1)]
+        got = [first.input_ids] + [next(it).input_ids for _ in range(len(saved["ids"]) - 1)]
         out["cpu_after"] = time.process_time() - cpu
         out["read_after"] = _rchar() - rchar
         out["exact"] = all(torch.equal(a, b) for a, b in zip(got, saved["ids"]))
@@ -127,7 +129,7 @@ def run(tokens: float = 4e6, rounds: int = 3, formats: tuple[str, ...] = ("tar",
                     _spawn(root, "save2", urls, scratch, at, after)
                     w0, w2 = (_spawn(root, w, urls, scratch, at, after) for w in ("w0", "w2"))
                 cells.setdefault((fmt, name), []).append({**saved, "w0": w0, "w2": w2})
-    rows = []
+    rows = _pick_rows(writers["tar"](corpus)[0]) if "tar" in formats else []
     for (fmt, name), runs in cells.items():
         rows.append({"format": fmt, "tree": name, "tokens": corpus.num_tokens, "batches": runs[0]["batches"],
                      "saved_at": runs[0]["at"], "after": after,
@@ -138,6 +140,34 @@ def run(tokens: float = 4e6, rounds: int = 3, formats: tuple[str, ...] = ("tar",
                      "read_uninterrupted_mb": min(r["read_after"] for r in runs) / 1e6,
                      "read_restored_mb": min(r["w0"]["read_after"] for r in runs) / 1e6,
                      "exact": all(r["w0"]["exact"] for r in runs), "state_bytes": runs[0]["state_bytes"]})
+    return rows
+
+
+def _pick_rows(url: str, counts: tuple[int, ...] = (1, 10, 50, 200), repeats: int = 30) -> list[dict]:
+    """This tree's tar pick (``io/tar_pick.py``) of k random documents of one shard, each its own
+    cluster (the worst case: a read each), least of ``repeats``: its cost per call and per document."""
+    import numpy as np
+
+    from streampack.io.blocks import read_blocks, read_samples_at
+    from streampack.io.decode import DecodeOptions
+    from streampack.io.formats import ShardRange
+    from streampack.io.storage import OpenOptions
+
+    decode, opts, streams = DecodeOptions(), OpenOptions(), []
+    block = next(iter(read_blocks(url, ShardRange(start=0, first=0), decode=decode, opts=opts, streams=streams)))
+    rows = []
+    for k in counts:
+        docs = np.sort(np.random.default_rng(k).choice(len(block), min(k, len(block)), replace=False)).tolist()
+        clusters = [([(int(block.offsets[d]), int(block.numbers[d]))], 4 * int(block.lengths[d]) + 2048) for d in docs]
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            read_samples_at(url, clusters, decode=decode, opts=opts, streams=streams)
+            best = min(best, time.perf_counter() - start)
+        rows.append({"format": "tar", "tree": "this", "pick_docs": len(docs), "pick_ms": best * 1e3,
+                     "pick_us_per_doc": best * 1e6 / len(docs)})
+    for f in streams:
+        f.close()
     return rows
 
 
@@ -157,16 +187,23 @@ def main() -> None:
         print(json.dumps(_child(what, json.loads(urls), scratch, float(at), int(after))))
         return
     rows = run(args.tokens, args.rounds, tuple(args.formats.split(",")), args.at, args.after, args.baseline, args.dir)
-    print(f"{rows[0]['tokens']:,} tokens, {rows[0]['batches']} batches (the peers' corpus); capacity {CAPACITY}, "
-          f"window {WINDOW}, {PACKS} packs a batch; state saved after batch {rows[0]['saved_at']}; best of "
+    cells, picks = [r for r in rows if "pick_ms" not in r], [r for r in rows if "pick_ms" in r]
+    print(f"{cells[0]['tokens']:,} tokens, {cells[0]['batches']} batches (the peers' corpus); capacity {CAPACITY}, "
+          f"window {WINDOW}, {PACKS} packs a batch; state saved after batch {cells[0]['saved_at']}; best of "
           f"{args.rounds} rounds, fresh processes\n")
     print(f"| format | tree | resume w0 | resume w2 | CPU of {args.after} batches: uninterrupted | after a restore "
           "| bytes read: uninterrupted | after a restore | exact | state |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
-    for r in rows:
+    for r in cells:
         print(f"| {r['format']} | {r['tree']} | {r['resume_w0_ms']:.0f} ms | {r['resume_w2_ms']:.0f} ms "
               f"| {r['cpu_uninterrupted_ms']:.0f} ms | {r['cpu_restored_ms']:.0f} ms | {r['read_uninterrupted_mb']:.1f} MB "
               f"| {r['read_restored_mb']:.1f} MB | {r['exact']} | {r['state_bytes']:,} B |")
+
+    if picks:
+        print("\nPicking k documents of one tar shard, each its own read (`io/tar_pick.py`, least of 30):\n")
+        print("| documents | ms a call | µs a document |\n|---:|---:|---:|")
+        for r in picks:
+            print(f"| {r['pick_docs']} | {r['pick_ms']:.2f} | {r['pick_us_per_doc']:.1f} |")
 
 
 if __name__ == "__main__":

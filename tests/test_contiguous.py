@@ -185,7 +185,7 @@ def _restored_window(monkeypatch, urls, *, before) -> tuple[dict, list]:
 def test_restore_reads_only_the_carried_samples(monkeypatch, tmp_path) -> None:
     """A restore reads the window's carried samples, not the shard spans between them: before,
     every re-read of a few packs' documents read and checked the clusters they sat in whole (the
-    25 batches after a restore on the benchmark corpus parsed ~7,000 samples to re-read 502)."""
+    25 batches after a restore on the benchmark corpus read 31.7 MB where uninterrupted ones read 3.6)."""
     import io
 
     import webdataset as wds

@@ -3,7 +3,8 @@ DataLoader workers and 3 consecutive interruptions, locally and over HTTP with f
 while it runs: k interrupted runs == one uninterrupted run, batch for batch, bit for bit.
 
 The default set runs each format with 0 workers, all formats in one dataset with 2 workers, and
-the remote run; each format with 2 workers is in the slow set."""
+the remote run; each format with 2 workers, and the contiguous path's remote restores, are in the
+slow set."""
 
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ def test_three_interruptions_over_http_with_faults(corpus, monkeypatch):
         join_prefetch()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["tar", "parquet"])
 def test_contiguous_restores_over_http_with_faults(corpus, monkeypatch, fmt):
     """One source of tar or parquet shards takes the contiguous path, whose restores pick the

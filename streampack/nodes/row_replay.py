@@ -16,12 +16,12 @@ shard's identity first, then each document's length against the one recorded.
 restore, one identity check per shard (a ``stat`` locally, a ``HEAD`` remotely: S_W, as the
 Replayer's); then, as the restored packs leave (``RowPacker.READ_AHEAD`` packs at a time), one
 read per cluster of their documents, and for tar CPU and bytes O(W) in all (each carried sample
-read and checked once, ~16 µs a document and ~0.4 ms per shard and re-read here), W rows of 104
-bytes in memory. Before the samples were picked, each re-read parsed its clusters whole: the
+read and checked once: ~28 µs a document read on its own, ~0.8 ms per shard and re-read, from
+``benchmarks/bench_restore.py``), W rows of 104 bytes in memory. Before the samples were picked, each re-read parsed its clusters whole: the
 window's span of shard once per ``READ_AHEAD`` packs, O(W / (READ_AHEAD x documents per pack) x
 span). Measured 2026-11-27 (``benchmarks/bench_restore.py``: the ``bench_loaders.py`` corpus,
-window 1024, a state 60 batches into the epoch, 2-core box), the 25 batches after a restore:
-~7,000 samples (~30 MB) parsed to re-read 502 before, 502 after.
+window 1024, a state 61 batches into the epoch, 2-core box), the 25 batches after a restore
+read 31.7 MB before and 8.5 MB now, where the uninterrupted batches read 3.6 MB.
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ class RowReplay:
                      streams: list, keep: bool) -> dict[int, tuple[TokenBlock, int]] | None:
         """The wanted rows of a parquet shard from whole row groups, read once per restore: the
         carried rows of one group leave over many re-reads (``READ_AHEAD`` packs at a time), and
-        reading the group each time cost the 25 batches after a restore ~10x their CPU. Kept
+        reading the group each time, the 25 batches after a restore cost 280 CPU-ms against 48
+        uninterrupted (110 now; ``benchmarks/bench_restore.py``). Kept
         (``keep``) until :meth:`forget`: the groups the window's rows are in, which the stream
         held too."""
         kept = self._groups.setdefault((source, shard), []) if keep else list(self._groups.get((source, shard), []))
