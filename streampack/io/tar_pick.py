@@ -11,11 +11,11 @@ batches after a restore read 31.7 MB, where the same batches uninterrupted read 
 Here the state already says where each wanted sample starts (its first header's offset), so the
 walk jumps there: a header, or a pax header and the member after it. Each wanted sample passes
 the block reader's own column checks (:func:`~streampack.io.tar_block.parse_tar`'s: header
-checksums and fields, pax records, member name, ``.npy`` header, id range), the bytes between
-them are read (one read per cluster: one request remotely; locally only when under
-``row_replay.PICK_GAP``) but not parsed. A position that is
-not such a sample (a corrupt header, a field the block reader does not take) gives None, and the
-caller re-reads it with the per-sample reader, which raises or counts as always. Whether the
+checksums and fields, pax records, member name, ``.npy`` header, id range); the bytes between
+them are read (one read per cluster: one request remotely; locally only gaps under
+``row_replay.PICK_GAP``) but not parsed. A position that is not such a sample (a corrupt header,
+a field the block reader does not take) gives None, and the caller re-reads it with the
+per-sample reader, which raises or counts as always. Whether the
 shard is still the one the state was saved from is the caller's identity check, made before.
 """
 

@@ -15,9 +15,9 @@ takes this packer only without it.
 A restore does not re-read the window at once: the saved references become rows whose ids are
 not read yet (``rows.UNREAD``; the packer needs lengths only), every shard they point into is
 checked at the restore, and a pack's documents are re-read when it is about to leave,
-:data:`READ_AHEAD` packs at a time (only those documents: :mod:`~streampack.nodes.row_replay`). So the first batch after a restore waits for its own ~55
-documents, not the window's ~1,000 (``torch.load`` to first batch 21-28 ms here, where reading the
-whole window took ~35). A document that no longer re-reads as saved (a shard changed under an
+:data:`READ_AHEAD` packs at a time (only those documents: :mod:`~streampack.nodes.row_replay`).
+So the first batch after a restore waits for its own ~55 documents, not the window's ~1,000
+(``torch.load`` to first batch 21-28 ms here, where reading the whole window took ~35). A document that no longer re-reads as saved (a shard changed under an
 identity that does not see it) raises when its pack is about to leave, not at the restore.
 """
 

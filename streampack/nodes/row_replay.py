@@ -5,23 +5,28 @@ rows: where each carried sample was read, which chunk, its length), with block r
 shard only the wanted samples are read and parsed (:func:`~streampack.io.blocks.read_samples_at`):
 their positions are grouped into clusters (a gap over ``replay.REOPEN_GAP`` bytes remotely,
 :data:`PICK_GAP` locally, starts another), each cluster is one read, and each wanted sample is
-checked as the block reader checks it, the bytes between them not at all. A parquet shard, or a
-tar shard where a wanted position is not a plain sample, is read as blocks from each cluster's
-first position (:data:`BLOCK_GAP` locally) until every wanted position of it is found. The
-documents are then cut by the overlong policy as the stream cut them. A position the blocks do
-not reach is re-read by the per-sample Replayer, so every check and error is its own: the
-shard's identity first, then each document's length against the one recorded.
+checked as the block reader checks it, the bytes between them not at all. In a parquet shard
+each row group holding wanted rows is read whole, once per restore
+(:func:`~streampack.io.blocks.read_groups_at`), and kept until the packer says every carried row
+is read again (:meth:`RowReplay.forget`). Where neither applies (a wanted position that is not a
+plain sample), the shard is read as blocks from each cluster's first position (:data:`BLOCK_GAP`
+locally) until every wanted position of it is found. The documents are then cut by the overlong
+policy as the stream cut them. A position the blocks do not reach is re-read by the per-sample
+Replayer, so every check and error is its own: the shard's identity first, then each
+document's length against the one recorded.
 
 **Cost per reader** of a restore (W documents in the saved window, over S_W shards): at the
 restore, one identity check per shard (a ``stat`` locally, a ``HEAD`` remotely: S_W, as the
 Replayer's); then, as the restored packs leave (``RowPacker.READ_AHEAD`` packs at a time), one
-read per cluster of their documents, and for tar CPU and bytes O(W) in all (each carried sample
+read per cluster of their documents: for tar, CPU and bytes O(W) in all (each carried sample
 read and checked once: ~28 µs a document read on its own, ~0.8 ms per shard and re-read, from
-``benchmarks/bench_restore.py``), W rows of 104 bytes in memory. Before the samples were picked, each re-read parsed its clusters whole: the
-window's span of shard once per ``READ_AHEAD`` packs, O(W / (READ_AHEAD x documents per pack) x
-span). Measured 2026-11-27 (``benchmarks/bench_restore.py``: the ``bench_loaders.py`` corpus,
-window 1024, a state 61 batches into the epoch, 2-core box), the 25 batches after a restore
-read 31.7 MB before and 8.5 MB now, where the uninterrupted batches read 3.6 MB.
+``benchmarks/bench_restore.py``); for parquet, each row group holding a carried row read once.
+Memory: W rows of 104 bytes, plus those row groups until their last carried row is re-read.
+Before, each re-read parsed its clusters whole: the window's span of shard once per
+``READ_AHEAD`` packs, O(W / (READ_AHEAD x documents per pack) x span). Measured 2026-11-27
+(``benchmarks/bench_restore.py``: the ``bench_loaders.py`` corpus, window 1024, a state 61
+batches into the epoch, 2-core box), the 25 batches after a restore read 31.7 MB before and
+8.5 MB now, where the uninterrupted batches read 3.6 MB.
 """
 
 from __future__ import annotations
