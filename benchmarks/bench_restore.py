@@ -162,7 +162,7 @@ def _pick_rows(url: str, counts: tuple[int, ...] = (1, 10, 50, 200), repeats: in
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            read_samples_at(url, clusters, decode=decode, opts=opts, streams=streams)
+            read_samples_at([(url, clusters)], decode=decode, opts=opts, streams=streams)
             best = min(best, time.perf_counter() - start)
         rows.append({"format": "tar", "tree": "this", "pick_docs": len(docs), "pick_ms": best * 1e3,
                      "pick_us_per_doc": best * 1e6 / len(docs)})

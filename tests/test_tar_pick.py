@@ -32,13 +32,18 @@ def _whole(url: str):
     return blocks[0]
 
 
-def _pick(url: str, clusters, **kw):
+def _pick_all(shards, **kw):
     streams: list = []
     try:
-        return read_samples_at(url, clusters, decode=kw.get("decode", DecodeOptions()), opts=OpenOptions(), streams=streams)
+        return read_samples_at(shards, decode=kw.get("decode", DecodeOptions()), opts=OpenOptions(), streams=streams)
     finally:
         for f in streams:
             f.close()
+
+
+def _pick(url: str, clusters, **kw):
+    blocks = _pick_all([(url, clusters)], **kw)
+    return None if blocks is None else blocks[0]
 
 
 def _same_docs(picked, whole, docs) -> None:
@@ -82,3 +87,19 @@ def test_not_a_plain_sample_is_none(tmp_path) -> None:
     bad[int(whole.offsets[7]) + 148] ^= 1
     (tmp_path / "bad.tar").write_bytes(bytes(bad))
     assert _pick(str(tmp_path / "bad.tar"), [([(int(whole.offsets[7]), 7)], 1 << 16)]) is None
+
+
+def test_several_shards_are_checked_in_one_pass(tmp_path) -> None:
+    """A block per shard, sharing one buffer; one sample that is not plain in any of them gives None."""
+    urls = [_shard(tmp_path / f"s{i}.tar", seed=i) for i in range(3)]
+    wholes = [_whole(u) for u in urls]
+    docs = [[1, 2, 30], [0], [5, 59]]
+    shards = [(u, [([(int(w.offsets[d]), int(w.numbers[d])) for d in ds], 4096)]) for u, w, ds in zip(urls, wholes, docs)]
+    blocks = _pick_all(shards)
+    assert [b.url for b in blocks] == urls and blocks[0].tokens is blocks[2].tokens
+    for block, whole, ds in zip(blocks, wholes, docs):
+        _same_docs(block, whole, ds)
+    bad = bytearray(open(urls[1], "rb").read())
+    bad[int(wholes[1].offsets[0]) + 148] ^= 1
+    (tmp_path / "s1.tar").write_bytes(bytes(bad))
+    assert _pick_all(shards) is None

@@ -8,7 +8,7 @@ reader (:func:`~streampack.io.formats.open_range`) would deliver as valid sample
 report; it stops (the iterator ends without a block whose ``done`` is set) at the first byte it
 does not judge plain, and the caller reads on with the per-sample reader, which raises, counts
 and skips exactly as it always does. So the error contract is the per-sample reader's by
-construction. :func:`read_samples_at` picks given samples of a tar shard by their offsets and
+construction. :func:`read_samples_at` picks given samples of tar shards by their offsets and
 parses only those (a restore's re-read of its carried documents), and :func:`read_groups_at` the
 whole parquet row groups that hold given rows (the re-read keeps them while carried rows are
 left in them); they give None under the same conditions, and the caller re-reads with
@@ -26,7 +26,7 @@ from streampack.io.parquet_block import parquet_blocks, parquet_groups_at
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.tar_block import tar_blocks
-from streampack.io.tar_pick import tar_samples_at
+from streampack.io.tar_pick import Clusters, tar_samples_at
 from streampack.io.token_block import TokenBlock
 from streampack.io.urls import shard_format
 
@@ -57,17 +57,16 @@ def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Ope
     return parquet_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats)
 
 
-def read_samples_at(url: str, clusters: list[tuple[list[tuple[int, int]], int]], *, decode: DecodeOptions,
-                    opts: OpenOptions, streams: list[BinaryIO], stats: IOStats | None = None) -> TokenBlock | None:
-    """Only the samples of ``clusters`` (each: sorted ``(offset, number)`` positions and the bytes
-    to read from the first in one read), as one block whose document ``i`` is the ``i``-th
-    position (:mod:`streampack.io.tar_pick`); None when the format cannot pick samples (parquet is read
-    by row group: :func:`read_blocks`), the decode options ask for more than token ids, or one
-    of them is not a plain token sample."""
-    if shard_format(url) != "tar" or not block_format(url) or decode.media is not None or decode.labels_key \
-            or decode.loss_mask_key:
+def read_samples_at(shards: list[tuple[str, Clusters]], *, decode: DecodeOptions, opts: OpenOptions,
+                    streams: list[BinaryIO], stats: IOStats | None = None) -> list[TokenBlock] | None:
+    """Only the wanted samples of tar ``shards`` (each: its URL and :data:`~streampack.io.tar_pick.Clusters`),
+    a block per shard whose document ``i`` is its ``i``-th position (:mod:`streampack.io.tar_pick`);
+    None when a shard is not tar (parquet is read by row group: :func:`read_groups_at`), the
+    decode options ask for more than token ids, or one of them is not a plain token sample."""
+    if decode.media is not None or decode.labels_key or decode.loss_mask_key or not all(
+            shard_format(url) == "tar" and block_format(url) for url, _ in shards):
         return None
-    return tar_samples_at(url, clusters, decode=decode, opts=opts, streams=streams, stats=stats)
+    return tar_samples_at(shards, decode=decode, opts=opts, streams=streams, stats=stats)
 
 
 def read_groups_at(url: str, rows: list[int], *, decode: DecodeOptions, opts: OpenOptions,

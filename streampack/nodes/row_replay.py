@@ -19,8 +19,8 @@ document's length against the one recorded.
 restore, one identity check per shard (a ``stat`` locally, a ``HEAD`` remotely: S_W, as the
 Replayer's); then, as the restored packs leave (``RowPacker.READ_AHEAD`` packs at a time), one
 read per cluster of their documents: for tar, CPU and bytes O(W) in all (each carried sample
-read and checked once: ~28 µs a document read on its own, ~0.8 ms per shard and re-read, from
-``benchmarks/bench_restore.py``); for parquet, each row group holding a carried row read once.
+read and checked once: ~15 µs a document read on its own, ~0.4 ms a re-read for the checks of
+all its shards at once, from ``benchmarks/bench_restore.py``); for parquet, each row group holding a carried row read once.
 Memory: W rows of 104 bytes, plus those row groups until their last carried row is re-read.
 Before, each re-read parsed its clusters whole: the window's span of shard once per
 ``READ_AHEAD`` packs, O(W / (READ_AHEAD x documents per pack) x span). Measured 2026-11-27
@@ -157,11 +157,16 @@ class RowReplay:
             wanted.setdefault((source, shard), {})[offset] = number
             lengths.setdefault((source, shard), {})[offset] = length
         out: dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]] = {}
-        for (source, shard), where in sorted(wanted.items()):
-            if self.spec.verify is not None:
+        shards = [(source, shard, sorted(where.items())) for (source, shard), where in sorted(wanted.items())]
+        if self.spec.verify is not None:
+            for source, shard, _ in shards:
                 self.spec.verify(source, shard)
-            positions = sorted(where.items())
-            got = self._read_shard(source, shard, positions, lengths[(source, shard)], keep)
+        picked = self._pick([(s, h, p, lengths[(s, h)]) for s, h, p in shards])
+        for source, shard, positions in shards:
+            if (source, shard) in picked:
+                got = {offset: (picked[(source, shard)], i) for i, (offset, _) in enumerate(positions)}
+            else:
+                got = self._read_shard(source, shard, positions, lengths[(source, shard)], keep)
             missing = [p for p in positions if p[0] not in got]
             if missing:  # the per-sample reader: its checks, its errors
                 for offset, sample in self.general._read_shard(source, shard, missing).items():
@@ -185,12 +190,10 @@ class RowReplay:
                 kept = self._from_groups(source, shard, url, positions, streams, keep)
                 if kept is not None:
                     return kept
-            else:  # only the wanted samples parsed, the bytes between them not even read locally
-                near = gap if remote else PICK_GAP
-                picked = read_samples_at(url, [(c, _span(c, lengths, remote)) for c in _clusters(positions, near)],
-                                         decode=self.spec.decode, opts=self.spec.opts, streams=streams)
-                if picked is not None:
-                    return {offset: (picked, i) for i, (offset, _) in enumerate(positions)}
+            else:  # this shard alone (the pick of several shards at once did not take them all)
+                picked = self._pick([(source, shard, positions, lengths)])
+                if picked:
+                    return {offset: (picked[(source, shard)], i) for i, (offset, _) in enumerate(positions)}
             for cluster in _clusters(positions, gap):
                 size = _span(cluster, lengths, remote)
                 first, last = cluster[0][0], cluster[-1][0]
@@ -212,12 +215,33 @@ class RowReplay:
                 f.close()
         return found
 
+    def _pick(self, shards: list[tuple[int, int, list[tuple[int, int]], dict[int, int]]]) -> dict[tuple[int, int], TokenBlock]:
+        """The wanted samples of the tar shards among ``shards`` (source, shard, positions, their
+        lengths), picked and checked in one pass (:func:`~streampack.io.blocks.read_samples_at`),
+        a block per shard; empty when one of them is not a plain sample."""
+        tar = [(s, h, p, n) for s, h, p, n in shards if shard_format(self.spec.sources[s].urls[h]) == "tar"]
+        if not tar:
+            return {}
+        wanted = []
+        for source, shard, positions, lengths in tar:
+            url = self.spec.sources[source].urls[shard]
+            remote = is_remote(url)  # the bytes between two samples: read remotely, not locally
+            wanted.append((url, [(c, _span(c, lengths, remote)) for c in _clusters(positions, REOPEN_GAP if remote
+                                                                                   else PICK_GAP)]))
+        streams: list = []
+        try:
+            blocks = read_samples_at(wanted, decode=self.spec.decode, opts=self.spec.opts, streams=streams)
+        finally:
+            for f in streams:
+                f.close()
+        return {} if blocks is None else {(s, h): b for (s, h, _, _), b in zip(tar, blocks)}
+
     def _from_groups(self, source: int, shard: int, url: str, positions: list[tuple[int, int]],
                      streams: list, keep: bool) -> dict[int, tuple[TokenBlock, int]] | None:
         """The wanted rows of a parquet shard from whole row groups, read once per restore: the
         carried rows of one group leave over many re-reads (``READ_AHEAD`` packs at a time), and
-        reading the group each time, the 25 batches after a restore cost 280 CPU-ms against 48
-        uninterrupted (110 now; ``benchmarks/bench_restore.py``). Kept
+        reading the group each time, the 25 batches after a restore cost 370 CPU-ms against 33
+        uninterrupted (154 now; ``benchmarks/bench_restore.py``). Kept
         (``keep``) until :meth:`forget`: the groups the window's rows are in, which the stream
         held too."""
         kept = self._groups.setdefault((source, shard), []) if keep else list(self._groups.get((source, shard), []))
