@@ -350,6 +350,30 @@ def test_hostile_shard_hands_over(tmp_path) -> None:
             assert len(stream) >= 40 and (chunk is None or from_blocks >= 16), (what, chunk, from_blocks)
 
 
+def test_restore_with_a_sample_the_pick_does_not_take(monkeypatch, tmp_path) -> None:
+    """A carried sample of one shard is not plain (a member before its ids): the pick of all
+    shards at once gives none, the other shards are picked alone, that one is read per sample,
+    and the restore gives the uninterrupted batches."""
+    rng = np.random.default_rng(9)
+    urls = []
+    for s in range(3):
+        parts = [sample(f"{s}{i:07d}", rng.integers(0, 1000, int(rng.integers(20, 200))).tolist()) for i in range(60)]
+        if s == 1:
+            key, ids = f"{s}{30:07d}", np.arange(1, 301)  # its labels member first: the pick refuses it
+            parts[30] = member(f"{key}.labels.npy", npy_bytes(ids)) + member(f"{key}.npy", npy_bytes(ids))
+        urls.append(write_bytes(tmp_path / f"s{s}.tar", archive(*parts)))
+    monkeypatch.setenv(CONTIGUOUS_ENV, "1")
+    kw = {"capacity": 512, "packs_per_batch": 2, "seed": 4, "epochs": 1, "shuffle": False,
+          "packing": PackOptions(window=64)}
+    whole = [full(b) for b in PackedDataset(urls, **kw)]
+    for stop in range(1, len(whole)):  # some of them with the bad sample in the window
+        ds = PackedDataset(urls, **kw)
+        head = [full(b) for b in take(iter(ds), stop)]
+        restored = PackedDataset(urls, **kw)
+        restored.load_state_dict(roundtrip(ds.state_dict()))
+        assert head + [full(b) for b in restored] == whole, f"resume after {stop} batches diverged"
+
+
 def _tar_member(name: str, data: bytes, fmt: int, pax: dict[str, str] | None = None) -> bytes:
     """One member as ``tarfile`` writes it in format ``fmt`` (extension headers included)."""
     import io

@@ -15,8 +15,8 @@ checksums and fields, pax records, member name, ``.npy`` header, id range); the 
 them are read (one read per cluster: one request remotely; locally only gaps under
 ``row_replay.PICK_GAP``) but not parsed. A position that is not such a sample (a corrupt header,
 a field the block reader does not take) gives None, and the caller re-reads it with the
-per-sample reader, which raises or counts as always. Whether the
-shard is still the one the state was saved from is the caller's identity check, made before.
+per-sample reader, which raises or counts as always. Whether the shard is still the one the
+state was saved from is the caller's identity check, made before.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ restore, one identity check per shard (a ``stat`` locally, a ``HEAD`` remotely: 
 Replayer's); then, as the restored packs leave (``RowPacker.READ_AHEAD`` packs at a time), one
 read per cluster of their documents: for tar, CPU and bytes O(W) in all (each carried sample
 read and checked once: ~15 µs a document read on its own, ~0.4 ms a re-read for the checks of
-all its shards at once, from ``benchmarks/bench_restore.py``); for parquet, each row group holding a carried row read once.
+all its shards at once, from ``benchmarks/bench_restore.py``); for parquet, each row group
+holding a carried row read once.
 Memory: W rows of 104 bytes, plus those row groups until their last carried row is re-read.
 Before, each re-read parsed its clusters whole: the window's span of shard once per
 ``READ_AHEAD`` packs, O(W / (READ_AHEAD x documents per pack) x span). Measured 2026-11-27
@@ -150,7 +151,8 @@ class RowReplay:
         rows, _ = expand(base_rows(run, 1, self.store), self.spec.max_len, self.spec.policy)
         return rows
 
-    def _read_all(self, refs: np.ndarray, keep: bool = True) -> dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]]:
+    def _read_all(self, refs: np.ndarray,
+                  keep: bool = True) -> dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]]:
         wanted: dict[tuple[int, int], dict[int, int]] = {}
         lengths: dict[tuple[int, int], dict[int, int]] = {}
         for source, shard, offset, number, length in refs[:, [_SOURCE, _SHARD, _OFFSET, _NUMBER, _LENGTH]].tolist():
@@ -161,7 +163,12 @@ class RowReplay:
         if self.spec.verify is not None:
             for source, shard, _ in shards:
                 self.spec.verify(source, shard)
-        picked = self._pick([(s, h, p, lengths[(s, h)]) for s, h, p in shards])
+        tar = [(s, h, p, lengths[(s, h)]) for s, h, p in shards
+               if shard_format(self.spec.sources[s].urls[h]) == "tar"]
+        picked = self._pick(tar)
+        if not picked and len(tar) > 1:  # a sample that is not plain: pick the other shards alone
+            for one in tar:
+                picked.update(self._pick([one]))
         for source, shard, positions in shards:
             if (source, shard) in picked:
                 got = {offset: (picked[(source, shard)], i) for i, (offset, _) in enumerate(positions)}
@@ -177,8 +184,8 @@ class RowReplay:
 
     def _read_shard(self, source: int, shard: int, positions: list[tuple[int, int]],
                     lengths: dict[int, int], keep: bool = True) -> dict[int, tuple[TokenBlock, int]]:
-        """The wanted ``(offset, number)`` positions of one shard as ``(block, index)``, read one
-        cluster at a time, each in one read sized from its span and its last document's length
+        """The wanted ``(offset, number)`` positions of one shard that no pick took (a parquet
+        shard, or a tar sample that is not plain) as ``(block, index)``, read one cluster at a time, each in one read sized from its span and its last document's length
         (``lengths``; the tar reader reads on if that was short)."""
         url = self.spec.sources[source].urls[shard]
         parquet, remote = shard_format(url) == "parquet", is_remote(url)
@@ -190,10 +197,6 @@ class RowReplay:
                 kept = self._from_groups(source, shard, url, positions, streams, keep)
                 if kept is not None:
                     return kept
-            else:  # this shard alone (the pick of several shards at once did not take them all)
-                picked = self._pick([(source, shard, positions, lengths)])
-                if picked:
-                    return {offset: (picked[(source, shard)], i) for i, (offset, _) in enumerate(positions)}
             for cluster in _clusters(positions, gap):
                 size = _span(cluster, lengths, remote)
                 first, last = cluster[0][0], cluster[-1][0]
@@ -215,11 +218,11 @@ class RowReplay:
                 f.close()
         return found
 
-    def _pick(self, shards: list[tuple[int, int, list[tuple[int, int]], dict[int, int]]]) -> dict[tuple[int, int], TokenBlock]:
-        """The wanted samples of the tar shards among ``shards`` (source, shard, positions, their
-        lengths), picked and checked in one pass (:func:`~streampack.io.blocks.read_samples_at`),
-        a block per shard; empty when one of them is not a plain sample."""
-        tar = [(s, h, p, n) for s, h, p, n in shards if shard_format(self.spec.sources[s].urls[h]) == "tar"]
+    def _pick(self, tar: list[tuple[int, int, list[tuple[int, int]], dict[int, int]]]
+              ) -> dict[tuple[int, int], TokenBlock]:
+        """The wanted samples of tar shards (source, shard, positions, their lengths), picked and
+        checked in one pass (:func:`~streampack.io.blocks.read_samples_at`), a block per shard;
+        empty when one of them is not a plain sample."""
         if not tar:
             return {}
         wanted = []
@@ -241,14 +244,13 @@ class RowReplay:
         """The wanted rows of a parquet shard from whole row groups, read once per restore: the
         carried rows of one group leave over many re-reads (``READ_AHEAD`` packs at a time), and
         reading the group each time, the 25 batches after a restore cost 370 CPU-ms against 33
-        uninterrupted (154 now; ``benchmarks/bench_restore.py``). Kept
-        (``keep``) until :meth:`forget`: the groups the window's rows are in, which the stream
-        held too."""
+        uninterrupted (154 now; ``benchmarks/bench_restore.py``). Kept (``keep``) until
+        :meth:`forget`: the groups the window's rows are in, which the stream held too."""
         kept = self._groups.setdefault((source, shard), []) if keep else list(self._groups.get((source, shard), []))
         rows = [offset for offset, _ in positions]
-        if any(_group_of(kept, r) is None for r in rows):
-            read = read_groups_at(url, [r for r in rows if _group_of(kept, r) is None], decode=self.spec.decode,
-                                  opts=self.spec.opts, streams=streams)
+        missing = [r for r in rows if _group_of(kept, r) is None]
+        if missing:
+            read = read_groups_at(url, missing, decode=self.spec.decode, opts=self.spec.opts, streams=streams)
             if read is None:
                 return None
             kept += read
