@@ -485,6 +485,35 @@ def test_pack_slices_is_pack_batch(align: int, pad_id: int, ignore_index: int) -
     assert full(got) == full(want)
 
 
+@pytest.mark.parametrize("pack_lengths", [
+    [[64]], [[1]], [[64], [1], [63, 1]], [[1, 1, 1], [2, 62], [64], [30]], [[10, 20], [10, 20]]])
+@pytest.mark.parametrize("ignore_index,nonnegative", [(-100, True), (-100, False), (5, True)])
+def test_pack_slices_edges_are_pack_batch(pack_lengths, ignore_index: int, nonnegative: bool) -> None:
+    # full packs (no padding run), one-token documents, packs of one document, a batch of one pack
+    buf = np.arange(500, dtype=np.int32) % 11
+    lengths = [n for pack in pack_lengths for n in pack]
+    starts = np.cumsum([0] + lengths[:-1]) + 3
+    packs, i = [], 0
+    for pack in pack_lengths:
+        packs.append([Sample(key=f"d{i + j}", url="u", tokens=buf[starts[i + j]:starts[i + j] + n].astype(np.int64))
+                      for j, n in enumerate(pack)])
+        i += len(pack)
+    keys = tuple(s.doc_key for p in packs for s in p)
+    got = pack_slices([buf] * len(lengths), starts, np.array(lengths), [len(p) for p in pack_lengths], keys,
+                      capacity=64, pad_id=9, ignore_index=ignore_index, ids_nonnegative=nonnegative)
+    assert full(got) == full(pack_batch(packs, capacity=64, pad_id=9, ignore_index=ignore_index))
+
+
+def test_pack_slices_refuses_what_pack_batch_refuses() -> None:
+    buf = np.ones(200, dtype=np.int32)
+    with pytest.raises(ValueError, match="pack 1 is empty"):
+        pack_slices([buf], np.array([0]), np.array([5]), [1, 0], ("a",), capacity=64)
+    with pytest.raises(ValueError, match="document 'b' in pack 1 has zero length"):
+        pack_slices([buf] * 3, np.array([0, 5, 5]), np.array([5, 0, 3]), [1, 2], ("a", "b", "c"), capacity=64)
+    with pytest.raises(ValueError, match="pack 1 holds 65 tokens, more than capacity=64"):
+        pack_slices([buf] * 3, np.array([0, 0, 0]), np.array([5, 60, 5]), [1, 2], ("a", "b", "c"), capacity=64)
+
+
 def test_fast_path_off_switch(monkeypatch, corpus) -> None:
     monkeypatch.setenv(CONTIGUOUS_ENV, "0")
     ds = PackedDataset(corpus["tar"], capacity=256, epochs=1)

@@ -8,7 +8,9 @@ import errno
 import logging
 import multiprocessing
 import os
+import queue
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -156,6 +158,29 @@ def test_local_manifest_is_built_once_by_racing_processes(tmp_path, monkeypatch)
     for p in procs:
         p.join(30)
     assert got == [[20, 20, 20]] * 3 and len(list(marks.iterdir())) == 1
+
+
+def test_a_built_manifest_is_read_while_its_lock_is_held(tmp_path):
+    # bug: every process read the manifest and stat'ed every shard under the exclusive lock, so
+    # the processes of a host (ranks, DataLoader workers) queued one behind another
+    import fcntl
+
+    urls = write_tar_shards(tmp_path / "d", make_token_docs(40, seed=8), 2)
+    cache = str(tmp_path / "c")
+    built = obtain_manifest(urls, location=None, cache_dir=cache)
+    got: queue.Queue = queue.Queue()
+    with open(os.path.join(built.location, MANIFEST_FILE) + ".lock", "a+b") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # another process building or checking
+        reader = threading.Thread(target=lambda: got.put(obtain_manifest(urls, location=None, cache_dir=cache)))
+        reader.start()
+        try:
+            manifest = got.get(timeout=10)
+        finally:
+            fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+            reader.join(30)
+    assert manifest.samples.tolist() == built.samples.tolist() == [20, 20]
+    _restage(urls[1])  # a stale manifest still goes through the lock and is rebuilt
+    assert obtain_manifest(urls, location=None, cache_dir=cache).identity(1) != built.identity(1)
 
 
 def test_a_read_only_cache_is_said_once_not_per_shard(tmp_path, monkeypatch, caplog):

@@ -184,8 +184,10 @@ class ThdCollate(BaseNode[PackedBatch]):
             est_cost = self.cost_model.pack_cost(np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
             c["cost"] += est_cost
         c["packs"] += len(lengths)
-        c["docs"] += sum(len(n) for n in lengths)
-        c["tokens"] += sum(int(n.sum()) for n in lengths)
+        if lengths:  # one sum over the batch: a numpy sum per pack was ~4 µs each, 2% of an epoch
+            every = np.concatenate(lengths)
+            c["docs"] += len(every)
+            c["tokens"] += int(every.sum())
         c["slots"] += len(lengths) * self.capacity
         c["targets"] += batch.num_targets
         self._build_seconds += seconds
