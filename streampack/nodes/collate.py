@@ -179,15 +179,15 @@ class ThdCollate(BaseNode[PackedBatch]):
         totals and attach them; log a slow or first batch. Filler packs are padding: no
         documents, tokens or slots of data."""
         c = self.counters
+        # the batch's lengths in one array: a numpy sum per pack was ~4 µs each, 2% of an epoch
+        every = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         est_cost = None
         if self.cost_model is not None:
-            est_cost = self.cost_model.pack_cost(np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
+            est_cost = self.cost_model.pack_cost(every)
             c["cost"] += est_cost
         c["packs"] += len(lengths)
-        if lengths:  # one sum over the batch: a numpy sum per pack was ~4 µs each, 2% of an epoch
-            every = np.concatenate(lengths)
-            c["docs"] += len(every)
-            c["tokens"] += int(every.sum())
+        c["docs"] += len(every)
+        c["tokens"] += int(every.sum())
         c["slots"] += len(lengths) * self.capacity
         c["targets"] += batch.num_targets
         self._build_seconds += seconds

@@ -185,8 +185,9 @@ class RowReplay:
     def _read_shard(self, source: int, shard: int, positions: list[tuple[int, int]],
                     lengths: dict[int, int], keep: bool = True) -> dict[int, tuple[TokenBlock, int]]:
         """The wanted ``(offset, number)`` positions of one shard that no pick took (a parquet
-        shard, or a tar sample that is not plain) as ``(block, index)``, read one cluster at a time, each in one read sized from its span and its last document's length
-        (``lengths``; the tar reader reads on if that was short)."""
+        shard, or a tar sample that is not plain) as ``(block, index)``, read one cluster at a
+        time, each in one read sized from its span and its last document's length (``lengths``;
+        the tar reader reads on if that was short)."""
         url = self.spec.sources[source].urls[shard]
         parquet, remote = shard_format(url) == "parquet", is_remote(url)
         gap = 1 << 62 if parquet else REOPEN_GAP if remote else BLOCK_GAP
