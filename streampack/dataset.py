@@ -58,6 +58,7 @@ from streampack.state import (
     WORKER_KEY,
     check_fingerprint,
     check_version,
+    dataset_record,
     record_of,
     record_text,
 )
@@ -261,7 +262,7 @@ class PackedDataset(IterableDataset):
         of a run (any topology; see the class docstring)."""
         if isinstance(state, Mapping):
             check_version(state)
-            saved = record_of(state[FINGERPRINT_KEY])
+            saved = dataset_record(state, FINGERPRINT_KEY)
             check_fingerprint(saved, self.fingerprint(saved.get("num_workers")))  # workers: in __iter__
             self._pending = state
         else:
@@ -292,7 +293,7 @@ class PackedDataset(IterableDataset):
         if isinstance(pending, PendingResume):
             state, share = pending.for_reader(self, here)
         if state is not None:
-            check_fingerprint(record_of(state[FINGERPRINT_KEY]), self.fingerprint(here.num_workers))
+            check_fingerprint(dataset_record(state, FINGERPRINT_KEY), self.fingerprint(here.num_workers))
             saved = state[WORKER_KEY]
             if saved["worker_id"] != here.id or saved["dp_rank"] != self.dp_rank:
                 raise ValueError(f"state of dp_rank={saved['dp_rank']} worker_id={saved['worker_id']} "
@@ -307,7 +308,7 @@ class PackedDataset(IterableDataset):
             self._graph.root.reset(state[GRAPH_KEY])
             # A restored graph has read exactly as far as the saved one (each node replays up to
             # its saved read position), so the saved error and I/O counts are the counts now.
-            saved = record_of(state.get(METRICS_KEY))
+            saved = dataset_record(state, METRICS_KEY)
             if saved.get("errors") is not None:
                 self._graph.errors.load(saved["errors"])
             if saved.get("io") is not None:

@@ -73,7 +73,7 @@ from streampack.state import (
     check_identities,
     check_node_versions,
     concat_tables,
-    record_of,
+    dataset_record,
     samples_from_state,
     samples_to_table,
 )
@@ -110,7 +110,7 @@ def topology_of(states: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
     readers of one run, each exactly once."""
     if not states:
         raise ValueError("an elastic resume needs the states of every reader of the old run; got none")
-    prints = [record_of(s[FINGERPRINT_KEY]) for s in states]
+    prints = [dataset_record(s, FINGERPRINT_KEY) for s in states]
     first = {k: v for k, v in prints[0].items() if k not in TOPOLOGY_KEYS}
     for p in prints[1:]:
         rest = {k: v for k, v in p.items() if k not in TOPOLOGY_KEYS}

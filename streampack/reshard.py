@@ -49,7 +49,7 @@ from streampack.state import (
     check_fingerprint,
     check_version,
     concat_tables,
-    record_of,
+    dataset_record,
     table_lengths,
     table_size,
     table_slice,
@@ -286,7 +286,7 @@ class PendingResume:
             check_version(s)
         dp_size, num_workers = topology_of(states)
         keep = lambda fp: {k: v for k, v in fp.items() if k not in TOPOLOGY_KEYS}  # noqa: E731
-        check_fingerprint(keep(record_of(states[0][FINGERPRINT_KEY])), keep(ds.fingerprint(num_workers)))
+        check_fingerprint(keep(dataset_record(states[0], FINGERPRINT_KEY)), keep(ds.fingerprint(num_workers)))
         pending = cls(states=states, dp_size=dp_size, num_workers=num_workers)
         if dp_size != ds.dp_size:  # a new topology whatever the worker count: plan it here, once
             pending.left = remaining(states, ds.config, ds.sources, ds.options, ds.stages)

@@ -2,7 +2,7 @@
 
 A :class:`~streampack.dataset.PackedDataset` state (one per DataLoader worker) is::
 
-    {"version": 3,
+    {"version": 4,
      "fingerprint": '{"sources": [...], "capacity": 4096, "window": 1024, "algorithm": "bfd",
                      "align": 1, "seed": 0, "dp_size": 1, "num_workers": 2, ...}',
      "worker": {"dp_rank": 0, "worker_id": 1},
@@ -12,8 +12,9 @@ A :class:`~streampack.dataset.PackedDataset` state (one per DataLoader worker) i
 
 Settings and counters records -- the fingerprint and metrics here, and in the graph each node's
 ``config``, ``identity``, ``counters`` and ``metrics`` -- are one JSON text each
-(:func:`record_text`; :func:`record_of` reads either form, so states that kept them as dicts
-still load).
+(:func:`record_text`, read back with :func:`record_of`). A state of another layout is refused:
+its ``version`` is not :data:`STATE_VERSION` (:func:`check_version`), and a record that is not
+a text is a ``ValueError`` too.
 
 Only ints, strings, lists, dicts and tensors appear, so ``torch.load(weights_only=True)``
 accepts it. Samples held in buffers (the packer's window, a split document's chunks) are
@@ -42,7 +43,7 @@ import torch
 from streampack.io import shard_identity
 from streampack.sample import Sample
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 VERSION_KEY = "version"
 FINGERPRINT_KEY = "fingerprint"
 WORKER_KEY = "worker"
@@ -246,14 +247,22 @@ def record_text(record: Mapping[str, Any]) -> str:
     return json.dumps(record, separators=(",", ":"), default=_plain)
 
 
-def record_of(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    """The record a state keeps as :func:`record_text`, decoded; a dict (a state that
-    :func:`dataset_states` decoded, or one saved before records were texts: those still load)
-    goes through JSON too, so it compares equal to a decoded one (tuples as lists); ``{}`` for
-    None."""
+def record_of(value: str | None) -> dict[str, Any]:
+    """The record a state keeps as :func:`record_text`, decoded; ``{}`` for None."""
     if value is None:
         return {}
-    return json.loads(value if isinstance(value, str) else record_text(value))
+    if not isinstance(value, str):
+        raise ValueError(f"a state record is a {type(value).__name__}, not the JSON text this streampack "
+                         f"writes (state version={STATE_VERSION}): was it saved by another streampack version?")
+    return json.loads(value)
+
+
+def dataset_record(state: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """A dataset state's fingerprint or metrics (``key``): the JSON text a saved state holds, or
+    the dict :func:`dataset_states` decoded it to (through JSON again, so both compare equal:
+    tuples as lists); ``{}`` when absent."""
+    value = state.get(key)
+    return json.loads(record_text(value)) if isinstance(value, Mapping) else record_of(value)
 
 
 def decoded_state(state: Mapping[str, Any]) -> dict[str, Any]:

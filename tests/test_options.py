@@ -1,4 +1,4 @@
-"""The front: PackedDataset's few parameters, the per-stage option records, and the old flat
+"""The front: PackedDataset's few parameters, the per-stage option records, and the flat
 keywords as shortcuts onto them (streampack.options)."""
 
 from __future__ import annotations
@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import sys
+import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from streampack.dataset import PackedDataset
 from streampack.io.limits import Limits
@@ -25,11 +24,7 @@ from streampack.options import (
 )
 from streampack.packing.schedule import Balance
 from streampack.settings import FINGERPRINT, StreamConfig, fingerprint_settings
-from streampack.state import record_of
 
-FIXTURES = Path(__file__).parent / "fixtures"
-sys.path.insert(0, str(FIXTURES))
-import old_front_state as old  # noqa: E402
 
 OLD_SIGNATURE = (  # PackedDataset.__init__ before the records
     "urls capacity window algorithm packs_per_batch tokenizer text_key tokens_key overlong cp_size tp_size seed "
@@ -42,9 +37,15 @@ SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 128}
 
 
 @pytest.fixture
-def shards(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the fixture state names its shards by relative URL
-    return old.write_shards(tmp_path)
+def shards(tmp_path):
+    """Three small jsonl shards of pre-tokenized samples."""
+    rng = random.Random(11)
+    urls = []
+    for i in range(3):
+        lines = [json.dumps({"ids": [rng.randrange(1, 1000) for _ in range(rng.randrange(3, 130))]}) for _ in range(40)]
+        urls.append(str(tmp_path / f"shard_{i}.jsonl"))
+        Path(urls[-1]).write_text("\n".join(lines) + "\n")
+    return urls
 
 
 def test_signature_is_small():
@@ -153,25 +154,6 @@ def test_the_group_is_resolved_and_not_kept(shards):
     ds = PackedDataset(shards, capacity=64, topology=TopologyOptions(dp_rank=1, dp_size=2, equal_batches="sync"))
     assert (ds.dp_rank, ds.dp_size) == (1, 2)
     assert ds.config.topology.dp_group is None and ds.config.topology.equal_batches == "sync"
-
-
-def test_a_state_saved_by_the_old_front_resumes_exactly(shards):
-    """``tests/fixtures/old_front_state.pt`` was saved by PackedDataset(urls, **OLD_KEYWORDS)
-    before the records existed; the records form of the same settings resumes it bit-identically."""
-    state = torch.load(FIXTURES / "old_front_state.pt", weights_only=True)
-    expected = json.loads((FIXTURES / "old_front_state.json").read_text())["after"]
-    k = old.OLD_KEYWORDS
-    ds = PackedDataset(
-        shards, capacity=k["capacity"], packs_per_batch=k["packs_per_batch"], seed=k["seed"], epochs=k["epochs"],
-        read=ReadOptions(tokens_key="ids", on_error="skip", vocab_size=50_000, identity="size"),
-        packing=PackOptions(window=12, algorithm="ffd", max_wait=4, slack=2, overlong="truncate", pad_id=5,
-                            ignore_index=-1),
-        topology=TopologyOptions(align_multiple=4), cost=CostOptions(model=old.COST_SHAPE))
-    assert ds.fingerprint(0) == {**record_of(state["fingerprint"]), "num_workers": 0}  # saved as a dict then
-    ds.load_state_dict(state)
-    it = iter(ds)
-    assert [old.digest(next(it)) for _ in range(len(expected))] == expected
-    assert PackedDataset(shards, **k).fingerprint(0) == ds.fingerprint(0)  # the shortcuts: the same settings
 
 
 def test_fingerprint_names_every_setting_that_shapes_the_stream():

@@ -207,8 +207,7 @@ def test_signatures_written_in_the_readme():
     assert {"packs", "capacity", "align", "pad_id", "ignore_index"} <= keywords(streampack.pack_batch)
     assert {"lengths", "capacity", "algorithm", "seed"} <= keywords(packing.pack)
     assert {"seq_lens", "dp_size", "max_tokens_per_microbatch", "sequence_length_round", "pp_size",
-            "chunk_size", "convention", "allow_overlong"} == keywords(rl.plan_dynamic_batches) - {
-                "round_before_budget"}  # a deprecated alias of convention, kept out of the README
+            "chunk_size", "convention", "allow_overlong"} == keywords(rl.plan_dynamic_batches)
     assert {"seq_lens", "dp_size", "max_tokens_per_microbatch", "min_num_microbatches", "algorithm",
             "align", "cost_model"} == keywords(rl.plan_packed_microbatches)
     from streampack.attention import packed_cross_entropy

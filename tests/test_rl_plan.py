@@ -55,10 +55,6 @@ def test_the_old_soft_cap_finding_is_gone():
             plan = plan_dynamic_batches(lens, dp_size=dp, max_tokens_per_microbatch=budget,
                                         sequence_length_round=rnd, convention=convention)
             assert max(max(r) for r in plan.padded_sizes) <= budget, (convention, budget)
-    with pytest.warns(DeprecationWarning, match="round_before_budget"):  # now convention="roll", a hard cap
-        plan = plan_dynamic_batches(ROLL_TEST_LENS, dp_size=2, max_tokens_per_microbatch=20,
-                                    sequence_length_round=2, round_before_budget=False)
-    assert max(max(r) for r in plan.padded_sizes) <= 20
 
 
 def test_roll_unit_test_one_microbatch_per_sequence_and_one_for_all():

@@ -120,9 +120,7 @@ def test_settings_and_counters_are_one_leaf_each_in_the_per_step_state(tmp_path)
     """StatefulDataLoader flattens, diffs and rebuilds every worker's state after every batch,
     leaf by leaf: the fingerprint (36 settings) and the metrics (40 counters) were ~75 of ~155
     leaves (~5% of a 2-worker epoch's CPU: streampack.state.record_text). Each is one JSON text
-    now; decoded, they are
-    the dicts they were, and the state resumes exactly (a state saved with them as dicts still
-    loads: test_options' old-front fixture)."""
+    now; decoded, they are the dicts they were, and the state resumes exactly."""
     urls = _shards(tmp_path, [300] * 40)
 
     def make() -> PackedDataset:
@@ -134,7 +132,7 @@ def test_settings_and_counters_are_one_leaf_each_in_the_per_step_state(tmp_path)
     assert _leaves({k: v for k, v in state.items() if k != "graph"}) <= 8
     assert record_of(state["fingerprint"]) == ds.fingerprint(0)
     assert record_of(state["metrics"])["batches"]["batches"] == 3
-    assert record_of(dataset_states({"dataset_state": state})[0]["metrics"]) == record_of(state["metrics"])
+    assert dataset_states({"dataset_state": state})[0]["metrics"] == record_of(state["metrics"])
     after = [canon(next(it)) for _ in range(3)]
     restored = make()
     restored.load_state_dict(roundtrip(state))
@@ -156,19 +154,21 @@ def _node_records(tree, path=()):
 
 
 def _as_dicts(tree):
-    """The graph state as a state saved before the node records were texts kept them."""
+    """The graph state with its node records as dicts (the layout before they were texts)."""
     if isinstance(tree, dict):
         return {k: (record_of(v) if k in NODE_RECORDS and isinstance(v, str) else _as_dicts(v)) for k, v in tree.items()}
     return tree
 
 
 @pytest.mark.parametrize("contiguous", ["1", "0"])
-def test_node_records_are_one_leaf_each_and_old_dict_records_still_load(tmp_path, monkeypatch, contiguous):
+def test_node_records_are_one_leaf_each_and_a_state_of_another_layout_is_refused(tmp_path, monkeypatch, contiguous):
     """torchdata rebuilds every worker's state from its flat leaves in the training process after
     every batch (``_unflatten``: work per leaf and per level of its key): each reader's config and
     identity and each node's counters and metrics are one JSON text now, so a state is 44 leaves
     and 199 key levels, not 82 and 426 (streampack.state.record_text). Decoded they are the dicts
-    they were, and a state that kept them as dicts resumes to the same batches."""
+    they were. No release ever wrote another layout, so none is read: a state of the layout that
+    kept them as dicts (version 3) is refused naming both versions, and so is one that claims this
+    version but keeps a dict record."""
     from torchdata.stateful_dataloader.incremental_state import _flatten
 
     monkeypatch.setenv("STREAMPACK_CONTIGUOUS", contiguous)
@@ -186,8 +186,15 @@ def test_node_records_are_one_leaf_each_and_old_dict_records_still_load(tmp_path
     reader = next(v for p, v in records.items() if p[-1] == "identity")
     assert record_of(reader)["shards"] and len(record_of(reader)["sizes"]) == len(record_of(reader)["shards"])
     after = [canon(next(it)) for _ in range(3)]
-    for saved in (state, {**state, "graph": _as_dicts(state["graph"])}):
+    restored = make()
+    restored.load_state_dict(roundtrip(state))
+    again = iter(restored)
+    assert [canon(next(again)) for _ in range(3)] == after
+    old = {**state, "version": 3, "graph": _as_dicts(state["graph"])}
+    with pytest.raises(ValueError, match=r"state version=3 is not the supported version=4; was it saved by another"):
+        make().load_state_dict(roundtrip(old))
+    mixed = {**state, "graph": _as_dicts(state["graph"])}
+    with pytest.raises(ValueError, match=r"a state record is a dict, not the JSON text .* another streampack version"):
         restored = make()
-        restored.load_state_dict(roundtrip(saved))
-        again = iter(restored)
-        assert [canon(next(again)) for _ in range(3)] == after
+        restored.load_state_dict(roundtrip(mixed))
+        next(iter(restored))

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from streampack.state import FINGERPRINT_KEY, WORKER_KEY, dataset_states, load_loader_state, record_of
+from streampack.state import FINGERPRINT_KEY, WORKER_KEY, dataset_record, dataset_states, load_loader_state
 
 _log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def plan_resume(rank_states: Sequence[Mapping[str, Any] | None], *, rank: int, d
     readers = every_reader([s for s in rank_states if s is not None])
     if not readers:  # saved before the first batch: nothing has been read
         return LoaderResume(loader_state=own)
-    saved = record_of(readers[0][FINGERPRINT_KEY])
+    saved = dataset_record(readers[0], FINGERPRINT_KEY)
     same = (saved.get("dp_size"), saved.get("num_workers")) == (getattr(dataset, "dp_size", None), num_workers)
     if same and own is not None:
         return LoaderResume(loader_state=own)

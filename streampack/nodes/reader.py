@@ -11,7 +11,7 @@ excepted: see ``io.jsonl``).
 
 State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
 
-    {"version": 3,
+    {"version": 4,
      "config": '{"sources": <sha1 of the URL list, 16 hex>, "num_sources": S, "seed", "shuffle",
                 "dp_rank", "dp_size", "worker_id", "num_workers", "fields": [tokens_key, ...], ...}',
      "epoch": e,            # epoch of the next sample
@@ -27,9 +27,8 @@ State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
      "manifest": {"all", "tag", "size", "digest": 16 hex}}  # a planned reader: what its plan was cut from
 
 ``config`` and ``identity`` are one JSON text each (:func:`streampack.state.record_text`: one leaf
-each in the state ``StatefulDataLoader`` flattens after every batch); states that kept them as
-dicts still load. Restoring a state whose ``config`` differs raises ``ValueError`` naming both values. A shard
-that changed since the save is refused by *every* reader, not only the one inside it
+each in the state ``StatefulDataLoader`` flattens after every batch). Restoring a state whose
+``config`` differs raises ``ValueError`` naming both values. A shard that changed since the save is refused by *every* reader, not only the one inside it
 (:class:`~streampack.io.shard_identity.ShardChanged`, a ``DataError`` naming the shard and its
 old and new identity; never skipped): a planned reader compares the fingerprint of the manifest
 its plan is cut from with the one the state recorded (a local data set's manifest is rebuilt
@@ -489,8 +488,8 @@ def identities_to_state(identities: Mapping[int, ShardStat]) -> str:
                         "tags": [v.tag for v in identities.values()]})
 
 
-def identities_from_state(saved: str | Mapping[str, list[Any]] | None) -> dict[int, ShardStat]:
-    """What :func:`identities_to_state` wrote, or the dict of lists a state saved before kept."""
+def identities_from_state(saved: str | None) -> dict[int, ShardStat]:
+    """What :func:`identities_to_state` wrote."""
     saved = record_of(saved)
     if not saved:
         return {}

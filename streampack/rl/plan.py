@@ -15,12 +15,9 @@ Two planners, one record (:class:`MicroBatchPlan`: rank -> micro-batch -> sequen
     parallelism. Its unit tests (``[2, 4, 7, 6, 3, 4]``, dp 2, budget 20, round 2 ->
     ``[[0, 2], [2, 3]]`` with lengths ``[4, 8]``, ...) come out exactly.
 
-  An earlier ``round_before_budget=False`` mode was documented as "ROLL's convention" but
-  bounded real tokens and rounded afterwards (the worked example in ROLL's documentation, not
-  its code): on ROLL's unit-test input it built micro-batches of 24 padded tokens over a budget
-  of 20, and on 200 random rollouts it exceeded the budget in 156, by up to 2.44x. It is gone:
-  ``round_before_budget`` is still accepted, deprecated, as ``convention`` (``True`` ->
-  ``"balanced"``, what it always selected; ``False`` -> ``"roll"``, ROLL's code, a hard cap).
+  Neither is a soft cap: the worked example in ROLL's documentation bounds real tokens and
+  rounds afterwards, which on ROLL's unit-test input builds micro-batches of 24 padded tokens
+  over a budget of 20 (and on 200 random rollouts exceeded the budget in 156, by up to 2.44x).
 
 * :func:`plan_packed_microbatches` (one THD pack per micro-batch): Karmarkar-Karp from the
   batch to DP ranks, then from each rank to ``M`` micro-batches (ROLL sequence packing §2.4).
@@ -46,7 +43,6 @@ longest of every round; on the benchmark that is balance 1.018 vs 1.0001.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,24 +199,10 @@ def _finish(kind: str, lens: np.ndarray, mbs: list[list[np.ndarray]],
 CONVENTIONS = ("balanced", "roll")
 
 
-def _convention_of(round_before_budget: bool, convention: str) -> str:
-    """The ``convention`` the removed ``round_before_budget`` flag maps to (module docstring)."""
-    new = "balanced" if round_before_budget else "roll"
-    if convention not in ("balanced", new):
-        raise ValueError(f"{round_before_budget=} means convention={new!r}, which contradicts {convention=}; "
-                         f"pass convention only")
-    note = ("" if round_before_budget else
-            "; the old soft-cap mode (budget on real tokens, rounded afterwards) is gone: ROLL's code caps the "
-            "padded tokens, so micro-batches may differ from what round_before_budget=False made")
-    warnings.warn(f"plan_dynamic_batches(round_before_budget={round_before_budget}) is deprecated: pass "
-                  f"convention={new!r}{note}", DeprecationWarning, stacklevel=3)
-    return new
-
-
 def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbatch: int,
                          sequence_length_round: int, pp_size: int = 1,
                          chunk_size: int | None = None, convention: str = "balanced",
-                         allow_overlong: bool = False, round_before_budget: bool | None = None) -> MicroBatchPlan:
+                         allow_overlong: bool = False) -> MicroBatchPlan:
     """Plan padded micro-batches of similar-length sequences for ``dp_size`` ranks.
 
     Args:
@@ -239,10 +221,7 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
             to divide by ``dp_size``); module docstring.
         allow_overlong: a sequence whose rounded length exceeds the budget gets a micro-batch
             of its own (over budget) instead of a ``ValueError``.
-        round_before_budget: deprecated, use ``convention`` (module docstring).
     """
-    if round_before_budget is not None:
-        convention = _convention_of(round_before_budget, convention)
     lens = _check_args(seq_lens, dp_size=dp_size, max_tokens_per_microbatch=max_tokens_per_microbatch,
                        sequence_length_round=sequence_length_round, pp_size=pp_size)
     if chunk_size is not None:

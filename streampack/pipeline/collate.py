@@ -1,7 +1,0 @@
-"""Deprecated alias of :mod:`streampack.nodes.collate` (see :mod:`streampack._moved`)."""
-
-from streampack._moved import alias
-
-__getattr__, __all__ = alias(__name__, {
-    "streampack.nodes.collate": ("FILLER_KEY", "is_filler", "ThdCollate"),
-})
