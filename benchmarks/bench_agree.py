@@ -1,4 +1,4 @@
-"""Time one round of ``streampack.agree.agree_counts`` for G readers against a loopback TCPStore.
+"""Time one round of ``streampack.plan.agree.agree_counts`` for G readers against a loopback TCPStore.
 
 Readers are threads, spread over ``procs`` spawned processes (0: threads of this process, which
 also hosts the store's libuv server). Every reader connects first (10 ms apart: this sandbox's
@@ -21,7 +21,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from streampack.agree import Agreement, _client, agree_counts
+from streampack.plan.agree import Agreement, _client, agree_counts
 
 _GAP_S = 0.01
 

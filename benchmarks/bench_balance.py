@@ -32,7 +32,7 @@ from a pool of packs the same packer made from an independent stream: what a rea
 counted after ``warm / packs_per_batch`` steps of training (the steady state of a long run).
 *cold* rows start from nothing, like step 0 of a run before 2026-11-25; *seeded* rows start
 every rank from the same seed histogram, as the library now does
-(:mod:`streampack.nodes.cost_seed`: the packs of one shared sample of lengths). Fill is the packer's (every pack each
+(:mod:`streampack.plan.cost_seed`: the packs of one shared sample of lengths). Fill is the packer's (every pack each
 rank made): the balance reorders packs, it never changes them.
 """
 
@@ -50,10 +50,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from report import emit  # noqa: E402  (benchmarks/report.py; this folder is on sys.path)
 
-from streampack.nodes.window_rounds import PackerRules, run_rounds  # noqa: E402
 from streampack.packing import CostModel  # noqa: E402
 from streampack.packing.reservoir import Reservoir  # noqa: E402
 from streampack.packing.schedule import BINS, Balance, CostScale, Schedule  # noqa: E402
+from streampack.packing.window_rounds import PackerRules, run_rounds  # noqa: E402
 
 LLAMA3_8B = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
 
@@ -126,14 +126,14 @@ def pack_pool(setup: Setup, model: CostModel, scale: CostScale, n: int) -> np.nd
 
 
 SEEDED = -1
-"""``warm`` of a variant whose readers all start from the library's seed (``nodes.cost_seed``):
+"""``warm`` of a variant whose readers all start from the library's seed (``plan.cost_seed``):
 the packs of one shared sample of ``SEED_SAMPLES`` lengths, the same histogram on every rank."""
 
 
 def seed_of(setup: Setup, model: CostModel, scale: CostScale) -> np.ndarray:
     """The seed histogram every rank starts from, made the node's way from one sample of lengths
     (of an independent stream: the shard indexes' lengths, not any rank's own documents)."""
-    from streampack.nodes.cost_seed import SEED_SAMPLES, seed_counts
+    from streampack.plan.cost_seed import SEED_SAMPLES, seed_counts
 
     sample = doc_lengths(np.random.default_rng((setup.seed, 0x5EED)), SEED_SAMPLES, setup.capacity)
     rules = PackerRules(capacity=setup.capacity, window=setup.window, seed=setup.seed)
@@ -233,8 +233,8 @@ def state_bytes(setup: Setup, model: CostModel, balance: Balance | None, steps: 
     from torchdata.nodes import IterableWrapper
 
     from streampack.nodes.window_packer import WindowPacker
+    from streampack.plan.state import state_nbytes
     from streampack.sample import Sample, SampleOrigin
-    from streampack.state import state_nbytes
 
     rng = np.random.default_rng(setup.seed)
     lengths = doc_lengths(rng, 200 * setup.window, setup.capacity)

@@ -20,7 +20,7 @@ balances by, and with attention 1.5× heavier (what an H100 measured: the balanc
 
 Modes: token-only (``balance=None``), cost-balanced with a cold histogram
 (``Balance(seeded=False)``: every reader counts from nothing) and cost-balanced as shipped (the
-histogram seeded from the shard indexes, :mod:`streampack.nodes.cost_seed`). Reported: the
+histogram seeded from the shard indexes, :mod:`streampack.plan.cost_seed`). Reported: the
 straggler factor (max over ranks / mean, per step) averaged over steps ``[0, steps)`` and over the
 second half alone, its 99th percentile, and the seconds each mode took.
 """

@@ -1,7 +1,7 @@
 """Time to the first batch, by window and document length, with and without the packer's warm-up.
 
 A fresh packer used to read and tokenize a whole window (``window`` samples per DataLoader
-worker) before it emitted a pack; with the warm-up (:mod:`streampack.nodes.window_rounds`) its
+worker) before it emitted a pack; with the warm-up (:mod:`streampack.packing.window_rounds`) its
 first round holds ``warmup`` = 64 samples and each later round doubles, up to ``window``.
 
 Rows:
@@ -45,7 +45,7 @@ def set_warmup(value: int) -> None:
     """The default warm-up of every packer built from now on (and in forked workers): the off
     arm sets it past the window, which is the packer as it was before the warm-up."""
     from streampack.nodes.window_packer import WindowPacker
-    from streampack.nodes.window_rounds import PackerRules
+    from streampack.packing.window_rounds import PackerRules
 
     WindowPacker.__init__.__kwdefaults__["warmup"] = value
     PackerRules.__init__.__kwdefaults__["warmup"] = value
@@ -70,7 +70,7 @@ def first_batch_seconds(urls: list[str], tokenizer: str, window: int, runs: int)
 
 
 def fill_rows(windows: list[int], sizes: list[int]) -> list[dict[str, Any]]:
-    from streampack.nodes.window_rounds import WARMUP, PackerRules, count_packs
+    from streampack.packing.window_rounds import WARMUP, PackerRules, count_packs
 
     rows = []
     for mean in (600, 1900):
@@ -88,7 +88,7 @@ def fill_rows(windows: list[int], sizes: list[int]) -> list[dict[str, Any]]:
 
 def run(runs: int = 3, quick: bool = False, windows: list[int] | None = None,
         doc_sizes: list[int] | None = None) -> list[dict[str, Any]]:
-    from streampack.nodes.window_rounds import WARMUP
+    from streampack.packing.window_rounds import WARMUP
 
     windows = windows or ([256, 1024] if quick else [256, 1024, 4096])
     doc_sizes = doc_sizes or ([1900] if quick else [600, 1900])

@@ -198,7 +198,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] = SIZES, repeats: int = 5) -
 
 def online_fill(windows: tuple[int, ...] = (256, 1024), n: int = 100_000) -> list[dict]:
     """Fill of the window packer's rounds (default rules) against offline ``bfd``, in percent."""
-    from streampack.nodes.window_rounds import PackerRules, run_rounds
+    from streampack.packing.window_rounds import PackerRules, run_rounds
 
     rows = []
     for dist in ("lognormal", "heavy_tail"):

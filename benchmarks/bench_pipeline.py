@@ -28,7 +28,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from streampack import packing
 from streampack.dataset import PackedDataset
 from streampack.options import PackOptions
-from streampack.state import state_nbytes
+from streampack.plan.state import state_nbytes
 
 CAP = 4096
 

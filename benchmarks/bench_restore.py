@@ -49,7 +49,7 @@ def _loader(urls: list[str], workers: int, state=None):
 
     from streampack import PackedDataset
     from streampack.options import PackOptions
-    from streampack.state import load_loader_state
+    from streampack.plan.state import load_loader_state
 
     ds = PackedDataset(urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=PACKS, packing=PackOptions(window=WINDOW))
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None)
@@ -64,7 +64,7 @@ def _child(what: str, urls: list[str], scratch: str, at: float, after: int) -> d
     from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: F401
 
     from streampack import PackedDataset  # noqa: F401
-    from streampack.state import load_loader_state  # noqa: F401
+    from streampack.plan.state import load_loader_state  # noqa: F401
 
     workers = 2 if what in ("w2", "save2") else 0
     path = os.path.join(scratch, f"state-w{workers}.pt")

@@ -7,7 +7,7 @@ Each measurement is a fresh interpreter playing reader ``dp_rank=0`` of ``dp_siz
 (``num_workers=0``): an infinite stream, a finite planned epoch and an elastic start (the states
 of every reader of a run on ``D/2`` ranks — at most ``--old-max``, 64: each old reader is run to
 its first batch to make its state — or 2 for D=1, resumed on D). No ``torch.distributed``
-runs here, so the store agreement (``streampack.agree``) is absent; without it a reader would
+runs here, so the store agreement (``streampack.plan.agree``) is absent; without it a reader would
 count every reader's batches (the documented fallback, O(samples)). To measure the path a
 distributed run takes, the child injects a fake agreement that returns the reader's own count
 as its rank's (what one store round returns, minus the round itself) — said in the table.
@@ -41,7 +41,7 @@ import json, resource, sys, time, types, urllib.request
 cfg = json.loads(sys.argv[1])
 t0 = time.perf_counter(); c0 = time.process_time()
 import torch
-import streampack.graph as graph, streampack.reshard as reshard
+import streampack.graph.build as graph, streampack.plan.reshard as reshard
 from streampack import PackedDataset
 if cfg["fake_agree"]:
     own = lambda key, r, w, n, c: types.SimpleNamespace(target=c, workers=(c,))
@@ -145,8 +145,8 @@ def old_states(urls: list[str], manifest: str, dp_size: int, path: Path) -> None
 
     import torch
 
-    import streampack.graph as graph
-    import streampack.reshard as reshard
+    import streampack.graph.build as graph
+    import streampack.plan.reshard as reshard
     from streampack import PackedDataset
     from streampack.options import PackOptions, ReadOptions, TopologyOptions
 
@@ -248,10 +248,10 @@ def constants() -> dict[str, float]:
     """Measured per-unit costs of planning: prefix sums and cut per shard, packer count per sample."""
     import numpy as np
 
-    from streampack.nodes.epoch_plan import Counting as Count
-    from streampack.nodes.epoch_plan import count_batches
-    from streampack.nodes.sharding import PrefixCut, epoch_permutation
-    from streampack.nodes.window_rounds import PackerRules
+    from streampack.packing.window_rounds import PackerRules
+    from streampack.plan.epoch_plan import Counting as Count
+    from streampack.plan.epoch_plan import count_batches
+    from streampack.plan.sharding import PrefixCut, epoch_permutation
 
     n = 100_000
     rng = np.random.default_rng(0)

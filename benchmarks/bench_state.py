@@ -36,7 +36,7 @@ from report import emit_rows  # noqa: E402  (benchmarks/report.py; this folder i
 from streampack.dataset import PackedDataset
 from streampack.nodes.stages import MapSamples, NodeStage
 from streampack.options import PackOptions
-from streampack.state import state_nbytes
+from streampack.plan.state import state_nbytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
@@ -106,8 +106,8 @@ def plan_rows(samples: int, ranks: tuple[int, ...], workers: int = 2, capacity: 
     from streampack.io.index import ShardIndex
     from streampack.io.manifest import Manifest, ShardTotals
     from streampack.io.storage import ShardStat
-    from streampack.nodes.epoch_plan import Counting, EpochPlanner
-    from streampack.nodes.window_rounds import PackerRules
+    from streampack.packing.window_rounds import PackerRules
+    from streampack.plan.epoch_plan import Counting, EpochPlanner
 
     lengths = lognormal(samples, 600)
     shards = np.array_split(lengths, 16)
@@ -147,7 +147,7 @@ class _Agreed:
 def _sync_worker(rank: int, world: int, init: str, steps: int, out: str) -> None:
     import torch.distributed as dist
 
-    from streampack.sync import sync_batches
+    from streampack.plan.sync import sync_batches
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 

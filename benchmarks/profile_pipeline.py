@@ -187,7 +187,7 @@ def resume_times(urls: list[str], workers: int, repeats: int) -> dict[str, float
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    import streampack.nodes.replay as replay
+    import streampack.plan.replay as replay
 
     def make() -> StatefulDataLoader:
         return StatefulDataLoader(dataset(urls), batch_size=None, num_workers=workers,

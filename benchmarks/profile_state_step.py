@@ -14,7 +14,7 @@ every batch).
     python benchmarks/profile_state_step.py [--tokens 4e6] [--batches 100] [--dir DIR]
 
 Run it with another checkout first on ``PYTHONPATH`` (e.g. a worktree of an older commit) to
-compare trees: the 154 -> 80 leaves and 285 -> 221 µs in ``streampack/state.py``'s
+compare trees: the 154 -> 80 leaves and 285 -> 221 µs in ``streampack/plan/state.py``'s
 ``record_text`` are this script at the commit before that change and after it (2026-11-27, the
 2-core box running CI beside it).
 """

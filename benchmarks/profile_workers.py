@@ -165,7 +165,7 @@ def child_save(urls: list[str], workers: int, path: str) -> dict[str, Any]:
 def child_resume(urls: list[str], workers: int, path: str) -> dict[str, Any]:
     import torch
 
-    from streampack.state import load_loader_state
+    from streampack.plan.state import load_loader_state
 
     start = time.perf_counter()
     saved = torch.load(path, weights_only=True)

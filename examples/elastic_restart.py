@@ -7,7 +7,7 @@ The first run trains a tiny GPT on one finite epoch over 2 ranks, each reading t
 ``StatefulDataLoader`` with 2 workers, and stops after ``--stop-after`` steps as if preempted.
 Its checkpoint holds the model, the optimizer, and the data state of *every reader of every
 rank*: each rank takes its workers' states out of its loader state
-(``streampack.state.dataset_states``), the ranks ``all_gather_object`` them, and rank 0 saves
+(``streampack.plan.state.dataset_states``), the ranks ``all_gather_object`` them, and rank 0 saves
 the list. (With ``torch.distributed.checkpoint`` each rank would instead save its own list
 under its own key, and every rank would load all of them.)
 
@@ -38,7 +38,7 @@ from tiny_gpt import TinyGPT, packed_forward  # noqa: E402
 from streampack import PackedDataset  # noqa: E402
 from streampack.attention.loss import global_num_targets, packed_cross_entropy  # noqa: E402
 from streampack.options import PackOptions, ReadOptions
-from streampack.state import dataset_states  # noqa: E402
+from streampack.plan.state import dataset_states  # noqa: E402
 
 DOCS = 4 * 60
 

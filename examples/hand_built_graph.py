@@ -6,7 +6,7 @@ Two ways, both checked against ``PackedDataset`` batch for batch:
 1. by hand, node by node: streampack's reader, tokenizer, overlong policy, window packer and
    THD collate, with torchdata's ``ParallelMapper`` (threads) tokenizing and ``Prefetcher`` /
    ``PinMemory`` in front of the loop;
-2. with the one graph builder ``PackedDataset`` itself uses (``streampack.graph.build_graph``),
+2. with the one graph builder ``PackedDataset`` itself uses (``streampack.graph.build.build_graph``),
    wrapping named stages with torchdata nodes through ``around=``.
 
 Run: ``python examples/hand_built_graph.py`` (writes a small text corpus to a temp dir).
@@ -22,7 +22,7 @@ import torch
 from torchdata.nodes import Loader, ParallelMapper, PinMemory, Prefetcher
 
 from streampack import PackedDataset
-from streampack.graph import Placement, Sources, StreamConfig, build_graph
+from streampack.graph.build import Placement, Sources, StreamConfig, build_graph
 from streampack.io.urls import ShardList
 from streampack.nodes import OverlongNode, ShardReader, TextEncoder, ThdCollate, WindowPacker
 from streampack.options import PackOptions, TokenizeOptions

@@ -33,7 +33,7 @@ from tiny_gpt import TinyGPT, packed_forward  # noqa: E402
 from streampack import PackedDataset  # noqa: E402
 from streampack.attention.loss import packed_cross_entropy  # noqa: E402
 from streampack.options import PackOptions, ReadOptions
-from streampack.state import load_loader_state  # noqa: E402
+from streampack.plan.state import load_loader_state  # noqa: E402
 
 VOCAB = 64
 

@@ -18,7 +18,7 @@ _LAZY = {
     "PackOptions": "streampack.options",
     "TopologyOptions": "streampack.options",
     "CostOptions": "streampack.options",
-    "sync_batches": "streampack.sync",
+    "sync_batches": "streampack.plan.sync",
     "PackedBatch": "streampack.layout.batch",
     "alignment": "streampack.layout.batch",
     "check_invariants": "streampack.layout.batch",

@@ -1,11 +1,11 @@
 """PackedDataset: shards -> PackedBatch, as a resumable ``IterableDataset``.
 
-A thin front over :func:`streampack.graph.build_graph`: the constructor expands the sources
+A thin front over :func:`streampack.graph.build.build_graph`: the constructor expands the sources
 once, resolves the topology once, and builds the graph once in the main process, which is
 where every setting is validated (by the node that uses it). ``__iter__`` builds the same
 graph in each DataLoader worker and continues from a loaded state if there is one — its own
 state on the same topology, or its share of every old reader's state after a change of
-``dp_size`` / ``num_workers`` (:mod:`streampack.elastic`).
+``dp_size`` / ``num_workers`` (:mod:`streampack.plan.elastic`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import torch
 from torch.utils.data import IterableDataset
 
 from streampack.errors import log_worker_error
-from streampack.graph import Graph, build_graph, counting_for, graph_metrics, manifest_of
+from streampack.graph.build import Graph, build_graph, counting_for, graph_metrics, manifest_of
+from streampack.graph.preflight import preflight
 from streampack.layout import transfer
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
-from streampack.nodes.epoch_plan import unplannable
 from streampack.nodes.epochs import add_metrics
 from streampack.nodes.window_packer import fill
 from streampack.options import (
@@ -36,19 +36,10 @@ from streampack.options import (
     TopologyOptions,
     with_shortcuts,
 )
-from streampack.passes import PassTracker
-from streampack.preflight import preflight
-from streampack.reshard import PendingResume
-from streampack.settings import (
-    Placement,
-    Share,
-    StreamConfig,
-    URLs,
-    fingerprint_settings,
-    sources_of,
-    tokenizer_id,
-)
-from streampack.state import (
+from streampack.plan.epoch_plan import unplannable
+from streampack.plan.passes import PassTracker
+from streampack.plan.reshard import PendingResume
+from streampack.plan.state import (
     FINGERPRINT_KEY,
     GRAPH_KEY,
     METRICS_KEY,
@@ -62,7 +53,16 @@ from streampack.state import (
     record_of,
     record_text,
 )
-from streampack.topology import current_worker, resolve_topology
+from streampack.plan.topology import current_worker, resolve_topology
+from streampack.settings import (
+    Placement,
+    Share,
+    StreamConfig,
+    URLs,
+    fingerprint_settings,
+    sources_of,
+    tokenizer_id,
+)
 
 # ``numpy.random`` is imported here, in the training process, because every DataLoader worker seeds
 # it as it starts (torch's worker loop): forked workers inherit the module instead of each
@@ -71,7 +71,7 @@ from streampack.topology import current_worker, resolve_topology
 _STATELESS_MAIN = ("this PackedDataset is read by DataLoader worker processes: the copy in the main process "
                    "has no position, so its state_dict() would silently restart the data. Checkpoint the loader "
                    "instead: torchdata's StatefulDataLoader(ds, batch_size=None, num_workers=N) and "
-                   "loader.state_dict() (each worker's state is inside; streampack.state.dataset_states() lists "
+                   "loader.state_dict() (each worker's state is inside; streampack.plan.state.dataset_states() lists "
                    "them), or the streampack.integrations helpers for your trainer")
 
 
@@ -214,7 +214,7 @@ class PackedDataset(IterableDataset):
         return record_of(self._fingerprint_text(num_workers))
 
     def _fingerprint_text(self, num_workers: int) -> str:
-        """The fingerprint as a state keeps it (:func:`~streampack.state.record_text`). The settings
+        """The fingerprint as a state keeps it (:func:`~streampack.plan.state.record_text`). The settings
         never change after construction, and StatefulDataLoader asks every worker for its state
         after every batch: made once per worker count (85 µs a time, ~2% of a batch of 8 x 4096
         pre-tokenized tokens)."""
@@ -272,7 +272,7 @@ class PackedDataset(IterableDataset):
 
     def metrics(self) -> dict[str, Any]:
         """Counters of this process's graph (with DataLoader workers, read them from the loader
-        state: ``[s["metrics"] for s in streampack.state.dataset_states(loader.state_dict())]``)."""
+        state: ``[s["metrics"] for s in streampack.plan.state.dataset_states(loader.state_dict())]``)."""
         if self._graph is None:
             return {}
         now = graph_metrics(self._graph.nodes)
@@ -367,7 +367,7 @@ def _agreement(dp_group: Any, dp_rank: int, dp_size: int) -> Any:
     if dp_size == 1:
         return None
     try:
-        from streampack.agree import Agreement
+        from streampack.plan.agree import Agreement
     except ImportError:  # not in this build yet
         return None
     return Agreement.from_dist(dp_group, dp_rank, dp_size)

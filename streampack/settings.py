@@ -24,8 +24,6 @@ from streampack.io.packed_format import Manifest, is_packed_dataset, packed_mani
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.media.options import MediaOptions
-from streampack.nodes.sharding import Span
-from streampack.nodes.window_rounds import default_max_wait
 from streampack.options import (
     SHORTCUTS,
     CostOptions,
@@ -35,6 +33,8 @@ from streampack.options import (
     TopologyOptions,
 )
 from streampack.options._check import need_int, need_type
+from streampack.packing.window_rounds import default_max_wait
+from streampack.plan.sharding import Span
 
 URLs = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
@@ -178,7 +178,7 @@ class Placement:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Share:
-    """What an elastic resume hands one new reader (see :mod:`streampack.elastic`): its part of
+    """What an elastic resume hands one new reader (see :mod:`streampack.plan.elastic`): its part of
     the old readers' unread samples, to read in ``epoch`` before the regular plan resumes."""
 
     epoch: int
@@ -190,7 +190,7 @@ class Share:
     """Offline packs to read (a ``streampack pack`` directory)."""
     quota: Any = None
     """Batches to yield in ``epoch`` (finite streams with several ranks): an int, or a
-    ``nodes.quota.LateQuota`` that settles after the reader's first batch."""
+    ``plan.quota.LateQuota`` that settles after the reader's first batch."""
     identities: Mapping[int, Any] = field(default_factory=dict)
     """Shard -> the identity (``io.storage.ShardStat``) the old readers recorded: the new reader
     refuses a shard that changed since when it opens it."""

@@ -16,7 +16,7 @@ import sys
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from streampack.agree import Agreement, agree_counts
+from streampack.plan.agree import Agreement, agree_counts
 
 
 class Rounds(IterableDataset):

@@ -124,7 +124,7 @@ def through_loader(urls: list[str], *, num_workers: int, capacity: int = 64,
 
     from streampack.dataset import PackedDataset
     from streampack.options import PackOptions
-    from streampack.state import dataset_states
+    from streampack.plan.state import dataset_states
 
     ds = PackedDataset(urls, capacity=capacity, epochs=1, shuffle=False, packing=PackOptions(window=8), **kw)
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)

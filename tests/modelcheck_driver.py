@@ -54,11 +54,11 @@ from modelcheck_schedule import Schedule, Step, corpus_records, schedule_for, sh
 from topology_sim import SimRank
 
 from streampack import PackedDataset
-from streampack.elastic import find_state
 from streampack.errors import DataError
 from streampack.nodes.window_packer import WindowPacker
 from streampack.options import TopologyOptions
-from streampack.state import table_size
+from streampack.plan.elastic import find_state
+from streampack.plan.state import table_size
 
 COVERAGE: Counter = Counter()
 """What the schedules checked so far exercised (``test_model_check`` asserts it is not vacuous)."""

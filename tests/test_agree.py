@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
-from streampack.agree import Agreement, RankCounts, agree_counts
+from streampack.plan.agree import Agreement, RankCounts, agree_counts
 
 
 @pytest.fixture()

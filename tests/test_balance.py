@@ -13,7 +13,6 @@ from node_checks import ListSource, check_save_load, lognormal_lengths, make_sam
 from streampack.nodes.collate import ThdCollate
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.window_packer import WindowPacker
-from streampack.nodes.window_rounds import PackerRules, count_packs
 from streampack.packing import CostModel
 from streampack.packing.reservoir import Reservoir
 from streampack.packing.schedule import (
@@ -24,6 +23,7 @@ from streampack.packing.schedule import (
     schedule_point,
     target_quantiles,
 )
+from streampack.packing.window_rounds import PackerRules, count_packs
 
 CAP = 256
 MODEL = CostModel(linear=1.0, attention=4.0 / CAP)  # a full single-document pack costs 5 light ones

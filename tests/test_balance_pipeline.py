@@ -14,13 +14,13 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack import check_invariants
 from streampack.dataset import PackedDataset
-from streampack.elastic import find_state
-from streampack.graph import build_graph
+from streampack.graph.build import build_graph
 from streampack.integrations.metrics import StreamMetrics
 from streampack.nodes.collate import is_filler
 from streampack.options import CostOptions, PackOptions, TopologyOptions
 from streampack.packing import CostModel
 from streampack.packing.schedule import Balance
+from streampack.plan.elastic import find_state
 from streampack.settings import Placement
 
 SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 128}

@@ -11,16 +11,16 @@ from helpers_data import serve_directory
 from node_checks import write_token_shards
 
 from streampack.dataset import PackedDataset
-from streampack.graph import build_graph
+from streampack.graph.build import build_graph
 from streampack.io.index import index_decode
 from streampack.io.limits import Limits
 from streampack.io.manifest import build_manifest
-from streampack.nodes import cost_seed
-from streampack.nodes.cost_seed import SEED_WEIGHT, sample_lengths, seed_counts
-from streampack.nodes.epoch_plan import chunk_lengths
-from streampack.nodes.window_rounds import PackerRules
 from streampack.packing import CostModel
 from streampack.packing.schedule import Balance, CostScale
+from streampack.packing.window_rounds import PackerRules
+from streampack.plan import cost_seed
+from streampack.plan.cost_seed import SEED_WEIGHT, sample_lengths, seed_counts
+from streampack.plan.epoch_plan import chunk_lengths
 from streampack.settings import Placement
 
 SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 128}

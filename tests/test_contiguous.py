@@ -20,10 +20,10 @@ from helpers_formats import write_parquet_shards
 from helpers_hostile import archive, member, npy_bytes, sample, write_bytes
 from node_checks import roundtrip, take
 
-from streampack.contiguous import CONTIGUOUS_ENV
 from streampack.dataset import PackedDataset
 from streampack.errors import DataError
-from streampack.graph import build_graph
+from streampack.graph.build import build_graph
+from streampack.graph.contiguous import CONTIGUOUS_ENV
 from streampack.io.urls import ShardList
 from streampack.layout.batch import pack_batch
 from streampack.layout.slices import pack_slices

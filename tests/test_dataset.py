@@ -15,7 +15,7 @@ from streampack import PackedBatch, check_invariants
 from streampack.dataset import PackedDataset
 from streampack.nodes.stages import MapSamples, NodeStage
 from streampack.options import PackOptions, TopologyOptions
-from streampack.state import check_loader_state, dataset_states, load_loader_state
+from streampack.plan.state import check_loader_state, dataset_states, load_loader_state
 
 CAP = 512
 
@@ -168,7 +168,7 @@ def test_fingerprint_knows_which_tokenizer(tmp_path) -> None:
         return PackedDataset(urls, capacity=CAP, tokenizer=tok, packing=PackOptions(window=8, pad_id=pad_id))
 
     saved = ds(str(a)).fingerprint(0)
-    from streampack.state import check_fingerprint
+    from streampack.plan.state import check_fingerprint
 
     check_fingerprint(saved, ds(str(a)).fingerprint(0))
     with pytest.raises(ValueError, match="tokenizer: saved 'sha1:"):

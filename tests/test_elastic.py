@@ -26,13 +26,13 @@ from node_checks import canon, collect_documents, write_token_shards
 from topology_sim import SimRank, roundtrip
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from streampack import elastic
 from streampack.dataset import PackedDataset
 from streampack.nodes.collate import FILLER_KEY
-from streampack.nodes.sharding import Span
 from streampack.nodes.stages import MapSamples, NodeStage
 from streampack.options import PackOptions, TokenizeOptions, TopologyOptions
-from streampack.state import dataset_states, record_of, table_size
+from streampack.plan import elastic
+from streampack.plan.sharding import Span
+from streampack.plan.state import dataset_states, record_of, table_size
 
 CAP = 256
 
@@ -347,7 +347,7 @@ def test_old_readers_plans_come_from_their_states_without_index_reads(shards, mo
     shard (the old plans were re-made for all old readers). A reader's state now keeps its planned
     epoch's first and last span (``work_ends``), so the old plans are rebuilt from the states and
     the manifest with no index read; the resume is still exact."""
-    from streampack.nodes.epoch_plan import EpochPlanner
+    from streampack.plan.epoch_plan import EpochPlanner
 
     urls, _ = shards
     make = lambda r, size: _ds(urls, r, size, window=8, packs_per_batch=1)  # noqa: E731

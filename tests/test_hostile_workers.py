@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from streampack.dataset import PackedDataset
 from streampack.errors import DataError
 from streampack.options import PackOptions, ReadOptions
-from streampack.state import dataset_states
+from streampack.plan.state import dataset_states
 
 
 def test_data_error_rebuilds_from_its_message_and_pickles() -> None:

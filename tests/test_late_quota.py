@@ -17,10 +17,10 @@ from node_checks import collect_documents, write_token_shards
 from topology_sim import SimRank
 from torch.distributed import TCPStore
 
-from streampack.agree import Agreement
 from streampack.dataset import PackedDataset
 from streampack.io.manifest import Manifest
 from streampack.nodes.collate import ThdCollate, is_filler
+from streampack.plan.agree import Agreement
 
 CAP, RANKS, WORKERS = 256, 3, 2
 
@@ -144,8 +144,8 @@ def test_a_late_quota_smaller_than_the_data_is_refused(data):
     from node_checks import ListSource, make_samples
 
     from streampack.nodes.overlong import OverlongNode
-    from streampack.nodes.quota import LateQuota, Settled
     from streampack.nodes.window_packer import WindowPacker
+    from streampack.plan.quota import LateQuota, Settled
 
     late = LateQuota(count=lambda: 2, settle=lambda mine: Settled(quota=mine, batches=mine, rank_fillers=0),
                      background=False)

@@ -213,8 +213,8 @@ def test_planned_equal_batches_count_image_tokens(tmp_path: Path) -> None:
 def test_elastic_resume_trains_every_image_sample_once(tmp_path: Path, equal: str) -> None:
     from collections import Counter
 
-    from streampack import elastic
-    from streampack.state import table_size
+    from streampack.plan import elastic
+    from streampack.plan.state import table_size
     from tests.topology_sim import SimRank
 
     urls = [str(write_tar(tmp_path / f"{i}.tar", 14, seed=i, max_images=2)) for i in range(3)]

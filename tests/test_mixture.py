@@ -21,7 +21,7 @@ from streampack.dataset import PackedDataset
 from streampack.nodes.mixture import CONFIG_KEY, Mixture
 from streampack.nodes.reader import ShardReader
 from streampack.options import PackOptions, ReadOptions
-from streampack.state import load_loader_state, record_of
+from streampack.plan.state import load_loader_state, record_of
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from streampack.layout.stats import WorkerStats
 from streampack.logs import event_counts, get_logger, reset_rate_limits, warn_every
 from streampack.nodes.collate import FILLER_KEY
 from streampack.options import PackOptions, ReadOptions, TopologyOptions
-from streampack.state import dataset_states
+from streampack.plan.state import dataset_states
 
 
 @pytest.fixture(autouse=True)

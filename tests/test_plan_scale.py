@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from streampack.nodes.epoch_plan import Counting, EpochPlanner, equalize
-from streampack.nodes.window_rounds import PackerRules
+from streampack.packing.window_rounds import PackerRules
+from streampack.plan.epoch_plan import Counting, EpochPlanner, equalize
 
 
 @dataclass(frozen=True)

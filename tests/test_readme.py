@@ -148,7 +148,7 @@ NAMES = {
     "streampack.rl": ["apply_dynamic_plan", "apply_packed_plan", "MicroBatchPlan"],
     "streampack.packing": ["pack", "pack_flat", "PackResult", "THRESHOLD", "CostModel", "ALGORITHMS",
                            "karmarkar_karp", "packing_metrics", "PackingMetrics", "MetricsAccumulator", "Balance"],
-    "streampack.state": ["dataset_states", "load_loader_state"],
+    "streampack.plan.state": ["dataset_states", "load_loader_state"],
     "streampack.nodes.stages": ["NodeStage"],
     "streampack.errors": ["DataError"],
 }
@@ -161,7 +161,6 @@ def test_names_used_in_the_readme_import(module):
         assert hasattr(mod, name), f"{module}.{name}"
 
 
-@pytest.mark.filterwarnings("ignore:streampack.* is deprecated:DeprecationWarning")  # the README names moved modules
 def test_every_dotted_name_in_the_readme_resolves():
     """``streampack.x.y`` written anywhere in the README is a real module or attribute."""
     for dotted in sorted(set(re.findall(r"`(streampack(?:\.[A-Za-z_]\w*)+)", README))):

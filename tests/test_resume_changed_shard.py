@@ -24,13 +24,13 @@ from helpers_faults import serve_faulty
 from topology_sim import SimRank
 
 from streampack import PackedDataset
-from streampack.elastic import find_state
 from streampack.errors import DataError
 from streampack.io.index import index_decode
 from streampack.io.manifest import HISTORY_DIR, HISTORY_KEEP, build_manifest, load_manifest, load_saved
 from streampack.nodes.collate import FILLER_KEY
 from streampack.nodes.reader import MANIFEST_KEY
-from streampack.state import record_of
+from streampack.plan.elastic import find_state
+from streampack.plan.state import record_of
 
 DP = 2
 OPTIONS = {"capacity": 48, "window": 2, "packs_per_batch": 1, "epochs": 1, "seed": 3}

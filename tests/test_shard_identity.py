@@ -18,7 +18,7 @@ from streampack import PackedDataset
 from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
 from streampack.options import PackOptions, ReadOptions
-from streampack.state import record_of
+from streampack.plan.state import record_of
 
 
 def _touch_later(path: str) -> None:

@@ -11,8 +11,8 @@ from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
 from node_checks import roundtrip
 
 from streampack.nodes.reader import ShardReader
-from streampack.nodes.sharding import assign_shards, cut_two_level, epoch_permutation
-from streampack.topology import Worker, current_worker, resolve_topology
+from streampack.plan.sharding import assign_shards, cut_two_level, epoch_permutation
+from streampack.plan.topology import Worker, current_worker, resolve_topology
 
 
 def docs_with_ids(n: int, seed: int = 0) -> list[list[int]]:
@@ -217,7 +217,7 @@ def test_prefix_cut_is_cut_two_level_from_shard_totals(seed):
     """The per-reader cut from shard prefix sums gives exactly the boundaries ``cut_two_level``
     gives over every sample's cost (zero costs, empty shards, more readers than samples), and
     opens only the shards a boundary falls in."""
-    from streampack.nodes.sharding import PrefixCut
+    from streampack.plan.sharding import PrefixCut
 
     rng = np.random.default_rng(seed)
     for _ in range(400):

@@ -17,7 +17,7 @@ from topology_sim import roundtrip
 from streampack.dataset import PackedDataset
 from streampack.nodes.stages import MapSamples, NodeStage
 from streampack.options import PackOptions
-from streampack.state import dataset_states, record_of, state_nbytes
+from streampack.plan.state import dataset_states, record_of, state_nbytes
 
 
 def _shards(tmp_path, lengths, num_shards: int = 2, seed: int = 0) -> list[str]:
@@ -26,8 +26,8 @@ def _shards(tmp_path, lengths, num_shards: int = 2, seed: int = 0) -> list[str]:
 
 
 def _carried(state) -> int:
-    from streampack.elastic import find_state
-    from streampack.state import table_size
+    from streampack.plan.elastic import find_state
+    from streampack.plan.state import table_size
 
     return table_size(find_state(state["graph"], "WindowPacker")["table"])
 
@@ -119,7 +119,7 @@ def _leaves(tree) -> int:
 def test_settings_and_counters_are_one_leaf_each_in_the_per_step_state(tmp_path):
     """StatefulDataLoader flattens, diffs and rebuilds every worker's state after every batch,
     leaf by leaf: the fingerprint (36 settings) and the metrics (40 counters) were ~75 of ~155
-    leaves (~5% of a 2-worker epoch's CPU: streampack.state.record_text). Each is one JSON text
+    leaves (~5% of a 2-worker epoch's CPU: streampack.plan.state.record_text). Each is one JSON text
     now; decoded, they are the dicts they were, and the state resumes exactly."""
     urls = _shards(tmp_path, [300] * 40)
 
@@ -165,7 +165,7 @@ def test_node_records_are_one_leaf_each_and_a_state_of_another_layout_is_refused
     """torchdata rebuilds every worker's state from its flat leaves in the training process after
     every batch (``_unflatten``: work per leaf and per level of its key): each reader's config and
     identity and each node's counters and metrics are one JSON text now, so a state is 44 leaves
-    and 199 key levels, not 82 and 426 (streampack.state.record_text). Decoded they are the dicts
+    and 199 key levels, not 82 and 426 (streampack.plan.state.record_text). Decoded they are the dicts
     they were. No release ever wrote another layout, so none is read: a state of the layout that
     kept them as dicts (version 3) is refused naming both versions, and so is one that claims this
     version but keeps a dict record."""

@@ -23,8 +23,8 @@ from streampack.dataset import PackedDataset
 from streampack.nodes.collate import ThdCollate, is_filler
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.window_packer import WindowPacker
-from streampack.nodes.window_rounds import PackerRules, count_packs
 from streampack.options import PackOptions, ReadOptions, TopologyOptions
+from streampack.packing.window_rounds import PackerRules, count_packs
 
 CAP = 512
 
@@ -111,7 +111,7 @@ def test_plan_counts_exactly_the_packs_the_node_emits(seed):
     carry = lognormal_lengths(int(rng.integers(0, 40)), mean=cap / 3, seed=seed + 7, max_len=cap)
     rules = PackerRules(capacity=cap, window=int(rng.choice([1, 8, 32])), align=align, seed=seed,
                         max_wait=int(rng.integers(1, 5)), algorithm=str(rng.choice(["bfd", "ffd", "kk"])))
-    from streampack.state import samples_to_table
+    from streampack.plan.state import samples_to_table
 
     node = WindowPacker(ListSource(make_samples(lengths)), capacity=cap, window=rules.window, align=align,
                         seed=seed, max_wait=rules.max_wait, algorithm=rules.algorithm,
@@ -130,7 +130,7 @@ def test_plan_counts_the_warmup_rounds_exactly(seed):
     rules = PackerRules(capacity=cap, window=int(rng.choice([96, 256, 512])), seed=seed,
                         max_wait=int(rng.integers(1, 9)), warmup=int(rng.choice([1, 4, 16, 64])),
                         algorithm=str(rng.choice(["bfd", "ffd", "kk"])))
-    from streampack.state import samples_to_table
+    from streampack.plan.state import samples_to_table
 
     node = WindowPacker(ListSource(make_samples(lengths)), capacity=cap, window=rules.window, seed=seed,
                         max_wait=rules.max_wait, algorithm=rules.algorithm, warmup=rules.warmup,
@@ -184,7 +184,7 @@ def test_reiterating_reshuffles_identically_with_any_worker_count(tmp_path):
 def test_one_reader_reads_a_finite_epoch_without_building_indexes(few_shards, monkeypatch) -> None:
     # before: a finite epoch on one rank with no workers indexed every shard (a full extra read,
     # 2.8 s of a 5.9 s epoch in benchmarks/bench_pipeline.py) to plan a split there is no one to share
-    import streampack.graph as graph
+    import streampack.graph.build as graph
 
     urls, docs = few_shards
     want = collect_documents(PackedDataset(urls, capacity=CAP, epochs=1, packing=PackOptions(window=16)))

@@ -14,7 +14,7 @@ from helpers_data import make_token_docs, write_tar_shards
 
 from streampack.dataset import PackedDataset
 from streampack.options import TopologyOptions
-from streampack.topology import process_groups, resolve_topology
+from streampack.plan.topology import process_groups, resolve_topology
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from streampack.nodes.collate import ThdCollate, is_filler
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.stages import MapSamples
 from streampack.nodes.window_packer import WindowPacker, fill
-from streampack.nodes.window_rounds import WARMUP, PackerRules
+from streampack.packing.window_rounds import WARMUP, PackerRules
 
 CAP = 256
 
@@ -179,7 +179,7 @@ def test_window_256_fills_within_a_tenth_of_a_point_of_offline_bfd() -> None:
     """Issue 21: at window 256 the online fill was 0.22 points below offline bfd, most of it packs
     forced out by age after 8 rounds of only 256 samples; the default wait is now ~8,192 samples."""
     from streampack import packing
-    from streampack.nodes.window_rounds import PackerRules, count_packs, default_max_wait
+    from streampack.packing.window_rounds import PackerRules, count_packs, default_max_wait
 
     assert [default_max_wait(w) for w in (64, 256, 1024, 4096)] == [128, 32, 8, 8]
     rng = np.random.default_rng(0)

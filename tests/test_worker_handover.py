@@ -14,7 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from streampack.dataset import PackedDataset
 from streampack.layout import shm_ring, transfer
 from streampack.options import PackOptions
-from streampack.state import load_loader_state
+from streampack.plan.state import load_loader_state
 
 
 @pytest.fixture(scope="module")

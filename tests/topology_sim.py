@@ -17,7 +17,7 @@ from typing import Any
 from node_checks import roundtrip
 
 import streampack.dataset as dataset_mod
-from streampack.topology import Worker
+from streampack.plan.topology import Worker
 
 
 @contextmanager

@@ -56,7 +56,7 @@ class StreampackPeer:
 
         from streampack import PackedDataset
         from streampack.options import PackOptions
-        from streampack.state import load_loader_state
+        from streampack.plan.state import load_loader_state
 
         ds = PackedDataset(self.urls, capacity=self.capacity, epochs=1, seed=0, packs_per_batch=PACKS_PER_BATCH,
                            packing=PackOptions(window=self.window))

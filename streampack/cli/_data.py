@@ -100,12 +100,12 @@ def input_guards(args: Any) -> dict[str, Any]:
 
 class Documents:
     """Every sample of ``urls`` once, in shard order (no shuffle, one epoch, one reader),
-    through the pipeline's own graph (:func:`streampack.graph.build_samples`): the same decoding, tokenization, BOS/EOS, labels, loss
+    through the pipeline's own graph (:func:`streampack.graph.build.build_samples`): the same decoding, tokenization, BOS/EOS, labels, loss
     masks and error policy as ``PackedDataset``, so offline packs and an online stream of the
     same data carry the same targets."""
 
     def __init__(self, urls: Sequence[str], opts: DocumentOptions, *, capacity: int) -> None:
-        from streampack.graph import (
+        from streampack.graph.build import (
             Placement,
             ReadOptions,
             Sources,
@@ -124,7 +124,7 @@ class Documents:
         check_tokenizer(opts.tokenizer)
         config = StreamConfig(capacity=capacity, shuffle=False, epochs=1,
                               tokenize=TokenizeOptions(bos_id=opts.bos_id, eos_id=opts.eos_id))
-        from streampack.preflight import preflight
+        from streampack.graph.preflight import preflight
 
         sources = Sources(shards=ShardList.of(list(urls)))
         options = ReadOptions(tokens_key=opts.tokens_key, text_key=opts.text_key, labels_key=opts.labels_key,

@@ -6,9 +6,9 @@ per rank in the checkpoint folder; Lightning: all ranks' states gathered into th
 On the topology that saved them a process loads its own loader state: bit-identical batches.
 After a change of world size or ``num_workers`` no process has "its own" state any more, so
 :func:`plan_resume` gives back the PackedDataset state of every reader of every old rank, for
-``PackedDataset.load_state_dict([...])`` (:mod:`streampack.elastic`): every sample of the epoch
+``PackedDataset.load_state_dict([...])`` (:mod:`streampack.plan.elastic`): every sample of the epoch
 is then trained exactly once. Cost: one pass over the already-loaded states (a few dicts per
-old reader); the elastic planning itself is :mod:`streampack.elastic`'s.
+old reader); the elastic planning itself is :mod:`streampack.plan.elastic`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from streampack.state import FINGERPRINT_KEY, WORKER_KEY, dataset_record, dataset_states, load_loader_state
+from streampack.plan.state import FINGERPRINT_KEY, WORKER_KEY, dataset_record, dataset_states, load_loader_state
 
 _log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Re-reading chosen samples of a tar shard by their offsets, parsing only those samples.
 
-A restore re-reads the documents its packer window held (:mod:`streampack.nodes.row_replay`):
+A restore re-reads the documents its packer window held (:mod:`streampack.plan.row_replay`):
 a few dozen documents per batch, spread over the span of shard the window covered. The block
 reader (:mod:`streampack.io.tar_block`) follows the header chain from a cluster's first position
 and checks every sample on the way, so each re-read parsed the whole span again: on the

@@ -29,8 +29,8 @@ from streampack.media.placeholders import image_starts
 from streampack.media.stage import media_counts
 from streampack.media.video import MediaVideo
 from streampack.media.video_decode import video_pixels
+from streampack.plan.state import record_of, record_text
 from streampack.sample import Sample
-from streampack.state import record_of, record_text
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,7 @@
 """True sample lengths for planned equal batches: text plus every image's and video's tokens, per shard, cached.
 
 With several ranks and ``equal_batches="plan"`` every reader counts its batches from per-sample
-token lengths (:mod:`streampack.nodes.epoch_plan`). The shard index knows the text ids' lengths
+token lengths (:mod:`streampack.plan.epoch_plan`). The shard index knows the text ids' lengths
 only; a media sample's packed length adds each placeholder's expansion. :class:`MediaLengths`
 gives the planner's count those lengths for the shards it counts: a shard's samples read once
 through the same format reader, image reader (the dataset's read settings) and

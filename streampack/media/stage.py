@@ -1,7 +1,7 @@
 """The length stage: a tokenized image-text sample -> its true packing length, no pixel decoded.
 
 Runs between tokenizing and the overlong policy as a plain function stage, so the resume replay
-(:mod:`streampack.nodes.replay`) repeats it on re-read samples like any pure stage and a resume
+(:mod:`streampack.plan.replay`) repeats it on re-read samples like any pure stage and a resume
 state keeps references only. Each image's token count comes from its header through the rule
 (:mod:`streampack.media.tokens`), each video's from its frame count and first frame's header
 (``VideoFrames``); each placeholder is expanded to that count

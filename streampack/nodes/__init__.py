@@ -1,7 +1,7 @@
 """The pipeline's ``torchdata.nodes.BaseNode`` stages, one per file, in the order data flows.
 
 Compose them by hand (with torchdata's own ``ParallelMapper``, ``Prefetcher``, ``PinMemory``,
-``Loader`` in between) or let :func:`streampack.graph.build_graph` wire them as
+``Loader`` in between) or let :func:`streampack.graph.build.build_graph` wire them as
 ``PackedDataset`` does; see the README's "Build the graph yourself".
 """
 

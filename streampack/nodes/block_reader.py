@@ -31,7 +31,7 @@ from streampack.io.formats import ShardRange, open_range
 from streampack.io.shard_identity import ShardChanged
 from streampack.io.token_block import TokenBlock
 from streampack.nodes.reader import ShardReader
-from streampack.nodes.sharding import ShardSpan, Span
+from streampack.plan.sharding import ShardSpan, Span
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -1,7 +1,7 @@
 """ChunkNode: the overlong policy on document rows, for the contiguous fast path.
 
 What :class:`~streampack.nodes.overlong.OverlongNode` does sample by sample, on runs of rows
-(:mod:`streampack.nodes.rows`): :meth:`ChunkNode.take` hands out the next ``n`` documents after
+(:mod:`streampack.plan.rows`): :meth:`ChunkNode.take` hands out the next ``n`` documents after
 the policy (``split`` into ``capacity``-token chunks keyed ``/0``, ``/1``, ...; ``truncate``;
 ``drop``; ``error``), pulling from the :class:`~streampack.nodes.block_reader.BlockReader`
 exactly the documents the per-sample node would have pulled to give ``n`` (the chunk counts of
@@ -19,7 +19,7 @@ from torchdata.nodes import BaseNode
 
 from streampack.nodes.block_reader import BlockReader, DocRun
 from streampack.nodes.overlong import POLICIES, OverlongCounters, OverlongNode, check_policy
-from streampack.nodes.rows import (
+from streampack.plan.rows import (
     BLOCK,
     CHUNK,
     CUT,
@@ -36,7 +36,7 @@ from streampack.nodes.rows import (
     BlockStore,
     rows_of,
 )
-from streampack.state import record_of, record_text, samples_from_state, samples_to_state
+from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
 
 _LAST = [SOURCE, SHARD, EPOCH, OFFSET, NUMBER, NEXT_OFFSET, NEXT_NUMBER]  # OverlongNode.LAST_COLUMNS
 
@@ -93,7 +93,7 @@ def expand(rows: np.ndarray, max_len: int, policy: str) -> tuple[np.ndarray, np.
 class ChunkNode(BaseNode[np.ndarray]):
     """Rows of at most ``max_len`` tokens after ``policy`` (see the module docstring).
     ``replay(ref)`` re-reads every chunk of the sample at ``[source, shard, offset, number,
-    epoch]`` as rows (a :class:`~streampack.nodes.row_replay.RowReplay`'s ``chunks``)."""
+    epoch]`` as rows (a :class:`~streampack.plan.row_replay.RowReplay`'s ``chunks``)."""
 
     SOURCE_KEY, PENDING_KEY, COUNTERS_KEY, LAST_KEY = (OverlongNode.SOURCE_KEY, OverlongNode.PENDING_KEY,
                                                        OverlongNode.COUNTERS_KEY, OverlongNode.LAST_KEY)

@@ -6,7 +6,7 @@ together never see different shapes: the last batch of a finite stream is comple
 epoch plan or ``batches_per_epoch``) a worker that runs out of data emits whole *filler
 batches* until it reaches the quota. A filler pack holds one document of ``capacity`` pad
 tokens with every label ignored, so it adds zero targets to a token-mean loss; its doc key is
-``"<filler>"``. ``num_batches`` may be a :class:`~streampack.nodes.quota.LateQuota`: it is
+``"<filler>"``. ``num_batches`` may be a :class:`~streampack.plan.quota.LateQuota`: it is
 started once the first batch is out and waited for only when the data runs out (or taken as soon
 as it is ready, to refuse a surplus early). They are counted in ``counters["fillers"]`` (whole batches) and
 ``counters["filler_packs"]`` (packs completing a partial batch) and logged (rate-limited). A
@@ -42,10 +42,10 @@ from streampack.errors import ErrorCounter
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.layout.stats import WorkerStats
 from streampack.logs import event_counts, get_logger, warn_every
-from streampack.nodes.quota import LateQuota
 from streampack.packing.cost import CostModel
+from streampack.plan.quota import LateQuota
+from streampack.plan.state import record_of, record_text
 from streampack.sample import Sample
-from streampack.state import record_of, record_text
 
 FILLER_KEY = "<filler>"
 SLOW_BATCH_ENV = "STREAMPACK_SLOW_BATCH_SECONDS"

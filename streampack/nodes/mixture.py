@@ -35,8 +35,8 @@ from torchdata.nodes.samplers.multi_node_weighted_sampler import (
 )
 from torchdata.nodes.samplers.stop_criteria import StopCriteria
 
+from streampack.plan.state import check_node_config
 from streampack.sample import Sample
-from streampack.state import check_node_config
 
 STOP_RULES: dict[str, str] = {
     "all": StopCriteria.ALL_DATASETS_EXHAUSTED,

@@ -17,8 +17,8 @@ from typing import Any, Literal
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
 from streampack.sample import Sample, SampleOrigin
-from streampack.state import record_of, record_text, samples_from_state, samples_to_state
 
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
 POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")

@@ -31,9 +31,9 @@ from streampack.io.packed_format import (
     read_pack,
     resolve_packed,
 )
-from streampack.nodes.epoch_plan import equalize
+from streampack.plan.epoch_plan import equalize
+from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_version
 from streampack.sample import Sample
-from streampack.state import STATE_VERSION, VERSION_KEY, check_version
 
 
 class PackedShardReader(BaseNode[list[Sample]]):

@@ -26,7 +26,7 @@ State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
      "identity": '{"shards", "sizes", "tags"}',  # the RECENT_SHARDS shards read last
      "manifest": {"all", "tag", "size", "digest": 16 hex}}  # a planned reader: what its plan was cut from
 
-``config`` and ``identity`` are one JSON text each (:func:`streampack.state.record_text`: one leaf
+``config`` and ``identity`` are one JSON text each (:func:`streampack.plan.state.record_text`: one leaf
 each in the state ``StatefulDataLoader`` flattens after every batch). Restoring a state whose
 ``config`` differs raises ``ValueError`` naming both values. A shard that changed since the save is refused by *every* reader, not only the one inside it
 (:class:`~streampack.io.shard_identity.ShardChanged`, a ``DataError`` naming the shard and its
@@ -62,15 +62,14 @@ from streampack.io.retry import IOStats
 from streampack.io.shard_identity import ShardChanged
 from streampack.io.storage import OpenOptions, ShardStat
 from streampack.io.urls import ShardList
-from streampack.nodes.sharding import (
+from streampack.plan.sharding import (
     ShardSpan,
     Span,
     assign_shards,
     spans_from_array,
     spans_to_array,
 )
-from streampack.sample import Sample, SampleOrigin
-from streampack.state import (
+from streampack.plan.state import (
     STATE_VERSION,
     VERSION_KEY,
     check_node_config,
@@ -78,7 +77,8 @@ from streampack.state import (
     record_of,
     record_text,
 )
-from streampack.topology import current_worker, resolve_topology, validate_topology
+from streampack.plan.topology import current_worker, resolve_topology, validate_topology
+from streampack.sample import Sample, SampleOrigin
 
 CONFIG_KEY = "config"
 EPOCH_KEY = "epoch"
@@ -482,7 +482,7 @@ class ShardReader(BaseNode[Sample]):
 
 def identities_to_state(identities: Mapping[int, ShardStat]) -> str:
     """Shard identities as one JSON text of plain lists (``size`` -1 where the store gave none):
-    one leaf of the per-batch state (:func:`streampack.state.record_text`)."""
+    one leaf of the per-batch state (:func:`streampack.plan.state.record_text`)."""
     return record_text({"shards": list(identities),
                         "sizes": [-1 if v.size is None else v.size for v in identities.values()],
                         "tags": [v.tag for v in identities.values()]})

@@ -1,7 +1,7 @@
 """RowCollate: the collate of the contiguous fast path, packs of rows -> one PackedBatch.
 
 A :class:`~streampack.nodes.collate.ThdCollate` (same quota, fillers, counters, stats and state)
-whose packs are :class:`~streampack.nodes.rows.PackRows`: a batch of plain documents is laid out
+whose packs are :class:`~streampack.plan.rows.PackRows`: a batch of plain documents is laid out
 by :func:`~streampack.layout.slices.pack_slices` straight from the buffers the documents were
 read into (one copy of each document's ids); a batch with a filler pack, or with a document
 that came from the per-sample reader carrying labels or a loss mask, is laid out by
@@ -17,7 +17,7 @@ import numpy as np
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.layout.slices import pack_slices
 from streampack.nodes.collate import ThdCollate, filler_pack
-from streampack.nodes.rows import LENGTH, PackRows
+from streampack.plan.rows import LENGTH, PackRows
 
 
 class RowCollate(ThdCollate):

@@ -3,11 +3,11 @@
 The rounds of :class:`~streampack.nodes.window_packer.WindowPacker` — refill to the round's
 size, pack once with the registry algorithm, emit the packs the rules choose in the
 ``(seed, round)`` order, carry the rest — run here on a table of rows
-(:mod:`streampack.nodes.rows`) with the very same functions (``window_rounds.pack_round``,
+(:mod:`streampack.plan.rows`) with the very same functions (``window_rounds.pack_round``,
 ``choose``, ``emission_order``), so the packs are the WindowPacker's, pack for pack. What
 changes is the cost: the window is one array (a refill is one ``take`` from the
 :class:`~streampack.nodes.chunker.ChunkNode`, a pack one fancy index), and a pack leaves as a
-:class:`~streampack.nodes.rows.PackRows` for the collate to copy from. Its state is a
+:class:`~streampack.plan.rows.PackRows` for the collate to copy from. Its state is a
 WindowPacker state (kind, keys, reference table, pack sizes, round): either path restores the
 other's. Cost-balanced emission (``balance``) stays on the WindowPacker: the graph builder
 takes this packer only without it.
@@ -15,7 +15,7 @@ takes this packer only without it.
 A restore does not re-read the window at once: the saved references become rows whose ids are
 not read yet (``rows.UNREAD``; the packer needs lengths only), every shard they point into is
 checked at the restore, and a pack's documents are re-read when it is about to leave,
-:data:`READ_AHEAD` packs at a time (only those documents: :mod:`~streampack.nodes.row_replay`).
+:data:`READ_AHEAD` packs at a time (only those documents: :mod:`~streampack.plan.row_replay`).
 So the first batch after a restore waits for its own ~55 documents, not the window's ~1,000
 (``torch.load`` to first batch 21-28 ms here, where reading the whole window took ~35). A document that no longer re-reads as saved (a shard changed under an
 identity that does not see it) raises when its pack is about to leave, not at the restore.
@@ -31,8 +31,10 @@ from torchdata.nodes import BaseNode
 
 from streampack import packing
 from streampack.nodes.chunker import ChunkNode
-from streampack.nodes.row_replay import RowReplay
-from streampack.nodes.rows import (
+from streampack.nodes.window_packer import _METRIC_NAMES, WindowPacker
+from streampack.packing.window_rounds import WARMUP, PackerRules, aligned_lengths, choose, emission_order, pack_round
+from streampack.plan.row_replay import RowReplay
+from streampack.plan.rows import (
     BLOCK,
     LENGTH,
     UNREAD,
@@ -43,9 +45,7 @@ from streampack.nodes.rows import (
     rows_of,
     unread_rows,
 )
-from streampack.nodes.window_packer import _METRIC_NAMES, WindowPacker
-from streampack.nodes.window_rounds import WARMUP, PackerRules, aligned_lengths, choose, emission_order, pack_round
-from streampack.state import record_of, record_text, samples_from_state, samples_to_state, table_size, table_slice
+from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state, table_size, table_slice
 
 W = WindowPacker
 READ_AHEAD = 8

@@ -20,8 +20,8 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
+from streampack.plan.state import record_of, record_text
 from streampack.sample import Sample
-from streampack.state import record_of, record_text
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,8 +36,8 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io.limits import check_vocab_size, id_bound
+from streampack.plan.state import record_of, record_text
 from streampack.sample import Sample
-from streampack.state import record_of, record_text
 
 Encoder = Callable[[list[str]], list[list[int]]]
 

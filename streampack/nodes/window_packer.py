@@ -7,7 +7,7 @@ emitted pack) keeps the cost at one ``pack()`` call per ~``window`` samples. A f
 warms up: round ``r`` refills only to ``min(window, warmup * 2**r)`` samples (``warmup`` = 64),
 so the first packs leave after 64 samples, not a whole window (window 1024, ~1,900-token text
 documents, 2 workers: 1.5 s instead of 23 s to the first batch, fill cost <= 0.035 pp; see
-:mod:`~streampack.nodes.window_rounds`).
+:mod:`~streampack.packing.window_rounds`).
 
 A pack is emitted when
   1. its free space is at most ``slack`` tokens (default ``capacity // 256``), or
@@ -30,7 +30,7 @@ Lengths are packed *aligned* (``ceil(L / align) * align``) so every pack still f
 the collate pads each document to the CP/TP alignment.
 
 State = the upstream state after the round's refill + the round's packs and carried samples as
-a table of references (where to re-read each one, see :mod:`streampack.nodes.replay`) + how
+a table of references (where to re-read each one, see :mod:`streampack.plan.replay`) + how
 many packs of the round were already emitted (+ metrics). Restoring re-reads the samples of
 the packs not yet emitted and of the carry and rebuilds exactly those packs (no re-packing);
 ``get_state`` is O(1) after its first call in a round (cached per round), which matters because
@@ -60,7 +60,7 @@ Log (lognormal mean ~600 sigma 1, capacity 4096, split policy; 2-core shared CPU
   the collate dominate.
 - 2026-11-27: for pre-tokenized tar / parquet shards the graph builder runs the same rounds on
   rows of arrays instead (:class:`~streampack.nodes.row_packer.RowPacker`, the contiguous fast
-  path: :mod:`streampack.contiguous`); this node serves every other stream.
+  path: :mod:`streampack.graph.contiguous`); this node serves every other stream.
 """
 
 from __future__ import annotations
@@ -72,7 +72,10 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack import packing
-from streampack.nodes.window_rounds import (
+from streampack.packing.cost import CostModel
+from streampack.packing.reservoir import Reservoir
+from streampack.packing.schedule import Balance, CostScale, Schedule
+from streampack.packing.window_rounds import (
     WARMUP,
     PackerRules,
     aligned_lengths,
@@ -80,11 +83,7 @@ from streampack.nodes.window_rounds import (
     emission_order,
     pack_round,
 )
-from streampack.packing.cost import CostModel
-from streampack.packing.reservoir import Reservoir
-from streampack.packing.schedule import Balance, CostScale, Schedule
-from streampack.sample import Sample
-from streampack.state import (
+from streampack.plan.state import (
     Replay,
     record_of,
     record_text,
@@ -93,6 +92,7 @@ from streampack.state import (
     table_size,
     table_slice,
 )
+from streampack.sample import Sample
 
 _METRIC_NAMES = ("rounds", "packs", "docs", "tokens", "aligned_tokens", "slots",
                  "forced_by_age", "forced_by_carry", "flushed", "max_rounds_waited")
@@ -102,7 +102,7 @@ _BALANCE_METRICS = ("forced_by_hold", "held_steps", "max_held_steps")
 class WindowPacker(BaseNode[list[Sample]]):
     """Packs a stream of tokenized samples; yields one pack (a list of samples) per ``next``.
 
-    ``replay`` re-reads samples from their origins (a :class:`~streampack.nodes.replay.Replayer`):
+    ``replay`` re-reads samples from their origins (a :class:`~streampack.plan.replay.Replayer`):
     with it the state holds references, without it tokens. ``carry`` is a table
     (``state.samples_to_table``) of samples the window starts with.
 
@@ -112,7 +112,7 @@ class WindowPacker(BaseNode[list[Sample]]):
     same. ``first_batch`` / ``levels``: batches this reader yielded earlier in the pass and
     the cost histogram it had then (an epoch carries on from the previous one); ``levels`` may
     be a function giving it (or None), called only when the packer starts fresh — a restore
-    brings its own histogram — so a seed (:mod:`~streampack.nodes.cost_seed`) costs a resume
+    brings its own histogram — so a seed (:mod:`~streampack.plan.cost_seed`) costs a resume
     nothing. ``warmup``:
     samples in the first round, doubling each round up to ``window`` (``>= window``: no warm-up).
     """

@@ -28,7 +28,7 @@ class PackOptions:
     ``histogram``, ``greedy``, ``shuffle_pack``."""
     max_wait: int | None = None
     """A sample is emitted at most ``max_wait`` windows after it arrives; None =
-    ``max(8, 8192 // window)`` (``nodes.window_rounds.default_max_wait``: about 8,192 later
+    ``max(8, 8192 // window)`` (``packing.window_rounds.default_max_wait``: about 8,192 later
     samples at most, which keeps window 256 within 0.1 point of offline fill)."""
     slack: int | None = None
     """Free tokens that still count a pack as full; None = ``capacity // 256``."""

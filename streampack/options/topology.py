@@ -15,7 +15,7 @@ from typing import Any
 
 from streampack.layout.batch import alignment
 from streampack.options._check import need_choice, need_int, need_type
-from streampack.topology import validate_topology
+from streampack.plan.topology import validate_topology
 
 EQUAL_BATCHES = ("plan", "sync")
 

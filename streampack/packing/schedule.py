@@ -64,7 +64,7 @@ under 0.5 points) holds once the histograms are warm, with no fill loss at all.
 
 **Seeded** (since 2026-11-25, ``Balance.seeded``): what made a cold start worse was not too few
 packs but *different* ones — each reader's levels came from its own few packs. Now every reader
-starts from one histogram, the same on every rank (:mod:`streampack.nodes.cost_seed`: the
+starts from one histogram, the same on every rank (:mod:`streampack.plan.cost_seed`: the
 packer's own packs of one sample of the shard indexes' lengths, counted as 20,000 packs), so the
 levels agree from step 0. Simulator ``--quick`` (128 ranks, steps 0–120, 128k): k = 1 1.018
 (cold 1.096, 5,000 independent packs counted 1.031), k = 4 1.025 (cold 1.094). End to end,
@@ -113,7 +113,7 @@ class Balance:
     (bounds waiting at ~the cost of that share of balance)."""
     seeded: bool = True
     """Start every reader's cost histogram from the packs of one length sample of the data set's
-    shard indexes, the same on every rank (:mod:`streampack.nodes.cost_seed`), so the levels agree
+    shard indexes, the same on every rank (:mod:`streampack.plan.cost_seed`), so the levels agree
     from step 0; False starts it empty (the ranks agree only after ~2,000 packs each)."""
 
     def __post_init__(self) -> None:

@@ -4,13 +4,13 @@ Each reader plans only its own share of an epoch, from the data set's manifest
 (:mod:`streampack.io.manifest`: per shard its sample count and token total): the epoch's shards
 in the ``(seed, epoch)`` order are cut into contiguous sample ranges balanced by token count —
 ranks first, then each rank's workers — by prefix sums over the shard totals and a
-``searchsorted`` per boundary (:class:`~streampack.nodes.sharding.PrefixCut`: exactly the
+``searchsorted`` per boundary (:class:`~streampack.plan.sharding.PrefixCut`: exactly the
 boundaries ``sharding.cut_two_level`` gives over every sample, opening only the shard each of its
 <= 4 boundaries falls in). When every rank must yield the same number of batches, the reader's
-plan carries a *late quota* (:mod:`streampack.nodes.quota`): after its first batch, in a
+plan carries a *late quota* (:mod:`streampack.plan.quota`): after its first batch, in a
 background thread, the reader counts its own batches (its own samples' lengths through the
 packer's round logic, ``window_rounds.count_packs``) and the readers agree on the counts
-(``streampack.agree``: one store round per epoch, O(1) requests per reader); the quota is first
+(``streampack.plan.agree``: one store round per epoch, O(1) requests per reader); the quota is first
 used when the reader's own data runs out, to know how many filler batches make its rank's total
 the largest rank's (:func:`rank_quotas`, the same quotas :func:`equalize` gives). Without an
 agreement (explicit ``dp_rank``/``dp_size`` and no ``torch.distributed``: in-process simulation,
@@ -49,9 +49,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from streampack.io.index import ShardIndex, unknown_lengths_hint
-from streampack.nodes.quota import LateQuota, Settled
-from streampack.nodes.sharding import IndexRange, PrefixCut, Span, epoch_permutation
-from streampack.nodes.window_rounds import PackerRules, count_packs, worker_seed
+from streampack.packing.window_rounds import PackerRules, count_packs, worker_seed
+from streampack.plan.quota import LateQuota, Settled
+from streampack.plan.sharding import IndexRange, PrefixCut, Span, epoch_permutation
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,7 +108,7 @@ class ReaderPlan:
 
 
 class RankCounts(Protocol):
-    """What agreeing on counts returns (``streampack.agree.RankCounts``)."""
+    """What agreeing on counts returns (``streampack.plan.agree.RankCounts``)."""
 
     @property
     def target(self) -> int: ...

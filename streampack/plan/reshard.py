@@ -1,11 +1,11 @@
-"""Resharding: one new reader's share of what an old run had left (:mod:`streampack.elastic`).
+"""Resharding: one new reader's share of what an old run had left (:mod:`streampack.plan.elastic`).
 
 A finite stream is cut at sample granularity, balanced by token count (ranks first, then
 each rank's workers) from the pieces' totals (the manifest's for whole shards, a byte-share
 estimate for parts of shards: no index read but at the <= 4 pieces a new reader's boundaries fall
-in), and each new reader's quota is late (``nodes.quota``): after its first batch it counts its
+in), and each new reader's quota is late (``plan.quota``): after its first batch it counts its
 own batches with the packer's own round logic (``window_rounds.count_packs``) and the counts are
-agreed through the store (``streampack.agree``), or without one every new reader counts every new
+agreed through the store (``streampack.plan.agree``), or without one every new reader counts every new
 reader's (O(T)) when its data runs out, so every new rank yields the same number of batches in the
 resumed epoch (logged, with the fillers it costs). The quota is pinned into the reader's states
 (a state taken before it settled waits for it): after a later restore the old states it came from
@@ -14,7 +14,7 @@ are gone.
 **Cost per new reader** (old readers G_old, new G, shards N, samples T): CPU and memory O(N +
 G_old · (window + 3)) for the pieces; requests before its first batch: the indexes of <= 4
 boundary pieces; after it, in the background, those of its own ~N/G shards (to count) and one
-store round. What the old readers had left (:func:`streampack.elastic.remaining`,
+store round. What the old readers had left (:func:`streampack.plan.elastic.remaining`,
 once per process) adds the boundary indexes of the old readers' plans: <= G_old + 1 reads. An infinite stream deals whole spans
 round-robin (no index needs reading) and the carried samples in equal runs. Offline packs are
 dealt by batches of ``packs_per_batch``, ranks first, as ``PackedShardReader`` deals an epoch.
@@ -31,19 +31,18 @@ from typing import Any
 
 import numpy as np
 
-from streampack.elastic import (
+from streampack.graph.build import make_planner
+from streampack.logs import get_logger
+from streampack.plan.elastic import (
     TOPOLOGY_KEYS,
     Remaining,
     remaining,
     topology_of,
 )
-from streampack.graph import make_planner
-from streampack.logs import get_logger
-from streampack.nodes.epoch_plan import ShardSamples, equalize, settle_agreed, settle_all
-from streampack.nodes.quota import LateQuota, Settled
-from streampack.nodes.sharding import Span
-from streampack.settings import Placement, ReadOptions, Share, Sources, StreamConfig
-from streampack.state import (
+from streampack.plan.epoch_plan import ShardSamples, equalize, settle_agreed, settle_all
+from streampack.plan.quota import LateQuota, Settled
+from streampack.plan.sharding import Span
+from streampack.plan.state import (
     FINGERPRINT_KEY,
     WORKER_KEY,
     check_fingerprint,
@@ -54,7 +53,8 @@ from streampack.state import (
     table_size,
     table_slice,
 )
-from streampack.topology import Worker
+from streampack.plan.topology import Worker
+from streampack.settings import Placement, ReadOptions, Share, Sources, StreamConfig
 
 _log = get_logger(__name__)
 
@@ -62,7 +62,7 @@ _log = get_logger(__name__)
 def share(left: Remaining, config: StreamConfig, sources: Sources, options: ReadOptions,
           place: Placement, *, agreement: Any = None, agree: Any = None) -> Share:
     """This new reader's part of ``left`` (``place`` is the new topology); ``agreement`` /
-    ``agree`` as for :func:`streampack.graph.make_planner`."""
+    ``agree`` as for :func:`streampack.graph.build.make_planner`."""
     if sources.packed is not None:
         return _share_packs(left, config, place)
     if config.epochs is None:
@@ -239,7 +239,7 @@ class _ShareFinite:
 
     def share(self) -> Share:
         """This reader's share; its quota (finite, several ranks) is counted and agreed late
-        (``nodes.quota``: after its first batch) and pinned into its states."""
+        (``plan.quota``: after its first batch) and pinned into its states."""
         place, planner = self.place, self.planner
         carry, spans = self.part(place.global_worker)
         quota = None

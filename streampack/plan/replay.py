@@ -38,8 +38,8 @@ from streampack.io.storage import OpenOptions, is_remote
 from streampack.io.urls import ShardList
 from streampack.nodes.overlong import apply_overlong
 from streampack.nodes.tokenize import TextEncoder
+from streampack.plan.state import REF_COLUMNS
 from streampack.sample import Sample, SampleOrigin
-from streampack.state import REF_COLUMNS
 
 REOPEN_GAP = 1 << 20
 """Bytes between two wanted samples of a seekable remote shard above which one more ranged

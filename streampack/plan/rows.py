@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from streampack.io.token_block import TokenBlock
+from streampack.plan.state import REF_COLUMNS
 from streampack.sample import Sample, SampleOrigin
-from streampack.state import REF_COLUMNS
 
 COLUMNS = ("length", "source", "shard", "offset", "number", "next_offset", "next_number", "epoch", "chunk",
            "block", "doc", "start", "cut")

@@ -11,7 +11,7 @@ before it could start (310 extra requests at 64 ranks over 20,000 shards,
 - **Counting and agreeing run in a background thread**, started once the reader has handed out
   its first batch (or at once if it needs the quota first: a reader with no data). It reads its
   own shards' indexes (the <= 4 its plan already opened at its boundaries are reused), counts, and
-  joins the agreement (``streampack.agree``: one store round, O(1) requests per reader). It cannot
+  joins the agreement (``streampack.plan.agree``: one store round, O(1) requests per reader). It cannot
   wait for the data to run out: a rank whose reader waits there for a reader of another rank
   that is still reading, while that rank's training step waits for this rank's, would hang. The
   thread progresses whatever the training loop does.

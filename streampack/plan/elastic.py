@@ -12,7 +12,7 @@ What an old reader had not yet handed to the trainer is exactly (see ``OverlongN
 
 :func:`remaining` gathers that from the old states (once per process, from plain data: no
 shard is read; the old plans come from the manifest and the indexes of the shards their
-boundaries fall in: <= G_old + 1 index reads, O(N + G_old) CPU and memory, no per-shard HEAD); :mod:`streampack.reshard` cuts it into
+boundaries fall in: <= G_old + 1 index reads, O(N + G_old) CPU and memory, no per-shard HEAD); :mod:`streampack.plan.reshard` cuts it into
 the new readers' shares. The new readers read their share in epoch ``E*`` (each sample keeps
 the epoch it belongs to in its origin) and then follow the regular plan of the new topology
 from ``E* + 1``. The frontier is exact because every stage between the reader and the
@@ -36,13 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from streampack.graph import make_planner, replayable
+from streampack.graph.build import make_planner, replayable
 from streampack.io.index import index_decode, load_or_build_index
 from streampack.io.storage import ShardStat
-from streampack.nodes.epoch_plan import (
-    ShardSamples,
-    chunk_lengths,
-)
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
 from streampack.nodes.reader import (
@@ -56,15 +52,18 @@ from streampack.nodes.reader import (
     work_from_state,
 )
 from streampack.nodes.reader import KIND as READER_KIND
-from streampack.nodes.sharding import (
+from streampack.nodes.window_packer import WindowPacker
+from streampack.plan.epoch_plan import (
+    ShardSamples,
+    chunk_lengths,
+)
+from streampack.plan.sharding import (
     ShardSpan,
     Span,
     assign_shards,
     epoch_permutation,
 )
-from streampack.nodes.window_packer import WindowPacker
-from streampack.settings import Placement, ReadOptions, Sources, StreamConfig
-from streampack.state import (
+from streampack.plan.state import (
     FINGERPRINT_KEY,
     GRAPH_KEY,
     PASSES_KEY,
@@ -77,6 +76,7 @@ from streampack.state import (
     samples_from_state,
     samples_to_table,
 )
+from streampack.settings import Placement, ReadOptions, Sources, StreamConfig
 
 TOPOLOGY_KEYS = ("dp_size", "dp_rank", "num_workers")
 

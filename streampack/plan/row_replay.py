@@ -1,6 +1,6 @@
 """Re-reading carried documents as rows, for the contiguous fast path's restores.
 
-What :class:`~streampack.nodes.replay.Replayer` does for a state's references (``state.REF_COLUMNS``
+What :class:`~streampack.plan.replay.Replayer` does for a state's references (``state.REF_COLUMNS``
 rows: where each carried sample was read, which chunk, its length), with block reads. In a tar
 shard only the wanted samples are read and parsed (:func:`~streampack.io.blocks.read_samples_at`):
 their positions are grouped into clusters (a gap over ``replay.REOPEN_GAP`` bytes remotely,
@@ -43,8 +43,8 @@ from streampack.io.token_block import TokenBlock
 from streampack.io.urls import shard_format
 from streampack.nodes.block_reader import DocRun
 from streampack.nodes.chunker import base_rows, expand
-from streampack.nodes.replay import REOPEN_GAP, Replayer, ReplaySpec
-from streampack.nodes.rows import (
+from streampack.plan.replay import REOPEN_GAP, Replayer, ReplaySpec
+from streampack.plan.rows import (
     BLOCK,
     CHUNK,
     CUT,
@@ -61,7 +61,7 @@ from streampack.nodes.rows import (
     BlockStore,
     rows_of,
 )
-from streampack.state import REF_COLUMNS
+from streampack.plan.state import REF_COLUMNS
 
 BLOCK_GAP = 262144
 """Bytes between two wanted samples of a local shard above which a cluster ends: the block

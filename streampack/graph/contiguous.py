@@ -1,6 +1,6 @@
 """The contiguous fast path: which graphs take it, and its nodes after the reader.
 
-For pre-tokenized shards the graph builder (:mod:`streampack.graph`) wires
+For pre-tokenized shards the graph builder (:mod:`streampack.graph.build`) wires
 ``BlockReader -> ChunkNode -> RowPacker -> RowCollate`` (:mod:`streampack.nodes.block_reader`,
 ``chunker``, ``row_packer``, ``row_collate``) instead of ``ShardReader -> OverlongNode ->
 WindowPacker -> ThdCollate``: documents move as rows of arrays read in blocks
@@ -29,10 +29,10 @@ from torchdata.nodes import BaseNode
 
 from streampack.io.blocks import block_format
 from streampack.nodes.chunker import ChunkNode
-from streampack.nodes.replay import ReplaySpec
 from streampack.nodes.row_packer import RowPacker
-from streampack.nodes.row_replay import RowReplay
-from streampack.nodes.rows import BlockStore
+from streampack.plan.replay import ReplaySpec
+from streampack.plan.row_replay import RowReplay
+from streampack.plan.rows import BlockStore
 from streampack.settings import ReadOptions, Sources, StreamConfig
 
 CONTIGUOUS_ENV = "STREAMPACK_CONTIGUOUS"
@@ -43,7 +43,7 @@ per-sample path; the batches and states are the same either way)."""
 def contiguous_path(config: StreamConfig, sources: Sources, options: ReadOptions, tokenizer: Any,
                     stages: Sequence[Any], around: Mapping[str, Any] | None) -> bool:
     """Whether a reader's graph runs the contiguous fast path (``BlockReader -> ChunkNode ->
-    RowPacker -> RowCollate``, :mod:`streampack.nodes.rows`) instead of the per-sample one: one
+    RowPacker -> RowCollate``, :mod:`streampack.plan.rows`) instead of the per-sample one: one
     source of pre-tokenized tar / parquet shards (no tokenizer, no mixture, no ``streampack pack``
     directory), no user stage, no media, no cost-balanced emission, no labels or loss-mask
     field, and no torchdata node wrapped around a stage before the collate. Every overlong

@@ -61,7 +61,7 @@ rounds measure the sandbox more than the protocol. 2026-11-25: G=8,192 ran (``py
 benchmarks/bench_agree.py --readers 8192 --procs 8``): 8,192 threads on 2 loaded cores, ~41k store
 requests per round (5 per reader), 97 s — bound by this box (threads waking, ~400 requests/s
 under that load), not by the protocol's request count. Since quotas settle in the background
-after each reader's first batch (``nodes.quota``), a round's time no longer delays any batch
+after each reader's first batch (``plan.quota``), a round's time no longer delays any batch
 unless it exceeds the reader's whole epoch of data.
 """
 
@@ -77,7 +77,7 @@ from datetime import timedelta
 from typing import Any
 
 from streampack.logs import get_logger
-from streampack.topology import validate_topology
+from streampack.plan.topology import validate_topology
 
 _log = get_logger(__name__)
 _ERROR = "!"  # a ``done`` value starting with this is a message every reader raises

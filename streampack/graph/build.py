@@ -8,11 +8,11 @@
 
 A finite stream (``epochs=N``) runs that chain once per epoch under an
 :class:`~streampack.nodes.epochs.EpochLoop`, each epoch read as planned by
-:class:`~streampack.nodes.epoch_plan.EpochPlanner` (sample-balanced spans, and with several
+:class:`~streampack.plan.epoch_plan.EpochPlanner` (sample-balanced spans, and with several
 ranks the batch quota that gives every rank the same count) over the data set's manifest
 (:func:`manifest_of`; one reader that counts nothing needs neither). An infinite stream is one
 chain. Building a reader's graph costs no request but the manifest's (1 read per process) and
-what its planner reads (see :mod:`streampack.nodes.epoch_plan`).
+what its planner reads (see :mod:`streampack.plan.epoch_plan`).
 
 :class:`ReadOptions` (the reading stage's record) and :class:`StreamConfig` (the batch's
 shape, order and epochs, with the record of every later stage: ``tokenize``, ``packing``,
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack.contiguous import contiguous_path, row_chain
 from streampack.errors import ErrorCounter
+from streampack.graph.contiguous import contiguous_path, row_chain
 from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
@@ -47,22 +47,22 @@ from streampack.media.node import DecodeImages
 from streampack.media.stage import ExpandImages
 from streampack.nodes.block_reader import BlockReader
 from streampack.nodes.collate import ThdCollate
-from streampack.nodes.cost_seed import sample_lengths, seed_counts
-from streampack.nodes.epoch_plan import Agree, Counting, EpochPlanner, chunk_lengths
 from streampack.nodes.epochs import EpochLoop
 from streampack.nodes.mixture import Mixture
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
-from streampack.nodes.quota import LateQuota
 from streampack.nodes.reader import ShardReader
-from streampack.nodes.replay import Replayer, ReplaySpec
 from streampack.nodes.row_collate import RowCollate
-from streampack.nodes.sharding import Span
 from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
 from streampack.nodes.window_packer import WindowPacker, fill
-from streampack.nodes.window_rounds import PackerRules, worker_seed
 from streampack.packing.schedule import CostScale, Schedule
+from streampack.packing.window_rounds import PackerRules, worker_seed
+from streampack.plan.cost_seed import sample_lengths, seed_counts
+from streampack.plan.epoch_plan import Agree, Counting, EpochPlanner, chunk_lengths
+from streampack.plan.quota import LateQuota
+from streampack.plan.replay import Replayer, ReplaySpec
+from streampack.plan.sharding import Span
 from streampack.sample import Sample
 from streampack.settings import Placement, ReadOptions, Share, Sources, StreamConfig
 
@@ -155,7 +155,7 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, opt
     """The whole graph of one reader, ending in :class:`~streampack.nodes.collate.ThdCollate`;
     ``share`` starts it from an elastic resume's share. A finite stream builds each epoch's
     chain when the epoch starts; ``validate`` builds the first one at once (without planning
-    it), so every setting is checked here. ``agreement`` (a ``streampack.agree.Agreement``, or
+    it), so every setting is checked here. ``agreement`` (a ``streampack.plan.agree.Agreement``, or
     None) is how a planned epoch's readers agree on their batch counts."""
     if config.cost.balance is not None and sources.packed is not None:
         raise ValueError("balance='cost' orders the packs of the streaming packer; a `streampack pack` "
@@ -291,7 +291,7 @@ class _Builder:
         return node, nodes, quota
 
     def _rows(self, reader: BaseNode[Any], nodes: dict[str, Any], share: Share | None) -> BaseNode[Any]:
-        """The contiguous path after the reader (:mod:`streampack.contiguous`)."""
+        """The contiguous path after the reader (:mod:`streampack.graph.contiguous`)."""
         return row_chain(reader, nodes, self.config, packer_seed(self.config, self.place), self._replay_spec(nodes),
                          None if share is None else share.carry)
 
@@ -319,7 +319,7 @@ class _Builder:
         return None if self._seed[0] is None else self._seed[0].copy()
 
     def _seed_levels(self) -> np.ndarray | None:
-        """The cost histogram every reader of every rank starts from (``nodes.cost_seed``): the
+        """The cost histogram every reader of every rank starts from (``plan.cost_seed``): the
         packs of one length sample of the data set's indexes, chosen by the stream seed. None
         (a cold start) for one reader alone, a mixture, offline packs, unknown lengths, or an
         infinite stream without ``manifest=``: it plans nothing, so it is not made to build a
@@ -382,7 +382,7 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement, optio
     decode, opts = index_decode(options.tokens_key, options.limits), options.open_options()
     counting = counting_for(config, place) if count else None
     if agree is None and agreement is not None and counting is not None:
-        from streampack.agree import agree_counts  # lazily: only a distributed run has an agreement
+        from streampack.plan.agree import agree_counts  # lazily: only a distributed run has an agreement
 
         def agree(key: str, dp_rank: int, worker_id: int, num_workers: int, n: int) -> Any:
             return agree_counts(agreement, key=key, dp_rank=dp_rank, worker_id=worker_id,

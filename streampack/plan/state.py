@@ -19,7 +19,7 @@ a text is a ``ValueError`` too.
 Only ints, strings, lists, dicts and tensors appear, so ``torch.load(weights_only=True)``
 accepts it. Samples held in buffers (the packer's window, a split document's chunks) are
 stored as *references* — one row of :data:`REF_COLUMNS` (56 bytes) saying where to re-read the
-sample and which chunk it was (:mod:`streampack.nodes.replay`) — so a state grows with the
+sample and which chunk it was (:mod:`streampack.plan.replay`) — so a state grows with the
 window's sample count, never with document length or capacity; only a graph that cannot
 replay samples (a user node stage) stores their tokens (:func:`samples_to_state`). Either form
 is a few flat tensors, not one object per sample: StatefulDataLoader diffs every worker state
@@ -27,7 +27,7 @@ against the previous one at each snapshot, and a handful of tensors compares in 
 where a list of 1024 dicts does not.
 
 The states of every reader of a run (``dataset_states`` of every rank's loader state) also
-resume on another ``dp_size`` / ``num_workers``: see :mod:`streampack.elastic`.
+resume on another ``dp_size`` / ``num_workers``: see :mod:`streampack.plan.elastic`.
 """
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ def check_loader_state(loader_state: Mapping[str, Any], num_workers: int) -> Non
         raise ValueError(f"cannot resume: the loader state was saved with num_workers={saved}, "
                          f"the loader now has num_workers={num_workers}; resume with num_workers={saved}, "
                          f"or load the dataset states of every rank into the dataset instead "
-                         f"(ds.load_state_dict(all_states), all_states from streampack.state.dataset_states) "
+                         f"(ds.load_state_dict(all_states), all_states from streampack.plan.state.dataset_states) "
                          f"for an elastic resume on the new worker count")
 
 

@@ -35,9 +35,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from streampack.nodes.window_rounds import PackerRules, run_rounds
 from streampack.packing.cost import CostModel
 from streampack.packing.schedule import BINS, CostScale
+from streampack.packing.window_rounds import PackerRules, run_rounds
 
 SEED_SAMPLES = 1 << 15
 """Document lengths sampled (every reader the same ones)."""
