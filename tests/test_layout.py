@@ -86,22 +86,25 @@ def test_cycle_check_can_fail() -> None:
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
 
 
-# What each folder may import (besides itself and the leaf modules errors / logs / sample / state /
-# topology): bytes and formats know nothing of nodes, nodes nothing of consumers, and the pure
-# packing library nothing of the rest.
+# What each folder may import (besides itself and the leaves: errors / logs / sample, and of plan/ the
+# state envelope and the topology): bytes and formats know nothing of nodes, nodes nothing of
+# consumers, and the pure packing library nothing of the rest. plan/ is who reads what: the nodes
+# read their plans from it (sharding, epoch plans, quotas, document rows, the fast path's replay),
+# and its resume modules (elastic, reshard, replay) rebuild nodes' states, so plan and nodes meet.
 ALLOWED = {
     "io": set(),
     "packing": set(),
     "layout": set(),
-    "nodes": {"io", "packing", "layout"},
+    "nodes": {"io", "packing", "layout", "plan"},
+    "plan": {"io", "packing", "layout", "nodes", "graph", "settings"},
     "options": {"io", "nodes", "packing", "layout"},  # the per-stage records the nodes' values come from
     "attention": {"layout"},
     "rl": {"packing", "layout"},
-    "integrations": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "options"},
-    "cli": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "integrations", "preflight",
-            "options"},
+    "integrations": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "options", "plan"},
+    "cli": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "integrations", "options",
+            "plan"},
 }
-LEAVES = {"errors", "logs", "sample", "state", "topology"}
+LEAVES = {"errors", "logs", "sample", "plan.state", "plan.topology"}
 
 
 def test_folders_import_only_upstream() -> None:
@@ -112,9 +115,28 @@ def test_folders_import_only_upstream() -> None:
             continue
         for t in targets:
             other = t.split(".")[1] if t.count(".") else ""
-            if other and other != folder and other not in LEAVES and other not in ALLOWED[folder]:
+            leaf = ".".join(t.split(".")[1:3])
+            if other and other != folder and other not in LEAVES and leaf not in LEAVES and other not in ALLOWED[folder]:
                 bad.append(f"{mod} -> {t}")
     assert bad == []
+
+
+def test_top_level_and_nodes_show_the_flow() -> None:
+    """At most 8 modules at the top (the front and what every floor uses); ``nodes/`` holds only
+    ``torchdata.nodes.BaseNode`` stages, one per file."""
+    import importlib
+
+    from torchdata.nodes import BaseNode
+
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 8, top
+    for path in sorted((PACKAGE / "nodes").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = importlib.import_module(f"streampack.nodes.{path.stem}")
+        stages = [v for v in vars(module).values()
+                  if isinstance(v, type) and issubclass(v, BaseNode) and v.__module__ == module.__name__]
+        assert stages, f"{path.name} defines no BaseNode stage"
 
 
 @pytest.mark.parametrize("module", ["streampack", "streampack.packing", "streampack.io.urls", "streampack.rl.plan"])
