@@ -117,11 +117,9 @@ def test_no_run_blocks_say_why():
         assert b.lang == "python" and len(b.no_run) > 10, f"{b.page}:{b.line}: no-run needs a reason"
 
 
-@pytest.mark.parametrize("page", [_page_param(p) for p in PAGES])
+@pytest.mark.parametrize("page", [_page_param(p) for p in PAGES if any(b.lang == "python" for b in blocks(p))])
 def test_python_blocks_run(page: Path, tmp_path, monkeypatch):
     todo = [b for b in blocks(page) if b.lang == "python"]
-    if not todo:
-        pytest.skip("no python blocks")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("STREAMPACK_CACHE", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(ROOT))
@@ -141,17 +139,17 @@ def test_python_blocks_run(page: Path, tmp_path, monkeypatch):
 
 
 def test_the_hf_recipe_installs_what_it_reports_to():
-    """A recipe that logs to TensorBoard must get it from the extra it tells the user to install."""
+    """A recipe that reports to TensorBoard must get it from the extra the HF integration names
+    (``pip install "streampack[hf]"``): HF's Trainer refuses ``report_to=["tensorboard"]``
+    without it."""
     extras = PYPROJECT["project"]["optional-dependencies"]
-    recipes = [ROOT / "docs" / "integrations.md", ROOT / "examples" / "hf_trainer.py"]
-    if any("tensorboard" in p.read_text(encoding="utf-8") for p in recipes if p.exists()):
-        assert any(r.startswith("tensorboard") for r in extras["hf"]), "the hf extra lacks tensorboard"
+    sources = [*PAGES, *sorted((ROOT / "examples").glob("*.py"))]
+    recipes = [p.name for p in sources if re.search(r"report_to=\[?[\"']tensorboard", p.read_text(encoding="utf-8"))]
+    assert recipes, "no recipe reports to tensorboard: the guard below would pass vacuously"
+    assert any(r.startswith("tensorboard") for r in extras["hf"]), f"{recipes} need tensorboard; the hf extra lacks it"
 
 
 # --- the reference tables against the code --------------------------------------------------
-
-DATASET = (ROOT / "docs" / "dataset.md").read_text(encoding="utf-8")
-
 
 def _page(name: str) -> str:
     return (ROOT / "docs" / name).read_text(encoding="utf-8")
@@ -184,12 +182,17 @@ def _literal(text: str):
     return int(text)
 
 
+def _dataset() -> str:
+    return _page("dataset.md")
+
+
 def _parameter_tables() -> dict[str, dict[str, str]]:
     """docs/dataset.md's tables: ``"PackedDataset"`` (its own parameters), then one per option
     record (``#### `read=ReadOptions(...)` ...``), name -> default cell."""
     tables: dict[str, dict[str, str]] = {}
     current = "PackedDataset"
-    for line in DATASET[:DATASET.index("\n## ", DATASET.index("| parameter |"))].splitlines():
+    text = _dataset()
+    for line in text[:text.index("\n## ", text.index("| parameter |"))].splitlines():
         heading = re.match(r"#### `\w+=(\w+)\(\.\.\.\)`", line)
         if heading:
             current = heading.group(1)
@@ -229,7 +232,7 @@ def test_packed_dataset_tables_match_the_signature_and_the_records():
     _check_defaults(tables["PackedDataset"], {n: p.default for n, p in params.items() if p.kind not in kinds},
                     "PackedDataset")
     for param, kind in RECORDS.items():
-        assert f"#### `{param}={kind.__name__}(...)`" in DATASET
+        assert f"#### `{param}={kind.__name__}(...)`" in _dataset()
         _check_defaults(tables[kind.__name__], {f.name: f.default for f in dataclasses.fields(kind)}, kind.__name__)
 
 
@@ -250,7 +253,7 @@ def test_readme_options_table_names_real_settings():
 def test_algorithm_names_in_the_docs_are_the_registry():
     from streampack.packing import ALGORITHMS
 
-    row = next(line for line in DATASET.splitlines() if line.startswith("| `algorithm`"))
+    row = next(line for line in _dataset().splitlines() if line.startswith("| `algorithm`"))
     assert set(_code_names(row.split("|")[3])) - {"streampack.packing.ALGORITHMS"} == set(ALGORITHMS)
     table = _table_first_cells(_section(_page("algorithms.md"), "Packing algorithms"))
     assert {c.strip("`") for c in table if c.startswith("`")} == set(ALGORITHMS)
