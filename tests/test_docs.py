@@ -294,10 +294,21 @@ def test_every_dotted_name_in_the_docs_resolves():
                 obj = getattr(obj, attr)
 
 
-def test_files_the_docs_link_exist():
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of ``page``'s headings: lower case, punctuation dropped, spaces to ``-``."""
+    text = FENCE.sub("", page.read_text(encoding="utf-8"))
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, re.MULTILINE)}
+
+
+def test_links_between_the_pages_resolve():
+    """Every relative link names a file that exists and, with ``#anchor``, a heading in it."""
     for page in PAGES:
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
-            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links {target}, which does not exist"
+        for target, anchor in re.findall(r"\]\(([^)#:]*)(?:#([^)]*))?\)", page.read_text(encoding="utf-8")):
+            path = (page.parent / target) if target else page
+            assert path.exists(), f"{page.relative_to(ROOT)} links {target}, which does not exist"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path), f"{page.relative_to(ROOT)} links {target}#{anchor}: no such heading"
 
 
 def test_signatures_written_in_the_docs():
