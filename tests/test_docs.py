@@ -360,3 +360,26 @@ def test_metrics_keys_named_in_the_docs(tmp_path):
             assert key in metrics, f"{page.name}: {key}"
     assert len(batches) == 40 and metrics["batches"]["fillers"] > 0
     assert batches[-1].doc_keys == ("<filler>",) and batches[-1].num_targets == 0
+
+
+def test_scripts_the_docs_name_exist():
+    """``python benchmarks/x.py``, ``examples/y.py``, ``tests/z.py`` named on a page are files."""
+    for page in PAGES:
+        for path in set(re.findall(r"\b((?:benchmarks|examples|tests)/[\w/]+\.py)\b", page.read_text(encoding="utf-8"))):
+            assert (ROOT / path).exists(), f"{page.relative_to(ROOT)} names {path}, which does not exist"
+
+
+def test_benchmarks_readme_covers_the_suite():
+    """Every module ``run_all.py`` runs is listed with its command; nothing else is a benchmark
+    script (the timing helpers build virtual environments and are named as such)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from run_all import discover
+
+    text = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    suite = {p.name for p in discover(ROOT / "benchmarks")}
+    assert len(suite) > 10  # the guard: discovery found the suite
+    for name in suite:
+        assert re.search(rf"^\| `{name}` \|", text, re.MULTILINE), f"benchmarks/README.md does not list {name}"
+    helpers = {"run_all.py", "report.py", "rss_child.py", "time_install.py", "time_tests.py"}
+    extra = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - suite - helpers
+    assert not extra, f"scripts outside the suite: {sorted(extra)} (wire them into run_all or remove them)"
