@@ -365,7 +365,8 @@ def test_metrics_keys_named_in_the_docs(tmp_path):
 def test_scripts_the_docs_name_exist():
     """``python benchmarks/x.py``, ``examples/y.py``, ``tests/z.py`` named on a page are files."""
     for page in PAGES:
-        for path in set(re.findall(r"\b((?:benchmarks|examples|tests)/[\w/]+\.py)\b", page.read_text(encoding="utf-8"))):
+        text = page.read_text(encoding="utf-8")
+        for path in set(re.findall(r"\b((?:benchmarks|examples|tests)/[\w/]+\.py)\b", text)):
             assert (ROOT / path).exists(), f"{page.relative_to(ROOT)} names {path}, which does not exist"
 
 
