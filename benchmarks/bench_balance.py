@@ -1,6 +1,6 @@
 """Simulator: 1,024 data-parallel ranks, token-only vs cost-balanced packing.
 
-    PYTHONPATH=. python benchmarks/bench_balance.py              # the README table (~10 min)
+    PYTHONPATH=. python benchmarks/bench_balance.py              # benchmarks/README.md's simulator table (~10 min)
     PYTHONPATH=. python benchmarks/bench_balance.py --quick      # 128 ranks, fewer steps (~1 min)
     PYTHONPATH=. python benchmarks/bench_balance.py --out balance.md
 

@@ -11,7 +11,7 @@
 
     python benchmarks/bench_storage.py [--quick]
 
-Numbers from one run on a shared 2-core machine are provisional (see RESULTS.md for reruns).
+Numbers from one run on a shared 2-core machine are provisional (benchmarks/README.md has the last full run).
 """
 
 from __future__ import annotations

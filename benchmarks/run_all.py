@@ -8,9 +8,8 @@ exit code is 1 if any failed.
 
 ``--quick`` is a smoke run: only the modules in :data:`QUICK` (packing speed and fill, the
 pipeline end to end, cold start), at small sizes; every other module is named in the report as
-skipped. Before, ``--quick`` ran all 13 modules and took 6 min (122 s CPU) on 2 cores. Measured
-2026-11-25 on the shared 2-core box (load average ~5): ``streampack bench --quick`` 35 s wall,
-20 s CPU (user + sys, children included).
+skipped: on the shared 2-core box ``streampack bench --quick`` takes ~35 s wall, ~20 s CPU (user +
+sys, children included). What each module measures, and its last numbers: ``benchmarks/README.md``.
 
     python benchmarks/run_all.py --quick --out report.md     (or: streampack bench --quick)
     python benchmarks/run_all.py --skip bench_balance         (the 1,024-rank simulator alone takes ~15 min)
