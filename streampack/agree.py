@@ -1,10 +1,31 @@
-"""Agreement on per-epoch batch counts through the job's torch.distributed TCPStore.
+"""Agreement between ranks through the job's c10d store: on the settings, once, and on per-epoch batch counts.
+
+Ranks built with different settings (seed, shuffle, epochs, window, sources, ...) read the wrong
+data — some samples never, others twice — while stepping in lockstep, so nothing else notices:
+:func:`agree_settings` checks once, when the dataset is built, that every rank has the same
+settings (the stream's fingerprint less the rank and the worker count, plus the manifest's sample
+counts and sizes), and a difference is the same ValueError on every rank naming each setting and
+both values.
 
 In a finite epoch every data-parallel rank must yield the same number of batches, or a
 collective hangs. Each reader (DataLoader worker, or the main process) counts only its own
 batches; :func:`agree_counts` then tells every reader (a) the largest rank total and (b) its own
 rank's per-worker counts. Readers are often DataLoader workers, which cannot join the trainer's
-collectives, so they talk to the rendezvous TCPStore every torchrun job has, as clients.
+collectives, so they talk to the store torch.distributed was initialised with, as clients: a
+TCPStore (torchrun, ``env://``, ``tcp://``), a FileStore (``file://``) or, for ranks that are
+threads of one process, any store of that process (a HashStore; :meth:`Agreement.in_process`).
+
+Waiting is bounded by ``Agreement.timeout_s`` (``TopologyOptions.agree_timeout_s``; default the
+process group's timeout); the TimeoutError names the readers that did not arrive. Reaching the
+store is bounded apart (``connect_timeout_s``) and happens once per process: a process keeps its
+clients for later rounds (one per round running at the same time, as a blocked wait holds its
+client), so a reader does not reconnect every epoch.
+
+**Cost of the settings agreement** (R ranks, S = the settings' json, ~1-2 KB): per rank, once per
+dataset, in its main process: 5 store requests (compare_set, 2 add, wait, get) and 2 S + O(1)
+bytes; +1 request for a rank that finds a difference, +1 for the last to arrive; on a difference
++2 requests (the second barrier). DataLoader workers: 0 (they get the checked dataset pickled).
+Store: 5 R + 2 requests, R + 3 keys, S bytes kept.
 
 Protocol for round ``key`` (keys live under ``{prefix}/{key}/``; R = dp_size, W = num_workers):
 
@@ -22,7 +43,7 @@ ranks run different W) writes ``"!message"`` into ``done`` so every reader raise
 ValueError at once instead of some of them training on wrong counts or waiting out the timeout.
 
 Cost per round, per reader: 5 store requests (compare_set, 2 add, wait, multi_get) of O(1)
-bytes, plus one connection per process (per thread that calls it); rank aggregator (1 per rank):
+bytes, plus one connection per process (kept across rounds); rank aggregator (1 per rank):
 +3 requests, O(W) bytes; global aggregator: +2 requests, O(R) bytes; a model-parallel duplicate:
 3 requests. Store, per round: 5 G + 3 R + 2 requests, G + 2 R + 3 keys of < 64 bytes (~0.6 MB
 at 8,192 readers; never deleted, a late duplicate may still read them), and one open connection
@@ -258,8 +279,8 @@ def agree_settings(agreement: Agreement, *, dp_rank: int, settings: Mapping[str,
                 f"the ranks were built with different settings, so they would read the wrong data (some samples "
                 f"never, others twice): dp_rank={first['rank']} has {_values(diff, 1)}, dp_rank={dp_rank} has "
                 f"{_values(diff, 0)}; build every rank's dataset with the same settings"))
-        store.add(f"{base}/at/{dp_rank}", 1)
-        if store.add(f"{base}/n", 1) == agreement.dp_size:
+        first_of_rank = store.add(f"{base}/at/{dp_rank}", 1) == 1  # model-parallel peers share a dp_rank
+        if first_of_rank and store.add(f"{base}/n", 1) == agreement.dp_size:
             store.compare_set(f"{base}/done", "", "ok")
         if not _wait(store, f"{base}/done", deadline):
             arrived = [r for r in range(agreement.dp_size) if store.check([f"{base}/at/{r}"])]
@@ -271,6 +292,9 @@ def agree_settings(agreement: Agreement, *, dp_rank: int, settings: Mapping[str,
                 f"rank builds this PackedDataset (same dp_group) and that none died, or raise "
                 f"TopologyOptions(agree_timeout_s=...)")
         outcome = store.get(f"{base}/done").decode()
+        if diff and not outcome.startswith(_ERROR):  # a late model-parallel peer: the others had agreed
+            raise ValueError(f"dp_rank={dp_rank} (a model-parallel peer) was built with different settings from "
+                             f"dp_rank={first['rank']}: {_values(diff, 0)} here, {_values(diff, 1)} there")
         if outcome.startswith(_ERROR):
             if store.add(f"{base}/read", 1) == agreement.dp_size:
                 store.set(f"{base}/bye", "")

@@ -226,3 +226,19 @@ def test_an_in_process_store_is_refused_in_another_process() -> None:
     child.join(30)
     assert "reachable only in the process that made it" in said and "FileStore" in said, said
     assert os.getpid() != child.pid
+
+
+def test_a_late_model_parallel_peer_that_differs_is_refused_at_once(tmp_path) -> None:
+    """Peers share a dp_rank: equal ones pass, and one arriving after the ranks agreed with other
+    settings fails itself at once (the others already hold their answer)."""
+    from streampack.agree import agree_settings
+
+    server, make = _store("tcp", tmp_path)
+    a = make(2, 20.0)
+    same = {"seed": 0}
+    assert _threads(lambda i: agree_settings(a, dp_rank=i // 2, settings=same), 4) == [None] * 4
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"model-parallel peer.*seed=3 here, seed=0 there"):
+        agree_settings(a, dp_rank=1, settings={"seed": 3})
+    assert time.monotonic() - start < 10  # not the 20 s timeout: nobody else is waited for
+    del server
