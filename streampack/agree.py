@@ -391,6 +391,17 @@ _POOL: dict[tuple[int, str], list[Any]] = {}  # idle clients, by (pid, store): o
 _POOL_LOCK = threading.Lock()
 
 
+def _after_fork() -> None:
+    """A forked child (a DataLoader worker) starts with no clients and a free lock, whatever a
+    parent's thread held at the fork."""
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+    _POOL.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 @contextmanager
 def _connection(agreement: Agreement) -> Iterator[Any]:
     """A client of ``agreement``'s store for one round: an idle one of this process, else a new
