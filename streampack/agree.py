@@ -21,11 +21,12 @@ store is bounded apart (``connect_timeout_s``) and happens once per process: a p
 clients for later rounds (one per round running at the same time, as a blocked wait holds its
 client), so a reader does not reconnect every epoch.
 
-**Cost of the settings agreement** (R ranks, S = the settings' json, ~0.75 KB for a token stream, more with a mixture, a cost model or media): per rank, once per
-dataset, in its main process: 5 store requests (compare_set, 2 add, wait, get) and 2 S + O(1)
-bytes; +1 request for a rank that finds a difference, +1 for the last to arrive; on a difference
-+2 requests (the second barrier). DataLoader workers: 0 (they get the checked dataset pickled).
-Store: 5 R + 2 requests, R + 3 keys, S bytes kept.
+**Cost of the settings agreement** (R ranks; S = the settings' json, ~0.75 KB for a token stream,
+more with a mixture, a cost model or media): per rank, once per dataset, in its main process,
+5 store requests (compare_set, 2 add, wait, get) and 2 S + O(1) bytes; +1 request for a rank
+that finds a difference, +1 for the last to arrive; on a difference +2 requests each (the second
+barrier). Per DataLoader worker: 0 (it gets the checked dataset pickled). Store: ~5 R requests,
+R + 3 keys, S bytes kept.
 
 Protocol for round ``key`` (keys live under ``{prefix}/{key}/``; R = dp_size, W = num_workers):
 
@@ -262,12 +263,13 @@ def agree_settings(agreement: Agreement, *, dp_rank: int, settings: Mapping[str,
     others' error into a lost connection. TimeoutError after ``agreement.timeout_s`` naming the
     ranks that did not arrive.
 
-    Protocol (keys under ``{prefix}/settings/``; S = the settings' json, ~0.75 KB for a token stream, more with a mixture, a cost model or media): the first
-    rank's ``compare_set(first, "", {rank, settings})`` wins and every rank compares its own to
-    the winner's; a rank that differs ``compare_set``\\s ``done`` to ``"!message"``; each rank
-    ``add``\\s 1 to ``at/{r}`` and to ``n``, the one bringing ``n`` to R sets ``done`` (unless
-    set); all wait for ``done`` and get it. On an error, a second barrier (``add`` to ``read``,
-    the last sets ``bye``, all wait for it) keeps every rank alive until all have read it."""
+    Protocol (keys under ``{prefix}/settings/``): the first rank's ``compare_set(first, "",
+    {rank, settings})`` wins and every rank compares its own to the winner's; a rank that
+    differs ``compare_set``\\s ``done`` to ``"!message"``; each rank ``add``\\s 1 to ``at/{r}``
+    and (the first of its model-parallel peers) to ``n``; the one bringing ``n`` to R sets
+    ``done`` (unless set); all wait for ``done`` and get it. On an error, a second barrier
+    (``add`` to ``read``, the last sets ``bye``, all wait for it) keeps every rank alive until all
+    have read it."""
     text = json.dumps({"rank": int(dp_rank), "settings": dict(settings)}, sort_keys=True, default=str)
     base = f"{agreement.prefix}/settings"
     with _connection(agreement) as store:

@@ -20,10 +20,10 @@ import torch
 from torch.utils.data import IterableDataset
 
 from streampack.errors import log_worker_error
-from streampack.logs import get_logger, warn_every
 from streampack.graph import Graph, build_graph, counting_for, graph_metrics, manifest_of
 from streampack.layout import transfer
 from streampack.layout.batch import PackedBatch, pack_batch
+from streampack.logs import get_logger, warn_every
 from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
 from streampack.nodes.epoch_plan import unplannable

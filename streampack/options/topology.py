@@ -66,7 +66,8 @@ class TopologyOptions:
         need_choice("TopologyOptions", "equal_batches", self.equal_batches, EQUAL_BATCHES)
         need_int("TopologyOptions", "batches_per_epoch", self.batches_per_epoch, 1, optional=True)
         need_type("TopologyOptions", "agree_timeout_s", self.agree_timeout_s, (int, float), optional=True)
-        if self.agree_timeout_s is not None and (isinstance(self.agree_timeout_s, bool) or not self.agree_timeout_s > 0):
+        timeout = self.agree_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"TopologyOptions(agree_timeout_s={self.agree_timeout_s!r}): must be None or seconds > 0")
         try:
             self.align  # noqa: B018  (cp_size, tp_size and align_multiple, checked by alignment())
