@@ -168,6 +168,22 @@ class Agreement:
         return cls(local=name, prefix=prefix, dp_size=dp_size, timeout_s=timeout_s)
 
     @classmethod
+    def of_store(cls, store: Any, *, prefix: str, dp_size: int, timeout_s: float | None = None) -> Agreement:
+        """The agreement through ``store`` (under torch's PrefixStore wrappers): a TCPStore or a
+        FileStore by address, any other store (a HashStore) for this process only. ``timeout_s``
+        None: the store's own timeout (``init_process_group`` sets it to the process group's)."""
+        from torch.distributed import FileStore, TCPStore
+
+        if timeout_s is None:
+            timeout_s = store.timeout.total_seconds()
+        store = _unwrap(store)
+        if isinstance(store, TCPStore):
+            return cls(host=store.host, port=store.port, prefix=prefix, dp_size=dp_size, timeout_s=timeout_s)
+        if isinstance(store, FileStore):
+            return cls(path=store.path, prefix=prefix, dp_size=dp_size, timeout_s=timeout_s)
+        return cls.in_process(store, prefix=prefix, dp_size=dp_size, timeout_s=timeout_s)
+
+    @classmethod
     def from_dist(cls, dp_group: Any, dp_rank: int, dp_size: int, *, timeout_s: float | None = None,
                   settings: Mapping[str, Any] | None = None) -> Agreement | None:
         """The agreement for this run, or None without torch.distributed or with one rank.
@@ -182,23 +198,17 @@ class Agreement:
         process group's. ``settings`` given: :func:`agree_settings` checks them once, here.
         """
         import torch.distributed as dist
-        from torch.distributed import FileStore, TCPStore
 
         if dp_size <= 1 or not (dist.is_available() and dist.is_initialized()):
             return None
-        wrapped = dist.distributed_c10d._get_default_store()
-        store = _unwrap(wrapped)
-        if timeout_s is None:
-            timeout_s = wrapped.timeout.total_seconds()
+        members = dist.get_world_size(group=dp_group)
+        if dp_size > members:  # the others would draw their own nonce: every round would time out
+            raise ValueError(f"dp_size={dp_size} but the process group the ranks agree over has {members} "
+                             f"rank(s): pass dp_group= a group holding every data-parallel rank (or the world)")
         nonce = [uuid.uuid4().hex if dist.get_rank(group=dp_group) == 0 else None]
         dist.broadcast_object_list(nonce, group=dp_group, group_src=0)
-        prefix = f"streampack/agree/{nonce[0]}"
-        if isinstance(store, TCPStore):
-            agreement = cls(host=store.host, port=store.port, prefix=prefix, dp_size=dp_size, timeout_s=timeout_s)
-        elif isinstance(store, FileStore):
-            agreement = cls(path=store.path, prefix=prefix, dp_size=dp_size, timeout_s=timeout_s)
-        else:  # a store only this process reaches: DataLoader worker processes are refused by name
-            agreement = cls.in_process(store, prefix=prefix, dp_size=dp_size, timeout_s=timeout_s)
+        agreement = cls.of_store(dist.distributed_c10d._get_default_store(), prefix=f"streampack/agree/{nonce[0]}",
+                                 dp_size=dp_size, timeout_s=timeout_s)
         if settings is not None:
             agree_settings(agreement, dp_rank=dp_rank, settings=settings)
         return agreement

@@ -138,7 +138,9 @@ def test_ranks_with_different_num_workers_are_refused(store) -> None:
 
 def test_missing_reader_times_out_naming_who_arrived(store) -> None:
     """Finding: the wait was a fixed 30 min and the error named how many arrived, not which did not."""
-    a = _agreement(store, 2, timeout_s=1.0)  # time is the property here; connecting is bounded apart
+    warm = _agreement(store, 3, prefix="warm")  # this process's 3 clients connected (a connect may stall 5 s
+    assert len(_run([(warm, "w", r, 0, 1, 1) for r in range(3)])) == 3  # here), so the readers arrive together
+    a = _agreement(store, 2, timeout_s=1.0)  # time is the property here
     start = time.monotonic()
     got = _run([(a, "pass0/epoch3", r, w, 2, 1) for r, w in ((0, 0), (0, 1), (1, 0))])  # (1, 1) never comes
     assert time.monotonic() - start < 30
@@ -214,22 +216,25 @@ def test_from_dist_none_without_torch_distributed() -> None:
 
 
 def test_from_dist_with_a_gloo_group(tmp_path) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=77))
     try:
         assert Agreement.from_dist(None, 0, 1) is None  # one rank: nothing to agree on
-        # explicit dp_size > the group (e.g. the other ranks' groups elsewhere): usable here by threads
-        a, b = Agreement.from_dist(None, 0, 2, timeout_s=30), Agreement.from_dist(None, 0, 2)
-        assert a is not None and b is not None and a.prefix != b.prefix  # a fresh nonce every time
-        group = dist.new_group([0])  # an explicit dp_group: the store is under its PrefixStore too
-        assert Agreement.from_dist(group, 0, 2).port == a.port
-        assert _run([(a, "e0", r, 0, 1, 6 - r) for r in range(2)]) == [
+        with pytest.raises(ValueError, match=r"dp_size=2 but the process group .* has 1 rank"):
+            Agreement.from_dist(None, 0, 2)  # the other rank would never share this run's nonce
+        store = dist.distributed_c10d._get_default_store()
+        a = Agreement.of_store(store, prefix="x", dp_size=2)  # under torch's PrefixStore: the TCPStore
+        assert a.host == "127.0.0.1" and a.timeout_s == 77  # default: the process group's timeout
+        group = dist.new_group([0])  # a group's store is under its PrefixStore too
+        assert Agreement.of_store(dist.distributed_c10d._get_default_store(), prefix="y", dp_size=2).port == a.port
+        assert group is not None and _run([(a, "e0", r, 0, 1, 6 - r) for r in range(2)]) == [
             RankCounts(target=6, workers=(6,)), RankCounts(target=6, workers=(5,))]
     finally:
         dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:  # a FileStore serves as well (finding: it was refused, and every reader counted every reader)
-        f = Agreement.from_dist(None, 0, 2, timeout_s=30)
-        assert f is not None and f.path == str(tmp_path / "init") and not f.host
+        f = Agreement.of_store(dist.distributed_c10d._get_default_store(), prefix="z", dp_size=2, timeout_s=30)
+        assert f.path == str(tmp_path / "init") and not f.host
         assert _run([(f, "e0", r, 0, 1, 4 + r) for r in range(2)]) == [
             RankCounts(target=5, workers=(4,)), RankCounts(target=5, workers=(5,))]
     finally:

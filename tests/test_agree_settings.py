@@ -172,25 +172,38 @@ def test_file_init_agrees_through_the_filestore_without_reading_every_index(data
     assert sorted(got[0]["docs"] + got[1]["docs"]) == [f"{i:08d}" for i in range(len(docs))]
 
 
+def _absent_rank(init: str, queue) -> None:
+    """Rank 1 of the job: joins torch.distributed (and the agreement's nonce) but never builds the
+    dataset, as a rank that crashed in between or builds another one."""
+    dist.init_process_group("gloo", init_method=init, rank=1, world_size=2, timeout=timedelta(seconds=60))
+    Agreement.from_dist(None, 1, 2)
+    queue.get(timeout=60)  # alive (rank 0 hosts the store) until the test has rank 0's error
+
+
 def test_the_timeout_is_a_setting_and_names_the_ranks_that_did_not_arrive(data) -> None:
     """Finding: the wait was ``Agreement.timeout_s = 1800``, unreachable from any option. Here
     rank 1 never builds its dataset: rank 0 fails after the configured 1.5 s, naming it."""
     urls, _, cache = data
     with pytest.raises(ValueError, match="agree_timeout_s"):
         TopologyOptions(agree_timeout_s=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=77))
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    absent = ctx.Process(target=_absent_rank, args=(init, queue))
+    absent.start()
     try:
-        assert Agreement.from_dist(None, 0, 2).timeout_s == 77  # default: the process group's timeout
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=2, timeout=timedelta(seconds=60))
         start = time.monotonic()
         with pytest.raises(TimeoutError) as e:
-            PackedDataset(urls, capacity=CAP, epochs=1, cache_dir=cache,
-                          topology=TopologyOptions(dp_rank=0, dp_size=2, agree_timeout_s=1.5))
+            PackedDataset(urls, capacity=CAP, epochs=1, cache_dir=cache, topology=TopologyOptions(agree_timeout_s=1.5))
         assert time.monotonic() - start < 30
         msg = str(e.value)
         assert "waited 1.5s" in msg and "1 of 2 ranks arrived, not dp_rank 1" in msg and "agree_timeout_s" in msg
     finally:
-        dist.destroy_process_group()
+        queue.put("done")
+        absent.join(30)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_a_launch_without_torch_distributed_is_refused_up_front(data, monkeypatch) -> None:
