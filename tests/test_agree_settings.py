@@ -13,6 +13,7 @@ import re
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -44,7 +45,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _store(kind: str, tmp_path) -> tuple[object, Agreement.__class__]:
+def _store(kind: str, tmp_path) -> tuple[object, Callable[..., Agreement]]:
     """A real store of ``kind`` and a maker of agreements through it."""
     if kind == "tcp":
         server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
