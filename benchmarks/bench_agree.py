@@ -21,7 +21,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from streampack.plan.agree import Agreement, _client, agree_counts
+from streampack.plan.agree import Agreement, _connect, _connection, agree_counts
 
 _GAP_S = 0.01
 
@@ -33,7 +33,9 @@ def _readers(a: Agreement, first: int, n: int, workers: int, rounds: int) -> lis
     def one(i: int) -> None:
         g = first + i
         time.sleep(g * _GAP_S)
-        store = _client(a)
+        store = _connect(a)  # the benchmark's own control client
+        with _connection(a):  # the round's client, connected now and left in the process's pool
+            pass
         store.add("bench/ready", 1)
         for k in range(rounds):
             store.wait([f"bench/go{k}"], timedelta(seconds=600))

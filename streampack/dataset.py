@@ -24,6 +24,7 @@ from streampack.graph.build import Graph, build_graph, counting_for, graph_metri
 from streampack.graph.preflight import preflight
 from streampack.layout import transfer
 from streampack.layout.batch import PackedBatch, pack_batch
+from streampack.logs import get_logger, warn_every
 from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
 from streampack.nodes.epochs import add_metrics
@@ -63,6 +64,8 @@ from streampack.settings import (
     sources_of,
     tokenizer_id,
 )
+
+_log = get_logger(__name__)
 
 # ``numpy.random`` is imported here, in the training process, because every DataLoader worker seeds
 # it as it starts (torch's worker loop): forked workers inherit the module instead of each
@@ -168,11 +171,14 @@ class PackedDataset(IterableDataset):
         if self.sources.packed is None:  # a typo fails now, not when a reader reaches the shard
             preflight(self.sources.lists, self.options)
         self.tokenizer, self.stages = tokenizer, list(stages)
-        self._agreement = _agreement(asked.dp_group, self.dp_rank, self.dp_size)
+        self._agreement: Any = None
         self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size), validate=True)  # what only nodes check
-        self._check_equal_batches()
+        manifest = self._check_equal_batches()
         self._tokenizer_id = tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
         self._fingerprint_texts: dict[int, str] = {}
+        self._agreement = _agreement(asked.dp_group, self.dp_rank, self.dp_size, asked.agree_timeout_s,
+                                     self._shared_settings(manifest))
+        self._check_agreement(explicit=asked.dp_rank is not None and asked.dp_size is not None)
         self._tracker = PassTracker()
         self._graph: Graph | None = None
         self._pending: Any = None  # a loaded state, or elastic.Pending
@@ -230,6 +236,35 @@ class PackedDataset(IterableDataset):
         return {**fingerprint_settings(self.config, self.options), **mixture, "sources": self.sources.digest,
                 "num_sources": len(self.urls), "tokenizer": self._tokenizer_id, "num_stages": len(self.stages),
                 "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_workers": num_workers}
+
+    def _shared_settings(self, manifest: Any) -> dict[str, Any]:
+        """What every rank must have alike (agreed once through the store): the fingerprint less
+        the rank and the worker count (agreed per round), plus the manifest's counts and sizes."""
+        shared = {k: v for k, v in self._settings(0).items() if k not in ("dp_rank", "num_workers")}
+        if manifest is not None:
+            shared["manifest"] = manifest.fingerprint("size")  # not tags: node-local copies differ in mtime
+        return shared
+
+    def _check_agreement(self, explicit: bool) -> None:
+        """A finite multi-rank plan without a store: each reader would count every reader's batches
+        (O(samples of the data set) index reads and CPU per reader, at its first state_dict())."""
+        c = self.config
+        if (self._agreement is not None or c.epochs is None or self.dp_size == 1 or self.sources.shards is None
+                or self.sources.mixture or self.sources.packed is not None
+                or counting_for(c, Placement(dp_size=self.dp_size)) is None):
+            return
+        remedy = ("call torch.distributed.init_process_group() before building the dataset (any backend and "
+                  "init method: its store is used; one round of O(1) requests per reader and epoch), or pass "
+                  "TopologyOptions(batches_per_epoch=N), or equal_batches='sync' and iterate "
+                  "streampack.sync_batches(loader, ds)")
+        if not explicit:  # RANK / WORLD_SIZE from a launcher: the ranks are separate processes
+            raise ValueError(f"a finite epoch over dp_size={self.dp_size} ranks (from RANK/WORLD_SIZE) is planned "
+                             f"by the ranks agreeing on their batch counts through torch.distributed's store, and "
+                             f"torch.distributed is not initialized: {remedy}")
+        warn_every(_log, "no-agreement", "dp_rank=%d of dp_size=%d without torch.distributed: every reader counts "
+                   "every reader's batches at its first state_dict() (index reads and CPU over the whole data set, "
+                   "%d shards, per reader): meant for ranks simulated in one process; otherwise %s",
+                   self.dp_rank, self.dp_size, len(self.urls), remedy)
 
     def filler(self) -> PackedBatch:
         """A batch of the stream's shape that trains nothing (what ``sync_batches`` feeds a rank
@@ -322,22 +357,23 @@ class PackedDataset(IterableDataset):
         return build_graph(self.config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
                            stages=self.stages, share=share, validate=validate, agreement=self._agreement)
 
-    def _check_equal_batches(self) -> None:
+    def _check_equal_batches(self) -> Any:
         """Finite, several ranks: the plan needs the data set's manifest (1 read; refused, naming
         ``streampack index``, for remote shards without one) and, to count batches, every shard's
-        token total in it (O(N) ints; the refusal names the shards without)."""
+        token total in it (O(N) ints; the refusal names the shards without). Returns it (or None)."""
         c = self.config
         if c.epochs is None or self.dp_size == 1 or self.sources.packed is not None:
-            return
+            return None
         if self.sources.mixture:
             if c.topology.batches_per_epoch is None and c.topology.equal_batches == "plan":
                 raise ValueError(f"a finite mixture over dp_size={self.dp_size} ranks cannot be planned (sources are "
                                  f"drawn at random): pass batches_per_epoch, or equal_batches='sync' and iterate "
                                  f"streampack.sync_batches(loader, ds)")
-            return
+            return None
         manifest = manifest_of(c, self.sources, self.options)
         if counting_for(c, Placement(dp_size=self.dp_size)) is not None and not manifest.known_lengths():
             raise ValueError(unplannable(manifest, self.dp_size))
+        return manifest
 
     def _run(self, generation: int, graph: Graph, pin: bool) -> Iterator[PackedBatch]:
         pin = pin and torch.cuda.is_available()
@@ -361,13 +397,12 @@ class PackedDataset(IterableDataset):
         return {**self.__dict__, "_graph": None}
 
 
-def _agreement(dp_group: Any, dp_rank: int, dp_size: int) -> Any:
-    """How this rank's readers agree on batch counts through the store (None without
-    ``torch.distributed``: then every reader counts every reader's batches)."""
+def _agreement(dp_group: Any, dp_rank: int, dp_size: int, timeout_s: float | None,
+               settings: dict[str, Any]) -> Any:
+    """How this rank's readers agree through the job's store (None with one rank or without
+    ``torch.distributed``), after checking once that every rank has the same ``settings``."""
     if dp_size == 1:
         return None
-    try:
-        from streampack.plan.agree import Agreement
-    except ImportError:  # not in this build yet
-        return None
-    return Agreement.from_dist(dp_group, dp_rank, dp_size)
+    from streampack.plan.agree import Agreement
+
+    return Agreement.from_dist(dp_group, dp_rank, dp_size, timeout_s=timeout_s, settings=settings)

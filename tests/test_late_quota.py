@@ -182,3 +182,13 @@ def test_elastic_resume_counts_late_and_pins_its_quota(data, store):
     tail = [t + rest for t, rest in zip(tail, _lockstep(new))]
     assert len({len(t) for t in tail}) == 1
     assert collect_documents([b for r in head + tail for b in r]) == {f"{i:08d}": d for i, d in enumerate(docs)}
+
+
+def test_ranks_simulated_in_one_process_agree_through_a_hashstore(data, want):
+    """Any c10d store serves the agreement: ranks that are threads of one process (this simulation,
+    or ``init_process_group(store=HashStore())``) agree through a HashStore, with the same batches."""
+    from torch.distributed import HashStore
+
+    agreement = Agreement.in_process(HashStore(), prefix="sim", dp_size=RANKS, timeout_s=60)
+    got = _lockstep(_ranks(data, agreement))
+    assert [[b.doc_keys for b in r] for r in got] == [[b.doc_keys for b in r] for r in want]

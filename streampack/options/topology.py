@@ -47,6 +47,12 @@ class TopologyOptions:
     batches_per_epoch: int | None = None
     """Finite stream: a fixed count of batches per rank per epoch (a multiple of the worker
     count) that overrides ``equal_batches``."""
+    agree_timeout_s: float | None = None
+    """Several ranks under ``torch.distributed``: the longest any reader waits for the others when
+    they agree through the job's store — on the settings, once, when the dataset is built, and on a
+    finite epoch's batch counts, once per epoch. A rank that died, never iterates, or runs another
+    pass fails every other one after this long, with the readers that did not arrive named.
+    None: the process group's timeout (``init_process_group(timeout=)``, 30 min by default)."""
 
     def __post_init__(self) -> None:
         need_int("TopologyOptions", "dp_rank", self.dp_rank, 0, optional=True)
@@ -59,6 +65,10 @@ class TopologyOptions:
         need_type("TopologyOptions", "sequence_parallel", self.sequence_parallel, bool)
         need_choice("TopologyOptions", "equal_batches", self.equal_batches, EQUAL_BATCHES)
         need_int("TopologyOptions", "batches_per_epoch", self.batches_per_epoch, 1, optional=True)
+        need_type("TopologyOptions", "agree_timeout_s", self.agree_timeout_s, (int, float), optional=True)
+        timeout = self.agree_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise ValueError(f"TopologyOptions(agree_timeout_s={self.agree_timeout_s!r}): must be None or seconds > 0")
         try:
             self.align  # noqa: B018  (cp_size, tp_size and align_multiple, checked by alignment())
         except ValueError as e:

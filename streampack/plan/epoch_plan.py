@@ -12,10 +12,12 @@ background thread, the reader counts its own batches (its own samples' lengths t
 packer's round logic, ``window_rounds.count_packs``) and the readers agree on the counts
 (``streampack.plan.agree``: one store round per epoch, O(1) requests per reader); the quota is first
 used when the reader's own data runs out, to know how many filler batches make its rank's total
-the largest rank's (:func:`rank_quotas`, the same quotas :func:`equalize` gives). Without an
-agreement (explicit ``dp_rank``/``dp_size`` and no ``torch.distributed``: in-process simulation,
-tests) each reader counts every reader's batches instead, when its data runs out — O(T) CPU,
-memory and index reads per reader, the fallback.
+the largest rank's (:func:`rank_quotas`, the same quotas :func:`equalize` gives). The agreement
+uses whatever store torch.distributed has (TCPStore, FileStore, HashStore). Without one (explicit
+``dp_rank``/``dp_size`` and no ``torch.distributed``: ranks simulated in one process, tests) each
+reader counts every reader's batches instead, at its first ``state_dict()`` or when its data runs
+out — O(T) CPU, memory and index reads per reader: ``PackedDataset`` logs that cost, and refuses a
+launcher-started run without ``torch.distributed`` up front.
 
 **Cost per reader and epoch** (N shards, T samples, G readers; ``python benchmarks/bench_scale.py``
 on this shared 2-core box): before the first batch, 1 manifest read per process and at most 4

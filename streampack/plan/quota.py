@@ -15,9 +15,11 @@ before it could start (310 extra requests at 64 ranks over 20,000 shards,
   wait for the data to run out: a rank whose reader waits there for a reader of another rank
   that is still reading, while that rank's training step waits for this rank's, would hang. The
   thread progresses whatever the training loop does.
-- **Without an agreement** (explicit ``dp_rank``/``dp_size``, no ``torch.distributed``: in-process
-  simulation) the quota is computed, in the calling thread, when first needed (each reader counts
-  every reader: O(T), the documented fallback). No thread.
+- **Without an agreement** (explicit ``dp_rank``/``dp_size``, no ``torch.distributed``: ranks
+  simulated in one process) the quota is computed, in the calling thread, when first needed (each
+  reader counts every reader: O(T)). No thread. ``PackedDataset`` logs that cost when it is built
+  this way, and refuses a launcher-started run (``RANK``/``WORLD_SIZE``) without
+  ``torch.distributed`` up front: every store torch.distributed can be initialised with serves.
 
 Every batch is the same whichever moment the count ends: the quota only decides how many fillers
 follow the last batch of data. A quota that turns out smaller than the data (a stage that changed
