@@ -41,6 +41,7 @@ from torchdata.nodes import BaseNode
 from streampack.errors import ErrorCounter
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.layout.stats import WorkerStats
+from streampack.layout.vision_batch import VisionLayout
 from streampack.logs import event_counts, get_logger, warn_every
 from streampack.nodes.quota import LateQuota
 from streampack.packing.cost import CostModel
@@ -78,7 +79,7 @@ class ThdCollate(BaseNode[PackedBatch]):
                  align: int = 1, pad_id: int = 0, ignore_index: int = -100,
                  num_batches: int | LateQuota | None = None, surplus_hint: str = "raise batches_per_epoch",
                  errors: ErrorCounter | None = None, dp_rank: int = 0, worker_id: int = 0,
-                 cost_model: CostModel | None = None) -> None:
+                 cost_model: CostModel | None = None, vision_layout: VisionLayout | None = None) -> None:
         super().__init__()
         if packs_per_batch < 1:
             raise ValueError(f"{packs_per_batch=} must be >= 1")
@@ -91,6 +92,7 @@ class ThdCollate(BaseNode[PackedBatch]):
         self.late = num_batches if isinstance(num_batches, LateQuota) else None
         self.errors, self.dp_rank, self.worker_id = errors, dp_rank, worker_id
         self.cost_model = cost_model
+        self.vision_layout = vision_layout  # a media stream's: filler and image-less batches keep its layout
         self.slow_seconds = float(os.environ.get(SLOW_BATCH_ENV, "30"))
         self._yielded = 0
         self._first = True
@@ -149,7 +151,7 @@ class ThdCollate(BaseNode[PackedBatch]):
         """The batch of the ``real`` packs, completed with ``missing`` filler packs."""
         packs = list(real) + [filler_pack(self.capacity, self.pad_id)] * missing
         return pack_batch(packs, capacity=self.capacity, align=self.align, pad_id=self.pad_id,
-                          ignore_index=self.ignore_index)
+                          ignore_index=self.ignore_index, vision_layout=self.vision_layout)
 
     def _lengths(self, real: list[Any]) -> list[np.ndarray]:
         """int64 document lengths of each real pack."""
