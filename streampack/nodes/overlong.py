@@ -74,23 +74,39 @@ def _slice(sample: Sample, start: int, stop: int, key: str, chunk: int, spans: A
                    extras={k: v[start:stop] for k, v in sample.extras.items()}, origin=origin)
 
 
-def _cut(end: int, spans: Any) -> int:
-    """``end``, or the start of the image or video whose tokens it would cut through."""
-    i = int(np.searchsorted(spans.stop, end, side="right"))  # first span ending after ``end``
-    return int(spans.start[i]) if i < len(spans.stop) and int(spans.start[i]) < end else end
+def _cut(end: int, start: np.ndarray, stop: np.ndarray) -> int:
+    """``end``, or the start of the span (an image's or video's tokens, sorted) it would cut through."""
+    i = int(np.searchsorted(stop, end, side="right"))  # first span ending after ``end``
+    return int(start[i]) if i < len(stop) and int(start[i]) < end else end
 
 
-def _bounds(n: int, max_len: int, spans: Any) -> list[int] | None:
+def _bounds(n: int, max_len: int, start: np.ndarray, stop: np.ndarray) -> list[int] | None:
     """Chunk boundaries ``[0, ..., n]`` of at most ``max_len`` tokens that cut through no span
     (each cut as late as it can be); None when a span alone is longer than ``max_len``."""
-    if spans is None or not len(spans.start):
+    if not len(start):
         return [*range(0, n, max_len), n]
-    if int((spans.stop - spans.start).max()) > max_len:
+    if int((stop - start).max()) > max_len:
         return None
     bounds = [0]
     while bounds[-1] + max_len < n:
-        bounds.append(_cut(bounds[-1] + max_len, spans))  # > bounds[-1]: no span is longer than max_len
+        bounds.append(_cut(bounds[-1] + max_len, start, stop))  # > bounds[-1]: no span is longer than max_len
     return [*bounds, n]
+
+
+def cut_lengths(n: int, max_len: int, policy: str, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """int64: the document lengths :func:`apply_overlong` makes, with ``media``, of a sample of
+    ``n`` tokens whose images and videos span ``[start, stop)`` (sorted); what an epoch plan
+    counts and an elastic resume re-cuts (``error`` counts as ``truncate``, as the plan does)."""
+    check_policy(policy)
+    if n <= max_len:
+        return np.asarray([n], dtype=np.int64)
+    if policy == "drop":
+        return np.zeros(0, dtype=np.int64)
+    if policy != "split":
+        end = _cut(max_len, start, stop)
+        return np.asarray([end] if end else [], dtype=np.int64)
+    bounds = _bounds(n, max_len, start, stop)
+    return np.zeros(0, dtype=np.int64) if bounds is None else np.diff(np.asarray(bounds, dtype=np.int64))
 
 
 def _drop(sample: Sample, counters: OverlongCounters, max_len: int) -> list[Sample]:
@@ -132,14 +148,15 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
         from streampack.media.stage import media_spans  # media stays an optional part
 
         spans = media_spans(sample, media)
+    start, stop = (spans.start, spans.stop) if spans is not None else (np.zeros(0, np.int64),) * 2
     if policy == "truncate":
-        end = max_len if spans is None else _cut(max_len, spans)
+        end = _cut(max_len, start, stop)
         if end == 0:  # the sample opens with an image longer than the capacity
             return _drop(sample, counters, max_len)
         counters.samples_truncated += 1
         counters.tokens_truncated += n - end
         return [_slice(sample, 0, end, sample.key, 0, spans)]
-    bounds = _bounds(n, max_len, spans)
+    bounds = _bounds(n, max_len, start, stop)
     if bounds is None:
         return _drop(sample, counters, max_len)
     chunks = [_slice(sample, s, e, f"{sample.key}/{i}", i, spans) for i, (s, e) in enumerate(zip(bounds, bounds[1:]))]
@@ -188,7 +205,7 @@ class OverlongNode(BaseNode[Sample]):
     def _clear(self) -> None:
         self.counters = OverlongCounters()
         self._pending: deque[Sample] = deque()
-        self._split: tuple[SampleOrigin, int, int] | None = None  # origin, chunks, tokens of the sample split
+        self._split: _Split | None = None
         self._last: dict[int, SampleOrigin] = {}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -212,7 +229,7 @@ class OverlongNode(BaseNode[Sample]):
         if len(chunks) != count or sum(len(c) for c in chunks) != tokens:
             raise ValueError(f"split sample at {ref} re-read as {len(chunks)} chunks, {count} when the state "
                              f"was saved: the shard changed, or a stage is not a pure function")
-        self._split = (chunks[0].origin, count, tokens)  # type: ignore[assignment]
+        self._split = _Split(origin=chunks[0].origin, lengths=tuple(len(c) for c in chunks))  # type: ignore[arg-type]
         self._pending = deque(chunks[nxt:])
 
     def next(self) -> Sample:
@@ -225,7 +242,8 @@ class OverlongNode(BaseNode[Sample]):
             except DataError as e:
                 self._policy.handle(e)
                 continue
-            self._split = (sample.origin, len(chunks), len(sample)) if len(chunks) > 1 and sample.origin else None
+            self._split = _Split(origin=sample.origin, lengths=tuple(len(c) for c in chunks)) \
+                if len(chunks) > 1 and sample.origin else None
             self._pending.extend(chunks)
         return self._pending.popleft()
 
@@ -243,10 +261,23 @@ class OverlongNode(BaseNode[Sample]):
 
         if not self._pending or self._split is None or self.replay is None:
             return samples_to_state(list(self._pending))
-        origin, count, tokens = self._split
-        return {"ref": torch.tensor([origin.source, origin.shard, origin.offset, origin.number, origin.epoch],
-                                    dtype=torch.int64),
-                "next": count - len(self._pending), "count": count, "tokens": tokens}
+        origin, count = self._split.origin, len(self._split.lengths)
+        out = {"ref": torch.tensor([origin.source, origin.shard, origin.offset, origin.number, origin.epoch],
+                                   dtype=torch.int64),
+               "next": count - len(self._pending), "count": count, "tokens": sum(self._split.lengths)}
+        if self.media is not None:
+            # cut around images, the chunks are not ceil(tokens / max_len) of max_len: an elastic
+            # resume reads their lengths here (a text stream's state stays the per-row path's)
+            out["lengths"] = torch.tensor(self._split.lengths, dtype=torch.int64)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Split:
+    """The sample whose chunks are being emitted: where to re-read it, and its chunks' lengths."""
+
+    origin: SampleOrigin
+    lengths: tuple[int, ...]
 
 
 def _origin(row: list[int]) -> SampleOrigin:
