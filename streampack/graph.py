@@ -365,7 +365,8 @@ class _Builder:
         return ReplaySpec(
             sources=self.sources.lists, decode=dataclasses.replace(options.decode(), media=media),  # re-read as first read
             opts=options.open_options(), encoder=encoder,
-            stages=list(self.stages), max_len=config.capacity, policy=config.packing.overlong, media=config.media,
+            stages=list(self.stages), max_len=config.capacity, policy=config.packing.overlong,
+            media=config.media,
             verify=lambda source, shard: nodes["readers"][source].verify_shard(shard))
 
 _SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than the data made: samples "

@@ -17,6 +17,11 @@ A video (Qwen2-VL, frames grouped by the temporal patch) has the same fields pre
 LLaVA-NeXT any-res image is ``1 + tiles`` rows of ``pixel_values`` ``[Σ tiles, 3, S, S]``, with
 ``image_grid_thw`` ``(1 + tiles, S, S)`` and its stored ``(height, width)`` in ``image_sizes``.
 
+A media stream gives its :class:`VisionLayout` to every batch, so a batch whose documents have no
+image (or a filler batch) is an empty ``VisionBatch`` of that layout rather than None: 0 image
+rows, ``vision_cu_seqlens`` ``[0]`` and mRoPE positions equal to the text positions, and
+``hf_inputs()`` keeps the model's ``position_ids`` layout (Qwen2-VL ``[4, 1, T]``) on every step.
+
 The pure functions that compute ``vision_cu_seqlens`` and the 3-D mRoPE position ids live in
 :mod:`streampack.layout.vision`; this module only gathers a batch's images and calls them.
 """

@@ -11,8 +11,8 @@ Each image (and each video) becomes a :class:`DecodedImage` carrying where its t
 its document (the run of ``image_token_id`` / ``video_token_id`` of the same length, in order);
 a sample whose runs do not match its images (a stage that changed the tokens after the expansion;
 the overlong policy never cuts through an image, :mod:`streampack.nodes.overlong`), or a sample
-without images holding image or video tokens, is ``DataError("image_tokens_mismatch")``. A bad image follows ``on_error``:
-``"skip"`` drops its sample from the pack (counted), ``"raise"`` raises.
+without images holding image or video tokens, is ``DataError("image_tokens_mismatch")``. A bad
+image follows ``on_error``: ``"skip"`` drops its sample from the pack (counted), ``"raise"`` raises.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from streampack.media.decode import decode_image
 from streampack.media.options import MediaOptions
 from streampack.media.placeholders import image_starts
 from streampack.media.stage import media_counts
-from streampack.media.video import MediaVideo
 from streampack.media.tokens import AnyResTiles, DynamicResolution, FixedTokens
+from streampack.media.video import MediaVideo
 from streampack.media.video_decode import video_pixels
 from streampack.sample import Sample
 from streampack.state import record_of, record_text

@@ -6,9 +6,11 @@ together never see different shapes: the last batch of a finite stream is comple
 epoch plan or ``batches_per_epoch``) a worker that runs out of data emits whole *filler
 batches* until it reaches the quota. A filler pack holds one document of ``capacity`` pad
 tokens with every label ignored, so it adds zero targets to a token-mean loss; its doc key is
-``"<filler>"``. ``num_batches`` may be a :class:`~streampack.nodes.quota.LateQuota`: it is
-started once the first batch is out and waited for only when the data runs out (or taken as soon
-as it is ready, to refuse a surplus early). They are counted in ``counters["fillers"]`` (whole batches) and
+``"<filler>"``; on a media stream (``vision_layout``) every batch, filler or image-less, has the
+stream's vision layout (Qwen2-VL: ``position_ids [4, 1, T]``). ``num_batches`` may be a
+:class:`~streampack.nodes.quota.LateQuota`: it is started once the first batch is out and waited
+for only when the data runs out (or taken as soon as it is ready, to refuse a surplus early).
+They are counted in ``counters["fillers"]`` (whole batches) and
 ``counters["filler_packs"]`` (packs completing a partial batch) and logged (rate-limited). A
 worker with more data than its quota refuses (ValueError) rather than silently dropping it.
 

@@ -254,7 +254,8 @@ class EpochPlanner:
         assert self.counting is not None
         key = (epoch, global_worker)
         if key not in self._counts:
-            chunks = [self._chunks(p.shard, self.samples(p.shard), p.lo, p.hi) for p in self.ranges(epoch, global_worker)]
+            chunks = [self._chunks(p.shard, self.samples(p.shard), p.lo, p.hi)
+                      for p in self.ranges(epoch, global_worker)]
             self._counts[key] = count_chunks(self.counting, global_worker,
                                              np.concatenate(chunks or [np.zeros(0, np.int64)]))
         return self._counts[key]
