@@ -270,3 +270,25 @@ def test_an_elastic_resume_inside_a_split_image_sample_trains_every_chunk_once(t
     for b in consumed:
         v = b.vision
         assert int((b.input_ids == IMAGE_ID).sum()) == int(v.image_token_lengths.sum())
+
+
+def _drop_an_image_token(sample: Sample) -> Sample:
+    """A user stage after the expansion that breaks a long sample's first image run."""
+    if len(sample) <= 32 or not sample.images:
+        return sample
+    tokens = sample.tokens.copy()
+    tokens[int(np.flatnonzero(tokens == IMAGE_ID)[0])] = 1
+    return sample.evolve(tokens=tokens)
+
+
+def test_image_tokens_a_stage_broke_follow_on_error_at_the_split(tmp_path: Path) -> None:
+    from streampack.errors import DataError
+
+    url = str(write_tar(tmp_path / "a.tar", 6, max_images=3, sizes=(80, 84), text=(30, 40)))
+    with pytest.raises(DataError, match=r"image_tokens_mismatch.*a stage after the expansion") as e:
+        list(dataset([url], capacity=32, stages=[_drop_an_image_token]))
+    assert e.value.key.startswith("k") and e.value.url == url
+    ds = dataset([url], capacity=32, stages=[_drop_an_image_token], on_error="skip")
+    kept = {k.rsplit("#", 1)[1].split("/")[0] for b in ds for k in b.doc_keys}
+    broken = ds.metrics()["errors"]["counts"]["image_tokens_mismatch"]
+    assert broken > 0 and len(kept) == 6 - broken  # counted, and every other sample streamed

@@ -197,7 +197,8 @@ class EpochPlanner:
     batches (in-process simulation and explicit ``dp_rank``/``dp_size`` with no
     ``torch.distributed``: O(T) CPU, memory and index reads per reader). ``lengths(shard,
     samples)`` replaces the index's lengths in the counts (not in the cut): a media stream's
-    true lengths (:mod:`streampack.media.plan_lengths`).
+    true lengths (:mod:`streampack.media.plan_lengths`), whose ``chunks`` also cuts them around
+    images as the stream's overlong policy does.
     """
 
     def __init__(self, shards: Any, index: Callable[[int], ShardIndex], *, seed: int, shuffle: bool,

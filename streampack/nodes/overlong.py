@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -29,6 +29,10 @@ from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.logs import get_logger, warn_every
 from streampack.sample import Sample, SampleOrigin
 from streampack.state import record_of, record_text, samples_from_state, samples_to_state
+
+if TYPE_CHECKING:  # media stays an optional part: imported where a sample has images
+    from streampack.media.options import MediaOptions
+    from streampack.media.stage import MediaSpans
 
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
 POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
@@ -60,7 +64,7 @@ def check_policy(policy: str) -> None:
         raise ValueError(f"overlong={policy!r} must be one of {POLICIES}")
 
 
-def _slice(sample: Sample, start: int, stop: int, key: str, chunk: int, spans: Any = None) -> Sample:
+def _slice(sample: Sample, start: int, stop: int, key: str, chunk: int, spans: MediaSpans | None = None) -> Sample:
     def cut(a):
         return None if a is None else a[start:stop]
 
@@ -119,7 +123,7 @@ def _drop(sample: Sample, counters: OverlongCounters, max_len: int) -> list[Samp
 
 
 def apply_overlong(sample: Sample, max_len: int, policy: str,
-                   counters: OverlongCounters | None = None, *, media: Any = None) -> list[Sample]:
+                   counters: OverlongCounters | None = None, *, media: MediaOptions | None = None) -> list[Sample]:
     """Return the documents that ``sample`` becomes under ``policy`` (``[sample]`` when it fits).
 
     ``split`` makes ``ceil(L / max_len)`` chunks with keys ``key/0``, ``key/1``, …; each chunk is
@@ -145,7 +149,7 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
         return []
     spans = None
     if media is not None and sample.images:
-        from streampack.media.stage import media_spans  # media stays an optional part
+        from streampack.media.stage import media_spans
 
         spans = media_spans(sample, media)
     start, stop = (spans.start, spans.stop) if spans is not None else (np.zeros(0, np.int64),) * 2
@@ -185,7 +189,7 @@ class OverlongNode(BaseNode[Sample]):
     LAST_COLUMNS = ("source", "shard", "epoch", "offset", "number", "next_offset", "next_number")
 
     def __init__(self, source: BaseNode[Sample], max_len: int, policy: str = "split", *,
-                 replay: Callable[[list[int]], list[Sample]] | None = None, media: Any = None,
+                 replay: Callable[[list[int]], list[Sample]] | None = None, media: MediaOptions | None = None,
                  on_error: str = "raise", errors: ErrorCounter | None = None) -> None:
         super().__init__()
         check_policy(policy)
