@@ -292,3 +292,16 @@ def test_image_tokens_a_stage_broke_follow_on_error_at_the_split(tmp_path: Path)
     kept = {k.rsplit("#", 1)[1].split("/")[0] for b in ds for k in b.doc_keys}
     broken = ds.metrics()["errors"]["counts"]["image_tokens_mismatch"]
     assert broken > 0 and len(kept) == 6 - broken  # counted, and every other sample streamed
+
+
+def test_a_document_whose_images_are_not_the_streams_layout_is_refused() -> None:
+    from streampack import pack_batch
+    from streampack.media.node import DecodedImage, vision_layout
+
+    layout = vision_layout(MEDIA)
+    assert layout.pixel_shape == (PATCH_ROW,) and layout.merge_size == 2 and layout.image_token_id == IMAGE_ID
+    im = DecodedImage(pixels=np.zeros((4, 3, 28, 28), np.float32), grid_thw=(1, 28, 28), offset=1, length=4,
+                      token_id=IMAGE_ID, merge_size=1, layout="image")
+    doc = Sample(key="k", url="u.tar", tokens=np.array([1, *[IMAGE_ID] * 4, 2]), images=(im,))
+    with pytest.raises(ValueError, match=r"'u.tar#k' has an image laid out as 'image'.*not as the stream's"):
+        pack_batch([[doc]], capacity=8, vision_layout=layout)
