@@ -183,15 +183,6 @@ def test_any_res_tiles_stream_with_their_sizes(tmp_path: Path) -> None:
 
 
 @needs_vision
-def test_a_split_through_an_image_is_an_error_not_misplaced_pixels(tmp_path: Path) -> None:
-    url = str(write_tar(tmp_path / "a.tar", 6, max_images=3, sizes=(80, 84), text=(30, 40)))
-    with pytest.raises(DataError, match="image_tokens_mismatch"):
-        list(dataset([url], capacity=32, overlong="split"))
-    kept = list(dataset([url], capacity=32, overlong="drop"))
-    assert all(check_vision(b) >= 0 for b in kept)
-
-
-@needs_vision
 def test_planned_equal_batches_count_image_tokens(tmp_path: Path) -> None:
     """Several ranks, equal_batches="plan": each reader's count sees the image-expanded lengths
     (text-only counts would fall short of the batches the data makes: a surplus error)."""

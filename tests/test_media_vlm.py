@@ -64,3 +64,22 @@ def test_packed_pipeline_batch_equals_each_document_alone(tmp_path: Path) -> Non
         same = torch.equal(moved[start:start + n], packed.logits[0, start:start + n])
         assert same != (d == owner), d
     torch.testing.assert_close(packed.loss, torch.tensor(total / batch.num_targets), atol=1e-5, rtol=1e-5)
+
+
+def test_a_batch_without_images_keeps_documents_apart(tmp_path: Path) -> None:
+    """A media stream batch with no image at all: Qwen2-VL builds its per-document mask from
+    ``position_ids [4, 1, T]`` only (with ``[1, T]`` every document attended to the ones before
+    it: logits off by 0.4-0.6), so the batch must have that layout too."""
+    url = str(write_tar(tmp_path / "t.tar", 12, max_images=0, text=(20, 60)))
+    ds = PackedDataset([url], capacity=192, window=12, align_multiple=8, epochs=1, seed=1,
+                       media=MediaOptions(rule=RULE, image_token_id=IMAGE_ID))
+    batch = max(ds, key=lambda b: b.num_docs)
+    assert batch.num_docs >= 3 and not bool((batch.input_ids == IMAGE_ID).any())
+    model = tiny_qwen2_vl()
+    with torch.no_grad():
+        packed = model(**batch.hf_inputs()).logits[0]
+        for start, n in zip(batch.cu_seqlens_padded[:-1].tolist(), batch.doc_lengths.tolist()):
+            alone = model(input_ids=batch.input_ids[None, start:start + n], use_cache=False).logits[0]
+            torch.testing.assert_close(packed[start:start + n], alone, atol=2e-5, rtol=1e-4)
+    hf = batch.hf_inputs()
+    assert hf.position_ids.shape == (4, 1, batch.total_tokens) and hf.pixel_values is None

@@ -42,7 +42,7 @@ def test_truncate_drop_and_error_count_what_they_do():
     assert apply_overlong(sample(CAP + 1), CAP, "drop", c) == []
     assert c.as_dict() == dict(samples_split=0, tokens_split=0, chunks_created=0,
                                samples_truncated=1, tokens_truncated=CAP + 1,
-                               samples_dropped=1, tokens_dropped=CAP + 1)
+                               samples_dropped=1, tokens_dropped=CAP + 1, media_overlong=0)
     with pytest.raises(ValueError, match=r"'u.tar#s' has 9 tokens, more than the capacity 8"):
         apply_overlong(sample(CAP + 1), CAP, "error", c)
     with pytest.raises(ValueError, match="overlong='cut'"):

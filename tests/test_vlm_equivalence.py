@@ -142,6 +142,26 @@ def test_qwen2_vl_perturbing_one_image_changes_only_its_document(qwen: torch.nn.
     assert (before[1][first:] - after[1][first:]).abs().amax() > 1e-3
 
 
+def test_qwen2_vl_pack_without_images_in_the_streams_layout_keeps_documents_apart(qwen: torch.nn.Module) -> None:
+    """A pack with no image from a Qwen2-VL stream (``vision_layout``): ``hf_inputs()`` as it
+    is gives each document's own logits; with ``[1, T]`` positions the model builds no
+    per-document mask (logits off by ~0.4, ``tests/test_media_vlm.py``)."""
+    from streampack.layout.vision_batch import VisionLayout
+
+    gen = torch.Generator().manual_seed(4)
+    docs = [qwen_doc(gen, []) for _ in range(4)]
+    layout = VisionLayout(layout="patches", image_token_id=IMAGE, merge_size=MERGE, pixel_shape=(CHANNELS,))
+    batch = pack_batch([[{"input_ids": d.ids, "labels": d.labels()} for d in docs]], capacity=CAPACITY, align=ALIGN,
+                       vision_layout=layout)
+    hf = batch.hf_inputs()
+    assert hf.position_ids.shape == (4, 1, batch.total_tokens) and hf.pixel_values is None
+    with torch.no_grad():
+        out = qwen(**hf)
+        alone = [qwen_alone(qwen, d) for d in docs]
+    for got, (want, _) in zip(per_document(out.logits[0], batch), alone):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def tiny_llava() -> torch.nn.Module:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 

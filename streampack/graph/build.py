@@ -43,7 +43,7 @@ from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
 from streampack.layout.batch import PackedBatch
-from streampack.media.node import DecodeImages
+from streampack.media.node import DecodeImages, vision_layout
 from streampack.media.stage import ExpandImages
 from streampack.nodes.block_reader import BlockReader
 from streampack.nodes.collate import ThdCollate
@@ -222,7 +222,8 @@ class _Builder:
             pad_id=config.packing.pad_id, ignore_index=config.packing.ignore_index, num_batches=quota,
             surplus_hint=_SURPLUS_HINT if config.topology.batches_per_epoch is None else "raise batches_per_epoch",
             errors=self.errors, dp_rank=self.place.dp_rank, worker_id=self.place.worker_id,
-            cost_model=config.cost.model)
+            cost_model=config.cost.model,
+            vision_layout=None if config.media is None else vision_layout(config.media))
         if planned and "packer" in nodes:
             self._last = (nodes["packer"], node)
         if not isinstance(quota, LateQuota):
@@ -277,7 +278,9 @@ class _Builder:
         replayer = self._replayer(nodes)
         pack = config.packing
         node = nodes["overlong"] = OverlongNode(node, config.capacity, pack.overlong,
-                                                replay=None if replayer is None else replayer.chunks)
+                                                replay=None if replayer is None else replayer.chunks,
+                                                media=config.media, on_error=self.options.on_error,
+                                                errors=self.errors)
         node = self.wrap("overlong", node)
         node = nodes["packer"] = WindowPacker(
             node, capacity=config.capacity, window=pack.window, algorithm=pack.algorithm,
@@ -363,6 +366,7 @@ class _Builder:
             sources=self.sources.lists, decode=dataclasses.replace(options.decode(), media=media),  # re-read as first read
             opts=options.open_options(), encoder=encoder,
             stages=list(self.stages), max_len=config.capacity, policy=config.packing.overlong,
+            media=config.media,
             verify=lambda source, shard: nodes["readers"][source].verify_shard(shard))
 
 _SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than the data made: samples "

@@ -39,7 +39,7 @@ from streampack.layout.spans import (
 )
 from streampack.layout.stats import WorkerStats
 from streampack.layout.vision_adapters import hf_vision_inputs
-from streampack.layout.vision_batch import VisionBatch, vision_batch
+from streampack.layout.vision_batch import VisionBatch, VisionLayout, vision_batch
 from streampack.sample import Sample
 
 _INT32_MAX = 2**31 - 1
@@ -99,8 +99,9 @@ class PackedBatch:
     takes as long as the costliest rank."""
     vision: VisionBatch | None = None
     """The images of the batch's documents (pixels, grids, owning document and token positions,
-    vision ``cu_seqlens``, mRoPE positions); None for text-only batches
-    (:mod:`streampack.layout.vision_batch`)."""
+    vision ``cu_seqlens``, mRoPE positions; :mod:`streampack.layout.vision_batch`). Set on every
+    batch of a media stream, empty when no document has an image (filler batches included), so
+    ``hf_inputs()`` has the model's position layout on every step; None for text streams."""
     stats: WorkerStats | None = None
     """Running totals of the reader that built this batch (set by the pipeline's collate stage;
     ``None`` for a batch built directly with :func:`pack_batch`)."""
@@ -218,7 +219,7 @@ def _ready(doc: Any) -> bool:
 
 
 def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
-               pad_id: int = 0, ignore_index: int = -100) -> PackedBatch:
+               pad_id: int = 0, ignore_index: int = -100, vision_layout: VisionLayout | None = None) -> PackedBatch:
     """Lay out ``packs`` (each a list of documents) as one THD :class:`PackedBatch`.
 
     Each document is a :class:`~streampack.sample.Sample`, a mapping with ``input_ids`` (and
@@ -228,7 +229,9 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     Token ids and labels of any integer dtype become int64 (non-integral or out-of-range ids
     are a ``ValueError``); a document's own label ``-100`` (the Sample convention) becomes
     ``ignore_index``; ``labels``, ``loss_mask`` and extras must have one row per token, and an
-    extra the same per-token shape in every document.
+    extra the same per-token shape in every document. ``vision_layout`` (a media stream's,
+    :class:`~streampack.layout.vision_batch.VisionLayout`) gives every batch a ``vision``, images or
+    not; without it ``vision`` is None unless a document has images.
     """
     capacity, align = _positive_int(capacity, "capacity"), _positive_int(align, "align")
     if capacity % align:
@@ -287,7 +290,8 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         pad_id=pad_id,
         ignore_index=ignore_index,
         extras={k: torch.from_numpy(v) for k, v in extras.items()},
-        vision=vision_batch([d for pack in docs for d in pack], starts, rows[0], offsets["varlen_cu_seqlens"]),
+        vision=vision_batch([d for pack in docs for d in pack], starts, rows[0], offsets["varlen_cu_seqlens"],
+                            vision_layout),
     )
 
 

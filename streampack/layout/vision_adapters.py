@@ -6,7 +6,8 @@ forwards take.
   when the batch has none of that kind), and ``position_ids [4, 1, T]`` — the text positions
   (row 0, from which the model builds its packed attention mask when no ``attention_mask`` is
   given) stacked on the 3-D mRoPE positions (rows 1-3), the layout transformers 5 documents
-  for packed input.
+  for packed input -- on every batch of the stream, images or not (with ``[1, T]`` the model
+  would build no per-document mask and let each document attend to the ones before it).
 - LLaVA (fixed-size images): ``pixel_values [n, 3, H, W]``; text positions as for a text model.
 - LLaVA-NeXT (any-res tiles): ``pixel_values [Σ (1 + tiles), 3, S, S]`` (the flattened form its
   ``get_image_features`` accepts: no padding to the batch's most tiles) and ``image_sizes
@@ -55,12 +56,15 @@ class LlavaNextHFInputs(HFInputs):
 def hf_vision_inputs(batch: Any, text: HFInputs) -> HFInputs:
     vision = batch.vision
     base = {name: getattr(text, name) for name in text}
-    if vision.image_sizes is not None:
-        return LlavaNextHFInputs(base, pixel_values=vision.pixel_values, image_sizes=vision.image_sizes)
-    if vision.mrope_position_ids is None:
-        return LlavaHFInputs(base, pixel_values=vision.pixel_values)
-    base["position_ids"] = torch.cat([text.position_ids.unsqueeze(0), vision.mrope_position_ids.unsqueeze(1)])
+    # a batch without images (a media stream's, or its filler) gives None pixels: the models
+    # skip their vision tower on None, and an empty tensor is not something every encoder takes
     images = vision.num_images > 0
+    if vision.image_sizes is not None:
+        return LlavaNextHFInputs(base, pixel_values=vision.pixel_values if images else None,
+                                 image_sizes=vision.image_sizes if images else None)
+    if vision.mrope_position_ids is None:
+        return LlavaHFInputs(base, pixel_values=vision.pixel_values if images else None)
+    base["position_ids"] = torch.cat([text.position_ids.unsqueeze(0), vision.mrope_position_ids.unsqueeze(1)])
     return VisionHFInputs(base, pixel_values=vision.pixel_values if images else None,
                           image_grid_thw=vision.image_grid_thw if images else None,
                           pixel_values_videos=vision.pixel_values_videos, video_grid_thw=vision.video_grid_thw)

@@ -17,6 +17,11 @@ A video (Qwen2-VL, frames grouped by the temporal patch) has the same fields pre
 LLaVA-NeXT any-res image is ``1 + tiles`` rows of ``pixel_values`` ``[Σ tiles, 3, S, S]``, with
 ``image_grid_thw`` ``(1 + tiles, S, S)`` and its stored ``(height, width)`` in ``image_sizes``.
 
+A media stream gives its :class:`VisionLayout` to every batch, so a batch whose documents have no
+image (or a filler batch) is an empty ``VisionBatch`` of that layout rather than None: 0 image
+rows, ``vision_cu_seqlens`` ``[0]`` and mRoPE positions equal to the text positions, and
+``hf_inputs()`` keeps the model's ``position_ids`` layout (Qwen2-VL ``[4, 1, T]``) on every step.
+
 The pure functions that compute ``vision_cu_seqlens`` and the 3-D mRoPE position ids live in
 :mod:`streampack.layout.vision`; this module only gathers a batch's images and calls them.
 """
@@ -94,36 +99,82 @@ def _gather(items: list[tuple[int, Any, Any]], starts: Sequence[int]) -> dict[st
             "grid": torch.tensor([im.grid_thw for _, _, im in items], dtype=torch.int64).reshape(-1, 3)}
 
 
-def vision_batch(docs: Sequence[Any], starts: Sequence[int], input_ids: torch.Tensor,
-                 varlen_cu_seqlens: torch.Tensor) -> VisionBatch | None:
-    """The batch's images and videos from its documents (``streampack.media.node.DecodedImage``
-    each) laid out at token offsets ``starts``; None when no document has one. mRoPE positions
-    restart at the spans of ``varlen_cu_seqlens``, the spans ``hf_inputs``' text positions
-    restart at (a pack's trailing padding is its own span)."""
-    every = [(d, doc, im) for d, doc in enumerate(docs) for im in doc.images]
-    if not every:
-        return None
-    for _, doc, im in every:
-        if not hasattr(im, "pixels"):
-            raise ValueError(f"document {doc.doc_key!r} carries undecoded images: pack_batch needs them decoded "
-                             f"(streampack.media.node.DecodeImages)")
-    images = [x for x in every if not x[2].video]
-    videos = [x for x in every if x[2].video]
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VisionLayout:
+    """How a media stream lays out its images, known before any batch has one: given to
+    :func:`vision_batch` (through ``pack_batch(vision_layout=)`` and the pipeline's collate), it
+    makes every batch of the stream carry a :class:`VisionBatch`, images or not, so the model
+    sees one position layout on every step (Qwen2-VL: ``position_ids [4, 1, T]``, from which it
+    builds its per-document mask; a ``[1, T]`` batch would let documents attend to each other)."""
+
+    layout: str
+    """``patches`` (Qwen2-VL flattened patches), ``image`` (one fixed-size image) or ``tiles``."""
+    image_token_id: int
+    merge_size: int = 1
+    """Spatial merge of the vision encoder (Qwen2-VL: 2; others: 1)."""
+    pixel_shape: tuple[int, ...]
+    """Trailing shape of ``pixel_values`` rows: ``(C·t·p·p,)``, ``(3, H, W)`` or ``(3, S, S)``."""
+    video_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
+        if self.merge_size < 1 or not self.pixel_shape or min(self.pixel_shape) < 1:
+            raise ValueError(f"merge_size={self.merge_size} and pixel_shape={self.pixel_shape} must be >= 1")
+
+
+LAYOUTS = ("patches", "image", "tiles")
+
+
+def _inferred(images: list[tuple[int, Any, Any]], videos: list[tuple[int, Any, Any]]) -> VisionLayout:
+    """The layout of a batch given without one: its first image's (or video's), which all must share."""
     first = (images or videos)[0][2]
     if any((im.layout, im.token_id, im.merge_size) != (first.layout, first.token_id, first.merge_size)
            for _, _, im in images) or any(im.merge_size != first.merge_size for _, _, im in videos):
         raise ValueError("documents of one batch mix image layouts (flat patches / tiles / image token id / merge)")
-    layout = first.layout if images else "patches"
+    return VisionLayout(layout=first.layout if images else "patches", image_token_id=first.token_id if images else -1,
+                        merge_size=first.merge_size, pixel_shape=tuple(first.pixels.shape[1 if first.flat else 0:]),
+                        video_token_id=videos[0][2].token_id if videos else None)
+
+
+def _check_layout(every: list[tuple[int, Any, Any]], layout: VisionLayout) -> None:
+    for _, doc, im in every:
+        want = ("patches", layout.video_token_id) if im.video else (layout.layout, layout.image_token_id)
+        if (im.layout, im.token_id, im.merge_size) != (*want, layout.merge_size):
+            raise ValueError(f"document {doc.doc_key!r} has an image laid out as {im.layout!r} (token id "
+                             f"{im.token_id}, merge {im.merge_size}), not as the stream's {layout}")
+
+
+def vision_batch(docs: Sequence[Any], starts: Sequence[int], input_ids: torch.Tensor,
+                 varlen_cu_seqlens: torch.Tensor, layout: VisionLayout | None = None) -> VisionBatch | None:
+    """The batch's images and videos from its documents (``streampack.media.node.DecodedImage``
+    each) laid out at token offsets ``starts``. mRoPE positions restart at the spans of
+    ``varlen_cu_seqlens``, the spans ``hf_inputs``' text positions restart at (a pack's trailing
+    padding is its own span). With ``layout`` (a media stream's) a batch without any image is an
+    empty :class:`VisionBatch` of that layout; without, it is None and the layout is the images'."""
+    every = [(d, doc, im) for d, doc in enumerate(docs) for im in doc.images]
+    for _, doc, im in every:
+        if not hasattr(im, "pixels"):
+            raise ValueError(f"document {doc.doc_key!r} carries undecoded images: pack_batch needs them decoded "
+                             f"(streampack.media.node.DecodeImages)")
+    if not every and layout is None:
+        return None
+    images = [x for x in every if not x[2].video]
+    videos = [x for x in every if x[2].video]
+    if layout is None:
+        layout = _inferred(images, videos)
+    else:
+        _check_layout(every, layout)
     got = _gather(images, starts)
     if images:
         pixels = [im.pixels for _, _, im in images]
-        pixel_values = torch.from_numpy(np.concatenate(pixels) if first.flat else np.stack(pixels))
+        pixel_values = torch.from_numpy(np.concatenate(pixels) if layout.layout != "image" else np.stack(pixels))
     else:
-        pixel_values = torch.zeros((0, videos[0][2].pixels.shape[1]), dtype=torch.float32)
+        pixel_values = torch.zeros((0, *layout.pixel_shape), dtype=torch.float32)
     out = VisionBatch(pixel_values=pixel_values, image_grid_thw=got["grid"], image_doc=got["doc"],
                       image_token_starts=got["starts"], image_token_lengths=got["lengths"],
-                      image_token_id=first.token_id if images else -1)
-    if layout == "tiles":
+                      image_token_id=layout.image_token_id)
+    if layout.layout == "tiles":
         out.image_sizes = torch.tensor([im.size for _, _, im in images], dtype=torch.int64).reshape(-1, 2)
     if videos:
         vid = _gather(videos, starts)
@@ -131,14 +182,14 @@ def vision_batch(docs: Sequence[Any], starts: Sequence[int], input_ids: torch.Te
         out.video_grid_thw, out.video_doc = vid["grid"], vid["doc"]
         out.video_token_starts, out.video_token_lengths = vid["starts"], vid["lengths"]
         out.video_token_id = videos[0][2].token_id
-    if layout == "patches":
+    if layout.layout == "patches":
         from streampack.layout.vision import mrope_position_ids, vision_cu_seqlens
 
         out.vision_cu_seqlens = vision_cu_seqlens(out.image_grid_thw)
         if videos:
             out.video_cu_seqlens = vision_cu_seqlens(out.video_grid_thw)
         out.mrope_position_ids = mrope_position_ids(input_ids, varlen_cu_seqlens, out.image_grid_thw,
-                                                    out.image_token_id, first.merge_size,
+                                                    out.image_token_id, layout.merge_size,
                                                     video_grid_thw=out.video_grid_thw,
                                                     video_token_id=out.video_token_id)
     return out

@@ -9,9 +9,10 @@ so resume is exactly the packer's.
 
 Each image (and each video) becomes a :class:`DecodedImage` carrying where its tokens sit in
 its document (the run of ``image_token_id`` / ``video_token_id`` of the same length, in order);
-a sample whose runs do not match its images (a document split by ``overlong="split"`` through an image, a stage that
-changed the tokens) is ``DataError("image_tokens_mismatch")``. A bad image follows ``on_error``:
-``"skip"`` drops its sample from the pack (counted), ``"raise"`` raises.
+a sample whose runs do not match its images (a stage that changed the tokens after the expansion;
+the overlong policy never cuts through an image, :mod:`streampack.nodes.overlong`), or a sample
+without images holding image or video tokens, is ``DataError("image_tokens_mismatch")``. A bad
+image follows ``on_error``: ``"skip"`` drops its sample from the pack (counted), ``"raise"`` raises.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.layout.vision_batch import VisionLayout
 from streampack.media.decode import decode_image
 from streampack.media.options import MediaOptions
 from streampack.media.placeholders import image_starts
 from streampack.media.stage import media_counts
+from streampack.media.tokens import AnyResTiles, DynamicResolution, FixedTokens
 from streampack.media.video import MediaVideo
 from streampack.media.video_decode import video_pixels
 from streampack.plan.state import record_of, record_text
@@ -68,15 +71,43 @@ def _starts(sample: Sample, token_id: int, counts: list[int], kind: str) -> list
     if starts is None:
         found = int((sample.tokens == token_id).sum())
         raise DataError("image_tokens_mismatch", f"{found} {kind} tokens are not {len(counts)} contiguous runs of "
-                        f"{counts} (a split through an {kind}? use overlong='drop' or a larger capacity)",
+                        f"{counts} (a stage after the expansion changed the tokens?)",
                         url=sample.url, key=sample.key, value=found)
     return starts.tolist()
+
+
+def vision_layout(options: MediaOptions) -> VisionLayout:
+    """The layout every batch of a stream with ``options`` has, images or not (what the
+    pipeline's collate and ``pack_batch(vision_layout=)`` take)."""
+    rule = options.rule
+    if isinstance(rule, DynamicResolution):
+        shape: tuple[int, ...] = (3 * rule.temporal_patch_size * rule.patch_size ** 2,)
+    elif isinstance(rule, AnyResTiles):
+        shape = (3, rule.tile_size, rule.tile_size)
+    else:
+        assert isinstance(rule, FixedTokens)
+        shape = (3, rule.size, rule.size)
+    return VisionLayout(layout=options.layout, image_token_id=options.image_token_id,
+                        merge_size=rule.merge_size if isinstance(rule, DynamicResolution) else 1,
+                        pixel_shape=shape, video_token_id=options.video_token_id)
+
+
+def _no_placeholders(sample: Sample, options: MediaOptions) -> Sample:
+    """A sample without images must hold no image or video token: the batch would hand the model
+    placeholders with no pixels (the model raises mid-step) or mRoPE would refuse the batch."""
+    assert sample.tokens is not None
+    for token_id, kind in ((options.image_token_id, "image"), (options.video_token_id, "video")):
+        if token_id is not None and bool((sample.tokens == token_id).any()):
+            found = int((sample.tokens == token_id).sum())
+            raise DataError("image_tokens_mismatch", f"{found} {kind} tokens (id {token_id}) in a document "
+                            f"without {kind}s", url=sample.url, key=sample.key, value=found)
+    return sample
 
 
 def decode_sample(sample: Sample, options: MediaOptions) -> Sample:
     """``sample`` with every image and video decoded and placed on its token run; raises DataError."""
     if not sample.images:
-        return sample
+        return _no_placeholders(sample, options)
     counts = media_counts(sample, options)
     images = [m for m in sample.images if not isinstance(m, MediaVideo)]
     videos = [m for m in sample.images if isinstance(m, MediaVideo)]

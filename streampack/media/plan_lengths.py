@@ -9,7 +9,9 @@ through the same format reader, image reader (the dataset's read settings) and
 pixel decoded), so the count sees exactly the lengths the packer will. A sample the stream skips
 (a bad image under ``on_error="skip"``) has length 0, which the count leaves out, as the reader
 does. The shard cut that decides who reads what stays on the index's text lengths (balance only:
-every reader computes the same cut), and the counts on the true ones.
+every reader computes the same cut), and the counts on the true ones. Each sample's image and
+video token spans are kept beside its length, so the count cuts an over-long sample around its
+images exactly as the stream's overlong policy does (:func:`streampack.nodes.overlong.cut_lengths`).
 
 Cached in ``cache_dir`` beside the shard indexes, one file per shard and media setting (its hash
 in the name), keyed by the shard's identity as the manifest recorded it, ``tokens_key``, the
@@ -17,9 +19,10 @@ limits and ``MediaOptions.recorded()``: another rule, token id or frame cap is a
 changed shard rebuilds it.
 
 **Cost per reader and epoch**: the plan counts the reader's own ~N/G shards (and elastic resumes
-its new share), so a cache hit is one read of a file of ~4 bytes per sample; a miss reads each
-of those shards once more, image bytes included (a jsonl record's image paths: one fetch per
-image, with the dataset's retry settings) and parses every header. Measured 2026-11-26 on the
+its new share), so a cache hit is one read of a file of ~8 bytes per sample and 8 per image
+(before compression); a miss reads each of those shards once more, image bytes included (a
+jsonl record's image paths: one fetch per image, with the dataset's retry settings) and parses
+every header. Measured 2026-11-26 on the
 shared 2-core box (loaded; ``shard_lengths`` on a local tar of 300 samples with 0-3 PNG/JPEG/WebP
 images of up to 640x640 px, 77 MB): 1.6 ms per sample, most of it reading the bytes (a header
 parse is 6-85 us, ``benchmarks/bench_media.py``); the text index of the same shard builds in
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from dataclasses import dataclass
 import json
 from typing import Any, BinaryIO
 
@@ -42,14 +46,48 @@ from streampack.io.formats import ShardRange, open_range
 from streampack.io.index import fingerprint_of, index_decode
 from streampack.io.index_cache import cache_path, load_arrays, save_arrays
 from streampack.media.options import MediaOptions
-from streampack.media.stage import ExpandImages
+from streampack.media.stage import ExpandImages, media_spans
+from streampack.plan.epoch_plan import chunk_lengths
+from streampack.nodes.overlong import cut_lengths
 
-VERSION = 1
+VERSION = 2
+"""2: each sample's image and video token spans beside its length (the plan cuts around them)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardMedia:
+    """One shard's samples as the packer will see them: lengths and where their images sit."""
+
+    lengths: np.ndarray
+    """int32 ``[n]``: each sample's length after its placeholders are expanded (0: skipped)."""
+    span_counts: np.ndarray
+    """int32 ``[n]``: images and videos of each sample."""
+    spans: np.ndarray
+    """int32 ``[Σ span_counts, 2]``: ``[start, stop)`` of each one's tokens, by sample, sorted."""
+
+    def chunks(self, lo: int, hi: int, max_len: int, policy: str) -> np.ndarray:
+        """int64: the documents samples ``lo:hi`` become under the overlong policy, in stream
+        order; a sample longer than ``max_len`` with images is cut around them
+        (:func:`streampack.nodes.overlong.cut_lengths`, the rule the stream's cuts follow)."""
+        lengths, counts = self.lengths[lo:hi].astype(np.int64), self.span_counts[lo:hi]
+        first = np.concatenate(([0], np.cumsum(self.span_counts, dtype=np.int64)))[lo:hi]
+        keep = lengths > 0  # a sample the stream skips never reaches the packer
+        special = np.flatnonzero(keep & (lengths > max_len) & (counts > 0))
+        out, at = [], 0
+        for i in special.tolist():  # only over-long samples with images: the rest in one vectorised cut
+            out.append(chunk_lengths(lengths[at:i][keep[at:i]], max_len, policy))
+            spans = self.spans[first[i]:first[i] + counts[i]]
+            out.append(cut_lengths(int(lengths[i]), max_len, policy, spans[:, 0], spans[:, 1]))
+            at = i + 1
+        out.append(chunk_lengths(lengths[at:][keep[at:]], max_len, policy))
+        return np.concatenate(out)
 
 
 class MediaLengths:
     """``lengths(shard, samples) -> int32 [len(samples)]``: the planner's count lengths of
-    ``manifest``'s shard ``shard`` under ``media`` (see the module docstring)."""
+    ``manifest``'s shard ``shard`` under ``media``, and ``chunks(shard, samples, lo, hi, max_len,
+    policy)``: those samples cut by the overlong policy around their images (see the module
+    docstring)."""
 
     def __init__(self, manifest: Any, media: MediaOptions, options: Any, io_stats: Any = None) -> None:
         self.manifest, self.media, self.options = manifest, media, options
@@ -59,22 +97,31 @@ class MediaLengths:
         self.tag = hashlib.sha1(self.setting.encode()).hexdigest()[:12]
 
     def __call__(self, shard: int, samples: Any) -> np.ndarray:
+        return self.media_of(shard, samples).lengths
+
+    def chunks(self, shard: int, samples: Any, lo: int, hi: int, max_len: int, policy: str) -> np.ndarray:
+        return self.media_of(shard, samples).chunks(lo, hi, max_len, policy)
+
+    def media_of(self, shard: int, samples: Any) -> ShardMedia:
         url = self.manifest.urls[shard]
         key = index_decode(self.options.tokens_key, self.options.limits)
         fp = f"media-v{VERSION}|{fingerprint_of(url, key, self.manifest.identity(shard))}|{self.setting}"
         path = cache_path(f"{url}?media={self.tag}", self.options.cache_dir)
         cached = load_arrays(path, self.opts)
         if cached is not None and str(cached.get("fingerprint")) == fp and len(cached["lengths"]) == len(samples):
-            return cached["lengths"]
-        lengths = shard_lengths(url, samples.offsets, self.decode, self.opts, self.media)
-        save_arrays(path, {"fingerprint": np.asarray(fp), "lengths": lengths}, self.opts)
-        return lengths
+            return ShardMedia(lengths=cached["lengths"], span_counts=cached["span_counts"], spans=cached["spans"])
+        got = shard_lengths(url, samples.offsets, self.decode, self.opts, self.media)
+        save_arrays(path, {"fingerprint": np.asarray(fp), "lengths": got.lengths, "span_counts": got.span_counts,
+                           "spans": got.spans}, self.opts)
+        return got
 
 
-def shard_lengths(url: str, offsets: np.ndarray, decode: Any, opts: Any, media: MediaOptions) -> np.ndarray:
-    """int32 ``[len(offsets)]``: each indexed sample's length after its media placeholders are
-    expanded (0: skipped by the stream), reading ``url`` once from its start."""
-    out = np.zeros(len(offsets), dtype=np.int32)
+def shard_lengths(url: str, offsets: np.ndarray, decode: Any, opts: Any, media: MediaOptions) -> ShardMedia:
+    """Each indexed sample's length after its media placeholders are expanded (0: skipped by
+    the stream) and its images' token spans, reading ``url`` once from its start."""
+    lengths = np.zeros(len(offsets), dtype=np.int32)
+    counts = np.zeros(len(offsets), dtype=np.int32)
+    spans: dict[int, np.ndarray] = {}
     expand = ExpandImages(media, on_error="skip", errors=ErrorCounter())
     streams: list[BinaryIO] = []
     pos = 0
@@ -84,11 +131,17 @@ def shard_lengths(url: str, offsets: np.ndarray, decode: Any, opts: Any, media: 
             known = item.sample is not None and item.sample.tokens is not None
             if known and i < len(offsets) and int(offsets[i]) == pos:
                 sample = expand(item.sample)
-                out[i] = 0 if sample is None else len(sample)
+                if sample is not None:
+                    lengths[i] = len(sample)
+                    if sample.images:  # expanded just now: its runs are its images' (media_spans cannot refuse)
+                        at = media_spans(sample, media)
+                        spans[i], counts[i] = np.stack([at.start, at.stop], 1).astype(np.int32), len(at.start)
             pos = item.next_offset
     except DataError:
         pass  # the rest of the shard is unreadable: the stream raises or skips there, and counts nothing
     finally:
         for stream in streams:
             stream.close()
-    return out
+    rows = [spans[i] for i in sorted(spans)]
+    return ShardMedia(lengths=lengths, span_counts=counts,
+                      spans=np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.int32))

@@ -12,9 +12,13 @@ sample follows ``on_error``: ``"skip"`` drops it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.media.options import MediaOptions
-from streampack.media.placeholders import expand_placeholders
+from streampack.media.placeholders import expand_placeholders, image_starts
 from streampack.media.video import MediaVideo
 from streampack.sample import Sample
 
@@ -35,6 +39,45 @@ def media_counts(sample: Sample, options: MediaOptions) -> tuple[list[int], list
             raise DataError("bad_image", f"{what} {item.name!r}: {e}", url=sample.url, key=sample.key,
                             value=(h.width, h.height)) from None
     return images, videos
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MediaSpans:
+    """Where the expanded images and videos of one sample sit in its tokens, sorted by start
+    (what the overlong policy must not cut through)."""
+
+    start: np.ndarray
+    """int64 ``[k]``: first token of each image or video."""
+    stop: np.ndarray
+    """int64 ``[k]``: one past its last token."""
+    item: np.ndarray
+    """int64 ``[k]``: its index in ``sample.images``."""
+
+
+def media_spans(sample: Sample, options: MediaOptions) -> MediaSpans:
+    """The token span of every image and video of the expanded ``sample``; a sample whose
+    placeholder runs are not its items' counts (a stage after the expansion changed the tokens)
+    is ``DataError("image_tokens_mismatch")``."""
+    assert sample.tokens is not None
+    counts = media_counts(sample, options)
+    is_video = np.fromiter((isinstance(m, MediaVideo) for m in sample.images), dtype=bool, count=len(sample.images))
+    starts, stops, items = [], [], []
+    for kind, token_id, n, index in (("image", options.image_token_id, counts[0], np.flatnonzero(~is_video)),
+                                     ("video", options.video_token_id, counts[1], np.flatnonzero(is_video))):
+        if token_id is None:
+            continue
+        first = image_starts(sample.tokens, token_id, n)
+        if first is None:
+            found = int((sample.tokens == token_id).sum())
+            raise DataError("image_tokens_mismatch", f"{found} {kind} tokens (id {token_id}) are not {len(n)} "
+                            f"contiguous runs of {n} (a stage after the expansion changed the tokens?)",
+                            url=sample.url, key=sample.key, value=found)
+        starts.append(first)
+        stops.append(first + np.asarray(n, dtype=np.int64))
+        items.append(index)
+    start, stop, item = (np.concatenate(a).astype(np.int64) for a in (starts, stops, items))
+    order = np.argsort(start, kind="stable")
+    return MediaSpans(start=start[order], stop=stop[order], item=item[order])
 
 
 class ExpandImages:

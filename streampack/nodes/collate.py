@@ -6,9 +6,11 @@ together never see different shapes: the last batch of a finite stream is comple
 epoch plan or ``batches_per_epoch``) a worker that runs out of data emits whole *filler
 batches* until it reaches the quota. A filler pack holds one document of ``capacity`` pad
 tokens with every label ignored, so it adds zero targets to a token-mean loss; its doc key is
-``"<filler>"``. ``num_batches`` may be a :class:`~streampack.plan.quota.LateQuota`: it is
-started once the first batch is out and waited for only when the data runs out (or taken as soon
-as it is ready, to refuse a surplus early). They are counted in ``counters["fillers"]`` (whole batches) and
+``"<filler>"``; on a media stream (``vision_layout``) every batch, filler or image-less, has the
+stream's vision layout (Qwen2-VL: ``position_ids [4, 1, T]``). ``num_batches`` may be a
+:class:`~streampack.plan.quota.LateQuota`: it is started once the first batch is out and waited
+for only when the data runs out (or taken as soon as it is ready, to refuse a surplus early).
+They are counted in ``counters["fillers"]`` (whole batches) and
 ``counters["filler_packs"]`` (packs completing a partial batch) and logged (rate-limited). A
 worker with more data than its quota refuses (ValueError) rather than silently dropping it.
 
@@ -41,6 +43,7 @@ from torchdata.nodes import BaseNode
 from streampack.errors import ErrorCounter
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.layout.stats import WorkerStats
+from streampack.layout.vision_batch import VisionLayout
 from streampack.logs import event_counts, get_logger, warn_every
 from streampack.packing.cost import CostModel
 from streampack.plan.quota import LateQuota
@@ -78,7 +81,7 @@ class ThdCollate(BaseNode[PackedBatch]):
                  align: int = 1, pad_id: int = 0, ignore_index: int = -100,
                  num_batches: int | LateQuota | None = None, surplus_hint: str = "raise batches_per_epoch",
                  errors: ErrorCounter | None = None, dp_rank: int = 0, worker_id: int = 0,
-                 cost_model: CostModel | None = None) -> None:
+                 cost_model: CostModel | None = None, vision_layout: VisionLayout | None = None) -> None:
         super().__init__()
         if packs_per_batch < 1:
             raise ValueError(f"{packs_per_batch=} must be >= 1")
@@ -91,6 +94,7 @@ class ThdCollate(BaseNode[PackedBatch]):
         self.late = num_batches if isinstance(num_batches, LateQuota) else None
         self.errors, self.dp_rank, self.worker_id = errors, dp_rank, worker_id
         self.cost_model = cost_model
+        self.vision_layout = vision_layout  # a media stream's: filler and image-less batches keep its layout
         self.slow_seconds = float(os.environ.get(SLOW_BATCH_ENV, "30"))
         self._yielded = 0
         self._first = True
@@ -149,7 +153,7 @@ class ThdCollate(BaseNode[PackedBatch]):
         """The batch of the ``real`` packs, completed with ``missing`` filler packs."""
         packs = list(real) + [filler_pack(self.capacity, self.pad_id)] * missing
         return pack_batch(packs, capacity=self.capacity, align=self.align, pad_id=self.pad_id,
-                          ignore_index=self.ignore_index)
+                          ignore_index=self.ignore_index, vision_layout=self.vision_layout)
 
     def _lengths(self, real: list[Any]) -> list[np.ndarray]:
         """int64 document lengths of each real pack."""

@@ -5,6 +5,14 @@ The right default differs by use case (pretraining wants ``split`` so no token i
 SFT often wants ``drop`` or ``truncate`` because a split conversation is not a conversation),
 so the policy is explicit and every token it touches is counted; the counters travel in the
 node state so metrics stay exact across a resume.
+
+A sample with images (``media=``: the stream's :class:`~streampack.media.MediaOptions`) is never
+cut through an image's or video's tokens: a cut that would fall inside one moves to its start,
+and each chunk (or the truncated head) carries exactly the images whose tokens it holds, so the
+decode after packing finds every image on its own run. An image or video alone longer than the
+capacity cannot be placed whole in any pack: under ``split`` and ``truncate`` its sample is
+dropped, counted in ``samples_dropped``/``tokens_dropped`` and ``media_overlong`` (``error``
+raises, ``drop`` drops it as any overlong sample).
 """
 
 from __future__ import annotations
@@ -12,16 +20,23 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.logs import get_logger, warn_every
 from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
 from streampack.sample import Sample, SampleOrigin
 
+if TYPE_CHECKING:  # media stays an optional part: imported where a sample has images
+    from streampack.media.options import MediaOptions
+    from streampack.media.stage import MediaSpans
+
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
 POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
+_log = get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -36,6 +51,9 @@ class OverlongCounters:
     tokens_truncated: int = 0
     samples_dropped: int = 0
     tokens_dropped: int = 0
+    media_overlong: int = 0
+    """Of ``samples_dropped``: samples dropped under ``split`` or ``truncate`` because one of
+    their images or videos alone has more tokens than the capacity."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -46,22 +64,73 @@ def check_policy(policy: str) -> None:
         raise ValueError(f"overlong={policy!r} must be one of {POLICIES}")
 
 
-def _slice(sample: Sample, start: int, stop: int, key: str, chunk: int) -> Sample:
+def _slice(sample: Sample, start: int, stop: int, key: str, chunk: int, spans: MediaSpans | None = None) -> Sample:
     def cut(a):
         return None if a is None else a[start:stop]
 
     origin = None if sample.origin is None else replace(sample.origin, chunk=chunk)
+    images = sample.images
+    if spans is not None:  # the images whose tokens lie in [start, stop), in their order
+        inside = np.sort(spans.item[(spans.start >= start) & (spans.stop <= stop)])
+        images = tuple(sample.images[i] for i in inside.tolist())
     return replace(sample, key=key, tokens=sample.tokens[start:stop], labels=cut(sample.labels),
-                   loss_mask=cut(sample.loss_mask),
+                   loss_mask=cut(sample.loss_mask), images=images,
                    extras={k: v[start:stop] for k, v in sample.extras.items()}, origin=origin)
 
 
+def _cut(end: int, start: np.ndarray, stop: np.ndarray) -> int:
+    """``end``, or the start of the span (an image's or video's tokens, sorted) it would cut through."""
+    i = int(np.searchsorted(stop, end, side="right"))  # first span ending after ``end``
+    return int(start[i]) if i < len(stop) and int(start[i]) < end else end
+
+
+def _bounds(n: int, max_len: int, start: np.ndarray, stop: np.ndarray) -> list[int] | None:
+    """Chunk boundaries ``[0, ..., n]`` of at most ``max_len`` tokens that cut through no span
+    (each cut as late as it can be); None when a span alone is longer than ``max_len``."""
+    if not len(start):
+        return [*range(0, n, max_len), n]
+    if int((stop - start).max()) > max_len:
+        return None
+    bounds = [0]
+    while bounds[-1] + max_len < n:
+        bounds.append(_cut(bounds[-1] + max_len, start, stop))  # > bounds[-1]: no span is longer than max_len
+    return [*bounds, n]
+
+
+def cut_lengths(n: int, max_len: int, policy: str, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """int64: the document lengths :func:`apply_overlong` makes, with ``media``, of a sample of
+    ``n`` tokens whose images and videos span ``[start, stop)`` (sorted); what an epoch plan
+    counts and an elastic resume re-cuts (``error`` counts as ``truncate``, as the plan does)."""
+    check_policy(policy)
+    if n <= max_len:
+        return np.asarray([n], dtype=np.int64)
+    if policy == "drop":
+        return np.zeros(0, dtype=np.int64)
+    if policy != "split":
+        end = _cut(max_len, start, stop)
+        return np.asarray([end] if end else [], dtype=np.int64)
+    bounds = _bounds(n, max_len, start, stop)
+    return np.zeros(0, dtype=np.int64) if bounds is None else np.diff(np.asarray(bounds, dtype=np.int64))
+
+
+def _drop(sample: Sample, counters: OverlongCounters, max_len: int) -> list[Sample]:
+    counters.samples_dropped += 1
+    counters.tokens_dropped += len(sample)
+    counters.media_overlong += 1
+    warn_every(_log, "media_overlong", "dropped sample %r: one of its images or videos alone has more tokens "
+               "than the capacity %d (counted in overlong counters' media_overlong)", sample.doc_key, max_len)
+    return []
+
+
 def apply_overlong(sample: Sample, max_len: int, policy: str,
-                   counters: OverlongCounters | None = None) -> list[Sample]:
+                   counters: OverlongCounters | None = None, *, media: MediaOptions | None = None) -> list[Sample]:
     """Return the documents that ``sample`` becomes under ``policy`` (``[sample]`` when it fits).
 
     ``split`` makes ``ceil(L / max_len)`` chunks with keys ``key/0``, ``key/1``, …; each chunk is
-    its own document (its last token's label is ignored, like any document end).
+    its own document (its last token's label is ignored, like any document end). With ``media``
+    (:class:`~streampack.media.MediaOptions`) and images in ``sample``, no cut falls inside an
+    image's tokens (see the module docstring): chunks may be shorter and more. A sample whose
+    image tokens do not match its images is ``DataError("image_tokens_mismatch")``.
     """
     check_policy(policy)
     if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
@@ -78,12 +147,23 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
         counters.samples_dropped += 1
         counters.tokens_dropped += n
         return []
+    spans = None
+    if media is not None and sample.images:
+        from streampack.media.stage import media_spans
+
+        spans = media_spans(sample, media)
+    start, stop = (spans.start, spans.stop) if spans is not None else (np.zeros(0, np.int64),) * 2
     if policy == "truncate":
+        end = _cut(max_len, start, stop)
+        if end == 0:  # the sample opens with an image longer than the capacity
+            return _drop(sample, counters, max_len)
         counters.samples_truncated += 1
-        counters.tokens_truncated += n - max_len
-        return [_slice(sample, 0, max_len, sample.key, 0)]
-    chunks = [_slice(sample, s, min(s + max_len, n), f"{sample.key}/{i}", i)
-              for i, s in enumerate(range(0, n, max_len))]
+        counters.tokens_truncated += n - end
+        return [_slice(sample, 0, end, sample.key, 0, spans)]
+    bounds = _bounds(n, max_len, start, stop)
+    if bounds is None:
+        return _drop(sample, counters, max_len)
+    chunks = [_slice(sample, s, e, f"{sample.key}/{i}", i, spans) for i, (s, e) in enumerate(zip(bounds, bounds[1:]))]
     counters.samples_split += 1
     counters.tokens_split += n
     counters.chunks_created += len(chunks)
@@ -109,7 +189,8 @@ class OverlongNode(BaseNode[Sample]):
     LAST_COLUMNS = ("source", "shard", "epoch", "offset", "number", "next_offset", "next_number")
 
     def __init__(self, source: BaseNode[Sample], max_len: int, policy: str = "split", *,
-                 replay: Callable[[list[int]], list[Sample]] | None = None) -> None:
+                 replay: Callable[[list[int]], list[Sample]] | None = None, media: MediaOptions | None = None,
+                 on_error: str = "raise", errors: ErrorCounter | None = None) -> None:
         super().__init__()
         check_policy(policy)
         if max_len < 1:
@@ -120,12 +201,15 @@ class OverlongNode(BaseNode[Sample]):
         self.replay = replay
         """``[source, shard, offset, number, epoch] -> every chunk of that sample`` (a Replayer's
         ``chunks``), or None to keep pending chunks as tokens."""
+        self.media = media
+        """The stream's ``MediaOptions`` (None: text only): cuts avoid images' tokens."""
+        self._policy = ErrorPolicy(on_error, errors)  # a sample whose image tokens do not match its images
         self._clear()
 
     def _clear(self) -> None:
         self.counters = OverlongCounters()
         self._pending: deque[Sample] = deque()
-        self._split: tuple[SampleOrigin, int, int] | None = None  # origin, chunks, tokens of the sample split
+        self._split: _Split | None = None
         self._last: dict[int, SampleOrigin] = {}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -149,7 +233,7 @@ class OverlongNode(BaseNode[Sample]):
         if len(chunks) != count or sum(len(c) for c in chunks) != tokens:
             raise ValueError(f"split sample at {ref} re-read as {len(chunks)} chunks, {count} when the state "
                              f"was saved: the shard changed, or a stage is not a pure function")
-        self._split = (chunks[0].origin, count, tokens)  # type: ignore[assignment]
+        self._split = _Split(origin=chunks[0].origin, lengths=tuple(len(c) for c in chunks))  # type: ignore[arg-type]
         self._pending = deque(chunks[nxt:])
 
     def next(self) -> Sample:
@@ -157,8 +241,13 @@ class OverlongNode(BaseNode[Sample]):
             sample = next(self.source)
             if sample.origin is not None:
                 self._last[sample.origin.source] = sample.origin
-            chunks = apply_overlong(sample, self.max_len, self.policy, self.counters)
-            self._split = (sample.origin, len(chunks), len(sample)) if len(chunks) > 1 and sample.origin else None
+            try:
+                chunks = apply_overlong(sample, self.max_len, self.policy, self.counters, media=self.media)
+            except DataError as e:
+                self._policy.handle(e)
+                continue
+            self._split = _Split(origin=sample.origin, lengths=tuple(len(c) for c in chunks)) \
+                if len(chunks) > 1 and sample.origin else None
             self._pending.extend(chunks)
         return self._pending.popleft()
 
@@ -176,10 +265,23 @@ class OverlongNode(BaseNode[Sample]):
 
         if not self._pending or self._split is None or self.replay is None:
             return samples_to_state(list(self._pending))
-        origin, count, tokens = self._split
-        return {"ref": torch.tensor([origin.source, origin.shard, origin.offset, origin.number, origin.epoch],
-                                    dtype=torch.int64),
-                "next": count - len(self._pending), "count": count, "tokens": tokens}
+        origin, count = self._split.origin, len(self._split.lengths)
+        out = {"ref": torch.tensor([origin.source, origin.shard, origin.offset, origin.number, origin.epoch],
+                                   dtype=torch.int64),
+               "next": count - len(self._pending), "count": count, "tokens": sum(self._split.lengths)}
+        if self.media is not None:
+            # cut around images, the chunks are not ceil(tokens / max_len) of max_len: an elastic
+            # resume reads their lengths here (a text stream's state stays the per-row path's)
+            out["lengths"] = torch.tensor(self._split.lengths, dtype=torch.int64)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Split:
+    """The sample whose chunks are being emitted: where to re-read it, and its chunks' lengths."""
+
+    origin: SampleOrigin
+    lengths: tuple[int, ...]
 
 
 def _origin(row: list[int]) -> SampleOrigin:

@@ -279,7 +279,9 @@ class _OldPlans:
 
         ref = dict(zip(REF_COLUMNS, pending["ref"].tolist()))  # the document's reference, chunk and length unset
         total, count, nxt = int(pending["tokens"]), int(pending["count"]), int(pending["next"])
-        lengths = chunk_lengths(np.asarray([total]), self.config.capacity, self.config.packing.overlong)
+        # a media stream's chunks are cut around images: their lengths are in the state
+        lengths = pending["lengths"].numpy() if "lengths" in pending else \
+            chunk_lengths(np.asarray([total]), self.config.capacity, self.config.packing.overlong)
         rows = [[{**ref, "chunk": k, "length": int(lengths[k])}[c] for c in REF_COLUMNS] for k in range(nxt, count)]
         return {"is_ref": torch.ones(len(rows), dtype=torch.bool),
                 "refs": torch.tensor(rows, dtype=torch.int64).reshape(-1, len(REF_COLUMNS)),

@@ -156,7 +156,11 @@ def count_batches(counting: Counting, global_worker: int, stream: np.ndarray, ca
     stream = np.asarray(stream)
     stream = stream[stream > 0]  # an empty or refused record (0, BAD_LENGTH) never reaches the packer: the
     # reader skips and counts it, or raises
-    chunks = chunk_lengths(stream, counting.max_len, counting.policy)
+    return count_chunks(counting, global_worker, chunk_lengths(stream, counting.max_len, counting.policy), carry)
+
+
+def count_chunks(counting: Counting, global_worker: int, chunks: np.ndarray, carry: np.ndarray | None = None) -> int:
+    """:func:`count_batches` of documents already cut by the overlong policy."""
     packs = count_packs(counting.for_worker(global_worker), chunks, carry)
     return -(-packs // counting.packs_per_batch)
 
@@ -195,7 +199,8 @@ class EpochPlanner:
     batches (in-process simulation and explicit ``dp_rank``/``dp_size`` with no
     ``torch.distributed``: O(T) CPU, memory and index reads per reader). ``lengths(shard,
     samples)`` replaces the index's lengths in the counts (not in the cut): a media stream's
-    true lengths (:mod:`streampack.media.plan_lengths`).
+    true lengths (:mod:`streampack.media.plan_lengths`), whose ``chunks`` also cuts them around
+    images as the stream's overlong policy does.
     """
 
     def __init__(self, shards: Any, index: Callable[[int], ShardIndex], *, seed: int, shuffle: bool,
@@ -252,10 +257,10 @@ class EpochPlanner:
         assert self.counting is not None
         key = (epoch, global_worker)
         if key not in self._counts:
-            lengths = [self._count_lengths(p.shard, self.samples(p.shard))[p.lo:p.hi]
-                       for p in self.ranges(epoch, global_worker)]
-            self._counts[key] = count_batches(self.counting, global_worker,
-                                              np.concatenate(lengths or [np.zeros(0, np.int64)]))
+            chunks = [self._chunks(p.shard, self.samples(p.shard), p.lo, p.hi)
+                      for p in self.ranges(epoch, global_worker)]
+            self._counts[key] = count_chunks(self.counting, global_worker,
+                                             np.concatenate(chunks or [np.zeros(0, np.int64)]))
         return self._counts[key]
 
     def count_spans(self, global_worker: int, spans: Sequence[Span], carry: np.ndarray | None = None) -> int:
@@ -263,15 +268,22 @@ class EpochPlanner:
         already in its window): one index read per shard not already open (the boundary shards a
         plan opened are reused); the indexes read here are not kept (memory O(T/G) lengths)."""
         assert self.counting is not None
-        lengths = []
+        chunks = []
         for span in spans:
             samples = self._samples.get(span.shard) or ShardSamples.of(self._load(span.shard))
-            lo, hi = samples.range_of(span)
-            lengths.append(self._count_lengths(span.shard, samples)[lo:hi])
-        return count_batches(self.counting, global_worker, np.concatenate(lengths or [np.zeros(0, np.int32)]), carry)
+            chunks.append(self._chunks(span.shard, samples, *samples.range_of(span)))
+        return count_chunks(self.counting, global_worker, np.concatenate(chunks or [np.zeros(0, np.int64)]), carry)
 
-    def _count_lengths(self, shard: int, samples: ShardSamples) -> np.ndarray:
-        return samples.lengths if self._lengths is None else self._lengths(shard, samples)
+    def _chunks(self, shard: int, samples: ShardSamples, lo: int, hi: int) -> np.ndarray:
+        """The document lengths samples ``lo:hi`` of ``shard`` become under the overlong policy; a
+        ``lengths`` with ``chunks`` (a media stream's) cuts them itself, around images."""
+        assert self.counting is not None
+        max_len, policy = self.counting.max_len, self.counting.policy
+        cut = getattr(self._lengths, "chunks", None)
+        if cut is not None:
+            return cut(shard, samples, lo, hi, max_len, policy)
+        stream = (samples.lengths if self._lengths is None else self._lengths(shard, samples))[lo:hi]
+        return chunk_lengths(stream[stream > 0], max_len, policy)  # 0: a record the reader skips
 
     def plan(self, epoch: int, global_worker: int, info: dict[str, Any] | None = None) -> ReaderPlan:
         """Reader ``global_worker``'s spans and (when batches are counted) its late quota, whose

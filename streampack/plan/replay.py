@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -64,6 +64,8 @@ class ReplaySpec:
     """The function stages, in order (a graph with node stages is not replayable)."""
     max_len: int
     policy: str
+    media: Any = None
+    """The stream's ``MediaOptions`` (None: text only), which the overlong policy's cuts read."""
     verify: Callable[[int, int], None] | None = None
     """``verify(source, shard)`` raises when the shard is not the one the state was saved from
     (:meth:`~streampack.nodes.reader.ShardReader.verify_shard`)."""
@@ -172,5 +174,5 @@ class Replayer:
                     raise ValueError(f"stage {fn!r} returned {result!r} for carried sample {sample.doc_key!r}, "
                                      f"which it kept when the state was saved: stages must be pure functions")
                 sample = result
-            out[k] = apply_overlong(sample, self.spec.max_len, self.spec.policy)
+            out[k] = apply_overlong(sample, self.spec.max_len, self.spec.policy, media=self.spec.media)
         return out
