@@ -95,7 +95,7 @@ ALLOWED = {
     "io": set(),
     "packing": set(),
     "layout": set(),
-    "nodes": {"io", "packing", "layout", "plan"},
+    "nodes": {"io", "packing", "layout", "plan", "media"},  # media: the image spans a split must not cut
     "plan": {"io", "packing", "layout", "nodes", "graph", "settings"},
     "options": {"io", "nodes", "packing", "layout"},  # the per-stage records the nodes' values come from
     "attention": {"layout"},
