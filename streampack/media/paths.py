@@ -1,0 +1,112 @@
+"""Where a jsonl image path may be read from: under ``MediaOptions.image_root``, and nowhere else.
+
+Image paths come from the data, so they are untrusted: a path is refused (``bad_image``, naming
+shard, key and the path, before any request or open) unless the location finally read lies under
+the root the user chose. "Finally" is what the storage layer will act on, not the string as written:
+
+- a NUL byte is refused (the OS would cut the name there; ``open`` raises a bare ``ValueError``);
+- percent-encoding: the HTTP layer decodes ``%2e%2e`` to ``..`` and resolves it *after* any check on
+  the raw string (``yarl`` normalises ``/images/%2e%2e/secret.png`` to ``/secret.png``), and an
+  object store or server may decode it too. So containment is decided on the path percent-decoded
+  until it no longer changes, for every protocol, and an encoded separator (``%2f``, ``%5c``) is
+  refused outright: no store agrees on whether it splits a name. A remote path may not hold a ``\\``
+  (some servers read it as ``/``). For ``http(s)`` the final URL is also parsed as ``yarl`` parses
+  it (what aiohttp sends) and its path must sit under the root's path;
+- a local root is resolved (``os.path.realpath``, so the root itself may be a link) and so is the
+  image: a symlink, of a file or of a directory, that leads out of the root is refused, one that
+  stays inside is read, and the resolved path is what is opened. Only a regular file is read (a
+  FIFO in the root would block the reader forever).
+
+Cost: string checks only for a remote root; a local one adds ``realpath`` (one ``lstat`` per path
+component) and one ``stat`` per image, a few microseconds each, against the open and read that follow.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import stat
+from collections.abc import Callable
+from urllib.parse import unquote
+
+from streampack.errors import DataError
+from streampack.io.storage import is_http, is_remote, local_path
+
+_ENCODED_SEPARATOR = re.compile(r"%(2f|5c)", re.IGNORECASE)
+_MAX_DECODES = 4  # "%25252e" needs three rounds to become "."; more than this is refused as hostile
+
+
+def image_location(root: str | None, path: object, *, url: str, key: str) -> str:
+    """The URL or local path to read image ``path`` of sample ``key`` from, under ``root``;
+    raises ``DataError("bad_image")`` for a path that is not a non-empty string, names a
+    location outside ``root``, or when ``root`` is None."""
+
+    def refuse(why: str) -> DataError:
+        return DataError("bad_image", f"image path {path!r} {why}", url=url, key=key, value=path)
+
+    if not isinstance(path, str) or not path:
+        raise refuse("is not a non-empty string")
+    if "\x00" in path:
+        raise refuse("holds a NUL byte")
+    decoded = _decoded(path)
+    if decoded is None:
+        raise refuse("is percent-encoded too many times over")
+    if _ENCODED_SEPARATOR.search(path) is not None:
+        raise refuse("holds an encoded separator (%2f or %5c); it must be relative and stay under image_root")
+    for form in (path, decoded):
+        norm = posixpath.normpath(form)
+        if "\x00" in form:
+            raise refuse("holds an encoded NUL byte")
+        if form.startswith("/") or "://" in form or norm == ".." or norm.startswith("../") or norm == ".":
+            # paths come from the data: they may not escape the root the user chose
+            raise refuse("must be relative and stay under image_root")
+    if root is None:
+        raise refuse("is named by the record but MediaOptions.image_root is not set")
+    norm = posixpath.normpath(path)
+    if not is_remote(root):
+        return _local(local_path(root), norm, refuse)
+    if "\\" in decoded:
+        raise refuse("holds a backslash, which some servers read as a separator; it must stay under image_root")
+    where = root.rstrip("/") + "/" + norm
+    if is_http(root) and not _http_under(root, where):
+        raise refuse(f"resolves to {_http_path(where)!r}, outside image_root")
+    return where
+
+
+def _decoded(path: str) -> str | None:
+    """``path`` percent-decoded until it stops changing; None past ``_MAX_DECODES`` rounds."""
+    for _ in range(_MAX_DECODES):
+        once = unquote(path)
+        if once == path:
+            return path
+        path = once
+    return None
+
+
+def _http_path(url: str) -> str:
+    import yarl
+
+    return yarl.URL(url).path  # decoded and with dot segments resolved, as aiohttp will send it
+
+
+def _http_under(root: str, where: str) -> bool:
+    import yarl
+
+    base, target = yarl.URL(root.rstrip("/") + "/"), yarl.URL(where)
+    return (target.scheme, target.host, target.port) == (base.scheme, base.host, base.port) and \
+        target.path.startswith(base.path) and target.path != base.path
+
+
+def _local(root: str, norm: str, refuse: Callable[[str], DataError]) -> str:
+    real_root = os.path.realpath(root)
+    target = os.path.realpath(os.path.join(real_root, norm))
+    if os.path.commonpath([real_root, target]) != real_root or target == real_root:
+        raise refuse("leads out of image_root (through a symbolic link)")
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:
+        return target  # missing: the open reports it as the read error it is
+    if not stat.S_ISREG(mode):
+        raise refuse("is not a regular file")
+    return target
