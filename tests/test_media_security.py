@@ -67,7 +67,8 @@ def web_root(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("path", ["%2e%2e/secret.png", "sub/%2e%2e/%2e%2e/secret.png", "%2E%2E/secret.png",
                                   ".%2e/secret.png", "sub/..%2f..%2fsecret.png", "..%5csecret.png",
-                                  "%2e%2e/images_x/s.png", "sub%2f%2e%2e%2f%2e%2e%2fsecret.png"])
+                                  "%2e%2e/images_x/s.png", "sub%2f%2e%2e%2f%2e%2e%2fsecret.png",
+                                  ".\n./secret.png", "sub/.\t./.\r./secret.png", "%2e%0a%2e/secret.png"])
 def test_encoded_dot_segments_never_leave_an_http_image_root(tmp_path: Path, path: str) -> None:
     # finding: "%2e%2e/secret.png" passed the root check (normalised before the URL layer decoded
     # it) and the reader fetched and trained /secret.png
@@ -100,6 +101,18 @@ def test_encoded_escapes_are_refused_for_every_protocol_before_any_read(root: st
     with pytest.raises(DataError, match="image_root") as e:
         media.reading()._path(path, media_limits(), url="shard.jsonl", key="k")
     assert e.value.reason == "bad_image" and e.value.key == "k"
+
+
+def test_the_http_check_reads_the_url_as_the_http_layer_sends_it() -> None:
+    # the second line behind the string checks: yarl drops tab / CR / LF and resolves dot segments
+    from streampack.media.paths import _http_under
+
+    root = "http://127.0.0.1:8000/images"
+    assert _http_under(root, root + "/sub/a.png") and _http_under(root, root + "/sub/../a.png?x=1")
+    assert not _http_under(root, root + "/.\n./secret.png")
+    assert not _http_under(root, root + "/%2e%2e/images_x/s.png")
+    assert not _http_under(root, "http://127.0.0.1:8001/images/a.png")
+    assert not _http_under(root, root)
 
 
 def media_limits():

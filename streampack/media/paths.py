@@ -4,14 +4,17 @@ Image paths come from the data, so they are untrusted: a path is refused (``bad_
 shard, key and the path, before any request or open) unless the location finally read lies under
 the root the user chose. "Finally" is what the storage layer will act on, not the string as written:
 
-- a NUL byte is refused (the OS would cut the name there; ``open`` raises a bare ``ValueError``);
+- a NUL byte is refused (the OS would cut the name there; ``open`` raises a bare ``ValueError``),
+  and so is any other control character (URL parsers drop tab, CR and LF, so ``.\\n./x`` is sent
+  as ``../x``);
 - percent-encoding: the HTTP layer decodes ``%2e%2e`` to ``..`` and resolves it *after* any check on
   the raw string (``yarl`` normalises ``/images/%2e%2e/secret.png`` to ``/secret.png``), and an
   object store or server may decode it too. So containment is decided on the path percent-decoded
   until it no longer changes, for every protocol, and an encoded separator (``%2f``, ``%5c``, at
-  any depth of encoding) is refused outright: no store agrees on whether it splits a name. A remote path may not hold a ``\\``
-  (some servers read it as ``/``). For ``http(s)`` the final URL is also parsed as ``yarl`` parses
-  it (what aiohttp sends) and its path must sit under the root's path;
+  any depth of encoding) is refused outright: no store agrees on whether it splits a name. A
+  remote path may not hold a ``\\`` (some servers read it as ``/``). For ``http(s)`` the final
+  URL is also parsed as ``yarl`` parses it (what aiohttp sends) and its path must sit under the
+  root's path;
 - a local root is resolved once (``os.path.realpath``, so the root itself may be a link); each
   component of the image path under it is ``lstat``-ed, and one that is a symbolic link (to a file
   or a directory) makes the whole path resolved: a link that leads out of the root is refused, one
@@ -56,10 +59,13 @@ def image_location(root: str | None, path: object, *, url: str, key: str) -> str
     if decoded.count("/") != path.count("/") or decoded.count("\\") != path.count("\\"):
         # decoding made a separator (%2f, %5c, or %252f encoded twice): no store agrees on it
         raise refuse("holds an encoded separator (%2f or %5c); it must be relative and stay under image_root")
+    if "\x00" in decoded:
+        raise refuse("holds an encoded NUL byte")
+    if any(c < " " or c == "\x7f" for c in decoded):
+        # URL parsers drop tab, CR and LF (".\n./x" becomes "../x" after every check on the string)
+        raise refuse("holds a control character (tab, newline...); it must stay under image_root")
     for form in (path, decoded):
         norm = posixpath.normpath(form)
-        if "\x00" in form:
-            raise refuse("holds an encoded NUL byte")
         if form.startswith("/") or "://" in form or norm == ".." or norm.startswith("../") or norm == ".":
             # paths come from the data: they may not escape the root the user chose
             raise refuse("must be relative and stay under image_root")
