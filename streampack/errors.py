@@ -59,6 +59,10 @@ class DataError(ValueError):
         if detail is None or url is None:
             raise TypeError("DataError(reason, detail, url=..., ...) needs both detail and url")
         detail = " ".join(detail.split()).replace(_WHERE, " (shard =")  # one line, parseable back
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            # bytes are a file's content, and the file may not be what its name says (an image
+            # path that leads to a password file): the error names it and never shows it
+            value = f"<{len(value)} bytes>"
         where = [f"shard={url!r}"]
         if key:  # shard-level errors (missing, unreachable) have no sample key
             where.append(f"key={key!r}")

@@ -12,7 +12,12 @@ stops anywhere but between two frames. Multi-frame files (``pzstd``, concatenati
 skippable frames are read across. Bytes that start no frame (64 zero bytes appended by a
 careless writer) are damage too, but only *after* every line before them: the decompressor is
 handed the bytes before the damage and an end of input (``zstandard`` raising on them dropped
-its whole read-ahead: 20,000 of 20,000 lines lost in one test, 4,755 in the issue's).
+its whole read-ahead: 20,000 of 20,000 lines lost in one test, 4,755 in the issue's). Each frame
+is decompressed by a reader of its own, handed that frame's bytes only, so a frame that starts
+well (a zstd magic) and then fails costs no line of the frames before it: a reader that reads
+across frames fills the caller's buffer from both and loses it all when the second raises. A
+reader per frame costs ~15 us: nothing for 1 MiB frames, 1.5-2x the time on a pathological file
+of one line per frame (20,000 frames: 0.25-0.5 s -> 0.67-0.78 s, loaded 2-core box).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import gzip
 import io
 import zlib
+from collections import deque
 from typing import Any, BinaryIO
 
 
@@ -67,6 +73,9 @@ class _FrameTracker:
         self._checksum = False
         self._fed = 0  # compressed bytes seen so far
         self._header_at = 0  # where the header being collected starts
+        self.frame_ends: deque[int] = deque()
+        """Compressed offsets where a frame (zstd or skippable) ends, each known once the
+        frame's last block header (or a skippable frame's size) has been fed."""
         self.error: str | None = None
         """What is wrong at ``confirmed`` (bytes that start no zstd frame), once seen."""
 
@@ -114,6 +123,7 @@ class _FrameTracker:
                 raise CorruptStream(f"not a zstd frame (magic {magic:#x})")
         elif self._state == "skippable":
             self._state, self._need, self._skip = "magic", 4, int.from_bytes(h, "little")
+            self.frame_ends.append(self._header_at + 4 + self._skip)
         elif self._state == "descriptor":
             fhd = h[0]
             single, did, fcs = (fhd >> 5) & 1, fhd & 3, fhd >> 6
@@ -129,6 +139,7 @@ class _FrameTracker:
             if last:
                 self._state, self._need = "magic", 4
                 self._skip += 4 if self._checksum else 0
+                self.frame_ends.append(self._header_at + 3 + self._skip)
 
 
 class _Tracked(io.RawIOBase):
@@ -145,10 +156,30 @@ class _Tracked(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    @property
+    def at_frame_end(self) -> bool:
+        """Whether every byte of the current frame has been handed on (:meth:`next_frame` opens
+        the next one)."""
+        return bool(self._tracker.frame_ends) and self._tracker.frame_ends[0] == self._passed
+
+    @property
+    def drained(self) -> bool:
+        """Whether the input has ended and every byte of it has been handed on."""
+        return self._eof and not self._held
+
+    def next_frame(self) -> None:
+        assert self.at_frame_end
+        self._tracker.frame_ends.popleft()
+
+    def _ready(self) -> int:
+        """Bytes that may be handed on now: confirmed ones, up to the current frame's end."""
+        ends = self._tracker.frame_ends
+        return min(self._tracker.confirmed, ends[0] if ends else self._tracker.confirmed) - self._passed
+
     def readinto(self, b: Any) -> int:
-        ready = self._tracker.confirmed - self._passed
+        ready = self._ready()
         while ready <= 0:
-            if self._eof or self._tracker.error is not None:
+            if self._eof or self._tracker.error is not None or self.at_frame_end:
                 return 0
             data = self._raw.read(len(b))
             if not data:
@@ -156,7 +187,7 @@ class _Tracked(io.RawIOBase):
                 return 0
             self._held += data
             self._tracker.feed(data)
-            ready = self._tracker.confirmed - self._passed
+            ready = self._ready()
         n = min(len(b), ready)
         memoryview(b).cast("B")[:n] = self._held[:n]
         del self._held[:n]
@@ -172,21 +203,36 @@ class ZstdReader(io.RawIOBase):
 
         super().__init__()
         self._tracker = _FrameTracker()
-        self._reader = zstandard.ZstdDecompressor().stream_reader(_Tracked(raw, self._tracker),
-                                                                  read_across_frames=True, closefd=False)
+        self._tracked = _Tracked(raw, self._tracker)
+        self._dctx = zstandard.ZstdDecompressor()
+        self._reader = self._frame_reader()
         self._zstd_error = zstandard.ZstdError
         self._raw = raw
+
+    def _frame_reader(self) -> Any:
+        # One reader per frame, fed only that frame's bytes: a reader that reads across frames
+        # decompresses into the caller's buffer until it is full, so a bad frame after a good one
+        # raised in the same read and took the good frame's output with it (0 of 10 lines kept).
+        return self._dctx.stream_reader(self._tracked, read_across_frames=False, closefd=False)
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
-        try:
-            n = self._reader.readinto(b)
-        except self._zstd_error as e:
-            raise CorruptStream(str(e)) from None
+        while True:
+            try:
+                n = self._reader.readinto(b)
+            except self._zstd_error as e:
+                raise CorruptStream(str(e)) from None
+            if n or not self._tracked.at_frame_end:
+                break
+            self._reader.close()
+            self._tracked.next_frame()
+            self._reader = self._frame_reader()
         if n == 0 and self._tracker.error is not None:  # every byte before the damage was delivered
             raise CorruptStream(self._tracker.error)
+        if n == 0 and not self._tracked.drained:  # never an end while input remains
+            raise CorruptStream("zstd frame ended before the bytes its headers declare")
         if n == 0 and not self._tracker.between_frames:
             raise CorruptStream("zstd stream ended inside a frame (truncated)")
         return n

@@ -96,11 +96,12 @@ def parse_json_object(raw: bytes, *, url: str, key: str, max_depth: int = Limits
     try:
         obj = loads_bounded(raw, text, max_depth)
     except JsonTooDeep as e:
-        raise DataError("json_too_deep", str(e), url=url, key=key, value=raw[:32]) from None
+        raise DataError("json_too_deep", str(e), url=url, key=key, value=max_depth) from None
     except json.JSONDecodeError as e:
-        raise DataError("bad_json", str(e), url=url, key=key, value=text) from None
+        raise DataError("bad_json", str(e), url=url, key=key, value=e.pos) from None
     if not isinstance(obj, dict):
-        raise DataError("bad_json", f"want a json object, got {type(obj).__name__}", url=url, key=key, value=obj)
+        raise DataError("bad_json", f"want a json object, got {type(obj).__name__}", url=url, key=key,
+                        value=type(obj).__name__)
     return obj
 
 
@@ -218,7 +219,8 @@ def validate_tokens(value: Any, *, url: str, key: str, vocab_size: int | None = 
     elif isinstance(value, list):
         arr = _json_ids(value, url=url, key=key)
     else:
-        raise DataError("bad_dtype", f"tokens field is {type(value).__name__}, want a list of ints", url=url, key=key, value=value)
+        raise DataError("bad_dtype", f"tokens field is {type(value).__name__}, want a list of ints", url=url, key=key,
+                        value=type(value).__name__)
     if arr.shape[0] == 0:
         raise DataError("empty_sample", "sample has 0 tokens", url=url, key=key, value=[])
     # one reduction checks both ends: viewed as uint64 a negative id is >= 2**63, past any bound
@@ -246,7 +248,7 @@ def _json_ids(values: list[Any], *, url: str, key: str) -> np.ndarray:
             continue
         if type(v) is float and not v.is_integer():
             raise DataError("non_integer_id", "token id is not an integer", url=url, key=key, value=v)
-        raise DataError("bad_dtype", f"token id of type {type(v).__name__}", url=url, key=key, value=v)
+        raise DataError("bad_dtype", f"token id of type {type(v).__name__}", url=url, key=key, value=type(v).__name__)
     try:
         return np.asarray(values, dtype=np.int64).reshape(-1)
     except OverflowError:
@@ -259,9 +261,10 @@ def validate_text(value: Any, *, url: str, key: str) -> str:
         try:
             value = value.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise DataError("bad_utf8", str(e), url=url, key=key, value=value[max(0, e.start - 8) : e.end + 8]) from None
+            raise DataError("bad_utf8", str(e), url=url, key=key, value=e.start) from None
     if not isinstance(value, str):
-        raise DataError("bad_dtype", f"text field is {type(value).__name__}, want str", url=url, key=key, value=value)
+        raise DataError("bad_dtype", f"text field is {type(value).__name__}, want str", url=url, key=key,
+                        value=type(value).__name__)
     if not value:
         raise DataError("empty_sample", "sample has empty text", url=url, key=key, value=value)
     return value
@@ -275,9 +278,10 @@ def validate_per_token(value: Any, length: int | None, *, what: str, url: str, k
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError):
-        raise DataError(reason, f"{what} is not an array", url=url, key=key, value=value) from None
+        raise DataError(reason, f"{what} is not an array", url=url, key=key, value=type(value).__name__) from None
     if arr.ndim != 1 or arr.dtype.kind not in "iub":
-        raise DataError(reason, f"{what} must be a 1-D integer array, got {arr.dtype}{list(arr.shape)}", url=url, key=key, value=value)
+        kind = f"{arr.dtype}{list(arr.shape)}"
+        raise DataError(reason, f"{what} must be a 1-D integer array, got {kind}", url=url, key=key, value=kind)
     if length is not None and arr.shape[0] != length:
         raise DataError(reason, f"{what} has length {arr.shape[0]} != {length} tokens", url=url, key=key, value=arr.shape[0])
     if what == "loss_mask":

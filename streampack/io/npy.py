@@ -56,7 +56,7 @@ def decode_npy(data: bytes, *, member: str, url: str, key: str) -> np.ndarray:
     try:
         shape, fortran, dtype = _header(buf)
     except _HEADER_ERRORS as e:
-        raise DataError("bad_npy", f"member {member!r}: {e}", url=url, key=key, value=data[:16]) from None
+        raise DataError("bad_npy", f"member {member!r}: {e}", url=url, key=key, value=member) from None
     if dtype.hasobject:
         raise DataError("bad_npy", f"member {member!r} is an object array (it would unpickle)", url=url, key=key,
                         value=str(dtype))

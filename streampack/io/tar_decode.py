@@ -72,7 +72,7 @@ def _unpickle(raw: bytes, field: str, *, url: str, key: str) -> dict[str, Any]:
     try:
         obj = pickle.loads(raw)  # noqa: S301 - only with allow_pickle=True, the user's explicit opt-in
     except Exception as e:  # noqa: BLE001 - a broken pickle raises anything
-        raise DataError("bad_pickle", f"member {field!r}: {e!r}", url=url, key=key, value=raw[:16]) from None
+        raise DataError("bad_pickle", f"member {field!r}: {e!r}", url=url, key=key, value=field) from None
     if not isinstance(obj, dict):
         raise DataError("bad_dtype", f"pickle member {field!r} is not a dict", url=url, key=key, value=type(obj))
     return obj

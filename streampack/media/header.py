@@ -77,9 +77,12 @@ def read_header(data: bytes, *, url: str, key: str, name: str, max_pixels: int) 
                                      format=str(im.format))
     except Image.DecompressionBombError as e:
         raise DataError("image_too_large", f"image {name!r}: {e}", url=url, key=key, value=name) from None
+    except Image.UnidentifiedImageError:  # its message names only a BytesIO's address
+        raise DataError("bad_image", f"image {name!r} ({len(data)} bytes) is not a JPEG, PNG or WebP file: its "
+                        "first bytes match none of their signatures", url=url, key=key, value=name) from None
     except Exception as e:  # noqa: BLE001 — PIL raises many types for a bad header; all mean "not an image"
         raise DataError("bad_image", f"image {name!r} has no readable JPEG/PNG/WebP header: {e}", url=url, key=key,
-                        value=data[:16]) from None
+                        value=name) from None
     check_header(header, url=url, key=key, name=name, max_pixels=max_pixels)
     return header
 

@@ -22,13 +22,16 @@ class MediaOptions:
     """The placeholder id: one per image in the tokenized text, expanded to the image's count."""
     image_exts: tuple[str, ...] = IMAGE_EXTS
     """Tar member extensions that are images; a sample's images are its members with these
-    extensions in member-name order (``0.jpg`` < ``1.png``, or ``a.jpg`` < ``b.jpg``)."""
+    extensions, in number order (``2.jpg`` < ``10.png``). One image may have any name; with
+    more, each name ends in its number (``0.jpg``, ``1.png``...), else ``bad_image``."""
     images_key: str = "images"
     """json / parquet field: a list of image paths (jsonl, relative to ``image_root``) or of
     HF datasets ``{"bytes": ..., "path": ...}`` structs / raw bytes (parquet)."""
     image_root: str | None = None
     """Directory or URL prefix that jsonl image paths are relative to (NeVA's ``image_folder``);
-    read through the same storage layer as the shards."""
+    read through the same storage layer as the shards. Nothing outside it is read: a path that
+    leads out (``..``, percent-encoded or not, a symbolic link, a NUL byte) is ``bad_image``
+    (:mod:`streampack.media.paths`)."""
     image_mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
     """Per-channel normalisation (OpenAI CLIP's, what Qwen2-VL's and LLaVA's processors use)."""
     image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)

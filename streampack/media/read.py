@@ -2,7 +2,8 @@
 and :class:`~streampack.media.video.MediaVideo`, read with the dataset's own read settings.
 
 - webdataset tar: the sample's members whose extension is an image extension
-  (``MediaOptions.image_exts``), in member-name order (``0.jpg``, ``1.png``...); with
+  (``MediaOptions.image_exts``), in number order (``0.jpg``, ``1.png``, ... ``10.jpg``:
+  :func:`numbered`); with
   ``MediaOptions.video`` set, those under ``videos_key`` are video frames
   (:mod:`streampack.media.video`). The tar reader already bounds each member by
   ``max_member_bytes`` and the sample by ``max_sample_bytes``.
@@ -12,7 +13,7 @@ and :class:`~streampack.media.video.MediaVideo`, read with the dataset's own rea
 - jsonl: the ``images_key`` field holds one path or a list, relative to
   ``MediaOptions.image_root`` (NeVA's ``image_folder``), local or any fsspec URL, each read
   whole through the storage layer and bounded by ``max_member_bytes``; ``videos_key`` holds
-  frame paths the same way.
+  frame paths the same way. Nothing outside the root is read (:mod:`streampack.media.paths`).
 
 **Read settings.** A reader binds its :class:`~streampack.media.options.MediaOptions` to the
 dataset's :class:`~streampack.io.open.OpenOptions` and I/O counters
@@ -28,7 +29,6 @@ and key in the error.
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +38,7 @@ from streampack.io.limits import Limits
 from streampack.io.open import OpenOptions
 from streampack.io.retry import IOStats
 from streampack.media.header import MediaImage, read_images
+from streampack.media.paths import image_location
 from streampack.media.video import MediaVideo, column_videos, read_video, split_tar_fields, tar_videos
 
 
@@ -67,10 +68,11 @@ class MediaReader:
 
     def tar_images(self, fields: Mapping[str, bytes], limits: Limits, *, url: str, key: str) -> tuple[Any, ...]:
         if self.options.video is None:
-            return _images(sorted((f, raw) for f, raw in fields.items() if self.is_image_field(f)), limits,
-                           url=url, key=key)
+            images = numbered([(f, raw) for f, raw in fields.items() if self.is_image_field(f)], url=url, key=key)
+            return _images(images, limits, url=url, key=key)
         images, frames = split_tar_fields(fields, self.options.videos_key, self.is_image_field)
-        return self._media(images, tar_videos(frames, url=url, key=key), limits, url=url, key=key)
+        return self._media(numbered(images, url=url, key=key), tar_videos(frames, url=url, key=key), limits,
+                           url=url, key=key)
 
     def column_media(self, row: Mapping[str, Any], limits: Limits, *, url: str, key: str) -> tuple[Any, ...]:
         """Images and videos of a parquet row (``{"images": value, "videos": value}``)."""
@@ -109,18 +111,7 @@ class MediaReader:
     def _path(self, path: Any, limits: Limits, *, url: str, key: str) -> tuple[str, bytes]:
         from streampack.io.open import open_shard
 
-        if not isinstance(path, str) or not path:
-            raise DataError("bad_image", f"image path {path!r} is not a non-empty string", url=url, key=key,
-                            value=path)
-        norm = posixpath.normpath(path)
-        if path.startswith("/") or "://" in path or norm.startswith(".."):
-            # paths come from the data: they may not escape the root the user chose
-            raise DataError("bad_image", f"image path {path!r} must be relative and stay under image_root",
-                            url=url, key=key, value=path)
-        if self.options.image_root is None:
-            raise DataError("bad_image", "the record names image paths but MediaOptions.image_root is not set",
-                            url=url, key=key, value=path)
-        where = self.options.image_root.rstrip("/") + "/" + norm
+        where = image_location(self.options.image_root, path, url=url, key=key)
         try:
             with open_shard(where, opts=self.open, stats=self.stats) as f:
                 data = f.read(limits.max_member_bytes + 1)
@@ -131,6 +122,34 @@ class MediaReader:
             raise DataError("member_too_large", f"image {path!r} is over max_member_bytes={limits.max_member_bytes}",
                             url=url, key=key, value=path)
         return path, data
+
+
+def numbered(members: list[tuple[str, Any]], *, url: str, key: str) -> list[tuple[str, Any]]:
+    """A tar sample's image members in placeholder order: by name with every number compared as a
+    number (``2.png`` before ``10.png``, ``video.2.jpg`` before ``video.10.jpg``; string order put
+    ``10`` and ``11`` on the third and fourth placeholders). One image may have any name
+    (webdataset's ``k7.jpg``); with more, every name must end in its number (``<number>.<ext>`` or
+    ``<name>.<number>.<ext>``), each once, since nothing else says which placeholder it belongs to."""
+    if len(members) <= 1:
+        return members
+    keyed: dict[tuple[tuple[int, int | str], ...], str] = {}
+    for field, _ in members:
+        parts = field.split(".")[:-1]
+        if not parts or not _is_number(parts[-1]):
+            raise DataError("bad_image", f"image member {field!r} has no number: with more than one image each is "
+                            f"named <number>.<ext> (0.jpg, 1.png, ...) to say its placeholder; members "
+                            f"{sorted(f for f, _ in members)[:8]}", url=url, key=key, value=field)
+        order = tuple((0, int(p)) if _is_number(p) else (1, p) for p in parts)
+        if order in keyed:
+            raise DataError("bad_image", f"image members {keyed[order]!r} and {field!r} have the same number",
+                            url=url, key=key, value=field)
+        keyed[order] = field
+    by_field = dict(members)
+    return [(keyed[order], by_field[keyed[order]]) for order in sorted(keyed)]
+
+
+def _is_number(part: str) -> bool:
+    return part.isascii() and part.isdigit()
 
 
 def _images(named: list[tuple[str, Any]], limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
