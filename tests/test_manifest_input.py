@@ -125,6 +125,23 @@ def test_a_truncated_shard_index_file_is_named_not_a_bad_zip_file(built, tmp_pat
         m.load_index(0, DecodeOptions(), OpenOptions())
 
 
+@pytest.mark.parametrize("column", ["lengths", "key_ends"])
+def test_a_shard_index_file_with_a_short_column_is_named_damaged(built, tmp_path, column):
+    """A column one entry short loaded, and read past its end as an IndexError mid-epoch."""
+    src = built[1]
+    location = tmp_path / "m"
+    (location / "shards").mkdir(parents=True)
+    (location / MANIFEST_FILE).write_bytes((src / MANIFEST_FILE).read_bytes())
+    for f in (src / "shards").iterdir():
+        with np.load(f) as data:
+            arrays = {k: data[k] for k in data.files}
+        arrays[column] = arrays[column][:-1]
+        np.savez_compressed(location / "shards" / f.name, **arrays)
+    m = load_manifest(str(location))
+    with pytest.raises(ValueError, match="missing or damaged"):
+        m.load_index(0, DecodeOptions(), OpenOptions())
+
+
 # ------------------------------------------------------------------ what holding one costs
 
 
@@ -213,19 +230,35 @@ def _served(tmp_path: Path):
     return store, info, remote
 
 
-def test_a_worker_unpickling_the_dataset_does_not_fetch_the_manifest_again(tmp_path):
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_a_worker_unpickling_the_dataset_does_not_fetch_the_manifest_again(tmp_path, dp_size):
     """What a spawned worker does, in this process: a fresh process holds no manifest, unpickles
-    the dataset and iterates."""
+    the dataset and iterates. The main process reads it once whatever the rank count (with one
+    rank it read none, and every worker of the rank read its own)."""
     store, info, urls = _served(tmp_path)
     try:
-        ds = PackedDataset(urls, capacity=256, epochs=1, seed=1, manifest=f"{info.url}/m", dp_rank=0, dp_size=2,
-                           cache_dir=str(tmp_path / "cache"))
+        ds = PackedDataset(urls, capacity=256, epochs=1, seed=1, manifest=f"{info.url}/m", dp_rank=0,
+                           dp_size=dp_size, cache_dir=str(tmp_path / "cache"))
         assert _manifest_gets(info) == 1
         raw = pickle.dumps(ds)
         graph_mod._GIVEN.clear()  # a spawned worker starts without it
         worker = pickle.loads(raw)
         assert sum(1 for _ in worker) > 0
         assert _manifest_gets(info) == 1, "the worker fetched the manifest again"
+    finally:
+        store.__exit__(None, None, None)
+
+
+@pytest.mark.slow  # two forked workers reading over loopback: ~3 s on 2 busy cores
+def test_forked_workers_of_one_rank_share_the_manifest_read_once(tmp_path):
+    """One rank, two readers: the main process never read the manifest, so each worker did."""
+    store, info, urls = _served(tmp_path)
+    try:
+        ds = PackedDataset(urls, capacity=256, epochs=1, seed=1, manifest=f"{info.url}/m",
+                           cache_dir=str(tmp_path / "cache"))
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        assert sum(1 for _ in loader) > 0
+        assert _manifest_gets(info) == 1
     finally:
         store.__exit__(None, None, None)
 
