@@ -323,7 +323,8 @@ def extrapolate(c: dict[str, float], n: int = 100_000, t: int = 10**9, g: int = 
         f"{c['count_s_per_sample'] * 1e6:.2f} µs · T/G (background) | {c['cut_s_per_shard'] * n:.3f} s + "
         f"{c['count_s_per_sample'] * own_samples:.2f} s = {cpu:.2f} s |",
         f"| plan memory | {c['manifest_bytes_per_shard']:.0f} B · N (the manifest as held, measured; "
-        f"{c['manifest_peak_bytes_per_shard']:.0f} B · N at its load's peak) + {c['count_bytes_per_sample']:.0f} B · T/G "
+        f"{c['manifest_peak_bytes_per_shard']:.0f} B · N at its load's peak) + "
+        f"{c['count_bytes_per_sample']:.0f} B · T/G "
         f"(the count's peak: own int32 lengths + the packer's temporaries; no index kept) | "
         f"{manifest / 2**20:.0f} + {count / 2**20:.1f} = {(manifest + count) / 2**20:.0f} MB |",
         "| elastic start | the above; the old readers' plans come from their states (``work_ends``): no index read "

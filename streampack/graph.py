@@ -403,9 +403,9 @@ _GIVEN: dict[tuple[str, str, str], Manifest] = {}
 def manifest_of(config: StreamConfig, sources: Sources, options: ReadOptions,
                 io_stats: IOStats | None = None) -> Manifest:
     """The data set's manifest: ``options.manifest`` (read once per process; DataLoader workers
-    get the one ``PackedDataset`` read with the dataset, :func:`hold_manifest`), else built once for local shards (re-checked on every call with one
-    ``stat`` per shard, so a rewritten shard is seen); remote shards without one are refused,
-    naming ``streampack index``."""
+    get the one ``PackedDataset`` read with the dataset, :func:`hold_manifest`), else built once
+    for local shards (re-checked on every call with one ``stat`` per shard, so a rewritten shard
+    is seen); remote shards without one are refused, naming ``streampack index``."""
     assert sources.shards is not None
     decode = index_decode(options.tokens_key, options.limits)
     key = _given_key(sources, options)

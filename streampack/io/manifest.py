@@ -12,11 +12,15 @@ it reads and of at most the few shards its boundaries fall in. The manifest is a
 identity for resume checks, so a start makes no per-shard HEAD: a changed shard is found when it
 is opened (its size / tag against the manifest's).
 
-**Cost per reader** (N shards, G readers, T samples): loading the manifest is 1 request and
-O(N) memory; the per-sample indexes it fetches are O(N/G + 4) requests and O(T/G) memory; the
-stale-shard check (:meth:`Manifest.check_identity`) makes no request of its own: it compares the
-identity the reader records when it opens a shard anyway (1 stat / HEAD, or with
-``identity="digest"`` 2 ranged reads more).
+**Cost per reader** (N shards, G readers, T samples, W DataLoader workers per rank): loading
+the manifest is 1 request per rank (``PackedDataset`` reads a given one in the main process and
+its workers get it with the dataset, forked or spawned: no request of theirs) and
+``≈ 122 B × N`` held per process (:mod:`streampack.io.manifest_file`: int64 columns and the
+strings as bytes, no Python object per shard), ``≈ 420 B × N`` at the load's peak; the
+per-sample indexes it fetches are O(N/G + 4) requests and O(T/G) memory; the stale-shard check
+(:meth:`Manifest.check_identity`) makes no request of its own: it compares the identity the
+reader records when it opens a shard anyway (1 stat / HEAD, or with ``identity="digest"`` 2
+ranged reads more).
 
 **Resuming against changed shards** (``ShardReader`` / ``elastic``): a planned reader's state
 names the manifest its plan was cut from by :meth:`Manifest.fingerprint` (one per identity
@@ -33,8 +37,10 @@ Measured (``benchmarks/bench_index.py``, 2-core machine under load 7–10, 2026-
 
 - file: ``≈ 70 B × N`` (10^5 shards of ``s3://my-bucket/datasets/web-2026/train/shard-NNNNNN.tar``
   with 36-char ETags and digests: 7.0 MB, compressed ``.npz``); load ``≈ 3.6 µs × N`` (359 ms at
-  10^5) and RSS ``≈ 500 B × N`` (+50 MiB at 10^5: three Python strings per shard — URL, tag,
-  digest — and 5 int64 columns).
+  10^5).
+- held (``benchmarks/bench_manifest_memory.py``, 10^5 shards, 34-char ETags): 122 B × N traced
+  and 156 B × N of RSS growth after the load and the four fingerprints; 419 B × N traced at the
+  load's peak (the file's arrays, then the columns kept). Pickled into a spawned worker: 121 B × N.
 - per-shard index file: ``≈ 9 B × samples`` for 8-char tar keys (9.1 KB per 1,000 samples);
   fetching one: 3.9 ms local, 8.5 ms over loopback http (1 GET).
 - building (``streampack index``): see :mod:`streampack.cli.index_cmd`.

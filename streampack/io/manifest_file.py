@@ -6,13 +6,14 @@ epoch without a word). :func:`checked_fields` reads each field of a loaded ``.np
 one ``ValueError`` naming the file and the field; nothing of the file's content is quoted but
 short numbers.
 
-Held in memory, a manifest is int64 columns plus three :class:`StringColumn` (URL, tag,
-digest): per shard ``40 B`` for the numbers and, per string column, the bytes the shard's string
+Held in memory, a manifest is four int64 columns plus three :class:`StringColumn` (URL, tag,
+digest): per shard ``32 B`` for the numbers and, per string column, the bytes the shard's string
 does not share with every other's start and end plus a 4-byte offset. Measured
 (``benchmarks/bench_manifest_memory.py``, 10^5 shards of
 ``s3://my-bucket/datasets/web-2026/train/shard-NNNNNN.tar`` with 34-char ETags and digests):
-~135 B per shard held, where three Python strings per shard (~50 B of object header each,
-plus a tuple slot) held ~340 B traced and ~520 B of RSS.
+122 B per shard traced and 156 B of RSS growth per shard, after the load and the four
+fingerprints; a Python ``str`` per shard and column (object header ~50 B each, plus a tuple
+slot) costs 339 B traced and 518 B of RSS per shard on the same manifest.
 """
 
 from __future__ import annotations
@@ -56,8 +57,6 @@ class StringColumn:
         head = _shared(blob, starts, shortest, 1)
         tail = _shared(blob, ends - 1, shortest - head, -1)
         first = int(ends[0])
-        if 4 * (head + tail) * len(ends) < len(blob):  # a copy that saves under a quarter (quoted ETags) is not worth
-            head = tail = 0  # its transient: the blob as loaded is held as it is
         shared = (blob[:head].tobytes(), blob[first - tail:first].tobytes())
         if head or tail:  # numpy only: a Python object per string left the heap fragmented (RSS, not traced)
             body = blob[~_in_ranges(len(blob), np.concatenate([starts, ends - tail]),
