@@ -91,8 +91,9 @@ class StringColumn:
         if not n:
             return np.zeros(0, np.uint8)
         h, t, k = len(self.head), len(self.tail), len(sep)
-        stops = np.cumsum(np.diff(self.ends.astype(np.int64), prepend=0) + (h + t + k)) - k
-        starts = stops - (np.diff(self.ends.astype(np.int64), prepend=0) + h + t)
+        lengths = np.diff(self.ends.astype(np.int64), prepend=0) + h + t
+        stops = np.cumsum(lengths + k) - k
+        starts = stops - lengths
         out = np.empty(int(stops[-1]), dtype=np.uint8)
         fixed = _in_ranges(len(out), np.concatenate([starts, stops - t]),
                            np.concatenate([starts + h, np.minimum(stops + k, len(out))]))
@@ -136,22 +137,32 @@ class StringColumn:
 
 
 def _in_ranges(length: int, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """bool ``[length]``: True inside any of the disjoint ranges ``[starts[i], stops[i])``."""
+    """bool ``[length]``: True inside any of the disjoint ranges ``[starts[i], stops[i])``. Empty
+    ranges are dropped first, so no two ranges share a start or a stop and plain fancy
+    assignment marks the edges (``np.add.at`` took ~1 s at 10^5 strings)."""
+    keep = starts < stops
     edges = np.zeros(length + 1, dtype=np.int8)
-    np.add.at(edges, starts, 1)
-    np.add.at(edges, stops, -1)
+    edges[starts[keep]] += 1
+    edges[stops[keep]] -= 1
     return np.cumsum(edges[:-1], dtype=np.int8) > 0
 
 
 def _shared(blob: np.ndarray, anchors: np.ndarray, limit: int, step: int) -> int:
     """How many bytes every string has in common with the first, reading from ``anchors`` (each
-    string's first byte, ``step`` 1; or last byte, ``step`` -1), at most ``limit``. One byte
-    position per step: an ``[N, k]`` gather of k positions at once held 8k bytes per string."""
-    at = anchors.copy()
-    for done in range(limit):
-        if not (blob[at] == blob[at[0]]).all():
-            return done
-        at += step
+    string's first byte, ``step`` 1; or last byte, ``step`` -1), at most ``limit``. Strings are
+    compared a block at a time, so the gathered ``[block, limit]`` positions stay near 512 KiB."""
+    if limit <= 0 or not len(anchors):
+        return 0
+    offsets = np.arange(limit, dtype=np.int64) * step
+    first = blob[anchors[0] + offsets]
+    block = max(1, 2**16 // limit)
+    for lo in range(0, len(anchors), block):
+        rows = blob[anchors[lo:lo + block, None] + offsets[None, :limit]]
+        differ = (rows != first[:limit]).any(axis=0)
+        if differ.any():
+            limit = int(np.argmax(differ))
+            if not limit:
+                return 0
     return limit
 
 
