@@ -107,11 +107,14 @@ class StringColumn:
         whole join is never held (at 10^5 shards it was ~4 MB of temporaries per column, and the
         heap kept them: RSS)."""
         for lo in range(0, len(self), per):
-            hi = min(lo + per, len(self))
-            a, b = int(self.ends[lo - 1]) if lo else 0, int(self.ends[hi - 1])
-            part = StringColumn(head=self.head, tail=self.tail, body=self.body[a:b],
-                                ends=self.ends[lo:hi].astype(np.int64) - a)
-            digest.update((sep if lo else b"") + part.joined(sep).tobytes())
+            digest.update((sep if lo else b"") + self._part(lo, lo + per).joined(sep).tobytes())
+
+    def _part(self, lo: int, hi: int) -> StringColumn:
+        """Strings ``lo:hi`` (sharing this column's bytes)."""
+        hi = min(hi, len(self))
+        a, b = int(self.ends[lo - 1]) if lo else 0, int(self.ends[hi - 1])
+        return StringColumn(head=self.head, tail=self.tail, body=self.body[a:b],
+                            ends=self.ends[lo:hi].astype(np.int64) - a)
 
     def blob(self) -> tuple[np.ndarray, np.ndarray]:
         """(uint8 bytes back to back, int64 end offsets): the file's layout."""
@@ -126,9 +129,17 @@ class StringColumn:
         if isinstance(other, StringColumn):
             return (len(self) == len(other) and self.head == other.head and self.tail == other.tail
                     and np.array_equal(self.ends, other.ends) and np.array_equal(self.body, other.body))
-        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):  # one string at a time
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(self) == len(other) and all(self._part(lo, lo + 4096).same(other[lo:lo + 4096])
+                                                   for lo in range(0, len(self), 4096))
         return NotImplemented
+
+    def same(self, strings: Sequence[str]) -> bool:
+        """Whether ``strings`` are this column's: their bytes and lengths compared as arrays."""
+        encoded = [str(s).encode(*_UTF8) for s in strings]
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        mine = np.diff(self.ends.astype(np.int64), prepend=0) + len(self.head) + len(self.tail)
+        return bool(np.array_equal(lengths, mine)) and self.joined(b"").tobytes() == b"".join(encoded)
 
     __hash__ = None  # type: ignore[assignment]  # equal by value, and mutable arrays inside
 
