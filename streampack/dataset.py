@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from streampack.errors import log_worker_error
-from streampack.io.manifest import Manifest
 from streampack.graph import Graph, build_graph, counting_for, graph_metrics, hold_manifest, manifest_of
+from streampack.io.manifest import Manifest
 from streampack.layout import transfer
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.media.options import MediaOptions

@@ -163,6 +163,13 @@ class Manifest:
                 object.__setattr__(self, name, StringColumn.of(getattr(self, name)))
         for name in ("sizes", "samples", "tokens", "byte_costs"):
             object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64).reshape(-1))
+        n = len(self.urls)
+        wrong = {name: len(getattr(self, name)) for name in ("tags", "sizes", "samples", "tokens", "byte_costs",
+                                                             "digests") if len(getattr(self, name)) != n}
+        if wrong.get("digests") == 0:  # no digests at all: recorded by none
+            del wrong["digests"]
+        if wrong:
+            raise ValueError(f"the manifest at {self.location!r} lists {n} URLs but other column lengths {wrong}")
 
     def __len__(self) -> int:
         return len(self.urls)
