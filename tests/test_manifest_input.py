@@ -94,6 +94,12 @@ def test_a_negative_sample_count_is_refused_before_any_reader_plans(built, tmp_p
         PackedDataset(urls, capacity=256, epochs=1, seed=0, manifest=str(location), dp_rank=0, dp_size=2)
 
 
+def test_a_manifest_made_in_code_with_columns_of_different_lengths_is_refused():
+    with pytest.raises(ValueError, match=r"lists 2 URLs but other column lengths \{'samples': 1\}"):
+        Manifest(location="mem", tokens_key="input_ids", urls=["a.tar", "b.tar"], sizes=[1, 2], tags=["", ""],
+                 samples=[3], tokens=[4, 5], byte_costs=[6, 7])
+
+
 @pytest.mark.parametrize("cut", ["truncated", "not a zip", "a .npy"])
 def test_a_damaged_manifest_file_is_a_value_error_naming_it(built, tmp_path, cut):
     data = (built[1] / MANIFEST_FILE).read_bytes()
