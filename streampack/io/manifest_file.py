@@ -103,9 +103,9 @@ class StringColumn:
         return out
 
     def hash_into(self, digest: Any, sep: bytes, per: int = 4096) -> None:
-        """Feed ``joined(sep)`` to ``digest`` (a ``hashlib`` object) ``per`` strings at a time: the
-        whole join is never held (at 10^5 shards it was ~4 MB of temporaries per column, and the
-        heap kept them: RSS)."""
+        """Feed ``joined(sep)`` to ``digest`` (a ``hashlib`` object) ``per`` strings at a time:
+        joining a whole column at once makes ~4 MB of temporaries per column at 10^5 shards, which
+        the heap keeps as RSS after they are freed."""
         for lo in range(0, len(self), per):
             digest.update((sep if lo else b"") + self._part(lo, lo + per).joined(sep).tobytes())
 
@@ -120,10 +120,6 @@ class StringColumn:
         """(uint8 bytes back to back, int64 end offsets): the file's layout."""
         lengths = np.diff(self.ends.astype(np.int64), prepend=0) + len(self.head) + len(self.tail)
         return (self.joined(b"") if self.head or self.tail else self.body), np.cumsum(lengths)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.head) + len(self.tail) + self.body.nbytes + self.ends.nbytes
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StringColumn):
