@@ -276,17 +276,42 @@ def constants() -> dict[str, float]:
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return {"cut_s_per_shard": per_shard, "count_s_per_sample": per_sample,
-            "count_bytes_per_sample": 4 + peak / len(own)}
+            "count_bytes_per_sample": 4 + peak / len(own), **manifest_bytes()}
+
+
+def manifest_bytes(shards: int = 20_000) -> dict[str, float]:
+    """Measured bytes per shard a loaded manifest holds (tracemalloc, after its four fingerprints)
+    and its peak while loading, on a manifest shaped like a bucket's
+    (``bench_manifest_memory.py`` measures RSS in a fresh process too)."""
+    import gc
+    import tracemalloc
+
+    from bench_manifest_memory import synthetic_manifest
+
+    from streampack.io.manifest import load_manifest
+
+    with tempfile.TemporaryDirectory() as location:
+        synthetic_manifest(Path(location), shards)
+        gc.collect()
+        tracemalloc.start()
+        m = load_manifest(location)
+        for mode in ("all", "tag", "size", "digest"):
+            m.fingerprint(mode)
+        gc.collect()
+        held, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return {"manifest_bytes_per_shard": held / shards, "manifest_peak_bytes_per_shard": peak / shards}
 
 
 def extrapolate(c: dict[str, float], n: int = 100_000, t: int = 10**9, g: int = 8192) -> str:
     own_samples = t / g
     cpu = c["cut_s_per_shard"] * n + c["count_s_per_sample"] * own_samples
-    manifest = n * (4 * 8 + 80)
+    manifest = n * c["manifest_bytes_per_shard"]
     count = own_samples * c["count_bytes_per_sample"]
     return "\n".join([
         f"Extrapolated per reader at N={n:,} shards, T={t:.0e} samples, G={g:,} readers (measured constants: "
-        f"cut {c['cut_s_per_shard'] * 1e9:.0f} ns per shard, packer count {c['count_s_per_sample'] * 1e6:.2f} µs "
+        f"cut {c['cut_s_per_shard'] * 1e9:.0f} ns per shard, manifest {c['manifest_bytes_per_shard']:.0f} B held "
+        f"per shard, packer count {c['count_s_per_sample'] * 1e6:.2f} µs "
         f"and {c['count_bytes_per_sample']:.0f} B at its peak per own sample):",
         "",
         "| cost | formula | value |",
@@ -297,7 +322,9 @@ def extrapolate(c: dict[str, float], n: int = 100_000, t: int = 10**9, g: int = 
         f"| plan CPU per epoch | {c['cut_s_per_shard'] * 1e9:.0f} ns · N (before the first batch) + "
         f"{c['count_s_per_sample'] * 1e6:.2f} µs · T/G (background) | {c['cut_s_per_shard'] * n:.3f} s + "
         f"{c['count_s_per_sample'] * own_samples:.2f} s = {cpu:.2f} s |",
-        f"| plan memory | ~112 B · N (manifest arrays + URL) + {c['count_bytes_per_sample']:.0f} B · T/G "
+        f"| plan memory | {c['manifest_bytes_per_shard']:.0f} B · N (the manifest as held, measured; "
+        f"{c['manifest_peak_bytes_per_shard']:.0f} B · N at its load's peak) + "
+        f"{c['count_bytes_per_sample']:.0f} B · T/G "
         f"(the count's peak: own int32 lengths + the packer's temporaries; no index kept) | "
         f"{manifest / 2**20:.0f} + {count / 2**20:.1f} = {(manifest + count) / 2**20:.0f} MB |",
         "| elastic start | the above; the old readers' plans come from their states (``work_ends``): no index read "

@@ -20,8 +20,9 @@ import torch
 from torch.utils.data import IterableDataset
 
 from streampack.errors import log_worker_error
-from streampack.graph.build import Graph, build_graph, counting_for, graph_metrics, manifest_of
+from streampack.graph.build import Graph, build_graph, counting_for, graph_metrics, hold_manifest, manifest_of
 from streampack.graph.preflight import preflight
+from streampack.io.manifest import Manifest
 from streampack.layout import transfer
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.logs import get_logger, warn_every
@@ -172,7 +173,9 @@ class PackedDataset(IterableDataset):
             preflight(self.sources.lists, self.options)
         self.tokenizer, self.stages = tokenizer, list(stages)
         self._agreement: Any = None
+        self._manifest = None
         self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size), validate=True)  # what only nodes check
+        self._manifest = self._given_manifest()
         manifest = self._check_equal_batches()
         self._tokenizer_id = tokenizer_id(tokenizer)  # hashed once: state_dict() runs every batch
         self._fingerprint_texts: dict[int, str] = {}
@@ -354,6 +357,8 @@ class PackedDataset(IterableDataset):
         return self._run(self._generation, self._graph, pin=self.config.packing.pin_memory and here.num_workers == 0)
 
     def _build(self, place: Placement, share: Share | None = None, validate: bool = False) -> Graph:
+        if self._manifest is not None:  # another dataset of this process may have been read since
+            hold_manifest(self.sources, self.options, self._manifest)
         return build_graph(self.config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
                            stages=self.stages, share=share, validate=validate, agreement=self._agreement)
 
@@ -370,7 +375,7 @@ class PackedDataset(IterableDataset):
                                  f"drawn at random): pass batches_per_epoch, or equal_batches='sync' and iterate "
                                  f"streampack.sync_batches(loader, ds)")
             return None
-        manifest = manifest_of(c, self.sources, self.options)
+        manifest = self._manifest if self._manifest is not None else manifest_of(c, self.sources, self.options)
         if counting_for(c, Placement(dp_size=self.dp_size)) is not None and not manifest.known_lengths():
             raise ValueError(unplannable(manifest, self.dp_size))
         return manifest
@@ -392,9 +397,25 @@ class PackedDataset(IterableDataset):
                 raise
             yield batch.pin_memory() if pin else batch
 
+    def _given_manifest(self) -> Manifest | None:
+        """The manifest given as ``read.manifest`` of a finite single-source stream, read once
+        here, in the main process: DataLoader workers get it with the dataset (forked: shared;
+        spawned: unpickled, ~121 B x N), 1 read of it per rank instead of 1 + W. A damaged or
+        foreign manifest is refused now, by name, before any worker starts."""
+        shards = self.sources.shards
+        if (self.config.epochs is None or self.options.manifest is None or shards is None or self.sources.mixture
+                or self.sources.packed is not None):
+            return None
+        return manifest_of(self.config, self.sources, self.options)
+
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get a copy without the live graph (it is rebuilt in __iter__)
         return {**self.__dict__, "_graph": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._manifest is not None:  # a spawned worker: the manifest the main process read
+            hold_manifest(self.sources, self.options, self._manifest)
 
 
 def _agreement(dp_group: Any, dp_rank: int, dp_size: int, timeout_s: float | None,

@@ -406,21 +406,33 @@ _GIVEN: dict[tuple[str, str, str], Manifest] = {}
 
 def manifest_of(config: StreamConfig, sources: Sources, options: ReadOptions,
                 io_stats: IOStats | None = None) -> Manifest:
-    """The data set's manifest: ``options.manifest`` (read once per process; forked DataLoader
-    workers inherit it), else built once for local shards (re-checked on every call with one
-    ``stat`` per shard, so a rewritten shard is seen); remote shards without one are refused,
-    naming ``streampack index``."""
+    """The data set's manifest: ``options.manifest`` (read once per process; DataLoader workers
+    get the one ``PackedDataset`` read with the dataset, :func:`hold_manifest`), else built once
+    for local shards (re-checked on every call with one ``stat`` per shard, so a rewritten shard
+    is seen); remote shards without one are refused, naming ``streampack index``."""
     assert sources.shards is not None
     decode = index_decode(options.tokens_key, options.limits)
-    key = (str(options.manifest), sources.shards.digest, repr(decode))
+    key = _given_key(sources, options)
     if options.manifest is not None and key in _GIVEN:
         return _GIVEN[key]
     manifest = obtain_manifest(list(sources.shards.urls), location=options.manifest, cache_dir=options.cache_dir,
                                decode=decode, opts=options.open_options(), stats=io_stats)
     if options.manifest is not None:
-        _GIVEN.clear()  # one data set at a time
-        _GIVEN[key] = manifest
+        hold_manifest(sources, options, manifest)
     return manifest
+
+
+def hold_manifest(sources: Sources, options: ReadOptions, manifest: Manifest) -> None:
+    """Make ``manifest`` (read from ``options.manifest`` by another process: the dataset a spawned
+    DataLoader worker unpickled carries it) what :func:`manifest_of` returns in this process, so
+    the worker does not fetch it again."""
+    _GIVEN.clear()  # one data set at a time
+    _GIVEN[_given_key(sources, options)] = manifest
+
+
+def _given_key(sources: Sources, options: ReadOptions) -> tuple[str, str, str]:
+    assert sources.shards is not None
+    return str(options.manifest), sources.shards.digest, repr(index_decode(options.tokens_key, options.limits))
 
 
 def counting_for(config: StreamConfig, place: Placement) -> Counting | None:

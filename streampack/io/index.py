@@ -52,7 +52,7 @@ import os
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, NamedTuple
 
@@ -381,7 +381,25 @@ def cached_index(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
     data = load_arrays(path, opts)
     if data is None or int(data.get("version", -1)) != INDEX_VERSION or str(data.get("fingerprint")) != fp:
         return None  # absent, stale or from another version: rebuild
-    return decode_index(data)
+    return decode_index(data) if _whole(data) else None  # a damaged file is rebuilt (or named by the manifest)
+
+
+def _whole(data: Mapping[str, np.ndarray]) -> bool:
+    """Whether an index file's arrays fit together: one entry per sample in every per-sample
+    column, key offsets that end at the key bytes' end (a column one short read past its end as
+    an IndexError, in the middle of an epoch)."""
+    try:
+        n = int(data["n"])
+        int(data["end"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    columns = [data[k] for k in ("offsets", "numbers", "lengths", "key_ends") if k in data]
+    if n < 0 or any(c.ndim != 1 or c.dtype.kind not in "iu" or len(c) != n for c in columns):
+        return False
+    if ("key_ends" in data) != ("key_blob" in data):
+        return False
+    return "key_ends" not in data or (n == 0 and len(data["key_blob"]) == 0) or (
+        n > 0 and int(data["key_ends"][-1]) == len(data["key_blob"]) and bool((np.diff(data["key_ends"]) >= 0).all()))
 
 
 __all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",

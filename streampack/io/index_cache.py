@@ -19,6 +19,9 @@ import hashlib
 import io
 import os
 import secrets
+import struct
+import zipfile
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,17 +52,42 @@ def cache_path(url: str, cache_dir: str | None) -> str:
     return f"{directory.rstrip('/')}/{name}" if is_remote(directory) else os.path.join(directory, name)
 
 
-def load_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:
-    """The arrays stored at ``path``; None when absent or unreadable (then it is rebuilt)."""
+class DamagedFile(ValueError):
+    """A file that is there but is not a readable ``.npz`` (cut short, corrupt, another format).
+    Its message names the path and the decoder's complaint, never the file's bytes."""
+
+
+# What numpy's and zipfile's readers raise on bytes that are not a whole .npz: a cut file is a
+# BadZipFile (no central directory) or an EOFError / zlib.error inside a member.
+_DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, KeyError, struct.error, NotImplementedError)
+
+
+def read_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:
+    """The arrays stored at ``path``; None when there is no file; :class:`DamagedFile` when there
+    is one that is not a readable ``.npz``; any other ``OSError`` (permissions, the store) as
+    raised."""
     try:
         if is_remote(path):
             fs, p = storage.filesystem(path, opts)
             raw: Any = io.BytesIO(fs.cat_file(p))
         else:
             raw = open(path, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return None
+    try:
         with raw, np.load(raw, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError, KeyError, EOFError):
+    except _DAMAGE as e:
+        raise DamagedFile(f"{path!r} is not a readable .npz ({type(e).__name__}: {str(e)[:80]})") from None
+    except (AttributeError, TypeError):  # np.load found a .npy, not an archive: `with` on an ndarray
+        raise DamagedFile(f"{path!r} is not a .npz archive") from None
+
+
+def load_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:
+    """The arrays stored at ``path``; None when absent or unreadable (then it is rebuilt)."""
+    try:
+        return read_arrays(path, opts)
+    except (OSError, DamagedFile):
         return None
 
 
@@ -158,4 +186,5 @@ def _no_lock(directory: str, e: BaseException) -> None:
                     e)
 
 
-__all__ = ["INDEX_SUFFIX", "cache_path", "default_cache_dir", "index_dir", "load_arrays", "locked", "save_arrays"]
+__all__ = ["INDEX_SUFFIX", "DamagedFile", "cache_path", "default_cache_dir", "index_dir", "load_arrays", "locked",
+           "read_arrays", "save_arrays"]

@@ -12,11 +12,15 @@ it reads and of at most the few shards its boundaries fall in. The manifest is a
 identity for resume checks, so a start makes no per-shard HEAD: a changed shard is found when it
 is opened (its size / tag against the manifest's).
 
-**Cost per reader** (N shards, G readers, T samples): loading the manifest is 1 request and
-O(N) memory; the per-sample indexes it fetches are O(N/G + 4) requests and O(T/G) memory; the
-stale-shard check (:meth:`Manifest.check_identity`) makes no request of its own: it compares the
-identity the reader records when it opens a shard anyway (1 stat / HEAD, or with
-``identity="digest"`` 2 ranged reads more).
+**Cost per reader** (N shards, G readers, T samples, W DataLoader workers per rank): loading
+the manifest is 1 request per rank (``PackedDataset`` reads a given one in the main process and
+its workers get it with the dataset, forked or spawned: no request of theirs) and
+``≈ 122 B × N`` held per process (:mod:`streampack.io.manifest_file`: int64 columns and the
+strings as bytes, no Python object per shard), ``≈ 420 B × N`` at the load's peak; the
+per-sample indexes it fetches are O(N/G + 4) requests and O(T/G) memory; the stale-shard check
+(:meth:`Manifest.check_identity`) makes no request of its own: it compares the identity the
+reader records when it opens a shard anyway (1 stat / HEAD, or with ``identity="digest"`` 2
+ranged reads more).
 
 **Resuming against changed shards** (``ShardReader`` / ``elastic``): a planned reader's state
 names the manifest its plan was cut from by :meth:`Manifest.fingerprint` (one per identity
@@ -33,8 +37,10 @@ Measured (``benchmarks/bench_index.py``, 2-core machine under load 7–10, 2026-
 
 - file: ``≈ 70 B × N`` (10^5 shards of ``s3://my-bucket/datasets/web-2026/train/shard-NNNNNN.tar``
   with 36-char ETags and digests: 7.0 MB, compressed ``.npz``); load ``≈ 3.6 µs × N`` (359 ms at
-  10^5) and RSS ``≈ 500 B × N`` (+50 MiB at 10^5: three Python strings per shard — URL, tag,
-  digest — and 5 int64 columns).
+  10^5).
+- held (``benchmarks/bench_manifest_memory.py``, 10^5 shards, 34-char ETags): 122 B × N traced
+  and 156 B × N of RSS growth after the load and the four fingerprints; 419 B × N traced at the
+  load's peak (the file's arrays, then the columns kept). Pickled into a spawned worker: 121 B × N.
 - per-shard index file: ``≈ 9 B × samples`` for 8-char tar keys (9.1 KB per 1,000 samples);
   fetching one: 3.9 ms local, 8.5 ms over loopback http (1 GET).
 - building (``streampack index``): see :mod:`streampack.cli.index_cmd`.
@@ -44,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import io
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -64,8 +69,9 @@ from streampack.io.index import (
     index_decode,
     limits_key,
 )
-from streampack.io.index_cache import index_dir, load_arrays, locked, save_arrays
+from streampack.io.index_cache import DamagedFile, index_dir, locked, read_arrays, save_arrays
 from streampack.io.limits import Limits
+from streampack.io.manifest_file import LIMITS, StringColumn, checked_fields
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, ShardStat, is_remote
 
@@ -128,26 +134,42 @@ class ShardChange:
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Manifest:
-    """Every shard of a data set, in URL-list order, as parallel arrays."""
+    """Every shard of a data set, in URL-list order, as parallel arrays (strings as
+    :class:`~streampack.io.manifest_file.StringColumn`: no Python object per shard; sequences
+    given are converted)."""
 
     location: str
     tokens_key: str
-    urls: tuple[str, ...]
+    urls: StringColumn
     sizes: np.ndarray
     """int64 ``[N]``."""
-    tags: tuple[str, ...]
+    tags: StringColumn
     samples: np.ndarray
     """int64 ``[N]``."""
     tokens: np.ndarray
     """int64 ``[N]``; -1 where a shard has samples of unknown length."""
     byte_costs: np.ndarray
     """int64 ``[N]``."""
-    digests: tuple[str, ...] = ()
+    digests: StringColumn = field(default_factory=lambda: StringColumn.of(()))
     """Per shard ``digest=<sha1>`` (what ``identity="digest"`` compares); empty when not recorded."""
     limits: Limits = Limits()
     """The limits the index files were built under (an over-limit sample is indexed as -1)."""
     _prints: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     """:meth:`fingerprint` by mode, computed once (a reader's state names it at every batch)."""
+
+    def __post_init__(self) -> None:
+        for name in ("urls", "tags", "digests"):
+            if not isinstance(getattr(self, name), StringColumn):
+                object.__setattr__(self, name, StringColumn.of(getattr(self, name)))
+        for name in ("sizes", "samples", "tokens", "byte_costs"):
+            object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64).reshape(-1))
+        n = len(self.urls)
+        wrong = {name: len(getattr(self, name)) for name in ("tags", "sizes", "samples", "tokens", "byte_costs",
+                                                             "digests") if len(getattr(self, name)) != n}
+        if wrong.get("digests") == 0:  # no digests at all: recorded by none
+            del wrong["digests"]
+        if wrong:
+            raise ValueError(f"the manifest at {self.location!r} lists {n} URLs but other column lengths {wrong}")
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -218,14 +240,15 @@ class Manifest:
         """SHA-1 of one group of columns, computed once (the four fingerprints share them)."""
         key = f"part:{name}"
         if key not in self._prints:
+            digest = hashlib.sha1()
             if name == "counts":
-                data = b"".join(np.ascontiguousarray(c, dtype=np.int64).tobytes()
-                                for c in (self.samples, self.tokens, self.byte_costs))
+                for column in (self.samples, self.tokens, self.byte_costs):
+                    digest.update(np.ascontiguousarray(column, dtype=np.int64))
             elif name == "sizes":
-                data = np.ascontiguousarray(self.sizes, dtype=np.int64).tobytes()
+                digest.update(np.ascontiguousarray(self.sizes, dtype=np.int64))
             else:
-                data = "\n".join(getattr(self, name)).encode("utf-8", "surrogateescape")
-            self._prints[key] = hashlib.sha1(data).hexdigest()
+                getattr(self, name).hash_into(digest, b"\n")
+            self._prints[key] = digest.hexdigest()
         return self._prints[key]
 
     def changes_since(self, old: Manifest, mode: str) -> list[ShardChange]:
@@ -250,7 +273,7 @@ class Manifest:
 
     def check_urls(self, urls: Sequence[str]) -> None:
         """``ValueError`` unless the manifest lists exactly ``urls``, in that order."""
-        if tuple(urls) == self.urls:
+        if self.urls == urls:
             return
         listed = set(self.urls)  # once: inside the comprehension it was rebuilt per URL (N^2 at 10^5)
         missing = [u for u in urls if u not in listed]
@@ -357,7 +380,7 @@ def _current_manifest(where: str, urls: Sequence[str], opts: OpenOptions, stats:
         manifest = load_manifest(where, opts)
     except ValueError:
         return None
-    if manifest.urls == tuple(urls) and all(
+    if manifest.urls == urls and all(
             manifest.identity(i) == storage.identity(u, opts, stats) for i, u in enumerate(urls)):
         return manifest
     return None
@@ -373,10 +396,10 @@ def _with_progress(work: Callable[[str], ShardTotals], urls: Sequence[str]) -> l
 def save_manifest(manifest: Manifest, opts: OpenOptions) -> None:
     """Write the manifest file atomically (local: temp file + rename, mode ``0666 & ~umask``;
     object stores: one PUT)."""
-    urls, url_ends = _blob(manifest.urls)
-    tags, tag_ends = _blob(manifest.tags)
-    digests, digest_ends = _blob(manifest.digests)
-    limits = np.asarray([getattr(manifest.limits, n) for n in _LIMITS], dtype=np.int64)
+    urls, url_ends = manifest.urls.blob()
+    tags, tag_ends = manifest.tags.blob()
+    digests, digest_ends = manifest.digests.blob()
+    limits = np.asarray([getattr(manifest.limits, n) for n in LIMITS], dtype=np.int64)
     arrays = {"version": np.array(MANIFEST_VERSION), "tokens_key": np.array(manifest.tokens_key),
               "urls": urls, "url_ends": url_ends, "tags": tags, "tag_ends": tag_ends, "sizes": manifest.sizes,
               "samples": manifest.samples, "tokens": manifest.tokens, "byte_costs": manifest.byte_costs,
@@ -415,46 +438,29 @@ def _prune(history: str) -> None:
 
 
 def load_manifest(location: str, opts: OpenOptions = OpenOptions(), *, name: str = MANIFEST_FILE) -> Manifest:
-    """The manifest in ``location`` (one read); ``ValueError`` naming it when absent or of
-    another version."""
+    """The manifest in ``location`` (one read), every field checked
+    (:func:`~streampack.io.manifest_file.checked_fields`); ``ValueError`` naming the file (and
+    the field) when it is absent, damaged, of another version or not what ``streampack index``
+    writes."""
     path = _join(location, name)
-    data = load_arrays(path, opts)
+    try:
+        data = read_arrays(path, opts)
+    except DamagedFile as e:
+        raise ValueError(f"the manifest {e}: it is cut short or not a manifest: rebuild it with "
+                         f"`streampack index URLS --out {location}`") from None
     if data is None:
         raise ValueError(f"no manifest at {path!r}: write one with `streampack index URLS --out {location}`")
-    version = int(data.get("version", -1))
-    if version != MANIFEST_VERSION:
-        raise ValueError(f"the manifest {path!r} has version {version}, this streampack reads "
-                         f"{MANIFEST_VERSION}: rebuild it with `streampack index`")
-    return Manifest(location=location, tokens_key=str(data["tokens_key"]),
-                    urls=_unblob(data["urls"], data["url_ends"]), sizes=data["sizes"],
-                    tags=_unblob(data["tags"], data["tag_ends"]), samples=data["samples"],
-                    tokens=data["tokens"], byte_costs=data["byte_costs"],
-                    digests=_unblob(data["digests"], data["digest_ends"]),
-                    limits=Limits(**dict(zip(_LIMITS, map(int, data["limits"])))))
-
-
-_LIMITS = ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth")
+    fields = checked_fields(path, data, MANIFEST_VERSION)
+    try:
+        limits = Limits(**fields.pop("limits"))
+    except ValueError as e:
+        raise ValueError(f"the manifest {path!r} is not valid: field 'limits' ({e}): rebuild it with "
+                         f"`streampack index URLS --out DIR`") from None
+    return Manifest(location=location, limits=limits, **fields)
 
 
 def _join(location: str, name: str) -> str:
     return f"{location.rstrip('/')}/{name}" if is_remote(location) else os.path.join(location, name)
-
-
-def _blob(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Strings as one UTF-8 byte array and end offsets (no pickled object arrays)."""
-    out, ends = io.BytesIO(), []
-    for s in strings:
-        out.write(s.encode("utf-8", "surrogateescape"))
-        ends.append(out.tell())
-    return np.frombuffer(out.getvalue(), dtype=np.uint8).copy(), np.asarray(ends, dtype=np.int64)
-
-
-def _unblob(blob: np.ndarray, ends: np.ndarray) -> tuple[str, ...]:
-    raw, bounds = blob.tobytes(), [0, *ends.tolist()]
-    if raw.isascii():  # byte offsets are character offsets: one decode (3x faster at 10^5 shards)
-        text = raw.decode("ascii")
-        return tuple(text[a:b] for a, b in zip(bounds, bounds[1:]))
-    return tuple(raw[a:b].decode("utf-8", "surrogateescape") for a, b in zip(bounds, bounds[1:]))
 
 
 __all__ = ["MANIFEST_FILE", "MANIFEST_VERSION", "Manifest", "ShardChange", "ShardTotals", "build_entry",
