@@ -68,6 +68,7 @@ from streampack.nodes.collate import ThdCollate  # noqa: E402
 from streampack.nodes.overlong import OverlongNode  # noqa: E402
 from streampack.nodes.reader import ShardReader  # noqa: E402
 from streampack.nodes.window_packer import WindowPacker  # noqa: E402
+from streampack.options import PackOptions  # noqa: E402
 
 CAPACITY, WINDOW, PACKS = 4096, 1024, 8
 STAGES = ("read", "decode", "overlong", "packer", "pack_batch", "collate", "gc", "rest")
@@ -117,7 +118,8 @@ def _patches(clock: SelfTime) -> list[tuple[Any, str, Any]]:
 
 
 def dataset(urls: list[str]) -> PackedDataset:
-    return PackedDataset(urls, capacity=CAPACITY, window=WINDOW, epochs=1, seed=0, packs_per_batch=PACKS)
+    return PackedDataset(urls, capacity=CAPACITY, packing=PackOptions(window=WINDOW), epochs=1, seed=0,
+                         packs_per_batch=PACKS)
 
 
 def stage_profile(urls: list[str]) -> dict[str, Any]:

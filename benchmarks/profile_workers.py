@@ -110,7 +110,9 @@ def _instrument(record: dict[str, Any], out_dir: str) -> Any:
 
 def _dataset(urls: list[str]) -> Any:
     from streampack import PackedDataset
-    return PackedDataset(urls, capacity=CAPACITY, window=WINDOW, epochs=1, seed=0, packs_per_batch=PACKS)
+    from streampack.options import PackOptions
+    return PackedDataset(urls, capacity=CAPACITY, packing=PackOptions(window=WINDOW), epochs=1, seed=0,
+                         packs_per_batch=PACKS)
 
 
 def _loader(urls: list[str], workers: int, init: Any = None, variant: str = "this") -> Any:
