@@ -43,7 +43,6 @@ RECORDS: dict[str, type] = {"read": ReadOptions, "tokenize": TokenizeOptions, "p
 """``PackedDataset`` parameter -> the record it takes."""
 
 
-
 def field_for(name: str) -> tuple[str, type, str] | None:
     """``(parameter, record, field)`` that a flat keyword ``name`` of earlier versions meant, read
     off the records' fields: a field of that name (``window`` -> ``packing.window``), or
