@@ -132,13 +132,13 @@ def test_a_flat_keyword_is_refused_naming_the_record_field_to_set(shards, keywor
 
 def test_the_old_spellings_are_refused_with_the_record_to_use(shards):
     with pytest.raises(TypeError, match=r"'window': .*; pass packing=PackOptions\(window=\.\.\.\)"):
-        PackedDataset(shards, capacity=64, window=8)
+        PackedDataset(shards, capacity=64, window=8)  # unshortcut: skip (the old spelling)
     with pytest.raises(TypeError, match=r"'cost_model': .*; pass cost=CostOptions\(model=\.\.\.\)"):
-        PackedDataset(shards, capacity=64, cost_model=SHAPE)
+        PackedDataset(shards, capacity=64, cost_model=SHAPE)  # unshortcut: skip (the old spelling)
     with pytest.raises(TypeError, match=r"'tokenize_block': .*; pass tokenize=TokenizeOptions\(block_size=\.\.\.\)"):
-        PackedDataset(shards, capacity=64, tokenize_block=7)
+        PackedDataset(shards, capacity=64, tokenize_block=7)  # unshortcut: skip (the old spelling)
     with pytest.raises(TypeError, match=r"'window': .*PackOptions"):  # also next to the record itself
-        PackedDataset(shards, capacity=64, window=8, packing=PackOptions(algorithm="ffd"))
+        PackedDataset(shards, capacity=64, window=8, packing=PackOptions())  # unshortcut: skip (the old spelling)
 
 
 def test_unknown_keywords_and_wrong_records_are_type_errors(shards):
