@@ -385,6 +385,9 @@ def elastic_chain() -> dict[str, Any]:
     runs are recorded."""
     from topology_sim import SimRank
 
+    from streampack import elastic
+    from streampack.state import table_size
+
     with workdir() as root:
         docs = make_token_docs(48, seed=13, max_len=120)
         urls = _rel(write_tar_shards("d", docs, 4))
@@ -399,6 +402,9 @@ def elastic_chain() -> dict[str, Any]:
         before = [next(rank) for rank in old for _ in range(3)]
         states = [roundtrip(s) for rank in old for s in rank.states()]
         after = list(SimRank(lambda: make(0, 1), 3, load=states))
+    packers = [elastic.find_state(s["graph"], "WindowPacker") for s in states if s["graph"] is not None]
+    carried = sum(table_size(elastic.WindowPacker.unemitted(p)) for p in packers if p is not None)
+    assert carried > 0, "the save point must hold samples in packer windows (else the chain proves little)"
     trained = Counter(k for b in before + after for k in b.doc_keys if not k.startswith("<"))
     assert trained and max(trained.values()) == 1, "a document chunk was trained twice"
     whole = {k.split("#")[1].split("/")[0] for k in trained}
