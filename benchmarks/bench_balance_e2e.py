@@ -44,6 +44,7 @@ from helpers_data import split_docs, tar_members, write_tar  # noqa: E402
 from report import emit  # noqa: E402
 
 from streampack.dataset import PackedDataset  # noqa: E402
+from streampack.options import CostOptions, PackOptions, ReadOptions, TopologyOptions  # noqa: E402
 from streampack.packing import CostModel  # noqa: E402
 from streampack.packing.schedule import Balance  # noqa: E402
 
@@ -72,8 +73,9 @@ def run_ranks(urls: list[str], ranks: int, steps: int, balance: Balance | None,
     """float64 ``[steps, ranks]`` tokens and Σ L² of each rank's batch at each step."""
     tokens, squares = np.zeros((steps, ranks)), np.zeros((steps, ranks))
     for r in range(ranks):
-        ds = PackedDataset(urls, capacity=CAPACITY, window=1024, seed=0, dp_rank=r, dp_size=ranks,
-                           cost_model=LLAMA3_8B, balance=balance, cache_dir=cache)
+        ds = PackedDataset(urls, capacity=CAPACITY, packing=PackOptions(window=1024), seed=0,
+                           topology=TopologyOptions(dp_rank=r, dp_size=ranks),
+                           cost=CostOptions(model=LLAMA3_8B, balance=balance), read=ReadOptions(cache_dir=cache))
         for step, batch in zip(range(steps), ds):
             real = [n for n, k in zip(batch.doc_lengths.tolist(), batch.doc_keys) if k != "<filler>"]
             lengths = np.asarray(real, dtype=np.float64)

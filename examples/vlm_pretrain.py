@@ -35,6 +35,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streampack import PackedDataset
 from streampack.media import DynamicResolution, MediaOptions
+from streampack.options import PackOptions
+from streampack.plan.state import load_loader_state
 from streampack.plan.state import load_loader_state
 
 VOCAB, IMAGE = 96, 90  # ids 1..88 are text; 90 is the image placeholder
@@ -86,7 +88,7 @@ def tiny_qwen2_vl(seed: int) -> torch.nn.Module:
 def make_job(shards: list[str], workers: int, seed: int):
     model = tiny_qwen2_vl(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    ds = PackedDataset(shards, capacity=256, window=32, packs_per_batch=2, seed=seed,
+    ds = PackedDataset(shards, capacity=256, packing=PackOptions(window=32), packs_per_batch=2, seed=seed,
                        media=MediaOptions(rule=RULE, image_token_id=IMAGE))
     return model, optim, StatefulDataLoader(ds, batch_size=None, num_workers=workers)
 

@@ -36,7 +36,8 @@ from streampack.options import (
     ReadOptions,
     TokenizeOptions,
     TopologyOptions,
-    with_shortcuts,
+    checked_records,
+    hint_flat_keywords,
 )
 from streampack.plan.epoch_plan import unplannable
 from streampack.plan.passes import PassTracker
@@ -90,9 +91,9 @@ class PackedDataset(IterableDataset):
     ``shuffle``, ``seed``, ``packs_per_batch``, ``stages``), then one option record per stage
     (:mod:`streampack.options`): ``read=ReadOptions(...)``, ``tokenize=TokenizeOptions(...)``,
     ``packing=PackOptions(...)``, ``topology=TopologyOptions(...)``, ``cost=CostOptions(...)``;
-    each record checked its own values when it was made. The flat keywords of earlier versions
-    (``window=``, ``dp_size=``, ...) are shortcuts for exactly one record field each
-    (``streampack.options.SHORTCUTS``); setting a field both ways is a ``TypeError``.
+    each record checked its own values when it was made. A field is set only through its record:
+    a flat keyword of earlier versions (``window=``, ``dp_size=``, ...) is a ``TypeError`` naming
+    the record field to set.
 
     **Streams and equal batch counts.** ``epochs=None`` (default) is infinite: every worker of
     every rank streams forever, so no rank ever runs out and collectives never hang.
@@ -152,14 +153,15 @@ class PackedDataset(IterableDataset):
     of the first and last 64 KiB) or ``"off"`` (:mod:`streampack.io.shard_identity`).
     """
 
+    @hint_flat_keywords
     def __init__(self, urls: URLs | Mapping[str, Any], *, capacity: int, tokenizer: Any = None,
                  epochs: int | None = None, shuffle: bool = True, seed: int = 0, packs_per_batch: int = 1,
                  stages: Sequence[Any] = (), read: ReadOptions | None = None, tokenize: TokenizeOptions | None = None,
                  packing: PackOptions | None = None, topology: TopologyOptions | None = None,
-                 cost: CostOptions | None = None, media: MediaOptions | None = None, **shortcuts: Any) -> None:
+                 cost: CostOptions | None = None, media: MediaOptions | None = None) -> None:
         super().__init__()
-        records = with_shortcuts({"read": read, "tokenize": tokenize, "packing": packing, "topology": topology,
-                                  "cost": cost}, shortcuts)
+        records = checked_records({"read": read, "tokenize": tokenize, "packing": packing, "topology": topology,
+                                   "cost": cost})
         asked = records["topology"]
         self.dp_rank, self.dp_size = resolve_topology(asked.dp_rank, asked.dp_size, asked.dp_group)
         # the group is a runtime object (not picklable into workers): only its numbers are kept

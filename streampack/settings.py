@@ -25,12 +25,12 @@ from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.media.options import MediaOptions
 from streampack.options import (
-    SHORTCUTS,
     CostOptions,
     PackOptions,
     ReadOptions,
     TokenizeOptions,
     TopologyOptions,
+    field_for,
 )
 from streampack.options._check import need_int, need_type
 from streampack.packing.window_rounds import default_max_wait
@@ -125,7 +125,7 @@ have always stored them (a state saved before the option records compares equal)
 
 
 def fingerprint_settings(config: StreamConfig, options: ReadOptions) -> dict[str, Any]:
-    """:data:`FINGERPRINT`, each looked up through its record (``SHORTCUTS``), records as plain dicts."""
+    """:data:`FINGERPRINT`, each looked up through its record (:func:`field_for`), records as plain dicts."""
     records = {"read": options, "tokenize": config.tokenize, "packing": config.packing,
                "topology": config.topology, "cost": config.cost}
 
@@ -136,8 +136,9 @@ def fingerprint_settings(config: StreamConfig, options: ReadOptions) -> dict[str
             return config.packing.max_wait or default_max_wait(config.packing.window)
         if name == "limits":  # the reader's own record of them (ShardReader keeps the same one)
             return options.limits.recorded(images=config.media is not None)
-        if name in SHORTCUTS:
-            param, field_name = SHORTCUTS[name]
+        hit = field_for(name)
+        if hit is not None:
+            param, _, field_name = hit
             return getattr(records[param], field_name)
         return getattr(config, name)
 

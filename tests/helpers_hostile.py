@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -18,6 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from streampack.options import ReadOptions
 
 BLOCK = 512
 
@@ -139,7 +142,7 @@ def through_loader(urls: list[str], *, num_workers: int, capacity: int = 64,
 
 
 def check_both_modes(urls: list[str], *, num_workers: int, raises: set[tuple[str, str]], kept: list[str],
-                     counts: dict[str, int], **kw) -> None:
+                     counts: dict[str, int], read: ReadOptions = ReadOptions(), **kw) -> None:
     """raise mode: a DataError whose ``(reason, url)`` is one of ``raises`` reaches the loop
     (with workers, which bad sample surfaces first is a race); skip mode keeps exactly the doc
     keys ``kept`` and counts ``counts``."""
@@ -148,9 +151,10 @@ def check_both_modes(urls: list[str], *, num_workers: int, raises: set[tuple[str
     from streampack.errors import DataError
 
     with pytest.raises(DataError) as info:
-        through_loader(urls, num_workers=num_workers, **kw)
+        through_loader(urls, num_workers=num_workers, read=read, **kw)
     assert (info.value.reason, info.value.url) in raises, str(info.value)
-    assert through_loader(urls, num_workers=num_workers, on_error="skip", **kw) == (sorted(kept), counts)
+    skipping = dataclasses.replace(read, on_error="skip")
+    assert through_loader(urls, num_workers=num_workers, read=skipping, **kw) == (sorted(kept), counts)
 
 
 def assert_resume_exact(url: str, *, every: int = 1, **kw) -> list[int]:

@@ -24,6 +24,7 @@ from streampack.io.index import index_decode
 from streampack.io.limits import Limits
 from streampack.io.manifest import build_manifest
 from streampack.io.retry import RetryPolicy
+from streampack.options import CostOptions, PackOptions, ReadOptions
 from streampack.packing.cost import CostModel
 
 if TYPE_CHECKING:
@@ -139,23 +140,24 @@ def fast_retries() -> Iterator[None]:
 
 def dataset_options(u: Setup) -> dict[str, Any]:
     """The PackedDataset settings of a schedule (every reader of every topology uses them)."""
-    kw: dict[str, Any] = {
-        "capacity": u.capacity, "window": u.window, "packs_per_batch": u.packs_per_batch, "epochs": u.epochs,
-        "seed": u.seed, "max_wait": 2, "on_error": u.on_error, "vocab_size": VOCAB, "stages": [tag_epoch],
-        "limits": Limits(max_line_bytes=BYTE_LIMIT, max_member_bytes=BYTE_LIMIT)}
-    if u.balance:
-        kw.update(cost_model=CostModel(linear=1.0, attention=0.05), balance="cost")
+    read = ReadOptions(on_error=u.on_error, vocab_size=VOCAB,
+                       limits=Limits(max_line_bytes=BYTE_LIMIT, max_member_bytes=BYTE_LIMIT))
     if u.http:
-        kw.update(retry_budget=10.0, connect_timeout=2.0, read_timeout=2.0)
+        read = replace(read, retry_budget=10.0, connect_timeout=2.0, read_timeout=2.0)
     else:
         # a re-staged local shard (same bytes, new mtime) must resume: the default identity ("tag")
         # refuses it by design, "digest" compares the bytes (a tiny shard lies within its 64 KiB ends)
-        kw.update(identity="digest")
+        read = replace(read, identity="digest")
+    kw: dict[str, Any] = {
+        "capacity": u.capacity, "packs_per_batch": u.packs_per_batch, "epochs": u.epochs, "seed": u.seed,
+        "stages": [tag_epoch], "packing": PackOptions(window=u.window, max_wait=2), "read": read}
+    if u.balance:
+        kw.update(cost=CostOptions(model=CostModel(linear=1.0, attention=0.05), balance="cost"))
     return kw
 
 
 def served_manifest(urls: list[str], directory: str, options: dict[str, Any]) -> str:
     """A manifest of the served shards (a finite run over remote shards is refused without one)."""
     location = os.path.join(directory, "manifest")
-    build_manifest(urls, location, decode=index_decode("input_ids", options["limits"]))
+    build_manifest(urls, location, decode=index_decode("input_ids", options["read"].limits))
     return location

@@ -19,6 +19,7 @@ is a :class:`Finding`. A failing seed is shrunk (:func:`shrink`, delta debugging
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import traceback
@@ -227,7 +228,8 @@ def execute(s: Schedule, directory: str, base_url: str | None = None,
     """Run ``s``; raise a Finding where it differs from the model."""
     run = Execution(s, directory, base_url, queue)
     if base_url is not None:
-        run.options["manifest"] = served_manifest([sh.url for sh in run.shards], directory, run.options)
+        manifest = served_manifest([sh.url for sh in run.shards], directory, run.options)
+        run.options["read"] = dataclasses.replace(run.options["read"], manifest=manifest)
     queue(s.faults)
     try:
         run.ranks = run.open(s.dp_size, s.num_workers, None, elastic=False)

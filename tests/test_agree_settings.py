@@ -23,7 +23,7 @@ from torch.distributed import FileStore, HashStore, TCPStore
 
 from streampack.dataset import PackedDataset
 from streampack.io.manifest import Manifest
-from streampack.options import TopologyOptions
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from streampack.plan.agree import Agreement, agree_counts
 
 CAP, SHARDS = 256, 12
@@ -33,7 +33,8 @@ CAP, SHARDS = 256, 12
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("agree_settings")
     urls, docs = write_token_shards(root / "shards", 120, SHARDS, mean=40, seed=4, max_len=2 * CAP)
-    PackedDataset(urls, capacity=CAP, epochs=1, dp_rank=0, dp_size=2, cache_dir=str(root / "cache"))  # the manifest
+    PackedDataset(urls, capacity=CAP, epochs=1, topology=TopologyOptions(dp_rank=0, dp_size=2),  # the manifest
+                  read=ReadOptions(cache_dir=str(root / "cache")))
     return urls, docs, str(root / "cache")
 
 
@@ -119,7 +120,8 @@ def _rank(rank: int, init: str, urls: list[str], cache: str, seed: int, queue, i
             return real(manifest, shard, *args, **kwargs)
 
         Manifest.load_index = load
-        ds = PackedDataset(urls, capacity=CAP, window=16, epochs=1, seed=seed, cache_dir=cache, packs_per_batch=2)
+        ds = PackedDataset(urls, capacity=CAP, packing=PackOptions(window=16), epochs=1, seed=seed,
+                           read=ReadOptions(cache_dir=cache), packs_per_batch=2)
         out: dict = {"rank": rank, "agreement": repr(ds._agreement)}
         if iterate:
             batches = list(ds)
@@ -199,7 +201,8 @@ def test_the_timeout_is_a_setting_and_names_the_ranks_that_did_not_arrive(data) 
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=2, timeout=timedelta(seconds=60))
         start = time.monotonic()
         with pytest.raises(TimeoutError) as e:
-            PackedDataset(urls, capacity=CAP, epochs=1, cache_dir=cache, topology=TopologyOptions(agree_timeout_s=1.5))
+            PackedDataset(urls, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=cache),
+                          topology=TopologyOptions(agree_timeout_s=1.5))
         assert time.monotonic() - start < 30
         msg = str(e.value)
         assert "waited 1.5s" in msg and "1 of 2 ranks arrived, not dp_rank 1" in msg and "agree_timeout_s" in msg
@@ -218,9 +221,11 @@ def test_a_launch_without_torch_distributed_is_refused_up_front(data, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match=r"init_process_group\(\).*batches_per_epoch.*sync_batches"):
-        PackedDataset(urls, capacity=CAP, epochs=1, cache_dir=cache)
-    PackedDataset(urls, capacity=CAP, epochs=1, cache_dir=cache, batches_per_epoch=4)  # the remedies pass
-    PackedDataset(urls, capacity=CAP, epochs=1, cache_dir=cache, equal_batches="sync")
+        PackedDataset(urls, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=cache))
+    PackedDataset(urls, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=cache),  # the remedies pass
+                  topology=TopologyOptions(batches_per_epoch=4))
+    PackedDataset(urls, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=cache),
+                  topology=TopologyOptions(equal_batches="sync"))
 
 
 def _use_in_child(agreement: Agreement, queue) -> None:

@@ -57,7 +57,7 @@ def test_every_batch_carries_its_estimated_cost(shards) -> None:
 @pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: ~3 s, -m slow
 def test_balanced_stream_resumes_exactly_after_three_interruptions(shards, num_workers: int) -> None:
     urls, _ = shards
-    kw = {"cost_model": SHAPE, "balance": Balance(reservoir=6)}
+    kw = {"cost": CostOptions(model=SHAPE, balance=Balance(reservoir=6))}
     total = 60  # an infinite stream over ~1.5 epochs of this tiny dataset: the stops cross one
     make = lambda **more: PackedDataset(urls, capacity=256, packs_per_batch=2, seed=7,
                                         packing=PackOptions(window=24, max_wait=3), **more)
@@ -66,7 +66,7 @@ def test_balanced_stream_resumes_exactly_after_three_interruptions(shards, num_w
     stops = sorted(np.random.default_rng(num_workers + 3).choice(np.arange(3, total - 3), 3, replace=False).tolist())
     assert _interrupted(urls, num_workers, stops, total, **kw) == full
     if num_workers == 0:  # balance changed the order: the comparison is not vacuous
-        assert [canon(b) for b in take(iter(make(cost_model=SHAPE)), total)] != full
+        assert [canon(b) for b in take(iter(make(cost=CostOptions(model=SHAPE))), total)] != full
 
 
 def test_balanced_finite_resume_across_epochs_and_changed_settings_refused(shards) -> None:
@@ -93,7 +93,7 @@ def test_equal_batch_counts_over_ranks_with_balance(dp_size: int, num_workers: i
     """The plan counts the packer's batches from the index; balance reorders and regroups packs
     but never adds or drops one, so every rank still yields the same count, each sample once."""
     urls, docs = write_token_shards(tmp_path, 360, 6, mean=140, seed=4, max_len=1536)
-    ranks = _ranks(urls, dp_size, num_workers, cost_model=SHAPE, balance=Balance(reservoir=6))
+    ranks = _ranks(urls, dp_size, num_workers, cost=CostOptions(model=SHAPE, balance=Balance(reservoir=6)))
     assert len({len(r) for r in ranks}) == 1, [len(r) for r in ranks]
     batches = [b for r in ranks for b in r]
     assert collect_documents(batches) == {f"{i:08d}": d for i, d in enumerate(docs)}

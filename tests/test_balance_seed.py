@@ -4,6 +4,7 @@ histogram from the same seed, packed from the data set's own index lengths, befo
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,11 +16,16 @@ from streampack.graph.build import build_graph
 from streampack.io.index import index_decode
 from streampack.io.limits import Limits
 from streampack.io.manifest import build_manifest
+from streampack.options import CostOptions, PackOptions, ReadOptions, TopologyOptions
 from streampack.packing import CostModel
 from streampack.packing.schedule import Balance, CostScale
 from streampack.packing.window_rounds import PackerRules
+from streampack.packing.window_rounds import PackerRules
+from streampack.plan import cost_seed
 from streampack.plan import cost_seed
 from streampack.plan.cost_seed import SEED_WEIGHT, sample_lengths, seed_counts
+from streampack.plan.cost_seed import SEED_WEIGHT, sample_lengths, seed_counts
+from streampack.plan.epoch_plan import chunk_lengths
 from streampack.plan.epoch_plan import chunk_lengths
 from streampack.settings import Placement
 
@@ -39,9 +45,10 @@ def few_seed_packs(monkeypatch):
     monkeypatch.setattr(cost_seed, "SEED_PACKS", 256)
 
 
-def _first_counts(urls: list[str], place: Placement, **kw) -> np.ndarray:
+def _first_counts(urls: list[str], place: Placement, *, balance: Any, **kw) -> np.ndarray:
     """The histogram reader ``place`` holds when its first batch is asked for, before any pack."""
-    ds = PackedDataset(urls, capacity=CAP, window=32, cost_model=SHAPE, **kw)
+    ds = PackedDataset(urls, capacity=CAP, packing=PackOptions(window=32),
+                       cost=CostOptions(model=SHAPE, balance=balance), **kw)
     graph = build_graph(ds.config, ds.sources, place, options=ds.options)
     graph.root.reset(None)
     packer = graph.nodes["packer"]
@@ -57,7 +64,7 @@ def test_every_reader_of_every_rank_starts_from_the_same_histogram(shards, epoch
     if epochs is None:  # an infinite stream seeds only from a manifest it is given
         location = str(tmp_path / "manifest")
         build_manifest(urls, location, decode=index_decode("input_ids", Limits()))
-        kw = {"epochs": None, "manifest": location}
+        kw = {"epochs": None, "read": ReadOptions(manifest=location)}
     else:
         kw = {"epochs": epochs}
     found = [_first_counts(urls, Placement(dp_rank=r, dp_size=4, worker_id=w, num_workers=2),
@@ -83,7 +90,8 @@ def test_an_infinite_local_stream_without_manifest_starts_cold_and_builds_none(s
     it starts cold and builds no manifest (first version: it built one to seed)."""
     urls, _ = shards
     cache = tmp_path / "cache"
-    assert _first_counts(urls, Placement(dp_rank=1, dp_size=4), balance="cost", cache_dir=str(cache)).sum() == 0
+    assert _first_counts(urls, Placement(dp_rank=1, dp_size=4), balance="cost",
+                         read=ReadOptions(cache_dir=str(cache))).sum() == 0
     assert not cache.exists() or not any(p.is_file() for p in cache.rglob("*"))
 
 
@@ -94,7 +102,9 @@ def test_infinite_remote_stream_without_manifest_starts_cold_not_refused(shards)
     with serve_directory(os.path.dirname(urls[0])) as server:
         remote = server.urls_for(urls)
         assert _first_counts(remote, Placement(dp_rank=1, dp_size=4), balance="cost").sum() == 0
-        ds = PackedDataset(remote, capacity=CAP, window=32, cost_model=SHAPE, balance="cost", dp_rank=1, dp_size=4)
+        ds = PackedDataset(remote, capacity=CAP, packing=PackOptions(window=32),
+                           cost=CostOptions(model=SHAPE, balance="cost"),
+                           topology=TopologyOptions(dp_rank=1, dp_size=4))
         assert next(iter(ds)).num_tokens > 0
 
 
@@ -137,13 +147,13 @@ def test_a_state_resumes_whether_or_not_the_histogram_was_seeded(shards) -> None
     """``seeded`` only decides how a fresh run starts: a resume restores the saved histogram, so a
     checkpoint of a run saved before seeding existed (or with it off) resumes bit-identically."""
     urls, _ = shards
-    kw = {"capacity": CAP, "window": 32, "cost_model": SHAPE, "dp_rank": 1, "dp_size": 4}
-    cold = PackedDataset(urls, balance=Balance(reservoir=8, seeded=False), **kw)
+    kw = {"capacity": CAP, "packing": PackOptions(window=32), "topology": TopologyOptions(dp_rank=1, dp_size=4)}
+    cold = PackedDataset(urls, cost=CostOptions(model=SHAPE, balance=Balance(reservoir=8, seeded=False)), **kw)
     stream = iter(cold)
     for _ in range(3):
         next(stream)
     state = cold.state_dict()
     expected = [next(stream).doc_keys for _ in range(3)]
-    seeded = PackedDataset(urls, balance=Balance(reservoir=8), **kw)
+    seeded = PackedDataset(urls, cost=CostOptions(model=SHAPE, balance=Balance(reservoir=8)), **kw)
     seeded.load_state_dict(state)
     assert [b.doc_keys for _, b in zip(range(3), seeded)] == expected

@@ -14,7 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from streampack import PackedBatch, check_invariants
 from streampack.dataset import PackedDataset
 from streampack.nodes.stages import MapSamples, NodeStage
-from streampack.options import PackOptions, TopologyOptions
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from streampack.plan.state import check_loader_state, dataset_states, load_loader_state
 
 CAP = 512
@@ -75,9 +75,9 @@ def test_fingerprint_mismatch_names_both_values(shards) -> None:
     state = ds.state_dict()
     for kwargs, pattern in [({"capacity": 2 * CAP}, "capacity: saved 512, now 1024"),
                             ({"seed": 2}, "seed: saved 1, now 2"),
-                            ({"dp_rank": 0, "dp_size": 2}, "dp_size: saved 1, now 2"),
-                            ({"window": 32}, "window: saved 16, now 32")]:
-        other = PackedDataset(urls, **{"capacity": CAP, "window": 16, "seed": 1, **kwargs})
+                            ({"topology": TopologyOptions(dp_rank=0, dp_size=2)}, "dp_size: saved 1, now 2"),
+                            ({"packing": PackOptions(window=32)}, "window: saved 16, now 32")]:
+        other = PackedDataset(urls, **{"capacity": CAP, "packing": PackOptions(window=16), "seed": 1, **kwargs})
         with pytest.raises(ValueError, match=pattern):
             other.load_state_dict(state)
     # num_workers: the dataset refuses in the worker, the loader helper refuses up front
@@ -97,21 +97,22 @@ def test_fingerprint_mismatch_names_both_values(shards) -> None:
     check_loader_state(loader_state, 2)
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
-    ({"algorithm": "nope"}, "unknown packing algorithm"),
-    ({"cp_size": 2, "capacity": 510}, "capacity=510 must be a multiple of align=4"),
-    ({"overlong": "chop"}, "overlong='chop'"),
-    ({"window": 0}, "window=0"),
-    ({"packs_per_batch": 0}, "packs_per_batch=0"),
-    ({"on_error": "ignore"}, "on_error='ignore'"),
-    ({"batches_per_epoch": 5}, "needs a finite stream"),
-    ({"epochs": 1, "dp_rank": 0, "dp_size": 2, "equal_batches": "guess"}, "equal_batches='guess'"),
-    ({"tokenizer": "/no/such/tokenizer.json"}, "does not exist"),
+@pytest.mark.parametrize("kwargs, pattern", [  # lambdas: a record checks its values when it is made
+    (lambda: {"packing": PackOptions(algorithm="nope")}, "unknown packing algorithm"),
+    (lambda: {"topology": TopologyOptions(cp_size=2), "capacity": 510}, "capacity=510 must be a multiple of align=4"),
+    (lambda: {"packing": PackOptions(overlong="chop")}, "overlong='chop'"),
+    (lambda: {"packing": PackOptions(window=0)}, "window=0"),
+    (lambda: {"packs_per_batch": 0}, "packs_per_batch=0"),
+    (lambda: {"read": ReadOptions(on_error="ignore")}, "on_error='ignore'"),
+    (lambda: {"topology": TopologyOptions(batches_per_epoch=5)}, "needs a finite stream"),
+    (lambda: {"epochs": 1, "topology": TopologyOptions(dp_rank=0, dp_size=2, equal_batches="guess")},
+     "equal_batches='guess'"),
+    (lambda: {"tokenizer": "/no/such/tokenizer.json"}, "does not exist"),
 ])
 def test_validation(shards, kwargs, pattern) -> None:
     urls, _ = shards
     with pytest.raises(ValueError, match=pattern):
-        PackedDataset(urls, **{"capacity": CAP, **kwargs})
+        PackedDataset(urls, **{"capacity": CAP, **kwargs()})
 
 
 def test_stages_function_drop_and_node(shards) -> None:

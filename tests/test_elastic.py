@@ -161,7 +161,7 @@ def test_elastic_infinite_stream_text_and_tokenizer(tmp_path):
     every (sample, epoch) up to the resumed epoch E* exactly once, later epochs at most once."""
     urls = write_jsonl_shards(tmp_path, make_text_docs(50, seed=2), 3)
     kw = {"tokenizer": lambda t: list(t.encode()), "tokenize": TokenizeOptions(block_size=5), "stages": [_tag_epoch],
-          "window": 6, "epochs": None, "capacity": 64}
+          "packing": PackOptions(window=6), "epochs": None, "capacity": 64}
     make = lambda r, size: _ds(urls, r, size, **kw)  # noqa: E731
     consumed, states = _old_run(make, 2, 1, 7)
     probe = make(0, 3)

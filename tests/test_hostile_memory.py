@@ -27,6 +27,7 @@ from streampack.errors import DataError, ErrorCounter
 from streampack.io.decode import BAD_LENGTH
 from streampack.io.index import build_index
 from streampack.io.limits import Limits
+from streampack.options import ReadOptions
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -157,4 +158,4 @@ def test_limits_through_the_loader(tmp_path, num_workers: int) -> None:
     keys = [f"{lines}#0", f"{lines}#2"] + [f"{tar}#{i:08d}" for i in (0, 1, 3, 4)]
     check_both_modes([lines, tar], num_workers=num_workers, raises={("line_too_long", lines), ("member_too_large", tar)},
                      kept=keys, counts={"line_too_long": 1, "member_too_large": 1}, capacity=1024,
-                     limits=Limits(max_line_bytes=4 * KiB, max_member_bytes=4200))
+                     read=ReadOptions(limits=Limits(max_line_bytes=4 * KiB, max_member_bytes=4200)))

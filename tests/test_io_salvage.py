@@ -23,6 +23,7 @@ from helpers_hostile import archive, ids, read, sample, samples, skip, write_byt
 
 from streampack import PackedDataset
 from streampack.errors import DataError
+from streampack.options import ReadOptions
 
 DOCS = [[i + 1, 7] for i in range(2000)]
 DATA = jsonl_bytes(DOCS)
@@ -62,7 +63,7 @@ def test_a_bad_zst_frame_after_a_good_one_keeps_the_good_frames_lines(tmp_path, 
     docs = DOCS[:10]
     path = tmp_path / "a.jsonl.zst"
     path.write_bytes(zstandard.ZstdCompressor().compress(jsonl_bytes(docs)) + tail)
-    ds = PackedDataset([str(path)], capacity=16, epochs=1, shuffle=False, on_error="skip")
+    ds = PackedDataset([str(path)], capacity=16, epochs=1, shuffle=False, read=ReadOptions(on_error="skip"))
     assert sum(b.num_docs for b in ds) == len(docs)
     assert ds.metrics()["errors"]["counts"] == {"corrupt_shard": 1}
     with pytest.raises(DataError, match="corrupt_shard") as info:

@@ -20,6 +20,7 @@ from torch.distributed import TCPStore
 from streampack.dataset import PackedDataset
 from streampack.io.manifest import Manifest
 from streampack.nodes.collate import ThdCollate, is_filler
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from streampack.plan.agree import Agreement
 
 CAP, RANKS, WORKERS = 256, 3, 2
@@ -59,8 +60,9 @@ def _ranks(data, agreement, load=None) -> list[SimRank]:
 
     def make(rank: int):
         def one():
-            ds = PackedDataset(urls, capacity=CAP, window=16, epochs=1, dp_rank=rank, dp_size=RANKS, seed=5,
-                               packs_per_batch=2, cache_dir=cache)
+            ds = PackedDataset(urls, capacity=CAP, packing=PackOptions(window=16), epochs=1,
+                               topology=TopologyOptions(dp_rank=rank, dp_size=RANKS), seed=5,
+                               packs_per_batch=2, read=ReadOptions(cache_dir=cache))
             ds._agreement = agreement  # what Agreement.from_dist gives under torch.distributed
             return ds
         return one
@@ -171,8 +173,10 @@ def test_elastic_resume_counts_late_and_pins_its_quota(data, store):
     either; every sample of the epoch is still read once with equal counts, and the states taken
     in the resumed epoch carry its quota (the old states it came from are gone after a restore)."""
     urls, docs, cache = data
-    old = [SimRank(lambda r=r: PackedDataset(urls, capacity=CAP, window=16, epochs=1, dp_rank=r, dp_size=2, seed=5,
-                                             packs_per_batch=2, cache_dir=cache), 0) for r in range(2)]
+    old = [SimRank(lambda r=r: PackedDataset(urls, capacity=CAP, packing=PackOptions(window=16), epochs=1,
+                                             topology=TopologyOptions(dp_rank=r, dp_size=2), seed=5,
+                                             packs_per_batch=2,
+                                             read=ReadOptions(cache_dir=cache)), 0) for r in range(2)]
     head = _lockstep(old, 3)
     states = [s for rank in old for s in rank.states()]
     new = _ranks(data, _agreement(store, "elastic"), load=[lambda w: states] * RANKS)

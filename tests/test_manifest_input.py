@@ -25,6 +25,7 @@ from streampack.cli.main import main
 from streampack.io.decode import DecodeOptions
 from streampack.io.manifest import MANIFEST_FILE, Manifest, ShardTotals, load_manifest, save_manifest
 from streampack.io.storage import OpenOptions
+from streampack.options import ReadOptions, TopologyOptions
 
 Arrays = dict[str, np.ndarray]
 
@@ -90,7 +91,8 @@ def test_a_negative_sample_count_is_refused_before_any_reader_plans(built, tmp_p
     for f in (src / "shards").iterdir():
         (tmp_path / "m" / "shards" / f.name).write_bytes(f.read_bytes())
     with pytest.raises(ValueError, match=r"field 'samples' holds -27 at entry 1"):
-        PackedDataset(urls, capacity=256, epochs=1, seed=0, manifest=str(location), dp_rank=0, dp_size=2)
+        PackedDataset(urls, capacity=256, epochs=1, seed=0, read=ReadOptions(manifest=str(location)),
+                      topology=TopologyOptions(dp_rank=0, dp_size=2))
 
 
 def test_a_manifest_made_in_code_with_columns_of_different_lengths_is_refused():
@@ -242,8 +244,9 @@ def test_a_worker_unpickling_the_dataset_does_not_fetch_the_manifest_again(tmp_p
     rank it read none, and every worker of the rank read its own)."""
     store, info, urls = _served(tmp_path)
     try:
-        ds = PackedDataset(urls, capacity=256, epochs=1, seed=1, manifest=f"{info.url}/m", dp_rank=0,
-                           dp_size=dp_size, cache_dir=str(tmp_path / "cache"))
+        ds = PackedDataset(urls, capacity=256, epochs=1, seed=1,
+                           read=ReadOptions(manifest=f"{info.url}/m", cache_dir=str(tmp_path / "cache")),
+                           topology=TopologyOptions(dp_rank=0, dp_size=dp_size))
         assert _manifest_gets(info) == 1
         raw = pickle.dumps(ds)
         graph_mod._GIVEN.clear()  # a spawned worker starts without it
@@ -259,8 +262,8 @@ def test_forked_workers_of_one_rank_share_the_manifest_read_once(tmp_path):
     """One rank, two readers: the main process never read the manifest, so each worker did."""
     store, info, urls = _served(tmp_path)
     try:
-        ds = PackedDataset(urls, capacity=256, epochs=1, seed=1, manifest=f"{info.url}/m",
-                           cache_dir=str(tmp_path / "cache"))
+        ds = PackedDataset(urls, capacity=256, epochs=1, seed=1,
+                           read=ReadOptions(manifest=f"{info.url}/m", cache_dir=str(tmp_path / "cache")))
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
         assert sum(1 for _ in loader) > 0
         assert _manifest_gets(info) == 1
@@ -272,8 +275,9 @@ def test_forked_workers_of_one_rank_share_the_manifest_read_once(tmp_path):
 def test_spawned_dataloader_workers_fetch_the_manifest_once_per_rank(tmp_path):
     store, info, urls = _served(tmp_path)
     try:
-        ds = PackedDataset(urls, capacity=256, epochs=1, seed=1, manifest=f"{info.url}/m", dp_rank=0, dp_size=2,
-                           cache_dir=str(tmp_path / "cache"))
+        ds = PackedDataset(urls, capacity=256, epochs=1, seed=1,
+                           read=ReadOptions(manifest=f"{info.url}/m", cache_dir=str(tmp_path / "cache")),
+                           topology=TopologyOptions(dp_rank=0, dp_size=2))
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
         assert sum(1 for _ in loader) > 0
         assert _manifest_gets(info) == 1, "1 + W reads: each spawned worker fetched it again"

@@ -17,6 +17,7 @@ from PIL import Image
 from streampack import PackedDataset
 from streampack.media import AnyResTiles, MediaOptions
 from streampack.media.decode import decode_image
+from streampack.options import PackOptions, TopologyOptions
 from tests.helpers_media import IMAGE_ID, image_bytes, write_tar
 from tests.test_media import media_image
 
@@ -67,7 +68,8 @@ def tiny_llava_next() -> torch.nn.Module:
 
 def test_packed_pipeline_batch_equals_each_document_alone(tmp_path: Path) -> None:
     url = str(write_tar(tmp_path / "a.tar", 16, max_images=2, sizes=(5, 30), text=(3, 30)))
-    ds = PackedDataset([url], capacity=512, window=16, align_multiple=8, epochs=1, seed=1,
+    ds = PackedDataset([url], capacity=512, packing=PackOptions(window=16),
+                       topology=TopologyOptions(align_multiple=8), epochs=1, seed=1,
                        media=MediaOptions(rule=TINY, image_token_id=IMAGE_ID))
     batch = max(ds, key=lambda b: (int(b.vision.image_doc.unique().numel()), b.num_docs) if b.vision else (0, 0))
     v = batch.vision

@@ -16,6 +16,7 @@ import streampack.media.node as media_node
 from streampack import PackedDataset
 from streampack.errors import DataError
 from streampack.media import DynamicResolution, FixedTokens, MediaOptions
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from tests.helpers_media import IMAGE_ID, image_bytes, png_header_only, sample_ids, write_tar
 
 needs_vision = pytest.mark.skipif(importlib.util.find_spec("streampack.layout.vision") is None,
@@ -27,7 +28,7 @@ FIXED = MediaOptions(rule=FixedTokens(size=28, tokens=4), image_token_id=IMAGE_I
 
 
 def dataset(urls: list[str], media: MediaOptions = MEDIA, **kw) -> PackedDataset:
-    args = {"capacity": 96, "window": 8, "epochs": 1, "seed": 3, **kw}
+    args = {"capacity": 96, "packing": PackOptions(window=8), "epochs": 1, "seed": 3, **kw}
     return PackedDataset(urls, media=media, **args)
 
 
@@ -69,7 +70,7 @@ def test_only_emitted_packs_are_decoded(tmp_path: Path, monkeypatch: pytest.Monk
     calls = []
     real = media_node.decode_image
     monkeypatch.setattr(media_node, "decode_image", lambda *a, **k: calls.append(1) or real(*a, **k))
-    it = iter(dataset([url], window=16))
+    it = iter(dataset([url], packing=PackOptions(window=16)))
     first = next(it)
     assert len(calls) == (first.vision.num_images if first.vision is not None else 0)  # not the window's 16 samples
 
@@ -77,14 +78,14 @@ def test_only_emitted_packs_are_decoded(tmp_path: Path, monkeypatch: pytest.Monk
 @needs_vision
 def test_resume_is_exact_and_state_holds_no_image_bytes(tmp_path: Path) -> None:
     url = str(write_tar(tmp_path / "a.tar", 36, max_images=2))
-    whole = list(dataset([url], window=6))
-    ds = dataset([url], window=6)
+    whole = list(dataset([url], packing=PackOptions(window=6)))
+    ds = dataset([url], packing=PackOptions(window=6))
     it = iter(ds)
     head = [next(it) for _ in range(3)]
     buf = io.BytesIO()
     torch.save(ds.state_dict(), buf)
     assert buf.tell() < 64 * 1024  # references, not pixels or bytes
-    resumed = dataset([url], window=6)
+    resumed = dataset([url], packing=PackOptions(window=6))
     resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     rest = list(resumed)
     assert len(head) + len(rest) == len(whole)
@@ -144,7 +145,7 @@ def test_hostile_images_follow_on_error(tmp_path: Path, bad: bytes, reason: str)
     with pytest.raises(DataError, match=reason) as e:
         list(dataset([url], media=FIXED))
     assert (e.value.url, e.value.key) == (url, "k5")
-    ds = dataset([url], media=FIXED, on_error="skip")
+    ds = dataset([url], media=FIXED, read=ReadOptions(on_error="skip"))
     batches = list(ds)
     assert sorted(k for b in batches for k in b.doc_keys) == sorted(f"{url}#k{i}" for i in range(12) if i != 5)
     assert ds.metrics()["errors"]["counts"] == {reason: 1}
@@ -154,7 +155,7 @@ def test_per_sample_pixel_limit(tmp_path: Path) -> None:
     from streampack.io.limits import Limits
 
     url = str(write_tar(tmp_path / "a.tar", 8, max_images=3, sizes=(60, 61)))
-    ds = dataset([url], media=FIXED, on_error="skip", limits=Limits(max_sample_pixels=2 * 61 * 61))
+    ds = dataset([url], media=FIXED, read=ReadOptions(on_error="skip", limits=Limits(max_sample_pixels=2 * 61 * 61)))
     kept = list(ds)
     assert ds.metrics()["errors"]["counts"]["sample_too_large"] >= 1
     assert all(b.vision is None or int(torch.bincount(b.vision.image_doc).max()) <= 2 for b in kept)
@@ -187,7 +188,8 @@ def test_planned_equal_batches_count_image_tokens(tmp_path: Path) -> None:
     """Several ranks, equal_batches="plan": each reader's count sees the image-expanded lengths
     (text-only counts would fall short of the batches the data makes: a surplus error)."""
     urls = [str(write_tar(tmp_path / f"{i}.tar", 12, seed=i, max_images=3)) for i in range(3)]
-    make = lambda r: dataset(urls, dp_rank=r, dp_size=2, window=4, cache_dir=str(tmp_path / "cache"))  # noqa: E731
+    make = lambda r: dataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=2),  # noqa: E731
+                             packing=PackOptions(window=4), read=ReadOptions(cache_dir=str(tmp_path / "cache")))
     ranks = [make(r) for r in (0, 1)]
     got = [list(ds) for ds in ranks]
     assert len(got[0]) == len(got[1]) > 0
@@ -209,8 +211,9 @@ def test_elastic_resume_trains_every_image_sample_once(tmp_path: Path, equal: st
     from tests.topology_sim import SimRank
 
     urls = [str(write_tar(tmp_path / f"{i}.tar", 14, seed=i, max_images=2)) for i in range(3)]
-    make = lambda r, size: dataset(urls, dp_rank=r, dp_size=size, equal_batches=equal, window=6,  # noqa: E731
-                                   cache_dir=str(tmp_path / "cache"))
+    make = lambda r, size: dataset(  # noqa: E731
+        urls, topology=TopologyOptions(dp_rank=r, dp_size=size, equal_batches=equal), packing=PackOptions(window=6),
+        read=ReadOptions(cache_dir=str(tmp_path / "cache")))
     old = [SimRank(lambda r=r: make(r, 2), 1) for r in range(2)]
     consumed = [next(rk) for rk in old for _ in range(2)]
     states = [s for rk in old for s in rk.states()]

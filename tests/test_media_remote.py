@@ -45,7 +45,7 @@ def test_image_paths_use_the_datasets_retry_cap_deadline_and_io_counters(tmp_pat
         assert e.value.key == "0" and e.value.value == "0.jpg"
 
         server.plan.add(Fault("status", status=503, method="*", path="/images/2.jpg"))
-        ds = dataset(url, root, ReadOptions(retries=0), on_error="skip")
+        ds = dataset(url, root, ReadOptions(retries=0, on_error="skip"))
         assert sum(b.vision.num_images for b in ds) == 3
         assert ds.metrics()["errors"]["counts"] == {"bad_image": 1}
         io = ds.metrics()["io"]  # the image requests are the dataset's: counted with its shards'

@@ -18,6 +18,7 @@ from streampack.media import DynamicResolution, FixedTokens, MediaImage, MediaOp
 from streampack.media.node import decode_sample
 from streampack.media.placeholders import image_starts
 from streampack.media.stage import ExpandImages, media_counts
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from tests.helpers_media import IMAGE_ID, image_bytes, write_tar
 
 RULE = DynamicResolution(patch_size=14, merge_size=2, min_pixels=28 * 28, max_pixels=28 * 28 * 9)
@@ -26,7 +27,7 @@ PATCH_ROW = 3 * 2 * 14 * 14
 
 
 def dataset(urls: list[str], media: MediaOptions = MEDIA, **kw) -> PackedDataset:
-    args = {"capacity": 96, "window": 8, "epochs": 1, "seed": 3, **kw}
+    args = {"capacity": 96, "packing": PackOptions(window=8), "epochs": 1, "seed": 3, **kw}
     return PackedDataset(urls, media=media, **args)
 
 
@@ -50,7 +51,8 @@ def test_every_batch_of_a_media_stream_has_the_models_position_layout(tmp_path: 
     ``[1, T]`` Qwen2-VL builds no per-document mask (``tests/test_media_vlm.py`` measures it)."""
     text_only = str(write_tar(tmp_path / "t.tar", 8, max_images=0, seed=1))
     mixed = str(write_tar(tmp_path / "m.tar", 8, max_images=2, seed=2))
-    batches = list(dataset([text_only, mixed], shuffle=False, packs_per_batch=2, batches_per_epoch=8))
+    batches = list(dataset([text_only, mixed], shuffle=False, packs_per_batch=2,
+                           topology=TopologyOptions(batches_per_epoch=8)))
     with_images = [check_layout(b) for b in batches]
     fillers = [b for b in batches if set(b.doc_keys) == {"<filler>"}]
     assert any(with_images) and not all(with_images) and fillers  # every kind of batch was seen
@@ -72,14 +74,14 @@ def test_the_layout_survives_the_worker_hand_over_and_a_resume(tmp_path: Path) -
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     url = str(write_tar(tmp_path / "t.tar", 24, max_images=0))
-    whole = list(dataset([url], window=4))
-    loader = StatefulDataLoader(dataset([url], window=4), batch_size=None, num_workers=1)
+    whole = list(dataset([url], packing=PackOptions(window=4)))
+    loader = StatefulDataLoader(dataset([url], packing=PackOptions(window=4)), batch_size=None, num_workers=1)
     it = iter(loader)
     head = [next(it) for _ in range(2)]
     buf = io.BytesIO()
     torch.save(loader.state_dict(), buf)
     del it
-    resumed = StatefulDataLoader(dataset([url], window=4), batch_size=None, num_workers=1)
+    resumed = StatefulDataLoader(dataset([url], packing=PackOptions(window=4)), batch_size=None, num_workers=1)
     resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
     rest = list(resumed)
     assert len(head) + len(rest) == len(whole) >= 4
@@ -193,7 +195,7 @@ def test_overlong_samples_with_images_stream_whole(tmp_path: Path) -> None:
     error, no sample lost (``on_error="skip"`` would drop them silently), every image once on its
     own run of its own chunk."""
     url = str(write_tar(tmp_path / "a.tar", 6, max_images=3, sizes=(80, 84), text=(30, 40)))
-    ds = dataset([url], capacity=32, on_error="skip")
+    ds = dataset([url], capacity=32, read=ReadOptions(on_error="skip"))
     batches = list(ds)
     metrics = ds.metrics()
     assert metrics["errors"]["counts"] == {} and metrics["overlong"]["samples_split"] > 0
@@ -213,12 +215,12 @@ def test_overlong_samples_with_images_stream_whole(tmp_path: Path) -> None:
 def test_a_resume_inside_a_split_sample_with_images_is_exact(tmp_path: Path) -> None:
     """The state holds the split sample by reference; the replay cuts it again around its images."""
     url = str(write_tar(tmp_path / "a.tar", 8, max_images=3, sizes=(28, 56), text=(30, 50)))
-    whole = list(dataset([url], capacity=24, window=2))
+    whole = list(dataset([url], capacity=24, packing=PackOptions(window=2)))
     for stop in range(1, len(whole) - 1, 3):
-        ds = dataset([url], capacity=24, window=2)
+        ds = dataset([url], capacity=24, packing=PackOptions(window=2))
         it = iter(ds)
         head = [next(it) for _ in range(stop)]
-        resumed = dataset([url], capacity=24, window=2)
+        resumed = dataset([url], capacity=24, packing=PackOptions(window=2))
         resumed.load_state_dict(ds.state_dict())
         rest = list(resumed)
         assert [b.doc_keys for b in head + rest] == [b.doc_keys for b in whole]
@@ -233,7 +235,8 @@ def test_planned_counts_cut_around_images_like_the_stream(tmp_path: Path) -> Non
     stream does (a ceil(L / capacity) count fell one batch short: a surplus error at epoch end)."""
     urls = [str(write_tar(tmp_path / f"{i}.tar", 12, seed=i, max_images=3, sizes=(80, 84), text=(30, 40)))
             for i in range(3)]
-    ranks = [dataset(urls, dp_rank=r, dp_size=2, window=4, capacity=24, cache_dir=str(tmp_path / "c"))
+    ranks = [dataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=2), packing=PackOptions(window=4), capacity=24,
+                     read=ReadOptions(cache_dir=str(tmp_path / "c")))
              for r in (0, 1)]
     got = [list(ds) for ds in ranks]
     assert len(got[0]) == len(got[1]) > 0
@@ -254,8 +257,9 @@ def test_an_elastic_resume_inside_a_split_image_sample_trains_every_chunk_once(t
 
     urls = [str(write_tar(tmp_path / f"{i}.tar", 10, seed=i, max_images=3, sizes=(80, 84), text=(30, 40)))
             for i in range(3)]
-    make = lambda r, size: dataset(urls, dp_rank=r, dp_size=size, equal_batches="sync", window=2,  # noqa: E731
-                                   capacity=16, cache_dir=str(tmp_path / "c"))
+    make = lambda r, size: dataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=size, equal_batches="sync"),  # noqa: E731
+                                   packing=PackOptions(window=2),
+                                   capacity=16, read=ReadOptions(cache_dir=str(tmp_path / "c")))
     whole = Counter(k for r in range(2) for b in make(r, 2) for k in b.doc_keys if k != "<filler>")
     old = [SimRank(lambda r=r: make(r, 2), 1) for r in range(2)]
     consumed = [next(rk) for rk in old for _ in range(2)]
@@ -288,7 +292,7 @@ def test_image_tokens_a_stage_broke_follow_on_error_at_the_split(tmp_path: Path)
     with pytest.raises(DataError, match=r"image_tokens_mismatch.*a stage after the expansion") as e:
         list(dataset([url], capacity=32, stages=[_drop_an_image_token]))
     assert e.value.key.startswith("k") and e.value.url == url
-    ds = dataset([url], capacity=32, stages=[_drop_an_image_token], on_error="skip")
+    ds = dataset([url], capacity=32, stages=[_drop_an_image_token], read=ReadOptions(on_error="skip"))
     kept = {k.rsplit("#", 1)[1].split("/")[0] for b in ds for k in b.doc_keys}
     broken = ds.metrics()["errors"]["counts"]["image_tokens_mismatch"]
     assert broken > 0 and len(kept) == 6 - broken  # counted, and every other sample streamed

@@ -16,6 +16,7 @@ import pytest
 from streampack import PackedDataset
 from streampack.errors import DataError
 from streampack.media import DynamicResolution, FixedTokens, MediaOptions
+from streampack.options import ReadOptions
 from tests.helpers_faults import serve_faulty
 from tests.helpers_media import IMAGE_ID, add_member, image_bytes, sample_ids
 
@@ -43,7 +44,7 @@ def images_trained(ds: PackedDataset) -> int:
 def assert_refused(url: str, root: str, *, bad_key: str, good: int, reason: str = "bad_image") -> DataError:
     """Under ``skip`` the bad sample is dropped and counted, its neighbours kept; under ``raise``
     it is a DataError naming shard and key. Returns that error."""
-    ds = dataset(url, root, on_error="skip")
+    ds = dataset(url, root, read=ReadOptions(on_error="skip"))
     assert images_trained(ds) == good
     assert ds.metrics()["errors"]["counts"] == {reason: 1}
     with pytest.raises(DataError) as e:
@@ -165,7 +166,7 @@ def test_a_file_that_is_not_an_image_is_named_never_shown(tmp_path: Path) -> Non
     os.symlink(outside / "passwd", root / "p.png")
     for bad in ("a.png", "p.png"):
         url = write_jsonl(tmp_path / f"{bad}.jsonl", ["0.png", bad, "1.png"])
-        ds = dataset(url, str(root), on_error="skip")
+        ds = dataset(url, str(root), read=ReadOptions(on_error="skip"))
         assert images_trained(ds) == 2
         errors = ds.metrics()["errors"]
         assert errors["counts"] == {"bad_image": 1}
@@ -215,7 +216,7 @@ def test_a_jsonl_line_that_is_not_a_sample_is_named_never_shown(tmp_path: Path, 
     # the exception, the logs and metrics()["errors"]
     path = tmp_path / "a.jsonl"
     path.write_bytes(b'{"input_ids": [1, 2, 3]}\n' + line + b'\n{"input_ids": [4, 5]}\n')
-    ds = PackedDataset([str(path)], capacity=16, epochs=1, shuffle=False, on_error="skip")
+    ds = PackedDataset([str(path)], capacity=16, epochs=1, shuffle=False, read=ReadOptions(on_error="skip"))
     assert sum(b.num_docs for b in ds) == 2
     errors = ds.metrics()["errors"]
     assert errors["total"] == 1 and "root:x" not in repr(errors) and "key='1'" in errors["recent"][0]

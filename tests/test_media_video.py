@@ -4,6 +4,7 @@ packing. Against transformers: ``tests/test_media_video_hf.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -18,6 +19,7 @@ from streampack.errors import DataError
 from streampack.io.limits import Limits
 from streampack.media import AnyResTiles, DynamicResolution, MediaOptions
 from streampack.media.tokens import VideoFrames
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from tests.helpers_media import IMAGE_ID, VIDEO_ID, image_bytes, write_tar, write_video_tar
 
 RULE = DynamicResolution(patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=24 * 24)
@@ -27,7 +29,8 @@ MEDIA = MediaOptions(rule=RULE, image_token_id=IMAGE_ID, video=VIDEO, video_toke
 
 
 def dataset(urls: list[str], media: MediaOptions = MEDIA, **kw) -> PackedDataset:
-    return PackedDataset(urls, media=media, **{"capacity": 128, "window": 8, "epochs": 1, "seed": 3, **kw})
+    return PackedDataset(urls, media=media, **{"capacity": 128,
+                                               "packing": PackOptions(window=8), "epochs": 1, "seed": 3, **kw})
 
 
 def check_videos(batch) -> int:
@@ -79,7 +82,7 @@ def test_only_emitted_packs_are_decoded(tmp_path: Path, monkeypatch: pytest.Monk
     calls = []
     real = media_node.video_pixels
     monkeypatch.setattr(media_node, "video_pixels", lambda *a, **k: calls.append(1) or real(*a, **k))
-    first = next(iter(dataset([url], window=16)))
+    first = next(iter(dataset([url], packing=PackOptions(window=16))))
     assert len(calls) == (first.vision.num_videos if first.vision is not None else 0)
 
 
@@ -127,11 +130,11 @@ def _frame(w: int, h: int, seed: int = 0) -> bytes:
     ([("video.0.jpg", b"not a jpeg")], "bad_image", None)])
 def test_hostile_videos_follow_on_error(tmp_path: Path, bad, reason: str, limits: Limits | None) -> None:
     url = str(write_video_tar(tmp_path / "a.tar", 10, sizes=(8, 20), frames=(1, 3), bad={4: bad}))
-    extra = {} if limits is None else {"limits": limits}
+    read = ReadOptions() if limits is None else ReadOptions(limits=limits)
     with pytest.raises(DataError, match=reason) as e:
-        list(dataset([url], **extra))
+        list(dataset([url], read=read))
     assert (e.value.url, e.value.key) == (url, "k4")
-    ds = dataset([url], on_error="skip", **extra)
+    ds = dataset([url], read=dataclasses.replace(read, on_error="skip"))
     keys = sorted(k for b in ds for k in b.doc_keys)
     assert keys == sorted(f"{url}#k{i}" for i in range(10) if i != 4)
     assert ds.metrics()["errors"]["counts"] == {reason: 1}
@@ -161,7 +164,7 @@ ANYRES = MediaOptions(rule=AnyResTiles(grid_pinpoints=((8, 16), (16, 8), (16, 16
 @pytest.mark.parametrize("media,write", [(MEDIA, write_video_tar), (ANYRES, write_tar)], ids=["video", "any-res"])
 def test_resume_is_exact_and_state_holds_references_only(tmp_path: Path, media: MediaOptions, write) -> None:
     url = str(write(tmp_path / "a.tar", 20, sizes=(5, 30)))
-    make = lambda: dataset([url], media=media, window=6, capacity=256)  # noqa: E731
+    make = lambda: dataset([url], media=media, packing=PackOptions(window=6), capacity=256)  # noqa: E731
     whole = list(make())
     ds = make()
     it = iter(ds)
@@ -184,7 +187,8 @@ def test_resume_is_exact_and_state_holds_references_only(tmp_path: Path, media: 
 
 def test_planned_equal_batches_count_video_tokens(tmp_path: Path) -> None:
     urls = [str(write_video_tar(tmp_path / f"{i}.tar", 8, seed=i)) for i in range(2)]
-    got = [list(dataset(urls, dp_rank=r, dp_size=2, window=4, cache_dir=str(tmp_path / "cache"))) for r in (0, 1)]
+    got = [list(dataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=2), packing=PackOptions(window=4),
+                        read=ReadOptions(cache_dir=str(tmp_path / "cache")))) for r in (0, 1)]
     assert len(got[0]) == len(got[1]) > 0
     keys = sorted(k for rank in got for b in rank for k in b.doc_keys if k != "<filler>")
     assert keys == sorted(f"{u}#k{i}" for u in urls for i in range(8))

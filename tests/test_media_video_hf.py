@@ -20,6 +20,7 @@ from streampack.media import DynamicResolution, MediaImage, MediaOptions, read_h
 from streampack.media.tokens import VideoFrames
 from streampack.media.video import MediaVideo
 from streampack.media.video_decode import video_pixels
+from streampack.options import PackOptions, TopologyOptions
 from tests.helpers_media import IMAGE_ID, VIDEO_ID, image_bytes, write_video_tar
 from tests.test_media_video import MEDIA, check_videos
 
@@ -77,7 +78,8 @@ def test_packed_video_batch_equals_each_document_alone(tmp_path: Path) -> None:
     from tests.test_media_vlm import tiny_qwen2_vl
 
     url = str(write_video_tar(tmp_path / "a.tar", 16, frames=(1, 5), sizes=(8, 24)))
-    ds = PackedDataset([url], capacity=256, window=16, align_multiple=8, epochs=1, seed=1, media=MEDIA)
+    ds = PackedDataset([url], capacity=256, packing=PackOptions(window=16),
+                       topology=TopologyOptions(align_multiple=8), epochs=1, seed=1, media=MEDIA)
     batch = max(ds, key=lambda b: (b.vision.num_videos, b.vision.num_images) if b.vision else (0, 0))
     v = batch.vision
     assert check_videos(batch) >= 3 and v.num_images >= 1 and int(v.video_doc.unique().numel()) >= 2

@@ -11,6 +11,7 @@ import torch
 
 from streampack import PackedDataset
 from streampack.media import DynamicResolution, MediaOptions
+from streampack.options import PackOptions, TopologyOptions
 from tests.helpers_media import IMAGE_ID, write_tar
 
 pytestmark = pytest.mark.slow  # importing transformers' Qwen2-VL takes 10-20 s on the shared box
@@ -34,7 +35,8 @@ def tiny_qwen2_vl() -> torch.nn.Module:
 
 def test_packed_pipeline_batch_equals_each_document_alone(tmp_path: Path) -> None:
     url = str(write_tar(tmp_path / "a.tar", 16, max_images=3, sizes=(8, 30), text=(3, 30)))
-    ds = PackedDataset([url], capacity=192, window=16, align_multiple=8, epochs=1, seed=1,
+    ds = PackedDataset([url], capacity=192, packing=PackOptions(window=16),
+                       topology=TopologyOptions(align_multiple=8), epochs=1, seed=1,
                        media=MediaOptions(rule=RULE, image_token_id=IMAGE_ID))
     batch = max(ds, key=lambda b: b.vision.num_images if b.vision is not None else 0)
     v = batch.vision
@@ -71,7 +73,8 @@ def test_a_batch_without_images_keeps_documents_apart(tmp_path: Path) -> None:
     ``position_ids [4, 1, T]`` only (with ``[1, T]`` every document attended to the ones before
     it: logits off by 0.4-0.6), so the batch must have that layout too."""
     url = str(write_tar(tmp_path / "t.tar", 12, max_images=0, text=(20, 60)))
-    ds = PackedDataset([url], capacity=192, window=12, align_multiple=8, epochs=1, seed=1,
+    ds = PackedDataset([url], capacity=192, packing=PackOptions(window=12),
+                       topology=TopologyOptions(align_multiple=8), epochs=1, seed=1,
                        media=MediaOptions(rule=RULE, image_token_id=IMAGE_ID))
     batch = max(ds, key=lambda b: b.num_docs)
     assert batch.num_docs >= 3 and not bool((batch.input_ids == IMAGE_ID).any())

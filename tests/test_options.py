@@ -1,5 +1,5 @@
-"""The front: PackedDataset's few parameters, the per-stage option records, and the flat
-keywords as shortcuts onto them (streampack.options)."""
+"""The front: PackedDataset's few parameters and the per-stage option records
+(streampack.options); a flat keyword of earlier versions is a TypeError naming its record field."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from streampack.dataset import PackedDataset
 from streampack.io.limits import Limits
 from streampack.options import (
     RECORDS,
-    SHORTCUTS,
     CostOptions,
     PackOptions,
     ReadOptions,
     TokenizeOptions,
     TopologyOptions,
+    field_for,
 )
 from streampack.packing.schedule import Balance
 from streampack.settings import FINGERPRINT, StreamConfig, fingerprint_settings
@@ -52,20 +52,25 @@ def test_signature_is_small():
     params = inspect.signature(PackedDataset).parameters
     assert len(params) <= 15, list(params)
     assert set(RECORDS) <= set(params)
-    assert params["shortcuts"].kind is inspect.Parameter.VAR_KEYWORD
+    assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "urls")  # no catch-all
+
+
+FLAT = [k for k in OLD_SIGNATURE if k not in inspect.signature(PackedDataset).parameters]
+"""The keywords of earlier versions that are record fields now."""
 
 
 def test_every_old_keyword_is_a_parameter_or_exactly_one_record_field():
-    params = set(inspect.signature(PackedDataset).parameters) - {"shortcuts"}
-    assert len(OLD_SIGNATURE) == len(set(OLD_SIGNATURE)) == 51
+    params = set(inspect.signature(PackedDataset).parameters)
+    assert len(OLD_SIGNATURE) == len(set(OLD_SIGNATURE)) == 51 and len(FLAT) == 43
     added = {"media"}  # parameters that came after the records (no flat form to keep)
-    assert set(OLD_SIGNATURE) == (params - set(RECORDS) - added) | set(SHORTCUTS)  # nothing lost, nothing new
-    assert not params & set(SHORTCUTS)  # a keyword is a parameter or a shortcut, never both
-    targets = list(SHORTCUTS.values())
-    assert len(set(targets)) == len(targets)  # 1:1: no two keywords set the same field
-    for keyword, (param, field) in SHORTCUTS.items():
-        assert field in {f.name for f in dataclasses.fields(RECORDS[param])}, keyword
-    renamed = {k: v for k, v in SHORTCUTS.items() if k != v[1]}
+    assert set(OLD_SIGNATURE) - set(FLAT) == params - set(RECORDS) - added  # nothing lost, nothing new
+    assert all(field_for(p) is None for p in params)  # a parameter is never taken for a record field
+    targets = {k: field_for(k) for k in FLAT}
+    assert None not in targets.values(), targets
+    assert len({(p, f) for p, _, f in targets.values()}) == len(FLAT)  # 1:1: no two keywords name one field
+    for keyword, (param, kind, field) in targets.items():
+        assert kind is RECORDS[param] and field in {f.name for f in dataclasses.fields(kind)}, keyword
+    renamed = {k: (p, f) for k, (p, _, f) in targets.items() if k != f}
     assert renamed == {"tokenize_block": ("tokenize", "block_size"), "cost_model": ("cost", "model")}
 
 
@@ -115,39 +120,42 @@ def test_records_hold_what_they_were_given_as_the_nodes_take_it():
     assert ReadOptions(tokens_key="ids", vocab_size=9).decode().tokens_key == "ids"
 
 
-def test_a_field_set_by_a_shortcut_and_by_its_record_is_a_type_error(shards):
-    with pytest.raises(TypeError, match=r"window=8 and packing=PackOptions\(window=16\) both set packing.window"):
-        PackedDataset(shards, capacity=64, window=8, packing=PackOptions(window=16))
-    with pytest.raises(TypeError, match=r"cost_model=.* and cost=CostOptions\(model=CostModel"):
-        PackedDataset(shards, capacity=64, cost_model=SHAPE, cost=CostOptions(model=SHAPE))
-    with pytest.raises(TypeError, match=r"retry_budget=5 and read=ReadOptions\(retry_budget=9\)"):
-        PackedDataset(shards, capacity=64, retry_budget=5, read=ReadOptions(retry_budget=9))
+@pytest.mark.parametrize("keyword", FLAT)
+def test_a_flat_keyword_is_refused_naming_the_record_field_to_set(shards, keyword):
+    """No shortcut onto a record field remains: each old flat keyword is a TypeError that says
+    which record and field to set instead (before any shard is opened)."""
+    param, kind, field = field_for(keyword)
+    message = (rf"PackedDataset\(\) got an unexpected keyword argument '{keyword}': it is a field of "
+               rf"streampack.options.{kind.__name__}; pass {param}={kind.__name__}\({field}=\.\.\.\)")
+    with pytest.raises(TypeError, match=message):
+        PackedDataset(shards, capacity=64, **{keyword: getattr(kind(), field)})
+
+
+def test_the_old_spellings_are_refused_with_the_record_to_use(shards):
+    with pytest.raises(TypeError, match=r"'window': .*; pass packing=PackOptions\(window=\.\.\.\)"):
+        PackedDataset(shards, capacity=64, window=8)  # unshortcut: skip (the old spelling)
+    with pytest.raises(TypeError, match=r"'cost_model': .*; pass cost=CostOptions\(model=\.\.\.\)"):
+        PackedDataset(shards, capacity=64, cost_model=SHAPE)  # unshortcut: skip (the old spelling)
+    with pytest.raises(TypeError, match=r"'tokenize_block': .*; pass tokenize=TokenizeOptions\(block_size=\.\.\.\)"):
+        PackedDataset(shards, capacity=64, tokenize_block=7)  # unshortcut: skip (the old spelling)
+    with pytest.raises(TypeError, match=r"'window': .*PackOptions"):  # also next to the record itself
+        PackedDataset(shards, capacity=64, window=8, packing=PackOptions())  # unshortcut: skip (the old spelling)
 
 
 def test_unknown_keywords_and_wrong_records_are_type_errors(shards):
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['windw'\] \(did you mean 'windw' -> "
-                                        r"'window'\?\)"):
-        PackedDataset(shards, capacity=64, windw=8)
+    with pytest.raises(TypeError, match=r"__init__\(\) got an unexpected keyword argument 'windw'$"):
+        PackedDataset(shards, capacity=64, windw=8)  # not a record field: Python's own error
     with pytest.raises(TypeError, match=r"packing= must be a streampack.options.PackOptions, got dict"):
         PackedDataset(shards, capacity=64, packing={"window": 8})
 
 
-def test_shortcuts_are_the_record_fields(shards):
-    """A shortcut and the record it names build the same dataset; shortcuts for other fields of
-    a given record fill in fields left at their defaults."""
-    flat = PackedDataset(shards, capacity=64, window=8, algorithm="ffd", tokenize_block=7, dp_rank=0, dp_size=1,
-                         retry_budget=5.0, cost_model=SHAPE, balance="cost")
-    records = PackedDataset(shards, capacity=64, packing=PackOptions(window=8, algorithm="ffd"),
-                            tokenize=TokenizeOptions(block_size=7), topology=TopologyOptions(dp_rank=0, dp_size=1),
-                            read=ReadOptions(retry_budget=5.0), cost=CostOptions(model=SHAPE, balance="cost"))
-    mixed = PackedDataset(shards, capacity=64, packing=PackOptions(algorithm="ffd"), window=8, tokenize_block=7,
-                          dp_size=1, topology=TopologyOptions(dp_rank=0), retry_budget=5.0,
-                          cost=CostOptions(model=SHAPE), balance="cost")
-    for ds in (flat, mixed):
-        assert ds.config == records.config and ds.options == records.options
-        assert ds.fingerprint(0) == records.fingerprint(0)
-    assert records.fingerprint(0)["balance"] == {k: v for k, v in dataclasses.asdict(Balance()).items() if k != "seeded"}
-    assert list(records.fingerprint(0))[:len(FINGERPRINT)] == list(FINGERPRINT)
+def test_records_make_the_fingerprint(shards):
+    ds = PackedDataset(shards, capacity=64, packing=PackOptions(window=8, algorithm="ffd"),
+                       tokenize=TokenizeOptions(block_size=7), topology=TopologyOptions(dp_rank=0, dp_size=1),
+                       read=ReadOptions(retry_budget=5.0), cost=CostOptions(model=SHAPE, balance="cost"))
+    assert ds.fingerprint(0)["balance"] == {k: v for k, v in dataclasses.asdict(Balance()).items() if k != "seeded"}
+    assert ds.fingerprint(0)["window"] == 8 and ds.fingerprint(0)["algorithm"] == "ffd"
+    assert list(ds.fingerprint(0))[:len(FINGERPRINT)] == list(FINGERPRINT)
 
 
 def test_the_group_is_resolved_and_not_kept(shards):

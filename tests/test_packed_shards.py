@@ -16,7 +16,7 @@ from streampack.cli.main import main
 from streampack.io.packed_format import is_packed_dataset, read_manifest
 from streampack.layout.batch import check_invariants, pack_batch
 from streampack.nodes.packed_reader import PackedShardReader
-from streampack.options import PackOptions, TopologyOptions
+from streampack.options import PackOptions, ReadOptions, TokenizeOptions, TopologyOptions
 
 
 def _pack(tmp_path: Path, docs, *, capacity: int, extra: list[str] = (), num_shards: int = 3, **kw) -> Path:
@@ -251,9 +251,9 @@ def test_offline_pack_and_online_stream_give_the_same_targets(tmp_path):
     corpus = write_demo_corpus(tmp_path / "text", num_shards=1, docs_per_shard=30, vocab_size=300)
     tok = train_demo_tokenizer(corpus, tmp_path / "tokenizer.json", vocab_size=300)
     cases = [(jsonl, ["--loss-mask-key", "loss_mask", "--on-error", "skip"],
-              {"loss_mask_key": "loss_mask", "on_error": "skip"}),
+              {"read": ReadOptions(loss_mask_key="loss_mask", on_error="skip")}),
              (corpus, ["--tokenizer", tok, "--bos-id", "1", "--eos-id", "2"],
-              {"tokenizer": tok, "bos_id": 1, "eos_id": 2})]
+              {"tokenizer": tok, "tokenize": TokenizeOptions(bos_id=1, eos_id=2)})]
     for n, (urls, flags, kwargs) in enumerate(cases):
         out = tmp_path / f"packed{n}"
         assert main(["pack", *urls, "--out", str(out), "--capacity", "256", "--no-progress", *flags]) == 0

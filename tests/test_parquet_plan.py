@@ -14,6 +14,7 @@ from streampack.dataset import PackedDataset
 from streampack.io.decode import BAD_LENGTH
 from streampack.io.index import build_index, index_decode
 from streampack.io.limits import Limits
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 
 
 @pytest.mark.slow  # ~6 s on the shared box (three ranks' graphs and the packer's first compile)
@@ -22,8 +23,9 @@ def test_pre_tokenized_parquet_is_planned_over_ranks(tmp_path):
     whose index reads only the footer: no token counts") though every length is in the file."""
     docs = make_token_docs(90, seed=4, max_len=60)
     urls = write_parquet_shards(tmp_path / "d", docs, 4, row_group_size=7)
-    ranks = [list(PackedDataset(urls, capacity=64, window=8, epochs=1, dp_rank=r, dp_size=3, seed=2,
-                                cache_dir=str(tmp_path / "cache"))) for r in range(3)]
+    ranks = [list(PackedDataset(urls, capacity=64, packing=PackOptions(window=8), epochs=1,
+                                topology=TopologyOptions(dp_rank=r, dp_size=3), seed=2,
+                                read=ReadOptions(cache_dir=str(tmp_path / "cache")))) for r in range(3)]
     assert len({len(r) for r in ranks}) == 1 and len(ranks[0]) > 3, [len(r) for r in ranks]
     got: dict[str, list[int]] = {}
     for b in (b for r in ranks for b in r):
@@ -50,5 +52,6 @@ def test_parquet_index_lengths_match_what_the_reader_sees(tmp_path):
 def test_text_parquet_is_refused_naming_the_shards(tmp_path):
     urls = [write_parquet(tmp_path / f"t{i}.parquet", ["some text", "more"]) for i in range(2)]
     with pytest.raises(ValueError, match=r"2 of 2 shards.*parquet.*text to tokenize.*t0\.parquet"):
-        PackedDataset(urls, capacity=64, epochs=1, dp_rank=0, dp_size=2, tokenizer=lambda t: [ord(c) for c in t],
-                      cache_dir=str(tmp_path / "cache"))
+        PackedDataset(urls, capacity=64, epochs=1,
+                      topology=TopologyOptions(dp_rank=0, dp_size=2), tokenizer=lambda t: [ord(c) for c in t],
+                      read=ReadOptions(cache_dir=str(tmp_path / "cache")))

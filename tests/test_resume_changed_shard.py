@@ -29,11 +29,12 @@ from streampack.io.index import index_decode
 from streampack.io.manifest import HISTORY_DIR, HISTORY_KEEP, build_manifest, load_manifest, load_saved
 from streampack.nodes.collate import FILLER_KEY
 from streampack.nodes.reader import MANIFEST_KEY
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from streampack.plan.elastic import find_state
 from streampack.plan.state import record_of
 
 DP = 2
-OPTIONS = {"capacity": 48, "window": 2, "packs_per_batch": 1, "epochs": 1, "seed": 3}
+OPTIONS = {"capacity": 48, "packing": PackOptions(window=2), "packs_per_batch": 1, "epochs": 1, "seed": 3}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,8 +70,11 @@ def _truncate(path: str) -> None:
 
 def _ranks(urls: list[str], states: list | None = None, **kw) -> list[SimRank]:
     load = (lambda r: None) if states is None else (lambda r: (lambda w: states[r]))
-    return [SimRank(lambda r=r: PackedDataset(urls, dp_rank=r, dp_size=DP, **{**OPTIONS, **kw}), 0, load=load(r))
-            for r in range(DP)]
+    return [SimRank(lambda r=r: _dataset(urls, r, kw), 0, load=load(r)) for r in range(DP)]
+
+
+def _dataset(urls: list[str], rank: int, kw: dict) -> PackedDataset:
+    return PackedDataset(urls, topology=TopologyOptions(dp_rank=rank, dp_size=DP), **{**OPTIONS, **kw})
 
 
 def _take(ranks: list[SimRank], k: int | None = None) -> Counter:
@@ -88,8 +92,7 @@ def _refused(urls: list[str], states: list, **kw) -> list[DataError]:
     out = []
     for r in range(DP):
         with pytest.raises(DataError) as info:
-            _take([SimRank(lambda: PackedDataset(urls, dp_rank=r, dp_size=DP, **{**OPTIONS, **kw}), 0,
-                           load=lambda w: states[r])])
+            _take([SimRank(lambda: _dataset(urls, r, kw), 0, load=lambda w: states[r])])
         out.append(info.value)
     return out
 
@@ -121,7 +124,7 @@ def test_every_reader_refuses_a_truncated_local_shard_and_resumes_once_it_is_put
                 f.write(zstandard.ZstdCompressor().compress(open(u, "rb").read()))
             os.remove(u)
             urls[i] = u + ".zst"
-    kw = {"cache_dir": str(tmp_path / "cache"), "on_error": "skip"}
+    kw = {"read": ReadOptions(cache_dir=str(tmp_path / "cache"), on_error="skip")}
     want = _take(_ranks(urls, **kw))
     before, states = _save_after_one_batch(urls, **kw)
     shard = urls[3]
@@ -144,7 +147,7 @@ def test_a_same_size_rewrite_of_a_shard_no_reader_had_opened_is_refused_by_every
     """The plan does not move (the same sample counts and sizes), but the bytes do: under the
     default identity ("tag": size + mtime) the refusal names the old and new mtime."""
     urls = write_tar_shards(tmp_path / "d", make_token_docs(64, seed=2, max_len=40), 4)
-    kw = {"cache_dir": str(tmp_path / "cache")}
+    kw = {"read": ReadOptions(cache_dir=str(tmp_path / "cache"))}
     want = _take(_ranks(urls, **kw))
     before, states = _save_after_one_batch(urls, **kw)
     kept = Saved.of(urls[1])
@@ -163,7 +166,7 @@ def test_a_restaged_local_shard_resumes_under_identity_digest(tmp_path):
     """Same bytes, new mtime (``cp`` without ``-p``): the manifest is rebuilt, but under
     ``identity="digest"`` its fingerprint is the same, so every reader resumes."""
     urls = write_tar_shards(tmp_path / "d", make_token_docs(64, seed=4, max_len=40), 4)
-    kw = {"cache_dir": str(tmp_path / "cache"), "identity": "digest"}
+    kw = {"read": ReadOptions(cache_dir=str(tmp_path / "cache"), identity="digest")}
     want = _take(_ranks(urls, **kw))
     before, states = _save_after_one_batch(urls, **kw)
     for u in urls:
@@ -181,7 +184,7 @@ def test_a_shard_restaged_over_http_with_a_new_etag_is_refused_and_resumes_once_
         urls = [f"{server.url}/{os.path.basename(u)}" for u in urls_local]
         location = str(tmp_path / "manifest")
         build_manifest(urls, location, decode=index_decode("input_ids", PackedDataset(urls, **OPTIONS).options.limits))
-        kw = {"manifest": location, "on_error": "skip"}
+        kw = {"read": ReadOptions(manifest=location, on_error="skip")}
         want = _take(_ranks(urls, **kw))
         before, states = _save_after_one_batch(urls, **kw)
         opened = {s for st in states for s in record_of(find_state(st["graph"], "ShardReader")["identity"])["shards"]}
@@ -191,8 +194,7 @@ def test_a_shard_restaged_over_http_with_a_new_etag_is_refused_and_resumes_once_
         errors = []
         for r in range(DP):
             try:
-                _take([SimRank(lambda: PackedDataset(urls, dp_rank=r, dp_size=DP, **{**OPTIONS, **kw}), 0,
-                               load=lambda w: states[r])])
+                _take([SimRank(lambda: _dataset(urls, r, kw), 0, load=lambda w: states[r])])
             except DataError as e:
                 errors.append(e)
         assert errors, "some reader reads the re-staged shard"
@@ -208,7 +210,7 @@ def test_the_state_names_the_manifest_and_the_manifest_keeps_the_copies_it_names
     urls = write_tar_shards(tmp_path / "d", make_token_docs(32, seed=6), 2)
     location = str(tmp_path / "m")
     first = build_manifest(urls, location)
-    ranks = _ranks(urls, manifest=location)
+    ranks = _ranks(urls, read=ReadOptions(manifest=location))
     _take(ranks, 1)
     reader = find_state(ranks[0].states()[0]["graph"], "ShardReader")
     assert reader[MANIFEST_KEY] == {m: first.fingerprint(m) for m in ("all", "tag", "size", "digest")}
@@ -223,7 +225,7 @@ def test_the_state_names_the_manifest_and_the_manifest_keeps_the_copies_it_names
 
 def test_without_the_saved_manifest_the_refusal_still_names_the_shards_the_reader_recorded(tmp_path):
     urls = write_jsonl_shards(tmp_path / "d", make_token_docs(64, seed=7, max_len=40), 4)
-    kw = {"cache_dir": str(tmp_path / "cache")}
+    kw = {"read": ReadOptions(cache_dir=str(tmp_path / "cache"))}
     _, states = _save_after_one_batch(urls, **kw)
     for u in urls:  # every shard loses its second half of lines
         lines = open(u, "rb").readlines()

@@ -10,6 +10,7 @@ from helpers_data import write_tar_shards
 
 import streampack.io.tar as tar_io
 from streampack import PackedDataset
+from streampack.options import PackOptions
 
 pytestmark = pytest.mark.slow  # ~3 s: 60 batches, then a restore
 
@@ -23,7 +24,7 @@ def test_local_restore_reads_few_samples_beyond_the_carried_ones(tmp_path, monke
     urls = write_tar_shards(tmp_path, docs, 1)
 
     def make() -> PackedDataset:
-        return PackedDataset(urls, capacity=4096, window=64, epochs=1, seed=0)
+        return PackedDataset(urls, capacity=4096, packing=PackOptions(window=64), epochs=1, seed=0)
 
     ds = make()
     it = iter(ds)

@@ -134,7 +134,7 @@ def test_digest_refuses_a_same_size_edit_and_a_state_without_a_digest(tmp_path):
 
 def test_packed_dataset_identity_size_resumes_re_staged_carried_shards(tmp_path):
     urls = write_jsonl_shards(tmp_path, make_token_docs(240, seed=5, max_len=60), 24)
-    kw = dict(capacity=256, window=64, seed=1, shuffle=False)
+    kw = dict(capacity=256, packing=PackOptions(window=64), seed=1, shuffle=False)
     ds = PackedDataset(urls, **kw)
     it = iter(ds)
     next(it)

@@ -38,11 +38,12 @@ def few_shards(tmp_path_factory):
     return urls, docs
 
 
-def _ranks(urls, dp_size: int, num_workers: int, **kw) -> list[list]:
+def _ranks(urls, dp_size: int, num_workers: int, *, batches_per_epoch: int | None = None, **kw) -> list[list]:
     out = []
     for rank in range(dp_size):
         ds = PackedDataset(urls, capacity=CAP, epochs=1, seed=5, packs_per_batch=2, packing=PackOptions(window=32),
-                           topology=TopologyOptions(dp_rank=rank, dp_size=dp_size), **kw)
+                           topology=TopologyOptions(dp_rank=rank, dp_size=dp_size, batches_per_epoch=batches_per_epoch),
+                           **kw)
         out.append(list(DataLoader(ds, batch_size=None, num_workers=num_workers)))
     return out
 

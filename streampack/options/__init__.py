@@ -1,5 +1,4 @@
-"""The option records ``PackedDataset`` takes, one per stage of the graph, and the old flat
-keywords as shortcuts onto their fields.
+"""The option records ``PackedDataset`` takes, one per stage of the graph.
 
 =================  ===========================  =============================================
 ``PackedDataset``  record                       the nodes that take its values
@@ -18,18 +17,19 @@ field before any shard is opened. A new stage's record is one file here, one ent
 :data:`RECORDS` and one ``PackedDataset`` parameter (the signature has room for one more under
 its limit of 15); new fields get no flat keyword.
 
-**Shortcuts.** Every keyword ``PackedDataset`` took before the records (``window=``,
-``retry_budget=``, ``dp_size=``, ...) still works: :data:`SHORTCUTS` maps each one to exactly one
-record field (``PackedDataset(urls, capacity=c, window=256)`` is
-``PackedDataset(urls, capacity=c, packing=PackOptions(window=256))``). Setting a field both ways
-(a shortcut, and a record whose field is not at its default) is a ``TypeError``.
+**No flat keywords.** A field is set by building its record
+(``PackedDataset(urls, capacity=c, packing=PackOptions(window=256))``); ``PackedDataset`` has no
+catch-all keyword. A flat keyword of earlier versions (``window=``, ``dp_size=``, ``cost_model=``)
+is a ``TypeError`` that names the record field to set (:func:`refuse_flat_keywords`, computed
+from the records' fields).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from collections.abc import Mapping
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from streampack.options.cost import CostOptions
@@ -42,54 +42,59 @@ RECORDS: dict[str, type] = {"read": ReadOptions, "tokenize": TokenizeOptions, "p
                             "topology": TopologyOptions, "cost": CostOptions}
 """``PackedDataset`` parameter -> the record it takes."""
 
-_OLD_KEYWORDS = {  # per record parameter, the flat keywords that are its fields ("old=field" where renamed)
-    "read": "text_key tokens_key labels_key loss_mask_key on_error vocab_size limits mixture_stop manifest "
-            "cache_dir identity allow_pipe allow_pickle retries retry_budget connect_timeout read_timeout "
-            "request_deadline allow_redirects storage_options",
-    "tokenize": "bos_id eos_id num_threads tokenize_block=block_size",
-    "packing": "window algorithm max_wait slack overlong pad_id ignore_index pin_memory",
-    "topology": "dp_group dp_rank dp_size cp_size tp_size sequence_parallel align_multiple equal_batches "
-                "batches_per_epoch",
-    "cost": "cost_model=model balance",
-}
-SHORTCUTS: dict[str, tuple[str, str]] = {
-    old: (param, field or old)
-    for param, words in _OLD_KEYWORDS.items()
-    for old, _, field in (word.partition("=") for word in words.split())
-}
-"""Flat keyword -> (record parameter, field): the only keywords ``PackedDataset`` accepts beyond
-its own parameters."""
+
+def field_for(name: str) -> tuple[str, type, str] | None:
+    """``(parameter, record, field)`` that a flat keyword ``name`` of earlier versions meant, read
+    off the records' fields: a field of that name (``window`` -> ``packing.window``), or
+    ``<parameter>_<start of a field>`` (``cost_model`` -> ``cost.model``, ``tokenize_block`` ->
+    ``tokenize.block_size``); ``None`` for any other name."""
+    param, _, rest = name.partition("_")
+    found = None
+    for p, kind in RECORDS.items():
+        for f in dataclasses.fields(kind):
+            if f.name == name or (p == param and rest and (f.name == rest or f.name.startswith(rest + "_"))):
+                if found is not None:
+                    return None  # two fields claim it: no guess
+                found = (p, kind, f.name)
+    return found
 
 
-def with_shortcuts(records: Mapping[str, Any], shortcuts: Mapping[str, Any]) -> dict[str, Any]:
-    """Every record parameter -> its record: the one given (or the default record) with the
-    fields that ``shortcuts`` set. ``TypeError`` for an unknown keyword, a record of the wrong
-    type, or a field set both by a shortcut and by the record."""
-    unknown = sorted(set(shortcuts) - set(SHORTCUTS))
-    if unknown:
-        raise TypeError(f"PackedDataset() got unexpected keyword argument(s) {unknown}{_did_you_mean(unknown)}")
+def checked_records(records: Mapping[str, Any]) -> dict[str, Any]:
+    """Every record parameter -> its record (the default record where ``None`` was given);
+    ``TypeError`` for a value of another type."""
     out = {}
     for param, kind in RECORDS.items():
         record = records.get(param)
         if record is not None and not isinstance(record, kind):
             raise TypeError(f"{param}= must be a streampack.options.{kind.__name__}, got {type(record).__name__}")
-        mine = {SHORTCUTS[k][1]: (k, v) for k, v in shortcuts.items() if SHORTCUTS[k][0] == param}
-        if record is None:
-            out[param] = kind(**{f: v for f, (_, v) in mine.items()})
-            continue
-        defaults = {f.name: f.default for f in dataclasses.fields(kind)}
-        for f, (old, value) in mine.items():
-            if getattr(record, f) != defaults[f]:
-                raise TypeError(f"{old}={value!r} and {param}={kind.__name__}({f}={getattr(record, f)!r}) both set "
-                                f"{param}.{f}: set it once (the flat keyword is a shortcut for the record field)")
-        out[param] = dataclasses.replace(record, **{f: v for f, (_, v) in mine.items()}) if mine else record
+        out[param] = kind() if record is None else record
     return out
 
 
-def _did_you_mean(unknown: list[str]) -> str:
-    hints = [f"{u!r} -> {m[0]!r}" for u in unknown if (m := difflib.get_close_matches(u, SHORTCUTS, n=1))]
-    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+def hint_flat_keywords(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap a constructor so that a flat keyword of earlier versions gets the ``TypeError`` of
+    :func:`refuse_flat_keywords`; its signature (``inspect.signature``) stays the constructor's."""
+    params = set(inspect.signature(init).parameters)
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not params.issuperset(kwargs):
+            refuse_flat_keywords(type(self).__name__, sorted(set(kwargs) - params))
+        init(self, *args, **kwargs)  # any other unknown keyword: Python's own TypeError
+
+    return checked
 
 
-__all__ = ["CostOptions", "PackOptions", "RECORDS", "ReadOptions", "SHORTCUTS", "TokenizeOptions",
-           "TopologyOptions", "with_shortcuts"]
+def refuse_flat_keywords(who: str, names: Iterable[str]) -> None:
+    """``TypeError`` for the first keyword in ``names`` that is a record's field, naming the
+    record to set it through (the other unknown names are left to Python's own ``TypeError``)."""
+    for name in names:
+        hit = field_for(name)
+        if hit is not None:
+            param, kind, field = hit
+            raise TypeError(f"{who}() got an unexpected keyword argument {name!r}: it is a field of "
+                            f"streampack.options.{kind.__name__}; pass {param}={kind.__name__}({field}=...)")
+
+
+__all__ = ["CostOptions", "PackOptions", "RECORDS", "ReadOptions", "TokenizeOptions", "TopologyOptions",
+           "checked_records", "field_for", "hint_flat_keywords", "refuse_flat_keywords"]
