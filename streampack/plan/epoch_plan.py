@@ -24,7 +24,7 @@ on this shared 2-core box): before the first batch, 1 manifest read per process 
 boundary shards' indexes (a whole shard needs no index), CPU ~0.06-0.4 µs · N (permutation,
 prefix sums, cut); after it, in the background, the indexes of its own ~N/G shards (the boundary
 ones reused; none kept), ~1-6 µs · T/G of packer count (1.1 µs unloaded, 6 µs with the box
-loaded) and 5 store requests; memory ~112 B · N for the manifest + ~48 B · T/G at the count's
+loaded) and 5 store requests; memory ~122 B · N for the manifest (measured, `bench_manifest_memory.py`) + ~48 B · T/G at the count's
 peak (int32 lengths and the packer's temporaries). At N=10^5, T=10^9, G=8,192: 5 requests
 before the first batch, 18 after it, 0.2-0.7 s of CPU, ~17 MB. An index length of 0 (an empty
 record) is left out of the count, as the reader skips it (counted as ``empty_sample``).
