@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                    precision=args.precision)
     digest = weights_hash(model)
     (args.out / "weights.txt").write_text(digest + "\n")
-    start = "the start" if model.resumed_at is None else f"step {model.resumed_at} (batch {model.trained - 2 * (args.steps - model.resumed_at)})"
+    start = "the start" if model.resumed_at is None else f"the step-{model.resumed_at} checkpoint"
     print(f"trained to step {args.steps} from {start}; {model.trained} batches in all; weights {digest[:16]}")
     return 0
 

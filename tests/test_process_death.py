@@ -165,3 +165,16 @@ def test_a_killed_worker_is_torchs_worker_error_and_leaves_nothing_mapped(shards
             next(it)  # freed at once, as a training loop does
     del it, loader
     assert _nothing_mapped_soon() == []
+
+
+@pytest.mark.slow
+def test_the_vlm_example_prints_no_dependency_noise(tmp_path) -> None:
+    # before: transformers' bos/eos "must be None or an integer within the vocabulary" lines
+    # (the example's config kept Qwen's ids for a 96-token vocabulary) and torchdata's set_vital
+    example = Path(__file__).resolve().parent.parent / "examples" / "vlm_pretrain.py"
+    proc = subprocess.run([sys.executable, str(example), "--steps", "2", "--preempt-at", "1"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    noise = [line for line in proc.stderr.splitlines() if any(n in line for n in ("bos_token_id", "eos_token_id",
+                                                                                  *_NOISE))]
+    assert noise == [], proc.stderr[-3000:]

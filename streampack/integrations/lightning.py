@@ -151,7 +151,8 @@ class PackedDataModule(L.LightningDataModule):
                              f"would restart at its first batch")
         if trainer.global_step:
             return
-        dirs = [str(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        dirs = [str(cb.dirpath) for cb in trainer.checkpoint_callbacks
+                if isinstance(cb, ModelCheckpoint) and cb.dirpath]
         found = [f for d in dirs for f in _checkpoint_files(d)]
         earlier = [f for d in dirs for f in _earlier_runs_checkpoints(trainer, d)]
         if earlier and not found:

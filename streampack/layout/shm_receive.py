@@ -175,6 +175,15 @@ def _drain(fd: int) -> None:
         pass
 
 
+def _new_lock_in_child() -> None:
+    """The watcher thread may hold the lock at a fork; the child has no such thread to release it."""
+    global _lock
+    _lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def _own() -> None:
     """A forked child starts with no cached entries of its own (its copies of the parent's stay
     valid for what it inherited; they are simply not reused) and no watcher thread."""
