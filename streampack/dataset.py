@@ -69,6 +69,7 @@ from streampack.topology import current_worker, resolve_topology
 # it as it starts (torch's worker loop): forked workers inherit the module instead of each
 # importing it (its compiled extensions: 22 -> 9.5 ms of CPU per worker start, on every fresh
 # iteration and on the resume's critical path; the pipeline imports it anyway, at its first batch).
+
 quiet_set_vital()  # torchdata's StatefulDataLoader(ds, ...) warns on every construction (loader.py)
 
 _STATELESS_MAIN = ("this PackedDataset is read by DataLoader worker processes: the copy in the main process "
