@@ -96,8 +96,8 @@ def test_workers_die_with_a_sigkilled_training_process_and_nothing_complains(sha
 @pytest.mark.slow
 def test_no_orphaned_worker_in_twenty_kills_at_every_capacity(shards, tmp_path) -> None:
     capacities = [1024 << (i % 8) for i in range(20)]  # 1024 .. 131072
-    left = {c: _kill_training(shards, c, tmp_path)[0] for c in capacities}
-    assert not any(left.values()), left
+    left = [(c, _kill_training(shards, c, tmp_path)[0]) for c in capacities]
+    assert [(c, orphans) for c, orphans in left if orphans] == []
 
 
 @dataclass
