@@ -39,6 +39,10 @@ print(json.dumps([w.pid for w in it._workers]), flush=True)
 for _ in it:
     pass
 """
+GRACE_S = 2.0
+"""A worker must be gone this soon after its parent: the kernel kills it at once; torch's own
+watchdog looks every 5 s and only between fetches, and a worker blocked writing the result pipe
+never looks."""
 _NOISE = ("set_vital", "leaked semaphore", "resource_tracker", "Warning")
 
 
@@ -57,8 +61,8 @@ def _alive(pid: int) -> bool:
 
 
 def _kill_training(urls: list[str], capacity: int, tmp_path: Path) -> tuple[list[int], str]:
-    """SIGKILL a process streaming the dataset mid-run: the workers still running 5 s later, and
-    what the process (and its helpers) wrote to stderr."""
+    """SIGKILL a process streaming the dataset mid-run: the workers still running :data:`GRACE_S`
+    later, and what the process (and its helpers) wrote to stderr."""
     script = tmp_path / "train.py"
     script.write_text(_TRAIN)
     err_path = tmp_path / f"stderr-{capacity}-{time.monotonic_ns()}"
@@ -74,7 +78,7 @@ def _kill_training(urls: list[str], capacity: int, tmp_path: Path) -> tuple[list
         proc.kill()
         proc.wait()
         proc.stdout.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + GRACE_S
     while any(_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     orphans = [p for p in workers if _alive(p)]
