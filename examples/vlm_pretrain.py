@@ -74,7 +74,10 @@ def tiny_qwen2_vl(seed: int) -> torch.nn.Module:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     config = Qwen2VLConfig(
-        text_config={"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        # bos/eos inside this tiny vocabulary (the defaults are Qwen's 151643/151645, which
+        # transformers warns about for a 96-token model)
+        text_config={"vocab_size": VOCAB, "bos_token_id": 94, "eos_token_id": 95,
+                     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
         vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "in_channels": 3,

@@ -22,9 +22,11 @@ from torch.utils.data import IterableDataset
 from streampack.errors import log_worker_error
 from streampack.graph.build import Graph, build_graph, counting_for, graph_metrics, hold_manifest, manifest_of
 from streampack.graph.preflight import preflight
+from streampack.integrations.loader import quiet_set_vital
 from streampack.io.manifest import Manifest
 from streampack.layout import transfer
 from streampack.layout.batch import PackedBatch, pack_batch
+from streampack.layout.parent_death import die_with_parent
 from streampack.logs import get_logger, warn_every
 from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
@@ -73,6 +75,9 @@ _log = get_logger(__name__)
 # it as it starts (torch's worker loop): forked workers inherit the module instead of each
 # importing it (its compiled extensions: 22 -> 9.5 ms of CPU per worker start, on every fresh
 # iteration and on the resume's critical path; the pipeline imports it anyway, at its first batch).
+
+quiet_set_vital()  # torchdata's StatefulDataLoader(ds, ...) warns on every construction (loader.py)
+
 _STATELESS_MAIN = ("this PackedDataset is read by DataLoader worker processes: the copy in the main process "
                    "has no position, so its state_dict() would silently restart the data. Checkpoint the loader "
                    "instead: torchdata's StatefulDataLoader(ds, batch_size=None, num_workers=N) and "
@@ -326,6 +331,9 @@ class PackedDataset(IterableDataset):
     # ----------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[PackedBatch]:
         here = current_worker()
+        if here.num_workers > 0 and multiprocessing.parent_process() is not None:  # a worker process
+            die_with_parent()  # first: a worker must not outlive a killed training process
+            transfer.settle_worker()
         pending, self._pending = self._pending, None
         if pending is not None and not self._tracker.claim(here.id, self._pending_generation):
             pending = None  # used by this reader in an earlier iteration: a fresh pass now
@@ -338,8 +346,6 @@ class PackedDataset(IterableDataset):
             if saved["worker_id"] != here.id or saved["dp_rank"] != self.dp_rank:
                 raise ValueError(f"state of dp_rank={saved['dp_rank']} worker_id={saved['worker_id']} "
                                  f"loaded into dp_rank={self.dp_rank} worker_id={here.id}")
-        if here.num_workers > 0 and multiprocessing.parent_process() is not None:  # a worker process
-            transfer.settle_worker()
         resume = state[PASSES_KEY] if state is not None else (pending.left.passes if share is not None else None)
         self._pass = self._tracker.begin(here.id, in_worker_process=here.num_workers > 0, resume=resume)
         self._graph = self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size, worker_id=here.id,

@@ -5,7 +5,10 @@ stateful-loader support is one batch ahead), stream metrics in its loggers."""
 from __future__ import annotations
 
 import glob
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -158,10 +161,66 @@ def test_lightnings_own_stateful_loader_support_skips_the_prefetched_batch(urls:
     assert torch.equal(full.seen[7], resumed.seen[0])  # batch 6 was never trained
 
 
+def _trace(out: Path) -> list[list[tuple[int, str]]]:
+    """``trained.txt`` of the example, one list of (batch number, digest) per run of the script."""
+    runs: list[list[tuple[int, str]]] = []
+    for line in (out / "trained.txt").read_text().splitlines():
+        if line.startswith("# run"):
+            runs.append([])
+        else:
+            n, digest = line.split()
+            runs[-1].append((int(n), digest))
+    return runs
+
+
+def _trained_lines(out: Path) -> int:
+    try:
+        return sum(1 for line in (out / "trained.txt").read_text().splitlines() if not line.startswith("#"))
+    except FileNotFoundError:
+        return 0
+
+
 @pytest.mark.slow
-def test_example_lightning_train() -> None:
-    out = run([sys.executable, str(EXAMPLES / "lightning_train.py"), "--workers", "2", "--precision", "bf16-true"])
-    assert "identical batches True; identical weights True" in out and "streampack/fill" in out
+def test_example_lightning_train_resumes_after_sigkill_and_a_rerun(tmp_path: Path) -> None:
+    """The README's recipe as a real process: SIGKILLed mid-run, the same command again trains
+    exactly the batches an uninterrupted run trains, from the last checkpoint, to the same weights."""
+    script = [sys.executable, str(EXAMPLES / "lightning_train.py"), "--steps", "8", "--every", "2", "--workers", "2"]
+    run([*script, "--out", str(tmp_path / "full")])
+    cut = tmp_path / "cut"
+    with open(tmp_path / "cut.log", "wb") as log:
+        proc = subprocess.Popen([*script, "--out", str(cut)], cwd=EXAMPLES.parent, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 400
+        # past the step-4 checkpoint (batch 8), mid-step: the kill loses trained batches 8 and 9
+        while _trained_lines(cut) < 10 and proc.poll() is None:
+            assert time.monotonic() < deadline, (tmp_path / "cut.log").read_text()[-3000:]
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
+    out = run([*script, "--out", str(cut)])
+    full, (killed, rerun) = _trace(tmp_path / "full"), _trace(cut)
+    assert rerun[0][0] >= 4 and rerun[0][0] <= len(killed), f"the rerun started at batch {rerun[0][0]}: {out}"
+    assert dict(killed[:rerun[0][0]] + rerun) == dict(full[0]) and len(full[0]) == 16
+    assert (cut / "weights.txt").read_text() == (tmp_path / "full" / "weights.txt").read_text()
+    (metrics,) = (tmp_path / "full").rglob("metrics.csv")
+    assert "streampack/fill" in metrics.read_text().splitlines()[0]
+
+
+def test_a_rerun_without_a_checkpoint_dirpath_warns_that_the_data_restarts(urls: list[str], tmp_path: Path) -> None:
+    """Lightning's default ModelCheckpoint saves under lightning_logs/version_0/checkpoints; a
+    second run of the same script gets version_1, ckpt_path="last" finds nothing there and the
+    data restarts at batch 1 (before: no warning, the module looked in the new, empty folder)."""
+    def one_run() -> None:
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=str(tmp_path), logger=L.pytorch.loggers.CSVLogger(str(tmp_path)))
+        trainer.fit(TinyLM(), datamodule=PackedDataModule(PackedDataset(urls, capacity=64)), ckpt_path="last")
+
+    one_run()
+    assert glob.glob(str(tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "*.ckpt"))
+    with pytest.warns(UserWarning, match=r"restored no data position.*version_0.*ModelCheckpoint\(dirpath="):
+        one_run()
 
 
 class Keeper(TinyLM):

@@ -20,11 +20,13 @@ device. What the module does, each for a measured failure:
 * **Elastic resume.** On another world size or ``num_workers`` than the checkpoint was saved
   with, every rank hands every old reader's state to ``PackedDataset.load_state_dict([...])``
   (:mod:`streampack.integrations.resume`): every sample of the epoch is trained exactly once.
-* **A resume that silently restarts the data.** ``fit(ckpt_path="last")`` with a
-  ``ModelCheckpoint`` that has no ``save_last=True`` finds no checkpoint, and Lightning only
-  warns ("No checkpoint will be loaded") and trains from batch 1 again. When a fit restores no
-  data position while a ``ModelCheckpoint`` folder already holds checkpoints, the module warns
-  naming ``save_last=True``; a restored checkpoint without this module's state is a
+* **A resume that silently restarts the data.** ``fit(ckpt_path="last")`` finds no checkpoint
+  with a ``ModelCheckpoint`` that has no ``save_last=True``, or no ``dirpath`` (it then saves under
+  the logger's ``lightning_logs/version_N/``, and a rerun of the script gets ``version_N+1/``), and
+  Lightning only warns ("no last checkpoint available") and trains from batch 1 again. When a fit
+  restores no data position while the ``ModelCheckpoint`` folder -- or, without a ``dirpath``,
+  an earlier run's ``version_*/checkpoints`` -- already holds checkpoints, the module warns
+  naming ``save_last=True`` / ``dirpath``; a restored checkpoint without this module's state is a
   ``ValueError``.
 * **Workers that outlive the fit.** Lightning shuts down the workers of the DataLoaders it
   sees when a fit ends, and the module's loader is not one: a fit stopped at ``max_steps`` left
@@ -39,6 +41,7 @@ module's own hook; Lightning warns that both define it).
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,9 +151,18 @@ class PackedDataModule(L.LightningDataModule):
                              f"would restart at its first batch")
         if trainer.global_step:
             return
-        found = [f for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath
-                 for f in _checkpoint_files(str(cb.dirpath))]
-        if found:
+        dirs = [str(cb.dirpath) for cb in trainer.checkpoint_callbacks
+                if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        found = [f for d in dirs for f in _checkpoint_files(d)]
+        earlier = [f for d in dirs for f in _earlier_runs_checkpoints(trainer, d)]
+        if earlier and not found:
+            rank_zero_warn(
+                f"PackedDataModule: this fit restored no data position, but earlier runs saved {len(earlier)} "
+                f"checkpoint(s) (e.g. {earlier[-1]}): the data restarts at batch 1. A ModelCheckpoint without "
+                f"dirpath saves under the logger's folder of each run (lightning_logs/version_N/checkpoints), so a "
+                f"rerun looks in a new, empty one and ckpt_path='last' finds nothing: give it a fixed "
+                f"ModelCheckpoint(dirpath=..., save_last=True)")
+        elif found:
             rank_zero_warn(
                 f"PackedDataModule: this fit restored no data position, but {len(found)} checkpoint(s) already "
                 f"exist (e.g. {found[0]}): the data restarts at batch 1. To resume, pass ckpt_path=<a checkpoint>, "
@@ -201,6 +213,23 @@ class PackedDataModule(L.LightningDataModule):
         rank = torch.distributed.get_rank() if distributed else 0
         self._resume = plan_resume(state_dict[STATES_KEY], rank=rank, dataset=self.train_dataset,
                                    num_workers=self.loader_kwargs["num_workers"])
+
+
+def _earlier_runs_checkpoints(trainer: Any, dirpath: str) -> list[str]:
+    """Checkpoints in the other ``version_*`` folders when ``dirpath`` is Lightning's default, the
+    ``checkpoints`` folder inside this run's logger folder (a new one for every process)."""
+    log_dir = getattr(trainer.loggers[0], "log_dir", None) if trainer.loggers else None
+    if not log_dir:
+        return []
+    log_dir = posixpath.normpath(str(log_dir))
+    if posixpath.normpath(str(dirpath)) != posixpath.join(log_dir, "checkpoints"):
+        return []  # a dirpath the user chose: the same folder in every run
+    fs, runs, this_run = get_filesystem(log_dir), posixpath.dirname(log_dir), posixpath.basename(log_dir)
+    if not fs.isdir(runs):
+        return []
+    others = sorted(str(d).rstrip("/") for d in fs.ls(runs, detail=False))
+    return [f for d in others if posixpath.basename(d) != this_run
+            for f in _checkpoint_files(posixpath.join(d, "checkpoints"))]
 
 
 def _checkpoint_files(dirpath: str) -> list[str]:

@@ -1,9 +1,10 @@
-"""The StatefulDataLoader the trainer integrations build, without torchdata's start-up warning.
+"""The StatefulDataLoader the trainer integrations build, and torchdata's start-up warning.
 
 torchdata 0.11's ``StatefulDataLoader.__init__`` calls ``torch.set_vital``, which torch 2.13
 deprecates: every run printed ``UserWarning: 'set_vital' is deprecated`` though nothing is
-wrong. The integrations build the loader for the user, so they silence exactly that warning
-there (a user who builds the loader themselves can use the same filter). Building it is also
+wrong. The integrations build the loader for the user and silence exactly that warning there;
+importing :mod:`streampack.dataset` installs one narrow filter (:func:`quiet_set_vital`) so a
+loader the user builds is quiet too -- the only warning filter streampack installs. Building it is also
 the first moment the worker count is known in the main process, so ``batches_per_epoch`` is
 checked against it here.
 """
@@ -11,11 +12,21 @@ checked against it here.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torchdata.stateful_dataloader import StatefulDataLoader
+if TYPE_CHECKING:  # imported where a loader is built: PackedDataset imports this module for the filter
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
 SET_VITAL_WARNING = "'set_vital' is deprecated"
+_SET_VITAL_CALLER = r"torchdata\.stateful_dataloader\.stateful_dataloader\Z"
+
+
+def quiet_set_vital() -> None:
+    """Ignore torch's ``set_vital`` deprecation where torchdata's ``StatefulDataLoader.__init__``
+    triggers it -- that message from that one module, nothing else -- so a loader a user builds
+    themselves (as the README does) is quiet too. Importing :mod:`streampack.dataset` (any use of
+    ``PackedDataset``) calls it; a user who wants the warning back adds ``warnings.filterwarnings("default", message="'set_vital'")`` after it."""
+    warnings.filterwarnings("ignore", message=SET_VITAL_WARNING, category=UserWarning, module=_SET_VITAL_CALLER)
 
 
 def stateful_loader(dataset: Any, **kwargs: Any) -> StatefulDataLoader:
@@ -28,6 +39,8 @@ def stateful_loader(dataset: Any, **kwargs: Any) -> StatefulDataLoader:
     if per_rank is not None and workers and per_rank % workers:
         raise ValueError(f"batches_per_epoch={per_rank} must be a multiple of num_workers={workers} "
                          f"(each DataLoader worker yields an equal share of the rank's batches)")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SET_VITAL_WARNING, category=UserWarning)
         return StatefulDataLoader(dataset, **kwargs)

@@ -12,6 +12,17 @@ fd now names another file) are dropped whenever a new slot is mapped -- a new Da
 iteration's workers, a ring that grows -- and a failed release drops its sender's entries at once;
 a dropped mapping stays valid for the arrays still viewing it and is unmapped with the last one.
 
+A cached mapping also holds the sender's memory: with a ring of slots per DataLoader worker, the
+training process kept every finished (or killed) worker's slots mapped until its next loader
+mapped a slot. So each sender is watched through a pidfd (Linux 5.3+) by one idle daemon thread,
+which drops the sender's entries the moment it exits: once the batches are freed, nothing of a
+finished loader stays mapped.
+
+A batch whose sender died before it was received (a killed DataLoader worker: its queued batches
+are still in the pipe) cannot be mapped; :func:`attach` waits for the sender to finish exiting and
+raises a ``RuntimeError`` saying so, and torch's loader, seeing the worker gone, reports it as
+"DataLoader worker (pid ...) exited unexpectedly".
+
 A release is written only by the process that attached the slot: a forked child that inherited a
 batch and frees its copy must not hand the parent's slot back.
 """
@@ -20,7 +31,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -33,7 +46,11 @@ MAX_MAPPED = 256
 _lock = threading.RLock()  # a release may run inside attach (a finalizer triggered by the collector)
 _maps: dict[tuple[int, int, tuple[int, int]], mmap.mmap] = {}
 _pipes: dict[tuple[int, int, tuple[int, int]], int] = {}
+_watched: dict[int, int] = {}  # pidfd -> sender pid
+_wake: tuple[int, int] | None = None  # the watcher thread's wake-up pipe (read, write)
 _owner = 0
+EXIT_WAIT_S = 2.0
+"""How long a receiver waits for a sender whose slot vanished to finish exiting."""
 
 
 def attach(ref: SlotRef) -> np.ndarray:
@@ -45,6 +62,7 @@ def attach(ref: SlotRef) -> np.ndarray:
         mapped = _maps.get(key)
         if mapped is None:
             _sweep()
+            _watch(ref.pid)  # before mapping: the pidfd then names the process the identity check saw
             mapped = _maps[key] = _map(ref)
     array = np.frombuffer(mapped, dtype=np.uint8, count=ref.size)
     done = weakref.finalize(array, _release, os.getpid(), (ref.pid, ref.pipe_fd, ref.pipe_id),
@@ -59,6 +77,12 @@ def _map(ref: SlotRef) -> mmap.mmap:
     except PermissionError as e:
         raise RuntimeError(f"cannot open the batch slot of process {ref.pid} through /proc ({e}): set "
                            f"STREAMPACK_SHM_RING=0 in the environment to hand batches over without slots") from e
+    except FileNotFoundError:
+        if _exited(ref.pid):
+            raise RuntimeError(f"the process that sent this batch (pid {ref.pid}, a DataLoader worker) exited "
+                               f"unexpectedly before the batch was received; its shared memory went with it "
+                               f"(killed, e.g. by the out-of-memory killer: see its exit status)") from None
+        raise RuntimeError(f"batch slot of process {ref.pid} is gone (its fd {ref.fd} was closed)") from None
     try:
         if identity(fd) != ref.file_id:
             raise RuntimeError(f"batch slot of process {ref.pid} is gone (its fd {ref.fd} names another file)")
@@ -88,14 +112,93 @@ def _release(attacher: int, pipe: tuple[int, int, tuple[int, int]], ticket: byte
             _forget(pipe[0])
 
 
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has exited (or does within :data:`EXIT_WAIT_S`): a killed process closes
+    its files before it becomes a zombie, so a vanished slot can be seen a moment before the
+    exit that the DataLoader checks for."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in (b"Z", b"X"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+
+
+def _watch(pid: int) -> None:
+    """Drop ``pid``'s entries when it exits (the watcher thread polls one pidfd per sender)."""
+    global _wake
+    if pid in _watched.values() or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # gone already (the mapping fails next), or a kernel without pidfds: _sweep remains
+        return
+    _watched[pidfd] = pid
+    if _wake is None:
+        _wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        threading.Thread(target=_watcher, args=(_wake[0],), name="streampack-shm-watch", daemon=True).start()
+    try:
+        os.write(_wake[1], b"w")
+    except BlockingIOError:  # enough wake-ups pending
+        pass
+
+
+def _watcher(wake: int) -> None:
+    while True:
+        with _lock:
+            poller = select.poll()
+            poller.register(wake, select.POLLIN)
+            for pidfd in _watched:
+                poller.register(pidfd, select.POLLIN)
+        for fd, _ in poller.poll():
+            if fd == wake:
+                _drain(wake)
+                continue
+            with _lock:
+                pid = _watched.pop(fd, None)
+                if pid is not None:
+                    _close(fd)
+                    _forget(pid)
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _new_lock_in_child() -> None:
+    """The watcher thread may hold the lock at a fork; the child has no such thread to release it."""
+    global _lock
+    _lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def _own() -> None:
     """A forked child starts with no cached entries of its own (its copies of the parent's stay
-    valid for what it inherited; they are simply not reused)."""
-    global _owner
+    valid for what it inherited; they are simply not reused) and no watcher thread."""
+    global _owner, _wake
     if _owner != os.getpid():
         _owner = os.getpid()
         _maps.clear()
         _pipes.clear()
+        for pidfd in _watched:
+            _close(pidfd)
+        _watched.clear()
+        if _wake is not None:
+            _close(_wake[0])
+            _close(_wake[1])
+            _wake = None
 
 
 def _sweep() -> None:

@@ -16,32 +16,68 @@ keeps those facts in a small block of shared memory created with the dataset:
   generation once, so the next fresh iteration of the loader starts a new pass instead of
   re-applying the checkpoint.
 
-The block lives in a ``spawn``-context ``multiprocessing.Array`` (a fork-context lock cannot
-be handed to a spawned worker); pickling the dataset for anything but starting a worker
-process (``copy.deepcopy``, ``torch.save``) gives the copy a tracker of its own.
+The block is an anonymous shared file (a ``memfd`` on Linux) mapped by every copy, locked with
+``fcntl`` record locks, not a ``multiprocessing.Array(lock=True)``: that lock is a named POSIX
+semaphore, which starts a ``resource_tracker`` process per training process and, when the
+training process is SIGKILLed, makes the tracker print ``leaked semaphore objects`` on every
+preemption. A record lock has no name and the kernel drops it with a process that dies holding
+it (a killed worker never leaves the others waiting). Record locks belong to a process, so a
+thread lock orders the threads of one process. A forked worker inherits the mapping; a spawned
+one gets the file's descriptor with its start (``multiprocessing.reduction.DupFd``); pickling
+the dataset for anything else (``copy.deepcopy``, ``torch.save``) gives the copy a tracker of
+its own.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import fcntl
+import mmap
+import os
+import tempfile
+import threading
+import weakref
 from multiprocessing import context as mp_context
+from multiprocessing.reduction import DupFd
 from typing import Any
+
+import numpy as np
 
 MAX_READERS = 1024
 _PASS, _FLAGS, _GENERATION = 0, 1, 2
 _STARTED = 3
 _USED = _STARTED + MAX_READERS
+_SIZE = (_USED + MAX_READERS) * 8
+
+
+def _shared_file() -> int:
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("streampack-passes", os.MFD_CLOEXEC)
+    else:  # no memfd: an unlinked temporary file, in memory where the system has /dev/shm
+        handle = tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        fd = os.dup(handle.fileno())
+        handle.close()
+    os.ftruncate(fd, _SIZE)
+    return fd
 
 
 class PassTracker:
     """Shared pass counter, worker flag and load generations of one dataset (and its copies)."""
 
-    def __init__(self) -> None:
-        self._shared = multiprocessing.get_context("spawn").Array("q", _USED + MAX_READERS, lock=True)
+    def __init__(self, fd: int | None = None) -> None:
+        self._fd = _shared_file() if fd is None else fd
+        weakref.finalize(self, os.close, self._fd)  # the mapping outlives the descriptor
+        self._shared = np.frombuffer(mmap.mmap(self._fd, _SIZE), dtype=np.int64)
+        self._pid = 0
+        self._thread_lock = threading.Lock()
+
+    def _locked(self) -> _Locked:
+        if self._pid != os.getpid():  # a forked copy: a thread lock that no other thread can hold
+            self._pid, self._thread_lock = os.getpid(), threading.Lock()
+        return _Locked(self._fd, self._thread_lock)
 
     def set_next_pass(self, passes: int) -> None:
         """The pass the next fresh iteration runs."""
-        with self._shared.get_lock():
+        with self._locked():
             self._shared[_PASS] = passes
             self._clear_started()
 
@@ -50,7 +86,7 @@ class PassTracker:
         if not 0 <= reader < MAX_READERS:
             raise ValueError(f"at most {MAX_READERS} DataLoader workers are supported, got worker {reader}")
         a = self._shared
-        with a.get_lock():
+        with self._locked():
             if in_worker_process:
                 a[_FLAGS] |= 1
             if resume is not None:
@@ -72,28 +108,49 @@ class PassTracker:
         return bool(self._shared[_FLAGS] & 1)
 
     def new_generation(self) -> int:
-        with self._shared.get_lock():
+        with self._locked():
             self._shared[_GENERATION] += 1
             return int(self._shared[_GENERATION])
 
     def claim(self, reader: int, generation: int) -> bool:
         """True the first time ``reader`` asks for ``generation`` (a loaded state is used once)."""
-        with self._shared.get_lock():
+        with self._locked():
             if self._shared[_USED + reader] >= generation:
                 return False
             self._shared[_USED + reader] = generation
             return True
 
     def _clear_started(self) -> None:
-        self._shared[_STARTED:_USED] = [0] * MAX_READERS
+        self._shared[_STARTED:_USED] = 0
 
     def __reduce__(self) -> Any:
         if mp_context.get_spawning_popen() is None:
             return (PassTracker, ())  # a copy, not a worker process: independent counters
-        return (_restore, (self._shared,))
+        return (_restore, (DupFd(self._fd),))
 
 
-def _restore(shared: Any) -> PassTracker:
-    tracker = PassTracker.__new__(PassTracker)
-    tracker._shared = shared
-    return tracker
+class _Locked:
+    """The thread lock, then an exclusive record lock on the whole shared file."""
+
+    __slots__ = ("fd", "thread_lock")
+
+    def __init__(self, fd: int, thread_lock: threading.Lock) -> None:
+        self.fd, self.thread_lock = fd, thread_lock
+
+    def __enter__(self) -> None:
+        self.thread_lock.acquire()
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            self.thread_lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        finally:
+            self.thread_lock.release()
+
+
+def _restore(fd: Any) -> PassTracker:
+    return PassTracker(fd.detach())
