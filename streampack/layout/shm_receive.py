@@ -75,8 +75,10 @@ def _map(ref: SlotRef) -> mmap.mmap:
     try:
         fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDWR | os.O_CLOEXEC)
     except PermissionError as e:
-        raise RuntimeError(f"cannot open the batch slot of process {ref.pid} through /proc ({e}): set "
-                           f"STREAMPACK_SHM_RING=0 in the environment to hand batches over without slots") from e
+        raise RuntimeError(f"cannot open the batch slot of process {ref.pid} through /proc ({e}): this system "
+                           f"denies the training process ptrace-read access to its own DataLoader workers (a "
+                           f"security module other than Yama?); streampack.layout.shm_ring.available() decides "
+                           f"whether slots are used") from e
     except FileNotFoundError:
         if _exited(ref.pid):
             raise RuntimeError(f"the process that sent this batch (pid {ref.pid}, a DataLoader worker) exited "

@@ -22,9 +22,10 @@ when a process dies: a memfd has no name; it lives while an fd or a mapping hold
 received once (as with torch's own sharing: its descriptor is handed out once).
 
 Linux only (``memfd_create`` and ``/proc``); :func:`available` is False elsewhere, when this
-process cannot open its own ``/proc/self/fd`` entries, and with ``STREAMPACK_SHM_RING=0`` in the
-environment (for a system where the training process may not open its workers' ``/proc`` entries:
-the receiver then fails naming this variable).
+process cannot open its own ``/proc/self/fd`` entries, and when Yama's ``ptrace_scope`` is 2 or 3
+(opening another process's ``/proc/<pid>/fd`` entry needs ptrace-read access: at scope 0 or 1 a
+training process may read its own workers, its descendants; at 2 or 3 it may not). Batches then go
+over torch's own hand-over; no setting chooses between the two.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def available() -> bool:
     global _available
     if _available is None:
         _available = False
-        if hasattr(os, "memfd_create") and hasattr(os, "pipe2") and os.environ.get("STREAMPACK_SHM_RING") != "0":
+        if hasattr(os, "memfd_create") and hasattr(os, "pipe2") and _ptrace_scope() < 2:
             try:
                 fd = os.memfd_create("streampack-probe", os.MFD_CLOEXEC)
                 try:
@@ -160,6 +161,15 @@ def available() -> bool:
             except OSError:
                 pass
     return _available
+
+
+def _ptrace_scope() -> int:
+    """Yama's ``kernel.yama.ptrace_scope`` (0 where Yama is absent)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def take(nbytes: int) -> tuple[SlotRef, mmap.mmap] | None:
