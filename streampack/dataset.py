@@ -71,7 +71,7 @@ _log = get_logger(__name__)
 
 # ``numpy.random`` is imported here, in the training process, because every DataLoader worker seeds
 # it as it starts (torch's worker loop): forked workers inherit the module instead of each
-# importing it (its compiled extensions: 22 -> 9.5 ms of CPU per worker start, on every fresh
+# importing it (its compiled extensions: 9.5 ms of CPU per worker start instead of 22, on every fresh
 # iteration and on the resume's critical path; the pipeline imports it anyway, at its first batch).
 _STATELESS_MAIN = ("this PackedDataset is read by DataLoader worker processes: the copy in the main process "
                    "has no position, so its state_dict() would silently restart the data. Checkpoint the loader "
