@@ -205,3 +205,19 @@ def test_prose_check_can_fail() -> None:
     assert found == ["streampack/packing/_probe.py:3: dated entry '2026-11-25' (dated histories go to docs/changelog.md)",
                      "streampack/packing/_probe.py:3: names benchmarks/NOTES.md, which does not exist",
                      "streampack/packing/_probe.py:5: names benchmarks/profile_gone.py, which does not exist"], found
+
+
+def test_benchmark_scripts_write_no_result_file_by_default() -> None:
+    """A benchmark prints its report; it writes a file only where ``--out`` says (a result file
+    written into ``benchmarks/`` by default goes stale there, as the removed ones did)."""
+    outs = {}
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "--out"):
+                default = next((k.value for k in node.keywords if k.arg == "default"), None)
+                outs[path.name] = None if default is None else ast.literal_eval(default)
+    assert len(outs) >= 8  # the guard: the scripts' --out options were found
+    assert not {name: d for name, d in outs.items() if d is not None}, outs
+    peers = (ROOT / "benchmarks" / "bench_peers.py").read_text(encoding="utf-8")
+    assert '"PEERS.md"' not in peers
