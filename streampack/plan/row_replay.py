@@ -242,8 +242,8 @@ class RowReplay:
                      streams: list, keep: bool) -> dict[int, tuple[TokenBlock, int]] | None:
         """The wanted rows of a parquet shard from whole row groups, read once per restore: the
         carried rows of one group leave over many re-reads (``READ_AHEAD`` packs at a time), and
-        reading the group each time, the 25 batches after a restore cost 370 CPU-ms against 33
-        uninterrupted (154 now; ``benchmarks/bench_restore.py``). Kept (``keep``) until
+        reading the group each time, the 25 batches after a restore cost 370 CPU-ms, reading it
+        once 154, uninterrupted 33 (``benchmarks/bench_restore.py``). Kept (``keep``) until
         :meth:`forget`: the groups the window's rows are in, which the stream held too."""
         kept = self._groups.setdefault((source, shard), []) if keep else list(self._groups.get((source, shard), []))
         rows = [offset for offset, _ in positions]
