@@ -30,8 +30,8 @@ reservoir's hold limit, and the packer's resume state measured on a real ``Windo
 Each balanced variant starts every reader's cost histogram with ``warm`` pack costs drawn
 from a pool of packs the same packer made from an independent stream: what a reader has
 counted after ``warm / packs_per_batch`` steps of training (the steady state of a long run).
-*cold* rows start from nothing, like step 0 of a run before 2026-11-25; *seeded* rows start
-every rank from the same seed histogram, as the library now does
+*cold* rows start from nothing (``Balance(seeded=False)``); *seeded* rows start
+every rank from the same seed histogram, as the library does by default
 (:mod:`streampack.plan.cost_seed`: the packs of one shared sample of lengths). Fill is the packer's (every pack each
 rank made): the balance reorders packs, it never changes them.
 """

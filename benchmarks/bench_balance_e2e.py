@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_balance_e2e.py                  # ~5 min, writes 0.3 GB of shards
     PYTHONPATH=. python benchmarks/bench_balance_e2e.py --steps 100 --docs 20000   # a quick look
-    PYTHONPATH=. python benchmarks/bench_balance_e2e.py --out benchmarks/balance_e2e_results.md
+    PYTHONPATH=. python benchmarks/bench_balance_e2e.py --out /tmp/balance_e2e_results.md
 
 Unlike ``bench_balance.py`` (a lengths-only simulator of 1,024 ranks), every rank here is a
 ``PackedDataset(dp_rank=r, dp_size=16, balance=...)`` reading tar shards of pre-tokenized

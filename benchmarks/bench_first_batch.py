@@ -1,6 +1,6 @@
 """Time to the first batch, by window and document length, with and without the packer's warm-up.
 
-A fresh packer used to read and tokenize a whole window (``window`` samples per DataLoader
+Without the warm-up a fresh packer reads and tokenizes a whole window (``window`` samples per DataLoader
 worker) before it emitted a pack; with the warm-up (:mod:`streampack.packing.window_rounds`) its
 first round holds ``warmup`` = 64 samples and each later round doubles, up to ``window``.
 
@@ -9,7 +9,7 @@ Rows:
 - ``first_batch``: text shards (the demo's synthetic corpus, tar) of documents averaging
   ``doc_tokens`` tokens, the demo BPE tokenizer, capacity 4096, ``PackedDataset`` under a torch
   ``DataLoader`` with 2 workers: seconds from ``iter(loader)`` (workers start) to the first batch,
-  best of ``runs``, warm-up on (the default) and off (``warmup >= window``, as before).
+  best of ``runs``, warm-up on (the default) and off (``warmup >= window``).
 - ``fill``: the whole-epoch fill the warm-up costs, from the packer's own round logic
   (``window_rounds.count_packs``) on lognormal lengths (sigma 1), capacity 4096.
 

@@ -244,7 +244,7 @@ def adapter_overhead(batch: PackedBatch, calls: int = 200) -> dict[str, float]:
 
 
 def old_helper(logits: torch.Tensor, batch: PackedBatch, n: int) -> torch.Tensor:
-    """The loss before this version: gather target rows, read counts on the host, bincount."""
+    """The baseline loss: gather target rows, read counts on the host, bincount."""
     keep = batch.labels != batch.ignore_index
     token_loss = F.cross_entropy(logits[keep].float(), batch.labels[keep], reduction="none")
     int(keep.sum())

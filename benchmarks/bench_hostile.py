@@ -12,17 +12,10 @@ Rows (``run()``):
 - ``rss``: peak RSS growth of a child process reading a gzip bomb (one huge line in a tiny
   ``.jsonl.gz``), a huge-line ``.jsonl`` and a tar with a huge member through a pipe.
 
-Provisional numbers (2026-11-22, 2 shared cores under load ~2, so noisy; run from a neutral
-cwd, e.g. ``cd /tmp && PYTHONPATH=<tree> python <tree>/benchmarks/bench_hostile.py``): peak RSS
-growth 64 / 64 / 2 MiB for the 400 MiB gzip bomb line / plain line / tar member through a pipe
-(``main`` without the limits: 1451 / 1200 / 400 MiB). ``ShardReader`` on tar-npy ~26 vs ~21.5 us
-per sample on ``main`` (minima of interleaved runs: key set ~1.5 us, id bound ~1 us, strict
-headers and the judging layer the rest), jsonl within noise; in-process ``PackedDataset`` end to
-end (bench_pipeline's stream) within noise (17.2k vs 18.8k samples/s, best of 3). json: the
-bracket count adds a few us per line; a bracket-heavy line (chats, code) is parsed then its
-object measured, +35-190% of a ``json.loads`` that takes 9-300 us (tokenizing the same text
-costs milliseconds); the byte scan (only under a raised recursion limit) ~1-2x ``json.loads``.
-Key set: ~1.5 us per insert, 24 bytes per key at the peak of a merge.
+Run it from a neutral cwd (``cd /tmp && PYTHONPATH=<tree> python <tree>/benchmarks/bench_hostile.py``).
+The last run's rows are in ``benchmarks/README.md`` ("bench_hostile"), the limits it checks in
+``docs/reliability.md``, and what the limits cost against the reader without them in
+``docs/changelog.md``.
 """
 
 from __future__ import annotations

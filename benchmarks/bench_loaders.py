@@ -30,7 +30,7 @@ Per loader and worker count (w0 = no DataLoader workers, w2 = 2):
 - state bytes: ``torch.save`` size of the loader state; RSS: peak of the training process and of
   its largest worker.
 
-    PYTHONPATH=. python benchmarks/bench_loaders.py --tokens 20e6 --rounds 2 --out benchmarks/LOADERS.md
+    PYTHONPATH=. python benchmarks/bench_loaders.py --tokens 20e6 --rounds 2 --out /tmp/LOADERS.md
     PYTHONPATH=. python benchmarks/bench_loaders.py --quick --loaders streampack,webdataset
 """
 

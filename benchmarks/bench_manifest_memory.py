@@ -11,7 +11,7 @@ the four fingerprints a planned reader takes (``ShardReader`` names its plan's m
 
 Then a small data set is read by ``PackedDataset(manifest=<loopback URL>)`` through a DataLoader
 with ``multiprocessing_context="spawn"`` and the loopback store counts the GETs of the manifest
-file: what one rank pays (a reader used to fetch it once more in every spawned worker).
+file: what one rank pays (one fetch, not one more in every spawned worker).
 
 Usage: ``python benchmarks/bench_manifest_memory.py [--shards 100000] [--workers 2] [--out FILE]``
 """

@@ -17,7 +17,7 @@ patchify) divided by its frames.
 The images are smooth gradients plus noise (photographs compress between flat colour and pure
 noise). Run: ``python benchmarks/bench_media.py`` (``--quick`` for fewer repeats).
 
-Measured 2026-11-25 on the shared 2-core box (loaded): see benchmarks/README.md, "Images: header-only against decode".
+The last numbers: ``benchmarks/README.md``, "Images: header-only against decode".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 streampack's window packer on the same generated shards; header-only image length against
 decode-then-count.
 
-    PYTHONPATH=. python benchmarks/bench_multimodal.py --samples 4000 --out benchmarks/multimodal_results.md
+    PYTHONPATH=. python benchmarks/bench_multimodal.py --samples 4000 --out /tmp/multimodal_results.md
 
 The data: webdataset tar shards written here (fixed seed), one sample = a ``json`` member with
 pre-tokenized ``input_ids`` (text ids, and per image ``<|vision_start|> <image> <|vision_end|>``

@@ -1,7 +1,7 @@
 """Benchmark the packers: bins against the lower bound, fill, load balance, time and memory.
 
     PYTHONPATH=. python benchmarks/bench_packing.py --sizes 1e4 1e5 1e6 --capacity 4096 \
-        --dists lognormal heavy_tail --out benchmarks/packing_results.md
+        --dists lognormal heavy_tail --out /tmp/packing_results.md
 
 Lengths (fixed seed, clipped to [1, capacity]):
 - ``lognormal``: lognormal with mean 600 and sigma 1 (median 364), rounded;
@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cold", action="store_true", help="skip compile / window-size tables")
     parser.add_argument("--no-scaling", action="store_true",
                         help="skip the algorithm x size table against a plain numba BFD")
-    parser.add_argument("--out", type=str, default="benchmarks/packing_results.md",
-                        help="also write the tables here")
+    parser.add_argument("--out", type=str, default=None,
+                        help="also write the tables here (default: print them only)")
     args = parser.parse_args(argv)
     report = to_markdown(run([int(s) for s in args.sizes], args.capacity, args.dists,
                              refs=not args.no_refs, repeats=args.repeats))

@@ -225,7 +225,7 @@ def online_fill(windows: tuple[int, ...] = (256, 1024), n: int = 100_000) -> lis
 NOISE = 0.1
 """A larger input counts as faster only when it is more than this share faster: a fresh process's
 first call is mostly loading (5 ms with the AOT module, ~1 s through numba), and two loads differ
-by more than 2% between runs on the loaded box (the cliff of the issue was 5-15x)."""
+by more than 2% between runs on the loaded box (the cliff this guards against is 5-15x)."""
 
 
 def criteria(rows: list[dict], fills: list[dict]) -> list[tuple[str, bool, str]]:

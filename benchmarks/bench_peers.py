@@ -8,7 +8,8 @@ parquet once streampack reads it), Mosaic ``streaming`` (MDS) with llm-foundry's
 ``datasets`` streaming parquet with TRL's BFD. Per loader: real tokens/s per DataLoader worker
 with 1 and 2 workers, fill, share of the corpus's tokens delivered in one epoch, time to resume
 80% into the epoch, whether the resumed stream is exact, and the state's ``torch.save`` size
-(``peers/measure.py`` says exactly how). Writes the markdown table to ``benchmarks/PEERS.md``.
+(``peers/measure.py`` says exactly how). Prints the markdown report; ``--out FILE`` writes it
+there instead (the table is still printed).
 
 The peers are not streampack dependencies: they live in their own virtual environment that
 sees the system packages (``benchmarks/requirements-peers.txt`` says how to make it). A peer
@@ -100,7 +101,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dir", default=None, help="keep the written corpus here and reuse it on reruns")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None,
-                        help="markdown report (default benchmarks/PEERS.md; none with --quick)")
+                        help="write the markdown report here (default: print it)")
     args = parser.parse_args(argv)
     args.peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = [p for p in args.peers if p not in PEERS]
@@ -111,8 +112,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--workers and --repeats must be >= 1 and --resume-at in (0, 1)")
     if args.tokens is None:
         args.tokens = QUICK_TOKENS if args.quick else FULL_TOKENS
-    if args.out is None and not args.quick:
-        args.out = str(HERE / "PEERS.md")
     return args
 
 
@@ -132,10 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"run{'s' if args.repeats > 1 else ''} per timing")
     report = document(results=results, workers=args.workers, corpus=described, command=command,
                       distributions=DISTRIBUTIONS, settings=settings, resume_at=args.resume_at)
-    print(table(results, args.workers, args.resume_at))
     if args.out:
+        print(table(results, args.workers, args.resume_at))
         Path(args.out).write_text(report)
         print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        print(report)
     return 1 if any(r.error.startswith("failed") for r in results) else 0
 
 

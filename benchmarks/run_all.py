@@ -131,7 +131,7 @@ def _cores() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (CI / smoke run)")
-    parser.add_argument("--out", default="benchmarks/report.md", help="markdown report path")
+    parser.add_argument("--out", default=None, help="also write the markdown report here (default: print it only)")
     parser.add_argument("--skip", default="", help="comma-separated module names to leave out, e.g. bench_balance")
     args = parser.parse_args(argv)
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}

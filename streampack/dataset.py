@@ -73,7 +73,7 @@ _log = get_logger(__name__)
 
 # ``numpy.random`` is imported here, in the training process, because every DataLoader worker seeds
 # it as it starts (torch's worker loop): forked workers inherit the module instead of each
-# importing it (its compiled extensions: 22 -> 9.5 ms of CPU per worker start, on every fresh
+# importing it (its compiled extensions: 9.5 ms of CPU per worker start instead of 22, on every fresh
 # iteration and on the resume's critical path; the pipeline imports it anyway, at its first batch).
 
 quiet_set_vital()  # torchdata's StatefulDataLoader(ds, ...) warns on every construction (loader.py)

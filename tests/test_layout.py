@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ast
+import io
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -144,3 +147,77 @@ def test_light_imports_do_not_load_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False", f"import {module} loads torch"
+
+
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+MARKDOWN = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md)\b")
+SCRIPT = re.compile(r"\b((?:benchmarks|examples|tests)/[\w/]+\.py)\b")
+ROOT = PACKAGE.parent
+
+
+def _prose(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every docstring (module, class, function, attribute) and comment of a module."""
+    found = [(node.lineno, node.value.value) for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+             and isinstance(node.value.value, str)]
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return found + [(tok.start[0], tok.string) for tok in tokens if tok.type == tokenize.COMMENT]
+
+
+def _markdown_exists(name: str, module: Path) -> bool:
+    """A markdown file named from ``module`` exists, read from the repository root, ``docs/``,
+    ``benchmarks/`` or the module's own folder."""
+    return any((base / name).is_file() for base in (ROOT, ROOT / "docs", ROOT / "benchmarks", module.parent))
+
+
+def _prose_problems(path: Path, source: str) -> list[str]:
+    where = path.relative_to(ROOT)
+    problems = []
+    for line, text in _prose(source):
+        problems += [f"{where}:{line}: dated entry {m!r} (dated histories go to docs/changelog.md)"
+                     for m in DATE.findall(text)]
+        problems += [f"{where}:{line}: names {m}, which does not exist"
+                     for m in MARKDOWN.findall(text) if not _markdown_exists(m, path)]
+        problems += [f"{where}:{line}: names {m}, which does not exist"
+                     for m in SCRIPT.findall(text) if not (ROOT / m).is_file()]
+    return problems
+
+
+def test_docstrings_and_comments_carry_no_diaries() -> None:
+    """No docstring or comment under ``streampack/`` holds a date (``20YY-MM-DD``: a dated history
+    belongs in ``docs/changelog.md``) or names a markdown file or a script that is not in the
+    repository (STYLE.md: one measured sentence where the choice is made, with the script that
+    gives it)."""
+    modules = sorted(PACKAGE.rglob("*.py"))
+    sources = {path: path.read_text(encoding="utf-8") for path in modules}
+    assert len(modules) > 100 and sum(len(_prose(s)) for s in sources.values()) > 1000  # the guard: prose was found
+    problems = [problem for path, source in sources.items() for problem in _prose_problems(path, source)]
+    assert not problems, "\n".join(problems)
+
+
+def test_prose_check_can_fail() -> None:
+    """The check finds a date, a missing markdown file and a missing script in a module docstring,
+    an attribute docstring and a comment, and accepts the pages and scripts that exist."""
+    source = ('"""See docs/batch.md, benchmarks/README.md and benchmarks/bench_state.py."""\n'
+              'X = 1\n"""Measured 2026-11-25 (benchmarks/NOTES.md)."""\n'
+              'def f():\n    return 1  # per benchmarks/profile_gone.py\n')
+    found = _prose_problems(PACKAGE / "packing" / "_probe.py", source)
+    assert found == ["streampack/packing/_probe.py:3: dated entry '2026-11-25' (dated histories go to docs/changelog.md)",
+                     "streampack/packing/_probe.py:3: names benchmarks/NOTES.md, which does not exist",
+                     "streampack/packing/_probe.py:5: names benchmarks/profile_gone.py, which does not exist"], found
+
+
+def test_benchmark_scripts_write_no_result_file_by_default() -> None:
+    """A benchmark prints its report; it writes a file only where ``--out`` says (a result file
+    written into ``benchmarks/`` by default goes stale there, as the removed ones did)."""
+    outs = {}
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "--out"):
+                default = next((k.value for k in node.keywords if k.arg == "default"), None)
+                outs[path.name] = None if default is None else ast.literal_eval(default)
+    assert len(outs) >= 8  # the guard: the scripts' --out options were found
+    assert not {name: d for name, d in outs.items() if d is not None}, outs
+    peers = (ROOT / "benchmarks" / "bench_peers.py").read_text(encoding="utf-8")
+    assert '"PEERS.md"' not in peers

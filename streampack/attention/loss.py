@@ -8,10 +8,11 @@ then gives exactly the unpacked token mean. ``reduction="sequence"`` averages ea
 first, then divides by the step's number of supervised documents.
 
 The common path (token mean) *is* ``F.cross_entropy(logits, labels, ignore_index=...,
-reduction="sum") / num_targets``: one kernel, no host sync, nothing gathered. An earlier version
-selected the target rows first (``logits[labels != ignore]``) and read ``int(keep.sum())`` and
-a ``bincount``: three host syncs and a copy of the ``[targets, V]`` rows per call, 6% of a
-300M-parameter model's step on an H100 (154k vs 163k tokens/s, bf16, 8 x 4096 tokens). Every
+reduction="sum") / num_targets``: one kernel, no host sync, nothing gathered. Selecting the
+target rows first (``logits[labels != ignore]``) and reading ``int(keep.sum())`` and a
+``bincount`` costs three host syncs and a copy of the ``[targets, V]`` rows per call, 6% of a
+300M-parameter model's step on an H100 (154k vs 163k tokens/s, bf16, 8 x 4096 tokens;
+``benchmarks/bench_gpu.py``). Every
 count it needs is a Python int of the batch (``num_targets``, ``num_target_docs``), computed
 on the CPU when the batch was built; the per-document sums use ``index_add`` over
 ``batch.seq_idx``. ``benchmarks/bench_gpu.py`` measures the helper against plain

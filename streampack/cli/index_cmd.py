@@ -16,7 +16,7 @@ it), 1 write. Remote shards are indexed by ``--jobs`` threads (default 16: the w
 requests); local ones by one process per core (the scan is Python parsing headers, which
 threads serialize on the GIL). A remote tar is read by ranged requests where that skips
 enough bytes (``--ranged``, :mod:`streampack.io.tar_sparse`). Measured with
-``benchmarks/bench_index.py`` (2-core machine under load 7–10, 2026-11-25; tar shards of
+``benchmarks/bench_index.py`` (2-core machine under load 7–10; tar shards of
 1,000 samples of ~2 KB tokens):
 
 - local, 100 shards, 2 jobs: threads 46 s (2.2 shards/s), processes 37 s (2.7 shards/s); a

@@ -9,12 +9,10 @@ once, into the batch. It is an optimisation, not a second semantics: the batches
 metrics and errors are the per-sample path's, batch for batch (``tests/test_contiguous.py``), and
 a state saved on either path restores on the other.
 
-Measured 2026-11-27 on the loaded 2-core box (``benchmarks/LOADERS_streampack.md``): one
-in-process epoch of the 4M-token corpus (6,769 documents, capacity 4096, window 1024, 8 packs a
-batch; best of 4 interleaved) 661 -> 131 CPU-ms from tar shards (5.0x), 361 -> 134 from parquet
-(2.7x); in ``benchmarks/bench_loaders.py``'s fresh processes 3.5x / 2.6x main's tokens per
-CPU-second. Where the tar epoch's time goes: reading blocks ~55 ms (their checks ~40), laying
-batches out ~45 (0.35 ms a batch), packing rounds ~25, collate and nodes ~10.
+One in-process epoch of the 4M-token corpus (capacity 4096, window 1024, 8 packs a batch)
+costs 131 CPU-ms from tar shards, 5.0x less than the per-sample path (parquet 134 CPU-ms, 2.7x
+less): ``benchmarks/bench_loaders.py``; where the time goes is in ``benchmarks/README.md``,
+"The cost of a token".
 
 ``STREAMPACK_CONTIGUOUS=0`` turns it off (every stream then runs the per-sample path).
 """

@@ -28,12 +28,11 @@ mode); a restore compares it — O(N) CPU once per process to fingerprint, no re
 difference is refused naming the shards, read from the copy :func:`save_manifest` keeps under
 ``history/<fingerprint>`` (1 read and O(N) compares, only when refusing). So a resume costs
 O(own share) requests plus O(N) CPU for the manifest it loads anyway, never a stat / HEAD per
-shard. Measured (``benchmarks/bench_resume_check.py --shards 100000``, this 2-core box,
-2026-11-25): the four fingerprints 46 ms idle (0.46 µs × N; 0.35 × loading the manifest, side by
+shard. Measured (``benchmarks/bench_resume_check.py --shards 100000``, a 2-core box): the four fingerprints 46 ms idle (0.46 µs × N; 0.35 × loading the manifest, side by
 side), 200 ms at load ~12 (0.24 ×); naming the changed shards 13 ms under ``tag`` (0.13 µs × N)
 and 0.1 ms under ``size``; the history copy one more write of the same ~70 B × N per build.
 
-Measured (``benchmarks/bench_index.py``, 2-core machine under load 7–10, 2026-11-25):
+Measured (``benchmarks/bench_index.py``, 2-core machine under load 7–10):
 
 - file: ``≈ 70 B × N`` (10^5 shards of ``s3://my-bucket/datasets/web-2026/train/shard-NNNNNN.tar``
   with 36-char ETags and digests: 7.0 MB, compressed ``.npz``); load ``≈ 3.6 µs × N`` (359 ms at

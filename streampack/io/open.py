@@ -22,8 +22,7 @@ for a local file) naming the URL, which the reader counts or raises under ``on_e
   seek or resume: starting at ``offset`` reads and discards the bytes before it, and a broken
   pipe is a ``corrupt_shard`` at once.
 
-Measured with ``benchmarks/bench_storage.py`` (loopback, a shared 2-core machine; provisional,
-2026-11-22):
+Measured with ``benchmarks/bench_storage.py`` (loopback, a shared 2-core machine; provisional):
 
 - Local files: the stream costs nothing measurable. A 105 MB tar shard parsed at 164 MB/s from
   plain ``open`` and 180 MB/s through it; jsonl ``readline`` is faster (256 KiB reads where

@@ -26,8 +26,7 @@ once) — such a batch is decoded, then refused per row.
 
 Damage is located to the row: a batch that fails is read again one row at a time from its
 first row, so every good row before the bad page is delivered and the error names the first
-row that cannot be read (a bad page in row group 2 used to drop row group 1's rows read in
-the same batch, and the error named row 0).
+row that cannot be read.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ def token_lengths(f: BinaryIO, opts: DecodeOptions, url: str) -> np.ndarray:
     The counts are the token column's list lengths, read one row group at a time, only that
     column, in batches of about ``max_sample_bytes``. Parquet keeps a list's lengths only as the
     repetition / definition levels interleaved with the values in each data page, and pyarrow
-    has no levels-only read, so the values are decoded (then dropped). Measured 2026-11-25 with
+    has no levels-only read, so the values are decoded (then dropped). Measured with
     ``python benchmarks/bench_index.py parquet`` (20,000 rows x ~600 int32 ids, 44 MB, loaded
     2-core box): footer alone 1 ms, with token counts 1.7 s (1.1 s for a bare
     ``read_row_group`` + ``list_value_length`` of the column: the same decode), a whole read

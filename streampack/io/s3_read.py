@@ -2,7 +2,7 @@
 
 s3fs's ``cat_file`` sends a ranged ``GetObject`` and returns the body, dropping what the answer
 says about the object; so a key overwritten while a shard is read would splice two versions
-(issue 18, item 14, seen over http). Here the same ``GetObject`` goes through s3fs's own client
+(seen over http). Here the same ``GetObject`` goes through s3fs's own client
 (``_call_s3``: its credentials, endpoint and config apply) with ``IfMatch`` set to the ETag the
 first answer gave, and each answer's ``ETag`` and ``ContentRange`` total are
 compared with the pin (:class:`~streampack.io.http.Pin`); a mismatch or ``412 Precondition

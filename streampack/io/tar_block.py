@@ -21,7 +21,7 @@ the sample it is in, and the per-sample reader reads from there (it raises, coun
 always). A range that ends inside the shard is judged by the header after it, as the per-sample
 reader judges it.
 
-Measured 2026-11-27 (2-core box shared with other jobs, load 3-5; ``benchmarks/bench_loaders.py``
+Measured (2-core box shared with other jobs, load 3-5; ``benchmarks/bench_loaders.py``
 corpus: 1.8 MB shards of 423 documents of ~590 int32 ids behind pax headers): 2.6 ms a shard (min
 of 60 parses; the header loop 0.36, header columns 0.26, pax 0.14, names 0.22, ``.npy`` headers
 0.26, id ranges 0.17, gathering header rows 0.5), ~6 µs a document, where the per-sample reader

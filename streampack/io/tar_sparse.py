@@ -13,21 +13,12 @@ per fetch with :data:`MIN_GAP`; below it (small members: the scan would touch ne
 block anyway) it streams the rest of the shard with the ordinary block reader, from where it
 stands. A ranged fetch costs one request (``t_req``), a skipped byte saves ``1/bw``, so ranged
 is cheaper while ``gap > t_req × bw``. Measured on loopback HTTP (Python threading server,
-2-core machine under load 7-10, 2026-11-25; ``benchmarks/bench_index.py``): ``t_req`` 2.8–5.5
-ms for 16 KiB, streaming 70–570 MB/s, break-even 0.4–2.1 MB. One 200-sample shard, whole /
-ranged / auto (auto measured before the one-block rule: the first two shards now read whole):
+2-core machine under load 7-10; ``benchmarks/bench_index.py``): ``t_req`` 2.8–5.5
+ms for 16 KiB, streaming 70–570 MB/s, break-even 0.4–2.1 MB. On 200-sample shards whole reads win up to 256 KiB members (451 against 967 ms) and
+ranged reads from 1 MiB (663 against 1,252 ms; 4 MiB members 2.2 against 4.9 s; the table is in
+``benchmarks/README.md``, "Sparse tar reads").
 
-=============  ========  ======================  ======================  =================
-member bytes   shard     whole (8 MiB blocks)    ranged (16 KiB reads)   auto
-=============  ========  ======================  ======================  =================
-~2 KB (npy)    1.1 MB    98 ms, 2 requests       385 ms, 63 requests     134 ms, 3 requests
-64 KiB         14 MB     173 ms, 3               355 ms, 201             185 ms, 4
-256 KiB        54 MB     451 ms, 8               967 ms, 201             430 ms, 9
-1 MiB          211 MB    1252 ms, 27             663 ms, 201             (ranged)
-4 MiB          840 MB    4909 ms, 102            2230 ms, 201            919 ms, 201
-=============  ========  ======================  ======================  =================
-
-So :data:`MIN_GAP` = 512 KiB: token shards (KB-sized samples) stream whole as before (above 8 MiB at the
+So :data:`MIN_GAP` = 512 KiB: token shards (KB-sized samples) stream whole (above 8 MiB at the
 cost of a 2-request probe, ~2 × t_req); shards whose samples carry images or audio of
 ≥ 512 KiB are read sparsely (1 MiB members: 3.3 MB fetched instead of 211 MB). On S3 / GCS
 (``t_req`` 10–30 ms, ~100 MB/s per stream) break-even is 1–3 MB: between 512 KiB and that, ranged

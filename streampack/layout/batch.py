@@ -210,7 +210,7 @@ def _ready(doc: Any) -> bool:
     """A document :func:`check_doc` would pass with its values unchanged: a Sample of 1-D integer
     ids (any width that int64 holds), with no labels, loss mask or extras -- what a pre-tokenized
     reader yields. It skips the per-document checks and the copy into a new Sample (~25 µs of the
-    ~30 µs a document cost here: ``benchmarks/profile_pipeline.py``, stage ``pack_batch``)."""
+    ~30 µs a document cost in a profile of the ``pack_batch`` stage)."""
     if type(doc) is not Sample or doc.labels is not None or doc.loss_mask is not None or doc.extras or doc.images:
         return False
     tokens = doc.tokens
@@ -296,7 +296,7 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
 
 
 def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = None) -> None:
-    """Assert DESIGN.md's PackedBatch invariants; with ``docs`` (token ids in layout order)
+    """Assert the PackedBatch invariants (``docs/batch.md``); with ``docs`` (token ids in layout order)
     also check token conservation. Raises ``AssertionError`` naming the broken invariant."""
     cu, cup = batch.cu_seqlens, batch.cu_seqlens_padded
     T = batch.total_tokens

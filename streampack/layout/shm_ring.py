@@ -1,7 +1,7 @@
 """Reusable shared-memory slots for batches leaving a process, released by the receiver.
 
-A DataLoader worker used to put every batch into a fresh shared-memory segment (torch's
-``file_system`` sharing): per batch a request to ``torch_shm_manager`` (which the worker first has
+Torch's ``file_system`` sharing puts every batch a DataLoader worker sends into a fresh
+shared-memory segment: per batch a request to ``torch_shm_manager`` (which the worker first has
 to start: 0.25-1.4 s of wall time before its first batch on the 2-core box), a new segment, its
 pages faulted in and zeroed, a copy, and on the receiving side a new mapping and an unlink.
 Here a process keeps a *ring* of slots -- one anonymous ``memfd`` each, mapped once, so its pages
@@ -13,7 +13,7 @@ into the sender's *release pipe*. The sender reads that pipe before taking a slo
 back only after the receiver dropped every tensor viewing it: a batch the trainer still holds --
 in a list, in a pin-memory queue, as a view -- is never overwritten (a held slot simply stays out
 of the ring; past ``MAX_SLOTS`` or ``MAX_BYTES`` in flight, :func:`take` returns None and the
-caller sends the batch the old way). The pipe also orders memory: the receiver's reads of the slot
+caller sends the batch torch's way). The pipe also orders memory: the receiver's reads of the slot
 come before its ``write`` (the kernel's pipe lock), the sender's reuse after its ``read``.
 
 Safety against a reused pid: each reference carries the (device, inode) of the memfd and of the

@@ -20,11 +20,9 @@ view of its received storage: views that shared a storage still share one
 (``input_ids``/``labels``/``position_ids``), and a tensor named by two fields stays one object
 (``varlen_cu_seqlens_bidirectional is varlen_cu_seqlens`` with ``align == 1``).
 
-Measured (``benchmarks/PROFILE.md``; 16-core machine, 2 workers, 8 x 4096-token batches, tar):
-per batch, the workers 7.1-8.8 ms with a named segment per batch -> 5.6-6.7 ms with the ring,
-their page faults 28k-135k per worker (growing with the epoch) -> 13-15k, the first batch 0.52 ->
-0.15 s (no ``torch_shm_manager`` to start); the hand-over alone (``benchmarks/bench_transfer.py``,
-one worker) 5.0 ms of CPU per batch with torch's default, 3.8 with named segments, 2.9 with the ring.
+The hand-over costs 2.9 ms of CPU per batch with the ring, 3.8 with named segments and 5.0
+with torch's default (``benchmarks/bench_transfer.py``, one worker); the ring's effect on a
+2-worker epoch is in ``docs/changelog.md``.
 In a worker, :func:`settle_worker` also sends the small tensors of StatefulDataLoader's per-batch
 state deltas by value (0.5 ms of worker CPU per batch).
 
@@ -256,7 +254,7 @@ def settle_worker() -> None:
 
     Not done, measured: ``gc.freeze()`` of what the worker inherited (the ``gc`` docs' advice for
     forked workers) made the workers *slower*, 7.95 against 5.67 ms of worker CPU per batch (tar,
-    4 M tokens, 2 workers, 16-core machine; ``benchmarks/PROFILE.md``): with the ~175k inherited
+    4 M tokens, 2 workers, 16-core machine): with the ~175k inherited
     objects out of its count, the collector runs full collections over the worker's own window of
     samples far more often, and the page faults it was to save did not change (11.6k against 11.7k
     per worker)."""

@@ -22,7 +22,7 @@ changed shard rebuilds it.
 its new share), so a cache hit is one read of a file of ~8 bytes per sample and 8 per image
 (before compression); a miss reads each of those shards once more, image bytes included (a
 jsonl record's image paths: one fetch per image, with the dataset's retry settings) and parses
-every header. Measured 2026-11-26 on the
+every header. Measured on the
 shared 2-core box (loaded; ``shard_lengths`` on a local tar of 300 samples with 0-3 PNG/JPEG/WebP
 images of up to 640x640 px, 77 MB): 1.6 ms per sample, most of it reading the bytes (a header
 parse is 6-85 us, ``benchmarks/bench_media.py``); the text index of the same shard builds in

@@ -20,7 +20,7 @@ tiles) and its ``image_sizes`` row, from which the model recomputes the tile cou
 unpadding that ``AnyResTiles.count`` counted. The processor's ``size["shortest_edge"]`` and
 ``crop_size`` are both ``tile_size`` here, as in every released LLaVA-NeXT (336).
 
-Cost (``benchmarks/bench_media.py``, best of 10, shared 2-core box, loaded, 2026-11-26): a
+Cost (``benchmarks/bench_media.py``, best of 10, shared 2-core box, loaded): a
 640x480 JPEG -> 5 views of 336 px in 45 ms (its Qwen2-VL patches: 21 ms), a 1920x1080 one in
 87 ms (91 ms); the views hold 5 x 336² pixels whatever the image, so normalising them is most
 of it for small images and the decode for large ones.

@@ -20,7 +20,7 @@ patches: ``streampack.layout.vision.vision_cu_seqlens``). Frames are decoded one
 and resized together; peak memory is the uint8 frames plus the float32 patches.
 
 Cost per frame (``benchmarks/bench_media.py``, 8-frame videos of JPEG frames, best of 10,
-shared 2-core box, loaded, 2026-11-26): the header that sizes it 44 us (640x480) / 85 us
+shared 2-core box, loaded): the header that sizes it 44 us (640x480) / 85 us
 (1920x1080), a full decode 2.2 / 18 ms, this whole path 14 / 50 ms; so packing by headers
 reads 50-200x less CPU than decoding to count, and only emitted packs pay the 14-50 ms.
 """

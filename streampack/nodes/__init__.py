@@ -2,7 +2,7 @@
 
 Compose them by hand (with torchdata's own ``ParallelMapper``, ``Prefetcher``, ``PinMemory``,
 ``Loader`` in between) or let :func:`streampack.graph.build.build_graph` wire them as
-``PackedDataset`` does; see the README's "Build the graph yourself".
+``PackedDataset`` does; see ``docs/dataset.md``, "Build the graph yourself".
 """
 
 from streampack.nodes.collate import ThdCollate

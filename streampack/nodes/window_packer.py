@@ -40,27 +40,13 @@ documents' lengths; without a replay function (a graph with a user node stage) t
 stores tokens instead (2 MB at capacity 4k, 63 MB at 128k: ``benchmarks/bench_state.py``). ``carry=`` starts the packer with samples already in its window
 (an elastic resume hands each new worker its share of the old windows that way).
 
-Log (lognormal mean ~600 sigma 1, capacity 4096, split policy; 2-core shared CPU box):
-
-- slack / max_wait sweep, window 1024, 200k samples (offline bfd fill 99.995%): slack 8 /
-  max_wait 4 -> 99.886%; 16/4 -> 99.899%; 32/4 -> 99.876%; 8/8 -> 99.944%; 16/8 -> 99.934%;
-  32/8 -> 99.916%. Packs forced out by age cost the most fill, so max_wait defaults to 8
-  and slack to capacity // 256 (= 16). slack 0 (emit only perfectly full packs) is worse
-  (99.80%): half-empty packs then wait until forced.
-- fill by window (40k samples, benchmarks/bench_pipeline.py; offline bfd 99.99%): 64 -> 99.16%,
-  256 -> 99.75%, 1024 -> 99.94%, 4096 -> 99.97%.
-- 2026-11-25, max_wait by window: with 8 rounds at every window a small window forced packs out
-  after few samples (window 256: 8 x 256 = 2,048 later samples), which made most of its fill
-  loss. The default is now ``window_rounds.default_max_wait``: ``max(8, 8192 // window)``
-  rounds, the same bound in samples as window 1024's 8 rounds. Window 256, 100k documents
-  (``benchmarks/bench_packing_scaling.py``, online vs offline bfd): lognormal 0.216 -> 0.084
-  points below, heavy-tail 0.220 -> 0.068; slack 8 with 32 rounds: 0.063 / 0.053 (but 8x the
-  packs forced out by age); windows >= 1024 unchanged.
-- the packer alone (in-memory source) runs at 140–230 M tokens/s; end to end the reader and
-  the collate dominate.
-- 2026-11-27: for pre-tokenized tar / parquet shards the graph builder runs the same rounds on
-  rows of arrays instead (:class:`~streampack.nodes.row_packer.RowPacker`, the contiguous fast
-  path: :mod:`streampack.graph.contiguous`); this node serves every other stream.
+Defaults: ``slack = capacity // 256`` and 8 rounds of ``max_wait`` at window 1024 give 99.934%
+fill against offline bfd's 99.995% (lognormal mean ~600, capacity 4096, 200k samples), because
+packs forced out by age cost the most fill; ``benchmarks/bench_packing_scaling.py`` measures
+the online fill against offline bfd by window, and the sweep is in ``docs/changelog.md``. For pre-tokenized tar / parquet shards
+the graph builder runs the same rounds on rows of arrays instead
+(:class:`~streampack.nodes.row_packer.RowPacker`, :mod:`streampack.graph.contiguous`); this
+node serves every other stream.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ plain Python/numpy. Identical bins either way (see ``_engine``). Importing this 
 loads neither numba nor torch. ``pack`` returns ``Bins``, whose per-bin arrays are made on
 access, so it costs what ``pack_flat`` costs.
 
-Measured (lognormal mean 600 clipped to [1, 4096], C = 4096): benchmarks/PACKING_NOTES.md
-and benchmarks/bench_packing_scaling.py for every algorithm at 1e4, 65535, 1e5 and 1e6.
+Measured (lognormal mean 600 clipped to [1, 4096], C = 4096) for every algorithm at 1e4,
+65535, 1e5 and 1e6 by ``benchmarks/bench_packing_scaling.py``; the table is in
+``benchmarks/README.md``, "Packing kernels".
 """
 
 from __future__ import annotations

@@ -10,21 +10,13 @@ on either; only speed differs. ``backend="auto"`` runs the compiled kernels when
 3. the input has at least ``THRESHOLD`` items: then numba's JIT (with its disk cache) loads.
 
 Otherwise — a fresh process, no build, a small input — the plain path runs, and numba is
-never imported (every streaming window). Measured 2026-11-25 (2 shared cores, load 7–20;
-benchmarks/bench_packing_scaling.py; 1e5 lognormal items, C = 4096): a fresh process's first
-call costs 5–7 s for ffd / bfd / mffd / kk through numba (import, cache load; ~0.7 s on a
-quiet machine), 20–100 ms with the AOT module, and the plain path 0.12–1.2 s at 1e5. Before
-rules 1–2 a warm process had a cliff: ffd 86–96 ms at 65535 items vs 6 ms at 1e5 (quiet).
+never imported (every streaming window). A fresh process's first call through numba costs
+~0.7 s on a quiet machine (import, cache load; 5–7 s on 2 loaded cores), 20–100 ms with the
+AOT module (``benchmarks/bench_packing_scaling.py``, 1e5 lognormal items, C = 4096).
 
-The threshold for rule 3 (plain Python vs compiled, ms, quiet machine, compile excluded):
-
-    n        bfd          ffd / ffs / mffd    kk          histogram, greedy
-    8192     2.7 / 0.3    10–25 / 0.3–0.5     85 / 15     1–10 (numpy both ways)
-    65536    23 / 2.5     86–96 / 4–5         216 / 28    5–21
-    131072   50 / 6       172–199 / 7–10      534 / 61    12–25
-
-At 2^16 every plain path still costs at most ~0.2 s, below the ~0.7 s numba load a one-off
-call would pay; above it the plain path grows past the speed budget (kk 0.53 s at 131072).
+``THRESHOLD`` = 2^16 because there every plain path still costs at most ~0.2 s, below the
+~0.7 s numba load a one-off call would pay, and above it the plain path grows past the speed
+budget (kk 0.53 s at 131072; the table is in ``benchmarks/README.md``, "The threshold").
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ input, so ``import streampack.packing`` and window-sized ``pack`` calls never lo
 the ahead-of-time module is built (``streampack.packing.aot``), ``compiled`` returns its
 functions instead and numba is never imported (18 ms to load vs 0.7–7 s; see ``aot``).
 
-The on-disk cache, and why. Measured here (numba 0.68; benchmarks/PACKING_NOTES.md): a fresh
+The on-disk cache, and why. Measured (numba 0.68; ``benchmarks/bench_packing_scaling.py``, table in ``benchmarks/README.md``,
+"The on-disk cache"): a fresh
 process's first compiled call costs 1.2–1.8 s per algorithm with an empty cache (kk 4.8 s:
 it needs four kernels) and 0.66–0.86 s with the cache filled, of which ~0.3 s is importing
 numba and ~0.3 s its code generator starting up. So the cache saves 0.6–3.9 s in every

@@ -3,17 +3,16 @@ process loads without importing numba.
 
     python -m streampack.packing.aot        # build into $STREAMPACK_CACHE/aot (once)
 
-Why (measured 2026-11-25, 2 shared cores, load 7–20): a fresh process's first compiled call
-imports numba and loads its cached kernels — ~0.7 s on a quiet machine, 1–10 s under this
-load (bench_packing_scaling.py, "cold first call") — so the plain-Python path had to serve
-everything below ``THRESHOLD`` = 65536 items, where ffd / mffd / kk run 10–20x slower than
-compiled (the 64k cliff). The same kernel source compiled by ``numba.pycc`` into a plain
+Why (``benchmarks/bench_packing_scaling.py``, "cold first call"): a fresh process's first
+compiled call imports numba and loads its cached kernels — ~0.7 s on a quiet machine, 1–10 s
+on 2 loaded cores — so without a build the plain-Python path serves everything below
+``THRESHOLD`` = 65536 items, where ffd / mffd / kk run 10–20x slower than compiled. The same kernel source compiled by ``numba.pycc`` into a plain
 extension module imports in 18 ms with numba never loaded, and runs as fast as the JIT's
 code (bfd kernel at 1e4: 0.36 vs 0.37 ms; 1e6: 270 vs 264 ms; identical bins). With the
 module present, ``backend="auto"`` runs the compiled kernels at every size from the first
 call. Building costs once what JIT-compiling every algorithm costs (~1 min here under load
-for all eight kernels; a C compiler is needed, as for numba's pycc); without a build
-everything works as before (plain path below ``THRESHOLD``, numba JIT + cache above).
+for all eight kernels; a C compiler is needed, as for numba's pycc); without a build the
+plain path runs below ``THRESHOLD`` and numba's JIT (with its cache) above.
 
 The module's name carries a hash of the files that hold kernels, numpy's and Python's version
 and the machine, so an edited kernel never loads a stale build: it is just not found, and

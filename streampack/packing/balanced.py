@@ -1,9 +1,8 @@
 """``kk``: the fewest bins, then loads balanced by pairwise Karmarkar–Karp differencing.
 
-The old ``kk`` searched for the smallest k whose k-way largest-differencing partition fit
-the capacity: 0.6–0.9% more bins than ``bfd``, superlinear (3.3 s at 8192 items; not done
-after 10 minutes at 64k, holding 5.6 GB). This one keeps the registry name and the promise
-("fewest bins, balanced") and does it differently:
+A search for the smallest k whose k-way largest-differencing partition fits the capacity
+gives 0.6–0.9% more bins than ``bfd`` and grows superlinearly (3.3 s at 8192 items), so this
+takes the bin count from ``bfd`` and balances afterwards:
 
 1. ``bfd`` gives the bin count: the fewest any packer here finds (within 0.01% of the lower
    bound on long-tail lengths), but with the slack piled into the last few bins.
@@ -18,12 +17,9 @@ after 10 minutes at 64k, holding 5.6 GB). This one keeps the registry name and t
    the variance of the loads by less than 2% (after 12–14 rounds at 1e6 items): O(n log² n)
    time at worst, O(n) memory.
 
-Measured against the old kk (lognormal mean 600 and a heavy-tailed "real-text-like"
-mixture, C = 4096, 12 seeds each at n = 256, 1024 and 4096; benchmarks/PACKING_NOTES.md):
-the old kk used 0.1–3.6 more bins on average; mean load CV (std / mean) old 0.0043–0.0083,
-new 0.0006–0.0065, lower in all 72 cases; mean max − min load old 52–114 tokens, new
-16–95. Time: 9 ms at 1024 items and 80–130 ms at 8192 in plain Python (old, compiled and
-warm: 9–43 ms and 2.1–3.3 s), 0.3–0.6 s at 1e6 compiled.
+Time: 9 ms at 1024 items and 80–130 ms at 8192 in plain Python, 0.3–0.6 s at 1e6 compiled
+(``benchmarks/bench_packing_scaling.py``; the comparison with the k-way search is in
+``benchmarks/README.md``, "kk: old vs new").
 Layout: bins by decreasing load, item indices ascending inside a bin. ``seed`` is unused.
 """
 

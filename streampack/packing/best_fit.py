@@ -7,15 +7,13 @@ on room). Each item takes the top of ``fit`` after moving the bins that now fit 
 ``low``; a bin that still holds another item of the same size stays in ``fit`` with one
 ``heapreplace`` (most placements late in the order: this halved the kernel's time). Every
 bin changes heap at most once per item placed in it, so the loop is O(n log m) for any
-capacity, with O(n) memory (the old binary trie over room values was O(n log C) nodes and
-131 ms at 1e6). A heap key is ``room·(n+1) + (n − step)``: one int that orders by room,
-then by the latest step (the stack order of the old trie, whose bins this reproduces
-exactly).
+capacity, with O(n) memory. A heap key is ``room·(n+1) + (n − step)``: one int that orders
+by room, then by the latest step (ties to the bin that reached that room last).
 
-Measured (1 core, lognormal mean 600, C = 4096; benchmarks/PACKING_NOTES.md): plain Python
-0.31 ms at 1024 items and 2.6 ms at 8192 (the old compiled trie: 0.43 ms at 1024);
-compiled ~60 ms at 1e6 for the flat result (kernel 30 ms; sort and grouping the rest). Bin
-counts equal FFD's, within 0.01% of ceil(sum / C).
+Measured (1 core, lognormal mean 600, C = 4096; ``benchmarks/bench_packing_scaling.py``): plain
+Python 0.31 ms at 1024 items and 2.6 ms at 8192; compiled ~60 ms at 1e6 for the flat result
+(kernel 30 ms; sort and grouping the rest). Bin counts equal FFD's, within 0.01% of
+ceil(sum / C).
 """
 
 from __future__ import annotations

@@ -11,11 +11,10 @@ Cost O(n + N log N) time and O(n + N) memory after the sort by length, N = confi
 created (each move of some packs from one group to another makes one; N <= n: 1k at 1024
 lognormal items, ~10k at 1e4, 41k at 1e6). Building the forest and walking it are two
 kernels (plain Python on lists below ``THRESHOLD``, compiled above, identical output);
-handing items out to packs is vectorised numpy. Measured (lognormal mean 600, C = 4096,
-load ~8 on 2 cores, best of 5): plain 1.6 ms at 1024 items and 55 ms at 1e4 (where N ~ n);
-compiled 2.5 ms at 1e4 (the old numpy-only version: 63 ms, 25x slower), 34 ms at 65535 and
-0.5 s at 1e6 (old 0.67 s) — 1.1–3.8x bfd's compiled time. It compiled nothing before 2026-11-25
-("numpy alone is fast enough"), which held at 1e6 but left 1e4–64k at 10–45x bfd.
+handing items out to packs is vectorised numpy. The forest is compiled because numpy alone
+runs 1e4 items in 63 ms, 25x the compiled 2.5 ms (``benchmarks/bench_packing_scaling.py``,
+lognormal mean 600, C = 4096, best of 5: plain 1.6 ms at 1024 items, compiled 34 ms at 65535
+and 0.5 s at 1e6, 1.1–3.8x bfd's compiled time).
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ LDM keeps a max-heap of partial solutions. Each is a k-tuple of part sums, store
 (max − min) are combined largest-with-smallest: part i of one joins part k−1−i of the
 other, the rest is re-sorted. Parts keep their items as linked lists, so joining two parts
 is O(1); a combine costs O(s log s) for the s non-empty parts involved. Only live tuples are
-kept (their parts partition the items), so memory is O(n) — the old compiled version kept
-every tuple ever made, O(n·k).
+kept (their parts partition the items), so memory is O(n), not the O(n·k) of keeping every
+tuple ever made.
 
 Measured here (lognormal lengths, mean 600, clipped to 4096, seed 0; max part / mean part,
 lower is better):
 
-    n      k    LDM       LPT       seeded KK of REFERENCE.md
-    1024   64   1.0023    1.0020    1.10
+    n      k    LDM       LPT
+    1024   64   1.0023    1.0020
     4096   64   1.00002   1.0002
     1024   8    1.000005  1.00009
     256    64   1.61      1.61      (n/k = 4: the largest item decides)

@@ -71,7 +71,7 @@ class Bins(Sequence[np.ndarray]):
     """The bins of a ``PackResult`` as a read-only sequence: ``bins[b]`` is the int64 view
     ``order[offsets[b]:offsets[b + 1]]``, made when asked (see the module docstring).
 
-    Behaves like the list ``pack`` used to return for reading — ``len``, indexing (also
+    Behaves like a list of arrays for reading — ``len``, indexing (also
     with numpy ints and negative indices), slicing (gives a list), iteration, ``==`` with a
     list of arrays (same length, equal arrays) — but cannot be changed in place; ``list(bins)``
     gives a list. ``bins.result`` is the flat form.

@@ -25,51 +25,18 @@ within tolerance of the best match the oldest goes. After ``max_hold`` steps a p
 first step whose level it does not exceed, whatever else is ready (counted as ``forced``): an
 old heavy pack never leaves at a light step, the one event that makes a straggler.
 
-**Why these rules** (earlier versions, the same simulator, 1,024 ranks, 128k, k = 1,
-reservoir 64; straggler factor):
+**Why these rules** (``python benchmarks/bench_balance.py``, 1,024 ranks, 128k, k = 1): the
+straggler factor is 1.035 with a reservoir of 64 packs and warm histograms, against 2.51
+emitting in token order; a reservoir of 32 gives 1.072 and 128 gives 1.021 for 1.6x the state
+(the simulator's table and the rules tried and dropped: ``benchmarks/README.md``,
+"Compute-balanced packing", and ``docs/changelog.md``).
 
-- the reservoir's own quantile instead of a cost level: 1.15 — the 60th of 64 packs differs
-  too much between readers in the tail;
-- levels without serving the tail faster: heavy packs piled up in some readers, and once old
-  had to leave at light steps: 1.9-2.1;
-- every quantile shifted up (``q * (1 + over)``) instead of the tail served proportionally:
-  9% of steps aimed at the maximum while 3.7% of packs are that heavy, and the readers
-  without one dragged the mean down: 1.11-1.16;
-- the rules above, histograms warm (20,000 packs counted): 1.035; from a cold start (the
-  first 400 steps of a run): 1.10.
-
-**Trade-offs** (1,024 ranks, 400 steps, Llama-3-8B shape, warm histograms; provisional,
-measured on a shared 2-core box, ``python benchmarks/bench_balance.py``):
-
-=========  ===  =========  =========  =====  ============  ===================  ========
-capacity   k    reservoir  straggler  p99    fill          steps waited (mean,  state
-                                                           max)
-=========  ===  =========  =========  =====  ============  ===================  ========
-128k       1    (tokens)   2.512      2.59   99.72%        7, 26                63 KB
-128k       1    16         1.215      2.14   the same      21, 218              121 KB
-128k       1    32         1.072      1.29   the same      34, 268              168 KB
-128k       1    64         1.035      1.19   the same      60, 288              291 KB
-128k       1    128        1.021      1.15   the same      107, 399             478 KB
-128k       4    (tokens)   1.923      2.29   99.70%        2, 7                 62 KB
-128k       4    64         1.042      1.11   the same      17, 143              278 KB
-32k        1    (tokens)   1.351      1.37   99.94%        32, 83               62 KB
-32k        1    64         1.015      1.05   the same      78, 294              84 KB
-32k        4    (tokens)   1.276      1.35   99.91%        8, 21                62 KB
-32k        4    64         1.020      1.04   the same      23, 88               141 KB
-=========  ===  =========  =========  =====  ============  ===================  ========
-
-Cold (the first 400 steps of a run, histograms empty at step 0): 1.104 at 128k k = 1, 1.087 at
-k = 4; with 2,000 packs counted, 1.053. The target of issue 14 (at most 1.05 at 128k, fill loss
-under 0.5 points) holds once the histograms are warm, with no fill loss at all.
-
-**Seeded** (since 2026-11-25, ``Balance.seeded``): what made a cold start worse was not too few
-packs but *different* ones — each reader's levels came from its own few packs. Now every reader
-starts from one histogram, the same on every rank (:mod:`streampack.plan.cost_seed`: the
-packer's own packs of one sample of the shard indexes' lengths, counted as 20,000 packs), so the
-levels agree from step 0. Simulator ``--quick`` (128 ranks, steps 0–120, 128k): k = 1 1.018
-(cold 1.096, 5,000 independent packs counted 1.031), k = 4 1.025 (cold 1.094). End to end,
-16 ranks of ``PackedDataset`` at 128k, steps 0–500 (``benchmarks/bench_balance_e2e.py``):
-1.027 (cold 1.064), and 1.034 (cold 1.079) when attention truly costs 1.5x the FLOP model.
+**Seeded** (``Balance.seeded``): every reader starts from one histogram, the same on every rank
+(:mod:`streampack.plan.cost_seed`: the packer's own packs of one sample of the shard indexes'
+lengths, counted as 20,000 packs), so the levels agree from step 0 — a cold start differs not by
+too few packs but by each reader's levels coming from its own few. End to end, 16 ranks of
+``PackedDataset`` at 128k, steps 0–500 (``benchmarks/bench_balance_e2e.py``): straggler 1.027
+seeded, 1.064 cold.
 
 Host memory: the reservoir's packs, ``reservoir x capacity`` tokens per reader (64 MB of int64
 ids at 128k). State: the reservoir's documents as references (56 bytes each), a histogram of

@@ -3,7 +3,7 @@
 :class:`~streampack.nodes.window_packer.WindowPacker` packs its window once per round and
 :func:`choose` decides which packs leave; :func:`count_packs` runs the very same rounds over a
 list of lengths, so an epoch plan (``epoch_plan``) counts exactly the packs the node will
-emit — no second implementation to drift apart (``tests/test_topology_plan.py`` checks both
+emit — no second implementation to drift apart (``tests/test_topology_finite.py`` checks both
 agree on random streams).
 
 Warm-up. Round ``r`` refills the window to ``min(window, warmup * 2**r)`` samples (:meth:`PackerRules.size`),
@@ -12,16 +12,10 @@ finite one, an elastic resume's new reader) emits its first packs after ``warmup
 of ``window``: the first batch no longer waits for a whole window to be read and tokenized. The ramp
 is a function of the round number, so the plan counts it and an exact resume replays it.
 
-Measured 2026-11-25 (``benchmarks/bench_first_batch.py --windows 256,1024 --doc-tokens 600,1900``;
-2-core box shared with other jobs, load average 4-8, best of 3), text shards + BPE tokenizer,
-capacity 4096, 2 DataLoader workers, seconds from ``iter(loader)`` to the first batch, warm-up on
-vs off (off = the packer before): ~1,900-token documents, window 1024: 1.50 vs 22.95; window 256:
-1.50 vs 13.66; ~600-token documents, window 1024: 0.60 vs 5.99 (window 256: 0.17 vs 0.67; the
-sub-second values are mostly noise on this box). With the warm-up the first batch no longer
-depends on the window. Fill cost over a whole epoch (lognormal lengths, capacity 4096,
-``count_packs``): at most 0.035 percentage points (mean 600, window 256, 20k samples: 99.816% ->
-99.781%); between -0.004 and +0.004 pp at 200k samples for windows 256-4096 (the warm-up rounds
-cover ~2 windows of samples, and bfd on 64+ samples still finds near-full bins).
+The warm-up costs at most 0.035 percentage points of fill over an epoch (lognormal lengths,
+capacity 4096, ``count_packs``) and takes the first batch of 1,900-token documents at window
+1024 from 23 s to 1.5 s (``benchmarks/bench_first_batch.py --windows 256,1024 --doc-tokens
+600,1900``; the figures with the warm-up off are in ``docs/changelog.md``).
 """
 
 from __future__ import annotations

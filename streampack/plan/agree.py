@@ -50,41 +50,18 @@ bytes, plus one connection per process (kept across rounds); rank aggregator (1 
 at 8,192 readers; never deleted, a late duplicate may still read them), and one open connection
 per waiting reader (the store host needs ``ulimit -n`` > G + R + the job's own).
 
-Measured on the shared 2-core CPU box (gVisor sandbox), loopback libuv TCPStore,
-``benchmarks/bench_agree.py``, W = 8, connections made before the round:
-
-    one request, one client:  compare_set 27 us, add 68 us, multi_get 8 keys 0.15 ms, 1,024 keys 10 ms
-    store throughput:         ~8-9k requests/s with 1-2 client processes (4.5k with 4: CPU-bound here)
-    one round, G readers:     G=64 threads 0.09 s | 512 threads 0.29 s, 8 procs 0.17 s |
-                              2,048 threads 8.1 s (42 s of sys time: 2,048 threads waking on 2
-                              cores), 8 procs x 256 threads 2.6 s (slowest of 3: 3.6 s) |
-                              4,096 in 8 procs 8.8 s (slowest 24.5 s: this sandbox's 5 s network stalls) |
-                              8,192 in 8 procs x 1,024 threads (2026-11-25, the box also running the
-                              test suite): median of 3 rounds 97 s, slowest 132 s, one reader's
-                              call p50 36 s; connecting 97 s
-
-So a round costs at least (5 G + 3 R) / (store throughput) plus wake-ups: at 1,024 ranks x 8
-workers 44k requests, >= 5 s of this box's store; measured rounds grew faster than that (2.6 s at
-2,048, 8.8 s at 4,096), so expect 10-20 s here at 8,192, once per epoch (a real node's store and
-network should do better; not measured here). Connecting is apart: the first round opens G connections at once (this
-sandbox stalls 5 s on bursts of concurrent connects; torch's client retries).
+So a round costs at least (5 G + 3 R) / (store throughput) plus wake-ups: the loopback
+TCPStore served ~8-9k requests/s on a shared 2-core box (``benchmarks/bench_agree.py``; its
+rounds by G are in ``benchmarks/README.md``, "Agreement rounds"), i.e. >= 5 s for 1,024 ranks x
+8 workers, once per epoch. Quotas settle in the background after each reader's first batch
+(``plan.quota``), so a round delays no batch unless it outlasts the reader's epoch of data.
 
 Against the alternatives: ``sync_batches`` costs one all-reduce per step (0.35 ms gloo, 2
 local processes; more at 1,024 ranks), i.e. 3.5-35 s per epoch of 10^4-10^5 steps, and needs the
 training loop's cooperation; every reader simulating every reader costs O(samples of the data
 set) CPU per reader per epoch (1,100+ CPU-s at 10^9 samples and 8,192 readers). This costs O(1)
 requests per reader per epoch, paid at the epoch boundary, and one O(G)-request burst on the
-central store, which is the scaling limit: at 10^5 readers, >= 1 min per round on this box.
-
-Log: 2026-11-25 first version; the numbers above. Threads of one process under-state the store:
-at G=2,048 the round was bound by waking threads (sys time), not by the store's ~11k requests.
-Rounds at 4,096 showed stalls in multiples of 5 s, as connects do in this sandbox, so its slowest
-rounds measure the sandbox more than the protocol. 2026-11-25: G=8,192 ran (``python
-benchmarks/bench_agree.py --readers 8192 --procs 8``): 8,192 threads on 2 loaded cores, ~41k store
-requests per round (5 per reader), 97 s — bound by this box (threads waking, ~400 requests/s
-under that load), not by the protocol's request count. Since quotas settle in the background
-after each reader's first batch (``plan.quota``), a round's time no longer delays any batch
-unless it exceeds the reader's whole epoch of data.
+central store, which is the scaling limit: at 10^5 readers, >= 1 min per round on that box.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ before the first batch, 18 after it, 0.2-0.7 s of CPU, ~17 MB. An index length o
 record) is left out of the count, as the reader skips it (counted as ``empty_sample``).
 
 Trade-off against agreeing at run time (``streampack.sync_batches``: one all-reduce of "I
-still have data" per step), measured before the per-reader plan (``python
-benchmarks/bench_state.py --plan --sync``; provisional): planning costs nothing per step but
+still have data" per step; ``python benchmarks/bench_state.py --plan --sync``, provisional): planning costs nothing per step but
 needs token lengths in the manifest (pre-tokenized shards) and no stage that changes lengths.
 Agreeing per step works for any data (text, stages) but costs one all-reduce per step (0.35 ms
 on gloo with 2 local processes, 0.9 ms loaded; NCCL is far cheaper) and needs the training

@@ -23,11 +23,9 @@ read and checked once: ~15 µs a document read on its own, ~0.4 ms a re-read for
 all its shards at once, from ``benchmarks/bench_restore.py``); for parquet, each row group
 holding a carried row read once.
 Memory: W rows of 104 bytes, plus those row groups until their last carried row is re-read.
-Before, each re-read parsed its clusters whole: the window's span of shard once per
-``READ_AHEAD`` packs, O(W / (READ_AHEAD x documents per pack) x span). Measured 2026-11-27
-(``benchmarks/bench_restore.py``: the ``bench_loaders.py`` corpus, window 1024, a state 61
-batches into the epoch, 2-core box), the 25 batches after a restore read 31.7 MB before and
-8.5 MB now, where the uninterrupted batches read 3.6 MB.
+Reading only the carried documents, not their clusters whole (the window's span of shard once
+per ``READ_AHEAD`` packs), the 25 batches after a restore read 8.5 MB instead of 31.7 MB, where
+the uninterrupted batches read 3.6 MB (``benchmarks/bench_restore.py``, window 1024).
 """
 
 from __future__ import annotations
@@ -244,8 +242,8 @@ class RowReplay:
                      streams: list, keep: bool) -> dict[int, tuple[TokenBlock, int]] | None:
         """The wanted rows of a parquet shard from whole row groups, read once per restore: the
         carried rows of one group leave over many re-reads (``READ_AHEAD`` packs at a time), and
-        reading the group each time, the 25 batches after a restore cost 370 CPU-ms against 33
-        uninterrupted (154 now; ``benchmarks/bench_restore.py``). Kept (``keep``) until
+        reading the group each time, the 25 batches after a restore cost 370 CPU-ms, reading it
+        once 154, uninterrupted 33 (``benchmarks/bench_restore.py``). Kept (``keep``) until
         :meth:`forget`: the groups the window's rows are in, which the stream held too."""
         kept = self._groups.setdefault((source, shard), []) if keep else list(self._groups.get((source, shard), []))
         rows = [offset for offset, _ in positions]

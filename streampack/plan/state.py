@@ -228,22 +228,10 @@ def record_text(record: Mapping[str, Any]) -> str:
     and its metrics. ``StatefulDataLoader`` flattens every worker's state after every batch,
     diffs it leaf by leaf against the last one, sends the changed leaves, and the training
     process rebuilds every worker's whole state from its leaves; as nested dicts these two
-    records were ~75 of a state's ~155 leaves. As one text each (``benchmarks/profile_state_step.py``,
-    2026-11-27, the commit before this change against it, the 2-core box running CI beside it):
-    154 -> 80 leaves, ``state_dict()`` plus torchdata's delta 285 -> 221 µs a batch (median; the
-    metrics' encoding adds ~27 µs to ``state_dict()``), and in ``benchmarks/profile_workers.py`` (tar, 4 M tokens, 2 workers, best of 3 interleaved) the
-    workers' CPU per batch 3.29 -> 3.13 ms, their feeder thread's 0.65 -> 0.32, the training
-    process's 1.18 -> 1.05: ~5% of a 2-worker epoch, within that run's noise for the total
-    (0.82 -> 0.80 CPU-s).
-
-    The nodes' own records (each reader's ``config`` and ``identity``, each node's ``counters``
-    and ``metrics``) followed: a finite epoch's state 82 -> 44 leaves, and the sum of their key
-    depths, which is what torchdata's ``_unflatten`` walks in the training process for every
-    worker after every batch, 426 -> 199 (an endless stream's: 80 -> 42, 348 -> 159). Per batch
-    (``benchmarks/profile_state_step.py``, 3 interleaved pairs): ``state_dict()`` plus the delta
-    211-226 -> 158-169 µs, the training process's rebuild of one worker's state 90-171 -> 42-68 µs;
-    with 2 workers over 32 M tokens the training process 1.27-1.32 -> 0.94-1.00 ms a batch, its
-    snapshot 502-531 -> 278-291 µs (``benchmarks/profile_loader_parts.py``, ``benchmarks/PROFILE.md``)."""
+    records, and the nodes' ``config``, ``identity``, ``counters`` and ``metrics``, would be most
+    of a state's leaves: as one text each a finite epoch's state has 44 leaves instead of 154,
+    and ``state_dict()`` plus torchdata's delta costs ~160 µs a batch instead of ~285 (the
+    measurements, per step, are in ``docs/changelog.md``)."""
     return json.dumps(record, separators=(",", ":"), default=_plain)
 
 

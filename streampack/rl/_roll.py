@@ -19,11 +19,11 @@ real tokens and lets padded micro-batches exceed the budget:
    length. When fewer than ``k`` have two rows ROLL asserts; this raises ``ValueError``.
 
 Which ROLL: ``roll/utils/dynamic_batching.py`` on ROLL's main branch as published in v0.2.0
-(commit 3077befc; unchanged at 8eb27cc2, 2026-08-19, the newest snapshot read). A commit of
+(commit 3077befc; unchanged at 8eb27cc2, the newest snapshot read). A commit of
 ROLL outside that branch (896aba12) has ``_split_ranges_to_vpp_multiple`` instead, which
 halves the range with the most *rows* until the count is a multiple, splitting halves again;
-streampack followed that one until 2026-11-25 and differed from main's rule in 89 of 192
-random pp/vpp cases (same counts and padded totals, other groupings).
+it differs from main's rule in 89 of 192 random pp/vpp cases (same counts and padded totals,
+other groupings), and main's rule is the one followed here.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Both guarantee what collectives need: every rank gets the same number of micro-b
 chunk for dynamic plans), none is empty, and the count is a multiple of ``pp_size``; when
 that is impossible they raise ``ValueError`` instead of planning a hang.
 
-Measured 2026-11-21 (benchmarks/bench_rl.py: 1024 lognormal lengths, median 2000, max 16k,
+Measured (``benchmarks/bench_rl.py``: 1024 lognormal lengths, median 2000, max 16k,
 dp 8, budget 16384, round/align 128; 3.01M real tokens):
 
     method             mb/rank  padded tokens  padding  balance (real)
