@@ -208,8 +208,9 @@ def test_inspect_text_with_tokenizer_and_mixed_order(tmp_path, capsys):
     from node_checks import ListSource
 
     from streampack.nodes.tokenize import Tokenize
+    from streampack.options import TokenizeOptions
 
-    node = Tokenize(ListSource(samples), lambda text: [1] * len(text.split()), block_size=8)
+    node = Tokenize(ListSource(samples), lambda text: [1] * len(text.split()), TokenizeOptions(block_size=8))
     node.reset(None)
     lengths, unit = sample_lengths(iter(node))
     assert lengths.tolist() == [7, 2, 5] and unit == "tokens"

@@ -165,8 +165,7 @@ def test_the_group_is_resolved_and_not_kept(shards):
 
 
 def test_fingerprint_names_every_setting_that_shapes_the_stream():
-    config, options = StreamConfig(capacity=64), ReadOptions()
-    got = fingerprint_settings(config, options)
+    got = fingerprint_settings(StreamConfig(capacity=64))
     text_limits = {k: v for k, v in dataclasses.asdict(Limits()).items() if k not in ("max_image_pixels", "max_sample_pixels")}
     assert list(got) == list(FINGERPRINT) and got["limits"] == text_limits  # image limits: only with media=
     assert got["align"] == 1 and got["cost_model"] is None and got["balance"] is None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.errors import DataError, ErrorPolicy
 from streampack.logs import get_logger, warn_every
 from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
 from streampack.sample import Sample, SampleOrigin
@@ -190,7 +190,7 @@ class OverlongNode(BaseNode[Sample]):
 
     def __init__(self, source: BaseNode[Sample], max_len: int, policy: str = "split", *,
                  replay: Callable[[list[int]], list[Sample]] | None = None, media: MediaOptions | None = None,
-                 on_error: str = "raise", errors: ErrorCounter | None = None) -> None:
+                 error_policy: ErrorPolicy | None = None) -> None:
         super().__init__()
         check_policy(policy)
         if max_len < 1:
@@ -203,7 +203,8 @@ class OverlongNode(BaseNode[Sample]):
         ``chunks``), or None to keep pending chunks as tokens."""
         self.media = media
         """The stream's ``MediaOptions`` (None: text only): cuts avoid images' tokens."""
-        self._policy = ErrorPolicy(on_error, errors)  # a sample whose image tokens do not match its images
+        # a sample whose image tokens do not match its images (default: raise)
+        self._policy = error_policy if error_policy is not None else ErrorPolicy()
         self._clear()
 
     def _clear(self) -> None:

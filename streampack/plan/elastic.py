@@ -242,7 +242,7 @@ class _OldPlans:
         self.config, self.sources, self.options = config, sources, options
         self.dp_size, self.readers, self.passes = dp_size, readers, passes
         self.place = Placement(dp_size=dp_size, num_workers=readers, passes=passes)
-        self.planner = make_planner(config, sources, self.place, options, count=False) if config.epochs else None
+        self.planner = make_planner(config, sources, self.place, count=False) if config.epochs else None
         first = passes * config.epochs if config.epochs else 0
         self.first, self.last = first, (first + config.epochs if config.epochs else None)
         self._packed: PackedShardReader | None = None

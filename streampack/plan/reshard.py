@@ -182,7 +182,7 @@ class _ShareFinite:
     def __init__(self, left: Remaining, config: StreamConfig, sources: Sources, options: ReadOptions,
                  place: Placement, *, agreement: Any = None, agree: Any = None) -> None:
         self.left, self.config, self.sources, self.options, self.place = left, config, sources, options, place
-        self.planner = make_planner(config, sources, place, options, agreement=agreement, agree=agree)
+        self.planner = make_planner(config, sources, place, agreement=agreement, agree=agree)
         assert self.planner is not None
         self.manifest = self.planner.shards
         self.tokens = self.manifest.known_lengths()
@@ -289,7 +289,7 @@ class PendingResume:
         check_fingerprint(keep(dataset_record(states[0], FINGERPRINT_KEY)), keep(ds.fingerprint(num_workers)))
         pending = cls(states=states, dp_size=dp_size, num_workers=num_workers)
         if dp_size != ds.dp_size:  # a new topology whatever the worker count: plan it here, once
-            pending.left = remaining(states, ds.config, ds.sources, ds.options, ds.stages)
+            pending.left = remaining(states, ds.config, ds.sources, ds.config.read, ds.stages)
         return pending
 
     def for_reader(self, ds: Any, here: Worker) -> tuple[dict[str, Any] | None, Share | None]:
@@ -299,10 +299,10 @@ class PendingResume:
                 if (s[WORKER_KEY]["dp_rank"], s[WORKER_KEY]["worker_id"]) == (ds.dp_rank, here.id):
                     return s, None
         if self.left is None:
-            self.left = remaining(self.states, ds.config, ds.sources, ds.options, ds.stages)
+            self.left = remaining(self.states, ds.config, ds.sources, ds.config.read, ds.stages)
         place = Placement(dp_rank=ds.dp_rank, dp_size=ds.dp_size, worker_id=here.id, num_workers=here.readers,
                           passes=self.left.passes)
-        mine = share(self.left, ds.config, ds.sources, ds.options, place, agreement=ds._agreement)
+        mine = share(self.left, ds.config, ds.sources, ds.config.read, place, agreement=ds._agreement)
         carried = 0 if mine.carry is None else table_size(mine.carry)
         _log.info("elastic resume: %d old readers (dp_size=%d x %d) -> reader %d of %d reads %d carried sample(s) "
                   "and %d span(s) / %d pack(s) in epoch %d", self.left.old_dp_size * self.left.old_readers,
