@@ -176,7 +176,7 @@ def test_npy_header_declaring_a_huge_shape_is_bad_npy(tmp_path) -> None:
 
 def test_broken_pickle_is_bad_pickle_when_allowed(tmp_path) -> None:
     url = write_bytes(tmp_path / "p.tar", archive(*samples(2), member("bad00000.pyd", b"\x80\x04garbage"), *samples(1, start=2)))
-    kept, errors = raise_and_skip(url, "bad_pickle", key="bad00000", allow_pickle=True)
+    kept, errors = raise_and_skip(url, "bad_pickle", key="bad00000", read=ReadOptions(allow_pickle=True))
     assert kept == [1, 2, 3] and errors.counts == {"bad_pickle": 1}
 
 
