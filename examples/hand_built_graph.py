@@ -45,7 +45,7 @@ def by_hand(urls: list[str], tokenizer: str) -> Loader:
                           method="thread", in_order=True)  # torchdata's thread pool tokenizes
     node = OverlongNode(node, c.capacity, c.packing.overlong)
     node = WindowPacker(node, rules=c.packer_rules(worker_seed(c.seed, 0)))  # reader 0's packing seed
-    node = ThdCollate(node, capacity=c.capacity, packs_per_batch=c.packs_per_batch)
+    node = ThdCollate(node, layout=c.batch_layout())
     node = Prefetcher(node, prefetch_factor=4)
     if torch.cuda.is_available():
         node = PinMemory(node)

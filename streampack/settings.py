@@ -24,6 +24,7 @@ from streampack.io.packed_format import Manifest, is_packed_dataset, packed_mani
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.media.options import MediaOptions
+from streampack.nodes.collate import BatchLayout
 from streampack.options import (
     CostOptions,
     PackOptions,
@@ -118,6 +119,12 @@ class StreamConfig:
                              f"parallelism, combined with align_multiple)")
         if self.topology.batches_per_epoch is not None and self.epochs is None:
             raise ValueError(f"batches_per_epoch={self.topology.batches_per_epoch} needs a finite stream (epochs=N)")
+
+    def batch_layout(self) -> BatchLayout:
+        """The collate's record: the batch's shape and padding, from ``capacity``, ``packs_per_batch``,
+        ``topology.align`` and ``packing``."""
+        return BatchLayout(capacity=self.capacity, packs_per_batch=self.packs_per_batch, align=self.topology.align,
+                           pad_id=self.packing.pad_id, ignore_index=self.packing.ignore_index)
 
     def packer_rules(self, seed: int) -> PackerRules:
         """The window packer's rules (what the node runs and what a plan or a cost seed counts with),

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from node_checks import ListSource, check_save_load, lognormal_lengths, make_samples
 
-from streampack.nodes.collate import ThdCollate
+from streampack.nodes.collate import BatchLayout, ThdCollate
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.window_packer import Balancing, WindowPacker
 from streampack.options import CostOptions
@@ -152,8 +152,8 @@ def test_balanced_packer_save_load(k: int, reservoir: int, max_hold: int | None)
     samples = make_samples(lognormal_lengths(300, mean=60, seed=1, max_len=3 * CAP))
     balance = Balance(reservoir=reservoir, max_hold=max_hold)
     assert check_save_load(lambda: _packer(samples, balance=balance, k=k, max_wait=2)) > 20
-    make = lambda: ThdCollate(_packer(samples, balance=balance, k=k), capacity=CAP, packs_per_batch=k,  # noqa: E731
-                              cost_model=MODEL)
+    layout = BatchLayout(capacity=CAP, packs_per_batch=k)
+    make = lambda: ThdCollate(_packer(samples, balance=balance, k=k), layout=layout, cost_model=MODEL)  # noqa: E731
     assert check_save_load(make) > 10
 
 

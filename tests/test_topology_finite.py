@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from streampack import check_invariants
 from streampack.dataset import PackedDataset
-from streampack.nodes.collate import ThdCollate, is_filler
+from streampack.nodes.collate import BatchLayout, ThdCollate, is_filler
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.window_packer import WindowPacker
 from streampack.options import PackOptions, ReadOptions, TopologyOptions
@@ -87,7 +87,7 @@ def test_fillers_have_the_shape_of_every_batch():
     so ranks saw different shapes in the same step."""
     samples = make_samples([CAP] * 7)  # 7 full packs: batches of 3, 3, then 1 + 2 filler packs
     source = WindowPacker(OverlongNode(ListSource(samples), CAP, "split"), rules=PackerRules(capacity=CAP, window=16))
-    batches = list(ThdCollate(source, capacity=CAP, packs_per_batch=3, num_batches=10))
+    batches = list(ThdCollate(source, layout=BatchLayout(capacity=CAP, packs_per_batch=3), num_batches=10))
     assert len(batches) == 10 and sum(is_filler(b) for b in batches) >= 1
     assert {b.total_tokens for b in batches} == {3 * CAP} and {b.num_packs for b in batches} == {3}
     partial = [b for b in batches if not is_filler(b) and "<filler>" in b.doc_keys]

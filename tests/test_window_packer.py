@@ -8,7 +8,7 @@ from node_checks import ListSource, check_save_load, lognormal_lengths, make_sam
 
 from streampack import packing
 from streampack.layout.batch import check_invariants
-from streampack.nodes.collate import ThdCollate, is_filler
+from streampack.nodes.collate import BatchLayout, ThdCollate, is_filler
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.stages import MapSamples
 from streampack.nodes.window_packer import WindowPacker, fill
@@ -42,9 +42,10 @@ def test_other_nodes_save_load() -> None:
     drop_odd = lambda s: None if int(s.key[1:]) % 2 else s  # noqa: E731
     assert check_save_load(lambda: OverlongNode(ListSource(samples), 50, "split")) > 200
     assert check_save_load(lambda: MapSamples(ListSource(samples), drop_odd)) == 100
-    make = lambda: ThdCollate(_packer(samples), capacity=CAP, packs_per_batch=3)  # noqa: E731
+    make = lambda: ThdCollate(_packer(samples), layout=BatchLayout(capacity=CAP, packs_per_batch=3))  # noqa: E731
     assert check_save_load(make) > 5
-    make = lambda: ThdCollate(_packer(samples), capacity=CAP, packs_per_batch=3, num_batches=200)  # noqa: E731
+    layout = BatchLayout(capacity=CAP, packs_per_batch=3)
+    make = lambda: ThdCollate(_packer(samples), layout=layout, num_batches=200)  # noqa: E731
     assert check_save_load(make, offsets=[0, 7, 150, 199, 200]) == 200
 
 
@@ -121,7 +122,7 @@ def test_the_rules_are_made_from_the_records() -> None:
 
 
 def test_filler_batches_have_no_targets() -> None:
-    collate = ThdCollate(_packer(_samples(20)), capacity=CAP, packs_per_batch=2, num_batches=50)
+    collate = ThdCollate(_packer(_samples(20)), layout=BatchLayout(capacity=CAP, packs_per_batch=2), num_batches=50)
     batches = list(collate)
     assert len(batches) == 50 and collate.counters["fillers"] > 0
     fillers = [b for b in batches if is_filler(b)]
@@ -130,7 +131,7 @@ def test_filler_batches_have_no_targets() -> None:
         check_invariants(b)
     assert all(b.num_targets == 0 for b in fillers)
     with pytest.raises(ValueError, match="more than num_batches=1"):
-        list(ThdCollate(_packer(_samples(200)), capacity=CAP, num_batches=1))
+        list(ThdCollate(_packer(_samples(200)), layout=BatchLayout(capacity=CAP), num_batches=1))
 
 
 def _fill_vs_offline(n: int, window: int) -> tuple[float, float]:

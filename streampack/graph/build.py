@@ -215,8 +215,7 @@ class _Builder:
             node, nodes, quota = self._samples(epoch, share, planned, info)
         collate = RowCollate if self.contiguous and self.sources.packed is None else ThdCollate
         node = nodes["collate"] = collate(
-            node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.topology.align,
-            pad_id=config.packing.pad_id, ignore_index=config.packing.ignore_index, num_batches=quota,
+            node, layout=config.batch_layout(), num_batches=quota,
             surplus_hint=_SURPLUS_HINT if config.topology.batches_per_epoch is None else "raise batches_per_epoch",
             errors=self.errors, dp_rank=self.place.dp_rank, worker_id=self.place.worker_id,
             cost_model=config.cost.model,

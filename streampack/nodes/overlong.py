@@ -192,9 +192,8 @@ class OverlongNode(BaseNode[Sample]):
                  replay: Callable[[list[int]], list[Sample]] | None = None, media: MediaOptions | None = None,
                  error_policy: ErrorPolicy | None = None) -> None:
         super().__init__()
-        check_policy(policy)
-        if max_len < 1:
-            raise ValueError(f"{max_len=} must be >= 1")
+        # max_len and policy as checked by StreamConfig and PackOptions; apply_overlong checks them for a
+        # hand-built node at its first sample
         self.source = source
         self.max_len = max_len
         self.policy = policy

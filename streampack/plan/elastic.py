@@ -151,7 +151,7 @@ def find_state(tree: Any, kind: str) -> dict[str, Any] | None:
 
 
 def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources: Sources,
-              options: ReadOptions, stages: Sequence[Any]) -> Remaining:
+              stages: Sequence[Any]) -> Remaining:
     """What the old run's readers had left (see the module docstring)."""
     if sources.mixture:
         raise ValueError("elastic resume of a mixture is not supported (each reader's draw sequence belongs to "
@@ -165,7 +165,8 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
     for s in ordered:
         check_node_versions(s[GRAPH_KEY], f"dp_rank={s[WORKER_KEY]['dp_rank']} worker_id={s[WORKER_KEY]['worker_id']}")
     passes = int(ordered[0][PASSES_KEY])
-    old = _OldPlans(config, sources, options, dp_size, readers, passes)
+    old = _OldPlans(config, sources, dp_size, readers, passes)
+    options = config.read
     identities = saved_identities(ordered, sources)
     mode = options.open_options().identity
     if old.planner is not None and mode != "off":  # the manifest names every shard's identity now: no request
@@ -237,9 +238,8 @@ class _Frontier:
 class _OldPlans:
     """The old topology's plans, to know what each old reader had left."""
 
-    def __init__(self, config: StreamConfig, sources: Sources, options: ReadOptions, dp_size: int,
-                 readers: int, passes: int) -> None:
-        self.config, self.sources, self.options = config, sources, options
+    def __init__(self, config: StreamConfig, sources: Sources, dp_size: int, readers: int, passes: int) -> None:
+        self.config, self.sources, self.options = config, sources, config.read
         self.dp_size, self.readers, self.passes = dp_size, readers, passes
         self.place = Placement(dp_size=dp_size, num_workers=readers, passes=passes)
         self.planner = make_planner(config, sources, self.place, count=False) if config.epochs else None
