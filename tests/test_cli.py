@@ -93,7 +93,7 @@ def test_inspect_text_without_tokenizer_says_so(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["inspect", "/nonexistent/shard-000.tar", "--capacity", "64"], "nonexistent"),
     (["inspect", "{tar}", "--capacity", "64", "--algorithms", "nope"], "unknown algorithm"),
-    (["pack", "{tar}", "--out", "{tmp}/o", "--capacity", "102", "--cp-size", "2"], "multiple of the alignment 4"),
+    (["pack", "{tar}", "--out", "{tmp}/o", "--capacity", "102", "--cp-size", "2"], "capacity=102 must be a multiple of align=4"),
     (["pack", "{tar}", "--out", "{tmp}/o", "--capacity", "64", "--tokenizer", "{tmp}/missing.json"], "no such file"),
     (["demo", "--cache-dir", "{tmp}/c", "--capacity", "0"], "--capacity=0"),
     (["inspect", "{tar}", "--capacity", "64", "--plot", "{tmp}/no/such/dir/h.png"], "no such directory"),
@@ -230,7 +230,7 @@ def test_pack_align_multiple_is_read_back(tmp_path):
 
 def test_demo_checks_flags_before_writing_the_corpus(tmp_path, capsys):
     for flags, message in ((["--algorithm", "nope"], "--algorithm='nope'"),
-                           (["--capacity", "1000", "--cp-size", "3"], "multiple of the alignment 6")):
+                           (["--capacity", "1000", "--cp-size", "3"], "capacity=1000 must be a multiple of align=6")):
         assert main(["demo", "--cache-dir", str(tmp_path / "c"), *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
