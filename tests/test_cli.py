@@ -345,9 +345,9 @@ def test_a_subcommand_imports_only_its_own_module():
 
 def test_pack_overlong_choices_match_the_node():
     from streampack.cli.pack_cmd import OVERLONG_POLICIES
-    from streampack.nodes.overlong import POLICIES
+    from streampack.options.packing import OVERLONG_POLICIES as RECORD_POLICIES
 
-    assert OVERLONG_POLICIES == POLICIES
+    assert OVERLONG_POLICIES == RECORD_POLICIES
 
 
 def test_brace_typo_fails_before_reading(tmp_path, capsys):

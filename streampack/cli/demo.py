@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--max-seconds={args.max_seconds} must be > 0")
     from streampack.options import PackOptions, TopologyOptions
     from streampack.packing import ALGORITHMS
-    from streampack.settings import StreamConfig
+    from streampack.graph import StreamConfig
 
     if args.algorithm not in ALGORITHMS:  # checked before the corpus is written
         raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")

@@ -64,7 +64,7 @@ def windowed_fill(lengths: np.ndarray, capacity: int, window: int, algorithm: st
     from streampack.cli.length_source import LengthSource
     from streampack.nodes.window_packer import WindowPacker, fill
     from streampack.options import PackOptions
-    from streampack.settings import StreamConfig
+    from streampack.graph import StreamConfig
 
     config = StreamConfig(capacity=capacity, packing=PackOptions(window=window, algorithm=algorithm))  # checks them
     packer = WindowPacker(LengthSource(lengths), rules=config.packer_rules(seed))

@@ -26,7 +26,7 @@ from streampack.errors import ON_ERROR_CHOICES
 if TYPE_CHECKING:
     from streampack.nodes.overlong import OverlongCounters
 
-# streampack.nodes.overlong's POLICIES, written out: importing it loads torch (~3 s), and the
+# streampack.options.packing's OVERLONG_POLICIES, written out: importing it loads torch (~3 s), and the
 # parser (``--help``, a usage error) must not wait for that; tests/test_cli.py pins them equal.
 OVERLONG_POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
 
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from streampack.nodes.overlong import OverlongCounters, apply_overlong
     from streampack.options import TopologyOptions
     from streampack.packing import ALGORITHMS, pack
-    from streampack.settings import StreamConfig
+    from streampack.graph import StreamConfig
 
     if args.algorithm not in ALGORITHMS:
         raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")

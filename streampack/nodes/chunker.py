@@ -18,7 +18,8 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack.nodes.block_reader import BlockReader, DocRun
-from streampack.nodes.overlong import POLICIES, OverlongCounters, OverlongNode
+from streampack.nodes.overlong import OverlongCounters, OverlongNode
+from streampack.options.packing import OVERLONG_POLICIES
 from streampack.plan.rows import (
     BLOCK,
     CHUNK,
@@ -218,5 +219,5 @@ class ChunkNode(BaseNode[np.ndarray]):
                 self.LAST_KEY: torch.tensor(last, dtype=torch.int64).reshape(-1, len(OverlongNode.LAST_COLUMNS))}
 
 
-assert POLICIES == ("split", "truncate", "drop", "error")
+assert OVERLONG_POLICIES == ("split", "truncate", "drop", "error")
 __all__ = ["ChunkNode", "base_rows", "chunk_counts", "expand"]

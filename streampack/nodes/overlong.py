@@ -27,6 +27,7 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorPolicy
 from streampack.logs import get_logger, warn_every
+from streampack.options.packing import OVERLONG_POLICIES
 from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
 from streampack.sample import Sample, SampleOrigin
 
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # media stays an optional part: imported where a sample has i
     from streampack.media.stage import MediaSpans
 
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
-POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
 _log = get_logger(__name__)
 
 
@@ -60,8 +60,8 @@ class OverlongCounters:
 
 
 def check_policy(policy: str) -> None:
-    if policy not in POLICIES:
-        raise ValueError(f"overlong={policy!r} must be one of {POLICIES}")
+    if policy not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong={policy!r} must be one of {OVERLONG_POLICIES}")
 
 
 def _slice(sample: Sample, start: int, stop: int, key: str, chunk: int, spans: MediaSpans | None = None) -> Sample:

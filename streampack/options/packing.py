@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streampack.nodes.overlong import POLICIES
 from streampack.options._check import need_choice, need_int, need_type
 from streampack.packing import get_algorithm
+
+OVERLONG_POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
+"""What a sample longer than ``capacity`` becomes (:mod:`streampack.nodes.overlong` applies them)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,7 +53,7 @@ class PackOptions:
         need_int("PackOptions", "pad_id", self.pad_id, 0)
         need_type("PackOptions", "ignore_index", self.ignore_index, int)
         need_type("PackOptions", "pin_memory", self.pin_memory, bool)
-        need_choice("PackOptions", "overlong", self.overlong, POLICIES)
+        need_choice("PackOptions", "overlong", self.overlong, OVERLONG_POLICIES)
         try:
             get_algorithm(self.algorithm)
         except ValueError as e:

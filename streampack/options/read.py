@@ -19,8 +19,10 @@ from streampack.io.decode import DecodeOptions
 from streampack.io.limits import Limits, check_vocab_size
 from streampack.io.retry import RetryPolicy
 from streampack.io.storage import OpenOptions
-from streampack.nodes.mixture import STOP_RULES
 from streampack.options._check import need_choice, need_type
+
+MIXTURE_STOPS: tuple[str, ...] = ("all", "first", "cycle")
+"""When a finite mixture ends (:class:`~streampack.nodes.mixture.Mixture` maps them to torchdata's rules)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +84,7 @@ class ReadOptions:
             ErrorPolicy(self.on_error)  # the one check of an on_error value
         except ValueError as e:
             raise ValueError(str(e).replace("ErrorPolicy(", "ReadOptions(", 1)) from None
-        need_choice("ReadOptions", "mixture_stop", self.mixture_stop, tuple(STOP_RULES))
+        need_choice("ReadOptions", "mixture_stop", self.mixture_stop, MIXTURE_STOPS)
         if self.limits is None:
             object.__setattr__(self, "limits", Limits())
         need_type("ReadOptions", "limits", self.limits, Limits)
