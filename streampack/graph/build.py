@@ -233,9 +233,9 @@ class _Builder:
         if share is not None:
             start = share.epoch
         reader = PackedShardReader(
-            self.sources.packed_urls, capacity=config.capacity, align=config.topology.align, seed=config.seed,
+            self.sources.packed_urls, layout=config.batch_layout(), seed=config.seed,
             shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank, dp_size=place.dp_size,
-            worker_id=place.worker_id, num_workers=place.num_workers, packs_per_batch=config.packs_per_batch,
+            worker_id=place.worker_id, num_workers=place.num_workers,
             work=None if share is None else {share.epoch: share.packs})
         quota = None
         if epoch is not None:

@@ -309,9 +309,9 @@ class _OldPlans:
             return np.asarray(work[epoch], dtype=np.int64)
         if self._packed is None:
             self._packed = PackedShardReader(
-                self.sources.packed_urls, capacity=self.config.capacity, align=self.config.topology.align,
-                seed=self.config.seed, shuffle=self.config.shuffle, epochs=None if self.last is None else self.last,
-                dp_size=self.dp_size, num_workers=self.readers, packs_per_batch=self.config.packs_per_batch)
+                self.sources.packed_urls, layout=self.config.batch_layout(), seed=self.config.seed,
+                shuffle=self.config.shuffle, epochs=None if self.last is None else self.last, dp_size=self.dp_size,
+                num_workers=self.readers)
         return self._packed.dealt(epoch, g)
 
     def _spans(self, g: int, epoch: int, work: Mapping[int, list[Span]],
