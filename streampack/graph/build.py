@@ -46,7 +46,6 @@ from streampack.io.retry import IOStats
 from streampack.layout.batch import PackedBatch
 from streampack.media.node import DecodeImages, vision_layout
 from streampack.media.stage import ExpandImages
-from streampack.options.read import ReadOptions
 from streampack.nodes.block_reader import BlockReader
 from streampack.nodes.collate import ThdCollate
 from streampack.nodes.epochs import EpochLoop
@@ -58,6 +57,7 @@ from streampack.nodes.row_collate import RowCollate
 from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
 from streampack.nodes.window_packer import Balancing, WindowPacker, fill
+from streampack.options.read import ReadOptions
 from streampack.packing.schedule import CostScale, Schedule
 from streampack.packing.window_rounds import worker_seed
 from streampack.plan.cost_seed import sample_lengths, seed_counts

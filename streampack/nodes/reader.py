@@ -52,7 +52,6 @@ from typing import Any, BinaryIO
 from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
-from streampack.options.read import ReadOptions
 from streampack.io import shard_identity
 from streampack.io.decode import Item
 from streampack.io.formats import ShardRange, open_range
@@ -62,6 +61,7 @@ from streampack.io.retry import IOStats
 from streampack.io.shard_identity import ShardChanged
 from streampack.io.storage import OpenOptions, ShardStat
 from streampack.io.urls import ShardList
+from streampack.options.read import ReadOptions
 from streampack.plan.sharding import (
     ShardSpan,
     Span,
