@@ -232,7 +232,7 @@ def state_bytes(setup: Setup, model: CostModel, balance: Balance | None, steps: 
     batches of one rank's stream."""
     from torchdata.nodes import IterableWrapper
 
-    from streampack.nodes.window_packer import WindowPacker
+    from streampack.nodes.window_packer import Balancing, WindowPacker
     from streampack.plan.state import state_nbytes
     from streampack.sample import Sample, SampleOrigin
 
@@ -247,10 +247,10 @@ def state_bytes(setup: Setup, model: CostModel, balance: Balance | None, steps: 
     def no_replay(rows: np.ndarray) -> list[Sample]:
         raise AssertionError("not restored here")
 
-    extra = {} if balance is None else {"balance": balance, "cost_model": model,
-                                        "schedule": Schedule(packs_per_batch=setup.packs_per_batch)}
-    packer = WindowPacker(IterableWrapper(docs()), capacity=setup.capacity, window=setup.window,
-                          replay=no_replay, **extra)
+    balancing = None if balance is None else Balancing(balance=balance, cost_model=model,
+                                                       schedule=Schedule(packs_per_batch=setup.packs_per_batch))
+    packer = WindowPacker(IterableWrapper(docs()), rules=PackerRules(capacity=setup.capacity, window=setup.window),
+                          replay=no_replay, balance=balancing)
     packer.reset()
     for _ in range(steps * setup.packs_per_batch):
         next(packer)

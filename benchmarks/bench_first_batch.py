@@ -44,10 +44,8 @@ def corpus(root: Path, doc_tokens: int, docs: int) -> tuple[list[str], str]:
 def set_warmup(value: int) -> None:
     """The default warm-up of every packer built from now on (and in forked workers): the off
     arm sets it past the window, which is the packer as it was before the warm-up."""
-    from streampack.nodes.window_packer import WindowPacker
     from streampack.packing.window_rounds import PackerRules
 
-    WindowPacker.__init__.__kwdefaults__["warmup"] = value
     PackerRules.__init__.__kwdefaults__["warmup"] = value
 
 

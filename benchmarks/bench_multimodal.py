@@ -232,10 +232,11 @@ def streampack_window(lengths: np.ndarray, capacity: int, window: int) -> list[l
     from torchdata.nodes import IterableWrapper
 
     from streampack.nodes.window_packer import WindowPacker
+    from streampack.packing.window_rounds import PackerRules
     from streampack.sample import Sample
 
     docs = (Sample(key=f"d{i}", tokens=np.zeros(n, dtype=np.int64)) for i, n in enumerate(lengths.tolist()))
-    packer = WindowPacker(IterableWrapper(docs), capacity=capacity, window=window)
+    packer = WindowPacker(IterableWrapper(docs), rules=PackerRules(capacity=capacity, window=window))
     packer.reset()
     return [[len(s) for s in pack] for pack in packer]
 

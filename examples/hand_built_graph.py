@@ -26,18 +26,26 @@ from streampack.graph.build import Placement, Sources, StreamConfig, build_graph
 from streampack.io.urls import ShardList
 from streampack.nodes import OverlongNode, ShardReader, TextEncoder, ThdCollate, WindowPacker
 from streampack.options import PackOptions, TokenizeOptions
+from streampack.packing.window_rounds import worker_seed
 
 CAPACITY, WINDOW, SEED, EOS = 512, 64, 3, 0
 
 
+def config() -> StreamConfig:
+    """Every setting, as the option records ``PackedDataset`` takes: each value is checked here, once."""
+    return StreamConfig(capacity=CAPACITY, packs_per_batch=2, seed=SEED, tokenize=TokenizeOptions(eos_id=EOS),
+                        packing=PackOptions(window=WINDOW))
+
+
 def by_hand(urls: list[str], tokenizer: str) -> Loader:
+    c = config()                                     # each node takes its stage's record
     shards = ShardList.of(urls)                      # expand once: workers and restores reuse it
-    node = ShardReader(shards, seed=SEED)            # infinite, reshuffled per epoch; rank 0 of 1
-    node = ParallelMapper(node, map_fn=TextEncoder(tokenizer, eos_id=EOS), num_workers=2,
+    node = ShardReader(shards, seed=c.seed, read=c.read)  # infinite, reshuffled per epoch; rank 0 of 1
+    node = ParallelMapper(node, map_fn=TextEncoder(tokenizer, c.tokenize), num_workers=2,
                           method="thread", in_order=True)  # torchdata's thread pool tokenizes
-    node = OverlongNode(node, CAPACITY, "split")
-    node = WindowPacker(node, capacity=CAPACITY, window=WINDOW, seed=SEED * 1_000_003)
-    node = ThdCollate(node, capacity=CAPACITY, packs_per_batch=2)
+    node = OverlongNode(node, c.capacity, c.packing.overlong)
+    node = WindowPacker(node, rules=c.packer_rules(worker_seed(c.seed, 0)))  # reader 0's packing seed
+    node = ThdCollate(node, layout=c.batch_layout())
     node = Prefetcher(node, prefetch_factor=4)
     if torch.cuda.is_available():
         node = PinMemory(node)
@@ -45,9 +53,7 @@ def by_hand(urls: list[str], tokenizer: str) -> Loader:
 
 
 def with_builder(urls: list[str], tokenizer: str) -> Loader:
-    config = StreamConfig(capacity=CAPACITY, packs_per_batch=2, seed=SEED, tokenize=TokenizeOptions(eos_id=EOS),
-                          packing=PackOptions(window=WINDOW))  # the records PackedDataset takes
-    graph = build_graph(config, Sources(shards=ShardList.of(urls)), Placement(), tokenizer=tokenizer,
+    graph = build_graph(config(), Sources(shards=ShardList.of(urls)), Placement(), tokenizer=tokenizer,
                         around={"tokenize": lambda n: Prefetcher(n, 16), "collate": lambda n: Prefetcher(n, 4)})
     return Loader(graph.root)
 

@@ -172,12 +172,12 @@ class PackedDataset(IterableDataset):
         # the group is a runtime object (not picklable into workers): only its numbers are kept
         resolved = dataclasses.replace(asked, dp_group=None, dp_rank=self.dp_rank, dp_size=self.dp_size)
         self.config = StreamConfig(capacity=capacity, packs_per_batch=packs_per_batch, seed=seed, shuffle=shuffle,
-                                   epochs=epochs, tokenize=records["tokenize"], packing=records["packing"],
-                                   topology=resolved, cost=records["cost"], media=media)
-        self.options: ReadOptions = records["read"]
-        self.sources = sources_of(urls, opts=self.options.open_options(), mixture_stop=self.options.mixture_stop)
+                                   epochs=epochs, read=records["read"], tokenize=records["tokenize"],
+                                   packing=records["packing"], topology=resolved, cost=records["cost"], media=media)
+        read = self.config.read
+        self.sources = sources_of(urls, opts=read.open_options(), mixture_stop=read.mixture_stop)
         if self.sources.packed is None:  # a typo fails now, not when a reader reaches the shard
-            preflight(self.sources.lists, self.options)
+            preflight(self.sources.lists, read)
         self.tokenizer, self.stages = tokenizer, list(stages)
         self._agreement: Any = None
         self._manifest = None
@@ -243,7 +243,7 @@ class PackedDataset(IterableDataset):
         mixture = ({"mixture_sources": {n: s.digest for n, s in sorted(self.sources.mixture.items())},
                     "mixture_weights": self.mixture_weights, "mixture_stop": self.sources.stop}
                    if self.sources.mixture else {})
-        return {**fingerprint_settings(self.config, self.options), **mixture, "sources": self.sources.digest,
+        return {**fingerprint_settings(self.config), **mixture, "sources": self.sources.digest,
                 "num_sources": len(self.urls), "tokenizer": self._tokenizer_id, "num_stages": len(self.stages),
                 "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_workers": num_workers}
 
@@ -366,8 +366,8 @@ class PackedDataset(IterableDataset):
 
     def _build(self, place: Placement, share: Share | None = None, validate: bool = False) -> Graph:
         if self._manifest is not None:  # another dataset of this process may have been read since
-            hold_manifest(self.sources, self.options, self._manifest)
-        return build_graph(self.config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
+            hold_manifest(self.config, self.sources, self._manifest)
+        return build_graph(self.config, self.sources, place, tokenizer=self.tokenizer,
                            stages=self.stages, share=share, validate=validate, agreement=self._agreement)
 
     def _check_equal_batches(self) -> Any:
@@ -383,7 +383,7 @@ class PackedDataset(IterableDataset):
                                  f"drawn at random): pass batches_per_epoch, or equal_batches='sync' and iterate "
                                  f"streampack.sync_batches(loader, ds)")
             return None
-        manifest = self._manifest if self._manifest is not None else manifest_of(c, self.sources, self.options)
+        manifest = self._manifest if self._manifest is not None else manifest_of(c, self.sources)
         if counting_for(c, Placement(dp_size=self.dp_size)) is not None and not manifest.known_lengths():
             raise ValueError(unplannable(manifest, self.dp_size))
         return manifest
@@ -411,10 +411,10 @@ class PackedDataset(IterableDataset):
         spawned: unpickled, ~121 B x N), 1 read of it per rank instead of 1 + W. A damaged or
         foreign manifest is refused now, by name, before any worker starts."""
         shards = self.sources.shards
-        if (self.config.epochs is None or self.options.manifest is None or shards is None or self.sources.mixture
+        if (self.config.epochs is None or self.config.read.manifest is None or shards is None or self.sources.mixture
                 or self.sources.packed is not None):
             return None
-        return manifest_of(self.config, self.sources, self.options)
+        return manifest_of(self.config, self.sources)
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get a copy without the live graph (it is rebuilt in __iter__)
@@ -423,7 +423,7 @@ class PackedDataset(IterableDataset):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         if self._manifest is not None:  # a spawned worker: the manifest the main process read
-            hold_manifest(self.sources, self.options, self._manifest)
+            hold_manifest(self.config, self.sources, self._manifest)
 
 
 def _agreement(dp_group: Any, dp_rank: int, dp_size: int, timeout_s: float | None,

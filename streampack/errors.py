@@ -138,14 +138,23 @@ class ErrorCounter:
 
 
 class ErrorPolicy:
-    """Applies ``on_error`` to a :class:`DataError`: always count it, then raise or not."""
+    """Applies ``on_error`` to a :class:`DataError`: always count it in ``errors``, then raise or not.
 
-    def __init__(self, on_error: str, errors: ErrorCounter | None) -> None:
+    The one check of an ``on_error`` value (``ReadOptions`` makes one to check its own). A graph
+    makes one policy (``ReadOptions.error_policy``) and every node that meets bad input takes it,
+    so all of them count into the same :class:`ErrorCounter`."""
+
+    __slots__ = ("errors", "on_error")
+
+    def __init__(self, on_error: str = "raise", errors: ErrorCounter | None = None) -> None:
         if on_error not in ON_ERROR_CHOICES:
-            raise ValueError(f"{on_error=} must be one of {ON_ERROR_CHOICES}")
+            raise ValueError(f"ErrorPolicy(on_error={on_error!r}): must be one of {ON_ERROR_CHOICES}")
         self.on_error = on_error
         self.errors = errors if errors is not None else ErrorCounter()
         self.errors.log_skips = self.errors.log_skips or on_error == "skip"
+
+    def __repr__(self) -> str:
+        return f"ErrorPolicy(on_error={self.on_error!r}, errors={self.errors!r})"
 
     def handle(self, err: DataError) -> None:
         """Record ``err``; raise it under ``"raise"``, return (the caller skips) under ``"skip"``."""

@@ -2,8 +2,8 @@
 where this reader sits.
 
 :class:`StreamConfig` holds the batch's shape, the order and the epochs, and the option record
-of each stage after reading (:mod:`streampack.options`); :class:`ReadOptions` (the reading
-stage's record) travels beside it; :class:`Sources` is what the user named, expanded once;
+of each stage (:mod:`streampack.options`): the one record the front and the graph builder pass;
+:class:`Sources` is what the user named, expanded once;
 :class:`Placement` which reader a graph is; :class:`Share` what an elastic resume hands one new
 reader. :func:`fingerprint_settings` is what a resume state records of them.
 """
@@ -24,6 +24,7 @@ from streampack.io.packed_format import Manifest, is_packed_dataset, packed_mani
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.media.options import MediaOptions
+from streampack.nodes.collate import BatchLayout
 from streampack.options import (
     CostOptions,
     PackOptions,
@@ -33,7 +34,7 @@ from streampack.options import (
     field_for,
 )
 from streampack.options._check import need_int, need_type
-from streampack.packing.window_rounds import default_max_wait
+from streampack.packing.window_rounds import PackerRules, default_max_wait
 from streampack.plan.sharding import Span
 
 URLs = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
@@ -72,9 +73,11 @@ class Sources:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamConfig:
-    """What shapes the stream after reading: the batch's shape, the order, the epochs, and the
-    record of each stage (the reading stage's :class:`ReadOptions` travels beside it as
-    ``options``). A resume state is fingerprinted on these (:func:`fingerprint_settings`)."""
+    """Every setting of a stream: the batch's shape, the order, the epochs, and the record of each
+    stage (:mod:`streampack.options`). Each record checked its own values when it was made; what
+    spans records (``capacity`` against ``topology.align``) is checked here, once, and the nodes
+    take their values as checked. A resume state is fingerprinted on these
+    (:func:`fingerprint_settings`)."""
 
     capacity: int
     """Tokens per pack; a multiple of ``topology.align``."""
@@ -86,6 +89,8 @@ class StreamConfig:
     """Shuffle shards per epoch and packs per window (False: file order, for eval)."""
     epochs: int | None = None
     """Epochs per pass; None = infinite."""
+    read: ReadOptions = ReadOptions()
+    """The readers' record (every source's ShardReader, the mixture, the planner, the manifest)."""
     tokenize: TokenizeOptions = TokenizeOptions()
     """The Tokenize node's record."""
     packing: PackOptions = PackOptions()
@@ -104,8 +109,8 @@ class StreamConfig:
         need_int("StreamConfig", "seed", self.seed, 0)
         need_type("StreamConfig", "shuffle", self.shuffle, bool)
         need_int("StreamConfig", "epochs", self.epochs, 1, optional=True)
-        for name, kind in (("tokenize", TokenizeOptions), ("packing", PackOptions), ("topology", TopologyOptions),
-                           ("cost", CostOptions)):
+        for name, kind in (("read", ReadOptions), ("tokenize", TokenizeOptions), ("packing", PackOptions),
+                           ("topology", TopologyOptions), ("cost", CostOptions)):
             need_type("StreamConfig", name, getattr(self, name), kind)
         align = self.topology.align
         if self.capacity % align:
@@ -114,6 +119,20 @@ class StreamConfig:
                              f"parallelism, combined with align_multiple)")
         if self.topology.batches_per_epoch is not None and self.epochs is None:
             raise ValueError(f"batches_per_epoch={self.topology.batches_per_epoch} needs a finite stream (epochs=N)")
+
+    def batch_layout(self) -> BatchLayout:
+        """The collate's record: the batch's shape and padding, from ``capacity``, ``packs_per_batch``,
+        ``topology.align`` and ``packing``."""
+        return BatchLayout(capacity=self.capacity, packs_per_batch=self.packs_per_batch, align=self.topology.align,
+                           pad_id=self.packing.pad_id, ignore_index=self.packing.ignore_index)
+
+    def packer_rules(self, seed: int) -> PackerRules:
+        """The window packer's rules (what the node runs and what a plan or a cost seed counts with),
+        made here only, from ``packing``, ``capacity`` and ``topology.align``; ``seed``: the packer's
+        own (``graph.build.packer_seed``: the stream seed mixed with the reader) or the stream's."""
+        pack = self.packing
+        return PackerRules(capacity=self.capacity, window=pack.window, algorithm=pack.algorithm,
+                           align=self.topology.align, seed=seed, max_wait=pack.max_wait, slack=pack.slack)
 
 
 FINGERPRINT = ("capacity", "window", "algorithm", "packs_per_batch", "align", "text_key", "tokens_key",
@@ -124,8 +143,9 @@ FINGERPRINT = ("capacity", "window", "algorithm", "packs_per_batch", "align", "t
 have always stored them (a state saved before the option records compares equal)."""
 
 
-def fingerprint_settings(config: StreamConfig, options: ReadOptions) -> dict[str, Any]:
+def fingerprint_settings(config: StreamConfig) -> dict[str, Any]:
     """:data:`FINGERPRINT`, each looked up through its record (:func:`field_for`), records as plain dicts."""
+    options = config.read
     records = {"read": options, "tokenize": config.tokenize, "packing": config.packing,
                "topology": config.topology, "cost": config.cost}
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from streampack.errors import ErrorPolicy
 from streampack.options import ReadOptions
 
 BLOCK = 512
@@ -100,7 +101,7 @@ def skip(url: str, **kw: Any) -> tuple[list[int], dict[str, int]]:
     from streampack.errors import ErrorCounter
 
     errors = ErrorCounter()
-    return ids(read(url, on_error="skip", errors=errors, **kw)), errors.counts
+    return ids(read(url, error_policy=ErrorPolicy("skip", errors), **kw)), errors.counts
 
 
 @contextlib.contextmanager
@@ -166,7 +167,7 @@ def assert_resume_exact(url: str, *, every: int = 1, **kw) -> list[int]:
     from streampack.nodes.reader import ShardReader
 
     def reader():
-        return ShardReader(url, shuffle=False, epochs=1, on_error="skip", **kw)
+        return ShardReader(url, shuffle=False, epochs=1, error_policy=ErrorPolicy("skip"), **kw)
 
     full = ids(reader())
     for k in range(0, len(full) + 1, every):

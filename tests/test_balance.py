@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from node_checks import ListSource, check_save_load, lognormal_lengths, make_samples
 
-from streampack.nodes.collate import ThdCollate
+from streampack.nodes.collate import BatchLayout, ThdCollate
 from streampack.nodes.overlong import OverlongNode
-from streampack.nodes.window_packer import WindowPacker
+from streampack.nodes.window_packer import Balancing, WindowPacker
+from streampack.options import CostOptions
 from streampack.packing import CostModel
 from streampack.packing.reservoir import Reservoir
 from streampack.packing.schedule import (
@@ -31,9 +32,10 @@ MODEL = CostModel(linear=1.0, attention=4.0 / CAP)  # a full single-document pac
 
 def _packer(samples, *, balance: Balance | None = Balance(reservoir=8), k: int = 1, cap: int = CAP, **kw):
     kw.setdefault("window", 24)
-    extra = {} if balance is None else {"balance": balance, "cost_model": MODEL,
-                                        "schedule": Schedule(packs_per_batch=k, seed=3)}
-    return WindowPacker(OverlongNode(ListSource(samples), cap, "split"), capacity=cap, **kw, **extra)
+    balancing = None if balance is None else Balancing(balance=balance, cost_model=MODEL,
+                                                       schedule=Schedule(packs_per_batch=k, seed=3))
+    return WindowPacker(OverlongNode(ListSource(samples), cap, "split"), rules=PackerRules(capacity=cap, **kw),
+                        balance=balancing)
 
 
 def _keys(pack) -> tuple[str, ...]:
@@ -106,8 +108,8 @@ def test_balance_options_are_validated() -> None:
                 {"max_hold": 0}, {"reservoir": True}):
         with pytest.raises(ValueError):
             Balance(**bad)
-    with pytest.raises(ValueError, match="cost_model"):
-        WindowPacker(ListSource([]), capacity=CAP, balance=Balance())
+    with pytest.raises(ValueError, match="needs model="):
+        CostOptions(balance=Balance())
     with pytest.raises(ValueError):
         Schedule(lane=2, lanes=2)
 
@@ -150,8 +152,8 @@ def test_balanced_packer_save_load(k: int, reservoir: int, max_hold: int | None)
     samples = make_samples(lognormal_lengths(300, mean=60, seed=1, max_len=3 * CAP))
     balance = Balance(reservoir=reservoir, max_hold=max_hold)
     assert check_save_load(lambda: _packer(samples, balance=balance, k=k, max_wait=2)) > 20
-    make = lambda: ThdCollate(_packer(samples, balance=balance, k=k), capacity=CAP, packs_per_batch=k,  # noqa: E731
-                              cost_model=MODEL)
+    layout = BatchLayout(capacity=CAP, packs_per_batch=k)
+    make = lambda: ThdCollate(_packer(samples, balance=balance, k=k), layout=layout, cost_model=MODEL)  # noqa: E731
     assert check_save_load(make) > 10
 
 
@@ -182,10 +184,10 @@ def test_balance_reduces_the_straggler_factor_on_simulated_ranks() -> None:
         for r in range(ranks):
             rng = np.random.default_rng(r)
             lengths = np.where(rng.random(1500) < 0.03, cap, lognormal_lengths(1500, mean=120, seed=r, max_len=cap))
-            extra = {} if balance is None else {"balance": balance, "cost_model": model,
-                                                "schedule": Schedule(ranks=ranks)}
-            packer = WindowPacker(ListSource(make_samples(lengths, seed=r)), capacity=cap, window=128, seed=r,
-                                  **extra)
+            balancing = None if balance is None else Balancing(balance=balance, cost_model=model,
+                                                               schedule=Schedule(ranks=ranks))
+            packer = WindowPacker(ListSource(make_samples(lengths, seed=r)),
+                                  rules=PackerRules(capacity=cap, window=128, seed=r), balance=balancing)
             for step in range(steps):
                 costs[step, r] = model.pack_cost([len(s) for s in next(packer)])
         found[name] = _straggler(costs)

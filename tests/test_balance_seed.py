@@ -49,7 +49,7 @@ def _first_counts(urls: list[str], place: Placement, *, balance: Any, **kw) -> n
     """The histogram reader ``place`` holds when its first batch is asked for, before any pack."""
     ds = PackedDataset(urls, capacity=CAP, packing=PackOptions(window=32),
                        cost=CostOptions(model=SHAPE, balance=balance), **kw)
-    graph = build_graph(ds.config, ds.sources, place, options=ds.options)
+    graph = build_graph(ds.config, ds.sources, place)
     graph.root.reset(None)
     packer = graph.nodes["packer"]
     assert packer.metrics["packs"] == 0 and packer.reservoir is not None

@@ -93,7 +93,7 @@ def test_inspect_text_without_tokenizer_says_so(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["inspect", "/nonexistent/shard-000.tar", "--capacity", "64"], "nonexistent"),
     (["inspect", "{tar}", "--capacity", "64", "--algorithms", "nope"], "unknown algorithm"),
-    (["pack", "{tar}", "--out", "{tmp}/o", "--capacity", "102", "--cp-size", "2"], "multiple of the alignment 4"),
+    (["pack", "{tar}", "--out", "{tmp}/o", "--capacity", "102", "--cp-size", "2"], "capacity=102 must be a multiple of align=4"),
     (["pack", "{tar}", "--out", "{tmp}/o", "--capacity", "64", "--tokenizer", "{tmp}/missing.json"], "no such file"),
     (["demo", "--cache-dir", "{tmp}/c", "--capacity", "0"], "--capacity=0"),
     (["inspect", "{tar}", "--capacity", "64", "--plot", "{tmp}/no/such/dir/h.png"], "no such directory"),
@@ -208,8 +208,9 @@ def test_inspect_text_with_tokenizer_and_mixed_order(tmp_path, capsys):
     from node_checks import ListSource
 
     from streampack.nodes.tokenize import Tokenize
+    from streampack.options import TokenizeOptions
 
-    node = Tokenize(ListSource(samples), lambda text: [1] * len(text.split()), block_size=8)
+    node = Tokenize(ListSource(samples), lambda text: [1] * len(text.split()), TokenizeOptions(block_size=8))
     node.reset(None)
     lengths, unit = sample_lengths(iter(node))
     assert lengths.tolist() == [7, 2, 5] and unit == "tokens"
@@ -229,7 +230,7 @@ def test_pack_align_multiple_is_read_back(tmp_path):
 
 def test_demo_checks_flags_before_writing_the_corpus(tmp_path, capsys):
     for flags, message in ((["--algorithm", "nope"], "--algorithm='nope'"),
-                           (["--capacity", "1000", "--cp-size", "3"], "multiple of the alignment 6")):
+                           (["--capacity", "1000", "--cp-size", "3"], "capacity=1000 must be a multiple of align=6")):
         assert main(["demo", "--cache-dir", str(tmp_path / "c"), *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
@@ -344,9 +345,9 @@ def test_a_subcommand_imports_only_its_own_module():
 
 def test_pack_overlong_choices_match_the_node():
     from streampack.cli.pack_cmd import OVERLONG_POLICIES
-    from streampack.nodes.overlong import POLICIES
+    from streampack.options.packing import OVERLONG_POLICIES as RECORD_POLICIES
 
-    assert OVERLONG_POLICIES == POLICIES
+    assert OVERLONG_POLICIES == RECORD_POLICIES
 
 
 def test_brace_typo_fails_before_reading(tmp_path, capsys):

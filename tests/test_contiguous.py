@@ -21,7 +21,7 @@ from helpers_hostile import archive, member, npy_bytes, sample, write_bytes
 from node_checks import roundtrip, take
 
 from streampack.dataset import PackedDataset
-from streampack.errors import DataError
+from streampack.errors import DataError, ErrorPolicy
 from streampack.graph.build import build_graph
 from streampack.graph.contiguous import CONTIGUOUS_ENV
 from streampack.io.urls import ShardList
@@ -344,7 +344,7 @@ def test_hostile_shard_hands_over(tmp_path) -> None:
     for what, part in bad.items():
         url = write_bytes(tmp_path / f"{what.replace(' ', '_')}.tar", archive(*good[:20], part, *good[20:]))
         for chunk in (None, 4096):
-            stream, from_blocks = _both_readers(url, on_error="skip", chunk_bytes=chunk)
+            stream, from_blocks = _both_readers(url, chunk_bytes=chunk, error_policy=ErrorPolicy("skip"))
             # read in small chunks, the samples before the bad one come as blocks (in one chunk, a
             # bad sample hands the whole chunk over: a known cost, not a difference)
             assert len(stream) >= 40 and (chunk is None or from_blocks >= 16), (what, chunk, from_blocks)
@@ -443,8 +443,8 @@ def test_jsonl_and_tokenizers_stay_per_sample(monkeypatch, tmp_path) -> None:
     jsonl = write_jsonl_shards(tmp_path / "j", make_token_docs(20), 2)
     config = StreamConfig(capacity=64, packing=PackOptions(window=8))
 
-    def packer(urls, **kw):
-        graph = build_graph(config, Sources(shards=ShardList.of(urls)), Placement(), **kw)
+    def packer(urls, read=ReadOptions(), **kw):
+        graph = build_graph(dataclasses.replace(config, read=read), Sources(shards=ShardList.of(urls)), Placement(), **kw)
         graph.root.reset(None)
         next(graph.root)
         return graph.nodes["packer"], graph.nodes["collate"]
@@ -455,7 +455,7 @@ def test_jsonl_and_tokenizers_stay_per_sample(monkeypatch, tmp_path) -> None:
     assert not isinstance(packer(jsonl)[0], RowPacker)
     assert not isinstance(packer(tar, stages=[lambda s: s])[0], RowPacker)
     assert not isinstance(packer(tar, around={"packer": lambda n: n})[0], RowPacker)
-    assert not isinstance(packer(tar, options=ReadOptions(labels_key="labels"))[0], RowPacker)
+    assert not isinstance(packer(tar, read=ReadOptions(labels_key="labels"))[0], RowPacker)
 
 
 @pytest.mark.parametrize("align", [1, 2, 8])

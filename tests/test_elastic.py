@@ -165,7 +165,7 @@ def test_elastic_infinite_stream_text_and_tokenizer(tmp_path):
     make = lambda r, size: _ds(urls, r, size, **kw)  # noqa: E731
     consumed, states = _old_run(make, 2, 1, 7)
     probe = make(0, 3)
-    last = elastic.remaining(states, probe.config, probe.sources, probe.options, probe.stages).epoch
+    last = elastic.remaining(states, probe.config, probe.sources, probe.stages).epoch
     for rank in range(3):
         rk = SimRank(lambda r=rank: make(r, 3), 0, load=states)
         consumed += [next(rk) for _ in range(60)]
@@ -251,7 +251,7 @@ def test_the_frontier_is_found_in_the_span_of_its_own_epoch(shards):
     epochs [1, 0]) -> 1 x 1 -> 1 x 2 trained 765 (document, epoch) chunks for 710, 55 twice."""
     urls, _ = shards
     ds = _ds(urls, 0, 1, epochs=2)
-    old = elastic._OldPlans(ds.config, ds.sources, ds.options, 1, 1, 0)
+    old = elastic._OldPlans(ds.config, ds.sources, 1, 1, 0)
     spans = [Span(shard=2, start=3584, end=None, epoch=1), Span(shard=0, start=0, end=14848, epoch=1),
              Span(shard=2, start=29696, end=None, epoch=0), Span(shard=1, start=0, end=None, epoch=1)]
     row = {"source": 0, "shard": 2, "epoch": 0, "offset": 30720, "number": 20, "next_offset": 31744,
@@ -357,7 +357,7 @@ def test_old_readers_plans_come_from_their_states_without_index_reads(shards, mo
     real = EpochPlanner.samples
     monkeypatch.setattr(EpochPlanner, "samples", lambda self, shard: opened.append(shard) or real(self, shard))
     probe = make(0, 2)
-    elastic.remaining(states, probe.config, probe.sources, probe.options, probe.stages)
+    elastic.remaining(states, probe.config, probe.sources, probe.stages)
     assert opened == []
     got, counts = _new_run(make, 2, 3, states)
     assert len(set(counts)) == 1

@@ -22,9 +22,10 @@ from helpers_hostile import (
 )
 from node_checks import ListSource
 
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.tokenize import TextEncoder, Tokenize
+from streampack.options import ReadOptions, TokenizeOptions
 from streampack.sample import Sample
 
 
@@ -46,20 +47,20 @@ def test_ids_past_int32_are_refused_without_a_vocab_size(tmp_path, bad_id: int) 
 def test_vocab_size_bounds_ids_and_labels_in_every_format(tmp_path) -> None:
     url = _jsonl(tmp_path, [{"input_ids": [1, 999]}, {"input_ids": [2, 1000]},
                             {"input_ids": [3, 5], "labels": [-100, 1000]}, {"input_ids": [4]}])
-    assert skip(url, vocab_size=1000, labels_key="labels") == ([1, 4], {"out_of_vocab_id": 2})
-    assert ids(read(url, vocab_size=1001, labels_key="labels")) == [1, 2, 3, 4]
+    assert skip(url, read=ReadOptions(vocab_size=1000, labels_key="labels")) == ([1, 4], {"out_of_vocab_id": 2})
+    assert ids(read(url, read=ReadOptions(vocab_size=1001, labels_key="labels"))) == [1, 2, 3, 4]
     tar = write_bytes(tmp_path / "ids.tar", archive(
         sample("00000000", [1, 999]), sample("00000001", np.array([2, 1000], dtype=np.uint16)),
         sample("00000002", [3, 5], **{"labels.npy": npy_bytes(np.array([-100, 4000]))}), sample("00000003", [4])))
-    assert skip(tar, vocab_size=1000) == ([1, 4], {"out_of_vocab_id": 2})
+    assert skip(tar, read=ReadOptions(vocab_size=1000)) == ([1, 4], {"out_of_vocab_id": 2})
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     parquet = str(tmp_path / "ids.parquet")
     pq.write_table(pa.table({"input_ids": [[1, 999], [2, 1000], [3, 2**40], [4]]}), parquet)
-    assert skip(parquet, vocab_size=1000) == ([1, 4], {"out_of_vocab_id": 2})
+    assert skip(parquet, read=ReadOptions(vocab_size=1000)) == ([1, 4], {"out_of_vocab_id": 2})
     with pytest.raises(ValueError, match="vocab_size"):
-        ShardReader(url, vocab_size=0)
+        ShardReader(url, read=ReadOptions(vocab_size=0))
 
 
 def test_vocab_size_bounds_tokenizer_output() -> None:
@@ -67,14 +68,14 @@ def test_vocab_size_bounds_tokenizer_output() -> None:
                 Sample(key="c", url="mem", text="w4")]
     tok = {"w1 w2": [5, 6], "w3": [5, 50_000], "w4": [7]}.__getitem__
     errors = ErrorCounter()
-    node = Tokenize(ListSource(samples_), tok, vocab_size=32_000, on_error="skip", errors=errors)
+    node = Tokenize(ListSource(samples_), tok, vocab_size=32_000, error_policy=ErrorPolicy("skip", errors))
     assert [s.key for s in node] == ["a", "c"] and errors.counts == {"out_of_vocab_id": 1}
     with pytest.raises(DataError, match=r"out_of_vocab_id: the tokenizer returned token id 50000.*key='b'"):
         list(Tokenize(ListSource(samples_), tok, vocab_size=32_000))
     with pytest.raises(DataError, match="out_of_vocab_id"):  # past int32 without a vocab_size
         TextEncoder(lambda t: [2**40])(samples_[0])
     with pytest.raises(ValueError, match="eos_id=32000"):
-        TextEncoder(tok, eos_id=32_000, vocab_size=32_000)
+        TextEncoder(tok, TokenizeOptions(eos_id=32_000), vocab_size=32_000)
 
 
 # ------------------------------------------------------------------ zero-byte shards
@@ -150,9 +151,9 @@ def test_conflicting_fields_are_an_error(tmp_path, members: dict, what: str) -> 
     bad = b"".join(member(f"bad00000.{f}", data) for f, data in raw.items())
     url = write_bytes(tmp_path / "c.tar", archive(*samples(2), bad, *samples(1, start=2)))
     with pytest.raises(DataError, match=rf"conflicting_fields: {what} given by 2 members") as info:
-        read(url, labels_key="labels")
+        read(url, read=ReadOptions(labels_key="labels"))
     assert info.value.key == "bad00000"
-    assert skip(url, labels_key="labels") == ([1, 2, 3], {"conflicting_fields": 1})
+    assert skip(url, read=ReadOptions(labels_key="labels")) == ([1, 2, 3], {"conflicting_fields": 1})
 
 
 def test_tokens_still_win_over_text(tmp_path) -> None:

@@ -19,8 +19,9 @@ from helpers_hostile import (
 )
 from node_checks import roundtrip
 
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.nodes.reader import ShardReader
+from streampack.options import ReadOptions
 
 
 def damage_header(data: bytes, offset: int) -> bytes:
@@ -79,7 +80,7 @@ def _damaged_shard(tmp_path) -> tuple[str, list[int]]:
 def test_every_skip_is_counted_and_nothing_good_is_lost(tmp_path) -> None:
     url, kept = _damaged_shard(tmp_path)
     errors = ErrorCounter()
-    assert ids(read(url, on_error="skip", errors=errors)) == kept
+    assert ids(read(url, error_policy=ErrorPolicy("skip", errors))) == kept
     # lost: the six damaged samples, and 28 (id 29), whose only intact neighbour-to-be is gone
     assert set(kept).isdisjoint({5, 6, 13, 14, 22, 29, 30}) and len(kept) == 30 - 7
     # regions: 4-5 (one: 5's npy header follows 4's broken labels header), 12, 13, 21, 29;
@@ -94,9 +95,9 @@ def test_verdicts_near_corrupt_regions_are_resume_exact(tmp_path) -> None:
     url, kept = _damaged_shard(tmp_path)
     assert len(kept) == 23  # read past all five regions (else this would hold vacuously)
     for k in range(len(kept) + 1):
-        reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
+        reader = ShardReader(url, shuffle=False, epochs=1, error_policy=ErrorPolicy("skip"))
         head = [next(reader) for _ in range(k)]
-        resumed = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
+        resumed = ShardReader(url, shuffle=False, epochs=1, error_policy=ErrorPolicy("skip"))
         resumed.reset(roundtrip(reader.state_dict()))
         assert ids(head) + ids(resumed) == kept, f"resumed after {k} samples"
 
@@ -118,8 +119,9 @@ def test_split_between_workers_reads_every_intact_sample_once(tmp_path) -> None:
     parts = samples(12)
     data = damage_header(archive(*parts), offsets_of(parts)[4])
     url = write_bytes(tmp_path / "s.tar", data)
-    per_worker = [ids(ShardReader(url, shuffle=False, epochs=1, worker_id=w, num_workers=2, on_error="skip",
-                                  cache_dir=str(tmp_path / "c"))) for w in range(2)]
+    read = ReadOptions(cache_dir=str(tmp_path / "c"))
+    per_worker = [ids(ShardReader(url, shuffle=False, epochs=1, worker_id=w, num_workers=2, read=read,
+                                  error_policy=ErrorPolicy("skip"))) for w in range(2)]
     assert sorted(per_worker[0] + per_worker[1]) == [1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12]
 
 
@@ -148,8 +150,9 @@ def test_a_corrupt_region_before_every_sample_is_read_once_when_split(tmp_path) 
     parts = samples(8)
     url = write_bytes(tmp_path / "s.tar", damage_header(archive(*parts), 0))
     errors = ErrorCounter()
-    per_worker = [ids(ShardReader(url, shuffle=False, epochs=1, worker_id=w, num_workers=2, on_error="skip",
-                                  errors=errors, cache_dir=str(tmp_path / "c"))) for w in range(2)]
+    read = ReadOptions(cache_dir=str(tmp_path / "c"))
+    per_worker = [ids(ShardReader(url, shuffle=False, epochs=1, worker_id=w, num_workers=2, read=read,
+                                  error_policy=ErrorPolicy("skip", errors))) for w in range(2)]
     assert sorted(per_worker[0] + per_worker[1]) == [2, 3, 4, 5, 6, 7, 8]
     assert errors.counts == {"corrupt_shard": 1}
 
@@ -166,9 +169,9 @@ def test_long_runs_of_damage_are_judged_alike_after_any_resume(tmp_path) -> None
     kept, counts = skip(url)
     assert 11 + 1 not in kept and 39 + 1 in kept and counts["corrupt_shard"] == 15
     for k in range(0, len(kept) + 1, 3):
-        reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
+        reader = ShardReader(url, shuffle=False, epochs=1, error_policy=ErrorPolicy("skip"))
         head = [next(reader) for _ in range(k)]
-        resumed = ShardReader(url, shuffle=False, epochs=1, on_error="skip")
+        resumed = ShardReader(url, shuffle=False, epochs=1, error_policy=ErrorPolicy("skip"))
         resumed.reset(roundtrip(reader.state_dict()))
         assert ids(head) + ids(resumed) == kept, f"resumed after {k} samples"
 
@@ -185,6 +188,7 @@ def test_split_readers_judge_like_one_reader(tmp_path, num_workers: int) -> None
             one, one_counts = skip(url)
             errors = ErrorCounter()
             split = sum((ids(ShardReader(url, shuffle=False, epochs=1, worker_id=w, num_workers=num_workers,
-                                         on_error="skip", errors=errors, cache_dir=str(tmp_path / f"c{k}-{member_at}")))
+                                         read=ReadOptions(cache_dir=str(tmp_path / f"c{k}-{member_at}")),
+                                         error_policy=ErrorPolicy("skip", errors)))
                          for w in range(num_workers)), [])
             assert sorted(split) == one and errors.counts == one_counts, f"damage at sample {k} (+{member_at})"

@@ -23,7 +23,7 @@ from helpers_hostile import (
     write_bytes,
 )
 
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io.decode import BAD_LENGTH
 from streampack.io.index import build_index
 from streampack.io.limits import Limits
@@ -44,13 +44,14 @@ def test_line_over_max_line_bytes(tmp_path, gz: bool) -> None:
     data = _line(1) + _line(9, 3 * limit) + at_limit + _line(3)
     url = write_bytes(tmp_path / ("s.jsonl.gz" if gz else "s.jsonl"), gzip.compress(data) if gz else data)
     with pytest.raises(DataError, match="line_too_long") as info:
-        read(url, limits=Limits(max_line_bytes=limit))
+        read(url, read=ReadOptions(limits=Limits(max_line_bytes=limit)))
     assert info.value.key == "1" and info.value.url == url
     errors = ErrorCounter()
-    assert ids(read(url, limits=Limits(max_line_bytes=limit), on_error="skip", errors=errors)) == [1, 2, 3]
+    assert ids(read(url, read=ReadOptions(limits=Limits(max_line_bytes=limit)),
+                    error_policy=ErrorPolicy("skip", errors))) == [1, 2, 3]
     assert errors.counts == {"line_too_long": 1}
     assert errors.skipped_bytes == {"line_too_long": len(_line(9, 3 * limit))}
-    assert ids(read(url, limits=Limits(max_line_bytes=4 * limit))) == [1, 9, 2, 3]
+    assert ids(read(url, read=ReadOptions(limits=Limits(max_line_bytes=4 * limit)))) == [1, 9, 2, 3]
 
 
 def test_overlong_line_is_never_held(tmp_path) -> None:
@@ -59,7 +60,8 @@ def test_overlong_line_is_never_held(tmp_path) -> None:
     tracemalloc.start()
     try:
         errors = ErrorCounter()
-        kept = ids(read(url, limits=Limits(max_line_bytes=MiB), on_error="skip", errors=errors))
+        kept = ids(read(url, read=ReadOptions(limits=Limits(max_line_bytes=MiB)), error_policy=ErrorPolicy("skip",
+                                                                                                           errors)))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -81,10 +83,11 @@ def test_member_over_max_member_bytes_loses_only_its_sample(tmp_path) -> None:
     big = sample("00000003", np.arange(2000) % 50)  # a 16 KB token member
     url = write_bytes(tmp_path / "m.tar", archive(*samples(3), big, *samples(2, start=4)))
     with pytest.raises(DataError, match="member_too_large") as info:
-        read(url, limits=Limits(max_member_bytes=4 * KiB))
+        read(url, read=ReadOptions(limits=Limits(max_member_bytes=4 * KiB)))
     assert info.value.key == "00000003"
     errors = ErrorCounter()
-    kept = ids(read(url, limits=Limits(max_member_bytes=4 * KiB), on_error="skip", errors=errors))
+    kept = ids(read(url, read=ReadOptions(limits=Limits(max_member_bytes=4 * KiB)), error_policy=ErrorPolicy("skip",
+                                                                                                             errors)))
     assert kept == [1, 2, 3, 5, 6] and errors.counts == {"member_too_large": 1}
     assert errors.skipped_bytes["member_too_large"] == len(npy_bytes(np.arange(2000) % 50))
     assert len(read(url)) == 6  # the default limit (32 MiB) takes it
@@ -95,8 +98,8 @@ def test_sample_over_max_sample_bytes(tmp_path) -> None:
     fat = sample("00000003", np.arange(300) % 5, **{"labels.npy": labels, "json": b'{"meta": 1}'})
     url = write_bytes(tmp_path / "s.tar", archive(*samples(3), fat, *samples(2, start=4)))
     errors = ErrorCounter()
-    kept = ids(read(url, limits=Limits(max_sample_bytes=4 * KiB, max_member_bytes=4 * KiB),
-                    on_error="skip", errors=errors))
+    kept = ids(read(url, read=ReadOptions(limits=Limits(max_sample_bytes=4 * KiB, max_member_bytes=4 * KiB)),
+                    error_policy=ErrorPolicy("skip", errors)))
     assert kept == [1, 2, 3, 5, 6] and errors.counts == {"sample_too_large": 1}
 
 
@@ -107,7 +110,7 @@ def test_members_the_decoder_never_reads_are_not_limited_nor_held(tmp_path) -> N
     url = write_bytes(tmp_path / "img.tar", archive(*with_image))
     tracemalloc.start()
     try:
-        out = read(url, limits=Limits(max_member_bytes=4 * KiB))
+        out = read(url, read=ReadOptions(limits=Limits(max_member_bytes=4 * KiB)))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -122,7 +125,7 @@ def test_extension_headers_are_capped(tmp_path) -> None:
     url = write_bytes(tmp_path / "pax.tar", archive(*samples(3), huge_pax, sample("00000003", [4, 7]),
                                                    *samples(3, start=4)))
     errors = ErrorCounter()
-    assert ids(read(url, on_error="skip", errors=errors)) == [1, 2, 3, 5, 6, 7]
+    assert ids(read(url, error_policy=ErrorPolicy("skip", errors))) == [1, 2, 3, 5, 6, 7]
     assert errors.counts == {"corrupt_shard": 1}
 
 

@@ -27,10 +27,11 @@ from helpers_hostile import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io.decode import BAD_LENGTH
 from streampack.io.index import build_index
 from streampack.io.limits import Limits
+from streampack.options import ReadOptions
 
 
 def raise_and_skip(url, reason: str, key: str | None = None, **kw) -> tuple[list[int], ErrorCounter]:
@@ -42,7 +43,7 @@ def raise_and_skip(url, reason: str, key: str | None = None, **kw) -> tuple[list
     if key is not None:
         assert err.key == key, str(err)
     errors = ErrorCounter()
-    return ids(read(url, on_error="skip", errors=errors, **kw)), errors
+    return ids(read(url, error_policy=ErrorPolicy("skip", errors), **kw)), errors
 
 
 # ------------------------------------------------------------------ json nesting
@@ -69,9 +70,9 @@ def test_depth_limit_is_exact_and_ignores_brackets_in_strings(tmp_path) -> None:
     lines = [shallow, {"input_ids": [2], "x": [[[[[[1]]]]]]}]  # depth 7
     url = write_bytes(tmp_path / "d.jsonl", "".join(json.dumps(r) + "\n" for r in lines).encode())
     errors = ErrorCounter()
-    kept = ids(read(url, on_error="skip", errors=errors, limits=Limits(max_json_depth=6)))
+    kept = ids(read(url, read=ReadOptions(limits=Limits(max_json_depth=6)), error_policy=ErrorPolicy("skip", errors)))
     assert kept == [1] and errors.counts == {"json_too_deep": 1}
-    assert ids(read(url, limits=Limits(max_json_depth=7))) == [1, 2]
+    assert ids(read(url, read=ReadOptions(limits=Limits(max_json_depth=7)))) == [1, 2]
 
 
 def test_deep_json_is_refused_even_under_a_raised_recursion_limit(tmp_path) -> None:
@@ -155,7 +156,7 @@ def test_absurd_size_on_a_stream_that_cannot_seek(tmp_path) -> None:
     bad = member("00000003.jpg", b"", declared=1 << 40)
     url = write_bytes(tmp_path / "pipe.tar", archive(*samples(3), bad))
     errors = ErrorCounter()
-    out = read(f"pipe:cat {url}", allow_pipe=True, on_error="skip", errors=errors)
+    out = read(f"pipe:cat {url}", read=ReadOptions(allow_pipe=True), error_policy=ErrorPolicy("skip", errors))
     assert ids(out) == [1, 2, 3] and errors.counts == {"corrupt_shard": 1}
 
 
@@ -175,7 +176,7 @@ def test_npy_header_declaring_a_huge_shape_is_bad_npy(tmp_path) -> None:
 
 def test_broken_pickle_is_bad_pickle_when_allowed(tmp_path) -> None:
     url = write_bytes(tmp_path / "p.tar", archive(*samples(2), member("bad00000.pyd", b"\x80\x04garbage"), *samples(1, start=2)))
-    kept, errors = raise_and_skip(url, "bad_pickle", key="bad00000", allow_pickle=True)
+    kept, errors = raise_and_skip(url, "bad_pickle", key="bad00000", read=ReadOptions(allow_pickle=True))
     assert kept == [1, 2, 3] and errors.counts == {"bad_pickle": 1}
 
 
@@ -228,7 +229,7 @@ def _check_damage(tmp_path, edits) -> None:
             data[at:at] = patch  # insert (shifts every later header)
     url = write_bytes(tmp_path / "fuzz.tar", bytes(data))
     errors = ErrorCounter()
-    kept = read(url, on_error="skip", errors=errors)  # never raises
+    kept = read(url, error_policy=ErrorPolicy("skip", errors))  # never raises
     assert len(kept) + errors.total >= 1 or not data.strip(b"\0")
     try:
         assert len(read(url)) == len(kept)

@@ -13,7 +13,7 @@ from helpers_hostile import closing_workers, write_bytes
 from torch.utils.data import DataLoader
 
 from streampack.dataset import PackedDataset
-from streampack.errors import DataError
+from streampack.errors import DataError, ErrorPolicy
 from streampack.options import PackOptions, ReadOptions
 from streampack.plan.state import dataset_states
 
@@ -95,8 +95,9 @@ def test_skips_are_logged_rate_limited_and_raises_are_not(tmp_path, caplog) -> N
     urls = _shards(tmp_path)
     reset_rate_limits()
     with caplog.at_level("WARNING", logger="streampack"):
-        list(ShardReader(urls, shuffle=False, epochs=1, on_error="skip"))
-        list(ShardReader(urls, shuffle=False, epochs=1, on_error="skip"))  # the same reasons again: suppressed
+        list(ShardReader(urls, shuffle=False, epochs=1, error_policy=ErrorPolicy("skip")))
+        list(ShardReader(urls, shuffle=False, epochs=1,
+                         error_policy=ErrorPolicy("skip")))  # the same reasons again: suppressed
     logged = sorted(r.getMessage().split(" (1 ")[1].split()[0] for r in caplog.records)
     assert logged == ["json_too_deep", "out_of_vocab_id"], [r.getMessage() for r in caplog.records]
     caplog.clear()

@@ -15,7 +15,7 @@ import pytest
 from helpers_data import closed_port, make_token_docs, write_jsonl_shards
 from helpers_faults import Fault, join_prefetch, serve_faulty
 
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io.retry import IOStats, RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
@@ -60,8 +60,8 @@ def test_an_object_replaced_mid_read_is_refused_not_spliced(served):
     srv, path, url = served
     for if_match in (True, False):  # the server checks If-Match, or only its ETag tells
         srv.if_match = if_match
-        reader = ShardReader([url], shuffle=False, epochs=1, open_options=fast(), on_error="skip",
-                             errors=(errors := ErrorCounter()))
+        reader = ShardReader([url], shuffle=False, epochs=1, open_options=fast(),
+                             error_policy=ErrorPolicy("skip", errors := ErrorCounter()))
         head = [next(reader).tokens.tolist() for _ in range(5)]
         data = open(path, "rb").read()
         with open(path + ".new", "wb") as f:  # a new version: the same lines in another order

@@ -19,7 +19,7 @@ from torch.distributed import TCPStore
 
 from streampack.dataset import PackedDataset
 from streampack.io.manifest import Manifest
-from streampack.nodes.collate import ThdCollate, is_filler
+from streampack.nodes.collate import BatchLayout, ThdCollate, is_filler
 from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from streampack.plan.agree import Agreement
 
@@ -147,17 +147,19 @@ def test_a_late_quota_smaller_than_the_data_is_refused(data):
 
     from streampack.nodes.overlong import OverlongNode
     from streampack.nodes.window_packer import WindowPacker
+    from streampack.packing.window_rounds import PackerRules
     from streampack.plan.quota import LateQuota, Settled
 
     late = LateQuota(count=lambda: 2, settle=lambda mine: Settled(quota=mine, batches=mine, rank_fillers=0),
                      background=False)
-    source = WindowPacker(OverlongNode(ListSource(make_samples([CAP] * 5)), CAP, "split"), capacity=CAP, window=4)
-    node = ThdCollate(source, capacity=CAP, num_batches=late)
+    source = WindowPacker(OverlongNode(ListSource(make_samples([CAP] * 5)), CAP, "split"),
+                          rules=PackerRules(capacity=CAP, window=4))
+    node = ThdCollate(source, layout=BatchLayout(capacity=CAP), num_batches=late)
     node.reset(None)
     with pytest.raises(ValueError, match="num_batches=2"):
         [next(node) for _ in range(6)]
-    filled = ThdCollate(WindowPacker(OverlongNode(ListSource(make_samples([CAP] * 2)), CAP, "split"), capacity=CAP,
-                                     window=4), capacity=CAP,
+    filled = ThdCollate(WindowPacker(OverlongNode(ListSource(make_samples([CAP] * 2)), CAP, "split"),
+                                     rules=PackerRules(capacity=CAP, window=4)), layout=BatchLayout(capacity=CAP),
                         num_batches=LateQuota(count=lambda: 2, settle=lambda m: Settled(quota=4, batches=m,
                                                                                           rank_fillers=2),
                                               background=True))

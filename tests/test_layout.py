@@ -98,9 +98,10 @@ ALLOWED = {
     "io": set(),
     "packing": set(),
     "layout": set(),
-    "nodes": {"io", "packing", "layout", "plan", "media"},  # media: the image spans a split must not cut
+    # media: the image spans a split must not cut; options: the records the nodes take
+    "nodes": {"io", "packing", "layout", "plan", "media", "options"},
     "plan": {"io", "packing", "layout", "nodes", "graph", "settings"},
-    "options": {"io", "nodes", "packing", "layout"},  # the per-stage records the nodes' values come from
+    "options": {"io", "packing", "layout"},  # the per-stage records: they know nothing of the nodes that take them
     "attention": {"layout"},
     "rl": {"packing", "layout"},
     "integrations": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "options", "plan"},

@@ -165,8 +165,38 @@ def test_the_group_is_resolved_and_not_kept(shards):
 
 
 def test_fingerprint_names_every_setting_that_shapes_the_stream():
-    config, options = StreamConfig(capacity=64), ReadOptions()
-    got = fingerprint_settings(config, options)
+    got = fingerprint_settings(StreamConfig(capacity=64))
     text_limits = {k: v for k, v in dataclasses.asdict(Limits()).items() if k not in ("max_image_pixels", "max_sample_pixels")}
     assert list(got) == list(FINGERPRINT) and got["limits"] == text_limits  # image limits: only with media=
     assert got["align"] == 1 and got["cost_model"] is None and got["balance"] is None
+
+
+def test_each_node_takes_its_record_as_the_config_made_it(shards):
+    """One record in, each node's record out: the packer runs the rules a plan counts with, the
+    collate lays out the config's batch, and every node that meets bad input applies the one
+    ErrorPolicy of the graph, counting into the graph's counter."""
+    from streampack.graph.build import Placement, build_graph, counting_for, packer_seed
+
+    ds = PackedDataset(shards, capacity=64, packs_per_batch=2, seed=5, read=ReadOptions(on_error="skip"),
+                       packing=PackOptions(window=8, algorithm="kk", max_wait=3, pad_id=7),
+                       topology=TopologyOptions(align_multiple=4))
+    place = Placement(worker_id=1, num_workers=2)
+    graph = build_graph(ds.config, ds.sources, place)
+    nodes = graph.nodes
+    rules = nodes["packer"].rules
+    assert rules == ds.config.packer_rules(packer_seed(ds.config, place))
+    assert (rules.capacity, rules.window, rules.algorithm, rules.align, rules.max_wait) == (64, 8, "kk", 4, 3)
+    two_ranks = Placement(dp_size=2)
+    assert counting_for(ds.config, two_ranks).rules == ds.config.packer_rules(ds.config.seed)
+    assert nodes["collate"].layout == ds.config.batch_layout() and nodes["collate"].pad_id == 7
+    policies = {id(nodes["reader"]._policy), id(nodes["overlong"]._policy)}
+    assert len(policies) == 1 and nodes["reader"]._policy.on_error == "skip"
+    assert nodes["reader"].errors is graph.errors
+
+
+def test_on_error_is_checked_once_by_the_policy_it_makes():
+    from streampack.errors import ErrorPolicy
+
+    with pytest.raises(ValueError, match=r"^ErrorPolicy\(on_error='ignore'\): must be one of \('raise', 'skip'\)$"):
+        ErrorPolicy("ignore")
+    assert ReadOptions(on_error="skip").error_policy().on_error == "skip"

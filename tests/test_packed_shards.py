@@ -15,6 +15,7 @@ from node_checks import check_save_load
 from streampack.cli.main import main
 from streampack.io.packed_format import is_packed_dataset, read_manifest
 from streampack.layout.batch import check_invariants, pack_batch
+from streampack.nodes.collate import BatchLayout
 from streampack.nodes.packed_reader import PackedShardReader
 from streampack.options import PackOptions, ReadOptions, TokenizeOptions, TopologyOptions
 
@@ -45,7 +46,7 @@ def test_pack_conserves_every_document(tmp_path, algorithm):
     assert (m.capacity, m.align, m.algorithm) == (256, 1, algorithm)
     assert sum(m.pack_docs) == 200 and sum(m.pack_lengths) == sum(map(len, docs))
     assert 0 < m.metrics["fill"] <= 1 and "docs_per_bin" in m.metrics
-    got = _by_key(PackedShardReader(out, capacity=256))
+    got = _by_key(PackedShardReader(out, layout=BatchLayout(capacity=256)))
     assert len(got) == 200
     for key, s in got.items():
         index = int(key.rsplit("#", 1)[1])
@@ -62,7 +63,7 @@ def test_labels_loss_mask_and_cp_alignment(tmp_path):
     m = read_manifest(out)
     assert (m.align, m.cp_size, m.tp_size) == (8, 2, 2)
     assert "labels.npy" in m.fields and "loss_mask.npy" in m.fields
-    packs = list(PackedShardReader(out, capacity=128, align=8))
+    packs = list(PackedShardReader(out, layout=BatchLayout(capacity=128, align=8)))
     for pack in packs:
         assert sum(-(-len(s) // 8) * 8 for s in pack) <= 128
         batch = pack_batch([pack], capacity=128, align=8)
@@ -78,7 +79,7 @@ def test_overlong_documents_are_split_and_rejoin(tmp_path):
     docs = make_token_docs(30, seed=3, min_len=10, max_len=300)
     out = _pack(tmp_path, docs, capacity=64)
     chunks: dict[int, list[tuple[int, list[int]]]] = {}
-    for key, s in _by_key(PackedShardReader(out, capacity=64)).items():
+    for key, s in _by_key(PackedShardReader(out, layout=BatchLayout(capacity=64))).items():
         assert len(s) <= 64
         tail = key.rsplit("#", 1)[1]
         doc, _, part = tail.partition("/")
@@ -92,10 +93,10 @@ def test_overlong_documents_are_split_and_rejoin(tmp_path):
 def test_mismatched_capacity_or_alignment_is_refused(tmp_path):
     out = _pack(tmp_path, make_token_docs(40, seed=4), capacity=64, extra=["--cp-size", "2"])
     with pytest.raises(ValueError, match="capacity=64, align=4"):
-        PackedShardReader(out, capacity=128, align=4)
+        PackedShardReader(out, layout=BatchLayout(capacity=128, align=4))
     with pytest.raises(ValueError, match="align=1"):
-        PackedShardReader(out, capacity=64, align=1)
-    PackedShardReader(out, capacity=64, align=4)
+        PackedShardReader(out, layout=BatchLayout(capacity=64, align=1))
+    PackedShardReader(out, layout=BatchLayout(capacity=64, align=4))
 
 
 def test_output_is_deterministic_and_detected(tmp_path):
@@ -132,9 +133,9 @@ def test_ranks_and_workers_read_every_pack_once(tmp_path, dp_size, num_workers, 
         for rank in range(dp_size):
             batches = 0
             for worker in range(num_workers):
-                reader = PackedShardReader(out, capacity=128, dp_rank=rank, dp_size=dp_size, worker_id=worker,
-                                           num_workers=num_workers, shuffle=True, seed=3, epochs=epoch + 1,
-                                           start_epoch=epoch, packs_per_batch=packs_per_batch)
+                reader = PackedShardReader(out, layout=BatchLayout(capacity=128, packs_per_batch=packs_per_batch),
+                                           dp_rank=rank, dp_size=dp_size, worker_id=worker, num_workers=num_workers,
+                                           shuffle=True, seed=3, epochs=epoch + 1, start_epoch=epoch)
                 packs = list(reader)
                 assert len(packs) == len(reader.dealt(epoch, reader.global_worker))
                 quota = reader.quotas(epoch)[reader.global_worker]
@@ -151,19 +152,19 @@ def test_ranks_and_workers_read_every_pack_once(tmp_path, dp_size, num_workers, 
 @pytest.mark.parametrize("shuffle,epochs", [(False, 1), (True, 2)])
 def test_state_is_exact(tmp_path, shuffle, epochs):
     out = _pack(tmp_path, make_token_docs(120, seed=7, max_len=60), capacity=128)
-    n = check_save_load(lambda: PackedShardReader(out, capacity=128, shuffle=shuffle, epochs=epochs, seed=1,
-                                                  dp_rank=1, dp_size=2))
+    n = check_save_load(lambda: PackedShardReader(out, layout=BatchLayout(capacity=128), shuffle=shuffle, epochs=epochs,
+                                                  seed=1, dp_rank=1, dp_size=2))
     assert n == epochs * (read_manifest(out).num_packs // 2)
 
 
 def test_state_refuses_other_settings(tmp_path):
     out = _pack(tmp_path, make_token_docs(80, seed=8), capacity=128)
-    reader = PackedShardReader(out, capacity=128, dp_size=2)
+    reader = PackedShardReader(out, layout=BatchLayout(capacity=128), dp_size=2)
     next(iter(reader))
     state = json.loads(json.dumps(reader.state_dict()))
     assert state["next_pack"] == [0, 2]  # shard index, pack index of this rank's next pack
     with pytest.raises(ValueError, match="dp_size=2.*dp_size=1"):
-        PackedShardReader(out, capacity=128).reset(state)
+        PackedShardReader(out, layout=BatchLayout(capacity=128)).reset(state)
 
 
 def test_explicit_shard_files_read_only_their_packs(tmp_path):
@@ -171,11 +172,11 @@ def test_explicit_shard_files_read_only_their_packs(tmp_path):
     m = read_manifest(out)
     assert len(m.shards) >= 2
     first = out / m.shards[0].name
-    packs = list(PackedShardReader([str(first)], capacity=64))
+    packs = list(PackedShardReader([str(first)], layout=BatchLayout(capacity=64)))
     assert len(packs) == len(m.shards[0].offsets)
-    assert len(list(PackedShardReader(sorted(out.glob("*.tar")), capacity=64))) == m.num_packs
+    assert len(list(PackedShardReader(sorted(out.glob("*.tar")), layout=BatchLayout(capacity=64)))) == m.num_packs
     with pytest.raises(ValueError, match="not listed"):
-        PackedShardReader([str(out / "other.tar")], capacity=64)
+        PackedShardReader([str(out / "other.tar")], layout=BatchLayout(capacity=64))
 
 
 def test_packed_dataset_reads_offline_packs_and_resumes(tmp_path):
@@ -292,5 +293,6 @@ def test_packed_directory_complete_under_dataloader_workers(tmp_path, dp_size, n
         seen += [k for b in batches for k in b.doc_keys if k != "<filler>"]
         assert all(b.total_tokens == 512 for b in batches)
     assert len(set(counts)) == 1, counts
-    assert sorted(seen) == sorted(k for p in PackedShardReader(out, capacity=256) for k in (s.doc_key for s in p))
+    everything = PackedShardReader(out, layout=BatchLayout(capacity=256))
+    assert sorted(seen) == sorted(k for p in everything for k in (s.doc_key for s in p))
     assert len(seen) == len(docs)

@@ -16,11 +16,12 @@ from helpers_data import CountingFile, make_text_docs, make_token_docs
 from helpers_formats import write_parquet, write_parquet_shards
 
 from streampack.dataset import PackedDataset
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io import open as open_mod
 from streampack.io.index import load_or_build_index
 from streampack.io.urls import expand_urls
 from streampack.nodes.reader import OFFSET_KEY, SAMPLE_KEY, ShardReader
+from streampack.options import ReadOptions
 
 
 def read_all(urls, **kw) -> list:
@@ -47,7 +48,7 @@ def test_large_list_and_text_columns(tmp_path):
     assert [s.text for s in read_all(url)] == texts
     binary = tmp_path / "b.parquet"
     pq.write_table(pa.table({"content": pa.array([t.encode() for t in texts], pa.binary())}), binary)
-    assert [s.text for s in read_all(str(binary), text_key="content")] == texts
+    assert [s.text for s in read_all(str(binary), read=ReadOptions(text_key="content"))] == texts
 
 
 def test_labels_and_loss_mask_columns(tmp_path):
@@ -56,7 +57,7 @@ def test_labels_and_loss_mask_columns(tmp_path):
     masks = [[i % 2 for i in range(len(d))] for d in docs]
     url = write_parquet(tmp_path / "l.parquet", docs, extra={
         "labels": pa.array(labels, pa.list_(pa.int64())), "mask": pa.array(masks, pa.list_(pa.int8()))})
-    out = read_all(url, labels_key="labels", loss_mask_key="mask")
+    out = read_all(url, read=ReadOptions(labels_key="labels", loss_mask_key="mask"))
     assert [s.labels.tolist() for s in out] == labels
     assert [s.loss_mask.astype(int).tolist() for s in out] == masks
 
@@ -79,7 +80,7 @@ def test_bad_row_raise_and_skip(tmp_path, case):
         read_all(str(path))
     assert info.value.reason == case and info.value.key == "2" and str(path) in str(info.value)
     errors = ErrorCounter()
-    out = read_all(str(path), on_error="skip", errors=errors)
+    out = read_all(str(path), error_policy=ErrorPolicy("skip", errors))
     assert [s.tokens.tolist() for s in out] == good and [s.key for s in out] == ["0", "1", "3", "4"]
     assert errors.counts == {case: 1}
 
@@ -106,7 +107,7 @@ def test_unreadable_file_is_corrupt_shard(tmp_path, damage):
         read_all([bad, good])
     assert bad in str(info.value)
     errors = ErrorCounter()
-    assert [s.tokens.tolist() for s in read_all([bad, good], on_error="skip", errors=errors)] == docs[10:]
+    assert [s.tokens.tolist() for s in read_all([bad, good], error_policy=ErrorPolicy("skip", errors))] == docs[10:]
     assert errors.counts == {"corrupt_shard": 1}
 
 
@@ -150,7 +151,8 @@ def test_fewer_files_than_workers_split_by_rows_with_a_footer_index(tmp_path, mo
     footer = sum(n for _, n in CountingFile.log)
     assert footer < 0.2 * os.path.getsize(url), "the index of a parquet file is its footer, not a scan"
     parts = [[s.tokens.tolist() for s in ShardReader(url, worker_id=w, num_workers=3, epochs=1,
-                                                      cache_dir=str(tmp_path / "cache"))] for w in range(3)]
+                                                     read=ReadOptions(cache_dir=str(tmp_path / "cache")))]
+             for w in range(3)]
     assert [len(p) for p in parts] == [34, 33, 33] and sum(parts, []) == docs
 
 

@@ -16,6 +16,7 @@ from helpers_hostile import read, skip
 
 from streampack.errors import DataError
 from streampack.io.limits import Limits
+from streampack.options import ReadOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from rss_child import read_in_child  # noqa: E402
@@ -33,19 +34,19 @@ def test_one_row_group_over_the_limit_is_refused_from_the_footer(tmp_path):
     small = [np.array([i + 1, 7]) for i in range(4)]
     url = _ids([*small[:2], np.zeros(1 << 20, np.int64), *small[2:]], tmp_path / "bomb.parquet", 1)
     assert os.path.getsize(url) < 16 << 10  # 1 Mi ids (8 MiB decoded) in a few KiB
-    kept, counts = skip(url, limits=Limits(max_sample_bytes=MiB))
+    kept, counts = skip(url, read=ReadOptions(limits=Limits(max_sample_bytes=MiB)))
     assert kept == [1, 2, 3, 4] and counts == {"sample_too_large": 1}
     with pytest.raises(DataError, match=r"sample_too_large: row group 2 .* not read") as info:
-        read(url, limits=Limits(max_sample_bytes=MiB))
+        read(url, read=ReadOptions(limits=Limits(max_sample_bytes=MiB)))
     assert info.value.key == "2"
-    assert skip(url, limits=Limits(max_sample_bytes=16 * MiB)) == ([1, 2, 0, 3, 4], {})
+    assert skip(url, read=ReadOptions(limits=Limits(max_sample_bytes=16 * MiB))) == ([1, 2, 0, 3, 4], {})
 
 
 def test_a_big_row_among_small_ones_is_refused_alone(tmp_path):
     rows = [np.array([i + 1, 7]) for i in range(200)]
     rows[50] = np.full(200_000, 9, np.int64)  # 1.6 MB decoded; the group averages ~8 KB a row
     url = _ids(rows, tmp_path / "mixed.parquet", 200)
-    kept, counts = skip(url, limits=Limits(max_sample_bytes=MiB))
+    kept, counts = skip(url, read=ReadOptions(limits=Limits(max_sample_bytes=MiB)))
     assert kept == [i + 1 for i in range(200) if i != 50] and counts == {"sample_too_large": 1}
 
 

@@ -10,12 +10,13 @@ import pytest
 from helpers_data import make_token_docs, tar_members, write_jsonl_shards, write_tar
 from node_checks import ListSource, drain, make_samples
 
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io import open as open_mod
 from streampack.io.retry import RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.tokenize import Tokenize
+from streampack.options import TokenizeOptions
 from streampack.sample import Sample
 
 
@@ -47,7 +48,8 @@ def test_damaged_gzip_is_a_data_error_naming_the_shard(tmp_path) -> None:
                                         r"shard-000000\.jsonl\.gz.*key='\d+'"):
         list(ShardReader(urls, shuffle=False, epochs=1))
     errors = ErrorCounter()
-    got = [s.tokens.tolist() for s in ShardReader(urls, shuffle=False, epochs=1, on_error="skip", errors=errors)]
+    got = [s.tokens.tolist() for s in ShardReader(urls, shuffle=False, epochs=1, error_policy=ErrorPolicy("skip",
+                                                                                                          errors))]
     assert errors.counts == {"corrupt_shard": 1}
     assert got[-150:] == docs[150:]  # the second shard is read whole
     assert got[:-150] == docs[:len(got) - 150] and len(got) < 300  # a prefix of the damaged one
@@ -134,13 +136,13 @@ def test_tokenize_restore_with_another_block_size_or_thread_count() -> None:
     # bug: the restore replayed `block_size` samples, so a state saved with block 64 at offset
     # 50 and restored with block 10 silently re-emitted samples 10..49
     samples = make_samples(np.random.default_rng(1).integers(1, 40, 200), text=True)
-    full = drain(Tokenize(ListSource(samples), _tok, block_size=64))
+    full = drain(Tokenize(ListSource(samples), _tok, TokenizeOptions(block_size=64)))
     for k in (0, 1, 50, 64, 65, 130, 200):
-        node = Tokenize(ListSource(samples), _tok, block_size=64, num_threads=2)
+        node = Tokenize(ListSource(samples), _tok, TokenizeOptions(block_size=64, num_threads=2))
         head = drain(node, k) if k else []
         state = node.state_dict()
         for block_size in (1, 10, 100):
-            other = Tokenize(ListSource(samples), _tok, block_size=block_size, num_threads=3)
+            other = Tokenize(ListSource(samples), _tok, TokenizeOptions(block_size=block_size, num_threads=3))
             other.reset(state)
             assert head + drain(other) == full, f"saved at {k}, restored with {block_size=}"
 
@@ -154,7 +156,7 @@ def test_bad_tokenizer_output_names_the_sample(tokenizer, pattern) -> None:
     # bug: negative ids went into batches silently; other failures named no sample
     samples = [Sample(key="a", url="mem", text="w1 w2"), Sample(key="b", url="mem", text="w3")]
     with pytest.raises(DataError, match=pattern):
-        list(Tokenize(ListSource(samples), tokenizer, num_threads=2))
+        list(Tokenize(ListSource(samples), tokenizer, TokenizeOptions(num_threads=2)))
 
 
 # ------------------------------------------------------------------ metrics across a resume

@@ -183,7 +183,7 @@ def test_a_shard_restaged_over_http_with_a_new_etag_is_refused_and_resumes_once_
     with serve_faulty(tmp_path / "d") as server:
         urls = [f"{server.url}/{os.path.basename(u)}" for u in urls_local]
         location = str(tmp_path / "manifest")
-        build_manifest(urls, location, decode=index_decode("input_ids", PackedDataset(urls, **OPTIONS).options.limits))
+        build_manifest(urls, location, decode=index_decode("input_ids", PackedDataset(urls, **OPTIONS).config.read.limits))
         kw = {"read": ReadOptions(manifest=location, on_error="skip")}
         want = _take(_ranks(urls, **kw))
         before, states = _save_after_one_batch(urls, **kw)

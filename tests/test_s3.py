@@ -31,14 +31,14 @@ from moto.server import ThreadedMotoServer
 
 from streampack.cli.main import main
 from streampack.dataset import PackedDataset
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io import storage
 from streampack.io.open import open_shard
 from streampack.io.retry import IOStats, RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList, expand_urls
 from streampack.nodes.reader import OFFSET_KEY, ShardReader
-from streampack.options import PackOptions
+from streampack.options import PackOptions, ReadOptions
 
 BUCKET = "streampack-test"
 DOCS = make_token_docs(30, seed=7, min_len=20, max_len=60)
@@ -163,7 +163,7 @@ def test_fewer_shards_than_workers_splits_via_index(log, tmp_path):
     def read_split():
         return [
             tokens_and_keys(ShardReader(log.remote["one"], worker_id=w, num_workers=3, epochs=1,
-                                        cache_dir=str(tmp_path)))
+                                        read=ReadOptions(cache_dir=str(tmp_path))))
             for w in range(3)
         ]
 
@@ -188,7 +188,8 @@ def test_missing_key_is_missing_shard(log):
     assert url in str(info.value)
     log.proxy.requests.clear()
     errors = ErrorCounter()
-    out = list(ShardReader([url, *log.remote["tar-npy"]], shuffle=False, epochs=1, on_error="skip", errors=errors))
+    out = list(ShardReader([url, *log.remote["tar-npy"]], shuffle=False, epochs=1, error_policy=ErrorPolicy("skip",
+                                                                                                            errors)))
     assert len(out) == 30 and errors.counts == {"missing_shard": 1}
     assert sum(r.path.endswith("/nope.tar") for r in log.proxy.requests) == 1, "a missing key is not retried"
 
@@ -295,7 +296,7 @@ def test_object_overwritten_mid_read_is_refused_not_spliced(s3, tmp_path):
     s3.admin.put_object(Bucket=BUCKET, Key=key, Body=data)
     opts = OpenOptions(retry=RetryPolicy(backoff=0.01, max_backoff=0.05, budget=5), block_size=16 << 10)
     errors = ErrorCounter()
-    reader = ShardReader([url], shuffle=False, epochs=1, open_options=opts, on_error="skip", errors=errors)
+    reader = ShardReader([url], shuffle=False, epochs=1, open_options=opts, error_policy=ErrorPolicy("skip", errors))
     head = [next(reader).tokens.tolist() for _ in range(5)]
     s3.admin.put_object(Bucket=BUCKET, Key=key, Body=b"".join(reversed(data.splitlines(keepends=True))))
     rest = [s.tokens.tolist() for s in reader]

@@ -23,13 +23,14 @@ from helpers_data import (
 )
 from node_checks import roundtrip
 
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io import open as open_mod
 from streampack.io.index import INDEX_SUFFIX, load_or_build_index
 from streampack.io.retry import RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import expand_urls
 from streampack.nodes.reader import OFFSET_KEY, ShardReader
+from streampack.options import ReadOptions
 
 TOKEN_FORMATS = ["tar-npy", "tar-json", "jsonl", "jsonl.gz"]
 TEXT_FORMATS = ["tar-txt", "tar-json", "jsonl", "jsonl.gz"]
@@ -81,7 +82,7 @@ def test_labels_and_loss_mask_carried(tmp_path, fmt):
     labels = [[t if i % 2 else -100 for i, t in enumerate(d)] for d in docs]
     masks = [[i % 3 != 0 for i in range(len(d))] for d in docs]
     urls = write(fmt, tmp_path, docs, 2, labels=labels, loss_mask=[[int(m) for m in ms] for ms in masks])
-    out = read_all(urls, labels_key="labels", loss_mask_key="loss_mask")
+    out = read_all(urls, read=ReadOptions(labels_key="labels", loss_mask_key="loss_mask"))
     assert [s.labels.tolist() for s in out] == labels
     assert [s.loss_mask.tolist() for s in out] == masks
     assert out[0].labels.dtype == np.int64 and out[0].loss_mask.dtype == bool
@@ -90,9 +91,9 @@ def test_labels_and_loss_mask_carried(tmp_path, fmt):
 def test_custom_keys(tmp_path):
     docs = make_token_docs(4)
     urls = write_jsonl_shards(tmp_path, docs, 1, tokens_key="ids")
-    assert [s.tokens.tolist() for s in read_all(urls, tokens_key="ids")] == docs
+    assert [s.tokens.tolist() for s in read_all(urls, read=ReadOptions(tokens_key="ids"))] == docs
     urls = write_tar_shards(tmp_path / "t", make_text_docs(3), 1, "json", text_key="body")
-    assert [s.text for s in read_all(urls, text_key="body")] == make_text_docs(3)
+    assert [s.text for s in read_all(urls, read=ReadOptions(text_key="body"))] == make_text_docs(3)
 
 
 def test_url_expansion(tmp_path):
@@ -208,7 +209,7 @@ def test_unreachable_url_bounded_retries(tmp_path):
     assert time.perf_counter() - t0 < 5
     errors = ErrorCounter()
     good = write_tar_shards(tmp_path, make_token_docs(4), 1)
-    out = read_all([url, *good], on_error="skip", errors=errors, open_options=fast_io(retries=1))
+    out = read_all([url, *good], open_options=fast_io(retries=1), error_policy=ErrorPolicy("skip", errors))
     assert len(out) == 4 and errors.counts == {"unreachable_url": 1}
 
 
@@ -258,7 +259,7 @@ def test_bad_tar_sample_raise_and_skip(tmp_path, case):
     assert len(list(reader)) == 2, "raise mode resumes after the bad sample when the caller continues"
 
     errors = ErrorCounter()
-    out = read_all(url, on_error="skip", errors=errors)
+    out = read_all(url, error_policy=ErrorPolicy("skip", errors))
     assert [s.tokens.tolist() for s in out] == make_token_docs(4, seed=8)
     assert errors.counts == {reason: 1} and "bad00000" in errors.as_dict()["recent"][0]
 
@@ -281,7 +282,7 @@ def test_bad_jsonl_line_raise_and_skip(tmp_path, case):
         read_all(str(path))
     assert info.value.key == "1" and str(path) in str(info.value)
     errors = ErrorCounter()
-    assert [s.key for s in read_all(str(path), on_error="skip", errors=errors)] == ["0", "2"]
+    assert [s.key for s in read_all(str(path), error_policy=ErrorPolicy("skip", errors))] == ["0", "2"]
     assert errors.counts == {case: 1}
 
 
@@ -301,7 +302,7 @@ def test_corrupt_tar_skips_rest_of_shard(tmp_path, damage):
         read_all(urls)
     assert urls[0] in str(info.value)
     errors = ErrorCounter()
-    out = read_all(urls, on_error="skip", errors=errors)
+    out = read_all(urls, error_policy=ErrorPolicy("skip", errors))
     # A truncated member still has a readable name, which proves sample 5 was complete, and
     # nothing after the cut can be read. A broken header is skipped to the next readable one:
     # only sample 6 is lost, and its neighbours hold the same fields as the intact sample after
@@ -316,7 +317,7 @@ def test_tar_without_end_marker_is_corrupt(tmp_path):
     index = load_or_build_index(url)
     open(url, "r+b").truncate(index.end)
     errors = ErrorCounter()
-    assert len(read_all(url, on_error="skip", errors=errors)) == 2  # the last sample may be incomplete
+    assert len(read_all(url, error_policy=ErrorPolicy("skip", errors))) == 2  # the last sample may be incomplete
     # ... and no intact sample follows to show it is not: it is counted apart from the cut
     assert errors.counts == {"corrupt_shard": 1, "incomplete_sample": 1}
 
@@ -328,7 +329,7 @@ def test_missing_shard(tmp_path):
         read_all([missing, *urls])
     assert missing in str(info.value)
     errors = ErrorCounter()
-    assert len(read_all([urls[0], missing, urls[1]], on_error="skip", errors=errors)) == 6
+    assert len(read_all([urls[0], missing, urls[1]], error_policy=ErrorPolicy("skip", errors))) == 6
     assert errors.as_dict()["counts"] == {"missing_shard": 1}
 
 
@@ -338,7 +339,7 @@ def test_pipe_refused_unless_allowed(tmp_path):
         ShardReader(f"pipe:cat {url}")
     with pytest.raises(ValueError, match="allow_pipe"):
         expand_urls([url, "pipe:echo hi > /dev/null; cat x.tar"])
-    out = list(ShardReader(f"pipe:cat {url}", allow_pipe=True, epochs=1))
+    out = list(ShardReader(f"pipe:cat {url}", epochs=1, read=ReadOptions(allow_pipe=True)))
     assert [s.tokens.tolist() for s in out] == make_token_docs(3)
 
 
@@ -348,8 +349,8 @@ def test_pickle_refused_unless_allowed(tmp_path):
     with pytest.raises(DataError, match="pickle_refused.*allow_pickle"):
         read_all(url)
     errors = ErrorCounter()  # bad data, not bad settings: skip mode drops and counts it (issue 18 item 8)
-    assert read_all(url, on_error="skip", errors=errors) == [] and errors.counts == {"pickle_refused": 1}
-    assert [s.tokens.tolist() for s in read_all(url, allow_pickle=True)] == [[4, 5, 6]]
+    assert read_all(url, error_policy=ErrorPolicy("skip", errors)) == [] and errors.counts == {"pickle_refused": 1}
+    assert [s.tokens.tolist() for s in read_all(url, read=ReadOptions(allow_pickle=True))] == [[4, 5, 6]]
 
 
 def test_error_counter_keeps_last_messages():
@@ -358,8 +359,8 @@ def test_error_counter_keeps_last_messages():
         errors.record(DataError("bad_utf8", "x", url="u", key=str(i), value=i))
     assert errors.as_dict() == {"counts": {"bad_utf8": 5}, "total": 5, "skipped_bytes": {}, "recent": [
         "bad_utf8: x (shard='u', key='3', value=3)", "bad_utf8: x (shard='u', key='4', value=4)"]}
-    with pytest.raises(ValueError, match="on_error"):
-        ShardReader("x.tar", on_error="ignore")
+    with pytest.raises(ValueError, match=r"ErrorPolicy\(on_error='ignore'\): must be one of \('raise', 'skip'\)"):
+        ErrorPolicy("ignore")
 
 
 def test_remote_split_shard_uses_bounded_ranges(tmp_path):
@@ -368,7 +369,8 @@ def test_remote_split_shard_uses_bounded_ranges(tmp_path):
     with serve_directory(tmp_path / "data") as server:
         remote = server.urls_for(local)
         per_worker = [
-            [s.tokens.tolist() for s in ShardReader(remote, worker_id=w, num_workers=3, epochs=1, cache_dir=str(tmp_path / "c"))]
+            [s.tokens.tolist() for s in ShardReader(remote, worker_id=w, num_workers=3, epochs=1,
+                                                    read=ReadOptions(cache_dir=str(tmp_path / "c")))]
             for w in range(3)
         ]
         ranges = [r for _, r in server.requests if r]
@@ -415,7 +417,7 @@ def test_read_failure_reopens_at_offset(tmp_path, monkeypatch):
     assert len(opens) == 3
     opens.clear()
     errors = ErrorCounter()
-    out = read_all(url, open_options=fast_io(retries=1), on_error="skip", errors=errors)
+    out = read_all(url, open_options=fast_io(retries=1), error_policy=ErrorPolicy("skip", errors))
     # the read that fails for good is a header (byte 524288 starts sample 512): nothing shows
     # that sample 511 before it was complete, so it is counted apart (issue 13)
     assert 0 < len(out) < 600 and errors.counts == {"corrupt_shard": 1, "incomplete_sample": 1}

@@ -17,7 +17,7 @@ from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
 from helpers_faults import Fault, join_prefetch, serve_faulty, silent_server
 
 from streampack.dataset import PackedDataset
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io.retry import IOStats, RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
@@ -83,7 +83,7 @@ def test_jsonl_body_cut_at_a_line_boundary_is_not_a_short_shard(shards, server):
     with pytest.raises(DataError, match="unreachable_url.*short_body"):
         read(url, fast(budget=0.3))
     errors = ErrorCounter()
-    got, stats = read(url, fast(budget=0.3), on_error="skip", errors=errors)
+    got, stats = read(url, fast(budget=0.3), error_policy=ErrorPolicy("skip", errors))
     assert got == [] and errors.counts == {"unreachable_url": 1} and stats.gave_up == 1
 
 
@@ -107,7 +107,7 @@ def test_budget_exhausted_names_the_url_and_skip_counts_it(shards, server):
         read(urls, fast(budget=0.3))
     assert urls[0] in str(info.value) and time.monotonic() - t0 < 3
     errors = ErrorCounter()
-    got, stats = read(urls, fast(budget=0.2), on_error="skip", errors=errors)
+    got, stats = read(urls, fast(budget=0.2), error_policy=ErrorPolicy("skip", errors))
     assert got == DOCS[60:] and errors.counts == {"unreachable_url": 1} and stats.gave_up == 1
 
 

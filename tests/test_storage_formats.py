@@ -16,7 +16,7 @@ from helpers_faults import serve_faulty
 from helpers_formats import jsonl_bytes, write_zst_shards
 from node_checks import roundtrip
 
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io import urls as urls_mod
 from streampack.io.compression import CorruptStream, ZstdReader
 from streampack.io.urls import ShardList, expand_urls, shard_format
@@ -66,7 +66,7 @@ def test_truncated_zst_is_corrupt_not_a_short_shard(tmp_path, cut):
         read_all(str(path))
     assert str(path) in str(info.value)
     errors = ErrorCounter()
-    out = read_all(str(path), on_error="skip", errors=errors)
+    out = read_all(str(path), error_policy=ErrorPolicy("skip", errors))
     assert errors.counts == {"corrupt_shard": 1} and [s.tokens.tolist() for s in out] == docs[:len(out)]
     # every complete line before the cut is delivered (issue 18 item 9): with only the
     # checksum cut off, that is all of them, and the damage is still counted
@@ -140,7 +140,7 @@ def test_memory_filesystem_glob_and_missing(tmp_path):
         with pytest.raises(ValueError, match="matches no shard files"):
             expand_urls("memory://glob-test/nothing-*.tar")
         errors = ErrorCounter()
-        out = read_all(["memory://glob-test/gone.jsonl", *found], on_error="skip", errors=errors)
+        out = read_all(["memory://glob-test/gone.jsonl", *found], error_policy=ErrorPolicy("skip", errors))
         assert len(out) == 9 and errors.counts == {"missing_shard": 1}
     finally:
         fs.rm("/glob-test", recursive=True)

@@ -22,7 +22,7 @@ from helpers_formats import jsonl_bytes, write_parquet_shards, write_zst_shards
 
 from streampack import PackedDataset
 from streampack.cli.main import main
-from streampack.errors import ErrorCounter
+from streampack.errors import ErrorCounter, ErrorPolicy
 from streampack.io.index import INDEX_SUFFIX, cache_path, load_or_build_index
 from streampack.io.limits import Limits
 from streampack.io.storage import OpenOptions
@@ -30,12 +30,13 @@ from streampack.nodes.reader import ShardReader
 from streampack.options import ReadOptions, TopologyOptions
 
 
-def read_split(url, workers: int, cache_dir: str, **kw) -> tuple[list[list[int]], ErrorCounter]:
+def read_split(url, workers: int, cache_dir: str, limits: Limits = Limits()) -> tuple[list[list[int]], ErrorCounter]:
     errors = ErrorCounter()
     out = []
     for w in range(workers):
-        reader = ShardReader(url, worker_id=w, num_workers=workers, epochs=1, on_error="skip", errors=errors,
-                             cache_dir=cache_dir, **kw)
+        reader = ShardReader(url, worker_id=w, num_workers=workers, epochs=1,
+                             read=ReadOptions(cache_dir=cache_dir, limits=limits),
+                             error_policy=ErrorPolicy("skip", errors))
         out += [s.tokens.tolist() for s in reader]
     return out, errors
 
@@ -117,7 +118,7 @@ def test_damaged_shard_with_more_workers_than_samples(tmp_path):
 
 def _race(url: str, cache_dir: str, worker: int, workers: int, barrier, results) -> None:
     barrier.wait()
-    reader = ShardReader(url, worker_id=worker, num_workers=workers, epochs=1, cache_dir=cache_dir)
+    reader = ShardReader(url, worker_id=worker, num_workers=workers, epochs=1, read=ReadOptions(cache_dir=cache_dir))
     results.put((worker, [s.key for s in reader]))
 
 
@@ -161,7 +162,7 @@ def test_cli_index_builds_ahead_and_readers_reuse_it(tmp_path, capsys):
         server.requests.clear()
         urls = [f"{server.url}/shard-00000{i}.tar" for i in range(2)]
         parts = [[s.tokens.tolist() for s in ShardReader(urls, worker_id=w, num_workers=4, epochs=1, shuffle=False,
-                                                          cache_dir=cache)] for w in range(4)]
+                                                         read=ReadOptions(cache_dir=cache))] for w in range(4)]
         assert sorted(map(tuple, sum(parts, []))) == sorted(map(tuple, docs))
         assert all(r.range and r.range != "bytes=0-" for r in server.gets()), "no whole-shard read: index reused"
     assert main(["index", str(tmp_path / "nope.tar"), "--cache-dir", cache, "--no-progress"]) == 1
@@ -233,7 +234,7 @@ def test_tar_index_lengths_do_not_follow_pythonhashseed(tmp_path):
     # b: the reader refuses it (conflicting_fields), so no length is right
     assert {lengths.strip() for _, lengths in seen} == {"[3, -1, 7]"}, seen
     errors = ErrorCounter()
-    assert [s.key for s in ShardReader(path, epochs=1, on_error="skip", errors=errors)] == ["a", "c"]
+    assert [s.key for s in ShardReader(path, epochs=1, error_policy=ErrorPolicy("skip", errors))] == ["a", "c"]
     assert errors.counts == {"conflicting_fields": 1}
 
 

@@ -8,6 +8,7 @@ from node_checks import ListSource, check_save_load, drain, make_samples
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from streampack.nodes.tokenize import Tokenize, make_encoder
+from streampack.options import TokenizeOptions
 from streampack.sample import Sample
 
 
@@ -41,8 +42,8 @@ def test_tokenizer_kinds_agree(tmp_path) -> None:
 @pytest.mark.parametrize("num_threads", [1, 3])
 def test_threads_keep_order_and_bos_eos(num_threads: int) -> None:
     samples = _texts()
-    node = Tokenize(ListSource(samples), _hf_tokenizer(), bos_id=1000, eos_id=1001,
-                    block_size=16, num_threads=num_threads)
+    node = Tokenize(ListSource(samples), _hf_tokenizer(),
+                    TokenizeOptions(bos_id=1000, eos_id=1001, block_size=16, num_threads=num_threads))
     out = list(node)
     assert [s.key for s in out] == [s.key for s in samples]
     for s, src in zip(out, samples):
@@ -54,7 +55,7 @@ def test_threads_keep_order_and_bos_eos(num_threads: int) -> None:
 def test_pretokenized_pass_through_and_empty_dropped() -> None:
     mixed = [Sample(key="a", text="w1 w2"), Sample(key="b", tokens=np.array([7, 8])),
              Sample(key="c", text="   "), Sample(key="d", text="w3")]
-    node = Tokenize(ListSource(mixed), _hf_tokenizer(), block_size=3)
+    node = Tokenize(ListSource(mixed), _hf_tokenizer(), TokenizeOptions(block_size=3))
     out = list(node)
     assert [(s.key, s.tokens.tolist()) for s in out] == [("a", [2, 3]), ("b", [7, 8]), ("d", [4])]
     assert node.counters["empty"] == 1
@@ -63,17 +64,20 @@ def test_pretokenized_pass_through_and_empty_dropped() -> None:
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_tokenize_save_load(num_threads: int) -> None:
     samples = _texts(100)
-    make = lambda: Tokenize(ListSource(samples), _hf_tokenizer(), block_size=7,  # noqa: E731
-                            num_threads=num_threads)
+    make = lambda: Tokenize(ListSource(samples), _hf_tokenizer(),  # noqa: E731
+                            TokenizeOptions(block_size=7, num_threads=num_threads))
     assert check_save_load(make, offsets=[0, 1, 6, 7, 8, 50, 99, 100]) == 100
-    assert drain(make()) == drain(Tokenize(ListSource(samples), _words, block_size=100))
+    assert drain(make()) == drain(Tokenize(ListSource(samples), _words, TokenizeOptions(block_size=100)))
 
 
 def test_validation() -> None:
+    # the node takes its record, which checked these when it was made
     with pytest.raises(ValueError, match="block_size=0"):
-        Tokenize(ListSource([]), _words, block_size=0)
+        TokenizeOptions(block_size=0)
     with pytest.raises(ValueError, match="num_threads=0"):
-        Tokenize(ListSource([]), _words, num_threads=0)
+        TokenizeOptions(num_threads=0)
+    with pytest.raises(ValueError, match=r"TokenizeOptions\(bos_id=50\) must be None or a token id in \[0, 50\)"):
+        Tokenize(ListSource([]), _words, TokenizeOptions(bos_id=50), vocab_size=50)  # spans two records
 
 
 def test_dataset_with_tokenizer_resumes(tmp_path) -> None:
@@ -81,7 +85,7 @@ def test_dataset_with_tokenizer_resumes(tmp_path) -> None:
     from node_checks import canon
 
     from streampack.dataset import PackedDataset
-    from streampack.options import PackOptions, TokenizeOptions
+    from streampack.options import PackOptions
 
     texts = [s.text for s in _texts(120)]
     urls = write_jsonl_shards(tmp_path, texts, 3)

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from streampack import check_invariants
 from streampack.dataset import PackedDataset
-from streampack.nodes.collate import ThdCollate, is_filler
+from streampack.nodes.collate import BatchLayout, ThdCollate, is_filler
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.window_packer import WindowPacker
 from streampack.options import PackOptions, ReadOptions, TopologyOptions
@@ -86,8 +86,8 @@ def test_fillers_have_the_shape_of_every_batch():
     """Finding: a filler batch had ``capacity`` tokens instead of ``packs_per_batch * capacity``,
     so ranks saw different shapes in the same step."""
     samples = make_samples([CAP] * 7)  # 7 full packs: batches of 3, 3, then 1 + 2 filler packs
-    source = WindowPacker(OverlongNode(ListSource(samples), CAP, "split"), capacity=CAP, window=16)
-    batches = list(ThdCollate(source, capacity=CAP, packs_per_batch=3, num_batches=10))
+    source = WindowPacker(OverlongNode(ListSource(samples), CAP, "split"), rules=PackerRules(capacity=CAP, window=16))
+    batches = list(ThdCollate(source, layout=BatchLayout(capacity=CAP, packs_per_batch=3), num_batches=10))
     assert len(batches) == 10 and sum(is_filler(b) for b in batches) >= 1
     assert {b.total_tokens for b in batches} == {3 * CAP} and {b.num_packs for b in batches} == {3}
     partial = [b for b in batches if not is_filler(b) and "<filler>" in b.doc_keys]
@@ -114,8 +114,7 @@ def test_plan_counts_exactly_the_packs_the_node_emits(seed):
                         max_wait=int(rng.integers(1, 5)), algorithm=str(rng.choice(["bfd", "ffd", "kk"])))
     from streampack.plan.state import samples_to_table
 
-    node = WindowPacker(ListSource(make_samples(lengths)), capacity=cap, window=rules.window, align=align,
-                        seed=seed, max_wait=rules.max_wait, algorithm=rules.algorithm,
+    node = WindowPacker(ListSource(make_samples(lengths)), rules=rules,  # the very rules the plan counts with
                         carry=samples_to_table(make_samples(carry), by_reference=False))
     assert count_packs(rules, lengths, carry) == sum(1 for _ in node)
 
@@ -133,8 +132,7 @@ def test_plan_counts_the_warmup_rounds_exactly(seed):
                         algorithm=str(rng.choice(["bfd", "ffd", "kk"])))
     from streampack.plan.state import samples_to_table
 
-    node = WindowPacker(ListSource(make_samples(lengths)), capacity=cap, window=rules.window, seed=seed,
-                        max_wait=rules.max_wait, algorithm=rules.algorithm, warmup=rules.warmup,
+    node = WindowPacker(ListSource(make_samples(lengths)), rules=rules,
                         carry=samples_to_table(make_samples(carry), by_reference=False))
     assert count_packs(rules, lengths, carry) == sum(1 for _ in node)
     assert node.metrics["rounds"] >= 2  # the ramp ran (not one flush round)

@@ -8,11 +8,13 @@ from node_checks import ListSource, check_save_load, lognormal_lengths, make_sam
 
 from streampack import packing
 from streampack.layout.batch import check_invariants
-from streampack.nodes.collate import ThdCollate, is_filler
+from streampack.nodes.collate import BatchLayout, ThdCollate, is_filler
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.stages import MapSamples
 from streampack.nodes.window_packer import WindowPacker, fill
+from streampack.options import PackOptions, TopologyOptions
 from streampack.packing.window_rounds import WARMUP, PackerRules
+from streampack.settings import StreamConfig
 
 CAP = 256
 
@@ -21,10 +23,11 @@ def _samples(n: int = 400, seed: int = 0, mean: float = 60.0) -> list:
     return make_samples(lognormal_lengths(n, mean=mean, seed=seed, max_len=3 * CAP), seed=seed)
 
 
-def _packer(samples, **kw) -> WindowPacker:
+def _packer(samples, shuffle: bool = True, **kw) -> WindowPacker:
     kw.setdefault("capacity", CAP)
     kw.setdefault("window", 32)
-    return WindowPacker(OverlongNode(ListSource(samples), kw["capacity"], "split"), **kw)
+    return WindowPacker(OverlongNode(ListSource(samples), kw["capacity"], "split"), rules=PackerRules(**kw),
+                        shuffle=shuffle)
 
 
 @pytest.mark.parametrize("algorithm", ["bfd", "ffd", "kk"])
@@ -39,9 +42,10 @@ def test_other_nodes_save_load() -> None:
     drop_odd = lambda s: None if int(s.key[1:]) % 2 else s  # noqa: E731
     assert check_save_load(lambda: OverlongNode(ListSource(samples), 50, "split")) > 200
     assert check_save_load(lambda: MapSamples(ListSource(samples), drop_odd)) == 100
-    make = lambda: ThdCollate(_packer(samples), capacity=CAP, packs_per_batch=3)  # noqa: E731
+    make = lambda: ThdCollate(_packer(samples), layout=BatchLayout(capacity=CAP, packs_per_batch=3))  # noqa: E731
     assert check_save_load(make) > 5
-    make = lambda: ThdCollate(_packer(samples), capacity=CAP, packs_per_batch=3, num_batches=200)  # noqa: E731
+    layout = BatchLayout(capacity=CAP, packs_per_batch=3)
+    make = lambda: ThdCollate(_packer(samples), layout=layout, num_batches=200)  # noqa: E731
     assert check_save_load(make, offsets=[0, 7, 150, 199, 200]) == 200
 
 
@@ -98,19 +102,27 @@ def test_pack_order_is_shuffled_not_by_length() -> None:
 
 
 def test_validation() -> None:
-    src = ListSource([])
+    # the packer's values are checked by the records its rules are made from, once
     with pytest.raises(ValueError, match="unknown packing algorithm"):
-        WindowPacker(src, capacity=CAP, algorithm="nope")
+        PackOptions(algorithm="nope")
     with pytest.raises(ValueError, match="window=0"):
-        WindowPacker(src, capacity=CAP, window=0)
-    with pytest.raises(ValueError, match="multiple"):
-        WindowPacker(src, capacity=100, align=8)
+        PackOptions(window=0)
+    with pytest.raises(ValueError, match="capacity=100 must be a multiple of align=8"):
+        StreamConfig(capacity=100, topology=TopologyOptions(align_multiple=8))
     with pytest.raises(ValueError, match="more than"):
-        list(WindowPacker(ListSource(make_samples([CAP + 1])), capacity=CAP))
+        list(WindowPacker(ListSource(make_samples([CAP + 1])), rules=PackerRules(capacity=CAP)))
+
+
+def test_the_rules_are_made_from_the_records() -> None:
+    config = StreamConfig(capacity=512, packing=PackOptions(window=64, algorithm="kk", max_wait=3, slack=5),
+                          topology=TopologyOptions(cp_size=2))
+    rules = config.packer_rules(7)
+    assert rules == PackerRules(capacity=512, window=64, algorithm="kk", align=4, seed=7, max_wait=3, slack=5)
+    assert StreamConfig(capacity=512).packer_rules(0).max_wait == 8  # the window's default, resolved
 
 
 def test_filler_batches_have_no_targets() -> None:
-    collate = ThdCollate(_packer(_samples(20)), capacity=CAP, packs_per_batch=2, num_batches=50)
+    collate = ThdCollate(_packer(_samples(20)), layout=BatchLayout(capacity=CAP, packs_per_batch=2), num_batches=50)
     batches = list(collate)
     assert len(batches) == 50 and collate.counters["fillers"] > 0
     fillers = [b for b in batches if is_filler(b)]
@@ -119,14 +131,15 @@ def test_filler_batches_have_no_targets() -> None:
         check_invariants(b)
     assert all(b.num_targets == 0 for b in fillers)
     with pytest.raises(ValueError, match="more than num_batches=1"):
-        list(ThdCollate(_packer(_samples(200)), capacity=CAP, num_batches=1))
+        list(ThdCollate(_packer(_samples(200)), layout=BatchLayout(capacity=CAP), num_batches=1))
 
 
 def _fill_vs_offline(n: int, window: int) -> tuple[float, float]:
     cap = 4096
     lengths = lognormal_lengths(n, mean=600, seed=11)
     samples = make_samples(lengths)
-    packer = WindowPacker(OverlongNode(ListSource(samples), cap, "split"), capacity=cap, window=window)
+    packer = WindowPacker(OverlongNode(ListSource(samples), cap, "split"), rules=PackerRules(capacity=cap,
+                                                                                             window=window))
     for _ in packer:
         pass
     split = np.concatenate([[cap] * (n // cap) + ([n % cap] if n % cap else []) for n in lengths.tolist()])
@@ -152,7 +165,7 @@ def test_first_pack_comes_after_the_warmup_not_the_window(window: int) -> None:
     # documents of ~1,900 tokens first: 40 s to the first batch with 2 workers)
     samples = make_samples([1900] * 5000)
     source = ListSource(samples)
-    packer = WindowPacker(source, capacity=4096, window=window)
+    packer = WindowPacker(source, rules=PackerRules(capacity=4096, window=window))
     first = next(packer)
     assert len(first) == 2 and source.state_dict()["index"] == WARMUP  # the same for every window
 
@@ -163,7 +176,7 @@ def test_warmup_rounds_double_up_to_the_window() -> None:
     assert PackerRules(capacity=CAP, window=100, warmup=100).size(0) == 100  # off: as before
     assert PackerRules(capacity=CAP, window=100, warmup=1).size(10_000) == 100
     with pytest.raises(ValueError, match="warmup=0"):
-        WindowPacker(ListSource([]), capacity=CAP, warmup=0)
+        PackerRules(capacity=CAP, warmup=0)
 
 
 @pytest.mark.parametrize("algorithm", ["bfd", "kk"])

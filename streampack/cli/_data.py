@@ -105,34 +105,28 @@ class Documents:
     same data carry the same targets."""
 
     def __init__(self, urls: Sequence[str], opts: DocumentOptions, *, capacity: int) -> None:
-        from streampack.graph.build import (
-            Placement,
-            ReadOptions,
-            Sources,
-            StreamConfig,
-            build_samples,
-        )
+        from streampack.graph.build import Placement, Sources, StreamConfig, build_samples
         from streampack.io.limits import Limits
         from streampack.io.packed_format import is_packed_dataset
         from streampack.io.urls import ShardList
-        from streampack.options import TokenizeOptions
+        from streampack.options import ReadOptions, TokenizeOptions
 
         if is_packed_dataset(list(urls) if len(urls) > 1 else urls[0]):
             raise CliError(f"{' '.join(map(str, urls))} is the output of `streampack pack` (packs, not "
                            "documents; its manifest.json holds the pack lengths and metrics): give the "
                            "original shards")
         check_tokenizer(opts.tokenizer)
-        config = StreamConfig(capacity=capacity, shuffle=False, epochs=1,
-                              tokenize=TokenizeOptions(bos_id=opts.bos_id, eos_id=opts.eos_id))
         from streampack.graph.preflight import preflight
 
+        read = ReadOptions(tokens_key=opts.tokens_key, text_key=opts.text_key, labels_key=opts.labels_key,
+                           loss_mask_key=opts.loss_mask_key, on_error=opts.on_error, vocab_size=opts.vocab_size,
+                           limits=opts.limits if opts.limits is not None else Limits(), retries=opts.retries,
+                           retry_budget=opts.retry_budget)
+        config = StreamConfig(capacity=capacity, shuffle=False, epochs=1, read=read,
+                              tokenize=TokenizeOptions(bos_id=opts.bos_id, eos_id=opts.eos_id))
         sources = Sources(shards=ShardList.of(list(urls)))
-        options = ReadOptions(tokens_key=opts.tokens_key, text_key=opts.text_key, labels_key=opts.labels_key,
-                              loss_mask_key=opts.loss_mask_key, on_error=opts.on_error, vocab_size=opts.vocab_size,
-                              limits=opts.limits if opts.limits is not None else Limits(), retries=opts.retries,
-                              retry_budget=opts.retry_budget)
-        preflight(sources.lists, options)  # a missing shard or a wrong column type: now, not at the end
-        node, self.nodes = build_samples(config, sources, Placement(), options=options, tokenizer=opts.tokenizer)
+        preflight(sources.lists, read)  # a missing shard or a wrong column type: now, not at the end
+        node, self.nodes = build_samples(config, sources, Placement(), tokenizer=opts.tokenizer)
         node.reset(None)
         self.root = node
 

@@ -197,15 +197,18 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.max_seconds <= 0:
         raise CliError(f"--max-seconds={args.max_seconds} must be > 0")
-    from streampack.layout.batch import alignment
+    from streampack.options import PackOptions, TopologyOptions
     from streampack.packing import ALGORITHMS
+    from streampack.graph import StreamConfig
 
     if args.algorithm not in ALGORITHMS:  # checked before the corpus is written
         raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")
-    align = alignment(args.cp_size, args.tp_size)
-    if args.capacity % align:
-        raise CliError(f"--capacity={args.capacity} must be a multiple of the alignment {align} "
-                       f"(from cp_size={args.cp_size}, tp_size={args.tp_size})")
+    try:  # every setting, by the records the pipeline takes, before the corpus is written
+        StreamConfig(capacity=args.capacity, packs_per_batch=args.packs_per_batch,
+                     packing=PackOptions(window=args.window, algorithm=args.algorithm),
+                     topology=TopologyOptions(cp_size=args.cp_size, tp_size=args.tp_size))
+    except ValueError as e:
+        raise CliError(str(e)) from None
     root = cache_root(args.cache_dir)
     urls, tokenizer, reused = prepare_corpus(root, num_shards=args.num_shards, docs_per_shard=args.docs_per_shard,
                                              seed=args.seed, progress=not args.no_progress)

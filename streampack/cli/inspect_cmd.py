@@ -63,8 +63,11 @@ def windowed_fill(lengths: np.ndarray, capacity: int, window: int, algorithm: st
     """Fill the streaming window packer reaches on ``lengths`` (each <= capacity), in order."""
     from streampack.cli.length_source import LengthSource
     from streampack.nodes.window_packer import WindowPacker, fill
+    from streampack.options import PackOptions
+    from streampack.graph import StreamConfig
 
-    packer = WindowPacker(LengthSource(lengths), capacity=capacity, window=window, algorithm=algorithm, seed=seed)
+    config = StreamConfig(capacity=capacity, packing=PackOptions(window=window, algorithm=algorithm))  # checks them
+    packer = WindowPacker(LengthSource(lengths), rules=config.packer_rules(seed))
     packer.reset(None)
     while True:
         try:

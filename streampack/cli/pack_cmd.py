@@ -26,7 +26,7 @@ from streampack.errors import ON_ERROR_CHOICES
 if TYPE_CHECKING:
     from streampack.nodes.overlong import OverlongCounters
 
-# streampack.nodes.overlong's POLICIES, written out: importing it loads torch (~3 s), and the
+# streampack.options.packing's OVERLONG_POLICIES, written out: importing it loads torch (~3 s), and the
 # parser (``--help``, a usage error) must not wait for that; tests/test_cli.py pins them equal.
 OVERLONG_POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
 
@@ -80,20 +80,21 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from streampack.io.packed_writer import write_packed_dataset
-    from streampack.layout.batch import alignment
     from streampack.nodes.overlong import OverlongCounters, apply_overlong
+    from streampack.options import TopologyOptions
     from streampack.packing import ALGORITHMS, pack
+    from streampack.graph import StreamConfig
 
     if args.algorithm not in ALGORITHMS:
         raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")
     for name in ("cp_size", "tp_size", "align_multiple", "packs_per_shard"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    align = alignment(args.cp_size, args.tp_size, multiple=args.align_multiple)
-    if args.capacity < 1 or args.capacity % align:
-        raise CliError(f"--capacity={args.capacity} must be a positive multiple of the alignment "
-                       f"{align} (from cp_size={args.cp_size}, tp_size={args.tp_size}, "
-                       f"align_multiple={args.align_multiple})")
+    try:  # the capacity against the alignment, checked where every stream's config is made
+        topology = TopologyOptions(cp_size=args.cp_size, tp_size=args.tp_size, align_multiple=args.align_multiple)
+        align = StreamConfig(capacity=args.capacity, topology=topology).topology.align
+    except ValueError as e:
+        raise CliError(f"--capacity: {e}") from None
     opts = DocumentOptions(tokenizer=args.tokenizer, tokens_key=args.tokens_key, text_key=args.text_key,
                            labels_key=args.labels_key, loss_mask_key=args.loss_mask_key, bos_id=args.bos_id,
                            eos_id=args.eos_id, on_error=args.on_error, **input_guards(args))

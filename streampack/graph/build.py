@@ -14,13 +14,14 @@ ranks the batch quota that gives every rank the same count) over the data set's 
 chain. Building a reader's graph costs no request but the manifest's (1 read per process) and
 what its planner reads (see :mod:`streampack.plan.epoch_plan`).
 
-:class:`ReadOptions` (the reading stage's record) and :class:`StreamConfig` (the batch's
-shape, order and epochs, with the record of every later stage: ``tokenize``, ``packing``,
-``topology``, ``cost``; see :mod:`streampack.options`) are what ``PackedDataset`` was given: each
-record checked its own values when it was made, and the builder hands each node the values of
-its stage's record, so nothing is checked twice. Building a graph once in the main process
-(what ``PackedDataset.__init__`` does) checks what only the nodes can: a tokenizer that loads,
-the shards' formats.
+:class:`StreamConfig` (the batch's shape, order and epochs, with the record of every stage:
+``read``, ``tokenize``, ``packing``, ``topology``, ``cost``, ``media``; see
+:mod:`streampack.options`) is what ``PackedDataset`` was given: each record checked its own
+values when it was made, and the builder hands each node its stage's record (or what is made
+from it in one place: the packer's rules, ``StreamConfig.packer_rules``; the one
+``ErrorPolicy`` of a reader's graph, ``ReadOptions.error_policy``), so nothing is checked twice.
+Building a graph once in the main process (what ``PackedDataset.__init__`` does) checks what only
+the nodes can: a tokenizer that loads, the shards' formats.
 
 ``around`` lets a caller wrap any named stage with torchdata's own nodes, e.g.
 ``around={"tokenize": lambda n: Prefetcher(n, 16)}``; the wrapped node's state nests in the
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack.errors import ErrorCounter
+from streampack.errors import ErrorCounter, ErrorPolicy
 from streampack.graph.contiguous import contiguous_path, row_chain
 from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
@@ -55,16 +56,17 @@ from streampack.nodes.reader import ShardReader
 from streampack.nodes.row_collate import RowCollate
 from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
-from streampack.nodes.window_packer import WindowPacker, fill
+from streampack.nodes.window_packer import Balancing, WindowPacker, fill
+from streampack.options.read import ReadOptions
 from streampack.packing.schedule import CostScale, Schedule
-from streampack.packing.window_rounds import PackerRules, worker_seed
+from streampack.packing.window_rounds import worker_seed
 from streampack.plan.cost_seed import sample_lengths, seed_counts
 from streampack.plan.epoch_plan import Agree, Counting, EpochPlanner, chunk_lengths
 from streampack.plan.quota import LateQuota
 from streampack.plan.replay import Replayer, ReplaySpec
 from streampack.plan.sharding import Span
 from streampack.sample import Sample
-from streampack.settings import Placement, ReadOptions, Share, Sources, StreamConfig
+from streampack.settings import Placement, Share, Sources, StreamConfig
 
 Wrap = Callable[[BaseNode[Any]], BaseNode[Any]]
 STAGES = ("reader", "tokenize", "stages", "overlong", "packer", "collate")
@@ -90,8 +92,7 @@ def replayable(stages: Sequence[Any]) -> bool:
     return all(not isinstance(s, (NodeStage, type)) for s in stages)
 
 
-def media_stages(config: StreamConfig, options: ReadOptions, stages: Sequence[Any],
-                 errors: ErrorCounter) -> list[Any]:
+def media_stages(config: StreamConfig, stages: Sequence[Any], policy: ErrorPolicy) -> list[Any]:
     """``stages`` behind the image length stage when the stream has images. Carried image
     samples must be re-read from their origin (a state never holds image bytes), so every
     stage must be a replayable function."""
@@ -100,11 +101,11 @@ def media_stages(config: StreamConfig, options: ReadOptions, stages: Sequence[An
     if not replayable(stages):
         raise ValueError("media= needs function stages only: a node stage makes resume states store samples, "
                          "and a state never stores image bytes")
-    return [ExpandImages(config.media, on_error=options.on_error, errors=errors), *stages]
+    return [ExpandImages(config.media, error_policy=policy), *stages]
 
 
-def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, options: ReadOptions = ReadOptions(),
-                  tokenizer: Any = None, stages: Sequence[Any] = (), errors: ErrorCounter | None = None,
+def build_samples(config: StreamConfig, sources: Sources, place: Placement, *,
+                  tokenizer: Any = None, stages: Sequence[Any] = (), policy: ErrorPolicy | None = None,
                   around: Mapping[str, Wrap] | None = None, epoch: int | None = None,
                   work: list[Span] | None = None, keep_work: bool = False,
                   io_stats: IOStats | None = None,
@@ -115,42 +116,37 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *, o
     ``manifest`` is what planned them (the reader checks its shards and its state against it);
     ``blocks``: the readers are :class:`~streampack.nodes.block_reader.BlockReader` s (the
     contiguous path)."""
-    errors = errors if errors is not None else ErrorCounter()
+    options = config.read
+    policy = policy if policy is not None else options.error_policy()
     io_stats = io_stats if io_stats is not None else IOStats()
-    open_options = options.open_options()
+    open_options = options.open_options()  # made once: every source's reader fetches the same way
     wrap = _wrapper(around)
     end, start = _epochs(config, place) if epoch is None else (epoch + 1 if config.epochs else None, epoch)
     reader_class = BlockReader if blocks else ShardReader
     readers = {name: reader_class(
         shards, seed=config.seed, shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank,
-        dp_size=place.dp_size, worker_id=place.worker_id, num_workers=place.num_workers,
-        tokens_key=options.tokens_key, text_key=options.text_key, labels_key=options.labels_key,
-        loss_mask_key=options.loss_mask_key, on_error=options.on_error, errors=errors,
-        allow_pipe=options.allow_pipe, allow_pickle=options.allow_pickle, cache_dir=options.cache_dir,
-        open_options=open_options, io_stats=io_stats, source=i, work=None if work is None else {start: work},
-        keep_work=keep_work, vocab_size=options.vocab_size, limits=options.limits, saved_identities=identities,
+        dp_size=place.dp_size, worker_id=place.worker_id, num_workers=place.num_workers, read=options,
+        error_policy=policy, open_options=open_options, io_stats=io_stats, source=i,
+        work=None if work is None else {start: work}, keep_work=keep_work, saved_identities=identities,
         manifest=manifest, media=config.media)
         for i, (name, shards) in enumerate(sorted(sources.mixture.items()) or [("", sources.shards)])}
     nodes: dict[str, Any] = {"reader": next(iter(readers.values())), "readers": list(readers.values()),
-                             "errors": errors, "io": io_stats}
+                             "errors": policy.errors, "io": io_stats}
     node: BaseNode[Sample] = nodes["reader"]
     if sources.mixture:
         node = nodes["mixture"] = Mixture(readers, sources.weights, seed=config.seed, worker=place.global_worker,
                                           num_workers=place.global_workers, stop=sources.stop)
     node = wrap("reader", node)
     if tokenizer is not None:
-        tok = config.tokenize
-        node = nodes["tokenize"] = Tokenize(node, tokenizer, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                                            block_size=tok.block_size, num_threads=tok.num_threads,
-                                            on_error=options.on_error, errors=errors, vocab_size=options.vocab_size)
+        node = nodes["tokenize"] = Tokenize(node, tokenizer, config.tokenize, error_policy=policy,
+                                            vocab_size=options.vocab_size)
         node = wrap("tokenize", node)
     node, nodes["stages"] = build_stages(node, stages)
     return wrap("stages", node), nodes
 
 
-def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, options: ReadOptions = ReadOptions(),
-                tokenizer: Any = None, stages: Sequence[Any] = (),
-                around: Mapping[str, Wrap] | None = None, share: Share | None = None,
+def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, tokenizer: Any = None,
+                stages: Sequence[Any] = (), around: Mapping[str, Wrap] | None = None, share: Share | None = None,
                 validate: bool = False, agreement: Any = None) -> Graph:
     """The whole graph of one reader, ending in :class:`~streampack.nodes.collate.ThdCollate`;
     ``share`` starts it from an elastic resume's share. A finite stream builds each epoch's
@@ -162,7 +158,7 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, opt
                          "directory holds packs made offline: read raw shards to balance them")
     errors, io_stats = ErrorCounter(), IOStats()
     nodes: dict[str, Any] = {}
-    build = _Builder(config, sources, place, options, tokenizer, stages, around, errors, share, io_stats, agreement)
+    build = _Builder(config, sources, place, tokenizer, stages, around, errors, share, io_stats, agreement)
     if config.epochs is None or (sources.mixture and sources.packed is None):
         root, named = build.chain(None)
         nodes.update(named)
@@ -181,12 +177,13 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, opt
 class _Builder:
     """Builds the chain of one epoch (or the one chain of an infinite stream)."""
 
-    def __init__(self, config: StreamConfig, sources: Sources, place: Placement, options: ReadOptions,
-                 tokenizer: Any, stages: Sequence[Any], around: Mapping[str, Wrap] | None,
-                 errors: ErrorCounter, share: Share | None, io_stats: IOStats, agreement: Any) -> None:
-        self.config, self.sources, self.place, self.options = config, sources, place, options
+    def __init__(self, config: StreamConfig, sources: Sources, place: Placement, tokenizer: Any,
+                 stages: Sequence[Any], around: Mapping[str, Wrap] | None, errors: ErrorCounter,
+                 share: Share | None, io_stats: IOStats, agreement: Any) -> None:
+        self.config, self.sources, self.place = config, sources, place
         self.tokenizer, self.around, self.errors, self.share = tokenizer, around, errors, share
-        self.stages = media_stages(config, options, stages, errors)
+        self.policy = config.read.error_policy(errors)  # every node of this reader's graph takes it
+        self.stages = media_stages(config, stages, self.policy)
         self.io_stats, self.agreement = io_stats, agreement
         self.wrap = _wrapper(around)
         self._planner: EpochPlanner | None = None
@@ -198,12 +195,12 @@ class _Builder:
         # 2.8 s of a 5.9 s epoch of 60,000 samples in 8 tar shards, benchmarks/bench_pipeline.py)
         self.needs_plan = (sources.shards is not None and not sources.mixture and sources.packed is None
                            and (place.global_workers > 1 or self.counting is not None))
-        self.contiguous = contiguous_path(config, sources, options, tokenizer, self.stages, around)
+        self.contiguous = contiguous_path(config, sources, tokenizer, self.stages, around)
 
     @property
     def planner(self) -> EpochPlanner:
         if self._planner is None:
-            self._planner = make_planner(self.config, self.sources, self.place, self.options, self.io_stats,
+            self._planner = make_planner(self.config, self.sources, self.place, self.io_stats,
                                          agreement=self.agreement)
             assert self._planner is not None
         return self._planner
@@ -218,8 +215,7 @@ class _Builder:
             node, nodes, quota = self._samples(epoch, share, planned, info)
         collate = RowCollate if self.contiguous and self.sources.packed is None else ThdCollate
         node = nodes["collate"] = collate(
-            node, capacity=config.capacity, packs_per_batch=config.packs_per_batch, align=config.topology.align,
-            pad_id=config.packing.pad_id, ignore_index=config.packing.ignore_index, num_batches=quota,
+            node, layout=config.batch_layout(), num_batches=quota,
             surplus_hint=_SURPLUS_HINT if config.topology.batches_per_epoch is None else "raise batches_per_epoch",
             errors=self.errors, dp_rank=self.place.dp_rank, worker_id=self.place.worker_id,
             cost_model=config.cost.model,
@@ -237,9 +233,9 @@ class _Builder:
         if share is not None:
             start = share.epoch
         reader = PackedShardReader(
-            self.sources.packed_urls, capacity=config.capacity, align=config.topology.align, seed=config.seed,
+            self.sources.packed_urls, layout=config.batch_layout(), seed=config.seed,
             shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank, dp_size=place.dp_size,
-            worker_id=place.worker_id, num_workers=place.num_workers, packs_per_batch=config.packs_per_batch,
+            worker_id=place.worker_id, num_workers=place.num_workers,
             work=None if share is None else {share.epoch: share.packs})
         quota = None
         if epoch is not None:
@@ -265,8 +261,8 @@ class _Builder:
                 quota = quota if quota is not None else plan.quota
         elif self.sources.mixture and config.epochs is not None:
             quota = _mixture_quota(config, place)
-        node, nodes = build_samples(config, self.sources, place, options=self.options, tokenizer=self.tokenizer,
-                                    stages=self.stages, errors=self.errors, around=self.around,
+        node, nodes = build_samples(config, self.sources, place, tokenizer=self.tokenizer,
+                                    stages=self.stages, policy=self.policy, around=self.around,
                                     epoch=share.epoch if share is not None and epoch is None else epoch,
                                     work=work, keep_work=share is not None, io_stats=self.io_stats,
                                     identities=None if share is None else share.identities,
@@ -276,21 +272,16 @@ class _Builder:
         if self.contiguous:
             return self._rows(node, nodes, share), nodes, quota
         replayer = self._replayer(nodes)
-        pack = config.packing
-        node = nodes["overlong"] = OverlongNode(node, config.capacity, pack.overlong,
+        node = nodes["overlong"] = OverlongNode(node, config.capacity, config.packing.overlong,
                                                 replay=None if replayer is None else replayer.chunks,
-                                                media=config.media, on_error=self.options.on_error,
-                                                errors=self.errors)
+                                                media=config.media, error_policy=self.policy)
         node = self.wrap("overlong", node)
         node = nodes["packer"] = WindowPacker(
-            node, capacity=config.capacity, window=pack.window, algorithm=pack.algorithm,
-            align=config.topology.align, seed=packer_seed(config, place), max_wait=pack.max_wait, slack=pack.slack,
-            shuffle=config.shuffle, replay=replayer, carry=None if share is None else share.carry,
-            **self._balance())
+            node, rules=config.packer_rules(packer_seed(config, place)), shuffle=config.shuffle, replay=replayer,
+            carry=None if share is None else share.carry, balance=self._balance())
         node = self.wrap("packer", node)
         if config.media is not None:  # pack first, decode after: only emitted packs' pixels
-            node = nodes["decode_images"] = DecodeImages(node, config.media, on_error=self.options.on_error,
-                                                         errors=self.errors)
+            node = nodes["decode_images"] = DecodeImages(node, config.media, error_policy=self.policy)
         return node, nodes, quota
 
     def _rows(self, reader: BaseNode[Any], nodes: dict[str, Any], share: Share | None) -> BaseNode[Any]:
@@ -298,12 +289,12 @@ class _Builder:
         return row_chain(reader, nodes, self.config, packer_seed(self.config, self.place), self._replay_spec(nodes),
                          None if share is None else share.carry)
 
-    def _balance(self) -> dict[str, Any]:
-        """The packer's balance arguments: an epoch continues the previous epoch's schedule
+    def _balance(self) -> Balancing | None:
+        """The packer's cost-balanced emission: an epoch continues the previous epoch's schedule
         position (its batches, fillers included) and cost histogram."""
         config, place = self.config, self.place
         if config.cost.balance is None:
-            return {}
+            return None
         first, levels = 0, None
         if self._last is not None and self._last[0].reservoir is not None:
             packer, collate = self._last
@@ -313,8 +304,8 @@ class _Builder:
             levels = self._seed_once  # called when the packer starts fresh, never on a restore
         schedule = Schedule(seed=config.seed, packs_per_batch=config.packs_per_batch, lane=place.worker_id,
                             lanes=place.num_workers, ranks=place.dp_size)
-        return {"balance": config.cost.balance, "cost_model": config.cost.model, "schedule": schedule,
-                "first_batch": first, "levels": levels}
+        return Balancing(balance=config.cost.balance, cost_model=config.cost.model, schedule=schedule,
+                         first_batch=first, levels=levels)
 
     def _seed_once(self) -> np.ndarray | None:
         if self._seed is None:  # one seed per reader: every epoch's and every rebuilt chain's start
@@ -332,18 +323,16 @@ class _Builder:
                 or not config.cost.balance.seeded or config.cost.model is None):
             return None
         assert self.sources.shards is not None
-        if config.epochs is None and self.options.manifest is None:
+        if config.epochs is None and config.read.manifest is None:
             return None  # infinite streams plan nothing: building a manifest to seed would read every shard
         planner = self.planner
         if not planner.shards.known_lengths():
             return None
-        pack = config.packing
-        rules = PackerRules(capacity=config.capacity, window=pack.window, algorithm=pack.algorithm,
-                            align=config.topology.align, seed=config.seed, max_wait=pack.max_wait, slack=pack.slack)
+        rules = config.packer_rules(config.seed)
         lengths = sample_lengths(planner.num_shards, lambda s: planner.samples(s).lengths, config.seed)
         scale = CostScale.of(config.cost.model.linear, config.cost.model.attention, config.capacity)
         return seed_counts(lengths, rules, config.cost.model, scale, seed=config.seed,
-                           cut=lambda n: chunk_lengths(n, config.capacity, pack.overlong))
+                           cut=lambda n: chunk_lengths(n, config.capacity, config.packing.overlong))
 
     def _fixed_quota(self) -> int | None:
         per_rank = self.config.topology.batches_per_epoch
@@ -359,7 +348,7 @@ class _Builder:
         return Replayer(self._replay_spec(nodes))
 
     def _replay_spec(self, nodes: Mapping[str, Any]) -> ReplaySpec:
-        config, options = self.config, self.options
+        config, options = self.config, self.config.read
         encoder = nodes["tokenize"].encoder if "tokenize" in nodes else None
         media = None if config.media is None else config.media.reading(options.open_options())  # this run's settings
         return ReplaySpec(
@@ -374,7 +363,7 @@ _SURPLUS_HINT = ("the epoch plan counted fewer batches from the shard index than
                  "equal_batches='sync' with streampack.sync_batches in the training loop")
 
 
-def make_planner(config: StreamConfig, sources: Sources, place: Placement, options: ReadOptions,
+def make_planner(config: StreamConfig, sources: Sources, place: Placement,
                  io_stats: IOStats | None = None, *, agreement: Any = None, count: bool = True,
                  agree: Agree | None = None) -> EpochPlanner | None:
     """The planner of one reader of a finite single-source stream (None for mixtures and
@@ -382,7 +371,8 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement, optio
     spans only; ``agree`` replaces the store agreement made from ``agreement``."""
     if sources.mixture or sources.packed is not None or sources.shards is None:
         return None
-    manifest = manifest_of(config, sources, options, io_stats)
+    options = config.read
+    manifest = manifest_of(config, sources, io_stats)
     decode, opts = index_decode(options.tokens_key, options.limits), options.open_options()
     counting = counting_for(config, place) if count else None
     if agree is None and agreement is not None and counting is not None:
@@ -404,13 +394,13 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement, optio
 _GIVEN: dict[tuple[str, str, str], Manifest] = {}
 
 
-def manifest_of(config: StreamConfig, sources: Sources, options: ReadOptions,
-                io_stats: IOStats | None = None) -> Manifest:
-    """The data set's manifest: ``options.manifest`` (read once per process; DataLoader workers
+def manifest_of(config: StreamConfig, sources: Sources, io_stats: IOStats | None = None) -> Manifest:
+    """The data set's manifest: ``config.read.manifest`` (read once per process; DataLoader workers
     get the one ``PackedDataset`` read with the dataset, :func:`hold_manifest`), else built once
     for local shards (re-checked on every call with one ``stat`` per shard, so a rewritten shard
     is seen); remote shards without one are refused, naming ``streampack index``."""
     assert sources.shards is not None
+    options = config.read
     decode = index_decode(options.tokens_key, options.limits)
     key = _given_key(sources, options)
     if options.manifest is not None and key in _GIVEN:
@@ -418,16 +408,16 @@ def manifest_of(config: StreamConfig, sources: Sources, options: ReadOptions,
     manifest = obtain_manifest(list(sources.shards.urls), location=options.manifest, cache_dir=options.cache_dir,
                                decode=decode, opts=options.open_options(), stats=io_stats)
     if options.manifest is not None:
-        hold_manifest(sources, options, manifest)
+        hold_manifest(config, sources, manifest)
     return manifest
 
 
-def hold_manifest(sources: Sources, options: ReadOptions, manifest: Manifest) -> None:
-    """Make ``manifest`` (read from ``options.manifest`` by another process: the dataset a spawned
+def hold_manifest(config: StreamConfig, sources: Sources, manifest: Manifest) -> None:
+    """Make ``manifest`` (read from ``config.read.manifest`` by another process: the dataset a spawned
     DataLoader worker unpickled carries it) what :func:`manifest_of` returns in this process, so
     the worker does not fetch it again."""
     _GIVEN.clear()  # one data set at a time
-    _GIVEN[_given_key(sources, options)] = manifest
+    _GIVEN[_given_key(sources, config.read)] = manifest
 
 
 def _given_key(sources: Sources, options: ReadOptions) -> tuple[str, str, str]:
@@ -437,12 +427,10 @@ def _given_key(sources: Sources, options: ReadOptions) -> tuple[str, str, str]:
 
 def counting_for(config: StreamConfig, place: Placement) -> Counting | None:
     """What a plan needs to count batches, when ranks must yield equal counts by plan."""
-    topology, pack = config.topology, config.packing
+    topology = config.topology
     if place.dp_size == 1 or topology.batches_per_epoch is not None or topology.equal_batches != "plan":
         return None
-    rules = PackerRules(capacity=config.capacity, window=pack.window, algorithm=pack.algorithm,
-                        align=topology.align, seed=config.seed, max_wait=pack.max_wait, slack=pack.slack)
-    return Counting(rules=rules, max_len=config.capacity, policy=pack.overlong,
+    return Counting(rules=config.packer_rules(config.seed), max_len=config.capacity, policy=config.packing.overlong,
                     packs_per_batch=config.packs_per_batch)
 
 

@@ -31,14 +31,14 @@ from streampack.nodes.row_packer import RowPacker
 from streampack.plan.replay import ReplaySpec
 from streampack.plan.row_replay import RowReplay
 from streampack.plan.rows import BlockStore
-from streampack.settings import ReadOptions, Sources, StreamConfig
+from streampack.settings import Sources, StreamConfig
 
 CONTIGUOUS_ENV = "STREAMPACK_CONTIGUOUS"
 """Environment variable: ``0`` turns the contiguous fast path off (every stream then runs the
 per-sample path; the batches and states are the same either way)."""
 
 
-def contiguous_path(config: StreamConfig, sources: Sources, options: ReadOptions, tokenizer: Any,
+def contiguous_path(config: StreamConfig, sources: Sources, tokenizer: Any,
                     stages: Sequence[Any], around: Mapping[str, Any] | None) -> bool:
     """Whether a reader's graph runs the contiguous fast path (``BlockReader -> ChunkNode ->
     RowPacker -> RowCollate``, :mod:`streampack.plan.rows`) instead of the per-sample one: one
@@ -50,7 +50,8 @@ def contiguous_path(config: StreamConfig, sources: Sources, options: ReadOptions
     if os.environ.get(CONTIGUOUS_ENV, "1") == "0" or sources.shards is None or sources.mixture:
         return False
     return (sources.packed is None and tokenizer is None and not stages and config.media is None
-            and config.cost.balance is None and options.labels_key is None and options.loss_mask_key is None
+            and config.cost.balance is None and config.read.labels_key is None
+            and config.read.loss_mask_key is None
             and not set(around or {}) - {"collate"} and all(block_format(u) for u in sources.shards.urls))
 
 
@@ -61,10 +62,8 @@ def row_chain(reader: BaseNode[Any], nodes: dict[str, Any], config: StreamConfig
     pack, store = config.packing, BlockStore()
     replay = RowReplay(spec, store)
     node = nodes["overlong"] = ChunkNode(reader, config.capacity, pack.overlong, replay=replay.chunks, store=store)
-    packer = nodes["packer"] = RowPacker(
-        node, capacity=config.capacity, window=pack.window, algorithm=pack.algorithm, align=config.topology.align,
-        seed=seed, max_wait=pack.max_wait, slack=pack.slack, shuffle=config.shuffle, replay=replay, store=store,
-        carry=carry)
+    packer = nodes["packer"] = RowPacker(node, rules=config.packer_rules(seed), shuffle=config.shuffle, replay=replay,
+                                         store=store, carry=carry)
     return packer
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.errors import DataError, ErrorPolicy
 from streampack.layout.vision_batch import VisionLayout
 from streampack.media.decode import decode_image
 from streampack.media.options import MediaOptions
@@ -134,11 +134,11 @@ class DecodeImages(BaseNode[list[Sample]]):
     SOURCE_KEY = "source"
     COUNTERS_KEY = "counters"
 
-    def __init__(self, source: BaseNode[list[Sample]], options: MediaOptions, *, on_error: str = "raise",
-                 errors: ErrorCounter | None = None) -> None:
+    def __init__(self, source: BaseNode[list[Sample]], options: MediaOptions, *,
+                 error_policy: ErrorPolicy | None = None) -> None:
         super().__init__()
         self.source, self.options = source, options
-        self._policy = ErrorPolicy(on_error, errors)
+        self._policy = error_policy if error_policy is not None else ErrorPolicy()
         self.counters = {"images": 0, "videos": 0, "dropped": 0}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:

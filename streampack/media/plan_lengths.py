@@ -41,7 +41,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from streampack.errors import DataError, ErrorCounter
+from streampack.errors import DataError, ErrorPolicy
 from streampack.io.formats import ShardRange, open_range
 from streampack.io.index import fingerprint_of, index_decode
 from streampack.io.index_cache import cache_path, load_arrays, save_arrays
@@ -122,7 +122,7 @@ def shard_lengths(url: str, offsets: np.ndarray, decode: Any, opts: Any, media: 
     lengths = np.zeros(len(offsets), dtype=np.int32)
     counts = np.zeros(len(offsets), dtype=np.int32)
     spans: dict[int, np.ndarray] = {}
-    expand = ExpandImages(media, on_error="skip", errors=ErrorCounter())
+    expand = ExpandImages(media, error_policy=ErrorPolicy("skip"))
     streams: list[BinaryIO] = []
     pos = 0
     try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from streampack.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.errors import DataError, ErrorPolicy
 from streampack.media.options import MediaOptions
 from streampack.media.placeholders import expand_placeholders, image_starts
 from streampack.media.video import MediaVideo
@@ -83,9 +83,9 @@ def media_spans(sample: Sample, options: MediaOptions) -> MediaSpans:
 class ExpandImages:
     """``Sample -> Sample | None``: placeholders expanded to the images' token counts."""
 
-    def __init__(self, options: MediaOptions, *, on_error: str = "raise", errors: ErrorCounter | None = None) -> None:
+    def __init__(self, options: MediaOptions, *, error_policy: ErrorPolicy | None = None) -> None:
         self.options = options
-        self._policy = ErrorPolicy(on_error, errors)
+        self._policy = error_policy if error_policy is not None else ErrorPolicy()
 
     def __call__(self, sample: Sample) -> Sample | None:
         try:

@@ -18,7 +18,8 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack.nodes.block_reader import BlockReader, DocRun
-from streampack.nodes.overlong import POLICIES, OverlongCounters, OverlongNode, check_policy
+from streampack.nodes.overlong import OverlongCounters, OverlongNode
+from streampack.options.packing import OVERLONG_POLICIES
 from streampack.plan.rows import (
     BLOCK,
     CHUNK,
@@ -101,9 +102,8 @@ class ChunkNode(BaseNode[np.ndarray]):
 
     def __init__(self, source: BlockReader, max_len: int, policy: str = "split", *, replay: Any, store: BlockStore) -> None:
         super().__init__()
-        check_policy(policy)
-        if max_len < 1:
-            raise ValueError(f"{max_len=} must be >= 1")
+        # max_len and policy come checked (StreamConfig.capacity, PackOptions.overlong): only the
+        # graph builder makes this node
         self.source, self.max_len, self.policy, self.replay, self.store = source, max_len, policy, replay, store
         self._clear()
 
@@ -219,5 +219,5 @@ class ChunkNode(BaseNode[np.ndarray]):
                 self.LAST_KEY: torch.tensor(last, dtype=torch.int64).reshape(-1, len(OverlongNode.LAST_COLUMNS))}
 
 
-assert POLICIES == ("split", "truncate", "drop", "error")
+assert OVERLONG_POLICIES == ("split", "truncate", "drop", "error")
 __all__ = ["ChunkNode", "base_rows", "chunk_counts", "expand"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,8 +69,28 @@ def filler_pack(capacity: int, pad_id: int) -> list[Sample]:
                    loss_mask=np.zeros(capacity, dtype=bool))]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchLayout:
+    """The shape of every batch a collate makes: ``packs_per_batch`` packs of ``capacity`` tokens,
+    each document padded to a multiple of ``align``. ``StreamConfig.batch_layout`` makes it from
+    the checked records (``capacity`` a multiple of ``align`` is checked there)."""
+
+    capacity: int
+    packs_per_batch: int = 1
+    align: int = 1
+    pad_id: int = 0
+    """Padding token id (``PackOptions.pad_id``)."""
+    ignore_index: int = -100
+    """Label of positions that train nothing (``PackOptions.ignore_index``)."""
+
+
 class ThdCollate(BaseNode[PackedBatch]):
-    """Groups packs from a :class:`~streampack.nodes.window_packer.WindowPacker`."""
+    """Groups packs from a :class:`~streampack.nodes.window_packer.WindowPacker` into batches of
+    ``layout`` (:class:`BatchLayout`). ``num_batches``: the quota of a finite epoch (an int, a
+    ``plan.quota.LateQuota`` or None); fillers make up what the data did not, and a surplus is
+    refused naming ``surplus_hint``. ``errors``, ``dp_rank`` and ``worker_id`` only say where a
+    slow batch was made; ``cost_model`` sets each batch's ``est_cost``; ``vision_layout``: a media
+    stream's, kept by filler and image-less batches."""
 
     SOURCE_KEY = "source"
     YIELDED_KEY = "yielded"
@@ -77,19 +98,16 @@ class ThdCollate(BaseNode[PackedBatch]):
     QUOTA_KEY = "num_batches"
     LATE_KEY = "late_quota"
 
-    def __init__(self, source: BaseNode[list[Sample]], *, capacity: int, packs_per_batch: int = 1,
-                 align: int = 1, pad_id: int = 0, ignore_index: int = -100,
+    def __init__(self, source: BaseNode[list[Sample]], *, layout: BatchLayout,
                  num_batches: int | LateQuota | None = None, surplus_hint: str = "raise batches_per_epoch",
                  errors: ErrorCounter | None = None, dp_rank: int = 0, worker_id: int = 0,
                  cost_model: CostModel | None = None, vision_layout: VisionLayout | None = None) -> None:
         super().__init__()
-        if packs_per_batch < 1:
-            raise ValueError(f"{packs_per_batch=} must be >= 1")
-        if isinstance(num_batches, int) and num_batches < 0:
+        if isinstance(num_batches, int) and num_batches < 0:  # a plan's count, not a setting
             raise ValueError(f"{num_batches=} must be >= 0")
-        self.source = source
-        self.capacity, self.packs_per_batch, self.align = capacity, packs_per_batch, align
-        self.pad_id, self.ignore_index = pad_id, ignore_index
+        self.source, self.layout = source, layout
+        self.capacity, self.packs_per_batch, self.align = layout.capacity, layout.packs_per_batch, layout.align
+        self.pad_id, self.ignore_index = layout.pad_id, layout.ignore_index
         self.num_batches, self.surplus_hint = num_batches, surplus_hint
         self.late = num_batches if isinstance(num_batches, LateQuota) else None
         self.errors, self.dp_rank, self.worker_id = errors, dp_rank, worker_id

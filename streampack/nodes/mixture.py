@@ -35,14 +35,15 @@ from torchdata.nodes.samplers.multi_node_weighted_sampler import (
 )
 from torchdata.nodes.samplers.stop_criteria import StopCriteria
 
+from streampack.options.read import MIXTURE_STOPS
 from streampack.plan.state import check_node_config
 from streampack.sample import Sample
 
-STOP_RULES: dict[str, str] = {
-    "all": StopCriteria.ALL_DATASETS_EXHAUSTED,
-    "first": StopCriteria.FIRST_DATASET_EXHAUSTED,
-    "cycle": StopCriteria.CYCLE_UNTIL_ALL_DATASETS_EXHAUSTED,
-}
+STOP_RULES: dict[str, str] = dict(zip(MIXTURE_STOPS, (  # ReadOptions.mixture_stop -> torchdata's rule
+    StopCriteria.ALL_DATASETS_EXHAUSTED,
+    StopCriteria.FIRST_DATASET_EXHAUSTED,
+    StopCriteria.CYCLE_UNTIL_ALL_DATASETS_EXHAUSTED,
+), strict=True))
 CONFIG_KEY = "streampack_config"
 DRAWN_KEY = "drawn"
 

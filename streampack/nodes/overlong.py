@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack.errors import DataError, ErrorCounter, ErrorPolicy
+from streampack.errors import DataError, ErrorPolicy
 from streampack.logs import get_logger, warn_every
+from streampack.options.packing import OVERLONG_POLICIES
 from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
 from streampack.sample import Sample, SampleOrigin
 
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # media stays an optional part: imported where a sample has i
     from streampack.media.stage import MediaSpans
 
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
-POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
 _log = get_logger(__name__)
 
 
@@ -60,8 +60,8 @@ class OverlongCounters:
 
 
 def check_policy(policy: str) -> None:
-    if policy not in POLICIES:
-        raise ValueError(f"overlong={policy!r} must be one of {POLICIES}")
+    if policy not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong={policy!r} must be one of {OVERLONG_POLICIES}")
 
 
 def _slice(sample: Sample, start: int, stop: int, key: str, chunk: int, spans: MediaSpans | None = None) -> Sample:
@@ -190,11 +190,10 @@ class OverlongNode(BaseNode[Sample]):
 
     def __init__(self, source: BaseNode[Sample], max_len: int, policy: str = "split", *,
                  replay: Callable[[list[int]], list[Sample]] | None = None, media: MediaOptions | None = None,
-                 on_error: str = "raise", errors: ErrorCounter | None = None) -> None:
+                 error_policy: ErrorPolicy | None = None) -> None:
         super().__init__()
-        check_policy(policy)
-        if max_len < 1:
-            raise ValueError(f"{max_len=} must be >= 1")
+        # max_len and policy as checked by StreamConfig and PackOptions; apply_overlong checks them for a
+        # hand-built node at its first sample
         self.source = source
         self.max_len = max_len
         self.policy = policy
@@ -203,7 +202,8 @@ class OverlongNode(BaseNode[Sample]):
         ``chunks``), or None to keep pending chunks as tokens."""
         self.media = media
         """The stream's ``MediaOptions`` (None: text only): cuts avoid images' tokens."""
-        self._policy = ErrorPolicy(on_error, errors)  # a sample whose image tokens do not match its images
+        # a sample whose image tokens do not match its images (default: raise)
+        self._policy = error_policy if error_policy is not None else ErrorPolicy()
         self._clear()
 
     def _clear(self) -> None:

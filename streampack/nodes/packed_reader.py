@@ -31,6 +31,7 @@ from streampack.io.packed_format import (
     read_pack,
     resolve_packed,
 )
+from streampack.nodes.collate import BatchLayout
 from streampack.plan.epoch_plan import equalize
 from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_version
 from streampack.sample import Sample
@@ -48,11 +49,13 @@ class PackedShardReader(BaseNode[list[Sample]]):
     KIND_KEY = "kind"
     KIND = "PackedShardReader"
 
-    def __init__(self, urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, capacity: int,
-                 align: int = 1, seed: int = 0, shuffle: bool = False, epochs: int | None = 1, start_epoch: int = 0,
+    def __init__(self, urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, layout: BatchLayout,
+                 seed: int = 0, shuffle: bool = False, epochs: int | None = 1, start_epoch: int = 0,
                  dp_rank: int = 0, dp_size: int = 1, worker_id: int = 0, num_workers: int = 1,
-                 packs_per_batch: int = 1, work: dict[int, np.ndarray] | None = None) -> None:
+                 work: dict[int, np.ndarray] | None = None) -> None:
         super().__init__()
+        # layout: the batches the packs go into (StreamConfig.batch_layout); the directory must match it
+        capacity, align, packs_per_batch = layout.capacity, layout.align, layout.packs_per_batch
         root, names = resolve_packed(urls)
         self.manifest = m = read_manifest(root)
         if names is not None:  # explicit shard files: only their packs
@@ -67,8 +70,6 @@ class PackedShardReader(BaseNode[list[Sample]]):
             raise ValueError(f"{epochs=} must be >= 1 or None (endless)")
         if start_epoch < 0 or (epochs is not None and start_epoch >= epochs):
             raise ValueError(f"{start_epoch=} must be in [0, {epochs=})")
-        if packs_per_batch < 1:
-            raise ValueError(f"{packs_per_batch=} must be >= 1")
         self.start_epoch = start_epoch
         self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
         self.global_worker = dp_rank * num_workers + worker_id

@@ -53,15 +53,15 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io import shard_identity
-from streampack.io.decode import DecodeOptions, Item
+from streampack.io.decode import Item
 from streampack.io.formats import ShardRange, open_range
 from streampack.io.index import ShardIndex, index_decode, load_or_build_index
-from streampack.io.limits import Limits
 from streampack.io.manifest import Manifest, load_saved
 from streampack.io.retry import IOStats
 from streampack.io.shard_identity import ShardChanged
 from streampack.io.storage import OpenOptions, ShardStat
 from streampack.io.urls import ShardList
+from streampack.options.read import ReadOptions
 from streampack.plan.sharding import (
     ShardSpan,
     Span,
@@ -144,12 +144,13 @@ class ShardReader(BaseNode[Sample]):
     ever give it a sample); ``epochs=N`` stops after epoch N-1; a fresh start reads from ``start_epoch`` (a second
     finite pass reads epochs ``[N, 2N)`` and so reshuffles). ``dp_rank``/``worker_id`` (and their
     sizes) may be None to take them from ``resolve_topology()`` / the DataLoader worker info.
+    ``read`` (:class:`~streampack.options.read.ReadOptions`, checked when it was made) says which
+    fields to read, the bounds on them (``vocab_size``, ``limits``), where indexes are cached and
+    how shards are fetched; ``open_options`` replaces that last part when given (a graph makes it
+    once for all its readers). Bad input goes to ``error_policy`` (default: ``read.error_policy()``):
     ``on_error="skip"`` drops bad samples (and corrupt byte ranges, or the rest of an unreadable
-    shard) and counts them in ``errors``; ``vocab_size`` bounds token ids and ``limits`` the bytes
-    one sample may make the reader hold (:mod:`streampack.io.limits`). ``open_options`` says how
-    shards are fetched (retry budget, timeouts, fsspec ``storage_options``:
-    :class:`~streampack.io.storage.OpenOptions`); reads, retries and faults are counted in
-    ``io_stats``, which may be shared like ``errors``. ``work`` gives explicit
+    shard) and counts them in its ``errors``. Reads, retries and faults are counted in
+    ``io_stats``, which may be shared like the policy. ``work`` gives explicit
     spans for some epochs (others use the default assignment); ``keep_work`` stores them in the
     state (when they cannot be recomputed, as after an elastic resume). ``source`` is the source
     index recorded in each sample's origin.
@@ -167,22 +168,13 @@ class ShardReader(BaseNode[Sample]):
         dp_size: int | None = 1,
         worker_id: int | None = 0,
         num_workers: int | None = 1,
-        tokens_key: str = "input_ids",
-        text_key: str = "text",
-        labels_key: str | None = None,
-        loss_mask_key: str | None = None,
-        on_error: str = "raise",
-        errors: ErrorCounter | None = None,
-        allow_pipe: bool = False,
-        allow_pickle: bool = False,
-        cache_dir: str | None = None,
+        read: ReadOptions = ReadOptions(),
+        error_policy: ErrorPolicy | None = None,
         open_options: OpenOptions | None = None,
         io_stats: IOStats | None = None,
         work: Work | None = None,
         keep_work: bool = False,
         source: int = 0,
-        vocab_size: int | None = None,
-        limits: Limits | None = None,
         media: Any = None,
         saved_identities: Mapping[int, ShardStat] | None = None,
         manifest: Manifest | None = None,
@@ -201,21 +193,18 @@ class ShardReader(BaseNode[Sample]):
             auto_id, auto_n = here.id, here.readers
             worker_id, num_workers = (auto_id if worker_id is None else worker_id), (auto_n if num_workers is None else num_workers)
         validate_topology(dp_rank, dp_size, worker_id, num_workers)
-        self._open = dataclasses.replace(open_options or OpenOptions(), allow_pipe=allow_pipe)
+        self._open = open_options if open_options is not None else read.open_options()
         self.io_stats: IOStats = io_stats if io_stats is not None else IOStats()
-        shards = ShardList.of(urls, allow_pipe=allow_pipe, opts=self._open)
+        shards = ShardList.of(urls, allow_pipe=self._open.allow_pipe, opts=self._open)
         self.urls: tuple[str, ...] = shards.urls
         self.seed, self.shuffle, self.epochs, self.start_epoch = seed, shuffle, epochs, start_epoch
         self.global_worker = dp_rank * num_workers + worker_id
         self.global_workers = dp_size * num_workers
-        self._policy = ErrorPolicy(on_error, errors)
+        self._policy = error_policy if error_policy is not None else read.error_policy()
         self.errors: ErrorCounter = self._policy.errors
-        self._decode = DecodeOptions(
-            tokens_key=tokens_key, text_key=text_key, labels_key=labels_key, loss_mask_key=loss_mask_key, allow_pickle=allow_pickle,
-            vocab_size=vocab_size, limits=limits if limits is not None else Limits(),
-            media=None if media is None else media.reading(self._open, self.io_stats),  # images: this reader's I/O
-        )
-        self._cache_dir = cache_dir
+        media_read = None if media is None else media.reading(self._open, self.io_stats)  # images: this reader's I/O
+        self._decode = dataclasses.replace(read.decode(), media=media_read)
+        self._cache_dir = read.cache_dir
         # the settings a state must match, as the state keeps them: written once, get_state runs after every batch
         self._config_text = record_text({
             "sources": shards.digest,
@@ -226,8 +215,8 @@ class ShardReader(BaseNode[Sample]):
             "dp_size": dp_size,
             "worker_id": worker_id,
             "num_workers": num_workers,
-            "fields": [tokens_key, text_key, labels_key, loss_mask_key],
-            "vocab_size": vocab_size,  # both decide which samples are kept
+            "fields": [read.tokens_key, read.text_key, read.labels_key, read.loss_mask_key],
+            "vocab_size": read.vocab_size,  # both decide which samples are kept
             "limits": self._decode.limits.recorded(images=media is not None),
         })
         self.work: Work = dict(work or {})

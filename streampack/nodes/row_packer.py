@@ -29,10 +29,9 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack import packing
 from streampack.nodes.chunker import ChunkNode
 from streampack.nodes.window_packer import _METRIC_NAMES, WindowPacker
-from streampack.packing.window_rounds import WARMUP, PackerRules, aligned_lengths, choose, emission_order, pack_round
+from streampack.packing.window_rounds import PackerRules, aligned_lengths, choose, emission_order, pack_round
 from streampack.plan.row_replay import RowReplay
 from streampack.plan.rows import (
     BLOCK,
@@ -56,21 +55,15 @@ resume on the loaded box); 16 cost the first batch ~1.5x the reads."""
 
 class RowPacker(BaseNode[PackRows]):
     """Packs the rows of ``source``; yields one :class:`PackRows` per ``next``. Arguments as
-    WindowPacker's (``replay``: a :class:`RowReplay`; ``carry``: a reference table the window
-    starts with)."""
+    WindowPacker's (``rules`` from ``StreamConfig.packer_rules``; ``replay``: a :class:`RowReplay`;
+    ``carry``: a reference table the window starts with)."""
 
-    def __init__(self, source: ChunkNode, *, capacity: int, window: int = 1024, algorithm: str = "bfd", align: int = 1,
-                 seed: int = 0, max_wait: int | None = None, slack: int | None = None, shuffle: bool = True,
-                 replay: RowReplay, store: BlockStore, carry: Mapping[str, Any] | None = None,
-                 warmup: int = WARMUP) -> None:
+    def __init__(self, source: ChunkNode, *, rules: PackerRules, shuffle: bool = True, replay: RowReplay,
+                 store: BlockStore, carry: Mapping[str, Any] | None = None) -> None:
         super().__init__()
-        if window < 1 or warmup < 1 or align < 1 or capacity < 1 or capacity % align:
-            raise ValueError(f"bad packer settings: {window=} {warmup=} {capacity=} {align=}")
-        packing.get_algorithm(algorithm)
         self.source, self.replay, self.store, self.initial_carry = source, replay, store, carry
-        self.rules = PackerRules(capacity=capacity, window=window, algorithm=algorithm, align=align, seed=seed,
-                                 max_wait=max_wait, slack=slack, warmup=warmup)
-        self.capacity, self.align, self.shuffle = capacity, align, shuffle
+        self.rules = rules
+        self.capacity, self.align, self.shuffle = rules.capacity, rules.align, shuffle
         self.reservoir = None  # no cost-balanced emission on this path
         self._clear()
 

@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack.errors import DataError, ErrorCounter, ErrorPolicy
-from streampack.io.limits import check_vocab_size, id_bound
+from streampack.errors import DataError, ErrorPolicy
+from streampack.io.limits import id_bound
+from streampack.options.tokenize import TokenizeOptions
 from streampack.plan.state import record_of, record_text
 from streampack.sample import Sample
 
@@ -77,19 +78,20 @@ class TextEncoder:
     raises, so it also works as a ``torchdata.nodes.ParallelMapper`` ``map_fn``.
     """
 
-    def __init__(self, tokenizer: Any, *, bos_id: int | None = None, eos_id: int | None = None,
-                 num_threads: int = 1, vocab_size: int | None = None) -> None:
-        if num_threads < 1:
-            raise ValueError(f"{num_threads=} must be >= 1")
-        self.vocab_size = check_vocab_size(vocab_size)
+    def __init__(self, tokenizer: Any, options: TokenizeOptions = TokenizeOptions(), *,
+                 vocab_size: int | None = None) -> None:
+        # the record checked its own values and ReadOptions checked vocab_size; what spans the
+        # two (an added id must be in the vocabulary) is checked here, where both arrive
+        self.vocab_size = vocab_size
         bound = id_bound(vocab_size)
-        for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound):
-                raise ValueError(f"{name}={value!r} must be None or a token id in [0, {bound})")
+        for name in ("bos_id", "eos_id"):
+            value = getattr(options, name)
+            if value is not None and not value < bound:
+                raise ValueError(f"TokenizeOptions({name}={value!r}) must be None or a token id in [0, {bound})")
         self._encode = make_encoder(tokenizer)
-        self._pre = np.asarray([] if bos_id is None else [bos_id], dtype=np.int64)
-        self._post = np.asarray([] if eos_id is None else [eos_id], dtype=np.int64)
-        self.num_threads = num_threads
+        self._pre = np.asarray([] if options.bos_id is None else [options.bos_id], dtype=np.int64)
+        self._post = np.asarray([] if options.eos_id is None else [options.eos_id], dtype=np.int64)
+        self.num_threads = options.num_threads
         self._pool: ThreadPoolExecutor | None = None
 
     def __call__(self, sample: Sample) -> Sample:
@@ -173,25 +175,21 @@ class TextEncoder:
 class Tokenize(BaseNode[Sample]):
     """Encode ``text`` samples with a :class:`TextEncoder`; samples that already carry tokens
     pass through unchanged. A sample whose text encodes to zero tokens is dropped and counted
-    in ``counters["empty"]``; a sample the tokenizer rejects follows ``on_error``."""
+    in ``counters["empty"]``; a sample the tokenizer rejects goes to ``error_policy``
+    (``ReadOptions.error_policy``: the one the graph's readers count into; default: raise)."""
 
     SOURCE_KEY = "source"
     OFFSET_KEY = "offset"
     READ_KEY = "read"
     COUNTERS_KEY = "counters"
 
-    def __init__(self, source: BaseNode[Sample], tokenizer: Any, *, bos_id: int | None = None,
-                 eos_id: int | None = None, block_size: int = 64, num_threads: int = 1,
-                 on_error: str = "raise", errors: ErrorCounter | None = None,
-                 vocab_size: int | None = None) -> None:
+    def __init__(self, source: BaseNode[Sample], tokenizer: Any, options: TokenizeOptions = TokenizeOptions(), *,
+                 error_policy: ErrorPolicy | None = None, vocab_size: int | None = None) -> None:
         super().__init__()
-        if block_size < 1:
-            raise ValueError(f"{block_size=} must be >= 1")
         self.source = source
-        self.encoder = TextEncoder(tokenizer, bos_id=bos_id, eos_id=eos_id, num_threads=num_threads,
-                                   vocab_size=vocab_size)
-        self.block_size = block_size
-        self._policy = ErrorPolicy(on_error, errors)
+        self.encoder = TextEncoder(tokenizer, options, vocab_size=vocab_size)
+        self.block_size = options.block_size
+        self._policy = error_policy if error_policy is not None else ErrorPolicy()
         self._block: list[Sample] = []
         self._offset = 0
         self._read = 0  # upstream samples the current block was made from

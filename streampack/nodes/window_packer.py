@@ -52,17 +52,16 @@ node serves every other stream.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from streampack import packing
 from streampack.packing.cost import CostModel
 from streampack.packing.reservoir import Reservoir
 from streampack.packing.schedule import Balance, CostScale, Schedule
 from streampack.packing.window_rounds import (
-    WARMUP,
     PackerRules,
     aligned_lengths,
     choose,
@@ -85,22 +84,35 @@ _METRIC_NAMES = ("rounds", "packs", "docs", "tokens", "aligned_tokens", "slots",
 _BALANCE_METRICS = ("forced_by_hold", "held_steps", "max_held_steps")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Balancing:
+    """Cost-balanced emission, the packer's part of ``CostOptions`` (``graph.build`` makes it):
+    the round's packs go to a :class:`~streampack.packing.reservoir.Reservoir` and leave in the
+    order the rank-shared ``schedule`` picks (see :mod:`streampack.packing.schedule`)."""
+
+    balance: Balance
+    """The reservoir's size and hold (``CostOptions.balance``)."""
+    cost_model: CostModel
+    """What a pack costs (``CostOptions.model``; ``CostOptions`` refuses a balance without one)."""
+    schedule: Schedule = Schedule()
+    """Which lane of which rank takes which step."""
+    first_batch: int = 0
+    """Batches this reader yielded earlier in the pass (an epoch carries on from the previous one)."""
+    levels: np.ndarray | Callable[[], np.ndarray | None] | None = None
+    """The cost histogram it had then; or a function giving it (or None), called only when the
+    packer starts fresh — a restore brings its own histogram — so a seed
+    (:mod:`~streampack.plan.cost_seed`) costs a resume nothing."""
+
+
 class WindowPacker(BaseNode[list[Sample]]):
     """Packs a stream of tokenized samples; yields one pack (a list of samples) per ``next``.
 
+    ``rules``: capacity, alignment, window, algorithm, waits and seed, made from the checked
+    records by ``StreamConfig.packer_rules`` (the same rules a plan counts with).
     ``replay`` re-reads samples from their origins (a :class:`~streampack.plan.replay.Replayer`):
     with it the state holds references, without it tokens. ``carry`` is a table
-    (``state.samples_to_table``) of samples the window starts with.
-
-    ``balance`` (with ``cost_model``) turns on cost-balanced emission: the round's packs go to
-    a :class:`~streampack.packing.reservoir.Reservoir` and leave in the order the rank-shared
-    ``schedule`` picks (see :mod:`streampack.packing.schedule`); the packs themselves are the
-    same. ``first_batch`` / ``levels``: batches this reader yielded earlier in the pass and
-    the cost histogram it had then (an epoch carries on from the previous one); ``levels`` may
-    be a function giving it (or None), called only when the packer starts fresh — a restore
-    brings its own histogram — so a seed (:mod:`~streampack.plan.cost_seed`) costs a resume
-    nothing. ``warmup``:
-    samples in the first round, doubling each round up to ``window`` (``>= window``: no warm-up).
+    (``state.samples_to_table``) of samples the window starts with. ``balance``: cost-balanced
+    emission (:class:`Balancing`); the packs themselves are the same.
     """
 
     SOURCE_KEY = "source"
@@ -114,41 +126,21 @@ class WindowPacker(BaseNode[list[Sample]]):
     RESERVOIR_KEY = "reservoir"
     KIND = "WindowPacker"
 
-    def __init__(self, source: BaseNode[Sample], *, capacity: int, window: int = 1024,
-                 algorithm: str = "bfd", align: int = 1, seed: int = 0, max_wait: int | None = None,
-                 slack: int | None = None, shuffle: bool = True, replay: Replay | None = None,
-                 carry: Mapping[str, Any] | None = None, balance: Balance | None = None,
-                 cost_model: CostModel | None = None, schedule: Schedule | None = None,
-                 first_batch: int = 0, levels: np.ndarray | Callable[[], np.ndarray | None] | None = None,
-                 warmup: int = WARMUP) -> None:
+    def __init__(self, source: BaseNode[Sample], *, rules: PackerRules, shuffle: bool = True,
+                 replay: Replay | None = None, carry: Mapping[str, Any] | None = None,
+                 balance: Balancing | None = None) -> None:
         super().__init__()
-        if window < 1:
-            raise ValueError(f"{window=} must be >= 1")
-        if warmup < 1:
-            raise ValueError(f"{warmup=} must be >= 1 (samples in the first round; >= window turns the warm-up off)")
-        if max_wait is not None and max_wait < 1:
-            raise ValueError(f"{max_wait=} must be None (the window's default) or >= 1")
-        if align < 1 or capacity < 1:
-            raise ValueError(f"need {capacity=} >= 1 and {align=} >= 1")
-        if capacity % align:
-            raise ValueError(f"{capacity=} must be a multiple of {align=} (the per-document alignment: "
-                             f"2*cp_size*tp_size with context parallelism, tp_size with sequence "
-                             f"parallelism, combined with align_multiple)")
-        packing.get_algorithm(algorithm)  # unknown names fail here, not mid-stream
-        if balance is not None and cost_model is None:
-            raise ValueError("balance needs a cost_model (a CostModel, or a model shape for CostModel.from_shape)")
-        self.source = source
-        self.rules = PackerRules(capacity=capacity, window=window, algorithm=algorithm, align=align,
-                                 seed=seed, max_wait=max_wait, slack=slack, warmup=warmup)
-        self.capacity, self.window, self.algorithm = capacity, window, algorithm
-        self.align, self.seed, self.max_wait, self.shuffle = align, seed, self.rules.max_wait, shuffle
-        self.slack = self.rules.free_ok
+        self.source, self.rules = source, rules
+        self.capacity, self.window, self.algorithm = rules.capacity, rules.window, rules.algorithm
+        self.align, self.seed, self.max_wait, self.shuffle = rules.align, rules.seed, rules.max_wait, shuffle
+        self.slack = rules.free_ok
         self.replay, self.initial_carry = replay, carry
-        self.balance, self.cost_model = balance, cost_model
-        self.schedule = schedule if schedule is not None else Schedule()
-        self.first_batch, self.levels = first_batch, levels
-        if cost_model is not None:
-            self.scale = CostScale.of(cost_model.linear, cost_model.attention, capacity)
+        self.balance = None if balance is None else balance.balance
+        self.cost_model = None if balance is None else balance.cost_model
+        self.schedule = Schedule() if balance is None else balance.schedule
+        self.first_batch, self.levels = (0, None) if balance is None else (balance.first_batch, balance.levels)
+        if self.cost_model is not None:
+            self.scale = CostScale.of(self.cost_model.linear, self.cost_model.attention, self.capacity)
         self._clear()
 
     def _clear(self) -> None:

@@ -13,7 +13,10 @@
 =================  ===========================  =============================================
 
 Each record checks its own values when it is made, so a mistake names the record and the
-field before any shard is opened. A new stage's record is one file here, one entry in
+field before any shard is opened; ``StreamConfig`` (:mod:`streampack.settings`) holds them all
+and checks what spans two (``capacity`` against ``topology.align``), and the graph builder hands
+each node its record, or what the config makes from it in one place (the packer's rules, the
+collate's ``BatchLayout``, the graph's one ``ErrorPolicy``), so no node checks a value again. A new stage's record is one file here, one entry in
 :data:`RECORDS` and one ``PackedDataset`` parameter (the signature has room for one more under
 its limit of 15); new fields get no flat keyword.
 

@@ -1,9 +1,11 @@
 """PackOptions: how samples become packs, and the batch they are laid out in (``PackedDataset(packing=...)``).
 
 The record of the packing half of the graph: :class:`~streampack.nodes.overlong.OverlongNode`
-takes ``overlong``, :class:`~streampack.nodes.window_packer.WindowPacker` ``window``,
-``algorithm``, ``max_wait`` and ``slack``, :class:`~streampack.nodes.collate.ThdCollate`
-``pad_id`` and ``ignore_index``. ``capacity`` and ``packs_per_batch`` (the batch's shape) are
+takes ``overlong``; :class:`~streampack.nodes.window_packer.WindowPacker` the rules
+``StreamConfig.packer_rules`` makes from ``window``, ``algorithm``, ``max_wait`` and ``slack``
+(the one place they are made: an epoch plan counts with the same);
+:class:`~streampack.nodes.collate.ThdCollate` the ``BatchLayout`` ``StreamConfig.batch_layout``
+makes with ``pad_id`` and ``ignore_index``. ``capacity`` and ``packs_per_batch`` (the batch's shape) are
 ``PackedDataset`` arguments; the alignment comes from
 :class:`~streampack.options.topology.TopologyOptions`.
 """
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streampack.nodes.overlong import POLICIES
 from streampack.options._check import need_choice, need_int, need_type
 from streampack.packing import get_algorithm
+
+OVERLONG_POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
+"""What a sample longer than ``capacity`` becomes (:mod:`streampack.nodes.overlong` applies them)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,7 +53,7 @@ class PackOptions:
         need_int("PackOptions", "pad_id", self.pad_id, 0)
         need_type("PackOptions", "ignore_index", self.ignore_index, int)
         need_type("PackOptions", "pin_memory", self.pin_memory, bool)
-        need_choice("PackOptions", "overlong", self.overlong, POLICIES)
+        need_choice("PackOptions", "overlong", self.overlong, OVERLONG_POLICIES)
         try:
             get_algorithm(self.algorithm)
         except ValueError as e:

@@ -14,13 +14,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from streampack.errors import ON_ERROR_CHOICES
+from streampack.errors import ErrorCounter, ErrorPolicy
 from streampack.io.decode import DecodeOptions
 from streampack.io.limits import Limits, check_vocab_size
 from streampack.io.retry import RetryPolicy
 from streampack.io.storage import OpenOptions
-from streampack.nodes.mixture import STOP_RULES
 from streampack.options._check import need_choice, need_type
+
+MIXTURE_STOPS: tuple[str, ...] = ("all", "first", "cycle")
+"""When a finite mixture ends (:class:`~streampack.nodes.mixture.Mixture` maps them to torchdata's rules)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,8 +80,11 @@ class ReadOptions:
         need_type("ReadOptions", "tokens_key", self.tokens_key, str)
         need_type("ReadOptions", "labels_key", self.labels_key, str, optional=True)
         need_type("ReadOptions", "loss_mask_key", self.loss_mask_key, str, optional=True)
-        need_choice("ReadOptions", "on_error", self.on_error, ON_ERROR_CHOICES)
-        need_choice("ReadOptions", "mixture_stop", self.mixture_stop, tuple(STOP_RULES))
+        try:
+            ErrorPolicy(self.on_error)  # the one check of an on_error value
+        except ValueError as e:
+            raise ValueError(str(e).replace("ErrorPolicy(", "ReadOptions(", 1)) from None
+        need_choice("ReadOptions", "mixture_stop", self.mixture_stop, MIXTURE_STOPS)
         if self.limits is None:
             object.__setattr__(self, "limits", Limits())
         need_type("ReadOptions", "limits", self.limits, Limits)
@@ -100,6 +105,10 @@ class ReadOptions:
                            request_deadline=self.request_deadline, allow_redirects=self.allow_redirects,
                            storage_options=dict(self.storage_options or {}), allow_pipe=self.allow_pipe,
                            identity=self.identity)
+
+    def error_policy(self, errors: ErrorCounter | None = None) -> ErrorPolicy:
+        """The policy every node of one reader's graph takes (they count into ``errors``)."""
+        return ErrorPolicy(self.on_error, errors)
 
     def decode(self) -> DecodeOptions:
         """Which fields of a record hold what, and the bounds on them (what a reader decodes with)."""

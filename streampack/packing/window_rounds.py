@@ -62,6 +62,11 @@ class PackerRules:
     """Samples the window holds in round 0; each later round doubles it, up to ``window``."""
 
     def __post_init__(self) -> None:
+        # the packing values were checked by their records (StreamConfig.packer_rules makes these);
+        # warmup belongs to no record, so it is checked here
+        if not isinstance(self.warmup, int) or self.warmup < 1:
+            raise ValueError(f"warmup={self.warmup!r} must be an int >= 1 (samples in the first round; "
+                             f">= window turns the warm-up off)")
         if self.max_wait is None:
             object.__setattr__(self, "max_wait", default_max_wait(self.window))
 

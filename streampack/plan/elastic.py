@@ -151,7 +151,7 @@ def find_state(tree: Any, kind: str) -> dict[str, Any] | None:
 
 
 def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources: Sources,
-              options: ReadOptions, stages: Sequence[Any]) -> Remaining:
+              stages: Sequence[Any]) -> Remaining:
     """What the old run's readers had left (see the module docstring)."""
     if sources.mixture:
         raise ValueError("elastic resume of a mixture is not supported (each reader's draw sequence belongs to "
@@ -165,7 +165,8 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
     for s in ordered:
         check_node_versions(s[GRAPH_KEY], f"dp_rank={s[WORKER_KEY]['dp_rank']} worker_id={s[WORKER_KEY]['worker_id']}")
     passes = int(ordered[0][PASSES_KEY])
-    old = _OldPlans(config, sources, options, dp_size, readers, passes)
+    old = _OldPlans(config, sources, dp_size, readers, passes)
+    options = config.read
     identities = saved_identities(ordered, sources)
     mode = options.open_options().identity
     if old.planner is not None and mode != "off":  # the manifest names every shard's identity now: no request
@@ -237,12 +238,11 @@ class _Frontier:
 class _OldPlans:
     """The old topology's plans, to know what each old reader had left."""
 
-    def __init__(self, config: StreamConfig, sources: Sources, options: ReadOptions, dp_size: int,
-                 readers: int, passes: int) -> None:
-        self.config, self.sources, self.options = config, sources, options
+    def __init__(self, config: StreamConfig, sources: Sources, dp_size: int, readers: int, passes: int) -> None:
+        self.config, self.sources, self.options = config, sources, config.read
         self.dp_size, self.readers, self.passes = dp_size, readers, passes
         self.place = Placement(dp_size=dp_size, num_workers=readers, passes=passes)
-        self.planner = make_planner(config, sources, self.place, options, count=False) if config.epochs else None
+        self.planner = make_planner(config, sources, self.place, count=False) if config.epochs else None
         first = passes * config.epochs if config.epochs else 0
         self.first, self.last = first, (first + config.epochs if config.epochs else None)
         self._packed: PackedShardReader | None = None
@@ -309,9 +309,9 @@ class _OldPlans:
             return np.asarray(work[epoch], dtype=np.int64)
         if self._packed is None:
             self._packed = PackedShardReader(
-                self.sources.packed_urls, capacity=self.config.capacity, align=self.config.topology.align,
-                seed=self.config.seed, shuffle=self.config.shuffle, epochs=None if self.last is None else self.last,
-                dp_size=self.dp_size, num_workers=self.readers, packs_per_batch=self.config.packs_per_batch)
+                self.sources.packed_urls, layout=self.config.batch_layout(), seed=self.config.seed,
+                shuffle=self.config.shuffle, epochs=None if self.last is None else self.last, dp_size=self.dp_size,
+                num_workers=self.readers)
         return self._packed.dealt(epoch, g)
 
     def _spans(self, g: int, epoch: int, work: Mapping[int, list[Span]],

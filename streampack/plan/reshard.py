@@ -54,20 +54,20 @@ from streampack.plan.state import (
     table_slice,
 )
 from streampack.plan.topology import Worker
-from streampack.settings import Placement, ReadOptions, Share, Sources, StreamConfig
+from streampack.settings import Placement, Share, Sources, StreamConfig
 
 _log = get_logger(__name__)
 
 
-def share(left: Remaining, config: StreamConfig, sources: Sources, options: ReadOptions,
-          place: Placement, *, agreement: Any = None, agree: Any = None) -> Share:
+def share(left: Remaining, config: StreamConfig, sources: Sources, place: Placement, *, agreement: Any = None,
+          agree: Any = None) -> Share:
     """This new reader's part of ``left`` (``place`` is the new topology); ``agreement`` /
     ``agree`` as for :func:`streampack.graph.build.make_planner`."""
     if sources.packed is not None:
         return _share_packs(left, config, place)
     if config.epochs is None:
         return _share_infinite(left, place)
-    return _ShareFinite(left, config, sources, options, place, agreement=agreement, agree=agree).share()
+    return _ShareFinite(left, config, sources, place, agreement=agreement, agree=agree).share()
 
 
 def _share_infinite(left: Remaining, place: Placement) -> Share:
@@ -179,10 +179,10 @@ class _ShareFinite:
     count: O(T), when its data runs out).
     """
 
-    def __init__(self, left: Remaining, config: StreamConfig, sources: Sources, options: ReadOptions,
-                 place: Placement, *, agreement: Any = None, agree: Any = None) -> None:
-        self.left, self.config, self.sources, self.options, self.place = left, config, sources, options, place
-        self.planner = make_planner(config, sources, place, options, agreement=agreement, agree=agree)
+    def __init__(self, left: Remaining, config: StreamConfig, sources: Sources, place: Placement, *,
+                 agreement: Any = None, agree: Any = None) -> None:
+        self.left, self.config, self.sources, self.place = left, config, sources, place
+        self.planner = make_planner(config, sources, place, agreement=agreement, agree=agree)
         assert self.planner is not None
         self.manifest = self.planner.shards
         self.tokens = self.manifest.known_lengths()
@@ -289,7 +289,7 @@ class PendingResume:
         check_fingerprint(keep(dataset_record(states[0], FINGERPRINT_KEY)), keep(ds.fingerprint(num_workers)))
         pending = cls(states=states, dp_size=dp_size, num_workers=num_workers)
         if dp_size != ds.dp_size:  # a new topology whatever the worker count: plan it here, once
-            pending.left = remaining(states, ds.config, ds.sources, ds.options, ds.stages)
+            pending.left = remaining(states, ds.config, ds.sources, ds.stages)
         return pending
 
     def for_reader(self, ds: Any, here: Worker) -> tuple[dict[str, Any] | None, Share | None]:
@@ -299,10 +299,10 @@ class PendingResume:
                 if (s[WORKER_KEY]["dp_rank"], s[WORKER_KEY]["worker_id"]) == (ds.dp_rank, here.id):
                     return s, None
         if self.left is None:
-            self.left = remaining(self.states, ds.config, ds.sources, ds.options, ds.stages)
+            self.left = remaining(self.states, ds.config, ds.sources, ds.stages)
         place = Placement(dp_rank=ds.dp_rank, dp_size=ds.dp_size, worker_id=here.id, num_workers=here.readers,
                           passes=self.left.passes)
-        mine = share(self.left, ds.config, ds.sources, ds.options, place, agreement=ds._agreement)
+        mine = share(self.left, ds.config, ds.sources, place, agreement=ds._agreement)
         carried = 0 if mine.carry is None else table_size(mine.carry)
         _log.info("elastic resume: %d old readers (dp_size=%d x %d) -> reader %d of %d reads %d carried sample(s) "
                   "and %d span(s) / %d pack(s) in epoch %d", self.left.old_dp_size * self.left.old_readers,
