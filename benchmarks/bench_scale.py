@@ -51,8 +51,10 @@ if cfg["fake_agree"]:
         return real(*a, **kw)
     graph.make_planner = reshard.make_planner = make_planner
 urls = open(cfg["urls"]).read().split()
-kw = dict(capacity=1024, window=64, seed=1, dp_rank=0, dp_size=cfg["D"], manifest=cfg["manifest"],
-          cache_dir=cfg["cache"], epochs=None if cfg["mode"] == "infinite" else 1)
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
+kw = dict(capacity=1024, seed=1, epochs=None if cfg["mode"] == "infinite" else 1,
+          packing=PackOptions(window=64), topology=TopologyOptions(dp_rank=0, dp_size=cfg["D"]),
+          read=ReadOptions(manifest=cfg["manifest"], cache_dir=cfg["cache"]))
 t1 = time.perf_counter()
 try:
     ds = PackedDataset(urls, **kw)
