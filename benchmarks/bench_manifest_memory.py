@@ -60,9 +60,10 @@ SPAWN = r"""
 import json, sys
 import torch
 from streampack import PackedDataset
+from streampack.options import ReadOptions, TopologyOptions
 cfg = json.loads(sys.argv[1])
-ds = PackedDataset(cfg["urls"], capacity=256, epochs=1, seed=1, manifest=cfg["manifest"], dp_rank=0, dp_size=2,
-                   cache_dir=cfg["cache"])
+ds = PackedDataset(cfg["urls"], capacity=256, epochs=1, seed=1, topology=TopologyOptions(dp_rank=0, dp_size=2),
+                   read=ReadOptions(manifest=cfg["manifest"], cache_dir=cfg["cache"]))
 loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=cfg["workers"],
                                      multiprocessing_context="spawn")
 print(json.dumps({"batches": sum(1 for _ in loader)}))

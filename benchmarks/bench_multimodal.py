@@ -259,8 +259,10 @@ E2E_CHILD = r"""
 import json, sys, time
 from streampack import PackedDataset
 from streampack.media import DynamicResolution, MediaOptions
+from streampack.options import PackOptions
 urls, capacity, window, image = json.loads(sys.argv[1])
-ds = PackedDataset(urls, capacity=capacity, window=window, packs_per_batch=1, shuffle=False, overlong="drop", epochs=1,
+ds = PackedDataset(urls, capacity=capacity, packs_per_batch=1, shuffle=False, epochs=1,
+                   packing=PackOptions(window=window, overlong="drop"),
                    media=MediaOptions(rule=DynamicResolution(), image_token_id=image))
 t = time.perf_counter()
 samples = tokens = slots = images = patches = 0
