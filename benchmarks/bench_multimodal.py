@@ -52,7 +52,7 @@ import numpy as np
 
 SEED = 20261125
 IMAGE, VISION_START, VISION_END = 90, 92, 93  # Qwen2-VL's layout; text ids are 1..88
-MMA_TREE = Path("/work/wt_mma")  # the media pipeline's branch, imported read-only for the e2e row
+TREE = Path(__file__).resolve().parent.parent  # this checkout: the e2e row runs its streampack
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,21 +279,16 @@ print(json.dumps({"samples": samples, "tokens": tokens, "slots": slots, "images"
 
 
 def end_to_end(urls: list[str], capacity: int, window: int) -> tuple[Row | None, str]:
-    """streampack's whole media pipeline from the media branch (read, header-only count, pack,
-    decode and patchify only emitted packs), in a child process with that tree first on the
-    path; (None, why) where that branch has no working pipeline."""
-    if not (MMA_TREE / "streampack" / "media").is_dir():
-        return None, f"{MMA_TREE} has no streampack/media"
-    env = {**os.environ, "PYTHONPATH": str(MMA_TREE)}
+    """streampack's whole media pipeline (read, header-only count, pack, decode and patchify only
+    emitted packs), in a child process; (None, why) when it fails."""
+    env = {**os.environ, "PYTHONPATH": str(TREE)}
     arg = json.dumps([urls, capacity, window, IMAGE])
     done = subprocess.run([sys.executable, "-c", E2E_CHILD, arg], env=env, capture_output=True, text=True,
-                          cwd=MMA_TREE)  # cwd is sys.path[0] for `python -c`: this tree would shadow it
+                          cwd=TREE)
     if done.returncode:
         return None, "the media pipeline failed: " + done.stderr.strip().splitlines()[-1][:200]
     r = json.loads(done.stdout.strip().splitlines()[-1])
-    sha = subprocess.run(["git", "-C", str(MMA_TREE), "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip()
-    row = Row(name=f"streampack end to end: PackedDataset(media=...) at {MMA_TREE.name}@{sha}, decode included",
+    row = Row(name="streampack end to end: PackedDataset(media=...), decode included",
               samples=r["samples"], slots=r["slots"], tokens=r["tokens"], seconds=r["seconds"])
     return row, f"{r['images']} images decoded to {r['patches']} patches"
 
