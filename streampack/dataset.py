@@ -111,8 +111,8 @@ class PackedDataset(IterableDataset):
     training loop: iterate ``streampack.sync_batches(loader, ds)``, which agrees with an
     all-reduce per step. ``equal_batches="count"`` yields ``plan``'s batches with no store, each
     reader counting every reader's (O(samples of the data set) per reader and epoch: ranks
-    simulated in one process, small data sets). ``batches_per_epoch`` (per rank, a multiple of the worker count)
-    overrides both with a fixed count. The last batch of an epoch is completed with filler packs,
+    simulated in one process, small data sets). ``batches_per_epoch`` (per rank, a multiple of
+    the worker count) overrides them all with a fixed count. The last batch of an epoch is completed with filler packs,
     so every batch has ``packs_per_batch * capacity`` tokens.
 
     **Manifest.** Splitting a finite epoch between several readers, and an elastic resume, are

@@ -54,9 +54,8 @@ class TopologyOptions:
     (under ``torch.distributed`` the settings are still agreed once): O(T) index reads and CPU per
     reader per epoch — every shard's index (N requests) and ~1-6 µs of packer count per sample of
     the data set, at the reader's first ``state_dict()`` or when its data runs out (~100 s at
-    2,000 shards over a remote store; ~25 CPU-minutes and 10^5 requests per reader at N=10^5,
-    T=10^9). For ranks simulated in one process and small data sets; the same batches and states
-    as ``plan``.
+    2,000 shards; ~25 CPU-minutes and 10^5 requests per reader at N=10^5, T=10^9). For ranks
+    simulated in one process and small data sets; the same batches and states as ``plan``.
 
     ``sync``: the training loop agrees per step (``streampack.sync_batches``: one all-reduce of
     "I still have data"); text shards and stages that change lengths.
