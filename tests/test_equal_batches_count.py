@@ -82,6 +82,19 @@ def test_explicit_ranks_without_a_store_refuse_a_plan_naming_the_remedies(data) 
                   topology=TopologyOptions(dp_rank=0, dp_size=RANKS))
 
 
+def test_a_launched_run_without_a_store_may_choose_count(data, monkeypatch) -> None:
+    """Ranks from RANK/WORLD_SIZE and no torch.distributed: a plan is refused, naming the launcher;
+    ``count`` is accepted, its cost chosen explicitly."""
+    urls, _, cache = data
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", str(RANKS))
+    with pytest.raises(ValueError, match=r"RANK/WORLD_SIZE from the launcher.*equal_batches='count'"):
+        PackedDataset(urls, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=cache))
+    ds = PackedDataset(urls, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=cache),
+                       topology=TopologyOptions(equal_batches="count"))
+    assert (ds.dp_rank, ds.dp_size) == (1, RANKS)
+
+
 def test_count_yields_the_batches_of_a_plan_agreed_through_a_store(data, counted) -> None:
     _, docs, _ = data
     assert collect_documents([b for r in counted for b in r]) == {f"{i:08d}": d for i, d in enumerate(docs)}
