@@ -62,8 +62,10 @@ import torch
 from streampack import PackedDataset
 from streampack.options import ReadOptions, TopologyOptions
 cfg = json.loads(sys.argv[1])
-ds = PackedDataset(cfg["urls"], capacity=256, epochs=1, seed=1, topology=TopologyOptions(dp_rank=0, dp_size=2),
-                   read=ReadOptions(manifest=cfg["manifest"], cache_dir=cfg["cache"]))
+# rank 0 of 2 alone, no store: it counts rank 1's batches itself
+ds = PackedDataset(cfg["urls"], capacity=256, epochs=1, seed=1,
+                   read=ReadOptions(manifest=cfg["manifest"], cache_dir=cfg["cache"]),
+                   topology=TopologyOptions(dp_rank=0, dp_size=2, equal_batches="count"))
 loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=cfg["workers"],
                                      multiprocessing_context="spawn")
 print(json.dumps({"batches": sum(1 for _ in loader)}))

@@ -41,8 +41,9 @@ import json, resource, sys, time, types, urllib.request
 cfg = json.loads(sys.argv[1])
 t0 = time.perf_counter(); c0 = time.process_time()
 import torch
-import streampack.graph.build as graph, streampack.plan.reshard as reshard
+import streampack.dataset as dataset, streampack.graph.build as graph, streampack.plan.reshard as reshard
 from streampack import PackedDataset
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
 if cfg["fake_agree"]:
     own = lambda key, r, w, n, c: types.SimpleNamespace(target=c, workers=(c,))
     real = graph.make_planner
@@ -50,11 +51,11 @@ if cfg["fake_agree"]:
         kw["agree"] = kw.get("agree") or own
         return real(*a, **kw)
     graph.make_planner = reshard.make_planner = make_planner
+    dataset._agreement = lambda *a, **kw: object()  # the job's store, as the dataset sees it: plan, not refuse
 urls = open(cfg["urls"]).read().split()
-from streampack.options import PackOptions, ReadOptions, TopologyOptions
-kw = dict(capacity=1024, seed=1, epochs=None if cfg["mode"] == "infinite" else 1,
-          packing=PackOptions(window=64), topology=TopologyOptions(dp_rank=0, dp_size=cfg["D"]),
-          read=ReadOptions(manifest=cfg["manifest"], cache_dir=cfg["cache"]))
+kw = dict(capacity=1024, seed=1, packing=PackOptions(window=64), topology=TopologyOptions(dp_rank=0, dp_size=cfg["D"]),
+          read=ReadOptions(manifest=cfg["manifest"], cache_dir=cfg["cache"]),
+          epochs=None if cfg["mode"] == "infinite" else 1)
 t1 = time.perf_counter()
 try:
     ds = PackedDataset(urls, **kw)
@@ -147,18 +148,20 @@ def old_states(urls: list[str], manifest: str, dp_size: int, path: Path) -> None
 
     import torch
 
+    import streampack.dataset as dataset
     import streampack.graph.build as graph
     import streampack.plan.reshard as reshard
     from streampack import PackedDataset
     from streampack.options import PackOptions, ReadOptions, TopologyOptions
 
-    real = graph.make_planner
+    real, real_store = graph.make_planner, dataset._agreement
 
     def make_planner(*a, **kw):  # type: ignore[no-untyped-def]
         kw["agree"] = kw.get("agree") or (lambda key, r, w, n, c: types.SimpleNamespace(target=c, workers=(c,)))
         return real(*a, **kw)
 
     graph.make_planner = reshard.make_planner = make_planner
+    dataset._agreement = lambda *a, **kw: object()  # a store for the dataset to plan with (the counts: above)
     states = []
     try:
         for r in range(dp_size):
@@ -168,6 +171,7 @@ def old_states(urls: list[str], manifest: str, dp_size: int, path: Path) -> None
             states.append(ds.state_dict())
     finally:
         graph.make_planner = reshard.make_planner = real
+        dataset._agreement = real_store
     torch.save(states, path)
 
 

@@ -37,7 +37,6 @@ from streampack import PackedDataset
 from streampack.media import DynamicResolution, MediaOptions
 from streampack.options import PackOptions
 from streampack.plan.state import load_loader_state
-from streampack.plan.state import load_loader_state
 
 VOCAB, IMAGE = 96, 90  # ids 1..88 are text; 90 is the image placeholder
 RULE = DynamicResolution(patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32)

@@ -27,7 +27,6 @@ from streampack.io.manifest import Manifest
 from streampack.layout import transfer
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.layout.parent_death import die_with_parent
-from streampack.logs import get_logger, warn_every
 from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
 from streampack.nodes.epochs import add_metrics
@@ -69,8 +68,6 @@ from streampack.settings import (
     tokenizer_id,
 )
 
-_log = get_logger(__name__)
-
 # ``numpy.random`` is imported here, in the training process, because every DataLoader worker seeds
 # it as it starts (torch's worker loop): forked workers inherit the module instead of each
 # importing it (its compiled extensions: 9.5 ms of CPU per worker start instead of 22, on every fresh
@@ -110,14 +107,16 @@ class PackedDataset(IterableDataset):
     batches per epoch with no number to guess: by default (``TopologyOptions.equal_batches="plan"``) each reader
     counts its own batches from the token lengths of its own shards (pre-tokenized shards) by
     simulating the packer, the ranks agree on the counts through the ``torch.distributed`` store
-    (one round per epoch; without ``torch.distributed`` each reader counts every reader's), and
-    readers of ranks with fewer batches end the epoch with
+    (one round per epoch; without ``torch.distributed`` this is refused at construction, naming the
+    remedies), and readers of ranks with fewer batches end the epoch with
     *filler* batches (``doc_keys`` all ``"<filler>"``, zero targets, the same shape as every
     batch), as few as the data allows (``metrics()["plan"]``, ``metrics()["batches"]["fillers"]``).
     ``equal_batches="sync"`` (text shards, stages that change lengths) leaves the counts to the
     training loop: iterate ``streampack.sync_batches(loader, ds)``, which agrees with an
-    all-reduce per step. ``batches_per_epoch`` (per rank, a multiple of the worker count)
-    overrides both with a fixed count. The last batch of an epoch is completed with filler packs,
+    all-reduce per step. ``equal_batches="count"`` yields ``plan``'s batches with no store, each
+    reader counting every reader's (O(samples of the data set) per reader and epoch: ranks
+    simulated in one process, small data sets). ``batches_per_epoch`` (per rank, a multiple of
+    the worker count) overrides them all with a fixed count. The last batch of an epoch is completed with filler packs,
     so every batch has ``packs_per_batch * capacity`` tokens.
 
     **Manifest.** Splitting a finite epoch between several readers, and an elastic resume, are
@@ -253,28 +252,31 @@ class PackedDataset(IterableDataset):
         shared = {k: v for k, v in self._settings(0).items() if k not in ("dp_rank", "num_workers")}
         if manifest is not None:
             shared["manifest"] = manifest.fingerprint("size")  # not tags: node-local copies differ in mtime
+        # the fingerprint records "count" as "plan" (same batches), but a "plan" rank would wait out
+        # the timeout in a store round that a "count" rank never joins
+        shared["equal_batches"] = self.config.topology.equal_batches
         return shared
 
     def _check_agreement(self, explicit: bool) -> None:
-        """A finite multi-rank plan without a store: each reader would count every reader's batches
-        (O(samples of the data set) index reads and CPU per reader, at its first state_dict())."""
+        """Refuse a finite multi-rank plan with no store to agree through: each reader would count
+        every reader's batches (O(samples of the data set) index reads and CPU per reader, at its
+        first state_dict()), which only ``equal_batches="count"`` asks for."""
         c = self.config
         if (self._agreement is not None or c.epochs is None or self.dp_size == 1 or self.sources.shards is None
-                or self.sources.mixture or self.sources.packed is not None
+                or self.sources.mixture or self.sources.packed is not None or c.topology.equal_batches != "plan"
                 or counting_for(c, Placement(dp_size=self.dp_size)) is None):
             return
-        remedy = ("call torch.distributed.init_process_group() before building the dataset (any backend and "
-                  "init method: its store is used; one round of O(1) requests per reader and epoch), or pass "
-                  "TopologyOptions(batches_per_epoch=N), or equal_batches='sync' and iterate "
-                  "streampack.sync_batches(loader, ds)")
-        if not explicit:  # RANK / WORLD_SIZE from a launcher: the ranks are separate processes
-            raise ValueError(f"a finite epoch over dp_size={self.dp_size} ranks (from RANK/WORLD_SIZE) is planned "
-                             f"by the ranks agreeing on their batch counts through torch.distributed's store, and "
-                             f"torch.distributed is not initialized: {remedy}")
-        warn_every(_log, "no-agreement", "dp_rank=%d of dp_size=%d without torch.distributed: every reader counts "
-                   "every reader's batches at its first state_dict() (index reads and CPU over the whole data set, "
-                   "%d shards, per reader): meant for ranks simulated in one process; otherwise %s",
-                   self.dp_rank, self.dp_size, len(self.urls), remedy)
+        where = ("explicit TopologyOptions(dp_rank=, dp_size=)" if explicit else "RANK/WORLD_SIZE from the launcher")
+        raise ValueError(
+            f"a finite epoch over dp_size={self.dp_size} ranks ({where}) is planned by the ranks agreeing on "
+            f"their batch counts through torch.distributed's store, and torch.distributed is not initialized; "
+            f"without a store each reader would count every reader's batches: index reads and CPU over the "
+            f"whole data set ({len(self.urls)} shards) per reader and epoch. Call "
+            f"torch.distributed.init_process_group() before building the dataset (any backend and init method: "
+            f"its store is used; 5 store requests per reader and epoch), or pass "
+            f"TopologyOptions(batches_per_epoch=N), or equal_batches='sync' and iterate "
+            f"streampack.sync_batches(loader, ds), or equal_batches='count' to pay that cost (ranks simulated in "
+            f"one process, small data sets)")
 
     def filler(self) -> PackedBatch:
         """A batch of the stream's shape that trains nothing (what ``sync_batches`` feeds a rank
@@ -378,7 +380,7 @@ class PackedDataset(IterableDataset):
         if c.epochs is None or self.dp_size == 1 or self.sources.packed is not None:
             return None
         if self.sources.mixture:
-            if c.topology.batches_per_epoch is None and c.topology.equal_batches == "plan":
+            if c.topology.batches_per_epoch is None and c.topology.equal_batches != "sync":
                 raise ValueError(f"a finite mixture over dp_size={self.dp_size} ranks cannot be planned (sources are "
                                  f"drawn at random): pass batches_per_epoch, or equal_batches='sync' and iterate "
                                  f"streampack.sync_batches(loader, ds)")

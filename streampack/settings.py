@@ -154,6 +154,9 @@ def fingerprint_settings(config: StreamConfig) -> dict[str, Any]:
             return config.topology.align
         if name == "max_wait":  # the number the packer waits, as states have always stored it
             return config.packing.max_wait or default_max_wait(config.packing.window)
+        if name == "equal_batches":  # "count" yields the batches "plan" does, only counted without a store:
+            equal = config.topology.equal_batches  # a state moves between them (a simulation to a launched run)
+            return "plan" if equal == "count" else equal
         if name == "limits":  # the reader's own record of them (ShardReader keeps the same one)
             return options.limits.recorded(images=config.media is not None)
         hit = field_for(name)

@@ -102,7 +102,8 @@ class Execution:
         urls, readers = [sh.url for sh in self.shards], max(nw, 1)
 
         def make(r: int) -> PackedDataset:
-            return PackedDataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=dp), **self.options)
+            topology = TopologyOptions(dp_rank=r, dp_size=dp, equal_batches="count")  # ranks of one process: no store
+            return PackedDataset(urls, topology=topology, **self.options)
 
         def load(r: int) -> Any:
             return states if states is None or elastic else (lambda w: states[r * readers + w])

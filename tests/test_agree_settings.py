@@ -33,8 +33,8 @@ CAP, SHARDS = 256, 12
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("agree_settings")
     urls, docs = write_token_shards(root / "shards", 120, SHARDS, mean=40, seed=4, max_len=2 * CAP)
-    PackedDataset(urls, capacity=CAP, epochs=1, topology=TopologyOptions(dp_rank=0, dp_size=2),  # the manifest
-                  read=ReadOptions(cache_dir=str(root / "cache")))
+    PackedDataset(urls, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=str(root / "cache")),  # the manifest
+                  topology=TopologyOptions(dp_rank=0, dp_size=2, equal_batches="count"))
     return urls, docs, str(root / "cache")
 
 

@@ -149,7 +149,7 @@ def test_elastic_resume_hands_the_reservoirs_on(a: int, b: int, c: int, d: int, 
     urls, _ = write_token_shards(tmp_path, 300, 5, mean=110, seed=3, max_len=768)
     make = lambda r, size: PackedDataset(urls, capacity=256, epochs=1, seed=2,
                                          packing=PackOptions(window=8, max_wait=3),
-                                         topology=TopologyOptions(dp_rank=r, dp_size=size),
+                                         topology=TopologyOptions(dp_rank=r, dp_size=size, equal_batches="count"),
                                          cost=CostOptions(model=SHAPE, balance=Balance(reservoir=5)))
     consumed, states = _old_run(make, a, b, steps)
     held = [find_state(s["graph"], "WindowPacker") for s in states if s["graph"] is not None]

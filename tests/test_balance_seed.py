@@ -20,12 +20,8 @@ from streampack.options import CostOptions, PackOptions, ReadOptions, TopologyOp
 from streampack.packing import CostModel
 from streampack.packing.schedule import Balance, CostScale
 from streampack.packing.window_rounds import PackerRules
-from streampack.packing.window_rounds import PackerRules
-from streampack.plan import cost_seed
 from streampack.plan import cost_seed
 from streampack.plan.cost_seed import SEED_WEIGHT, sample_lengths, seed_counts
-from streampack.plan.cost_seed import SEED_WEIGHT, sample_lengths, seed_counts
-from streampack.plan.epoch_plan import chunk_lengths
 from streampack.plan.epoch_plan import chunk_lengths
 from streampack.settings import Placement
 

@@ -132,7 +132,7 @@ def test_planned_ranges_end_inside_shards(monkeypatch, corpus) -> None:
     per-sample reader judges a range's last sample by reading past its end: the blocks judge it
     the same way (``tar_block._intact_after``) instead of handing the range over."""
     for rank in range(2):
-        kw = {"topology": TopologyOptions(dp_rank=rank, dp_size=2)}
+        kw = {"topology": TopologyOptions(dp_rank=rank, dp_size=2, equal_batches="count")}
         fast, ds = _run(monkeypatch, True, corpus["pax"], **kw)
         slow, _ = _run(monkeypatch, False, corpus["pax"], **kw)
         assert len(fast) > 2 and fast == slow
@@ -266,7 +266,8 @@ def test_elastic_resume_same_on_both_paths(monkeypatch, corpus) -> None:
         states = []
         for rank in range(2):
             ds = PackedDataset(corpus["tar"], capacity=256, packs_per_batch=2, seed=3, epochs=1,
-                               packing=PackOptions(window=16), topology=TopologyOptions(dp_rank=rank, dp_size=2))
+                               packing=PackOptions(window=16),
+                               topology=TopologyOptions(dp_rank=rank, dp_size=2, equal_batches="count"))
             take(iter(ds), 3)
             states.append(roundtrip(ds.state_dict()))
         ds = PackedDataset(corpus["tar"], capacity=256, packs_per_batch=2, seed=3, epochs=1,

@@ -20,6 +20,7 @@ import importlib
 import inspect
 import re
 import sys
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -102,7 +103,7 @@ def test_readme_starts_with_the_two_setup_commands():
     install = re.search(r"install_command='(.*)'", ci).group(1)
     test = re.search(r"test_command='(.*)'", ci).group(1)
     assert f"{install} && {test}" == SETUP[1]
-    assert f'grep -qF "$install_command && $test_command" README.md' in ci
+    assert 'grep -qF "$install_command && $test_command" README.md' in ci
     assert "test" in PYPROJECT["project"]["optional-dependencies"]
     assert PYPROJECT["project"]["scripts"]["streampack"] == "streampack.cli.main:main"
     from streampack.cli.main import build_parser

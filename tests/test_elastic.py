@@ -48,7 +48,7 @@ def shards(tmp_path_factory):
 def _ds(urls, rank: int, size: int, *, window: int = 24, **kw) -> PackedDataset:
     return PackedDataset(urls, **{"capacity": CAP, "epochs": 1, "seed": 2, "packs_per_batch": 2,
                                   "packing": PackOptions(window=window, max_wait=3),
-                                  "topology": TopologyOptions(dp_rank=rank, dp_size=size), **kw})
+                                  "topology": TopologyOptions(dp_rank=rank, dp_size=size, equal_batches="count"), **kw})
 
 
 def _carried(states) -> tuple[int, int]:
@@ -188,7 +188,7 @@ def test_elastic_offline_packs(tmp_path):
     assert main(["pack", *paths, "--out", str(out), "--capacity", "256", "--packs-per-shard", "5",
                  "--no-progress"]) == 0
     make = lambda r, size: PackedDataset(out, capacity=256, epochs=2, packs_per_batch=2, shuffle=True,
-                                         topology=TopologyOptions(dp_rank=r, dp_size=size))
+                                         topology=TopologyOptions(dp_rank=r, dp_size=size, equal_batches="count"))
     consumed, states = _old_run(make, 3, 2, 4)
     got, counts = _new_run(make, 2, 3, states)
     consumed += got
@@ -234,7 +234,8 @@ def test_elastic_randomized(tmp_path, seed):
     overlong, max_wait = str(rng.choice(["split", "truncate", "drop"])), int(rng.integers(1, 5))
     kw = {"capacity": cap, "epochs": epochs, "packs_per_batch": per_batch, "seed": seed,
           "packing": PackOptions(window=window, overlong=overlong, max_wait=max_wait)}
-    make = lambda r, size: PackedDataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=size), **kw)  # noqa: E731
+    make = lambda r, size: PackedDataset(  # noqa: E731
+        urls, topology=TopologyOptions(dp_rank=r, dp_size=size, equal_batches="count"), **kw)
     full = [list(SimRank(lambda r=r: make(r, a), b)) for r in range(a)]
     assert len({len(x) for x in full}) == 1
     consumed, states = _old_run(make, a, b, int(rng.integers(0, len(full[0]) + 1)))
@@ -278,7 +279,8 @@ def test_second_elastic_resume_reads_each_shard_once_per_epoch(tmp_path):
     urls = write_tar_shards(tmp_path, docs, 3)
     kw = {"capacity": 64, "epochs": 2, "seed": 1, "packs_per_batch": 1, "stages": [_tag_epoch],
           "packing": PackOptions(window=4, max_wait=2)}
-    make = lambda r, size: PackedDataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=size), **kw)  # noqa: E731
+    make = lambda r, size: PackedDataset(  # noqa: E731
+        urls, topology=TopologyOptions(dp_rank=r, dp_size=size, equal_batches="count"), **kw)
     full = _doc_epochs(SimRank(lambda: make(0, 1), 0))
     assert set(full.values()) == {1} and {k.rpartition("@")[2].partition("/")[0] for k in full} == {"0", "1"}
     old, consumed, stops = SimRank(lambda: make(0, 1), 2), [], []

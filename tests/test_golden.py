@@ -360,7 +360,7 @@ def finite_ranks() -> dict[str, Any]:
         def make(rank: int) -> PackedDataset:
             return PackedDataset(urls, capacity=64, epochs=1, seed=12, packing=PackOptions(window=8),
                                  read=ReadOptions(manifest="manifest", cache_dir="cache"),
-                                 topology=TopologyOptions(dp_rank=rank, dp_size=2, equal_batches="plan"))
+                                 topology=TopologyOptions(dp_rank=rank, dp_size=2, equal_batches="count"))
 
         ranks = [[batch_digest(b) for b in make(r)] for r in range(2)]
         ds = make(1)
@@ -396,7 +396,7 @@ def elastic_chain() -> dict[str, Any]:
         def make(rank: int, size: int) -> PackedDataset:
             return PackedDataset(urls, capacity=64, epochs=1, seed=13,
                                  packing=PackOptions(window=8, max_wait=3),
-                                 topology=TopologyOptions(dp_rank=rank, dp_size=size), read=READ)
+                                 topology=TopologyOptions(dp_rank=rank, dp_size=size, equal_batches="count"), read=READ)
 
         old = [SimRank(lambda r=r: make(r, 2), 2) for r in range(2)]
         before = [next(rank) for rank in old for _ in range(3)]

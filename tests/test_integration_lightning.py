@@ -286,7 +286,7 @@ def test_elastic_resume_through_lightning_trains_every_sample_once(tmp_path: Pat
     docs = make_token_docs(120, max_len=60, vocab=128, seed=5)
     shards = write_tar_shards(tmp_path / "data", docs, 3)
     make = lambda rank, size: PackedDataset(shards, capacity=64, epochs=1, packing=PackOptions(window=8),
-                                            topology=TopologyOptions(dp_rank=rank, dp_size=size))
+                                            topology=TopologyOptions(dp_rank=rank, dp_size=size, equal_batches="count"))
     trained: list[Any] = []
     states = []
     for rank in range(2):

@@ -1,7 +1,7 @@
 """Late quotas (issue 17): a planned finite reader reads no shard index but its <= 4 boundary
 shards' before its first batch; its own batches are counted and agreed afterwards, in a
-background thread, through a real TCPStore on loopback; the batches are exactly those of the
-in-process fallback (every reader counting every reader), across a mid-epoch save and restore.
+background thread, through a real TCPStore on loopback; the batches are exactly those of
+``equal_batches="count"`` (every reader counting every reader), across a mid-epoch save and restore.
 
 Ranks step in lockstep (as a training loop's collectives make them), each rank a ``SimRank``
 (one PackedDataset per DataLoader worker, round-robin)."""
@@ -14,7 +14,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 from node_checks import collect_documents, write_token_shards
-from topology_sim import SimRank
+from topology_sim import SimRank, through_store
 from torch.distributed import TCPStore
 
 from streampack.dataset import PackedDataset
@@ -56,18 +56,15 @@ class IndexReads:
 
 
 def _ranks(data, agreement, load=None) -> list[SimRank]:
+    """The ranks agreeing through ``agreement``; None: each reader counting every reader
+    (``equal_batches="count"``), the batches the agreement must reproduce."""
     urls, _, cache = data
-
-    def make(rank: int):
-        def one():
-            ds = PackedDataset(urls, capacity=CAP, packing=PackOptions(window=16), epochs=1,
-                               topology=TopologyOptions(dp_rank=rank, dp_size=RANKS), seed=5,
-                               packs_per_batch=2, read=ReadOptions(cache_dir=cache))
-            ds._agreement = agreement  # what Agreement.from_dist gives under torch.distributed
-            return ds
-        return one
-
-    return [SimRank(make(r), WORKERS, load=None if load is None else load[r]) for r in range(RANKS)]
+    equal = "count" if agreement is None else "plan"
+    make = lambda rank: PackedDataset(  # noqa: E731
+        urls, capacity=CAP, packing=PackOptions(window=16), epochs=1, seed=5, packs_per_batch=2,
+        topology=TopologyOptions(dp_rank=rank, dp_size=RANKS, equal_batches=equal), read=ReadOptions(cache_dir=cache))
+    with through_store(agreement):
+        return [SimRank(lambda r=r: make(r), WORKERS, load=None if load is None else load[r]) for r in range(RANKS)]
 
 
 def _lockstep(ranks: list[SimRank], steps: int | None = None) -> list[list]:
@@ -88,7 +85,7 @@ def _agreement(store, prefix: str) -> Agreement:
 
 @pytest.fixture(scope="module")
 def want(data):
-    """The fallback's batches: every reader counts every reader, in-process, when its data runs out."""
+    """``equal_batches="count"``'s batches: every reader counts every reader, in-process, when its data runs out."""
     return _lockstep(_ranks(data, None))
 
 
@@ -176,8 +173,8 @@ def test_elastic_resume_counts_late_and_pins_its_quota(data, store):
     in the resumed epoch carry its quota (the old states it came from are gone after a restore)."""
     urls, docs, cache = data
     old = [SimRank(lambda r=r: PackedDataset(urls, capacity=CAP, packing=PackOptions(window=16), epochs=1,
-                                             topology=TopologyOptions(dp_rank=r, dp_size=2), seed=5,
-                                             packs_per_batch=2,
+                                             topology=TopologyOptions(dp_rank=r, dp_size=2, equal_batches="count"),
+                                             seed=5, packs_per_batch=2,
                                              read=ReadOptions(cache_dir=cache)), 0) for r in range(2)]
     head = _lockstep(old, 3)
     states = [s for rank in old for s in rank.states()]

@@ -92,7 +92,7 @@ def test_a_negative_sample_count_is_refused_before_any_reader_plans(built, tmp_p
         (tmp_path / "m" / "shards" / f.name).write_bytes(f.read_bytes())
     with pytest.raises(ValueError, match=r"field 'samples' holds -27 at entry 1"):
         PackedDataset(urls, capacity=256, epochs=1, seed=0, read=ReadOptions(manifest=str(location)),
-                      topology=TopologyOptions(dp_rank=0, dp_size=2))
+                      topology=TopologyOptions(dp_rank=0, dp_size=2, equal_batches="count"))
 
 
 def test_a_manifest_made_in_code_with_columns_of_different_lengths_is_refused():
@@ -246,7 +246,7 @@ def test_a_worker_unpickling_the_dataset_does_not_fetch_the_manifest_again(tmp_p
     try:
         ds = PackedDataset(urls, capacity=256, epochs=1, seed=1,
                            read=ReadOptions(manifest=f"{info.url}/m", cache_dir=str(tmp_path / "cache")),
-                           topology=TopologyOptions(dp_rank=0, dp_size=dp_size))
+                           topology=TopologyOptions(dp_rank=0, dp_size=dp_size, equal_batches="count"))
         assert _manifest_gets(info) == 1
         raw = pickle.dumps(ds)
         graph_mod._GIVEN.clear()  # a spawned worker starts without it
@@ -277,7 +277,7 @@ def test_spawned_dataloader_workers_fetch_the_manifest_once_per_rank(tmp_path):
     try:
         ds = PackedDataset(urls, capacity=256, epochs=1, seed=1,
                            read=ReadOptions(manifest=f"{info.url}/m", cache_dir=str(tmp_path / "cache")),
-                           topology=TopologyOptions(dp_rank=0, dp_size=2))
+                           topology=TopologyOptions(dp_rank=0, dp_size=2, equal_batches="count"))
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
         assert sum(1 for _ in loader) > 0
         assert _manifest_gets(info) == 1, "1 + W reads: each spawned worker fetched it again"

@@ -188,7 +188,7 @@ def test_planned_equal_batches_count_image_tokens(tmp_path: Path) -> None:
     """Several ranks, equal_batches="plan": each reader's count sees the image-expanded lengths
     (text-only counts would fall short of the batches the data makes: a surplus error)."""
     urls = [str(write_tar(tmp_path / f"{i}.tar", 12, seed=i, max_images=3)) for i in range(3)]
-    make = lambda r: dataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=2),  # noqa: E731
+    make = lambda r: dataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=2, equal_batches="count"),  # noqa: E731
                              packing=PackOptions(window=4), read=ReadOptions(cache_dir=str(tmp_path / "cache")))
     ranks = [make(r) for r in (0, 1)]
     got = [list(ds) for ds in ranks]
@@ -202,7 +202,7 @@ def test_planned_equal_batches_count_image_tokens(tmp_path: Path) -> None:
 
 
 @needs_vision
-@pytest.mark.parametrize("equal", ["sync", "plan"])
+@pytest.mark.parametrize("equal", ["sync", "count"])
 def test_elastic_resume_trains_every_image_sample_once(tmp_path: Path, equal: str) -> None:
     from collections import Counter
 

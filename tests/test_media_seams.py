@@ -235,8 +235,8 @@ def test_planned_counts_cut_around_images_like_the_stream(tmp_path: Path) -> Non
     stream does (a ceil(L / capacity) count fell one batch short: a surplus error at epoch end)."""
     urls = [str(write_tar(tmp_path / f"{i}.tar", 12, seed=i, max_images=3, sizes=(80, 84), text=(30, 40)))
             for i in range(3)]
-    ranks = [dataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=2), packing=PackOptions(window=4), capacity=24,
-                     read=ReadOptions(cache_dir=str(tmp_path / "c")))
+    ranks = [dataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=2, equal_batches="count"),
+                     packing=PackOptions(window=4), capacity=24, read=ReadOptions(cache_dir=str(tmp_path / "c")))
              for r in (0, 1)]
     got = [list(ds) for ds in ranks]
     assert len(got[0]) == len(got[1]) > 0
@@ -251,9 +251,8 @@ def test_an_elastic_resume_inside_a_split_image_sample_trains_every_chunk_once(t
     from collections import Counter
 
     from streampack.plan import elastic
-    from tests.topology_sim import SimRank
-
     from streampack.plan.epoch_plan import chunk_lengths
+    from tests.topology_sim import SimRank
 
     urls = [str(write_tar(tmp_path / f"{i}.tar", 10, seed=i, max_images=3, sizes=(80, 84), text=(30, 40)))
             for i in range(3)]

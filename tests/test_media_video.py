@@ -187,8 +187,9 @@ def test_resume_is_exact_and_state_holds_references_only(tmp_path: Path, media: 
 
 def test_planned_equal_batches_count_video_tokens(tmp_path: Path) -> None:
     urls = [str(write_video_tar(tmp_path / f"{i}.tar", 8, seed=i)) for i in range(2)]
-    got = [list(dataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=2), packing=PackOptions(window=4),
-                        read=ReadOptions(cache_dir=str(tmp_path / "cache")))) for r in (0, 1)]
+    got = [list(dataset(urls, topology=TopologyOptions(dp_rank=r, dp_size=2, equal_batches="count"),
+                        packing=PackOptions(window=4), read=ReadOptions(cache_dir=str(tmp_path / "cache"))))
+           for r in (0, 1)]
     assert len(got[0]) == len(got[1]) > 0
     keys = sorted(k for rank in got for b in rank for k in b.doc_keys if k != "<filler>")
     assert keys == sorted(f"{u}#k{i}" for u in urls for i in range(8))

@@ -25,7 +25,6 @@ from streampack.options import (
 from streampack.packing.schedule import Balance
 from streampack.settings import FINGERPRINT, StreamConfig, fingerprint_settings
 
-
 OLD_SIGNATURE = (  # PackedDataset.__init__ before the records
     "urls capacity window algorithm packs_per_batch tokenizer text_key tokens_key overlong cp_size tp_size seed "
     "shuffle epochs dp_rank dp_size dp_group on_error pad_id ignore_index bos_id eos_id stages num_threads "
@@ -91,7 +90,7 @@ def test_every_old_keyword_is_a_parameter_or_exactly_one_record_field():
     (lambda: PackOptions(overlong="wrap"), ValueError, r"PackOptions\(overlong='wrap'\): must be one of"),
     (lambda: PackOptions(max_wait=0), ValueError, r"PackOptions\(max_wait=0\)"),
     (lambda: PackOptions(slack=-1), ValueError, r"PackOptions\(slack=-1\): must be None or an int >= 0"),
-    (lambda: TopologyOptions(equal_batches="count"), ValueError, r"TopologyOptions\(equal_batches='count'\)"),
+    (lambda: TopologyOptions(equal_batches="guess"), ValueError, r"TopologyOptions\(equal_batches='guess'\)"),
     (lambda: TopologyOptions(batches_per_epoch=0), ValueError, r"TopologyOptions\(batches_per_epoch=0\)"),
     (lambda: TopologyOptions(dp_rank=2, dp_size=2), ValueError, r"TopologyOptions: need 0 <= dp_rank < dp_size"),
     (lambda: TopologyOptions(cp_size=0), ValueError, r"TopologyOptions: cp_size=0 must be a positive int"),

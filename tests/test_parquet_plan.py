@@ -24,7 +24,7 @@ def test_pre_tokenized_parquet_is_planned_over_ranks(tmp_path):
     docs = make_token_docs(90, seed=4, max_len=60)
     urls = write_parquet_shards(tmp_path / "d", docs, 4, row_group_size=7)
     ranks = [list(PackedDataset(urls, capacity=64, packing=PackOptions(window=8), epochs=1,
-                                topology=TopologyOptions(dp_rank=r, dp_size=3), seed=2,
+                                topology=TopologyOptions(dp_rank=r, dp_size=3, equal_batches="count"), seed=2,
                                 read=ReadOptions(cache_dir=str(tmp_path / "cache")))) for r in range(3)]
     assert len({len(r) for r in ranks}) == 1 and len(ranks[0]) > 3, [len(r) for r in ranks]
     got: dict[str, list[int]] = {}

@@ -74,7 +74,8 @@ def _ranks(urls: list[str], states: list | None = None, **kw) -> list[SimRank]:
 
 
 def _dataset(urls: list[str], rank: int, kw: dict) -> PackedDataset:
-    return PackedDataset(urls, topology=TopologyOptions(dp_rank=rank, dp_size=DP), **{**OPTIONS, **kw})
+    topology = TopologyOptions(dp_rank=rank, dp_size=DP, equal_batches="count")
+    return PackedDataset(urls, topology=topology, **{**OPTIONS, **kw})
 
 
 def _take(ranks: list[SimRank], k: int | None = None) -> Counter:

@@ -264,7 +264,7 @@ def test_an_index_built_under_tight_limits_does_not_poison_a_later_run(tmp_path)
     out, errors = read_split(urls[0], 2, cache, limits=Limits(max_line_bytes=1000))
     assert len(out) == 39 and errors.counts == {"line_too_long": 1}
     ds = PackedDataset(urls, capacity=1024, epochs=1, read=ReadOptions(cache_dir=cache),
-                       topology=TopologyOptions(dp_rank=0, dp_size=2))
+                       topology=TopologyOptions(dp_rank=0, dp_size=2, equal_batches="count"))
     assert sum(b.num_tokens for b in ds) > 0
     index = load_or_build_index(urls[0], cache_dir=cache)
     assert index.lengths.tolist() == [len(d) for d in docs]
@@ -284,4 +284,4 @@ def test_pre_tokenized_parquet_is_not_called_text_to_tokenize(tmp_path):
     # issue 17: its index records the token list lengths now, so it is planned, not refused
     urls = write_parquet_shards(tmp_path, make_token_docs(20), 2)
     PackedDataset(urls, capacity=256, epochs=1, read=ReadOptions(cache_dir=str(tmp_path / "c")),
-                  topology=TopologyOptions(dp_rank=0, dp_size=2))
+                  topology=TopologyOptions(dp_rank=0, dp_size=2, equal_batches="count"))

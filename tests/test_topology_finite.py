@@ -42,8 +42,8 @@ def _ranks(urls, dp_size: int, num_workers: int, *, batches_per_epoch: int | Non
     out = []
     for rank in range(dp_size):
         ds = PackedDataset(urls, capacity=CAP, epochs=1, seed=5, packs_per_batch=2, packing=PackOptions(window=32),
-                           topology=TopologyOptions(dp_rank=rank, dp_size=dp_size, batches_per_epoch=batches_per_epoch),
-                           **kw)
+                           topology=TopologyOptions(dp_rank=rank, dp_size=dp_size, batches_per_epoch=batches_per_epoch,
+                                                    equal_batches="count"), **kw)
         out.append(list(DataLoader(ds, batch_size=None, num_workers=num_workers)))
     return out
 
@@ -73,7 +73,7 @@ def test_plan_is_reported_and_fillers_counted(few_shards):
     counts, fillers = [], 0
     for rank in range(3):
         ds = PackedDataset(urls, capacity=CAP, epochs=1, seed=5, packing=PackOptions(window=32),
-                           topology=TopologyOptions(dp_rank=rank, dp_size=3))
+                           topology=TopologyOptions(dp_rank=rank, dp_size=3, equal_batches="count"))
         counts.append(sum(1 for _ in ds))
         plan, got = ds.metrics()["plan"], ds.metrics()["batches"]
         assert plan["quota"] == counts[-1] and plan["batches"] == got["batches"] - got["fillers"]
@@ -142,7 +142,8 @@ def test_equal_batch_counts_with_the_default_warmup(few_shards):
     """window=256 > the default warm-up (64): the plan counts the ramping rounds of every reader."""
     urls, docs = few_shards
     ranks = [list(PackedDataset(urls, capacity=CAP, epochs=1, seed=5, packs_per_batch=2,
-                                packing=PackOptions(window=256), topology=TopologyOptions(dp_rank=r, dp_size=3)))
+                                packing=PackOptions(window=256),
+                                topology=TopologyOptions(dp_rank=r, dp_size=3, equal_batches="count")))
              for r in range(3)]
     assert len({len(r) for r in ranks}) == 1, [len(r) for r in ranks]
     assert collect_documents([b for r in ranks for b in r]) == {f"{i:08d}": d for i, d in enumerate(docs)}
@@ -153,7 +154,7 @@ def test_text_shards_over_ranks_need_sync_or_a_count(tmp_path):
     urls = write_jsonl_shards(tmp_path, make_text_docs(20), 2)
     with pytest.raises(ValueError, match="equal_batches='sync'"):
         PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t],
-                      topology=TopologyOptions(dp_rank=0, dp_size=2))
+                      topology=TopologyOptions(dp_rank=0, dp_size=2, equal_batches="count"))
     PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t],
                   topology=TopologyOptions(dp_rank=0, dp_size=2, equal_batches="sync"))
     PackedDataset(urls, capacity=CAP, epochs=1, tokenizer=lambda t: [ord(c) for c in t],
@@ -209,7 +210,8 @@ def test_an_empty_record_is_skipped_and_counted_by_the_plan(tmp_path):
     ranks, errors = [], 0
     for rank in range(2):
         ds = PackedDataset(urls, capacity=64, epochs=1, seed=1, read=ReadOptions(on_error="skip"),
-                           packing=PackOptions(window=8), topology=TopologyOptions(dp_rank=rank, dp_size=2))
+                           packing=PackOptions(window=8),
+                           topology=TopologyOptions(dp_rank=rank, dp_size=2, equal_batches="count"))
         ranks.append(list(ds))
         errors += ds.metrics()["errors"]["counts"].get("empty_sample", 0)
         assert ds.metrics()["plan"]["batches"] == ds.metrics()["batches"]["batches"] - ds.metrics()["batches"]["fillers"]
@@ -234,7 +236,7 @@ def test_remote_shards_without_a_manifest_are_refused_naming_the_command(tmp_pat
             PackedDataset(urls, capacity=64, epochs=1, topology=TopologyOptions(dp_rank=0, dp_size=2))
         build_manifest(urls, str(tmp_path / "m"))
         got = [list(PackedDataset(urls, capacity=64, epochs=1, read=ReadOptions(manifest=str(tmp_path / "m")),
-                                  topology=TopologyOptions(dp_rank=r, dp_size=2)))
+                                  topology=TopologyOptions(dp_rank=r, dp_size=2, equal_batches="count")))
                for r in range(2)]
     assert len(got[0]) == len(got[1])
     assert collect_documents(got[0] + got[1]) == {f"{i:08d}": d for i, d in enumerate(docs)}

@@ -30,6 +30,20 @@ def as_worker(worker_id: int, num_workers: int) -> Iterator[None]:
         dataset_mod.current_worker = saved
 
 
+@contextmanager
+def through_store(agreement: Any) -> Iterator[None]:
+    """Datasets built inside agree through ``agreement`` (e.g. ``Agreement.in_process(HashStore(), ...)``)
+    as ``Agreement.from_dist`` has them agree under ``torch.distributed``, so ranks simulated in one
+    process can plan with ``equal_batches="plan"``, which is refused without a store. The settings
+    are not agreed here: the ranks are built one after another on one thread."""
+    saved = dataset_mod._agreement
+    dataset_mod._agreement = lambda *args, **kwargs: agreement
+    try:
+        yield
+    finally:
+        dataset_mod._agreement = saved
+
+
 class SimRank:
     """One rank's loader over ``make()`` datasets (one per worker; ``num_workers=0`` = main)."""
 

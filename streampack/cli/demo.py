@@ -197,9 +197,9 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.max_seconds <= 0:
         raise CliError(f"--max-seconds={args.max_seconds} must be > 0")
+    from streampack.graph import StreamConfig
     from streampack.options import PackOptions, TopologyOptions
     from streampack.packing import ALGORITHMS
-    from streampack.graph import StreamConfig
 
     if args.algorithm not in ALGORITHMS:  # checked before the corpus is written
         raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")

@@ -79,11 +79,11 @@ def _overlong_summary(c: OverlongCounters) -> str:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from streampack.graph import StreamConfig
     from streampack.io.packed_writer import write_packed_dataset
     from streampack.nodes.overlong import OverlongCounters, apply_overlong
     from streampack.options import TopologyOptions
     from streampack.packing import ALGORITHMS, pack
-    from streampack.graph import StreamConfig
 
     if args.algorithm not in ALGORITHMS:
         raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")

@@ -368,14 +368,16 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement,
                  agree: Agree | None = None) -> EpochPlanner | None:
     """The planner of one reader of a finite single-source stream (None for mixtures and
     offline packs), over the data set's manifest (:func:`manifest_of`). ``count`` False plans
-    spans only; ``agree`` replaces the store agreement made from ``agreement``."""
+    spans only; ``agree`` replaces the store agreement made from ``agreement`` (used for the counts
+    only with ``equal_batches="plan"``)."""
     if sources.mixture or sources.packed is not None or sources.shards is None:
         return None
     options = config.read
     manifest = manifest_of(config, sources, io_stats)
     decode, opts = index_decode(options.tokens_key, options.limits), options.open_options()
     counting = counting_for(config, place) if count else None
-    if agree is None and agreement is not None and counting is not None:
+    # equal_batches="count" leaves agree None: the planner counts every reader's batches itself
+    if agree is None and agreement is not None and counting is not None and config.topology.equal_batches == "plan":
         from streampack.plan.agree import agree_counts  # lazily: only a distributed run has an agreement
 
         def agree(key: str, dp_rank: int, worker_id: int, num_workers: int, n: int) -> Any:
@@ -428,7 +430,7 @@ def _given_key(sources: Sources, options: ReadOptions) -> tuple[str, str, str]:
 def counting_for(config: StreamConfig, place: Placement) -> Counting | None:
     """What a plan needs to count batches, when ranks must yield equal counts by plan."""
     topology = config.topology
-    if place.dp_size == 1 or topology.batches_per_epoch is not None or topology.equal_batches != "plan":
+    if place.dp_size == 1 or topology.batches_per_epoch is not None or topology.equal_batches == "sync":
         return None
     return Counting(rules=config.packer_rules(config.seed), max_len=config.capacity, policy=config.packing.overlong,
                     packs_per_batch=config.packs_per_batch)

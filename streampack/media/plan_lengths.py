@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass
 import json
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -47,8 +47,8 @@ from streampack.io.index import fingerprint_of, index_decode
 from streampack.io.index_cache import cache_path, load_arrays, save_arrays
 from streampack.media.options import MediaOptions
 from streampack.media.stage import ExpandImages, media_spans
-from streampack.plan.epoch_plan import chunk_lengths
 from streampack.nodes.overlong import cut_lengths
+from streampack.plan.epoch_plan import chunk_lengths
 
 VERSION = 2
 """2: each sample's image and video token spans beside its length (the plan cuts around them)."""

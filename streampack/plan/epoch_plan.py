@@ -13,11 +13,11 @@ packer's round logic, ``window_rounds.count_packs``) and the readers agree on th
 (``streampack.plan.agree``: one store round per epoch, O(1) requests per reader); the quota is first
 used when the reader's own data runs out, to know how many filler batches make its rank's total
 the largest rank's (:func:`rank_quotas`, the same quotas :func:`equalize` gives). The agreement
-uses whatever store torch.distributed has (TCPStore, FileStore, HashStore). Without one (explicit
-``dp_rank``/``dp_size`` and no ``torch.distributed``: ranks simulated in one process, tests) each
-reader counts every reader's batches instead, at its first ``state_dict()`` or when its data runs
-out — O(T) CPU, memory and index reads per reader: ``PackedDataset`` logs that cost, and refuses a
-launcher-started run without ``torch.distributed`` up front.
+uses whatever store torch.distributed has (TCPStore, FileStore, HashStore). With
+``equal_batches="count"`` (ranks simulated in one process, small data sets) each reader counts
+every reader's batches instead, at its first ``state_dict()`` or when its data runs out — O(T)
+CPU, memory and index reads per reader; ``PackedDataset`` refuses a plan with no store up front,
+so only that explicit choice pays it.
 
 **Cost per reader and epoch** (N shards, T samples, G readers; ``python benchmarks/bench_scale.py``
 on this shared 2-core box): before the first batch, 1 manifest read per process and at most 4
@@ -195,8 +195,7 @@ class EpochPlanner:
     few its boundaries fall in. ``counting`` None plans who reads what without counting batches
     (one rank, or ranks that agree at run time). ``agree`` (see :data:`Agree`) makes the batch
     counts equal from this reader's own count; without it every reader counts every reader's
-    batches (in-process simulation and explicit ``dp_rank``/``dp_size`` with no
-    ``torch.distributed``: O(T) CPU, memory and index reads per reader). ``lengths(shard,
+    batches (``equal_batches="count"``: O(T) CPU, memory and index reads per reader). ``lengths(shard,
     samples)`` replaces the index's lengths in the counts (not in the cut): a media stream's
     true lengths (:mod:`streampack.media.plan_lengths`), whose ``chunks`` also cuts them around
     images as the stream's overlong policy does.

@@ -175,7 +175,7 @@ class _ShareFinite:
     **Cost per new reader** (P pieces = the old readers' carries and spans, about N + 3 G_old):
     O(P) CPU and memory for the piece costs (from the manifest; no request), the indexes of at
     most 4 boundary pieces before its first batch; after it its own share's shards' (to count
-    its batches: O(T/G)) and one agreement on the counts (or, without one, every new reader's
+    its batches: O(T/G)) and one agreement on the counts (or, with ``equal_batches="count"``, every new reader's
     count: O(T), when its data runs out).
     """
 
