@@ -31,6 +31,7 @@ from streampack.nodes.collate import FILLER_KEY
 from streampack.nodes.stages import MapSamples, NodeStage
 from streampack.options import PackOptions, TokenizeOptions, TopologyOptions
 from streampack.plan import elastic
+from streampack.plan.cursor import Split
 from streampack.plan.sharding import Span
 from streampack.plan.state import dataset_states, record_of, table_size
 
@@ -55,8 +56,8 @@ def _carried(states) -> tuple[int, int]:
     """(samples carried in packer windows, split documents with chunks pending) at save time."""
     found = [(elastic.find_state(s["graph"], "WindowPacker"), elastic.find_state(s["graph"], "OverlongNode"))
              for s in states if s["graph"] is not None]
-    carried = sum(table_size(elastic.WindowPacker.unemitted(p)) for p, _ in found if p is not None)
-    pending = sum("ref" in o["pending"] for _, o in found if o is not None)
+    carried = sum(table_size(elastic.WindowPacker.undelivered(p).carry) for p, _ in found if p is not None)
+    pending = sum(Split.from_state(o["pending"]) is not None for _, o in found if o is not None)
     return carried, pending
 
 
