@@ -257,8 +257,7 @@ def test_the_frontier_is_found_in_the_span_of_its_own_epoch(shards):
              Span(shard=2, start=29696, end=None, epoch=0), Span(shard=1, start=0, end=None, epoch=1)]
     row = {"source": 0, "shard": 2, "epoch": 0, "offset": 30720, "number": 20, "next_offset": 31744,
            "next_number": 21}  # the last sample pulled was in the epoch-0 tail of shard 2
-    origin = (elastic.Pulled(**row) if hasattr(elastic, "Pulled")
-              else [row[c] for c in elastic.OverlongNode.LAST_COLUMNS])
+    origin = elastic.Pulled(**row)
     assert old._after(spans, origin) == [Span(shard=2, start=31744, first=21, end=None, epoch=0), spans[3]]
 
 
