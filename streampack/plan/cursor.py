@@ -31,6 +31,7 @@ import numpy as np
 
 from streampack.plan.sharding import Span, WorkEnds
 from streampack.plan.state import (
+    REF,
     STATE_VERSION,
     concat_tables,
     record_of,
@@ -142,13 +143,9 @@ class Split:
 
     def carry(self, lengths: np.ndarray) -> dict[str, Any]:
         """The chunks not emitted as a table of references (``lengths``: every chunk's length)."""
-        from streampack.plan.state import REF, REF_COLUMNS
-
-        left = range(self.next, self.count)
-        refs = np.zeros(len(left), dtype=REF)
-        for name in REF_COLUMNS:
-            if name in POSITION_FIELDS:
-                refs[name] = getattr(self.at, name)
+        refs = np.zeros(max(self.count - self.next, 0), dtype=REF)
+        for name in POSITION_FIELDS:  # every chunk is re-read from its document's position
+            refs[name] = getattr(self.at, name)
         refs["chunk"] = np.arange(self.next, self.count)
         refs["length"] = np.asarray(lengths, dtype=np.int64)[self.next:self.count]
         return refs_table(refs)
