@@ -321,10 +321,12 @@ class ShardReader(BaseNode[Sample]):
     def undelivered(state: Mapping[str, Any]) -> Planned:
         """What a saved state says of the samples this reader had yet to read: its plan (the
         spans of the epochs it holds explicitly, the ends of the planned ones) and its first
-        epoch. Where in the plan it stood is the overlong stage's frontier
+        epoch, and what the plan was cut from (the manifest's fingerprints, the identities of
+        the shards read last). Where in the plan it stood is the overlong stage's frontier
         (``OverlongNode.undelivered``): samples read but still in a tokenize block are after it."""
         return Planned(start_epoch=int(state[START_EPOCH_KEY]), work=work_from_state(state[WORK_KEY]),
-                       ends=ends_from_state(state.get(ENDS_KEY)))
+                       ends=ends_from_state(state.get(ENDS_KEY)), identities=identities_from_state(state.get(IDENTITY_KEY)),
+                       manifest=state.get(MANIFEST_KEY))
 
     def get_state(self) -> dict[str, Any]:
         return {

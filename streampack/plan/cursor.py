@@ -24,11 +24,12 @@ every batch, as the settings and counters are.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
+from streampack.io.storage import ShardStat
 from streampack.plan.sharding import Span, WorkEnds
 from streampack.plan.state import (
     REF,
@@ -179,6 +180,11 @@ class Planned:
     """The spans of the epochs it was handed explicitly (an elastic share; a finite epoch's plan)."""
     ends: dict[int, WorkEnds]
     """The first and last span of each planned epoch (the rest follow from the manifest)."""
+    identities: dict[int, ShardStat] = field(default_factory=dict)
+    """The identities of the shards it read last (where its carried samples come from): a
+    shard that changed since is refused, not re-read."""
+    manifest: Mapping[str, str] | None = None
+    """The fingerprints of the manifest its plan was cut from (None: no manifest)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

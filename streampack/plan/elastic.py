@@ -41,15 +41,10 @@ import numpy as np
 from streampack.graph.build import make_planner, replayable
 from streampack.io.index import index_decode, load_or_build_index
 from streampack.io.storage import ShardStat
+from streampack.nodes.epochs import EpochLoop
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
-from streampack.nodes.reader import (
-    IDENTITY_KEY,
-    MANIFEST_KEY,
-    ShardReader,
-    check_manifest,
-    identities_from_state,
-)
+from streampack.nodes.reader import ShardReader, check_manifest
 from streampack.nodes.reader import KIND as READER_KIND
 from streampack.nodes.window_packer import WindowPacker
 from streampack.plan.cursor import Pulled, Undelivered
@@ -166,8 +161,8 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
     if old.planner is not None and mode != "off":  # the manifest names every shard's identity now: no request
         for s in ordered:  # the old plans are cut from this manifest: it must be the one they were saved under
             reader = find_state(s[GRAPH_KEY], READER_KIND)
-            check_manifest(reader.get(MANIFEST_KEY) if reader else None, old.planner.shards, options.open_options(),
-                           recorded=identities, states="the states were")
+            check_manifest(ShardReader.undelivered(reader).manifest if reader else None, old.planner.shards,
+                           options.open_options(), recorded=identities, states="the states were")
         check_identities(identities, lambda shard: old.planner.shards.recorded(shard, mode),
                          lambda shard: _url(sources, shard), mode)
     frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]
@@ -183,7 +178,7 @@ def saved_identities(states: Sequence[Mapping[str, Any]], sources: Sources) -> d
     out: dict[int, ShardStat] = {}
     for s in states:
         reader = find_state(s[GRAPH_KEY], READER_KIND)
-        for shard, ident in identities_from_state(reader.get(IDENTITY_KEY) if reader else None).items():
+        for shard, ident in (ShardReader.undelivered(reader).identities if reader else {}).items():
             if out.setdefault(shard, ident) != ident:
                 raise ValueError(f"the old readers recorded two identities of shard {_url(sources, shard)!r} "
                                  f"({out[shard]} and {ident}): it changed during the run; cannot resume on it")
@@ -227,7 +222,7 @@ class _OldPlans:
             return _Frontier(epoch=self.first, origin=None, carry=None)
         chain = graph
         if self.config.epochs is not None:  # an EpochLoop
-            epoch, chain = int(graph["epoch"]), graph["chain"]
+            epoch, chain = int(graph[EpochLoop.EPOCH_KEY]), graph[EpochLoop.CHAIN_KEY]
             if chain is None:
                 return _Frontier(epoch=min(epoch, self.last - 1), origin=None, done=epoch >= self.last)
         if self.sources.packed is not None:
@@ -241,7 +236,7 @@ class _OldPlans:
         split = OverlongNode.undelivered(overlong, capacity=self.config.capacity, policy=self.config.packing.overlong)
         left = Undelivered.compose(split.pulled, WindowPacker.undelivered(packer).carry, split.carry)
         origin = left.pulled
-        epoch = int(graph["epoch"]) if self.config.epochs is not None else (
+        epoch = int(graph[EpochLoop.EPOCH_KEY]) if self.config.epochs is not None else (
             origin.epoch if origin is not None else plan.start_epoch)
         return _Frontier(epoch=epoch, origin=origin, carry=left.carry, work=plan.work, ends=plan.ends)
 
