@@ -215,7 +215,8 @@ def note_save(states: list[dict[str, Any]], step: Step, moved: bool) -> None:
     overlong = [find_state(g, "OverlongNode") for g in graphs]
     packers = [find_state(g, "WindowPacker") for g in graphs]
     COVERAGE["saves"] += 1
-    COVERAGE["saves mid split document"] += any(o is not None and Split.from_state(o["pending"]) is not None for o in overlong)
+    COVERAGE["saves mid split document"] += any(o is not None and Split.from_state(o["pending"]) is not None
+                                                for o in overlong)
     COVERAGE["saves with samples in packer windows"] += any(
         p is not None and table_size(WindowPacker.undelivered(p).carry) > 0 for p in packers)
     COVERAGE["saves with readers in different epochs"] += len({int(g["epoch"]) for g in graphs if "epoch" in g}) > 1

@@ -20,7 +20,15 @@ from torchdata.nodes import BaseNode
 
 from streampack.nodes.block_reader import BlockReader, DocRun
 from streampack.nodes.overlong import POLICIES, OverlongCounters, OverlongNode, check_policy
-from streampack.plan.cursor import POSITION_FIELDS, PULLED_FIELDS, Position, Pulled, Split, pulled_from_state, pulled_to_state
+from streampack.plan.cursor import (
+    POSITION_FIELDS,
+    PULLED_FIELDS,
+    Position,
+    Pulled,
+    Split,
+    pulled_from_state,
+    pulled_to_state,
+)
 from streampack.plan.rows import BlockStore, cat, repeat, rows_of
 from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
 
@@ -75,7 +83,8 @@ def expand(rows: np.ndarray, max_len: int, policy: str) -> tuple[np.ndarray, np.
 
 class ChunkNode(BaseNode[np.ndarray]):
     """Rows of at most ``max_len`` tokens after ``policy`` (see the module docstring).
-    ``replay(position)`` re-reads every chunk of the sample at a ``cursor.Position`` as rows (a :class:`~streampack.plan.row_replay.RowReplay`'s ``chunks``)."""
+    ``replay(position)`` re-reads every chunk of the sample at a ``cursor.Position`` as rows
+    (a :class:`~streampack.plan.row_replay.RowReplay`'s ``chunks``)."""
 
     SOURCE_KEY, PENDING_KEY, COUNTERS_KEY, LAST_KEY = (OverlongNode.SOURCE_KEY, OverlongNode.PENDING_KEY,
                                                        OverlongNode.COUNTERS_KEY, OverlongNode.LAST_KEY)

@@ -27,7 +27,15 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.logs import get_logger, warn_every
-from streampack.plan.cursor import Position, Pulled, Split, Undelivered, pulled_from_state, pulled_to_state, split_samples
+from streampack.plan.cursor import (
+    Position,
+    Pulled,
+    Split,
+    Undelivered,
+    pulled_from_state,
+    pulled_to_state,
+    split_samples,
+)
 from streampack.plan.epoch_plan import chunk_lengths
 from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
 from streampack.sample import Sample, SampleOrigin

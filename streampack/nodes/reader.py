@@ -325,8 +325,8 @@ class ShardReader(BaseNode[Sample]):
         the shards read last). Where in the plan it stood is the overlong stage's frontier
         (``OverlongNode.undelivered``): samples read but still in a tokenize block are after it."""
         return Planned(start_epoch=int(state[START_EPOCH_KEY]), work=work_from_state(state[WORK_KEY]),
-                       ends=ends_from_state(state.get(ENDS_KEY)), identities=identities_from_state(state.get(IDENTITY_KEY)),
-                       manifest=state.get(MANIFEST_KEY))
+                       ends=ends_from_state(state.get(ENDS_KEY)),
+                       identities=identities_from_state(state.get(IDENTITY_KEY)), manifest=state.get(MANIFEST_KEY))
 
     def get_state(self) -> dict[str, Any]:
         return {

@@ -34,7 +34,18 @@ from streampack.nodes.chunker import ChunkNode
 from streampack.nodes.window_packer import _METRIC_NAMES, WindowPacker
 from streampack.packing.window_rounds import WARMUP, PackerRules, aligned_lengths, choose, emission_order, pack_round
 from streampack.plan.row_replay import RowReplay
-from streampack.plan.rows import UNREAD, BlockStore, PackRows, cat, make_packs, put, ref_table, rows_of, take, unread_rows
+from streampack.plan.rows import (
+    UNREAD,
+    BlockStore,
+    PackRows,
+    cat,
+    make_packs,
+    put,
+    ref_table,
+    rows_of,
+    take,
+    unread_rows,
+)
 from streampack.plan.state import (
     record_of,
     record_text,

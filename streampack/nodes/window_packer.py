@@ -285,7 +285,8 @@ class WindowPacker(BaseNode[list[Sample]]):
         the window's carry, the packs of its round not emitted yet and the samples carried to the
         next, in that order, as a table (references, or tokens where it stored them)."""
         start = sum(state[cls.SIZES_KEY].tolist()[:int(state[cls.EMITTED_KEY])])
-        return Undelivered(pulled=None, carry=table_slice(state[cls.TABLE_KEY], start, table_size(state[cls.TABLE_KEY])))
+        table = state[cls.TABLE_KEY]
+        return Undelivered(pulled=None, carry=table_slice(table, start, table_size(table)))
 
     def _run_round(self) -> None:
         """Refill, pack once, queue the packs to emit (shuffled), carry the rest."""

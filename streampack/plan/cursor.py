@@ -205,5 +205,5 @@ def _require(record: Mapping[str, Any], names: Iterable[str], what: str) -> None
                          f"version (state version={STATE_VERSION})?")
 
 
-__all__ = ["POSITION_FIELDS", "PULLED_FIELDS", "PackedPlace", "Planned", "Position", "Pulled", "Split", "Undelivered", "pulled_from_state",
-           "pulled_to_state", "split_samples"]
+__all__ = ["POSITION_FIELDS", "PULLED_FIELDS", "PackedPlace", "Planned", "Position", "Pulled", "Split", "Undelivered",
+           "pulled_from_state", "pulled_to_state", "split_samples"]
