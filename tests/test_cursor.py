@@ -18,9 +18,11 @@ from topology_sim import roundtrip
 
 import streampack
 from streampack import PackedDataset
+from streampack.nodes.chunker import ChunkNode
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.reader import KIND as READER_KIND
 from streampack.nodes.reader import ShardReader
+from streampack.nodes.row_packer import RowPacker
 from streampack.nodes.window_packer import WindowPacker
 from streampack.options import PackOptions
 from streampack.plan import rows as row_table
@@ -99,12 +101,13 @@ def test_what_the_nodes_hand_out_is_exactly_what_is_still_to_come(tmp_path, monk
     state, it = _mid_split(urls)
     graph = state["graph"]["chain"]
     packer, overlong = find_state(graph, WindowPacker.KIND), find_state(graph, OverlongNode.KIND)
-    split = OverlongNode.undelivered(overlong, capacity=CAP, policy="split")
+    chunker, packs = (ChunkNode, RowPacker) if contiguous == "1" else (OverlongNode, WindowPacker)  # its own nodes
+    split = chunker.undelivered(overlong, capacity=CAP, policy="split")
     assert isinstance(split, Undelivered) and isinstance(split.pulled, Pulled)
     refs = table_refs(split.carry)
     at = Split.from_state(overlong["pending"])
     assert refs["chunk"].tolist() == list(range(at.next, at.count)) and set(refs["offset"].tolist()) == {at.at.offset}
-    left = Undelivered.compose(split.pulled, WindowPacker.undelivered(packer).carry, split.carry)
+    left = Undelivered.compose(split.pulled, packs.undelivered(packer).carry, split.carry)
     assert table_size(left.carry) > table_size(split.carry) > 0
     plan = ShardReader.undelivered(find_state(graph, READER_KIND))
     assert plan.start_epoch == pulled_epoch(left) == 0

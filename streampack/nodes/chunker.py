@@ -89,6 +89,8 @@ class ChunkNode(BaseNode[np.ndarray]):
     SOURCE_KEY, PENDING_KEY, COUNTERS_KEY, LAST_KEY = (OverlongNode.SOURCE_KEY, OverlongNode.PENDING_KEY,
                                                        OverlongNode.COUNTERS_KEY, OverlongNode.LAST_KEY)
     KIND_KEY, KIND = OverlongNode.KIND_KEY, OverlongNode.KIND
+    undelivered = OverlongNode.undelivered
+    """What a saved state had not delivered (one layout for both nodes: ``OverlongNode.undelivered``)."""
 
     def __init__(self, source: BlockReader, max_len: int, policy: str = "split", *, replay: Any, store: BlockStore) -> None:
         super().__init__()

@@ -68,6 +68,9 @@ class RowPacker(BaseNode[PackRows]):
     WindowPacker's (``replay``: a :class:`RowReplay`; ``carry``: a reference table the window
     starts with)."""
 
+    undelivered = WindowPacker.undelivered
+    """What a saved state had not delivered (one layout for both packers: ``WindowPacker.undelivered``)."""
+
     def __init__(self, source: ChunkNode, *, capacity: int, window: int = 1024, algorithm: str = "bfd", align: int = 1,
                  seed: int = 0, max_wait: int | None = None, slack: int | None = None, shuffle: bool = True,
                  replay: RowReplay, store: BlockStore, carry: Mapping[str, Any] | None = None,
