@@ -58,6 +58,7 @@ from streampack import PackedDataset
 from streampack.errors import DataError
 from streampack.nodes.window_packer import WindowPacker
 from streampack.options import TopologyOptions
+from streampack.plan.cursor import Split
 from streampack.plan.elastic import find_state
 from streampack.plan.state import table_size
 
@@ -215,9 +216,10 @@ def note_save(states: list[dict[str, Any]], step: Step, moved: bool) -> None:
     overlong = [find_state(g, "OverlongNode") for g in graphs]
     packers = [find_state(g, "WindowPacker") for g in graphs]
     COVERAGE["saves"] += 1
-    COVERAGE["saves mid split document"] += any(o is not None and "ref" in o["pending"] for o in overlong)
+    COVERAGE["saves mid split document"] += any(o is not None and Split.from_state(o["pending"]) is not None
+                                                for o in overlong)
     COVERAGE["saves with samples in packer windows"] += any(
-        p is not None and table_size(WindowPacker.unemitted(p)) > 0 for p in packers)
+        p is not None and table_size(WindowPacker.undelivered(p).carry) > 0 for p in packers)
     COVERAGE["saves with readers in different epochs"] += len({int(g["epoch"]) for g in graphs if "epoch" in g}) > 1
     COVERAGE["elastic resumes onto another topology"] += moved
     if step.change:

@@ -31,6 +31,7 @@ from streampack.nodes.collate import FILLER_KEY
 from streampack.nodes.stages import MapSamples, NodeStage
 from streampack.options import PackOptions, TokenizeOptions, TopologyOptions
 from streampack.plan import elastic
+from streampack.plan.cursor import Split
 from streampack.plan.sharding import Span
 from streampack.plan.state import dataset_states, record_of, table_size
 
@@ -55,8 +56,8 @@ def _carried(states) -> tuple[int, int]:
     """(samples carried in packer windows, split documents with chunks pending) at save time."""
     found = [(elastic.find_state(s["graph"], "WindowPacker"), elastic.find_state(s["graph"], "OverlongNode"))
              for s in states if s["graph"] is not None]
-    carried = sum(table_size(elastic.WindowPacker.unemitted(p)) for p, _ in found if p is not None)
-    pending = sum("ref" in o["pending"] for _, o in found if o is not None)
+    carried = sum(table_size(elastic.WindowPacker.undelivered(p).carry) for p, _ in found if p is not None)
+    pending = sum(Split.from_state(o["pending"]) is not None for _, o in found if o is not None)
     return carried, pending
 
 
@@ -257,8 +258,7 @@ def test_the_frontier_is_found_in_the_span_of_its_own_epoch(shards):
              Span(shard=2, start=29696, end=None, epoch=0), Span(shard=1, start=0, end=None, epoch=1)]
     row = {"source": 0, "shard": 2, "epoch": 0, "offset": 30720, "number": 20, "next_offset": 31744,
            "next_number": 21}  # the last sample pulled was in the epoch-0 tail of shard 2
-    origin = (elastic.Pulled(**row) if hasattr(elastic, "Pulled")
-              else [row[c] for c in elastic.OverlongNode.LAST_COLUMNS])
+    origin = elastic.Pulled(**row)
     assert old._after(spans, origin) == [Span(shard=2, start=31744, first=21, end=None, epoch=0), spans[3]]
 
 

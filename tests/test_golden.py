@@ -403,7 +403,7 @@ def elastic_chain() -> dict[str, Any]:
         states = [roundtrip(s) for rank in old for s in rank.states()]
         after = list(SimRank(lambda: make(0, 1), 3, load=states))
     packers = [elastic.find_state(s["graph"], "WindowPacker") for s in states if s["graph"] is not None]
-    carried = sum(table_size(elastic.WindowPacker.unemitted(p)) for p in packers if p is not None)
+    carried = sum(table_size(elastic.WindowPacker.undelivered(p).carry) for p in packers if p is not None)
     assert carried > 0, "the save point must hold samples in packer windows (else the chain proves little)"
     trained = Counter(k for b in before + after for k in b.doc_keys if not k.startswith("<"))
     assert trained and max(trained.values()) == 1, "a document chunk was trained twice"

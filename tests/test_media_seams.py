@@ -251,6 +251,7 @@ def test_an_elastic_resume_inside_a_split_image_sample_trains_every_chunk_once(t
     from collections import Counter
 
     from streampack.plan import elastic
+    from streampack.plan.cursor import Split
     from streampack.plan.epoch_plan import chunk_lengths
     from tests.topology_sim import SimRank
 
@@ -263,10 +264,9 @@ def test_an_elastic_resume_inside_a_split_image_sample_trains_every_chunk_once(t
     old = [SimRank(lambda r=r: make(r, 2), 1) for r in range(2)]
     consumed = [next(rk) for rk in old for _ in range(2)]
     states = [s for rk in old for s in rk.states()]
-    pending = [elastic.find_state(s["graph"], "OverlongNode")["pending"] for s in states]
+    splits = [Split.from_state(elastic.find_state(s["graph"], "OverlongNode")["pending"]) for s in states]
     # not vacuous: a split sample was pending by reference, cut around its images otherwise than ceil(L / 16)
-    assert any("ref" in p and p["lengths"].tolist() != chunk_lengths([p["tokens"]], 16, "split").tolist()
-               for p in pending)
+    assert any(p is not None and list(p.lengths) != chunk_lengths([p.tokens], 16, "split").tolist() for p in splits)
     for r in range(3):
         consumed += list(SimRank(lambda r=r: make(r, 3), 0, load=states))
     assert Counter(k for b in consumed for k in b.doc_keys if k != "<filler>") == whole

@@ -12,6 +12,7 @@ state is an OverlongNode state (same kind, keys and values): either path restore
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,43 +21,33 @@ from torchdata.nodes import BaseNode
 from streampack.nodes.block_reader import BlockReader, DocRun
 from streampack.nodes.overlong import OverlongCounters, OverlongNode
 from streampack.options.packing import OVERLONG_POLICIES
-from streampack.plan.rows import (
-    BLOCK,
-    CHUNK,
-    CUT,
-    DOC,
-    EPOCH,
-    LENGTH,
-    NEXT_NUMBER,
-    NEXT_OFFSET,
-    NUMBER,
-    OFFSET,
-    SHARD,
-    SOURCE,
-    START,
-    BlockStore,
-    rows_of,
+from streampack.plan.cursor import (
+    POSITION_FIELDS,
+    PULLED_FIELDS,
+    Position,
+    Pulled,
+    Split,
+    pulled_from_state,
+    pulled_to_state,
 )
+from streampack.plan.rows import BlockStore, cat, repeat, rows_of
 from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
-
-_LAST = [SOURCE, SHARD, EPOCH, OFFSET, NUMBER, NEXT_OFFSET, NEXT_NUMBER]  # OverlongNode.LAST_COLUMNS
 
 
 def base_rows(run: DocRun, k: int, store: BlockStore) -> np.ndarray:
     """The first ``k`` documents of ``run`` as rows (whole documents: chunk -1)."""
     block, lo = run.block, run.lo
-    rows = np.empty((k, CUT + 1), dtype=np.int64)
-    rows[:, LENGTH] = block.lengths[lo:lo + k]
-    rows[:, SOURCE], rows[:, SHARD], rows[:, EPOCH] = run.source, run.shard, run.epoch
-    rows[:, OFFSET] = block.offsets[lo:lo + k]
-    rows[:, NUMBER] = block.numbers[lo:lo + k]
-    rows[:, NEXT_OFFSET] = block.next_offsets[lo:lo + k]
-    rows[:, NEXT_NUMBER] = block.next_numbers[lo:lo + k]
-    rows[:, CHUNK] = -1
-    rows[:, BLOCK] = store.add(block)
-    rows[:, DOC] = np.arange(lo, lo + k)
-    rows[:, START] = block.starts[lo:lo + k]
-    rows[:, CUT] = 0
+    rows = rows_of(k)
+    rows["length"] = block.lengths[lo:lo + k]
+    rows["source"], rows["shard"], rows["epoch"] = run.source, run.shard, run.epoch
+    rows["offset"] = block.offsets[lo:lo + k]
+    rows["number"] = block.numbers[lo:lo + k]
+    rows["next_offset"] = block.next_offsets[lo:lo + k]
+    rows["next_number"] = block.next_numbers[lo:lo + k]
+    rows["chunk"] = -1
+    rows["block"] = store.add(block)
+    rows["doc"] = np.arange(lo, lo + k)
+    rows["start"] = block.starts[lo:lo + k]
     return rows
 
 
@@ -71,34 +62,36 @@ def chunk_counts(lengths: np.ndarray, max_len: int, policy: str) -> np.ndarray:
 
 def expand(rows: np.ndarray, max_len: int, policy: str) -> tuple[np.ndarray, np.ndarray]:
     """``rows`` after the overlong policy (every chunk), and the chunk count of each."""
-    lengths = rows[:, LENGTH]
+    lengths = rows["length"]
     counts = chunk_counts(lengths, max_len, policy)
     over = lengths > max_len
     if not over.any():
         return rows, counts
-    out = np.repeat(rows, counts, axis=0)
+    out = repeat(rows, counts)
     mine = np.repeat(over, counts)
     if policy == "truncate":
-        out[mine, CHUNK] = 0
-        out[mine, LENGTH] = max_len
+        out["chunk"][mine] = 0
+        out["length"][mine] = max_len
         return out, counts
     # split: chunk j of a document starts j * max_len tokens in
     j = np.arange(out.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
-    out[:, CHUNK] = np.where(mine, j, out[:, CHUNK])
-    out[:, START] += np.where(mine, j * max_len, 0)
-    out[:, LENGTH] = np.where(mine, np.minimum(max_len, out[:, LENGTH] - j * max_len), out[:, LENGTH])
-    out[:, CUT] = mine
+    out["chunk"] = np.where(mine, j, out["chunk"])
+    out["start"] += np.where(mine, j * max_len, 0)
+    out["length"] = np.where(mine, np.minimum(max_len, out["length"] - j * max_len), out["length"])
+    out["cut"] = mine
     return out, counts
 
 
 class ChunkNode(BaseNode[np.ndarray]):
     """Rows of at most ``max_len`` tokens after ``policy`` (see the module docstring).
-    ``replay(ref)`` re-reads every chunk of the sample at ``[source, shard, offset, number,
-    epoch]`` as rows (a :class:`~streampack.plan.row_replay.RowReplay`'s ``chunks``)."""
+    ``replay(position)`` re-reads every chunk of the sample at a ``cursor.Position`` as rows
+    (a :class:`~streampack.plan.row_replay.RowReplay`'s ``chunks``)."""
 
     SOURCE_KEY, PENDING_KEY, COUNTERS_KEY, LAST_KEY = (OverlongNode.SOURCE_KEY, OverlongNode.PENDING_KEY,
                                                        OverlongNode.COUNTERS_KEY, OverlongNode.LAST_KEY)
     KIND_KEY, KIND = OverlongNode.KIND_KEY, OverlongNode.KIND
+    undelivered = OverlongNode.undelivered
+    """What a saved state had not delivered (one layout for both nodes: ``OverlongNode.undelivered``)."""
 
     def __init__(self, source: BlockReader, max_len: int, policy: str = "split", *, replay: Any, store: BlockStore) -> None:
         super().__init__()
@@ -110,8 +103,8 @@ class ChunkNode(BaseNode[np.ndarray]):
     def _clear(self) -> None:
         self.counters = OverlongCounters()
         self.pending = rows_of(0)
-        self._split: tuple[list[int], int, int] | None = None  # ref, chunks, tokens of the sample split
-        self._last: dict[int, list[int]] = {}
+        self._split: Split | None = None  # the sample split (``next`` unset: the chunks left are ``pending``)
+        self._last: dict[int, Pulled] = {}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -121,21 +114,20 @@ class ChunkNode(BaseNode[np.ndarray]):
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
         self.counters = OverlongCounters(**record_of(initial_state[self.COUNTERS_KEY]))
-        self._last = {row[0]: row for row in initial_state[self.LAST_KEY].tolist()}
+        self._last = {p.source: p for p in pulled_from_state(initial_state[self.LAST_KEY])}
         pending = initial_state[self.PENDING_KEY]
-        if "ref" not in pending:
-            samples = samples_from_state(pending)
-            if samples:
+        split = Split.from_state(pending)
+        if split is None:
+            if samples_from_state(pending):
                 raise ValueError("this OverlongNode state holds its pending chunks as tokens (saved by a graph with "
                                  "a node stage); the contiguous path re-reads them by reference only")
             return
-        ref, nxt, count, tokens = pending["ref"].tolist(), pending["next"], pending["count"], pending["tokens"]
-        chunks = self.replay(ref)
-        if len(chunks) != count or int(chunks[:, LENGTH].sum()) != tokens:
-            raise ValueError(f"split sample at {ref} re-read as {len(chunks)} chunks, {count} when the state "
-                             f"was saved: the shard changed, or a stage is not a pure function")
-        self._split = (ref, count, tokens)
-        self.pending = chunks[nxt:]
+        chunks = self.replay(split.at)
+        if len(chunks) != split.count or int(chunks["length"].sum()) != split.tokens:
+            raise ValueError(f"split sample at {split.at} re-read as {len(chunks)} chunks, {split.count} when the "
+                             f"state was saved: the shard changed, or a stage is not a pure function")
+        self._split = split
+        self.pending = chunks[split.next:]
 
     def take(self, n: int) -> np.ndarray:
         """The next ``n`` rows (fewer only when the stream ended)."""
@@ -153,12 +145,11 @@ class ChunkNode(BaseNode[np.ndarray]):
             self.pending = rows[n - have:]
             have += min(len(rows), n - have)
             if len(self.pending):
-                r = rows[-1].tolist()
-                self._split = ([r[SOURCE], r[SHARD], r[OFFSET], r[NUMBER], r[EPOCH]], last_count,
-                               int(rows[-last_count:, LENGTH].sum()))
+                self._split = Split(at=_position(rows[-1]), next=0, count=last_count,
+                                    tokens=int(rows["length"][-last_count:].sum()))
         if len(parts) == 1:
             return parts[0]
-        return np.concatenate(parts) if parts else rows_of(0)
+        return cat(parts)
 
     def _pull(self, run: DocRun, want: int) -> tuple[np.ndarray, int]:
         """Consume the documents of ``run`` the per-sample node would pull to give ``want`` rows;
@@ -173,8 +164,8 @@ class ChunkNode(BaseNode[np.ndarray]):
         if not run.consumed:
             self.source.consume(k)
         rows = base_rows(run, k, self.store)
-        last = rows[-1, _LAST].tolist()
-        self._last[last[0]] = last
+        last = Pulled(**{name: int(rows[-1][name]) for name in PULLED_FIELDS})
+        self._last[last.source] = last
         if bad >= 0:
             key = run.block.key(run.lo + bad)
             raise ValueError(f"sample {run.block.url + '#' + key if run.block.url else key!r} has {int(lengths[bad])} "
@@ -205,18 +196,17 @@ class ChunkNode(BaseNode[np.ndarray]):
         return rows
 
     def get_state(self) -> dict[str, Any]:
-        import torch
-
-        last = [self._last[s] for s in sorted(self._last)]
         if len(self.pending) and self._split is not None:
-            ref, count, tokens = self._split
-            pending: dict[str, Any] = {"ref": torch.tensor(ref, dtype=torch.int64), "next": count - len(self.pending),
-                                       "count": count, "tokens": tokens}
+            pending = replace(self._split, next=self._split.count - len(self.pending)).to_state()
         else:
             pending = samples_to_state([])
         return {self.KIND_KEY: self.KIND, self.SOURCE_KEY: self.source.state_dict(), self.PENDING_KEY: pending,
                 self.COUNTERS_KEY: record_text(self.counters.as_dict()),
-                self.LAST_KEY: torch.tensor(last, dtype=torch.int64).reshape(-1, len(OverlongNode.LAST_COLUMNS))}
+                self.LAST_KEY: pulled_to_state(self._last.values())}
+
+
+def _position(row: np.void) -> Position:
+    return Position(**{name: int(row[name]) for name in POSITION_FIELDS})
 
 
 assert OVERLONG_POLICIES == ("split", "truncate", "drop", "error")

@@ -18,7 +18,7 @@ raises, ``drop`` drops it as any overlong sample).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,6 +28,16 @@ from torchdata.nodes import BaseNode
 from streampack.errors import DataError, ErrorPolicy
 from streampack.logs import get_logger, warn_every
 from streampack.options.packing import OVERLONG_POLICIES
+from streampack.plan.cursor import (
+    Position,
+    Pulled,
+    Split,
+    Undelivered,
+    pulled_from_state,
+    pulled_to_state,
+    split_samples,
+)
+from streampack.plan.epoch_plan import chunk_lengths
 from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
 from streampack.sample import Sample, SampleOrigin
 
@@ -186,10 +196,9 @@ class OverlongNode(BaseNode[Sample]):
     LAST_KEY = "last"
     KIND_KEY = "kind"
     KIND = "OverlongNode"
-    LAST_COLUMNS = ("source", "shard", "epoch", "offset", "number", "next_offset", "next_number")
 
     def __init__(self, source: BaseNode[Sample], max_len: int, policy: str = "split", *,
-                 replay: Callable[[list[int]], list[Sample]] | None = None, media: MediaOptions | None = None,
+                 replay: Callable[[Position], list[Sample]] | None = None, media: MediaOptions | None = None,
                  error_policy: ErrorPolicy | None = None) -> None:
         super().__init__()
         # max_len and policy as checked by StreamConfig and PackOptions; apply_overlong checks them for a
@@ -198,8 +207,8 @@ class OverlongNode(BaseNode[Sample]):
         self.max_len = max_len
         self.policy = policy
         self.replay = replay
-        """``[source, shard, offset, number, epoch] -> every chunk of that sample`` (a Replayer's
-        ``chunks``), or None to keep pending chunks as tokens."""
+        """``Position -> every chunk of the sample there`` (a Replayer's ``chunks``), or None to
+        keep pending chunks as tokens."""
         self.media = media
         """The stream's ``MediaOptions`` (None: text only): cuts avoid images' tokens."""
         # a sample whose image tokens do not match its images (default: raise)
@@ -220,21 +229,21 @@ class OverlongNode(BaseNode[Sample]):
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
         self.counters = OverlongCounters(**record_of(initial_state[self.COUNTERS_KEY]))
-        self._last = {row[0]: _origin(row) for row in initial_state[self.LAST_KEY].tolist()}
+        self._last = {p.source: p.origin() for p in pulled_from_state(initial_state[self.LAST_KEY])}
         pending = initial_state[self.PENDING_KEY]
-        if "ref" not in pending:
+        split = Split.from_state(pending)
+        if split is None:
             self._pending = deque(samples_from_state(pending))
             return
         if self.replay is None:
             raise ValueError("this OverlongNode state holds its split sample by reference, but the node "
                              "has no replay function to re-read it")
-        ref, nxt, count, tokens = pending["ref"].tolist(), pending["next"], pending["count"], pending["tokens"]
-        chunks = self.replay(ref)
-        if len(chunks) != count or sum(len(c) for c in chunks) != tokens:
-            raise ValueError(f"split sample at {ref} re-read as {len(chunks)} chunks, {count} when the state "
-                             f"was saved: the shard changed, or a stage is not a pure function")
+        chunks = self.replay(split.at)
+        if len(chunks) != split.count or sum(len(c) for c in chunks) != split.tokens:
+            raise ValueError(f"split sample at {split.at} re-read as {len(chunks)} chunks, {split.count} when the "
+                             f"state was saved: the shard changed, or a stage is not a pure function")
         self._split = _Split(origin=chunks[0].origin, lengths=tuple(len(c) for c in chunks))  # type: ignore[arg-type]
-        self._pending = deque(chunks[nxt:])
+        self._pending = deque(chunks[split.next:])
 
     def next(self) -> Sample:
         while not self._pending:
@@ -252,28 +261,36 @@ class OverlongNode(BaseNode[Sample]):
         return self._pending.popleft()
 
     def get_state(self) -> dict[str, Any]:
-        import torch
-
-        last = [[o.source, o.shard, o.epoch, o.offset, o.number, o.next_offset, o.next_number]
-                for _, o in sorted(self._last.items())]
         return {self.KIND_KEY: self.KIND, self.SOURCE_KEY: self.source.state_dict(),
                 self.PENDING_KEY: self._pending_state(), self.COUNTERS_KEY: record_text(self.counters.as_dict()),
-                self.LAST_KEY: torch.tensor(last, dtype=torch.int64).reshape(-1, len(self.LAST_COLUMNS))}
+                self.LAST_KEY: pulled_to_state(Pulled.of(o) for o in self._last.values())}
 
     def _pending_state(self) -> dict[str, Any]:
-        import torch
-
         if not self._pending or self._split is None or self.replay is None:
             return samples_to_state(list(self._pending))
         origin, count = self._split.origin, len(self._split.lengths)
-        out = {"ref": torch.tensor([origin.source, origin.shard, origin.offset, origin.number, origin.epoch],
-                                   dtype=torch.int64),
-               "next": count - len(self._pending), "count": count, "tokens": sum(self._split.lengths)}
-        if self.media is not None:
-            # cut around images, the chunks are not ceil(tokens / max_len) of max_len: an elastic
-            # resume reads their lengths here (a text stream's state stays the per-row path's)
-            out["lengths"] = torch.tensor(self._split.lengths, dtype=torch.int64)
-        return out
+        # cut around images, the chunks are not ceil(tokens / max_len) of max_len: an elastic
+        # resume reads their lengths here (a text stream's state stays the per-row path's)
+        return Split(at=Position.of(origin), next=count - len(self._pending), count=count,
+                     tokens=sum(self._split.lengths),
+                     lengths=self._split.lengths if self.media is not None else None).to_state()
+
+    @classmethod
+    def undelivered(cls, state: Mapping[str, Any], *, capacity: int, policy: str) -> Undelivered:
+        """What a saved state (this node's or a ``ChunkNode``'s: one layout) had not delivered:
+        the last sample pulled (the frontier; one source, as an elastic resume has) and the
+        chunks of a split document not emitted yet, as references (a text stream's chunk
+        lengths follow from ``capacity`` and ``policy``) or as the tokens the state holds."""
+        pulled = pulled_from_state(state[cls.LAST_KEY])
+        pending = state[cls.PENDING_KEY]
+        split = Split.from_state(pending)
+        if split is None:
+            carry = split_samples(pending)
+        else:
+            lengths = split.lengths if split.lengths is not None else \
+                chunk_lengths(np.asarray([split.tokens]), capacity, policy)
+            carry = split.carry(np.asarray(lengths, dtype=np.int64))
+        return Undelivered(pulled=pulled[0] if pulled else None, carry=carry)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -282,9 +299,3 @@ class _Split:
 
     origin: SampleOrigin
     lengths: tuple[int, ...]
-
-
-def _origin(row: list[int]) -> SampleOrigin:
-    source, shard, epoch, offset, number, next_offset, next_number = row
-    return SampleOrigin(shard=shard, offset=offset, number=number, next_offset=next_offset,
-                        next_number=next_number, epoch=epoch, source=source)

@@ -17,7 +17,7 @@ kept in the state) replaces the dealt list for an epoch, as an elastic resume do
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -32,6 +32,7 @@ from streampack.io.packed_format import (
     resolve_packed,
 )
 from streampack.nodes.collate import BatchLayout
+from streampack.plan.cursor import PackedPlace
 from streampack.plan.epoch_plan import equalize
 from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_version
 from streampack.sample import Sample
@@ -132,6 +133,12 @@ class PackedShardReader(BaseNode[list[Sample]]):
         self.work = {int(e): w.numpy() for e, w in initial_state.get(self.WORK_KEY, {}).items()} or self.work
         self._epoch = int(initial_state[self.EPOCH_KEY])
         self._position = int(initial_state[self.POSITION_KEY])
+
+    @classmethod
+    def undelivered(cls, state: Mapping[str, Any]) -> PackedPlace:
+        """Where a saved state stood: the packs of its epoch from its position on are undelivered."""
+        return PackedPlace(epoch=int(state[cls.EPOCH_KEY]), position=int(state[cls.POSITION_KEY]),
+                           work={int(e): w.numpy() for e, w in state.get(cls.WORK_KEY, {}).items()})
 
     def get_state(self) -> dict[str, Any]:
         import torch

@@ -11,13 +11,13 @@ excepted: see ``io.jsonl``).
 
 State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
 
-    {"version": 4,
+    {"version": 5,
      "config": '{"sources": <sha1 of the URL list, 16 hex>, "num_sources": S, "seed", "shuffle",
                 "dp_rank", "dp_size", "worker_id", "num_workers", "fields": [tokens_key, ...], ...}',
      "epoch": e,            # epoch of the next sample
      "start_epoch": s,      # first epoch of this stream
-     "work": {e: int64 [n, 5] (shard, start, first, end or -1, epoch or -1)},  # explicit spans
-     "work_ends": {e: {"head": [5 ints], "tail": [5 ints], "spans": n}},  # a planned epoch, in O(1)
+     "work": {e: {"shard", "start", "first", "end" (-1: None), "epoch" (-1: None): int64 [n]}},  # explicit spans
+     "work_ends": {e: '{"head": {"shard": i, ...}, "tail": {...}, "spans": n}'},  # a planned epoch, in O(1)
      "shard_pos": i,        # index into this worker's span list of epoch e
      "offset": b,           # byte offset of the next sample in that shard; -1 = start of span
      "sample": n,           # number (tar ordinal / jsonl line) of that sample
@@ -62,12 +62,16 @@ from streampack.io.shard_identity import ShardChanged
 from streampack.io.storage import OpenOptions, ShardStat
 from streampack.io.urls import ShardList
 from streampack.options.read import ReadOptions
+from streampack.plan.cursor import Planned
 from streampack.plan.sharding import (
     ShardSpan,
     Span,
+    WorkEnds,
     assign_shards,
-    spans_from_array,
-    spans_to_array,
+    span_from_state,
+    span_to_state,
+    spans_from_state,
+    spans_to_state,
 )
 from streampack.plan.state import (
     STATE_VERSION,
@@ -105,35 +109,25 @@ Work = dict[int, list[Span]]
 
 
 def work_to_state(work: Work) -> dict[int, Any]:
-    import torch
-
-    return {e: torch.from_numpy(spans_to_array(spans)) for e, spans in work.items()}
+    return {e: spans_to_state(spans) for e, spans in work.items()}
 
 
 def work_from_state(saved: dict[Any, Any]) -> Work:
-    return {int(e): spans_from_array(t.numpy()) for e, t in saved.items()}
+    return {int(e): spans_from_state(columns) for e, columns in saved.items()}
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class WorkEnds:
-    """A planned epoch's spans in O(1): the first and the last, and how many there are. Every
-    span between them is a whole non-empty shard, in the epoch's shard order
-    (``EpochPlanner.spans``), so an elastic resume rebuilds a reader's plan from its state and
-    the manifest with no index read."""
-
-    head: Span
-    tail: Span
-    spans: int
-
-
-def ends_to_state(work: Work) -> dict[int, dict[str, Any]]:
-    return {e: {"head": spans_to_array(spans[:1]).ravel().tolist(), "tail": spans_to_array(spans[-1:]).ravel().tolist(),
-                "spans": len(spans)} for e, spans in work.items() if spans}
+def ends_to_state(work: Work) -> dict[int, str]:
+    """Each planned epoch's ends as one JSON text of named fields (one leaf each)."""
+    return {e: record_text({"head": span_to_state(spans[0]), "tail": span_to_state(spans[-1]), "spans": len(spans)})
+            for e, spans in work.items() if spans}
 
 
 def ends_from_state(saved: Mapping[Any, Any] | None) -> dict[int, WorkEnds]:
-    return {int(e): WorkEnds(head=spans_from_array(v["head"])[0], tail=spans_from_array(v["tail"])[0],
-                             spans=int(v["spans"])) for e, v in (saved or {}).items()}
+    out = {}
+    for e, text in (saved or {}).items():
+        v = record_of(text)
+        out[int(e)] = WorkEnds(head=span_from_state(v["head"]), tail=span_from_state(v["tail"]), spans=int(v["spans"]))
+    return out
 
 
 class ShardReader(BaseNode[Sample]):
@@ -311,6 +305,17 @@ class ShardReader(BaseNode[Sample]):
             return
         shard_identity.check(url, saved, now, self._open.identity, since="the state was saved",
                              prefix="cannot resume: ", consequence="; the saved positions point into the old contents")
+
+    @staticmethod
+    def undelivered(state: Mapping[str, Any]) -> Planned:
+        """What a saved state says of the samples this reader had yet to read: its plan (the
+        spans of the epochs it holds explicitly, the ends of the planned ones) and its first
+        epoch, and what the plan was cut from (the manifest's fingerprints, the identities of
+        the shards read last). Where in the plan it stood is the overlong stage's frontier
+        (``OverlongNode.undelivered``): samples read but still in a tokenize block are after it."""
+        return Planned(start_epoch=int(state[START_EPOCH_KEY]), work=work_from_state(state[WORK_KEY]),
+                       ends=ends_from_state(state.get(ENDS_KEY)),
+                       identities=identities_from_state(state.get(IDENTITY_KEY)), manifest=state.get(MANIFEST_KEY))
 
     def get_state(self) -> dict[str, Any]:
         return {

@@ -17,7 +17,7 @@ import numpy as np
 from streampack.layout.batch import PackedBatch, pack_batch
 from streampack.layout.slices import pack_slices
 from streampack.nodes.collate import ThdCollate, filler_pack
-from streampack.plan.rows import LENGTH, PackRows
+from streampack.plan.rows import PackRows
 
 
 class RowCollate(ThdCollate):
@@ -43,7 +43,7 @@ class RowCollate(ThdCollate):
                            ids_nonnegative=True)  # both readers check every id
 
     def _lengths(self, real: list[Any]) -> list[np.ndarray]:
-        return [p.rows[:, LENGTH] for p in real]
+        return [p.rows["length"] for p in real]
 
 
 __all__ = ["RowCollate"]

@@ -34,17 +34,26 @@ from streampack.nodes.window_packer import _METRIC_NAMES, WindowPacker
 from streampack.packing.window_rounds import PackerRules, aligned_lengths, choose, emission_order, pack_round
 from streampack.plan.row_replay import RowReplay
 from streampack.plan.rows import (
-    BLOCK,
-    LENGTH,
     UNREAD,
     BlockStore,
     PackRows,
+    cat,
     make_packs,
+    put,
     ref_table,
     rows_of,
+    take,
     unread_rows,
 )
-from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state, table_size, table_slice
+from streampack.plan.state import (
+    record_of,
+    record_text,
+    refs_table,
+    samples_from_state,
+    table_refs,
+    table_size,
+    table_slice,
+)
 
 W = WindowPacker
 READ_AHEAD = 8
@@ -57,6 +66,9 @@ class RowPacker(BaseNode[PackRows]):
     """Packs the rows of ``source``; yields one :class:`PackRows` per ``next``. Arguments as
     WindowPacker's (``rules`` from ``StreamConfig.packer_rules``; ``replay``: a :class:`RowReplay`;
     ``carry``: a reference table the window starts with)."""
+
+    undelivered = WindowPacker.undelivered
+    """What a saved state had not delivered (one layout for both packers: ``WindowPacker.undelivered``)."""
 
     def __init__(self, source: ChunkNode, *, rules: PackerRules, shuffle: bool = True, replay: RowReplay,
                  store: BlockStore, carry: Mapping[str, Any] | None = None) -> None:
@@ -114,7 +126,7 @@ class RowPacker(BaseNode[PackRows]):
                              "stage); the contiguous path re-reads them by reference only")
         if not table_size(table):
             return rows_of(0)
-        refs = table["refs"].numpy()
+        refs = table_refs(table)
         self.replay.verify(refs)
         return unread_rows(refs, self.replay.spec.policy)
 
@@ -149,15 +161,15 @@ class RowPacker(BaseNode[PackRows]):
         replay: the block reads of one cluster serve all of them); returns pack ``at``."""
         end = min(at + READ_AHEAD, len(self._packs))
         todo = [j for j in range(at, end) if self._packs[j].lazy]
-        rows = np.concatenate([self._packs[j].rows for j in todo])
-        unread = rows[:, BLOCK] == UNREAD
-        rows[unread] = self.replay(ref_table(rows[unread]))
+        rows = cat([self._packs[j].rows for j in todo])
+        unread = rows["block"] == UNREAD
+        put(rows, unread, self.replay(ref_table(take(rows, unread))))
         blocks = {k: v for j in todo for k, v in self._packs[j].blocks.items()}  # the documents read since
-        blocks.update(self.store.subset(rows[unread]))
+        blocks.update(self.store.subset(take(rows, unread)))
         packs = make_packs(rows, [len(self._packs[j]) for j in todo], blocks, align=self.align, rich=_rich(blocks))
         for j, pack in zip(todo, packs):
             self._packs[j] = pack
-        if not any(p.lazy for p in self._packs[end:]) and not (self._carry[:, BLOCK] == UNREAD).any():
+        if not any(p.lazy for p in self._packs[end:]) and not (self._carry["block"] == UNREAD).any():
             self.replay.forget()  # every carried document is read again
         return self._packs[at]
 
@@ -165,12 +177,10 @@ class RowPacker(BaseNode[PackRows]):
         if self._cache is None:
             import torch
 
-            held = np.concatenate([self._round_rows, self._carry]) if len(self._carry) else self._round_rows
-            n = len(held)
+            held = cat([self._round_rows, self._carry]) if len(self._carry) else self._round_rows
             self._cache = {
                 W.SOURCE_KEY: self.source.state_dict(),
-                W.TABLE_KEY: {"is_ref": torch.ones(n, dtype=torch.bool), "refs": torch.from_numpy(ref_table(held)),
-                              "stored": samples_to_state([])},
+                W.TABLE_KEY: refs_table(ref_table(held)),
                 W.SIZES_KEY: torch.tensor(self._sizes, dtype=torch.int64),
                 W.ENTERED_KEY: torch.from_numpy(self._entered.copy()),
                 W.ROUND_KEY: self._round,
@@ -184,17 +194,17 @@ class RowPacker(BaseNode[PackRows]):
         need = rules.size(round_) - len(self._carry)
         new = self.source.take(need) if need > 0 else rows_of(0)
         ended = len(new) < need
-        window = np.concatenate([self._carry, new]) if len(self._carry) else new
+        window = cat([self._carry, new]) if len(self._carry) else new
         entered = np.concatenate([self._entered, np.full(len(new), round_, dtype=np.int64)])
         self._carry, self._entered, self._packs, self._sizes, self._emitted = rows_of(0), entered[:0], [], [], 0
         self._round_rows = rows_of(0)
         if not len(window):
             return
-        aligned = aligned_lengths(rules, window[:, LENGTH])
+        aligned = aligned_lengths(rules, window["length"])
         if int(aligned.max()) > self.capacity:
             i = int(aligned.argmax())
             key = PackRows(rows=window[i:i + 1], blocks=self.store.subset(window[i:i + 1])).doc_keys()[0]
-            raise ValueError(f"sample {key!r} has {int(window[i, LENGTH])} tokens ({int(aligned[i])} aligned), "
+            raise ValueError(f"sample {key!r} has {int(window['length'][i])} tokens ({int(aligned[i])} aligned), "
                              f"more than capacity={self.capacity}; apply an overlong policy before packing")
         emit, keep, forced = choose(rules, pack_round(rules, aligned, round_), aligned, entered, round_, ended)
         for name, n in forced.items():
@@ -204,9 +214,9 @@ class RowPacker(BaseNode[PackRows]):
         if ordered:
             out = np.concatenate(ordered)
             self.metrics["max_rounds_waited"] = max(self.metrics["max_rounds_waited"], int((round_ - entered[out]).max()))
-            self._set_packs(window[out], [len(b) for b in ordered], 0)
+            self._set_packs(take(window, out), [len(b) for b in ordered], 0)
         kept = np.sort(np.concatenate(keep)) if keep else np.zeros(0, dtype=np.int64)
-        self._carry, self._entered = window[kept], entered[kept]
+        self._carry, self._entered = take(window, kept), entered[kept]
         self._round += 1
         self.metrics["rounds"] += 1
         self.store.keep(self._carry, self.source.pending)

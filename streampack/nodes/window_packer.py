@@ -68,6 +68,7 @@ from streampack.packing.window_rounds import (
     emission_order,
     pack_round,
 )
+from streampack.plan.cursor import Undelivered
 from streampack.plan.state import (
     Replay,
     record_of,
@@ -257,10 +258,13 @@ class WindowPacker(BaseNode[list[Sample]]):
                 self.METRICS_KEY: record_text(self.metrics)}
 
     @classmethod
-    def unemitted(cls, state: Mapping[str, Any]) -> dict[str, Any]:
-        """The rows of a saved state's table not yet emitted (the packs left and the carry)."""
+    def undelivered(cls, state: Mapping[str, Any]) -> Undelivered:
+        """What a saved state (this packer's or a ``RowPacker``'s: one layout) had not delivered:
+        the window's carry, the packs of its round not emitted yet and the samples carried to the
+        next, in that order, as a table (references, or tokens where it stored them)."""
         start = sum(state[cls.SIZES_KEY].tolist()[:int(state[cls.EMITTED_KEY])])
-        return table_slice(state[cls.TABLE_KEY], start, table_size(state[cls.TABLE_KEY]))
+        table = state[cls.TABLE_KEY]
+        return Undelivered(pulled=None, carry=table_slice(table, start, table_size(table)))
 
     def _run_round(self) -> None:
         """Refill, pack once, queue the packs to emit (shuffled), carry the rest."""

@@ -1,7 +1,9 @@
 """Elastic resume: the states of every reader of a run on ``(dp_size=a, num_workers=b)`` ->
 each reader's share on ``(c, d)``, with every sample of the epoch read exactly once.
 
-What an old reader had not yet handed to the trainer is exactly (see ``OverlongNode``):
+What an old reader had not yet handed to the trainer is exactly what its nodes say it is, each
+through its ``undelivered`` method over its own saved state, as the named records of
+:mod:`streampack.plan.cursor` (never a node's private keys, never a column by position):
 
 - its *carried* samples: the packs of the packer's round not yet emitted, the packer's carry
   and the chunks left of a split document — all stored as references (shard, offset, chunk);
@@ -39,27 +41,18 @@ import numpy as np
 from streampack.graph.build import make_planner, replayable
 from streampack.io.index import index_decode, load_or_build_index
 from streampack.io.storage import ShardStat
+from streampack.nodes.epochs import EpochLoop
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
-from streampack.nodes.reader import (
-    ENDS_KEY,
-    IDENTITY_KEY,
-    MANIFEST_KEY,
-    WorkEnds,
-    check_manifest,
-    ends_from_state,
-    identities_from_state,
-    work_from_state,
-)
 from streampack.nodes.reader import KIND as READER_KIND
+from streampack.nodes.reader import ShardReader, check_manifest
 from streampack.nodes.window_packer import WindowPacker
-from streampack.plan.epoch_plan import (
-    ShardSamples,
-    chunk_lengths,
-)
+from streampack.plan.cursor import Pulled, Undelivered
+from streampack.plan.epoch_plan import ShardSamples
 from streampack.plan.sharding import (
     ShardSpan,
     Span,
+    WorkEnds,
     assign_shards,
     epoch_permutation,
 )
@@ -67,13 +60,10 @@ from streampack.plan.state import (
     FINGERPRINT_KEY,
     GRAPH_KEY,
     PASSES_KEY,
-    REF_COLUMNS,
     WORKER_KEY,
     check_identities,
     check_node_versions,
-    concat_tables,
     dataset_record,
-    samples_from_state,
     samples_to_table,
 )
 from streampack.settings import Placement, ReadOptions, Sources, StreamConfig
@@ -172,8 +162,8 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
     if old.planner is not None and mode != "off":  # the manifest names every shard's identity now: no request
         for s in ordered:  # the old plans are cut from this manifest: it must be the one they were saved under
             reader = find_state(s[GRAPH_KEY], READER_KIND)
-            check_manifest(reader.get(MANIFEST_KEY) if reader else None, old.planner.shards, options.open_options(),
-                           recorded=identities, states="the states were")
+            check_manifest(ShardReader.undelivered(reader).manifest if reader else None, old.planner.shards,
+                           options.open_options(), recorded=identities, states="the states were")
         check_identities(identities, lambda shard: old.planner.shards.recorded(shard, mode),
                          lambda shard: _url(sources, shard), mode)
     frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]
@@ -189,7 +179,7 @@ def saved_identities(states: Sequence[Mapping[str, Any]], sources: Sources) -> d
     out: dict[int, ShardStat] = {}
     for s in states:
         reader = find_state(s[GRAPH_KEY], READER_KIND)
-        for shard, ident in identities_from_state(reader.get(IDENTITY_KEY) if reader else None).items():
+        for shard, ident in (ShardReader.undelivered(reader).identities if reader else {}).items():
             if out.setdefault(shard, ident) != ident:
                 raise ValueError(f"the old readers recorded two identities of shard {_url(sources, shard)!r} "
                                  f"({out[shard]} and {ident}): it changed during the run; cannot resume on it")
@@ -198,27 +188,6 @@ def saved_identities(states: Sequence[Mapping[str, Any]], sources: Sources) -> d
 
 def _url(sources: Sources, shard: int) -> str:
     return sources.shards.urls[shard] if sources.shards is not None and shard < len(sources.shards.urls) else str(shard)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Pulled:
-    """The last sample an old reader's overlong stage pulled: one row of
-    ``OverlongNode.LAST_COLUMNS``, read by name (a positional unpack that dropped the epoch
-    column once re-trained a whole shard after two elastic resumes)."""
-
-    source: int
-    shard: int
-    epoch: int
-    """The epoch the sample belongs to (after an elastic resume a reader's work may hold the same
-    shard twice: an old reader's tail of the epoch before, and the shard's span in this one)."""
-    offset: int
-    number: int
-    next_offset: int
-    next_number: int
-
-    @classmethod
-    def of(cls, row: Sequence[int]) -> Pulled:
-        return cls(**{name: int(v) for name, v in zip(OverlongNode.LAST_COLUMNS, row, strict=True)})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -253,39 +222,23 @@ class _OldPlans:
             return _Frontier(epoch=self.first, origin=None, carry=None)
         chain = graph
         if self.config.epochs is not None:  # an EpochLoop
-            epoch, chain = int(graph["epoch"]), graph["chain"]
+            epoch, chain = int(graph[EpochLoop.EPOCH_KEY]), graph[EpochLoop.CHAIN_KEY]
             if chain is None:
                 return _Frontier(epoch=min(epoch, self.last - 1), origin=None, done=epoch >= self.last)
         if self.sources.packed is not None:
             reader = find_state(chain, PackedShardReader.KIND)
             assert reader is not None
-            return _Frontier(epoch=int(reader["epoch"]), origin=None, position=int(reader["position"]),
-                             work={e: w.numpy() for e, w in reader["work"].items()})
+            place = PackedShardReader.undelivered(reader)
+            return _Frontier(epoch=place.epoch, origin=None, position=place.position, work=place.work)
         reader, overlong, packer = (find_state(chain, k) for k in (READER_KIND, OverlongNode.KIND, WindowPacker.KIND))
         assert reader is not None and overlong is not None and packer is not None, "not a PackedDataset graph state"
-        last = overlong["last"].tolist()
-        origin = Pulled.of(last[0]) if last else None
-        epoch = int(graph["epoch"]) if self.config.epochs is not None else (
-            origin.epoch if origin is not None else int(reader["start_epoch"]))
-        carry = concat_tables([WindowPacker.unemitted(packer), self._pending(overlong["pending"])])
-        return _Frontier(epoch=epoch, origin=origin, carry=carry, work=work_from_state(reader["work"]),
-                         ends=ends_from_state(reader.get(ENDS_KEY)))
-
-    def _pending(self, pending: Mapping[str, Any]) -> dict[str, Any]:
-        """The chunks a split document still had to emit, as table rows."""
-        if "ref" not in pending:
-            return samples_to_table(samples_from_state(pending), by_reference=False)
-        import torch
-
-        ref = dict(zip(REF_COLUMNS, pending["ref"].tolist()))  # the document's reference, chunk and length unset
-        total, count, nxt = int(pending["tokens"]), int(pending["count"]), int(pending["next"])
-        # a media stream's chunks are cut around images: their lengths are in the state
-        lengths = pending["lengths"].numpy() if "lengths" in pending else \
-            chunk_lengths(np.asarray([total]), self.config.capacity, self.config.packing.overlong)
-        rows = [[{**ref, "chunk": k, "length": int(lengths[k])}[c] for c in REF_COLUMNS] for k in range(nxt, count)]
-        return {"is_ref": torch.ones(len(rows), dtype=torch.bool),
-                "refs": torch.tensor(rows, dtype=torch.int64).reshape(-1, len(REF_COLUMNS)),
-                "stored": samples_to_table([], by_reference=False)["stored"]}
+        plan = ShardReader.undelivered(reader)
+        split = OverlongNode.undelivered(overlong, capacity=self.config.capacity, policy=self.config.packing.overlong)
+        left = Undelivered.compose(split.pulled, WindowPacker.undelivered(packer).carry, split.carry)
+        origin = left.pulled
+        epoch = int(graph[EpochLoop.EPOCH_KEY]) if self.config.epochs is not None else (
+            origin.epoch if origin is not None else plan.start_epoch)
+        return _Frontier(epoch=epoch, origin=origin, carry=left.carry, work=plan.work, ends=plan.ends)
 
     def left(self, g: int, f: _Frontier, last: int) -> OldReader:
         carry = f.carry if f.carry is not None else samples_to_table([], by_reference=True)

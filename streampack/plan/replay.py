@@ -38,6 +38,7 @@ from streampack.io.storage import OpenOptions, is_remote
 from streampack.io.urls import ShardList
 from streampack.nodes.overlong import apply_overlong
 from streampack.nodes.tokenize import TextEncoder
+from streampack.plan.cursor import Position
 from streampack.plan.state import REF_COLUMNS
 from streampack.sample import Sample, SampleOrigin
 
@@ -48,7 +49,6 @@ LOCAL_REOPEN_GAP = 1 << 16
 """The same for a local file, where reopening is a seek: reading through costs a full parse and
 decode of every sample in between (~100 µs each). tests/test_resume_reread.py: restoring a window
 of 64 from one local tar shard decodes 103 samples at this gap, 268 at ``REOPEN_GAP``."""
-_SOURCE, _SHARD, _OFFSET, _NUMBER, _EPOCH, _CHUNK, _LENGTH = (REF_COLUMNS.index(c) for c in REF_COLUMNS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,43 +72,41 @@ class ReplaySpec:
 
 
 class Replayer:
-    """``replayer(rows) -> samples``: re-reads reference rows (see ``state.REF_COLUMNS``)."""
+    """``replayer(refs) -> samples``: re-reads references (an array of ``state.REF``)."""
 
     def __init__(self, spec: ReplaySpec) -> None:
         self.spec = spec
 
-    def __call__(self, rows: np.ndarray) -> list[Sample]:
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1, len(REF_COLUMNS))
-        raw = self._read_all(rows)
-        keys = {(r[_SOURCE], r[_SHARD], r[_OFFSET], r[_EPOCH]) for r in rows.tolist()}
+    def __call__(self, refs: np.ndarray) -> list[Sample]:
+        records = _records(refs)
+        raw = self._read_all(records)
+        keys = {(r["source"], r["shard"], r["offset"], r["epoch"]) for r in records}
         ready = self._prepare({k: raw[k[:3]] for k in sorted(keys)})
         out = []
-        for row in rows.tolist():
-            chunks = ready[(row[_SOURCE], row[_SHARD], row[_OFFSET], row[_EPOCH])]
-            chunk = chunks[max(row[_CHUNK], 0)] if max(row[_CHUNK], 0) < len(chunks) else None
-            if chunk is None or len(chunk) != row[_LENGTH]:
+        for r in records:
+            chunks = ready[(r["source"], r["shard"], r["offset"], r["epoch"])]
+            chunk = chunks[max(r["chunk"], 0)] if max(r["chunk"], 0) < len(chunks) else None
+            if chunk is None or len(chunk) != r["length"]:
                 got = None if chunk is None else len(chunk)
-                raise ValueError(f"carried sample {self._where(row)} chunk {row[_CHUNK]} re-read with "
-                                 f"{got} tokens, {row[_LENGTH]} when the state was saved: the shard changed "
+                raise ValueError(f"carried sample {self._where(r)} chunk {r['chunk']} re-read with "
+                                 f"{got} tokens, {r['length']} when the state was saved: the shard changed "
                                  f"since, or a stage is not a pure function of the sample")
             out.append(chunk)
         return out
 
-    def chunks(self, ref: Sequence[int]) -> list[Sample]:
-        """Every chunk the overlong policy cuts from the sample at ``[source, shard, offset,
-        number, epoch]``."""
-        source, shard, offset, number, epoch = (int(v) for v in ref)
-        raw = self._read_shard(source, shard, [(offset, number)])
-        key = (source, shard, offset, epoch)
-        return self._prepare({key: raw[offset]})[key]
+    def chunks(self, at: Position) -> list[Sample]:
+        """Every chunk the overlong policy cuts from the sample at ``at``."""
+        raw = self._read_shard(at.source, at.shard, [(at.offset, at.number)])
+        key = (at.source, at.shard, at.offset, at.epoch)
+        return self._prepare({key: raw[at.offset]})[key]
 
-    def _where(self, row: Sequence[int]) -> str:
-        return f"{self.spec.sources[row[_SOURCE]].urls[row[_SHARD]]!r}@{row[_OFFSET]}"
+    def _where(self, r: dict[str, int]) -> str:
+        return f"{self.spec.sources[r['source']].urls[r['shard']]!r}@{r['offset']}"
 
-    def _read_all(self, rows: np.ndarray) -> dict[tuple[int, int, int], Sample]:
+    def _read_all(self, records: list[dict[str, int]]) -> dict[tuple[int, int, int], Sample]:
         wanted: dict[tuple[int, int], dict[int, int]] = {}
-        for source, shard, offset, number in rows[:, [_SOURCE, _SHARD, _OFFSET, _NUMBER]].tolist():
-            wanted.setdefault((source, shard), {})[offset] = number
+        for r in records:
+            wanted.setdefault((r["source"], r["shard"]), {})[r["offset"]] = r["number"]
         out: dict[tuple[int, int, int], Sample] = {}
         for (source, shard), where in sorted(wanted.items()):
             for offset, sample in self._read_shard(source, shard, sorted(where.items())).items():
@@ -176,3 +174,9 @@ class Replayer:
                 sample = result
             out[k] = apply_overlong(sample, self.spec.max_len, self.spec.policy, media=self.spec.media)
         return out
+
+
+def _records(refs: np.ndarray) -> list[dict[str, int]]:
+    """Each reference of a ``state.REF`` array as a dict of its fields (Python ints)."""
+    columns = [refs[name].tolist() for name in REF_COLUMNS]
+    return [dict(zip(REF_COLUMNS, values)) for values in zip(*columns)]

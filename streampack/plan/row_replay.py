@@ -22,15 +22,13 @@ read per cluster of their documents: for tar, CPU and bytes O(W) in all (each ca
 read and checked once: ~15 µs a document read on its own, ~0.4 ms a re-read for the checks of
 all its shards at once, from ``benchmarks/bench_restore.py``); for parquet, each row group
 holding a carried row read once.
-Memory: W rows of 104 bytes, plus those row groups until their last carried row is re-read.
+Memory: W rows of 104 bytes (``rows.ROW``), plus those row groups until their last carried row is re-read.
 Reading only the carried documents, not their clusters whole (the window's span of shard once
 per ``READ_AHEAD`` packs), the 25 batches after a restore read 8.5 MB instead of 31.7 MB, where
 the uninterrupted batches read 3.6 MB (``benchmarks/bench_restore.py``, window 1024).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -41,25 +39,10 @@ from streampack.io.token_block import TokenBlock
 from streampack.io.urls import shard_format
 from streampack.nodes.block_reader import DocRun
 from streampack.nodes.chunker import base_rows, expand
+from streampack.plan.cursor import Position
 from streampack.plan.replay import REOPEN_GAP, Replayer, ReplaySpec
-from streampack.plan.rows import (
-    BLOCK,
-    CHUNK,
-    CUT,
-    DOC,
-    EPOCH,
-    LENGTH,
-    NEXT_NUMBER,
-    NEXT_OFFSET,
-    NUMBER,
-    OFFSET,
-    SHARD,
-    SOURCE,
-    START,
-    BlockStore,
-    rows_of,
-)
-from streampack.plan.state import REF_COLUMNS
+from streampack.plan.rows import BlockStore, put, rows_of
+from streampack.plan.state import REF
 
 BLOCK_GAP = 262144
 """Bytes between two wanted samples of a local shard above which a cluster ends: the block
@@ -69,11 +52,11 @@ PICK_GAP = 16384
 """The same for a local tar shard whose wanted samples are picked (:mod:`streampack.io.tar_pick`):
 bytes read through are copied but not parsed, ~2-4 GB/s from the page cache, against a few µs
 for another seek and read."""
-_SOURCE, _SHARD, _OFFSET, _NUMBER, _EPOCH, _CHUNK, _LENGTH = range(len(REF_COLUMNS))
 
 
 class RowReplay:
-    """``replay(refs) -> rows`` (int64 ``[n, 7]`` references, in order) and ``replay.chunks(ref)``."""
+    """``replay(refs) -> rows`` (references: an array of ``state.REF``, in order) and
+    ``replay.chunks(position)``."""
 
     def __init__(self, spec: ReplaySpec, store: BlockStore) -> None:
         self.spec, self.store = spec, store
@@ -86,10 +69,9 @@ class RowReplay:
         self._groups.clear()
 
     def __call__(self, refs: np.ndarray) -> np.ndarray:
-        refs = np.asarray(refs, dtype=np.int64).reshape(-1, len(REF_COLUMNS))
         found = self._read_all(refs)
         out = rows_of(len(refs))
-        where = [found[(s, h, o)] for s, h, o in refs[:, [_SOURCE, _SHARD, _OFFSET]].tolist()]
+        where = [found[key] for key in zip(refs["source"].tolist(), refs["shard"].tolist(), refs["offset"].tolist())]
         groups: dict[int, list[int]] = {}
         for i, doc in enumerate(where):
             groups.setdefault(id(doc[0]), []).append(i)
@@ -97,8 +79,8 @@ class RowReplay:
             block, _, source, shard = where[members[0]]
             idx = np.asarray(members, dtype=np.int64)
             docs = np.fromiter((where[i][1] for i in members), dtype=np.int64, count=len(members))
-            out[idx] = _doc_rows(block, docs, self.store.add(block), source, shard)
-        out[:, EPOCH] = refs[:, _EPOCH]
+            put(out, idx, _doc_rows(block, docs, self.store.add(block), source, shard))
+        out["epoch"] = refs["epoch"]
         self._cut_as_saved(out, refs)
         return out
 
@@ -106,25 +88,26 @@ class RowReplay:
         """Each row made the chunk its reference names (``apply_overlong``'s cut, as columns);
         the first that cannot be, or has another length, raises as the Replayer does."""
         max_len, policy = self.spec.max_len, self.spec.policy
-        full, c = rows[:, LENGTH].copy(), np.maximum(refs[:, _CHUNK], 0)
+        full, c = rows["length"].copy(), np.maximum(refs["chunk"], 0)
         over = full > max_len
         if over.any():
             if policy == "split":
-                rows[:, START] += np.where(over, c * max_len, 0)
-                rows[:, LENGTH] = np.where(over, np.minimum(max_len, full - c * max_len), full)
-                rows[:, CHUNK] = np.where(over, c, -1)
-                rows[:, CUT] = over
+                rows["start"] += np.where(over, c * max_len, 0)
+                rows["length"] = np.where(over, np.minimum(max_len, full - c * max_len), full)
+                rows["chunk"] = np.where(over, c, -1)
+                rows["cut"] = over
             elif policy == "truncate":
-                rows[:, LENGTH] = np.where(over, max_len, full)
-                rows[:, CHUNK] = np.where(over, 0, -1)
+                rows["length"] = np.where(over, max_len, full)
+                rows["chunk"] = np.where(over, 0, -1)
         chunks = np.where(over, -(-full // max_len), 1) if policy == "split" else np.where(over & (policy == "drop"), 0, 1)
-        bad = (c >= chunks) | (rows[:, LENGTH] != refs[:, _LENGTH]) | (over & (policy == "error"))
+        bad = (c >= chunks) | (rows["length"] != refs["length"]) | (over & (policy == "error"))
         if bad.any():
-            ref = refs[int(bad.argmax())].tolist()
-            url = self.spec.sources[ref[_SOURCE]].urls[ref[_SHARD]]
-            got = None if c[int(bad.argmax())] >= chunks[int(bad.argmax())] else int(rows[int(bad.argmax()), LENGTH])
-            raise ValueError(f"carried sample {url!r}@{ref[_OFFSET]} chunk {ref[_CHUNK]} re-read with "
-                             f"{got} tokens, {ref[_LENGTH]} when the state was saved: the shard changed "
+            i = int(bad.argmax())
+            ref = refs[i]
+            url = self.spec.sources[int(ref["source"])].urls[int(ref["shard"])]
+            got = None if c[i] >= chunks[i] else int(rows["length"][i])
+            raise ValueError(f"carried sample {url!r}@{int(ref['offset'])} chunk {int(ref['chunk'])} re-read with "
+                             f"{got} tokens, {int(ref['length'])} when the state was saved: the shard changed "
                              f"since, or a stage is not a pure function of the sample")
 
     def verify(self, refs: np.ndarray) -> None:
@@ -132,16 +115,17 @@ class RowReplay:
         Replayer checks before re-reading a shard), without reading."""
         if self.spec.verify is None:
             return
-        for source, shard in sorted(set(map(tuple, refs[:, [_SOURCE, _SHARD]].tolist()))):
+        for source, shard in sorted(set(zip(refs["source"].tolist(), refs["shard"].tolist()))):
             self.spec.verify(source, shard)
 
-    def chunks(self, ref: Sequence[int]) -> np.ndarray:
-        """Every chunk the overlong policy cuts from the sample at ``[source, shard, offset,
-        number, epoch]``."""
-        source, shard, offset, number, epoch = (int(v) for v in ref)
-        one = np.array([[source, shard, offset, number, epoch, -1, 0]], dtype=np.int64)
+    def chunks(self, at: Position) -> np.ndarray:
+        """Every chunk the overlong policy cuts from the sample at ``at``."""
+        one = np.zeros(1, dtype=REF)
+        one["source"], one["shard"], one["offset"], one["number"], one["epoch"] = (at.source, at.shard, at.offset,
+                                                                                  at.number, at.epoch)
+        one["chunk"] = -1
         found = self._read_all(one, keep=False)  # a split sample's chunks, at a restore: no group kept for it
-        return self._cut(found[(source, shard, offset)], epoch)
+        return self._cut(found[(at.source, at.shard, at.offset)], at.epoch)
 
     def _cut(self, doc: tuple[TokenBlock, int, int, int], epoch: int) -> np.ndarray:
         block, i, source, shard = doc
@@ -153,7 +137,8 @@ class RowReplay:
                   keep: bool = True) -> dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]]:
         wanted: dict[tuple[int, int], dict[int, int]] = {}
         lengths: dict[tuple[int, int], dict[int, int]] = {}
-        for source, shard, offset, number, length in refs[:, [_SOURCE, _SHARD, _OFFSET, _NUMBER, _LENGTH]].tolist():
+        for source, shard, offset, number, length in zip(*(refs[name].tolist() for name in
+                                                           ("source", "shard", "offset", "number", "length"))):
             wanted.setdefault((source, shard), {})[offset] = number
             lengths.setdefault((source, shard), {})[offset] = length
         out: dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]] = {}
@@ -272,14 +257,14 @@ def _group_of(blocks: list[TokenBlock], row: int) -> TokenBlock | None:
 def _doc_rows(block: TokenBlock, docs: np.ndarray, bid: int, source: int, shard: int) -> np.ndarray:
     """Documents ``docs`` of ``block`` as whole-document rows."""
     rows = rows_of(docs.shape[0])
-    rows[:, LENGTH] = block.lengths[docs]
-    rows[:, SOURCE], rows[:, SHARD], rows[:, CHUNK], rows[:, BLOCK] = source, shard, -1, bid
-    rows[:, OFFSET] = block.offsets[docs]
-    rows[:, NUMBER] = block.numbers[docs]
-    rows[:, NEXT_OFFSET] = block.next_offsets[docs]
-    rows[:, NEXT_NUMBER] = block.next_numbers[docs]
-    rows[:, DOC] = docs
-    rows[:, START] = block.starts[docs]
+    rows["length"] = block.lengths[docs]
+    rows["source"], rows["shard"], rows["chunk"], rows["block"] = source, shard, -1, bid
+    rows["offset"] = block.offsets[docs]
+    rows["number"] = block.numbers[docs]
+    rows["next_offset"] = block.next_offsets[docs]
+    rows["next_number"] = block.next_numbers[docs]
+    rows["doc"] = docs
+    rows["start"] = block.starts[docs]
     return rows
 
 

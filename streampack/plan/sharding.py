@@ -30,8 +30,10 @@ kept as the definition the tests compare with.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -128,25 +130,57 @@ def cut_two_level(costs: np.ndarray, ranks: int, workers: int) -> np.ndarray:
 
 
 SPAN_COLUMNS = ("shard", "start", "first", "end", "epoch")
-"""Columns of a span row in a state (``-1`` stands for None in ``end`` and ``epoch``). Readers
-look columns up by name (:func:`spans_from_array`), never by position."""
+"""The fields of a span in a state (``-1`` stands for None in ``end`` and ``epoch``): each kept
+under its name (:func:`spans_to_state`, :func:`span_to_state`), never as a row of a matrix."""
 
 
-def spans_to_array(spans: Sequence[Span]) -> np.ndarray:
-    """int64 ``[n, len(SPAN_COLUMNS)]``: one row per span, columns named by :data:`SPAN_COLUMNS`."""
-    rows = [[_none_to(getattr(s, c)) for c in SPAN_COLUMNS] for s in spans]
-    return np.asarray(rows, dtype=np.int64).reshape(-1, len(SPAN_COLUMNS))
+def spans_to_state(spans: Sequence[Span]) -> dict[str, Any]:
+    """``{field: int64 tensor}``: the spans' fields, one tensor each."""
+    import torch
+
+    return {c: torch.tensor([_none_to(getattr(s, c)) for s in spans], dtype=torch.int64) for c in SPAN_COLUMNS}
 
 
-def spans_from_array(rows: np.ndarray) -> list[Span]:
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1, len(SPAN_COLUMNS))
-    out = []
-    for row in rows.tolist():
-        named = dict(zip(SPAN_COLUMNS, row))
-        out.append(Span(shard=named["shard"], start=named["start"], first=named["first"],
-                        end=None if named["end"] < 0 else named["end"],
-                        epoch=None if named["epoch"] < 0 else named["epoch"]))
-    return out
+def spans_from_state(columns: Mapping[str, Any]) -> list[Span]:
+    """Inverse of :func:`spans_to_state`."""
+    _require_spans(columns)
+    lists = [np.asarray(columns[c], dtype=np.int64).tolist() for c in SPAN_COLUMNS]
+    return [_span_of(dict(zip(SPAN_COLUMNS, values))) for values in zip(*lists)]
+
+
+def span_to_state(span: Span) -> dict[str, int]:
+    """One span as ``{field: int}``."""
+    return {c: _none_to(getattr(span, c)) for c in SPAN_COLUMNS}
+
+
+def span_from_state(fields: Mapping[str, Any]) -> Span:
+    """Inverse of :func:`span_to_state`."""
+    _require_spans(fields)
+    return _span_of({c: int(fields[c]) for c in SPAN_COLUMNS})
+
+
+def _span_of(named: Mapping[str, int]) -> Span:
+    return Span(shard=named["shard"], start=named["start"], first=named["first"],
+                end=None if named["end"] < 0 else named["end"], epoch=None if named["epoch"] < 0 else named["epoch"])
+
+
+def _require_spans(record: Mapping[str, Any]) -> None:
+    missing = [c for c in SPAN_COLUMNS if c not in record]
+    if missing:
+        raise ValueError(f"a span in a state without the field(s) {missing}: was it saved by another streampack "
+                         f"version?")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class WorkEnds:
+    """A planned epoch's spans in O(1): the first and the last, and how many there are. Every
+    span between them is a whole non-empty shard, in the epoch's shard order
+    (``EpochPlanner.spans``), so an elastic resume rebuilds a reader's plan from its state and
+    the manifest with no index read."""
+
+    head: Span
+    tail: Span
+    spans: int
 
 
 def _none_to(value: int | None) -> int:

@@ -2,7 +2,7 @@
 
 A :class:`~streampack.dataset.PackedDataset` state (one per DataLoader worker) is::
 
-    {"version": 4,
+    {"version": 5,
      "fingerprint": '{"sources": [...], "capacity": 4096, "window": 1024, "algorithm": "bfd",
                      "align": 1, "seed": 0, "dp_size": 1, "num_workers": 2, ...}',
      "worker": {"dp_rank": 0, "worker_id": 1},
@@ -18,8 +18,8 @@ a text is a ``ValueError`` too.
 
 Only ints, strings, lists, dicts and tensors appear, so ``torch.load(weights_only=True)``
 accepts it. Samples held in buffers (the packer's window, a split document's chunks) are
-stored as *references* — one row of :data:`REF_COLUMNS` (56 bytes) saying where to re-read the
-sample and which chunk it was (:mod:`streampack.plan.replay`) — so a state grows with the
+stored as *references* — one entry of each :data:`REF_COLUMNS` column (56 bytes) saying where to
+re-read the sample and which chunk it was (:mod:`streampack.plan.replay`) — so a state grows with the
 window's sample count, never with document length or capacity; only a graph that cannot
 replay samples (a user node stage) stores their tokens (:func:`samples_to_state`). Either form
 is a few flat tensors, not one object per sample: StatefulDataLoader diffs every worker state
@@ -43,7 +43,7 @@ import torch
 from streampack.io import shard_identity
 from streampack.sample import Sample
 
-STATE_VERSION = 4
+STATE_VERSION = 5
 VERSION_KEY = "version"
 FINGERPRINT_KEY = "fingerprint"
 WORKER_KEY = "worker"
@@ -127,36 +127,73 @@ def _split_optional(field: Mapping[str, Any] | None, lengths: list[int]) -> list
 
 # ----------------------------------------------------------------- carried samples by reference
 REF_COLUMNS = ("source", "shard", "offset", "number", "epoch", "chunk", "length")
-"""Columns of a reference row: where to re-read a carried sample and which chunk it was,
-plus its token length (checked when it is re-read: a stage that is not a pure function of
-the sample is caught instead of silently changing the stream)."""
+"""The fields of a reference: where to re-read a carried sample and which chunk it was, plus its
+token length (checked when it is re-read: a stage that is not a pure function of the sample is
+caught instead of silently changing the stream)."""
+REF = np.dtype([(name, np.int64) for name in REF_COLUMNS])
+"""A table of references in memory: a structured array read by field (``refs["length"]``). In a
+state the same columns are kept as one int64 tensor each under its name (:func:`refs_to_state`):
+a column cannot be dropped or shifted without the restore naming it."""
 Replay = Callable[[np.ndarray], list[Sample]]
-"""Re-reads rows of ``REF_COLUMNS`` (int64 ``[n, 7]``) -> the samples, in row order."""
+"""Re-reads references (an array of :data:`REF`) -> the samples, in order."""
 
 
-def ref_row(sample: Sample) -> list[int] | None:
-    """The reference row of ``sample``, or None when it has no origin (then store its tokens)."""
+def refs_of(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=REF)
+
+
+def refs_to_state(refs: np.ndarray) -> dict[str, torch.Tensor]:
+    """A :data:`REF` array as plain data: ``{column: int64 tensor}``."""
+    return {name: torch.from_numpy(np.ascontiguousarray(refs[name])) for name in REF_COLUMNS}
+
+
+def refs_from_state(columns: Mapping[str, Any]) -> np.ndarray:
+    """Inverse of :func:`refs_to_state` (``ValueError`` naming a missing column)."""
+    missing = [name for name in REF_COLUMNS if name not in columns]
+    if missing:
+        raise ValueError(f"a reference table without the column(s) {missing}: was it saved by another streampack "
+                         f"version (state version={STATE_VERSION})?")
+    out = refs_of(len(columns["length"]))
+    for name in REF_COLUMNS:
+        out[name] = np.asarray(columns[name], dtype=np.int64)
+    return out
+
+
+def ref_of(sample: Sample) -> tuple[int, ...] | None:
+    """The reference of ``sample`` as a :data:`REF` record, or None when it has no origin (then
+    store its tokens)."""
     o = sample.origin
     if o is None:
         return None
-    return [o.source, o.shard, o.offset, o.number, o.epoch, o.chunk, len(sample)]
+    return tuple({"source": o.source, "shard": o.shard, "offset": o.offset, "number": o.number, "epoch": o.epoch,
+                  "chunk": o.chunk, "length": len(sample)}[name] for name in REF_COLUMNS)
 
 
 def samples_to_table(samples: Sequence[Sample], *, by_reference: bool) -> dict[str, Any]:
-    """Samples -> a small table: a reference row for each sample with an origin (when
+    """Samples -> a small table: a reference for each sample with an origin (when
     ``by_reference``), the tokens of the others (:func:`samples_to_state`), and which is which.
 
     A reference costs ``8 * len(REF_COLUMNS)`` bytes whatever the sample's length, so a state
     made of them grows with the window's sample count, never with document length.
     """
-    rows = [ref_row(s) if by_reference else None for s in samples]
-    is_ref = [r is not None for r in rows]
-    refs = [r for r in rows if r is not None]
+    records = [ref_of(s) if by_reference else None for s in samples]
+    is_ref = [r is not None for r in records]
     return {
         "is_ref": torch.tensor(is_ref, dtype=torch.bool),
-        "refs": torch.tensor(refs, dtype=torch.int64).reshape(-1, len(REF_COLUMNS)),
+        "refs": refs_to_state(np.array([r for r in records if r is not None], dtype=REF)),
         "stored": samples_to_state([s for s, r in zip(samples, is_ref) if not r]),
     }
+
+
+def refs_table(refs: np.ndarray) -> dict[str, Any]:
+    """A table of references only (no stored tokens)."""
+    return {"is_ref": torch.ones(len(refs), dtype=torch.bool), "refs": refs_to_state(refs),
+            "stored": samples_to_state([])}
+
+
+def table_refs(table: Mapping[str, Any]) -> np.ndarray:
+    """The references of a table, as a :data:`REF` array."""
+    return refs_from_state(table["refs"])
 
 
 def table_size(table: Mapping[str, Any]) -> int:
@@ -170,7 +207,7 @@ def table_slice(table: Mapping[str, Any], lo: int, hi: int) -> dict[str, Any]:
     inside = int(is_ref[lo:hi].sum())
     stored = samples_from_state(table["stored"])
     s_before = lo - before
-    return {"is_ref": is_ref[lo:hi].clone(), "refs": table["refs"][before:before + inside].clone(),
+    return {"is_ref": is_ref[lo:hi].clone(), "refs": refs_to_state(table_refs(table)[before:before + inside]),
             "stored": samples_to_state(stored[s_before:s_before + (hi - lo - inside)])}
 
 
@@ -178,7 +215,7 @@ def concat_tables(tables: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if not tables:
         return samples_to_table([], by_reference=True)
     return {"is_ref": torch.cat([t["is_ref"] for t in tables]),
-            "refs": torch.cat([t["refs"] for t in tables]),
+            "refs": refs_to_state(np.concatenate([table_refs(t) for t in tables])),
             "stored": samples_to_state([s for t in tables for s in samples_from_state(t["stored"])])}
 
 
@@ -186,7 +223,7 @@ def table_lengths(table: Mapping[str, Any]) -> np.ndarray:
     """int64 ``[n]`` token length of every row."""
     out = np.zeros(table_size(table), dtype=np.int64)
     is_ref = table["is_ref"].numpy()
-    out[is_ref] = table["refs"].numpy()[:, REF_COLUMNS.index("length")]
+    out[is_ref] = table_refs(table)["length"]
     out[~is_ref] = table["stored"]["lengths"].numpy()
     return out
 
@@ -199,7 +236,7 @@ def samples_from_table(table: Mapping[str, Any], replay: Replay | None) -> list[
         if replay is None:
             raise ValueError("this state holds carried samples by reference but the graph cannot re-read "
                              "them (it has a user node stage); it was saved by another graph")
-        replayed = iter(replay(table["refs"].numpy()))
+        replayed = iter(replay(table_refs(table)))
     else:
         replayed = iter(())
     return [next(replayed) if r else next(stored) for r in is_ref]

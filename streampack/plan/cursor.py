@@ -1,0 +1,209 @@
+"""The cursor: named records of what a reader has not yet delivered to the trainer.
+
+A reader's stream is cut, at any state, into three parts that never overlap:
+
+- the **frontier** (:class:`Pulled`): per source, the last sample the overlong stage pulled;
+  every sample after it in the reader's order (the rest of its spans, :mod:`~streampack.plan.sharding`)
+  is still unread downstream;
+- a **split in progress** (:class:`Split`): the chunks of one document not emitted yet;
+- the packer's **window carry**: the packs of the round not emitted yet and the samples carried
+  to the next round, as a table of references (``state.REF`` records: source, shard, offset,
+  number, epoch, chunk, length).
+
+Each stateful node owns its part and hands it out through one method over its own saved state
+(``ShardReader.undelivered``: the planned spans; ``OverlongNode.undelivered``: the frontier and
+the split; ``WindowPacker.undelivered``: the carry), returning these records. An elastic resume
+(:mod:`streampack.plan.elastic`) composes them into :class:`Undelivered` and never reads a
+node's private keys or a column by position. The records' state forms are plain data that
+``torch.load(weights_only=True)`` reads: a table of references is one int64 tensor per named
+column (``state.refs_to_state``); a record of a few fields (the frontier, a split) is one JSON
+text of named fields, one leaf of the state a ``StatefulDataLoader`` flattens and diffs after
+every batch, as the settings and counters are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from streampack.io.storage import ShardStat
+from streampack.plan.sharding import Span, WorkEnds
+from streampack.plan.state import (
+    REF,
+    STATE_VERSION,
+    concat_tables,
+    record_of,
+    record_text,
+    refs_table,
+    samples_from_state,
+    samples_to_table,
+)
+from streampack.sample import SampleOrigin
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pulled:
+    """The last sample an overlong stage pulled from one source (a dropped field here once
+    re-trained a whole shard after two elastic resumes, so every field is read by name)."""
+
+    source: int
+    shard: int
+    epoch: int
+    """The epoch the sample belongs to (after an elastic resume a reader's work may hold the same
+    shard twice: an old reader's tail of the epoch before, and the shard's span in this one)."""
+    offset: int
+    number: int
+    next_offset: int
+    next_number: int
+
+    @classmethod
+    def of(cls, origin: SampleOrigin) -> Pulled:
+        return cls(source=origin.source, shard=origin.shard, epoch=origin.epoch, offset=origin.offset,
+                   number=origin.number, next_offset=origin.next_offset, next_number=origin.next_number)
+
+    def origin(self) -> SampleOrigin:
+        return SampleOrigin(shard=self.shard, offset=self.offset, number=self.number, next_offset=self.next_offset,
+                            next_number=self.next_number, epoch=self.epoch, source=self.source)
+
+
+PULLED_FIELDS = tuple(f.name for f in fields(Pulled))
+
+
+def pulled_to_state(pulled: Iterable[Pulled]) -> str:
+    """The last samples pulled (one per source, by source) as one JSON text of named fields
+    (``state.record_text``: one leaf of the state a DataLoader flattens after every batch)."""
+    return record_text({"pulled": [asdict(p) for p in sorted(pulled, key=lambda p: p.source)]})
+
+
+def pulled_from_state(text: str) -> list[Pulled]:
+    """Inverse of :func:`pulled_to_state` (``ValueError`` naming a missing field)."""
+    out = []
+    for fields_ in record_of(text)["pulled"]:
+        _require(fields_, PULLED_FIELDS, "a last sample pulled")
+        out.append(Pulled(**{name: int(fields_[name]) for name in PULLED_FIELDS}))
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Position:
+    """Where to re-read one sample: its shard, the position in it, and its epoch."""
+
+    source: int
+    shard: int
+    offset: int
+    number: int
+    epoch: int
+
+    @classmethod
+    def of(cls, origin: SampleOrigin) -> Position:
+        return cls(source=origin.source, shard=origin.shard, offset=origin.offset, number=origin.number,
+                   epoch=origin.epoch)
+
+
+POSITION_FIELDS = tuple(f.name for f in fields(Position))
+SPLIT_KEY = "split"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Split:
+    """A document the overlong policy cut, whose chunks from ``next`` on are not emitted yet."""
+
+    at: Position
+    next: int
+    """The first chunk not emitted."""
+    count: int
+    """Its chunks."""
+    tokens: int
+    """Its tokens (checked when it is re-read)."""
+    lengths: tuple[int, ...] | None = None
+    """Each chunk's length when the chunks are not ``capacity``-token cuts (a media stream cuts
+    around images); None for a text stream, whose cuts follow from ``tokens``."""
+
+    def to_state(self) -> dict[str, str]:
+        """``{"split": <one JSON text of named fields>}`` (a ``pending`` record of tokens has no
+        ``split`` key: :func:`split_samples`)."""
+        return {SPLIT_KEY: record_text({"at": asdict(self.at), "next": self.next, "count": self.count,
+                                        "tokens": self.tokens, "lengths": self.lengths})}
+
+    @classmethod
+    def from_state(cls, pending: Mapping[str, Any]) -> Split | None:
+        """The split a saved ``pending`` record holds, or None when it holds tokens instead (a
+        graph that cannot re-read: :func:`split_samples`)."""
+        if SPLIT_KEY not in pending:
+            return None
+        record = record_of(pending[SPLIT_KEY])
+        _require(record, ("at", "next", "count", "tokens", "lengths"), "a split document")
+        _require(record["at"], POSITION_FIELDS, "a split document's position")
+        lengths = record["lengths"]
+        return cls(at=Position(**{name: int(record["at"][name]) for name in POSITION_FIELDS}),
+                   next=int(record["next"]), count=int(record["count"]), tokens=int(record["tokens"]),
+                   lengths=None if lengths is None else tuple(int(n) for n in lengths))
+
+    def carry(self, lengths: np.ndarray) -> dict[str, Any]:
+        """The chunks not emitted as a table of references (``lengths``: every chunk's length)."""
+        refs = np.zeros(max(self.count - self.next, 0), dtype=REF)
+        for name in POSITION_FIELDS:  # every chunk is re-read from its document's position
+            refs[name] = getattr(self.at, name)
+        refs["chunk"] = np.arange(self.next, self.count)
+        refs["length"] = np.asarray(lengths, dtype=np.int64)[self.next:self.count]
+        return refs_table(refs)
+
+
+def split_samples(pending: Mapping[str, Any]) -> dict[str, Any]:
+    """The chunks a ``pending`` record keeps as tokens, as a table."""
+    return samples_to_table(samples_from_state(pending), by_reference=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Undelivered:
+    """What one reader had not delivered, as its nodes hand it out: the frontier (None: nothing
+    pulled yet) and the carried samples in delivery order (the packer's window, then a split
+    document's chunks left)."""
+
+    pulled: Pulled | None
+    carry: Mapping[str, Any]
+
+    @classmethod
+    def compose(cls, pulled: Pulled | None, *carries: Mapping[str, Any]) -> Undelivered:
+        return cls(pulled=pulled, carry=concat_tables(list(carries)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Planned:
+    """A reader's plan as its state holds it (``ShardReader.undelivered``)."""
+
+    start_epoch: int
+    work: dict[int, list[Span]]
+    """The spans of the epochs it was handed explicitly (an elastic share; a finite epoch's plan)."""
+    ends: dict[int, WorkEnds]
+    """The first and last span of each planned epoch (the rest follow from the manifest)."""
+    identities: dict[int, ShardStat] = field(default_factory=dict)
+    """The identities of the shards it read last (where its carried samples come from): a
+    shard that changed since is refused, not re-read."""
+    manifest: Mapping[str, str] | None = None
+    """The fingerprints of the manifest its plan was cut from (None: no manifest)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackedPlace:
+    """Where an offline-packed reader stood (``PackedShardReader.undelivered``): every pack of
+    ``epoch`` from ``position`` on, then its share of the later epochs, is undelivered."""
+
+    epoch: int
+    position: int
+    work: dict[int, np.ndarray]
+    """The packs of the epochs it was handed explicitly."""
+
+
+def _require(record: Mapping[str, Any], names: Iterable[str], what: str) -> None:
+    missing = [n for n in names if n not in record]
+    if missing:
+        raise ValueError(f"{what} without the field(s) {missing}: was the state saved by another streampack "
+                         f"version (state version={STATE_VERSION})?")
+
+
+__all__ = ["POSITION_FIELDS", "PULLED_FIELDS", "PackedPlace", "Planned", "Position", "Pulled", "Split", "Undelivered",
+           "pulled_from_state", "pulled_to_state", "split_samples"]
