@@ -111,7 +111,7 @@ def test_what_the_nodes_hand_out_is_exactly_what_is_still_to_come(tmp_path, monk
     assert table_size(left.carry) > table_size(split.carry) > 0
     plan = ShardReader.undelivered(find_state(graph, READER_KIND))
     assert plan.start_epoch == pulled_epoch(left) == 0
-    options = _make(urls).options
+    options = _make(urls).config.read
     pulled, after = left.pulled, 0
     for shard, url in enumerate(urls):  # one reader, no shuffle: shards in order, each whole
         samples = shard_samples(url, options)
