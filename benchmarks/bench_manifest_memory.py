@@ -30,6 +30,7 @@ from report import emit  # benchmarks/report.py (this folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from helpers_data import bucket_manifest  # noqa: E402  (the tests' bucket-shaped manifest)
 
 CHILD = r"""
 import gc, json, pickle, sys, time, tracemalloc
@@ -72,22 +73,6 @@ print(json.dumps({"batches": sum(1 for _ in loader)}))
 """
 
 
-def synthetic_manifest(location: Path, shards: int) -> None:
-    """A manifest of ``shards`` shards with the shape of a real bucket's (no shard behind it)."""
-    import hashlib
-
-    from streampack.io.manifest import Manifest, ShardTotals, save_manifest
-    from streampack.io.storage import OpenOptions
-
-    totals = []
-    for s in range(shards):
-        h = hashlib.sha1(str(s).encode()).hexdigest()
-        totals.append(ShardTotals(url=f"s3://my-bucket/datasets/web-2026/train/shard-{s:06d}.tar",
-                                  size=400_000_000 + s, tag=f'"{h[:32]}"', samples=10_000 + s % 977,
-                                  tokens=6_000_000 + s, byte_cost=399_000_000 + s, digest=f"digest={h}"))
-    save_manifest(Manifest.of(str(location), "input_ids", totals), OpenOptions())
-
-
 def _child(code: str, cfg: dict) -> dict:
     import streampack  # the children import the same streampack as this process (PYTHONPATH=... to compare)
 
@@ -101,7 +86,7 @@ def _child(code: str, cfg: dict) -> dict:
 def memory(work: Path, shards: int) -> dict:
     location = work / f"manifest-{shards}"
     if not (location / "manifest.spm.npz").exists():
-        synthetic_manifest(location, shards)
+        bucket_manifest(location, shards)
     rss = _child(CHILD, {"location": str(location), "trace": False})
     traced = _child(CHILD, {"location": str(location), "trace": True})
     return {"shards": shards, "file_bytes": (location / "manifest.spm.npz").stat().st_size,

@@ -276,3 +276,20 @@ class CountingFile(io.RawIOBase):
     def close(self) -> None:
         self._f.close()
         super().close()
+
+
+def bucket_manifest(location: str | os.PathLike[str], shards: int) -> None:
+    """A manifest of ``shards`` shards shaped like a real bucket's (long common URL prefix, 34-char
+    quoted ETags, digests; no shard behind it): what holding a manifest costs is measured on it."""
+    import hashlib
+
+    from streampack.io.manifest import Manifest, ShardTotals, save_manifest
+    from streampack.io.storage import OpenOptions
+
+    totals = []
+    for s in range(shards):
+        h = hashlib.sha1(str(s).encode()).hexdigest()
+        totals.append(ShardTotals(url=f"s3://my-bucket/datasets/web-2026/train/shard-{s:06d}.tar",
+                                  size=400_000_000 + s, tag=f'"{h[:32]}"', samples=10_000 + s % 977,
+                                  tokens=6_000_000 + s, byte_cost=399_000_000 + s, digest=f"digest={h}"))
+    save_manifest(Manifest.of(str(location), "input_ids", totals), OpenOptions())

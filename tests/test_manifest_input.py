@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers_data import make_token_docs, serve_directory, write_tar_shards
+from helpers_data import bucket_manifest, make_token_docs, serve_directory, write_tar_shards
 
 import streampack.graph.build as graph_mod
 from streampack import PackedDataset
 from streampack.cli.main import main
 from streampack.io.decode import DecodeOptions
-from streampack.io.manifest import MANIFEST_FILE, Manifest, ShardTotals, load_manifest, save_manifest
+from streampack.io.manifest import MANIFEST_FILE, Manifest, load_manifest, save_manifest
 from streampack.io.storage import OpenOptions
 from streampack.options import ReadOptions, TopologyOptions
 
@@ -152,17 +152,6 @@ def test_a_shard_index_file_with_a_short_column_is_named_damaged(built, tmp_path
 # ------------------------------------------------------------------ what holding one costs
 
 
-def _bucket_manifest(location: Path, shards: int) -> None:
-    """A manifest shaped like a real bucket's: long common URL prefix, 34-char ETags, digests."""
-    totals = []
-    for s in range(shards):
-        h = hashlib.sha1(str(s).encode()).hexdigest()
-        totals.append(ShardTotals(url=f"s3://my-bucket/datasets/web-2026/train/shard-{s:06d}.tar",
-                                  size=400_000_000 + s, tag=f'"{h[:32]}"', samples=10_000 + s % 977,
-                                  tokens=6_000_000 + s, byte_cost=399_000_000 + s, digest=f"digest={h}"))
-    save_manifest(Manifest.of(str(location), "input_ids", totals), OpenOptions())
-
-
 def _held(make: Callable[[], object]) -> tuple[object, int]:
     """What ``make()`` returns and the bytes it holds once made (tracemalloc: Python objects and
     numpy buffers alike), the temporaries of making it freed."""
@@ -180,7 +169,7 @@ def test_a_held_manifest_costs_at_most_150_bytes_per_shard(tmp_path):
     """Measured, not assumed: three Python strings per shard held ~340 B (tracemalloc) and ~520 B
     of RSS per shard (``benchmarks/bench_manifest_memory.py``)."""
     n = 20_000
-    _bucket_manifest(tmp_path / "m", n)
+    bucket_manifest(tmp_path / "m", n)
 
     def load() -> Manifest:
         m = load_manifest(str(tmp_path / "m"))
