@@ -108,6 +108,7 @@ def _kill_training(urls: list[str], capacity: int, tmp_path: Path) -> tuple[list
     return orphans, err_path.read_text()
 
 
+@pytest.mark.slow  # real training processes killed: the fast loop's budget is 2 minutes
 def test_workers_die_with_a_sigkilled_training_process_and_nothing_complains(shards, tmp_path) -> None:
     # before: both workers outlived the kill (parent pid 1, one thread blocked writing the result
     # pipe), and the pass tracker's named semaphore made resource_tracker report a leak
@@ -136,6 +137,7 @@ def _send_then_wait(conn) -> None:  # noqa: ANN001
     time.sleep(60)
 
 
+@pytest.mark.slow  # a fresh pytest process each (see isolated)
 @isolated
 def test_a_batch_from_a_killed_sender_is_a_clear_error() -> None:
     # before: FileNotFoundError: '/proc/<pid>/fd/<n>'
@@ -167,6 +169,7 @@ def _loader(urls: list[str], epochs: int | None) -> StatefulDataLoader:
     return StatefulDataLoader(ds, batch_size=None, num_workers=2)
 
 
+@pytest.mark.slow  # a fresh pytest process each (see isolated)
 @isolated
 def test_a_finished_loader_leaves_no_worker_memory_mapped(shards) -> None:
     # before: the training process kept each finished worker's slots mapped (and their memory
@@ -180,6 +183,7 @@ def test_a_finished_loader_leaves_no_worker_memory_mapped(shards) -> None:
     assert _nothing_mapped_soon() == []
 
 
+@pytest.mark.slow  # a fresh pytest process each (see isolated)
 @isolated
 def test_a_killed_worker_is_torchs_worker_error_and_leaves_nothing_mapped(shards) -> None:
     loader = _loader(shards, epochs=None)
