@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 _CHILD = """
 import json, os, resource, sys
-from streampack.errors import ErrorCounter
+from streampack.errors import ErrorCounter, ErrorPolicy
 from streampack.nodes.reader import ShardReader
+from streampack.options import ReadOptions
 
 
 def rss_kib(field):
@@ -24,8 +25,8 @@ def rss_kib(field):
 
 
 url = sys.argv[1]
-reader = ShardReader(url, shuffle=False, epochs=1, on_error="skip", errors=(errors := ErrorCounter()),
-                     allow_pipe=True)
+reader = ShardReader(url, shuffle=False, epochs=1, read=ReadOptions(allow_pipe=True),
+                     error_policy=ErrorPolicy("skip", errors := ErrorCounter()))
 try:  # reset the peak to the current RSS (Linux), so the delta is the reading's own peak
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
