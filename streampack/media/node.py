@@ -27,8 +27,7 @@ from streampack.errors import DataError, ErrorPolicy
 from streampack.layout.vision_batch import VisionLayout
 from streampack.media.decode import decode_image
 from streampack.media.options import MediaOptions
-from streampack.media.placeholders import image_starts
-from streampack.media.stage import media_counts
+from streampack.media.stage import media_counts, token_starts
 from streampack.media.tokens import AnyResTiles, DynamicResolution, FixedTokens
 from streampack.media.video import MediaVideo
 from streampack.media.video_decode import video_pixels
@@ -63,17 +62,6 @@ class DecodedImage:
     def flat(self) -> bool:
         """Whether ``pixels`` rows concatenate (patches, tiles) rather than stack (images)."""
         return self.layout != "image"
-
-
-def _starts(sample: Sample, token_id: int, counts: list[int], kind: str) -> list[int]:
-    assert sample.tokens is not None
-    starts = image_starts(sample.tokens, token_id, counts)
-    if starts is None:
-        found = int((sample.tokens == token_id).sum())
-        raise DataError("image_tokens_mismatch", f"{found} {kind} tokens are not {len(counts)} contiguous runs of "
-                        f"{counts} (a stage after the expansion changed the tokens?)",
-                        url=sample.url, key=sample.key, value=found)
-    return starts.tolist()
 
 
 def vision_layout(options: MediaOptions) -> VisionLayout:
@@ -114,13 +102,15 @@ def decode_sample(sample: Sample, options: MediaOptions) -> Sample:
     layout = options.layout
     merge = options.rule.merge_size if layout == "patches" else 1
     decoded = []
-    for image, start, n in zip(images, _starts(sample, options.image_token_id, counts[0], "image"), counts[0]):
+    image_at = token_starts(sample, options.image_token_id, counts[0], "image").tolist()
+    for image, start, n in zip(images, image_at, counts[0]):
         px = decode_image(image, options, url=sample.url, key=sample.key)
         decoded.append(DecodedImage(pixels=px.values, grid_thw=px.grid_thw, offset=start, length=n, size=px.size,
                                     token_id=options.image_token_id, merge_size=merge, layout=layout))
     if videos:
         assert options.video_token_id is not None
-        for video, start, n in zip(videos, _starts(sample, options.video_token_id, counts[1], "video"), counts[1]):
+        video_at = token_starts(sample, options.video_token_id, counts[1], "video").tolist()
+        for video, start, n in zip(videos, video_at, counts[1]):
             px = video_pixels(video, options, url=sample.url, key=sample.key)
             decoded.append(DecodedImage(pixels=px.values, grid_thw=px.grid_thw, offset=start, length=n,
                                         token_id=options.video_token_id, merge_size=merge, layout="patches",
