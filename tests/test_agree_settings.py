@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import re
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from node_checks import collect_documents, write_token_shards
+from topology_sim import in_threads
 from torch.distributed import FileStore, HashStore, TCPStore
 
 from streampack.dataset import PackedDataset
@@ -60,32 +60,15 @@ def _store(kind: str, tmp_path) -> tuple[object, Callable[..., Agreement]]:
     return server, lambda n, t=30.0: Agreement.in_process(server, prefix="s", dp_size=n, timeout_s=t)
 
 
-def _threads(fn, n: int) -> list:
-    out: list = [RuntimeError("never returned")] * n
-
-    def one(i: int) -> None:
-        try:
-            out[i] = fn(i)
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            out[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
 @pytest.mark.parametrize("kind", ["tcp", "file", "hash"])
 def test_settings_are_agreed_on_every_kind_of_store(kind, tmp_path) -> None:
     from streampack.plan.agree import agree_settings
 
     server, make = _store(kind, tmp_path)
     same = {"seed": 0, "shuffle": True, "window": 64, "sources": "ab12"}
-    assert _threads(lambda r: agree_settings(make(3), dp_rank=r, settings=same), 3) == [None] * 3
+    assert in_threads(lambda r: agree_settings(make(3), dp_rank=r, settings=same), 3) == [None] * 3
     # a round of counts through the same store (FileStore / HashStore: no TCPStore needed)
-    got = _threads(lambda r: agree_counts(make(3), key="e0", dp_rank=r, worker_id=0, num_workers=1, count=r), 3)
+    got = in_threads(lambda r: agree_counts(make(3), key="e0", dp_rank=r, worker_id=0, num_workers=1, count=r), 3)
     assert [g.target for g in got] == [2, 2, 2]
     del server
 
@@ -97,7 +80,7 @@ def test_a_difference_fails_every_rank_naming_the_setting_and_both_values(tmp_pa
     a = make(3)
     settings = [{"seed": 0, "shuffle": True, "epochs": 1}, {"seed": 0, "shuffle": True, "epochs": 1},
                 {"seed": 1, "shuffle": False, "epochs": 1}]
-    got = _threads(lambda r: agree_settings(a, dp_rank=r, settings=settings[r]), 3)
+    got = in_threads(lambda r: agree_settings(a, dp_rank=r, settings=settings[r]), 3)
     assert all(isinstance(g, ValueError) for g in got), got
     msg = str(got[0])
     assert all(str(g) == msg for g in got), "every rank raises the same error"
@@ -258,7 +241,7 @@ def test_a_late_model_parallel_peer_that_differs_is_refused_at_once(tmp_path) ->
     server, make = _store("tcp", tmp_path)
     a = make(2, 120.0)
     same = {"seed": 0}
-    assert _threads(lambda i: agree_settings(a, dp_rank=i // 2, settings=same), 4) == [None] * 4
+    assert in_threads(lambda i: agree_settings(a, dp_rank=i // 2, settings=same), 4) == [None] * 4
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"model-parallel peer.*seed=3 here, seed=0 there"):
         agree_settings(a, dp_rank=1, settings={"seed": 3})

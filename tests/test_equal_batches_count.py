@@ -8,13 +8,11 @@ store used for the counts even where there is one."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from node_checks import collect_documents, write_token_shards
 from test_late_quota import _lockstep
-from topology_sim import SimRank, through_store
+from topology_sim import SimRank, in_threads, through_store
 from torch.distributed import HashStore
 
 from streampack.dataset import PackedDataset
@@ -135,18 +133,6 @@ def test_ranks_mixing_plan_and_count_are_refused_on_every_rank(data) -> None:
     _, agreement = _store("mixed")
     with through_store(agreement):
         settings = [_dataset(data, r, e)._shared_settings(None) for r, e in enumerate(("plan", "count"))]
-    got: list = [None] * RANKS
-
-    def one(r: int) -> None:
-        try:
-            agree_settings(agreement, dp_rank=r, settings=settings[r])
-        except ValueError as e:
-            got[r] = e
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(RANKS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    got = in_threads(lambda r: agree_settings(agreement, dp_rank=r, settings=settings[r]), RANKS)
     assert all(isinstance(g, ValueError) for g in got), got
     assert all("equal_batches='plan'" in str(g) and "equal_batches='count'" in str(g) for g in got), got

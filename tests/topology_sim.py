@@ -10,6 +10,7 @@ topologies and stop points in seconds.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -80,3 +81,22 @@ class SimRank:
             with as_worker(w, self.num_workers):
                 out.append(roundtrip(ds.state_dict()))
         return out
+
+
+def in_threads(fn: Callable[[int], Any], n: int) -> list[Any]:
+    """``fn(i)`` for ranks ``i < n``, each in its own thread (ranks that meet in a store must run at
+    once); each result, or the exception it raised (a rank that never returns: RuntimeError)."""
+    out: list[Any] = [RuntimeError("never returned")] * n
+
+    def one(i: int) -> None:
+        try:
+            out[i] = fn(i)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
