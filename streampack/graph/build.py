@@ -39,7 +39,6 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from streampack.errors import ErrorCounter, ErrorPolicy
-from streampack.graph.contiguous import contiguous_path, row_chain
 from streampack.io.index import index_decode
 from streampack.io.manifest import Manifest, obtain_manifest
 from streampack.io.retry import IOStats
@@ -52,8 +51,6 @@ from streampack.nodes.epochs import EpochLoop
 from streampack.nodes.mixture import Mixture
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
-from streampack.nodes.reader import ShardReader
-from streampack.nodes.row_collate import RowCollate
 from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
 from streampack.nodes.window_packer import Balancing, WindowPacker, fill
@@ -110,20 +107,20 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *,
                   work: list[Span] | None = None, keep_work: bool = False,
                   io_stats: IOStats | None = None,
                   identities: Mapping[int, Any] | None = None,
-                  manifest: Manifest | None = None, blocks: bool = False) -> tuple[BaseNode[Sample], dict[str, Any]]:
+                  manifest: Manifest | None = None) -> tuple[BaseNode[Sample], dict[str, Any]]:
     """The sample half of the graph: reader(s) -> [mixture] -> [tokenize] -> [stages].
     ``epoch`` reads that one epoch (``work``: its spans) instead of the pass's epochs;
-    ``manifest`` is what planned them (the reader checks its shards and its state against it);
-    ``blocks``: the readers are :class:`~streampack.nodes.block_reader.BlockReader` s (the
-    contiguous path)."""
+    ``manifest`` is what planned them (the reader checks its shards and its state against it).
+    A reader reads its shards as token blocks when its documents go straight to the overlong
+    node and its format has blocks (:class:`~streampack.nodes.block_reader.BlockReader`), and
+    sample by sample otherwise."""
     options = config.read
     policy = policy if policy is not None else options.error_policy()
     io_stats = io_stats if io_stats is not None else IOStats()
     open_options = options.open_options()  # made once: every source's reader fetches the same way
     wrap = _wrapper(around)
     end, start = _epochs(config, place) if epoch is None else (epoch + 1 if config.epochs else None, epoch)
-    reader_class = BlockReader if blocks else ShardReader
-    readers = {name: reader_class(
+    readers = {name: BlockReader(
         shards, seed=config.seed, shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank,
         dp_size=place.dp_size, worker_id=place.worker_id, num_workers=place.num_workers, read=options,
         error_policy=policy, open_options=open_options, io_stats=io_stats, source=i,
@@ -195,7 +192,6 @@ class _Builder:
         # 2.8 s of a 5.9 s epoch of 60,000 samples in 8 tar shards, benchmarks/bench_pipeline.py)
         self.needs_plan = (sources.shards is not None and not sources.mixture and sources.packed is None
                            and (place.global_workers > 1 or self.counting is not None))
-        self.contiguous = contiguous_path(config, sources, tokenizer, self.stages, around)
 
     @property
     def planner(self) -> EpochPlanner:
@@ -213,8 +209,7 @@ class _Builder:
             node, nodes, quota = self._packed(epoch, share)
         else:
             node, nodes, quota = self._samples(epoch, share, planned, info)
-        collate = RowCollate if self.contiguous and self.sources.packed is None else ThdCollate
-        node = nodes["collate"] = collate(
+        node = nodes["collate"] = ThdCollate(
             node, layout=config.batch_layout(), num_batches=quota,
             surplus_hint=_SURPLUS_HINT if config.topology.batches_per_epoch is None else "raise batches_per_epoch",
             errors=self.errors, dp_rank=self.place.dp_rank, worker_id=self.place.worker_id,
@@ -267,13 +262,9 @@ class _Builder:
                                     work=work, keep_work=share is not None, io_stats=self.io_stats,
                                     identities=None if share is None else share.identities,
                                     manifest=self.planner.shards if epoch is not None and (
-                                        (self.needs_plan and planned) or share is not None) else None,
-                                    blocks=self.contiguous)
-        if self.contiguous:
-            return self._rows(node, nodes, share), nodes, quota
-        replayer = self._replayer(nodes)
-        node = nodes["overlong"] = OverlongNode(node, config.capacity, config.packing.overlong,
-                                                replay=None if replayer is None else replayer.chunks,
+                                        (self.needs_plan and planned) or share is not None) else None)
+        replayer = Replayer(self._replay_spec(nodes)) if replayable(self.stages) else None
+        node = nodes["overlong"] = OverlongNode(node, config.capacity, config.packing.overlong, replay=replayer,
                                                 media=config.media, error_policy=self.policy)
         node = self.wrap("overlong", node)
         node = nodes["packer"] = WindowPacker(
@@ -283,11 +274,6 @@ class _Builder:
         if config.media is not None:  # pack first, decode after: only emitted packs' pixels
             node = nodes["decode_images"] = DecodeImages(node, config.media, error_policy=self.policy)
         return node, nodes, quota
-
-    def _rows(self, reader: BaseNode[Any], nodes: dict[str, Any], share: Share | None) -> BaseNode[Any]:
-        """The contiguous path after the reader (:mod:`streampack.graph.contiguous`)."""
-        return row_chain(reader, nodes, self.config, packer_seed(self.config, self.place), self._replay_spec(nodes),
-                         None if share is None else share.carry)
 
     def _balance(self) -> Balancing | None:
         """The packer's cost-balanced emission: an epoch continues the previous epoch's schedule
@@ -341,11 +327,6 @@ class _Builder:
         if per_rank % self.place.num_workers:
             raise ValueError(f"batches_per_epoch={per_rank} must be a multiple of num_workers={self.place.num_workers}")
         return per_rank // self.place.num_workers
-
-    def _replayer(self, nodes: Mapping[str, Any]) -> Replayer | None:
-        if not replayable(self.stages):
-            return None
-        return Replayer(self._replay_spec(nodes))
 
     def _replay_spec(self, nodes: Mapping[str, Any]) -> ReplaySpec:
         config, options = self.config, self.config.read

@@ -95,19 +95,16 @@ class TokenBlock:
 
     @classmethod
     def of_samples(cls, samples: list[Sample], *, done: bool) -> TokenBlock:
-        """A block of samples the per-sample reader made (each with its origin)."""
+        """A block of samples made by nodes that yield Samples (a sample without an origin, made
+        by a stage or by hand, has -1 where its origin would be: it cannot be re-read)."""
         lengths = np.array([len(s) for s in samples], dtype=np.int64)
         starts = np.zeros(len(samples), dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
-        origins = [s.origin for s in samples]
-        assert all(o is not None for o in origins), "samples of a block come from a reader"
+        where = np.array([(o.offset, o.next_offset, o.number, o.next_number) if o is not None else (-1, -1, -1, -1)
+                          for o in (s.origin for s in samples)], dtype=np.int64).reshape(-1, 4)
         tokens = np.concatenate([s.tokens for s in samples]) if samples else np.zeros(0, np.int64)
         return cls(url=samples[0].url if samples else "", tokens=tokens, starts=starts, lengths=lengths,
-                   offsets=np.array([o.offset for o in origins], np.int64),
-                   next_offsets=np.array([o.next_offset for o in origins], np.int64),
-                   numbers=np.array([o.number for o in origins], np.int64),
-                   next_numbers=np.array([o.next_number for o in origins], np.int64),
+                   offsets=where[:, 0], next_offsets=where[:, 1], numbers=where[:, 2], next_numbers=where[:, 3],
                    done=done, samples=tuple(samples))
-
 
 __all__ = ["TokenBlock"]

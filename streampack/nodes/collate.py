@@ -18,9 +18,12 @@ With a ``cost_model`` every batch carries ``est_cost``, the estimated compute of
 packs (``linear × tokens + attention × Σ L²`` over its documents; filler packs cost 0),
 computed here once from the documents' lengths, and the running total ``counters["cost"]``.
 
-The layout of a batch (``_layout``) and its packs' lengths (``_lengths``) are the two steps a
-subclass may change: :class:`~streampack.nodes.row_collate.RowCollate` (the contiguous fast
-path) lays packs of rows out from their read buffers, with the same counters, quota and state.
+A pack is a :class:`~streampack.plan.rows.PackRows` (what the packer emits) or a list of
+Samples (offline packs, decoded media packs). A batch of packs whose documents were read as
+blocks is laid out by :func:`~streampack.layout.slices.pack_slices` straight from the buffers
+they were read into (one copy of each document's ids); any other batch by
+:func:`~streampack.layout.batch.pack_batch` from its Samples (labels, loss masks, extras and
+images included). Both give the same batch for the same documents.
 
 Every batch leaves with a :class:`~streampack.layout.stats.WorkerStats`: this reader's running
 totals (batches, fillers, packs, documents, real tokens, slots, targets, skipped samples, build
@@ -43,11 +46,13 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import ErrorCounter
 from streampack.layout.batch import PackedBatch, pack_batch
+from streampack.layout.slices import pack_slices
 from streampack.layout.stats import WorkerStats
 from streampack.layout.vision_batch import VisionLayout
 from streampack.logs import event_counts, get_logger, warn_every
 from streampack.packing.cost import CostModel
 from streampack.plan.quota import LateQuota
+from streampack.plan.rows import PackRows
 from streampack.plan.state import record_of, record_text
 from streampack.sample import Sample
 
@@ -85,7 +90,7 @@ class BatchLayout:
 
 
 class ThdCollate(BaseNode[PackedBatch]):
-    """Groups packs from a :class:`~streampack.nodes.window_packer.WindowPacker` into batches of
+    """Groups packs (from a :class:`~streampack.nodes.window_packer.WindowPacker`) into batches of
     ``layout`` (:class:`BatchLayout`). ``num_batches``: the quota of a finite epoch (an int, a
     ``plan.quota.LateQuota`` or None); fillers make up what the data did not, and a surplus is
     refused naming ``surplus_hint``. ``errors``, ``dp_rank`` and ``worker_id`` only say where a
@@ -169,13 +174,27 @@ class ThdCollate(BaseNode[PackedBatch]):
 
     def _layout(self, real: list[Any], missing: int) -> PackedBatch:
         """The batch of the ``real`` packs, completed with ``missing`` filler packs."""
-        packs = list(real) + [filler_pack(self.capacity, self.pad_id)] * missing
+        if not missing and all(isinstance(p, PackRows) and not p.rich for p in real):
+            sources: list[np.ndarray] = []
+            starts: list[int] = []
+            lengths: list[int] = []
+            keys: list[str] = []
+            for p in real:
+                sources += p.sources
+                starts += p.starts
+                lengths += p.lengths
+                keys += p.keys
+            return pack_slices(sources, starts, lengths, [len(p) for p in real], tuple(keys), capacity=self.capacity,
+                               align=self.align, pad_id=self.pad_id, ignore_index=self.ignore_index,
+                               ids_nonnegative=True)  # the block readers check every id (never on a media stream)
+        packs = [list(p) for p in real] + [filler_pack(self.capacity, self.pad_id)] * missing
         return pack_batch(packs, capacity=self.capacity, align=self.align, pad_id=self.pad_id,
                           ignore_index=self.ignore_index, vision_layout=self.vision_layout)
 
     def _lengths(self, real: list[Any]) -> list[np.ndarray]:
         """int64 document lengths of each real pack."""
-        return [np.fromiter((len(s) for s in p), dtype=np.int64, count=len(p)) for p in real]
+        return [p.rows["length"] if isinstance(p, PackRows) else np.fromiter((len(s) for s in p), np.int64, len(p))
+                for p in real]
 
     def get_state(self) -> dict[str, Any]:
         # a quota that cannot be recounted after a restore (pinned), or that costs no waiting on

@@ -17,8 +17,7 @@ raises, ``drop`` drops it as any overlong sample).
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,8 +26,11 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorPolicy
 from streampack.logs import get_logger, warn_every
+from streampack.nodes.block_reader import BlockReader, DocRun
 from streampack.options.packing import OVERLONG_POLICIES
 from streampack.plan.cursor import (
+    POSITION_FIELDS,
+    PULLED_FIELDS,
     Position,
     Pulled,
     Split,
@@ -38,12 +40,14 @@ from streampack.plan.cursor import (
     split_samples,
 )
 from streampack.plan.epoch_plan import chunk_lengths
+from streampack.plan.rows import BlockStore, PackRows, cat, repeat, rows_of, sample_rows
 from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
-from streampack.sample import Sample, SampleOrigin
+from streampack.sample import Sample
 
 if TYPE_CHECKING:  # media stays an optional part: imported where a sample has images
     from streampack.media.options import MediaOptions
     from streampack.media.stage import MediaSpans
+    from streampack.plan.replay import Replayer
 
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
 _log = get_logger(__name__)
@@ -180,14 +184,73 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
     return chunks
 
 
-class OverlongNode(BaseNode[Sample]):
-    """Yields documents of at most ``max_len`` tokens according to ``policy``.
+def base_rows(run: DocRun, k: int, store: BlockStore) -> np.ndarray:
+    """The first ``k`` documents of ``run`` as rows (whole documents: chunk -1)."""
+    block, lo = run.block, run.lo
+    rows = rows_of(k)
+    rows["length"] = block.lengths[lo:lo + k]
+    rows["source"], rows["shard"], rows["epoch"] = run.source, run.shard, run.epoch
+    rows["offset"] = block.offsets[lo:lo + k]
+    rows["number"] = block.numbers[lo:lo + k]
+    rows["next_offset"] = block.next_offsets[lo:lo + k]
+    rows["next_number"] = block.next_numbers[lo:lo + k]
+    rows["chunk"] = -1
+    rows["block"] = store.add(block)
+    rows["doc"] = np.arange(lo, lo + k)
+    rows["start"] = block.starts[lo:lo + k]
+    return rows
 
-    State = upstream state + the sample being split, as a reference (where to re-read it and
-    how many of its chunks were emitted; its tokens only when ``replay`` is None or the sample
-    has no origin) + counters + the origin of the last sample pulled from each source: every
-    sample after it in its reader's order is still unread downstream, which is what an elastic
-    resume needs to know.
+
+def chunk_counts(lengths: np.ndarray, max_len: int, policy: str) -> np.ndarray:
+    """Documents each of ``lengths`` becomes under ``policy`` (``apply_overlong``)."""
+    if policy == "split":
+        return np.maximum(-(-lengths // max_len), 1)
+    if policy == "drop":
+        return (lengths <= max_len).astype(np.int64)
+    return np.ones(lengths.shape[0], dtype=np.int64)
+
+
+def expand(rows: np.ndarray, max_len: int, policy: str) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` after the overlong policy (every chunk), and the chunk count of each."""
+    lengths = rows["length"]
+    counts = chunk_counts(lengths, max_len, policy)
+    over = lengths > max_len
+    if not over.any():
+        return rows, counts
+    out = repeat(rows, counts)
+    mine = np.repeat(over, counts)
+    if policy == "truncate":
+        out["chunk"][mine] = 0
+        out["length"][mine] = max_len
+        return out, counts
+    # split: chunk j of a document starts j * max_len tokens in
+    j = np.arange(out.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+    out["chunk"] = np.where(mine, j, out["chunk"])
+    out["start"] += np.where(mine, j * max_len, 0)
+    out["length"] = np.where(mine, np.minimum(max_len, out["length"] - j * max_len), out["length"])
+    out["cut"] = mine
+    return out, counts
+
+
+class OverlongNode(BaseNode[Sample]):
+    """Documents of at most ``max_len`` tokens according to ``policy``, as rows
+    (:mod:`streampack.plan.rows`): :meth:`take` hands out the next ``n`` documents.
+
+    Its source is the reader, or whatever node yields Samples before it (a mixture, the tokenizer,
+    a stage, the image expansion). A :class:`~streampack.nodes.block_reader.BlockReader` that is
+    its direct source hands it runs of documents read as blocks: it pulls exactly the documents
+    that give ``n`` (the chunk counts of a run are a cumulative sum; one ``searchsorted`` says how
+    many to consume), and cuts them as columns. Samples are cut one by one (:func:`apply_overlong`,
+    which keeps images whole) and become rows of one block of them. Either way the reader's
+    position, the chunks left of a split document and the counters are the same.
+
+    State = upstream state + the sample being split, as a reference (where to re-read it and how
+    many of its chunks were emitted; its tokens only when ``replay`` is None or the sample has no
+    origin) + counters + the origin of the last sample pulled from each source: every sample after
+    it in its reader's order is still unread downstream, which is what an elastic resume needs.
+    ``replay``: a :class:`~streampack.plan.replay.Replayer` (re-reads a split sample's chunks at a
+    restore). ``next()`` yields one document as a Sample (a node wrapped around this one reads
+    that); the packer reads rows with :meth:`take`.
     """
 
     SOURCE_KEY = "source"
@@ -198,28 +261,24 @@ class OverlongNode(BaseNode[Sample]):
     KIND = "OverlongNode"
 
     def __init__(self, source: BaseNode[Sample], max_len: int, policy: str = "split", *,
-                 replay: Callable[[Position], list[Sample]] | None = None, media: MediaOptions | None = None,
+                 replay: Replayer | None = None, media: MediaOptions | None = None,
                  error_policy: ErrorPolicy | None = None) -> None:
         super().__init__()
         # max_len and policy as checked by StreamConfig and PackOptions; apply_overlong checks them for a
         # hand-built node at its first sample
-        self.source = source
-        self.max_len = max_len
-        self.policy = policy
-        self.replay = replay
-        """``Position -> every chunk of the sample there`` (a Replayer's ``chunks``), or None to
-        keep pending chunks as tokens."""
-        self.media = media
-        """The stream's ``MediaOptions`` (None: text only): cuts avoid images' tokens."""
+        self.source, self.max_len, self.policy, self.replay, self.media = source, max_len, policy, replay, media
+        self.store = BlockStore()
+        """The blocks this node's rows point into (the packer reading :meth:`take` shares it)."""
         # a sample whose image tokens do not match its images (default: raise)
         self._policy = error_policy if error_policy is not None else ErrorPolicy()
+        self.reads_blocks = isinstance(source, BlockReader)
         self._clear()
 
     def _clear(self) -> None:
         self.counters = OverlongCounters()
-        self._pending: deque[Sample] = deque()
-        self._split: _Split | None = None
-        self._last: dict[int, SampleOrigin] = {}
+        self.pending = rows_of(0)
+        self._split: Split | None = None  # the sample split (``next`` unset: the chunks left are ``pending``)
+        self._last: dict[int, Pulled] = {}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -229,58 +288,142 @@ class OverlongNode(BaseNode[Sample]):
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
         self.counters = OverlongCounters(**record_of(initial_state[self.COUNTERS_KEY]))
-        self._last = {p.source: p.origin() for p in pulled_from_state(initial_state[self.LAST_KEY])}
+        self._last = {p.source: p for p in pulled_from_state(initial_state[self.LAST_KEY])}
         pending = initial_state[self.PENDING_KEY]
         split = Split.from_state(pending)
         if split is None:
-            self._pending = deque(samples_from_state(pending))
+            stored = samples_from_state(pending)
+            if stored:
+                self.pending = sample_rows(stored, self.store)
             return
         if self.replay is None:
             raise ValueError("this OverlongNode state holds its split sample by reference, but the node "
                              "has no replay function to re-read it")
-        chunks = self.replay(split.at)
-        if len(chunks) != split.count or sum(len(c) for c in chunks) != split.tokens:
+        chunks = self.replay.chunks(split.at, self.store)
+        if len(chunks) != split.count or int(chunks["length"].sum()) != split.tokens:
             raise ValueError(f"split sample at {split.at} re-read as {len(chunks)} chunks, {split.count} when the "
                              f"state was saved: the shard changed, or a stage is not a pure function")
-        self._split = _Split(origin=chunks[0].origin, lengths=tuple(len(c) for c in chunks))  # type: ignore[arg-type]
-        self._pending = deque(chunks[split.next:])
+        self._split = split
+        self.pending = chunks[split.next:]
 
-    def next(self) -> Sample:
-        while not self._pending:
-            sample = next(self.source)
-            if sample.origin is not None:
-                self._last[sample.origin.source] = sample.origin
+    def take(self, n: int) -> np.ndarray:
+        """The next ``n`` rows (fewer only when the stream ended)."""
+        parts = []
+        if len(self.pending):
+            parts.append(self.pending[:n])
+            self.pending = self.pending[n:]
+        have = sum(len(p) for p in parts)
+        while have < n:
+            pulled = self._pull_run(n - have) if self.reads_blocks else self._pull_samples(n - have)
+            if pulled is None:
+                break
+            rows, split = pulled
+            parts.append(rows[:n - have])
+            self.pending = rows[n - have:]
+            have += min(len(rows), n - have)
+            if len(self.pending):
+                self._split = split
+        if len(parts) == 1:
+            return parts[0]
+        return cat(parts)
+
+    def _pull_run(self, want: int) -> tuple[np.ndarray, Split | None] | None:
+        """Consume the documents of the reader's next run that give ``want`` rows; their rows, and
+        the last one's split (None: the stream ended)."""
+        run = self.source.run()  # type: ignore[attr-defined]
+        if run is None:
+            return None
+        lengths = run.block.lengths[run.lo:run.hi]
+        counts = chunk_counts(lengths, self.max_len, self.policy)
+        k = 1 if run.consumed else min(int(np.searchsorted(np.cumsum(counts), want)) + 1, len(run))
+        over = lengths[:k] > self.max_len
+        bad = int(over.argmax()) if self.policy == "error" and over.any() else -1
+        if bad >= 0:
+            k = bad + 1
+        if not run.consumed:
+            self.source.consume(k)  # type: ignore[attr-defined]
+        rows = base_rows(run, k, self.store)
+        last = Pulled(**{name: int(rows[-1][name]) for name in PULLED_FIELDS})
+        self._last[last.source] = last
+        if bad >= 0:
+            key = run.block.key(run.lo + bad)
+            raise ValueError(f"sample {run.block.url + '#' + key if run.block.url else key!r} has {int(lengths[bad])} "
+                             f"tokens, more than the capacity {self.max_len} (overlong='error'; use 'split', 'truncate' "
+                             f"or 'drop')")
+        if over.any():
+            self._count(lengths[:k][over], counts[:k][over])
+        out, counts = expand(rows, self.max_len, self.policy)
+        n = int(counts[-1])
+        at = Position(**{name: int(rows[-1][name]) for name in POSITION_FIELDS})
+        return out, Split(at=at, next=0, count=n, tokens=int(out["length"][-n:].sum()) if n else 0)
+
+    def _pull_samples(self, want: int) -> tuple[np.ndarray, Split | None] | None:
+        """Samples from the source, cut one by one, until they give ``want`` rows (fewer when the
+        stream ends); their rows, and the last sample's split when it has an origin."""
+        chunks: list[Sample] = []
+        last: tuple[Sample, list[Sample]] | None = None
+        while len(chunks) < want:
             try:
-                chunks = apply_overlong(sample, self.max_len, self.policy, self.counters, media=self.media)
+                sample = next(self.source)
+            except StopIteration:
+                break
+            if sample.origin is not None:
+                self._last[sample.origin.source] = Pulled.of(sample.origin)
+            try:
+                cut = apply_overlong(sample, self.max_len, self.policy, self.counters, media=self.media)
             except DataError as e:
                 self._policy.handle(e)
                 continue
-            self._split = _Split(origin=sample.origin, lengths=tuple(len(c) for c in chunks)) \
-                if len(chunks) > 1 and sample.origin else None
-            self._pending.extend(chunks)
-        return self._pending.popleft()
+            chunks += cut
+            last = (sample, cut)
+        if not chunks:
+            return None
+        sample, cut = last  # type: ignore[misc]
+        split = None
+        if sample.origin is not None:
+            lengths = tuple(len(c) for c in cut)
+            # cut around images, the chunks are not ceil(tokens / max_len) of max_len: an elastic
+            # resume reads their lengths here (a text stream's state stays as a block stream's)
+            split = Split(at=Position.of(sample.origin), next=0, count=len(cut), tokens=sum(lengths),
+                          lengths=lengths if self.media is not None else None)
+        return sample_rows(chunks, self.store), split
+
+    def _count(self, lengths: np.ndarray, counts: np.ndarray) -> None:
+        c, n, total = self.counters, len(lengths), int(lengths.sum())
+        if self.policy == "split":
+            c.samples_split += n
+            c.tokens_split += total
+            c.chunks_created += int(counts.sum())
+        elif self.policy == "truncate":
+            c.samples_truncated += n
+            c.tokens_truncated += total - n * self.max_len
+        elif self.policy == "drop":
+            c.samples_dropped += n
+            c.tokens_dropped += total
+
+    def next(self) -> Sample:
+        rows = self.take(1)
+        if not len(rows):
+            raise StopIteration
+        (sample,) = PackRows(rows=rows, blocks=self.store.subset(rows)).samples()
+        self.store.keep(self.pending)  # read by next(), no packer prunes the store
+        return sample
 
     def get_state(self) -> dict[str, Any]:
-        return {self.KIND_KEY: self.KIND, self.SOURCE_KEY: self.source.state_dict(),
-                self.PENDING_KEY: self._pending_state(), self.COUNTERS_KEY: record_text(self.counters.as_dict()),
-                self.LAST_KEY: pulled_to_state(Pulled.of(o) for o in self._last.values())}
-
-    def _pending_state(self) -> dict[str, Any]:
-        if not self._pending or self._split is None or self.replay is None:
-            return samples_to_state(list(self._pending))
-        origin, count = self._split.origin, len(self._split.lengths)
-        # cut around images, the chunks are not ceil(tokens / max_len) of max_len: an elastic
-        # resume reads their lengths here (a text stream's state stays the per-row path's)
-        return Split(at=Position.of(origin), next=count - len(self._pending), count=count,
-                     tokens=sum(self._split.lengths),
-                     lengths=self._split.lengths if self.media is not None else None).to_state()
+        if len(self.pending) and self._split is not None and self.replay is not None:
+            pending = replace(self._split, next=self._split.count - len(self.pending)).to_state()
+        else:
+            pending = samples_to_state(PackRows(rows=self.pending, blocks=self.store.subset(self.pending)).samples())
+        return {self.KIND_KEY: self.KIND, self.SOURCE_KEY: self.source.state_dict(), self.PENDING_KEY: pending,
+                self.COUNTERS_KEY: record_text(self.counters.as_dict()),
+                self.LAST_KEY: pulled_to_state(self._last.values())}
 
     @classmethod
     def undelivered(cls, state: Mapping[str, Any], *, capacity: int, policy: str) -> Undelivered:
-        """What a saved state (this node's or a ``ChunkNode``'s: one layout) had not delivered:
-        the last sample pulled (the frontier; one source, as an elastic resume has) and the
-        chunks of a split document not emitted yet, as references (a text stream's chunk
-        lengths follow from ``capacity`` and ``policy``) or as the tokens the state holds."""
+        """What a saved state had not delivered: the last sample pulled (the frontier; one source,
+        as an elastic resume has) and the chunks of a split document not emitted yet, as
+        references (a text stream's chunk lengths follow from ``capacity`` and ``policy``) or as
+        the tokens the state holds."""
         pulled = pulled_from_state(state[cls.LAST_KEY])
         pending = state[cls.PENDING_KEY]
         split = Split.from_state(pending)
@@ -293,9 +436,6 @@ class OverlongNode(BaseNode[Sample]):
         return Undelivered(pulled=pulled[0] if pulled else None, carry=carry)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Split:
-    """The sample whose chunks are being emitted: where to re-read it, and its chunks' lengths."""
-
-    origin: SampleOrigin
-    lengths: tuple[int, ...]
+assert OVERLONG_POLICIES == ("split", "truncate", "drop", "error")
+__all__ = ["OverlongCounters", "OverlongNode", "apply_overlong", "base_rows", "check_policy", "chunk_counts",
+           "cut_lengths", "expand"]

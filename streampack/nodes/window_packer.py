@@ -43,10 +43,17 @@ stores tokens instead (2 MB at capacity 4k, 63 MB at 128k: ``benchmarks/bench_st
 Defaults: ``slack = capacity // 256`` and 8 rounds of ``max_wait`` at window 1024 give 99.934%
 fill against offline bfd's 99.995% (lognormal mean ~600, capacity 4096, 200k samples), because
 packs forced out by age cost the most fill; ``benchmarks/bench_packing_scaling.py`` measures
-the online fill against offline bfd by window, and the sweep is in ``docs/changelog.md``. For pre-tokenized tar / parquet shards
-the graph builder runs the same rounds on rows of arrays instead
-(:class:`~streampack.nodes.row_packer.RowPacker`, :mod:`streampack.graph.contiguous`); this
-node serves every other stream.
+the online fill against offline bfd by window, and the sweep is in ``docs/changelog.md``.
+
+The window is a table of rows (:mod:`streampack.plan.rows`): a refill is one ``take`` from the
+:class:`~streampack.nodes.overlong.OverlongNode` (a source that yields Samples is read one
+Sample a row), a pack one fancy index, and a pack leaves as a
+:class:`~streampack.plan.rows.PackRows` (iterating it gives its Samples). A restore does not
+re-read the window at once: the saved references become rows whose ids are not read yet
+(``rows.UNREAD``; packing needs lengths only), every shard they point into is checked at the
+restore, and a pack's documents are re-read when it is about to leave, :data:`READ_AHEAD` packs at
+a time, so the first batch after a restore waits for its own ~55 documents, not the window's
+~1,000 (``benchmarks/bench_restore.py``).
 """
 
 from __future__ import annotations
@@ -56,25 +63,38 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from torchdata.nodes import BaseNode
 
+from streampack.nodes.overlong import OverlongNode
 from streampack.packing.cost import CostModel
 from streampack.packing.reservoir import Reservoir
 from streampack.packing.schedule import Balance, CostScale, Schedule
-from streampack.packing.window_rounds import (
-    PackerRules,
-    aligned_lengths,
-    choose,
-    emission_order,
-    pack_round,
-)
+from streampack.packing.window_rounds import PackerRules, aligned_lengths, choose, emission_order, pack_round
 from streampack.plan.cursor import Undelivered
+from streampack.plan.replay import Replayer
+from streampack.plan.rows import (
+    NO_ORIGIN,
+    UNREAD,
+    BlockStore,
+    PackRows,
+    cat,
+    make_packs,
+    put,
+    ref_table,
+    rows_of,
+    sample_rows,
+    take,
+    unread_rows,
+)
 from streampack.plan.state import (
-    Replay,
     record_of,
     record_text,
-    samples_from_table,
-    samples_to_table,
+    refs_table,
+    refs_to_state,
+    samples_from_state,
+    samples_to_state,
+    table_refs,
     table_size,
     table_slice,
 )
@@ -83,6 +103,10 @@ from streampack.sample import Sample
 _METRIC_NAMES = ("rounds", "packs", "docs", "tokens", "aligned_tokens", "slots",
                  "forced_by_age", "forced_by_carry", "flushed", "max_rounds_waited")
 _BALANCE_METRICS = ("forced_by_hold", "held_steps", "max_held_steps")
+READ_AHEAD = 8
+"""Restored packs re-read at once (a batch of 8 packs): the first batch after a restore reads its
+own ~55 documents, not the whole window (~1,000 documents from ~11 shards: 24-30 ms of a ~35 ms
+resume on the loaded box); 16 cost the first batch ~1.5x the reads."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -105,14 +129,15 @@ class Balancing:
     (:mod:`~streampack.plan.cost_seed`) costs a resume nothing."""
 
 
-class WindowPacker(BaseNode[list[Sample]]):
-    """Packs a stream of tokenized samples; yields one pack (a list of samples) per ``next``.
+class WindowPacker(BaseNode[PackRows]):
+    """Packs the documents of ``source`` (an :class:`~streampack.nodes.overlong.OverlongNode`, or
+    any node yielding Samples that fit); yields one :class:`PackRows` per ``next``.
 
     ``rules``: capacity, alignment, window, algorithm, waits and seed, made from the checked
     records by ``StreamConfig.packer_rules`` (the same rules a plan counts with).
-    ``replay`` re-reads samples from their origins (a :class:`~streampack.plan.replay.Replayer`):
+    ``replay`` re-reads documents from their origins (a :class:`~streampack.plan.replay.Replayer`):
     with it the state holds references, without it tokens. ``carry`` is a table
-    (``state.samples_to_table``) of samples the window starts with. ``balance``: cost-balanced
+    (``state.samples_to_table``) of documents the window starts with. ``balance``: cost-balanced
     emission (:class:`Balancing`); the packs themselves are the same.
     """
 
@@ -127,94 +152,123 @@ class WindowPacker(BaseNode[list[Sample]]):
     RESERVOIR_KEY = "reservoir"
     KIND = "WindowPacker"
 
-    def __init__(self, source: BaseNode[Sample], *, rules: PackerRules, shuffle: bool = True,
-                 replay: Replay | None = None, carry: Mapping[str, Any] | None = None,
+    def __init__(self, source: BaseNode[Any], *, rules: PackerRules, shuffle: bool = True,
+                 replay: Replayer | None = None, carry: Mapping[str, Any] | None = None,
                  balance: Balancing | None = None) -> None:
         super().__init__()
-        self.source, self.rules = source, rules
-        self.capacity, self.window, self.algorithm = rules.capacity, rules.window, rules.algorithm
-        self.align, self.seed, self.max_wait, self.shuffle = rules.align, rules.seed, rules.max_wait, shuffle
-        self.slack = rules.free_ok
-        self.replay, self.initial_carry = replay, carry
-        self.balance = None if balance is None else balance.balance
-        self.cost_model = None if balance is None else balance.cost_model
-        self.schedule = Schedule() if balance is None else balance.schedule
-        self.first_batch, self.levels = (0, None) if balance is None else (balance.first_batch, balance.levels)
-        if self.cost_model is not None:
-            self.scale = CostScale.of(self.cost_model.linear, self.cost_model.attention, self.capacity)
+        self.source, self.rules, self.shuffle, self.replay, self.initial_carry = source, rules, shuffle, replay, carry
+        self.capacity, self.align = rules.capacity, rules.align
+        # the overlong node's rows point into its store; Samples from any other node go into ours
+        self._overlong = source if isinstance(source, OverlongNode) else None
+        self.store = self._overlong.store if self._overlong is not None else BlockStore()
+        self.balancing = balance
+        if balance is not None:
+            self.scale = CostScale.of(balance.cost_model.linear, balance.cost_model.attention, self.capacity)
         self._clear()
 
     def _clear(self) -> None:
-        self._carry: list[Sample] = []
-        self._entered: list[int] = []
-        self._packs: list[list[Sample]] = []  # every pack of the current round, in emission order
+        self._carry = rows_of(0)
+        self._entered = np.zeros(0, dtype=np.int64)
+        self._round_rows = rows_of(0)  # every document of this round's packs, pack after pack
+        self._packs: list[PackRows] = []
         self._emitted = 0
         self._round = 0
-        self._cache: dict[str, Any] | None = None  # this round's state (without emitted / metrics)
         self._ended = False
-        self.metrics = dict.fromkeys(_METRIC_NAMES + (_BALANCE_METRICS if self.balance is not None else ()), 0)
-        self.reservoir: Reservoir[list[Sample]] | None = None
-        if self.balance is not None:
-            self.reservoir = Reservoir(self.balance, self.schedule, self.scale, first_batch=self.first_batch,
-                                       counts=None if callable(self.levels) else self.levels)
+        self._cache: dict[str, Any] | None = None  # this round's state (without emitted / metrics)
+        b = self.balancing
+        self.metrics = dict.fromkeys(_METRIC_NAMES + (_BALANCE_METRICS if b is not None else ()), 0)
+        self.reservoir: Reservoir[PackRows] | None = None
+        if b is not None:
+            self.reservoir = Reservoir(b.balance, b.schedule, self.scale, first_batch=b.first_batch,
+                                       counts=None if callable(b.levels) else b.levels)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._clear()
+        if self.replay is not None:
+            self.replay.forget()
         if initial_state is None:
-            if self.reservoir is not None and callable(self.levels):
-                seeded = self.levels()
+            b = self.balancing
+            if self.reservoir is not None and b is not None and callable(b.levels):
+                seeded = b.levels()
                 if seeded is not None:
-                    self.reservoir.load(counts=seeded, first_batch=self.first_batch, emitted=0)
+                    self.reservoir.load(counts=seeded, first_batch=b.first_batch, emitted=0)
             self.source.reset(None)
             if self.initial_carry is not None and table_size(self.initial_carry):
-                self._carry = samples_from_table(self.initial_carry, self.replay)
-                self._entered = [0] * len(self._carry)
+                self._carry = self._rows(self.initial_carry)
+                self._entered = np.zeros(len(self._carry), dtype=np.int64)
             return
+        if (self.RESERVOIR_KEY in initial_state) != (self.reservoir is not None):
+            raise ValueError(f"WindowPacker state saved with balance {'on' if self.reservoir is None else 'off'} "
+                             f"restored into a packer with balance {'off' if self.reservoir is None else 'on'}")
         self.source.reset(initial_state[self.SOURCE_KEY])
         table, sizes = initial_state[self.TABLE_KEY], initial_state[self.SIZES_KEY].tolist()
         emitted = int(initial_state[self.EMITTED_KEY])
         start = sum(sizes[:emitted])
-        rest = samples_from_table(table_slice(table, start, table_size(table)), self.replay)
-        self._packs = [[] for _ in range(emitted)]
-        for n in sizes[emitted:]:
-            self._packs.append(rest[:n])
-            rest = rest[n:]
-        self._carry = rest
-        self._entered = initial_state[self.ENTERED_KEY].tolist()
+        rest = self._rows(table_slice(table, start, table_size(table)))
+        self._set_packs(rest[:sum(sizes) - start], sizes, emitted)
+        self._carry = rest[sum(sizes) - start:]
+        self._entered = initial_state[self.ENTERED_KEY].numpy().astype(np.int64)
         self._round, self._emitted = int(initial_state[self.ROUND_KEY]), emitted
-        if (self.RESERVOIR_KEY in initial_state) != (self.reservoir is not None):
-            raise ValueError(f"WindowPacker state saved with balance {'on' if self.reservoir is None else 'off'} "
-                             f"restored into a packer with balance {'off' if self.reservoir is None else 'on'}")
         kept = (self.SOURCE_KEY, self.TABLE_KEY, self.SIZES_KEY, self.ENTERED_KEY, self.ROUND_KEY)
         self._cache = {k: initial_state[k] for k in kept + ((self.RESERVOIR_KEY,) if self.reservoir is not None else ())}
         self.metrics = record_of(initial_state[self.METRICS_KEY])
         if self.reservoir is not None:
-            self._restore_reservoir(initial_state[self.RESERVOIR_KEY])
+            self._restore_reservoir(self.reservoir, initial_state[self.RESERVOIR_KEY])
 
-    def _restore_reservoir(self, saved: Mapping[str, Any]) -> None:
-        """The reservoir's packs are the state's packs (re-read above); its counters are saved."""
-        res = self.reservoir
-        assert res is not None
+    def _restore_reservoir(self, res: Reservoir[PackRows], saved: Mapping[str, Any]) -> None:
+        """The reservoir's packs are the state's packs (re-read at once: the schedule may take any
+        of them next); its counters are saved."""
         res.load(counts=saved["counts"].numpy(), first_batch=saved["first_batch"], emitted=saved["emitted"])
+        for at in range(0, len(self._packs), READ_AHEAD):
+            self._read_ahead(at)
         res.add(self._packs, self._costs(self._packs), born=saved["born"].tolist(), count=False)
         self._packs, self._emitted = [], 0
 
-    def next(self) -> list[Sample]:
+    def _rows(self, table: Mapping[str, Any]) -> np.ndarray:
+        """A table's rows: stored samples as rows of their own block; references as rows not
+        re-read yet, every shard they point into checked now (a changed shard is refused at the
+        restore); each pack's documents are re-read when it is about to leave (:meth:`_read_ahead`)."""
+        n = table_size(table)
+        if not n:
+            return rows_of(0)
+        is_ref = table["is_ref"].numpy()
+        out = rows_of(n)
+        if not is_ref.all():
+            put(out, ~is_ref, sample_rows(samples_from_state(table["stored"]), self.store))
+        if is_ref.any():
+            if self.replay is None:
+                raise ValueError("this state holds carried samples by reference but the graph cannot re-read "
+                                 "them (it has a user node stage); it was saved by another graph")
+            refs = table_refs(table)
+            self.replay.verify(refs)
+            put(out, is_ref, unread_rows(refs, self.replay.spec.policy))
+        return out
+
+    def _set_packs(self, rows: np.ndarray, sizes: list[int], emitted: int) -> None:
+        """This round's packs: ``sizes`` documents each, the first ``emitted`` already out
+        (``rows`` holds the others, in order)."""
+        blocks = self.store.subset(rows) if len(rows) else {}
+        self._packs = [PackRows(rows=rows_of(0), blocks={}) for _ in range(emitted)]
+        self._packs += make_packs(rows, list(sizes[emitted:]), blocks, align=self.align)
+        self._round_rows = rows
+
+    def next(self) -> PackRows:
         if self.reservoir is not None:
-            return self._next_balanced(self.reservoir)
+            return self._count(self._next_balanced(self.reservoir))
         if self._emitted >= len(self._packs):
             self._run_round()
             if not self._packs:
                 raise StopIteration
         pack = self._packs[self._emitted]
+        if pack.lazy:
+            pack = self._read_ahead(self._emitted)
         self._emitted += 1
-        self._count(pack)
-        return pack
+        return self._count(pack)
 
-    def _next_balanced(self, res: Reservoir[list[Sample]]) -> list[Sample]:
+    def _next_balanced(self, res: Reservoir[PackRows]) -> PackRows:
         """Keep ``reservoir`` packs ready (rounds as usual), emit the one the schedule picks."""
-        while len(res) < self.balance.reservoir and not self._ended:  # type: ignore[union-attr]
+        while len(res) < res.balance.reservoir and not self._ended:
             self._run_round()
             res.add(self._packs, self._costs(self._packs))
             self._packs = []
@@ -226,94 +280,144 @@ class WindowPacker(BaseNode[list[Sample]]):
         m["forced_by_hold"] += forced
         m["held_steps"] += waited
         m["max_held_steps"] = max(m["max_held_steps"], waited)
-        self._count(pack)
         return pack
 
-    def _costs(self, packs: list[list[Sample]]) -> np.ndarray:
+    def _count(self, pack: PackRows) -> PackRows:
+        m = self.metrics
+        m["packs"] += 1
+        m["docs"] += len(pack)
+        m["slots"] += self.capacity
+        m["tokens"] += pack.tokens
+        m["aligned_tokens"] += pack.aligned
+        return pack
+
+    def _costs(self, packs: list[PackRows]) -> np.ndarray:
         """Normalized estimated cost of each pack (real document lengths)."""
-        assert self.cost_model is not None
-        full = self.scale.full
-        return np.array([self.cost_model.pack_cost(np.fromiter((len(s) for s in p), np.int64, len(p))) / full
-                         for p in packs], dtype=np.float64)
+        model = self.balancing.cost_model  # type: ignore[union-attr]
+        return np.array([model.pack_cost(p.rows["length"]) / self.scale.full for p in packs], dtype=np.float64)
+
+    def _read_ahead(self, at: int) -> PackRows:
+        """Re-read the documents of the next :data:`READ_AHEAD` restored packs from ``at`` (one
+        replay: the block reads of one cluster serve all of them); returns pack ``at``."""
+        end = min(at + READ_AHEAD, len(self._packs))
+        todo = [j for j in range(at, end) if self._packs[j].lazy]
+        if not todo:
+            return self._packs[at]
+        assert self.replay is not None  # only a restore by reference makes lazy packs
+        rows = cat([self._packs[j].rows for j in todo])
+        unread = rows["block"] == UNREAD
+        put(rows, unread, self.replay(ref_table(take(rows, unread)), self.store))
+        blocks = {k: v for j in todo for k, v in self._packs[j].blocks.items()}  # the documents read since
+        blocks.update(self.store.subset(take(rows, unread)))
+        for j, pack in zip(todo, make_packs(rows, [len(self._packs[j]) for j in todo], blocks, align=self.align)):
+            self._packs[j] = pack
+        if not any(p.lazy for p in self._packs[end:]) and not (self._carry["block"] == UNREAD).any():
+            self.replay.forget()  # every carried document is read again
+        return self._packs[at]
 
     def get_state(self) -> dict[str, Any]:
         if self._cache is None:
-            import torch
-
-            held = self.reservoir.items if self.reservoir is not None else self._packs
-            samples = [s for p in held for s in p] + self._carry
+            res = self.reservoir
+            if res is not None:
+                held_packs = res.items
+                held = cat([p.rows for p in held_packs] + [self._carry])
+            else:
+                held_packs = self._packs
+                held = cat([self._round_rows, self._carry]) if len(self._carry) else self._round_rows
+            sizes = [len(p) for p in res.items] if res is not None else [len(p) for p in self._packs]
             self._cache = {
                 self.SOURCE_KEY: self.source.state_dict(),  # the upstream rests between rounds
-                self.TABLE_KEY: samples_to_table(samples, by_reference=self.replay is not None),
-                self.SIZES_KEY: torch.tensor([len(p) for p in held], dtype=torch.int64),
-                self.ENTERED_KEY: torch.tensor(self._entered, dtype=torch.int64),
+                self.TABLE_KEY: self._table(held, held_packs),
+                self.SIZES_KEY: torch.tensor(sizes, dtype=torch.int64),
+                self.ENTERED_KEY: torch.from_numpy(self._entered.copy()),
                 self.ROUND_KEY: self._round,
             }
-            if self.reservoir is not None:
-                res = self.reservoir
+            if res is not None:
                 self._cache[self.RESERVOIR_KEY] = {
                     "born": torch.tensor(res.born, dtype=torch.int64), "counts": torch.from_numpy(res.counts.copy()),
                     "emitted": res.emitted, "first_batch": res.first_batch}
         return {self.KIND_KEY: self.KIND, **self._cache, self.EMITTED_KEY: self._emitted,
                 self.METRICS_KEY: record_text(self.metrics)}
 
+    def _table(self, held: np.ndarray, packs: list[PackRows]) -> dict[str, Any]:
+        """The held documents as references (56 bytes each, whatever their length), and as their
+        tokens where they cannot be re-read (no replay, or a Sample without an origin): what
+        ``state.samples_to_table`` makes of their Samples."""
+        if self.replay is None:
+            is_ref = np.zeros(len(held), dtype=bool)
+        else:
+            is_ref = held["shard"] != NO_ORIGIN
+            if is_ref.all():
+                return refs_table(ref_table(held))
+        stored = take(held, ~is_ref)
+        blocks = self.store.subset(stored)
+        for p in packs:
+            blocks.update(p.blocks)
+        return {"is_ref": torch.from_numpy(is_ref), "refs": refs_to_state(ref_table(take(held, is_ref))),
+                "stored": samples_to_state(PackRows(rows=stored, blocks=blocks).samples())}
+
     @classmethod
     def undelivered(cls, state: Mapping[str, Any]) -> Undelivered:
-        """What a saved state (this packer's or a ``RowPacker``'s: one layout) had not delivered:
-        the window's carry, the packs of its round not emitted yet and the samples carried to the
-        next, in that order, as a table (references, or tokens where it stored them)."""
+        """What a saved state had not delivered: the window's carry, the packs of its round not
+        emitted yet and the samples carried to the next, in that order, as a table (references,
+        or tokens where it stored them)."""
         start = sum(state[cls.SIZES_KEY].tolist()[:int(state[cls.EMITTED_KEY])])
         table = state[cls.TABLE_KEY]
         return Undelivered(pulled=None, carry=table_slice(table, start, table_size(table)))
 
-    def _run_round(self) -> None:
-        """Refill, pack once, queue the packs to emit (shuffled), carry the rest."""
-        self._cache = None
-        samples, entered = self._carry, self._entered
-        ended = False
-        while len(samples) < self.rules.size(self._round):
+    def _refill(self, need: int) -> np.ndarray:
+        """Up to ``need`` more documents (fewer: the stream ended)."""
+        if self._overlong is not None:
+            return self._overlong.take(need)
+        samples: list[Sample] = []
+        while len(samples) < need:
             try:
                 samples.append(next(self.source))
             except StopIteration:
-                ended = True
                 break
-            entered.append(self._round)
-        self._carry, self._entered, self._packs, self._emitted = [], [], [], 0
-        self._ended = ended or not samples
-        if not samples:
+        return sample_rows(samples, self.store)
+
+    def _run_round(self) -> None:
+        """Refill, pack once, queue the packs to emit (in the round's order), carry the rest."""
+        self._cache = None
+        rules, round_ = self.rules, self._round
+        need = rules.size(round_) - len(self._carry)
+        new = self._refill(need) if need > 0 else rows_of(0)
+        ended = len(new) < need
+        window = cat([self._carry, new]) if len(self._carry) else new
+        entered = np.concatenate([self._entered, np.full(len(new), round_, dtype=np.int64)])
+        self._carry, self._entered, self._packs, self._emitted = rows_of(0), entered[:0], [], 0
+        self._round_rows = rows_of(0)
+        self._ended = ended or not len(window)
+        if not len(window):
             return
-        lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
-        aligned = aligned_lengths(self.rules, lengths)
+        aligned = aligned_lengths(rules, window["length"])
         if int(aligned.max()) > self.capacity:
             i = int(aligned.argmax())
-            raise ValueError(f"sample {samples[i].doc_key!r} has {int(lengths[i])} tokens "
-                             f"({int(aligned[i])} aligned), more than {self.capacity=}; "
+            one = window[i:i + 1]
+            (pack,) = make_packs(one, [1], self.store.subset(one), align=self.align)
+            raise ValueError(f"sample {pack.doc_keys()[0]!r} has {int(window['length'][i])} tokens "
+                             f"({int(aligned[i])} aligned), more than capacity={self.capacity}; "
                              f"apply an overlong policy before packing")
-        emit, keep, forced = choose(self.rules, pack_round(self.rules, aligned, self._round), aligned, np.asarray(entered, dtype=np.int64),
-                                    self._round, ended)
+        emit, keep, forced = choose(rules, pack_round(rules, aligned, round_), aligned, entered, round_, ended)
         for name, n in forced.items():
             self.metrics[name] += n
-        order = emission_order(self.rules, self._round, len(emit), self.shuffle)
-        self._packs = [[samples[i] for i in emit[j].tolist()] for j in order]
-        waited = [self._round - entered[i] for b in emit for i in b.tolist()]
-        self.metrics["max_rounds_waited"] = max(self.metrics["max_rounds_waited"], *waited, 0)
+        order = emission_order(rules, round_, len(emit), self.shuffle)
+        ordered = [emit[j] for j in order]
+        if ordered:
+            out = np.concatenate(ordered)
+            self.metrics["max_rounds_waited"] = max(self.metrics["max_rounds_waited"], int((round_ - entered[out]).max()))
+            self._set_packs(take(window, out), [len(b) for b in ordered], 0)
         kept = np.sort(np.concatenate(keep)) if keep else np.zeros(0, dtype=np.int64)
-        self._carry = [samples[i] for i in kept.tolist()]
-        self._entered = [entered[i] for i in kept.tolist()]
+        self._carry, self._entered = take(window, kept), entered[kept]
         self._round += 1
         self.metrics["rounds"] += 1
-
-    def _count(self, pack: list[Sample]) -> None:
-        m = self.metrics
-        m["packs"] += 1
-        m["docs"] += len(pack)
-        m["slots"] += self.capacity
-        for s in pack:
-            n = len(s)
-            m["tokens"] += n
-            m["aligned_tokens"] += -(-n // self.align) * self.align
+        self.store.keep(self._carry, *(() if self._overlong is None else (self._overlong.pending,)))
 
 
 def fill(metrics: dict[str, int]) -> float:
     """Real tokens / pack slots from a :class:`WindowPacker` metrics dict."""
     return metrics["tokens"] / metrics["slots"] if metrics["slots"] else 0.0
+
+
+__all__ = ["READ_AHEAD", "Balancing", "WindowPacker", "fill"]

@@ -2,7 +2,7 @@
 
 A resume state refers to each sample that sat in a buffer (the packer's window, a split
 document's pending chunks) by its origin — source, shard, byte offset, number, chunk — and
-:class:`Replayer` turns those references back into the very samples the buffer held: it reads
+the replay turns those references back into the very samples the buffer held: it reads
 the raw samples again (grouped by shard, one pass per shard in offset order, reopening at the
 next wanted offset only where that skips more than ``REOPEN_GAP`` bytes of a seekable remote
 shard, ``LOCAL_REOPEN_GAP`` of a local file;
@@ -20,6 +20,34 @@ window 1024 whether the capacity is 4k or 128k (63 MB with tokens at 128k;
 
 A graph with a user ``BaseNode`` stage cannot be replayed per sample (the node may hold its own
 buffer): it has no Replayer and its states keep storing tokens.
+
+:class:`Replayer` is what the packer and the overlong node hold. Where a stream's documents are
+the shards' own token ids (no tokenizer, stage or images), it re-reads them as blocks, and only
+them: in a tar
+shard only the wanted samples are read and parsed (:func:`~streampack.io.blocks.read_samples_at`):
+their positions are grouped into clusters (a gap over ``replay.REOPEN_GAP`` bytes remotely,
+:data:`PICK_GAP` locally, starts another), each cluster is one read, and each wanted sample is
+checked as the block reader checks it, the bytes between them not at all. In a parquet shard
+each row group holding wanted rows is read whole, once per restore
+(:func:`~streampack.io.blocks.read_groups_at`), and kept until the packer says every carried row
+is read again (:meth:`Replayer.forget`). Where neither applies (a wanted position that is not a
+plain sample), the shard is read as blocks from each cluster's first position (:data:`BLOCK_GAP`
+locally) until every wanted position of it is found. The documents are then cut by the overlong
+policy as the stream cut them. A position the blocks do not reach is re-read by the per-sample
+SampleReplayer, so every check and error is its own: the shard's identity first, then each
+document's length against the one recorded.
+
+**Cost per reader** of a restore (W documents in the saved window, over S_W shards): at the
+restore, one identity check per shard (a ``stat`` locally, a ``HEAD`` remotely: S_W, as the
+Replayer's); then, as the restored packs leave (``WindowPacker.READ_AHEAD`` packs at a time), one
+read per cluster of their documents: for tar, CPU and bytes O(W) in all (each carried sample
+read and checked once: ~15 µs a document read on its own, ~0.4 ms a re-read for the checks of
+all its shards at once, from ``benchmarks/bench_restore.py``); for parquet, each row group
+holding a carried row read once.
+Memory: W rows of 104 bytes (``rows.ROW``), plus those row groups until their last carried row is re-read.
+Reading only the carried documents, not their clusters whole (the window's span of shard once
+per ``READ_AHEAD`` packs), the 25 batches after a restore read 8.5 MB instead of 31.7 MB, where
+the uninterrupted batches read 3.6 MB (``benchmarks/bench_restore.py``, window 1024).
 """
 
 from __future__ import annotations
@@ -31,15 +59,19 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from streampack.errors import DataError
+from streampack.io.blocks import read_blocks, read_groups_at, read_samples_at
 from streampack.io.compression import compression_of
 from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange, open_range
 from streampack.io.storage import OpenOptions, is_remote
-from streampack.io.urls import ShardList
-from streampack.nodes.overlong import apply_overlong
+from streampack.io.token_block import TokenBlock
+from streampack.io.urls import ShardList, shard_format
+from streampack.nodes.block_reader import DocRun
+from streampack.nodes.overlong import apply_overlong, base_rows, expand
 from streampack.nodes.tokenize import TextEncoder
 from streampack.plan.cursor import Position
-from streampack.plan.state import REF_COLUMNS
+from streampack.plan.rows import BlockStore, put, rows_of, sample_rows
+from streampack.plan.state import REF, REF_COLUMNS
 from streampack.sample import Sample, SampleOrigin
 
 REOPEN_GAP = 1 << 20
@@ -71,8 +103,9 @@ class ReplaySpec:
     (:meth:`~streampack.nodes.reader.ShardReader.verify_shard`)."""
 
 
-class Replayer:
-    """``replayer(refs) -> samples``: re-reads references (an array of ``state.REF``)."""
+class SampleReplayer:
+    """``replayer(refs) -> samples``: re-reads references (an array of ``state.REF``) as the
+    graph made them, per sample (read, tokenize, stages, overlong cut)."""
 
     def __init__(self, spec: ReplaySpec) -> None:
         self.spec = spec
@@ -180,3 +213,257 @@ def _records(refs: np.ndarray) -> list[dict[str, int]]:
     """Each reference of a ``state.REF`` array as a dict of its fields (Python ints)."""
     columns = [refs[name].tolist() for name in REF_COLUMNS]
     return [dict(zip(REF_COLUMNS, values)) for values in zip(*columns)]
+
+
+BLOCK_GAP = 262144
+"""Bytes between two wanted samples of a local shard above which a cluster ends: the block
+reader parses ~1 MB in ~1 ms here, so reading through a gap beats reopening up to about this
+(the per-sample Replayer decodes each sample read through, so its gap is 64 KiB)."""
+PICK_GAP = 16384
+"""The same for a local tar shard whose wanted samples are picked (:mod:`streampack.io.tar_pick`):
+bytes read through are copied but not parsed, ~2-4 GB/s from the page cache, against a few µs
+for another seek and read."""
+
+
+class Replayer:
+    """``replay(refs, store) -> rows`` (references: an array of ``state.REF``, in order; the rows
+    point into blocks added to ``store``) and ``replay.chunks(position, store)``."""
+
+    def __init__(self, spec: ReplaySpec) -> None:
+        self.spec = spec
+        self.general = SampleReplayer(spec)
+        # a stream whose documents are the shards' own token ids re-reads them as blocks and cuts
+        # them as columns; a tokenizer, a stage or images make every document a Sample again
+        self.blocks = spec.encoder is None and not spec.stages and spec.media is None
+        self._groups: dict[tuple[int, int], list[TokenBlock]] = {}
+
+    def forget(self) -> None:
+        """Drop the parquet row groups kept for carried rows not re-read yet (the packer calls
+        this when none is left, and at a reset)."""
+        self._groups.clear()
+
+    def __call__(self, refs: np.ndarray, store: BlockStore) -> np.ndarray:
+        if not self.blocks:
+            return sample_rows(self.general(refs), store)
+        found = self._read_all(refs)
+        out = rows_of(len(refs))
+        where = [found[key] for key in zip(refs["source"].tolist(), refs["shard"].tolist(), refs["offset"].tolist())]
+        groups: dict[int, list[int]] = {}
+        for i, doc in enumerate(where):
+            groups.setdefault(id(doc[0]), []).append(i)
+        for members in groups.values():  # one block at a time, as columns
+            block, _, source, shard = where[members[0]]
+            idx = np.asarray(members, dtype=np.int64)
+            docs = np.fromiter((where[i][1] for i in members), dtype=np.int64, count=len(members))
+            put(out, idx, _doc_rows(block, docs, store.add(block), source, shard))
+        out["epoch"] = refs["epoch"]
+        self._cut_as_saved(out, refs)
+        return out
+
+    def _cut_as_saved(self, rows: np.ndarray, refs: np.ndarray) -> None:
+        """Each row made the chunk its reference names (``apply_overlong``'s cut, as columns);
+        the first that cannot be, or has another length, raises as the Replayer does."""
+        max_len, policy = self.spec.max_len, self.spec.policy
+        full, c = rows["length"].copy(), np.maximum(refs["chunk"], 0)
+        over = full > max_len
+        if over.any():
+            if policy == "split":
+                rows["start"] += np.where(over, c * max_len, 0)
+                rows["length"] = np.where(over, np.minimum(max_len, full - c * max_len), full)
+                rows["chunk"] = np.where(over, c, -1)
+                rows["cut"] = over
+            elif policy == "truncate":
+                rows["length"] = np.where(over, max_len, full)
+                rows["chunk"] = np.where(over, 0, -1)
+        chunks = np.where(over, -(-full // max_len), 1) if policy == "split" else np.where(over & (policy == "drop"), 0, 1)
+        bad = (c >= chunks) | (rows["length"] != refs["length"]) | (over & (policy == "error"))
+        if bad.any():
+            i = int(bad.argmax())
+            ref = refs[i]
+            url = self.spec.sources[int(ref["source"])].urls[int(ref["shard"])]
+            got = None if c[i] >= chunks[i] else int(rows["length"][i])
+            raise ValueError(f"carried sample {url!r}@{int(ref['offset'])} chunk {int(ref['chunk'])} re-read with "
+                             f"{got} tokens, {int(ref['length'])} when the state was saved: the shard changed "
+                             f"since, or a stage is not a pure function of the sample")
+
+    def verify(self, refs: np.ndarray) -> None:
+        """Check every shard ``refs`` point into is the one the state was saved from (what the
+        Replayer checks before re-reading a shard), without reading."""
+        if self.spec.verify is None:
+            return
+        for source, shard in sorted(set(zip(refs["source"].tolist(), refs["shard"].tolist()))):
+            self.spec.verify(source, shard)
+
+    def chunks(self, at: Position, store: BlockStore) -> np.ndarray:
+        """Every chunk the overlong policy cuts from the sample at ``at``."""
+        if not self.blocks:
+            return sample_rows(self.general.chunks(at), store)
+        one = np.zeros(1, dtype=REF)
+        one["source"], one["shard"], one["offset"], one["number"], one["epoch"] = (at.source, at.shard, at.offset,
+                                                                                  at.number, at.epoch)
+        one["chunk"] = -1
+        found = self._read_all(one, keep=False)  # a split sample's chunks, at a restore: no group kept for it
+        return self._cut(found[(at.source, at.shard, at.offset)], at.epoch, store)
+
+    def _cut(self, doc: tuple[TokenBlock, int, int, int], epoch: int, store: BlockStore) -> np.ndarray:
+        block, i, source, shard = doc
+        run = DocRun(block=block, lo=i, hi=i + 1, epoch=epoch, source=source, shard=shard)
+        rows, _ = expand(base_rows(run, 1, store), self.spec.max_len, self.spec.policy)
+        return rows
+
+    def _read_all(self, refs: np.ndarray,
+                  keep: bool = True) -> dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]]:
+        wanted: dict[tuple[int, int], dict[int, int]] = {}
+        lengths: dict[tuple[int, int], dict[int, int]] = {}
+        for source, shard, offset, number, length in zip(*(refs[name].tolist() for name in
+                                                           ("source", "shard", "offset", "number", "length"))):
+            wanted.setdefault((source, shard), {})[offset] = number
+            lengths.setdefault((source, shard), {})[offset] = length
+        out: dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]] = {}
+        shards = [(source, shard, sorted(where.items())) for (source, shard), where in sorted(wanted.items())]
+        if self.spec.verify is not None:
+            for source, shard, _ in shards:
+                self.spec.verify(source, shard)
+        tar = [(s, h, p, lengths[(s, h)]) for s, h, p in shards
+               if shard_format(self.spec.sources[s].urls[h]) == "tar"]
+        picked = self._pick(tar)
+        if not picked and len(tar) > 1:  # a sample that is not plain: pick the other shards alone
+            for one in tar:
+                picked.update(self._pick([one]))
+        for source, shard, positions in shards:
+            if (source, shard) in picked:
+                got = {offset: (picked[(source, shard)], i) for i, (offset, _) in enumerate(positions)}
+            else:
+                got = self._read_shard(source, shard, positions, lengths[(source, shard)], keep)
+            missing = [p for p in positions if p[0] not in got]
+            if missing:  # the per-sample reader: its checks, its errors
+                for offset, sample in self.general._read_shard(source, shard, missing).items():
+                    got[offset] = (TokenBlock.of_samples([sample], done=False), 0)
+            for offset, (block, i) in got.items():
+                out[(source, shard, offset)] = (block, i, source, shard)
+        return out
+
+    def _read_shard(self, source: int, shard: int, positions: list[tuple[int, int]],
+                    lengths: dict[int, int], keep: bool = True) -> dict[int, tuple[TokenBlock, int]]:
+        """The wanted ``(offset, number)`` positions of one shard that no pick took (a parquet
+        shard, or a tar sample that is not plain) as ``(block, index)``, read one cluster at a
+        time, each in one read sized from its span and its last document's length (``lengths``;
+        the tar reader reads on if that was short)."""
+        url = self.spec.sources[source].urls[shard]
+        parquet, remote = shard_format(url) == "parquet", is_remote(url)
+        gap = 1 << 62 if parquet else REOPEN_GAP if remote else BLOCK_GAP
+        found: dict[int, tuple[TokenBlock, int]] = {}
+        streams: list = []
+        try:
+            if parquet:
+                kept = self._from_groups(source, shard, url, positions, streams, keep)
+                if kept is not None:
+                    return kept
+            for cluster in _clusters(positions, gap):
+                size = _span(cluster, lengths, remote)
+                first, last = cluster[0][0], cluster[-1][0]
+                blocks = read_blocks(url, ShardRange(start=first, first=cluster[0][1], end=last + 1 if parquet else None),
+                                     decode=self.spec.decode, opts=self.spec.opts, streams=streams, chunk_bytes=size)
+                if blocks is None:
+                    return found
+                want = np.array([p for p, _ in cluster], dtype=np.int64)
+                for block in blocks:
+                    if len(block):
+                        at = np.searchsorted(block.offsets, want)
+                        hit = (at < len(block)) & (block.offsets[np.minimum(at, len(block) - 1)] == want)
+                        for offset, i in zip(want[hit].tolist(), at[hit].tolist()):
+                            found[offset] = (block, i)
+                        if int(block.offsets[-1]) >= last:
+                            break
+        finally:
+            for f in streams:
+                f.close()
+        return found
+
+    def _pick(self, tar: list[tuple[int, int, list[tuple[int, int]], dict[int, int]]]
+              ) -> dict[tuple[int, int], TokenBlock]:
+        """The wanted samples of tar shards (source, shard, positions, their lengths), picked and
+        checked in one pass (:func:`~streampack.io.blocks.read_samples_at`), a block per shard;
+        empty when one of them is not a plain sample."""
+        if not tar:
+            return {}
+        wanted = []
+        for source, shard, positions, lengths in tar:
+            url = self.spec.sources[source].urls[shard]
+            remote = is_remote(url)  # the bytes between two samples: read remotely, not locally
+            wanted.append((url, [(c, _span(c, lengths, remote)) for c in _clusters(positions, REOPEN_GAP if remote
+                                                                                   else PICK_GAP)]))
+        streams: list = []
+        try:
+            blocks = read_samples_at(wanted, decode=self.spec.decode, opts=self.spec.opts, streams=streams)
+        finally:
+            for f in streams:
+                f.close()
+        return {} if blocks is None else {(s, h): b for (s, h, _, _), b in zip(tar, blocks)}
+
+    def _from_groups(self, source: int, shard: int, url: str, positions: list[tuple[int, int]],
+                     streams: list, keep: bool) -> dict[int, tuple[TokenBlock, int]] | None:
+        """The wanted rows of a parquet shard from whole row groups, read once per restore: the
+        carried rows of one group leave over many re-reads (``READ_AHEAD`` packs at a time), and
+        reading the group each time, the 25 batches after a restore cost 370 CPU-ms, reading it
+        once 154, uninterrupted 33 (``benchmarks/bench_restore.py``). Kept (``keep``) until
+        :meth:`forget`: the groups the window's rows are in, which the stream held too."""
+        kept = self._groups.setdefault((source, shard), []) if keep else list(self._groups.get((source, shard), []))
+        rows = [offset for offset, _ in positions]
+        missing = [r for r in rows if _group_of(kept, r) is None]
+        if missing:
+            read = read_groups_at(url, missing, decode=self.spec.decode, opts=self.spec.opts, streams=streams)
+            if read is None:
+                return None
+            kept += read
+        found = {}
+        for r in rows:
+            block = _group_of(kept, r)
+            if block is None:
+                return None
+            found[r] = (block, r - int(block.offsets[0]))
+        return found
+
+
+def _group_of(blocks: list[TokenBlock], row: int) -> TokenBlock | None:
+    for block in blocks:
+        if int(block.offsets[0]) <= row <= int(block.offsets[-1]):
+            return block
+    return None
+
+
+def _doc_rows(block: TokenBlock, docs: np.ndarray, bid: int, source: int, shard: int) -> np.ndarray:
+    """Documents ``docs`` of ``block`` as whole-document rows."""
+    rows = rows_of(docs.shape[0])
+    rows["length"] = block.lengths[docs]
+    rows["source"], rows["shard"], rows["chunk"], rows["block"] = source, shard, -1, bid
+    rows["offset"] = block.offsets[docs]
+    rows["number"] = block.numbers[docs]
+    rows["next_offset"] = block.next_offsets[docs]
+    rows["next_number"] = block.next_numbers[docs]
+    rows["doc"] = docs
+    rows["start"] = block.starts[docs]
+    return rows
+
+
+def _span(cluster: list[tuple[int, int]], lengths: dict[int, int], remote: bool) -> int:
+    """Bytes to read for ``cluster`` in one read: its span and its last sample (64 KiB when its
+    length is not known). The readers read on when that is short, which remotely is another
+    request: there the sample is sized for int64 ids and 4 KiB of headers, locally for int32
+    ids (what tokenizers below 2^31 write) and 2 KiB (a pax header, a header, an ``.npy`` header)."""
+    first, last = cluster[0][0], cluster[-1][0]
+    n = lengths.get(last, 0)
+    return last - first + (64 << 10 if not n else 8 * n + 4096 if remote else 4 * n + 2048)
+
+
+def _clusters(positions: list[tuple[int, int]], gap: int) -> list[list[tuple[int, int]]]:
+    out: list[list[tuple[int, int]]] = []
+    for p in positions:
+        if out and p[0] - out[-1][-1][0] <= gap:
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
+
+
+__all__ = ["BLOCK_GAP", "LOCAL_REOPEN_GAP", "PICK_GAP", "REOPEN_GAP", "ReplaySpec", "Replayer", "SampleReplayer"]

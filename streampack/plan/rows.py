@@ -1,10 +1,13 @@
-"""Documents as table rows: what the contiguous fast path moves instead of Sample objects.
+"""Documents as table rows: the one form a document travels in from the overlong node to the collate.
 
-Between the block reader and the collate, a document is one record of a structured array of
+Between the reader (or the last stage) and the collate, a document is one record of a structured array of
 :data:`ROW` (13 int64 fields, read by name: ``rows["length"]``): its length, its origin
 (exactly the fields of a :class:`~streampack.sample.SampleOrigin`, so a resume state refers to
 it the same way) and where its ids are (``block``: an id in a :class:`BlockStore`; ``doc``: its
-index in that block; ``start``: its first id's element offset, a chunk's included). A window of
+index in that block; ``start``: its first id's element offset, a chunk's included). Documents read as blocks
+(:mod:`streampack.io.blocks`) point into the block they were read in; documents that arrive as
+Samples (text after the tokenizer, a stage's output, a mixture, media) point into a block made of
+those Samples (:func:`sample_rows`), which keeps each Sample whole for the collate. A window of
 1,024 documents is one array; taking, splitting and regrouping documents are whole-array
 operations. A field is a strided view, as fast as a column of a plain int64 matrix; what numpy
 does record by record on a structured array (``concatenate``: ~110 µs for 1,300 rows against
@@ -17,7 +20,7 @@ they point into (so the collate never looks a block up in a store that has moved
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +39,9 @@ ROW = np.dtype([(name, np.int64) for name in COLUMNS])
 _PLAIN = (np.int64, len(COLUMNS))  # the same memory as an int64 [n, 13] matrix, for whole-row copies
 UNREAD = -1
 """``block`` of a row known only by its reference (a restored window's document, not re-read yet)."""
+NO_ORIGIN = -1
+"""``shard`` of a row whose Sample has no origin (made by a stage or by hand): it is carried in a
+state by its tokens, never by reference."""
 
 
 def rows_of(n: int) -> np.ndarray:
@@ -78,6 +84,24 @@ def unread_rows(refs: np.ndarray, policy: str) -> np.ndarray:
         rows[name] = refs[name]
     rows["block"] = rows["doc"] = rows["start"] = UNREAD
     rows["cut"] = (rows["chunk"] >= 0) & (policy == "split")
+    return rows
+
+
+def sample_rows(samples: Sequence[Sample], store: BlockStore) -> np.ndarray:
+    """Rows of ``samples`` (each one document, as the overlong policy left it), pointing into
+    one new block of them: their origins become the rows' origin fields."""
+    block = TokenBlock.of_samples(list(samples), done=False)
+    rows = rows_of(len(samples))
+    origins = [s.origin for s in samples]
+    rows["source"], rows["shard"], rows["epoch"], rows["chunk"] = np.array(
+        [(o.source, o.shard, o.epoch, o.chunk) if o is not None else (0, NO_ORIGIN, 0, -1) for o in origins],
+        dtype=np.int64).reshape(-1, 4).T
+    rows["length"] = block.lengths
+    rows["offset"], rows["number"] = block.offsets, block.numbers
+    rows["next_offset"], rows["next_number"] = block.next_offsets, block.next_numbers
+    rows["block"] = store.add(block)
+    rows["doc"] = np.arange(len(samples))
+    rows["start"] = block.starts
     return rows
 
 
@@ -138,14 +162,17 @@ class PackRows:
     aligned: int = 0
     """Tokens after each document's alignment."""
     rich: bool = False
-    """A document may carry labels, a loss mask, extras or images (it came from the per-sample
-    reader): the collate lays the pack out as the per-sample path does."""
+    """Some document arrived as a Sample (it may carry labels, a loss mask, extras or images): the
+    collate lays the pack out from :meth:`samples`."""
     lazy: bool = False
     """Some rows are references not yet re-read (``block`` is :data:`UNREAD`): a restored
     packer re-reads them when the pack is about to leave."""
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
+
+    def __iter__(self) -> Iterator[Sample]:
+        return iter(self.samples())
 
     def doc_keys(self) -> list[str]:
         return self.keys
@@ -157,9 +184,9 @@ class PackRows:
             r = dict(zip(COLUMNS, values))  # by name: a tuple unpack would silently follow the field order
             length, chunk, doc, start = r["length"], r["chunk"], r["doc"], r["start"]
             block = self.blocks[r["block"]]
-            origin = SampleOrigin(shard=r["shard"], offset=r["offset"], number=r["number"],
-                                  next_offset=r["next_offset"], next_number=r["next_number"], epoch=r["epoch"],
-                                  source=r["source"], chunk=chunk)
+            origin = None if r["shard"] == NO_ORIGIN else SampleOrigin(
+                shard=r["shard"], offset=r["offset"], number=r["number"], next_offset=r["next_offset"],
+                next_number=r["next_number"], epoch=r["epoch"], source=r["source"], chunk=chunk)
             key = f"{block.key(doc)}/{chunk}" if r["cut"] else block.key(doc)
             if block.samples is None:
                 out.append(Sample(key=key, url=block.url, tokens=block.tokens[start:start + length].astype(np.int64),
@@ -167,6 +194,9 @@ class PackRows:
                 continue
             s = block.samples[doc]
             lo = start - int(block.starts[doc])
+            if not r["cut"] and lo == 0 and length == len(s):  # the Sample as it arrived
+                out.append(s)
+                continue
 
             def part(a: np.ndarray | None, lo: int = lo, n: int = length) -> np.ndarray | None:
                 return None if a is None else a[lo:lo + n]
@@ -177,8 +207,7 @@ class PackRows:
         return out
 
 
-def make_packs(rows: np.ndarray, sizes: list[int], blocks: Mapping[int, TokenBlock], *, align: int,
-               rich: bool) -> list[PackRows]:
+def make_packs(rows: np.ndarray, sizes: list[int], blocks: Mapping[int, TokenBlock], *, align: int) -> list[PackRows]:
     """The packs of one round: ``rows`` holds them back to back, ``sizes[j]`` documents each.
     Every per-document list is made in one pass over the round (keys, token arrays, starts,
     lengths) and each pack's token sums in one ``reduceat``."""
@@ -192,6 +221,7 @@ def make_packs(rows: np.ndarray, sizes: list[int], blocks: Mapping[int, TokenBlo
         return [PackRows(rows=rows[lo:hi], blocks=blocks, tokens=tokens[j], aligned=aligned[j], lazy=True)
                 for j, (lo, hi) in enumerate(zip(cut, bounds[1:]))]
     bids, docs = rows["block"].tolist(), rows["doc"].tolist()
+    rich = any(blocks[b].samples is not None for b in set(bids))
     lists = {b: blocks[b].doc_keys() for b in set(bids)}
     arrays = {b: blocks[b].tokens for b in lists}
     if rows["cut"].any():
@@ -206,5 +236,5 @@ def make_packs(rows: np.ndarray, sizes: list[int], blocks: Mapping[int, TokenBlo
             for j, (lo, hi) in enumerate(zip(cut, bounds[1:]))]
 
 
-__all__ = ["COLUMNS", "ROW", "UNREAD", "BlockStore", "PackRows", "cat", "make_packs", "put", "ref_table", "repeat",
-           "rows_of", "take", "unread_rows"]
+__all__ = ["COLUMNS", "NO_ORIGIN", "ROW", "UNREAD", "BlockStore", "PackRows", "cat", "make_packs", "put", "ref_table", "repeat",
+           "rows_of", "sample_rows", "take", "unread_rows"]

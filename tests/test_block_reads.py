@@ -1,10 +1,12 @@
-"""The contiguous fast path is an optimisation, not a second semantics.
+"""Reading shards as token blocks is how the one reader reads when it can, not a second semantics.
 
-For the same settings it yields the per-sample path's PackedBatches, batch for batch and field
-for field (tar shards with or without pax headers, parquet; every overlong policy; alignment;
-shuffled or not; finite and infinite; several ranks), its states restore on either path, and
-what its block readers do not judge plain they hand to the per-sample reader, whose errors and
-counts are then the stream's (``STREAMPACK_CONTIGUOUS=0`` runs the per-sample path).
+The graph's readers read pre-tokenized tar and parquet shards as blocks and hand the overlong
+node runs of documents; the same reader read sample by sample (a ``ShardReader``, which has no
+runs) gives the same PackedBatches, batch for batch and field for field (tar shards with or
+without pax headers, parquet; every overlong policy; alignment; shuffled or not; finite and
+infinite; several ranks), the same states (each restores the other's), and what the block
+readers do not judge plain they hand to the per-sample reader, whose errors and counts are then
+the stream's.
 """
 
 from __future__ import annotations
@@ -20,17 +22,15 @@ from helpers_formats import write_parquet_shards
 from helpers_hostile import archive, member, npy_bytes, sample, write_bytes
 from node_checks import roundtrip, take
 
+import streampack.graph.build as graph_build
 from streampack.dataset import PackedDataset
 from streampack.errors import DataError, ErrorPolicy
 from streampack.graph.build import build_graph
-from streampack.graph.contiguous import CONTIGUOUS_ENV
 from streampack.io.urls import ShardList
 from streampack.layout.batch import pack_batch
 from streampack.layout.slices import pack_slices
 from streampack.nodes.block_reader import BlockReader
 from streampack.nodes.reader import ShardReader
-from streampack.nodes.row_collate import RowCollate
-from streampack.nodes.row_packer import RowPacker
 from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from streampack.sample import Sample
 from streampack.settings import Placement, Sources, StreamConfig
@@ -50,14 +50,19 @@ def full(batch) -> tuple:
             batch.varlen_cu_seqlens_bidirectional is batch.varlen_cu_seqlens)
 
 
+def read_as(monkeypatch, blocks: bool) -> None:
+    """The graphs built from now on read as blocks where they can, or every sample alone."""
+    monkeypatch.setattr(graph_build, "BlockReader", BlockReader if blocks else ShardReader)
+
+
 def _run(monkeypatch, fast: bool, urls, n: int | None = None, state=None, **kw):
-    monkeypatch.setenv(CONTIGUOUS_ENV, "1" if fast else "0")
+    read_as(monkeypatch, fast)
     ds = PackedDataset(urls, **{"capacity": 256, "packs_per_batch": 2, "seed": 3, "epochs": 1,
                                 "packing": PackOptions(window=16), **kw})
     if state is not None:
         ds.load_state_dict(roundtrip(state))
     it = iter(ds)
-    ds.packer_kind = type(ds._graph.nodes["packer"])
+    ds.reads_blocks = ds._graph.nodes["overlong"].reads_blocks
     reader = ds._graph.nodes["reader"]
     out = [full(b) for b in (take(it, n) if n is not None else it)]
     ds.reader_kind_reads = getattr(reader, "sample_reads", None)
@@ -70,7 +75,7 @@ def _same(monkeypatch, urls, **kw):
     assert len(fast) > 2, "too few batches for the comparison to mean anything"
     assert fast == slow
     assert ds_fast.metrics() == ds_slow.metrics()
-    assert ds_fast.packer_kind is RowPacker and ds_slow.packer_kind is not RowPacker
+    assert ds_fast.reads_blocks and not ds_slow.reads_blocks
     return fast
 
 
@@ -144,13 +149,13 @@ def test_planned_ranges_end_inside_shards(monkeypatch, corpus) -> None:
 def test_states_restore_on_either_path(monkeypatch, corpus, save_fast: bool, load_fast: bool, read_ahead: int) -> None:
     """Restored packs are re-read ``read_ahead`` at a time (1: every pack alone, and the window's
     carried documents leave mixed with new ones in later rounds)."""
-    import streampack.nodes.row_packer as row_packer
+    import streampack.nodes.window_packer as window_packer
 
-    monkeypatch.setattr(row_packer, "READ_AHEAD", read_ahead)
+    monkeypatch.setattr(window_packer, "READ_AHEAD", read_ahead)
     kw = {"epochs": 2, "packing": PackOptions(window=48, overlong="split")}  # split chunks wait in the state
     whole, _ = _run(monkeypatch, True, corpus["pax"], **kw)
     for stop in (1, 7, len(whole) // 2 + 3):
-        monkeypatch.setenv(CONTIGUOUS_ENV, "1" if save_fast else "0")
+        read_as(monkeypatch, save_fast)
         ds = PackedDataset(corpus["pax"], capacity=256, packs_per_batch=2, seed=3, **kw)
         head = [full(b) for b in take(iter(ds), stop)]
         rest, _ = _run(monkeypatch, load_fast, corpus["pax"], state=ds.state_dict(), **kw)
@@ -161,7 +166,7 @@ def _restored_window(monkeypatch, urls, *, before) -> tuple[dict, list]:
     """A state saved once the reader has read every sample (it is at the next epoch), so only
     the packer's window is left, and the batches a restore of it yields (checked equal to the
     uninterrupted run's); ``before()`` runs right before those batches are read."""
-    monkeypatch.setenv(CONTIGUOUS_ENV, "1")
+    read_as(monkeypatch, True)
 
     def make():
         return PackedDataset(urls, capacity=1024, packs_per_batch=2, seed=1, epochs=1, packing=PackOptions(window=128))
@@ -238,7 +243,7 @@ def test_state_is_the_per_sample_state(monkeypatch, corpus) -> None:
     """Same keys, same values: a checkpoint does not say which path wrote it."""
     states = []
     for fast in (True, False):
-        monkeypatch.setenv(CONTIGUOUS_ENV, "1" if fast else "0")
+        read_as(monkeypatch, fast)
         ds = PackedDataset(corpus["tar"], capacity=256, packs_per_batch=2, seed=3, epochs=1,
                            packing=PackOptions(window=16))
         take(iter(ds), 5)
@@ -262,7 +267,7 @@ def test_elastic_resume_same_on_both_paths(monkeypatch, corpus) -> None:
     """States of two ranks, resumed by one: the same batches whichever path saved and loads."""
     outs = []
     for fast in (True, False):
-        monkeypatch.setenv(CONTIGUOUS_ENV, "1" if fast else "0")
+        read_as(monkeypatch, fast)
         states = []
         for rank in range(2):
             ds = PackedDataset(corpus["tar"], capacity=256, packs_per_batch=2, seed=3, epochs=1,
@@ -363,7 +368,7 @@ def test_restore_with_a_sample_the_pick_does_not_take(monkeypatch, tmp_path) -> 
             key, ids = f"{s}{30:07d}", np.arange(1, 301)  # its labels member first: the pick refuses it
             parts[30] = member(f"{key}.labels.npy", npy_bytes(ids)) + member(f"{key}.npy", npy_bytes(ids))
         urls.append(write_bytes(tmp_path / f"s{s}.tar", archive(*parts)))
-    monkeypatch.setenv(CONTIGUOUS_ENV, "1")
+    read_as(monkeypatch, True)
     kw = {"capacity": 512, "packs_per_batch": 2, "seed": 4, "epochs": 1, "shuffle": False,
           "packing": PackOptions(window=64)}
     whole = [full(b) for b in PackedDataset(urls, **kw)]
@@ -408,7 +413,7 @@ def test_hostile_shard_errors_in_the_dataset(monkeypatch, tmp_path) -> None:
     _same(monkeypatch, [url], read=ReadOptions(on_error="skip"), capacity=32)
     errors = []
     for fast in (True, False):
-        monkeypatch.setenv(CONTIGUOUS_ENV, "1" if fast else "0")
+        read_as(monkeypatch, fast)
         with pytest.raises(DataError) as info:
             list(PackedDataset([url], capacity=32, packs_per_batch=2, epochs=1, packing=PackOptions(window=16)))
         errors.append((info.value.reason, info.value.key, str(info.value)))
@@ -436,27 +441,27 @@ def test_parquet_with_nulls_and_text_hands_over(monkeypatch, tmp_path) -> None:
     _same(monkeypatch, [nulls], read=ReadOptions(on_error="skip"), capacity=32)
 
 
-def test_jsonl_and_tokenizers_stay_per_sample(monkeypatch, tmp_path) -> None:
-    """The graph builder takes the fast path only where it applies."""
+def test_what_reads_as_blocks(monkeypatch, tmp_path) -> None:
+    """Documents go to the overlong node as block runs only from a reader that is its direct
+    source and reads a format with blocks; jsonl, labels and stages read every sample alone."""
     from helpers_data import write_jsonl_shards
 
     tar = write_tar_shards(tmp_path / "t", make_token_docs(20), 2)
     jsonl = write_jsonl_shards(tmp_path / "j", make_token_docs(20), 2)
     config = StreamConfig(capacity=64, packing=PackOptions(window=8))
 
-    def packer(urls, read=ReadOptions(), **kw):
+    def reads(urls, read=ReadOptions(), **kw):
         graph = build_graph(dataclasses.replace(config, read=read), Sources(shards=ShardList.of(urls)), Placement(), **kw)
         graph.root.reset(None)
-        next(graph.root)
-        return graph.nodes["packer"], graph.nodes["collate"]
+        list(graph.root)
+        overlong = graph.nodes["overlong"]
+        return overlong.reads_blocks, graph.nodes["reader"].sample_reads
 
-    monkeypatch.setenv(CONTIGUOUS_ENV, "1")
-    packer_node, collate = packer(tar)
-    assert isinstance(packer_node, RowPacker) and isinstance(collate, RowCollate)
-    assert not isinstance(packer(jsonl)[0], RowPacker)
-    assert not isinstance(packer(tar, stages=[lambda s: s])[0], RowPacker)
-    assert not isinstance(packer(tar, around={"packer": lambda n: n})[0], RowPacker)
-    assert not isinstance(packer(tar, read=ReadOptions(labels_key="labels"))[0], RowPacker)
+    assert reads(tar) == (True, 0)
+    assert reads(jsonl) == (True, 20)
+    assert reads(tar, read=ReadOptions(labels_key="labels")) == (True, 20)
+    assert reads(tar, stages=[lambda s: s]) == (False, 0)
+    assert reads(tar, around={"reader": lambda n: n}) == (True, 0)
 
 
 @pytest.mark.parametrize("align", [1, 2, 8])
@@ -513,11 +518,3 @@ def test_pack_slices_refuses_what_pack_batch_refuses() -> None:
         pack_slices([buf] * 3, np.array([0, 5, 5]), np.array([5, 0, 3]), [1, 2], ("a", "b", "c"), capacity=64)
     with pytest.raises(ValueError, match="pack 1 holds 65 tokens, more than capacity=64"):
         pack_slices([buf] * 3, np.array([0, 0, 0]), np.array([5, 60, 5]), [1, 2], ("a", "b", "c"), capacity=64)
-
-
-def test_fast_path_off_switch(monkeypatch, corpus) -> None:
-    monkeypatch.setenv(CONTIGUOUS_ENV, "0")
-    ds = PackedDataset(corpus["tar"], capacity=256, epochs=1)
-    iter(ds)
-    assert not isinstance(ds._graph.nodes["packer"], RowPacker)
-    assert os.environ[CONTIGUOUS_ENV] == "0"
