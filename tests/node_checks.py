@@ -18,6 +18,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from streampack.layout.batch import PackedBatch
+from streampack.plan.rows import PackRows
 from streampack.sample import Sample
 
 
@@ -89,7 +90,7 @@ def canon(item: Any) -> Any:
                 item.cu_seqlens_padded.numpy().tobytes(), item.num_targets)
     if isinstance(item, torch.Tensor):
         return item.numpy().tobytes()
-    if isinstance(item, (list, tuple)):
+    if isinstance(item, (list, tuple, PackRows)):  # a pack: its Samples
         return tuple(canon(x) for x in item)
     return item
 
@@ -165,3 +166,14 @@ def collect_documents(batches: Any) -> dict[str, list[int]]:
             assert idx not in parts, f"chunk {key} seen twice"
             parts[idx] = tokens
     return {k: [t for i in sorted(v) for t in v[i]] for k, v in chunks.items()}
+
+
+def read_as(monkeypatch: Any, blocks: bool) -> None:
+    """The graphs built from now on read pre-tokenized shards as token blocks where they can
+    (``BlockReader``), or every sample alone (a ``ShardReader``, which hands out no runs): the
+    two ways one reader reads, which must give the same stream."""
+    import streampack.graph.build as graph_build
+    from streampack.nodes.block_reader import BlockReader
+    from streampack.nodes.reader import ShardReader
+
+    monkeypatch.setattr(graph_build, "BlockReader", BlockReader if blocks else ShardReader)

@@ -20,9 +20,8 @@ import torch
 from helpers_data import make_token_docs, write_tar_shards
 from helpers_formats import write_parquet_shards
 from helpers_hostile import archive, member, npy_bytes, sample, write_bytes
-from node_checks import roundtrip, take
+from node_checks import read_as, roundtrip, take
 
-import streampack.graph.build as graph_build
 from streampack.dataset import PackedDataset
 from streampack.errors import DataError, ErrorPolicy
 from streampack.graph.build import build_graph
@@ -48,11 +47,6 @@ def full(batch) -> tuple:
     return (tuple(getattr(batch, f).dtype for f in _TENSORS), tuple(getattr(batch, f).numpy().tobytes() for f in _TENSORS),
             tuple(getattr(batch, f) for f in _SCALARS), stats,
             batch.varlen_cu_seqlens_bidirectional is batch.varlen_cu_seqlens)
-
-
-def read_as(monkeypatch, blocks: bool) -> None:
-    """The graphs built from now on read as blocks where they can, or every sample alone."""
-    monkeypatch.setattr(graph_build, "BlockReader", BlockReader if blocks else ShardReader)
 
 
 def _run(monkeypatch, fast: bool, urls, n: int | None = None, state=None, **kw):
@@ -448,14 +442,15 @@ def test_what_reads_as_blocks(monkeypatch, tmp_path) -> None:
 
     tar = write_tar_shards(tmp_path / "t", make_token_docs(20), 2)
     jsonl = write_jsonl_shards(tmp_path / "j", make_token_docs(20), 2)
-    config = StreamConfig(capacity=64, packing=PackOptions(window=8))
+    config = StreamConfig(capacity=64, epochs=1, packing=PackOptions(window=8))
 
     def reads(urls, read=ReadOptions(), **kw):
         graph = build_graph(dataclasses.replace(config, read=read), Sources(shards=ShardList.of(urls)), Placement(), **kw)
         graph.root.reset(None)
+        next(graph.root)
+        overlong, reader = graph.nodes["overlong"], graph.nodes["reader"]
         list(graph.root)
-        overlong = graph.nodes["overlong"]
-        return overlong.reads_blocks, graph.nodes["reader"].sample_reads
+        return overlong.reads_blocks, reader.sample_reads
 
     assert reads(tar) == (True, 0)
     assert reads(jsonl) == (True, 20)

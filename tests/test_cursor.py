@@ -14,15 +14,14 @@ import numpy as np
 import pytest
 import torch
 from helpers_data import write_tar_shards
+from node_checks import read_as
 from topology_sim import roundtrip
 
 import streampack
 from streampack import PackedDataset
-from streampack.nodes.chunker import ChunkNode
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.reader import KIND as READER_KIND
 from streampack.nodes.reader import ShardReader
-from streampack.nodes.row_packer import RowPacker
 from streampack.nodes.window_packer import WindowPacker
 from streampack.options import PackOptions
 from streampack.plan import rows as row_table
@@ -92,22 +91,21 @@ def _mid_split(urls: list[str]):
     raise AssertionError("no save point inside a split document")
 
 
-@pytest.mark.parametrize("contiguous", ["1", "0"])
-def test_what_the_nodes_hand_out_is_exactly_what_is_still_to_come(tmp_path, monkeypatch, contiguous):
+@pytest.mark.parametrize("blocks", [True, False])
+def test_what_the_nodes_hand_out_is_exactly_what_is_still_to_come(tmp_path, monkeypatch, blocks):
     """The packer's carry, the split document's chunks left and every sample after the frontier
     in the reader's plan hold, token for token, what the stream still delivers after the save."""
-    monkeypatch.setenv("STREAMPACK_CONTIGUOUS", contiguous)
+    read_as(monkeypatch, blocks)
     urls = _corpus(tmp_path)
     state, it = _mid_split(urls)
     graph = state["graph"]["chain"]
     packer, overlong = find_state(graph, WindowPacker.KIND), find_state(graph, OverlongNode.KIND)
-    chunker, packs = (ChunkNode, RowPacker) if contiguous == "1" else (OverlongNode, WindowPacker)  # its own nodes
-    split = chunker.undelivered(overlong, capacity=CAP, policy="split")
+    split = OverlongNode.undelivered(overlong, capacity=CAP, policy="split")
     assert isinstance(split, Undelivered) and isinstance(split.pulled, Pulled)
     refs = table_refs(split.carry)
     at = Split.from_state(overlong["pending"])
     assert refs["chunk"].tolist() == list(range(at.next, at.count)) and set(refs["offset"].tolist()) == {at.at.offset}
-    left = Undelivered.compose(split.pulled, packs.undelivered(packer).carry, split.carry)
+    left = Undelivered.compose(split.pulled, WindowPacker.undelivered(packer).carry, split.carry)
     assert table_size(left.carry) > table_size(split.carry) > 0
     plan = ShardReader.undelivered(find_state(graph, READER_KIND))
     assert plan.start_epoch == pulled_epoch(left) == 0
@@ -125,11 +123,11 @@ def test_what_the_nodes_hand_out_is_exactly_what_is_still_to_come(tmp_path, monk
     assert still == delivered, (still, delivered)
 
 
-@pytest.mark.parametrize("contiguous", ["1", "0"])
-def test_a_state_of_another_layout_is_refused_by_name(tmp_path, monkeypatch, contiguous):
+@pytest.mark.parametrize("blocks", [True, False])
+def test_a_state_of_another_layout_is_refused_by_name(tmp_path, monkeypatch, blocks):
     """The positional layout (version 4: references as an int64 ``[n, 7]`` matrix) is refused
     by its version; a reference table of this version without a column names the column."""
-    monkeypatch.setenv("STREAMPACK_CONTIGUOUS", contiguous)
+    read_as(monkeypatch, blocks)
     urls = _corpus(tmp_path)
     state, _ = _mid_split(urls)
     table = find_state(state["graph"], WindowPacker.KIND)["table"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers_data import write_tar_shards
-from node_checks import canon
+from node_checks import canon, read_as
 from topology_sim import roundtrip
 
 from streampack.dataset import PackedDataset
@@ -160,8 +160,8 @@ def _as_dicts(tree):
     return tree
 
 
-@pytest.mark.parametrize("contiguous", ["1", "0"])
-def test_node_records_are_one_leaf_each_and_a_state_of_another_layout_is_refused(tmp_path, monkeypatch, contiguous):
+@pytest.mark.parametrize("blocks", [True, False])
+def test_node_records_are_one_leaf_each_and_a_state_of_another_layout_is_refused(tmp_path, monkeypatch, blocks):
     """torchdata rebuilds every worker's state from its flat leaves in the training process after
     every batch (``_unflatten``: work per leaf and per level of its key): each reader's config and
     identity and each node's counters and metrics are one JSON text now, so a state is 44 leaves
@@ -173,7 +173,7 @@ def test_node_records_are_one_leaf_each_and_a_state_of_another_layout_is_refused
     version but keeps a dict record."""
     from torchdata.stateful_dataloader.incremental_state import _flatten
 
-    monkeypatch.setenv("STREAMPACK_CONTIGUOUS", contiguous)
+    read_as(monkeypatch, blocks)
     urls = _shards(tmp_path, [300] * 40)
 
     def make() -> PackedDataset:

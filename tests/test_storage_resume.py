@@ -3,7 +3,7 @@ DataLoader workers and 3 consecutive interruptions, locally and over HTTP with f
 while it runs: k interrupted runs == one uninterrupted run, batch for batch, bit for bit.
 
 The default set runs each format with 0 workers, all formats in one dataset with 2 workers, and
-the remote run; each format with 2 workers, and the contiguous path's remote restores, are in the
+the remote run; each format with 2 workers, and the block reads' remote restores, are in the
 slow set."""
 
 from __future__ import annotations
@@ -100,15 +100,14 @@ def test_three_interruptions_over_http_with_faults(corpus, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["tar", "parquet"])
-def test_contiguous_restores_over_http_with_faults(corpus, monkeypatch, fmt):
-    """One source of tar or parquet shards takes the contiguous path, whose restores pick the
+def test_block_restores_over_http_with_faults(corpus, monkeypatch, fmt):
+    """Pre-tokenized tar or parquet shards are read as blocks, and restores pick the
     carried tar samples with one ranged request per cluster, or read each parquet row group
     once: over HTTP, with short reads and truncated bodies injected, three restores give the
     uninterrupted batches."""
     from streampack.io import retry
 
     monkeypatch.setattr(retry._rng, "uniform", lambda lo, hi: min(hi, 0.01))
-    monkeypatch.setenv("STREAMPACK_CONTIGUOUS", "1")
     local = _run(corpus[0][fmt], 0, [], 40)
     with serve_faulty(corpus[1]) as server:
         remote = [f"{server.url}/{os.path.relpath(u, corpus[1])}" for u in corpus[0][fmt]]

@@ -1,6 +1,5 @@
-"""The graph builder: settings -> the node graph one reader runs (:mod:`.build`), the checks a
-dataset runs once when it is built (:mod:`.preflight`), and the contiguous fast path for
-pre-tokenized shards (:mod:`.contiguous`).
+"""The graph builder: settings -> the node graph one reader runs (:mod:`.build`), and the checks a
+dataset runs once when it is built (:mod:`.preflight`).
 
 To build a graph by hand: :func:`build_graph` and the three records it takes (what the stream is,
 where it reads from, which reader this is).

@@ -1,6 +1,6 @@
 """A run of pre-tokenized documents read in one piece: one token array, per-document arrays.
 
-The contiguous fast path (``streampack.nodes.block_reader``) reads a shard range as blocks
+A reader of pre-tokenized shards (``streampack.nodes.block_reader``) reads a shard range as blocks
 instead of one :class:`~streampack.sample.Sample` per document: a :class:`TokenBlock` holds the
 bytes of many documents and says, per document, where its ids sit in one integer array and
 where the sample started in the shard (what a resume state refers to). A document is never

@@ -1,13 +1,13 @@
-"""BlockReader: a ShardReader that also hands out runs of documents read as token blocks.
+"""BlockReader: the graph's reader, which hands out runs of documents read as token blocks.
 
-The contiguous fast path's source. :meth:`BlockReader.run` returns the documents from the
-reader's position to the end of the block it is in (a :class:`DocRun`: a
-:class:`~streampack.io.token_block.TokenBlock` and a row range, nothing per document), and
-:meth:`BlockReader.consume` moves the position past the first ``k`` of them — exactly as ``k``
-calls of :meth:`ShardReader.next` would: the same ``(epoch, shard_pos, offset, sample,
-yielded)`` position, the same span and epoch roll-over, the same shard identity checks. So
-its state is a ShardReader state (same keys, same values), and a state saved on either path
-restores on the other.
+Its direct consumer, the overlong node, takes documents of pre-tokenized shards as runs:
+:meth:`BlockReader.run` returns the documents from the reader's position to the end of the
+block it is in (a :class:`DocRun`: a :class:`~streampack.io.token_block.TokenBlock` and a row
+range, nothing per document), and :meth:`BlockReader.consume` moves the position past the first
+``k`` of them — exactly as ``k`` calls of :meth:`ShardReader.next` would: the same ``(epoch,
+shard_pos, offset, sample, yielded)`` position, the same span and epoch roll-over, the same
+shard identity checks, so its state is a ShardReader state. Any other consumer (a mixture, the
+tokenizer, a stage) reads it sample by sample with ``next()``.
 
 Where a block reader cannot go on (a format without one, text, a sample it does not judge
 plain: see :mod:`streampack.io.blocks`), the span is read per sample by the ShardReader

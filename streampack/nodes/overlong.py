@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -47,9 +47,15 @@ from streampack.sample import Sample
 if TYPE_CHECKING:  # media stays an optional part: imported where a sample has images
     from streampack.media.options import MediaOptions
     from streampack.media.stage import MediaSpans
-    from streampack.plan.replay import Replayer
 
 OverlongPolicy = Literal["split", "truncate", "drop", "error"]
+
+
+class Rechunk(Protocol):
+    """What the node re-reads a split sample with (a :class:`~streampack.plan.replay.Replayer`)."""
+
+    def chunks(self, at: Position, store: BlockStore) -> np.ndarray: ...
+
 _log = get_logger(__name__)
 
 
@@ -261,7 +267,7 @@ class OverlongNode(BaseNode[Sample]):
     KIND = "OverlongNode"
 
     def __init__(self, source: BaseNode[Sample], max_len: int, policy: str = "split", *,
-                 replay: Replayer | None = None, media: MediaOptions | None = None,
+                 replay: Rechunk | None = None, media: MediaOptions | None = None,
                  error_policy: ErrorPolicy | None = None) -> None:
         super().__init__()
         # max_len and policy as checked by StreamConfig and PackOptions; apply_overlong checks them for a

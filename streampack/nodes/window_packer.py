@@ -220,15 +220,14 @@ class WindowPacker(BaseNode[PackRows]):
         """The reservoir's packs are the state's packs (re-read at once: the schedule may take any
         of them next); its counters are saved."""
         res.load(counts=saved["counts"].numpy(), first_batch=saved["first_batch"], emitted=saved["emitted"])
-        for at in range(0, len(self._packs), READ_AHEAD):
-            self._read_ahead(at)
+        self._packs = self._read(self._packs)
         res.add(self._packs, self._costs(self._packs), born=saved["born"].tolist(), count=False)
         self._packs, self._emitted = [], 0
 
     def _rows(self, table: Mapping[str, Any]) -> np.ndarray:
         """A table's rows: stored samples as rows of their own block; references as rows not
         re-read yet, every shard they point into checked now (a changed shard is refused at the
-        restore); each pack's documents are re-read when it is about to leave (:meth:`_read_ahead`)."""
+        restore); each pack's documents are re-read when it is about to leave (:meth:`_read`)."""
         n = table_size(table)
         if not n:
             return rows_of(0)
@@ -260,11 +259,13 @@ class WindowPacker(BaseNode[PackRows]):
             self._run_round()
             if not self._packs:
                 raise StopIteration
-        pack = self._packs[self._emitted]
-        if pack.lazy:
-            pack = self._read_ahead(self._emitted)
+        at = self._emitted
+        if self._packs[at].lazy:  # the next READ_AHEAD packs' documents in one re-read
+            end = min(at + READ_AHEAD, len(self._packs))
+            self._packs[at:end] = self._read(self._packs[at:end])
+            self._forget_if_read()
         self._emitted += 1
-        return self._count(pack)
+        return self._count(self._packs[at])
 
     def _next_balanced(self, res: Reservoir[PackRows]) -> PackRows:
         """Keep ``reservoir`` packs ready (rounds as usual), emit the one the schedule picks."""
@@ -276,6 +277,9 @@ class WindowPacker(BaseNode[PackRows]):
             raise StopIteration
         self._cache = None
         pack, waited, forced = res.take()
+        if pack.lazy:  # a restored carry document in a pack made since
+            (pack,) = self._read([pack])
+            self._forget_if_read()
         m = self.metrics
         m["forced_by_hold"] += forced
         m["held_steps"] += waited
@@ -296,24 +300,26 @@ class WindowPacker(BaseNode[PackRows]):
         model = self.balancing.cost_model  # type: ignore[union-attr]
         return np.array([model.pack_cost(p.rows["length"]) / self.scale.full for p in packs], dtype=np.float64)
 
-    def _read_ahead(self, at: int) -> PackRows:
-        """Re-read the documents of the next :data:`READ_AHEAD` restored packs from ``at`` (one
-        replay: the block reads of one cluster serve all of them); returns pack ``at``."""
-        end = min(at + READ_AHEAD, len(self._packs))
-        todo = [j for j in range(at, end) if self._packs[j].lazy]
-        if not todo:
-            return self._packs[at]
+    def _read(self, packs: list[PackRows]) -> list[PackRows]:
+        """``packs`` with the documents of the restored ones re-read (one replay: the block reads
+        of one cluster serve all of them)."""
+        lazy = [p for p in packs if p.lazy]
+        if not lazy:
+            return packs
         assert self.replay is not None  # only a restore by reference makes lazy packs
-        rows = cat([self._packs[j].rows for j in todo])
+        rows = cat([p.rows for p in lazy])
         unread = rows["block"] == UNREAD
         put(rows, unread, self.replay(ref_table(take(rows, unread)), self.store))
-        blocks = {k: v for j in todo for k, v in self._packs[j].blocks.items()}  # the documents read since
+        blocks = {k: v for p in lazy for k, v in p.blocks.items()}  # the documents read since
         blocks.update(self.store.subset(take(rows, unread)))
-        for j, pack in zip(todo, make_packs(rows, [len(self._packs[j]) for j in todo], blocks, align=self.align)):
-            self._packs[j] = pack
-        if not any(p.lazy for p in self._packs[end:]) and not (self._carry["block"] == UNREAD).any():
-            self.replay.forget()  # every carried document is read again
-        return self._packs[at]
+        read = iter(make_packs(rows, [len(p) for p in lazy], blocks, align=self.align))
+        return [next(read) if p.lazy else p for p in packs]
+
+    def _forget_if_read(self) -> None:
+        """Let the replay drop what it kept for carried documents once none is left unread."""
+        held = self._packs + (self.reservoir.items if self.reservoir is not None else [])
+        if self.replay is not None and not any(p.lazy for p in held) and not (self._carry["block"] == UNREAD).any():
+            self.replay.forget()
 
     def get_state(self) -> dict[str, Any]:
         if self._cache is None:
@@ -350,9 +356,8 @@ class WindowPacker(BaseNode[PackRows]):
             if is_ref.all():
                 return refs_table(ref_table(held))
         stored = take(held, ~is_ref)
-        blocks = self.store.subset(stored)
-        for p in packs:
-            blocks.update(p.blocks)
+        blocks = {k: v for p in packs for k, v in p.blocks.items()}  # the store keeps only the carry's
+        blocks.update({b: self.store.blocks[b] for b in set(stored["block"].tolist()) - blocks.keys()})
         return {"is_ref": torch.from_numpy(is_ref), "refs": refs_to_state(ref_table(take(held, is_ref))),
                 "stored": samples_to_state(PackRows(rows=stored, blocks=blocks).samples())}
 

@@ -58,6 +58,7 @@ def _records(plain: np.ndarray) -> np.ndarray:
 
 def cat(parts: Sequence[np.ndarray]) -> np.ndarray:
     """``np.concatenate`` of row arrays, at a plain matrix's speed."""
+    parts = [p for p in parts if p.shape[0]]  # an empty one may have strides no view accepts
     return _records(np.concatenate([_plain(p) for p in parts])) if parts else rows_of(0)
 
 
