@@ -92,16 +92,12 @@ class PackedBatch:
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Per-token side tensors ``[T, ...]`` packed with the same layout, zero-padded."""
     est_cost: float | None = None
-    """Estimated compute of the batch's real documents, ``linear × num_tokens + attention ×
-    Σ L²`` of a :class:`streampack.packing.CostModel` (FLOPs for a model shape; filler packs
-    cost 0), set by the pipeline's collate when ``PackedDataset(cost_model=...)`` is given,
-    else ``None``. Gather it over data-parallel ranks to see a step's imbalance: the step
-    takes as long as the costliest rank."""
+    """Estimated compute of the real documents, ``linear × num_tokens + attention × Σ L²`` of a
+    :class:`streampack.packing.CostModel` (set by the pipeline's collate with ``CostOptions(model=)``,
+    else None). Gathered over data-parallel ranks it shows a step's imbalance."""
     vision: VisionBatch | None = None
-    """The images of the batch's documents (pixels, grids, owning document and token positions,
-    vision ``cu_seqlens``, mRoPE positions; :mod:`streampack.layout.vision_batch`). Set on every
-    batch of a media stream, empty when no document has an image (filler batches included), so
-    ``hf_inputs()`` has the model's position layout on every step; None for text streams."""
+    """The images of the batch's documents (:mod:`streampack.layout.vision_batch`): on every batch
+    of a media stream, empty when no document has one; None for text streams."""
     stats: WorkerStats | None = None
     """Running totals of the reader that built this batch (set by the pipeline's collate stage;
     ``None`` for a batch built directly with :func:`pack_batch`)."""
@@ -207,10 +203,9 @@ def _positive_int(value: Any, name: str) -> int:
 
 
 def _ready(doc: Any) -> bool:
-    """A document :func:`check_doc` would pass with its values unchanged: a Sample of 1-D integer
-    ids (any width that int64 holds), with no labels, loss mask or extras -- what a pre-tokenized
-    reader yields. It skips the per-document checks and the copy into a new Sample (~25 µs of the
-    ~30 µs a document cost in a profile of the ``pack_batch`` stage)."""
+    """A document :func:`check_doc` would pass unchanged (a Sample of 1-D integer ids that int64
+    holds, no labels, loss mask or extras: what a pre-tokenized reader yields); skipping the
+    check and its copy saves ~25 of the ~30 µs a document cost."""
     if type(doc) is not Sample or doc.labels is not None or doc.loss_mask is not None or doc.extras or doc.images:
         return False
     tokens = doc.tokens
@@ -246,10 +241,9 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     docs = [[d if _ready(d) else check_doc(normalize(d, (p, i)), ignore_index) for i, d in enumerate(pack)]
             for p, pack in enumerate(packs)]
     extra_names = check_extras(docs)
-    # One buffer for the three [T] int64 fields: a DataLoader worker hands a batch over as one
-    # shared-memory segment per storage, so three tensors on one storage cost one segment (the
-    # int32 offsets share another). benchmarks/bench_transfer.py, 8 x 4096 tokens through one
-    # worker: 318 batches/s against 156 with a storage per field (2-core box, loaded).
+    # one storage for the three [T] int64 fields (the int32 offsets share another): a worker
+    # hands a batch over per storage, 318 batches/s against 156 with one per field
+    # (benchmarks/bench_transfer.py, 8 x 4096 tokens, one worker)
     rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()
     input_ids.fill(pad_id)
@@ -266,8 +260,7 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
         keys.append(doc.doc_key)
         starts.append(start)
     cu_real, cu_padded = np.asarray(real, dtype=np.int32), np.asarray(padded, dtype=np.int32)
-    # positions and per-document target counts in whole-batch operations rather than one
-    # arange / any() per document (~60 documents per batch of 8 x 4096 lognormal(600) tokens)
+    # positions and per-document target counts in whole-batch operations, not one per document
     spans = np.diff(cu_padded)
     positions[:] = np.arange(total) - np.repeat(cu_padded[:-1].astype(np.int64), spans)
     supervised = labels != ignore_index

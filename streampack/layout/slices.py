@@ -1,19 +1,11 @@
 """The THD batch laid out from documents given as slices of token arrays, in whole-array work.
 
 :func:`pack_slices` is :func:`~streampack.layout.batch.pack_batch` for plain pre-tokenized
-documents (ids only: no labels, loss mask, extras or images) that are not Sample objects but
-``(array, start, length)`` slices — what the contiguous fast path's collate has: every
-document still sits in the buffer it was read into. The output is pack_batch's, field for
-field (``tests/test_contiguous.py`` compares them): the same one ``[3, T]`` int64 buffer for
-``input_ids`` / ``labels`` / ``position_ids``, the same int32 offset buffer, the same counts.
-
-Cost per batch (``align == 1``): three ``concatenate`` calls of views written into the batch's
-buffer (the int32 -> int64 widening happens in the copy), one Python pass over the documents
-that makes the views and the offsets, one int32 buffer for every offset. Measured (8 x
-4096 tokens, 54 documents, 2-core box loaded, min of 400): 0.18 ms, where ``pack_batch`` took 0.52
-ms on the same documents as Samples, and per-pack slice copies with ``offset_fields`` 0.29 ms.
-With ``align > 1`` each document is copied to its aligned span and ``offset_fields`` makes the
-offsets (the per-sample path's way, ~0.3 ms).
+documents (ids only) given as ``(array, start, length)`` slices of the buffers they were read
+into: the contiguous fast path's collate. Its output is pack_batch's, field for field
+(``tests/test_contiguous.py`` compares them). With ``align == 1`` each ``[T]`` row is one
+``concatenate`` of views: 0.18 ms a batch of 8 x 4096 tokens where ``pack_batch`` takes 0.52 ms
+on the same documents as Samples (54 documents, 2-core box).
 """
 
 from __future__ import annotations
@@ -46,11 +38,11 @@ def pack_slices(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.n
     ``sources[i][starts[i]:starts[i] + lengths[i]]`` (any integer dtype; int ``[n]`` starts and
     lengths, ``n = sum(pack_sizes)``), pack ``p`` holds the next ``pack_sizes[p]`` documents, in
     order; ``doc_keys`` name them. Every document is padded to a multiple of ``align`` and a
-    pack's trailing padding joins its last document's span, as in ``pack_batch``.
-    ``ids_nonnegative``: the caller knows no id is negative (the readers checked every one), so
-    none equals a negative ``ignore_index`` and the targets are counted without a pass."""
-    if capacity < 1 or align < 1 or capacity % align:
-        raise ValueError(f"{capacity=} must be a positive multiple of {align=}")
+    pack's trailing padding joins its last document's span, as in ``pack_batch``. ``capacity``
+    and ``align`` are a collate's ``BatchLayout``, taken as checked (``StreamConfig`` checks
+    ``capacity % align`` once). ``ids_nonnegative``: the caller knows no id is negative (the
+    readers checked every one), so none equals a negative ``ignore_index`` and the targets are
+    counted without a pass."""
     num_packs = len(pack_sizes)
     total = num_packs * capacity
     if not num_packs or total > _INT32_MAX:
@@ -66,11 +58,9 @@ def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np
                   doc_keys: tuple[str, ...], *, capacity: int, pad_id: int, ignore_index: int,
                   ids_nonnegative: bool) -> PackedBatch:
     """``align == 1``: each of the three ``[T]`` rows is one ``concatenate`` of views (a
-    document, its shifted ids, a run of a constant), written into the batch's buffer; the
-    offsets are Python ints gathered on the way (the causal varlen spans of ``offset_fields``
-    without its sort: with no alignment padding they are the padded offsets plus each
-    non-full pack's real end). ~0.16 ms a batch where per-pack copies and ``offset_fields``
-    took ~0.29 ms (8 x 4096 tokens, ~55 documents, loaded box)."""
+    document, its shifted ids, a run of a constant); the offsets are Python ints gathered on the
+    way (with no alignment padding the causal varlen spans are the padded offsets plus each
+    non-full pack's real end, so ``offset_fields``' sort is not needed)."""
     total = len(pack_sizes) * capacity
     rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()

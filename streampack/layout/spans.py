@@ -1,31 +1,20 @@
 """Where every document sits on the token axis, and the spans attention kernels need.
 
-:func:`doc_spans` places the documents of each pack (``pack_batch``'s layout). The rest are the
-span offsets of kernels without a padded variant, computed on the host.
-
-flash-attn varlen, torch's ``varlen_attn`` and HF's packed ``flash_attention_2`` path take one
-list of contiguous spans covering the token axis. A :class:`~streampack.layout.batch.PackedBatch`
-carries these spans, built here once per batch on the CPU (in the DataLoader worker), so an
-adapter called on a GPU batch reads them instead of deriving them with ``torch.unique`` or
-``int(tensor)`` -- each a host-device sync per call.
-
-Worked example (``capacity=8, align=2``; documents ``a`` of 3 tokens and ``b`` of 2)::
+:func:`doc_spans` places the documents of each pack (``pack_batch``'s layout). Kernels without a
+padded variant (flash-attn varlen, torch's ``varlen_attn``, HF's packed ``flash_attention_2``)
+take one list of contiguous spans covering the token axis; a batch carries them, built here once
+on the CPU, so an adapter on a GPU batch needs no host-device sync to derive them. With
+``capacity=8, align=2`` and documents ``a`` (3 tokens) and ``b`` (2)::
 
     tokens            a0 a1 a2 P  b0 b1 P  P
-    cu_seqlens        [0, 3, 5]          real lengths
     cu_seqlens_padded [0, 4, 8]          aligned spans (the trailing padding joins ``b``)
-    causal spans      [0, 4, 6, 8]       alignment padding inside its document's span (no real
-                                         query can see it: it comes after the real tokens);
-                                         the pack's trailing padding ``[6, 8)`` its own span
-    bidirectional     [0, 3, 4, 6, 8]    every run of padding its own span: in bidirectional
-                                         attention a real token would see padding after it
+    causal spans      [0, 4, 6, 8]       alignment padding inside its document's span (after the
+                                         real tokens: no real query sees it); the pack's
+                                         trailing padding ``[6, 8)`` its own span
+    bidirectional     [0, 3, 4, 6, 8]    every run of padding its own span
 
 Every position lies in some span, so the kernel writes every output row (flash-attn leaves rows
 past ``cu_seqlens[-1]`` uninitialised).
-
-Cost, measured on the shared 2-core development machine under load (provisional): both span
-layouts of a batch of 8 packs x 4096 tokens (50 documents) take ~0.24 ms, next to ~5.6 ms for
-the whole ``pack_batch``; on the GPU the same derivation cost a host sync per adapter call.
 """
 
 from __future__ import annotations
