@@ -31,7 +31,7 @@ from streampack.layout.documents import (
     targets,
 )
 from streampack.layout.spans import (
-    doc_spans,
+    doc_places,
     longest,
     offset_fields,
     span_index,
@@ -241,6 +241,11 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     docs = [[d if _ready(d) else check_doc(normalize(d, (p, i)), ignore_index) for i, d in enumerate(pack)]
             for p, pack in enumerate(packs)]
     extra_names = check_extras(docs)
+    flat = [d for pack in docs for d in pack]
+    keys = tuple(d.doc_key for d in flat)
+    lengths = np.fromiter((len(d) for d in flat), dtype=np.int64, count=len(flat))
+    at, cu_padded = doc_places(lengths, [len(pack) for pack in docs], keys, capacity, align)
+    starts = at.tolist()
     # one storage for the three [T] int64 fields (the int32 offsets share another): a worker
     # hands a batch over per storage, 318 batches/s against 156 with one per field
     # (benchmarks/bench_transfer.py, 8 x 4096 tokens, one worker)
@@ -249,43 +254,35 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     input_ids.fill(pad_id)
     labels.fill(ignore_index)
     extras = alloc_extras(docs, extra_names, total)
-    real, padded, keys, starts = [0], [0], [], []
-    for doc, (start, n, end) in zip((d for pack in docs for d in pack), doc_spans(docs, capacity, align)):
+    for doc, start, n in zip(flat, starts, lengths.tolist()):
         input_ids[start:start + n] = doc.tokens
         labels[start:start + n - 1] = doc.tokens[1:] if _ready(doc) else targets(doc, ignore_index)[1:]
         for name in extra_names:
             extras[name][start:start + n] = doc.extras[name]
-        real.append(real[-1] + n)
-        padded.append(end)
-        keys.append(doc.doc_key)
-        starts.append(start)
-    cu_real, cu_padded = np.asarray(real, dtype=np.int32), np.asarray(padded, dtype=np.int32)
-    # positions and per-document target counts in whole-batch operations, not one per document
-    spans = np.diff(cu_padded)
-    positions[:] = np.arange(total) - np.repeat(cu_padded[:-1].astype(np.int64), spans)
-    supervised = labels != ignore_index
-    seen = np.concatenate(([0], np.cumsum(supervised)))
-    target_docs = int(np.count_nonzero(seen[cu_padded[1:]] - seen[cu_padded[:-1]]))
+    batch = from_rows(rows, lengths, cu_padded, keys, capacity=capacity, align=align, pad_id=pad_id,
+                      ignore_index=ignore_index)
+    batch.extras = {k: torch.from_numpy(v) for k, v in extras.items()}
+    batch.vision = vision_batch(flat, starts, batch.input_ids, batch.varlen_cu_seqlens, vision_layout)
+    return batch
+
+
+def from_rows(rows: torch.Tensor, lengths: np.ndarray, cu_padded: np.ndarray, keys: tuple[str, ...], *,
+              capacity: int, align: int, pad_id: int, ignore_index: int) -> PackedBatch:
+    """The batch of ``rows`` (int64 ``[3, T]``: ids and shifted labels written, positions to
+    fill) whose documents of ``lengths`` (int ``[n]``) sit at the spans of ``cu_padded`` (int32
+    ``[n+1]``): positions, offsets and counts in whole-batch operations, not one per document."""
+    total = rows.shape[1]
+    _, labels, positions = rows.numpy()
+    np.subtract(np.arange(total), np.repeat(cu_padded[:-1], np.diff(cu_padded)), out=positions)
+    cu_real = np.zeros(lengths.size + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu_real[1:])
+    seen = np.concatenate(([0], np.cumsum(labels != ignore_index)))
     offsets = offset_fields(cu_real, cu_padded, align)
-    return PackedBatch(
-        input_ids=rows[0],
-        labels=rows[1],
-        position_ids=rows[2],
-        **offsets,
-        max_seqlen=longest(cu_padded),
-        num_tokens=real[-1],
-        num_targets=int(seen[-1]),
-        num_target_docs=target_docs,
-        doc_keys=tuple(keys),
-        capacity=capacity,
-        num_packs=len(docs),
-        align=align,
-        pad_id=pad_id,
-        ignore_index=ignore_index,
-        extras={k: torch.from_numpy(v) for k, v in extras.items()},
-        vision=vision_batch([d for pack in docs for d in pack], starts, rows[0], offsets["varlen_cu_seqlens"],
-                            vision_layout),
-    )
+    return PackedBatch(input_ids=rows[0], labels=rows[1], position_ids=rows[2], **offsets,
+                       max_seqlen=longest(cu_padded), num_tokens=int(cu_real[-1]), num_targets=int(seen[-1]),
+                       num_target_docs=int(np.count_nonzero(seen[cu_padded[1:]] - seen[cu_padded[:-1]])),
+                       doc_keys=keys, capacity=capacity, num_packs=total // capacity, align=align, pad_id=pad_id,
+                       ignore_index=ignore_index)
 
 
 def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = None) -> None:

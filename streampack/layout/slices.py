@@ -15,15 +15,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from streampack.layout.batch import PackedBatch
-from streampack.layout.spans import longest, offset_fields
+from streampack.layout.batch import PackedBatch, from_rows
+from streampack.layout.spans import doc_places
 
 _INT32_MAX = 2**31 - 1
 _RAMPS: dict[int, np.ndarray] = {}
 
 
 def _ramp(n: int) -> np.ndarray:
-    """``arange(n)`` made once per batch size (read only)."""
+    """``arange(n)`` made once per capacity (read only)."""
     ramp = _RAMPS.get(n)
     if ramp is None:
         ramp = _RAMPS[n] = np.arange(n, dtype=np.int64)
@@ -129,28 +129,10 @@ def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np
 
 def _aligned(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.ndarray, pack_sizes: Sequence[int],
              doc_keys: tuple[str, ...], *, capacity: int, align: int, pad_id: int, ignore_index: int) -> PackedBatch:
-    """Any ``align``: each document copied to its aligned span, offsets by ``offset_fields``."""
-    num_packs = len(pack_sizes)
-    sizes = np.asarray(pack_sizes, dtype=np.int64)
+    """Any ``align``: each document copied to its aligned span (``doc_places``), offsets by ``offset_fields``."""
+    total = len(pack_sizes) * capacity
     lengths = np.asarray(lengths, dtype=np.int64)
-    total = num_packs * capacity
-    if (sizes < 1).any() or (lengths < 1).any():
-        raise ValueError("pack_slices needs non-empty packs of non-empty documents")
-    spans = -(-lengths // align) * align
-    ends = np.cumsum(spans)
-    last = np.cumsum(sizes) - 1
-    before = np.zeros(num_packs, dtype=np.int64)
-    before[1:] = ends[last[:-1]]  # span total of the packs before each
-    used = ends[last] - before
-    if (used > capacity).any():
-        p = int(np.argmax(used > capacity))
-        raise ValueError(f"pack {p} holds {int(used[p])} tokens after {align=}, more than {capacity=}")
-    shift = np.arange(0, total, capacity, dtype=np.int64) - before  # pack p's spans start at p * capacity
-    doc_start = ends - spans + np.repeat(shift, sizes)
-    cu_padded = np.empty(lengths.size + 1, dtype=np.int32)
-    cu_padded[0] = 0
-    cu_padded[1:] = doc_start + spans
-    cu_padded[last + 1] = np.arange(capacity, total + 1, capacity)
+    doc_start, cu_padded = doc_places(lengths, pack_sizes, doc_keys, capacity, align)
     rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()
     input_ids.fill(pad_id)
@@ -159,16 +141,8 @@ def _aligned(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.ndar
         doc = src[a:a + n]
         input_ids[s:s + n] = doc
         labels[s:s + n - 1] = doc[1:]
-    np.subtract(_ramp(total), np.repeat(cu_padded[:-1], np.diff(cu_padded)), out=positions)
-    cu_real = np.zeros(lengths.size + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu_real[1:])
-    seen = np.concatenate(([0], np.cumsum(labels != ignore_index)))
-    target_docs = int(np.count_nonzero(seen[cu_padded[1:]] - seen[cu_padded[:-1]]))
-    offsets = offset_fields(cu_real, cu_padded, align)
-    return PackedBatch(input_ids=rows[0], labels=rows[1], position_ids=rows[2], **offsets,
-                       max_seqlen=longest(cu_padded), num_tokens=int(cu_real[-1]), num_targets=int(seen[-1]),
-                       num_target_docs=target_docs, doc_keys=doc_keys, capacity=capacity, num_packs=num_packs,
-                       align=align, pad_id=pad_id, ignore_index=ignore_index)
+    return from_rows(rows, lengths, cu_padded, doc_keys, capacity=capacity, align=align, pad_id=pad_id,
+                     ignore_index=ignore_index)
 
 
 def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
