@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -147,7 +147,8 @@ class PackedBatch:
                 done[id(t)] = fn(t)
             return done[id(t)]
 
-        changes: dict[str, Any] = {name: once(getattr(self, name)) for name in _TENSOR_FIELDS}
+        changes: dict[str, Any] = {f.name: once(v) for f in fields(self)
+                                   if isinstance(v := getattr(self, f.name), torch.Tensor)}
         changes["extras"] = {k: once(v) for k, v in self.extras.items()}
         if self.vision is not None:
             changes["vision"] = self.vision.map_tensors(once)
@@ -173,10 +174,6 @@ class PackedBatch:
     def hf_inputs(self) -> adapters.HFInputs:
         inputs = adapters.hf_inputs(self)
         return inputs if self.vision is None else hf_vision_inputs(self, inputs)
-
-
-_TENSOR_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded",
-                  "varlen_cu_seqlens", "varlen_cu_seqlens_bidirectional")
 
 
 def alignment(cp_size: int = 1, tp_size: int = 1, *, sequence_parallel: bool = True,

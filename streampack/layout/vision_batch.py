@@ -26,7 +26,7 @@ positions are computed by :mod:`streampack.layout.vision`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -80,12 +80,8 @@ class VisionBatch:
         return 0 if self.video_doc is None else int(self.video_doc.shape[0])
 
     def map_tensors(self, once: Any) -> VisionBatch:
-        return replace(self, **{n: once(getattr(self, n)) for n in _TENSORS if getattr(self, n) is not None})
-
-
-_TENSORS = ("pixel_values", "image_grid_thw", "image_doc", "image_token_starts", "image_token_lengths",
-            "vision_cu_seqlens", "mrope_position_ids", "image_sizes", "pixel_values_videos", "video_grid_thw",
-            "video_doc", "video_token_starts", "video_token_lengths", "video_cu_seqlens")
+        return replace(self, **{f.name: once(v) for f in fields(self)
+                                if isinstance(v := getattr(self, f.name), torch.Tensor)})
 
 
 def _gather(items: list[tuple[int, Any, Any]], starts: Sequence[int]) -> dict[str, torch.Tensor]:
