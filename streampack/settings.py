@@ -4,7 +4,8 @@ where this reader sits.
 :class:`StreamConfig` holds the batch's shape, the order and the epochs, and the option record
 of each stage (:mod:`streampack.options`): the one record the front and the graph builder pass;
 :class:`Sources` is what the user named, expanded once;
-:class:`Placement` which reader a graph is; :class:`Share` what an elastic resume hands one new
+:class:`Placement` (from :mod:`streampack.options.topology`, where the nodes can take it too) which
+reader a graph is; :class:`Share` what an elastic resume hands one new
 reader. :func:`fingerprint_settings` is what a resume state records of them.
 """
 
@@ -34,6 +35,7 @@ from streampack.options import (
     field_for,
 )
 from streampack.options._check import need_int, need_type
+from streampack.options.topology import Placement as Placement  # re-exported: the graph's records are here
 from streampack.packing.window_rounds import PackerRules, default_max_wait
 from streampack.plan.sharding import Span
 
@@ -177,27 +179,6 @@ def fingerprint_settings(config: StreamConfig) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Placement:
-    """Which reader this graph is: data-parallel rank and DataLoader worker."""
-
-    dp_rank: int = 0
-    dp_size: int = 1
-    worker_id: int = 0
-    num_workers: int = 1
-    """Readers on this rank (``max(DataLoader num_workers, 1)``)."""
-    passes: int = 0
-    """Finite mode: completed passes before this one (pass ``p`` reads epochs ``[p*N, (p+1)*N)``)."""
-
-    @property
-    def global_worker(self) -> int:
-        return self.dp_rank * self.num_workers + self.worker_id
-
-    @property
-    def global_workers(self) -> int:
-        return self.dp_size * self.num_workers
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -505,11 +505,23 @@ def test_pack_slices_edges_are_pack_batch(pack_lengths, ignore_index: int, nonne
     assert full(got) == full(pack_batch(packs, capacity=64, pad_id=9, ignore_index=ignore_index))
 
 
-def test_pack_slices_refuses_what_pack_batch_refuses() -> None:
+@pytest.mark.parametrize("align", [1, 4])
+def test_pack_slices_refuses_what_pack_batch_refuses(align: int) -> None:
+    """The same refusals, in the same words, on both the back-to-back and the aligned path."""
+    capacity = 60  # a multiple of 4: 63 tokens need a 64-token span
+    cases = [  # packs of (key, length)
+        ([[("a", 5)], []], "pack 1 is empty"),
+        ([[("a", 5)], [("b", 0), ("c", 3)]], "document 'b' in pack 1 has zero length"),
+        ([[("a", 5)], [("b", 56), ("c", 5)]], "pack 1 holds 6[14] tokens.*more than capacity=60"),
+    ]
+    if align > 1:
+        cases.append(([[("a", 4)], [("b", 63)]], "document 'b' of length 63 needs 64 tokens after align=4"))
     buf = np.ones(200, dtype=np.int32)
-    with pytest.raises(ValueError, match="pack 1 is empty"):
-        pack_slices([buf], np.array([0]), np.array([5]), [1, 0], ("a",), capacity=64)
-    with pytest.raises(ValueError, match="document 'b' in pack 1 has zero length"):
-        pack_slices([buf] * 3, np.array([0, 5, 5]), np.array([5, 0, 3]), [1, 2], ("a", "b", "c"), capacity=64)
-    with pytest.raises(ValueError, match="pack 1 holds 65 tokens, more than capacity=64"):
-        pack_slices([buf] * 3, np.array([0, 0, 0]), np.array([5, 60, 5]), [1, 2], ("a", "b", "c"), capacity=64)
+    for packs, match in cases:
+        flat = [doc for pack in packs for doc in pack]
+        with pytest.raises(ValueError, match=match):
+            pack_batch([[{"input_ids": [1] * n, "key": k} for k, n in pack] for pack in packs],
+                       capacity=capacity, align=align)
+        with pytest.raises(ValueError, match=match):
+            pack_slices([buf] * len(flat), np.zeros(len(flat), dtype=np.int64), np.array([n for _, n in flat]),
+                        [len(pack) for pack in packs], tuple(k for k, _ in flat), capacity=capacity, align=align)

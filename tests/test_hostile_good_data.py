@@ -22,6 +22,7 @@ from node_checks import roundtrip
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.nodes.reader import ShardReader
 from streampack.options import ReadOptions
+from streampack.options.topology import Placement
 
 
 def damage_header(data: bytes, offset: int) -> bytes:
@@ -120,7 +121,7 @@ def test_split_between_workers_reads_every_intact_sample_once(tmp_path) -> None:
     data = damage_header(archive(*parts), offsets_of(parts)[4])
     url = write_bytes(tmp_path / "s.tar", data)
     read = ReadOptions(cache_dir=str(tmp_path / "c"))
-    per_worker = [ids(ShardReader(url, shuffle=False, epochs=1, worker_id=w, num_workers=2, read=read,
+    per_worker = [ids(ShardReader(url, shuffle=False, epochs=1, place=Placement(worker_id=w, num_workers=2), read=read,
                                   error_policy=ErrorPolicy("skip"))) for w in range(2)]
     assert sorted(per_worker[0] + per_worker[1]) == [1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12]
 
@@ -151,7 +152,7 @@ def test_a_corrupt_region_before_every_sample_is_read_once_when_split(tmp_path) 
     url = write_bytes(tmp_path / "s.tar", damage_header(archive(*parts), 0))
     errors = ErrorCounter()
     read = ReadOptions(cache_dir=str(tmp_path / "c"))
-    per_worker = [ids(ShardReader(url, shuffle=False, epochs=1, worker_id=w, num_workers=2, read=read,
+    per_worker = [ids(ShardReader(url, shuffle=False, epochs=1, place=Placement(worker_id=w, num_workers=2), read=read,
                                   error_policy=ErrorPolicy("skip", errors))) for w in range(2)]
     assert sorted(per_worker[0] + per_worker[1]) == [2, 3, 4, 5, 6, 7, 8]
     assert errors.counts == {"corrupt_shard": 1}
@@ -187,7 +188,8 @@ def test_split_readers_judge_like_one_reader(tmp_path, num_workers: int) -> None
             url = write_bytes(tmp_path / f"d{k}-{member_at}.tar", damage_header(archive(*parts), at[k] + member_at))
             one, one_counts = skip(url)
             errors = ErrorCounter()
-            split = sum((ids(ShardReader(url, shuffle=False, epochs=1, worker_id=w, num_workers=num_workers,
+            split = sum((ids(ShardReader(url, shuffle=False, epochs=1,
+                                         place=Placement(worker_id=w, num_workers=num_workers),
                                          read=ReadOptions(cache_dir=str(tmp_path / f"c{k}-{member_at}")),
                                          error_policy=ErrorPolicy("skip", errors)))
                          for w in range(num_workers)), [])

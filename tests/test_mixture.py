@@ -21,6 +21,7 @@ from streampack.dataset import PackedDataset
 from streampack.nodes.mixture import CONFIG_KEY, Mixture
 from streampack.nodes.reader import ShardReader
 from streampack.options import PackOptions, ReadOptions
+from streampack.options.topology import Placement
 from streampack.plan.state import load_loader_state, record_of
 
 
@@ -50,7 +51,8 @@ def test_node_save_load_over_lists() -> None:
 
 def test_node_save_load_over_shard_readers(sources) -> None:
     def make() -> Mixture:
-        readers = {n: ShardReader(u, seed=4, epochs=2, worker_id=1, num_workers=2) for n, u in sources.items()}
+        place = Placement(worker_id=1, num_workers=2)
+        readers = {n: ShardReader(u, seed=4, epochs=2, place=place) for n, u in sources.items()}
         return Mixture(readers, {"web": 0.6, "code": 0.4}, seed=4, worker=1, num_workers=2)
 
     assert check_save_load(make) > 30

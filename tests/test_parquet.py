@@ -22,6 +22,7 @@ from streampack.io.index import load_or_build_index
 from streampack.io.urls import expand_urls
 from streampack.nodes.reader import OFFSET_KEY, SAMPLE_KEY, ShardReader
 from streampack.options import ReadOptions
+from streampack.options.topology import Placement
 
 
 def read_all(urls, **kw) -> list:
@@ -150,7 +151,7 @@ def test_fewer_files_than_workers_split_by_rows_with_a_footer_index(tmp_path, mo
     assert len(index) == 100 and index.position(37) == (37, 37) and index.position(100) == (100, 100)
     footer = sum(n for _, n in CountingFile.log)
     assert footer < 0.2 * os.path.getsize(url), "the index of a parquet file is its footer, not a scan"
-    parts = [[s.tokens.tolist() for s in ShardReader(url, worker_id=w, num_workers=3, epochs=1,
+    parts = [[s.tokens.tolist() for s in ShardReader(url, place=Placement(worker_id=w, num_workers=3), epochs=1,
                                                      read=ReadOptions(cache_dir=str(tmp_path / "cache")))]
              for w in range(3)]
     assert [len(p) for p in parts] == [34, 33, 33] and sum(parts, []) == docs

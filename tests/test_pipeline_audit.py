@@ -17,6 +17,7 @@ from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
 from streampack.nodes.tokenize import Tokenize
 from streampack.options import TokenizeOptions
+from streampack.options.topology import Placement
 from streampack.sample import Sample
 
 
@@ -92,7 +93,7 @@ def test_infinite_mode_passes_over_an_epoch_with_only_empty_shards(tmp_path) -> 
     urls, n = _id_shards(tmp_path, [4, 0, 6, 5])
     seen: Counter[int] = Counter()
     for g in range(4):
-        reader = ShardReader(urls, seed=1, dp_rank=g, dp_size=4)
+        reader = ShardReader(urls, seed=1, place=Placement(dp_rank=g, dp_size=4))
         seen.update(int(next(reader).tokens[0]) for _ in range(60))
         assert reader.epoch > 3
     assert set(seen) == set(range(n))
@@ -101,14 +102,14 @@ def test_infinite_mode_passes_over_an_epoch_with_only_empty_shards(tmp_path) -> 
 def test_infinite_mode_still_refuses_a_worker_that_can_never_get_data(tmp_path) -> None:
     # 3 shards of 2 samples cut into 4 parts each: part 3 is empty in every shard
     urls, _ = _id_shards(tmp_path, [2, 2, 2])
-    reader = ShardReader(urls, seed=0, worker_id=11, num_workers=12)
+    reader = ShardReader(urls, seed=0, place=Placement(worker_id=11, num_workers=12))
     with pytest.raises(ValueError, match="no samples.*none from any shard"):
         next(reader)
     (tmp_path / "e").mkdir()
     with_empty, _ = _id_shards(tmp_path / "e", [3, 0, 3])
-    assert int(next(ShardReader(with_empty, shuffle=False, worker_id=2, num_workers=3)).tokens[0]) == 3
+    assert int(next(ShardReader(with_empty, shuffle=False, place=Placement(worker_id=2, num_workers=3))).tokens[0]) == 3
     with pytest.raises(ValueError, match="no samples"):  # the same empty shard every epoch: at once
-        next(ShardReader(with_empty, shuffle=False, worker_id=1, num_workers=3))
+        next(ShardReader(with_empty, shuffle=False, place=Placement(worker_id=1, num_workers=3)))
 
 
 def test_every_sample_once_per_epoch_odd_topologies(tmp_path) -> None:
@@ -120,8 +121,8 @@ def test_every_sample_once_per_epoch_odd_topologies(tmp_path) -> None:
             seen: Counter[int] = Counter()
             for r in range(dp):
                 for w in range(nw):
-                    reader = ShardReader(urls, seed=5, epochs=epoch + 1, dp_rank=r, dp_size=dp,
-                                         worker_id=w, num_workers=nw)
+                    reader = ShardReader(urls, seed=5, epochs=epoch + 1, 
+                                         place=Placement(dp_rank=r, dp_size=dp, worker_id=w, num_workers=nw))
                     reader.reset({**reader.state_dict(), "epoch": epoch})
                     seen.update(int(s.tokens[0]) for s in reader)
             assert seen == Counter(range(n)), f"{sizes=} {dp=} {nw=} {epoch=}"

@@ -39,6 +39,7 @@ from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList, expand_urls
 from streampack.nodes.reader import OFFSET_KEY, ShardReader
 from streampack.options import PackOptions, ReadOptions
+from streampack.options.topology import Placement
 
 BUCKET = "streampack-test"
 DOCS = make_token_docs(30, seed=7, min_len=20, max_len=60)
@@ -162,7 +163,7 @@ def test_resume_inside_shard_uses_ranged_get(log, fmt):
 def test_fewer_shards_than_workers_splits_via_index(log, tmp_path):
     def read_split():
         return [
-            tokens_and_keys(ShardReader(log.remote["one"], worker_id=w, num_workers=3, epochs=1,
+            tokens_and_keys(ShardReader(log.remote["one"], place=Placement(worker_id=w, num_workers=3), epochs=1,
                                         read=ReadOptions(cache_dir=str(tmp_path))))
             for w in range(3)
         ]

@@ -11,6 +11,7 @@ from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
 from node_checks import roundtrip
 
 from streampack.nodes.reader import ShardReader
+from streampack.options.topology import Placement
 from streampack.plan.sharding import assign_shards, cut_two_level, epoch_permutation
 from streampack.plan.topology import Worker, current_worker, resolve_topology
 
@@ -56,8 +57,12 @@ def test_bad_env_and_worker_args(monkeypatch, tmp_path):
         resolve_topology()
     assert current_worker() == Worker(id=0, num_workers=0) and current_worker().readers == 1
     urls = write_tar_shards(tmp_path, make_token_docs(4), 2)
-    with pytest.raises(ValueError, match="worker_id"):
-        ShardReader(urls, worker_id=2, num_workers=2)
+    with pytest.raises(ValueError, match="Placement: need 0 <= worker_id < num_workers, got worker_id=2"):
+        Placement(worker_id=2, num_workers=2)  # checked where it is made, before any reader
+    with pytest.raises(TypeError, match="dp_rank=1.0 must be an int"):
+        Placement(dp_rank=1.0, dp_size=2)
+    with pytest.raises(ValueError, match=r"Placement\(passes=-1\)"):
+        Placement(passes=-1)
     with pytest.raises(ValueError, match="epochs"):
         ShardReader(urls, epochs=0)
 
@@ -89,7 +94,8 @@ def read_topology(urls, *, dp_size: int, num_workers: int, epochs: int = 1, **kw
     out = {}
     for r in range(dp_size):
         for w in range(num_workers):
-            reader = ShardReader(urls, dp_rank=r, dp_size=dp_size, worker_id=w, num_workers=num_workers, epochs=epochs, **kw)
+            place = Placement(dp_rank=r, dp_size=dp_size, worker_id=w, num_workers=num_workers)
+            reader = ShardReader(urls, place=place, epochs=epochs, **kw)
             out[r * num_workers + w] = ids(reader)
     return out
 
@@ -121,7 +127,7 @@ def test_split_shards_read_disjoint_bytes(tmp_path, monkeypatch):
                 return data
 
         monkeypatch.setattr(open_mod, "_open_local", lambda p: Tracking(p, "rb"))
-        reader = ShardReader(url, worker_id=g, num_workers=4, epochs=1)
+        reader = ShardReader(url, place=Placement(worker_id=g, num_workers=4), epochs=1)
         reader.index(0)  # built (and cached) before tracking matters
         reads.clear()
         assert len(list(reader)) == 10
@@ -150,10 +156,10 @@ def test_infinite_mode_reshuffles_each_epoch(tmp_path):
 
 def test_infinite_mode_refuses_an_empty_worker(tmp_path):
     urls = write_tar_shards(tmp_path, docs_with_ids(2), 1)
-    reader = ShardReader(urls, worker_id=3, num_workers=4)
+    reader = ShardReader(urls, place=Placement(worker_id=3, num_workers=4))
     with pytest.raises(ValueError, match="no samples"):
         next(reader)
-    assert list(ShardReader(urls, worker_id=3, num_workers=4, epochs=1)) == []
+    assert list(ShardReader(urls, place=Placement(worker_id=3, num_workers=4), epochs=1)) == []
 
 
 CONFIGS = [
@@ -168,7 +174,8 @@ def test_resume_at_every_step_across_epochs(tmp_path, cfg):
     cfg = dict(cfg)
     write = write_tar_shards if cfg.pop("fmt") == "tar" else write_jsonl_shards
     urls = write(tmp_path, docs_with_ids(24), cfg.pop("num_shards"))
-    make = lambda: ShardReader(urls, seed=11, epochs=3, **cfg)  # noqa: E731
+    place = Placement(**cfg)
+    make = lambda: ShardReader(urls, seed=11, epochs=3, place=place)  # noqa: E731
     full = ids(make())
     assert len(full) >= 12
     for k in range(len(full) + 1):
@@ -199,7 +206,7 @@ def test_state_layout_and_mismatch(tmp_path):
     with pytest.raises(ValueError, match="seed: state=1 reader=2"):
         ShardReader(urls, seed=2, epochs=1).reset(state)
     with pytest.raises(ValueError, match="num_workers"):
-        ShardReader(urls, seed=1, num_workers=2).reset(state)
+        ShardReader(urls, seed=1, place=Placement(num_workers=2)).reset(state)
     with pytest.raises(ValueError, match="sources"):
         ShardReader(urls[:1], seed=1).reset(state)
 
@@ -208,8 +215,11 @@ def test_auto_topology_from_env(tmp_path, monkeypatch):
     urls = write_tar_shards(tmp_path, docs_with_ids(8), 4)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    reader = ShardReader(urls, dp_rank=None, dp_size=None, worker_id=None, num_workers=None, epochs=1)
+    place = Placement.current()
+    assert place == Placement(dp_rank=1, dp_size=2, worker_id=0, num_workers=1)
+    reader = ShardReader(urls, place=place, epochs=1)
     assert reader.global_worker == 1 and reader.global_workers == 2
+    assert Placement.current(dp_rank=0, dp_size=3).global_workers == 3  # explicit values come first
 
 
 @pytest.mark.parametrize("seed", range(4))

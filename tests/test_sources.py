@@ -31,6 +31,7 @@ from streampack.io.storage import OpenOptions
 from streampack.io.urls import expand_urls
 from streampack.nodes.reader import OFFSET_KEY, ShardReader
 from streampack.options import ReadOptions
+from streampack.options.topology import Placement
 
 TOKEN_FORMATS = ["tar-npy", "tar-json", "jsonl", "jsonl.gz"]
 TEXT_FORMATS = ["tar-txt", "tar-json", "jsonl", "jsonl.gz"]
@@ -369,7 +370,7 @@ def test_remote_split_shard_uses_bounded_ranges(tmp_path):
     with serve_directory(tmp_path / "data") as server:
         remote = server.urls_for(local)
         per_worker = [
-            [s.tokens.tolist() for s in ShardReader(remote, worker_id=w, num_workers=3, epochs=1,
+            [s.tokens.tolist() for s in ShardReader(remote, place=Placement(worker_id=w, num_workers=3), epochs=1,
                                                     read=ReadOptions(cache_dir=str(tmp_path / "c")))]
             for w in range(3)
         ]

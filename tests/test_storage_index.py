@@ -28,13 +28,14 @@ from streampack.io.limits import Limits
 from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
 from streampack.options import ReadOptions, TopologyOptions
+from streampack.options.topology import Placement
 
 
 def read_split(url, workers: int, cache_dir: str, limits: Limits = Limits()) -> tuple[list[list[int]], ErrorCounter]:
     errors = ErrorCounter()
     out = []
     for w in range(workers):
-        reader = ShardReader(url, worker_id=w, num_workers=workers, epochs=1,
+        reader = ShardReader(url, place=Placement(worker_id=w, num_workers=workers), epochs=1,
                              read=ReadOptions(cache_dir=cache_dir, limits=limits),
                              error_policy=ErrorPolicy("skip", errors))
         out += [s.tokens.tolist() for s in reader]
@@ -118,7 +119,8 @@ def test_damaged_shard_with_more_workers_than_samples(tmp_path):
 
 def _race(url: str, cache_dir: str, worker: int, workers: int, barrier, results) -> None:
     barrier.wait()
-    reader = ShardReader(url, worker_id=worker, num_workers=workers, epochs=1, read=ReadOptions(cache_dir=cache_dir))
+    reader = ShardReader(url, place=Placement(worker_id=worker, num_workers=workers), epochs=1,
+                         read=ReadOptions(cache_dir=cache_dir))
     results.put((worker, [s.key for s in reader]))
 
 
@@ -161,8 +163,9 @@ def test_cli_index_builds_ahead_and_readers_reuse_it(tmp_path, capsys):
         assert "indexed 3 of 3 shard(s)" in out and "1 damaged" in out and "damaged: " + server.url in out
         server.requests.clear()
         urls = [f"{server.url}/shard-00000{i}.tar" for i in range(2)]
-        parts = [[s.tokens.tolist() for s in ShardReader(urls, worker_id=w, num_workers=4, epochs=1, shuffle=False,
-                                                         read=ReadOptions(cache_dir=cache))] for w in range(4)]
+        parts = [[s.tokens.tolist() for s in ShardReader(urls, place=Placement(worker_id=w, num_workers=4), epochs=1,
+                                                         shuffle=False, read=ReadOptions(cache_dir=cache))]
+                 for w in range(4)]
         assert sorted(map(tuple, sum(parts, []))) == sorted(map(tuple, docs))
         assert all(r.range and r.range != "bytes=0-" for r in server.gets()), "no whole-shard read: index reused"
     assert main(["index", str(tmp_path / "nope.tar"), "--cache-dir", cache, "--no-progress"]) == 1

@@ -121,8 +121,7 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *,
     wrap = _wrapper(around)
     end, start = _epochs(config, place) if epoch is None else (epoch + 1 if config.epochs else None, epoch)
     readers = {name: BlockReader(
-        shards, seed=config.seed, shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank,
-        dp_size=place.dp_size, worker_id=place.worker_id, num_workers=place.num_workers, read=options,
+        shards, seed=config.seed, shuffle=config.shuffle, epochs=end, start_epoch=start, place=place, read=options,
         error_policy=policy, open_options=open_options, io_stats=io_stats, source=i,
         work=None if work is None else {start: work}, keep_work=keep_work, saved_identities=identities,
         manifest=manifest, media=config.media)

@@ -1,32 +1,18 @@
 """One :class:`~streampack.layout.batch.PackedBatch`, each attention consumer's own convention.
 
 Every adapter returns a record that is also a ``Mapping``, so it splats straight into the
-consumer (``flash_attn_varlen_func(q, k, v, **kw, causal=True)``) and ``.as_dict()`` gives a
-plain dict. Nothing here imports flash-attn, Transformer Engine or Megatron; only
-:func:`packed_seq_params` tries ``megatron.core`` and falls back to a local record.
+consumer (``flash_attn_varlen_func(q, k, v, **kw, causal=True)``); ``.as_dict()`` gives a plain
+dict. Nothing here imports flash-attn or Transformer Engine; :func:`packed_seq_params` tries
+``megatron.core`` and falls back to a local record.
 
-No adapter syncs the host with the device: the spans they need travel with the batch
-(computed on the CPU when it was built), ``max_*`` values are Python ints of the batch, and
-what is left to compute on the device (HF positions, ``seq_idx``) uses only ops whose output
-shape is known on the host (``repeat_interleave(..., output_size=T)``, gathers, ``where``).
-So ``batch.to("cuda")`` followed by any adapter call never waits for the GPU
-(``tests/test_sync_free.py`` checks it with a dispatch-mode sync detector and on the meta
-device; on a GPU, under ``torch.cuda.set_sync_debug_mode("error")``).
+No adapter syncs the host with the device: the spans travel with the batch
+(:mod:`streampack.layout.spans`), ``max_*`` values are Python ints, and what is computed on the
+device (HF positions, ``seq_idx``) uses only ops whose output shape the host knows
+(``tests/test_sync_free.py`` checks it with a sync detector, on the meta device and on a GPU).
 
-Worked example (``capacity=8, align=2``; documents ``a`` of 3 tokens and ``b`` of 2)::
-
-    tokens                   a0 a1 a2 P  b0 b1 P  P
-    batch.cu_seqlens         [0, 3, 5]       real lengths (TE cu_seqlens_q)
-    batch.cu_seqlens_padded  [0, 4, 8]       span offsets (TE cu_seqlens_q_padded)
-    varlen_cu_seqlens        [0, 4, 6, 8]    flash-attn / HF spans: alignment padding inside
-                                             its document's span, the pack's trailing padding
-                                             ``[6, 8)`` its own span
-
-Padding never changes a real token's output under causal attention: padding sits after the
-real tokens of its span, so no real query can see it. Outputs *at* padding positions are
-garbage-but-finite (flash-attn computes them as a short causal sequence of pad tokens; it has
-no padded variant) and their labels are ``ignore_index``, so a loss that selects target rows
-(:func:`streampack.attention.loss.packed_cross_entropy`) never touches them.
+Padding never changes a real token's output under causal attention: it sits after the real
+tokens of its span. Outputs *at* padding are finite garbage and their labels ``ignore_index``,
+so a loss over target rows (:func:`streampack.attention.loss.packed_cross_entropy`) never reads them.
 """
 
 from __future__ import annotations
@@ -220,13 +206,8 @@ class SSMKwargs(KwargsRecord):
 
 
 def varlen_cu_seqlens(batch: PackedBatch, *, causal: bool = True) -> torch.Tensor:
-    """int32 ``[m+1]`` span offsets for kernels without a padded variant, on the batch's device
-    (carried by the batch: computed once on the CPU when it was built).
-
-    ``causal=True``: each document's span is its aligned length and a pack's trailing padding
-    is its own span. ``causal=False``: every run of padding is its own span, because in
-    bidirectional attention a real token would otherwise attend to the padding after it.
-    """
+    """int32 ``[m+1]`` span offsets for kernels without a padded variant, as the batch carries
+    them: causal or bidirectional (every run of padding its own span; :mod:`streampack.layout.spans`)."""
     return batch.varlen_cu_seqlens if causal else batch.varlen_cu_seqlens_bidirectional
 
 

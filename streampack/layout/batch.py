@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ from streampack.layout.documents import (
     targets,
 )
 from streampack.layout.spans import (
-    doc_spans,
+    doc_places,
     longest,
     offset_fields,
     span_index,
@@ -92,16 +92,12 @@ class PackedBatch:
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Per-token side tensors ``[T, ...]`` packed with the same layout, zero-padded."""
     est_cost: float | None = None
-    """Estimated compute of the batch's real documents, ``linear × num_tokens + attention ×
-    Σ L²`` of a :class:`streampack.packing.CostModel` (FLOPs for a model shape; filler packs
-    cost 0), set by the pipeline's collate when ``PackedDataset(cost_model=...)`` is given,
-    else ``None``. Gather it over data-parallel ranks to see a step's imbalance: the step
-    takes as long as the costliest rank."""
+    """Estimated compute of the real documents, ``linear × num_tokens + attention × Σ L²`` of a
+    :class:`streampack.packing.CostModel` (set by the pipeline's collate with ``CostOptions(model=)``,
+    else None). Gathered over data-parallel ranks it shows a step's imbalance."""
     vision: VisionBatch | None = None
-    """The images of the batch's documents (pixels, grids, owning document and token positions,
-    vision ``cu_seqlens``, mRoPE positions; :mod:`streampack.layout.vision_batch`). Set on every
-    batch of a media stream, empty when no document has an image (filler batches included), so
-    ``hf_inputs()`` has the model's position layout on every step; None for text streams."""
+    """The images of the batch's documents (:mod:`streampack.layout.vision_batch`): on every batch
+    of a media stream, empty when no document has one; None for text streams."""
     stats: WorkerStats | None = None
     """Running totals of the reader that built this batch (set by the pipeline's collate stage;
     ``None`` for a batch built directly with :func:`pack_batch`)."""
@@ -151,7 +147,8 @@ class PackedBatch:
                 done[id(t)] = fn(t)
             return done[id(t)]
 
-        changes: dict[str, Any] = {name: once(getattr(self, name)) for name in _TENSOR_FIELDS}
+        changes: dict[str, Any] = {f.name: once(v) for f in fields(self)
+                                   if isinstance(v := getattr(self, f.name), torch.Tensor)}
         changes["extras"] = {k: once(v) for k, v in self.extras.items()}
         if self.vision is not None:
             changes["vision"] = self.vision.map_tensors(once)
@@ -179,10 +176,6 @@ class PackedBatch:
         return inputs if self.vision is None else hf_vision_inputs(self, inputs)
 
 
-_TENSOR_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded",
-                  "varlen_cu_seqlens", "varlen_cu_seqlens_bidirectional")
-
-
 def alignment(cp_size: int = 1, tp_size: int = 1, *, sequence_parallel: bool = True,
               multiple: int = 1) -> int:
     """Per-document alignment: ``2*cp*tp`` with context parallelism (the 2 lets causal
@@ -207,10 +200,9 @@ def _positive_int(value: Any, name: str) -> int:
 
 
 def _ready(doc: Any) -> bool:
-    """A document :func:`check_doc` would pass with its values unchanged: a Sample of 1-D integer
-    ids (any width that int64 holds), with no labels, loss mask or extras -- what a pre-tokenized
-    reader yields. It skips the per-document checks and the copy into a new Sample (~25 µs of the
-    ~30 µs a document cost in a profile of the ``pack_batch`` stage)."""
+    """A document :func:`check_doc` would pass unchanged (a Sample of 1-D integer ids that int64
+    holds, no labels, loss mask or extras: what a pre-tokenized reader yields); skipping the
+    check and its copy saves ~25 of the ~30 µs a document cost."""
     if type(doc) is not Sample or doc.labels is not None or doc.loss_mask is not None or doc.extras or doc.images:
         return False
     tokens = doc.tokens
@@ -246,53 +238,48 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     docs = [[d if _ready(d) else check_doc(normalize(d, (p, i)), ignore_index) for i, d in enumerate(pack)]
             for p, pack in enumerate(packs)]
     extra_names = check_extras(docs)
-    # One buffer for the three [T] int64 fields: a DataLoader worker hands a batch over as one
-    # shared-memory segment per storage, so three tensors on one storage cost one segment (the
-    # int32 offsets share another). benchmarks/bench_transfer.py, 8 x 4096 tokens through one
-    # worker: 318 batches/s against 156 with a storage per field (2-core box, loaded).
+    flat = [d for pack in docs for d in pack]
+    keys = tuple(d.doc_key for d in flat)
+    lengths = np.fromiter((len(d) for d in flat), dtype=np.int64, count=len(flat))
+    at, cu_padded = doc_places(lengths, [len(pack) for pack in docs], keys, capacity, align)
+    starts = at.tolist()
+    # one storage for the three [T] int64 fields (the int32 offsets share another): a worker
+    # hands a batch over per storage, 318 batches/s against 156 with one per field
+    # (benchmarks/bench_transfer.py, 8 x 4096 tokens, one worker)
     rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()
     input_ids.fill(pad_id)
     labels.fill(ignore_index)
     extras = alloc_extras(docs, extra_names, total)
-    real, padded, keys, starts = [0], [0], [], []
-    for doc, (start, n, end) in zip((d for pack in docs for d in pack), doc_spans(docs, capacity, align)):
+    for doc, start, n in zip(flat, starts, lengths.tolist()):
         input_ids[start:start + n] = doc.tokens
         labels[start:start + n - 1] = doc.tokens[1:] if _ready(doc) else targets(doc, ignore_index)[1:]
         for name in extra_names:
             extras[name][start:start + n] = doc.extras[name]
-        real.append(real[-1] + n)
-        padded.append(end)
-        keys.append(doc.doc_key)
-        starts.append(start)
-    cu_real, cu_padded = np.asarray(real, dtype=np.int32), np.asarray(padded, dtype=np.int32)
-    # positions and per-document target counts in whole-batch operations rather than one
-    # arange / any() per document (~60 documents per batch of 8 x 4096 lognormal(600) tokens)
-    spans = np.diff(cu_padded)
-    positions[:] = np.arange(total) - np.repeat(cu_padded[:-1].astype(np.int64), spans)
-    supervised = labels != ignore_index
-    seen = np.concatenate(([0], np.cumsum(supervised)))
-    target_docs = int(np.count_nonzero(seen[cu_padded[1:]] - seen[cu_padded[:-1]]))
+    batch = from_rows(rows, lengths, cu_padded, keys, capacity=capacity, align=align, pad_id=pad_id,
+                      ignore_index=ignore_index)
+    batch.extras = {k: torch.from_numpy(v) for k, v in extras.items()}
+    batch.vision = vision_batch(flat, starts, batch.input_ids, batch.varlen_cu_seqlens, vision_layout)
+    return batch
+
+
+def from_rows(rows: torch.Tensor, lengths: np.ndarray, cu_padded: np.ndarray, keys: tuple[str, ...], *,
+              capacity: int, align: int, pad_id: int, ignore_index: int) -> PackedBatch:
+    """The batch of ``rows`` (int64 ``[3, T]``: ids and shifted labels written, positions to
+    fill) whose documents of ``lengths`` (int ``[n]``) sit at the spans of ``cu_padded`` (int32
+    ``[n+1]``): positions, offsets and counts in whole-batch operations, not one per document."""
+    total = rows.shape[1]
+    _, labels, positions = rows.numpy()
+    np.subtract(np.arange(total), np.repeat(cu_padded[:-1], np.diff(cu_padded)), out=positions)
+    cu_real = np.zeros(lengths.size + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu_real[1:])
+    seen = np.concatenate(([0], np.cumsum(labels != ignore_index)))
     offsets = offset_fields(cu_real, cu_padded, align)
-    return PackedBatch(
-        input_ids=rows[0],
-        labels=rows[1],
-        position_ids=rows[2],
-        **offsets,
-        max_seqlen=longest(cu_padded),
-        num_tokens=real[-1],
-        num_targets=int(seen[-1]),
-        num_target_docs=target_docs,
-        doc_keys=tuple(keys),
-        capacity=capacity,
-        num_packs=len(docs),
-        align=align,
-        pad_id=pad_id,
-        ignore_index=ignore_index,
-        extras={k: torch.from_numpy(v) for k, v in extras.items()},
-        vision=vision_batch([d for pack in docs for d in pack], starts, rows[0], offsets["varlen_cu_seqlens"],
-                            vision_layout),
-    )
+    return PackedBatch(input_ids=rows[0], labels=rows[1], position_ids=rows[2], **offsets,
+                       max_seqlen=longest(cu_padded), num_tokens=int(cu_real[-1]), num_targets=int(seen[-1]),
+                       num_target_docs=int(np.count_nonzero(seen[cu_padded[1:]] - seen[cu_padded[:-1]])),
+                       doc_keys=keys, capacity=capacity, num_packs=total // capacity, align=align, pad_id=pad_id,
+                       ignore_index=ignore_index)
 
 
 def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = None) -> None:

@@ -1,17 +1,11 @@
 """A DataLoader worker process ends with the training process, whatever it is blocked on.
 
-torch's worker loop notices a dead parent only between fetches (its watchdog compares
-``os.getppid()``), so a worker blocked elsewhere outlives a SIGKILLed training process for good:
-with a pre-tokenized tar stream at capacity 2048 both workers of ``num_workers=2`` stayed, ~400 MB
-each, one thread blocked writing the result pipe (its forked sibling keeps the pipe's read end
-open, so the write never fails). A preempted job restarted on the same host kept ~0.8 GB per
-killed process. The kernel's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) ends the
-worker the moment its parent dies.
-
-Linux only (elsewhere this does nothing). The kernel sends the signal when the parent *thread*
-that started the worker exits, not only the process: a loader iterated first in a thread that
-ends before the loader does loses its workers (torch then reports "DataLoader worker (pid ...)
-exited unexpectedly"); start the iteration in the thread that outlives it, as training loops do.
+torch's worker loop notices a dead parent only between fetches, so a worker blocked elsewhere
+(writing the result pipe, whose read end a forked sibling keeps open) outlives a SIGKILLed
+training process for good: ~400 MB per worker with a pre-tokenized tar stream at capacity 2048.
+The kernel's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) ends it the moment its
+parent dies. Linux only. The signal follows the parent *thread* that started the worker: start
+iterating a loader in a thread that outlives it, as training loops do.
 """
 
 from __future__ import annotations

@@ -1,31 +1,21 @@
 """Reusable shared-memory slots for batches leaving a process, released by the receiver.
 
-Torch's ``file_system`` sharing puts every batch a DataLoader worker sends into a fresh
-shared-memory segment: per batch a request to ``torch_shm_manager`` (which the worker first has
-to start: 0.25-1.4 s of wall time before its first batch on the 2-core box), a new segment, its
-pages faulted in and zeroed, a copy, and on the receiving side a new mapping and an unlink.
-Here a process keeps a *ring* of slots -- one anonymous ``memfd`` each, mapped once, so its pages
-are faulted in once -- and copies a batch's large storages into a free slot (one slot per batch).
-The receiver maps the slot through ``/proc/<pid>/fd/<fd>`` (no socket, no handshake, no manager;
-it keeps the mapping for the slot's next batch: :mod:`streampack.layout.shm_receive`)
-and views the batch's tensors in it; when the last of them is freed, it writes the slot's ticket
-into the sender's *release pipe*. The sender reads that pipe before taking a slot, so a slot comes
-back only after the receiver dropped every tensor viewing it: a batch the trainer still holds --
-in a list, in a pin-memory queue, as a view -- is never overwritten (a held slot simply stays out
-of the ring; past ``MAX_SLOTS`` or ``MAX_BYTES`` in flight, :func:`take` returns None and the
-caller sends the batch torch's way). The pipe also orders memory: the receiver's reads of the slot
-come before its ``write`` (the kernel's pipe lock), the sender's reuse after its ``read``.
+A process keeps a *ring* of slots -- one anonymous ``memfd`` each, mapped once, so its pages are
+faulted in once -- and copies a batch's large storages into a free one, where torch's
+``file_system`` sharing makes a new segment per batch through ``torch_shm_manager`` (0.25-1.4 s to
+start before a worker's first batch on the 2-core box). The receiver maps the slot through
+``/proc/<pid>/fd/<fd>`` (:mod:`streampack.layout.shm_receive`) and, when the last tensor viewing it
+is freed, writes the slot's ticket into the sender's *release pipe*; the sender reads that pipe
+before taking a slot, so a batch the trainer still holds is never overwritten (a held slot stays
+out of the ring; past ``MAX_SLOTS`` or ``MAX_BYTES`` in flight :func:`take` returns None and the
+batch goes torch's way). The pipe also orders memory: the receiver's reads come before its
+``write``, the sender's reuse after its ``read``.
 
-Safety against a reused pid: each reference carries the (device, inode) of the memfd and of the
-pipe, and the receiver checks them on the file it opened before mapping or writing. Nothing leaks
-when a process dies: a memfd has no name; it lives while an fd or a mapping holds it. One send is
-received once (as with torch's own sharing: its descriptor is handed out once).
-
-Linux only (``memfd_create`` and ``/proc``); :func:`available` is False elsewhere, when this
-process cannot open its own ``/proc/self/fd`` entries, and when Yama's ``ptrace_scope`` is 2 or 3
-(opening another process's ``/proc/<pid>/fd`` entry needs ptrace-read access: at scope 0 or 1 a
-training process may read its own workers, its descendants; at 2 or 3 it may not). Batches then go
-over torch's own hand-over; no setting chooses between the two.
+Each reference carries the (device, inode) of the memfd and of the pipe, checked by the receiver
+before mapping or writing (a reused pid is refused). Nothing leaks when a process dies: a memfd
+has no name. Linux only; :func:`available` is False elsewhere, when this process cannot open its
+own ``/proc/self/fd`` entries, and when Yama's ``ptrace_scope`` is 2 or 3 (the training process
+may then not open its workers' fds). Batches then take torch's own hand-over.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The THD batch laid out from documents given as slices of token arrays, in whole-array work.
 
 :func:`pack_slices` is :func:`~streampack.layout.batch.pack_batch` for plain pre-tokenized
-documents (ids only: no labels, loss mask, extras or images) that are not Sample objects but
-``(array, start, length)`` slices — what the contiguous fast path's collate has: every
-document still sits in the buffer it was read into. The output is pack_batch's, field for
-field (``tests/test_contiguous.py`` compares them): the same one ``[3, T]`` int64 buffer for
-``input_ids`` / ``labels`` / ``position_ids``, the same int32 offset buffer, the same counts.
-
-Cost per batch (``align == 1``): three ``concatenate`` calls of views written into the batch's
-buffer (the int32 -> int64 widening happens in the copy), one Python pass over the documents
-that makes the views and the offsets, one int32 buffer for every offset. Measured (8 x
-4096 tokens, 54 documents, 2-core box loaded, min of 400): 0.18 ms, where ``pack_batch`` took 0.52
-ms on the same documents as Samples, and per-pack slice copies with ``offset_fields`` 0.29 ms.
-With ``align > 1`` each document is copied to its aligned span and ``offset_fields`` makes the
-offsets (the per-sample path's way, ~0.3 ms).
+documents (ids only) given as ``(array, start, length)`` slices of the buffers they were read
+into: the contiguous fast path's collate. Its output is pack_batch's, field for field
+(``tests/test_contiguous.py`` compares them). With ``align == 1`` each ``[T]`` row is one
+``concatenate`` of views: 0.18 ms a batch of 8 x 4096 tokens where ``pack_batch`` takes 0.52 ms
+on the same documents as Samples (54 documents, 2-core box).
 """
 
 from __future__ import annotations
@@ -23,15 +15,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from streampack.layout.batch import PackedBatch
-from streampack.layout.spans import longest, offset_fields
+from streampack.layout.batch import PackedBatch, from_rows
+from streampack.layout.spans import doc_places
 
 _INT32_MAX = 2**31 - 1
 _RAMPS: dict[int, np.ndarray] = {}
 
 
 def _ramp(n: int) -> np.ndarray:
-    """``arange(n)`` made once per batch size (read only)."""
+    """``arange(n)`` made once per capacity (read only)."""
     ramp = _RAMPS.get(n)
     if ramp is None:
         ramp = _RAMPS[n] = np.arange(n, dtype=np.int64)
@@ -46,11 +38,11 @@ def pack_slices(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.n
     ``sources[i][starts[i]:starts[i] + lengths[i]]`` (any integer dtype; int ``[n]`` starts and
     lengths, ``n = sum(pack_sizes)``), pack ``p`` holds the next ``pack_sizes[p]`` documents, in
     order; ``doc_keys`` name them. Every document is padded to a multiple of ``align`` and a
-    pack's trailing padding joins its last document's span, as in ``pack_batch``.
-    ``ids_nonnegative``: the caller knows no id is negative (the readers checked every one), so
-    none equals a negative ``ignore_index`` and the targets are counted without a pass."""
-    if capacity < 1 or align < 1 or capacity % align:
-        raise ValueError(f"{capacity=} must be a positive multiple of {align=}")
+    pack's trailing padding joins its last document's span, as in ``pack_batch``. ``capacity``
+    and ``align`` are a collate's ``BatchLayout``, taken as checked (``StreamConfig`` checks
+    ``capacity % align`` once). ``ids_nonnegative``: the caller knows no id is negative (the
+    readers checked every one), so none equals a negative ``ignore_index`` and the targets are
+    counted without a pass."""
     num_packs = len(pack_sizes)
     total = num_packs * capacity
     if not num_packs or total > _INT32_MAX:
@@ -66,11 +58,9 @@ def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np
                   doc_keys: tuple[str, ...], *, capacity: int, pad_id: int, ignore_index: int,
                   ids_nonnegative: bool) -> PackedBatch:
     """``align == 1``: each of the three ``[T]`` rows is one ``concatenate`` of views (a
-    document, its shifted ids, a run of a constant), written into the batch's buffer; the
-    offsets are Python ints gathered on the way (the causal varlen spans of ``offset_fields``
-    without its sort: with no alignment padding they are the padded offsets plus each
-    non-full pack's real end). ~0.16 ms a batch where per-pack copies and ``offset_fields``
-    took ~0.29 ms (8 x 4096 tokens, ~55 documents, loaded box)."""
+    document, its shifted ids, a run of a constant); the offsets are Python ints gathered on the
+    way (with no alignment padding the causal varlen spans are the padded offsets plus each
+    non-full pack's real end, so ``offset_fields``' sort is not needed)."""
     total = len(pack_sizes) * capacity
     rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()
@@ -139,28 +129,10 @@ def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np
 
 def _aligned(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.ndarray, pack_sizes: Sequence[int],
              doc_keys: tuple[str, ...], *, capacity: int, align: int, pad_id: int, ignore_index: int) -> PackedBatch:
-    """Any ``align``: each document copied to its aligned span, offsets by ``offset_fields``."""
-    num_packs = len(pack_sizes)
-    sizes = np.asarray(pack_sizes, dtype=np.int64)
+    """Any ``align``: each document copied to its aligned span (``doc_places``), offsets by ``offset_fields``."""
+    total = len(pack_sizes) * capacity
     lengths = np.asarray(lengths, dtype=np.int64)
-    total = num_packs * capacity
-    if (sizes < 1).any() or (lengths < 1).any():
-        raise ValueError("pack_slices needs non-empty packs of non-empty documents")
-    spans = -(-lengths // align) * align
-    ends = np.cumsum(spans)
-    last = np.cumsum(sizes) - 1
-    before = np.zeros(num_packs, dtype=np.int64)
-    before[1:] = ends[last[:-1]]  # span total of the packs before each
-    used = ends[last] - before
-    if (used > capacity).any():
-        p = int(np.argmax(used > capacity))
-        raise ValueError(f"pack {p} holds {int(used[p])} tokens after {align=}, more than {capacity=}")
-    shift = np.arange(0, total, capacity, dtype=np.int64) - before  # pack p's spans start at p * capacity
-    doc_start = ends - spans + np.repeat(shift, sizes)
-    cu_padded = np.empty(lengths.size + 1, dtype=np.int32)
-    cu_padded[0] = 0
-    cu_padded[1:] = doc_start + spans
-    cu_padded[last + 1] = np.arange(capacity, total + 1, capacity)
+    doc_start, cu_padded = doc_places(lengths, pack_sizes, doc_keys, capacity, align)
     rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()
     input_ids.fill(pad_id)
@@ -169,16 +141,8 @@ def _aligned(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.ndar
         doc = src[a:a + n]
         input_ids[s:s + n] = doc
         labels[s:s + n - 1] = doc[1:]
-    np.subtract(_ramp(total), np.repeat(cu_padded[:-1], np.diff(cu_padded)), out=positions)
-    cu_real = np.zeros(lengths.size + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu_real[1:])
-    seen = np.concatenate(([0], np.cumsum(labels != ignore_index)))
-    target_docs = int(np.count_nonzero(seen[cu_padded[1:]] - seen[cu_padded[:-1]]))
-    offsets = offset_fields(cu_real, cu_padded, align)
-    return PackedBatch(input_ids=rows[0], labels=rows[1], position_ids=rows[2], **offsets,
-                       max_seqlen=longest(cu_padded), num_tokens=int(cu_real[-1]), num_targets=int(seen[-1]),
-                       num_target_docs=target_docs, doc_keys=doc_keys, capacity=capacity, num_packs=num_packs,
-                       align=align, pad_id=pad_id, ignore_index=ignore_index)
+    return from_rows(rows, lengths, cu_padded, doc_keys, capacity=capacity, align=align, pad_id=pad_id,
+                     ignore_index=ignore_index)
 
 
 def _ints(values: Sequence[int] | np.ndarray) -> list[int]:

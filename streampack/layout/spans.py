@@ -1,31 +1,20 @@
 """Where every document sits on the token axis, and the spans attention kernels need.
 
-:func:`doc_spans` places the documents of each pack (``pack_batch``'s layout). The rest are the
-span offsets of kernels without a padded variant, computed on the host.
-
-flash-attn varlen, torch's ``varlen_attn`` and HF's packed ``flash_attention_2`` path take one
-list of contiguous spans covering the token axis. A :class:`~streampack.layout.batch.PackedBatch`
-carries these spans, built here once per batch on the CPU (in the DataLoader worker), so an
-adapter called on a GPU batch reads them instead of deriving them with ``torch.unique`` or
-``int(tensor)`` -- each a host-device sync per call.
-
-Worked example (``capacity=8, align=2``; documents ``a`` of 3 tokens and ``b`` of 2)::
+:func:`doc_places` places the documents of each pack (``pack_batch``'s layout). Kernels without a
+padded variant (flash-attn varlen, torch's ``varlen_attn``, HF's packed ``flash_attention_2``)
+take one list of contiguous spans covering the token axis; a batch carries them, built here once
+on the CPU, so an adapter on a GPU batch needs no host-device sync to derive them. With
+``capacity=8, align=2`` and documents ``a`` (3 tokens) and ``b`` (2)::
 
     tokens            a0 a1 a2 P  b0 b1 P  P
-    cu_seqlens        [0, 3, 5]          real lengths
     cu_seqlens_padded [0, 4, 8]          aligned spans (the trailing padding joins ``b``)
-    causal spans      [0, 4, 6, 8]       alignment padding inside its document's span (no real
-                                         query can see it: it comes after the real tokens);
-                                         the pack's trailing padding ``[6, 8)`` its own span
-    bidirectional     [0, 3, 4, 6, 8]    every run of padding its own span: in bidirectional
-                                         attention a real token would see padding after it
+    causal spans      [0, 4, 6, 8]       alignment padding inside its document's span (after the
+                                         real tokens: no real query sees it); the pack's
+                                         trailing padding ``[6, 8)`` its own span
+    bidirectional     [0, 3, 4, 6, 8]    every run of padding its own span
 
 Every position lies in some span, so the kernel writes every output row (flash-attn leaves rows
 past ``cu_seqlens[-1]`` uninitialised).
-
-Cost, measured on the shared 2-core development machine under load (provisional): both span
-layouts of a batch of 8 packs x 4096 tokens (50 documents) take ~0.24 ms, next to ~5.6 ms for
-the whole ``pack_batch``; on the GPU the same derivation cost a host sync per adapter call.
 """
 
 from __future__ import annotations
@@ -93,28 +82,37 @@ def offset_fields(cu_real: np.ndarray, cu_padded: np.ndarray, align: int) -> dic
     }
 
 
-def doc_spans(docs: Sequence[Sequence[Any]], capacity: int, align: int) -> list[tuple[int, int, int]]:
-    """``(start, real length, span end)`` of every document in layout order; each span is its
-    length rounded up to ``align``, and a pack's trailing padding joins its last span."""
-    out = []
-    for p, pack in enumerate(docs):
-        if not pack:
-            raise ValueError(f"pack {p} is empty")
-        start = p * capacity
-        for i, doc in enumerate(pack):
-            n = len(doc)
-            if n == 0:
-                raise ValueError(f"document {doc.doc_key!r} in pack {p} has zero length")
-            span = -(-n // align) * align
-            if span > capacity:
-                raise ValueError(f"document {doc.doc_key!r} of length {n} needs {span} tokens "
-                                 f"after {align=}, more than {capacity=}")
-            end = start + span
-            if end > (p + 1) * capacity:
-                raise ValueError(f"pack {p} holds {end - p * capacity} tokens after {align=}, "
-                                 f"more than {capacity=}")
-            if i == len(pack) - 1:
-                end = (p + 1) * capacity
-            out.append((start, n, end))
-            start = end
-    return out
+def doc_places(lengths: np.ndarray, sizes: Sequence[int], keys: Sequence[str], capacity: int,
+               align: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the documents of ``lengths`` (int ``[n]``, in layout order) go in packs of ``sizes``
+    (pack ``p`` holds the next ``sizes[p]``): int64 ``[n]`` token offset of each and int32
+    ``[n+1]`` offsets of their padded spans (``cu_seqlens_padded``). Each span is its length
+    rounded up to ``align``; a pack's trailing padding joins its last span. ``ValueError`` for an
+    empty pack, an empty document, or one that does not fit (``keys`` name the documents)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if (sizes < 1).any():
+        raise ValueError(f"pack {int(np.argmax(sizes < 1))} is empty")
+    pack = np.repeat(np.arange(sizes.size), sizes)
+    if (lengths < 1).any():
+        i = int(np.argmax(lengths < 1))
+        raise ValueError(f"document {keys[i]!r} in pack {int(pack[i])} has zero length")
+    spans = -(-lengths // align) * align
+    if (spans > capacity).any():
+        i = int(np.argmax(spans > capacity))
+        raise ValueError(f"document {keys[i]!r} of length {int(lengths[i])} needs {int(spans[i])} tokens "
+                         f"after {align=}, more than {capacity=}")
+    ends = np.cumsum(spans)
+    last = np.cumsum(sizes) - 1
+    before = np.zeros(sizes.size, dtype=np.int64)
+    before[1:] = ends[last[:-1]]  # span total of the packs before each
+    used = ends[last] - before
+    if (used > capacity).any():
+        p = int(np.argmax(used > capacity))
+        raise ValueError(f"pack {p} holds {int(used[p])} tokens after {align=}, more than {capacity=}")
+    start = ends - spans + (np.arange(sizes.size, dtype=np.int64) * capacity - before)[pack]
+    cu_padded = np.empty(lengths.size + 1, dtype=np.int32)
+    cu_padded[0] = 0
+    cu_padded[1:] = start + spans
+    cu_padded[last + 1] = np.arange(1, sizes.size + 1) * capacity
+    return start, cu_padded

@@ -1,12 +1,9 @@
 """What each batch tells the training process about the reader that built it.
 
-A DataLoader worker's counters live in the worker process; reading them through
-``loader.state_dict()`` serialises every worker's whole resume state. Instead every
-:class:`~streampack.layout.batch.PackedBatch` built by the pipeline carries a
-:class:`WorkerStats`: a dozen numbers (about 1 KB pickled with the batch) naming its reader and
-that reader's running totals. The training process keeps the latest record per reader and sums
-them (:class:`streampack.integrations.metrics.StreamMetrics`); totals rather than per-batch
-deltas, so a batch the loop never logs loses nothing.
+Every :class:`~streampack.layout.batch.PackedBatch` the pipeline builds carries a
+:class:`WorkerStats` (~1 KB pickled): its reader and that reader's running totals, which the
+training process keeps per reader and sums (:class:`streampack.integrations.metrics.StreamMetrics`)
+without serialising any worker's resume state. Totals, not deltas: an unlogged batch loses nothing.
 """
 
 from __future__ import annotations

@@ -1,34 +1,20 @@
 """How a batch crosses from a DataLoader worker to the training process, without a handshake.
 
-torch's default for a tensor put on a ``multiprocessing`` queue is its ``file_descriptor``
-sharing strategy: the worker moves every storage into its own shared-memory segment, and the
-receiving process fetches each segment's descriptor from the worker's ``resource_sharer``
-thread over a fresh, HMAC-authenticated Unix socket. That thread needs the worker's GIL, which
-the worker holds while it builds the next batch, so the receiver waits and both processes burn
-CPU on the handshake: profiled with 2 workers and batches of 8 x 4096 tokens (two storages per
-batch), ``rebuild_storage_fd`` took 0.9 s of the training process's 2.1 s for a 5 M-token epoch.
+torch's default moves every storage into its own shared-memory segment, whose descriptor the
+receiver fetches over a socket from the worker's ``resource_sharer`` thread -- a thread that
+needs the worker's GIL while the worker builds the next batch. :func:`reduce_batch` sends each
+distinct storage of a batch once instead: a small one (up to ``INLINE_BYTES``) inside the pickle,
+the large ones copied together into one reused slot of the sender's shared-memory ring
+(:mod:`streampack.layout.shm_ring`, received by :mod:`streampack.layout.shm_receive`), or,
+without a free slot, through torch's ``file_system`` sharing for that one storage (a named
+segment: no socket, no wait on the worker). :func:`from_wire` rebuilds every tensor as a view of
+its received storage, so views that shared a storage still share one and a tensor named by two
+fields stays one object. Per batch: 2.9 ms of CPU with the ring, 3.8 with named segments, 5.0
+with torch's default (``benchmarks/bench_transfer.py``, one worker).
 
-:func:`reduce_batch` sends each distinct storage of a batch once: a small one (the int32
-offsets, up to ``INLINE_BYTES``) inside the pickle, the large ones (the ``[3, T]`` int64 rows,
-extras) copied together into one reused slot of the sending process's shared-memory ring
-(:mod:`streampack.layout.shm_ring`), which the receiver keeps mapped and gives back when it frees
-the batch (:mod:`streampack.layout.shm_receive`). Without a free slot (not Linux, or 64 batches
-still held by the receiver) a large storage goes through torch's own ``file_system`` sharing for
-that one storage -- a *named* segment the receiver opens by name, with no socket and no wait on
-the worker. The process-wide strategy is left alone. :func:`from_wire` re-creates every tensor as a
-view of its received storage: views that shared a storage still share one
-(``input_ids``/``labels``/``position_ids``), and a tensor named by two fields stays one object
-(``varlen_cu_seqlens_bidirectional is varlen_cu_seqlens`` with ``align == 1``).
-
-The hand-over costs 2.9 ms of CPU per batch with the ring, 3.8 with named segments and 5.0
-with torch's default (``benchmarks/bench_transfer.py``, one worker); the ring's effect on a
-2-worker epoch is in ``docs/changelog.md``.
-In a worker, :func:`settle_worker` also sends the small tensors of StatefulDataLoader's per-batch
-state deltas by value (0.5 ms of worker CPU per batch).
-
-Only the queue between processes uses this (``ForkingPickler.register``); ``pickle`` and
-``torch.save`` are untouched. A batch holding a tensor that is not a plain dense CPU tensor
-(moved to a GPU in the worker, sparse, requiring grad, a subclass) goes the default way.
+Only the queue between processes uses this (``ForkingPickler.register``; the process-wide
+sharing strategy, ``pickle`` and ``torch.save`` are untouched); a batch holding a tensor that is
+not a plain dense CPU tensor goes the default way.
 """
 
 from __future__ import annotations
@@ -233,15 +219,10 @@ def _rebuild_small_tensor(data: bytes, dtype: torch.dtype, offset: int, size: tu
 
 
 def inline_small_tensors() -> None:
-    """Send small plain tensors from this process by value (call it in a DataLoader worker).
-
-    StatefulDataLoader sends the dataset's state after every batch (``snapshot_every_n_steps=1``,
-    its default) as a delta of the last one; a reader's state holds a few tensors (window
-    references, pack sizes) that change every packing round. torch's own reduction moves each one
-    into a new shared-memory segment whose descriptor the training process fetches over a socket
-    from this worker, ~1-3 ms of both processes' CPU per tensor; by value it is a copy of
-    ~0.6-60 KB inside the pickle. A tensor already in shared memory (shared on purpose) keeps
-    torch's reduction, so sharing it still shares it."""
+    """Send small plain tensors from this process by value (call it in a DataLoader worker):
+    the tensors of the state delta StatefulDataLoader sends after every batch cost ~1-3 ms of both
+    processes' CPU each through torch's reduction, and a 0.6-60 KB copy inside the pickle by value.
+    A tensor already in shared memory (shared on purpose) keeps torch's reduction."""
     ForkingPickler.register(torch.Tensor, _reduce_small_tensor)
 
 
@@ -251,13 +232,7 @@ _settled_pid = 0
 def settle_worker() -> None:
     """Once per DataLoader worker process (``PackedDataset.__iter__`` calls it before building its
     graph): small tensors of the per-batch state deltas travel by value (:func:`inline_small_tensors`).
-
-    Not done, measured: ``gc.freeze()`` of what the worker inherited (the ``gc`` docs' advice for
-    forked workers) made the workers *slower*, 7.95 against 5.67 ms of worker CPU per batch (tar,
-    4 M tokens, 2 workers, 16-core machine): with the ~175k inherited
-    objects out of its count, the collector runs full collections over the worker's own window of
-    samples far more often, and the page faults it was to save did not change (11.6k against 11.7k
-    per worker)."""
+    No ``gc.freeze()``: it made the workers slower (``docs/changelog.md``)."""
     global _settled_pid
     if _settled_pid != os.getpid():
         _settled_pid = os.getpid()

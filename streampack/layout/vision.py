@@ -1,37 +1,27 @@
-"""The vision side of a packed batch: per-image attention spans for the vision encoder and
-Qwen2-VL's 3-D rotary positions (mRoPE), both computed per document of a THD pack.
+"""The vision side of a packed batch, per document of a THD pack, in vectorised torch (no I/O,
+no model, no Python loop over tokens or images): per-frame attention spans for the vision encoder
+and Qwen2-VL's 3-D rotary positions (mRoPE).
 
-Pure torch, no I/O, no model: the inputs are the packed token ids, the document spans and the
-images' patch grids, which is all Qwen2-VL's own rules read.
+**Vision ``cu_seqlens``.** Qwen2-VL's vision tower attends inside one frame at a time: an image
+of grid ``(t, h, w)`` is ``t`` segments of ``h·w`` patches (transformers'
+``get_vision_cu_seqlens`` with ``merge_temporal=False``). Grids ``[[1, 4, 6], [2, 2, 2]]`` give
+``cu_seqlens = [0, 24, 28, 32]``.
 
-**Vision ``cu_seqlens``.** Qwen2-VL's vision tower takes the patches of all images of a batch
-flattened to ``[Σ t·h·w, C·tp·p·p]`` and attends inside one *frame* at a time: an image with
-grid ``(t, h, w)`` is ``t`` segments of ``h·w`` patches (transformers'
-``vision_utils.get_vision_cu_seqlens`` with ``merge_temporal=False``, the ``qwen2_vl``
-convention; checked equal in ``tests/test_vision_layout.py``). Worked example: grids
-``[[1, 4, 6], [2, 2, 2]]`` give segments ``24, 4, 4`` and ``cu_seqlens = [0, 24, 28, 32]``.
-
-**mRoPE positions.** Qwen2-VL's ``get_rope_index`` gives every token three position ids
-(temporal, height, width). A text token has the same id on all three axes, one more than the
-previous item. An image with grid ``(t, h, w)`` and spatial merge ``m`` becomes
-``t·(h/m)·(w/m)`` placeholder tokens laid out t-major, then row-major; placeholder
-``(ti, hi, wi)`` gets ``start + (ti, hi, wi)``, where ``start`` is the position the next text
-token would have had; the text after the image resumes at ``start + max(h/m, w/m)``.
-Worked example (m = 2), a document ``[txt, txt, img×4 (grid 1×4×4), txt]``::
+**mRoPE positions** (Qwen2-VL's ``get_rope_index``, run per document). A text token has the same
+id on all three axes (temporal, height, width), one more than the previous item. An image of grid
+``(t, h, w)`` with spatial merge ``m`` is ``t·(h/m)·(w/m)`` placeholders, t-major then row-major;
+placeholder ``(ti, hi, wi)`` gets ``start + (ti, hi, wi)``, ``start`` being the position the next
+text token would have had, and the text after it resumes at ``start + max(h/m, w/m)``. With m = 2,
+a document ``[txt, txt, img×4 (grid 1×4×4), txt]``::
 
     temporal  0 1  2 2 2 2  4
     height    0 1  2 2 3 3  4
     width     0 1  2 3 2 3  4
 
-Packing runs the rule per document: positions restart at 0 at every ``cu_seqlens`` span, and
-trailing tokens past the last span are one more span (pack padding, counted like text). The
-images' grids are consumed in order of their placeholder runs across the whole pack. Unlike
-``get_rope_index``, which groups *adjacent* placeholder tokens into one run, a run here is cut
-by each image's own token count, so two images with no text between them are still two images
-(transformers would read them as one and fail); wherever transformers' rule is defined the
-two agree (``tests/test_vision_layout.py``, against the installed transformers).
-
-Cost: O(T + n_images) vectorised torch ops, no Python loop over tokens or images.
+Positions restart at 0 at every ``cu_seqlens`` span (tokens past the last one are one more span:
+pack padding). A placeholder run is cut by each image's own token count, so two adjacent images
+stay two (transformers would merge them and fail); wherever transformers' rule is defined the two
+agree (``tests/test_vision_layout.py``).
 """
 
 from __future__ import annotations

@@ -17,19 +17,16 @@ A video (Qwen2-VL, frames grouped by the temporal patch) has the same fields pre
 LLaVA-NeXT any-res image is ``1 + tiles`` rows of ``pixel_values`` ``[Σ tiles, 3, S, S]``, with
 ``image_grid_thw`` ``(1 + tiles, S, S)`` and its stored ``(height, width)`` in ``image_sizes``.
 
-A media stream gives its :class:`VisionLayout` to every batch, so a batch whose documents have no
-image (or a filler batch) is an empty ``VisionBatch`` of that layout rather than None: 0 image
-rows, ``vision_cu_seqlens`` ``[0]`` and mRoPE positions equal to the text positions, and
-``hf_inputs()`` keeps the model's ``position_ids`` layout (Qwen2-VL ``[4, 1, T]``) on every step.
-
-The pure functions that compute ``vision_cu_seqlens`` and the 3-D mRoPE position ids live in
-:mod:`streampack.layout.vision`; this module only gathers a batch's images and calls them.
+A media stream gives its :class:`VisionLayout` to every batch, so a batch without images (a
+filler included) is an empty ``VisionBatch`` of that layout rather than None, and ``hf_inputs()``
+keeps the model's ``position_ids`` layout (Qwen2-VL ``[4, 1, T]``) on every step. The spans and
+positions are computed by :mod:`streampack.layout.vision`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -83,12 +80,8 @@ class VisionBatch:
         return 0 if self.video_doc is None else int(self.video_doc.shape[0])
 
     def map_tensors(self, once: Any) -> VisionBatch:
-        return replace(self, **{n: once(getattr(self, n)) for n in _TENSORS if getattr(self, n) is not None})
-
-
-_TENSORS = ("pixel_values", "image_grid_thw", "image_doc", "image_token_starts", "image_token_lengths",
-            "vision_cu_seqlens", "mrope_position_ids", "image_sizes", "pixel_values_videos", "video_grid_thw",
-            "video_doc", "video_token_starts", "video_token_lengths", "video_cu_seqlens")
+        return replace(self, **{f.name: once(v) for f in fields(self)
+                                if isinstance(v := getattr(self, f.name), torch.Tensor)})
 
 
 def _gather(items: list[tuple[int, Any, Any]], starts: Sequence[int]) -> dict[str, torch.Tensor]:
@@ -101,11 +94,8 @@ def _gather(items: list[tuple[int, Any, Any]], starts: Sequence[int]) -> dict[st
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VisionLayout:
-    """How a media stream lays out its images, known before any batch has one: given to
-    :func:`vision_batch` (through ``pack_batch(vision_layout=)`` and the pipeline's collate), it
-    makes every batch of the stream carry a :class:`VisionBatch`, images or not, so the model
-    sees one position layout on every step (Qwen2-VL: ``position_ids [4, 1, T]``, from which it
-    builds its per-document mask; a ``[1, T]`` batch would let documents attend to each other)."""
+    """How a media stream lays out its images, known before any batch has one; given to
+    :func:`vision_batch` (``pack_batch(vision_layout=)``), every batch carries a :class:`VisionBatch`."""
 
     layout: str
     """``patches`` (Qwen2-VL flattened patches), ``image`` (one fixed-size image) or ``tiles``."""

@@ -62,6 +62,7 @@ from streampack.io.shard_identity import ShardChanged
 from streampack.io.storage import OpenOptions, ShardStat
 from streampack.io.urls import ShardList
 from streampack.options.read import ReadOptions
+from streampack.options.topology import Placement
 from streampack.plan.cursor import Planned
 from streampack.plan.sharding import (
     ShardSpan,
@@ -81,7 +82,6 @@ from streampack.plan.state import (
     record_of,
     record_text,
 )
-from streampack.plan.topology import current_worker, resolve_topology, validate_topology
 from streampack.sample import Sample, SampleOrigin
 
 CONFIG_KEY = "config"
@@ -136,8 +136,10 @@ class ShardReader(BaseNode[Sample]):
     ``epochs=None`` repeats forever with a fresh shard permutation each epoch (an epoch in which
     this worker draws only empty or bad shards is passed over; it raises only once no shard can
     ever give it a sample); ``epochs=N`` stops after epoch N-1; a fresh start reads from ``start_epoch`` (a second
-    finite pass reads epochs ``[N, 2N)`` and so reshuffles). ``dp_rank``/``worker_id`` (and their
-    sizes) may be None to take them from ``resolve_topology()`` / the DataLoader worker info.
+    finite pass reads epochs ``[N, 2N)`` and so reshuffles). ``place``
+    (:class:`~streampack.options.topology.Placement`, checked when it was made; its ``passes`` is the
+    graph's business) says which reader this is: rank 0 of 1 by default, ``Placement.current()``
+    for this process's rank and DataLoader worker.
     ``read`` (:class:`~streampack.options.read.ReadOptions`, checked when it was made) says which
     fields to read, the bounds on them (``vocab_size``, ``limits``), where indexes are cached and
     how shards are fetched; ``open_options`` replaces that last part when given (a graph makes it
@@ -158,10 +160,7 @@ class ShardReader(BaseNode[Sample]):
         shuffle: bool = True,
         epochs: int | None = None,
         start_epoch: int = 0,
-        dp_rank: int | None = 0,
-        dp_size: int | None = 1,
-        worker_id: int | None = 0,
-        num_workers: int | None = 1,
+        place: Placement = Placement(),
         read: ReadOptions = ReadOptions(),
         error_policy: ErrorPolicy | None = None,
         open_options: OpenOptions | None = None,
@@ -180,20 +179,12 @@ class ShardReader(BaseNode[Sample]):
             raise ValueError(f"{epochs=} must be None (infinite) or an int >= 1")
         if not isinstance(start_epoch, int) or start_epoch < 0 or (epochs is not None and start_epoch >= epochs):
             raise ValueError(f"{start_epoch=} must be an int in [0, {epochs=})")
-        if dp_rank is None or dp_size is None:
-            dp_rank, dp_size = resolve_topology(dp_rank, dp_size)
-        if worker_id is None or num_workers is None:
-            here = current_worker()
-            auto_id, auto_n = here.id, here.readers
-            worker_id, num_workers = (auto_id if worker_id is None else worker_id), (auto_n if num_workers is None else num_workers)
-        validate_topology(dp_rank, dp_size, worker_id, num_workers)
         self._open = open_options if open_options is not None else read.open_options()
         self.io_stats: IOStats = io_stats if io_stats is not None else IOStats()
         shards = ShardList.of(urls, allow_pipe=self._open.allow_pipe, opts=self._open)
         self.urls: tuple[str, ...] = shards.urls
         self.seed, self.shuffle, self.epochs, self.start_epoch = seed, shuffle, epochs, start_epoch
-        self.global_worker = dp_rank * num_workers + worker_id
-        self.global_workers = dp_size * num_workers
+        self.global_worker, self.global_workers = place.global_worker, place.global_workers
         self._policy = error_policy if error_policy is not None else read.error_policy()
         self.errors: ErrorCounter = self._policy.errors
         media_read = None if media is None else media.reading(self._open, self.io_stats)  # images: this reader's I/O
@@ -205,10 +196,10 @@ class ShardReader(BaseNode[Sample]):
             "num_sources": len(self.urls),
             "seed": seed,
             "shuffle": shuffle,
-            "dp_rank": dp_rank,
-            "dp_size": dp_size,
-            "worker_id": worker_id,
-            "num_workers": num_workers,
+            "dp_rank": place.dp_rank,
+            "dp_size": place.dp_size,
+            "worker_id": place.worker_id,
+            "num_workers": place.num_workers,
             "fields": [read.tokens_key, read.text_key, read.labels_key, read.loss_mask_key],
             "vocab_size": read.vocab_size,  # both decide which samples are kept
             "limits": self._decode.limits.recorded(images=media is not None),

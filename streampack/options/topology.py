@@ -5,7 +5,8 @@ Data parallelism decides what each reader reads (``dp_*``); context / tensor par
 decide the per-document alignment (:func:`~streampack.layout.batch.alignment`, what the packer,
 the collate and the offline-pack reader take as ``align``); ``equal_batches`` and
 ``batches_per_epoch`` decide how every rank of a finite stream yields the same number of
-batches (the epoch planner and the collate take them).
+batches (the epoch planner and the collate take them). :class:`Placement` is which reader a graph
+is: the resolved numbers the graph and its ``ShardReader`` take.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from streampack.layout.batch import alignment
 from streampack.options._check import need_choice, need_int, need_type
-from streampack.plan.topology import validate_topology
+from streampack.plan.topology import current_worker, resolve_topology, validate_topology
 
 EQUAL_BATCHES = ("plan", "count", "sync")
 
@@ -96,3 +97,40 @@ class TopologyOptions:
         """The per-document alignment every pack's spans are padded to."""
         return alignment(self.cp_size, self.tp_size, sequence_parallel=self.sequence_parallel,
                          multiple=self.align_multiple)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """Which reader this graph is: data-parallel rank and DataLoader worker (checked here, once)."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    worker_id: int = 0
+    num_workers: int = 1
+    """Readers on this rank (``max(DataLoader num_workers, 1)``)."""
+    passes: int = 0
+    """Finite mode: completed passes before this one (pass ``p`` reads epochs ``[p*N, (p+1)*N)``)."""
+
+    def __post_init__(self) -> None:
+        try:
+            validate_topology(self.dp_rank, self.dp_size, self.worker_id, self.num_workers)
+        except ValueError as e:
+            raise ValueError(f"Placement: {e}") from None
+        need_int("Placement", "passes", self.passes, 0)
+
+    @classmethod
+    def current(cls, dp_rank: int | None = None, dp_size: int | None = None, dp_group: Any = None) -> Placement:
+        """This process's placement: the rank as :func:`~streampack.plan.topology.resolve_topology`
+        resolves it (``dp_group``, the explicit values, ``torch.distributed``, ``RANK``/``WORLD_SIZE``)
+        and the DataLoader worker it runs in (worker 0 of 1 outside one)."""
+        rank, size = resolve_topology(dp_rank, dp_size, dp_group)
+        here = current_worker()
+        return cls(dp_rank=rank, dp_size=size, worker_id=here.id, num_workers=here.readers)
+
+    @property
+    def global_worker(self) -> int:
+        return self.dp_rank * self.num_workers + self.worker_id
+
+    @property
+    def global_workers(self) -> int:
+        return self.dp_size * self.num_workers
