@@ -1,26 +1,16 @@
 """http(s) requests that check what comes back: one version of one object, exactly the bytes asked.
 
-fsspec's ``HTTPFileSystem.cat_file`` returns a body and drops its headers, and reads the whole
-body whatever its length; its ``info`` runs without a deadline. So streampack sends its own
-``HEAD`` and ranged ``GET`` through the same filesystem's aiohttp session (its timeouts, redirect
-guard and the user's ``client_kwargs`` / headers apply) and checks each answer:
+fsspec's ``HTTPFileSystem.cat_file`` drops the headers and reads the whole body whatever its
+length, and its ``info`` has no deadline. So streampack sends its own ``HEAD`` and ranged ``GET``
+through the same filesystem's aiohttp session and checks each answer:
 
-- **bounded body**: at most the bytes asked for are read; more (a body longer than its range,
-  an endless body) is the ``long_body`` fault and the connection is closed, never reused (an
-  endless body for a 12 KB object added +241 MiB RSS within a 4 s deadline through
-  ``cat_file``);
-- **one version per read**: the first answer pins the object (its ETag, and its size: the
-  ``HEAD``'s, else the ``Content-Range`` total); every later block is sent ``If-Match`` and must
-  report the same ETag and total, else ``DataError("shard_changed")`` (an object replaced
-  mid-read was spliced: 6,263 lines of the old version then 4,222 of the new, no error; a
-  ``HEAD`` size smaller than the object silently truncated it);
-- **a deadline for every request**, ``HEAD`` included (``OpenOptions.request_deadline``, the
-  coroutine is cancelled): headers trickled at 1 B/s held a reader past 120 s with
-  ``retry_budget=6, request_deadline=4``;
-- ``Retry-After`` of a 429 / 503 is handed to the retry policy (:mod:`streampack.io.failures`).
-
-A weak ETag (``W/"..."``) cannot be sent as ``If-Match`` (strong comparison): it is compared
-from the response headers only.
+- **bounded body**: more than the bytes asked for is the ``long_body`` fault and the connection
+  is closed (an endless body added +241 MiB RSS within a 4 s deadline through ``cat_file``);
+- **one version per read**: the first answer pins the object's ETag and size; every later block
+  is sent ``If-Match`` and must report the same, else ``DataError("shard_changed")`` (a weak
+  ETag is compared from the headers only);
+- **a deadline for every request**, ``HEAD`` included (``OpenOptions.request_deadline``);
+- ``Retry-After`` of a 429 / 503 is handed to the retry policy.
 """
 
 from __future__ import annotations

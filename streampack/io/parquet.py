@@ -1,32 +1,16 @@
-"""Parquet shards (FineWeb, DCLM, The Stack, every Hugging Face dataset's parquet export) via pyarrow.
+"""Parquet shards (FineWeb, DCLM, every Hugging Face dataset's parquet export) via pyarrow.
 
-A row is a sample: a token-id list column named ``tokens_key`` (any integer list type), or else
-a text column named ``text_key`` (string or UTF-8 binary), plus optional ``labels_key`` /
-``loss_mask_key`` list columns; each row goes through :func:`~streampack.io.decode.make_sample`
-like a jsonl line. The sample key is the row number, and so is the position: a shard range
-is a row range, so resuming at row ``r`` opens row group ``g`` (from the footer's row counts)
-and skips ``r - first_row(g)`` rows of that group only; earlier row groups are never read.
-The index of a parquet file is its rows (from the footer) and each row's token count
-(:func:`token_lengths`), so a finite run over several ranks can plan its batches from it.
+A row is a sample: an integer-list column ``tokens_key``, or else a text column ``text_key``, plus
+optional ``labels_key`` / ``loss_mask_key`` lists, each row validated like a jsonl line. The key
+and the position are the row number: resuming at row ``r`` opens its row group and skips rows of
+that group only. The index is the footer's rows and each row's token count (:func:`token_lengths`).
 
-Only the needed columns are read, one row group at a time, in batches of at most
-:data:`BATCH_ROWS` rows. Untrusted files are bounded by ``Limits.max_sample_bytes`` *before*
-anything is decoded, from the footer alone: a column chunk decodes to at least ``num_values``
-leaf values (8 bytes per token id once it is an int64 array) and to at least its
-``total_uncompressed_size`` (the bytes of its strings). A row group whose rows average more
-than the limit must hold a sample over it, so it is refused unread (``sample_too_large``,
-every row of the group: with one row per group, the bomb case, exactly that sample); otherwise
-a batch holds about ``max_sample_bytes`` worth of rows, and each decoded row is checked again.
-Measured (peak RSS of a fresh child, ``benchmarks/rss_child.py``, as in
-``tests/test_parquet_limits.py``): a 934-byte file with one row of 64M ids cost +1,707 MiB and
-is now refused at +80 MiB, what any first parquet read costs (a 2-row file: +79 MiB, pyarrow's
-import and pools); an 8.8 KB file with one 256 MiB string: +1,064 -> +36 MiB. Not caught from
-the footer: a dictionary-encoded string repeated in many rows (the footer counts its bytes
-once) — such a batch is decoded, then refused per row.
-
-Damage is located to the row: a batch that fails is read again one row at a time from its
-first row, so every good row before the bad page is delivered and the error names the first
-row that cannot be read.
+Only the needed columns are read, a row group at a time, in batches of at most :data:`BATCH_ROWS`.
+Untrusted files are bounded by ``Limits.max_sample_bytes`` from the footer before decoding (a
+column chunk decodes to at least ``num_values`` leaf values and its ``total_uncompressed_size``):
+a row group whose rows average more than the limit is refused unread (a 934-byte file holding
+64M ids cost +1,707 MiB, and is refused at +80 MiB: ``benchmarks/rss_child.py``); decoded rows
+are checked again. Damage is located to the row: a batch that fails is re-read one row at a time.
 """
 
 from __future__ import annotations
@@ -59,20 +43,12 @@ def row_counts(f: BinaryIO, url: str) -> np.ndarray:
 
 
 def token_lengths(f: BinaryIO, opts: DecodeOptions, url: str) -> np.ndarray:
-    """int32 ``[rows]``: each row's token count as the reader will see it, for an index. -1 where
-    it is not known before tokenizing (no integer-list ``tokens_key`` column, or a null list in a
-    row that has text); :data:`~streampack.io.decode.BAD_LENGTH` where the reader refuses the
-    row (a null list and no text column, a row group or row over ``max_sample_bytes``).
-
-    The counts are the token column's list lengths, read one row group at a time, only that
-    column, in batches of about ``max_sample_bytes``. Parquet keeps a list's lengths only as the
-    repetition / definition levels interleaved with the values in each data page, and pyarrow
-    has no levels-only read, so the values are decoded (then dropped). Measured with
-    ``python benchmarks/bench_index.py parquet`` (20,000 rows x ~600 int32 ids, 44 MB, loaded
-    2-core box): footer alone 1 ms, with token counts 1.7 s (1.1 s for a bare
-    ``read_row_group`` + ``list_value_length`` of the column: the same decode), a whole read
-    through the reader 3.3 s. Paid once per shard, by ``streampack index``; a reader that only
-    splits a shard keeps the footer-only index (``index.load_or_build_index(positions_only=)``)."""
+    """int32 ``[rows]``: each row's token count as the reader will see it, for an index; -1 where not
+    known before tokenizing, :data:`~streampack.io.decode.BAD_LENGTH` where the reader refuses the row.
+    pyarrow has no levels-only read, so the token column is decoded, a row group at a time (20,000
+    rows x ~600 ids: 1.7 s, the footer alone 1 ms, ``benchmarks/bench_index.py parquet``): paid once
+    per shard by ``streampack index``; a reader that only splits a shard keeps the footer-only index.
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
 

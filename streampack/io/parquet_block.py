@@ -1,18 +1,11 @@
 """Parquet shards with an integer-list token column, read as :class:`~streampack.io.token_block.TokenBlock` s.
 
-One read per row group of the token column alone, as arrow: the list offsets and the flat
-values are taken zero-copy (``to_numpy``), so a block is the row group's value buffer with each
-row a ``(start, length)`` in it — no Python object per row (the per-sample reader made a numpy
-slice, an int64 copy and a Sample per row).
-
-A block holds only what the per-sample reader (:mod:`streampack.io.parquet`) turns into valid
-samples with nothing to report: the token column is a ``list`` / ``large_list`` of integers and
-the only column that reader reads (no ``text_key`` column: it reads that one too, and counts its
-bytes against ``max_sample_bytes``); the row group is within ``max_sample_bytes`` per row from the
-footer, as that reader judges it before decoding; no row is null, empty or over
-``max_sample_bytes``, and every id is in ``[0, vocab bound)``. At the first row group that is not,
-or one that cannot be read, the blocks end and the per-sample reader reads on from that row
-(it locates a bad page to the row, and raises, counts and skips as always).
+One read per row group of the token column alone; the list offsets and values are taken
+zero-copy, so a block is the row group's value buffer with each row a ``(start, length)`` in it.
+A block holds only rows the per-sample reader (:mod:`streampack.io.parquet`) turns into valid
+samples with nothing to report (only the token column, within ``max_sample_bytes``, no null or
+empty row, ids in range); at the first row group that is not, the blocks end and that reader
+reads on from that row.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """S3 ranged reads pinned to one version of the object, never read past the range asked.
 
-s3fs's ``cat_file`` sends a ranged ``GetObject`` and returns the body, dropping what the answer
-says about the object; so a key overwritten while a shard is read would splice two versions
-(seen over http). Here the same ``GetObject`` goes through s3fs's own client
-(``_call_s3``: its credentials, endpoint and config apply) with ``IfMatch`` set to the ETag the
-first answer gave, and each answer's ``ETag`` and ``ContentRange`` total are
-compared with the pin (:class:`~streampack.io.http.Pin`); a mismatch or ``412 Precondition
-Failed`` is ``DataError("shard_changed")``. The body is read for exactly the bytes asked.
+s3fs's ``cat_file`` drops what the answer says about the object, so an overwritten key would
+splice two versions. Here the ``GetObject`` goes through s3fs's own client with ``IfMatch`` set
+to the first answer's ETag, and each answer's ``ETag`` and ``ContentRange`` total are compared
+with the pin (:class:`~streampack.io.http.Pin`); a mismatch or 412 is ``DataError("shard_changed")``.
 """
 
 from __future__ import annotations

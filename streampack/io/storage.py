@@ -1,24 +1,12 @@
 """Where shards live: fsspec filesystems built with streampack's timeouts and redirect policy,
 and the few store calls (stat, listing) made under the retry policy.
 
-Every remote URL (``http(s)://``, ``s3://`` via s3fs, ``gs://`` via gcsfs, ``az://``/``abfs://``
-via adlfs, ``hf://`` via huggingface_hub, ``memory://``, any registered fsspec protocol) goes
-through one fsspec filesystem per (process, protocol, options). Local paths (and ``file://``)
-never do: they are plain ``open`` + ``seek`` (see :mod:`streampack.io.open`).
-
-What streampack sets on top of the user's ``storage_options`` (the user's values win):
-
-- ``http(s)``: aiohttp connect / read timeouts, and a redirect guard: a redirect to another
-  host raises :class:`RedirectRefused` (a shard list from a config file must not send a
-  training job to an arbitrary host) unless ``allow_redirects=True``; same-host redirects
-  are followed.
-- ``s3``: botocore connect / read timeouts; s3fs's and botocore's own retries off, so the
-  one policy (:mod:`streampack.io.retry`) decides; ``$STREAMPACK_S3_ENDPOINT`` (else
-  botocore's ``$AWS_ENDPOINT_URL(_S3)``) with path-style addressing for S3-compatible stores.
-- every async filesystem (http, s3, gs, az): ``request_deadline`` bounds each request, a
-  ``stat`` / ``HEAD`` and a listing included (fsspec's ``timeout=``, which cancels the
-  coroutine), so a server that trickles bytes cannot hold a read forever. http(s) stats and
-  reads go through :mod:`streampack.io.http`, which checks the answers fsspec would not.
+Every remote URL goes through one fsspec filesystem per (process, protocol, options); local paths
+never do. On top of the user's ``storage_options`` (whose values win): http(s) timeouts and a
+redirect guard (another host raises :class:`RedirectRefused` unless ``allow_redirects=True``);
+s3 timeouts, s3fs's and botocore's own retries off so the one policy decides, and
+``$STREAMPACK_S3_ENDPOINT`` with path-style addressing; every async filesystem a
+``request_deadline`` per request, stats and listings included.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """webdataset tar shards: members grouped into samples, judged, decoded and indexed.
 
-Samples follow webdataset: consecutive members sharing the key (name up to the first dot of
-the basename) form one sample; the rest of the name is the field (see ``tar_decode``). Members
-come from ``tar_stream`` (headers verified, sizes bounded, corrupt headers skipped to the next
-readable one); members the decoder never reads are skipped unread, and the ones it reads are
-bounded by ``max_member_bytes`` each and ``max_sample_bytes`` together.
+Consecutive members sharing the key (name up to the first dot of the basename) form one sample;
+members come from ``tar_stream`` (headers verified, sizes bounded, corrupt headers skipped), and
+those the decoder never reads are skipped unread. Bad structure costs exactly the samples it touches:
 
-Bad structure costs exactly the samples it touches:
-
-- a sample next to a corrupt region (before or after it) may have lost a member to it. It is
-  kept only if it has the same fields as the next intact sample (a lost ``labels.npy`` must
-  not become a sample trained on its own tokens); otherwise it is ``incomplete_sample`` —
-  or, right after the region, part of the region's ``corrupt_shard`` error. Judging by the
-  sample *after* (never before) keeps the verdict the same when a read resumes mid-range;
-  with no intact sample after it in the reader's range (the shard's end, or the end of a
-  worker's part of a split shard) it is dropped;
-- a key met earlier in the range (``a, b, a``; a worker's part when a shard is split) is
-  ``repeated_key`` (hashed keys, about 10 bytes each: :class:`~streampack.io.keys.KeySet`). The one verdict that looks back: a read
-  resumed at a byte offset knows only the keys after that offset. Remembering the earlier
-  ones would mean re-reading the range prefix at every resume (every worker re-downloading
-  up to a shard per restart on remote data, where resuming is now one ranged request) or a
-  state that grows with the shard; so a repeat whose first occurrence precedes the resume
-  point passes after that resume.
+- a sample next to a corrupt region is kept only if it has the fields of the next intact sample
+  (a lost ``labels.npy`` must not become a sample trained on its own tokens); else it is
+  ``incomplete_sample`` or part of the region's ``corrupt_shard``. Judging only by what follows
+  keeps the verdict the same when a read resumes mid-range;
+- a key met earlier in the range is ``repeated_key`` (:class:`~streampack.io.keys.KeySet`). This
+  verdict looks back, so a repeat whose first occurrence precedes a resume point passes after that
+  resume: remembering it would mean re-reading the range prefix at every resume.
 """
 
 from __future__ import annotations
@@ -178,9 +167,9 @@ def _judged(units: Iterator[Unit], url: str, peek: _Peek | None = None) -> Itera
 
 
 class _Peek:
-    """What follows a shard range that ends inside the shard: the header just past its end (read
-    from the range's own stream, which is opened one block longer), and only when that is not a
-    plain member, the units after it (from a second stream: damage is rare)."""
+    """What follows a range that ends inside the shard: the header past its end (from the range's own
+    stream, opened one block longer), and only when that is not a plain member, the units after it.
+    """
 
     def __init__(self, f: BinaryIO, reopen: Callable[[int, int | None], BinaryIO], *, at: int, url: str,
                  want: Callable[[str], int], seekable: bool, limits: Limits) -> None:
@@ -327,12 +316,9 @@ def _region_error(unit: TarRegion, url: str) -> DataError:
 
 
 def group_length(group: TarGroup, opts: DecodeOptions, token_npy: tuple[str, ...]) -> int:
-    """Token count of a group read for an index (``token_npy`` members read as a 512-byte
-    prefix, ``json`` whole): the count of the one member the reader takes the tokens from; -1
-    when unknown, or when several members give tokens (``npy`` and ``<tokens_key>.npy``, or one
-    of them and the json's ``tokens_key``): the reader refuses that sample (``conflicting_fields``),
-    so no member's count is the right one. Never a set iterated here: its order (and so the
-    count) followed ``PYTHONHASHSEED``."""
+    """Token count of a group read for an index: the count of the one member the reader takes the
+    tokens from; -1 when unknown or when several members give tokens (the reader refuses that sample).
+    """
     found = [name for name in dict.fromkeys(token_npy) if group.fields.get(name)]
     raw = group.fields.get("json")
     count = token_count(raw, opts) if raw else -1
