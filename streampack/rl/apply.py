@@ -1,22 +1,17 @@
 """Apply a :class:`~streampack.rl.plan.MicroBatchPlan` to real tensors, and undo it.
 
-Input is either a padded batch -- ``input_ids`` int ``[B, S]`` with ``attention_mask``
-``[B, S]`` (1 = real token; right *or* left padding, each row's real tokens contiguous) -- or
-a list of ``B`` 1-D token sequences (``attention_mask=None``). Row ``i`` must hold exactly
-``plan.seq_lens[i]`` real tokens.
-
-Worked example (``seq_lens = [3, 1, 2]``, one dynamic micro-batch ``indices = [0, 2]``
-with padded length 4, ``pad_id = 0``)::
+Input is a padded batch (``input_ids`` ``[B, S]`` with ``attention_mask`` ``[B, S]``, right or left
+padding, each row's real tokens contiguous) or a list of ``B`` 1-D sequences; row ``i`` must hold
+exactly ``plan.seq_lens[i]`` real tokens. Example (``seq_lens = [3, 1, 2]``, one dynamic
+micro-batch ``indices = [0, 2]`` of padded length 4, ``pad_id = 0``)::
 
     input_ids       [[a0 a1 a2 0], [c0 c1 0 0]]     int64 [b=2, L=4], right padded
     attention_mask  [[1  1  1  0], [1  1  0 0]]     int64 [2, 4]
     position_ids    [[0  1  2  3], [0  1  2 3]]     int64 [2, 4] (real tokens count from 0)
     indices         [0, 2]                           int64 [2]: original row of each row
 
-:func:`restore_order` takes per-sequence results back to the original order:
-``outputs[rank][microbatch]`` is anything indexable by row (a list of per-sequence tensors, or
-one tensor ``[b, ...]``) whose row ``k`` belongs to ``plan.microbatches[rank][microbatch][k]``;
-it returns a list of ``B`` per-sequence results in original order.
+:func:`restore_order` takes ``outputs[rank][microbatch]`` (indexable by row) back to a list of
+``B`` per-sequence results in original order.
 """
 
 from __future__ import annotations

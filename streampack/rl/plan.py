@@ -2,42 +2,17 @@
 
 Two planners, one record (:class:`MicroBatchPlan`: rank -> micro-batch -> sequence indices):
 
-* :func:`plan_dynamic_batches` (padded ``[b, L]`` micro-batches, any attention kernel): sort by
-  length inside chunks, deal to DP ranks, cut into micro-batches whose padded size
-  ``count x L`` never exceeds the budget (``L`` = the longest length rounded up to
-  ``sequence_length_round``). Two conventions, both hard caps:
-
-  - ``"balanced"`` (default, :mod:`streampack.rl._dynamic`): longest first, ranks dealt
-    largest-to-lightest, each rank cut on its own; reproduces NeMo-RL's diagram exactly.
-  - ``"roll"`` (:mod:`streampack.rl._roll`): ROLL's ``dynamic_batching_shard`` as its code
-    does it -- shortest first, stride deal ``sorted[r::dp]``, one list of micro-batch
-    boundaries and padded lengths shared by every rank, ROLL's split rule for pipeline
-    parallelism. Its unit tests (``[2, 4, 7, 6, 3, 4]``, dp 2, budget 20, round 2 ->
-    ``[[0, 2], [2, 3]]`` with lengths ``[4, 8]``, ...) come out exactly.
-
-  Neither is a soft cap: the worked example in ROLL's documentation bounds real tokens and
-  rounds afterwards, which on ROLL's unit-test input builds micro-batches of 24 padded tokens
-  over a budget of 20 (and on 200 random rollouts exceeded the budget in 156, by up to 2.44x).
-
+* :func:`plan_dynamic_batches` (padded ``[b, L]`` micro-batches, any attention kernel): sort,
+  deal to DP ranks, cut into micro-batches whose padded size ``count x L`` never exceeds the
+  budget. Conventions: ``"balanced"`` (:mod:`streampack.rl._dynamic`, longest first, dealt
+  largest-to-lightest: balance 1.0001 where ROLL's stride deal gives 1.018) and ``"roll"``
+  (:mod:`streampack.rl._roll`, ROLL's code exactly). Both are hard caps.
 * :func:`plan_packed_microbatches` (one THD pack per micro-batch): Karmarkar-Karp from the
   batch to DP ranks, then from each rank to ``M`` micro-batches (ROLL sequence packing §2.4).
 
-Both guarantee what collectives need: every rank gets the same number of micro-batches (per
-chunk for dynamic plans), none is empty, and the count is a multiple of ``pp_size``; when
-that is impossible they raise ``ValueError`` instead of planning a hang.
-
-Measured (``benchmarks/bench_rl.py``: 1024 lognormal lengths, median 2000, max 16k,
-dp 8, budget 16384, round/align 128; 3.01M real tokens):
-
-    method             mb/rank  padded tokens  padding  balance (real)
-    naive (batch max)      128     16,777,216    82.0%          1.242
-    dynamic batching        29      3,213,568     6.2%          1.0001
-    packed + KK             24      3,079,168     2.1%          1.002
-    packed + FFD            24      3,079,168     2.1%          1.002  (smallest mb 0.51 of
-                                                                        budget; KK 0.97)
-
-Dealing to ranks largest-to-lightest rather than ROLL's stride: stride gives rank ``dp-1`` the
-longest of every round; on the benchmark that is balance 1.018 vs 1.0001.
+Both give every rank the same number of micro-batches, none empty, a multiple of ``pp_size``,
+or raise ``ValueError`` instead of planning a hang. On 1024 lognormal lengths, dp 8, budget 16384
+(``benchmarks/bench_rl.py``) padding is 82% for the naive batch max, 6.2% dynamic, 2.1% packed.
 """
 
 from __future__ import annotations
