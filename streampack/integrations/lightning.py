@@ -1,42 +1,25 @@
-"""Lightning ``Trainer`` on a :class:`~streampack.dataset.PackedDataset`.
+"""Lightning ``Trainer`` on a :class:`~streampack.dataset.PackedDataset` (docs/integrations.md).
 
 ``trainer.fit(model, datamodule=PackedDataModule(ds, num_workers=2), ckpt_path=...)``: the
-``training_step`` receives a :class:`~streampack.layout.batch.PackedBatch` on the model's
-device. What the module does, each for a measured failure:
+``training_step`` receives a :class:`~streampack.layout.batch.PackedBatch` on the model's device.
+What the module does, each for a measured failure:
 
-* **Device transfer and precision plugins.** Lightning moves batches with
-  ``move_data_to_device`` (any object with ``.to``) and converts them with
-  ``apply_to_collection``, which its "bf16-true" / "16-true" precisions and FSDP / DeepSpeed run
-  on every batch and which refused the frozen PackedBatch ("A frozen dataclass was passed").
-  PackedBatch and the adapter records are plain dataclasses now, so this needs no code here.
-* **The data position of the batches trained.** Lightning fetches one batch ahead of the one it
-  trains (to know the last batch of an unsized loader), so a stateful loader's own
-  ``state_dict()`` at a checkpoint is one batch ahead: a resume would skip that batch. The
-  module's loader remembers the loader state after each batch it yields, counts the batches
-  Lightning actually hands to ``training_step`` (``on_before_batch_transfer``), and its
-  ``state_dict()`` -- saved in every Lightning checkpoint -- is the state at the last trained
-  batch. With several ranks every rank's state is gathered into the checkpoint (Lightning
-  writes it from rank 0) and each rank loads its own on resume.
-* **Elastic resume.** On another world size or ``num_workers`` than the checkpoint was saved
-  with, every rank hands every old reader's state to ``PackedDataset.load_state_dict([...])``
-  (:mod:`streampack.integrations.resume`): every sample of the epoch is trained exactly once.
-* **A resume that silently restarts the data.** ``fit(ckpt_path="last")`` finds no checkpoint
-  with a ``ModelCheckpoint`` that has no ``save_last=True``, or no ``dirpath`` (it then saves under
-  the logger's ``lightning_logs/version_N/``, and a rerun of the script gets ``version_N+1/``), and
-  Lightning only warns ("no last checkpoint available") and trains from batch 1 again. When a fit
-  restores no data position while the ``ModelCheckpoint`` folder -- or, without a ``dirpath``,
-  an earlier run's ``version_*/checkpoints`` -- already holds checkpoints, the module warns
-  naming ``save_last=True`` / ``dirpath``; a restored checkpoint without this module's state is a
-  ``ValueError``.
-* **Workers that outlive the fit.** Lightning shuts down the workers of the DataLoaders it
-  sees when a fit ends, and the module's loader is not one: a fit stopped at ``max_steps`` left
-  its workers running until the garbage collector freed the loader (5 s of torch's join timeout
-  per worker, wherever that happened). ``teardown`` shuts them down.
-* **Stream metrics.** Every ``log_every_n_steps`` the summed per-worker stats go to the
-  trainer's loggers (``streampack/tokens``, ``streampack/fill``, ...; over all ranks).
+* **The data position of the batches trained.** Lightning fetches one batch ahead, so a stateful
+  loader's own state at a checkpoint would skip a batch on resume. The module's loader keeps the
+  state after each batch it yields, counts the batches handed to ``training_step``
+  (``on_before_batch_transfer``), and saves the state at the last trained batch; every rank's
+  state is gathered into the checkpoint and each rank loads its own.
+* **Elastic resume.** On another world size or ``num_workers`` every rank hands every old
+  reader's state to ``PackedDataset.load_state_dict([...])`` (:mod:`streampack.integrations.resume`).
+* **A resume that silently restarts the data.** ``fit(ckpt_path="last")`` without ``save_last=True``
+  or a ``dirpath`` finds no checkpoint and trains from batch 1 with only a warning. When a fit
+  restores no data position while checkpoints exist, the module warns naming ``save_last=True`` /
+  ``dirpath``; a restored checkpoint without this module's state is a ``ValueError``.
+* **Workers that outlive the fit.** Lightning shuts down only the DataLoaders it sees; ``teardown``
+  shuts down this loader's workers.
+* **Stream metrics** every ``log_every_n_steps`` to the trainer's loggers, summed over ranks.
 
-If your LightningModule overrides ``on_before_batch_transfer`` it is still called (from the
-module's own hook; Lightning warns that both define it).
+A LightningModule's own ``on_before_batch_transfer`` is still called (from the module's hook).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The StatefulDataLoader the trainer integrations build, and torchdata's start-up warning.
 
 torchdata 0.11's ``StatefulDataLoader.__init__`` calls ``torch.set_vital``, which torch 2.13
-deprecates: every run printed ``UserWarning: 'set_vital' is deprecated`` though nothing is
-wrong. The integrations build the loader for the user and silence exactly that warning there;
-importing :mod:`streampack.dataset` installs one narrow filter (:func:`quiet_set_vital`) so a
-loader the user builds is quiet too -- the only warning filter streampack installs. Building it is also
-the first moment the worker count is known in the main process, so ``batches_per_epoch`` is
-checked against it here.
+deprecates; the integrations silence exactly that warning, and importing :mod:`streampack.dataset`
+installs that one narrow filter (:func:`quiet_set_vital`). Building the loader is also the first
+moment the worker count is known, so ``batches_per_epoch`` is checked against it here.
 """
 
 from __future__ import annotations
