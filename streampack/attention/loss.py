@@ -1,28 +1,15 @@
 """Losses and log-probs over a packed batch, normalised the way unpacked training would be.
 
-Only a token mean over the *whole optimizer step* is packing-invariant: a micro-batch mean
-weights tokens by how the packer happened to group them. So :func:`packed_cross_entropy`
-divides the micro-batch's summed loss by ``num_targets`` summed over every micro-batch and
-data-parallel rank of the step (:func:`global_num_targets`); summing the micro-batch losses
-then gives exactly the unpacked token mean. ``reduction="sequence"`` averages each document
-first, then divides by the step's number of supervised documents.
+Only a token mean over the *whole optimizer step* is packing-invariant, so
+:func:`packed_cross_entropy` divides the micro-batch's summed loss by ``num_targets`` summed over
+the step's micro-batches and ranks (:func:`global_num_targets`); summing the micro-batch losses
+then gives the unpacked token mean. ``reduction="sequence"`` averages each document first.
 
-The common path (token mean) *is* ``F.cross_entropy(logits, labels, ignore_index=...,
-reduction="sum") / num_targets``: one kernel, no host sync, nothing gathered. Selecting the
-target rows first (``logits[labels != ignore]``) and reading ``int(keep.sum())`` and a
-``bincount`` costs three host syncs and a copy of the ``[targets, V]`` rows per call, 6% of a
-300M-parameter model's step on an H100 (154k vs 163k tokens/s, bf16, 8 x 4096 tokens;
-``benchmarks/bench_gpu.py``). Every
-count it needs is a Python int of the batch (``num_targets``, ``num_target_docs``), computed
-on the CPU when the batch was built; the per-document sums use ``index_add`` over
-``batch.seq_idx``. ``benchmarks/bench_gpu.py`` measures the helper against plain
-``F.cross_entropy``.
-
-Logits at ignored rows never reach the loss value (``ignore_index``), but their gradient is
-``softmax(row) * 0``: finite rows give an exact 0, a NaN row gives NaN. With streampack's
-spans every row is inside some attention span, so kernels write finite values there; when a
-kernel may leave padding rows uninitialised (Transformer Engine ``thd`` with padding between
-documents), pass ``mask_ignored=True`` (one more elementwise pass over ``[T, V]``).
+The token mean *is* ``F.cross_entropy(..., reduction="sum") / num_targets``: one kernel, no host
+sync (every count is a Python int of the batch); selecting target rows first cost three host syncs
+and 6% of a 300M model's step on an H100 (``benchmarks/bench_gpu.py``). A NaN logit row at an
+ignored position still gives a NaN gradient; when a kernel may leave padding rows uninitialised
+(Transformer Engine ``thd``), pass ``mask_ignored=True`` (one more pass over ``[T, V]``).
 """
 
 from __future__ import annotations
