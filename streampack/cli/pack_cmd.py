@@ -1,13 +1,8 @@
 """``streampack pack``: offline packing into packed tar shards + ``manifest.json``.
 
-The NeVA flow (read every sequence, bin-pack all lengths at once, write the packs) for when
-a dataset is reused across many runs and the best possible fill matters more than streaming.
-Documents are packed by their *aligned* lengths (``2*cp*tp`` with context parallelism), so
-the files are keyed on the alignment: ``PackedShardReader`` refuses another capacity or
-alignment.
-
-Trade-off: all token ids are held in memory while packing (int64; ~1.2 GB per 150M tokens).
-That is simple and fine up to a few hundred million tokens; beyond that, pack per subset.
+For a dataset reused across many runs, where the best fill matters more than streaming: every
+sequence is read and all aligned lengths packed at once. All ids are held in memory (int64,
+~1.2 GB per 150M tokens): beyond a few hundred million tokens, pack per subset.
 """
 
 from __future__ import annotations
