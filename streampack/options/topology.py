@@ -1,11 +1,6 @@
-"""TopologyOptions: where this process sits among the parallel ranks, and how the ranks stay
-in step (``PackedDataset(topology=...)``).
-
-Data parallelism decides what each reader reads (``dp_*``); context / tensor parallelism
-decide the per-document alignment (:func:`~streampack.layout.batch.alignment`, what the packer,
-the collate and the offline-pack reader take as ``align``); ``equal_batches`` and
-``batches_per_epoch`` decide how every rank of a finite stream yields the same number of
-batches (the epoch planner and the collate take them).
+"""TopologyOptions: where this process sits among the parallel ranks (``PackedDataset(topology=...)``):
+``dp_*`` decide what each reader reads, context / tensor parallelism the per-document alignment,
+``equal_batches`` and ``batches_per_epoch`` how every rank of a finite stream yields the same count.
 """
 
 from __future__ import annotations
