@@ -155,16 +155,6 @@ def _read(path: str) -> tuple[dict[str, Any], int | None]:
     return saved, None
 
 
-def read_loader_state(checkpoint: str | os.PathLike[str], rank: int) -> dict[str, Any]:
-    """The loader state :class:`PackedTrainer` saved in ``checkpoint`` for process ``rank``."""
-    path = loader_state_path(checkpoint, rank)
-    if not os.path.exists(path):
-        raise ValueError(f"{checkpoint} has no {os.path.basename(path)}: it was not saved by a "
-                         f"PackedTrainer, so the data position is unknown (resuming would train on "
-                         f"the stream's first batches again)")
-    return _read(path)[0]
-
-
 def read_loader_states(checkpoint: str | os.PathLike[str], rank: int) -> list[dict[str, Any] | None]:
     """Every rank's loader state in ``checkpoint`` (None for a rank without a file, which only
     an elastic resume from the others can survive), after :func:`checkpoint_problem`."""

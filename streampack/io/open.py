@@ -148,20 +148,13 @@ class _Prefetch:
         return self._data
 
 
-class ResumableStream(io.RawIOBase):
-    """Bytes ``[start, end)`` of one shard (to its end when ``end`` is None), seekable; every
-    fault is retried at the current offset under ``opts.retry``."""
+class SeekableRaw(io.RawIOBase):
+    """A raw stream that keeps its own position ``_pos``; ``_size()`` is where ``SEEK_END`` counts from."""
 
-    def __init__(self, source: _Local | _Remote, *, url: str, start: int, end: int | None, opts: OpenOptions,
-                 stats: IOStats | None, block: int) -> None:
-        super().__init__()
-        self._src, self._url, self._opts, self._stats = source, url, opts, stats
-        self._local = isinstance(source, _Local)
-        self._start, self._pos, self._block_size = start, start, block
-        self._end = end if end is not None else source.size
-        self._eof: int | None = None  # where the data ended, when the size was not known
-        self._buf, self._buf_at = memoryview(b""), start
-        self._ahead: _Prefetch | None = None
+    _pos: int
+
+    def _size(self) -> int:
+        raise NotImplementedError
 
     def readable(self) -> bool:
         return True
@@ -176,14 +169,33 @@ class ResumableStream(io.RawIOBase):
         if whence == io.SEEK_CUR:
             pos += self._pos
         elif whence == io.SEEK_END:
-            end = self._end if self._end is not None else self._src.length()
-            if end is None:
-                raise io.UnsupportedOperation(f"size of {self._url} unknown: cannot seek from its end")
-            pos += end
+            pos += self._size()
         if pos < 0:
             raise ValueError(f"negative seek position {pos}")
         self._pos = pos
         return pos
+
+
+class ResumableStream(SeekableRaw):
+    """Bytes ``[start, end)`` of one shard (to its end when ``end`` is None), seekable; every
+    fault is retried at the current offset under ``opts.retry``."""
+
+    def __init__(self, source: _Local | _Remote, *, url: str, start: int, end: int | None, opts: OpenOptions,
+                 stats: IOStats | None, block: int) -> None:
+        super().__init__()
+        self._src, self._url, self._opts, self._stats = source, url, opts, stats
+        self._local = isinstance(source, _Local)
+        self._start, self._pos, self._block_size = start, start, block
+        self._end = end if end is not None else source.size
+        self._eof: int | None = None  # where the data ended, when the size was not known
+        self._buf, self._buf_at = memoryview(b""), start
+        self._ahead: _Prefetch | None = None
+
+    def _size(self) -> int:
+        end = self._end if self._end is not None else self._src.length()
+        if end is None:
+            raise io.UnsupportedOperation(f"size of {self._url} unknown: cannot seek from its end")
+        return end
 
     def readinto(self, b: Any) -> int:
         limit = self._eof if self._eof is not None else self._end
@@ -306,4 +318,4 @@ def skip_bytes(f: BinaryIO, n: int, url: str) -> None:
         n -= len(chunk)
 
 
-__all__ = ["OpenOptions", "ResumableStream", "open_shard", "skip_bytes"]
+__all__ = ["OpenOptions", "ResumableStream", "SeekableRaw", "open_shard", "skip_bytes"]

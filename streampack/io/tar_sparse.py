@@ -10,10 +10,9 @@ and shards of images or audio are read sparsely. ``streampack index --ranged`` o
 
 from __future__ import annotations
 
-import io
 from typing import Any, BinaryIO
 
-from streampack.io.open import open_shard
+from streampack.io.open import SeekableRaw, open_shard
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 
@@ -26,7 +25,7 @@ MIN_GAP = 512 << 10
 RANGED_MODES = ("auto", "always", "never")
 
 
-class SparseStream(io.RawIOBase):
+class SparseStream(SeekableRaw):
     """Bytes ``[0, size)`` of a remote object, seekable: :data:`BLOCK`-byte ranged reads where
     it is read (``mode="always"``), switched to one streaming read of the rest when the reads
     skip little (``"auto"``, see the module docstring)."""
@@ -39,28 +38,10 @@ class SparseStream(io.RawIOBase):
         self._pos, self._buf, self._buf_at = 0, b"", 0
         self.fetches, self.skipped = 0, 0
         self._dense: BinaryIO | None = None
-        self._dense_at, self._switched = -1, 0
+        self._dense_at = -1
 
-    @property
-    def streamed_from(self) -> int | None:
-        """Where the stream switched to reading whole (None: it stayed ranged)."""
-        return None if self._dense is None else self._switched
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
-        if base + pos < 0:
-            raise ValueError(f"negative seek position {base + pos}")
-        self._pos = base + pos
-        return self._pos
+    def _size(self) -> int:
+        return self.size
 
     def readinto(self, b: Any) -> int:
         want = min(len(b), self.size - self._pos)
@@ -93,7 +74,6 @@ class SparseStream(io.RawIOBase):
             self.skipped += max(0, self._pos - (self._buf_at + len(self._buf)))
         if (self._mode == "never" or (self._mode == "auto" and self.fetches >= PROBE
                                       and self.skipped < MIN_GAP * self.fetches)):
-            self._switched = self._pos
             self._dense = open_shard(self.url, self._pos, self.size, opts=self._opts, stats=self._stats)
             self._dense_at = self._pos
             return
