@@ -143,16 +143,11 @@ def packed_cross_entropy(logits: torch.Tensor, batch: PackedBatch, num_targets: 
                          *, reduction: str = "token", num_sequences: int | None = None,
                          per_token: bool = False, upcast: bool = True,
                          mask_ignored: bool = False) -> LossResult:
-    """Next-token cross entropy of ``logits [T, V]`` (or ``[1, T, V]``) against ``batch.labels``.
-
-    ``reduction="token"``: ``sum / num_targets`` -- pass the step's total from
-    :func:`global_num_targets` when accumulating micro-batches or across DP ranks, then *sum*
-    (not average) the micro-batch losses. ``reduction="sequence"``: each document's mean, summed,
-    divided by ``num_sequences`` (default: this batch's supervised documents; pass
-    :func:`global_num_sequences` for a step). Defaults normalise by this batch alone.
-    ``per_token=True`` also returns the ``[T]`` per-position losses. ``upcast`` computes the
-    loss of bf16/fp16 logits in float32; ``mask_ignored`` zeroes ignored rows first (module
-    docstring). No host sync in any mode.
+    """Next-token cross entropy of ``logits [T, V]`` (or ``[1, T, V]``) against ``batch.labels``, with no host sync.
+    ``reduction="token"``: ``sum / num_targets`` (pass the step's :func:`global_num_targets`, then *sum* the
+    micro-batch losses); ``"sequence"``: each document's mean, summed, over ``num_sequences``
+    (:func:`global_num_sequences` for a step). ``per_token=True`` also returns the ``[T]`` losses;
+    ``upcast`` computes half-precision logits in float32; ``mask_ignored`` zeroes ignored rows first.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"{reduction=} must be one of {REDUCTIONS}")

@@ -37,11 +37,8 @@ def _accepts(kernel: Callable[..., Any], name: str) -> bool:
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: FlashAttnKwargs, *,
                      causal: bool = True, scale: float | None = None,
                      kernel: Callable[..., Any] | None = None) -> torch.Tensor:
-    """Packed attention over the spans of ``kwargs`` (``batch.flash_attn_kwargs()``).
-
-    ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]`` with ``H`` a multiple of ``Hkv`` (grouped-query
-    attention); returns ``[T, H, D]``. ``kernel`` defaults to torch's ``varlen_attn``; any
-    function with its signature works (the tests pass a CPU stand-in with torch 2.11's).
+    """Packed attention over the spans of ``kwargs`` (``batch.flash_attn_kwargs()``): ``q`` ``[T, H, D]``,
+    ``k``/``v`` ``[T, Hkv, D]``, returns ``[T, H, D]``. ``kernel`` defaults to torch's ``varlen_attn``.
     """
     kernel = kernel if kernel is not None else torch_varlen_attn()
     heads, kv_heads = q.shape[1], k.shape[1]

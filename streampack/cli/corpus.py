@@ -28,9 +28,7 @@ _MAX_WORDS = 24_000
 
 
 def make_vocabulary(vocab_size: int, seed: int) -> np.ndarray:
-    """``vocab_size`` distinct pseudo-words (object array), rank 0 = most frequent.
-
-    Frequent ranks get short words (1-2 syllables) like function words in real languages."""
+    """``vocab_size`` distinct pseudo-words (object array), rank 0 most frequent and shortest."""
     rng = np.random.default_rng([seed, 1])
     words: list[str] = []
     seen: set[str] = set()
@@ -90,10 +88,9 @@ def write_demo_corpus(directory: str | os.PathLike[str], *, num_shards: int = 8,
                       docs_per_shard: int = 1500, seed: int = 0, vocab_size: int = 20_000,
                       mean_words: float = _MEAN_WORDS,
                       progress: Callable[[int], None] | None = None) -> list[str]:
-    """Write ``num_shards`` tar shards ``corpus-000000.tar``... of text documents into
-    ``directory``; return their paths. Deterministic: same arguments -> identical bytes.
-
-    ``progress(n)`` is called after every shard with the number of documents written."""
+    """Write ``num_shards`` tar shards of text documents into ``directory`` (same arguments, same bytes);
+    return their paths. ``progress(n)`` is called after every shard with its document count.
+    """
     if num_shards < 1 or docs_per_shard < 1:
         raise ValueError(f"{num_shards=} and {docs_per_shard=} must be >= 1")
     out = Path(directory)

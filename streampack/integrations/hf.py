@@ -68,10 +68,7 @@ class HFBatches:
 
 
 class PackedTrainer(transformers.Trainer):
-    """``transformers.Trainer`` for a PackedDataset ``train_dataset`` (module docstring).
-
-    Needs ``TrainingArguments(max_steps=...)`` (an infinite or unsized stream has no length).
-    """
+    """``transformers.Trainer`` for a PackedDataset ``train_dataset``; needs ``TrainingArguments(max_steps=...)``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

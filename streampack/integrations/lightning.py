@@ -44,11 +44,9 @@ STATES_KEY = "loader_states"
 
 
 class TrainedLoader:
-    """Iterates a ``StatefulDataLoader``, keeping its state after each yielded batch until the
-    batch is trained, so :meth:`trained_state` is the position of the batches trained.
-
-    Not a DataLoader and without ``state_dict``: Lightning neither re-creates it (it would lose
-    a loaded state) nor saves its own, one-batch-ahead, state for it.
+    """Iterates a ``StatefulDataLoader``, keeping its state after each batch until the batch is trained
+    (:meth:`trained_state`). Not a DataLoader and without ``state_dict``, so Lightning neither
+    re-creates it nor saves its own, one-batch-ahead, state for it.
     """
 
     def __init__(self, loader: StatefulDataLoader) -> None:
@@ -71,9 +69,7 @@ class TrainedLoader:
         return self._states.get(self._trained) or self.loader.state_dict()
 
     def close(self) -> None:
-        """Shut the loader's workers down now (the states kept stay valid). Lightning's own end-of-fit
-        reset shuts down the workers of the DataLoaders it sees, and this is not one; left to the
-        garbage collector, each worker cost 5 s of torch's join timeout wherever that ran."""
+        """Shut the loader's workers down now (Lightning only shuts down the DataLoaders it sees)."""
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
@@ -81,11 +77,9 @@ class TrainedLoader:
 
 
 class PackedDataModule(L.LightningDataModule):
-    """Training data from a PackedDataset (module docstring).
-
-    ``num_workers``, ``pin_memory`` (default: when CUDA is available), ``persistent_workers``
-    and ``prefetch_factor`` go to the ``StatefulDataLoader``; ``log_metrics=False`` keeps the
-    stream metrics out of the loggers (they are always in ``dm.stream_metrics``).
+    """Training data from a PackedDataset. ``num_workers``, ``pin_memory`` (default: with CUDA),
+    ``persistent_workers`` and ``prefetch_factor`` go to the ``StatefulDataLoader``;
+    ``log_metrics=False`` keeps the stream metrics (``dm.stream_metrics``) out of the loggers.
     """
 
     def __init__(self, train_dataset: Any, *, num_workers: int = 0, pin_memory: bool | None = None,

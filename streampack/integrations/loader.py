@@ -19,10 +19,9 @@ _SET_VITAL_CALLER = r"torchdata\.stateful_dataloader\.stateful_dataloader\Z"
 
 
 def quiet_set_vital() -> None:
-    """Ignore torch's ``set_vital`` deprecation where torchdata's ``StatefulDataLoader.__init__``
-    triggers it -- that message from that one module, nothing else -- so a loader a user builds
-    themselves (as the README does) is quiet too. Importing :mod:`streampack.dataset` (any use of
-    ``PackedDataset``) calls it; a user who wants the warning back adds ``warnings.filterwarnings("default", message="'set_vital'")`` after it."""
+    """Ignore torch's ``set_vital`` deprecation from torchdata's ``StatefulDataLoader.__init__`` only, so a
+    loader a user builds is quiet too (importing :mod:`streampack.dataset` calls it).
+    """
     warnings.filterwarnings("ignore", message=SET_VITAL_WARNING, category=UserWarning, module=_SET_VITAL_CALLER)
 
 

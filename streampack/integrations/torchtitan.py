@@ -54,13 +54,9 @@ def varlen_metadata(cu_seqlens: torch.Tensor, max_seqlen: int) -> Any:
 
 def post_dataloading_process(trainer: Any, input_dict: dict[str, Any], labels: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]]:
-    """torchtitan's ``Trainer.post_dataloading_process`` for :func:`titan_collate` batches::
-
-        class Trainer(torchtitan.train.Trainer):
-            post_dataloading_process = streampack.integrations.torchtitan.post_dataloading_process
-
-    Returns ``(inputs, labels, extra_inputs, extra_kwargs)`` like torchtitan's: ``positions``
-    in ``extra_inputs``, the document masks in ``extra_kwargs["attention_masks"]``.
+    """torchtitan's ``Trainer.post_dataloading_process`` for :func:`titan_collate` batches (assign it on a
+    Trainer subclass): ``(inputs, labels, extra_inputs, extra_kwargs)`` with ``positions`` in
+    ``extra_inputs`` and the document masks in ``extra_kwargs["attention_masks"]``.
     """
     input_dict = dict(input_dict)
     cu, max_len, layout = input_dict.pop(SPANS_KEY), input_dict.pop(MAX_KEY), input_dict.pop(LAYOUT_KEY)
@@ -91,12 +87,8 @@ def flex_block_mask(layout: torch.Tensor) -> Any:
 
 
 def titan_dataloader(dataset: Any, *, dp_rank: int, dp_world_size: int, **kwargs: Any) -> Any:
-    """torchtitan's ``ParallelAwareDataloader`` (a ``StatefulDataLoader`` whose state is keyed by
-    DP rank, as torchtitan checkpoints it) yielding :func:`titan_collate` batches.
-
-    ``dp_rank`` / ``dp_world_size`` must be the topology the dataset resolved (a PackedDataset
-    shards by its own ``dp_rank`` / ``dp_size``): torchtitan keys the checkpoint by the one, the
-    data comes from the other, so a mismatch is a ``ValueError`` naming both.
+    """torchtitan's ``ParallelAwareDataloader`` (state keyed by DP rank) yielding :func:`titan_collate`
+    batches; ``dp_rank`` / ``dp_world_size`` other than the dataset's are a ``ValueError`` naming both.
     """
     resolved = (getattr(dataset, "dp_rank", None), getattr(dataset, "dp_size", None))
     if None not in resolved and resolved != (dp_rank, dp_world_size):

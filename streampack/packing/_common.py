@@ -70,10 +70,8 @@ def any_fit_bin_bound(lengths: np.ndarray, capacity: int) -> int:
 
 
 def from_log(items: np.ndarray, bins: np.ndarray, num_bins: int) -> PackResult:
-    """Placement log -> ``PackResult``: bins in creation order, items in placement order.
-
-    A stable sort by bin keeps each bin's items in placement order; with at most 65535 bins
-    (always, on the plain path) a uint16 key lets numpy radix-sort it in O(n).
+    """Placement log -> ``PackResult``: a stable sort by bin (a uint16 key below 65536 bins lets numpy
+    radix-sort it in O(n)) keeps each bin's items in placement order.
     """
     key = bins.astype(np.uint16 if num_bins <= _RADIX_MAX else np.int64, copy=False)
     order = np.asarray(items, dtype=np.int64)[np.argsort(key, kind="stable")]

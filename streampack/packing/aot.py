@@ -62,10 +62,9 @@ def kernels() -> dict[str, Callable[..., Any]]:
 
 
 def module_name() -> str:
-    """``streampack_kernels_<hash>`` of the files that hold kernels, the signatures, numpy's
-    ABI and the interpreter. Hashing whole files (~1 ms) rather than ``inspect.getsource``
-    (24 ms, paid by every fresh process's first call) errs towards a rebuild. numba's version
-    is not in it: a built module no longer needs numba."""
+    """``streampack_kernels_<hash>`` of the kernel files (whole files: ~1 ms, where ``inspect.getsource``
+    cost 24 ms), the signatures, numpy's ABI and the interpreter.
+    """
     import numpy as np
 
     digest = hashlib.sha256(repr(sorted(SIGNATURES.items())).encode())

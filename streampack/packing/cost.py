@@ -140,14 +140,9 @@ class CostModel:
 
     def pack_cost(self, lengths: np.ndarray, *, padded_to: int | None = None,
                   segments: np.ndarray | None = None) -> float:
-        """Cost of one pack holding documents of ``lengths`` (int ``[k]``).
-
-        ``padded_to``: the tokens the pack occupies (its capacity). Padding runs through
-        the linear layers, so it counts in the linear term; it attends to nothing real
-        (masked, or its own span), so it adds no attention cost.
-        ``segments``: the patches of every vision attention segment of the pack's images
-        (``frame_patches`` of their grids), priced by ``vision``; their placeholder tokens are
-        already in ``lengths``.
+        """Cost of one pack holding documents of ``lengths`` (int ``[k]``). ``padded_to`` (its capacity):
+        padding runs through the linear layers but attends to nothing real. ``segments``: the patches of
+        every vision attention segment of its images (``frame_patches``), priced by ``vision``.
         """
         vision = 0.0 if segments is None else self._vision("segments").cost(segments)
         return self._text_cost(lengths, padded_to) + vision

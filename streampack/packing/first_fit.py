@@ -77,10 +77,9 @@ def _ffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackR
 
 
 def _ffs(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
-    """First-fit shuffle, O(n log n): a seeded random order (``default_rng(seed)``), then
-    first fit. Keeps lengths mixed inside packs at a cost in bins (random-order first fit is
-    +0.1…+2.5% bins over FFD, ``benchmarks/bench_packing.py``). Layout: bins in creation order, items in
-    placement (shuffled) order."""
+    """First-fit shuffle, O(n log n): first fit in a seeded random order (+0.1…+2.5% bins over FFD,
+    ``benchmarks/bench_packing.py``), keeping lengths mixed inside packs.
+    """
     return _first_fit(lengths, capacity, shuffled_order(lengths.size, seed), engine)
 
 

@@ -21,12 +21,11 @@ from streampack.packing.result import PackResult
 def _configurations_kernel(sizes: IntBuffer, counts: IntBuffer, capacity: int,
                            parent: IntBuffer, added: IntBuffer, count: IntBuffer,
                            nxt: IntBuffer, heads: IntBuffer) -> tuple[int, int]:
-    """Build the configuration forest: configuration i is ``parent[i]`` plus one item of
-    size index ``added[i]``, ``count[i]`` packs have exactly its contents, ``nxt[i]`` is the
-    next configuration of its room group (-1 ends it). ``sizes`` decreasing, ``counts``
-    items of each; buffers ``[n]`` (each step adds at most one configuration per item
-    placed), ``heads`` ``[n + 1]``. Writes the head configuration of every room group by
-    increasing room (fullest packs first) to ``heads``; returns (configurations, groups)."""
+    """Build the configuration forest: configuration i is ``parent[i]`` plus one item of size index
+    ``added[i]``, held by ``count[i]`` packs, ``nxt[i]`` the next of its room group (-1 ends it).
+    Writes each room group's head configuration by increasing room to ``heads``; returns
+    (configurations, groups).
+    """
     group = {capacity: 0}  # room -> newest configuration with packs at that room
     group.pop(capacity)  # (the literal gives numba the key and value types)
     heap = [capacity]  # negated rooms of groups that may be non-empty

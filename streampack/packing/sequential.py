@@ -48,10 +48,9 @@ def _next_fit(lengths: np.ndarray, capacity: int, seq: np.ndarray, engine: Engin
 
 
 def _greedy(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
-    """Order-preserving next fit, O(n): concatenate items in index order, starting a new
-    bin when the next item does not fit (NeMo AutoModel's ``pack_dataset``, NeMo-RL's
-    concatenative packer, without splitting items). Layout: bins in stream order, items in
-    index order. ``seed`` is unused."""
+    """Order-preserving next fit, O(n): items in index order, a new bin when the next does not fit
+    (NeMo's concatenative packers without splitting). ``seed`` is unused.
+    """
     return _next_fit(lengths, capacity, np.arange(lengths.size, dtype=np.int64), engine)
 
 

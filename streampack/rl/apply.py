@@ -113,14 +113,10 @@ def apply_dynamic_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any
 def apply_packed_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any = None, *,
                       dp_rank: int, loss_mask: Any = None, fixed_shape: bool = True,
                       pad_id: int = 0, ignore_index: int = -100) -> list[PackedBatch]:
-    """The micro-batches of ``dp_rank`` as one-pack :class:`PackedBatch` es, in run order.
-
-    Documents keep their micro-batch order; ``doc_keys`` are ``"seq{i}"`` (original index).
-    ``fixed_shape=True``: every micro-batch has ``T`` = the budget rounded *down* to
-    ``plan.align`` (rounding up would break the hard cap; every packed length, a sum of
-    multiples of ``align`` within the budget, fits). ``False``: ``T`` = its packed length.
-    ``loss_mask`` (same layout as ``input_ids``, e.g. the response mask) becomes each
-    document's loss mask, so labels are ``ignore_index`` where it is 0.
+    """The micro-batches of ``dp_rank`` as one-pack :class:`PackedBatch` es, in run order (``doc_keys``
+    ``"seq{i}"``). ``fixed_shape=True``: ``T`` = the budget rounded *down* to ``plan.align`` (every
+    packed length fits); ``False``: ``T`` = its packed length. ``loss_mask`` (laid out as
+    ``input_ids``) becomes each document's loss mask.
     """
     if plan.kind != "packed":
         raise ValueError(f"apply_packed_plan needs a packed plan, got kind={plan.kind!r}")
@@ -149,10 +145,8 @@ def _loss_rows(loss_mask: Any, rows: _Rows) -> list[torch.Tensor]:
 
 
 def restore_order(outputs: Sequence[Sequence[Any]], plan: MicroBatchPlan) -> list[Any]:
-    """Per-sequence results of every rank's micro-batches, back in the original order.
-
-    ``outputs[r][j][k]`` is the result for ``plan.microbatches[r][j][k]`` (module docstring);
-    returns ``[result of sequence 0, ..., result of sequence B-1]``.
+    """Per-sequence results of every rank's micro-batches (``outputs[r][j][k]`` for
+    ``plan.microbatches[r][j][k]``) back in the original order.
     """
     if len(outputs) != plan.dp_size:
         raise ValueError(f"outputs has {len(outputs)} ranks, the plan {plan.dp_size}")
