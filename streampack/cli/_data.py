@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streampack.sample import Sample
+
+if TYPE_CHECKING:
+    from streampack.io.limits import Limits
 
 
 class CliError(ValueError):
@@ -62,40 +65,51 @@ class DocumentOptions:
     """A ``streampack.io.limits.Limits``; None = the defaults."""
 
 
-def add_input_guards(p: Any) -> None:
-    """The options ``pack`` and ``inspect`` share with ``PackedDataset`` for remote and hostile
-    input: retries, the vocabulary bound and the reader limits (defaults: ``Limits()``)."""
+LIMIT_FLAGS = ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth")
+"""The ``Limits`` fields a subcommand takes as ``--max-*`` flags."""
+
+
+def add_limit_arguments(p: Any, note: str = "") -> None:
+    """One ``--max-*`` flag per :data:`LIMIT_FLAGS` field, defaulting to ``Limits()``'s."""
     from streampack.io.limits import Limits
 
-    default = Limits()
+    for name in LIMIT_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(Limits(), name),
+                       help=f"reader limit, as Limits.{name}{note} (default %(default)s)")
+
+
+def parsed_limits(args: Any) -> Limits:
+    """The ``Limits`` of the flags :func:`add_limit_arguments` added; a bad value names its flag."""
+    from streampack.io.limits import Limits
+
+    try:
+        return Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
+    except ValueError as e:
+        raise CliError(str(e).replace("_", "-").replace("max-", "--max-", 1)) from None
+
+
+def add_input_guards(p: Any) -> None:
+    """The options ``pack`` and ``inspect`` share with ``PackedDataset`` for remote and hostile
+    input: retries, the vocabulary bound and the reader limits."""
     p.add_argument("--retries", type=int, default=None,
                    help="retries per read of a remote shard (default: as many as --retry-budget allows)")
     p.add_argument("--retry-budget", type=float, default=120.0,
                    help="seconds of backoff a remote read may spend retrying (default %(default)s)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids and labels must be below it (default: below 2**31)")
-    for name in ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(default, name),
-                       help=f"reader limit, as Limits.{name} (default %(default)s)")
+    add_limit_arguments(p)
 
 
 def input_guards(args: Any) -> dict[str, Any]:
     """``DocumentOptions`` keywords from the options :func:`add_input_guards` added."""
-    from streampack.io.limits import Limits
-
     if args.retries is not None and args.retries < 0:
         raise CliError(f"--retries={args.retries} must be >= 0")
     if not args.retry_budget >= 0:
         raise CliError(f"--retry-budget={args.retry_budget} must be >= 0")
     if args.vocab_size is not None and not 1 <= args.vocab_size <= 2**31:
         raise CliError(f"--vocab-size={args.vocab_size} must be in [1, 2**31]")
-    try:
-        limits = Limits(max_line_bytes=args.max_line_bytes, max_member_bytes=args.max_member_bytes,
-                        max_sample_bytes=args.max_sample_bytes, max_json_depth=args.max_json_depth)
-    except ValueError as e:
-        raise CliError(str(e).replace("_", "-").replace("max-", "--max-", 1)) from None
     return {"retries": args.retries, "retry_budget": args.retry_budget, "vocab_size": args.vocab_size,
-            "limits": limits}
+            "limits": parsed_limits(args)}
 
 
 class Documents:
@@ -153,4 +167,5 @@ def sample_lengths(samples: Iterator[Sample], progress: Callable[[int], Any] | N
     return np.asarray(lengths, dtype=np.int64), unit
 
 
-__all__ = ["CliError", "DocumentOptions", "Documents", "check_tokenizer", "describe", "no_bar", "sample_lengths"]
+__all__ = ["LIMIT_FLAGS", "CliError", "DocumentOptions", "Documents", "add_limit_arguments", "check_tokenizer",
+           "describe", "no_bar", "parsed_limits", "sample_lengths"]

@@ -23,13 +23,11 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
-from streampack.cli._data import CliError, describe
+from streampack.cli._data import CliError, add_limit_arguments, describe, parsed_limits
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
-    from streampack.io.limits import Limits
-
     p.description = describe(__doc__)
     p.add_argument("urls", nargs="+", help="shards: paths, globs, brace patterns, directories or fsspec URLs")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -38,11 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="without --out: where the per-shard index files go (PackedDataset's cache_dir; default "
                         "$STREAMPACK_CACHE/index or ~/.cache/streampack/index)")
     p.add_argument("--tokens-key", default="input_ids", help="field holding token ids (for the lengths)")
-    default = Limits()
-    for name in ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(default, name),
-                       help=f"as the training run's Limits.{name}: an over-limit sample is indexed with an "
-                            f"unknown length (default %(default)s)")
+    add_limit_arguments(p, note=" of the training run: an over-limit sample is indexed with an unknown length")
     p.add_argument("--jobs", type=int, default=None,
                    help="shards indexed at once (default: 16 threads for remote shards, one process per core "
                         "for local ones)")
@@ -100,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from streampack.io.index import index_decode, index_dir, load_or_build_index
-    from streampack.io.limits import Limits
     from streampack.io.manifest import Manifest, build_entry, save_manifest
     from streampack.io.retry import IOStats, RetryPolicy
     from streampack.io.storage import OpenOptions, is_remote
@@ -110,11 +103,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--jobs={args.jobs} must be >= 1")
     if args.out is not None and args.cache_dir is not None:
         raise CliError("--out writes a manifest and its index files; --cache-dir fills the per-shard cache: pick one")
-    try:
-        limits = Limits(max_line_bytes=args.max_line_bytes, max_member_bytes=args.max_member_bytes,
-                        max_sample_bytes=args.max_sample_bytes, max_json_depth=args.max_json_depth)
-    except ValueError as e:
-        raise CliError(str(e)) from None
+    limits = parsed_limits(args)
     opts = OpenOptions(retry=RetryPolicy(budget=args.retry_budget),
                        storage_options=_storage_options(args.storage_option))
     urls = expand_urls(args.urls, opts=opts)

@@ -119,10 +119,7 @@ def fill_table(lengths: np.ndarray, capacity: int, algorithms: Sequence[str], wi
 
 
 def plot_histogram(lengths: np.ndarray, capacity: int, unit: str, path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise CliError("--plot needs matplotlib: pip install 'streampack[plot]'") from None
+    import matplotlib  # run() checked it is installed before reading the data
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,7 +140,7 @@ def plot_histogram(lengths: np.ndarray, capacity: int, unit: str, path: str) -> 
     plt.close(fig)
 
 
-def _parse_list(text: str, what: str) -> list[str]:
+def _parse_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
@@ -154,12 +151,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.capacity < 1:
         raise CliError(f"--capacity={args.capacity} must be >= 1")
-    algorithms = _parse_list(args.algorithms, "algorithms") if args.algorithms else list(ALGORITHMS)
+    algorithms = _parse_list(args.algorithms) if args.algorithms else list(ALGORITHMS)
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
         raise CliError(f"unknown algorithm(s) {unknown}; choose from {sorted(ALGORITHMS)}")
     try:
-        windows = [int(w) for w in _parse_list(args.windows, "windows")]
+        windows = [int(w) for w in _parse_list(args.windows)]
     except ValueError:
         raise CliError(f"--windows={args.windows!r} must be comma-separated integers") from None
     if any(w < 1 for w in windows):
