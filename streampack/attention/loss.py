@@ -147,8 +147,7 @@ def packed_cross_entropy(logits: torch.Tensor, batch: PackedBatch, num_targets: 
     ``reduction="token"``: ``sum / num_targets`` (pass the step's :func:`global_num_targets`, then *sum* the
     micro-batch losses); ``"sequence"``: each document's mean, summed, over ``num_sequences``
     (:func:`global_num_sequences` for a step). ``per_token=True`` also returns the ``[T]`` losses;
-    ``upcast`` computes half-precision logits in float32; ``mask_ignored`` zeroes ignored rows first.
-    """
+    ``upcast`` computes half-precision logits in float32; ``mask_ignored`` zeroes ignored rows first."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"{reduction=} must be one of {REDUCTIONS}")
     if reduction == "token" and num_sequences is not None:

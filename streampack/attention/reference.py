@@ -40,8 +40,7 @@ def _doc_layout(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
 def packed_attention_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
                           total: int, causal: bool = True) -> torch.Tensor:
     """bool ``[T, T]``: True where query ``q`` may attend to key ``k``: the same padded span, ``k`` a
-    real token and (if ``causal``) ``k <= q``. Every row keeps its document's first token.
-    """
+    real token and (if ``causal``) ``k <= q``. Every row keeps its document's first token."""
     doc, real = _doc_layout(cu_seqlens, cu_seqlens_padded, total)
     mask = (doc[:, None] == doc[None, :]) & real[None, :]
     if causal:
@@ -59,8 +58,7 @@ def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_or_meta
                 scale: float | None = None) -> torch.Tensor:
     """Packed attention via ``F.scaled_dot_product_attention``: q ``[Tq, H, D]``, k, v ``[T, Hkv, D]``
     over the whole batch (``Hkv`` may divide ``H``), returns ``[Tq, H, D]``. Under context parallelism
-    ``q`` holds one rank's tokens: give ``q_indices`` or a :class:`~streampack.layout.cp.CPShard`.
-    """
+    ``q`` holds one rank's tokens: give ``q_indices`` or a :class:`~streampack.layout.cp.CPShard`."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [T, H, D], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -85,8 +83,7 @@ def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                                causal: bool = True, scale: float | None = None) -> torch.Tensor:
     """What ``flash_attn_varlen_func`` computes, one span at a time, in plain torch: span ``i`` of ``q``
-    attends to span ``i`` of ``k``, causal aligned bottom-right when ``Lq != Lk``, as flash-attn does.
-    """
+    attends to span ``i`` of ``k``, causal aligned bottom-right when ``Lq != Lk``, as flash-attn does."""
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same number of spans")
     out = q.new_empty(q.shape)

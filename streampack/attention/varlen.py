@@ -38,8 +38,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: 
                      causal: bool = True, scale: float | None = None,
                      kernel: Callable[..., Any] | None = None) -> torch.Tensor:
     """Packed attention over the spans of ``kwargs`` (``batch.flash_attn_kwargs()``): ``q`` ``[T, H, D]``,
-    ``k``/``v`` ``[T, Hkv, D]``, returns ``[T, H, D]``. ``kernel`` defaults to torch's ``varlen_attn``.
-    """
+    ``k``/``v`` ``[T, Hkv, D]``, returns ``[T, H, D]``. ``kernel`` defaults to torch's ``varlen_attn``."""
     kernel = kernel if kernel is not None else torch_varlen_attn()
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads:

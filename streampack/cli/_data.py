@@ -114,8 +114,7 @@ def input_guards(args: Any) -> dict[str, Any]:
 
 class Documents:
     """Every sample of ``urls`` once, in shard order, through the pipeline's own graph
-    (:func:`streampack.graph.build.build_samples`), so offline packs carry the same targets as a stream.
-    """
+    (:func:`streampack.graph.build.build_samples`), so offline packs carry the same targets as a stream."""
 
     def __init__(self, urls: Sequence[str], opts: DocumentOptions, *, capacity: int) -> None:
         from streampack.graph.build import Placement, Sources, StreamConfig, build_samples

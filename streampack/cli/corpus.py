@@ -89,8 +89,7 @@ def write_demo_corpus(directory: str | os.PathLike[str], *, num_shards: int = 8,
                       mean_words: float = _MEAN_WORDS,
                       progress: Callable[[int], None] | None = None) -> list[str]:
     """Write ``num_shards`` tar shards of text documents into ``directory`` (same arguments, same bytes);
-    return their paths. ``progress(n)`` is called after every shard with its document count.
-    """
+    return their paths. ``progress(n)`` is called after every shard with its document count."""
     if num_shards < 1 or docs_per_shard < 1:
         raise ValueError(f"{num_shards=} and {docs_per_shard=} must be >= 1")
     out = Path(directory)

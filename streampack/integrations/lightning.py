@@ -46,8 +46,7 @@ STATES_KEY = "loader_states"
 class TrainedLoader:
     """Iterates a ``StatefulDataLoader``, keeping its state after each batch until the batch is trained
     (:meth:`trained_state`). Not a DataLoader and without ``state_dict``, so Lightning neither
-    re-creates it nor saves its own, one-batch-ahead, state for it.
-    """
+    re-creates it nor saves its own, one-batch-ahead, state for it."""
 
     def __init__(self, loader: StatefulDataLoader) -> None:
         self.loader = loader
@@ -79,8 +78,7 @@ class TrainedLoader:
 class PackedDataModule(L.LightningDataModule):
     """Training data from a PackedDataset. ``num_workers``, ``pin_memory`` (default: with CUDA),
     ``persistent_workers`` and ``prefetch_factor`` go to the ``StatefulDataLoader``;
-    ``log_metrics=False`` keeps the stream metrics (``dm.stream_metrics``) out of the loggers.
-    """
+    ``log_metrics=False`` keeps the stream metrics (``dm.stream_metrics``) out of the loggers."""
 
     def __init__(self, train_dataset: Any, *, num_workers: int = 0, pin_memory: bool | None = None,
                  persistent_workers: bool = False, prefetch_factor: int | None = None,

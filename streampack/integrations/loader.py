@@ -20,8 +20,7 @@ _SET_VITAL_CALLER = r"torchdata\.stateful_dataloader\.stateful_dataloader\Z"
 
 def quiet_set_vital() -> None:
     """Ignore torch's ``set_vital`` deprecation from torchdata's ``StatefulDataLoader.__init__`` only, so a
-    loader a user builds is quiet too (importing :mod:`streampack.dataset` calls it).
-    """
+    loader a user builds is quiet too (importing :mod:`streampack.dataset` calls it)."""
     warnings.filterwarnings("ignore", message=SET_VITAL_WARNING, category=UserWarning, module=_SET_VITAL_CALLER)
 
 

@@ -39,8 +39,7 @@ class LoaderResume:
 def plan_resume(rank_states: Sequence[Mapping[str, Any] | None], *, rank: int, dataset: Any,
                 num_workers: int) -> LoaderResume:
     """``rank_states[i]``: the loader state process ``i`` saved (None where none). Exact when this process
-    has a state and the saved ``dp_size`` / ``num_workers`` are the current ones; elastic otherwise.
-    """
+    has a state and the saved ``dp_size`` / ``num_workers`` are the current ones; elastic otherwise."""
     own = rank_states[rank] if rank < len(rank_states) else None
     readers = every_reader([s for s in rank_states if s is not None])
     if not readers:  # saved before the first batch: nothing has been read

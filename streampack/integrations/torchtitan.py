@@ -56,8 +56,7 @@ def post_dataloading_process(trainer: Any, input_dict: dict[str, Any], labels: t
                              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]]:
     """torchtitan's ``Trainer.post_dataloading_process`` for :func:`titan_collate` batches (assign it on a
     Trainer subclass): ``(inputs, labels, extra_inputs, extra_kwargs)`` with ``positions`` in
-    ``extra_inputs`` and the document masks in ``extra_kwargs["attention_masks"]``.
-    """
+    ``extra_inputs`` and the document masks in ``extra_kwargs["attention_masks"]``."""
     input_dict = dict(input_dict)
     cu, max_len, layout = input_dict.pop(SPANS_KEY), input_dict.pop(MAX_KEY), input_dict.pop(LAYOUT_KEY)
     inputs = input_dict.pop("input")
@@ -88,8 +87,7 @@ def flex_block_mask(layout: torch.Tensor) -> Any:
 
 def titan_dataloader(dataset: Any, *, dp_rank: int, dp_world_size: int, **kwargs: Any) -> Any:
     """torchtitan's ``ParallelAwareDataloader`` (state keyed by DP rank) yielding :func:`titan_collate`
-    batches; ``dp_rank`` / ``dp_world_size`` other than the dataset's are a ``ValueError`` naming both.
-    """
+    batches; ``dp_rank`` / ``dp_world_size`` other than the dataset's are a ``ValueError`` naming both."""
     resolved = (getattr(dataset, "dp_rank", None), getattr(dataset, "dp_size", None))
     if None not in resolved and resolved != (dp_rank, dp_world_size):
         raise ValueError(f"titan_dataloader({dp_rank=}, {dp_world_size=}) but the dataset resolved "

@@ -40,8 +40,7 @@ def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Ope
                 streams: list[BinaryIO], stats: IOStats | None = None,
                 chunk_bytes: int | None = None) -> Iterator[TokenBlock] | None:
     """The blocks of ``where`` in ``url``, or None when the format has no block reader or the decode
-    options ask for more than token ids; streams opened are appended to ``streams`` (the caller closes them).
-    """
+    options ask for more than token ids; streams opened are appended to ``streams`` (the caller closes them)."""
     if not block_format(url) or decode.media is not None or decode.labels_key or decode.loss_mask_key:
         return None
     if shard_format(url) == "tar":

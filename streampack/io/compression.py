@@ -51,8 +51,7 @@ def text_stream(raw: BinaryIO, url: str) -> BinaryIO:
 
 class _FrameTracker:
     """Follows zstd frame / block headers (RFC 8878 3.1) to know whether the input ended between frames
-    and where bytes that start no frame begin; never raises (``error``, ``confirmed`` stops there).
-    """
+    and where bytes that start no frame begin; never raises (``error``, ``confirmed`` stops there)."""
 
     MAGIC, SKIPPABLE = 0xFD2FB528, 0x184D2A50
 

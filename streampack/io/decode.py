@@ -143,8 +143,7 @@ _STEP[list(b"]}")] = -1
 
 def json_depth(raw: bytes, limit: int) -> int:
     """Nesting depth of the json ``raw`` from its bytes, without parsing (any value <= ``limit`` when it
-    cannot exceed it): escapes, then all but quotes and brackets, then string contents are removed.
-    """
+    cannot exceed it): escapes, then all but quotes and brackets, then string contents are removed."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return 0
     if b"\\" in raw:
@@ -192,8 +191,7 @@ def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, k
 
 def validate_tokens(value: Any, *, url: str, key: str, vocab_size: int | None = None) -> np.ndarray:
     """A json list or numpy array of token ids -> int64 ``[L]``, ``L >= 1``, ids in ``[0, vocab_size)``;
-    strings, nested lists, booleans and integral floats are ``bad_dtype``, fractions ``non_integer_id``.
-    """
+    strings, nested lists, booleans and integral floats are ``bad_dtype``, fractions ``non_integer_id``."""
     if isinstance(value, np.ndarray):
         arr = value
         if arr.dtype.kind not in "iu":

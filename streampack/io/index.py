@@ -130,8 +130,7 @@ class ShardIndex:
 
     def part(self, part: int, parts: int) -> tuple[int, int | None, int]:
         """``(start, end, first)`` of contiguous part ``part`` of ``parts``: sample ``i`` belongs to part
-        ``i * parts // len`` (``end`` None only for a damaged shard's last part, see :meth:`range`).
-        """
+        ``i * parts // len`` (``end`` None only for a damaged shard's last part, see :meth:`range`)."""
         if not 0 <= part < parts:
             raise ValueError(f"{part=} must be in [0, {parts=})")
         n = len(self)
@@ -141,15 +140,13 @@ class ShardIndex:
 
 def index_decode(tokens_key: str = "input_ids", limits: Limits | None = None) -> DecodeOptions:
     """The :class:`DecodeOptions` every index is built and looked up with (only what changes an
-    index), from one function so two call sites never key the same shard differently.
-    """
+    index), from one function so two call sites never key the same shard differently."""
     return DecodeOptions(tokens_key=tokens_key, limits=limits if limits is not None else Limits())
 
 
 def limits_key(url: str, limits: Limits) -> str:
     """The limits an index of ``url``'s format depends on, as a fingerprint part (a limit it does
-    not depend on does not invalidate it; parquet's ``lengths`` prefix marks indexes with token counts).
-    """
+    not depend on does not invalidate it; parquet's ``lengths`` prefix marks indexes with token counts)."""
     fmt = shard_format(url)
     if fmt == "parquet":
         return f"lengths,{limits.max_sample_bytes}"
@@ -175,8 +172,7 @@ def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats:
 
 def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) -> str:
     """:func:`index_fingerprint` for a known identity; always the strict one (size + ETag / mtime):
-    a stale index would point into other bytes, a rebuilt one only costs a scan.
-    """
+    a stale index would point into other bytes, a rebuilt one only costs a scan."""
     where = url if is_remote(url) else os.path.abspath(local_path(url))
     tag = ident.tag.removeprefix("mtime_ns=") if not is_remote(url) else ident.tag
     return f"v{INDEX_VERSION}|{decode.tokens_key}|{limits_key(url, decode.limits)}|{where}|{ident.size}|{tag}"
@@ -186,8 +182,7 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
                         cache_dir: str | None = None, stats: IOStats | None = None,
                         positions_only: bool = False) -> ShardIndex:
     """The cached index of ``url`` if still valid, else one built now under the lock and cached.
-    ``positions_only``: a parquet index of its footer alone (cached apart), no token column read.
-    """
+    ``positions_only``: a parquet index of its footer alone (cached apart), no token column read."""
     decode = index_decode(decode.tokens_key, decode.limits)
     ident = storage.identity(url, opts, stats)
     rows = positions_only and shard_format(url) == "parquet"
@@ -216,8 +211,7 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
                 opts: OpenOptions = OpenOptions(), stats: IOStats | None = None, size: int | None = None,
                 ranged: str = "auto", lengths: bool = True) -> ShardIndex:
     """Scan ``url`` once; a remote tar of known ``size`` by ranged requests where that skips enough
-    (``ranged``). ``lengths`` False: a parquet index of row positions only.
-    """
+    (``ranged``). ``lengths`` False: a parquet index of row positions only."""
     fmt = shard_format(url)
     # a shard within one block is one request read whole: ranged reads cannot beat that
     sparse = fmt == "tar" and is_remote(url) and size is not None and (

@@ -136,8 +136,7 @@ def _read_only(directory: str, e: BaseException) -> None:
 @contextlib.contextmanager
 def locked(path: str) -> Iterator[None]:
     """An exclusive lock beside a local index file; none for a remote cache, an unwritable directory or a
-    filesystem without ``flock`` (said once): two processes may then build the same index, never a wrong one.
-    """
+    filesystem without ``flock`` (said once): two processes may then build the same index, never a wrong one."""
     directory = os.path.dirname(path)
     if is_remote(path) or directory in _unlockable:
         yield

@@ -42,8 +42,7 @@ _BLANK_PEEK = 1 << 16
 
 def _read_line(f: BinaryIO, limit: int) -> tuple[bytes | None, int]:
     """The next line and its size; None for a line over ``limit`` bytes, whose rest is dropped in
-    1 MiB chunks (a 400 MiB line inflated from a 0.4 MiB ``.gz`` never sits in memory).
-    """
+    1 MiB chunks (a 400 MiB line inflated from a 0.4 MiB ``.gz`` never sits in memory)."""
     line = f.readline(limit + 1)
     if len(line) <= limit or line.endswith(b"\n"):
         return line, len(line)
@@ -93,8 +92,7 @@ def _next_line(f: BinaryIO, off: int, idx: int, end: int | None, limit: int) -> 
 def iter_lines(f: BinaryIO, *, start: int, first_index: int, end: int | None,
                max_bytes: int = Limits().max_line_bytes) -> Iterator[Line]:
     """The lines of a stream at ``start``, each at most ``max_bytes`` (a run of blank lines is one
-    :class:`Line`), read one ahead; when that read fails the line already read is yielded first.
-    """
+    :class:`Line`), read one ahead; when that read fails the line already read is yielded first."""
     line = _next_line(f, start, first_index, end, max_bytes)
     while line is not None:
         try:

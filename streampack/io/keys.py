@@ -19,8 +19,7 @@ _BLOOM_BITS_PER_KEY = 8
 
 def key_hash(key: str) -> int:
     """63 bits from two CRC-32s (of the key and its reverse): C-speed (~0.3 us, blake2b ~2 us) and the
-    same in every process; a crafted collision only costs the crafter its own sample.
-    """
+    same in every process; a crafted collision only costs the crafter its own sample."""
     data = key.encode("utf-8", "surrogateescape")
     return (zlib.crc32(data) << 31) ^ zlib.crc32(data[::-1], len(data))
 

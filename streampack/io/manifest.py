@@ -108,8 +108,7 @@ class ShardChange:
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Manifest:
     """Every shard of a data set, in URL-list order, as parallel arrays (strings as
-    :class:`~streampack.io.manifest_file.StringColumn`; sequences given are converted).
-    """
+    :class:`~streampack.io.manifest_file.StringColumn`; sequences given are converted)."""
 
     location: str
     tokens_key: str
@@ -183,8 +182,7 @@ class Manifest:
     def check_identity(self, shard: int, now: ShardStat, mode: str = "tag") -> None:
         """:class:`~streampack.io.shard_identity.ShardChanged` (a ``ValueError``) when ``now``, the
         identity the reader found opening shard ``shard``, is not what the manifest indexed, compared as
-        ``mode`` says. No request: a stale manifest is found lazily, never by a HEAD per shard at start.
-        """
+        ``mode`` says. No request: a stale manifest is found lazily, never by a HEAD per shard at start."""
         if mode == "off":
             return
         shard_identity.check(self.urls[shard], self.recorded(shard, mode), now, mode,
@@ -197,8 +195,7 @@ class Manifest:
     def fingerprint(self, mode: str) -> str:
         """16 hex digits of SHA-1 over what an epoch plan and ``mode`` see of every shard: its counts,
         size, and tag (``"tag"``), digest (``"digest"``) or both (``"all"``: the history copy's key).
-        Equal fingerprints mean every position saved under the other manifest is still right. O(N) CPU.
-        """
+        Equal fingerprints mean every position saved under the other manifest is still right. O(N) CPU."""
         if mode not in self._prints:
             parts = ["counts", "sizes", *{"tag": ["tags"], "digest": ["digests"], "all": ["tags", "digests"]}.get(mode, [])]
             self._prints[mode] = hashlib.sha1("|".join([mode, str(len(self.urls)), *map(self._part, parts)])
@@ -222,8 +219,7 @@ class Manifest:
 
     def changes_since(self, old: Manifest, mode: str) -> list[ShardChange]:
         """The shards whose identity under ``mode`` or whose totals differ in ``old`` (the same URL
-        list), in shard order; run only once a fingerprint differs.
-        """
+        list), in shard order; run only once a fingerprint differs."""
         n = min(len(self), len(old))
         differ = np.zeros(n, dtype=bool)
         for column in ("samples", "tokens", "byte_costs", "sizes"):
@@ -272,8 +268,7 @@ class Manifest:
 def build_entry(url: str, location: str, decode: DecodeOptions, opts: OpenOptions,
                 stats: IOStats | None = None, ranged: str = "auto") -> ShardTotals:
     """Index one shard into ``location`` and return its totals; an index file already there for this
-    shard's identity and settings is kept (``streampack index`` resumes).
-    """
+    shard's identity and settings is kept (``streampack index`` resumes)."""
     decode = index_decode(decode.tokens_key, decode.limits)
     ident = storage.identity(url, opts, stats)
     fp = fingerprint_of(url, decode, ident)
@@ -292,8 +287,7 @@ def build_manifest(urls: Sequence[str], location: str, *, decode: DecodeOptions 
                    each: Callable[[Callable[[str], ShardTotals], Sequence[str]], Sequence[ShardTotals]] | None = None,
                    ranged: str = "auto") -> Manifest:
     """Index every shard of ``urls`` into ``location`` and write the manifest there. ``each(function,
-    urls)`` maps the per-shard work (default: in order; the function is a picklable partial).
-    """
+    urls)`` maps the per-shard work (default: in order; the function is a picklable partial)."""
     work = functools.partial(build_entry, location=location, decode=decode, opts=opts, stats=stats, ranged=ranged)
     totals = each(work, urls) if each is not None else [work(u) for u in urls]
     manifest = Manifest.of(location, decode.tokens_key, totals, decode.limits)
@@ -308,8 +302,7 @@ def obtain_manifest(urls: Sequence[str], *, location: str | None, cache_dir: str
     local shards one built once under a lock in the cache directory; remote shards without a
     ``location`` are refused, naming ``streampack index`` (building here would read the whole data
     set in every job). A built manifest is read without the lock (it is replaced atomically), so
-    processes of a host do not queue behind each other's stats; only a missing or stale one waits.
-    """
+    processes of a host do not queue behind each other's stats; only a missing or stale one waits."""
     if location is not None:
         manifest = load_manifest(location, opts)
         manifest.check_urls(urls)
@@ -398,8 +391,7 @@ def _prune(history: str) -> None:
 
 def load_manifest(location: str, opts: OpenOptions = OpenOptions(), *, name: str = MANIFEST_FILE) -> Manifest:
     """The manifest in ``location`` (one read), every field checked; ``ValueError`` naming the file
-    when it is absent, damaged, of another version or not what ``streampack index`` writes.
-    """
+    when it is absent, damaged, of another version or not what ``streampack index`` writes."""
     path = _join(location, name)
     try:
         data = read_arrays(path, opts)

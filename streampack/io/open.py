@@ -282,8 +282,7 @@ class ResumableStream(SeekableRaw):
 def open_shard(url: str, offset: int = 0, end: int | None = None, *, opts: OpenOptions = OpenOptions(),
                stats: IOStats | None = None) -> BinaryIO:
     """A buffered, seekable stream of bytes ``[offset, end)`` of ``url`` (to its end if None);
-    ``DataError("missing_shard")`` here for a missing shard.
-    """
+    ``DataError("missing_shard")`` here for a missing shard."""
     if offset < 0 or (end is not None and end < offset):
         raise ValueError(f"bad byte range {offset=} {end=} for {url!r}")
     if url.startswith("pipe:"):

@@ -69,8 +69,7 @@ def write_packed_dataset(docs: Sequence[Sample], bins: Sequence[np.ndarray], out
                          extra: dict[str, Any] | None = None,
                          progress: Callable[[int], None] | None = None) -> Manifest:
     """Write ``bins`` (index arrays into ``docs``) as packed shards under ``out_dir``; returns the manifest.
-    Refuses a pack whose aligned length exceeds ``capacity``; ``progress(n)`` is called every ``n`` packs.
-    """
+    Refuses a pack whose aligned length exceeds ``capacity``; ``progress(n)`` is called every ``n`` packs."""
     if packs_per_shard < 1:
         raise ValueError(f"{packs_per_shard=} must be >= 1")
     out = Path(out_dir)

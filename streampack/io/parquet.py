@@ -47,8 +47,7 @@ def token_lengths(f: BinaryIO, opts: DecodeOptions, url: str) -> np.ndarray:
     known before tokenizing, :data:`~streampack.io.decode.BAD_LENGTH` where the reader refuses the row.
     pyarrow has no levels-only read, so the token column is decoded, a row group at a time (20,000
     rows x ~600 ids: 1.7 s, the footer alone 1 ms, ``benchmarks/bench_index.py parquet``): paid once
-    per shard by ``streampack index``; a reader that only splits a shard keeps the footer-only index.
-    """
+    per shard by ``streampack index``; a reader that only splits a shard keeps the footer-only index."""
     import pyarrow as pa
     import pyarrow.compute as pc
 

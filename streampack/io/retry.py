@@ -60,8 +60,7 @@ class RetryPolicy:
 
 class IOStats:
     """Counts of reads, retries and faults by kind, shared by every stream of one graph and saved in
-    the state's metrics (``metrics()["io"]``).
-    """
+    the state's metrics (``metrics()["io"]``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # prefetch threads count too
@@ -141,8 +140,7 @@ def with_retries(attempt: Callable[[], T], *, url: str, policy: RetryPolicy, sta
                  what: str = "read", reason: str = "unreachable_url",
                  first_failure: Transient | None = None) -> T:
     """``attempt()``, retried after :class:`Transient` failures per ``policy``; ``first_failure`` (one
-    already counted, e.g. by a background prefetch) starts the run.
-    """
+    already counted, e.g. by a background prefetch) starts the run."""
     failures, started, last = 0, time.monotonic(), first_failure
     if last is not None:
         failures += 1

@@ -25,8 +25,7 @@ EDGE = 64 << 10
 
 class ShardChanged(DataError):
     """A shard is not the one a resume state or a manifest recorded (reason ``shard_changed``): a
-    refusal, never a skip (reading on would train a splice of two versions, or lose or repeat samples).
-    """
+    refusal, never a skip (reading on would train a splice of two versions, or lose or repeat samples)."""
 
 
 def check_mode(mode: str) -> str:

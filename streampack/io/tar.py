@@ -168,8 +168,7 @@ def _judged(units: Iterator[Unit], url: str, peek: _Peek | None = None) -> Itera
 
 class _Peek:
     """What follows a range that ends inside the shard: the header past its end (from the range's own
-    stream, opened one block longer), and only when that is not a plain member, the units after it.
-    """
+    stream, opened one block longer), and only when that is not a plain member, the units after it."""
 
     def __init__(self, f: BinaryIO, reopen: Callable[[int, int | None], BinaryIO], *, at: int, url: str,
                  want: Callable[[str], int], seekable: bool, limits: Limits) -> None:
@@ -290,8 +289,7 @@ def iter_tar_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, fi
                    seekable: bool, reopen: Callable[[int, int | None], BinaryIO] | None = None) -> Iterator[Item]:
     """Decoded samples of one shard range; a bad sample (or corrupt region) becomes an ``Item``
     with ``error`` set. A shard that cannot be read on (truncated, or corrupt to its end)
-    raises ``DataError("corrupt_shard")`` out of the iterator.
-    """
+    raises ``DataError("corrupt_shard")`` out of the iterator."""
     idx = first_index
     for unit in iter_tar_units(f, url=url, start=start, end=end, want=decoder_want(opts), seekable=seekable,
                                limits=opts.limits, reopen=reopen):
@@ -317,8 +315,7 @@ def _region_error(unit: TarRegion, url: str) -> DataError:
 
 def group_length(group: TarGroup, opts: DecodeOptions, token_npy: tuple[str, ...]) -> int:
     """Token count of a group read for an index: the count of the one member the reader takes the
-    tokens from; -1 when unknown or when several members give tokens (the reader refuses that sample).
-    """
+    tokens from; -1 when unknown or when several members give tokens (the reader refuses that sample)."""
     found = [name for name in dict.fromkeys(token_npy) if group.fields.get(name)]
     raw = group.fields.get("json")
     count = token_count(raw, opts) if raw else -1

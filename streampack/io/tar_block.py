@@ -127,8 +127,7 @@ def _intact_after(url: str, at: int | None, field: bytes, decode: DecodeOptions,
 def _open(url: str, start: int, stop: int | None, opts: OpenOptions,
           stats: IOStats | None) -> tuple[BinaryIO, int | None]:
     """The shard from ``start`` and its size when known: a local file opened plainly (a read error ends
-    the blocks), a remote object through :func:`~streampack.io.open.open_shard`.
-    """
+    the blocks), a remote object through :func:`~streampack.io.open.open_shard`."""
     if is_remote(url):
         return shard_open.open_shard(url, start, stop, opts=opts, stats=stats), None
     f = shard_open._open_local(local_path(url))  # through the module: tests count what it reads
@@ -194,8 +193,7 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
 
 def _chain(buf: bytes, limit: int) -> tuple[list[int], list[int], int]:
     """Header offsets from 0, following declared sizes, while below ``limit``; their sizes; and where
-    the chain stopped. Whether each is a header the per-sample reader accepts is checked after, as columns.
-    """
+    the chain stopped. Whether each is a header the per-sample reader accepts is checked after, as columns."""
     heads: list[int] = []
     sizes: list[int] = []
     p = 0

@@ -174,8 +174,7 @@ def _same_length(rows: np.ndarray, tokens_key: str) -> tuple[np.ndarray, np.ndar
 
 def distinct_rows(names: np.ndarray) -> bool:
     """Whether the rows of ``names`` (uint8 ``[n, 100]``) differ pairwise, by a sorted 64-bit hash per
-    row; equal hashes count as a repeat (the per-sample reader then decides: a false alarm costs speed).
-    """
+    row; equal hashes count as a repeat (the per-sample reader then decides: a false alarm costs speed)."""
     words = np.zeros((names.shape[0], 13), dtype=np.uint64)
     words.view(np.uint8)[:, :names.shape[1]] = names
     mixed = (words * _MIX).sum(1) if names.shape[0] else words[:, 0]

@@ -43,8 +43,7 @@ def tar_samples_at(shards: list[tuple[str, Clusters]], *, decode: DecodeOptions,
                    streams: list[BinaryIO], stats: IOStats | None = None) -> list[TokenBlock] | None:
     """One block per shard of ``shards``, document ``i`` being that shard's ``i``-th position in cluster
     order; None where any is not a plain token sample. Only the wanted bytes are kept (one buffer the
-    blocks share) and checked in one pass for all shards (a pass costs ~0.4 ms).
-    """
+    blocks share) and checked in one pass for all shards (a pass costs ~0.4 ms)."""
     limit = decode.limits.max_sample_bytes + 4 * BLOCK
     read = []
     for url, clusters in shards:

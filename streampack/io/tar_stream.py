@@ -211,8 +211,7 @@ def iter_tar_members(
 ) -> Iterator[TarMember | CorruptRegion]:
     """Regular-file members (and corrupt regions) of a tar stream at header offset ``start``. ``want(name)``
     says how many data bytes to read (-1 all, 0 none); a member wanted whole over ``max_bytes`` is
-    skipped unread (``data=None``). Stops at the end-of-archive block or ``end`` (``cursor.pos``).
-    """
+    skipped unread (``data=None``). Stops at the end-of-archive block or ``end`` (``cursor.pos``)."""
     cursor = cursor if cursor is not None else Cursor(start)
     reader = _Reader(f, url=url, seekable=seekable, end=end)
     pos, block = start, None

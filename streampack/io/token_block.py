@@ -18,8 +18,7 @@ from streampack.sample import Sample
 class TokenBlock:
     """``n`` consecutive documents of one shard range: document ``i`` is ``tokens[starts[i]:starts[i] +
     lengths[i]]``, sample ``numbers[i]`` at ``offsets[i]``, followed by ``next_offsets[i]`` /
-    ``next_numbers[i]``.
-    """
+    ``next_numbers[i]``."""
 
     url: str
     tokens: np.ndarray

@@ -20,8 +20,7 @@ _MAX_TOTAL = 1 << 62  # kernels count in int64: capacity and total length stay b
 
 def validate(lengths: object, capacity: object) -> tuple[np.ndarray, int]:
     """``(lengths as contiguous int64, capacity as int)``; ``TypeError`` / ``ValueError`` for bad input,
-    naming the offending index.
-    """
+    naming the offending index."""
     if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
         raise TypeError(f"capacity must be an int, got {capacity!r} ({type(capacity).__name__})")
     capacity = int(capacity)
@@ -64,15 +63,13 @@ def shuffled_order(n: int, seed: int) -> np.ndarray:
 
 def any_fit_bin_bound(lengths: np.ndarray, capacity: int) -> int:
     """Most bins any any-fit packer can open: ``2·sum // C + 2``, capped at n (no two bins are both at
-    most half full, so ``(m - 1)·C/2 < sum``). Kernels size their trees by this.
-    """
+    most half full, so ``(m - 1)·C/2 < sum``). Kernels size their trees by this."""
     return int(min(lengths.size, 2 * int(lengths.sum()) // capacity + 2))
 
 
 def from_log(items: np.ndarray, bins: np.ndarray, num_bins: int) -> PackResult:
     """Placement log -> ``PackResult``: a stable sort by bin (a uint16 key below 65536 bins lets numpy
-    radix-sort it in O(n)) keeps each bin's items in placement order.
-    """
+    radix-sort it in O(n)) keeps each bin's items in placement order."""
     key = bins.astype(np.uint16 if num_bins <= _RADIX_MAX else np.int64, copy=False)
     order = np.asarray(items, dtype=np.int64)[np.argsort(key, kind="stable")]
     offsets = np.zeros(num_bins + 1, dtype=np.int64)

@@ -63,8 +63,7 @@ def kernels() -> dict[str, Callable[..., Any]]:
 
 def module_name() -> str:
     """``streampack_kernels_<hash>`` of the kernel files (whole files: ~1 ms, where ``inspect.getsource``
-    cost 24 ms), the signatures, numpy's ABI and the interpreter.
-    """
+    cost 24 ms), the signatures, numpy's ABI and the interpreter."""
     import numpy as np
 
     digest = hashlib.sha256(repr(sorted(SIGNATURES.items())).encode())

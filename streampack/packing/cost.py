@@ -142,8 +142,7 @@ class CostModel:
                   segments: np.ndarray | None = None) -> float:
         """Cost of one pack holding documents of ``lengths`` (int ``[k]``). ``padded_to`` (its capacity):
         padding runs through the linear layers but attends to nothing real. ``segments``: the patches of
-        every vision attention segment of its images (``frame_patches``), priced by ``vision``.
-        """
+        every vision attention segment of its images (``frame_patches``), priced by ``vision``."""
         vision = 0.0 if segments is None else self._vision("segments").cost(segments)
         return self._text_cost(lengths, padded_to) + vision
 

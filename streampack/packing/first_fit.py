@@ -78,8 +78,7 @@ def _ffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackR
 
 def _ffs(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
     """First-fit shuffle, O(n log n): first fit in a seeded random order (+0.1…+2.5% bins over FFD,
-    ``benchmarks/bench_packing.py``), keeping lengths mixed inside packs.
-    """
+    ``benchmarks/bench_packing.py``), keeping lengths mixed inside packs."""
     return _first_fit(lengths, capacity, shuffled_order(lengths.size, seed), engine)
 
 

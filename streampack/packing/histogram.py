@@ -24,8 +24,7 @@ def _configurations_kernel(sizes: IntBuffer, counts: IntBuffer, capacity: int,
     """Build the configuration forest: configuration i is ``parent[i]`` plus one item of size index
     ``added[i]``, held by ``count[i]`` packs, ``nxt[i]`` the next of its room group (-1 ends it).
     Writes each room group's head configuration by increasing room to ``heads``; returns
-    (configurations, groups).
-    """
+    (configurations, groups)."""
     group = {capacity: 0}  # room -> newest configuration with packs at that room
     group.pop(capacity)  # (the literal gives numba the key and value types)
     heap = [capacity]  # negated rooms of groups that may be non-empty

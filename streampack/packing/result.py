@@ -64,8 +64,7 @@ class PackResult:
 class Bins(Sequence[np.ndarray]):
     """The bins of a ``PackResult`` as a read-only sequence: ``bins[b]`` is the int64 view
     ``order[offsets[b]:offsets[b + 1]]``, made when asked; reads like a list of arrays (indexing,
-    slicing, iteration, ``==`` with a list of arrays), ``bins.result`` is the flat form.
-    """
+    slicing, iteration, ``==`` with a list of arrays), ``bins.result`` is the flat form."""
 
     __slots__ = ("_bounds", "result")
 

@@ -119,8 +119,7 @@ def quantile_floor(reservoir: int, ranks: int) -> float:
 def target_quantiles(balance: Balance, u: float, k: int, floor: float = 0.0) -> np.ndarray:
     """float64 ``[k]``: the cost quantile each of a batch's ``k`` packs aims at: stratified ``(j + u) / k``,
     the tail (survival below ``tail * (1 + over)``) served ``1 + over`` times as often as it arrives,
-    the body spread over ``[floor, 1 - tail]``.
-    """
+    the body spread over ``[floor, 1 - tail]``."""
     survival = 1 - (np.arange(k) + u) / k
     cut = balance.tail * (1 + balance.over)
     body = balance.tail + (survival - cut) * (1 - floor - balance.tail) / (1 - cut)
@@ -164,8 +163,7 @@ def choose(costs: np.ndarray, ages: np.ndarray, valid: np.ndarray, target: np.nd
     """One pick per row (a reader): ``(index [rows], forced [rows])``. ``costs`` / ``ages`` / ``valid``
     are ``[rows, n]`` (normalized cost, steps waited, which slots hold a pack), ``target`` ``[rows]``:
     the heaviest pack not above the target (else the lightest), or the oldest within ``tolerance``
-    below it; a pack held ``hold`` steps goes at the first step whose target it does not exceed.
-    """
+    below it; a pack held ``hold`` steps goes at the first step whose target it does not exceed."""
     below = valid & (costs <= target[:, None])
     best = np.where(below, costs, -np.inf).max(1)
     lightest = np.where(valid, costs, np.inf).min(1)

@@ -49,8 +49,7 @@ def _next_fit(lengths: np.ndarray, capacity: int, seq: np.ndarray, engine: Engin
 
 def _greedy(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
     """Order-preserving next fit, O(n): items in index order, a new bin when the next does not fit
-    (NeMo's concatenative packers without splitting). ``seed`` is unused.
-    """
+    (NeMo's concatenative packers without splitting). ``seed`` is unused."""
     return _next_fit(lengths, capacity, np.arange(lengths.size, dtype=np.int64), engine)
 
 

@@ -116,8 +116,7 @@ def apply_packed_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any 
     """The micro-batches of ``dp_rank`` as one-pack :class:`PackedBatch` es, in run order (``doc_keys``
     ``"seq{i}"``). ``fixed_shape=True``: ``T`` = the budget rounded *down* to ``plan.align`` (every
     packed length fits); ``False``: ``T`` = its packed length. ``loss_mask`` (laid out as
-    ``input_ids``) becomes each document's loss mask.
-    """
+    ``input_ids``) becomes each document's loss mask."""
     if plan.kind != "packed":
         raise ValueError(f"apply_packed_plan needs a packed plan, got kind={plan.kind!r}")
     _rank(plan, dp_rank)
@@ -146,8 +145,7 @@ def _loss_rows(loss_mask: Any, rows: _Rows) -> list[torch.Tensor]:
 
 def restore_order(outputs: Sequence[Sequence[Any]], plan: MicroBatchPlan) -> list[Any]:
     """Per-sequence results of every rank's micro-batches (``outputs[r][j][k]`` for
-    ``plan.microbatches[r][j][k]``) back in the original order.
-    """
+    ``plan.microbatches[r][j][k]``) back in the original order."""
     if len(outputs) != plan.dp_size:
         raise ValueError(f"outputs has {len(outputs)} ranks, the plan {plan.dp_size}")
     flat: list[Any] = []
