@@ -51,10 +51,9 @@ def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Ope
 
 def read_samples_at(shards: list[tuple[str, Clusters]], *, decode: DecodeOptions, opts: OpenOptions,
                     streams: list[BinaryIO], stats: IOStats | None = None) -> list[TokenBlock] | None:
-    """Only the wanted samples of tar ``shards`` (each: its URL and :data:`~streampack.io.tar_pick.Clusters`),
-    a block per shard whose document ``i`` is its ``i``-th position (:mod:`streampack.io.tar_pick`);
-    None when a shard is not tar (parquet is read by row group: :func:`read_groups_at`), the
-    decode options ask for more than token ids, or one of them is not a plain token sample."""
+    """Only the wanted samples of tar ``shards`` (URL and :data:`~streampack.io.tar_pick.Clusters`), a
+    block per shard (:mod:`streampack.io.tar_pick`); None where :func:`read_blocks` would be, or when a
+    shard is not tar or a sample not a plain token sample."""
     if decode.media is not None or decode.labels_key or decode.loss_mask_key or not all(
             shard_format(url) == "tar" and block_format(url) for url, _ in shards):
         return None
@@ -63,9 +62,8 @@ def read_samples_at(shards: list[tuple[str, Clusters]], *, decode: DecodeOptions
 
 def read_groups_at(url: str, rows: list[int], *, decode: DecodeOptions, opts: OpenOptions,
                    streams: list[BinaryIO], stats: IOStats | None = None) -> list[TokenBlock] | None:
-    """The whole row groups of a parquet shard that hold ``rows``, a block each
-    (:func:`~streampack.io.parquet_block.parquet_groups_at`); None when the shard is not parquet,
-    the decode options ask for more than token ids, or a group is not a plain block."""
+    """The row groups of a parquet shard that hold ``rows``, a block each; None where not parquet, the
+    decode options ask for more than ids, or a group is not a plain block."""
     if shard_format(url) != "parquet" or decode.media is not None or decode.labels_key or decode.loss_mask_key:
         return None
     return parquet_groups_at(url, rows, decode=decode, opts=opts, streams=streams, stats=stats)

@@ -160,9 +160,8 @@ as nothing (the reader skips and counts it, or raises), where -1 means "length u
 
 
 def token_count(raw: bytes, opts: DecodeOptions) -> int:
-    """Length of the id list under ``tokens_key`` in the json ``raw``; -1 when it has no such
-    field, :data:`BAD_LENGTH` when it cannot be read or the field is not a list (an index hint:
-    the reader validates every sample itself)."""
+    """Length of the id list under ``tokens_key`` in the json ``raw``: -1 without that field,
+    :data:`BAD_LENGTH` when unreadable or not a list (a hint: the reader validates every sample)."""
     try:
         record = loads_bounded(raw, raw, opts.limits.max_json_depth)
         ids = record.get(opts.tokens_key, None) if isinstance(record, dict) else None

@@ -59,9 +59,8 @@ _DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, KeyError, struc
 
 
 def read_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:
-    """The arrays stored at ``path``; None when there is no file; :class:`DamagedFile` when there
-    is one that is not a readable ``.npz``; any other ``OSError`` (permissions, the store) as
-    raised."""
+    """The arrays stored at ``path``; None when there is no file, :class:`DamagedFile` when it is not a
+    readable ``.npz``."""
     try:
         if is_remote(path):
             fs, p = storage.filesystem(path, opts)
@@ -88,10 +87,8 @@ def load_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:
 
 
 def save_arrays(path: str, arrays: dict[str, np.ndarray], opts: OpenOptions) -> bool:
-    """Write ``arrays`` to ``path`` atomically (local: a temporary file renamed over it, created
-    ``0666 & ~umask`` like any file the user writes, so a team shares a cache; object stores:
-    one PUT); False when it cannot. A local directory that cannot be written is said once per
-    process and not tried again (a read-only shared cache)."""
+    """Write ``arrays`` to ``path`` atomically (local: a temporary file renamed over it, ``0666 & ~umask``;
+    object stores: one PUT); False when it cannot (an unwritable local directory is said once)."""
     directory = os.path.dirname(path)
     if not is_remote(path) and directory in _unwritable:
         return False

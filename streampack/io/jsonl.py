@@ -56,9 +56,8 @@ def _read_line(f: BinaryIO, limit: int) -> tuple[bytes | None, int]:
 
 
 def _skip_blank_lines(f: BinaryIO, room: int | None) -> tuple[int, int]:
-    """Consume the whole blank lines that follow in ``f`` (at most ``room`` bytes): ``(bytes,
-    lines)``. Bulk, from the buffer (``peek``): 16 MiB of newlines in a 0.5 KiB ``.zst`` took
-    239 s as one Python iteration per line, and well under a second this way."""
+    """Consume the whole blank lines that follow (at most ``room`` bytes) in bulk from the buffer:
+    ``(bytes, lines)`` (one Python iteration per line took 239 s on 16 MiB of newlines)."""
     peek = getattr(f, "peek", None)
     nbytes = lines = 0
     while peek is not None and (room is None or nbytes < room):

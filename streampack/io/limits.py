@@ -52,9 +52,8 @@ class Limits:
                              f"deeper json overflows CPython's recursion limit while parsing")
 
     def recorded(self, *, images: bool) -> dict[str, int]:
-        """The limits a resume state records: the image limits decide nothing for a text stream,
-        so at their defaults they are left out of its state (states saved before they existed
-        compare equal)."""
+        """The limits a resume state records: image limits at their defaults are left out (they decide
+        nothing for a text stream)."""
         values, defaults = dataclasses.asdict(self), Limits()
         if not images:
             for name in IMAGE_LIMITS:

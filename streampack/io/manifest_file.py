@@ -20,10 +20,8 @@ _UTF8 = ("utf-8", "surrogateescape")  # a URL that is not UTF-8 still round-trip
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
 class StringColumn:
-    """``N`` strings as bytes: what every string starts with (``head``) and ends with (``tail``)
-    stored once, the rest of each back to back in ``body`` (uint8), string ``i`` ending at
-    ``ends[i]`` (uint32; int64 past 4 GiB). Indexing decodes one string; nothing holds a Python
-    object per string."""
+    """``N`` strings as bytes: the ``head`` and ``tail`` every string shares stored once, the rest back to
+    back in ``body`` (uint8), string ``i`` ending at ``ends[i]``; indexing decodes one string."""
 
     head: bytes
     tail: bytes
@@ -94,9 +92,8 @@ class StringColumn:
         return out
 
     def hash_into(self, digest: Any, sep: bytes, per: int = 4096) -> None:
-        """Feed ``joined(sep)`` to ``digest`` (a ``hashlib`` object) ``per`` strings at a time:
-        joining a whole column at once makes ~4 MB of temporaries per column at 10^5 shards, which
-        the heap keeps as RSS after they are freed."""
+        """Feed ``joined(sep)`` to ``digest`` ``per`` strings at a time (a whole column at once leaves ~4 MB
+        of freed temporaries as RSS at 10^5 shards)."""
         for lo in range(0, len(self), per):
             digest.update((sep if lo else b"") + self._part(lo, lo + per).joined(sep).tobytes())
 

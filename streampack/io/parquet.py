@@ -92,9 +92,8 @@ def _columns(schema_names: list[str], opts: DecodeOptions, url: str) -> dict[str
 
 
 def check_schema(f: BinaryIO, opts: DecodeOptions, url: str) -> None:
-    """Refuse a shard whose footer already says no row can decode: no tokens/text column, a
-    token column that is not a list of integers, or (without one) a text column that is not
-    string/binary. Reads the footer only (one ranged request remotely, ~1 ms locally)."""
+    """Refuse a shard whose footer already says no row can decode (no tokens / text column, or one of
+    the wrong type); reads the footer only."""
     import pyarrow as pa
 
     schema = _parquet_file(f, url).schema_arrow
@@ -132,9 +131,8 @@ def _rows(column: Any) -> list[Any]:
 
 
 def iter_parquet_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, end: int | None) -> Iterator[Item]:
-    """Decoded samples of rows ``[start, end)`` (to the last row when ``end`` is None); a bad
-    row (or a row group over the limits) becomes an ``Item`` with ``error`` set; an unreadable
-    file or page raises ``DataError("corrupt_shard")`` naming the first row it loses."""
+    """Decoded samples of rows ``[start, end)``; a bad row (or row group over the limits) becomes an
+    ``Item`` with ``error`` set; an unreadable page raises ``DataError("corrupt_shard")`` naming its first row."""
     pf = _parquet_file(f, url)
     md = pf.metadata
     counts = np.array([md.row_group(i).num_rows for i in range(md.num_row_groups)], np.int64)

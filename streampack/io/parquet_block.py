@@ -53,9 +53,8 @@ def parquet_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: 
 
 def parquet_groups_at(url: str, rows: list[int], *, decode: DecodeOptions, opts: OpenOptions,
                       streams: list[BinaryIO], stats: IOStats | None = None) -> list[TokenBlock] | None:
-    """The whole row groups holding ``rows``, one block each, every row of them checked as
-    :func:`parquet_blocks` checks a block's; None where one of them is not such a block (or a
-    row is past the file's end)."""
+    """The whole row groups holding ``rows``, one block each, checked as :func:`parquet_blocks` checks
+    a block; None where one is not such a block (or a row is past the end)."""
     opened = _token_file(url, decode=decode, opts=opts, streams=streams, stats=stats)
     if opened is None:
         return None

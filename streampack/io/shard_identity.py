@@ -35,9 +35,8 @@ def check_mode(mode: str) -> str:
 
 
 def shard_digest(url: str, size: int | None, opts: OpenOptions, stats: IOStats | None = None) -> str:
-    """``digest=<sha1 hex>`` of ``size`` and the first and last :data:`EDGE` bytes of ``url``
-    (two ranged reads remotely; none past the end). ``size`` None (an http server that gives
-    no length) hashes the first bytes only."""
+    """``digest=<sha1 hex>`` of ``size`` and the first and last :data:`EDGE` bytes of ``url`` (the first
+    bytes only when ``size`` is None)."""
     spans = [(0, EDGE if size is None else min(EDGE, size))]
     if size is not None and size > EDGE:
         spans.append((max(EDGE, size - EDGE), size))

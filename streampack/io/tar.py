@@ -148,10 +148,9 @@ def _units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable
 
 
 def _judged(units: Iterator[Unit], url: str, peek: _Peek | None = None) -> Iterator[Unit]:
-    """Judge each sample next to a corrupt region by the first intact sample among the
-    ``_LOOKAHEAD`` units after it (a rule that looks only forward, so a resumed read judges
-    alike), then check keys against the range's earlier ones, in stream order. A range that
-    ends inside the shard (``peek``) looks past its end for that, as a whole-shard read would."""
+    """Judge each sample next to a corrupt region by the first intact sample among the ``_LOOKAHEAD``
+    units after it (forward only, so a resumed read judges alike; ``peek`` looks past a range's end),
+    then check keys against the range's earlier ones."""
     judge, last = _Judge(url), None
     try:
         for last in units:
@@ -277,9 +276,8 @@ class _Judge:
 def iter_tar_units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable[[str], int],
                    seekable: bool, limits: Limits,
                    reopen: Callable[[int, int | None], BinaryIO] | None = None) -> Iterator[Unit]:
-    """Judged sample groups and corrupt regions of the range ``[start, end)``. With ``reopen(a,
-    b)`` (opens bytes ``[a, b)`` of the same shard) a range that ends inside the shard looks past
-    ``end``: ``f`` must then hold one more block after ``end``."""
+    """Judged sample groups and corrupt regions of ``[start, end)``. With ``reopen(a, b)`` a range that
+    ends inside the shard looks past ``end``: ``f`` must then hold one more block after it."""
     peek = None if end is None or reopen is None else _Peek(f, reopen, at=end, url=url, want=want,
                                                             seekable=seekable, limits=limits)
     return _judged(_units(f, url=url, start=start, end=end, want=want, seekable=seekable, limits=limits), url, peek)
@@ -287,9 +285,8 @@ def iter_tar_units(f: BinaryIO, *, url: str, start: int, end: int | None, want: 
 
 def iter_tar_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, first_index: int, end: int | None,
                    seekable: bool, reopen: Callable[[int, int | None], BinaryIO] | None = None) -> Iterator[Item]:
-    """Decoded samples of one shard range; a bad sample (or corrupt region) becomes an ``Item``
-    with ``error`` set. A shard that cannot be read on (truncated, or corrupt to its end)
-    raises ``DataError("corrupt_shard")`` out of the iterator."""
+    """Decoded samples of one shard range; a bad sample or corrupt region becomes an ``Item`` with
+    ``error`` set; a shard that cannot be read on raises ``DataError("corrupt_shard")``."""
     idx = first_index
     for unit in iter_tar_units(f, url=url, start=start, end=end, want=decoder_want(opts), seekable=seekable,
                                limits=opts.limits, reopen=reopen):
