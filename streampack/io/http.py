@@ -24,7 +24,7 @@ from typing import Any
 from streampack.errors import DataError
 from streampack.io.retry import Transient
 
-_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _CHUNK = 1 << 20
 
 
@@ -70,7 +70,7 @@ async def _head(fs: Any, url: str) -> dict[str, Any]:
     if info["size"] is None:  # a server that answers HEAD without a size: ask for one byte
         async with session.get(fs.encode_url(url), **_kwargs(fs, {"Range": "bytes=0-0"})) as r:
             _check_status(fs, r, url)
-            m = _RANGE.fullmatch(r.headers.get("Content-Range", ""))
+            m = CONTENT_RANGE.fullmatch(r.headers.get("Content-Range", ""))
             if m is not None and m.group(3) != "*":
                 info["size"] = int(m.group(3))
             r.close()  # the body is not read: the connection must not be reused
@@ -92,7 +92,7 @@ async def _get(fs: Any, url: str, start: int, end: int, pin: Pin) -> bytes:
         _check_status(fs, r, url)
         check_version(r.headers, url, pin)
         if r.status == 206:
-            m = _RANGE.fullmatch(r.headers.get("Content-Range", ""))
+            m = CONTENT_RANGE.fullmatch(r.headers.get("Content-Range", ""))
             if m is None or int(m.group(1)) != start:
                 raise DataError("unreachable_url", f"asked for bytes {start}-{end - 1}, the answer is "
                                 f"{r.headers.get('Content-Range')!r}", url=url, value=start)
@@ -178,4 +178,4 @@ def retry_after(headers: Any) -> float | None:
     return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
 
 
-__all__ = ["Pin", "changed", "check_total", "check_version", "get_range", "head", "retry_after"]
+__all__ = ["CONTENT_RANGE", "Pin", "changed", "check_total", "check_version", "get_range", "head", "retry_after"]

@@ -8,13 +8,10 @@ with the pin (:class:`~streampack.io.http.Pin`); a mismatch or 412 is ``DataErro
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from streampack.io.http import Pin, changed, check_total, check_version
+from streampack.io.http import CONTENT_RANGE, Pin, changed, check_total, check_version
 from streampack.io.retry import Transient
-
-_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 def s3_get_range(fs: Any, path: str, start: int, end: int, pin: Pin, deadline: float) -> bytes:
@@ -39,7 +36,7 @@ async def _get(fs: Any, path: str, start: int, end: int, pin: Pin) -> bytes:
     body = resp["Body"]
     try:
         check_version({"ETag": resp.get("ETag")} if resp.get("ETag") else {}, f"s3://{path}", pin)
-        m = _RANGE.fullmatch(resp.get("ContentRange") or "")
+        m = CONTENT_RANGE.fullmatch(resp.get("ContentRange") or "")
         if m is not None:
             check_total(m.group(3), f"s3://{path}", pin)
         want = end - start
