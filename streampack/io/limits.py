@@ -25,7 +25,7 @@ INT32_IDS = 2**31
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
-    """User-set bounds on what one sample may make the reader hold (see the module table)."""
+    """User-set bounds on what one sample may make the reader hold (the table: docs/reliability.md)."""
 
     max_line_bytes: int = 32 * MiB
     """Bytes of one jsonl line (its newline excluded)."""

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from streampack.packing import karmarkar_karp, pack
 from streampack.packing.cost import CostModel
-from streampack.rl import _dynamic, _partition, _roll
+from streampack.rl import _dynamic, _roll
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -128,6 +129,22 @@ def _cost_weights(aligned: np.ndarray, lens: np.ndarray, cost_model: CostModel |
         return aligned
     scale = cost_model.linear if cost_model.linear > 0 else (cost_model.attention or 1.0)
     return np.rint(sequence_costs(lens, cost_model) / scale - lens + aligned).astype(np.int64)
+
+
+def _balanced_parts(values: np.ndarray, k: int) -> list[np.ndarray]:
+    """``k`` non-empty parts (``k <= len(values)``) with balanced sums of ``values``."""
+    assert 1 <= k <= values.size, (k, values.size)
+    parts = [np.asarray(p, dtype=np.int64) for p in karmarkar_karp(values, k)]
+    # positive values and k <= n: largest differencing never leaves a part empty
+    assert len(parts) == k and all(p.size for p in parts), "partition left a part empty"
+    return parts
+
+
+def _bins(values: np.ndarray, capacity: int, algorithm: str) -> list[np.ndarray]:
+    """Bins of item indices, each with ``sum(values) <= capacity``."""
+    out = [np.asarray(b, dtype=np.int64) for b in pack(values, capacity, algorithm=algorithm)]
+    assert all(int(values[b].sum()) <= capacity for b in out), "a bin exceeds its capacity"
+    return out
 
 
 def _check_args(seq_lens: Any, **positive: int) -> np.ndarray:
@@ -268,7 +285,7 @@ def plan_packed_microbatches(seq_lens: Any, *, dp_size: int, max_tokens_per_micr
         # (a rank of one long sequence): then balance tokens across ranks, then nothing by cost,
         # so a cost model never makes a batch unplannable that plans by tokens.
         try:
-            ranks = _partition.balanced_parts(by_rank, dp_size)
+            ranks = _balanced_parts(by_rank, dp_size)
             if algorithm == "kk":
                 parts = _kk_microbatches(ranks, aligned, by_microbatch, budget, min_num_microbatches)
             else:
@@ -290,7 +307,7 @@ def _kk_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, weights: np.n
     count = max(min_mb, max(math.ceil(int(aligned[r].sum()) / budget) for r in ranks))
     smallest = min(r.size for r in ranks)
     while count <= smallest:
-        parts = [[r[p] for p in _partition.balanced_parts(weights[r], count)] for r in ranks]
+        parts = [[r[p] for p in _balanced_parts(weights[r], count)] for r in ranks]
         if all(int(aligned[ix].sum()) <= budget for rank in parts for ix in rank):
             return [[np.sort(ix) for ix in rank] for rank in parts]
         count += 1  # a part overflowed: one more micro-batch on every rank
@@ -300,7 +317,7 @@ def _kk_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, weights: np.n
 
 def _binned_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, budget: int, min_mb: int,
                          algorithm: str) -> list[list[np.ndarray]]:
-    bins = [[r[b] for b in _partition.bins(aligned[r], budget, algorithm)] for r in ranks]
+    bins = [[r[b] for b in _bins(aligned[r], budget, algorithm)] for r in ranks]
     count = max(min_mb, max(len(b) for b in bins))
     for r, rank_bins in enumerate(bins):
         while len(rank_bins) < count:  # split the fullest multi-sequence bin in two
@@ -310,5 +327,5 @@ def _binned_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, budget: i
                                  f"{count} non-empty micro-batches like the other ranks")
             j = max(multi, key=lambda j: (int(aligned[rank_bins[j]].sum()), -j))
             ix = rank_bins[j]
-            rank_bins[j:j + 1] = [ix[p] for p in _partition.balanced_parts(aligned[ix], 2)]
+            rank_bins[j:j + 1] = [ix[p] for p in _balanced_parts(aligned[ix], 2)]
     return [[np.sort(ix) for ix in rank_bins] for rank_bins in bins]
