@@ -165,14 +165,9 @@ def unknown_lengths_hint(urls: Sequence[str]) -> str:
     return "text to tokenize, or samples without the tokens field"
 
 
-def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats: IOStats | None = None) -> str:
-    """What a cached index must match: the shard's identity and what the index depends on."""
-    return fingerprint_of(url, decode, storage.identity(url, opts, stats))
-
-
 def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) -> str:
-    """:func:`index_fingerprint` for a known identity; always the strict one (size + ETag / mtime):
-    a stale index would point into other bytes, a rebuilt one only costs a scan."""
+    """What a cached index must match: the shard's identity ``ident`` (always the strict one, size +
+    ETag / mtime: a stale index would point into other bytes) and what the index depends on."""
     where = url if is_remote(url) else os.path.abspath(local_path(url))
     tag = ident.tag.removeprefix("mtime_ns=") if not is_remote(url) else ident.tag
     return f"v{INDEX_VERSION}|{decode.tokens_key}|{limits_key(url, decode.limits)}|{where}|{ident.size}|{tag}"
@@ -361,4 +356,4 @@ def _whole(data: Mapping[str, np.ndarray]) -> bool:
 
 __all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",
            "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_decode",
-           "index_dir", "index_fingerprint", "limits_key", "load_or_build_index", "unknown_lengths_hint"]
+           "index_dir", "limits_key", "load_or_build_index", "unknown_lengths_hint"]
