@@ -15,9 +15,8 @@ import hashlib
 from streampack.errors import DataError
 from streampack.io import storage
 from streampack.io.retry import IOStats
-from streampack.io.storage import OpenOptions, ShardStat, is_remote, local_path
+from streampack.io.storage import IDENTITY_MODES, OpenOptions, ShardStat, is_remote, local_path
 
-IDENTITY_MODES = ("tag", "size", "digest", "off")
 DIGEST_PREFIX = "digest="
 EDGE = 64 << 10
 """Bytes hashed at each end of a shard for ``identity="digest"``."""
@@ -26,12 +25,6 @@ EDGE = 64 << 10
 class ShardChanged(DataError):
     """A shard is not the one a resume state or a manifest recorded (reason ``shard_changed``): a
     refusal, never a skip (reading on would train a splice of two versions, or lose or repeat samples)."""
-
-
-def check_mode(mode: str) -> str:
-    if mode not in IDENTITY_MODES:
-        raise ValueError(f"identity={mode!r} must be one of {IDENTITY_MODES}")
-    return mode
 
 
 def shard_digest(url: str, size: int | None, opts: OpenOptions, stats: IOStats | None = None) -> str:
@@ -98,5 +91,5 @@ def check(url: str, saved: ShardStat, now: ShardStat, mode: str, *, since: str, 
                            f"{consequence}{hint(saved, now, mode)}", url=url)
 
 
-__all__ = ["DIGEST_PREFIX", "EDGE", "IDENTITY_MODES", "ShardChanged", "changes", "check", "check_mode", "current",
+__all__ = ["DIGEST_PREFIX", "EDGE", "IDENTITY_MODES", "ShardChanged", "changes", "check", "current",
            "hint", "shard_digest"]

@@ -22,6 +22,8 @@ from streampack.io.failures import RedirectRefused, classify
 from streampack.io.retry import IOStats, RetryPolicy, with_retries
 
 ENDPOINT_ENV = "STREAMPACK_S3_ENDPOINT"
+IDENTITY_MODES = ("tag", "size", "digest", "off")
+"""What ``OpenOptions.identity`` may be (:mod:`streampack.io.shard_identity`)."""
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
           "adl": "azure", "hf": "hf"}
 """``pip install 'streampack[extra]'`` that brings each protocol's fsspec package."""
@@ -56,8 +58,8 @@ class OpenOptions:
     mtime), ``size``, ``digest`` or ``off`` (:mod:`streampack.io.shard_identity`)."""
 
     def __post_init__(self) -> None:
-        if self.identity not in ("tag", "size", "digest", "off"):
-            raise ValueError(f"identity={self.identity!r} must be one of ('tag', 'size', 'digest', 'off')")
+        if self.identity not in IDENTITY_MODES:
+            raise ValueError(f"identity={self.identity!r} must be one of {IDENTITY_MODES}")
         for name in ("connect_timeout", "read_timeout", "request_deadline"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -254,5 +256,5 @@ def find(url: str, opts: OpenOptions, *, pattern: bool) -> list[str]:
     return sorted(fs.unstrip_protocol(p) if "://" not in p else p for p in found)
 
 
-__all__ = ["ENDPOINT_ENV", "OpenOptions", "ShardStat", "call", "deadline", "filesystem", "find", "identity", "is_http",
+__all__ = ["ENDPOINT_ENV", "IDENTITY_MODES", "OpenOptions", "ShardStat", "call", "deadline", "filesystem", "find", "identity", "is_http",
            "is_remote", "local_path", "protocol_of", "stat"]
