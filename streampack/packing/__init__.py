@@ -12,7 +12,6 @@ algorithm: ``benchmarks/README.md``, "Packing kernels".
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from streampack.packing._engine import THRESHOLD, Backend, Packer
@@ -28,11 +27,7 @@ from streampack.packing.result import Bins, PackResult
 from streampack.packing.schedule import Balance
 from streampack.packing.sequential import greedy, shuffle_pack
 
-Algorithm = Callable[..., Bins]
-
-ALGORITHMS: dict[str, Packer] = {
-    p.name: p for p in (greedy, shuffle_pack, ffd, ffs, bfd, mffd, histogram, kk)
-}
+ALGORITHMS: dict[str, Packer] = {p.name: p for p in (greedy, shuffle_pack, ffd, ffs, bfd, mffd, histogram, kk)}
 
 
 def get_algorithm(name: str) -> Packer:
@@ -40,9 +35,7 @@ def get_algorithm(name: str) -> Packer:
     try:
         return ALGORITHMS[name]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown packing algorithm {name!r}; valid names: {', '.join(sorted(ALGORITHMS))}"
-        ) from None
+        raise ValueError(f"unknown packing algorithm {name!r}; valid names: {', '.join(sorted(ALGORITHMS))}") from None
 
 
 def pack_flat(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
@@ -83,7 +76,7 @@ def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
 
 
 __all__ = [
-    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "Balance", "Bins", "CostModel", "MetricsAccumulator", "PackResult",
+    "ALGORITHMS", "THRESHOLD", "Backend", "Balance", "Bins", "CostModel", "MetricsAccumulator", "PackResult",
     "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram",
     "karmarkar_karp", "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack",
 ]
