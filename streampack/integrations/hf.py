@@ -2,22 +2,16 @@
 
 :class:`PackedTrainer` is ``transformers.Trainer`` with these changes, each for a measured failure:
 
-* **Its own loader.** For an ``IterableDataset`` accelerate either dispatches batches from rank 0
-  or wraps it in ``IterableDatasetShard``; a PackedDataset already shards per rank and worker, so
-  either way data is lost or read N times (``tests/test_integration_hf.py``).
-  :meth:`PackedTrainer.get_train_dataloader` returns a ``StatefulDataLoader(ds, batch_size=None)``
-  that accelerate never sees; each batch becomes ``hf_inputs()`` after its stats are read.
-* **An exact data position, written with the checkpoint.** ``_save_checkpoint`` writes the
-  loader's ``state_dict()`` atomically into the folder (``streampack_loader_rank{i}.pt``) before HF
-  writes the model, so no folder HF would pick lacks it; ``train(resume_from_checkpoint=...)``
-  loads it back with HF's batch-skipping replay off (``ignore_data_skip=True``).
-  ``resume_from_checkpoint=True`` takes the newest folder holding every rank's state and logs the
-  newer ones it skipped; an explicit folder without them is a ``ValueError``.
-* **Elastic resume.** On another world size or worker count every rank hands every old reader's
-  state to ``PackedDataset.load_state_dict([...])`` (:mod:`streampack.integrations.resume`).
-* **Stream metrics in its logs** (``streampack/tokens``, ``streampack/fill``, ...; summed over ranks).
-
-``HFInputs`` survives ``Trainer._prepare_input``, which rebuilds every mapping as ``type(data)({...})``.
+* **Its own loader.** accelerate either dispatches an ``IterableDataset``'s batches from rank 0 or
+  wraps it in ``IterableDatasetShard``; a PackedDataset already shards, so either way data is lost
+  or read N times. :meth:`PackedTrainer.get_train_dataloader` returns a ``StatefulDataLoader`` that
+  accelerate never sees; each batch becomes ``hf_inputs()`` after its stats are read.
+* **An exact data position.** ``_save_checkpoint`` writes the loader state atomically into the
+  folder before HF writes the model, and ``train(resume_from_checkpoint=...)`` loads it with HF's
+  batch-skipping replay off; ``True`` takes the newest folder holding every rank's state (logging
+  the newer ones skipped), an explicit folder without them is a ``ValueError``. On another world
+  size or worker count the resume is elastic (:mod:`streampack.integrations.resume`).
+* **Stream metrics in its logs** (``streampack/tokens``, ...; summed over ranks).
 """
 
 from __future__ import annotations

@@ -2,24 +2,18 @@
 
 ``trainer.fit(model, datamodule=PackedDataModule(ds, num_workers=2), ckpt_path=...)``: the
 ``training_step`` receives a :class:`~streampack.layout.batch.PackedBatch` on the model's device.
-What the module does, each for a measured failure:
+Each part answers a measured failure:
 
-* **The data position of the batches trained.** Lightning fetches one batch ahead, so a stateful
-  loader's own state at a checkpoint would skip a batch on resume. The module's loader keeps the
-  state after each batch it yields, counts the batches handed to ``training_step``
-  (``on_before_batch_transfer``), and saves the state at the last trained batch; every rank's
-  state is gathered into the checkpoint and each rank loads its own.
-* **Elastic resume.** On another world size or ``num_workers`` every rank hands every old
-  reader's state to ``PackedDataset.load_state_dict([...])`` (:mod:`streampack.integrations.resume`).
+* **The position of the batches trained.** Lightning fetches one batch ahead, so a loader's own
+  state at a checkpoint would skip a batch on resume: the module's loader keeps the state after
+  each batch, counts the batches handed to ``training_step`` and saves the one at the last trained
+  batch; every rank's state is gathered into the checkpoint. On another world size or
+  ``num_workers`` the resume is elastic (:mod:`streampack.integrations.resume`).
 * **A resume that silently restarts the data.** ``fit(ckpt_path="last")`` without ``save_last=True``
-  or a ``dirpath`` finds no checkpoint and trains from batch 1 with only a warning. When a fit
-  restores no data position while checkpoints exist, the module warns naming ``save_last=True`` /
-  ``dirpath``; a restored checkpoint without this module's state is a ``ValueError``.
-* **Workers that outlive the fit.** Lightning shuts down only the DataLoaders it sees; ``teardown``
-  shuts down this loader's workers.
-* **Stream metrics** every ``log_every_n_steps`` to the trainer's loggers, summed over ranks.
-
-A LightningModule's own ``on_before_batch_transfer`` is still called (from the module's hook).
+  or a ``dirpath`` finds no checkpoint and only warns. When a fit restores no data position while
+  checkpoints exist, the module warns naming both; a checkpoint without its state is a ``ValueError``.
+* **Workers that outlive the fit**: ``teardown`` shuts them down (Lightning only does so for the
+  DataLoaders it sees). **Stream metrics** go to the loggers every ``log_every_n_steps``.
 """
 
 from __future__ import annotations

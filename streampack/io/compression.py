@@ -195,7 +195,6 @@ class ZstdReader(io.RawIOBase):
         self._dctx = zstandard.ZstdDecompressor()
         self._reader = self._frame_reader()
         self._zstd_error = zstandard.ZstdError
-        self._raw = raw
 
     def _frame_reader(self) -> Any:
         # One reader per frame, fed only that frame's bytes: a reader that reads across frames

@@ -1,21 +1,16 @@
 """Per-shard sample index: where each sample starts, its key and token length, built once.
 
-A reader needs it to split one shard between several workers into contiguous ranges, and
-planners use ``lengths`` (token counts, -1 where unknown: text samples); resuming does not.
-The first process that needs a shard's index builds it under a lock in ``cache_dir`` (never
-beside the data); the others wait, then load it. A cached index is used only while its
-fingerprint (the shard's strict identity, ``tokens_key``, :func:`limits_key`, the version)
-matches. Planning uses the data set's manifest instead (:mod:`streampack.io.manifest`).
+A reader needs it to split one shard between workers, and planners use ``lengths`` (-1 where
+unknown: text); resuming does not. The first process that needs an index builds it under a lock in
+``cache_dir``; the others wait, then load it. It is used only while its fingerprint (the shard's
+strict identity, ``tokens_key``, :func:`limits_key`, the version) matches. Planning uses the data
+set's manifest instead (:mod:`streampack.io.manifest`).
 
-**Cost per shard** (:func:`load_or_build_index`): 1 stat / HEAD + 1 read of the index file,
-unless it is one of the :data:`_MEMO_SIZE` = 4 this process used last; a miss adds one scan and
-one write. A scan seeks over tar member data (remote: ranged reads, :mod:`streampack.io.tar_sparse`),
-reads jsonl once, and reads parquet's footer and token column; memory is 12 bytes per sample plus
-the keys, never a Python object per sample (4M jsonl lines: a 6.0 MiB file, 73 MiB peak while
-building, ``benchmarks/bench_storage.py``).
-
-**Damage.** A shard cut short or corrupt is indexed up to the damage (``damage`` says why);
-only the range that ends the shard reads past ``end``, so the damage is met and counted once.
+**Cost per shard** (:func:`load_or_build_index`): 1 stat / HEAD + 1 read of the index file, unless
+it is one of the :data:`_MEMO_SIZE` = 4 used last; a miss adds one scan (tar: headers only, remote
+by ranged reads; jsonl: once; parquet: footer and token column) and one write. Memory is 12 bytes
+per sample plus the keys (4M jsonl lines: 73 MiB peak while building, ``benchmarks/bench_storage.py``).
+A shard cut short is indexed up to the damage (``damage``), met and counted once by its last range.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Opening a shard at a byte offset: the only place that reads bytes from a file or a store.
 
-:func:`open_shard` returns a buffered stream of bytes ``[offset, end)`` of one shard. Under it a
-:class:`ResumableStream` counts the bytes it has delivered and where they must end; a failed read
-or a body that ends early is retried *at its current offset* under the one retry policy, so the
-parser above never sees a retry, a duplicate or a gap. When the policy gives up the read raises
-``DataError("unreachable_url")`` (``"corrupt_shard"`` for a local file) naming the URL.
-
-- Local paths are plain ``open`` + ``seek``, reopened at the offset after a read error.
-- Remote URLs are read in blocks of ``OpenOptions.block_size`` bytes, one bounded request each
-  (http(s) and S3 pinned to one version: :mod:`streampack.io.http`, :mod:`streampack.io.s3_read`;
-  other stores ``fs.cat_file``), the next block fetched in a background thread. Bounded block
-  requests rather than one streaming GET give a per-request deadline and the same retry rules for
-  every store; parsing tar (90-160 MB/s a worker) is slower than either transfer
-  (``benchmarks/bench_storage.py``). On a high-latency link raise ``block_size``.
-- ``pipe:cmd`` runs a shell command, so it is refused unless ``allow_pipe=True``; a pipe cannot
-  seek or resume, so a broken pipe is a ``corrupt_shard`` at once.
+:func:`open_shard` returns a buffered stream of bytes ``[offset, end)``. Under it a
+:class:`ResumableStream` counts what it delivered; a failed read or a body that ends early is
+retried *at its current offset* under the one retry policy, so the parser never sees a retry, a
+duplicate or a gap; when the policy gives up, ``DataError("unreachable_url")`` (``"corrupt_shard"``
+locally). Local paths are plain ``open`` + ``seek``. Remote URLs are read in blocks of
+``OpenOptions.block_size``, one bounded request each (http(s) and S3 pinned to one version), the next
+prefetched in a thread: unlike one streaming GET, every request gets a deadline and the same retry
+rules, and parsing (90-160 MB/s a worker) stays the bottleneck (``benchmarks/bench_storage.py``).
+``pipe:cmd`` runs a shell command, so it needs ``allow_pipe=True``; it cannot seek or resume.
 """
 
 from __future__ import annotations

@@ -12,11 +12,9 @@
 ``cost=``          :class:`CostOptions`         WindowPacker (balance), ThdCollate (est_cost)
 =================  ===========================  =============================================
 
-Each record checks its own values when it is made, naming the record and field before any shard
-is opened; ``StreamConfig`` (:mod:`streampack.settings`) checks what spans two, so no node checks
-a value again. A new stage's record is one file here and one entry in :data:`RECORDS`. There are
-no flat keywords: one of earlier versions (``window=``) is a ``TypeError`` naming the record field
-to set (:func:`refuse_flat_keywords`).
+Each record checks its own values when made; ``StreamConfig`` (:mod:`streampack.settings`) checks
+what spans two. A flat keyword of earlier versions (``window=``) is a ``TypeError`` naming the
+record field to set (:func:`refuse_flat_keywords`).
 """
 
 from __future__ import annotations

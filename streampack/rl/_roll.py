@@ -1,18 +1,15 @@
 """ROLL's dynamic batching (``roll.utils.dynamic_batching.dynamic_batching_shard``), on lengths.
 
-As ROLL's code does it (its unit tests are reproduced in ``tests/test_rl_plan.py``), not as its
-documentation's example, which bounds real tokens and lets padded micro-batches exceed the budget:
+As ROLL's code (main branch, v0.2.0, commit 3077befc) does it, its unit tests reproduced in
+``tests/test_rl_plan.py`` (its documentation's example bounds real tokens instead):
 
-1. sort shortest first (stable); rank ``r`` takes ``sorted[r::dp]``, so row ``j`` holds the
-   ``j``-th sequence of every rank (the batch must divide by ``dp``);
+1. sort shortest first; rank ``r`` takes ``sorted[r::dp]`` (the batch must divide by ``dp``);
 2. a row's length is its longest over all ranks, rounded up to ``sequence_length_round``;
 3. rows are cut greedily into micro-batches of ``b`` rows and padded length ``L`` with
-   ``b * L <= budget``, one list of boundaries shared by every rank;
-4. with ``pp_size > 1`` (ROLL: pipeline parallelism with VPP) the ``k`` micro-batches missing to a
-   multiple of ``pp_size`` come from halving the ``k`` multi-row micro-batches with the most
-   padded tokens (first on ties); when fewer than ``k`` have two rows this raises ``ValueError``.
-
-Followed: ``roll/utils/dynamic_batching.py`` on ROLL's main branch (v0.2.0, commit 3077befc).
+   ``b * L <= budget``, one list shared by every rank;
+4. with ``pp_size > 1`` the ``k`` micro-batches missing to a multiple of ``pp_size`` come from
+   halving the ``k`` multi-row micro-batches with the most padded tokens (first on ties); when
+   fewer than ``k`` have two rows this raises ``ValueError``.
 """
 
 from __future__ import annotations
