@@ -199,24 +199,17 @@ def _all_reduce_sum(value: int, group: object | None) -> int:
 
 
 def _local_sum(items: Iterable[PackedBatch | int], count: str) -> int:
-    total = 0
-    for item in items:
-        if isinstance(item, int):
-            total += item
-        elif count == "targets":
-            total += int(item.num_targets)
-        else:
-            total += num_supervised_sequences(item)
-    return total
+    """The ints of ``items`` plus each batch's ``count`` attribute."""
+    return sum(item if isinstance(item, int) else int(getattr(item, count)) for item in items)
 
 
 def global_num_targets(batches: Sequence[PackedBatch | int], group: object | None = None) -> int:
     """Supervised tokens over this rank's micro-batches of a step, summed over ``group``
     (all-reduce) when ``torch.distributed`` is initialized. Pass the data-parallel group; under
     context parallelism count each *unsharded* batch once (CP ranks share its targets)."""
-    return _all_reduce_sum(_local_sum(batches, "targets"), group)
+    return _all_reduce_sum(_local_sum(batches, "num_targets"), group)
 
 
 def global_num_sequences(batches: Sequence[PackedBatch | int], group: object | None = None) -> int:
     """Supervised documents over this rank's micro-batches, summed over ``group``."""
-    return _all_reduce_sum(_local_sum(batches, "sequences"), group)
+    return _all_reduce_sum(_local_sum(batches, "num_target_docs"), group)
