@@ -21,12 +21,7 @@ from typing import Any
 
 import torch
 
-from streampack.layout.adapters import (
-    KwargsRecord,
-    TEKwargs,
-    packed_seq_params,
-    te_kwargs,
-)
+from streampack.layout.adapters import KwargsRecord, TEKwargs, packed_seq_params, te_kwargs
 from streampack.layout.batch import PackedBatch
 from streampack.layout.cp import CPShard, cp_shard
 

@@ -23,16 +23,7 @@ from streampack.io.failures import classify
 from streampack.io.http import Pin, get_range
 from streampack.io.retry import IOStats, Transient, with_retries
 from streampack.io.s3_read import s3_get_range
-from streampack.io.storage import (
-    OpenOptions,
-    deadline,
-    filesystem,
-    is_http,
-    is_remote,
-    local_path,
-    protocol_of,
-    stat,
-)
+from streampack.io.storage import OpenOptions, deadline, filesystem, is_http, is_remote, local_path, protocol_of, stat
 
 _DISCARD_CHUNK = 1 << 20
 LOCAL_BUFFER = 256 << 10

@@ -17,13 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from streampack.io.packed_format import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    Manifest,
-    read_manifest,
-)
+from streampack.io.packed_format import FORMAT, FORMAT_VERSION, MANIFEST_NAME, Manifest, read_manifest
 from streampack.sample import Sample
 
 

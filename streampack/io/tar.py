@@ -27,13 +27,7 @@ from streampack.io.limits import Limits
 from streampack.io.npy import npy_length
 from streampack.io.tar_decode import decode_tar_sample, decoder_want
 from streampack.io.tar_header import BLOCK, is_plain_member
-from streampack.io.tar_stream import (
-    ZERO_BLOCK,
-    CorruptRegion,
-    Cursor,
-    TarMember,
-    iter_tar_members,
-)
+from streampack.io.tar_stream import ZERO_BLOCK, CorruptRegion, Cursor, TarMember, iter_tar_members
 
 _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 _LOOKAHEAD = 16

@@ -21,14 +21,7 @@ from typing import BinaryIO
 
 from streampack.errors import DataError
 from streampack.io.limits import MAX_EXTENSION_BYTES
-from streampack.io.tar_header import (
-    BLOCK,
-    MAX_DECLARED,
-    Unreadable,
-    is_header,
-    parse_header,
-    parse_pax,
-)
+from streampack.io.tar_header import BLOCK, MAX_DECLARED, Unreadable, is_header, parse_header, parse_pax
 
 ZERO_BLOCK = bytes(BLOCK)
 REGULAR = (b"0", b"\0", b"7")
