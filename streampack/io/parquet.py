@@ -36,6 +36,14 @@ def _parquet_file(f: BinaryIO, url: str) -> Any:
         raise DataError("corrupt_shard", f"not a readable parquet file: {e}", url=url, value=0) from None
 
 
+def int_lists(kind: Any, *, fixed: bool = True) -> bool:
+    """Whether the arrow type ``kind`` is a list of integers (``fixed``: fixed-size lists count)."""
+    import pyarrow as pa
+
+    lists = pa.types.is_list(kind) or pa.types.is_large_list(kind) or (fixed and pa.types.is_fixed_size_list(kind))
+    return lists and pa.types.is_integer(kind.value_type)
+
+
 def row_counts(f: BinaryIO, url: str) -> np.ndarray:
     """int64 ``[num_row_groups]``: rows per row group, from the footer only."""
     md = _parquet_file(f, url).metadata
@@ -48,7 +56,6 @@ def token_lengths(f: BinaryIO, opts: DecodeOptions, url: str) -> np.ndarray:
     pyarrow has no levels-only read, so the token column is decoded, a row group at a time (20,000
     rows x ~600 ids: 1.7 s, the footer alone 1 ms, ``benchmarks/bench_index.py parquet``): paid once
     per shard by ``streampack index``; a reader that only splits a shard keeps the footer-only index."""
-    import pyarrow as pa
     import pyarrow.compute as pc
 
     pf = _parquet_file(f, url)
@@ -56,8 +63,7 @@ def token_lengths(f: BinaryIO, opts: DecodeOptions, url: str) -> np.ndarray:
     counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
     key = opts.tokens_key
     kind = schema.field(key).type if key in schema.names else None
-    if kind is None or not ((pa.types.is_list(kind) or pa.types.is_large_list(kind)
-                             or pa.types.is_fixed_size_list(kind)) and pa.types.is_integer(kind.value_type)):
+    if kind is None or not int_lists(kind):
         return np.full(sum(counts), -1, np.int32)  # text to tokenize (or no usable column: the reader says why)
     null = -1 if opts.text_key and opts.text_key in schema.names else BAD_LENGTH
     width, limit = kind.value_type.bit_width // 8, opts.limits.max_sample_bytes
@@ -100,8 +106,7 @@ def check_schema(f: BinaryIO, opts: DecodeOptions, url: str) -> None:
     columns = _columns(schema.names, opts, url)
     if "tokens" in columns:
         kind = schema.field(columns["tokens"]).type
-        lists = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
-        if not (lists and pa.types.is_integer(kind.value_type)):
+        if not int_lists(kind):
             raise DataError("bad_dtype", f"token column {columns['tokens']!r} has type {kind}, want a list of "
                             f"integers", url=url, value=str(kind))
     else:
@@ -115,10 +120,7 @@ def check_schema(f: BinaryIO, opts: DecodeOptions, url: str) -> None:
 def _rows(column: Any) -> list[Any]:
     """A column's values per row: numpy slices of the flat values for integer lists (no Python
     object per token), Python values otherwise; None for null rows."""
-    import pyarrow as pa
-
-    kind = column.type
-    if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type):
+    if int_lists(column.type, fixed=False):
         flat = column.flatten()
         if flat.null_count == 0:
             values = flat.to_numpy()
@@ -241,4 +243,4 @@ def _nbytes(value: Any) -> int:
     return len(value) if isinstance(value, (str, bytes)) else 0
 
 
-__all__ = ["BATCH_ROWS", "check_schema", "iter_parquet_items", "row_counts", "token_lengths"]
+__all__ = ["BATCH_ROWS", "check_schema", "int_lists", "iter_parquet_items", "row_counts", "token_lengths"]

@@ -20,7 +20,7 @@ from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
 from streampack.io.limits import id_bound
 from streampack.io.open import open_shard
-from streampack.io.parquet import _decoded_bytes
+from streampack.io.parquet import _decoded_bytes, int_lists
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.token_block import TokenBlock
@@ -86,8 +86,7 @@ def _token_file(url: str, *, decode: DecodeOptions, opts: OpenOptions, streams: 
     key = decode.tokens_key
     if key not in schema.names or (decode.text_key and decode.text_key in schema.names):
         return None
-    kind = schema.field(key).type
-    if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type)):
+    if not int_lists(schema.field(key).type, fixed=False):
         return None
     counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
     return pf, np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
