@@ -146,8 +146,7 @@ class _Tracked(io.RawIOBase):
 
     @property
     def at_frame_end(self) -> bool:
-        """Whether every byte of the current frame has been handed on (:meth:`next_frame` opens
-        the next one)."""
+        """Whether every byte of the current frame has been handed on (:meth:`next_frame` opens the next one)."""
         return bool(self._tracker.frame_ends) and self._tracker.frame_ends[0] == self._passed
 
     @property

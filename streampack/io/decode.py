@@ -256,8 +256,7 @@ def validate_text(value: Any, *, url: str, key: str) -> str:
 
 def validate_per_token(value: Any, length: int | None, *, what: str, url: str, key: str,
                        vocab_size: int | None = None) -> np.ndarray:
-    """``labels`` (int64, ids below the vocabulary bound) or ``loss_mask`` (bool) of the sample's
-    token length."""
+    """``labels`` (int64, ids below the vocabulary bound) or ``loss_mask`` (bool) of the sample's token length."""
     reason = f"bad_{what}"
     try:
         arr = np.asarray(value)

@@ -105,8 +105,7 @@ class ShardIndex:
         return [self.key(i) for i in range(len(self))]
 
     def position(self, i: int) -> Position:
-        """Where sample ``i`` starts; ``i == len(self)`` is the end (where the damage starts
-        in a damaged shard)."""
+        """Where sample ``i`` starts; ``i == len(self)`` is the end (where the damage starts in a damaged shard)."""
         n = len(self)
         if not 0 <= i <= n:
             raise IndexError(f"sample {i} of a shard with {n} samples")

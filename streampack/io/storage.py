@@ -246,8 +246,7 @@ def identity(url: str, opts: OpenOptions, stats: IOStats | None = None) -> Shard
 
 
 def find(url: str, opts: OpenOptions, *, pattern: bool) -> list[str]:
-    """Every object under a remote prefix / directory (``pattern=False``) or matching a glob,
-    as full URLs, sorted."""
+    """Every object under a remote prefix / directory (``pattern=False``) or matching a glob, as full URLs, sorted."""
     fs, path = filesystem(url, opts)
     if pattern:
         found = call(lambda: fs.glob(path, **deadline(fs, opts)), url, opts, None, what="glob")

@@ -96,8 +96,7 @@ def _kk(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackRe
 
 def _rebalance(lengths: np.ndarray, start: PackResult, loads: np.ndarray,
                engine: Engine) -> tuple[np.ndarray, np.ndarray]:
-    """Rounds of ``_round_kernel`` (see the module docstring); returns (bin of every item,
-    loads)."""
+    """Rounds of ``_round_kernel`` (see the module docstring); returns (bin of every item, loads)."""
     m, half = loads.size, loads.size // 2
     nxt = np.full(lengths.size, -1, dtype=np.int64)  # each bin's items, linked in `order`
     nxt[start.order[:-1]] = start.order[1:]
