@@ -185,15 +185,20 @@ def _sequence_sum(token_loss: torch.Tensor, keep: torch.Tensor, batch: PackedBat
     return (sums / counts.clamp(min=1)).sum()
 
 
+def collective_device(group: object | None) -> torch.device:
+    """Where a tensor for a collective over ``group`` must live: this GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    nccl = "nccl" in str(dist.get_backend(group))
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def _all_reduce_sum(value: int, group: object | None) -> int:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)):
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return int(t.item())
 

@@ -102,14 +102,14 @@ def _all_reduce(totals: Mapping[str, float], group: Any) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from streampack.attention.loss import collective_device
+
     if not (dist.is_available() and dist.is_initialized()):
         return dict(totals)
     kinds: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(kinds, sorted(k for k in totals if k.startswith("events/")), group=group)
     keys = list(COUNTS) + sorted(set().union(*kinds))
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)):
-        device = torch.device("cuda", torch.cuda.current_device())
-    values = torch.tensor([float(totals.get(k, 0)) for k in keys], dtype=torch.float64, device=device)
+    values = torch.tensor([float(totals.get(k, 0)) for k in keys], dtype=torch.float64,
+                          device=collective_device(group))
     dist.all_reduce(values, group=group)
     return _with_ratios(dict(zip(keys, values.tolist())))
