@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,6 +12,7 @@ from streampack.sample import Sample
 
 if TYPE_CHECKING:
     from streampack.io.limits import Limits
+    from streampack.options import ReadOptions, TokenizeOptions
 
 
 class CliError(ValueError):
@@ -43,26 +43,6 @@ def check_tokenizer(path: str | None) -> None:
         make_encoder(path)
     except ValueError as e:
         raise CliError(f"--tokenizer {path!r}: {e}") from None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DocumentOptions:
-    """What ``pack`` and ``inspect`` read, with the same meaning as ``PackedDataset``'s options."""
-
-    tokenizer: str | None = None
-    tokens_key: str = "input_ids"
-    text_key: str = "text"
-    labels_key: str | None = None
-    loss_mask_key: str | None = None
-    bos_id: int | None = None
-    eos_id: int | None = None
-    on_error: str = "raise"
-    retries: int | None = None
-    """None = retry within ``retry_budget`` seconds (PackedDataset's default)."""
-    retry_budget: float = 120.0
-    vocab_size: int | None = None
-    limits: Any = None
-    """A ``streampack.io.limits.Limits``; None = the defaults."""
 
 
 LIMIT_FLAGS = ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth")
@@ -101,7 +81,7 @@ def add_input_guards(p: Any) -> None:
 
 
 def input_guards(args: Any) -> dict[str, Any]:
-    """``DocumentOptions`` keywords from the options :func:`add_input_guards` added."""
+    """``ReadOptions`` keywords from the options :func:`add_input_guards` added."""
     if args.retries is not None and args.retries < 0:
         raise CliError(f"--retries={args.retries} must be >= 0")
     if not args.retry_budget >= 0:
@@ -116,29 +96,24 @@ class Documents:
     """Every sample of ``urls`` once, in shard order, through the pipeline's own graph
     (:func:`streampack.graph.build.build_samples`), so offline packs carry the same targets as a stream."""
 
-    def __init__(self, urls: Sequence[str], opts: DocumentOptions, *, capacity: int) -> None:
+    def __init__(self, urls: Sequence[str], read: ReadOptions, *, capacity: int, tokenizer: str | None = None,
+                 tokenize: TokenizeOptions | None = None) -> None:
         from streampack.graph.build import Placement, Sources, StreamConfig, build_samples
-        from streampack.io.limits import Limits
+        from streampack.graph.preflight import preflight
         from streampack.io.packed_format import is_packed_dataset
         from streampack.io.urls import ShardList
-        from streampack.options import ReadOptions, TokenizeOptions
+        from streampack.options import TokenizeOptions
 
         if is_packed_dataset(list(urls) if len(urls) > 1 else urls[0]):
             raise CliError(f"{' '.join(map(str, urls))} is the output of `streampack pack` (packs, not "
                            "documents; its manifest.json holds the pack lengths and metrics): give the "
                            "original shards")
-        check_tokenizer(opts.tokenizer)
-        from streampack.graph.preflight import preflight
-
-        read = ReadOptions(tokens_key=opts.tokens_key, text_key=opts.text_key, labels_key=opts.labels_key,
-                           loss_mask_key=opts.loss_mask_key, on_error=opts.on_error, vocab_size=opts.vocab_size,
-                           limits=opts.limits if opts.limits is not None else Limits(), retries=opts.retries,
-                           retry_budget=opts.retry_budget)
+        check_tokenizer(tokenizer)
         config = StreamConfig(capacity=capacity, shuffle=False, epochs=1, read=read,
-                              tokenize=TokenizeOptions(bos_id=opts.bos_id, eos_id=opts.eos_id))
+                              tokenize=tokenize if tokenize is not None else TokenizeOptions())
         sources = Sources(shards=ShardList.of(list(urls)))
         preflight(sources.lists, read)  # a missing shard or a wrong column type: now, not at the end
-        node, self.nodes = build_samples(config, sources, Placement(), tokenizer=opts.tokenizer)
+        node, self.nodes = build_samples(config, sources, Placement(), tokenizer=tokenizer)
         node.reset(None)
         self.root = node
 
@@ -166,5 +141,5 @@ def sample_lengths(samples: Iterator[Sample], progress: Callable[[int], Any] | N
     return np.asarray(lengths, dtype=np.int64), unit
 
 
-__all__ = ["LIMIT_FLAGS", "CliError", "DocumentOptions", "Documents", "add_limit_arguments", "check_tokenizer",
+__all__ = ["LIMIT_FLAGS", "CliError", "Documents", "add_limit_arguments", "check_tokenizer",
            "describe", "no_bar", "parsed_limits", "sample_lengths"]

@@ -15,16 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streampack.cli._data import (
-    CliError,
-    DocumentOptions,
-    Documents,
-    add_input_guards,
-    describe,
-    input_guards,
-    no_bar,
-    sample_lengths,
-)
+from streampack.cli._data import CliError, Documents, add_input_guards, describe, input_guards, no_bar, sample_lengths
 
 DEFAULT_WINDOWS = (64, 256, 1024, 4096)
 
@@ -170,9 +161,10 @@ def run(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):
             raise CliError(f"--plot {args.plot!r}: no such directory {folder!r}")
-    opts = DocumentOptions(tokenizer=args.tokenizer, tokens_key=args.tokens_key, text_key=args.text_key,
-                           **input_guards(args))
-    samples = Documents(args.urls, opts, capacity=args.capacity)
+    from streampack.options import ReadOptions
+
+    read = ReadOptions(tokens_key=args.tokens_key, text_key=args.text_key, **input_guards(args))
+    samples = Documents(args.urls, read, capacity=args.capacity, tokenizer=args.tokenizer)
     with tqdm(desc="reading", unit="sample", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
         lengths, unit = sample_lengths(iter(samples), progress=bar.update)
     lengths = lengths[lengths > 0]
