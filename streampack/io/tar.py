@@ -180,6 +180,11 @@ class _Peek:
                       seekable=self.seekable, limits=self.limits, after_region=after_region)
 
 
+def _intact(unit: Unit) -> bool:
+    """A sample group with no corrupt region next to it."""
+    return isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region)
+
+
 class _Judge:
     """The units awaiting a verdict (at most ``_LOOKAHEAD`` + 2: a bound on memory)."""
 
@@ -188,16 +193,12 @@ class _Judge:
         self.undecided: list[TarGroup] = []
 
     def push(self, unit: Unit) -> list[Unit]:
-        if not self.pending and isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region):
+        if not self.pending and _intact(unit):
             if not self.keys.add(unit.key):  # the common case: nothing waits for a verdict
                 unit.fail(self._repeated(unit))
             return [unit]
-        for group in self.undecided:
-            group.seen += 1
-        intact = isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region)
-        if intact:
-            self._decide(self.undecided, frozenset(unit.fields))
-        else:
+        intact = self._see(unit)
+        if not intact:
             self.pending.append(unit)
             if isinstance(unit, TarGroup):
                 self.undecided.append(unit)
@@ -213,15 +214,21 @@ class _Judge:
         """Decide the waiting samples from units past the range (they are not this range's)."""
         try:
             for unit in units:
-                for group in self.undecided:
-                    group.seen += 1
-                if isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region):
-                    self._decide(self.undecided, frozenset(unit.fields))
+                self._see(unit)
                 self._decide([g for g in self.undecided if g.seen >= _LOOKAHEAD], None)
                 if not self.undecided:
                     return
         except DataError:  # unreadable past the range: no intact sample shows the fields
             return
+
+    def _see(self, unit: Unit) -> bool:
+        """Age the waiting samples by one unit, and decide them all when it is intact (returned)."""
+        for group in self.undecided:
+            group.seen += 1
+        if _intact(unit):
+            self._decide(self.undecided, frozenset(unit.fields))  # type: ignore[union-attr]
+            return True
+        return False
 
     def _decide(self, groups: list[TarGroup], intact: frozenset[str] | None) -> None:
         for group in groups:
