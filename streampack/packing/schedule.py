@@ -36,23 +36,19 @@ class Balance:
     """Ready packs each reader holds to choose from (more: better balance, more latency and
     host memory; the resume state stores them as references)."""
     max_hold: int | None = None
-    """Steps (batches of this reader) after which a waiting pack goes at the first step whose
-    level it does not exceed, whatever else is ready (counted in
-    ``metrics()["packing"]["forced_by_hold"]``). Default ``max(16, 4 * ceil(reservoir /
-    packs_per_batch))``: a pack waits ``reservoir / packs_per_batch`` steps on average."""
+    """Steps after which a waiting pack goes at the first step whose level it does not exceed
+    (``metrics()["packing"]["forced_by_hold"]``); default ``max(16, 4 * ceil(reservoir / packs_per_batch))``."""
     tail: float = 0.1
     """Share of the costliest packs whose levels the schedule serves faster than they arrive."""
     over: float = 0.2
-    """How much faster: the schedule targets the tail's levels ``1 + over`` times as often as
-    they arrive, so heavy packs never pile up in a reader (a pile-up would force one out at a
-    light step, the one event that makes a straggler)."""
+    """The tail's levels are targeted ``1 + over`` times as often as they arrive, so heavy packs never
+    pile up in a reader (a pile-up forces one out at a light step: a straggler)."""
     tolerance: float = 0.02
     """A pack up to this share lighter than the best match may go instead, the oldest first
     (bounds waiting at ~the cost of that share of balance)."""
     seeded: bool = True
-    """Start every reader's cost histogram from the packs of one length sample of the data set's
-    shard indexes, the same on every rank (:mod:`streampack.plan.cost_seed`), so the levels agree
-    from step 0; False starts it empty (the ranks agree only after ~2,000 packs each)."""
+    """Start every reader's cost histogram from the same sample of the shard indexes' lengths
+    (:mod:`streampack.plan.cost_seed`), so the ranks' levels agree from step 0, not after ~2,000 packs."""
 
     def __post_init__(self) -> None:
         if isinstance(self.reservoir, bool) or not isinstance(self.reservoir, int) or self.reservoir < 1:
