@@ -255,5 +255,5 @@ def find(url: str, opts: OpenOptions, *, pattern: bool) -> list[str]:
     return sorted(fs.unstrip_protocol(p) if "://" not in p else p for p in found)
 
 
-__all__ = ["ENDPOINT_ENV", "IDENTITY_MODES", "OpenOptions", "ShardStat", "call", "deadline", "filesystem", "find", "identity", "is_http",
-           "is_remote", "local_path", "protocol_of", "stat"]
+__all__ = ["ENDPOINT_ENV", "IDENTITY_MODES", "OpenOptions", "ShardStat", "call", "deadline", "filesystem", "find",
+           "identity", "is_http", "is_remote", "local_path", "protocol_of", "stat"]
