@@ -111,9 +111,9 @@ def _records(data: bytes) -> dict[str, str] | None:
 
 
 def member_names(headers: np.ndarray, tokens_key: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """From the members' header rows (uint8 ``[n, 512]``): each member's key length, and the names (uint8 ``[n, 100]``, NUL-padded), when every name is ``<key>.<field>``
-    with one token field for all (webdataset's split: the key ends at the first dot of the
-    basename), the keys are distinct and no name has a ustar prefix or a newline."""
+    """From the members' header rows (uint8 ``[n, 512]``): each member's key length and the names (uint8
+    ``[n, 100]``, NUL-padded), when every name is ``<key>.<field>`` with one token field for all (the key
+    ends at the basename's first dot), the keys are distinct and no name has a ustar prefix or a newline."""
     rows = headers[:, :100]
     if (headers[:, 345] != 0).any():
         return None
