@@ -191,17 +191,9 @@ class _Reader:
         return data
 
 
-def iter_tar_members(
-    f: BinaryIO,
-    *,
-    url: str,
-    start: int,
-    end: int | None = None,
-    want: Callable[[str], int] = lambda name: -1,
-    seekable: bool = False,
-    cursor: Cursor | None = None,
-    max_bytes: int | None = None,
-) -> Iterator[TarMember | CorruptRegion]:
+def iter_tar_members(f: BinaryIO, *, url: str, start: int, end: int | None = None,
+                     want: Callable[[str], int] = lambda name: -1, seekable: bool = False, cursor: Cursor | None = None,
+                     max_bytes: int | None = None) -> Iterator[TarMember | CorruptRegion]:
     """Regular-file members (and corrupt regions) of a tar stream at header offset ``start``. ``want(name)``
     says how many data bytes to read (-1 all, 0 none); a member wanted whole over ``max_bytes`` is
     skipped unread (``data=None``). Stops at the end-of-archive block or ``end`` (``cursor.pos``)."""
