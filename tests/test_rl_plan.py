@@ -315,15 +315,15 @@ def test_property_tests_are_not_vacuous():
 
 @pytest.mark.parametrize("k", [1, 2, 3, 7])
 def test_partition_primitives_match_contracts(k):
-    from streampack.rl import _partition
+    from streampack.rl.plan import _balanced_parts, _bins
 
     values = np.random.default_rng(k).integers(1, 100, size=40)
-    parts = _partition.balanced_parts(values, k)
+    parts = _balanced_parts(values, k)
     assert len(parts) == k and all(p.size for p in parts)
     assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(40))
     assert max(values[p].sum() for p in parts) - min(values[p].sum() for p in parts) <= 99
     for algorithm in ("ffd", "bfd"):
-        bins = _partition.bins(values, 150, algorithm)
+        bins = _bins(values, 150, algorithm)
         assert np.array_equal(np.sort(np.concatenate(bins)), np.arange(40))
         assert all(values[b].sum() <= 150 for b in bins)
 

@@ -274,13 +274,15 @@ def test_an_index_built_under_tight_limits_does_not_poison_a_later_run(tmp_path)
 
 
 def test_only_the_limits_an_index_depends_on_key_it(tmp_path):
-    from streampack.io.index import index_decode, index_fingerprint
+    from streampack.io.index import fingerprint_of, index_decode
+    from streampack.io.storage import identity
 
     (tar,) = write_tar_shards(tmp_path, make_token_docs(4), 1)
     (jsonl,) = write_jsonl_shards(tmp_path, make_token_docs(4), 1)
     base, lines = index_decode(), index_decode(limits=Limits(max_line_bytes=10))
-    assert index_fingerprint(tar, base, OpenOptions()) == index_fingerprint(tar, lines, OpenOptions())
-    assert index_fingerprint(jsonl, base, OpenOptions()) != index_fingerprint(jsonl, lines, OpenOptions())
+    tar_id, jsonl_id = identity(tar, OpenOptions()), identity(jsonl, OpenOptions())
+    assert fingerprint_of(tar, base, tar_id) == fingerprint_of(tar, lines, tar_id)
+    assert fingerprint_of(jsonl, base, jsonl_id) != fingerprint_of(jsonl, lines, jsonl_id)
 
 
 def test_pre_tokenized_parquet_is_not_called_text_to_tokenize(tmp_path):

@@ -1,23 +1,17 @@
 """Per-rank attention inputs under context parallelism, and the way back to document order.
 
-Rank ``r`` of ``W`` holds, from every document (padded span ``L``, chunk ``c = L / 2W``), an
-early chunk ``A = [r·c, (r+1)·c)`` and a late chunk ``B = [(2W−1−r)·c, (2W−r)·c)``
-(:mod:`streampack.layout.cp`). What each consumer needs on that rank:
+Rank ``r`` of ``W`` holds, from every document (padded span ``L``, chunk ``c = L / 2W``), chunks
+``A = [r·c, (r+1)·c)`` and ``B = [(2W−1−r)·c, (2W−r)·c)`` (:mod:`streampack.layout.cp`):
 
-* **Transformer Engine / Megatron**: the rank's local tokens with the *global* ``cu_seqlens``
-  and ``cu_seqlens_padded`` (TE divides by ``cp_size`` itself, after
-  ``set_context_parallel_group``): :func:`streampack.layout.adapters.te_kwargs` unchanged.
-* **flash-attn varlen / torch varlen_attn** (all-gather-KV context parallelism): every local
-  chunk is its own query span, and its key span is its document's *prefix* up to the chunk's
-  end, taken from the gathered K/V with ``k_indices``. Causal attention in these kernels is
-  aligned bottom-right when ``Lq != Lk``, which is exactly "query ``j`` of the chunk sees the
-  document up to itself". Chunk B's key span is the longest (``(2W−r)·c``), so gathered K/V
-  costs about ``1.5×`` a full batch per rank: a correctness path, not a ring kernel.
-* **SDPA reference**: ``sdpa_packed(q_local, k_full, v_full, shard)`` (the shard's
-  ``indices`` select the query rows of the global mask).
+* **Transformer Engine / Megatron**: local tokens with the *global* ``cu_seqlens``
+  (:func:`streampack.layout.adapters.te_kwargs` unchanged; TE divides by ``cp_size`` itself).
+* **flash-attn / torch varlen** (all-gather-KV): every local chunk is its own query span, and its
+  key span its document's prefix up to the chunk's end (``k_indices`` into the gathered K/V;
+  bottom-right causal alignment makes that exact). Gathered K/V costs ~1.5x a full batch per
+  rank: a correctness path, not a ring kernel.
+* **SDPA reference**: ``sdpa_packed(q_local, k_full, v_full, shard)``.
 
-Outputs come back in document order with :func:`streampack.layout.cp.cp_unshard`. HF transformers
-models have no THD context-parallel path; use CP = 1 there.
+Outputs come back with :func:`streampack.layout.cp.cp_unshard`. HF models: use CP = 1.
 """
 
 from __future__ import annotations
@@ -27,12 +21,7 @@ from typing import Any
 
 import torch
 
-from streampack.layout.adapters import (
-    KwargsRecord,
-    TEKwargs,
-    packed_seq_params,
-    te_kwargs,
-)
+from streampack.layout.adapters import KwargsRecord, TEKwargs, packed_seq_params, te_kwargs
 from streampack.layout.batch import PackedBatch
 from streampack.layout.cp import CPShard, cp_shard
 

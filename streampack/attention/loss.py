@@ -1,28 +1,15 @@
 """Losses and log-probs over a packed batch, normalised the way unpacked training would be.
 
-Only a token mean over the *whole optimizer step* is packing-invariant: a micro-batch mean
-weights tokens by how the packer happened to group them. So :func:`packed_cross_entropy`
-divides the micro-batch's summed loss by ``num_targets`` summed over every micro-batch and
-data-parallel rank of the step (:func:`global_num_targets`); summing the micro-batch losses
-then gives exactly the unpacked token mean. ``reduction="sequence"`` averages each document
-first, then divides by the step's number of supervised documents.
+Only a token mean over the *whole optimizer step* is packing-invariant, so
+:func:`packed_cross_entropy` divides the micro-batch's summed loss by ``num_targets`` summed over
+the step's micro-batches and ranks (:func:`global_num_targets`); summing the micro-batch losses
+then gives the unpacked token mean. ``reduction="sequence"`` averages each document first.
 
-The common path (token mean) *is* ``F.cross_entropy(logits, labels, ignore_index=...,
-reduction="sum") / num_targets``: one kernel, no host sync, nothing gathered. Selecting the
-target rows first (``logits[labels != ignore]``) and reading ``int(keep.sum())`` and a
-``bincount`` costs three host syncs and a copy of the ``[targets, V]`` rows per call, 6% of a
-300M-parameter model's step on an H100 (154k vs 163k tokens/s, bf16, 8 x 4096 tokens;
-``benchmarks/bench_gpu.py``). Every
-count it needs is a Python int of the batch (``num_targets``, ``num_target_docs``), computed
-on the CPU when the batch was built; the per-document sums use ``index_add`` over
-``batch.seq_idx``. ``benchmarks/bench_gpu.py`` measures the helper against plain
-``F.cross_entropy``.
-
-Logits at ignored rows never reach the loss value (``ignore_index``), but their gradient is
-``softmax(row) * 0``: finite rows give an exact 0, a NaN row gives NaN. With streampack's
-spans every row is inside some attention span, so kernels write finite values there; when a
-kernel may leave padding rows uninitialised (Transformer Engine ``thd`` with padding between
-documents), pass ``mask_ignored=True`` (one more elementwise pass over ``[T, V]``).
+The token mean *is* ``F.cross_entropy(..., reduction="sum") / num_targets``: one kernel, no host
+sync (every count is a Python int of the batch); selecting target rows first cost three host syncs
+and 6% of a 300M model's step on an H100 (``benchmarks/bench_gpu.py``). A NaN logit row at an
+ignored position still gives a NaN gradient; when a kernel may leave padding rows uninitialised
+(Transformer Engine ``thd``), pass ``mask_ignored=True`` (one more pass over ``[T, V]``).
 """
 
 from __future__ import annotations
@@ -156,17 +143,11 @@ def packed_cross_entropy(logits: torch.Tensor, batch: PackedBatch, num_targets: 
                          *, reduction: str = "token", num_sequences: int | None = None,
                          per_token: bool = False, upcast: bool = True,
                          mask_ignored: bool = False) -> LossResult:
-    """Next-token cross entropy of ``logits [T, V]`` (or ``[1, T, V]``) against ``batch.labels``.
-
-    ``reduction="token"``: ``sum / num_targets`` -- pass the step's total from
-    :func:`global_num_targets` when accumulating micro-batches or across DP ranks, then *sum*
-    (not average) the micro-batch losses. ``reduction="sequence"``: each document's mean, summed,
-    divided by ``num_sequences`` (default: this batch's supervised documents; pass
-    :func:`global_num_sequences` for a step). Defaults normalise by this batch alone.
-    ``per_token=True`` also returns the ``[T]`` per-position losses. ``upcast`` computes the
-    loss of bf16/fp16 logits in float32; ``mask_ignored`` zeroes ignored rows first (module
-    docstring). No host sync in any mode.
-    """
+    """Next-token cross entropy of ``logits [T, V]`` (or ``[1, T, V]``) against ``batch.labels``, with no host sync.
+    ``reduction="token"``: ``sum / num_targets`` (pass the step's :func:`global_num_targets`, then *sum* the
+    micro-batch losses); ``"sequence"``: each document's mean, summed, over ``num_sequences``
+    (:func:`global_num_sequences` for a step). ``per_token=True`` also returns the ``[T]`` losses;
+    ``upcast`` computes half-precision logits in float32; ``mask_ignored`` zeroes ignored rows first."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"{reduction=} must be one of {REDUCTIONS}")
     if reduction == "token" and num_sequences is not None:
@@ -204,38 +185,36 @@ def _sequence_sum(token_loss: torch.Tensor, keep: torch.Tensor, batch: PackedBat
     return (sums / counts.clamp(min=1)).sum()
 
 
+def collective_device(group: object | None) -> torch.device:
+    """Where a tensor for a collective over ``group`` must live: this GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    nccl = "nccl" in str(dist.get_backend(group))
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def _all_reduce_sum(value: int, group: object | None) -> int:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)):
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return int(t.item())
 
 
 def _local_sum(items: Iterable[PackedBatch | int], count: str) -> int:
-    total = 0
-    for item in items:
-        if isinstance(item, int):
-            total += item
-        elif count == "targets":
-            total += int(item.num_targets)
-        else:
-            total += num_supervised_sequences(item)
-    return total
+    """The ints of ``items`` plus each batch's ``count`` attribute."""
+    return sum(item if isinstance(item, int) else int(getattr(item, count)) for item in items)
 
 
 def global_num_targets(batches: Sequence[PackedBatch | int], group: object | None = None) -> int:
     """Supervised tokens over this rank's micro-batches of a step, summed over ``group``
     (all-reduce) when ``torch.distributed`` is initialized. Pass the data-parallel group; under
     context parallelism count each *unsharded* batch once (CP ranks share its targets)."""
-    return _all_reduce_sum(_local_sum(batches, "targets"), group)
+    return _all_reduce_sum(_local_sum(batches, "num_targets"), group)
 
 
 def global_num_sequences(batches: Sequence[PackedBatch | int], group: object | None = None) -> int:
     """Supervised documents over this rank's micro-batches, summed over ``group``."""
-    return _all_reduce_sum(_local_sum(batches, "sequences"), group)
+    return _all_reduce_sum(_local_sum(batches, "num_target_docs"), group)

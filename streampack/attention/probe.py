@@ -1,11 +1,8 @@
 """Leak probe: does a model keep packed documents apart? Perturb one, watch the others.
 
-Cross-document attention is the silent packing bug (nothing crashes, the loss just gets a
-little better than it should). The probe is model-agnostic: it runs ``forward(batch)`` twice,
-the second time with one document's tokens changed, and compares every *other* document's
-outputs, which must be bit-identical (or within ``atol`` for kernels that are not
-deterministic). It also checks that the perturbed document's own outputs changed, so a model
-that ignores its input cannot pass vacuously.
+It runs ``forward(batch)`` twice, the second time with one document's tokens changed: every
+*other* document's outputs must be bit-identical (or within ``atol``), and the perturbed one's
+must change, so a model that ignores its input cannot pass vacuously::
 
     report = leak_probe(lambda b: model(**b.hf_inputs()).logits[0], batch, vocab_size=32000)
     assert not report.leaked, report

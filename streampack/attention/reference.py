@@ -1,14 +1,9 @@
 """Exact packed attention in plain torch: the CPU fallback and the yardstick for kernels.
 
-``sdpa_packed`` runs ``F.scaled_dot_product_attention`` once over the whole ``[T]`` token axis
-with a ``bool[T, T]`` mask (same document, causal, key is a real token). It costs O(T²) memory
-for the mask, so it is a reference and a fallback for small ``T``, not a training kernel:
-``T = 8192`` is a 64 MiB mask. Measured here (fp32, CPU): packed vs per-document attention agree
-to ~1e-7 forward and backward, and perturbing one document leaves the others bit-identical.
-
+``sdpa_packed`` runs ``F.scaled_dot_product_attention`` once over ``[T]`` with a ``bool[T, T]``
+mask: O(T²) memory (``T = 8192`` is 64 MiB), so a reference, not a training kernel.
 ``flex_block_mask`` expresses the same mask for FlexAttention, which skips fully masked blocks
-(what makes it a real kernel on a GPU). On CPU, FlexAttention runs forward only and compiling
-it takes ~30 s.
+(forward only on CPU, ~30 s to compile).
 """
 
 from __future__ import annotations
@@ -44,12 +39,8 @@ def _doc_layout(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
 
 def packed_attention_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
                           total: int, causal: bool = True) -> torch.Tensor:
-    """bool ``[T, T]``: ``mask[q, k]`` is True when query ``q`` may attend to key ``k``.
-
-    True iff ``q`` and ``k`` lie in the same padded span, ``k`` is a real token and (if
-    ``causal``) ``k <= q``. Every row keeps at least its document's first token, so no row is
-    fully masked (SDPA would return zeros there, not NaN, but the case never arises).
-    """
+    """bool ``[T, T]``: True where query ``q`` may attend to key ``k``: the same padded span, ``k`` a
+    real token and (if ``causal``) ``k <= q``. Every row keeps its document's first token."""
     doc, real = _doc_layout(cu_seqlens, cu_seqlens_padded, total)
     mask = (doc[:, None] == doc[None, :]) & real[None, :]
     if causal:
@@ -65,14 +56,9 @@ def _meta_mask(meta: PackedMeta, causal: bool) -> torch.Tensor:
 def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_or_meta: PackedMeta,
                 causal: bool = True, *, q_indices: torch.Tensor | None = None,
                 scale: float | None = None) -> torch.Tensor:
-    """Packed attention via ``F.scaled_dot_product_attention``.
-
-    q: ``[Tq, H, D]``; k, v: ``[T, Hkv, D]`` covering the whole batch (``Hkv`` may divide
-    ``H``: grouped-query attention). ``Tq == T`` normally. Under context parallelism ``q`` holds
-    one rank's tokens and ``k, v`` the gathered full batch: give ``q_indices`` (the global
-    index of each query row), or pass a :class:`~streampack.layout.cp.CPShard` as ``batch_or_meta``,
-    whose ``indices`` are used. Returns ``[Tq, H, D]``.
-    """
+    """Packed attention via ``F.scaled_dot_product_attention``: q ``[Tq, H, D]``, k, v ``[T, Hkv, D]``
+    over the whole batch (``Hkv`` may divide ``H``), returns ``[Tq, H, D]``. Under context parallelism
+    ``q`` holds one rank's tokens: give ``q_indices`` or a :class:`~streampack.layout.cp.CPShard`."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [T, H, D], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -96,12 +82,8 @@ def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_or_meta
 def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                                causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """What ``flash_attn_varlen_func`` computes, one span at a time, in plain torch.
-
-    Span ``i`` of ``q`` attends to span ``i`` of ``k``; with ``causal`` the mask is aligned to
-    the bottom-right corner (query ``j`` of ``Lq`` sees keys ``<= j + Lk - Lq``), as flash-attn
-    does when ``Lq != Lk``. Used to check kwargs built for flash-attn on CPU.
-    """
+    """What ``flash_attn_varlen_func`` computes, one span at a time, in plain torch: span ``i`` of ``q``
+    attends to span ``i`` of ``k``, causal aligned bottom-right when ``Lq != Lk``, as flash-attn does."""
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same number of spans")
     out = q.new_empty(q.shape)

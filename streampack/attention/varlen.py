@@ -1,12 +1,9 @@
 """torch's own FlashAttention-2 varlen kernel, called the same way on every torch that has it.
 
-``torch.nn.attention.varlen.varlen_attn`` (CUDA only) runs the kernel ``flash_attn_varlen_func``
-runs, but its signature moved between releases: torch 2.11 has ``varlen_attn(query, key, value,
-cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1))`` and no
-``enable_gqa``; later releases add ``enable_gqa`` (and paged-KV arguments). Checked on an H100
-with torch 2.11: passing ``enable_gqa`` raised ``TypeError`` in 6 of 6 calls; expanding the KV
-heads first (``repeat_interleave`` on the head axis) gave the SDPA reference's outputs in bf16.
-:func:`varlen_attention` inspects the installed signature once and does whichever applies.
+``torch.nn.attention.varlen.varlen_attn`` (CUDA only) changed signature between releases: torch
+2.11 has no ``enable_gqa`` (passing it raised ``TypeError`` on an H100), later ones add it.
+:func:`varlen_attention` inspects the installed signature once and expands the KV heads
+(``repeat_interleave``) where ``enable_gqa`` is missing.
 """
 
 from __future__ import annotations
@@ -40,12 +37,8 @@ def _accepts(kernel: Callable[..., Any], name: str) -> bool:
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: FlashAttnKwargs, *,
                      causal: bool = True, scale: float | None = None,
                      kernel: Callable[..., Any] | None = None) -> torch.Tensor:
-    """Packed attention over the spans of ``kwargs`` (``batch.flash_attn_kwargs()``).
-
-    ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]`` with ``H`` a multiple of ``Hkv`` (grouped-query
-    attention); returns ``[T, H, D]``. ``kernel`` defaults to torch's ``varlen_attn``; any
-    function with its signature works (the tests pass a CPU stand-in with torch 2.11's).
-    """
+    """Packed attention over the spans of ``kwargs`` (``batch.flash_attn_kwargs()``): ``q`` ``[T, H, D]``,
+    ``k``/``v`` ``[T, Hkv, D]``, returns ``[T, H, D]``. ``kernel`` defaults to torch's ``varlen_attn``."""
     kernel = kernel if kernel is not None else torch_varlen_attn()
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads:

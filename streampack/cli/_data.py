@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streampack.sample import Sample
+
+if TYPE_CHECKING:
+    from streampack.io.limits import Limits
+    from streampack.options import ReadOptions, TokenizeOptions
 
 
 class CliError(ValueError):
@@ -42,91 +45,75 @@ def check_tokenizer(path: str | None) -> None:
         raise CliError(f"--tokenizer {path!r}: {e}") from None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DocumentOptions:
-    """What ``pack`` and ``inspect`` read, with the same meaning as ``PackedDataset``'s options."""
+LIMIT_FLAGS = ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth")
+"""The ``Limits`` fields a subcommand takes as ``--max-*`` flags."""
 
-    tokenizer: str | None = None
-    tokens_key: str = "input_ids"
-    text_key: str = "text"
-    labels_key: str | None = None
-    loss_mask_key: str | None = None
-    bos_id: int | None = None
-    eos_id: int | None = None
-    on_error: str = "raise"
-    retries: int | None = None
-    """None = retry within ``retry_budget`` seconds (PackedDataset's default)."""
-    retry_budget: float = 120.0
-    vocab_size: int | None = None
-    limits: Any = None
-    """A ``streampack.io.limits.Limits``; None = the defaults."""
+
+def add_limit_arguments(p: Any, note: str = "") -> None:
+    """One ``--max-*`` flag per :data:`LIMIT_FLAGS` field, defaulting to ``Limits()``'s."""
+    from streampack.io.limits import Limits
+
+    for name in LIMIT_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(Limits(), name),
+                       help=f"reader limit, as Limits.{name}{note} (default %(default)s)")
+
+
+def parsed_limits(args: Any) -> Limits:
+    """The ``Limits`` of the flags :func:`add_limit_arguments` added; a bad value names its flag."""
+    from streampack.io.limits import Limits
+
+    try:
+        return Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
+    except ValueError as e:
+        raise CliError(str(e).replace("_", "-").replace("max-", "--max-", 1)) from None
 
 
 def add_input_guards(p: Any) -> None:
     """The options ``pack`` and ``inspect`` share with ``PackedDataset`` for remote and hostile
-    input: retries, the vocabulary bound and the reader limits (defaults: ``Limits()``)."""
-    from streampack.io.limits import Limits
-
-    default = Limits()
+    input: retries, the vocabulary bound and the reader limits."""
     p.add_argument("--retries", type=int, default=None,
                    help="retries per read of a remote shard (default: as many as --retry-budget allows)")
     p.add_argument("--retry-budget", type=float, default=120.0,
                    help="seconds of backoff a remote read may spend retrying (default %(default)s)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids and labels must be below it (default: below 2**31)")
-    for name in ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(default, name),
-                       help=f"reader limit, as Limits.{name} (default %(default)s)")
+    add_limit_arguments(p)
 
 
 def input_guards(args: Any) -> dict[str, Any]:
-    """``DocumentOptions`` keywords from the options :func:`add_input_guards` added."""
-    from streampack.io.limits import Limits
-
+    """``ReadOptions`` keywords from the options :func:`add_input_guards` added."""
     if args.retries is not None and args.retries < 0:
         raise CliError(f"--retries={args.retries} must be >= 0")
     if not args.retry_budget >= 0:
         raise CliError(f"--retry-budget={args.retry_budget} must be >= 0")
     if args.vocab_size is not None and not 1 <= args.vocab_size <= 2**31:
         raise CliError(f"--vocab-size={args.vocab_size} must be in [1, 2**31]")
-    try:
-        limits = Limits(max_line_bytes=args.max_line_bytes, max_member_bytes=args.max_member_bytes,
-                        max_sample_bytes=args.max_sample_bytes, max_json_depth=args.max_json_depth)
-    except ValueError as e:
-        raise CliError(str(e).replace("_", "-").replace("max-", "--max-", 1)) from None
     return {"retries": args.retries, "retry_budget": args.retry_budget, "vocab_size": args.vocab_size,
-            "limits": limits}
+            "limits": parsed_limits(args)}
 
 
 class Documents:
-    """Every sample of ``urls`` once, in shard order (no shuffle, one epoch, one reader),
-    through the pipeline's own graph (:func:`streampack.graph.build.build_samples`): the same decoding, tokenization, BOS/EOS, labels, loss
-    masks and error policy as ``PackedDataset``, so offline packs and an online stream of the
-    same data carry the same targets."""
+    """Every sample of ``urls`` once, in shard order, through the pipeline's own graph
+    (:func:`streampack.graph.build.build_samples`), so offline packs carry the same targets as a stream."""
 
-    def __init__(self, urls: Sequence[str], opts: DocumentOptions, *, capacity: int) -> None:
+    def __init__(self, urls: Sequence[str], read: ReadOptions, *, capacity: int, tokenizer: str | None = None,
+                 tokenize: TokenizeOptions | None = None) -> None:
         from streampack.graph.build import Placement, Sources, StreamConfig, build_samples
-        from streampack.io.limits import Limits
+        from streampack.graph.preflight import preflight
         from streampack.io.packed_format import is_packed_dataset
         from streampack.io.urls import ShardList
-        from streampack.options import ReadOptions, TokenizeOptions
+        from streampack.options import TokenizeOptions
 
         if is_packed_dataset(list(urls) if len(urls) > 1 else urls[0]):
             raise CliError(f"{' '.join(map(str, urls))} is the output of `streampack pack` (packs, not "
                            "documents; its manifest.json holds the pack lengths and metrics): give the "
                            "original shards")
-        check_tokenizer(opts.tokenizer)
-        from streampack.graph.preflight import preflight
-
-        read = ReadOptions(tokens_key=opts.tokens_key, text_key=opts.text_key, labels_key=opts.labels_key,
-                           loss_mask_key=opts.loss_mask_key, on_error=opts.on_error, vocab_size=opts.vocab_size,
-                           limits=opts.limits if opts.limits is not None else Limits(), retries=opts.retries,
-                           retry_budget=opts.retry_budget)
+        check_tokenizer(tokenizer)
         config = StreamConfig(capacity=capacity, shuffle=False, epochs=1, read=read,
-                              tokenize=TokenizeOptions(bos_id=opts.bos_id, eos_id=opts.eos_id))
+                              tokenize=tokenize if tokenize is not None else TokenizeOptions())
         sources = Sources(shards=ShardList.of(list(urls)))
         preflight(sources.lists, read)  # a missing shard or a wrong column type: now, not at the end
-        node, self.nodes = build_samples(config, sources, Placement(), tokenizer=opts.tokenizer)
+        node, self.nodes = build_samples(config, sources, Placement(), tokenizer=tokenizer)
         node.reset(None)
         self.root = node
 
@@ -154,4 +141,5 @@ def sample_lengths(samples: Iterator[Sample], progress: Callable[[int], Any] | N
     return np.asarray(lengths, dtype=np.int64), unit
 
 
-__all__ = ["CliError", "DocumentOptions", "Documents", "check_tokenizer", "describe", "no_bar", "sample_lengths"]
+__all__ = ["LIMIT_FLAGS", "CliError", "Documents", "add_limit_arguments", "check_tokenizer",
+           "describe", "no_bar", "parsed_limits", "sample_lengths"]

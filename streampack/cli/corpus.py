@@ -1,24 +1,11 @@
 """A synthetic long-tail text corpus: webdataset tar shards of pseudo-English, made offline.
 
-Real SFT / pretraining corpora have a skewed length distribution (many short documents, a
-few very long ones); that skew is what makes padding wasteful and packing worth it. The demo,
-the tests and the benchmarks need such a corpus without downloading anything, so this module
-writes one from a seed:
-
-- a vocabulary of ``vocab_size`` pseudo-words built from syllables, drawn with Zipfian
-  frequencies (``p_k ~ 1 / k**1.1``), so a BPE tokenizer trained on it behaves like one trained
-  on natural text (frequent words = one token, rare words = several);
-- documents of lognormal length in words (``sigma=1.05``), scaled so that with the demo's
-  8k-vocab BPE the mean is about 600 tokens and ~1% of documents exceed 4096 tokens;
-- sentences of 4-24 words, capitalised, with commas and ``.?!`` endings, grouped in paragraphs.
-
-Shards are written with :mod:`tarfile` and fixed metadata (mtime 0, uid 0, mode 0644), so the
-same seed gives byte-identical files. Each sample is ``{key}.txt`` (UTF-8 text), read by
-``ShardReader`` like any webdataset text shard.
-
-Measured here (2 cores): the default 8 shards x 1500 documents = 52.5 MB (text ~42 MB, the
-rest tar headers/padding) in 2.5-6 s; the demo BPE (8192 tokens, trained on 4 MB in ~1 s)
-gives mean 624 tokens per document, p50 364, p90 1381, p99 3956, max 16327, 0.97% over 4096.
+The demo, tests and benchmarks need a skewed length distribution without downloading anything:
+a Zipfian vocabulary of syllable pseudo-words (``p_k ~ 1 / k**1.1``, so a BPE trained on it
+behaves like one trained on natural text), lognormal document lengths (``sigma=1.05``: mean ~600
+tokens with the demo's 8k BPE, ~1% over 4096), sentences and paragraphs. Shards get fixed tar
+metadata, so a seed gives byte-identical files; each sample is ``{key}.txt``. The default 8 shards
+x 1500 documents are 52.5 MB.
 """
 
 from __future__ import annotations
@@ -41,9 +28,7 @@ _MAX_WORDS = 24_000
 
 
 def make_vocabulary(vocab_size: int, seed: int) -> np.ndarray:
-    """``vocab_size`` distinct pseudo-words (object array), rank 0 = most frequent.
-
-    Frequent ranks get short words (1-2 syllables) like function words in real languages."""
+    """``vocab_size`` distinct pseudo-words (object array), rank 0 most frequent and shortest."""
     rng = np.random.default_rng([seed, 1])
     words: list[str] = []
     seen: set[str] = set()
@@ -103,10 +88,8 @@ def write_demo_corpus(directory: str | os.PathLike[str], *, num_shards: int = 8,
                       docs_per_shard: int = 1500, seed: int = 0, vocab_size: int = 20_000,
                       mean_words: float = _MEAN_WORDS,
                       progress: Callable[[int], None] | None = None) -> list[str]:
-    """Write ``num_shards`` tar shards ``corpus-000000.tar``... of text documents into
-    ``directory``; return their paths. Deterministic: same arguments -> identical bytes.
-
-    ``progress(n)`` is called after every shard with the number of documents written."""
+    """Write ``num_shards`` tar shards of text documents into ``directory`` (same arguments, same bytes);
+    return their paths. ``progress(n)`` is called after every shard with its document count."""
     if num_shards < 1 or docs_per_shard < 1:
         raise ValueError(f"{num_shards=} and {docs_per_shard=} must be >= 1")
     out = Path(directory)

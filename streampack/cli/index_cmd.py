@@ -1,31 +1,16 @@
 """``streampack index URLS --out DIR``: write a data set's manifest and shard indexes once, ahead of training.
 
-With ``--out DIR`` (a local directory or any fsspec URL such as ``s3://bucket/ds/index``) it
-writes ``DIR/manifest.spm.npz`` (per shard: identity, digest, sample count, token total, byte
-cost) and ``DIR/shards/*.spidx.npz`` (per-sample offsets, keys, lengths); pass ``manifest=DIR``
-to ``PackedDataset`` and no training process indexes or HEADs a shard to plan. Without
-``--out`` it fills the per-shard cache that ``cache_dir`` readers use (``--cache-dir``, default
-``$STREAMPACK_CACHE/index``). It resumes: a shard whose index file is already there for its
-current identity and these settings is not read again. Damaged shards are indexed up to the
-damage and listed; a shard that cannot be read at all is listed as failed (exit code 1, and no
-manifest is written).
+With ``--out DIR`` (local or any fsspec URL) it writes ``DIR/manifest.spm.npz`` and
+``DIR/shards/*.spidx.npz``: pass ``manifest=DIR`` to ``PackedDataset`` and no training process
+indexes or HEADs a shard to plan. Without ``--out`` it fills the per-shard cache (``--cache-dir``).
+It resumes (a shard whose index is there for its identity and settings is not read again);
+damaged shards are indexed up to the damage and listed; an unreadable shard fails the run (exit 1,
+no manifest).
 
-**Cost and parallelism.** Per shard: 1 stat / HEAD, 2 ranged reads of ≤ 64 KiB (the digest),
-one scan (:mod:`streampack.io.index`) unless its index file is already there (then 1 read of
-it), 1 write. Remote shards are indexed by ``--jobs`` threads (default 16: the work waits on
-requests); local ones by one process per core (the scan is Python parsing headers, which
-threads serialize on the GIL). A remote tar is read by ranged requests where that skips
-enough bytes (``--ranged``, :mod:`streampack.io.tar_sparse`). Measured with
-``benchmarks/bench_index.py`` (2-core machine under load 7–10; tar shards of
-1,000 samples of ~2 KB tokens):
-
-- local, 100 shards, 2 jobs: threads 46 s (2.2 shards/s), processes 37 s (2.7 shards/s); a
-  re-run with every index kept 9 s (the scan is ~0.5 s per 1,000-sample shard here, a third
-  of it numpy's ``.npy`` header parser).
-- loopback http, 20 shards × 1,000 samples (111 MB), 16 threads: whole 11.1 s (100 requests),
-  ranged 17.0 s (6,051 requests), auto 11.3 s (whole after a 2-request probe).
-- loopback http, 20 shards × 100 samples with 2 MiB members (4.2 GB): whole 30.7 s (4.2 GB
-  fetched), auto = ranged 9.8 s (2,080 requests, 35 MB fetched).
+**Cost** per shard: 1 stat / HEAD, 2 ranged reads of ≤ 64 KiB (the digest), one scan unless its
+index is there, 1 write. Remote shards run on ``--jobs`` threads (default 16: the work waits on
+requests), local ones on one process per core (the scan is Python, serialized by the GIL:
+100 shards 37 s with processes, 46 s with threads, ``benchmarks/bench_index.py``).
 """
 
 from __future__ import annotations
@@ -38,13 +23,11 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
-from streampack.cli._data import CliError, describe
+from streampack.cli._data import CliError, add_limit_arguments, describe, parsed_limits
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
-    from streampack.io.limits import Limits
-
     p.description = describe(__doc__)
     p.add_argument("urls", nargs="+", help="shards: paths, globs, brace patterns, directories or fsspec URLs")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -53,11 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="without --out: where the per-shard index files go (PackedDataset's cache_dir; default "
                         "$STREAMPACK_CACHE/index or ~/.cache/streampack/index)")
     p.add_argument("--tokens-key", default="input_ids", help="field holding token ids (for the lengths)")
-    default = Limits()
-    for name in ("max_line_bytes", "max_member_bytes", "max_sample_bytes", "max_json_depth"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(default, name),
-                       help=f"as the training run's Limits.{name}: an over-limit sample is indexed with an "
-                            f"unknown length (default %(default)s)")
+    add_limit_arguments(p, note=" of the training run: an over-limit sample is indexed with an unknown length")
     p.add_argument("--jobs", type=int, default=None,
                    help="shards indexed at once (default: 16 threads for remote shards, one process per core "
                         "for local ones)")
@@ -115,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from streampack.io.index import index_decode, index_dir, load_or_build_index
-    from streampack.io.limits import Limits
     from streampack.io.manifest import Manifest, build_entry, save_manifest
     from streampack.io.retry import IOStats, RetryPolicy
     from streampack.io.storage import OpenOptions, is_remote
@@ -125,11 +103,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--jobs={args.jobs} must be >= 1")
     if args.out is not None and args.cache_dir is not None:
         raise CliError("--out writes a manifest and its index files; --cache-dir fills the per-shard cache: pick one")
-    try:
-        limits = Limits(max_line_bytes=args.max_line_bytes, max_member_bytes=args.max_member_bytes,
-                        max_sample_bytes=args.max_sample_bytes, max_json_depth=args.max_json_depth)
-    except ValueError as e:
-        raise CliError(str(e)) from None
+    limits = parsed_limits(args)
     opts = OpenOptions(retry=RetryPolicy(budget=args.retry_budget),
                        storage_options=_storage_options(args.storage_option))
     urls = expand_urls(args.urls, opts=opts)

@@ -15,16 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streampack.cli._data import (
-    CliError,
-    DocumentOptions,
-    Documents,
-    add_input_guards,
-    describe,
-    input_guards,
-    no_bar,
-    sample_lengths,
-)
+from streampack.cli._data import CliError, Documents, add_input_guards, describe, input_guards, no_bar, sample_lengths
 
 DEFAULT_WINDOWS = (64, 256, 1024, 4096)
 
@@ -119,10 +110,7 @@ def fill_table(lengths: np.ndarray, capacity: int, algorithms: Sequence[str], wi
 
 
 def plot_histogram(lengths: np.ndarray, capacity: int, unit: str, path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise CliError("--plot needs matplotlib: pip install 'streampack[plot]'") from None
+    import matplotlib  # run() checked it is installed before reading the data
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,7 +131,7 @@ def plot_histogram(lengths: np.ndarray, capacity: int, unit: str, path: str) -> 
     plt.close(fig)
 
 
-def _parse_list(text: str, what: str) -> list[str]:
+def _parse_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
@@ -154,12 +142,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.capacity < 1:
         raise CliError(f"--capacity={args.capacity} must be >= 1")
-    algorithms = _parse_list(args.algorithms, "algorithms") if args.algorithms else list(ALGORITHMS)
+    algorithms = _parse_list(args.algorithms) if args.algorithms else list(ALGORITHMS)
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
         raise CliError(f"unknown algorithm(s) {unknown}; choose from {sorted(ALGORITHMS)}")
     try:
-        windows = [int(w) for w in _parse_list(args.windows, "windows")]
+        windows = [int(w) for w in _parse_list(args.windows)]
     except ValueError:
         raise CliError(f"--windows={args.windows!r} must be comma-separated integers") from None
     if any(w < 1 for w in windows):
@@ -173,9 +161,10 @@ def run(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):
             raise CliError(f"--plot {args.plot!r}: no such directory {folder!r}")
-    opts = DocumentOptions(tokenizer=args.tokenizer, tokens_key=args.tokens_key, text_key=args.text_key,
-                           **input_guards(args))
-    samples = Documents(args.urls, opts, capacity=args.capacity)
+    from streampack.options import ReadOptions
+
+    read = ReadOptions(tokens_key=args.tokens_key, text_key=args.text_key, **input_guards(args))
+    samples = Documents(args.urls, read, capacity=args.capacity, tokenizer=args.tokenizer)
     with tqdm(desc="reading", unit="sample", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
         lengths, unit = sample_lengths(iter(samples), progress=bar.update)
     lengths = lengths[lengths > 0]

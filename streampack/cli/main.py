@@ -1,12 +1,9 @@
 """``streampack`` entry point: argparse subcommands, and errors as one line on stderr.
 
-A user error (bad flag value, missing file, bad data, a capacity the packed files were not made
-for) prints ``streampack: error: <message>`` and exits with code 2, like argparse's own usage
-errors; ``--debug`` shows the traceback instead. Anything else is a bug and keeps its traceback.
-
-Start-up: ``--version``, ``--help`` and a usage error import no subcommand module (1.3 s of
-python + numpy + argparse before; torch made ``--version`` take 4.7 s), and a subcommand imports
-only its own module: each module's heavy imports (torch, torchdata, numba) happen in ``run``.
+A user error prints ``streampack: error: <message>`` and exits with code 2 (``--debug`` shows the
+traceback); anything else is a bug and keeps its traceback. ``--version``, ``--help`` and a usage
+error import no subcommand module, and a subcommand imports only its own (torch made
+``--version`` take 4.7 s).
 """
 
 from __future__ import annotations

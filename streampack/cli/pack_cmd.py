@@ -1,13 +1,8 @@
 """``streampack pack``: offline packing into packed tar shards + ``manifest.json``.
 
-The NeVA flow (read every sequence, bin-pack all lengths at once, write the packs) for when
-a dataset is reused across many runs and the best possible fill matters more than streaming.
-Documents are packed by their *aligned* lengths (``2*cp*tp`` with context parallelism), so
-the files are keyed on the alignment: ``PackedShardReader`` refuses another capacity or
-alignment.
-
-Trade-off: all token ids are held in memory while packing (int64; ~1.2 GB per 150M tokens).
-That is simple and fine up to a few hundred million tokens; beyond that, pack per subset.
+For a dataset reused across many runs, where the best fill matters more than streaming: every
+sequence is read and all aligned lengths packed at once. All ids are held in memory (int64,
+~1.2 GB per 150M tokens): beyond a few hundred million tokens, pack per subset.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from streampack.cli._data import CliError, DocumentOptions, Documents, add_input_guards, describe, input_guards, no_bar
+from streampack.cli._data import CliError, Documents, add_input_guards, describe, input_guards, no_bar
 from streampack.errors import ON_ERROR_CHOICES
 
 if TYPE_CHECKING:
@@ -82,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from streampack.graph import StreamConfig
     from streampack.io.packed_writer import write_packed_dataset
     from streampack.nodes.overlong import OverlongCounters, apply_overlong
-    from streampack.options import TopologyOptions
+    from streampack.options import ReadOptions, TokenizeOptions, TopologyOptions
     from streampack.packing import ALGORITHMS, pack
 
     if args.algorithm not in ALGORITHMS:
@@ -95,10 +90,10 @@ def run(args: argparse.Namespace) -> int:
         align = StreamConfig(capacity=args.capacity, topology=topology).topology.align
     except ValueError as e:
         raise CliError(f"--capacity: {e}") from None
-    opts = DocumentOptions(tokenizer=args.tokenizer, tokens_key=args.tokens_key, text_key=args.text_key,
-                           labels_key=args.labels_key, loss_mask_key=args.loss_mask_key, bos_id=args.bos_id,
-                           eos_id=args.eos_id, on_error=args.on_error, **input_guards(args))
-    samples = Documents(args.urls, opts, capacity=args.capacity)
+    read = ReadOptions(tokens_key=args.tokens_key, text_key=args.text_key, labels_key=args.labels_key,
+                       loss_mask_key=args.loss_mask_key, on_error=args.on_error, **input_guards(args))
+    samples = Documents(args.urls, read, capacity=args.capacity, tokenizer=args.tokenizer,
+                        tokenize=TokenizeOptions(bos_id=args.bos_id, eos_id=args.eos_id))
     counters = OverlongCounters()
     docs = []
     start = time.perf_counter()

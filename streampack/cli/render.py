@@ -54,11 +54,8 @@ def _cells(sizes: Sequence[int], width: int, visible: Sequence[bool] | None = No
 
 def pack_layout(cu_seqlens: Sequence[int], cu_seqlens_padded: Sequence[int], *, width: int = 72,
                 color: bool = False, glyph: tuple[str, str, str] = ("█", "▓", "·")) -> str:
-    """One pack as a bar of ``width`` cells: document ``i`` fills its real tokens with an
-    alternating glyph, its alignment / trailing padding with the padding glyph.
-
-    ``cu_seqlens`` and ``cu_seqlens_padded`` are offsets *inside the pack* (both start at 0,
-    ``cu_seqlens_padded[-1]`` = capacity), e.g. ``[0, 3, 5]`` and ``[0, 4, 8]``."""
+    """One pack as a bar of ``width`` cells, real tokens in alternating glyphs and padding in the padding
+    glyph; ``cu_seqlens`` / ``cu_seqlens_padded`` are offsets inside the pack (e.g. ``[0, 3, 5]`` / ``[0, 4, 8]``)."""
     segments: list[tuple[int, int]] = []  # (doc index or -1 for padding, tokens)
     for i in range(len(cu_seqlens) - 1):
         real = cu_seqlens[i + 1] - cu_seqlens[i]

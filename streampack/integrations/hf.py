@@ -1,43 +1,17 @@
-"""HF transformers ``Trainer`` on a :class:`~streampack.dataset.PackedDataset`.
+"""HF transformers ``Trainer`` on a :class:`~streampack.dataset.PackedDataset` (docs/integrations.md).
 
-:class:`PackedTrainer` is ``transformers.Trainer`` with three changes, each for a measured failure:
+:class:`PackedTrainer` is ``transformers.Trainer`` with these changes, each for a measured failure:
 
-* **Its own loader.** ``Trainer`` builds ``DataLoader(ds, batch_size=per_device_train_batch_size)``
-  (it would batch batches) and hands it to ``accelerator.prepare``. For an ``IterableDataset``
-  accelerate either dispatches (rank 0 reads and sends slices to every rank: ``dispatch_batches``
-  defaults to True for iterable datasets) or wraps it in ``IterableDatasetShard`` (every rank
-  reads the whole stream and keeps 1/N of it). A PackedDataset already shards per rank and
-  worker, so either way data is lost or read N times (``tests/test_integration_hf.py`` shows
-  both with accelerate's own ``prepare_data_loader``; ``split_batches`` only changes how
-  ``IterableDatasetShard`` slices, and ``even_batches`` concerns map-style samplers). :meth:`PackedTrainer.get_train_dataloader`
-  returns a ``StatefulDataLoader(ds, batch_size=None)`` (honouring ``dataloader_num_workers``,
-  ``dataloader_pin_memory``, ...) that accelerate never sees; each batch becomes ``hf_inputs()``
-  in the training process, after its stats are read.
-* **An exact data position, written with the checkpoint.** The loader's ``state_dict()`` is
-  written into the checkpoint folder (``streampack_loader_rank{process_index}.pt``, next to HF's
-  own ``rng_state_{process_index}.pth``) by ``_save_checkpoint`` itself, before HF writes the
-  model and ``trainer_state.json``, atomically (temporary file + ``os.replace``): a callback
-  (``on_save``) ran after HF's save and after user callbacks, so a raising user hook or a kill
-  in that window left a folder HF would pick that had no data position.
-  ``train(resume_from_checkpoint=...)`` loads it back, and HF's own "skip the first N batches"
-  replay is off (``ignore_data_skip=True``), because it would re-read the stream from its
-  start and then skip past the right position. The ``Trainer`` pulls exactly
-  ``gradient_accumulation_steps`` batches per step, so the saved position is the batches
-  trained. ``resume_from_checkpoint=True`` takes the newest folder that holds every rank's
-  loader state and HF's ``trainer_state.json`` and logs each newer folder it skipped and why
-  (ranks decide alike on a shared filesystem, as HF's own resume assumes); an explicit folder
-  without them is a ``ValueError``: silently restarting the stream would train on its first
-  batches again.
-* **Elastic resume.** On another world size or ``dataloader_num_workers`` than the checkpoint
-  was saved with, every rank reads all ``streampack_loader_rank{i}.pt`` files of the folder and
-  hands every old reader's state to ``PackedDataset.load_state_dict([...])``
-  (:mod:`streampack.integrations.resume`): every sample of the epoch is trained exactly once.
-* **Stream metrics in its logs.** Training log lines get :class:`StreamMetrics` scalars
-  (``streampack/tokens``, ``streampack/fill``, ...; summed over ranks when distributed), so the
-  ``report_to`` integrations (TensorBoard, W&B, ...) receive them with the loss.
-
-``HFInputs`` (``batch.hf_inputs()``) survives ``Trainer._prepare_input``, which rebuilds every
-mapping as ``type(data)({...})`` after moving its tensors.
+* **Its own loader.** accelerate either dispatches an ``IterableDataset``'s batches from rank 0 or
+  wraps it in ``IterableDatasetShard``; a PackedDataset already shards, so either way data is lost
+  or read N times. :meth:`PackedTrainer.get_train_dataloader` returns a ``StatefulDataLoader`` that
+  accelerate never sees; each batch becomes ``hf_inputs()`` after its stats are read.
+* **An exact data position.** ``_save_checkpoint`` writes the loader state atomically into the
+  folder before HF writes the model, and ``train(resume_from_checkpoint=...)`` loads it with HF's
+  batch-skipping replay off; ``True`` takes the newest folder holding every rank's state (logging
+  the newer ones skipped), an explicit folder without them is a ``ValueError``. On another world
+  size or worker count the resume is elastic (:mod:`streampack.integrations.resume`).
+* **Stream metrics in its logs** (``streampack/tokens``, ...; summed over ranks).
 """
 
 from __future__ import annotations
@@ -88,10 +62,7 @@ class HFBatches:
 
 
 class PackedTrainer(transformers.Trainer):
-    """``transformers.Trainer`` for a PackedDataset ``train_dataset`` (module docstring).
-
-    Needs ``TrainingArguments(max_steps=...)`` (an infinite or unsized stream has no length).
-    """
+    """``transformers.Trainer`` for a PackedDataset ``train_dataset``; needs ``TrainingArguments(max_steps=...)``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -173,16 +144,6 @@ def _read(path: str) -> tuple[dict[str, Any], int | None]:
     if isinstance(saved, dict) and LOADER_KEY in saved and WORLD_SIZE_KEY in saved:
         return saved[LOADER_KEY], int(saved[WORLD_SIZE_KEY])
     return saved, None
-
-
-def read_loader_state(checkpoint: str | os.PathLike[str], rank: int) -> dict[str, Any]:
-    """The loader state :class:`PackedTrainer` saved in ``checkpoint`` for process ``rank``."""
-    path = loader_state_path(checkpoint, rank)
-    if not os.path.exists(path):
-        raise ValueError(f"{checkpoint} has no {os.path.basename(path)}: it was not saved by a "
-                         f"PackedTrainer, so the data position is unknown (resuming would train on "
-                         f"the stream's first batches again)")
-    return _read(path)[0]
 
 
 def read_loader_states(checkpoint: str | os.PathLike[str], rank: int) -> list[dict[str, Any] | None]:

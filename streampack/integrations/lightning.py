@@ -1,42 +1,19 @@
-"""Lightning ``Trainer`` on a :class:`~streampack.dataset.PackedDataset`.
+"""Lightning ``Trainer`` on a :class:`~streampack.dataset.PackedDataset` (docs/integrations.md).
 
 ``trainer.fit(model, datamodule=PackedDataModule(ds, num_workers=2), ckpt_path=...)``: the
-``training_step`` receives a :class:`~streampack.layout.batch.PackedBatch` on the model's
-device. What the module does, each for a measured failure:
+``training_step`` receives a :class:`~streampack.layout.batch.PackedBatch` on the model's device.
+Each part answers a measured failure:
 
-* **Device transfer and precision plugins.** Lightning moves batches with
-  ``move_data_to_device`` (any object with ``.to``) and converts them with
-  ``apply_to_collection``, which its "bf16-true" / "16-true" precisions and FSDP / DeepSpeed run
-  on every batch and which refused the frozen PackedBatch ("A frozen dataclass was passed").
-  PackedBatch and the adapter records are plain dataclasses now, so this needs no code here.
-* **The data position of the batches trained.** Lightning fetches one batch ahead of the one it
-  trains (to know the last batch of an unsized loader), so a stateful loader's own
-  ``state_dict()`` at a checkpoint is one batch ahead: a resume would skip that batch. The
-  module's loader remembers the loader state after each batch it yields, counts the batches
-  Lightning actually hands to ``training_step`` (``on_before_batch_transfer``), and its
-  ``state_dict()`` -- saved in every Lightning checkpoint -- is the state at the last trained
-  batch. With several ranks every rank's state is gathered into the checkpoint (Lightning
-  writes it from rank 0) and each rank loads its own on resume.
-* **Elastic resume.** On another world size or ``num_workers`` than the checkpoint was saved
-  with, every rank hands every old reader's state to ``PackedDataset.load_state_dict([...])``
-  (:mod:`streampack.integrations.resume`): every sample of the epoch is trained exactly once.
-* **A resume that silently restarts the data.** ``fit(ckpt_path="last")`` finds no checkpoint
-  with a ``ModelCheckpoint`` that has no ``save_last=True``, or no ``dirpath`` (it then saves under
-  the logger's ``lightning_logs/version_N/``, and a rerun of the script gets ``version_N+1/``), and
-  Lightning only warns ("no last checkpoint available") and trains from batch 1 again. When a fit
-  restores no data position while the ``ModelCheckpoint`` folder -- or, without a ``dirpath``,
-  an earlier run's ``version_*/checkpoints`` -- already holds checkpoints, the module warns
-  naming ``save_last=True`` / ``dirpath``; a restored checkpoint without this module's state is a
-  ``ValueError``.
-* **Workers that outlive the fit.** Lightning shuts down the workers of the DataLoaders it
-  sees when a fit ends, and the module's loader is not one: a fit stopped at ``max_steps`` left
-  its workers running until the garbage collector freed the loader (5 s of torch's join timeout
-  per worker, wherever that happened). ``teardown`` shuts them down.
-* **Stream metrics.** Every ``log_every_n_steps`` the summed per-worker stats go to the
-  trainer's loggers (``streampack/tokens``, ``streampack/fill``, ...; over all ranks).
-
-If your LightningModule overrides ``on_before_batch_transfer`` it is still called (from the
-module's own hook; Lightning warns that both define it).
+* **The position of the batches trained.** Lightning fetches one batch ahead, so a loader's own
+  state at a checkpoint would skip a batch on resume: the module's loader keeps the state after
+  each batch, counts the batches handed to ``training_step`` and saves the one at the last trained
+  batch; every rank's state is gathered into the checkpoint. On another world size or
+  ``num_workers`` the resume is elastic (:mod:`streampack.integrations.resume`).
+* **A resume that silently restarts the data.** ``fit(ckpt_path="last")`` without ``save_last=True``
+  or a ``dirpath`` finds no checkpoint and only warns. When a fit restores no data position while
+  checkpoints exist, the module warns naming both; a checkpoint without its state is a ``ValueError``.
+* **Workers that outlive the fit**: ``teardown`` shuts them down (Lightning only does so for the
+  DataLoaders it sees). **Stream metrics** go to the loggers every ``log_every_n_steps``.
 """
 
 from __future__ import annotations
@@ -61,12 +38,9 @@ STATES_KEY = "loader_states"
 
 
 class TrainedLoader:
-    """Iterates a ``StatefulDataLoader``, keeping its state after each yielded batch until the
-    batch is trained, so :meth:`trained_state` is the position of the batches trained.
-
-    Not a DataLoader and without ``state_dict``: Lightning neither re-creates it (it would lose
-    a loaded state) nor saves its own, one-batch-ahead, state for it.
-    """
+    """Iterates a ``StatefulDataLoader``, keeping its state after each batch until the batch is trained
+    (:meth:`trained_state`). Not a DataLoader and without ``state_dict``, so Lightning neither
+    re-creates it nor saves its own, one-batch-ahead, state for it."""
 
     def __init__(self, loader: StatefulDataLoader) -> None:
         self.loader = loader
@@ -88,9 +62,7 @@ class TrainedLoader:
         return self._states.get(self._trained) or self.loader.state_dict()
 
     def close(self) -> None:
-        """Shut the loader's workers down now (the states kept stay valid). Lightning's own end-of-fit
-        reset shuts down the workers of the DataLoaders it sees, and this is not one; left to the
-        garbage collector, each worker cost 5 s of torch's join timeout wherever that ran."""
+        """Shut the loader's workers down now (Lightning only shuts down the DataLoaders it sees)."""
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
@@ -98,12 +70,9 @@ class TrainedLoader:
 
 
 class PackedDataModule(L.LightningDataModule):
-    """Training data from a PackedDataset (module docstring).
-
-    ``num_workers``, ``pin_memory`` (default: when CUDA is available), ``persistent_workers``
-    and ``prefetch_factor`` go to the ``StatefulDataLoader``; ``log_metrics=False`` keeps the
-    stream metrics out of the loggers (they are always in ``dm.stream_metrics``).
-    """
+    """Training data from a PackedDataset. ``num_workers``, ``pin_memory`` (default: with CUDA),
+    ``persistent_workers`` and ``prefetch_factor`` go to the ``StatefulDataLoader``;
+    ``log_metrics=False`` keeps the stream metrics (``dm.stream_metrics``) out of the loggers."""
 
     def __init__(self, train_dataset: Any, *, num_workers: int = 0, pin_memory: bool | None = None,
                  persistent_workers: bool = False, prefetch_factor: int | None = None,

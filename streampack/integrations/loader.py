@@ -1,12 +1,9 @@
 """The StatefulDataLoader the trainer integrations build, and torchdata's start-up warning.
 
 torchdata 0.11's ``StatefulDataLoader.__init__`` calls ``torch.set_vital``, which torch 2.13
-deprecates: every run printed ``UserWarning: 'set_vital' is deprecated`` though nothing is
-wrong. The integrations build the loader for the user and silence exactly that warning there;
-importing :mod:`streampack.dataset` installs one narrow filter (:func:`quiet_set_vital`) so a
-loader the user builds is quiet too -- the only warning filter streampack installs. Building it is also
-the first moment the worker count is known in the main process, so ``batches_per_epoch`` is
-checked against it here.
+deprecates; the integrations silence exactly that warning, and importing :mod:`streampack.dataset`
+installs that one narrow filter (:func:`quiet_set_vital`). Building the loader is also the first
+moment the worker count is known, so ``batches_per_epoch`` is checked against it here.
 """
 
 from __future__ import annotations
@@ -22,10 +19,8 @@ _SET_VITAL_CALLER = r"torchdata\.stateful_dataloader\.stateful_dataloader\Z"
 
 
 def quiet_set_vital() -> None:
-    """Ignore torch's ``set_vital`` deprecation where torchdata's ``StatefulDataLoader.__init__``
-    triggers it -- that message from that one module, nothing else -- so a loader a user builds
-    themselves (as the README does) is quiet too. Importing :mod:`streampack.dataset` (any use of
-    ``PackedDataset``) calls it; a user who wants the warning back adds ``warnings.filterwarnings("default", message="'set_vital'")`` after it."""
+    """Ignore torch's ``set_vital`` deprecation from torchdata's ``StatefulDataLoader.__init__`` only, so a
+    loader a user builds is quiet too (importing :mod:`streampack.dataset` calls it)."""
     warnings.filterwarnings("ignore", message=SET_VITAL_WARNING, category=UserWarning, module=_SET_VITAL_CALLER)
 
 

@@ -1,21 +1,16 @@
 """Megatron-core's packed (``thd``) inputs from a :class:`~streampack.layout.batch.PackedBatch`.
 
-A Megatron GPT ``forward_step`` wants ``tokens, labels, loss_mask, attention_mask,
-position_ids`` of shape ``[1, T]`` plus a ``PackedSeqParams`` for the ``thd`` format::
+A Megatron GPT ``forward_step`` wants ``[1, T]`` tensors plus a ``PackedSeqParams``::
 
     mb = megatron_batch(batch.to("cuda", non_blocking=True))
     output = model(mb.tokens, mb.position_ids, mb.attention_mask, labels=mb.labels,
                    packed_seq_params=mb.packed_seq_params)       # per-token losses [1, T]
     loss_sum = (output.float() * mb.loss_mask).sum()            # / the step's global_num_targets
 
-``labels`` carry a real token id everywhere (0 where ignored, masked by ``loss_mask``):
-Megatron's vocab-parallel cross entropy indexes the logits with them and has no ignore index.
-``packed_seq_params`` is megatron-core's own class (real and padded ``cu_seqlens``, the same
-tensor object when nothing is padded, ``max_seqlen`` as Python ints, so Transformer Engine
-neither syncs nor disables its FlashAttention backend). Megatron runs ``thd`` attention through
-Transformer Engine only (its local ``DotProductAttention`` asserts ``packed_seq_params is None``),
-so on a CPU machine the tests check the record and Megatron's ``thd`` RoPE; attention itself
-needs TE on a GPU. Nothing here syncs the host with the device.
+``labels`` carry a real id everywhere (0 where ignored, masked by ``loss_mask``): Megatron's
+vocab-parallel cross entropy has no ignore index. ``packed_seq_params`` passes the same tensor
+object for real and padded ``cu_seqlens`` when nothing is padded and ``max_seqlen`` as ints, so
+Transformer Engine neither syncs nor leaves its FlashAttention backend. No host-device sync here.
 """
 
 from __future__ import annotations

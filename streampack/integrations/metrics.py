@@ -1,21 +1,16 @@
 """Metrics of every DataLoader worker, read from the batches the training loop already has.
 
-Each :class:`~streampack.layout.batch.PackedBatch` of the pipeline carries its reader's running
-totals (:class:`~streampack.layout.stats.WorkerStats`). :class:`StreamMetrics` keeps the latest
-record per reader and sums them; the training loop logs the sums wherever it logs::
+Each :class:`~streampack.layout.batch.PackedBatch` carries its reader's running totals;
+:class:`StreamMetrics` keeps the latest record per reader and sums them::
 
     metrics = StreamMetrics()
     for step, batch in enumerate(loader):
         metrics.update(batch)                     # before .hf_inputs() / .to(device): O(1)
-        ...
         if step % 100 == 0:
-            metrics.log_to(writer, step)          # TensorBoard SummaryWriter, a W&B run,
-                                                  # or a Lightning logger
+            metrics.log_to(writer, step)          # TensorBoard, a W&B run, or a Lightning logger
 
-Totals restart when a reader starts a new pass of a finite stream (its ``batches`` go down);
-the aggregator folds the finished pass into a base, so the sums never go backwards. With several
-data-parallel ranks each process sees its own readers: ``scalars(group=...)`` sums over ranks
-(an all-reduce every rank must call at the same step).
+A finished pass of a finite stream is folded into a base, so the sums never go backwards;
+``scalars(group=...)`` sums over data-parallel ranks (an all-reduce every rank must call).
 """
 
 from __future__ import annotations
@@ -107,14 +102,14 @@ def _all_reduce(totals: Mapping[str, float], group: Any) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from streampack.attention.loss import collective_device
+
     if not (dist.is_available() and dist.is_initialized()):
         return dict(totals)
     kinds: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(kinds, sorted(k for k in totals if k.startswith("events/")), group=group)
     keys = list(COUNTS) + sorted(set().union(*kinds))
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)):
-        device = torch.device("cuda", torch.cuda.current_device())
-    values = torch.tensor([float(totals.get(k, 0)) for k in keys], dtype=torch.float64, device=device)
+    values = torch.tensor([float(totals.get(k, 0)) for k in keys], dtype=torch.float64,
+                          device=collective_device(group))
     dist.all_reduce(values, group=group)
     return _with_ratios(dict(zip(keys, values.tolist())))

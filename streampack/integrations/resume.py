@@ -1,14 +1,10 @@
 """Which saved loader state a trainer integration loads: its own (same topology, exact) or
 every old reader's (a changed ``dp_size`` or worker count, elastic).
 
-A trainer checkpoint holds one ``StatefulDataLoader.state_dict()`` per process (HF: one file
-per rank in the checkpoint folder; Lightning: all ranks' states gathered into the checkpoint).
-On the topology that saved them a process loads its own loader state: bit-identical batches.
-After a change of world size or ``num_workers`` no process has "its own" state any more, so
-:func:`plan_resume` gives back the PackedDataset state of every reader of every old rank, for
-``PackedDataset.load_state_dict([...])`` (:mod:`streampack.plan.elastic`): every sample of the epoch
-is then trained exactly once. Cost: one pass over the already-loaded states (a few dicts per
-old reader); the elastic planning itself is :mod:`streampack.plan.elastic`'s.
+On the topology that saved them a process loads its own loader state; after a change of world
+size or ``num_workers`` :func:`plan_resume` gives back the PackedDataset state of every reader of
+every old rank, for ``PackedDataset.load_state_dict([...])`` (:mod:`streampack.plan.elastic`).
+Cost: one pass over the already-loaded states (a few dicts per old reader).
 """
 
 from __future__ import annotations
@@ -42,11 +38,8 @@ class LoaderResume:
 
 def plan_resume(rank_states: Sequence[Mapping[str, Any] | None], *, rank: int, dataset: Any,
                 num_workers: int) -> LoaderResume:
-    """``rank_states[i]``: the loader state process ``i`` saved (None where it saved none).
-
-    Exact when this process has a state and the saved ``dp_size`` / ``num_workers`` are the
-    dataset's and loader's now; elastic otherwise.
-    """
+    """``rank_states[i]``: the loader state process ``i`` saved (None where none). Exact when this process
+    has a state and the saved ``dp_size`` / ``num_workers`` are the current ones; elastic otherwise."""
     own = rank_states[rank] if rank < len(rank_states) else None
     readers = every_reader([s for s in rank_states if s is not None])
     if not readers:  # saved before the first batch: nothing has been read

@@ -1,27 +1,14 @@
 """torchtitan's data convention for packed batches, with document boundaries that are not
 guessed from EOS tokens.
 
-torchtitan's training loop reads ``(input_dict, labels)`` from a ``BaseDataLoader``:
-``input_dict["input"]`` is ``[B, S]`` token ids, every other key is passed to the model's
-``forward`` (``positions`` indexes the RoPE cache), ``labels`` are already shifted with ``-100``
-ignored, and the loss is ``cross_entropy(..., reduction="sum") / global_valid_tokens``. For
-``attn_type="varlen"`` / ``"flex"`` its Llama models build the document masks from EOS
-positions (``create_varlen_metadata_for_document``, with a ``.item()`` host sync per forward).
-That is only right when every document ends with exactly one EOS and nothing sits between
-documents: a split overlong sample (its chunks carry no EOS) merges with the next document,
-and alignment padding (CP/TP) is counted into the next document's span, so real tokens attend
-to padding (``tests/test_integration_torchtitan.py`` shows both with torchtitan's own
-function).
-
-Here every batch becomes ``({"input", "positions", + the spans}, labels)`` (:func:`titan_collate`)
-and :func:`post_dataloading_process` -- torchtitan's hook of that name, assign it on a Trainer
-subclass -- turns the carried spans into the ``attention_masks`` torchtitan's attention takes,
-without a host sync. :func:`titan_dataloader` is torchtitan's own ``ParallelAwareDataloader``
-(its checkpoint format) over a PackedDataset.
-
-``import torchtitan`` needs ``triton`` (torchtitan 0.2.2 imports its MoE kernels at package
-import): on a CPU-only machine ``pip install triton`` makes it importable; its ``varlen``
-attention still needs CUDA and its ``flex`` attention has no backward on CPU.
+torchtitan reads ``(input_dict, labels)`` (``input_dict["input"]`` ``[B, S]``, other keys passed to
+``forward``, labels shifted with ``-100``). For ``attn_type="varlen"`` / ``"flex"`` its Llama models
+build document masks from EOS positions (with a host sync per forward): wrong for a split
+overlong sample (no EOS) and for alignment padding between documents
+(``tests/test_integration_torchtitan.py``). Here :func:`titan_collate` carries the spans,
+:func:`post_dataloading_process` (torchtitan's hook of that name) turns them into its
+``attention_masks`` without a host sync, and :func:`titan_dataloader` is torchtitan's own
+``ParallelAwareDataloader`` over a PackedDataset. ``import torchtitan`` needs ``triton``.
 """
 
 from __future__ import annotations
@@ -67,14 +54,9 @@ def varlen_metadata(cu_seqlens: torch.Tensor, max_seqlen: int) -> Any:
 
 def post_dataloading_process(trainer: Any, input_dict: dict[str, Any], labels: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]]:
-    """torchtitan's ``Trainer.post_dataloading_process`` for :func:`titan_collate` batches::
-
-        class Trainer(torchtitan.train.Trainer):
-            post_dataloading_process = streampack.integrations.torchtitan.post_dataloading_process
-
-    Returns ``(inputs, labels, extra_inputs, extra_kwargs)`` like torchtitan's: ``positions``
-    in ``extra_inputs``, the document masks in ``extra_kwargs["attention_masks"]``.
-    """
+    """torchtitan's ``Trainer.post_dataloading_process`` for :func:`titan_collate` batches (assign it on a
+    Trainer subclass): ``(inputs, labels, extra_inputs, extra_kwargs)`` with ``positions`` in
+    ``extra_inputs`` and the document masks in ``extra_kwargs["attention_masks"]``."""
     input_dict = dict(input_dict)
     cu, max_len, layout = input_dict.pop(SPANS_KEY), input_dict.pop(MAX_KEY), input_dict.pop(LAYOUT_KEY)
     inputs = input_dict.pop("input")
@@ -104,13 +86,8 @@ def flex_block_mask(layout: torch.Tensor) -> Any:
 
 
 def titan_dataloader(dataset: Any, *, dp_rank: int, dp_world_size: int, **kwargs: Any) -> Any:
-    """torchtitan's ``ParallelAwareDataloader`` (a ``StatefulDataLoader`` whose state is keyed by
-    DP rank, as torchtitan checkpoints it) yielding :func:`titan_collate` batches.
-
-    ``dp_rank`` / ``dp_world_size`` must be the topology the dataset resolved (a PackedDataset
-    shards by its own ``dp_rank`` / ``dp_size``): torchtitan keys the checkpoint by the one, the
-    data comes from the other, so a mismatch is a ``ValueError`` naming both.
-    """
+    """torchtitan's ``ParallelAwareDataloader`` (state keyed by DP rank) yielding :func:`titan_collate`
+    batches; ``dp_rank`` / ``dp_world_size`` other than the dataset's are a ``ValueError`` naming both."""
     resolved = (getattr(dataset, "dp_rank", None), getattr(dataset, "dp_size", None))
     if None not in resolved and resolved != (dp_rank, dp_world_size):
         raise ValueError(f"titan_dataloader({dp_rank=}, {dp_world_size=}) but the dataset resolved "

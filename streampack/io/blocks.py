@@ -1,18 +1,12 @@
 """Which shard ranges are read as token blocks, and by which reader: the one entry of the block readers.
 
 :func:`read_blocks` gives the :class:`~streampack.io.token_block.TokenBlock` s of a shard range
-when its format has a block reader (``tar`` with ``.npy`` token members:
-:mod:`streampack.io.tar_block`; ``parquet`` with an integer-list token column:
-:mod:`streampack.io.parquet_block`), else None. A block reader delivers only what the per-sample
-reader (:func:`~streampack.io.formats.open_range`) would deliver as valid samples with nothing to
-report; it stops (the iterator ends without a block whose ``done`` is set) at the first byte it
-does not judge plain, and the caller reads on with the per-sample reader, which raises, counts
-and skips exactly as it always does. So the error contract is the per-sample reader's by
-construction. :func:`read_samples_at` picks given samples of tar shards by their offsets and
-parses only those (a restore's re-read of its carried documents), and :func:`read_groups_at` the
-whole parquet row groups that hold given rows (the re-read keeps them while carried rows are
-left in them); they give None under the same conditions, and the caller re-reads with
-:func:`read_blocks` or the per-sample reader.
+when its format has a block reader (tar with ``.npy`` token members, parquet with an integer-list
+token column), else None. A block reader delivers only what the per-sample reader would deliver as
+valid samples with nothing to report, and stops at the first byte it does not judge plain; the
+caller reads on with the per-sample reader, so the error contract is that reader's by construction.
+:func:`read_samples_at` (tar samples by offset) and :func:`read_groups_at` (the parquet row groups
+holding given rows) serve a restore's re-read of its carried documents the same way.
 """
 
 from __future__ import annotations
@@ -45,10 +39,8 @@ def block_format(url: str) -> bool:
 def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions,
                 streams: list[BinaryIO], stats: IOStats | None = None,
                 chunk_bytes: int | None = None) -> Iterator[TokenBlock] | None:
-    """The blocks of ``where`` in ``url`` (see the module docstring), or None when the format
-    has no block reader or the decode options ask for more than token ids (labels, a loss
-    mask, images, pickles: the per-sample reader handles those). Streams opened are appended
-    to ``streams`` (the caller closes them)."""
+    """The blocks of ``where`` in ``url``, or None when the format has no block reader or the decode
+    options ask for more than token ids; streams opened are appended to ``streams`` (the caller closes them)."""
     if not block_format(url) or decode.media is not None or decode.labels_key or decode.loss_mask_key:
         return None
     if shard_format(url) == "tar":
@@ -59,10 +51,9 @@ def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Ope
 
 def read_samples_at(shards: list[tuple[str, Clusters]], *, decode: DecodeOptions, opts: OpenOptions,
                     streams: list[BinaryIO], stats: IOStats | None = None) -> list[TokenBlock] | None:
-    """Only the wanted samples of tar ``shards`` (each: its URL and :data:`~streampack.io.tar_pick.Clusters`),
-    a block per shard whose document ``i`` is its ``i``-th position (:mod:`streampack.io.tar_pick`);
-    None when a shard is not tar (parquet is read by row group: :func:`read_groups_at`), the
-    decode options ask for more than token ids, or one of them is not a plain token sample."""
+    """Only the wanted samples of tar ``shards`` (URL and :data:`~streampack.io.tar_pick.Clusters`), a
+    block per shard (:mod:`streampack.io.tar_pick`); None where :func:`read_blocks` would be, or when a
+    shard is not tar or a sample not a plain token sample."""
     if decode.media is not None or decode.labels_key or decode.loss_mask_key or not all(
             shard_format(url) == "tar" and block_format(url) for url, _ in shards):
         return None
@@ -71,9 +62,8 @@ def read_samples_at(shards: list[tuple[str, Clusters]], *, decode: DecodeOptions
 
 def read_groups_at(url: str, rows: list[int], *, decode: DecodeOptions, opts: OpenOptions,
                    streams: list[BinaryIO], stats: IOStats | None = None) -> list[TokenBlock] | None:
-    """The whole row groups of a parquet shard that hold ``rows``, a block each
-    (:func:`~streampack.io.parquet_block.parquet_groups_at`); None when the shard is not parquet,
-    the decode options ask for more than token ids, or a group is not a plain block."""
+    """The row groups of a parquet shard that hold ``rows``, a block each; None where not parquet, the
+    decode options ask for more than ids, or a group is not a plain block."""
     if shard_format(url) != "parquet" or decode.media is not None or decode.labels_key or decode.loss_mask_key:
         return None
     return parquet_groups_at(url, rows, decode=decode, opts=opts, streams=streams, stats=stats)

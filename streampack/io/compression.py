@@ -1,23 +1,15 @@
 """Compressed jsonl: ``.gz`` (gzip) and ``.zst`` (zstandard), streamed, never random-access.
 
-Neither format can seek, so a jsonl position is an offset in *uncompressed* bytes and resuming
-at it decompresses and drops everything before it (O(offset): zlib inflates roughly 0.3-1 GB/s
-on one core, zstd 1-2 GB/s). Use plain jsonl, tar or parquet when mid-shard resume must be O(1).
+Neither format can seek, so a jsonl position is an offset in *uncompressed* bytes and resuming at
+it decompresses and drops everything before it (O(offset), 0.3-2 GB/s on one core). Use plain
+jsonl, tar or parquet when mid-shard resume must be O(1).
 
-A stream that ends inside a frame is damage, not an end: gzip raises ``EOFError``; zstandard's
-reader silently returns the partial data (measured: half a 1.3 MB frame read back as 524 kB and
-a clean end), so :class:`ZstdReader` follows the frame layout itself (frame and block headers
-only: a few operations per 128 KiB block) and raises :class:`CorruptStream` when the input
-stops anywhere but between two frames. Multi-frame files (``pzstd``, concatenations) and
-skippable frames are read across. Bytes that start no frame (64 zero bytes appended by a
-careless writer) are damage too, but only *after* every line before them: the decompressor is
-handed the bytes before the damage and an end of input (``zstandard`` raising on them dropped
-its whole read-ahead: 20,000 of 20,000 lines lost in one test, 4,755 in the issue's). Each frame
-is decompressed by a reader of its own, handed that frame's bytes only, so a frame that starts
-well (a zstd magic) and then fails costs no line of the frames before it: a reader that reads
-across frames fills the caller's buffer from both and loses it all when the second raises. A
-reader per frame costs ~15 us: nothing for 1 MiB frames, 1.5-2x the time on a pathological file
-of one line per frame (20,000 frames: 0.25-0.5 s -> 0.67-0.78 s, loaded 2-core box).
+A stream that ends inside a frame is damage, not an end: zstandard's reader silently returns the
+partial data, so :class:`ZstdReader` follows the frame layout itself (frame and block headers
+only) and raises :class:`CorruptStream` when the input stops anywhere but between two frames.
+Bytes that start no frame are damage too, but only after every line before them. Each frame is
+decompressed by a reader of its own, so a frame that fails costs no line of the frames before it;
+that costs ~15 us a frame (1.5-2x on a file of one line per frame, nothing for 1 MiB frames).
 """
 
 from __future__ import annotations
@@ -58,12 +50,8 @@ def text_stream(raw: BinaryIO, url: str) -> BinaryIO:
 
 
 class _FrameTracker:
-    """Follows zstd frame / block headers in the compressed bytes to know whether the input
-    ended between frames (RFC 8878 section 3.1), and where bytes that start no frame begin.
-
-    It never raises: damage is recorded in ``error`` and ``confirmed`` stops at its first byte,
-    so the decompressor is handed only the bytes before it and delivers every line they hold.
-    """
+    """Follows zstd frame / block headers (RFC 8878 3.1) to know whether the input ended between frames
+    and where bytes that start no frame begin; never raises (``error``, ``confirmed`` stops there)."""
 
     MAGIC, SKIPPABLE = 0xFD2FB528, 0x184D2A50
 
@@ -158,8 +146,7 @@ class _Tracked(io.RawIOBase):
 
     @property
     def at_frame_end(self) -> bool:
-        """Whether every byte of the current frame has been handed on (:meth:`next_frame` opens
-        the next one)."""
+        """Whether every byte of the current frame has been handed on (:meth:`next_frame` opens the next one)."""
         return bool(self._tracker.frame_ends) and self._tracker.frame_ends[0] == self._passed
 
     @property
@@ -207,7 +194,6 @@ class ZstdReader(io.RawIOBase):
         self._dctx = zstandard.ZstdDecompressor()
         self._reader = self._frame_reader()
         self._zstd_error = zstandard.ZstdError
-        self._raw = raw
 
     def _frame_reader(self) -> Any:
         # One reader per frame, fed only that frame's bytes: a reader that reads across frames

@@ -1,20 +1,14 @@
 """Raw fields -> a validated :class:`~streampack.sample.Sample`, shared by every shard format.
 
-A record (a jsonl line, a tar sample's members) names its pre-tokenized ids, its text, and
-optionally its own labels and loss mask; every value is checked here, once, and a problem
-becomes a :class:`~streampack.errors.DataError` naming shard, key and value. Token ids (and
-labels) must be below ``vocab_size`` (below 2**31 when it is not given).
+Every value of a record (ids, text, labels, loss mask) is checked here, once; a problem becomes
+a :class:`~streampack.errors.DataError` naming shard, key and value. Token ids (and labels) must
+be below ``vocab_size`` (below 2**31 when it is not given).
 
-JSON nesting is bounded (``max_json_depth``) without slowing normal lines: a line holding no
-more opening brackets than the limit cannot nest deeper (a count, a few us per 4 KB line);
-any other line is parsed and the depth of the parsed object measured (cheap: a code sample
-with a thousand brackets in its text is one dict). Parsing first is safe because CPython's
-json raises ``RecursionError`` at the interpreter's recursion limit, long before the C stack
-is at risk; only a process that raised ``sys.setrecursionlimit`` past
-:data:`SAFE_RECURSION_LIMIT` gets an exact byte scan (:func:`json_depth`) before parsing, since
-there a deep line would overflow the C stack. Measured (``benchmarks/bench_hostile.py``,
-shared noisy machine): the byte scan costs ~1.5x ``json.loads`` on bracket-heavy lines (chats,
-code), the parse-then-measure path a fraction of it.
+JSON nesting (``max_json_depth``) is bounded without slowing normal lines: a line with no more
+opening brackets than the limit cannot nest deeper; any other is parsed (CPython's json raises
+``RecursionError`` long before the C stack is at risk) and the parsed object measured. Only a
+process that raised the recursion limit past :data:`SAFE_RECURSION_LIMIT` gets the exact byte
+scan (:func:`json_depth`, ~1.5x ``json.loads``, ``benchmarks/bench_hostile.py``) before parsing.
 """
 
 from __future__ import annotations
@@ -148,13 +142,8 @@ _STEP[list(b"]}")] = -1
 
 
 def json_depth(raw: bytes, limit: int) -> int:
-    """Nesting depth of the json text ``raw`` (``[[1]]`` is 2) from its bytes, without parsing;
-    any value <= ``limit`` when it cannot exceed ``limit``. Brackets in strings do not count.
-
-    Escapes are removed first the way a json parser reads them (each backslash escapes the
-    next character, left to right), then everything but quotes and brackets, then the string
-    contents (between quote pairs); what remains are the structural brackets.
-    """
+    """Nesting depth of the json ``raw`` from its bytes, without parsing (any value <= ``limit`` when it
+    cannot exceed it): escapes, then all but quotes and brackets, then string contents are removed."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return 0
     if b"\\" in raw:
@@ -171,9 +160,8 @@ as nothing (the reader skips and counts it, or raises), where -1 means "length u
 
 
 def token_count(raw: bytes, opts: DecodeOptions) -> int:
-    """Length of the id list under ``tokens_key`` in the json ``raw``; -1 when it has no such
-    field, :data:`BAD_LENGTH` when it cannot be read or the field is not a list (an index hint:
-    the reader validates every sample itself)."""
+    """Length of the id list under ``tokens_key`` in the json ``raw``: -1 without that field,
+    :data:`BAD_LENGTH` when unreadable or not a list (a hint: the reader validates every sample)."""
     try:
         record = loads_bounded(raw, raw, opts.limits.max_json_depth)
         ids = record.get(opts.tokens_key, None) if isinstance(record, dict) else None
@@ -201,12 +189,8 @@ def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, k
 
 
 def validate_tokens(value: Any, *, url: str, key: str, vocab_size: int | None = None) -> np.ndarray:
-    """A json list or numpy array of token ids -> int64 ``[L]``, ``L >= 1``, all ids in
-    ``[0, vocab_size)`` (``[0, 2**31)`` without a vocabulary size).
-
-    Strings, nested lists, booleans and integral floats are ``bad_dtype``; fractional floats
-    are ``non_integer_id``.
-    """
+    """A json list or numpy array of token ids -> int64 ``[L]``, ``L >= 1``, ids in ``[0, vocab_size)``;
+    strings, nested lists, booleans and integral floats are ``bad_dtype``, fractions ``non_integer_id``."""
     if isinstance(value, np.ndarray):
         arr = value
         if arr.dtype.kind not in "iu":
@@ -272,8 +256,7 @@ def validate_text(value: Any, *, url: str, key: str) -> str:
 
 def validate_per_token(value: Any, length: int | None, *, what: str, url: str, key: str,
                        vocab_size: int | None = None) -> np.ndarray:
-    """``labels`` (int64, ids below the vocabulary bound) or ``loss_mask`` (bool) of the sample's
-    token length."""
+    """``labels`` (int64, ids below the vocabulary bound) or ``loss_mask`` (bool) of the sample's token length."""
     reason = f"bad_{what}"
     try:
         arr = np.asarray(value)

@@ -1,21 +1,15 @@
 """Read failures sorted into "retry" and "give up", whatever the store raised them as.
 
-Each fsspec back-end reports failures its own way (aiohttp's ``ClientResponseError.status``,
-botocore's ``ClientError`` behind s3fs's ``OSError``, huggingface_hub's ``HfHubHTTPError``,
-fsspec's http ``info`` turning *every* failure into ``FileNotFoundError``); :func:`classify`
-looks through the cause chain for an HTTP status first, then at the exception types:
+Each fsspec back-end reports failures its own way; :func:`classify` looks through the cause
+chain for an HTTP status first, then at the exception types:
 
 - give up at once (``DataError``): 404 / 410 and missing files (``missing_shard``); 401 / 403,
   missing credentials, other 4xx, a refused cross-host redirect, a redirect loop
-  (``unreachable_url``, or ``corrupt_shard`` for an unreadable local file); a redirect loop was
-  retried as transient for 120 s (440 requests);
+  (``unreachable_url``, or ``corrupt_shard`` for an unreadable local file);
 - retry (:class:`~streampack.io.retry.Transient`, by kind): 408 / 425 / 429 / 5xx and S3
-  throttling (``HTTP <status>``, with the ``Retry-After`` it asked for), timeouts (``timeout``),
-  a body that ended early (``short_body``), an answer aiohttp could not parse (``bad_response``:
-  the previous body on that connection was longer than its ``Content-Length``, which aiohttp
-  reported as ``HTTP 400`` and failed the shard at once), a refused connection (``refused``,
-  one line naming the host: :mod:`streampack.io.retry` gives it a short budget while the host
-  has never answered), other connection and OS errors (``connection``; ``io_error`` locally);
+  throttling (with their ``Retry-After``), timeouts, a body that ended early, an answer aiohttp
+  could not parse (``bad_response``), a refused connection (``refused``), other connection and
+  OS errors;
 - anything else is not an I/O failure (a bug): it propagates unchanged.
 """
 

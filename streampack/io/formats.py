@@ -41,9 +41,8 @@ class ShardRange:
 
 def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions,
                streams: list[BinaryIO], stats: IOStats | None = None) -> Iterator[Item]:
-    """Decoded items of ``where`` in ``url``; every stream opened is appended to ``streams``
-    (the caller closes them). A missing, unreachable or corrupt shard raises ``DataError``
-    (remote faults were already retried, at the exact offset, under ``opts.retry``)."""
+    """Decoded items of ``where`` in ``url`` (streams opened are appended to ``streams``); a missing,
+    unreachable (after retries) or corrupt shard raises ``DataError``."""
     start, end = where.start, where.end
     fmt = shard_format(url)
     if fmt == "parquet":
@@ -69,10 +68,8 @@ def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
 
 
 class _NotEmpty:
-    """The raw stream of a compressed shard, which must not be 0 bytes: gzip and zstd read a
-    0-byte file as an empty stream, but a 0-byte ``.gz`` / ``.zst`` is a failed write (a gzip
-    of nothing is 20 bytes, a zstd frame at least 9), as a 0-byte ``.tar`` is (an empty archive
-    is 1024 bytes): all are ``corrupt_shard``."""
+    """The raw stream of a compressed shard, which must not be 0 bytes: gzip and zstd read one as an empty
+    stream, but a 0-byte ``.gz`` / ``.zst`` is a failed write (``corrupt_shard``), as a 0-byte ``.tar`` is."""
 
     def __init__(self, raw: BinaryIO, url: str) -> None:
         self._raw, self._url, self._checked = raw, url, False

@@ -1,26 +1,16 @@
 """http(s) requests that check what comes back: one version of one object, exactly the bytes asked.
 
-fsspec's ``HTTPFileSystem.cat_file`` returns a body and drops its headers, and reads the whole
-body whatever its length; its ``info`` runs without a deadline. So streampack sends its own
-``HEAD`` and ranged ``GET`` through the same filesystem's aiohttp session (its timeouts, redirect
-guard and the user's ``client_kwargs`` / headers apply) and checks each answer:
+fsspec's ``HTTPFileSystem.cat_file`` drops the headers and reads the whole body whatever its
+length, and its ``info`` has no deadline. So streampack sends its own ``HEAD`` and ranged ``GET``
+through the same filesystem's aiohttp session and checks each answer:
 
-- **bounded body**: at most the bytes asked for are read; more (a body longer than its range,
-  an endless body) is the ``long_body`` fault and the connection is closed, never reused (an
-  endless body for a 12 KB object added +241 MiB RSS within a 4 s deadline through
-  ``cat_file``);
-- **one version per read**: the first answer pins the object (its ETag, and its size: the
-  ``HEAD``'s, else the ``Content-Range`` total); every later block is sent ``If-Match`` and must
-  report the same ETag and total, else ``DataError("shard_changed")`` (an object replaced
-  mid-read was spliced: 6,263 lines of the old version then 4,222 of the new, no error; a
-  ``HEAD`` size smaller than the object silently truncated it);
-- **a deadline for every request**, ``HEAD`` included (``OpenOptions.request_deadline``, the
-  coroutine is cancelled): headers trickled at 1 B/s held a reader past 120 s with
-  ``retry_budget=6, request_deadline=4``;
-- ``Retry-After`` of a 429 / 503 is handed to the retry policy (:mod:`streampack.io.failures`).
-
-A weak ETag (``W/"..."``) cannot be sent as ``If-Match`` (strong comparison): it is compared
-from the response headers only.
+- **bounded body**: more than the bytes asked for is the ``long_body`` fault and the connection
+  is closed (an endless body added +241 MiB RSS within a 4 s deadline through ``cat_file``);
+- **one version per read**: the first answer pins the object's ETag and size; every later block
+  is sent ``If-Match`` and must report the same, else ``DataError("shard_changed")`` (a weak
+  ETag is compared from the headers only);
+- **a deadline for every request**, ``HEAD`` included (``OpenOptions.request_deadline``);
+- ``Retry-After`` of a 429 / 503 is handed to the retry policy.
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ from typing import Any
 from streampack.errors import DataError
 from streampack.io.retry import Transient
 
-_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _CHUNK = 1 << 20
 
 
@@ -80,7 +70,7 @@ async def _head(fs: Any, url: str) -> dict[str, Any]:
     if info["size"] is None:  # a server that answers HEAD without a size: ask for one byte
         async with session.get(fs.encode_url(url), **_kwargs(fs, {"Range": "bytes=0-0"})) as r:
             _check_status(fs, r, url)
-            m = _RANGE.fullmatch(r.headers.get("Content-Range", ""))
+            m = CONTENT_RANGE.fullmatch(r.headers.get("Content-Range", ""))
             if m is not None and m.group(3) != "*":
                 info["size"] = int(m.group(3))
             r.close()  # the body is not read: the connection must not be reused
@@ -102,7 +92,7 @@ async def _get(fs: Any, url: str, start: int, end: int, pin: Pin) -> bytes:
         _check_status(fs, r, url)
         check_version(r.headers, url, pin)
         if r.status == 206:
-            m = _RANGE.fullmatch(r.headers.get("Content-Range", ""))
+            m = CONTENT_RANGE.fullmatch(r.headers.get("Content-Range", ""))
             if m is None or int(m.group(1)) != start:
                 raise DataError("unreachable_url", f"asked for bytes {start}-{end - 1}, the answer is "
                                 f"{r.headers.get('Content-Range')!r}", url=url, value=start)
@@ -188,4 +178,4 @@ def retry_after(headers: Any) -> float | None:
     return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
 
 
-__all__ = ["Pin", "changed", "check_total", "check_version", "get_range", "head", "retry_after"]
+__all__ = ["CONTENT_RANGE", "Pin", "changed", "check_total", "check_version", "get_range", "head", "retry_after"]

@@ -1,48 +1,16 @@
 """Per-shard sample index: where each sample starts, its key and token length, built once.
 
-A reader needs it to split one shard between several workers (fewer shards than workers) into
-contiguous ranges, so no worker reads another's bytes, and planners use ``lengths`` (token
-counts, -1 where unknown: text samples). Resuming does *not* need it: the reader
-records the next sample's position while reading.
+A reader needs it to split one shard between workers, and planners use ``lengths`` (-1 where
+unknown: text); resuming does not. The first process that needs an index builds it under a lock in
+``cache_dir``; the others wait, then load it. It is used only while its fingerprint (the shard's
+strict identity, ``tokens_key``, :func:`limits_key`, the version) matches. Planning uses the data
+set's manifest instead (:mod:`streampack.io.manifest`).
 
-**Built once, never per worker.** The first process that needs the index of a shard builds it
-under an exclusive lock (``fcntl.flock`` on ``<index>.lock`` in the cache directory); the others
-wait, then load it. ``streampack index URLS --cache-dir D`` builds them ahead of time (for
-remote data: run it once, point every node's ``cache_dir`` at ``D``, which may itself be a
-URL such as ``s3://bucket/index/``, read without a lock). A cached index is used only while its
-fingerprint (path + size + mtime, or URL + size + ETag; plus ``tokens_key``, the limits the
-format's index depends on (:func:`limits_key`) and the format version) matches; every call
-site builds its options with :func:`index_decode`, so they agree on the key. Index files live
-in ``cache_dir`` (default ``$STREAMPACK_CACHE/index`` or ``~/.cache/streampack/index``), never
-beside the data, so read-only data directories work. Planning a run uses the data set's
-manifest instead (:mod:`streampack.io.manifest`: one read per process, no request per shard).
-
-**Cost of the per-shard cache** (:func:`load_or_build_index`, what a reader that splits a
-shard calls): per shard, 1 stat / HEAD (the identity, made *before* the cache is consulted,
-since the key holds it) + 1 read of the index file (a GET for a URL cache), unless the shard
-is one of the :data:`_MEMO_SIZE` = 4 this process used last; a miss adds one scan of the shard
-and one write. An infinite reader of S shards split P ways thus pays about S HEADs + S GETs per
-epoch pass over its shards when S > 4. A cache directory that cannot be written is said once
-per process (not per shard) and the index is then used in memory only; a filesystem without
-``flock`` builds without the lock (:mod:`streampack.io.index_cache`).
-
-**Cost of a scan.** A local tar is scanned header by header with ``seek`` over member data
-(only the first 512 bytes of each ``.npy`` token member and whole ``.json`` members are read); a
-remote tar the same way, by 16 KiB ranged reads where members are large and else streamed
-whole (:mod:`streampack.io.tar_sparse`); jsonl is read once (token lengths parsed only from lines
-that contain the ``tokens_key`` field); parquet reads its footer and its token column
-(``parquet.token_lengths``). Memory is O(samples):
-int64 offsets, int32 lengths and the keys (tar), accumulated in ``array`` buffers (12 bytes per
-sample plus the keys, never a Python object per sample), stored as one compressed ``.npz``
-(:mod:`streampack.io.index_cache`). Measured on a 4M-line jsonl shard
-(``benchmarks/bench_storage.py``, provisional): a 6.0 MiB index file (1.6 bytes per line; the
-old json sidecar of the same index: 124 MiB) and 73 MiB peak traced memory while building (the
-old code: 1 GiB RSS); ``tests/test_storage_index.py`` holds the RSS growth under 150 MiB.
-
-**Damage.** A shard that is cut short or corrupt is indexed up to the damage: every readable
-sample is in the index and ``damage`` says why reading stops at ``end``. Only the range that
-ends the shard (``range(..., last=True)``; the last ``part``) reads past ``end``, so split
-readers deliver every readable sample once and the damage is met, and counted, once.
+**Cost per shard** (:func:`load_or_build_index`): 1 stat / HEAD + 1 read of the index file, unless
+it is one of the :data:`_MEMO_SIZE` = 4 used last; a miss adds one scan (tar: headers only, remote
+by ranged reads; jsonl: once; parquet: footer and token column) and one write. Memory is 12 bytes
+per sample plus the keys (4M jsonl lines: 73 MiB peak while building, ``benchmarks/bench_storage.py``).
+A shard cut short is indexed up to the damage (``damage``), met and counted once by its last range.
 """
 
 from __future__ import annotations
@@ -81,7 +49,7 @@ from streampack.io.tar import TarRegion, group_length, iter_tar_units, split_key
 from streampack.io.tar_sparse import open_sparse
 from streampack.io.urls import shard_format
 
-INDEX_VERSION = 4  # 4: records the reader refuses are BAD_LENGTH (-2), not unknown (-1)  # 3: tar lengths no longer follow PYTHONHASHSEED; limits in the fingerprint
+INDEX_VERSION = 4
 _MEMO_SIZE = 4  # a worker reads one split shard at a time; a big shard's index is tens of MB
 _memo: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
 _memo_lock = threading.Lock()
@@ -137,8 +105,7 @@ class ShardIndex:
         return [self.key(i) for i in range(len(self))]
 
     def position(self, i: int) -> Position:
-        """Where sample ``i`` starts; ``i == len(self)`` is the end (where the damage starts
-        in a damaged shard)."""
+        """Where sample ``i`` starts; ``i == len(self)`` is the end (where the damage starts in a damaged shard)."""
         n = len(self)
         if not 0 <= i <= n:
             raise IndexError(f"sample {i} of a shard with {n} samples")
@@ -156,12 +123,8 @@ class ShardIndex:
         return ShardRange(start=start, first=first, end=end)
 
     def part(self, part: int, parts: int) -> tuple[int, int | None, int]:
-        """``(start, end, first)`` of contiguous part ``part`` of ``parts`` (``end`` is None
-        only for the last part of a damaged shard: see :meth:`range`).
-
-        Sample ``i`` belongs to part ``i * parts // len``; parts differ in size by at most one
-        sample, and a part is empty (``start == end``) only if ``parts > len``.
-        """
+        """``(start, end, first)`` of contiguous part ``part`` of ``parts``: sample ``i`` belongs to part
+        ``i * parts // len`` (``end`` None only for a damaged shard's last part, see :meth:`range`)."""
         if not 0 <= part < parts:
             raise ValueError(f"{part=} must be in [0, {parts=})")
         n = len(self)
@@ -170,19 +133,14 @@ class ShardIndex:
 
 
 def index_decode(tokens_key: str = "input_ids", limits: Limits | None = None) -> DecodeOptions:
-    """The :class:`DecodeOptions` every index is built and looked up with: only what changes an
-    index (``tokens_key``: which lengths it counts; ``limits``: an over-limit line or member is
-    indexed with length -1). One function for every call site (reader, planner, elastic resume,
-    ``streampack index``), so two of them never key the same shard differently."""
+    """The :class:`DecodeOptions` every index is built and looked up with (only what changes an
+    index), from one function so two call sites never key the same shard differently."""
     return DecodeOptions(tokens_key=tokens_key, limits=limits if limits is not None else Limits())
 
 
 def limits_key(url: str, limits: Limits) -> str:
-    """The limits an index of ``url``'s format depends on, as a fingerprint part: jsonl lines
-    (``max_line_bytes``, ``max_json_depth``), tar members and samples (``max_member_bytes``,
-    ``max_sample_bytes``, ``max_json_depth`` of ``json`` members), parquet rows
-    (``max_sample_bytes``; prefixed ``lengths``: an index made before parquet indexes recorded
-    token counts is stale). A limit the index does not depend on does not invalidate it."""
+    """The limits an index of ``url``'s format depends on, as a fingerprint part (a limit it does
+    not depend on does not invalidate it; parquet's ``lengths`` prefix marks indexes with token counts)."""
     fmt = shard_format(url)
     if fmt == "parquet":
         return f"lengths,{limits.max_sample_bytes}"
@@ -201,15 +159,9 @@ def unknown_lengths_hint(urls: Sequence[str]) -> str:
     return "text to tokenize, or samples without the tokens field"
 
 
-def index_fingerprint(url: str, decode: DecodeOptions, opts: OpenOptions, stats: IOStats | None = None) -> str:
-    """What a cached index must match: the shard's identity and what the index depends on."""
-    return fingerprint_of(url, decode, storage.identity(url, opts, stats))
-
-
 def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) -> str:
-    """:func:`index_fingerprint` for a known identity (a manifest's entry: no request). Always
-    the strict identity (size + ETag / mtime), whatever ``OpenOptions.identity`` says: a stale
-    index would point into other bytes, while a rebuilt one only costs a scan."""
+    """What a cached index must match: the shard's identity ``ident`` (always the strict one, size +
+    ETag / mtime: a stale index would point into other bytes) and what the index depends on."""
     where = url if is_remote(url) else os.path.abspath(local_path(url))
     tag = ident.tag.removeprefix("mtime_ns=") if not is_remote(url) else ident.tag
     return f"v{INDEX_VERSION}|{decode.tokens_key}|{limits_key(url, decode.limits)}|{where}|{ident.size}|{tag}"
@@ -218,10 +170,8 @@ def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) ->
 def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),
                         cache_dir: str | None = None, stats: IOStats | None = None,
                         positions_only: bool = False) -> ShardIndex:
-    """The cached index of ``url`` if still valid, else one built now (by this process or,
-    under the lock, by whichever got there first) and cached. ``positions_only``: a reader that
-    only splits the shard needs no token counts, so a parquet index is then its footer alone
-    (cached apart: ``|rows`` in its fingerprint), not a read of its token column."""
+    """The cached index of ``url`` if still valid, else one built now under the lock and cached.
+    ``positions_only``: a parquet index of its footer alone (cached apart), no token column read."""
     decode = index_decode(decode.tokens_key, decode.limits)
     ident = storage.identity(url, opts, stats)
     rows = positions_only and shard_format(url) == "parquet"
@@ -249,10 +199,8 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
 def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = DecodeOptions(),
                 opts: OpenOptions = OpenOptions(), stats: IOStats | None = None, size: int | None = None,
                 ranged: str = "auto", lengths: bool = True) -> ShardIndex:
-    """Scan ``url`` once (see the module docstring for what is read). A remote tar of known
-    ``size`` is read by ranged requests where that skips enough (``ranged``:
-    :mod:`streampack.io.tar_sparse`). ``lengths`` False: a parquet index of row positions only
-    (its footer), token counts unknown."""
+    """Scan ``url`` once; a remote tar of known ``size`` by ranged requests where that skips enough
+    (``ranged``). ``lengths`` False: a parquet index of row positions only."""
     fmt = shard_format(url)
     # a shard within one block is one request read whole: ranged reads cannot beat that
     sparse = fmt == "tar" and is_remote(url) and size is not None and (
@@ -385,9 +333,7 @@ def cached_index(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
 
 
 def _whole(data: Mapping[str, np.ndarray]) -> bool:
-    """Whether an index file's arrays fit together: one entry per sample in every per-sample
-    column, key offsets that end at the key bytes' end (a column one short read past its end as
-    an IndexError, in the middle of an epoch)."""
+    """Whether an index file's arrays fit together (a column one short would fail mid-epoch)."""
     try:
         n = int(data["n"])
         int(data["end"])
@@ -404,4 +350,4 @@ def _whole(data: Mapping[str, np.ndarray]) -> bool:
 
 __all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",
            "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_decode",
-           "index_dir", "index_fingerprint", "limits_key", "load_or_build_index", "unknown_lengths_hint"]
+           "index_dir", "limits_key", "load_or_build_index", "unknown_lengths_hint"]

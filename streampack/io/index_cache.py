@@ -1,14 +1,10 @@
 """Where shard index files live and how they are written: one compressed ``.npz`` per shard in
 the cache directory (local or any fsspec URL), replaced atomically, built under a lock.
 
-The lock is ``fcntl.flock`` on ``<index file>.lock``: the first process to need an index builds
-it while the others wait, then load it (tested with racing processes). A remote cache directory
-(``s3://bucket/index/``) is read and written without a lock (object stores replace objects
-atomically); build it ahead with ``streampack index``. A local directory that cannot be written
-(a read-only shared cache) is said once per process with what to do, and not tried again; the
-index is used uncached: building may then happen again, never wrongly. A filesystem without
-``flock`` (``ENOLCK``) builds without the lock, said once: never a data error. Files are created
-``0666 & ~umask`` (``0644`` under the usual umask), so a team can share a cache.
+The lock is ``fcntl.flock`` on ``<index file>.lock``; a remote cache directory is used without
+one (objects are replaced atomically). A local directory that cannot be written is said once per
+process and the index used uncached; a filesystem without ``flock`` builds without the lock.
+Files are created ``0666 & ~umask``, so a team can share a cache.
 """
 
 from __future__ import annotations
@@ -63,9 +59,8 @@ _DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, KeyError, struc
 
 
 def read_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:
-    """The arrays stored at ``path``; None when there is no file; :class:`DamagedFile` when there
-    is one that is not a readable ``.npz``; any other ``OSError`` (permissions, the store) as
-    raised."""
+    """The arrays stored at ``path``; None when there is no file, :class:`DamagedFile` when it is not a
+    readable ``.npz``."""
     try:
         if is_remote(path):
             fs, p = storage.filesystem(path, opts)
@@ -92,10 +87,8 @@ def load_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:
 
 
 def save_arrays(path: str, arrays: dict[str, np.ndarray], opts: OpenOptions) -> bool:
-    """Write ``arrays`` to ``path`` atomically (local: a temporary file renamed over it, created
-    ``0666 & ~umask`` like any file the user writes, so a team shares a cache; object stores:
-    one PUT); False when it cannot. A local directory that cannot be written is said once per
-    process and not tried again (a read-only shared cache)."""
+    """Write ``arrays`` to ``path`` atomically (local: a temporary file renamed over it, ``0666 & ~umask``;
+    object stores: one PUT); False when it cannot (an unwritable local directory is said once)."""
     directory = os.path.dirname(path)
     if not is_remote(path) and directory in _unwritable:
         return False
@@ -139,11 +132,8 @@ def _read_only(directory: str, e: BaseException) -> None:
 
 @contextlib.contextmanager
 def locked(path: str) -> Iterator[None]:
-    """An exclusive lock beside a local index file; no lock for a remote cache, a directory
-    that cannot be written, or a filesystem without ``flock`` (``ENOLCK``: some NFS and FUSE
-    mounts). Without a lock two processes may build the same index (the same work twice, each
-    written atomically), never a wrong one: a lock error is never a data error. Each of these
-    is said once per process and directory."""
+    """An exclusive lock beside a local index file; none for a remote cache, an unwritable directory or a
+    filesystem without ``flock`` (said once): two processes may then build the same index, never a wrong one."""
     directory = os.path.dirname(path)
     if is_remote(path) or directory in _unlockable:
         yield

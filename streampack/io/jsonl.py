@@ -1,17 +1,9 @@
 """jsonl / jsonl.gz / jsonl.zst shards, and the record -> Sample decoding shared with tar json members.
 
-A line is one json object. Pre-tokenized: a list of ids under ``tokens_key``; text: a string
-under ``text_key`` (tokens win when both exist). Optional ``labels_key`` / ``loss_mask_key``
-lists are carried into the Sample. The sample key is the 0-based line number; blank lines keep
-their number but yield nothing.
-
-Resume cost, honestly:
-
-- ``.jsonl``: the byte offset of the next line is recorded while reading, so a resume is one
-  ``seek`` — bytes before the offset are never read.
-- ``.jsonl.gz`` / ``.jsonl.zst``: no random access, so the offset is in *uncompressed* bytes
-  and a resume decompresses and discards everything before it (see
-  :mod:`streampack.io.compression`).
+A line is one json object: ids under ``tokens_key`` or text under ``text_key`` (tokens win),
+optional ``labels_key`` / ``loss_mask_key`` lists. The sample key is the 0-based line number;
+blank lines keep their number but yield nothing. A ``.jsonl`` resume is one ``seek`` to the
+recorded offset; ``.gz`` / ``.zst`` decompress and discard everything before it.
 """
 
 from __future__ import annotations
@@ -49,11 +41,8 @@ _BLANK_PEEK = 1 << 16
 
 
 def _read_line(f: BinaryIO, limit: int) -> tuple[bytes | None, int]:
-    """The next line and its size; None for a line over ``limit`` bytes (newline excluded).
-
-    Such a line is ``line_too_long``: read with ``readline(limit + 1)``, its rest dropped in
-    1 MiB chunks, so a 400 MiB line inflated from a 0.4 MiB ``.gz`` never sits in memory.
-    """
+    """The next line and its size; None for a line over ``limit`` bytes, whose rest is dropped in
+    1 MiB chunks (a 400 MiB line inflated from a 0.4 MiB ``.gz`` never sits in memory)."""
     line = f.readline(limit + 1)
     if len(line) <= limit or line.endswith(b"\n"):
         return line, len(line)
@@ -67,9 +56,8 @@ def _read_line(f: BinaryIO, limit: int) -> tuple[bytes | None, int]:
 
 
 def _skip_blank_lines(f: BinaryIO, room: int | None) -> tuple[int, int]:
-    """Consume the whole blank lines that follow in ``f`` (at most ``room`` bytes): ``(bytes,
-    lines)``. Bulk, from the buffer (``peek``): 16 MiB of newlines in a 0.5 KiB ``.zst`` took
-    239 s as one Python iteration per line, and well under a second this way."""
+    """Consume the whole blank lines that follow (at most ``room`` bytes) in bulk from the buffer:
+    ``(bytes, lines)`` (one Python iteration per line took 239 s on 16 MiB of newlines)."""
     peek = getattr(f, "peek", None)
     nbytes = lines = 0
     while peek is not None and (room is None or nbytes < room):
@@ -102,13 +90,8 @@ def _next_line(f: BinaryIO, off: int, idx: int, end: int | None, limit: int) -> 
 
 def iter_lines(f: BinaryIO, *, start: int, first_index: int, end: int | None,
                max_bytes: int = Limits().max_line_bytes) -> Iterator[Line]:
-    """The lines of a stream positioned at ``start``, each at most ``max_bytes`` long (a run of
-    blank lines comes as one :class:`Line`).
-
-    Reads one line ahead so the last line of a range is known when it is yielded; when that
-    read fails (a truncated ``.gz``, damage after a ``.zst`` frame, an unreachable store) the
-    complete line already read is still yielded before the error propagates.
-    """
+    """The lines of a stream at ``start``, each at most ``max_bytes`` (a run of blank lines is one
+    :class:`Line`), read one ahead; when that read fails the line already read is yielded first."""
     line = _next_line(f, start, first_index, end, max_bytes)
     while line is not None:
         try:
@@ -133,11 +116,7 @@ def _require_ids_or_text(record: dict[str, Any], opts: DecodeOptions, *, url: st
 def iter_jsonl_items(
     f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, first_index: int, end: int | None
 ) -> Iterator[Item]:
-    """Decoded samples of one shard range; a bad line becomes an ``Item`` with ``error`` set.
-
-    A damaged ``.gz`` raises ``DataError("corrupt_shard")`` naming the (uncompressed) offset
-    and the number of the first line it loses.
-    """
+    """Decoded samples of one shard range; a bad line becomes an ``Item`` with ``error`` set."""
     reached, number = start, first_index
     limit = opts.limits.max_line_bytes
     try:

@@ -1,13 +1,10 @@
 """Which sample keys a reader has seen in a shard range, in about 10 bytes per key.
 
-A repeated key (``a, b, a``) makes two documents with one ``doc_key``; catching it needs every
-earlier key of the range. Keys are hashed to 63 bits (:func:`key_hash`, the same in every
-process, so the verdict is too; two distinct keys collide with probability ~n^2 / 2^64, about
-3e-8 for a million-sample shard). The newest hashes sit in a Python ``set``; older ones are
-merged into a sorted ``int64`` array (8 bytes each) behind a one-hash Bloom filter of 8 bits
-per key, so only ~12% of lookups pay for a binary search. Measured here (shared machine,
-``benchmarks/bench_hostile.py``): ~1-3 us per insert, 24 bytes per key at the peak of a merge,
-where a ``set`` of the key strings takes ~100 bytes per key.
+Keys are hashed to 63 bits (:func:`key_hash`, the same in every process; a collision has
+probability ~n^2 / 2^64). The newest hashes sit in a ``set``; older ones are merged into a sorted
+``int64`` array behind a one-hash Bloom filter, so only ~12% of lookups binary-search: ~1-3 us
+per insert, 24 bytes per key at a merge's peak, where a ``set`` of strings takes ~100
+(``benchmarks/bench_hostile.py``).
 """
 
 from __future__ import annotations
@@ -21,10 +18,8 @@ _BLOOM_BITS_PER_KEY = 8
 
 
 def key_hash(key: str) -> int:
-    """63 bits from two CRC-32s (of the key and of its reverse): C-speed and the same in every
-    process. CRCs are linear, so colliding keys can be crafted — which only costs the crafter
-    its own sample (a false ``repeated_key``); distinct real keys collide with probability
-    ~2^-63 per pair. blake2b through hashlib cost ~2 us per key here, this ~0.3 us."""
+    """63 bits from two CRC-32s (of the key and its reverse): C-speed (~0.3 us, blake2b ~2 us) and the
+    same in every process; a crafted collision only costs the crafter its own sample."""
     data = key.encode("utf-8", "surrogateescape")
     return (zlib.crc32(data) << 31) ^ zlib.crc32(data[::-1], len(data))
 

@@ -1,43 +1,12 @@
 """The limits a reader enforces on untrusted shards, checked while streaming, before allocating.
 
-A shard may declare anything: a tar header can claim a 1 TiB member, a 400 KiB ``.jsonl.gz``
-can inflate to one 400 MiB line, a 2 KiB line can nest 1000 brackets. Each limit below is
-checked on the *declared* or *so-far-read* size, so the reader never holds more than the
-limit of one item, and what crosses it becomes a :class:`~streampack.errors.DataError`
-(``on_error="skip"`` drops exactly that sample and counts it):
-
-=====================  =========  ===================================================
-limit                  default    what crosses it (reason)
-=====================  =========  ===================================================
-``max_line_bytes``     32 MiB     a jsonl line (``line_too_long``; read with
-                                  ``readline(limit)``, the rest discarded unread)
-``max_member_bytes``   32 MiB     one tar member the decoder reads (``member_too_large``;
-                                  members it never reads, e.g. ``.jpg``, are skipped)
-``max_sample_bytes``   64 MiB     the members of one tar sample together, the
-                                  decoded columns of one parquet row (checked from
-                                  the footer before a row group is decoded, then per
-                                  row; ``sample_too_large``)
-``max_json_depth``     128        nesting of a json line or member (``json_too_deep``)
-``max_image_pixels``   32 Mi      declared width x height of one image, from its header
-                                  (``image_too_large``; never decoded)
-``max_sample_pixels``  128 Mi     declared pixels of one sample's images together
-                                  (``sample_too_large``)
-=====================  =========  ===================================================
-
-An image is bounded twice: its encoded bytes by the member / sample byte limits, its decoded
-size (3 bytes a pixel as RGB, 4 as float32 per channel after normalising) by the pixel limits,
-read from the header before any pixel is decoded: a 50,000 x 50,000 PNG of a few KB would
-otherwise inflate to 7.5 GB.
-
-Why these defaults: a 1M-token document is ~7 MB as a json id list and ~4 MB as text, so
-32 MiB leaves room for the longest contexts trained today while bounding a reader's peak
-memory at a few hundred MiB in the worst case (a line's bytes, its decoded ``str``, the
-parsed list). ``max_json_depth`` is far above any real record (chat and tool-call records
-nest < 10 deep) and far below the ~1000 frames at which CPython's json raises
-``RecursionError`` — or, with a raised ``sys.setrecursionlimit``, overflows the C stack.
-
-Fixed, not settable: pax / GNU long-name extension headers are capped at
-:data:`MAX_EXTENSION_BYTES` (they hold a path and a few attributes).
+A shard may declare anything (a 1 TiB tar member, a ``.jsonl.gz`` line inflating to 400 MiB, a
+2 KiB line nesting 1000 brackets). Each limit is checked on the *declared* or *so-far-read* size,
+so a reader never holds more than one item's limit, and what crosses it is a
+:class:`~streampack.errors.DataError`; the table of limits and reasons is in docs/reliability.md.
+32 MiB of line or member leaves room for a 1M-token document (~7 MB as a json id list) while
+bounding a reader's peak at a few hundred MiB. Pax / GNU long-name headers are capped at
+:data:`MAX_EXTENSION_BYTES`, not settable.
 """
 
 from __future__ import annotations
@@ -56,7 +25,7 @@ INT32_IDS = 2**31
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
-    """User-set bounds on what one sample may make the reader hold (see the module table)."""
+    """User-set bounds on what one sample may make the reader hold (the table: docs/reliability.md)."""
 
     max_line_bytes: int = 32 * MiB
     """Bytes of one jsonl line (its newline excluded)."""
@@ -83,9 +52,8 @@ class Limits:
                              f"deeper json overflows CPython's recursion limit while parsing")
 
     def recorded(self, *, images: bool) -> dict[str, int]:
-        """The limits a resume state records: the image limits decide nothing for a text stream,
-        so at their defaults they are left out of its state (states saved before they existed
-        compare equal)."""
+        """The limits a resume state records: image limits at their defaults are left out (they decide
+        nothing for a text stream)."""
         values, defaults = dataclasses.asdict(self), Limits()
         if not images:
             for name in IMAGE_LIMITS:

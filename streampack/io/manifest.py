@@ -6,43 +6,17 @@ A manifest lives in a directory (local or any fsspec URL), written by ``streampa
                                     token total (-1 when any length is unknown), byte cost
     <location>/shards/<h>-<name>.spidx.npz   per shard: the sample index (offsets, keys, lengths)
 
-Planning an epoch needs only the per-shard totals (prefix sums over the epoch's shard order and
-one ``searchsorted`` cut every reader); a reader then fetches the per-sample index of the shards
-it reads and of at most the few shards its boundaries fall in. The manifest is also the shards'
-identity for resume checks, so a start makes no per-shard HEAD: a changed shard is found when it
-is opened (its size / tag against the manifest's).
+Planning an epoch needs only the per-shard totals; a reader then fetches the sample index of the
+shards it reads and of the few its boundaries fall in. The manifest is also the shards' identity
+for resume checks, so a start makes no per-shard HEAD: a changed shard is found when it is opened.
 
-**Cost per reader** (N shards, G readers, T samples, W DataLoader workers per rank): loading
-the manifest is 1 request per rank (``PackedDataset`` reads a given one in the main process and
-its workers get it with the dataset, forked or spawned: no request of theirs) and
-``≈ 122 B × N`` held per process (:mod:`streampack.io.manifest_file`: int64 columns and the
-strings as bytes, no Python object per shard), ``≈ 420 B × N`` at the load's peak; the
-per-sample indexes it fetches are O(N/G + 4) requests and O(T/G) memory; the stale-shard check
-(:meth:`Manifest.check_identity`) makes no request of its own: it compares the identity the
-reader records when it opens a shard anyway (1 stat / HEAD, or with ``identity="digest"`` 2
-ranged reads more).
-
-**Resuming against changed shards** (``ShardReader`` / ``elastic``): a planned reader's state
-names the manifest its plan was cut from by :meth:`Manifest.fingerprint` (one per identity
-mode); a restore compares it — O(N) CPU once per process to fingerprint, no request — and a
-difference is refused naming the shards, read from the copy :func:`save_manifest` keeps under
-``history/<fingerprint>`` (1 read and O(N) compares, only when refusing). So a resume costs
-O(own share) requests plus O(N) CPU for the manifest it loads anyway, never a stat / HEAD per
-shard. Measured (``benchmarks/bench_resume_check.py --shards 100000``, a 2-core box): the four fingerprints 46 ms idle (0.46 µs × N; 0.35 × loading the manifest, side by
-side), 200 ms at load ~12 (0.24 ×); naming the changed shards 13 ms under ``tag`` (0.13 µs × N)
-and 0.1 ms under ``size``; the history copy one more write of the same ~70 B × N per build.
-
-Measured (``benchmarks/bench_index.py``, 2-core machine under load 7–10):
-
-- file: ``≈ 70 B × N`` (10^5 shards of ``s3://my-bucket/datasets/web-2026/train/shard-NNNNNN.tar``
-  with 36-char ETags and digests: 7.0 MB, compressed ``.npz``); load ``≈ 3.6 µs × N`` (359 ms at
-  10^5).
-- held (``benchmarks/bench_manifest_memory.py``, 10^5 shards, 34-char ETags): 122 B × N traced
-  and 156 B × N of RSS growth after the load and the four fingerprints; 419 B × N traced at the
-  load's peak (the file's arrays, then the columns kept). Pickled into a spawned worker: 121 B × N.
-- per-shard index file: ``≈ 9 B × samples`` for 8-char tar keys (9.1 KB per 1,000 samples);
-  fetching one: 3.9 ms local, 8.5 ms over loopback http (1 GET).
-- building (``streampack index``): see :mod:`streampack.cli.index_cmd`.
+**Cost per reader** (N shards, G readers, T samples): 1 request per rank to load the manifest
+(workers get it with the dataset), ``≈ 122 B × N`` held per process and ``≈ 420 B × N`` at the
+load's peak (``benchmarks/bench_manifest_memory.py``); O(N/G + 4) requests and O(T/G) memory for
+the sample indexes. A resume compares :meth:`Manifest.fingerprint` (O(N) CPU once per process,
+0.46 µs × N, ``benchmarks/bench_resume_check.py``) and reads the copy kept under
+``history/<fingerprint>`` only to name the changed shards when it refuses. The file is
+``≈ 70 B × N``, loaded in ``≈ 3.6 µs × N`` (``benchmarks/bench_index.py``).
 """
 
 from __future__ import annotations
@@ -134,8 +108,7 @@ class ShardChange:
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Manifest:
     """Every shard of a data set, in URL-list order, as parallel arrays (strings as
-    :class:`~streampack.io.manifest_file.StringColumn`: no Python object per shard; sequences
-    given are converted)."""
+    :class:`~streampack.io.manifest_file.StringColumn`; sequences given are converted)."""
 
     location: str
     tokens_key: str
@@ -207,12 +180,9 @@ class Manifest:
         return ShardStat(size=indexed.size, tag=self.digests[shard])
 
     def check_identity(self, shard: int, now: ShardStat, mode: str = "tag") -> None:
-        """:class:`~streampack.io.shard_identity.ShardChanged` (a ``ValueError``) naming shard
-        ``shard`` when ``now`` (what the reader found when it opened it:
-        :func:`streampack.io.shard_identity.current`) is not what the manifest indexed, compared
-        as ``mode`` (``OpenOptions.identity``) says. No request: the reader calls it with the
-        identity it records anyway, so a stale manifest is found lazily, when a changed shard is
-        opened, never by a HEAD per shard at start."""
+        """:class:`~streampack.io.shard_identity.ShardChanged` (a ``ValueError``) when ``now``, the
+        identity the reader found opening shard ``shard``, is not what the manifest indexed, compared as
+        ``mode`` says. No request: a stale manifest is found lazily, never by a HEAD per shard at start."""
         if mode == "off":
             return
         shard_identity.check(self.urls[shard], self.recorded(shard, mode), now, mode,
@@ -223,12 +193,9 @@ class Manifest:
                                          "start afresh (a resume over other contents cannot be exact)")
 
     def fingerprint(self, mode: str) -> str:
-        """16 hex digits of SHA-1 over what an epoch plan and ``mode`` see of every shard: its
-        sample count, token total and byte cost (what the plan cuts by), its size, and its tag
-        (``"tag"``), digest (``"digest"``) or both (``"all"``: the key :func:`save_manifest`
-        keeps a copy under). Equal fingerprints under the resume's ``identity`` mean every
-        position a state saved under the other manifest holds is still right. O(N) CPU once
-        per manifest and mode (``benchmarks/bench_resume_check.py``); no request."""
+        """16 hex digits of SHA-1 over what an epoch plan and ``mode`` see of every shard: its counts,
+        size, and tag (``"tag"``), digest (``"digest"``) or both (``"all"``: the history copy's key).
+        Equal fingerprints mean every position saved under the other manifest is still right. O(N) CPU."""
         if mode not in self._prints:
             parts = ["counts", "sizes", *{"tag": ["tags"], "digest": ["digests"], "all": ["tags", "digests"]}.get(mode, [])]
             self._prints[mode] = hashlib.sha1("|".join([mode, str(len(self.urls)), *map(self._part, parts)])
@@ -251,9 +218,8 @@ class Manifest:
         return self._prints[key]
 
     def changes_since(self, old: Manifest, mode: str) -> list[ShardChange]:
-        """The shards whose identity under ``mode`` or whose totals differ in ``old`` (the same
-        URL list), in shard order. O(N) numpy compares, plus a Python loop over the tags or
-        digests when ``mode`` compares them: run only once a fingerprint differs."""
+        """The shards whose identity under ``mode`` or whose totals differ in ``old`` (the same URL
+        list), in shard order; run only once a fingerprint differs."""
         n = min(len(self), len(old))
         differ = np.zeros(n, dtype=bool)
         for column in ("samples", "tokens", "byte_costs", "sizes"):
@@ -301,10 +267,8 @@ class Manifest:
 
 def build_entry(url: str, location: str, decode: DecodeOptions, opts: OpenOptions,
                 stats: IOStats | None = None, ranged: str = "auto") -> ShardTotals:
-    """Index one shard into ``location`` and return its totals. An index file already there
-    for this shard's identity and settings is kept, not rebuilt (``streampack index`` resumes):
-    then the shard costs a stat / HEAD, the digest's two ranged reads and one read of its
-    index file."""
+    """Index one shard into ``location`` and return its totals; an index file already there for this
+    shard's identity and settings is kept (``streampack index`` resumes)."""
     decode = index_decode(decode.tokens_key, decode.limits)
     ident = storage.identity(url, opts, stats)
     fp = fingerprint_of(url, decode, ident)
@@ -322,10 +286,8 @@ def build_manifest(urls: Sequence[str], location: str, *, decode: DecodeOptions 
                    opts: OpenOptions = OpenOptions(), stats: IOStats | None = None,
                    each: Callable[[Callable[[str], ShardTotals], Sequence[str]], Sequence[ShardTotals]] | None = None,
                    ranged: str = "auto") -> Manifest:
-    """Index every shard of ``urls`` into ``location`` and write the manifest there.
-    ``each(function, urls)`` maps the per-shard work (default: one after another; the function
-    is a picklable ``functools.partial`` of :func:`build_entry`, so a process pool can run it
-    when ``stats`` is None)."""
+    """Index every shard of ``urls`` into ``location`` and write the manifest there. ``each(function,
+    urls)`` maps the per-shard work (default: in order; the function is a picklable partial)."""
     work = functools.partial(build_entry, location=location, decode=decode, opts=opts, stats=stats, ranged=ranged)
     totals = each(work, urls) if each is not None else [work(u) for u in urls]
     manifest = Manifest.of(location, decode.tokens_key, totals, decode.limits)
@@ -336,20 +298,11 @@ def build_manifest(urls: Sequence[str], location: str, *, decode: DecodeOptions 
 def obtain_manifest(urls: Sequence[str], *, location: str | None, cache_dir: str | None,
                     decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),
                     stats: IOStats | None = None) -> Manifest:
-    """The manifest of ``urls``: the one at ``location`` (checked to list exactly ``urls``), else
-    for local shards one built once under a lock in the cache directory (other processes wait,
-    then read it; the building one shows a progress bar on a terminal); remote shards without a
-    ``location`` are refused, naming ``streampack index``: building it here would read the whole
-    data set in every job.
-
-    Cost of the local path once built: one read of the manifest and one ``stat`` per shard (a
-    local shard that changed since is re-indexed: the cache is keyed on the strict identity),
-    taken without the lock: the file is replaced atomically, so a read sees a whole manifest,
-    and only a missing or stale one waits for the lock. Reading under the lock made every
-    process of a host queue behind the others' ``S`` stats (one of 2 DataLoader workers
-    resuming together spent ~9 ms of a ~49 ms ``__iter__``, under cProfile, in ``flock``):
-    ``P`` processes waited ``P x (read + S stats)`` in all
-    (``test_a_built_manifest_is_read_while_its_lock_is_held``)."""
+    """The manifest of ``urls``: the one at ``location`` (checked to list exactly ``urls``), else for
+    local shards one built once under a lock in the cache directory; remote shards without a
+    ``location`` are refused, naming ``streampack index`` (building here would read the whole data
+    set in every job). A built manifest is read without the lock (it is replaced atomically), so
+    processes of a host do not queue behind each other's stats; only a missing or stale one waits."""
     if location is not None:
         manifest = load_manifest(location, opts)
         manifest.check_urls(urls)
@@ -437,10 +390,8 @@ def _prune(history: str) -> None:
 
 
 def load_manifest(location: str, opts: OpenOptions = OpenOptions(), *, name: str = MANIFEST_FILE) -> Manifest:
-    """The manifest in ``location`` (one read), every field checked
-    (:func:`~streampack.io.manifest_file.checked_fields`); ``ValueError`` naming the file (and
-    the field) when it is absent, damaged, of another version or not what ``streampack index``
-    writes."""
+    """The manifest in ``location`` (one read), every field checked; ``ValueError`` naming the file
+    when it is absent, damaged, of another version or not what ``streampack index`` writes."""
     path = _join(location, name)
     try:
         data = read_arrays(path, opts)

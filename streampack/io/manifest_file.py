@@ -1,19 +1,10 @@
 """The manifest file's columns: string columns held as bytes, and every field checked on load.
 
-A manifest is input like any shard: a truncated upload, a hand edit or another tool's file must
-be refused by name, never trusted (a negative sample count once dropped a whole shard from an
-epoch without a word). :func:`checked_fields` reads each field of a loaded ``.npz`` and raises
-one ``ValueError`` naming the file and the field; nothing of the file's content is quoted but
-short numbers.
-
-Held in memory, a manifest is four int64 columns plus three :class:`StringColumn` (URL, tag,
-digest): per shard ``32 B`` for the numbers and, per string column, the bytes the shard's string
-does not share with every other's start and end plus a 4-byte offset. Measured
-(``benchmarks/bench_manifest_memory.py``, 10^5 shards of
-``s3://my-bucket/datasets/web-2026/train/shard-NNNNNN.tar`` with 34-char ETags and digests):
-122 B per shard traced and 156 B of RSS growth per shard, after the load and the four
-fingerprints; a Python ``str`` per shard and column (object header ~50 B each, plus a tuple
-slot) costs 339 B traced and 518 B of RSS per shard on the same manifest.
+A manifest is input like any shard: :func:`checked_fields` refuses a truncated, hand-edited or
+foreign file with one ``ValueError`` naming the file and the field. In memory it is four int64
+columns and three :class:`StringColumn` (URL, tag, digest) that keep per shard only the bytes not
+shared with every other string's start and end plus a 4-byte offset: 122 B per shard where a
+``str`` per shard and column costs 339 B (``benchmarks/bench_manifest_memory.py``).
 """
 
 from __future__ import annotations
@@ -29,10 +20,8 @@ _UTF8 = ("utf-8", "surrogateescape")  # a URL that is not UTF-8 still round-trip
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
 class StringColumn:
-    """``N`` strings as bytes: what every string starts with (``head``) and ends with (``tail``)
-    stored once, the rest of each back to back in ``body`` (uint8), string ``i`` ending at
-    ``ends[i]`` (uint32; int64 past 4 GiB). Indexing decodes one string; nothing holds a Python
-    object per string."""
+    """``N`` strings as bytes: the ``head`` and ``tail`` every string shares stored once, the rest back to
+    back in ``body`` (uint8), string ``i`` ending at ``ends[i]``; indexing decodes one string."""
 
     head: bytes
     tail: bytes
@@ -103,9 +92,8 @@ class StringColumn:
         return out
 
     def hash_into(self, digest: Any, sep: bytes, per: int = 4096) -> None:
-        """Feed ``joined(sep)`` to ``digest`` (a ``hashlib`` object) ``per`` strings at a time:
-        joining a whole column at once makes ~4 MB of temporaries per column at 10^5 shards, which
-        the heap keeps as RSS after they are freed."""
+        """Feed ``joined(sep)`` to ``digest`` ``per`` strings at a time (a whole column at once leaves ~4 MB
+        of freed temporaries as RSS at 10^5 shards)."""
         for lo in range(0, len(self), per):
             digest.update((sep if lo else b"") + self._part(lo, lo + per).joined(sep).tobytes())
 

@@ -1,10 +1,9 @@
 """``.npy`` tar members -> arrays, without trusting the header.
 
-``np.load`` on a member whose header declares shape ``(10**12,)`` allocates the declared array
-before reading (``MemoryError``, or gigabytes of address space), and object arrays would
-unpickle. Here the header is parsed with numpy's own safe reader (``ast.literal_eval``, a
-10 KB header cap), object dtypes are refused, and the declared size must equal the bytes the
-member holds *before* any array exists; the array is then a zero-copy view of the member.
+``np.load`` allocates whatever shape a header declares (``(10**12,)``: a ``MemoryError``) and
+object arrays unpickle. Here the header is parsed with numpy's safe reader (a 10 KB cap), object
+dtypes are refused, and the declared size must equal the member's bytes before any array exists;
+the array is a zero-copy view of the member.
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
 """Opening a shard at a byte offset: the only place that reads bytes from a file or a store.
 
-:func:`open_shard` returns a buffered stream of bytes ``[offset, end)`` of one shard. Under it a
-:class:`ResumableStream` counts the bytes it has delivered and knows where they must end (the
-object's size, or the requested range); a read that fails, or a body that ends early, is a
-fault: the stream asks again *at its current offset* (a ranged request) under the one retry
-policy, so the parser above (tar, jsonl, parquet) never sees a retry, a duplicate or a gap.
-When the policy gives up the read raises ``DataError("unreachable_url")`` (``"corrupt_shard"``
-for a local file) naming the URL, which the reader counts or raises under ``on_error``.
-
-- Local paths are plain ``open`` + ``seek`` (the same stream class, with the file's own reads;
-  no fsspec layer). A local read error (EIO on a flaky parallel filesystem) is retried by
-  reopening at the offset; a local file's end is wherever its reads end.
-- Remote URLs are read in blocks of ``OpenOptions.block_size`` bytes, each one request
-  (http(s) and S3: a ranged GET of :mod:`streampack.io.http` / :mod:`streampack.io.s3_read`,
-  pinned to one version of the object and never read past the range; other stores:
-  ``fs.cat_file(path, start, end)``), and the next block is fetched in a background thread while this one
-  is parsed. Each block must be exactly as long as asked (a shorter one is the ``short_read``
-  fault).
-- ``pipe:cmd`` runs a shell command, so it is refused unless ``allow_pipe=True`` (shard lists
-  often come from config files; webdataset's ``gopen`` executes them unasked). A pipe cannot
-  seek or resume: starting at ``offset`` reads and discards the bytes before it, and a broken
-  pipe is a ``corrupt_shard`` at once.
-
-Measured with ``benchmarks/bench_storage.py`` (loopback, a shared 2-core machine; provisional):
-
-- Local files: the stream costs nothing measurable. A 105 MB tar shard parsed at 164 MB/s from
-  plain ``open`` and 180 MB/s through it; jsonl ``readline`` is faster (256 KiB reads where
-  ``open`` reads 8 KiB). fsspec's LocalFileSystem is not used: it would only add a layer.
-- http(s): fsspec block reads, not one streaming ``urllib3`` GET per shard. Raw transfer is
-  lower (128 MB: 657 vs 1038 MB/s on loopback; 193 vs 594 MB/s with 20 ms before each
-  response), but a worker parses tar at 90-160 MB/s, and parsed over http the two were 93 vs
-  87 MB/s (no latency) and 68 vs 104 MB/s (20 ms; noisy runs, 41-85 MB/s over block sizes of
-  4-32 MiB). Bounded block requests buy what one long GET cannot: a per-request deadline
-  that stops a trickling server without cutting a long healthy read, and the same retry,
-  short-read, redirect and resume rules for every fsspec store (s3, gs, az, hf, ...).
-  On a high-latency link raise ``block_size``.
+:func:`open_shard` returns a buffered stream of bytes ``[offset, end)``. Under it a
+:class:`ResumableStream` counts what it delivered; a failed read or a body that ends early is
+retried *at its current offset* under the one retry policy, so the parser never sees a retry, a
+duplicate or a gap; when the policy gives up, ``DataError("unreachable_url")`` (``"corrupt_shard"``
+locally). Local paths are plain ``open`` + ``seek``. Remote URLs are read in blocks of
+``OpenOptions.block_size``, one bounded request each (http(s) and S3 pinned to one version), the next
+prefetched in a thread: unlike one streaming GET, every request gets a deadline and the same retry
+rules, and parsing (90-160 MB/s a worker) stays the bottleneck (``benchmarks/bench_storage.py``).
+``pipe:cmd`` runs a shell command, so it needs ``allow_pipe=True``; it cannot seek or resume.
 """
 
 from __future__ import annotations
@@ -49,16 +23,7 @@ from streampack.io.failures import classify
 from streampack.io.http import Pin, get_range
 from streampack.io.retry import IOStats, Transient, with_retries
 from streampack.io.s3_read import s3_get_range
-from streampack.io.storage import (
-    OpenOptions,
-    deadline,
-    filesystem,
-    is_http,
-    is_remote,
-    local_path,
-    protocol_of,
-    stat,
-)
+from streampack.io.storage import OpenOptions, deadline, filesystem, is_http, is_remote, local_path, protocol_of, stat
 
 _DISCARD_CHUNK = 1 << 20
 LOCAL_BUFFER = 256 << 10
@@ -168,20 +133,13 @@ class _Prefetch:
         return self._data
 
 
-class ResumableStream(io.RawIOBase):
-    """Bytes ``[start, end)`` of one shard (to its end when ``end`` is None), seekable; every
-    fault is retried at the current offset under ``opts.retry``."""
+class SeekableRaw(io.RawIOBase):
+    """A raw stream that keeps its own position ``_pos``; ``_size()`` is where ``SEEK_END`` counts from."""
 
-    def __init__(self, source: _Local | _Remote, *, url: str, start: int, end: int | None, opts: OpenOptions,
-                 stats: IOStats | None, block: int) -> None:
-        super().__init__()
-        self._src, self._url, self._opts, self._stats = source, url, opts, stats
-        self._local = isinstance(source, _Local)
-        self._start, self._pos, self._block_size = start, start, block
-        self._end = end if end is not None else source.size
-        self._eof: int | None = None  # where the data ended, when the size was not known
-        self._buf, self._buf_at = memoryview(b""), start
-        self._ahead: _Prefetch | None = None
+    _pos: int
+
+    def _size(self) -> int:
+        raise NotImplementedError
 
     def readable(self) -> bool:
         return True
@@ -196,14 +154,33 @@ class ResumableStream(io.RawIOBase):
         if whence == io.SEEK_CUR:
             pos += self._pos
         elif whence == io.SEEK_END:
-            end = self._end if self._end is not None else self._src.length()
-            if end is None:
-                raise io.UnsupportedOperation(f"size of {self._url} unknown: cannot seek from its end")
-            pos += end
+            pos += self._size()
         if pos < 0:
             raise ValueError(f"negative seek position {pos}")
         self._pos = pos
         return pos
+
+
+class ResumableStream(SeekableRaw):
+    """Bytes ``[start, end)`` of one shard (to its end when ``end`` is None), seekable; every
+    fault is retried at the current offset under ``opts.retry``."""
+
+    def __init__(self, source: _Local | _Remote, *, url: str, start: int, end: int | None, opts: OpenOptions,
+                 stats: IOStats | None, block: int) -> None:
+        super().__init__()
+        self._src, self._url, self._opts, self._stats = source, url, opts, stats
+        self._local = isinstance(source, _Local)
+        self._start, self._pos, self._block_size = start, start, block
+        self._end = end if end is not None else source.size
+        self._eof: int | None = None  # where the data ended, when the size was not known
+        self._buf, self._buf_at = memoryview(b""), start
+        self._ahead: _Prefetch | None = None
+
+    def _size(self) -> int:
+        end = self._end if self._end is not None else self._src.length()
+        if end is None:
+            raise io.UnsupportedOperation(f"size of {self._url} unknown: cannot seek from its end")
+        return end
 
     def readinto(self, b: Any) -> int:
         limit = self._eof if self._eof is not None else self._end
@@ -289,11 +266,8 @@ class ResumableStream(io.RawIOBase):
 
 def open_shard(url: str, offset: int = 0, end: int | None = None, *, opts: OpenOptions = OpenOptions(),
                stats: IOStats | None = None) -> BinaryIO:
-    """A buffered, seekable stream of bytes ``[offset, end)`` of ``url`` (to its end if None).
-
-    A missing shard raises ``DataError("missing_shard")`` here; reads raise ``DataError`` once
-    the retry policy gives up.
-    """
+    """A buffered, seekable stream of bytes ``[offset, end)`` of ``url`` (to its end if None);
+    ``DataError("missing_shard")`` here for a missing shard."""
     if offset < 0 or (end is not None and end < offset):
         raise ValueError(f"bad byte range {offset=} {end=} for {url!r}")
     if url.startswith("pipe:"):
@@ -328,4 +302,4 @@ def skip_bytes(f: BinaryIO, n: int, url: str) -> None:
         n -= len(chunk)
 
 
-__all__ = ["OpenOptions", "ResumableStream", "open_shard", "skip_bytes"]
+__all__ = ["OpenOptions", "ResumableStream", "SeekableRaw", "open_shard", "skip_bytes"]

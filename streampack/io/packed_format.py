@@ -7,10 +7,8 @@ Layout of a packed dataset directory::
     packed-000000.tar          one tar sample per pack: input_ids.npy (the documents back to
     packed-000001.tar ...      back), doc_lengths.npy, keys.json, labels.npy / loss_mask.npy
 
-A pack was made for one ``capacity`` and one per-document alignment (``2*cp*tp`` with context
-parallelism): its documents were rounded up to ``align`` when they were packed, so the same
-files do not fit another capacity or alignment: :func:`check_layout` refuses such a request
-instead of producing packs that overflow.
+Documents were rounded up to ``align`` when packed, so the files fit only their ``capacity`` and
+alignment: :func:`check_layout` refuses another instead of producing packs that overflow.
 """
 
 from __future__ import annotations

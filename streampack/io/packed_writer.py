@@ -1,10 +1,8 @@
-"""Write packs (documents grouped by a packing algorithm) as packed tar shards + manifest.
+"""Write packs as packed tar shards + manifest (layout: :mod:`streampack.io.packed_format`).
 
-The inverse of :mod:`streampack.io.packed_format`; see there for the layout. Tokens are
-stored as int32 when every id fits (halves the files; the reader widens to int64). Shards are
-written with fixed tar metadata, so the same packs give byte-identical files, and each shard
-appears under its final name only once complete (written to ``*.tmp``, then renamed); the
-manifest is written last, so a directory without one is an unfinished pack run.
+Tokens are stored as int32 when every id fits; shards get fixed tar metadata (the same packs
+give byte-identical files) and appear under their final name only once complete; the manifest is
+written last, so a directory without one is an unfinished pack run.
 """
 
 from __future__ import annotations
@@ -19,13 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from streampack.io.packed_format import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    Manifest,
-    read_manifest,
-)
+from streampack.io.packed_format import FORMAT, FORMAT_VERSION, MANIFEST_NAME, Manifest, read_manifest
 from streampack.sample import Sample
 
 
@@ -70,10 +62,8 @@ def write_packed_dataset(docs: Sequence[Sample], bins: Sequence[np.ndarray], out
                          seed: int = 0, packs_per_shard: int = 1000, metrics: dict[str, Any] | None = None,
                          extra: dict[str, Any] | None = None,
                          progress: Callable[[int], None] | None = None) -> Manifest:
-    """Write ``bins`` (each an index array into ``docs``) as packed shards under ``out_dir``.
-
-    Refuses a pack whose aligned length exceeds ``capacity`` (the packer and the alignment
-    disagree). Returns the written manifest. ``progress(n)`` is called after every ``n`` packs."""
+    """Write ``bins`` (index arrays into ``docs``) as packed shards under ``out_dir``; returns the manifest.
+    Refuses a pack whose aligned length exceeds ``capacity``; ``progress(n)`` is called every ``n`` packs."""
     if packs_per_shard < 1:
         raise ValueError(f"{packs_per_shard=} must be >= 1")
     out = Path(out_dir)

@@ -1,32 +1,16 @@
-"""Parquet shards (FineWeb, DCLM, The Stack, every Hugging Face dataset's parquet export) via pyarrow.
+"""Parquet shards (FineWeb, DCLM, every Hugging Face dataset's parquet export) via pyarrow.
 
-A row is a sample: a token-id list column named ``tokens_key`` (any integer list type), or else
-a text column named ``text_key`` (string or UTF-8 binary), plus optional ``labels_key`` /
-``loss_mask_key`` list columns; each row goes through :func:`~streampack.io.decode.make_sample`
-like a jsonl line. The sample key is the row number, and so is the position: a shard range
-is a row range, so resuming at row ``r`` opens row group ``g`` (from the footer's row counts)
-and skips ``r - first_row(g)`` rows of that group only; earlier row groups are never read.
-The index of a parquet file is its rows (from the footer) and each row's token count
-(:func:`token_lengths`), so a finite run over several ranks can plan its batches from it.
+A row is a sample: an integer-list column ``tokens_key``, or else a text column ``text_key``, plus
+optional ``labels_key`` / ``loss_mask_key`` lists, each row validated like a jsonl line. The key
+and the position are the row number: resuming at row ``r`` opens its row group and skips rows of
+that group only. The index is the footer's rows and each row's token count (:func:`token_lengths`).
 
-Only the needed columns are read, one row group at a time, in batches of at most
-:data:`BATCH_ROWS` rows. Untrusted files are bounded by ``Limits.max_sample_bytes`` *before*
-anything is decoded, from the footer alone: a column chunk decodes to at least ``num_values``
-leaf values (8 bytes per token id once it is an int64 array) and to at least its
-``total_uncompressed_size`` (the bytes of its strings). A row group whose rows average more
-than the limit must hold a sample over it, so it is refused unread (``sample_too_large``,
-every row of the group: with one row per group, the bomb case, exactly that sample); otherwise
-a batch holds about ``max_sample_bytes`` worth of rows, and each decoded row is checked again.
-Measured (peak RSS of a fresh child, ``benchmarks/rss_child.py``, as in
-``tests/test_parquet_limits.py``): a 934-byte file with one row of 64M ids cost +1,707 MiB and
-is now refused at +80 MiB, what any first parquet read costs (a 2-row file: +79 MiB, pyarrow's
-import and pools); an 8.8 KB file with one 256 MiB string: +1,064 -> +36 MiB. Not caught from
-the footer: a dictionary-encoded string repeated in many rows (the footer counts its bytes
-once) — such a batch is decoded, then refused per row.
-
-Damage is located to the row: a batch that fails is read again one row at a time from its
-first row, so every good row before the bad page is delivered and the error names the first
-row that cannot be read.
+Only the needed columns are read, a row group at a time, in batches of at most :data:`BATCH_ROWS`.
+Untrusted files are bounded by ``Limits.max_sample_bytes`` from the footer before decoding (a
+column chunk decodes to at least ``num_values`` leaf values and its ``total_uncompressed_size``):
+a row group whose rows average more than the limit is refused unread (a 934-byte file holding
+64M ids cost +1,707 MiB, and is refused at +80 MiB: ``benchmarks/rss_child.py``); decoded rows
+are checked again. Damage is located to the row: a batch that fails is re-read one row at a time.
 """
 
 from __future__ import annotations
@@ -52,6 +36,14 @@ def _parquet_file(f: BinaryIO, url: str) -> Any:
         raise DataError("corrupt_shard", f"not a readable parquet file: {e}", url=url, value=0) from None
 
 
+def int_lists(kind: Any, *, fixed: bool = True) -> bool:
+    """Whether the arrow type ``kind`` is a list of integers (``fixed``: fixed-size lists count)."""
+    import pyarrow as pa
+
+    lists = pa.types.is_list(kind) or pa.types.is_large_list(kind) or (fixed and pa.types.is_fixed_size_list(kind))
+    return lists and pa.types.is_integer(kind.value_type)
+
+
 def row_counts(f: BinaryIO, url: str) -> np.ndarray:
     """int64 ``[num_row_groups]``: rows per row group, from the footer only."""
     md = _parquet_file(f, url).metadata
@@ -59,21 +51,11 @@ def row_counts(f: BinaryIO, url: str) -> np.ndarray:
 
 
 def token_lengths(f: BinaryIO, opts: DecodeOptions, url: str) -> np.ndarray:
-    """int32 ``[rows]``: each row's token count as the reader will see it, for an index. -1 where
-    it is not known before tokenizing (no integer-list ``tokens_key`` column, or a null list in a
-    row that has text); :data:`~streampack.io.decode.BAD_LENGTH` where the reader refuses the
-    row (a null list and no text column, a row group or row over ``max_sample_bytes``).
-
-    The counts are the token column's list lengths, read one row group at a time, only that
-    column, in batches of about ``max_sample_bytes``. Parquet keeps a list's lengths only as the
-    repetition / definition levels interleaved with the values in each data page, and pyarrow
-    has no levels-only read, so the values are decoded (then dropped). Measured with
-    ``python benchmarks/bench_index.py parquet`` (20,000 rows x ~600 int32 ids, 44 MB, loaded
-    2-core box): footer alone 1 ms, with token counts 1.7 s (1.1 s for a bare
-    ``read_row_group`` + ``list_value_length`` of the column: the same decode), a whole read
-    through the reader 3.3 s. Paid once per shard, by ``streampack index``; a reader that only
-    splits a shard keeps the footer-only index (``index.load_or_build_index(positions_only=)``)."""
-    import pyarrow as pa
+    """int32 ``[rows]``: each row's token count as the reader will see it, for an index; -1 where not
+    known before tokenizing, :data:`~streampack.io.decode.BAD_LENGTH` where the reader refuses the row.
+    pyarrow has no levels-only read, so the token column is decoded, a row group at a time (20,000
+    rows x ~600 ids: 1.7 s, the footer alone 1 ms, ``benchmarks/bench_index.py parquet``): paid once
+    per shard by ``streampack index``; a reader that only splits a shard keeps the footer-only index."""
     import pyarrow.compute as pc
 
     pf = _parquet_file(f, url)
@@ -81,8 +63,7 @@ def token_lengths(f: BinaryIO, opts: DecodeOptions, url: str) -> np.ndarray:
     counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
     key = opts.tokens_key
     kind = schema.field(key).type if key in schema.names else None
-    if kind is None or not ((pa.types.is_list(kind) or pa.types.is_large_list(kind)
-                             or pa.types.is_fixed_size_list(kind)) and pa.types.is_integer(kind.value_type)):
+    if kind is None or not int_lists(kind):
         return np.full(sum(counts), -1, np.int32)  # text to tokenize (or no usable column: the reader says why)
     null = -1 if opts.text_key and opts.text_key in schema.names else BAD_LENGTH
     width, limit = kind.value_type.bit_width // 8, opts.limits.max_sample_bytes
@@ -117,17 +98,15 @@ def _columns(schema_names: list[str], opts: DecodeOptions, url: str) -> dict[str
 
 
 def check_schema(f: BinaryIO, opts: DecodeOptions, url: str) -> None:
-    """Refuse a shard whose footer already says no row can decode: no tokens/text column, a
-    token column that is not a list of integers, or (without one) a text column that is not
-    string/binary. Reads the footer only (one ranged request remotely, ~1 ms locally)."""
+    """Refuse a shard whose footer already says no row can decode (no tokens / text column, or one of
+    the wrong type); reads the footer only."""
     import pyarrow as pa
 
     schema = _parquet_file(f, url).schema_arrow
     columns = _columns(schema.names, opts, url)
     if "tokens" in columns:
         kind = schema.field(columns["tokens"]).type
-        lists = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
-        if not (lists and pa.types.is_integer(kind.value_type)):
+        if not int_lists(kind):
             raise DataError("bad_dtype", f"token column {columns['tokens']!r} has type {kind}, want a list of "
                             f"integers", url=url, value=str(kind))
     else:
@@ -141,10 +120,7 @@ def check_schema(f: BinaryIO, opts: DecodeOptions, url: str) -> None:
 def _rows(column: Any) -> list[Any]:
     """A column's values per row: numpy slices of the flat values for integer lists (no Python
     object per token), Python values otherwise; None for null rows."""
-    import pyarrow as pa
-
-    kind = column.type
-    if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type):
+    if int_lists(column.type, fixed=False):
         flat = column.flatten()
         if flat.null_count == 0:
             values = flat.to_numpy()
@@ -157,9 +133,8 @@ def _rows(column: Any) -> list[Any]:
 
 
 def iter_parquet_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, end: int | None) -> Iterator[Item]:
-    """Decoded samples of rows ``[start, end)`` (to the last row when ``end`` is None); a bad
-    row (or a row group over the limits) becomes an ``Item`` with ``error`` set; an unreadable
-    file or page raises ``DataError("corrupt_shard")`` naming the first row it loses."""
+    """Decoded samples of rows ``[start, end)``; a bad row (or row group over the limits) becomes an
+    ``Item`` with ``error`` set; an unreadable page raises ``DataError("corrupt_shard")`` naming its first row."""
     pf = _parquet_file(f, url)
     md = pf.metadata
     counts = np.array([md.row_group(i).num_rows for i in range(md.num_row_groups)], np.int64)
@@ -268,4 +243,4 @@ def _nbytes(value: Any) -> int:
     return len(value) if isinstance(value, (str, bytes)) else 0
 
 
-__all__ = ["BATCH_ROWS", "check_schema", "iter_parquet_items", "row_counts", "token_lengths"]
+__all__ = ["BATCH_ROWS", "check_schema", "int_lists", "iter_parquet_items", "row_counts", "token_lengths"]

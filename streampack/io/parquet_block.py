@@ -1,18 +1,11 @@
 """Parquet shards with an integer-list token column, read as :class:`~streampack.io.token_block.TokenBlock` s.
 
-One read per row group of the token column alone, as arrow: the list offsets and the flat
-values are taken zero-copy (``to_numpy``), so a block is the row group's value buffer with each
-row a ``(start, length)`` in it — no Python object per row (the per-sample reader made a numpy
-slice, an int64 copy and a Sample per row).
-
-A block holds only what the per-sample reader (:mod:`streampack.io.parquet`) turns into valid
-samples with nothing to report: the token column is a ``list`` / ``large_list`` of integers and
-the only column that reader reads (no ``text_key`` column: it reads that one too, and counts its
-bytes against ``max_sample_bytes``); the row group is within ``max_sample_bytes`` per row from the
-footer, as that reader judges it before decoding; no row is null, empty or over
-``max_sample_bytes``, and every id is in ``[0, vocab bound)``. At the first row group that is not,
-or one that cannot be read, the blocks end and the per-sample reader reads on from that row
-(it locates a bad page to the row, and raises, counts and skips as always).
+One read per row group of the token column alone; the list offsets and values are taken
+zero-copy, so a block is the row group's value buffer with each row a ``(start, length)`` in it.
+A block holds only rows the per-sample reader (:mod:`streampack.io.parquet`) turns into valid
+samples with nothing to report (only the token column, within ``max_sample_bytes``, no null or
+empty row, ids in range); at the first row group that is not, the blocks end and that reader
+reads on from that row.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
 from streampack.io.limits import id_bound
 from streampack.io.open import open_shard
-from streampack.io.parquet import _decoded_bytes
+from streampack.io.parquet import _decoded_bytes, int_lists
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.token_block import TokenBlock
@@ -60,9 +53,8 @@ def parquet_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: 
 
 def parquet_groups_at(url: str, rows: list[int], *, decode: DecodeOptions, opts: OpenOptions,
                       streams: list[BinaryIO], stats: IOStats | None = None) -> list[TokenBlock] | None:
-    """The whole row groups holding ``rows``, one block each, every row of them checked as
-    :func:`parquet_blocks` checks a block's; None where one of them is not such a block (or a
-    row is past the file's end)."""
+    """The whole row groups holding ``rows``, one block each, checked as :func:`parquet_blocks` checks
+    a block; None where one is not such a block (or a row is past the end)."""
     opened = _token_file(url, decode=decode, opts=opts, streams=streams, stats=stats)
     if opened is None:
         return None
@@ -94,8 +86,7 @@ def _token_file(url: str, *, decode: DecodeOptions, opts: OpenOptions, streams: 
     key = decode.tokens_key
     if key not in schema.names or (decode.text_key and decode.text_key in schema.names):
         return None
-    kind = schema.field(key).type
-    if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type)):
+    if not int_lists(schema.field(key).type, fixed=False):
         return None
     counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
     return pf, np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()

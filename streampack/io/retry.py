@@ -1,27 +1,13 @@
 """One retry policy for every read: backoff with full jitter inside a time budget, and counters.
 
-A read (one block of a shard, a listing, a ``HEAD``) is an *attempt*. A failure the storage layer
-classifies as transient (a connection error, a timeout, a 5xx or 429, a body shorter than it
-should be) is raised as :class:`Transient` inside the attempt; :func:`with_retries` sleeps and
-tries again until the attempt succeeds, the failures of this *run* (consecutive failures of the
-same read) have lasted ``budget`` seconds, or ``retries`` retries were spent. Then the last
-failure becomes ``DataError("unreachable_url")`` (``"corrupt_shard"`` for a local file) naming
-the URL. Anything not transient propagates at once.
-
-Why full jitter (``sleep = uniform(0, min(max_backoff, backoff * 2**n))``): every DataLoader
-worker of every rank meets the same outage at the same moment; the old fixed 0.5/1/2 s
-schedule retried them in lockstep, so a throttling store saw the same burst again three times
-and then the run gave up after 3.5 s. Jitter spreads the retries out, and the budget (default
-two minutes) outlasts a routine burst of 503s or a load balancer restart.
-
-A run's total time is at most ``budget`` plus one attempt (an attempt in flight is never cut
-short by the budget; its own deadline bounds it: see ``OpenOptions.request_deadline``).
-
-A server's ``Retry-After`` (429 / 503) is honoured: the wait is at least what it asks, and a wait
-that would overrun the budget gives up at once, naming it. A connection refused by a host that
-has never answered in this process (a wrong port, a server not started) is a mistake more often
-than an outage: such a run gets ``refused_budget`` (a few seconds), not ``budget`` (a wrong port
-was retried for 118 s before one line carrying aiohttp's ``ConnectionKey(...)`` repr).
+A read is an *attempt*; a failure classified as transient is raised as :class:`Transient` inside
+it, and :func:`with_retries` sleeps and tries again until it succeeds, the consecutive failures
+have lasted ``budget`` seconds (plus the attempt in flight), or ``retries`` are spent. Then the
+last failure becomes ``DataError("unreachable_url")`` (``"corrupt_shard"`` locally) naming the
+URL. Full jitter (``uniform(0, min(max_backoff, backoff * 2**n))``) keeps every worker of every
+rank from retrying an outage in lockstep. A ``Retry-After`` is honoured (a wait past the budget
+gives up at once); a connection refused by a host never answered gets ``refused_budget`` (a few
+seconds): a wrong port is a mistake more often than an outage.
 """
 
 from __future__ import annotations
@@ -73,11 +59,8 @@ class RetryPolicy:
 
 
 class IOStats:
-    """Counts of reads, retries and faults by kind, shared by every stream of one graph.
-
-    Like :class:`~streampack.errors.ErrorCounter` it is plain counters, saved in the state's
-    metrics and loaded back after a restore (``metrics()["io"]``).
-    """
+    """Counts of reads, retries and faults by kind, shared by every stream of one graph and saved in
+    the state's metrics (``metrics()["io"]``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # prefetch threads count too
@@ -156,11 +139,8 @@ def _budget(policy: RetryPolicy, url: str, last: Transient) -> float:
 def with_retries(attempt: Callable[[], T], *, url: str, policy: RetryPolicy, stats: IOStats | None = None,
                  what: str = "read", reason: str = "unreachable_url",
                  first_failure: Transient | None = None) -> T:
-    """``attempt()``, retried after :class:`Transient` failures per ``policy``.
-
-    ``first_failure``: a failure that already happened (and was counted: a prefetch that
-    failed in the background): the run starts with it, as if the first attempt had been here.
-    """
+    """``attempt()``, retried after :class:`Transient` failures per ``policy``; ``first_failure`` (one
+    already counted, e.g. by a background prefetch) starts the run."""
     failures, started, last = 0, time.monotonic(), first_failure
     if last is not None:
         failures += 1

@@ -1,23 +1,17 @@
 """S3 ranged reads pinned to one version of the object, never read past the range asked.
 
-s3fs's ``cat_file`` sends a ranged ``GetObject`` and returns the body, dropping what the answer
-says about the object; so a key overwritten while a shard is read would splice two versions
-(seen over http). Here the same ``GetObject`` goes through s3fs's own client
-(``_call_s3``: its credentials, endpoint and config apply) with ``IfMatch`` set to the ETag the
-first answer gave, and each answer's ``ETag`` and ``ContentRange`` total are
-compared with the pin (:class:`~streampack.io.http.Pin`); a mismatch or ``412 Precondition
-Failed`` is ``DataError("shard_changed")``. The body is read for exactly the bytes asked.
+s3fs's ``cat_file`` drops what the answer says about the object, so an overwritten key would
+splice two versions. Here the ``GetObject`` goes through s3fs's own client with ``IfMatch`` set
+to the first answer's ETag, and each answer's ``ETag`` and ``ContentRange`` total are compared
+with the pin (:class:`~streampack.io.http.Pin`); a mismatch or 412 is ``DataError("shard_changed")``.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from streampack.io.http import Pin, changed, check_total, check_version
+from streampack.io.http import CONTENT_RANGE, Pin, changed, check_total, check_version
 from streampack.io.retry import Transient
-
-_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 def s3_get_range(fs: Any, path: str, start: int, end: int, pin: Pin, deadline: float) -> bytes:
@@ -42,7 +36,7 @@ async def _get(fs: Any, path: str, start: int, end: int, pin: Pin) -> bytes:
     body = resp["Body"]
     try:
         check_version({"ETag": resp.get("ETag")} if resp.get("ETag") else {}, f"s3://{path}", pin)
-        m = _RANGE.fullmatch(resp.get("ContentRange") or "")
+        m = CONTENT_RANGE.fullmatch(resp.get("ContentRange") or "")
         if m is not None:
             check_total(m.group(3), f"s3://{path}", pin)
         want = end - start

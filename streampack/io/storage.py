@@ -1,24 +1,12 @@
 """Where shards live: fsspec filesystems built with streampack's timeouts and redirect policy,
 and the few store calls (stat, listing) made under the retry policy.
 
-Every remote URL (``http(s)://``, ``s3://`` via s3fs, ``gs://`` via gcsfs, ``az://``/``abfs://``
-via adlfs, ``hf://`` via huggingface_hub, ``memory://``, any registered fsspec protocol) goes
-through one fsspec filesystem per (process, protocol, options). Local paths (and ``file://``)
-never do: they are plain ``open`` + ``seek`` (see :mod:`streampack.io.open`).
-
-What streampack sets on top of the user's ``storage_options`` (the user's values win):
-
-- ``http(s)``: aiohttp connect / read timeouts, and a redirect guard: a redirect to another
-  host raises :class:`RedirectRefused` (a shard list from a config file must not send a
-  training job to an arbitrary host) unless ``allow_redirects=True``; same-host redirects
-  are followed.
-- ``s3``: botocore connect / read timeouts; s3fs's and botocore's own retries off, so the
-  one policy (:mod:`streampack.io.retry`) decides; ``$STREAMPACK_S3_ENDPOINT`` (else
-  botocore's ``$AWS_ENDPOINT_URL(_S3)``) with path-style addressing for S3-compatible stores.
-- every async filesystem (http, s3, gs, az): ``request_deadline`` bounds each request, a
-  ``stat`` / ``HEAD`` and a listing included (fsspec's ``timeout=``, which cancels the
-  coroutine), so a server that trickles bytes cannot hold a read forever. http(s) stats and
-  reads go through :mod:`streampack.io.http`, which checks the answers fsspec would not.
+Every remote URL goes through one fsspec filesystem per (process, protocol, options); local paths
+never do. On top of the user's ``storage_options`` (whose values win): http(s) timeouts and a
+redirect guard (another host raises :class:`RedirectRefused` unless ``allow_redirects=True``);
+s3 timeouts, s3fs's and botocore's own retries off so the one policy decides, and
+``$STREAMPACK_S3_ENDPOINT`` with path-style addressing; every async filesystem a
+``request_deadline`` per request, stats and listings included.
 """
 
 from __future__ import annotations
@@ -34,6 +22,8 @@ from streampack.io.failures import RedirectRefused, classify
 from streampack.io.retry import IOStats, RetryPolicy, with_retries
 
 ENDPOINT_ENV = "STREAMPACK_S3_ENDPOINT"
+IDENTITY_MODES = ("tag", "size", "digest", "off")
+"""What ``OpenOptions.identity`` may be (:mod:`streampack.io.shard_identity`)."""
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
           "adl": "azure", "hf": "hf"}
 """``pip install 'streampack[extra]'`` that brings each protocol's fsspec package."""
@@ -68,8 +58,8 @@ class OpenOptions:
     mtime), ``size``, ``digest`` or ``off`` (:mod:`streampack.io.shard_identity`)."""
 
     def __post_init__(self) -> None:
-        if self.identity not in ("tag", "size", "digest", "off"):
-            raise ValueError(f"identity={self.identity!r} must be one of ('tag', 'size', 'digest', 'off')")
+        if self.identity not in IDENTITY_MODES:
+            raise ValueError(f"identity={self.identity!r} must be one of {IDENTITY_MODES}")
         for name in ("connect_timeout", "read_timeout", "request_deadline"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -256,8 +246,7 @@ def identity(url: str, opts: OpenOptions, stats: IOStats | None = None) -> Shard
 
 
 def find(url: str, opts: OpenOptions, *, pattern: bool) -> list[str]:
-    """Every object under a remote prefix / directory (``pattern=False``) or matching a glob,
-    as full URLs, sorted."""
+    """Every object under a remote prefix / directory (``pattern=False``) or matching a glob, as full URLs, sorted."""
     fs, path = filesystem(url, opts)
     if pattern:
         found = call(lambda: fs.glob(path, **deadline(fs, opts)), url, opts, None, what="glob")
@@ -266,5 +255,5 @@ def find(url: str, opts: OpenOptions, *, pattern: bool) -> list[str]:
     return sorted(fs.unstrip_protocol(p) if "://" not in p else p for p in found)
 
 
-__all__ = ["ENDPOINT_ENV", "OpenOptions", "ShardStat", "call", "deadline", "filesystem", "find", "identity", "is_http",
-           "is_remote", "local_path", "protocol_of", "stat"]
+__all__ = ["ENDPOINT_ENV", "IDENTITY_MODES", "OpenOptions", "ShardStat", "call", "deadline", "filesystem", "find",
+           "identity", "is_http", "is_remote", "local_path", "protocol_of", "stat"]

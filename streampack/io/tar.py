@@ -1,27 +1,16 @@
 """webdataset tar shards: members grouped into samples, judged, decoded and indexed.
 
-Samples follow webdataset: consecutive members sharing the key (name up to the first dot of
-the basename) form one sample; the rest of the name is the field (see ``tar_decode``). Members
-come from ``tar_stream`` (headers verified, sizes bounded, corrupt headers skipped to the next
-readable one); members the decoder never reads are skipped unread, and the ones it reads are
-bounded by ``max_member_bytes`` each and ``max_sample_bytes`` together.
+Consecutive members sharing the key (name up to the first dot of the basename) form one sample;
+members come from ``tar_stream`` (headers verified, sizes bounded, corrupt headers skipped), and
+those the decoder never reads are skipped unread. Bad structure costs exactly the samples it touches:
 
-Bad structure costs exactly the samples it touches:
-
-- a sample next to a corrupt region (before or after it) may have lost a member to it. It is
-  kept only if it has the same fields as the next intact sample (a lost ``labels.npy`` must
-  not become a sample trained on its own tokens); otherwise it is ``incomplete_sample`` —
-  or, right after the region, part of the region's ``corrupt_shard`` error. Judging by the
-  sample *after* (never before) keeps the verdict the same when a read resumes mid-range;
-  with no intact sample after it in the reader's range (the shard's end, or the end of a
-  worker's part of a split shard) it is dropped;
-- a key met earlier in the range (``a, b, a``; a worker's part when a shard is split) is
-  ``repeated_key`` (hashed keys, about 10 bytes each: :class:`~streampack.io.keys.KeySet`). The one verdict that looks back: a read
-  resumed at a byte offset knows only the keys after that offset. Remembering the earlier
-  ones would mean re-reading the range prefix at every resume (every worker re-downloading
-  up to a shard per restart on remote data, where resuming is now one ranged request) or a
-  state that grows with the shard; so a repeat whose first occurrence precedes the resume
-  point passes after that resume.
+- a sample next to a corrupt region is kept only if it has the fields of the next intact sample
+  (a lost ``labels.npy`` must not become a sample trained on its own tokens); else it is
+  ``incomplete_sample`` or part of the region's ``corrupt_shard``. Judging only by what follows
+  keeps the verdict the same when a read resumes mid-range;
+- a key met earlier in the range is ``repeated_key`` (:class:`~streampack.io.keys.KeySet`). This
+  verdict looks back, so a repeat whose first occurrence precedes a resume point passes after that
+  resume: remembering it would mean re-reading the range prefix at every resume.
 """
 
 from __future__ import annotations
@@ -38,13 +27,7 @@ from streampack.io.limits import Limits
 from streampack.io.npy import npy_length
 from streampack.io.tar_decode import decode_tar_sample, decoder_want
 from streampack.io.tar_header import BLOCK, is_plain_member
-from streampack.io.tar_stream import (
-    ZERO_BLOCK,
-    CorruptRegion,
-    Cursor,
-    TarMember,
-    iter_tar_members,
-)
+from streampack.io.tar_stream import ZERO_BLOCK, CorruptRegion, Cursor, TarMember, iter_tar_members
 
 _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 _LOOKAHEAD = 16
@@ -159,10 +142,9 @@ def _units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable
 
 
 def _judged(units: Iterator[Unit], url: str, peek: _Peek | None = None) -> Iterator[Unit]:
-    """Judge each sample next to a corrupt region by the first intact sample among the
-    ``_LOOKAHEAD`` units after it (a rule that looks only forward, so a resumed read judges
-    alike), then check keys against the range's earlier ones, in stream order. A range that
-    ends inside the shard (``peek``) looks past its end for that, as a whole-shard read would."""
+    """Judge each sample next to a corrupt region by the first intact sample among the ``_LOOKAHEAD``
+    units after it (forward only, so a resumed read judges alike; ``peek`` looks past a range's end),
+    then check keys against the range's earlier ones."""
     judge, last = _Judge(url), None
     try:
         for last in units:
@@ -178,9 +160,8 @@ def _judged(units: Iterator[Unit], url: str, peek: _Peek | None = None) -> Itera
 
 
 class _Peek:
-    """What follows a shard range that ends inside the shard: the header just past its end (read
-    from the range's own stream, which is opened one block longer), and only when that is not a
-    plain member, the units after it (from a second stream: damage is rare)."""
+    """What follows a range that ends inside the shard: the header past its end (from the range's own
+    stream, opened one block longer), and only when that is not a plain member, the units after it."""
 
     def __init__(self, f: BinaryIO, reopen: Callable[[int, int | None], BinaryIO], *, at: int, url: str,
                  want: Callable[[str], int], seekable: bool, limits: Limits) -> None:
@@ -199,6 +180,11 @@ class _Peek:
                       seekable=self.seekable, limits=self.limits, after_region=after_region)
 
 
+def _intact(unit: Unit) -> bool:
+    """A sample group with no corrupt region next to it."""
+    return isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region)
+
+
 class _Judge:
     """The units awaiting a verdict (at most ``_LOOKAHEAD`` + 2: a bound on memory)."""
 
@@ -207,16 +193,12 @@ class _Judge:
         self.undecided: list[TarGroup] = []
 
     def push(self, unit: Unit) -> list[Unit]:
-        if not self.pending and isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region):
+        if not self.pending and _intact(unit):
             if not self.keys.add(unit.key):  # the common case: nothing waits for a verdict
                 unit.fail(self._repeated(unit))
             return [unit]
-        for group in self.undecided:
-            group.seen += 1
-        intact = isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region)
-        if intact:
-            self._decide(self.undecided, frozenset(unit.fields))
-        else:
+        intact = self._see(unit)
+        if not intact:
             self.pending.append(unit)
             if isinstance(unit, TarGroup):
                 self.undecided.append(unit)
@@ -232,15 +214,21 @@ class _Judge:
         """Decide the waiting samples from units past the range (they are not this range's)."""
         try:
             for unit in units:
-                for group in self.undecided:
-                    group.seen += 1
-                if isinstance(unit, TarGroup) and not (unit.after_region or unit.before_region):
-                    self._decide(self.undecided, frozenset(unit.fields))
+                self._see(unit)
                 self._decide([g for g in self.undecided if g.seen >= _LOOKAHEAD], None)
                 if not self.undecided:
                     return
         except DataError:  # unreadable past the range: no intact sample shows the fields
             return
+
+    def _see(self, unit: Unit) -> bool:
+        """Age the waiting samples by one unit, and decide them all when it is intact (returned)."""
+        for group in self.undecided:
+            group.seen += 1
+        if _intact(unit):
+            self._decide(self.undecided, frozenset(unit.fields))  # type: ignore[union-attr]
+            return True
+        return False
 
     def _decide(self, groups: list[TarGroup], intact: frozenset[str] | None) -> None:
         for group in groups:
@@ -289,9 +277,8 @@ class _Judge:
 def iter_tar_units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable[[str], int],
                    seekable: bool, limits: Limits,
                    reopen: Callable[[int, int | None], BinaryIO] | None = None) -> Iterator[Unit]:
-    """Judged sample groups and corrupt regions of the range ``[start, end)``. With ``reopen(a,
-    b)`` (opens bytes ``[a, b)`` of the same shard) a range that ends inside the shard looks past
-    ``end``: ``f`` must then hold one more block after ``end``."""
+    """Judged sample groups and corrupt regions of ``[start, end)``. With ``reopen(a, b)`` a range that
+    ends inside the shard looks past ``end``: ``f`` must then hold one more block after it."""
     peek = None if end is None or reopen is None else _Peek(f, reopen, at=end, url=url, want=want,
                                                             seekable=seekable, limits=limits)
     return _judged(_units(f, url=url, start=start, end=end, want=want, seekable=seekable, limits=limits), url, peek)
@@ -299,10 +286,8 @@ def iter_tar_units(f: BinaryIO, *, url: str, start: int, end: int | None, want: 
 
 def iter_tar_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, first_index: int, end: int | None,
                    seekable: bool, reopen: Callable[[int, int | None], BinaryIO] | None = None) -> Iterator[Item]:
-    """Decoded samples of one shard range; a bad sample (or corrupt region) becomes an ``Item``
-    with ``error`` set. A shard that cannot be read on (truncated, or corrupt to its end)
-    raises ``DataError("corrupt_shard")`` out of the iterator.
-    """
+    """Decoded samples of one shard range; a bad sample or corrupt region becomes an ``Item`` with
+    ``error`` set; a shard that cannot be read on raises ``DataError("corrupt_shard")``."""
     idx = first_index
     for unit in iter_tar_units(f, url=url, start=start, end=end, want=decoder_want(opts), seekable=seekable,
                                limits=opts.limits, reopen=reopen):
@@ -327,12 +312,8 @@ def _region_error(unit: TarRegion, url: str) -> DataError:
 
 
 def group_length(group: TarGroup, opts: DecodeOptions, token_npy: tuple[str, ...]) -> int:
-    """Token count of a group read for an index (``token_npy`` members read as a 512-byte
-    prefix, ``json`` whole): the count of the one member the reader takes the tokens from; -1
-    when unknown, or when several members give tokens (``npy`` and ``<tokens_key>.npy``, or one
-    of them and the json's ``tokens_key``): the reader refuses that sample (``conflicting_fields``),
-    so no member's count is the right one. Never a set iterated here: its order (and so the
-    count) followed ``PYTHONHASHSEED``."""
+    """Token count of a group read for an index: the count of the one member the reader takes the
+    tokens from; -1 when unknown or when several members give tokens (the reader refuses that sample)."""
     found = [name for name in dict.fromkeys(token_npy) if group.fields.get(name)]
     raw = group.fields.get("json")
     count = token_count(raw, opts) if raw else -1

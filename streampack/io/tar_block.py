@@ -1,36 +1,14 @@
 """webdataset tar shards of ``.npy`` token members, read as :class:`~streampack.io.token_block.TokenBlock` s.
 
-One read of a byte range (at most ``CHUNK_BYTES`` at a time), then: a loop follows the chain of
-headers by their declared sizes (the only per-member Python, ~0.4 µs a header), and every
-header, pax record, member name, ``.npy`` header and id is checked as columns, all members at
-once (:mod:`streampack.io.tar_columns`). Documents stay where they are in the read buffer: the
-block's token array is a view of it (``np.frombuffer``), each document a ``(start, length)`` in
-it. (Parsing every 512-byte block's fields as columns first, then chasing the chain in numpy,
-cost the same ~0.55 ms a shard as the Python loop, loaded box: the loop is simpler.)
-
-What a block accepts is exactly what the per-sample reader (:mod:`streampack.io.tar`) turns
-into valid samples with nothing to report, in the common shape: every sample is one regular
-member ``<key>.npy`` or ``<key>.<tokens_key>.npy`` (one field name for the whole range),
-optionally behind one pax header without ``path`` / ``size`` records (what webdataset's
-``TarWriter`` writes: an ``mtime`` record); headers verify (checksum, strict octal fields, no
-ustar name prefix, no newline in a name); keys are distinct; sizes are within the limits; the
-``.npy`` header is numpy's 1-D form with a native-order integer dtype and agrees with the member
-size; every id is in ``[0, vocab bound)``. Anything else — a corrupt or truncated region, an
-extension header, a second member, another dtype, an id out of range — ends the blocks before
-the sample it is in, and the per-sample reader reads from there (it raises, counts and skips as
-always). A range that ends inside the shard is judged by the header after it, as the per-sample
-reader judges it.
-
-Measured (2-core box shared with other jobs, load 3-5; ``benchmarks/bench_loaders.py``
-corpus: 1.8 MB shards of 423 documents of ~590 int32 ids behind pax headers): 2.6 ms a shard (min
-of 60 parses; the header loop 0.36, header columns 0.26, pax 0.14, names 0.22, ``.npy`` headers
-0.26, id ranges 0.17, gathering header rows 0.5), ~6 µs a document, where the per-sample reader
-took 60-100 µs a document (headers, members, npy decode and a Sample each).
-
-A bad sample hands the rest of its chunk over (the block that stops before it holds only the
-samples of earlier chunks): in one 8 MiB chunk, a shard with one bad sample is read per sample
-from its start. Exact, but slow for such shards; cutting the block at the first failing member
-would need every column check to name its first failure.
+One read of a byte range (at most ``CHUNK_BYTES`` at a time); a loop follows the header chain by
+declared sizes (~0.4 µs a header) and every header, pax record, name, ``.npy`` header and id is
+checked as columns (:mod:`streampack.io.tar_columns`). The block's token array is a view of the
+read buffer. A block accepts exactly what the per-sample reader (:mod:`streampack.io.tar`) turns
+into valid samples with nothing to report, in the shape webdataset's ``TarWriter`` writes (one
+``<key>.npy`` member per sample behind an optional ``mtime`` pax header); anything else ends the
+blocks before its sample and the per-sample reader reads from there. ~6 µs a document, where the
+per-sample reader takes 60-100 µs (``benchmarks/bench_loaders.py``). A bad sample hands the rest
+of its chunk to the per-sample reader: exact, but slow for such shards.
 """
 
 from __future__ import annotations
@@ -148,10 +126,8 @@ def _intact_after(url: str, at: int | None, field: bytes, decode: DecodeOptions,
 
 def _open(url: str, start: int, stop: int | None, opts: OpenOptions,
           stats: IOStats | None) -> tuple[BinaryIO, int | None]:
-    """The shard from ``start`` and its size when known: a local file opened plainly (one
-    ``read`` per chunk, no copy through the retrying stream: a read error ends the blocks and
-    the per-sample reader retries); a remote object through
-    :func:`~streampack.io.open.open_shard` (ranged requests, retries)."""
+    """The shard from ``start`` and its size when known: a local file opened plainly (a read error ends
+    the blocks), a remote object through :func:`~streampack.io.open.open_shard`."""
     if is_remote(url):
         return shard_open.open_shard(url, start, stop, opts=opts, stats=stats), None
     f = shard_open._open_local(local_path(url))  # through the module: tests count what it reads
@@ -216,10 +192,8 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
 
 
 def _chain(buf: bytes, limit: int) -> tuple[list[int], list[int], int]:
-    """Header offsets from 0, following declared sizes, while below ``limit``; their sizes; and
-    where the chain stopped (``limit``, or a block whose size field ``int`` cannot read). The
-    loop only follows sizes (~0.6 µs a header on the loaded box): whether each header is a
-    ustar header with a size field the per-sample reader accepts is checked after, as columns."""
+    """Header offsets from 0, following declared sizes, while below ``limit``; their sizes; and where
+    the chain stopped. Whether each is a header the per-sample reader accepts is checked after, as columns."""
     heads: list[int] = []
     sizes: list[int] = []
     p = 0

@@ -1,12 +1,8 @@
-"""The column checks of :mod:`streampack.io.tar_block`: one tar range's headers, pax records,
-member names, ``.npy`` headers and ids, each as whole-array work over every member at once.
+"""The column checks of :mod:`streampack.io.tar_block`: headers, pax records, names, ``.npy``
+headers and ids of a tar range, each as whole-array work over every member at once.
 
-Each function answers whether *every* member passes, judged exactly as the per-sample reader
-judges one member (``tar_header.parse_header`` and ``_number``, ``parse_pax``,
-``tar.split_key``, ``npy._fast_npy``, ``decode.validate_tokens``); a False (or None) sends the
-range to that reader, so a check may be stricter than it, never looser. The usual shapes
-(canonical octal fields, one-record pax headers, fixed-width keys, numpy's own 1-D header) take
-a short path of a few column operations; anything else takes the general one.
+Each function answers whether *every* member passes, judged as the per-sample reader judges one;
+a False (or None) sends the range to that reader, so a check may be stricter, never looser.
 """
 
 from __future__ import annotations
@@ -115,9 +111,9 @@ def _records(data: bytes) -> dict[str, str] | None:
 
 
 def member_names(headers: np.ndarray, tokens_key: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """From the members' header rows (uint8 ``[n, 512]``): each member's key length, and the names (uint8 ``[n, 100]``, NUL-padded), when every name is ``<key>.<field>``
-    with one token field for all (webdataset's split: the key ends at the first dot of the
-    basename), the keys are distinct and no name has a ustar prefix or a newline."""
+    """From the members' header rows (uint8 ``[n, 512]``): each member's key length and the names (uint8
+    ``[n, 100]``, NUL-padded), when every name is ``<key>.<field>`` with one token field for all (the key
+    ends at the basename's first dot), the keys are distinct and no name has a ustar prefix or a newline."""
     rows = headers[:, :100]
     if (headers[:, 345] != 0).any():
         return None
@@ -177,10 +173,8 @@ def _same_length(rows: np.ndarray, tokens_key: str) -> tuple[np.ndarray, np.ndar
 
 
 def distinct_rows(names: np.ndarray) -> bool:
-    """Whether the rows of ``names`` (uint8 ``[n, 100]``) differ pairwise: a 64-bit hash of each
-    row, sorted; two equal hashes count as a repeat (the per-sample reader then decides; a
-    false alarm costs speed, never a wrong verdict). ``np.unique`` on 100-byte rows cost ~1 ms
-    a shard."""
+    """Whether the rows of ``names`` (uint8 ``[n, 100]``) differ pairwise, by a sorted 64-bit hash per
+    row; equal hashes count as a repeat (the per-sample reader then decides: a false alarm costs speed)."""
     words = np.zeros((names.shape[0], 13), dtype=np.uint64)
     words.view(np.uint8)[:, :names.shape[1]] = names
     mixed = (words * _MIX).sum(1) if names.shape[0] else words[:, 0]

@@ -1,13 +1,9 @@
 """One tar sample's members -> a validated :class:`~streampack.sample.Sample`.
 
-Fields (the member name after the key): ``npy`` or ``<tokens_key>.npy`` (token ids), ``json``
-(a record: ``tokens_key`` / ``text_key`` / ``labels_key`` / ``loss_mask_key``), ``txt`` (text),
-``labels.npy``, ``loss_mask.npy``, and pickle members (``.pyd`` / ``.pickle`` / ``.pkl``, a
-dict record; refused unless ``allow_pickle=True``: unpickling runs code, so such a sample is a
-``DataError("pickle_refused")``, skipped and counted like any bad sample). Tokens win over text.
-
-Each of tokens, text, labels and loss mask must come from one member: a sample holding its ids
-both in ``npy`` and in its ``json`` (which copy is right?) is ``conflicting_fields``.
+Fields: ``npy`` or ``<tokens_key>.npy`` (ids), ``json`` (a record), ``txt``, ``labels.npy``,
+``loss_mask.npy``, and pickle members (refused unless ``allow_pickle=True``: ``pickle_refused``).
+Tokens win over text; each of tokens, text, labels and loss mask must come from one member, else
+``conflicting_fields``.
 """
 
 from __future__ import annotations

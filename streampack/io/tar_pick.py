@@ -1,22 +1,10 @@
 """Re-reading chosen samples of a tar shard by their offsets, parsing only those samples.
 
-A restore re-reads the documents its packer window held (:mod:`streampack.plan.row_replay`):
-a few dozen documents per batch, spread over the span of shard the window covered. The block
-reader (:mod:`streampack.io.tar_block`) follows the header chain from a cluster's first position
-and checks every sample on the way, so each re-read parsed the whole span again: on the
-``benchmarks/bench_restore.py`` corpus (window 1024, a state halfway through the epoch) the 25
-batches after a restore read 31.7 MB, where the same batches uninterrupted read 3.6, and cost
-166 CPU-ms against 34 (picking: 8.5 MB, 120 ms).
-
-Here the state already says where each wanted sample starts (its first header's offset), so the
-walk jumps there: a header, or a pax header and the member after it. Each wanted sample passes
-the block reader's own column checks (:func:`~streampack.io.tar_block.parse_tar`'s: header
-checksums and fields, pax records, member name, ``.npy`` header, id range); the bytes between
-them are read (one read per cluster: one request remotely; locally only gaps under
-``row_replay.PICK_GAP``) but not parsed. A position that is not such a sample (a corrupt header,
-a field the block reader does not take) gives None, and the caller re-reads it with the
-per-sample reader, which raises or counts as always. Whether the shard is still the one the
-state was saved from is the caller's identity check, made before.
+A restore re-reads the documents its packer window held; the state says where each starts, so
+the walk jumps there, and each wanted sample passes the block reader's column checks; the bytes
+between are read (one read per cluster) but not parsed (25 batches after a restore: 8.5 MB and
+120 CPU-ms, where re-parsing the span took 31.7 MB and 166, ``benchmarks/bench_restore.py``). A
+position that is not such a sample gives None, and the caller re-reads it per sample.
 """
 
 from __future__ import annotations
@@ -53,12 +41,9 @@ class _Pieces:
 
 def tar_samples_at(shards: list[tuple[str, Clusters]], *, decode: DecodeOptions, opts: OpenOptions,
                    streams: list[BinaryIO], stats: IOStats | None = None) -> list[TokenBlock] | None:
-    """One block per shard of ``shards`` (``url`` and its wanted samples), document ``i`` of a
-    block being that shard's ``i``-th position in cluster order; None where any of them is not a
-    plain token sample. Only the wanted samples' bytes are kept (one copy of them, into one
-    buffer the blocks share), and they are checked in one pass for all the shards: a pass costs
-    ~0.4 ms, a document's read ~15 µs, so checking shard by shard cost the 25 batches after a
-    restore 112 CPU-ms against 89 in one pass (``benchmarks/bench_restore.py``, best of 4)."""
+    """One block per shard of ``shards``, document ``i`` being that shard's ``i``-th position in cluster
+    order; None where any is not a plain token sample. Only the wanted bytes are kept (one buffer the
+    blocks share) and checked in one pass for all shards (a pass costs ~0.4 ms)."""
     limit = decode.limits.max_sample_bytes + 4 * BLOCK
     read = []
     for url, clusters in shards:

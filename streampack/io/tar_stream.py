@@ -1,24 +1,15 @@
 """Tar members from a byte stream: every header verified, every declared size bounded, and a
 corrupt header skipped to the next readable one.
 
-Why not ``tarfile`` or ``webdataset.tariterators``: resuming mid-shard needs the exact header
-offset of the next sample, and truncation must be an error. ``tarfile``'s stream mode treats a
-header cut short anywhere but at byte 0 as a clean end of archive, so a truncated shard would
-silently lose its tail; and it reads whatever size a header declares (a 1 TiB member is a
-``MemoryError``). This reader verifies every header checksum, requires the end-of-archive zero
-block (or the end of the requested byte range), refuses sizes over the caller's limit before
-reading, and handles ustar prefixes, GNU long names and pax ``path``/``size``.
+Not ``tarfile``: its stream mode treats a header cut short as a clean end (a truncated shard would
+silently lose its tail) and reads whatever size a header declares; resuming also needs each
+header's exact offset. Damage:
 
-Hostile or damaged structure:
-
-- a header that is not a tar header (bad checksum, non-octal fields) starts a
-  :class:`CorruptRegion`: the reader scans forward block by block for the next block that is
-  a valid ``ustar`` header (magic and checksum) and resumes there, as GNU tar does ("skipping
-  to next header"). The region is reported, so the caller can drop exactly what it lost;
-- a malformed pax record or an extension header over :data:`MAX_EXTENSION_BYTES` makes the
-  member it describes untrustworthy: the region also covers that member;
-- a stream that ends inside a header or a member, or a corrupt header with no readable header
-  after it, raises ``DataError("corrupt_shard")`` (nothing after it can be read).
+- a header that is not one (bad checksum, non-octal fields) starts a :class:`CorruptRegion`,
+  scanned forward to the next valid ``ustar`` header, as GNU tar does; a malformed pax record or
+  an extension over :data:`MAX_EXTENSION_BYTES` extends the region over its member;
+- a stream that ends inside a header or member, or with no readable header after a corrupt one,
+  raises ``DataError("corrupt_shard")``.
 """
 
 from __future__ import annotations
@@ -30,14 +21,7 @@ from typing import BinaryIO
 
 from streampack.errors import DataError
 from streampack.io.limits import MAX_EXTENSION_BYTES
-from streampack.io.tar_header import (
-    BLOCK,
-    MAX_DECLARED,
-    Unreadable,
-    is_header,
-    parse_header,
-    parse_pax,
-)
+from streampack.io.tar_header import BLOCK, MAX_DECLARED, Unreadable, is_header, parse_header, parse_pax
 
 ZERO_BLOCK = bytes(BLOCK)
 REGULAR = (b"0", b"\0", b"7")
@@ -207,25 +191,12 @@ class _Reader:
         return data
 
 
-def iter_tar_members(
-    f: BinaryIO,
-    *,
-    url: str,
-    start: int,
-    end: int | None = None,
-    want: Callable[[str], int] = lambda name: -1,
-    seekable: bool = False,
-    cursor: Cursor | None = None,
-    max_bytes: int | None = None,
-) -> Iterator[TarMember | CorruptRegion]:
-    """Regular-file members (and corrupt regions) of a tar stream positioned at header offset
-    ``start``.
-
-    ``want(name)`` says how many data bytes to read (-1 all, 0 none); the rest is skipped (by
-    ``seek`` when ``seekable``). A member wanted whole whose declared size is over
-    ``max_bytes`` is skipped unread (``data=None``). Stops at the end-of-archive block or at
-    ``end``; then ``cursor.pos`` is where it stopped.
-    """
+def iter_tar_members(f: BinaryIO, *, url: str, start: int, end: int | None = None,
+                     want: Callable[[str], int] = lambda name: -1, seekable: bool = False, cursor: Cursor | None = None,
+                     max_bytes: int | None = None) -> Iterator[TarMember | CorruptRegion]:
+    """Regular-file members (and corrupt regions) of a tar stream at header offset ``start``. ``want(name)``
+    says how many data bytes to read (-1 all, 0 none); a member wanted whole over ``max_bytes`` is
+    skipped unread (``data=None``). Stops at the end-of-archive block or ``end`` (``cursor.pos``)."""
     cursor = cursor if cursor is not None else Cursor(start)
     reader = _Reader(f, url=url, seekable=seekable, end=end)
     pos, block = start, None

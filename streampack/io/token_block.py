@@ -1,13 +1,8 @@
 """A run of pre-tokenized documents read in one piece: one token array, per-document arrays.
 
-A reader of pre-tokenized shards (``streampack.nodes.block_reader``) reads a shard range as blocks
-instead of one :class:`~streampack.sample.Sample` per document: a :class:`TokenBlock` holds the
-bytes of many documents and says, per document, where its ids sit in one integer array and
-where the sample started in the shard (what a resume state refers to). A document is never
-copied out of the block: the packer moves row numbers, and the collate copies each
-document's ids once, into the batch.
-
-The readers that make blocks, and when they stop: :mod:`streampack.io.blocks`.
+A :class:`TokenBlock` holds many documents' ids in one integer array and says, per document,
+where its ids sit and where its sample started in the shard (what a resume state refers to).
+Documents are never copied out of the block; the collate copies each once, into the batch.
 """
 
 from __future__ import annotations
@@ -21,12 +16,9 @@ from streampack.sample import Sample
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class TokenBlock:
-    """``n`` consecutive documents of one shard range.
-
-    Document ``i`` is ``tokens[starts[i]:starts[i] + lengths[i]]``; it was sample number
-    ``numbers[i]`` at position ``offsets[i]`` (tar: its first header's byte offset; parquet: its
-    row), and the sample after it starts at ``next_offsets[i]`` / ``next_numbers[i]``.
-    """
+    """``n`` consecutive documents of one shard range: document ``i`` is ``tokens[starts[i]:starts[i] +
+    lengths[i]]``, sample ``numbers[i]`` at ``offsets[i]``, followed by ``next_offsets[i]`` /
+    ``next_numbers[i]``."""
 
     url: str
     tokens: np.ndarray

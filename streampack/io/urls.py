@@ -1,20 +1,11 @@
 """Shard URLs: what a user may write in ``urls`` and what it expands to.
 
 Each item is a local path, a directory (its shard files, sorted, recursive), a brace pattern
-(``train-{000000..000999}.tar``, expanded by the ``braceexpand`` package: nested braces and steps
-such as ``f{1..9..2}`` included), a glob, or a URL of any fsspec filesystem (``http(s)://``,
-``s3://``, ``gs://``, ``az://``, ``hf://datasets/...``, ``memory://``, ...): a URL naming a
-shard is kept as is, one ending in ``/`` or without a shard suffix is a prefix / directory
-(its shard objects, sorted, recursive: ``s3://bucket/train/``, ``hf://datasets/org/name``), one
-with ``*`` / ``[`` is a glob. A ``pipe:`` command is accepted only when allowed.
-
-Expansion runs once per dataset, in the process that builds it (:class:`ShardList`); workers
-get the list. A path that names a shard by its suffix is taken as is, without a ``stat``; a
-pattern or directory that matches nothing, or a suffix-less path that does not exist, raises.
-:func:`missing_local` then stats every local shard once, so ``PackedDataset`` names a missing
-one (a brace-range typo) when it is built, not when a reader reaches it hours later: one
-``os.stat`` per local shard, about 5 us each warm (20 000 shards: 0.10 s); remote shards are
-not stat'ed here (a request each).
+(``train-{000000..000999}.tar``, via ``braceexpand``), a glob, or a URL of any fsspec filesystem:
+one naming a shard is kept, one ending in ``/`` or without a shard suffix is a prefix, one with
+``*`` / ``[`` a glob. A ``pipe:`` command only when allowed. Expansion runs once per dataset; a
+pattern that matches nothing raises. :func:`missing_local` stats every local shard once (~5 us
+each) so a missing one is named when the dataset is built; remote shards are not stat'ed.
 """
 
 from __future__ import annotations
@@ -43,11 +34,7 @@ _BY_LENGTH = sorted(SHARD_SUFFIXES, key=len, reverse=True)
 
 @dataclass(frozen=True, slots=True)
 class ShardList:
-    """Shard URLs expanded once (in the process that builds the dataset), with their digest.
-
-    Pass one to a reader so DataLoader workers neither expand patterns again (a stat or a
-    listing per worker) nor hash the list on every ``state_dict()``.
-    """
+    """Shard URLs expanded once, with their digest, so DataLoader workers neither expand nor hash again."""
 
     urls: tuple[str, ...]
     digest: str

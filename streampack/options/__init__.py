@@ -12,19 +12,9 @@
 ``cost=``          :class:`CostOptions`         WindowPacker (balance), ThdCollate (est_cost)
 =================  ===========================  =============================================
 
-Each record checks its own values when it is made, so a mistake names the record and the
-field before any shard is opened; ``StreamConfig`` (:mod:`streampack.settings`) holds them all
-and checks what spans two (``capacity`` against ``topology.align``), and the graph builder hands
-each node its record, or what the config makes from it in one place (the packer's rules, the
-collate's ``BatchLayout``, the graph's one ``ErrorPolicy``), so no node checks a value again. A new stage's record is one file here, one entry in
-:data:`RECORDS` and one ``PackedDataset`` parameter (the signature has room for one more under
-its limit of 15); new fields get no flat keyword.
-
-**No flat keywords.** A field is set by building its record
-(``PackedDataset(urls, capacity=c, packing=PackOptions(window=256))``); ``PackedDataset`` has no
-catch-all keyword. A flat keyword of earlier versions (``window=``, ``dp_size=``, ``cost_model=``)
-is a ``TypeError`` that names the record field to set (:func:`refuse_flat_keywords`, computed
-from the records' fields).
+Each record checks its own values when made; ``StreamConfig`` (:mod:`streampack.settings`) checks
+what spans two. A flat keyword of earlier versions (``window=``) is a ``TypeError`` naming the
+record field to set (:func:`refuse_flat_keywords`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""CostOptions: estimated compute per batch, and cost-balanced emission (``PackedDataset(cost=...)``).
-
-The record of the balance stage: :class:`~streampack.nodes.window_packer.WindowPacker` takes
-``balance`` and ``model`` (it orders the packs it makes so that every rank's step costs about
-the same, :mod:`streampack.packing.schedule`), :class:`~streampack.nodes.collate.ThdCollate`
-``model`` (``PackedBatch.est_cost``).
+"""CostOptions: estimated compute per batch, and cost-balanced emission (``PackedDataset(cost=...)``):
+``WindowPacker`` takes ``balance`` and ``model`` (:mod:`streampack.packing.schedule`),
+``ThdCollate`` ``model`` (``PackedBatch.est_cost``).
 """
 
 from __future__ import annotations

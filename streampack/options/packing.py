@@ -1,13 +1,8 @@
 """PackOptions: how samples become packs, and the batch they are laid out in (``PackedDataset(packing=...)``).
 
-The record of the packing half of the graph: :class:`~streampack.nodes.overlong.OverlongNode`
-takes ``overlong``; :class:`~streampack.nodes.window_packer.WindowPacker` the rules
-``StreamConfig.packer_rules`` makes from ``window``, ``algorithm``, ``max_wait`` and ``slack``
-(the one place they are made: an epoch plan counts with the same);
-:class:`~streampack.nodes.collate.ThdCollate` the ``BatchLayout`` ``StreamConfig.batch_layout``
-makes with ``pad_id`` and ``ignore_index``. ``capacity`` and ``packs_per_batch`` (the batch's shape) are
-``PackedDataset`` arguments; the alignment comes from
-:class:`~streampack.options.topology.TopologyOptions`.
+``OverlongNode`` takes ``overlong``; ``WindowPacker`` the rules ``StreamConfig.packer_rules`` makes
+from ``window``, ``algorithm``, ``max_wait`` and ``slack`` (an epoch plan counts with the same);
+``ThdCollate`` the ``BatchLayout`` made with ``pad_id`` and ``ignore_index``.
 """
 
 from __future__ import annotations

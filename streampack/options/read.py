@@ -1,10 +1,8 @@
 """ReadOptions: what the readers read from a shard and how they fetch it (``PackedDataset(read=...)``).
 
-The record of the reading stage: the :class:`~streampack.nodes.reader.ShardReader` of every
-source (and the planner, the manifest and the replayer that re-read what it read) take their
-values from it. The fields that decide which samples are kept (the keys, ``on_error``,
-``vocab_size``, ``limits``, ``mixture_stop``) are part of a resume state's fingerprint; the
-ones that only decide how bytes arrive (retries, timeouts, caching) are not.
+The fields that decide which samples are kept (the keys, ``on_error``, ``vocab_size``, ``limits``,
+``mixture_stop``) are part of a resume state's fingerprint; those that only decide how bytes
+arrive (retries, timeouts, caching) are not.
 """
 
 from __future__ import annotations

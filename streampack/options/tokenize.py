@@ -1,9 +1,5 @@
-"""TokenizeOptions: how text becomes token ids (``PackedDataset(tokenize=...)``).
-
-The record of the :class:`~streampack.nodes.tokenize.Tokenize` node (and of a hand-used
-:class:`~streampack.nodes.tokenize.TextEncoder`): both take it whole. The tokenizer itself is a runtime object and stays a
-``PackedDataset`` argument; ``on_error`` and ``vocab_size`` cover reading as well and live in
-:class:`~streampack.options.read.ReadOptions`.
+"""TokenizeOptions: how text becomes token ids (``PackedDataset(tokenize=...)``), taken whole by
+:class:`~streampack.nodes.tokenize.Tokenize`; the tokenizer itself is a runtime argument.
 """
 
 from __future__ import annotations

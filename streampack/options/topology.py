@@ -1,12 +1,7 @@
-"""TopologyOptions: where this process sits among the parallel ranks, and how the ranks stay
-in step (``PackedDataset(topology=...)``).
-
-Data parallelism decides what each reader reads (``dp_*``); context / tensor parallelism
-decide the per-document alignment (:func:`~streampack.layout.batch.alignment`, what the packer,
-the collate and the offline-pack reader take as ``align``); ``equal_batches`` and
-``batches_per_epoch`` decide how every rank of a finite stream yields the same number of
-batches (the epoch planner and the collate take them). :class:`Placement` is which reader a graph
-is: the resolved numbers the graph and its ``ShardReader`` take.
+"""TopologyOptions: where this process sits among the parallel ranks (``PackedDataset(topology=...)``):
+``dp_*`` decide what each reader reads, context / tensor parallelism the per-document alignment,
+``equal_batches`` and ``batches_per_epoch`` how every rank of a finite stream yields the same count.
+:class:`Placement` is which reader a graph is: the resolved numbers the graph and its reader take.
 """
 
 from __future__ import annotations
@@ -43,34 +38,22 @@ class TopologyOptions:
     align_multiple: int = 1
     """An extra per-document multiple (lcm with the above), e.g. 16 for FP8."""
     equal_batches: str = "plan"
-    """Finite stream, several ranks: how every rank yields the same number of batches.
-
-    ``plan``: each reader counts its own batches from the manifest's token lengths (pre-tokenized
-    shards) and the readers agree on the counts through the job's c10d store (``torch.distributed``
-    initialised with any init method): O(T/G) index reads and CPU per reader per epoch, 5 store
-    requests. Without ``torch.distributed`` there is no store, and ``plan`` is refused when the
-    dataset is built.
-
-    ``count``: each reader counts every reader's batches itself and uses no store for the counts
-    (under ``torch.distributed`` the settings are still agreed once): O(T) index reads and CPU per
-    reader per epoch — every shard's index (N requests) and ~1-6 µs of packer count per sample of
-    the data set, at the reader's first ``state_dict()`` or when its data runs out (~100 s at
-    2,000 shards; ~25 CPU-minutes and 10^5 requests per reader at N=10^5, T=10^9). For ranks
-    simulated in one process and small data sets; the same batches and states as ``plan``.
-
-    ``sync``: the training loop agrees per step (``streampack.sync_batches``: one all-reduce of
-    "I still have data"); text shards and stages that change lengths.
-
-    (N shards, T samples, G readers of all ranks.)"""
+    """Finite stream, several ranks: how every rank yields the same number of batches (N shards,
+    T samples, G readers of all ranks). ``plan``: each reader counts its own batches from the
+    manifest's token lengths and the readers agree through the job's c10d store (refused without
+    ``torch.distributed``): O(T/G) index reads and CPU per reader per epoch, 5 store requests.
+    ``count``: each reader counts every reader's batches itself, no store: O(T) per reader per
+    epoch (every shard's index, ~1-6 µs of packer count per sample; ~100 s at 2,000 shards), for
+    ranks simulated in one process and small data sets; the same batches as ``plan``. ``sync``: the
+    training loop agrees per step (``streampack.sync_batches``, one all-reduce), for text shards
+    and stages that change lengths."""
     batches_per_epoch: int | None = None
     """Finite stream: a fixed count of batches per rank per epoch (a multiple of the worker
     count) that overrides ``equal_batches``."""
     agree_timeout_s: float | None = None
-    """Several ranks under ``torch.distributed``: the longest any reader waits for the others when
-    they agree through the job's store — on the settings, once, when the dataset is built, and on a
-    finite epoch's batch counts, once per epoch. A rank that died, never iterates, or runs another
-    pass fails every other one after this long, with the readers that did not arrive named.
-    None: the process group's timeout (``init_process_group(timeout=)``, 30 min by default)."""
+    """Several ranks under ``torch.distributed``: the longest a reader waits for the others to agree
+    through the job's store (on the settings, and on each finite epoch's batch counts); then it fails
+    naming the readers that did not arrive. None: the process group's timeout (30 min by default)."""
 
     def __post_init__(self) -> None:
         need_int("TopologyOptions", "dp_rank", self.dp_rank, 0, optional=True)

@@ -1,28 +1,17 @@
 """Packing algorithms: pure functions from item lengths to bins of item indices.
 
-Every algorithm is called as ``(lengths, capacity, *, seed=0) -> Bins`` (a sequence of arrays):
-``lengths`` is int ``[n]`` (each 1..capacity), the result holds one int64 array per bin with
-the indices of its items in layout order, every index exactly once, no bin over capacity,
-no empty bin, deterministic for a given seed. ``pack`` is the one entry point and
-``pack_flat`` its flat form (``PackResult``: item order plus bin offsets, for large inputs);
-``ALGORITHMS`` is the registry that config validates names against (``get_algorithm``).
-
-The kernels run compiled when the ahead-of-time module is built (``python -m
-streampack.packing.aot``, once per machine: numba never imported at run time), when this
-process already ran them compiled, or for inputs of at least ``THRESHOLD`` items (numba's
-JIT, imported on first use); otherwise — every streaming window in a fresh process — as
-plain Python/numpy. Identical bins either way (see ``_engine``). Importing this package
-loads neither numba nor torch. ``pack`` returns ``Bins``, whose per-bin arrays are made on
-access, so it costs what ``pack_flat`` costs.
-
-Measured (lognormal mean 600 clipped to [1, 4096], C = 4096) for every algorithm at 1e4,
-65535, 1e5 and 1e6 by ``benchmarks/bench_packing_scaling.py``; the table is in
-``benchmarks/README.md``, "Packing kernels".
+Every algorithm is called as ``(lengths, capacity, *, seed=0) -> Bins``: ``lengths`` is int ``[n]``
+(each 1..capacity); one int64 array of item indices per bin in layout order, every index exactly
+once, no bin over capacity, no empty bin, deterministic for a seed. ``pack`` is the one entry point,
+``pack_flat`` its flat form (:class:`PackResult`), ``ALGORITHMS`` the registry names are validated
+against. The kernels run compiled when the ahead-of-time module is built, when this process
+already ran them compiled, or from ``THRESHOLD`` items (see ``_engine``), else as plain Python,
+with identical bins; importing this package loads neither numba nor torch. Timings of every
+algorithm: ``benchmarks/README.md``, "Packing kernels".
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from streampack.packing._engine import THRESHOLD, Backend, Packer
@@ -38,11 +27,7 @@ from streampack.packing.result import Bins, PackResult
 from streampack.packing.schedule import Balance
 from streampack.packing.sequential import greedy, shuffle_pack
 
-Algorithm = Callable[..., Bins]
-
-ALGORITHMS: dict[str, Packer] = {
-    p.name: p for p in (greedy, shuffle_pack, ffd, ffs, bfd, mffd, histogram, kk)
-}
+ALGORITHMS: dict[str, Packer] = {p.name: p for p in (greedy, shuffle_pack, ffd, ffs, bfd, mffd, histogram, kk)}
 
 
 def get_algorithm(name: str) -> Packer:
@@ -50,9 +35,7 @@ def get_algorithm(name: str) -> Packer:
     try:
         return ALGORITHMS[name]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown packing algorithm {name!r}; valid names: {', '.join(sorted(ALGORITHMS))}"
-        ) from None
+        raise ValueError(f"unknown packing algorithm {name!r}; valid names: {', '.join(sorted(ALGORITHMS))}") from None
 
 
 def pack_flat(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
@@ -93,7 +76,7 @@ def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
 
 
 __all__ = [
-    "ALGORITHMS", "THRESHOLD", "Algorithm", "Backend", "Balance", "Bins", "CostModel", "MetricsAccumulator", "PackResult",
+    "ALGORITHMS", "THRESHOLD", "Backend", "Balance", "Bins", "CostModel", "MetricsAccumulator", "PackResult",
     "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram",
     "karmarkar_karp", "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack",
 ]

@@ -1,10 +1,7 @@
 """Shared pieces of the packing algorithms: input validation, item orders, bin layout.
 
-Every algorithm produces its result as a *placement log*: ``items[j]`` was the j-th item
-placed and went into bin ``bins[j]``. ``from_log`` turns that log into a ``PackResult``, bins
-in creation order and items inside a bin in the order they were placed.
-
-Nothing here imports numba: this module serves the plain-Python path too.
+Every algorithm produces a *placement log* (``items[j]`` went into bin ``bins[j]``); ``from_log``
+turns it into a ``PackResult``, bins in creation order and items in placement order. No numba here.
 """
 
 from __future__ import annotations
@@ -22,11 +19,8 @@ _MAX_TOTAL = 1 << 62  # kernels count in int64: capacity and total length stay b
 
 
 def validate(lengths: object, capacity: object) -> tuple[np.ndarray, int]:
-    """Check user input and return ``(lengths as contiguous int64, capacity as int)``.
-
-    Raises ``TypeError`` for a non-integer capacity or lengths dtype, ``ValueError`` for a
-    capacity < 1, a non-1-D array, a length < 1 or a length > capacity (naming the index).
-    """
+    """``(lengths as contiguous int64, capacity as int)``; ``TypeError`` / ``ValueError`` for bad input,
+    naming the offending index."""
     if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
         raise TypeError(f"capacity must be an int, got {capacity!r} ({type(capacity).__name__})")
     capacity = int(capacity)
@@ -68,20 +62,14 @@ def shuffled_order(n: int, seed: int) -> np.ndarray:
 
 
 def any_fit_bin_bound(lengths: np.ndarray, capacity: int) -> int:
-    """Most bins any any-fit packer can open: ``2·sum // C + 2``, capped at n.
-
-    An any-fit packer opens a bin only when the item fits no open bin, so no two bins are
-    both at most half full; hence ``(m - 1)·C/2 < sum``. Kernels size their trees by this.
-    """
+    """Most bins any any-fit packer can open: ``2·sum // C + 2``, capped at n (no two bins are both at
+    most half full, so ``(m - 1)·C/2 < sum``). Kernels size their trees by this."""
     return int(min(lengths.size, 2 * int(lengths.sum()) // capacity + 2))
 
 
 def from_log(items: np.ndarray, bins: np.ndarray, num_bins: int) -> PackResult:
-    """Placement log -> ``PackResult``: bins in creation order, items in placement order.
-
-    A stable sort by bin keeps each bin's items in placement order; with at most 65535 bins
-    (always, on the plain path) a uint16 key lets numpy radix-sort it in O(n).
-    """
+    """Placement log -> ``PackResult``: a stable sort by bin (a uint16 key below 65536 bins lets numpy
+    radix-sort it in O(n)) keeps each bin's items in placement order."""
     key = bins.astype(np.uint16 if num_bins <= _RADIX_MAX else np.int64, copy=False)
     order = np.asarray(items, dtype=np.int64)[np.argsort(key, kind="stable")]
     offsets = np.zeros(num_bins + 1, dtype=np.int64)

@@ -1,22 +1,10 @@
-"""Which path runs a packer: compiled kernels or the same kernels as plain Python.
+"""Which path runs a packer: compiled kernels or the same kernels as plain Python (identical bins).
 
-Both paths run the same kernel source (see ``_jit``), so an algorithm gives identical bins
-on either; only speed differs. ``backend="auto"`` runs the compiled kernels when
-
-1. the ahead-of-time module is built (``python -m streampack.packing.aot``): at every size,
-   since loading it costs 18 ms and never imports numba; or
-2. this process has already run the algorithm compiled (``_LOADED``): the one-time cost is
-   paid, so smaller inputs must not fall back to a 10–20x slower path; or
-3. the input has at least ``THRESHOLD`` items: then numba's JIT (with its disk cache) loads.
-
-Otherwise — a fresh process, no build, a small input — the plain path runs, and numba is
-never imported (every streaming window). A fresh process's first call through numba costs
-~0.7 s on a quiet machine (import, cache load; 5–7 s on 2 loaded cores), 20–100 ms with the
-AOT module (``benchmarks/bench_packing_scaling.py``, 1e5 lognormal items, C = 4096).
-
-``THRESHOLD`` = 2^16 because there every plain path still costs at most ~0.2 s, below the
-~0.7 s numba load a one-off call would pay, and above it the plain path grows past the speed
-budget (kk 0.53 s at 131072; the table is in ``benchmarks/README.md``, "The threshold").
+``backend="auto"`` runs the compiled kernels when the ahead-of-time module is built (loads in
+18 ms, no numba), when this process already ran the algorithm compiled (``_LOADED``), or for inputs
+of at least ``THRESHOLD`` items (numba's JIT); otherwise the plain path runs and numba is never
+imported. ``THRESHOLD`` = 2^16: below it every plain path costs at most ~0.2 s, under the ~0.7 s a
+fresh process pays to load numba (``benchmarks/README.md``, "The threshold").
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Compiling the packing kernels with numba, on first use, with a cache outside the package.
 
-Each algorithm's inner loop is one *kernel*: a plain function in the subset of Python that
-numba compiles (ints, lists, ``heapq``, indexing; no calls to other Python functions). The
-small-input path runs it as it is, on Python lists; the large-input path runs
-``compiled(kernel)`` on numpy arrays. One source for both means the two paths cannot drift
-apart: they produce identical bins by construction, which the property tests then check.
-
-Nothing here imports numba at module level: ``compiled`` imports it on the first large
-input, so ``import streampack.packing`` and window-sized ``pack`` calls never load it. When
-the ahead-of-time module is built (``streampack.packing.aot``), ``compiled`` returns its
-functions instead and numba is never imported (18 ms to load vs 0.7–7 s; see ``aot``).
-
-The on-disk cache, and why. Measured (numba 0.68; ``benchmarks/bench_packing_scaling.py``, table in ``benchmarks/README.md``,
-"The on-disk cache"): a fresh
-process's first compiled call costs 1.2–1.8 s per algorithm with an empty cache (kk 4.8 s:
-it needs four kernels) and 0.66–0.86 s with the cache filled, of which ~0.3 s is importing
-numba and ~0.3 s its code generator starting up. So the cache saves 0.6–3.9 s in every
-process that packs a large input — as much as the plain path takes for 1e6 items (bfd
-0.46 s, ffd 1.4 s) — and without it the compiled path would lose to the plain one on a
-one-off call up to a few million items. So the cache is on, but never next to the source
-(numba's default ``__pycache__`` is inside the installed package, read-only on many
-clusters): it lives in ``$STREAMPACK_CACHE/numba`` (default ``~/.cache/streampack/numba``).
-If that directory cannot be written, kernels compile without a cache. numba keys each entry
-by the kernel's source-file hash, numba version and CPU, and kernels are self-contained
-(enforced below), so an edited kernel never loads stale.
+Each algorithm's inner loop is one *kernel* in the subset of Python numba compiles; the plain
+path runs it on lists, the compiled path ``compiled(kernel)`` on arrays: one source, so the two
+cannot drift apart. numba is imported only on the first large input (or never, when the
+ahead-of-time module is built). The on-disk cache saves 0.6–3.9 s per process that packs a large
+input (``benchmarks/README.md``, "The on-disk cache"), so it is on, in ``$STREAMPACK_CACHE/numba``
+(never beside the possibly read-only source); an unwritable directory compiles without it.
+Kernels are self-contained (enforced below), so numba's source-hash key never loads a stale one.
 """
 
 from __future__ import annotations

@@ -3,21 +3,11 @@ process loads without importing numba.
 
     python -m streampack.packing.aot        # build into $STREAMPACK_CACHE/aot (once)
 
-Why (``benchmarks/bench_packing_scaling.py``, "cold first call"): a fresh process's first
-compiled call imports numba and loads its cached kernels — ~0.7 s on a quiet machine, 1–10 s
-on 2 loaded cores — so without a build the plain-Python path serves everything below
-``THRESHOLD`` = 65536 items, where ffd / mffd / kk run 10–20x slower than compiled. The same kernel source compiled by ``numba.pycc`` into a plain
-extension module imports in 18 ms with numba never loaded, and runs as fast as the JIT's
-code (bfd kernel at 1e4: 0.36 vs 0.37 ms; 1e6: 270 vs 264 ms; identical bins). With the
-module present, ``backend="auto"`` runs the compiled kernels at every size from the first
-call. Building costs once what JIT-compiling every algorithm costs (~1 min here under load
-for all eight kernels; a C compiler is needed, as for numba's pycc); without a build the
-plain path runs below ``THRESHOLD`` and numba's JIT (with its cache) above.
-
-The module's name carries a hash of the files that hold kernels, numpy's and Python's version
-and the machine, so an edited kernel never loads a stale build: it is just not found, and
-the JIT path runs (until rebuilt). ``numba.pycc`` is deprecated upstream; if a numba release
-drops it, ``build`` raises and nothing else changes.
+A fresh process's first JIT call costs ~0.7 s (1–10 s on loaded cores), so without a build the
+plain path serves everything below ``THRESHOLD`` at 10–20x the compiled time; the same kernels
+compiled by ``numba.pycc`` import in 18 ms and run as fast as the JIT's
+(``benchmarks/bench_packing_scaling.py``). The module's name hashes the kernel files, numpy's and
+Python's versions and the machine, so an edited kernel never loads a stale build.
 """
 
 from __future__ import annotations
@@ -72,10 +62,8 @@ def kernels() -> dict[str, Callable[..., Any]]:
 
 
 def module_name() -> str:
-    """``streampack_kernels_<hash>`` of the files that hold kernels, the signatures, numpy's
-    ABI and the interpreter. Hashing whole files (~1 ms) rather than ``inspect.getsource``
-    (24 ms, paid by every fresh process's first call) errs towards a rebuild. numba's version
-    is not in it: a built module no longer needs numba."""
+    """``streampack_kernels_<hash>`` of the kernel files (whole files: ~1 ms, where ``inspect.getsource``
+    cost 24 ms), the signatures, numpy's ABI and the interpreter."""
     import numpy as np
 
     digest = hashlib.sha256(repr(sorted(SIGNATURES.items())).encode())

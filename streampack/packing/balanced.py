@@ -1,25 +1,11 @@
 """``kk``: the fewest bins, then loads balanced by pairwise Karmarkar–Karp differencing.
 
-A search for the smallest k whose k-way largest-differencing partition fits the capacity
-gives 0.6–0.9% more bins than ``bfd`` and grows superlinearly (3.3 s at 8192 items), so this
-takes the bin count from ``bfd`` and balances afterwards:
-
-1. ``bfd`` gives the bin count: the fewest any packer here finds (within 0.01% of the lower
-   bound on long-tail lengths), but with the slack piled into the last few bins.
-2. Rounds of pairwise rebalancing spread that slack. Bins are ranked by load and paired —
-   even rounds lightest with heaviest (a fold), odd rounds rank i with rank i + ⌈m/2⌉ (a
-   shift, so slack also travels between bins of similar load) — and each pair's items are
-   re-split by 2-way Karmarkar–Karp differencing (repeatedly replace the two largest values
-   by their difference; 2-colour the resulting tree). A split is kept only if it lowers the
-   pair's larger load, so neither bin of a pair ends above that load, nor the capacity.
-   Pairs whose loads differ by less than a quarter of the current spread are left alone;
-   at most ``2·bit_length(m) + 2`` rounds of O(n log n), ending early once two rounds lower
-   the variance of the loads by less than 2% (after 12–14 rounds at 1e6 items): O(n log² n)
-   time at worst, O(n) memory.
-
-Time: 9 ms at 1024 items and 80–130 ms at 8192 in plain Python, 0.3–0.6 s at 1e6 compiled
-(``benchmarks/bench_packing_scaling.py``; the comparison with the k-way search is in
-``benchmarks/README.md``, "kk: old vs new").
+``bfd`` gives the bin count (a k-way search gives 0.6–0.9% more bins and grows superlinearly),
+with its slack piled into the last bins; rounds of pairwise rebalancing spread it. Bins ranked by
+load are paired (even rounds lightest with heaviest, odd rounds rank i with i + ⌈m/2⌉) and each
+pair re-split by 2-way Karmarkar–Karp, kept only if it lowers the pair's larger load. At most
+``2·bit_length(m) + 2`` rounds, ending once a round lowers the load variance by less than 2%:
+O(n log² n) time, O(n) memory (0.3–0.6 s at 1e6 compiled, ``benchmarks/bench_packing_scaling.py``).
 Layout: bins by decreasing load, item indices ascending inside a bin. ``seed`` is unused.
 """
 
@@ -110,8 +96,7 @@ def _kk(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackRe
 
 def _rebalance(lengths: np.ndarray, start: PackResult, loads: np.ndarray,
                engine: Engine) -> tuple[np.ndarray, np.ndarray]:
-    """Rounds of ``_round_kernel`` (see the module docstring); returns (bin of every item,
-    loads)."""
+    """Rounds of ``_round_kernel`` (see the module docstring); returns (bin of every item, loads)."""
     m, half = loads.size, loads.size // 2
     nxt = np.full(lengths.size, -1, dtype=np.int64)  # each bin's items, linked in `order`
     nxt[start.order[:-1]] = start.order[1:]

@@ -1,19 +1,10 @@
 """Best-fit decreasing (``bfd``): each item, longest first, goes into the open bin with the
 least remaining space that still holds it; ties go to the bin that reached that space last.
 
-Because items come longest first, the item size x only shrinks, so the bins split cleanly
-into two heaps: ``fit`` (room >= x, a min-heap on room) and ``low`` (room < x, a max-heap
-on room). Each item takes the top of ``fit`` after moving the bins that now fit out of
-``low``; a bin that still holds another item of the same size stays in ``fit`` with one
-``heapreplace`` (most placements late in the order: this halved the kernel's time). Every
-bin changes heap at most once per item placed in it, so the loop is O(n log m) for any
-capacity, with O(n) memory. A heap key is ``room·(n+1) + (n − step)``: one int that orders
-by room, then by the latest step (ties to the bin that reached that room last).
-
-Measured (1 core, lognormal mean 600, C = 4096; ``benchmarks/bench_packing_scaling.py``): plain
-Python 0.31 ms at 1024 items and 2.6 ms at 8192; compiled ~60 ms at 1e6 for the flat result
-(kernel 30 ms; sort and grouping the rest). Bin counts equal FFD's, within 0.01% of
-ceil(sum / C).
+Items only shrink, so the bins split into two heaps: ``fit`` (room >= x, a min-heap) and ``low``
+(room < x, a max-heap); every bin changes heap at most once per item placed in it, so the loop is
+O(n log m) with one int key ``room·(n+1) + (n − step)``. ~60 ms at 1e6 compiled
+(``benchmarks/bench_packing_scaling.py``); bin counts equal FFD's, within 0.01% of ceil(sum / C).
 """
 
 from __future__ import annotations

@@ -1,53 +1,25 @@
 """Estimated compute cost of a pack: ``linear · tokens + attention · Σ L²``.
 
-Packing balances tokens, but a pack's compute also grows with the square of each document's
-length (causal attention), so two full packs can differ in cost: one 4096-token document
-costs more than eight of 512. ``CostModel`` puts a number on that, from two coefficients
-given directly or derived from a model shape. Pure numpy; no torch.
+Packing balances tokens, but causal attention grows with the square of each document's length:
+one 4096-token document costs more than eight of 512. ``CostModel`` puts a number on that, from
+two coefficients given directly or derived from a model shape. Pure numpy; no torch.
 
-The FLOP formula (``CostModel.from_shape``), for a decoder of ``layers`` blocks with hidden
-size h, ``heads`` query heads of size d = h / heads, ``kv_heads`` key/value heads (GQA;
-h_kv = kv_heads · d), FFN size f and vocabulary V. A matmul of an [n, a] by an [a, b] matrix
-is 2·n·a·b FLOPs (one multiply and one add per term). Forward, per token:
+``CostModel.from_shape``, for ``layers`` blocks of hidden size h, head size d = h / heads,
+h_kv = kv_heads · d, FFN size f and vocabulary V (a matmul [n, a] x [a, b] is 2·n·a·b FLOPs),
+forward per token: attention projections ``4h² + 4·h·h_kv``, FFN ``6hf`` gated (``4hf`` plain),
+LM head ``2hV`` once. Causal scores of a document of length L, per layer, cost ``2·h·L(L+1)``
+(flash-attention skips the masked blocks): ``2hL`` joins the linear term, ``2h`` per layer is
+the attention coefficient. Training multiplies both by 3 (backward ≈ 2x forward; the scores
+recomputed in flash-attention's backward are ignored). A Llama-2-7B shape gives 39.6 GFLOP per
+token and 786k FLOP per L² in training: a 4096-token document's attention is 7.5% of its cost.
 
-* attention projections: Q and O are h×h, K and V are h×h_kv: ``4h² + 4·h·h_kv``;
-* FFN: a gated (SwiGLU) FFN has three h×f matrices, ``6hf``; a plain one two, ``4hf``;
-* LM head (once, not per layer): ``2hV``; the embedding lookup is free.
-
-Attention scores for one document of length L, per layer: QKᵀ and the weighted sum of V
-are each 2·L·L·h for all heads without a mask. A causal mask leaves query i with i keys,
-Σ i = L(L+1)/2 pairs instead of L², and flash-attention-style kernels skip the masked
-blocks, so the forward cost is ``2·h·L(L+1) = 2hL² + 2hL``: the ``2hL`` part joins the
-linear coefficient, ``2h`` per layer is the attention coefficient.
-
-Training (``training=True``): the backward pass costs about twice the forward (gradients
-with respect to both inputs and weights: the 6·N FLOPs per token of Kaplan et al. 2020),
-so both coefficients are multiplied by 3. Flash-attention recomputes the scores in its
-backward, which this ignores (~+0.5× of the forward attention term).
-
-Worked example: a Llama-2-7B shape (h = 4096, 32 layers, 32 heads, f = 11008, gated,
-V = 32000) gives linear = 39.6 GFLOP per token and attention = 786k FLOP per L² in
-training, so a 4096-token document costs 162 TFLOP linear + 13.2 TFLOP attention (7.5%).
-
-**Vision encoder** (``CostModel(vision=VisionCost(...))``). A VLM step also runs every image's
-patches through a ViT: linear in patches, plus attention that is *bidirectional* inside each
-attention segment (one image frame: ``h·w`` patches, see ``streampack.layout.vision``) and so
-quadratic per image, never across images. ``VisionCost.from_shape`` for a ViT of ``layers``
-blocks of width e, MLP size f (plain, two matrices), patch input P = C·tp·p² values and a
-Qwen2-VL patch merger (m² patches → one token: an e·m² → e·m² → ``out_hidden`` MLP), per patch:
-
-* patch embedding ``2Pe``; per layer QKV and output projections ``8e²`` and MLP ``4ef``;
-* merger ``(2(e·m²)² + 2·e·m²·out) / m² = 2e²m² + 2e·out``;
-* attention per segment of S patches and per layer ``4eS²`` (QKᵀ and AV, no causal mask).
-
-Training multiplies by 3 as above; pass ``training=False`` for a frozen encoder (no backward
-runs through it). The formula equals torch's FLOP counter on transformers' own Qwen2-VL vision
-tower (``tests/test_vlm_cost.py``). Worked example, Qwen2-VL-7B's ViT (e = 1280, 32 layers,
-f = 5120, P = 1176, m = 2, out = 3584) frozen: linear = 1.28 GFLOP per patch, attention = 164k
-FLOP per S²; a 1036x1036 image (S = 74² = 5476 patches, 1369 LLM tokens) costs 7.0 TFLOP
-linear + 4.9 TFLOP attention, as much as 281 more tokens of its 7B language model in training
-(42.4 GFLOP per token): an image costs ~1.2x its token count, and more the larger it is
-(the S² term), so the same token count can be very different work.
+**Vision encoder** (``CostModel(vision=VisionCost(...))``): a ViT runs every image's patches,
+linear in patches plus attention bidirectional inside each frame (``h·w`` patches), never across.
+``VisionCost.from_shape`` for ``layers`` blocks of width e, MLP size f, patch input P = C·tp·p²
+and a Qwen2-VL merger (m² patches → one token of ``out_hidden``), per patch: embedding ``2Pe``,
+per layer ``8e² + 4ef``, merger ``2e²m² + 2e·out``; per frame of S patches and layer ``4eS²``.
+``training=False`` for a frozen encoder. It equals torch's FLOP counter on transformers' Qwen2-VL
+vision tower (``tests/test_vlm_cost.py``); a 1036x1036 image costs as much as ~1.2x its token count.
 """
 
 from __future__ import annotations
@@ -168,15 +140,9 @@ class CostModel:
 
     def pack_cost(self, lengths: np.ndarray, *, padded_to: int | None = None,
                   segments: np.ndarray | None = None) -> float:
-        """Cost of one pack holding documents of ``lengths`` (int ``[k]``).
-
-        ``padded_to``: the tokens the pack occupies (its capacity). Padding runs through
-        the linear layers, so it counts in the linear term; it attends to nothing real
-        (masked, or its own span), so it adds no attention cost.
-        ``segments``: the patches of every vision attention segment of the pack's images
-        (``frame_patches`` of their grids), priced by ``vision``; their placeholder tokens are
-        already in ``lengths``.
-        """
+        """Cost of one pack holding documents of ``lengths`` (int ``[k]``). ``padded_to`` (its capacity):
+        padding runs through the linear layers but attends to nothing real. ``segments``: the patches of
+        every vision attention segment of its images (``frame_patches``), priced by ``vision``."""
         vision = 0.0 if segments is None else self._vision("segments").cost(segments)
         return self._text_cost(lengths, padded_to) + vision
 

@@ -1,14 +1,9 @@
 """First-fit packers: ``ffd`` (longest first) and ``ffs`` (first-fit shuffle).
 
-First fit needs "the leftmost bin whose room is >= x". A max-tree over the room of every bin
-answers that in one O(log m) descent, where NeMo-RL's and NeVA's first fit scan all m open
-bins (O(n·m): 48 s for 1e5 lengths, measured on their code). The tree is sized by the any-fit
-bound (``2·sum // C + 2`` bins); not-yet-opened bins sit at the right with room = C, so the
-leftmost fitting leaf opens a new bin exactly when no open bin fits, and bins are numbered
-in creation order. ``mffd`` reuses the same kernel for its first-fit phases.
-
-Measured (1 core, lognormal mean 600, C = 4096; ``benchmarks/bench_packing_scaling.py``): plain
-Python 1.2 ms at 1024 items and 12 ms at 8192; compiled 70–100 ms at 1e6 (ffd and ffs).
+"The leftmost bin whose room is >= x" is one O(log m) descent of a max-tree over the rooms, where
+a scan of the open bins is O(n·m) (48 s for 1e5 lengths in NeMo-RL's code). The tree is sized by
+the any-fit bound (``2·sum // C + 2``), unopened bins at the right with room C, so bins are
+numbered in creation order. ``mffd`` reuses the kernel.
 """
 
 from __future__ import annotations
@@ -82,10 +77,8 @@ def _ffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackR
 
 
 def _ffs(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
-    """First-fit shuffle, O(n log n): a seeded random order (``default_rng(seed)``), then
-    first fit. Keeps lengths mixed inside packs at a cost in bins (random-order first fit is
-    +0.1…+2.5% bins over FFD, ``benchmarks/bench_packing.py``). Layout: bins in creation order, items in
-    placement (shuffled) order."""
+    """First-fit shuffle, O(n log n): first fit in a seeded random order (+0.1…+2.5% bins over FFD,
+    ``benchmarks/bench_packing.py``), keeping lengths mixed inside packs."""
     return _first_fit(lengths, capacity, shuffled_order(lengths.size, seed), engine)
 
 

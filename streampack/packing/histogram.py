@@ -1,20 +1,10 @@
 """Shortest-pack-first histogram packing (``histogram``, Krell et al. 2021, "SPFHP").
 
-Works on the length histogram instead of on items: all packs with the same contents are one
-*configuration* with a count. Lengths are taken longest first; each length goes into the
-packs with the most remaining space (the shortest packs — worst fit), a whole configuration
-at a time, and whatever does not fit opens new packs of one configuration. Packs are grouped
-by remaining space r with a lazy max-heap over the non-empty groups. Unlike Krell et al.
-there is no cap on sequences per pack.
-
-Cost O(n + N log N) time and O(n + N) memory after the sort by length, N = configurations
-created (each move of some packs from one group to another makes one; N <= n: 1k at 1024
-lognormal items, ~10k at 1e4, 41k at 1e6). Building the forest and walking it are two
-kernels (plain Python on lists below ``THRESHOLD``, compiled above, identical output);
-handing items out to packs is vectorised numpy. The forest is compiled because numpy alone
-runs 1e4 items in 63 ms, 25x the compiled 2.5 ms (``benchmarks/bench_packing_scaling.py``,
-lognormal mean 600, C = 4096, best of 5: plain 1.6 ms at 1024 items, compiled 34 ms at 65535
-and 0.5 s at 1e6, 1.1–3.8x bfd's compiled time).
+Works on the length histogram: packs with the same contents are one *configuration* with a count.
+Lengths go longest first into the packs with the most room (worst fit), a configuration at a time;
+what does not fit opens new packs. Packs are grouped by room under a lazy max-heap; no cap on
+sequences per pack. O(n + N log N) time, N configurations (<= n). The forest is a compiled kernel
+because numpy alone is 25x slower at 1e4 items (``benchmarks/bench_packing_scaling.py``).
 """
 
 from __future__ import annotations
@@ -31,12 +21,10 @@ from streampack.packing.result import PackResult
 def _configurations_kernel(sizes: IntBuffer, counts: IntBuffer, capacity: int,
                            parent: IntBuffer, added: IntBuffer, count: IntBuffer,
                            nxt: IntBuffer, heads: IntBuffer) -> tuple[int, int]:
-    """Build the configuration forest: configuration i is ``parent[i]`` plus one item of
-    size index ``added[i]``, ``count[i]`` packs have exactly its contents, ``nxt[i]`` is the
-    next configuration of its room group (-1 ends it). ``sizes`` decreasing, ``counts``
-    items of each; buffers ``[n]`` (each step adds at most one configuration per item
-    placed), ``heads`` ``[n + 1]``. Writes the head configuration of every room group by
-    increasing room (fullest packs first) to ``heads``; returns (configurations, groups)."""
+    """Build the configuration forest: configuration i is ``parent[i]`` plus one item of size index
+    ``added[i]``, held by ``count[i]`` packs, ``nxt[i]`` the next of its room group (-1 ends it).
+    Writes each room group's head configuration by increasing room to ``heads``; returns
+    (configurations, groups)."""
     group = {capacity: 0}  # room -> newest configuration with packs at that room
     group.pop(capacity)  # (the literal gives numba the key and value types)
     heap = [capacity]  # negated rooms of groups that may be non-empty

@@ -65,38 +65,19 @@ class MetricsAccumulator:
         self.update(loads, np.array([len(b) for b in bins], dtype=np.int64), capacity)
 
     def result(self) -> PackingMetrics:
-        capacity = self._capacity or 0
-        bins, tokens = self._bins, self._tokens
+        capacity, bins, tokens, docs = self._capacity or 0, self._bins, self._tokens, self._docs
         if bins == 0:
-            return PackingMetrics(
-                num_bins=0, num_documents=self._docs, num_tokens=tokens, capacity=capacity,
-                fill=0.0, waste=0.0, balance_cv=0.0, efficiency=0.0, docs_per_bin=0.0,
-            )
-        fill = tokens / (bins * capacity)
-        mean = tokens / bins
+            return PackingMetrics(num_bins=0, num_documents=docs, num_tokens=tokens, capacity=capacity, fill=0.0,
+                                  waste=0.0, balance_cv=0.0, efficiency=0.0, docs_per_bin=0.0)
+        fill, mean = tokens / (bins * capacity), tokens / bins
         var = max(self._tokens_sq / bins - mean * mean, 0.0)
-        return PackingMetrics(
-            num_bins=bins,
-            num_documents=self._docs,
-            num_tokens=tokens,
-            capacity=capacity,
-            fill=fill,
-            waste=1.0 - fill,
-            balance_cv=math.sqrt(var) / mean if mean > 0 else 0.0,
-            efficiency=-(-tokens // capacity) / bins,
-            docs_per_bin=self._docs / bins,
-        )
+        return PackingMetrics(num_bins=bins, num_documents=docs, num_tokens=tokens, capacity=capacity, fill=fill,
+                              waste=1.0 - fill, balance_cv=math.sqrt(var) / mean if mean > 0 else 0.0,
+                              efficiency=-(-tokens // capacity) / bins, docs_per_bin=docs / bins)
 
 
 def packing_metrics(lengths: np.ndarray, bins: list[np.ndarray], capacity: int) -> PackingMetrics:
     """Metrics of one packing: ``bins`` as returned by ``pack(lengths, capacity)``."""
     acc = MetricsAccumulator()
     acc.update_bins(lengths, bins, capacity)
-    result = acc.result()
-    if not bins:  # keep the capacity in the record even when there is nothing to pack
-        return PackingMetrics(**{**_as_dict(result), "capacity": int(capacity)})
-    return result
-
-
-def _as_dict(m: PackingMetrics) -> dict[str, object]:
-    return {f: getattr(m, f) for f in m.__dataclass_fields__}
+    return acc.result()

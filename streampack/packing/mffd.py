@@ -1,16 +1,11 @@
-"""Johnson–Garey (1985) modified first-fit decreasing (``mffd``), with the phases as NeMo-RL
-describes them, each O(log n) per item where NeMo-RL's are O(n·m):
+"""Johnson–Garey (1985) modified first-fit decreasing (``mffd``), phases as NeMo-RL describes them,
+each O(log n) per item where NeMo-RL's are O(n·m):
 
-1. classes by length: large > C/2 >= medium > C/3 >= small > C/6 >= tiny;
-2. every large item opens its own bin, largest first;
-3. medium items, largest first, by first fit over the large bins only (a forward pass);
-4. a backward pass over the large bins (roomiest first): if the two smallest unused small
-   items fit, add the smallest, then the largest unused small item that still fits;
-5. every item not yet placed, still largest first, by first fit over all bins. Trying the
-   existing bins first and then FFD on new bins is one first-fit pass, because existing bins
-   are leftmost in the tree.
-
-Phases 3 and 5 run the first-fit kernel of ``first_fit``; phase 4 is its own kernel.
+1. classes: large > C/2 >= medium > C/3 >= small > C/6 >= tiny; every large item opens a bin;
+2. medium items, largest first, by first fit over the large bins only;
+3. a backward pass over the large bins (roomiest first): if the two smallest unused small items
+   fit, add the smallest, then the largest unused small item that still fits;
+4. every item left, largest first, by first fit over all bins (``first_fit``'s kernel).
 """
 
 from __future__ import annotations

@@ -1,47 +1,18 @@
 """Cost-balanced emission: which ready pack a reader emits at each step, with no communication.
 
-**Why.** Packs hold the same tokens, not the same work: causal attention grows with ``Σ L²``,
-so with a Llama-3-8B shape a 128k pack of one document costs 3.3x a pack of short ones. In
-data-parallel training every step waits for the slowest rank, and with 1,024 ranks some rank
-nearly always holds a heavy pack: the straggler factor (max over ranks / mean, per step) is
-2.5 at 128k and 1.35 at 32k with today's packer (``benchmarks/bench_balance.py``).
+Packs hold the same tokens, not the same work (``Σ L²``), and every data-parallel step waits for
+the slowest rank. Every rank computes the same schedule from ``(seed, step)``: step ``s`` gets the
+point ``u = frac(u0(seed) + s * GOLDEN)``, each of the batch's k slots a stratified quantile
+(the costliest ``tail`` aimed at ``1 + over`` times as often). A reader turns the quantile into a
+cost level with the histogram of the pack costs it has seen (seeded the same on every rank:
+:mod:`streampack.plan.cost_seed`) and emits from its
+:class:`~streampack.packing.reservoir.Reservoir` the heaviest pack not above the level (within
+``tolerance``, the oldest first); after ``max_hold`` steps a pack goes at the first step whose
+level it does not exceed (``forced``). The rules and measurements are in docs/algorithms.md: with
+a reservoir of 64 the straggler factor at 1,024 ranks and 128k is 1.035, against 2.51 in token order.
 
-**Design.** The packs are the ones the window packer makes anyway (fill and batch counts do
-not change); only their order — and with ``packs_per_batch = k > 1`` their grouping — does.
-Every rank computes the same schedule from ``(seed, step)`` alone: global step ``s`` gets the
-point ``u = frac(u0(seed) + s * GOLDEN)`` (any run of n steps covers [0, 1) evenly), each of
-the batch's k slots a quantile (stratified: ``(j + u) / k``, so a batch holds one pack of each
-k-th of the cost distribution), reshaped so that the costliest ``tail`` of the levels is aimed
-at ``1 + over`` times as often as such packs arrive and the lowest quantiles, where some of
-``ranks`` readers would hold no pack, are skipped. A reader turns the quantile into a cost level
-with the histogram of every pack cost it has seen — every rank's stream has the same length
-distribution, so the histograms converge to the same levels — and emits from its
-:class:`~streampack.packing.reservoir.Reservoir` of ready packs the heaviest one not above the level (any within
-``tolerance`` below it may go instead, the oldest first). So at each step every rank emits a
-pack of about the same cost, and hardly any rank exceeds the level: that is the straggler.
-
-**Latency.** A pack waits ``reservoir / k`` steps on average (Little's law); among the packs
-within tolerance of the best match the oldest goes. After ``max_hold`` steps a pack goes at the
-first step whose level it does not exceed, whatever else is ready (counted as ``forced``): an
-old heavy pack never leaves at a light step, the one event that makes a straggler.
-
-**Why these rules** (``python benchmarks/bench_balance.py``, 1,024 ranks, 128k, k = 1): the
-straggler factor is 1.035 with a reservoir of 64 packs and warm histograms, against 2.51
-emitting in token order; a reservoir of 32 gives 1.072 and 128 gives 1.021 for 1.6x the state
-(the simulator's table and the rules tried and dropped: ``benchmarks/README.md``,
-"Compute-balanced packing", and ``docs/changelog.md``).
-
-**Seeded** (``Balance.seeded``): every reader starts from one histogram, the same on every rank
-(:mod:`streampack.plan.cost_seed`: the packer's own packs of one sample of the shard indexes'
-lengths, counted as 20,000 packs), so the levels agree from step 0 — a cold start differs not by
-too few packs but by each reader's levels coming from its own few. End to end, 16 ranks of
-``PackedDataset`` at 128k, steps 0–500 (``benchmarks/bench_balance_e2e.py``): straggler 1.027
-seeded, 1.064 cold.
-
-Host memory: the reservoir's packs, ``reservoir x capacity`` tokens per reader (64 MB of int64
-ids at 128k). State: the reservoir's documents as references (56 bytes each), a histogram of
-``BINS`` counts (8 KB) and each pack's step. Building it costs 7.7 ms per ``state_dict()`` at
-128k (0.9 ms at 4k): it re-lists ~3,300 held documents, cheap next to a 128k training step.
+Host memory: ``reservoir x capacity`` tokens per reader. State: the reservoir's documents as
+references (56 bytes each), a histogram of ``BINS`` counts (8 KB) and each pack's step.
 """
 
 from __future__ import annotations
@@ -65,23 +36,19 @@ class Balance:
     """Ready packs each reader holds to choose from (more: better balance, more latency and
     host memory; the resume state stores them as references)."""
     max_hold: int | None = None
-    """Steps (batches of this reader) after which a waiting pack goes at the first step whose
-    level it does not exceed, whatever else is ready (counted in
-    ``metrics()["packing"]["forced_by_hold"]``). Default ``max(16, 4 * ceil(reservoir /
-    packs_per_batch))``: a pack waits ``reservoir / packs_per_batch`` steps on average."""
+    """Steps after which a waiting pack goes at the first step whose level it does not exceed
+    (``metrics()["packing"]["forced_by_hold"]``); default ``max(16, 4 * ceil(reservoir / packs_per_batch))``."""
     tail: float = 0.1
     """Share of the costliest packs whose levels the schedule serves faster than they arrive."""
     over: float = 0.2
-    """How much faster: the schedule targets the tail's levels ``1 + over`` times as often as
-    they arrive, so heavy packs never pile up in a reader (a pile-up would force one out at a
-    light step, the one event that makes a straggler)."""
+    """The tail's levels are targeted ``1 + over`` times as often as they arrive, so heavy packs never
+    pile up in a reader (a pile-up forces one out at a light step: a straggler)."""
     tolerance: float = 0.02
     """A pack up to this share lighter than the best match may go instead, the oldest first
     (bounds waiting at ~the cost of that share of balance)."""
     seeded: bool = True
-    """Start every reader's cost histogram from the packs of one length sample of the data set's
-    shard indexes, the same on every rank (:mod:`streampack.plan.cost_seed`), so the levels agree
-    from step 0; False starts it empty (the ranks agree only after ~2,000 packs each)."""
+    """Start every reader's cost histogram from the same sample of the shard indexes' lengths
+    (:mod:`streampack.plan.cost_seed`), so the ranks' levels agree from step 0, not after ~2,000 packs."""
 
     def __post_init__(self) -> None:
         if isinstance(self.reservoir, bool) or not isinstance(self.reservoir, int) or self.reservoir < 1:
@@ -146,13 +113,9 @@ def quantile_floor(reservoir: int, ranks: int) -> float:
 
 
 def target_quantiles(balance: Balance, u: float, k: int, floor: float = 0.0) -> np.ndarray:
-    """float64 ``[k]``: the cost quantile each of a batch's ``k`` packs aims at.
-
-    Stratified (``(j + u) / k`` for slot j), so a batch of ``k`` packs holds one from each
-    k-th of the cost distribution; then the tail (survival below ``tail * (1 + over)``) is
-    served ``1 + over`` times as often as it arrives, and the body is spread over the
-    quantiles ``[floor, 1 - tail]``.
-    """
+    """float64 ``[k]``: the cost quantile each of a batch's ``k`` packs aims at: stratified ``(j + u) / k``,
+    the tail (survival below ``tail * (1 + over)``) served ``1 + over`` times as often as it arrives,
+    the body spread over ``[floor, 1 - tail]``."""
     survival = 1 - (np.arange(k) + u) / k
     cut = balance.tail * (1 + balance.over)
     body = balance.tail + (survival - cut) * (1 - floor - balance.tail) / (1 - cut)
@@ -193,16 +156,10 @@ class CostScale:
 
 def choose(costs: np.ndarray, ages: np.ndarray, valid: np.ndarray, target: np.ndarray, *,
            hold: int, tolerance: float) -> tuple[np.ndarray, np.ndarray]:
-    """One pick per row (a reader): ``(index [rows], forced [rows])``.
-
-    ``costs`` / ``ages`` / ``valid``: ``[rows, n]`` normalized cost, steps waited and which
-    slots hold a pack (each row holds at least one); ``target``: ``[rows]`` level to aim at.
-    The best match is the heaviest pack not above the target (or the lightest if all are
-    above); any pack within ``tolerance`` below it may go instead, and the oldest of those
-    goes. A pack that has waited ``hold`` steps goes at the first step whose target it does not
-    exceed, whatever else is ready (``forced``): never above the target, so it never makes a
-    straggler.
-    """
+    """One pick per row (a reader): ``(index [rows], forced [rows])``. ``costs`` / ``ages`` / ``valid``
+    are ``[rows, n]`` (normalized cost, steps waited, which slots hold a pack), ``target`` ``[rows]``:
+    the heaviest pack not above the target (else the lightest), or the oldest within ``tolerance``
+    below it; a pack held ``hold`` steps goes at the first step whose target it does not exceed."""
     below = valid & (costs <= target[:, None])
     best = np.where(below, costs, -np.inf).max(1)
     lightest = np.where(valid, costs, np.inf).min(1)

@@ -1,15 +1,9 @@
 """Next-fit packers: ``greedy`` (order-preserving concatenation) and ``shuffle_pack``.
 
-Next fit keeps one open bin and closes it as soon as an item does not fit, so every bin is a
-run of consecutive items in the processing order. O(n), no sort, and the only packer that
-keeps the stream order; the price is +16…+33% bins over FFD (``benchmarks/bench_packing.py``).
-
-On the plain path each bin is found with one binary search over the prefix sums (the
-longest run that fits), so the Python loop runs once per bin, not per item: measured (1 core,
-lognormal mean 600, C = 4096) 0.1 ms at 1024 items and 0.1–0.18 s at 1e6. At 65k–1e6 items
-that is 1.2–2.5x a compiled BFD (``benchmarks/bench_packing_scaling.py``), so the compiled
-path runs one O(n) kernel over the lengths instead (same bins: a run ends where the next item
-does not fit).
+Next fit closes the open bin as soon as an item does not fit: O(n), no sort, the only packer that
+keeps the stream order, at +16…+33% bins over FFD (``benchmarks/bench_packing.py``). The plain path
+finds each bin with one binary search over prefix sums (a Python loop per bin, not per item); at
+65k–1e6 items that is 1.2–2.5x a compiled BFD, so the compiled path runs one O(n) kernel instead.
 """
 
 from __future__ import annotations
@@ -54,10 +48,8 @@ def _next_fit(lengths: np.ndarray, capacity: int, seq: np.ndarray, engine: Engin
 
 
 def _greedy(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
-    """Order-preserving next fit, O(n): concatenate items in index order, starting a new
-    bin when the next item does not fit (NeMo AutoModel's ``pack_dataset``, NeMo-RL's
-    concatenative packer, without splitting items). Layout: bins in stream order, items in
-    index order. ``seed`` is unused."""
+    """Order-preserving next fit, O(n): items in index order, a new bin when the next does not fit
+    (NeMo's concatenative packers without splitting). ``seed`` is unused."""
     return _next_fit(lengths, capacity, np.arange(lengths.size, dtype=np.int64), engine)
 
 

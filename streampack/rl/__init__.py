@@ -10,11 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from streampack.rl.plan import (
-    MicroBatchPlan,
-    plan_dynamic_batches,
-    plan_packed_microbatches,
-)
+from streampack.rl.plan import MicroBatchPlan, plan_dynamic_batches, plan_packed_microbatches
 
 _LAZY = {name: "streampack.rl.apply" for name in
          ("DynamicMicroBatch", "apply_dynamic_plan", "apply_packed_plan", "restore_order")}

@@ -1,11 +1,9 @@
 """streampack's own dynamic batching convention (``convention="balanced"``), on lengths.
 
-Longest first, so the peak-memory micro-batch runs first (an OOM shows at micro-batch 0, and
-the caching allocator reserves its largest blocks first). Ranks are dealt one round of
-``dp_size`` sorted sequences at a time, largest to the lightest rank, and each rank cuts its
-own run into micro-batches with ``count * round_up(max_len) <= budget`` (a hard cap on what
-memory sees). This reproduces NeMo-RL's diagram (seed 000, MBS = 16 tokens: ``[2, 3]`` padded
-to 7, then ``[1, 5, 4, 0]`` padded to 4) exactly, order included.
+Longest first, so the peak-memory micro-batch runs first (an OOM shows at micro-batch 0). Ranks
+are dealt one round of ``dp_size`` sorted sequences at a time, largest to the lightest rank, and
+each rank cuts its run into micro-batches with ``count * round_up(max_len) <= budget``. This
+reproduces NeMo-RL's diagram exactly, order included.
 """
 
 from __future__ import annotations

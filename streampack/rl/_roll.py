@@ -1,29 +1,15 @@
 """ROLL's dynamic batching (``roll.utils.dynamic_batching.dynamic_batching_shard``), on lengths.
 
-What ROLL's code does (read from alibaba/ROLL; its own unit tests are reproduced in
-``tests/test_rl_plan.py``), as opposed to the worked example in its documentation, which bounds
-real tokens and lets padded micro-batches exceed the budget:
+As ROLL's code (main branch, v0.2.0, commit 3077befc) does it, its unit tests reproduced in
+``tests/test_rl_plan.py`` (its documentation's example bounds real tokens instead):
 
-1. sort the batch by length, shortest first (stable); rank ``r`` takes ``sorted[r::dp]``, so
-   "row" ``j`` holds the ``j``-th sequence of every rank (the batch must divide by ``dp``);
-2. every row's length is the longest sequence of the row over all ranks, rounded up to
-   ``sequence_length_round``;
-3. rows are cut greedily into micro-batches with a hard cap: a micro-batch of ``b`` rows and
-   padded length ``L`` (its longest row) satisfies ``b * L <= budget``; one list of boundaries
-   and lengths is shared by every rank;
-4. with pipeline parallelism (``pp_size > 1``; in ROLL, ``pipeline_model_parallel_size > 1``
-   with ``virtual_pipeline_model_parallel_size`` set -- without VPP ROLL splits nothing, which
-   is ``pp_size=1`` here) the ``k`` micro-batches still missing to a multiple of ``pp_size``
-   come from splitting the ``k`` multi-row micro-batches with the most padded tokens
-   (``rows x length``; the first on ties), each once, at its middle, both halves keeping its
-   length. When fewer than ``k`` have two rows ROLL asserts; this raises ``ValueError``.
-
-Which ROLL: ``roll/utils/dynamic_batching.py`` on ROLL's main branch as published in v0.2.0
-(commit 3077befc; unchanged at 8eb27cc2, the newest snapshot read). A commit of
-ROLL outside that branch (896aba12) has ``_split_ranges_to_vpp_multiple`` instead, which
-halves the range with the most *rows* until the count is a multiple, splitting halves again;
-it differs from main's rule in 89 of 192 random pp/vpp cases (same counts and padded totals,
-other groupings), and main's rule is the one followed here.
+1. sort shortest first; rank ``r`` takes ``sorted[r::dp]`` (the batch must divide by ``dp``);
+2. a row's length is its longest over all ranks, rounded up to ``sequence_length_round``;
+3. rows are cut greedily into micro-batches of ``b`` rows and padded length ``L`` with
+   ``b * L <= budget``, one list shared by every rank;
+4. with ``pp_size > 1`` the ``k`` micro-batches missing to a multiple of ``pp_size`` come from
+   halving the ``k`` multi-row micro-batches with the most padded tokens (first on ties); when
+   fewer than ``k`` have two rows this raises ``ValueError``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """Apply a :class:`~streampack.rl.plan.MicroBatchPlan` to real tensors, and undo it.
 
-Input is either a padded batch -- ``input_ids`` int ``[B, S]`` with ``attention_mask``
-``[B, S]`` (1 = real token; right *or* left padding, each row's real tokens contiguous) -- or
-a list of ``B`` 1-D token sequences (``attention_mask=None``). Row ``i`` must hold exactly
-``plan.seq_lens[i]`` real tokens.
-
-Worked example (``seq_lens = [3, 1, 2]``, one dynamic micro-batch ``indices = [0, 2]``
-with padded length 4, ``pad_id = 0``)::
+Input is a padded batch (``input_ids`` ``[B, S]`` with ``attention_mask`` ``[B, S]``, right or left
+padding, each row's real tokens contiguous) or a list of ``B`` 1-D sequences; row ``i`` must hold
+exactly ``plan.seq_lens[i]`` real tokens. Example (``seq_lens = [3, 1, 2]``, one dynamic
+micro-batch ``indices = [0, 2]`` of padded length 4, ``pad_id = 0``)::
 
     input_ids       [[a0 a1 a2 0], [c0 c1 0 0]]     int64 [b=2, L=4], right padded
     attention_mask  [[1  1  1  0], [1  1  0 0]]     int64 [2, 4]
     position_ids    [[0  1  2  3], [0  1  2 3]]     int64 [2, 4] (real tokens count from 0)
     indices         [0, 2]                           int64 [2]: original row of each row
 
-:func:`restore_order` takes per-sequence results back to the original order:
-``outputs[rank][microbatch]`` is anything indexable by row (a list of per-sequence tensors, or
-one tensor ``[b, ...]``) whose row ``k`` belongs to ``plan.microbatches[rank][microbatch][k]``;
-it returns a list of ``B`` per-sequence results in original order.
+:func:`restore_order` takes ``outputs[rank][microbatch]`` (indexable by row) back to a list of
+``B`` per-sequence results in original order.
 """
 
 from __future__ import annotations
@@ -118,15 +113,10 @@ def apply_dynamic_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any
 def apply_packed_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any = None, *,
                       dp_rank: int, loss_mask: Any = None, fixed_shape: bool = True,
                       pad_id: int = 0, ignore_index: int = -100) -> list[PackedBatch]:
-    """The micro-batches of ``dp_rank`` as one-pack :class:`PackedBatch` es, in run order.
-
-    Documents keep their micro-batch order; ``doc_keys`` are ``"seq{i}"`` (original index).
-    ``fixed_shape=True``: every micro-batch has ``T`` = the budget rounded *down* to
-    ``plan.align`` (rounding up would break the hard cap; every packed length, a sum of
-    multiples of ``align`` within the budget, fits). ``False``: ``T`` = its packed length.
-    ``loss_mask`` (same layout as ``input_ids``, e.g. the response mask) becomes each
-    document's loss mask, so labels are ``ignore_index`` where it is 0.
-    """
+    """The micro-batches of ``dp_rank`` as one-pack :class:`PackedBatch` es, in run order (``doc_keys``
+    ``"seq{i}"``). ``fixed_shape=True``: ``T`` = the budget rounded *down* to ``plan.align`` (every
+    packed length fits); ``False``: ``T`` = its packed length. ``loss_mask`` (laid out as
+    ``input_ids``) becomes each document's loss mask."""
     if plan.kind != "packed":
         raise ValueError(f"apply_packed_plan needs a packed plan, got kind={plan.kind!r}")
     _rank(plan, dp_rank)
@@ -154,11 +144,8 @@ def _loss_rows(loss_mask: Any, rows: _Rows) -> list[torch.Tensor]:
 
 
 def restore_order(outputs: Sequence[Sequence[Any]], plan: MicroBatchPlan) -> list[Any]:
-    """Per-sequence results of every rank's micro-batches, back in the original order.
-
-    ``outputs[r][j][k]`` is the result for ``plan.microbatches[r][j][k]`` (module docstring);
-    returns ``[result of sequence 0, ..., result of sequence B-1]``.
-    """
+    """Per-sequence results of every rank's micro-batches (``outputs[r][j][k]`` for
+    ``plan.microbatches[r][j][k]``) back in the original order."""
     if len(outputs) != plan.dp_size:
         raise ValueError(f"outputs has {len(outputs)} ranks, the plan {plan.dp_size}")
     flat: list[Any] = []

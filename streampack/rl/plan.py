@@ -2,42 +2,17 @@
 
 Two planners, one record (:class:`MicroBatchPlan`: rank -> micro-batch -> sequence indices):
 
-* :func:`plan_dynamic_batches` (padded ``[b, L]`` micro-batches, any attention kernel): sort by
-  length inside chunks, deal to DP ranks, cut into micro-batches whose padded size
-  ``count x L`` never exceeds the budget (``L`` = the longest length rounded up to
-  ``sequence_length_round``). Two conventions, both hard caps:
-
-  - ``"balanced"`` (default, :mod:`streampack.rl._dynamic`): longest first, ranks dealt
-    largest-to-lightest, each rank cut on its own; reproduces NeMo-RL's diagram exactly.
-  - ``"roll"`` (:mod:`streampack.rl._roll`): ROLL's ``dynamic_batching_shard`` as its code
-    does it -- shortest first, stride deal ``sorted[r::dp]``, one list of micro-batch
-    boundaries and padded lengths shared by every rank, ROLL's split rule for pipeline
-    parallelism. Its unit tests (``[2, 4, 7, 6, 3, 4]``, dp 2, budget 20, round 2 ->
-    ``[[0, 2], [2, 3]]`` with lengths ``[4, 8]``, ...) come out exactly.
-
-  Neither is a soft cap: the worked example in ROLL's documentation bounds real tokens and
-  rounds afterwards, which on ROLL's unit-test input builds micro-batches of 24 padded tokens
-  over a budget of 20 (and on 200 random rollouts exceeded the budget in 156, by up to 2.44x).
-
+* :func:`plan_dynamic_batches` (padded ``[b, L]`` micro-batches, any attention kernel): sort,
+  deal to DP ranks, cut into micro-batches whose padded size ``count x L`` never exceeds the
+  budget. Conventions: ``"balanced"`` (:mod:`streampack.rl._dynamic`, longest first, dealt
+  largest-to-lightest: balance 1.0001 where ROLL's stride deal gives 1.018) and ``"roll"``
+  (:mod:`streampack.rl._roll`, ROLL's code exactly). Both are hard caps.
 * :func:`plan_packed_microbatches` (one THD pack per micro-batch): Karmarkar-Karp from the
   batch to DP ranks, then from each rank to ``M`` micro-batches (ROLL sequence packing §2.4).
 
-Both guarantee what collectives need: every rank gets the same number of micro-batches (per
-chunk for dynamic plans), none is empty, and the count is a multiple of ``pp_size``; when
-that is impossible they raise ``ValueError`` instead of planning a hang.
-
-Measured (``benchmarks/bench_rl.py``: 1024 lognormal lengths, median 2000, max 16k,
-dp 8, budget 16384, round/align 128; 3.01M real tokens):
-
-    method             mb/rank  padded tokens  padding  balance (real)
-    naive (batch max)      128     16,777,216    82.0%          1.242
-    dynamic batching        29      3,213,568     6.2%          1.0001
-    packed + KK             24      3,079,168     2.1%          1.002
-    packed + FFD            24      3,079,168     2.1%          1.002  (smallest mb 0.51 of
-                                                                        budget; KK 0.97)
-
-Dealing to ranks largest-to-lightest rather than ROLL's stride: stride gives rank ``dp-1`` the
-longest of every round; on the benchmark that is balance 1.018 vs 1.0001.
+Both give every rank the same number of micro-batches, none empty, a multiple of ``pp_size``,
+or raise ``ValueError`` instead of planning a hang. On 1024 lognormal lengths, dp 8, budget 16384
+(``benchmarks/bench_rl.py``) padding is 82% for the naive batch max, 6.2% dynamic, 2.1% packed.
 """
 
 from __future__ import annotations
@@ -48,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from streampack.packing import karmarkar_karp, pack
 from streampack.packing.cost import CostModel
-from streampack.rl import _dynamic, _partition, _roll
+from streampack.rl import _dynamic, _roll
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -153,6 +129,22 @@ def _cost_weights(aligned: np.ndarray, lens: np.ndarray, cost_model: CostModel |
         return aligned
     scale = cost_model.linear if cost_model.linear > 0 else (cost_model.attention or 1.0)
     return np.rint(sequence_costs(lens, cost_model) / scale - lens + aligned).astype(np.int64)
+
+
+def _balanced_parts(values: np.ndarray, k: int) -> list[np.ndarray]:
+    """``k`` non-empty parts (``k <= len(values)``) with balanced sums of ``values``."""
+    assert 1 <= k <= values.size, (k, values.size)
+    parts = [np.asarray(p, dtype=np.int64) for p in karmarkar_karp(values, k)]
+    # positive values and k <= n: largest differencing never leaves a part empty
+    assert len(parts) == k and all(p.size for p in parts), "partition left a part empty"
+    return parts
+
+
+def _bins(values: np.ndarray, capacity: int, algorithm: str) -> list[np.ndarray]:
+    """Bins of item indices, each with ``sum(values) <= capacity``."""
+    out = [np.asarray(b, dtype=np.int64) for b in pack(values, capacity, algorithm=algorithm)]
+    assert all(int(values[b].sum()) <= capacity for b in out), "a bin exceeds its capacity"
+    return out
 
 
 def _check_args(seq_lens: Any, **positive: int) -> np.ndarray:
@@ -293,7 +285,7 @@ def plan_packed_microbatches(seq_lens: Any, *, dp_size: int, max_tokens_per_micr
         # (a rank of one long sequence): then balance tokens across ranks, then nothing by cost,
         # so a cost model never makes a batch unplannable that plans by tokens.
         try:
-            ranks = _partition.balanced_parts(by_rank, dp_size)
+            ranks = _balanced_parts(by_rank, dp_size)
             if algorithm == "kk":
                 parts = _kk_microbatches(ranks, aligned, by_microbatch, budget, min_num_microbatches)
             else:
@@ -315,7 +307,7 @@ def _kk_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, weights: np.n
     count = max(min_mb, max(math.ceil(int(aligned[r].sum()) / budget) for r in ranks))
     smallest = min(r.size for r in ranks)
     while count <= smallest:
-        parts = [[r[p] for p in _partition.balanced_parts(weights[r], count)] for r in ranks]
+        parts = [[r[p] for p in _balanced_parts(weights[r], count)] for r in ranks]
         if all(int(aligned[ix].sum()) <= budget for rank in parts for ix in rank):
             return [[np.sort(ix) for ix in rank] for rank in parts]
         count += 1  # a part overflowed: one more micro-batch on every rank
@@ -325,7 +317,7 @@ def _kk_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, weights: np.n
 
 def _binned_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, budget: int, min_mb: int,
                          algorithm: str) -> list[list[np.ndarray]]:
-    bins = [[r[b] for b in _partition.bins(aligned[r], budget, algorithm)] for r in ranks]
+    bins = [[r[b] for b in _bins(aligned[r], budget, algorithm)] for r in ranks]
     count = max(min_mb, max(len(b) for b in bins))
     for r, rank_bins in enumerate(bins):
         while len(rank_bins) < count:  # split the fullest multi-sequence bin in two
@@ -335,5 +327,5 @@ def _binned_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, budget: i
                                  f"{count} non-empty micro-batches like the other ranks")
             j = max(multi, key=lambda j: (int(aligned[rank_bins[j]].sum()), -j))
             ix = rank_bins[j]
-            rank_bins[j:j + 1] = [ix[p] for p in _partition.balanced_parts(aligned[ix], 2)]
+            rank_bins[j:j + 1] = [ix[p] for p in _balanced_parts(aligned[ix], 2)]
     return [[np.sort(ix) for ix in rank_bins] for rank_bins in bins]
