@@ -29,31 +29,23 @@ packs (as references, like the carry), their steps and a cost histogram.
 Lengths are packed *aligned* (``ceil(L / align) * align``) so every pack still fits after
 the collate pads each document to the CP/TP alignment.
 
-State = the upstream state after the round's refill + the round's packs and carried samples as
-a table of references (where to re-read each one, see :mod:`streampack.plan.replay`) + how
-many packs of the round were already emitted (+ metrics). Restoring re-reads the samples of
-the packs not yet emitted and of the carry and rebuilds exactly those packs (no re-packing);
-``get_state`` is O(1) after its first call in a round (cached per round), which matters because
-StatefulDataLoader snapshots after every batch. Size: 56 bytes per sample of the window
-(~65 KB per worker at window 1024, measured at capacities 4k, 32k and 128k) whatever the
-documents' lengths; without a replay function (a graph with a user node stage) the table
-stores tokens instead (2 MB at capacity 4k, 63 MB at 128k: ``benchmarks/bench_state.py``). ``carry=`` starts the packer with samples already in its window
-(an elastic resume hands each new worker its share of the old windows that way).
-
-Defaults: ``slack = capacity // 256`` and 8 rounds of ``max_wait`` at window 1024 give 99.934%
-fill against offline bfd's 99.995% (lognormal mean ~600, capacity 4096, 200k samples), because
-packs forced out by age cost the most fill; ``benchmarks/bench_packing_scaling.py`` measures
-the online fill against offline bfd by window, and the sweep is in ``docs/changelog.md``.
-
 The window is a table of rows (:mod:`streampack.plan.rows`): a refill is one ``take`` from the
-:class:`~streampack.nodes.overlong.OverlongNode` (a source that yields Samples is read one
-Sample a row), a pack one fancy index, and a pack leaves as a
-:class:`~streampack.plan.rows.PackRows` (iterating it gives its Samples). A restore does not
-re-read the window at once: the saved references become rows whose ids are not read yet
-(``rows.UNREAD``; packing needs lengths only), every shard they point into is checked at the
-restore, and a pack's documents are re-read when it is about to leave, :data:`READ_AHEAD` packs at
-a time, so the first batch after a restore waits for its own ~55 documents, not the window's
-~1,000 (``benchmarks/bench_restore.py``).
+:class:`~streampack.nodes.overlong.OverlongNode` (from any other source, one Sample a row), a pack
+one fancy index, and a pack leaves as a :class:`~streampack.plan.rows.PackRows` (iterating it
+gives its Samples). Defaults (``slack = capacity // 256``, 8 rounds of ``max_wait`` at window 1024)
+give 99.934% fill against offline bfd's 99.995% (lognormal mean ~600, capacity 4096);
+``benchmarks/bench_packing_scaling.py`` measures it by window.
+
+State = the upstream state after the round's refill + the round's packs and carry as a table of
+references (:mod:`streampack.plan.replay`; tokens where a document cannot be re-read) + the packs
+already emitted (+ metrics): 56 bytes a document of the window whatever its length (~65 KB per
+worker at window 1024; tokens instead took 63 MB at capacity 128k, ``benchmarks/bench_state.py``).
+``get_state`` is cached per round (StatefulDataLoader snapshots after every batch). A restore
+rebuilds exactly the saved packs (no re-packing) from rows whose ids are not read yet
+(``rows.UNREAD``); each pack's documents are re-read when it is about to leave, :data:`READ_AHEAD`
+packs at a time, so the first batch after a restore waits for its own ~55 documents, not the
+window's ~1,000. ``carry=`` starts the packer with documents already in its window (an elastic
+resume hands each new worker its share of the old windows that way).
 """
 
 from __future__ import annotations

@@ -1,53 +1,33 @@
-"""Re-reading carried samples from where they were read, instead of storing their tokens.
+"""Re-reading carried documents from where they were read, instead of storing their tokens.
 
-A resume state refers to each sample that sat in a buffer (the packer's window, a split
-document's pending chunks) by its origin — source, shard, byte offset, number, chunk — and
-the replay turns those references back into the very samples the buffer held: it reads
-the raw samples again (grouped by shard, one pass per shard in offset order, reopening at the
-next wanted offset only where that skips more than ``REOPEN_GAP`` bytes of a seekable remote
-shard, ``LOCAL_REOPEN_GAP`` of a local file;
-``.jsonl.gz`` is inflated once from the start), tokenizes them with the graph's own
-:class:`~streampack.nodes.tokenize.TextEncoder`, applies the function stages, and cuts the
-same chunk with the overlong policy. Each result's length is checked against the one
-recorded, so a stage that is not a pure function of the sample, or a shard changed since the
-save, is an error rather than a silently different stream.
+A resume state refers to each document that sat in a buffer (the packer's window, a split
+sample's pending chunks) by its origin — source, shard, offset, number, chunk, length — and the
+:class:`Replayer` turns those references back into the very documents the buffer held, checking
+each one's length against the one recorded: a stage that is not a pure function of the sample,
+or a shard changed since the save, is an error, not a silently different stream. References cost
+56 bytes a document whatever its length (~65 KB per worker at window 1024, where tokens took
+63 MB at capacity 128k: ``benchmarks/bench_state.py``). A graph with a user ``BaseNode`` stage
+cannot be replayed (the node may hold its own buffer): its states store tokens.
 
-Why: a state that stores tokens grows with document length (one 4M-token document under
-``overlong="split"`` made every checkpoint 28.5 MB; capacity 32k with window 256 gave 17.6 MB
-per worker). References cost 56 bytes per carried sample whatever its length: ~65 KB per worker at
-window 1024 whether the capacity is 4k or 128k (63 MB with tokens at 128k;
-``benchmarks/bench_state.py``, provisional); restoring costs one read of the carried samples.
+Where a stream's documents are the shards' own token ids (no tokenizer, stage or images), the
+documents are re-read as blocks, and only them: in a tar shard the wanted samples are picked at
+their offsets and checked alone (:func:`~streampack.io.blocks.read_samples_at`; positions more
+than ``REOPEN_GAP`` bytes apart remotely, :data:`PICK_GAP` locally, are separate reads); in a
+parquet shard each row group holding wanted rows is read once per restore and kept until the
+packer says every carried row is read again (:meth:`Replayer.forget`); elsewhere the shard is
+read as blocks from each cluster's first position (:data:`BLOCK_GAP` locally). A position the
+blocks do not reach, and every document of any other stream, is re-read by the
+:class:`SampleReplayer`: read, tokenized with the graph's own encoder, passed through the function
+stages and cut by the overlong policy, one pass per shard in offset order.
 
-A graph with a user ``BaseNode`` stage cannot be replayed per sample (the node may hold its own
-buffer): it has no Replayer and its states keep storing tokens.
-
-:class:`Replayer` is what the packer and the overlong node hold. Where a stream's documents are
-the shards' own token ids (no tokenizer, stage or images), it re-reads them as blocks, and only
-them: in a tar
-shard only the wanted samples are read and parsed (:func:`~streampack.io.blocks.read_samples_at`):
-their positions are grouped into clusters (a gap over ``replay.REOPEN_GAP`` bytes remotely,
-:data:`PICK_GAP` locally, starts another), each cluster is one read, and each wanted sample is
-checked as the block reader checks it, the bytes between them not at all. In a parquet shard
-each row group holding wanted rows is read whole, once per restore
-(:func:`~streampack.io.blocks.read_groups_at`), and kept until the packer says every carried row
-is read again (:meth:`Replayer.forget`). Where neither applies (a wanted position that is not a
-plain sample), the shard is read as blocks from each cluster's first position (:data:`BLOCK_GAP`
-locally) until every wanted position of it is found. The documents are then cut by the overlong
-policy as the stream cut them. A position the blocks do not reach is re-read by the per-sample
-SampleReplayer, so every check and error is its own: the shard's identity first, then each
-document's length against the one recorded.
-
-**Cost per reader** of a restore (W documents in the saved window, over S_W shards): at the
-restore, one identity check per shard (a ``stat`` locally, a ``HEAD`` remotely: S_W, as the
-Replayer's); then, as the restored packs leave (``WindowPacker.READ_AHEAD`` packs at a time), one
-read per cluster of their documents: for tar, CPU and bytes O(W) in all (each carried sample
-read and checked once: ~15 µs a document read on its own, ~0.4 ms a re-read for the checks of
-all its shards at once, from ``benchmarks/bench_restore.py``); for parquet, each row group
-holding a carried row read once.
-Memory: W rows of 104 bytes (``rows.ROW``), plus those row groups until their last carried row is re-read.
-Reading only the carried documents, not their clusters whole (the window's span of shard once
-per ``READ_AHEAD`` packs), the 25 batches after a restore read 8.5 MB instead of 31.7 MB, where
-the uninterrupted batches read 3.6 MB (``benchmarks/bench_restore.py``, window 1024).
+**Cost per reader** of a restore (W documents in the saved window, over S_W shards): S_W identity
+checks at the restore (a ``stat``, or a ``HEAD`` remotely); then, as the restored packs leave
+(``WindowPacker.READ_AHEAD`` at a time), one read per cluster of their documents: for tar, CPU and
+bytes O(W) in all (~15 µs a document read on its own, ~0.4 ms a re-read for the checks of all its
+shards, ``benchmarks/bench_restore.py``); for parquet, each row group holding a carried row read
+once. Memory: W rows of 104 bytes (``rows.ROW``), plus those row groups until their last carried
+row is re-read. Reading only the carried documents, the 25 batches after a restore read 8.5 MB
+where reading their clusters whole read 31.7 MB (uninterrupted: 3.6 MB; window 1024).
 """
 
 from __future__ import annotations
