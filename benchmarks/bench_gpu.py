@@ -19,7 +19,7 @@ What it measures, on the same documents (lognormal and a long-tail mixture of le
    number of documents per step padded to the longest of the step. Real tokens/s is what
    training advances by; slots/s is what the GPU computes.
 2. **Adapter overhead.** ``flash_attn_kwargs``, ``hf_inputs``, ``te_kwargs`` on the device batch,
-   microseconds per call (they run no host sync; see tests/test_sync_free.py).
+   microseconds per call (they run no host sync; see tests/unit/attention/test_sync_free.py).
 3. **Loss overhead.** Forward + backward of the loss on ``[T, V]`` bf16 logits:
    ``F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum") / n`` against
    ``packed_cross_entropy(logits, batch, num_targets=n)`` and its extras, and the earlier helper

@@ -1,7 +1,7 @@
 """Peak memory of reading one shard, measured in a fresh process.
 
 Shared by ``bench_hostile.py`` (the numbers in docs/reliability.md's limits table) and
-``tests/test_memory.py`` (the bounds they promise). A fresh process, because the peak RSS of
+``tests/integration/test_memory.py`` (the bounds they promise). A fresh process, because the peak RSS of
 a process that already ran other work says nothing about one read.
 """
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from streampack.nodes.overlong import OverlongCounters
 
 # streampack.options.packing's OVERLONG_POLICIES, written out: importing it loads torch (~3 s), and the
-# parser (``--help``, a usage error) must not wait for that; tests/test_cli.py pins them equal.
+# parser (``--help``, a usage error) must not wait for that; tests/unit/cli/test_cli.py pins them equal.
 OVERLONG_POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
 
 

@@ -5,7 +5,7 @@ torchtitan reads ``(input_dict, labels)`` (``input_dict["input"]`` ``[B, S]``, o
 ``forward``, labels shifted with ``-100``). For ``attn_type="varlen"`` / ``"flex"`` its Llama models
 build document masks from EOS positions (with a host sync per forward): wrong for a split
 overlong sample (no EOS) and for alignment padding between documents
-(``tests/test_integration_torchtitan.py``). Here :func:`titan_collate` carries the spans,
+(``tests/integration/test_integration_torchtitan.py``). Here :func:`titan_collate` carries the spans,
 :func:`post_dataloading_process` (torchtitan's hook of that name) turns them into its
 ``attention_masks`` without a host sync, and :func:`titan_dataloader` is torchtitan's own
 ``ParallelAwareDataloader`` over a PackedDataset. ``import torchtitan`` needs ``triton``.

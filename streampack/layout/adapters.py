@@ -8,7 +8,7 @@ dict. Nothing here imports flash-attn or Transformer Engine; :func:`packed_seq_p
 No adapter syncs the host with the device: the spans travel with the batch
 (:mod:`streampack.layout.spans`), ``max_*`` values are Python ints, and what is computed on the
 device (HF positions, ``seq_idx``) uses only ops whose output shape the host knows
-(``tests/test_sync_free.py`` checks it with a sync detector, on the meta device and on a GPU).
+(``tests/unit/attention/test_sync_free.py`` checks it with a sync detector, on the meta device and on a GPU).
 
 Padding never changes a real token's output under causal attention: it sits after the real
 tokens of its span. Outputs *at* padding are finite garbage and their labels ``ignore_index``,

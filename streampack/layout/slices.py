@@ -3,7 +3,7 @@
 :func:`pack_slices` is :func:`~streampack.layout.batch.pack_batch` for plain pre-tokenized
 documents (ids only) given as ``(array, start, length)`` slices of the buffers they were read
 into: how the collate lays out documents read as token blocks. Its output is pack_batch's, field
-for field (``tests/test_block_reads.py`` compares them). With ``align == 1`` each ``[T]`` row is one
+for field (``tests/unit/nodes/test_block_reads.py`` compares them). With ``align == 1`` each ``[T]`` row is one
 ``concatenate`` of views: 0.18 ms a batch of 8 x 4096 tokens where ``pack_batch`` takes 0.52 ms
 on the same documents as Samples (54 documents, 2-core box).
 """

@@ -21,7 +21,7 @@ a document ``[txt, txt, img×4 (grid 1×4×4), txt]``::
 Positions restart at 0 at every ``cu_seqlens`` span (tokens past the last one are one more span:
 pack padding). A placeholder run is cut by each image's own token count, so two adjacent images
 stay two (transformers would merge them and fail); wherever transformers' rule is defined the two
-agree (``tests/test_vision_layout.py``).
+agree (``tests/unit/layout/test_vision_layout.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Runs only for samples of emitted packs (:class:`~streampack.media.node.DecodeImages`), in the
 reader process (a DataLoader worker). The steps are the transformers PIL-backend processors'
 (``Qwen2VLImageProcessorPil``, ``LlavaImageProcessorPil``), checked against them on the same
-images (``tests/test_media.py``): convert to RGB compositing transparency onto white, resize
+images (``tests/unit/media/test_media.py``): convert to RGB compositing transparency onto white, resize
 with PIL bicubic on 8-bit pixels, rescale by 1/255, normalise per channel (CLIP mean/std), then
 
 - :class:`~streampack.media.tokens.DynamicResolution`: ``smart_resize``, then the flattened

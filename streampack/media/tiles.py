@@ -1,7 +1,7 @@
 """LLaVA-NeXT any-res pixels: an image -> its base view plus the tiles of its best grid pinpoint.
 
 The steps are ``LlavaNextImageProcessorPil``'s (transformers 5.24), checked equal on the same
-images to 1e-5 (``tests/test_media_anyres.py``): on the 8-bit RGB image,
+images to 1e-5 (``tests/unit/media/test_media_anyres.py``): on the 8-bit RGB image,
 
 1. pick the pinpoint ``(H, W)`` that keeps the most pixels, then wastes the fewest
    (:meth:`~streampack.media.tokens.AnyResTiles.best`, ``select_best_resolution``);

@@ -3,7 +3,7 @@
 
 Runs only for samples of emitted packs (:class:`~streampack.media.node.DecodeImages`). The steps
 are the processor's (transformers 5.24, torchvision backend), checked equal on the same frames
-(``tests/test_media_video.py``):
+(``tests/unit/media/test_media_video.py``):
 
 1. decode each frame to 8-bit RGB (transparency over white, as for images);
 2. resize every frame to ``smart_resize`` of the frame size (``VideoFrames.frame``) with

@@ -19,7 +19,7 @@ linear in patches plus attention bidirectional inside each frame (``h·w`` patch
 and a Qwen2-VL merger (m² patches → one token of ``out_hidden``), per patch: embedding ``2Pe``,
 per layer ``8e² + 4ef``, merger ``2e²m² + 2e·out``; per frame of S patches and layer ``4eS²``.
 ``training=False`` for a frozen encoder. It equals torch's FLOP counter on transformers' Qwen2-VL
-vision tower (``tests/test_vlm_cost.py``); a 1036x1036 image costs as much as ~1.2x its token count.
+vision tower (``tests/unit/packing/test_vlm_cost.py``); a 1036x1036 image costs as much as ~1.2x its token count.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :class:`~streampack.nodes.window_packer.WindowPacker` packs its window once per round and
 :func:`choose` decides which packs leave; :func:`count_packs` runs the very same rounds over a
 list of lengths, so an epoch plan (``epoch_plan``) counts exactly the packs the node will
-emit — no second implementation to drift apart (``tests/test_topology_finite.py`` checks both
+emit — no second implementation to drift apart (``tests/unit/plan/test_topology_finite.py`` checks both
 agree on random streams).
 
 Warm-up. Round ``r`` refills the window to ``min(window, warmup * 2**r)`` samples (:meth:`PackerRules.size`),

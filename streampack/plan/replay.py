@@ -59,7 +59,7 @@ REOPEN_GAP = 1 << 20
 read (an HTTP ``Range`` request) is cheaper than reading through."""
 LOCAL_REOPEN_GAP = 1 << 16
 """The same for a local file, where reopening is a seek: reading through costs a full parse and
-decode of every sample in between (~100 µs each). tests/test_resume_reread.py: restoring a window
+decode of every sample in between (~100 µs each). tests/unit/plan/test_resume_reread.py: restoring a window
 of 64 from one local tar shard decodes 103 samples at this gap, 268 at ``REOPEN_GAP``."""
 
 

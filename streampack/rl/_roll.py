@@ -1,7 +1,7 @@
 """ROLL's dynamic batching (``roll.utils.dynamic_batching.dynamic_batching_shard``), on lengths.
 
 As ROLL's code (main branch, v0.2.0, commit 3077befc) does it, its unit tests reproduced in
-``tests/test_rl_plan.py`` (its documentation's example bounds real tokens instead):
+``tests/unit/rl/test_rl_plan.py`` (its documentation's example bounds real tokens instead):
 
 1. sort shortest first; rank ``r`` takes ``sorted[r::dp]`` (the batch must divide by ``dp``);
 2. a row's length is its longest over all ranks, rounded up to ``sequence_length_round``;
