@@ -39,7 +39,7 @@ bytecode), so no timed run builds a cache the other tree then reads.
 
     python benchmarks/bench_trees.py --json /tmp/trees.json      # BEFORE against this working tree
     python benchmarks/bench_trees.py --before HEAD                # the noise: two identical trees
-    python benchmarks/bench_trees.py --before main --after HEAD --repeats 5 --cases "tar w0,tar w2"
+    python benchmarks/bench_trees.py --before main --after HEAD --repeats 9 --cases "tar w0,tar w2"
 """
 
 from __future__ import annotations
@@ -279,12 +279,13 @@ def child_main(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ the parent (this script's tree)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    """How much to measure. The defaults take ~4 minutes on the shared 2-core box."""
+    """How much to measure. The defaults take ~6 minutes on the shared 2-core box."""
 
-    repeats: int = 3
-    """Fresh child processes per case and tree (alternating trees)."""
-    passes: int = 3
-    """Epochs (and restores) in each child; the best counts."""
+    repeats: int = 5
+    """Fresh child processes per case and tree (alternating trees). Children differ more than
+    passes do (a whole child ran 40% slow on the loaded box): repeats, not passes, buy precision."""
+    passes: int = 2
+    """Epochs (and restores) in each child, at least: the first is cold, the best warm one counts."""
     tokens: float = 12e6
     """Pre-tokenized corpus (tar and parquet): ~0.5 s of CPU per in-process epoch of tar."""
     text_docs: int = 1500
