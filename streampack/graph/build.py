@@ -320,12 +320,7 @@ class _Builder:
                            cut=lambda n: chunk_lengths(n, config.capacity, config.packing.overlong))
 
     def _fixed_quota(self) -> int | None:
-        per_rank = self.config.topology.batches_per_epoch
-        if per_rank is None:
-            return None
-        if per_rank % self.place.num_workers:
-            raise ValueError(f"batches_per_epoch={per_rank} must be a multiple of num_workers={self.place.num_workers}")
-        return per_rank // self.place.num_workers
+        return _worker_quota(self.config, self.place)
 
     def _replay_spec(self, nodes: Mapping[str, Any]) -> ReplaySpec:
         config, options = self.config, self.config.read
@@ -441,14 +436,20 @@ def _epochs(config: StreamConfig, place: Placement) -> tuple[int | None, int]:
     return (place.passes + 1) * config.epochs, place.passes * config.epochs
 
 
-def _mixture_quota(config: StreamConfig, place: Placement) -> int | None:
-    """A finite mixture's batches per reader per pass when ``batches_per_epoch`` is set."""
+def _worker_quota(config: StreamConfig, place: Placement) -> int | None:
+    """One reader's share of ``batches_per_epoch`` (None: not set)."""
     per_rank = config.topology.batches_per_epoch
     if per_rank is None:
         return None
     if per_rank % place.num_workers:
         raise ValueError(f"batches_per_epoch={per_rank} must be a multiple of num_workers={place.num_workers}")
-    return per_rank // place.num_workers * config.epochs  # type: ignore[operator]
+    return per_rank // place.num_workers
+
+
+def _mixture_quota(config: StreamConfig, place: Placement) -> int | None:
+    """A finite mixture's batches per reader per pass when ``batches_per_epoch`` is set."""
+    quota = _worker_quota(config, place)
+    return None if quota is None else quota * config.epochs  # type: ignore[operator]
 
 
 def _wrapper(around: Mapping[str, Wrap] | None) -> Callable[[str, BaseNode[Any]], BaseNode[Any]]:
