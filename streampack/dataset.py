@@ -38,7 +38,6 @@ from streampack.options import (
     TokenizeOptions,
     TopologyOptions,
     checked_records,
-    hint_flat_keywords,
 )
 from streampack.plan.epoch_plan import unplannable
 from streampack.plan.passes import PassTracker
@@ -93,9 +92,7 @@ class PackedDataset(IterableDataset):
     ``shuffle``, ``seed``, ``packs_per_batch``, ``stages``), then one option record per stage
     (:mod:`streampack.options`): ``read=ReadOptions(...)``, ``tokenize=TokenizeOptions(...)``,
     ``packing=PackOptions(...)``, ``topology=TopologyOptions(...)``, ``cost=CostOptions(...)``;
-    each record checked its own values when it was made. A field is set only through its record:
-    a flat keyword of earlier versions (``window=``, ``dp_size=``, ...) is a ``TypeError`` naming
-    the record field to set.
+    each record checked its own values when it was made.
 
     **Streams and equal batch counts.** ``epochs=None`` (default) is infinite: every worker of
     every rank streams forever, so no rank ever runs out and collectives never hang.
@@ -157,7 +154,6 @@ class PackedDataset(IterableDataset):
     of the first and last 64 KiB) or ``"off"`` (:mod:`streampack.io.shard_identity`).
     """
 
-    @hint_flat_keywords
     def __init__(self, urls: URLs | Mapping[str, Any], *, capacity: int, tokenizer: Any = None,
                  epochs: int | None = None, shuffle: bool = True, seed: int = 0, packs_per_batch: int = 1,
                  stages: Sequence[Any] = (), read: ReadOptions | None = None, tokenize: TokenizeOptions | None = None,

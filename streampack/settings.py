@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import operator
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,6 @@ from streampack.options import (
     ReadOptions,
     TokenizeOptions,
     TopologyOptions,
-    field_for,
 )
 from streampack.options._check import need_int, need_type
 from streampack.options.topology import Placement as Placement  # re-exported: the graph's records are here
@@ -137,37 +137,34 @@ class StreamConfig:
                            align=self.topology.align, seed=seed, max_wait=pack.max_wait, slack=pack.slack)
 
 
-FINGERPRINT = ("capacity", "window", "algorithm", "packs_per_batch", "align", "text_key", "tokens_key",
-               "labels_key", "loss_mask_key", "overlong", "seed", "shuffle", "epochs", "on_error", "pad_id",
-               "ignore_index", "bos_id", "eos_id", "max_wait", "slack", "batches_per_epoch", "equal_batches",
-               "vocab_size", "limits", "cost_model", "balance")
-"""The settings a resume state is fingerprinted on, by their flat names, in the order states
-have always stored them (a state saved before the option records compares equal)."""
+FINGERPRINT = {
+    "capacity": "capacity", "window": "packing.window", "algorithm": "packing.algorithm",
+    "packs_per_batch": "packs_per_batch", "align": "topology.align", "text_key": "read.text_key",
+    "tokens_key": "read.tokens_key", "labels_key": "read.labels_key", "loss_mask_key": "read.loss_mask_key",
+    "overlong": "packing.overlong", "seed": "seed", "shuffle": "shuffle", "epochs": "epochs",
+    "on_error": "read.on_error", "pad_id": "packing.pad_id", "ignore_index": "packing.ignore_index",
+    "bos_id": "tokenize.bos_id", "eos_id": "tokenize.eos_id", "max_wait": "packing.max_wait",
+    "slack": "packing.slack", "batches_per_epoch": "topology.batches_per_epoch",
+    "equal_batches": "topology.equal_batches", "vocab_size": "read.vocab_size", "limits": "read.limits",
+    "cost_model": "cost.model", "balance": "cost.balance"}
+"""The settings a resume state is fingerprinted on: its name in the state (in the order states store them) ->
+where the config keeps it."""
 
 
 def fingerprint_settings(config: StreamConfig) -> dict[str, Any]:
-    """:data:`FINGERPRINT`, each looked up through its record (:func:`field_for`), records as plain dicts."""
-    options = config.read
-    records = {"read": options, "tokenize": config.tokenize, "packing": config.packing,
-               "topology": config.topology, "cost": config.cost}
+    """:data:`FINGERPRINT`'s values, records as plain dicts."""
 
-    def value(name: str) -> Any:
-        if name == "align":
-            return config.topology.align
+    def value(name: str, path: str) -> Any:
         if name == "max_wait":  # the number the packer waits, as states have always stored it
             return config.packing.max_wait or default_max_wait(config.packing.window)
         if name == "equal_batches":  # "count" yields the batches "plan" does, only counted without a store:
             equal = config.topology.equal_batches  # a state moves between them (a simulation to a launched run)
             return "plan" if equal == "count" else equal
         if name == "limits":  # the reader's own record of them (ShardReader keeps the same one)
-            return options.limits.recorded(images=config.media is not None)
-        hit = field_for(name)
-        if hit is not None:
-            param, _, field_name = hit
-            return getattr(records[param], field_name)
-        return getattr(config, name)
+            return config.read.limits.recorded(images=config.media is not None)
+        return operator.attrgetter(path)(config)
 
-    settings = {name: _plain(value(name)) for name in FINGERPRINT}
+    settings = {name: _plain(value(name, path)) for name, path in FINGERPRINT.items()}
     if settings["cost_model"] is not None and settings["cost_model"].get("vision") is None:
         settings["cost_model"].pop("vision", None)  # a text model: states saved before the vision term compare equal
     if settings["balance"] is not None:  # how a fresh run's histogram starts; a resume restores the saved one
