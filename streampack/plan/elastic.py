@@ -263,8 +263,7 @@ class _OldPlans:
         if self._packed is None:
             self._packed = PackedShardReader(
                 self.sources.packed_urls, layout=self.config.batch_layout(), seed=self.config.seed,
-                shuffle=self.config.shuffle, epochs=None if self.last is None else self.last, dp_size=self.dp_size,
-                num_workers=self.readers)
+                shuffle=self.config.shuffle, epochs=None if self.last is None else self.last, place=self.place)
         return self._packed.dealt(epoch, g)
 
     def _spans(self, g: int, epoch: int, work: Mapping[int, list[Span]],
