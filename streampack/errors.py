@@ -26,11 +26,10 @@ from __future__ import annotations
 import ast
 import re
 from collections import deque
-from typing import Any, Literal
+from typing import Any
 
 from streampack.logs import get_logger, warn_every
 
-OnError = Literal["raise", "skip"]
 ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "skip")
 _LOG = get_logger(__name__)
 NOT_TOKENIZED = ("is not tokenized yet: it has text but no token ids; pass tokenizer= (a tokenizers.Tokenizer, "

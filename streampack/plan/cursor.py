@@ -1,24 +1,12 @@
 """The cursor: named records of what a reader has not yet delivered to the trainer.
 
-A reader's stream is cut, at any state, into three parts that never overlap:
-
-- the **frontier** (:class:`Pulled`): per source, the last sample the overlong stage pulled;
-  every sample after it in the reader's order (the rest of its spans, :mod:`~streampack.plan.sharding`)
-  is still unread downstream;
-- a **split in progress** (:class:`Split`): the chunks of one document not emitted yet;
-- the packer's **window carry**: the packs of the round not emitted yet and the samples carried
-  to the next round, as a table of references (``state.REF`` records: source, shard, offset,
-  number, epoch, chunk, length).
-
-Each stateful node owns its part and hands it out through one method over its own saved state
-(``ShardReader.undelivered``: the planned spans; ``OverlongNode.undelivered``: the frontier and
-the split; ``WindowPacker.undelivered``: the carry), returning these records. An elastic resume
-(:mod:`streampack.plan.elastic`) composes them into :class:`Undelivered` and never reads a
-node's private keys or a column by position. The records' state forms are plain data that
-``torch.load(weights_only=True)`` reads: a table of references is one int64 tensor per named
-column (``state.refs_to_state``); a record of a few fields (the frontier, a split) is one JSON
-text of named fields, one leaf of the state a ``StatefulDataLoader`` flattens and diffs after
-every batch, as the settings and counters are.
+A reader's stream is cut, at any state, into three parts that never overlap: the frontier
+(:class:`Pulled`: per source, the last sample the overlong stage pulled; the rest of the reader's
+spans is unread), a split in progress (:class:`Split`: the chunks of one document not emitted yet)
+and the packer's carry (a table of ``state.REF`` references). Each stateful node hands its part out
+through one ``undelivered`` method over its own saved state; :mod:`streampack.plan.elastic` composes
+them into :class:`Undelivered` and never reads a node's private keys or a column by position. In a
+state, a table of references is one int64 tensor per named column and a small record one JSON text.
 """
 
 from __future__ import annotations

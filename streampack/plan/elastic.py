@@ -1,33 +1,14 @@
-"""Elastic resume: the states of every reader of a run on ``(dp_size=a, num_workers=b)`` ->
-each reader's share on ``(c, d)``, with every sample of the epoch read exactly once.
+"""Elastic resume: the states of every reader of a run on ``(dp_size=a, num_workers=b)`` -> each reader's
+share on ``(c, d)``, with every sample of the epoch read exactly once.
 
-What an old reader had not yet handed to the trainer is exactly what its nodes say it is, each
-through its ``undelivered`` method over its own saved state, as the named records of
-:mod:`streampack.plan.cursor` (never a node's private keys, never a column by position):
-
-- its *carried* samples: the packs of the packer's round not yet emitted, the packer's carry
-  and the chunks left of a split document — all stored as references (shard, offset, chunk);
-- every sample after its *frontier*, the last sample the overlong stage pulled (samples read
-  but still in a tokenize block are after it): the rest of its spans in the frontier's epoch,
-  then its whole share of any later epoch up to ``E*``, the latest frontier epoch of all
-  readers (readers of an infinite stream may be an epoch apart).
-
-:func:`remaining` gathers that from the old states (once per process, from plain data: no
-shard is read; the old plans come from the manifest and the indexes of the shards their
-boundaries fall in: <= G_old + 1 index reads, O(N + G_old) CPU and memory, no per-shard HEAD); :mod:`streampack.plan.reshard` cuts it into
-the new readers' shares. The new readers read their share in epoch ``E*`` (each sample keeps
-the epoch it belongs to in its origin) and then follow the regular plan of the new topology
-from ``E* + 1``. The frontier is exact because every stage between the reader and the
-overlong stage keeps the reader's order (tokenizing, function stages).
-
-Refused with a ``ValueError`` naming what differs, as the same-topology resume refuses: a
-nested node state of another version, and a shard whose identity (size, ETag / mtime) is not the
-one the old readers recorded — checked against the manifest up front, and by each new reader when
-it opens a shard (no extra request).
-
-Not supported (a clear ``ValueError``): mixtures (the mixture's draw sequence is per reader), and
-graphs with a user node stage (its own buffer cannot be split). On the same topology nothing
-changes: each reader takes its own state back and continues bit-identically.
+What an old reader had not handed to the trainer is what its nodes' ``undelivered`` methods say
+(:mod:`streampack.plan.cursor`): its carried samples (as references) and every sample after its
+frontier, up to ``E*``, the latest frontier epoch of all readers. :func:`remaining` gathers that from
+the old states (no shard read: <= G_old + 1 index reads for the old plans' boundaries, O(N + G_old)
+CPU and memory); :mod:`streampack.plan.reshard` cuts it into the new readers' shares, read in epoch
+``E*`` before the new topology's plan continues from ``E* + 1``. A nested state of another version and
+a shard whose identity changed are refused by name. Mixtures (the draw sequence is per reader) and
+graphs with a user node stage (its buffer cannot be split) are refused.
 """
 
 from __future__ import annotations

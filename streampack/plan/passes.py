@@ -1,31 +1,18 @@
 """What the copies of one dataset in DataLoader worker processes must agree on.
 
-A DataLoader gives each worker process its own copy of the dataset (forked, or pickled under
-``spawn``), and the main process's copy never runs ``__iter__``. So a counter kept on the
-dataset object cannot say which pass a worker runs (a second ``iter(loader)`` would repeat the
-first pass's order), whether workers have read anything (so the main process's
-``state_dict()`` is stale), or whether a loaded state was already used. :class:`PassTracker`
-keeps those facts in a small block of shared memory created with the dataset:
+Each DataLoader worker has its own copy of the dataset and the main process's copy never iterates,
+so a counter on the dataset object cannot say which pass a worker runs, whether workers have read
+anything (the main copy's ``state_dict()`` is stale) or whether a loaded state was already used.
+:class:`PassTracker` keeps those facts in a small block of shared memory created with the dataset:
+the pass (a fresh iteration by reader ``w`` starts a new pass if ``w`` already started the current
+one, so the shuffle does not depend on the worker count), whether a worker process iterated, and the
+load generation each reader slot used.
 
-- *passes*: a fresh iteration by reader ``w`` starts a new pass if ``w`` already started the
-  current one, else joins it. Every worker of one loader iteration starts once, so they all
-  agree — with 0, 2 or 8 workers, persistent or not — and the pass number (hence the shuffle)
-  does not depend on the worker count.
-- *worker iteration*: set once a DataLoader worker process iterates the dataset.
-- *load generations*: a loaded state carries a generation drawn here; each reader slot uses a
-  generation once, so the next fresh iteration of the loader starts a new pass instead of
-  re-applying the checkpoint.
-
-The block is an anonymous shared file (a ``memfd`` on Linux) mapped by every copy, locked with
-``fcntl`` record locks, not a ``multiprocessing.Array(lock=True)``: that lock is a named POSIX
-semaphore, which starts a ``resource_tracker`` process per training process and, when the
-training process is SIGKILLed, makes the tracker print ``leaked semaphore objects`` on every
-preemption. A record lock has no name and the kernel drops it with a process that dies holding
-it (a killed worker never leaves the others waiting). Record locks belong to a process, so a
-thread lock orders the threads of one process. A forked worker inherits the mapping; a spawned
-one gets the file's descriptor with its start (``multiprocessing.reduction.DupFd``); pickling
-the dataset for anything else (``copy.deepcopy``, ``torch.save``) gives the copy a tracker of
-its own.
+The block is an anonymous shared file (``memfd``) locked with ``fcntl`` record locks, not a
+``multiprocessing.Array(lock=True)``: that lock is a named POSIX semaphore, whose ``resource_tracker``
+prints ``leaked semaphore objects`` on every SIGKILLed preemption. A record lock has no name and dies
+with its process; a thread lock orders the threads of one process. A spawned worker gets the file's
+descriptor with its start (``multiprocessing.reduction.DupFd``).
 """
 
 from __future__ import annotations

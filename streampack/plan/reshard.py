@@ -1,26 +1,15 @@
 """Resharding: one new reader's share of what an old run had left (:mod:`streampack.plan.elastic`).
 
-A finite stream is cut at sample granularity, balanced by token count (ranks first, then
-each rank's workers) from the pieces' totals (the manifest's for whole shards, a byte-share
-estimate for parts of shards: no index read but at the <= 4 pieces a new reader's boundaries fall
-in), and each new reader's quota is late (``plan.quota``): after its first batch it counts its
-own batches with the packer's own round logic (``window_rounds.count_packs``) and the counts are
-agreed through the store (``streampack.plan.agree``), or without one every new reader counts every new
-reader's (O(T)) when its data runs out, so every new rank yields the same number of batches in the
-resumed epoch (logged, with the fillers it costs). The quota is pinned into the reader's states
-(a state taken before it settled waits for it): after a later restore the old states it came from
-are gone.
+A finite stream is cut at sample granularity, balanced by token count (ranks first) from the pieces'
+totals (the manifest's for whole shards, a byte-share estimate for parts: no index read but at the
+<= 4 pieces a new reader's boundaries fall in); each new reader's quota is late and pinned
+(``plan.quota``). An infinite stream deals whole spans round-robin and the carried samples in equal
+runs; offline packs are dealt by batches of ``packs_per_batch``, ranks first, as ``PackedShardReader``
+deals an epoch.
 
-**Cost per new reader** (old readers G_old, new G, shards N, samples T): CPU and memory O(N +
-G_old · (window + 3)) for the pieces; requests before its first batch: the indexes of <= 4
-boundary pieces; after it, in the background, those of its own ~N/G shards (to count) and one
-store round. What the old readers had left (:func:`streampack.plan.elastic.remaining`,
-once per process) adds the boundary indexes of the old readers' plans: <= G_old + 1 reads. An infinite stream deals whole spans
-round-robin (no index needs reading) and the carried samples in equal runs. Offline packs are
-dealt by batches of ``packs_per_batch``, ranks first, as ``PackedShardReader`` deals an epoch.
-
-:class:`PendingResume` is what ``PackedDataset.load_state_dict([...])`` keeps until the
-dataset's ``__iter__`` knows this reader's worker count.
+**Cost per new reader** (G_old old readers, N shards): CPU and memory O(N + G_old · (window + 3));
+before its first batch the indexes of <= 4 boundary pieces, after it those of its own ~N/G shards and
+one store round; :func:`~streampack.plan.elastic.remaining` adds <= G_old + 1 index reads per process.
 """
 
 from __future__ import annotations
@@ -112,10 +101,8 @@ class _Piece:
 
 
 class _PieceCut:
-    """``cut_two_level`` over the pieces' costs, one reader at a time: pieces are found by
-    ``searchsorted`` on their prefix sums and only the piece a boundary falls in is opened
-    (its per-sample costs scaled to the piece's cost, in integers so every reader computes the
-    same points). O(P) for the prefix sums, at most 4 opened pieces per reader."""
+    """``cut_two_level`` over the pieces' costs, one reader at a time, opening only the pieces a boundary
+    falls in (their per-sample costs scaled in integers, so every reader computes the same points)."""
 
     def __init__(self, costs: list[int], local: Any) -> None:
         self.costs = np.asarray(costs, dtype=np.int64)
@@ -170,14 +157,8 @@ class _PieceCut:
 
 
 class _ShareFinite:
-    """Sample-granular, token-balanced cut of a finite stream's remaining samples.
-
-    **Cost per new reader** (P pieces = the old readers' carries and spans, about N + 3 G_old):
-    O(P) CPU and memory for the piece costs (from the manifest; no request), the indexes of at
-    most 4 boundary pieces before its first batch; after it its own share's shards' (to count
-    its batches: O(T/G)) and one agreement on the counts (or, with ``equal_batches="count"``, every new reader's
-    count: O(T), when its data runs out).
-    """
+    """Sample-granular, token-balanced cut of a finite stream's remaining samples (cost: module docstring,
+    P = N + 3 G_old pieces)."""
 
     def __init__(self, left: Remaining, config: StreamConfig, sources: Sources, place: Placement, *,
                  agreement: Any = None, agree: Any = None) -> None:
