@@ -1,18 +1,9 @@
 """How many tokens an image costs, from its size alone: the pluggable rules a VLM's processor uses.
 
-Each rule is a small frozen record with ``count(width, height) -> int`` (image tokens in the
-text) and ``resized(width, height) -> (height, width)`` (the pixel size the encoder sees), so
-the packer can be told a sample's true length from its image headers, before any decode:
-
-- :class:`FixedTokens` — one fixed-size encoder input per image (LLaVA-1.5: 336 x 336 px,
-  CLIP ViT-L/14 -> 24 x 24 = 576 tokens).
-- :class:`DynamicResolution` — Qwen2-VL / Qwen2.5-VL: ``smart_resize`` both sides to multiples of
-  ``patch_size * merge_size`` (28) keeping the area in ``[min_pixels, max_pixels]``; tokens =
-  ``(h / 28) * (w / 28)``. The numbers are transformers' ``Qwen2VLImageProcessor``'s (tested
-  against it on many sizes).
-- :class:`AnyResTiles` — LLaVA-NeXT any-res: the best grid pinpoint, base image + tiles minus the
-  letterbox padding + one newline token per row (transformers' ``LlavaNextProcessor`` numbers).
-  Counting only: pixels for this rule are not produced here (see ``streampack.media.decode``).
+Each rule is a frozen record with ``count(width, height)`` (image tokens in the text) and
+``resized(width, height)`` (the pixel size the encoder sees): :class:`FixedTokens` (LLaVA-1.5: 576),
+:class:`DynamicResolution` (Qwen2-VL's ``smart_resize`` to multiples of 28, tested against
+``Qwen2VLImageProcessor``) and :class:`AnyResTiles` (LLaVA-NeXT any-res, ``LlavaNextProcessor``'s numbers).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""Videos as ordered frame lists: which fields of a sample are one video's frames, and the checks
-that run on their headers before anything is decoded.
+"""Videos as ordered frame lists: which fields of a sample are one video's frames, checked on their headers.
 
-A video is stored as its frames, each an ordinary JPEG / PNG / WebP (sampled beforehand, e.g.
-at 2 fps, as Qwen2-VL's pipelines do), under ``MediaOptions.videos_key`` (``video``):
-
-- webdataset tar: members ``<key>.video.<frame>.<ext>`` are the sample's one video
-  (``k7.video.0.jpg``, ``k7.video.1.jpg``, ...); ``<key>.video.<v>.<frame>.<ext>`` gives
-  several (video ``v``). Frame numbers are integers ordered as numbers (``video.10.jpg``
-  after ``video.9.jpg``) and must run 0..n-1, with no gap.
-- parquet / jsonl: the ``video`` field holds one video as a list of frames, or a list of
-  videos, each a list of frames; a frame is what an image is in that format (parquet: bytes
-  or an HF ``{"bytes", "path"}`` struct; jsonl: a path under ``image_root``).
-
-The text holds one ``video_token_id`` placeholder per video (Qwen2-VL's ``<|video_pad|>``), in
-video order. Every frame's header is read and checked like an image's (``max_image_pixels``);
-the frames of all videos and images of a sample count together against
-``max_sample_pixels``. A video with more than ``VideoFrames.max_frames`` frames
-(``video_too_long``), frames of different sizes (``video_frame_size``), a gap in its frame
-numbers or an empty frame list (``bad_video``) is a :class:`~streampack.errors.DataError` naming
-shard, key and video, under ``on_error``.
+Frames are ordinary images under ``MediaOptions.videos_key``: tar members ``<key>.video.<frame>.<ext>``
+(or ``<key>.video.<v>.<frame>.<ext>`` for several), numbered 0..n-1 without a gap; parquet / jsonl a
+list of frames or a list of such lists. One ``video_token_id`` per video in the text. Every frame is
+checked like an image and all media of a sample count against ``max_sample_pixels``; too many frames
+(``video_too_long``), frames of different sizes (``video_frame_size``) or a gap (``bad_video``) is a
+:class:`~streampack.errors.DataError` under ``on_error``.
 """
 
 from __future__ import annotations
