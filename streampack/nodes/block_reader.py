@@ -1,21 +1,13 @@
 """BlockReader: the graph's reader, which hands out runs of documents read as token blocks.
 
-Its direct consumer, the overlong node, takes documents of pre-tokenized shards as runs:
-:meth:`BlockReader.run` returns the documents from the reader's position to the end of the
-block it is in (a :class:`DocRun`: a :class:`~streampack.io.token_block.TokenBlock` and a row
-range, nothing per document), and :meth:`BlockReader.consume` moves the position past the first
-``k`` of them — exactly as ``k`` calls of :meth:`ShardReader.next` would: the same ``(epoch,
-shard_pos, offset, sample, yielded)`` position, the same span and epoch roll-over, the same
-shard identity checks, so its state is a ShardReader state. Any other consumer (a mixture, the
-tokenizer, a stage) reads it sample by sample with ``next()``.
-
-Where a block reader cannot go on (a format without one, text, a sample it does not judge
-plain: see :mod:`streampack.io.blocks`), the span is read per sample by the ShardReader
-itself, one document per run. A span whose blocks stop part way is re-read per sample from where
-its reading began, skipping what was already handed out, so the per-sample reader judges the
-rest with everything it would have seen (the keys of the range, for ``repeated_key``): the
-stream, errors included, is the per-sample reader's. (That re-read is the one cost of a bad
-sample on this path: the samples before it in its span are parsed twice.)
+The overlong node takes pre-tokenized documents as runs: :meth:`BlockReader.run` returns the
+documents from the position to the end of their block (a :class:`DocRun`: a
+:class:`~streampack.io.token_block.TokenBlock` and a row range, nothing per document), and
+:meth:`BlockReader.consume` moves past the first ``k`` exactly as ``k`` calls of
+:meth:`ShardReader.next` would, so its state is a ShardReader state. Other consumers call ``next()``.
+Where no block reader applies (:mod:`streampack.io.blocks`), or a span's blocks stop part way, the
+span is read per sample from where its reading began, skipping what was handed out, so the stream,
+errors included, is the per-sample reader's (the samples before a bad one are parsed twice).
 """
 
 from __future__ import annotations

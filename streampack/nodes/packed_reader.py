@@ -1,17 +1,10 @@
 """PackedShardReader: the source node of an offline-packed dataset (``streampack pack``).
 
-Sharding: the ``N`` packs of an epoch (in file order, or a permutation seeded by
-``(seed, epoch)`` with ``shuffle``) are grouped into batches of ``packs_per_batch`` packs, and
-batch ``u`` goes to rank ``u % dp_size``, worker ``(u // dp_size) % num_workers`` of that rank.
-Every pack is read exactly once per epoch whatever the worker count, and rank totals differ by
-at most one batch; :meth:`quotas` says how many batches (fillers included) each worker yields
-so that every rank's count is the same — at most ``dp_size - 1`` fillers per epoch, the fewest
-possible. (Until this rework each worker got ``N // G`` packs and the last ``N % G`` packs
-of every epoch were silently left out.)
-
-The state is ``(epoch, position)`` in this worker's list; restoring seeks straight to the pack's
-byte offset from the manifest, reading nothing before it. ``work`` (pack indices per epoch,
-kept in the state) replaces the dealt list for an epoch, as an elastic resume does.
+The ``N`` packs of an epoch (file order, or a ``(seed, epoch)`` permutation) are grouped into batches
+of ``packs_per_batch``; batch ``u`` goes to rank ``u % dp_size``, worker ``(u // dp_size) % num_workers``.
+Every pack is read exactly once per epoch; :meth:`quotas` equalizes the ranks' counts with at most
+``dp_size - 1`` fillers. The state is ``(epoch, position)`` (a restore seeks straight to the pack) and
+``work``, pack indices that replace an epoch's dealt list after an elastic resume.
 """
 
 from __future__ import annotations
