@@ -1,18 +1,11 @@
 """One :class:`~streampack.layout.batch.PackedBatch`, each attention consumer's own convention.
 
-Every adapter returns a record that is also a ``Mapping``, so it splats straight into the
-consumer (``flash_attn_varlen_func(q, k, v, **kw, causal=True)``); ``.as_dict()`` gives a plain
-dict. Nothing here imports flash-attn or Transformer Engine; :func:`packed_seq_params` tries
-``megatron.core`` and falls back to a local record.
-
-No adapter syncs the host with the device: the spans travel with the batch
-(:mod:`streampack.layout.spans`), ``max_*`` values are Python ints, and what is computed on the
-device (HF positions, ``seq_idx``) uses only ops whose output shape the host knows
-(``tests/test_sync_free.py`` checks it with a sync detector, on the meta device and on a GPU).
-
-Padding never changes a real token's output under causal attention: it sits after the real
-tokens of its span. Outputs *at* padding are finite garbage and their labels ``ignore_index``,
-so a loss over target rows (:func:`streampack.attention.loss.packed_cross_entropy`) never reads them.
+Every adapter returns a record that is also a ``Mapping``, so it splats straight into the consumer
+(``flash_attn_varlen_func(q, k, v, **kw, causal=True)``); nothing here imports flash-attn or
+Transformer Engine. No adapter syncs the host with the device: the spans travel with the batch,
+``max_*`` values are Python ints, and device-side values use only ops whose output shape the host
+knows (``tests/test_sync_free.py``). Padding sits after the real tokens of its span, so it never
+changes a real token's output under causal attention; its labels are ``ignore_index``.
 """
 
 from __future__ import annotations

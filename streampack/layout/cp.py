@@ -1,15 +1,10 @@
 """Context-parallel sharding of a THD batch, token for token as Transformer Engine does it.
 
-Rank ``r`` of ``W`` takes, from each document whose padded span is ``L`` tokens at offset
-``s`` (``c = L / 2W``), the chunk ``[s + r·c, s + (r+1)·c)`` followed by the mirrored chunk
-``[s + (2W−1−r)·c, s + (2W−r)·c)``: every rank gets one early and one late piece of every
-document, so causal attention costs the same on every rank. This is
-``transformer_engine.pytorch.cpp_extensions.thd_get_partitioned_indices``; TE's own test case
-(``cu_seqlens_padded=[0, 8, 16]``, ``W=2``) gives rank 0 ``[0,1,6,7,8,9,14,15]`` and rank 1
-``[2,3,4,5,10,11,12,13]``.
-
-Labels are shifted before sharding (PackedBatch stores next-token targets), so a rank never
-needs its neighbour's tokens to build its targets.
+Rank ``r`` of ``W`` takes, from each document whose padded span is ``L`` tokens at offset ``s``
+(``c = L / 2W``), ``[s + r·c, s + (r+1)·c)`` then the mirrored ``[s + (2W−1−r)·c, s + (2W−r)·c)``, so
+causal attention costs the same on every rank (``thd_get_partitioned_indices``; TE's own case
+``cu_seqlens_padded=[0, 8, 16]``, ``W=2`` gives rank 0 ``[0,1,6,7,8,9,14,15]``). Labels are shifted
+before sharding, so a rank never needs its neighbour's tokens.
 """
 
 from __future__ import annotations

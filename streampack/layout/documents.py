@@ -1,9 +1,8 @@
 """What :func:`~streampack.layout.batch.pack_batch` accepts, checked before anything is laid out.
 
-A document arrives as a :class:`~streampack.sample.Sample`, a mapping or a plain id sequence;
-every form ends as a Sample whose per-token fields (labels, loss mask, extras) have exactly one
-row per token and whose ids are int64. numpy would otherwise broadcast a wrong-length field or
-cast ``-100`` into a small unsigned dtype without a word, which trains on padding.
+A Sample, a mapping or a plain id sequence, each ending as a Sample whose per-token fields have one
+row per token and whose ids are int64 (numpy would otherwise broadcast a wrong-length field or cast
+``-100`` into an unsigned dtype without a word, which trains on padding).
 """
 
 from __future__ import annotations

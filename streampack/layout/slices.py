@@ -1,11 +1,9 @@
-"""The THD batch laid out from documents given as slices of token arrays, in whole-array work.
+"""The THD batch laid out from documents given as ``(array, start, length)`` slices of the buffers they
+were read into: how the collate lays out documents read as token blocks.
 
-:func:`pack_slices` is :func:`~streampack.layout.batch.pack_batch` for plain pre-tokenized
-documents (ids only) given as ``(array, start, length)`` slices of the buffers they were read
-into: how the collate lays out documents read as token blocks. Its output is pack_batch's, field
-for field (``tests/test_block_reads.py`` compares them). With ``align == 1`` each ``[T]`` row is one
-``concatenate`` of views: 0.18 ms a batch of 8 x 4096 tokens where ``pack_batch`` takes 0.52 ms
-on the same documents as Samples (54 documents, 2-core box).
+:func:`pack_slices` gives :func:`~streampack.layout.batch.pack_batch`'s output field for field
+(``tests/test_block_reads.py``); with ``align == 1`` each ``[T]`` row is one ``concatenate`` of views:
+0.18 ms a batch of 8 x 4096 tokens where ``pack_batch`` takes 0.52 ms on the same documents.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """How a batch crosses from a DataLoader worker to the training process, without a handshake.
 
-torch's default moves every storage into its own shared-memory segment, whose descriptor the
-receiver fetches over a socket from the worker's ``resource_sharer`` thread -- a thread that
-needs the worker's GIL while the worker builds the next batch. :func:`reduce_batch` sends each
-distinct storage of a batch once instead: a small one (up to ``INLINE_BYTES``) inside the pickle,
-the large ones copied together into one reused slot of the sender's shared-memory ring
-(:mod:`streampack.layout.shm_ring`, received by :mod:`streampack.layout.shm_receive`), or,
-without a free slot, through torch's ``file_system`` sharing for that one storage (a named
-segment: no socket, no wait on the worker). :func:`from_wire` rebuilds every tensor as a view of
-its received storage, so views that shared a storage still share one and a tensor named by two
-fields stays one object. Per batch: 2.9 ms of CPU with the ring, 3.8 with named segments, 5.0
-with torch's default (``benchmarks/bench_transfer.py``, one worker).
-
-Only the queue between processes uses this (``ForkingPickler.register``; the process-wide
-sharing strategy, ``pickle`` and ``torch.save`` are untouched); a batch holding a tensor that is
-not a plain dense CPU tensor goes the default way.
+torch's default moves every storage into its own segment whose descriptor the receiver fetches over
+a socket from the worker's ``resource_sharer`` thread, which needs the worker's GIL while it builds
+the next batch. :func:`reduce_batch` sends each distinct storage once instead: a small one inside
+the pickle, the large ones together in one slot of the sender's ring (:mod:`streampack.layout.shm_ring`),
+or, without a free slot, through torch's ``file_system`` sharing; :func:`from_wire` rebuilds every
+tensor as a view of its storage, so shared storages stay shared. Per batch: 2.9 ms of CPU with the
+ring, 3.8 with named segments, 5.0 with torch's default (``benchmarks/bench_transfer.py``). Only the
+queue between processes uses this (``ForkingPickler.register``).
 """
 
 from __future__ import annotations

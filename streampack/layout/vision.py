@@ -1,27 +1,18 @@
-"""The vision side of a packed batch, per document of a THD pack, in vectorised torch (no I/O,
-no model, no Python loop over tokens or images): per-frame attention spans for the vision encoder
-and Qwen2-VL's 3-D rotary positions (mRoPE).
+"""The vision side of a packed batch in vectorised torch: per-frame attention spans for the vision
+encoder and Qwen2-VL's 3-D rotary positions (mRoPE), per document.
 
-**Vision ``cu_seqlens``.** Qwen2-VL's vision tower attends inside one frame at a time: an image
-of grid ``(t, h, w)`` is ``t`` segments of ``h·w`` patches (transformers'
-``get_vision_cu_seqlens`` with ``merge_temporal=False``). Grids ``[[1, 4, 6], [2, 2, 2]]`` give
-``cu_seqlens = [0, 24, 28, 32]``.
-
-**mRoPE positions** (Qwen2-VL's ``get_rope_index``, run per document). A text token has the same
-id on all three axes (temporal, height, width), one more than the previous item. An image of grid
-``(t, h, w)`` with spatial merge ``m`` is ``t·(h/m)·(w/m)`` placeholders, t-major then row-major;
-placeholder ``(ti, hi, wi)`` gets ``start + (ti, hi, wi)``, ``start`` being the position the next
-text token would have had, and the text after it resumes at ``start + max(h/m, w/m)``. With m = 2,
-a document ``[txt, txt, img×4 (grid 1×4×4), txt]``::
+Qwen2-VL's vision tower attends inside one frame: an image of grid ``(t, h, w)`` is ``t`` segments of
+``h·w`` patches (grids ``[[1, 4, 6], [2, 2, 2]]`` give ``cu_seqlens = [0, 24, 28, 32]``). mRoPE
+(``get_rope_index``, per document): a text token has the same id on all three axes, one more than the
+previous item; placeholder ``(ti, hi, wi)`` of an image gets ``start + (ti, hi, wi)`` and the text
+after it resumes at ``start + max(h/m, w/m)``. With m = 2, ``[txt, txt, img×4 (grid 1×4×4), txt]``::
 
     temporal  0 1  2 2 2 2  4
     height    0 1  2 2 3 3  4
     width     0 1  2 3 2 3  4
 
-Positions restart at 0 at every ``cu_seqlens`` span (tokens past the last one are one more span:
-pack padding). A placeholder run is cut by each image's own token count, so two adjacent images
-stay two (transformers would merge them and fail); wherever transformers' rule is defined the two
-agree (``tests/test_vision_layout.py``).
+Positions restart at every span. A placeholder run is cut by each image's token count, so adjacent
+images stay two (transformers would merge them); elsewhere both agree (``tests/test_vision_layout.py``).
 """
 
 from __future__ import annotations

@@ -11,16 +11,10 @@ grid (1, 4, 4) -> 16 patches, 4 image tokens ``I``, then 2 text tokens; document
     vision_cu_seqlens      [0, 16]                   (patches per image: varlen attention in the ViT)
     mrope_position_ids     [3, T]: per document, restarting at 0 (Qwen2-VL's rule)
 
-A video (Qwen2-VL, frames grouped by the temporal patch) has the same fields prefixed
-``video_`` (``pixel_values_videos``, ``video_grid_thw`` ``(t, h, w)``, ``video_doc``, ...,
-``video_cu_seqlens``: one segment per temporal patch); the mRoPE positions cover both. A
-LLaVA-NeXT any-res image is ``1 + tiles`` rows of ``pixel_values`` ``[Σ tiles, 3, S, S]``, with
-``image_grid_thw`` ``(1 + tiles, S, S)`` and its stored ``(height, width)`` in ``image_sizes``.
-
-A media stream gives its :class:`VisionLayout` to every batch, so a batch without images (a
-filler included) is an empty ``VisionBatch`` of that layout rather than None, and ``hf_inputs()``
-keeps the model's ``position_ids`` layout (Qwen2-VL ``[4, 1, T]``) on every step. The spans and
-positions are computed by :mod:`streampack.layout.vision`.
+Videos have the same fields prefixed ``video_``; a LLaVA-NeXT image is ``1 + tiles`` rows with its
+``(height, width)`` in ``image_sizes``. A media stream gives every batch its :class:`VisionLayout`, so
+a batch without images (a filler included) is an empty ``VisionBatch`` and keeps the model's
+``position_ids`` layout.
 """
 
 from __future__ import annotations
