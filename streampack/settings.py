@@ -1,12 +1,6 @@
-"""The records a graph is built from: what to read, the settings that shape the stream, and
-where this reader sits.
-
-:class:`StreamConfig` holds the batch's shape, the order and the epochs, and the option record
-of each stage (:mod:`streampack.options`): the one record the front and the graph builder pass;
-:class:`Sources` is what the user named, expanded once;
-:class:`Placement` (from :mod:`streampack.options.topology`, where the nodes can take it too) which
-reader a graph is; :class:`Share` what an elastic resume hands one new
-reader. :func:`fingerprint_settings` is what a resume state records of them.
+"""The records a graph is built from: :class:`StreamConfig` (every setting), :class:`Sources` (what the
+user named, expanded once), :class:`Placement` (which reader) and :class:`Share` (what an elastic
+resume hands one new reader); :func:`fingerprint_settings` is what a resume state records of them.
 """
 
 from __future__ import annotations
@@ -75,11 +69,8 @@ class Sources:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamConfig:
-    """Every setting of a stream: the batch's shape, the order, the epochs, and the record of each
-    stage (:mod:`streampack.options`). Each record checked its own values when it was made; what
-    spans records (``capacity`` against ``topology.align``) is checked here, once, and the nodes
-    take their values as checked. A resume state is fingerprinted on these
-    (:func:`fingerprint_settings`)."""
+    """Every setting of a stream: the batch's shape, the order, the epochs and each stage's record. What
+    spans records (``capacity`` against ``topology.align``) is checked here, once."""
 
     capacity: int
     """Tokens per pack; a multiple of ``topology.align``."""
