@@ -33,9 +33,6 @@ class MediaReader:
     open: OpenOptions = OpenOptions()
     stats: IOStats | None = None
 
-    def reading(self, opts: OpenOptions, stats: IOStats | None = None) -> MediaReader:
-        return MediaReader(options=self.options, open=opts, stats=stats)
-
     def is_image_field(self, field: str) -> bool:
         """Whether the tar member field ``field`` (``0.jpg``, ``video.3.jpg``) is read."""
         return self.options.is_image_field(field)

@@ -171,20 +171,6 @@ def _none_to(value: int | None) -> int:
     return -1 if value is None else int(value)
 
 
-def split_ranges(ranges: Sequence[IndexRange], lo: int, hi: int) -> list[IndexRange]:
-    """The pieces of ``ranges`` (read back to back) that cover overall positions ``[lo, hi)``."""
-    out: list[IndexRange] = []
-    pos = 0
-    for r in ranges:
-        a, b = max(lo, pos), min(hi, pos + len(r))
-        if a < b:
-            out.append(IndexRange(shard=r.shard, lo=r.lo + a - pos, hi=r.lo + b - pos, epoch=r.epoch))
-        pos += len(r)
-        if pos >= hi:
-            break
-    return out
-
-
 class PrefixCut:
     """:func:`cut_two_level` of one epoch for one reader, from shard totals (``samples``, ``costs``); only
     a shard a boundary falls in is opened (``local(s)``: its per-sample costs). The float64 prefix sums
