@@ -120,9 +120,8 @@ class StreamConfig:
                            pad_id=self.packing.pad_id, ignore_index=self.packing.ignore_index)
 
     def packer_rules(self, seed: int) -> PackerRules:
-        """The window packer's rules (what the node runs and what a plan or a cost seed counts with),
-        made here only, from ``packing``, ``capacity`` and ``topology.align``; ``seed``: the packer's
-        own (``graph.build.packer_seed``: the stream seed mixed with the reader) or the stream's."""
+        """The window packer's rules, made here only (the node runs them, a plan or cost seed counts with
+        them); ``seed``: the packer's own (``graph.build.packer_seed``) or the stream's."""
         pack = self.packing
         return PackerRules(capacity=self.capacity, window=pack.window, algorithm=pack.algorithm,
                            align=self.topology.align, seed=seed, max_wait=pack.max_wait, slack=pack.slack)

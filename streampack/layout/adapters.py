@@ -46,15 +46,9 @@ class PackedBatch(Protocol):
 
 
 class KwargsRecord(Mapping[str, Any]):
-    """Mixin for dataclasses whose fields are exactly a consumer's keyword arguments.
-
-    ``fn(**record)`` works because a Mapping is splattable. Built like a dict too --
-    ``type(record)({...})`` -- because that is how HF Trainer's ``_prepare_input``, accelerate's
-    ``send_to_device`` and Lightning's ``apply_to_collection`` rebuild a mapping after moving
-    its tensors; ``.to(device)`` moves the tensors itself (a tensor shared by two fields stays
-    shared). Not frozen, for Lightning (see :class:`streampack.layout.batch.PackedBatch`).
-    Equality is identity (the fields hold tensors, whose ``==`` is elementwise).
-    """
+    """Mixin for dataclasses whose fields are exactly a consumer's keyword arguments: splattable, and
+    built like a dict (``type(record)({...})``) as HF Trainer, accelerate and Lightning rebuild a mapping
+    after moving its tensors. Not frozen, for Lightning; equality is identity."""
 
     __slots__ = ()
 
@@ -162,13 +156,9 @@ class LocalPackedSeqParams(KwargsRecord):
 
 @dataclass(**_RECORD)
 class HFInputs(KwargsRecord):
-    """Keyword arguments of an HF transformers causal LM, as ``DataCollatorWithFlattening``
-    emits them: ``model(**batch.hf_inputs())``. All tensors are ``[1, T]`` except the cu's.
-
-    ``use_cache`` is a field (``False``) on purpose: sdpa/eager/flex models detect packing from
-    ``position_ids`` only when ``attention_mask is None`` and no KV cache exists; with a cache
-    the documents silently attend to each other. Never pass an ``attention_mask``.
-    """
+    """Keyword arguments of an HF causal LM, as ``DataCollatorWithFlattening`` emits them (``[1, T]`` but
+    the cu's). ``use_cache=False`` on purpose: sdpa/eager/flex models detect packing from
+    ``position_ids`` only without a KV cache and ``attention_mask``; else documents attend to each other."""
 
     input_ids: torch.Tensor
     """int64 ``[1, T]``."""
@@ -234,10 +224,8 @@ def te_kwargs(batch: PackedBatch, *, causal: bool = True) -> TEKwargs:
 
 
 def packed_seq_params(batch: PackedBatch, *, causal: bool = True) -> Any:
-    """Megatron ``PackedSeqParams`` (the same tensors as :func:`te_kwargs`), or a
-    :class:`LocalPackedSeqParams` with the same fields when megatron-core is not installed.
-    Megatron's own ``attn_mask_type`` stays in its config; use ``padding_causal`` there too.
-    (The first call imports ``megatron.core``: about 8 s on a CPU machine.)"""
+    """Megatron ``PackedSeqParams`` (the tensors of :func:`te_kwargs`), or a :class:`LocalPackedSeqParams`
+    without megatron-core; use ``padding_causal`` in Megatron's config too."""
     te = te_kwargs(batch, causal=causal)
     values = {k: te[k] for k in (f.name for f in fields(LocalPackedSeqParams))}
     try:
@@ -248,9 +236,8 @@ def packed_seq_params(batch: PackedBatch, *, causal: bool = True) -> Any:
 
 
 def hf_labels(batch: PackedBatch) -> torch.Tensor:
-    """int64 ``[T]`` unshifted labels: ``out[t] = batch.labels[t-1]``, ``-100`` at ``t = 0`` and
-    wherever ``batch.labels`` ignores. Every document start gets ``-100`` from the PackedBatch
-    contract (the previous position is a document's last token or padding, both ignored)."""
+    """int64 ``[T]`` unshifted labels: ``out[t] = batch.labels[t-1]``, ``-100`` at ``t = 0`` and wherever
+    ``batch.labels`` ignores (so at every document start)."""
     labels = batch.labels
     shifted = torch.cat([labels.new_full((1,), HF_IGNORE_INDEX), labels[:-1]])
     if batch.ignore_index != HF_IGNORE_INDEX:
@@ -259,9 +246,7 @@ def hf_labels(batch: PackedBatch) -> torch.Tensor:
 
 
 def hf_inputs(batch: PackedBatch) -> HFInputs:
-    """``[1, T]`` inputs for HF transformers with packing (flash_attention_2 uses the cu's;
-    sdpa/eager/flex rebuild the same spans from ``position_ids``). Loss:
-    ``model(**batch.hf_inputs()).loss`` is the token mean over ``batch.num_targets``."""
+    """``[1, T]`` inputs for HF transformers with packing; ``.loss`` is the token mean over ``num_targets``."""
     device = batch.input_ids.device
     cu = _device_int32(batch.varlen_cu_seqlens, device)
     total = batch.total_tokens

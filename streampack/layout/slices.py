@@ -33,14 +33,9 @@ def pack_slices(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.n
                 doc_keys: tuple[str, ...], *, capacity: int, align: int = 1, pad_id: int = 0,
                 ignore_index: int = -100, ids_nonnegative: bool = False) -> PackedBatch:
     """The :class:`PackedBatch` of ``len(pack_sizes)`` packs: document ``i`` is
-    ``sources[i][starts[i]:starts[i] + lengths[i]]`` (any integer dtype; int ``[n]`` starts and
-    lengths, ``n = sum(pack_sizes)``), pack ``p`` holds the next ``pack_sizes[p]`` documents, in
-    order; ``doc_keys`` name them. Every document is padded to a multiple of ``align`` and a
-    pack's trailing padding joins its last document's span, as in ``pack_batch``. ``capacity``
-    and ``align`` are a collate's ``BatchLayout``, taken as checked (``StreamConfig`` checks
-    ``capacity % align`` once). ``ids_nonnegative``: the caller knows no id is negative (the
-    readers checked every one), so none equals a negative ``ignore_index`` and the targets are
-    counted without a pass."""
+    ``sources[i][starts[i]:starts[i] + lengths[i]]``, pack ``p`` holds the next ``pack_sizes[p]``;
+    ``capacity`` and ``align`` are taken as checked. ``ids_nonnegative``: the readers checked every id,
+    so none equals a negative ``ignore_index`` and the targets are counted without a pass."""
     num_packs = len(pack_sizes)
     total = num_packs * capacity
     if not num_packs or total > _INT32_MAX:

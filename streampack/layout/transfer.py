@@ -212,10 +212,8 @@ def _rebuild_small_tensor(data: bytes, dtype: torch.dtype, offset: int, size: tu
 
 
 def inline_small_tensors() -> None:
-    """Send small plain tensors from this process by value (call it in a DataLoader worker):
-    the tensors of the state delta StatefulDataLoader sends after every batch cost ~1-3 ms of both
-    processes' CPU each through torch's reduction, and a 0.6-60 KB copy inside the pickle by value.
-    A tensor already in shared memory (shared on purpose) keeps torch's reduction."""
+    """Send small plain tensors from this process by value: a state delta's tensors cost ~1-3 ms of both
+    processes' CPU each through torch's reduction, a 0.6-60 KB copy inside the pickle."""
     ForkingPickler.register(torch.Tensor, _reduce_small_tensor)
 
 
@@ -223,9 +221,8 @@ _settled_pid = 0
 
 
 def settle_worker() -> None:
-    """Once per DataLoader worker process (``PackedDataset.__iter__`` calls it before building its
-    graph): small tensors of the per-batch state deltas travel by value (:func:`inline_small_tensors`).
-    No ``gc.freeze()``: it made the workers slower (``docs/changelog.md``)."""
+    """Once per DataLoader worker process: :func:`inline_small_tensors` (no ``gc.freeze()``: it made the
+    workers slower, ``docs/changelog.md``)."""
     global _settled_pid
     if _settled_pid != os.getpid():
         _settled_pid = os.getpid()

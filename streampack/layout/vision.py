@@ -52,13 +52,8 @@ def _check_grid(grid_thw: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def vision_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
-    """int32 ``[Σ t + 1]``: cumulative patch counts of the vision encoder's attention segments,
-    one segment per frame (``h·w`` patches, ``t`` segments per image), leading 0.
-
-    ``grid_thw``: int ``[n_images, 3]`` patch grids ``(t, h, w)`` before the spatial merge (the
-    processor's ``image_grid_thw``). The last entry equals the rows of the flattened
-    ``pixel_values``; ``torch.diff`` of it gives each segment's length.
-    """
+    """int32 ``[Σ t + 1]``: cumulative patch counts of the vision encoder's attention segments, one per
+    frame, leading 0, from ``grid_thw`` (int ``[n_images, 3]`` patch grids before the spatial merge)."""
     grid = _check_grid(grid_thw, "grid_thw")
     frames = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
     return F.pad(frames.cumsum(0, dtype=torch.int32), (1, 0), value=0)
@@ -78,13 +73,9 @@ def _spans(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 def image_spans(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, image_grid_thw: torch.Tensor,
                 image_token_id: int, spatial_merge_size: int) -> ImageSpans:
-    """Map each image (a row of ``image_grid_thw``, in order) to its document and its run of
-    ``image_token_id`` placeholders in the packed ``input_ids`` (int ``[T]``).
-
-    ``ValueError`` when the placeholder count differs from the grids' ``Σ t·(h/m)·(w/m)``, when
-    an image's placeholders are not contiguous, or when one crosses a document boundary: any of
-    these would put an image's features on another document's tokens.
-    """
+    """Map each image (a row of ``image_grid_thw``) to its document and its run of placeholders in the
+    packed ``input_ids`` (int ``[T]``); ``ValueError`` when the counts differ, a run is not contiguous or
+    crosses a document boundary (an image's features would land on another document's tokens)."""
     if input_ids.ndim != 1:
         raise ValueError(f"input_ids must be the packed token axis [T], got shape {tuple(input_ids.shape)}")
     if spatial_merge_size < 1:
@@ -132,16 +123,9 @@ def mrope_position_ids(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, image_
                        image_token_id: int, spatial_merge_size: int, *,
                        video_grid_thw: torch.Tensor | None = None,
                        video_token_id: int | None = None) -> torch.Tensor:
-    """int64 ``[3, T]``: Qwen2-VL's (temporal, height, width) positions of the packed
-    ``input_ids`` (int ``[T]``), restarting at every document span of ``cu_seqlens`` (int
-    ``[n+1]``, leading 0; the real or the padded offsets; tokens past the last entry are one
-    more span). Equal to transformers' ``Qwen2VLModel.get_rope_index`` run on each document
-    alone, concatenated (see the module docstring for the rule and a worked example).
-
-    ``image_grid_thw``: int ``[n_images, 3]`` patch grids before the merge, in order of their
-    placeholder runs; ``video_grid_thw``/``video_token_id`` likewise for videos (Qwen2-VL spaces
-    video frames by 1 on the temporal axis, as it does an image's single frame).
-    """
+    """int64 ``[3, T]``: Qwen2-VL's mRoPE positions of the packed ``input_ids`` (int ``[T]``), restarting
+    at every span of ``cu_seqlens`` (int ``[n+1]``); ``get_rope_index`` run on each document alone.
+    ``image_grid_thw`` / ``video_grid_thw``: int ``[n, 3]`` patch grids before the merge, in run order."""
     total = input_ids.numel()
     kinds = [image_spans(input_ids, cu_seqlens, image_grid_thw, image_token_id, spatial_merge_size)]
     if video_grid_thw is not None:

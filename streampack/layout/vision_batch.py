@@ -131,11 +131,9 @@ def _check_layout(every: list[tuple[int, Any, Any]], layout: VisionLayout) -> No
 
 def vision_batch(docs: Sequence[Any], starts: Sequence[int], input_ids: torch.Tensor,
                  varlen_cu_seqlens: torch.Tensor, layout: VisionLayout | None = None) -> VisionBatch | None:
-    """The batch's images and videos from its documents (``streampack.media.node.DecodedImage``
-    each) laid out at token offsets ``starts``. mRoPE positions restart at the spans of
-    ``varlen_cu_seqlens``, the spans ``hf_inputs``' text positions restart at (a pack's trailing
-    padding is its own span). With ``layout`` (a media stream's) a batch without any image is an
-    empty :class:`VisionBatch` of that layout; without, it is None and the layout is the images'."""
+    """The batch's images and videos from its documents laid out at token offsets ``starts`` (mRoPE
+    restarting at ``varlen_cu_seqlens``); with ``layout`` a batch without images is an empty
+    :class:`VisionBatch`, without it None."""
     every = [(d, doc, im) for d, doc in enumerate(docs) for im in doc.images]
     for _, doc, im in every:
         if not hasattr(im, "pixels"):

@@ -66,10 +66,8 @@ class ShardMedia:
 
 
 class MediaLengths:
-    """``lengths(shard, samples) -> int32 [len(samples)]``: the planner's count lengths of
-    ``manifest``'s shard ``shard`` under ``media``, and ``chunks(shard, samples, lo, hi, max_len,
-    policy)``: those samples cut by the overlong policy around their images (see the module
-    docstring)."""
+    """``lengths(shard, samples) -> int32 [len(samples)]``: the planner's count lengths of a shard under
+    ``media``; ``chunks(...)``: those samples cut by the overlong policy around their images."""
 
     def __init__(self, manifest: Any, media: MediaOptions, options: Any, io_stats: Any = None) -> None:
         self.manifest, self.media, self.options = manifest, media, options

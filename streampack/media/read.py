@@ -103,11 +103,8 @@ class MediaReader:
 
 
 def numbered(members: list[tuple[str, Any]], *, url: str, key: str) -> list[tuple[str, Any]]:
-    """A tar sample's image members in placeholder order: by name with every number compared as a
-    number (``2.png`` before ``10.png``, ``video.2.jpg`` before ``video.10.jpg``; string order put
-    ``10`` and ``11`` on the third and fourth placeholders). One image may have any name
-    (webdataset's ``k7.jpg``); with more, every name must end in its number (``<number>.<ext>`` or
-    ``<name>.<number>.<ext>``), each once, since nothing else says which placeholder it belongs to."""
+    """A tar sample's image members in placeholder order, numbers compared as numbers (``2.png`` before
+    ``10.png``). One image may have any name; with more, every name must end in its number, each once."""
     if len(members) <= 1:
         return members
     keyed: dict[tuple[tuple[int, int | str], ...], str] = {}

@@ -125,14 +125,9 @@ class AnyResTiles:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VideoFrames:
-    """A Qwen2-VL / Qwen2.5-VL video from its ordered frames (defaults: the released
-    ``Qwen2VLVideoProcessor``'s: frames of 128·28·28 to 768·28·28 pixels, at most 768 frames).
-
-    Every frame is resized to ``frame.resized(width, height)`` of the video's frame size; ``n``
-    frames are padded to a multiple of ``frame.temporal_patch_size`` by repeating the last one
-    (the processor's rule), so the grid is ``(ceil(n / tp), h / p, w / p)`` and the tokens
-    ``ceil(n / tp) * (h / 28) * (w / 28)``. The processor's optional per-video pixel budget
-    (``cap_pixels_per_frame``, off in transformers 5.24) is not applied."""
+    """A Qwen2-VL video from its ordered frames (defaults: ``Qwen2VLVideoProcessor``'s): every frame resized
+    to ``frame.resized``, ``n`` frames padded to a multiple of the temporal patch ``tp``, so the tokens are
+    ``ceil(n / tp) * (h / 28) * (w / 28)``."""
 
     frame: DynamicResolution = DynamicResolution(min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768)
     max_frames: int = 768

@@ -35,10 +35,8 @@ class MediaVideo:
 
 def split_tar_fields(fields: Mapping[str, Any], videos_key: str, is_image: Any) -> tuple[
         list[tuple[str, Any]], dict[str, list[tuple[int, str, Any]]]]:
-    """A tar sample's image fields (the caller orders them by number), and its video frames by name:
-    ``{video name: [(frame number, field, bytes), ...]}``. A field under ``videos_key`` whose
-    name is not ``video.<frame>.<ext>`` / ``video.<v>.<frame>.<ext>`` is a ``bad_video``
-    (raised by the caller's checks: its frame number is -1)."""
+    """A tar sample's image fields, and its video frames by name: ``{video: [(frame, field, bytes), ...]}``
+    (frame -1 for a malformed name, refused by the caller as ``bad_video``)."""
     images, videos = [], {}
     for field in sorted(fields):
         if not is_image(field):

@@ -49,9 +49,7 @@ class _NewSpan(Exception):
 
 
 class BlockReader(ShardReader):
-    """A :class:`ShardReader` with :meth:`run` / :meth:`consume` (see the module docstring);
-    ``next()`` still yields Samples, per sample. ``chunk_bytes``: the tar block reader's read
-    size (tests make it small)."""
+    """A :class:`ShardReader` with :meth:`run` / :meth:`consume`; ``chunk_bytes``: the tar block read size."""
 
     def __init__(self, *args: Any, chunk_bytes: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

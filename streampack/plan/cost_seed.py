@@ -60,10 +60,8 @@ def sample_lengths(num_shards: int, lengths_of: Callable[[int], np.ndarray], see
 
 def seed_counts(lengths: np.ndarray, rules: PackerRules, model: CostModel, scale: CostScale, *,
                 seed: int, cut: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray | None:
-    """int64 ``[BINS]``: the histogram of ``SEED_PACKS`` packs made from ``lengths`` (drawn with
-    replacement by ``seed``) by the packer's ``rules``, scaled to count ``SEED_WEIGHT`` packs;
-    None with fewer than ``MIN_SAMPLES`` lengths. ``cut``: the overlong policy (raw lengths ->
-    the chunks the packer sees); lengths above the capacity are dropped without one."""
+    """int64 ``[BINS]``: the histogram of ``SEED_PACKS`` packs the packer's ``rules`` make from ``lengths``
+    (drawn by ``seed``, cut by ``cut``), scaled to ``SEED_WEIGHT`` packs; None below ``MIN_SAMPLES``."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if cut is not None:
         lengths = cut(lengths)

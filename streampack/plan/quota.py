@@ -51,10 +51,8 @@ class Settled:
 
 
 class LateQuota:
-    """One reader's quota for one epoch: ``count()`` gives its own batches, ``settle(count)``
-    the :class:`Settled` quota (agreeing with the other readers, or counting them all).
-    ``background``: run both in a thread once :meth:`start` is called (a run with an agreement).
-    ``info`` (the graph's ``metrics()["plan"]`` dict) is updated when it settles."""
+    """One reader's quota for one epoch: ``count()`` its own batches, ``settle(count)`` the :class:`Settled`
+    quota; ``background`` runs both in a thread from :meth:`start`; ``info`` is updated when it settles."""
 
     COUNT_KEY = "batches"
     QUOTA_KEY = "quota"
