@@ -32,6 +32,16 @@ from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_version
 from streampack.sample import Sample
 
 
+def deal(packs: np.ndarray, packs_per_batch: int, dp_size: int, num_workers: int, global_worker: int) -> np.ndarray:
+    """The part of ``packs`` (in order) a global worker reads: batch ``u`` of ``packs_per_batch`` goes to
+    rank ``u % dp_size``, worker ``(u // dp_size) % num_workers``."""
+    rank, worker = divmod(global_worker, num_workers)
+    units = np.arange(-(-len(packs) // packs_per_batch))
+    mine = units[(units % dp_size == rank) & ((units // dp_size) % num_workers == worker)]
+    idx = (mine[:, None] * packs_per_batch + np.arange(packs_per_batch)).ravel()
+    return packs[idx[idx < len(packs)]]
+
+
 class PackedShardReader(BaseNode[list[Sample]]):
     """Yields the packs of an offline-packed dataset (one ``list[Sample]`` per pack), this
     worker's share only, in a deterministic order; see the module docstring."""
@@ -98,12 +108,7 @@ class PackedShardReader(BaseNode[list[Sample]]):
 
     def dealt(self, epoch: int, global_worker: int) -> np.ndarray:
         """The packs global worker ``global_worker`` reads in ``epoch`` (see the module docstring)."""
-        order = self.epoch_order(epoch)
-        rank, worker = divmod(global_worker, self.num_workers)
-        units = np.arange(-(-len(order) // self.packs_per_batch))
-        mine = units[(units % self.dp_size == rank) & ((units // self.dp_size) % self.num_workers == worker)]
-        idx = (mine[:, None] * self.packs_per_batch + np.arange(self.packs_per_batch)).ravel()
-        return order[idx[idx < len(order)]]
+        return deal(self.epoch_order(epoch), self.packs_per_batch, self.dp_size, self.num_workers, global_worker)
 
     def quotas(self, epoch: int) -> list[int]:
         """Batches each global worker yields in ``epoch`` so every rank yields the same count."""

@@ -13,7 +13,7 @@ graphs with a user node stage (its buffer cannot be split) are refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,6 +45,7 @@ from streampack.plan.state import (
     check_identities,
     check_node_versions,
     dataset_record,
+    nested,
     samples_to_table,
 )
 from streampack.settings import Placement, ReadOptions, Sources, StreamConfig
@@ -106,19 +107,7 @@ def topology_of(states: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
 
 def find_state(tree: Any, kind: str) -> dict[str, Any] | None:
     """The first node state of ``kind`` nested anywhere in ``tree``."""
-    if isinstance(tree, Mapping):
-        if tree.get("kind") == kind:
-            return dict(tree)
-        children: Iterator[Any] = iter(tree.values())
-    elif isinstance(tree, (list, tuple)):
-        children = iter(tree)
-    else:
-        return None
-    for child in children:
-        found = find_state(child, kind)
-        if found is not None:
-            return found
-    return None
+    return next((dict(node) for node in nested(tree) if node.get("kind") == kind), None)
 
 
 def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources: Sources,

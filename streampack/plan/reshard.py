@@ -22,6 +22,7 @@ import numpy as np
 
 from streampack.graph.build import make_planner
 from streampack.logs import get_logger
+from streampack.nodes.packed_reader import deal
 from streampack.plan.elastic import (
     TOPOLOGY_KEYS,
     Remaining,
@@ -69,20 +70,12 @@ def _share_infinite(left: Remaining, place: Placement) -> Share:
 
 def _share_packs(left: Remaining, config: StreamConfig, place: Placement) -> Share:
     packs = np.concatenate([r.packs for r in left.readers if r.packs is not None] or [np.zeros(0, np.int64)])
-    ppb, ranks, workers = config.packs_per_batch, place.dp_size, place.num_workers
-    units = np.arange(-(-len(packs) // ppb))
-    counts = []
-    mine = np.zeros(0, dtype=np.int64)
-    for g in range(place.global_workers):
-        rank, worker = divmod(g, workers)
-        sel = units[(units % ranks == rank) & ((units // ranks) % workers == worker)]
-        idx = (sel[:, None] * ppb + np.arange(ppb)).ravel()
-        got = packs[idx[idx < len(packs)]]
-        counts.append(-(-len(got) // ppb))
-        if g == place.global_worker:
-            mine = got
-    quota = equalize(counts, ranks)[0][place.global_worker] if config.epochs is not None and ranks > 1 else None
-    return Share(epoch=left.epoch, packs=mine, quota=quota)
+    ppb, ranks = config.packs_per_batch, place.dp_size
+    dealt = [deal(packs, ppb, ranks, place.num_workers, g) for g in range(place.global_workers)]
+    quota = None
+    if config.epochs is not None and ranks > 1:
+        quota = equalize([-(-len(d) // ppb) for d in dealt], ranks)[0][place.global_worker]
+    return Share(epoch=left.epoch, packs=dealt[place.global_worker], quota=quota)
 
 
 Point = tuple[int, int]

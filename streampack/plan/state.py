@@ -310,16 +310,22 @@ def state_nbytes(state: Any) -> int:
 
 def check_node_versions(tree: Any, who: str) -> None:
     """Every node state nested in ``tree`` that records a version has this library's."""
+    for node in nested(tree):
+        if VERSION_KEY in node:
+            check_version(node, what=f"{node.get('kind', 'node')} state of {who}")
+
+
+def nested(tree: Any) -> Iterator[Mapping[str, Any]]:
+    """Every mapping nested in ``tree`` (itself included), depth first."""
     if isinstance(tree, Mapping):
-        if VERSION_KEY in tree:
-            check_version(tree, what=f"{tree.get('kind', 'node')} state of {who}")
-        children: Iterator[Any] = iter(tree.values())
+        yield tree
+        children: Any = tree.values()
     elif isinstance(tree, (list, tuple)):
-        children = iter(tree)
+        children = tree
     else:
         return
     for child in children:
-        check_node_versions(child, who)
+        yield from nested(child)
 
 
 def check_identities(saved: Mapping[int, Any], now: Callable[[int], Any], name: Callable[[int], str],
