@@ -91,12 +91,11 @@ class PackedDataset(IterableDataset):
     batches (``TopologyOptions.equal_batches``: counted from the manifest and agreed through the
     ``torch.distributed`` store, with filler batches, by default; see ``docs/dataset.md``).
 
-    ``state_dict()`` is this process's (or worker's) position: versioned, fingerprinted, plain data,
-    bounded by the window; ``load_state_dict(state)`` continues bit-identically, and
-    ``load_state_dict([every reader's state])`` resumes on any ``dp_size`` / ``num_workers`` with every
-    sample of the epoch trained exactly once. In the main process of a DataLoader with workers
-    ``state_dict()`` raises (that copy has no position): checkpoint the StatefulDataLoader instead. A
-    shard that changed since the save is refused by name (``ReadOptions.identity``).
+    ``state_dict()`` is this process's (or worker's) position: versioned, fingerprinted, plain data, bounded by the
+    window; ``load_state_dict(state)`` continues bit-identically, and ``load_state_dict([every reader's state])``
+    resumes on any ``dp_size`` / ``num_workers`` with every sample of the epoch trained exactly once. In the main
+    process of a DataLoader with workers ``state_dict()`` raises (that copy has no position): checkpoint the
+    StatefulDataLoader instead. A shard that changed since the save is refused by name (``ReadOptions.identity``).
     """
 
     def __init__(self, urls: URLs | Mapping[str, Any], *, capacity: int, tokenizer: Any = None,

@@ -1,11 +1,10 @@
 """Bad input: the error type, the raise/skip policy and per-reason counters.
 
-Every problem found in the data becomes a :class:`DataError` naming the shard URL, the sample key
-and the offending value; an :class:`ErrorPolicy` re-raises it (``"raise"``) or drops the sample, byte
-range or rest of the shard and counts it (``"skip"``). The reasons are listed in ``docs/reliability.md``.
-torch's DataLoader re-raises a worker's exception as ``type(exc)(formatted_traceback)``, so a
-:class:`DataError` built from one string parses ``reason`` / ``url`` / ``key`` back out of it:
-``except DataError`` works in the training loop with ``num_workers > 0``.
+Every problem found in the data becomes a :class:`DataError` naming the shard URL, the sample key and the offending
+value; an :class:`ErrorPolicy` re-raises it (``"raise"``) or drops the sample, byte range or rest of the shard and
+counts it (``"skip"``). The reasons are listed in ``docs/reliability.md``. torch's DataLoader re-raises a worker's
+exception as ``type(exc)(formatted_traceback)``, so a :class:`DataError` built from one string parses ``reason`` /
+``url`` / ``key`` back out of it: ``except DataError`` works in the training loop with ``num_workers > 0``.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ _LOG = get_logger(__name__)
 NOT_TOKENIZED = ("is not tokenized yet: it has text but no token ids; pass tokenizer= (a tokenizers.Tokenizer, "
                  "a tokenizer.json path or a str -> list[int] callable) to tokenize it, or tokens_key= naming "
                  "the field that holds token ids")
-"""Why a text sample reached a stage that needs ids, and the two ways out (the same words wherever
-it is raised)."""
+"""Why a text sample reached a stage that needs ids, and the two ways out (the same words wherever it is raised)."""
 _VALUE_REPR_CHARS = 80
 _VALUE_KEEP = 256  # a long str / bytes / list value is kept only this long on the exception
 _WHERE = " (shard="

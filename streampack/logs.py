@@ -1,10 +1,9 @@
 """Logging under the ``streampack`` logger, with rate limits for events that repeat per sample.
 
-:func:`warn_every` logs the first event of a kind at once, then at most one line per ``interval``
-seconds per kind with how many were suppressed; every call also counts its ``kind``
-(:func:`event_counts`), and each batch carries its reader's counts (``batch.stats.events``), so exact
-counts never live only in logs. ``slow_batch`` fires when a reader takes more than
-``STREAMPACK_SLOW_BATCH_SECONDS`` (default 30) to build one batch.
+:func:`warn_every` logs the first event of a kind at once, then at most one line per ``interval`` seconds per kind with
+how many were suppressed; every call also counts its ``kind`` (:func:`event_counts`), and each batch carries its
+reader's counts (``batch.stats.events``), so exact counts never live only in logs. ``slow_batch`` fires when a reader
+takes more than ``STREAMPACK_SLOW_BATCH_SECONDS`` (default 30) to build one batch.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Context-parallel sharding of a THD batch, token for token as Transformer Engine does it.
 
-Rank ``r`` of ``W`` takes, from each document whose padded span is ``L`` tokens at offset ``s``
-(``c = L / 2W``), ``[s + r·c, s + (r+1)·c)`` then the mirrored ``[s + (2W−1−r)·c, s + (2W−r)·c)``, so
-causal attention costs the same on every rank (``thd_get_partitioned_indices``; TE's own case
-``cu_seqlens_padded=[0, 8, 16]``, ``W=2`` gives rank 0 ``[0,1,6,7,8,9,14,15]``). Labels are shifted
-before sharding, so a rank never needs its neighbour's tokens.
+Rank ``r`` of ``W`` takes, from each document whose padded span is ``L`` tokens at offset ``s`` (``c = L / 2W``), ``[s +
+r·c, s + (r+1)·c)`` then the mirrored ``[s + (2W−1−r)·c, s + (2W−r)·c)``, so causal attention costs the same on every
+rank (``thd_get_partitioned_indices``; TE's own case ``cu_seqlens_padded=[0, 8, 16]``, ``W=2`` gives rank 0
+``[0,1,6,7,8,9,14,15]``). Labels are shifted before sharding, so a rank never needs its neighbour's tokens.
 """
 
 from __future__ import annotations

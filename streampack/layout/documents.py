@@ -116,9 +116,8 @@ def targets(doc: Sample, ignore_index: int) -> np.ndarray:
 
 
 def check_extras(docs: list[list[Sample]]) -> list[str]:
-    """Extra names, present on every document with the same trailing shape: numpy would
-    otherwise broadcast a ``[L, 1]`` (or, when ``L`` happens to match, an ``[L]``) extra into
-    another document's ``[L, 3]`` layout without a word."""
+    """Extra names, present on every document with the same trailing shape: numpy would otherwise broadcast a ``[L, 1]``
+    (or, when ``L`` happens to match, an ``[L]``) extra into another document's ``[L, 3]`` layout without a word."""
     flat = [d for pack in docs for d in pack]
     names = sorted(flat[0].extras) if flat else []
     for d in flat:

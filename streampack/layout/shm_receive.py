@@ -95,9 +95,8 @@ def _release(attacher: int, pipe: tuple[int, int, tuple[int, int]], ticket: byte
 
 
 def _exited(pid: int) -> bool:
-    """Whether ``pid`` has exited (or does within :data:`EXIT_WAIT_S`): a killed process closes
-    its files before it becomes a zombie, so a vanished slot can be seen a moment before the
-    exit that the DataLoader checks for."""
+    """Whether ``pid`` has exited (or does within :data:`EXIT_WAIT_S`): a killed process closes its files before it
+    becomes a zombie, so a vanished slot can be seen a moment before the exit that the DataLoader checks for."""
     deadline = time.monotonic() + EXIT_WAIT_S
     while True:
         try:

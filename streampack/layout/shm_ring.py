@@ -1,14 +1,13 @@
 """Reusable shared-memory slots for batches leaving a process, released by the receiver.
 
-A process keeps a ring of slots (one anonymous ``memfd`` each, mapped once) and copies a batch's
-large storages into a free one, where torch's ``file_system`` sharing makes a segment per batch
-through ``torch_shm_manager`` (0.25-1.4 s to start before a worker's first batch). The receiver maps
-the slot through ``/proc/<pid>/fd/<fd>`` and, when the last view is freed, writes its ticket into
-the sender's release pipe, which the sender reads before taking a slot, so a held batch is never
-overwritten (past ``MAX_SLOTS`` / ``MAX_BYTES`` :func:`take` returns None and the batch goes torch's
-way); the pipe also orders memory. References carry the memfd's and pipe's (device, inode), so a
-reused pid is refused. Linux only: :func:`available` is False elsewhere, without readable
-``/proc/self/fd`` entries or under Yama ``ptrace_scope`` 2 or 3.
+A process keeps a ring of slots (one anonymous ``memfd`` each, mapped once) and copies a batch's large storages into a
+free one, where torch's ``file_system`` sharing makes a segment per batch through ``torch_shm_manager`` (0.25-1.4 s to
+start before a worker's first batch). The receiver maps the slot through ``/proc/<pid>/fd/<fd>`` and, when the last view
+is freed, writes its ticket into the sender's release pipe, which the sender reads before taking a slot, so a held batch
+is never overwritten (past ``MAX_SLOTS`` / ``MAX_BYTES`` :func:`take` returns None and the batch goes torch's way); the
+pipe also orders memory. References carry the memfd's and pipe's (device, inode), so a reused pid is refused. Linux
+only: :func:`available` is False elsewhere, without readable ``/proc/self/fd`` entries or under Yama ``ptrace_scope`` 2
+or 3.
 """
 
 from __future__ import annotations

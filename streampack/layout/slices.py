@@ -50,10 +50,9 @@ def pack_slices(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.n
 def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.ndarray, pack_sizes: Sequence[int],
                   doc_keys: tuple[str, ...], *, capacity: int, pad_id: int, ignore_index: int,
                   ids_nonnegative: bool) -> PackedBatch:
-    """``align == 1``: each of the three ``[T]`` rows is one ``concatenate`` of views (a
-    document, its shifted ids, a run of a constant); the offsets are Python ints gathered on the
-    way (with no alignment padding the causal varlen spans are the padded offsets plus each
-    non-full pack's real end, so ``offset_fields``' sort is not needed)."""
+    """``align == 1``: each of the three ``[T]`` rows is one ``concatenate`` of views (a document, its shifted ids, a
+    run of a constant); the offsets are Python ints gathered on the way (with no alignment padding the causal varlen
+    spans are the padded offsets plus each non-full pack's real end, so ``offset_fields``' sort is not needed)."""
     total = len(pack_sizes) * capacity
     rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()

@@ -1,13 +1,12 @@
 """How a batch crosses from a DataLoader worker to the training process, without a handshake.
 
-torch's default moves every storage into its own segment whose descriptor the receiver fetches over
-a socket from the worker's ``resource_sharer`` thread, which needs the worker's GIL while it builds
-the next batch. :func:`reduce_batch` sends each distinct storage once instead: a small one inside
-the pickle, the large ones together in one slot of the sender's ring (:mod:`streampack.layout.shm_ring`),
-or, without a free slot, through torch's ``file_system`` sharing; :func:`from_wire` rebuilds every
-tensor as a view of its storage, so shared storages stay shared. Per batch: 2.9 ms of CPU with the
-ring, 3.8 with named segments, 5.0 with torch's default (``benchmarks/bench_transfer.py``). Only the
-queue between processes uses this (``ForkingPickler.register``).
+torch's default moves every storage into its own segment whose descriptor the receiver fetches over a socket from the
+worker's ``resource_sharer`` thread, which needs the worker's GIL while it builds the next batch. :func:`reduce_batch`
+sends each distinct storage once instead: a small one inside the pickle, the large ones together in one slot of the
+sender's ring (:mod:`streampack.layout.shm_ring`), or, without a free slot, through torch's ``file_system`` sharing;
+:func:`from_wire` rebuilds every tensor as a view of its storage, so shared storages stay shared. Per batch: 2.9 ms of
+CPU with the ring, 3.8 with named segments, 5.0 with torch's default (``benchmarks/bench_transfer.py``). Only the queue
+between processes uses this (``ForkingPickler.register``).
 """
 
 from __future__ import annotations
@@ -195,9 +194,8 @@ def reduce_batch(batch: Any) -> Any:
 
 
 def _reduce_small_tensor(t: torch.Tensor) -> Any:
-    """``ForkingPickler`` reducer for ``torch.Tensor`` in a DataLoader worker: a small plain CPU
-    tensor travels inside the pickle; anything else (large, shared on purpose, on a GPU) the
-    default way."""
+    """``ForkingPickler`` reducer for ``torch.Tensor`` in a DataLoader worker: a small plain CPU tensor travels inside
+    the pickle; anything else (large, shared on purpose, on a GPU) the default way."""
     if _plain_cpu(t) and not t.is_shared():
         storage = t.untyped_storage()
         if storage.nbytes() <= TENSOR_INLINE_BYTES:

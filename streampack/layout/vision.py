@@ -25,8 +25,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ImageSpans:
-    """Where each image's placeholder tokens sit in a packed token axis (one row per image,
-    in order of appearance)."""
+    """Where each image's placeholder tokens sit in a packed token axis (one row per image, in order of appearance)."""
 
     document: torch.Tensor
     """int64 ``[n_images]``: index of the ``cu_seqlens`` span (document) holding the image."""

@@ -11,10 +11,9 @@ grid (1, 4, 4) -> 16 patches, 4 image tokens ``I``, then 2 text tokens; document
     vision_cu_seqlens      [0, 16]                   (patches per image: varlen attention in the ViT)
     mrope_position_ids     [3, T]: per document, restarting at 0 (Qwen2-VL's rule)
 
-Videos have the same fields prefixed ``video_``; a LLaVA-NeXT image is ``1 + tiles`` rows with its
-``(height, width)`` in ``image_sizes``. A media stream gives every batch its :class:`VisionLayout`, so
-a batch without images (a filler included) is an empty ``VisionBatch`` and keeps the model's
-``position_ids`` layout.
+Videos have the same fields prefixed ``video_``; a LLaVA-NeXT image is ``1 + tiles`` rows with its ``(height, width)``
+in ``image_sizes``. A media stream gives every batch its :class:`VisionLayout`, so a batch without images (a filler
+included) is an empty ``VisionBatch`` and keeps the model's ``position_ids`` layout.
 """
 
 from __future__ import annotations
@@ -131,9 +130,8 @@ def _check_layout(every: list[tuple[int, Any, Any]], layout: VisionLayout) -> No
 
 def vision_batch(docs: Sequence[Any], starts: Sequence[int], input_ids: torch.Tensor,
                  varlen_cu_seqlens: torch.Tensor, layout: VisionLayout | None = None) -> VisionBatch | None:
-    """The batch's images and videos from its documents laid out at token offsets ``starts`` (mRoPE
-    restarting at ``varlen_cu_seqlens``); with ``layout`` a batch without images is an empty
-    :class:`VisionBatch`, without it None."""
+    """The batch's images and videos from its documents laid out at token offsets ``starts`` (mRoPE restarting at
+    ``varlen_cu_seqlens``); with ``layout`` a batch without images is an empty :class:`VisionBatch`, without it None."""
     every = [(d, doc, im) for d, doc in enumerate(docs) for im in doc.images]
     for _, doc, im in every:
         if not hasattr(im, "pixels"):

@@ -1,12 +1,11 @@
 """An image's size and mode from its header only: what its token count needs, before any pixel.
 
-``PIL.Image.open`` parses only the header (623 bytes of a JPEG, 41 of a PNG; ~30-75 us per image
-against 3-260 ms for a full decode, ``benchmarks/bench_media.py``), except for WebP, whose ``open``
-reads the whole file (2.5 ms at 1080p): WebP's size and alpha are read here from the first 30 bytes
-of its RIFF header (RFC 9649), ~5 us. Untrusted bytes: only the JPEG, PNG and WebP decoders are ever
-tried, the declared size is checked against ``Limits.max_image_pixels`` before any decode, and a mode
-that cannot become RGB is refused, each as a :class:`~streampack.errors.DataError` naming shard, key
-and image.
+``PIL.Image.open`` parses only the header (623 bytes of a JPEG, 41 of a PNG; ~30-75 us per image against 3-260 ms for a
+full decode, ``benchmarks/bench_media.py``), except for WebP, whose ``open`` reads the whole file (2.5 ms at 1080p):
+WebP's size and alpha are read here from the first 30 bytes of its RIFF header (RFC 9649), ~5 us. Untrusted bytes: only
+the JPEG, PNG and WebP decoders are ever tried, the declared size is checked against ``Limits.max_image_pixels`` before
+any decode, and a mode that cannot become RGB is refused, each as a :class:`~streampack.errors.DataError` naming shard,
+key and image.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Decode after packing: the stage right after the packer turns emitted packs' images into pixels.
 
-Decoding here makes pixel memory and decode CPU scale with what is trained, never with the window:
-a waiting 640x480 JPEG holds 109 KB, its Qwen2-VL float32 patches 7.4 MB. The node is a map over
-packs (its state is its source's plus counters). Each image or video becomes a :class:`DecodedImage`
-with where its tokens sit in its document; runs of image tokens that do not match the images are
-``DataError("image_tokens_mismatch")``, and a bad image follows ``on_error`` (``"skip"`` drops its
-sample from the pack, counted).
+Decoding here makes pixel memory and decode CPU scale with what is trained, never with the window: a waiting 640x480
+JPEG holds 109 KB, its Qwen2-VL float32 patches 7.4 MB. The node is a map over packs (its state is its source's plus
+counters). Each image or video becomes a :class:`DecodedImage` with where its tokens sit in its document; runs of image
+tokens that do not match the images are ``DataError("image_tokens_mismatch")``, and a bad image follows ``on_error``
+(``"skip"`` drops its sample from the pack, counted).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Where a jsonl image path may be read from: under ``MediaOptions.image_root``, and nowhere else.
 
-Image paths come from the data, so a path is refused (``bad_image``, before any request or open)
-unless the location the storage layer will finally act on lies under the root: control characters
-are refused; containment is decided on the path percent-decoded until it no longer changes (HTTP
-layers decode ``%2e%2e`` after any check on the raw string), an encoded separator or, remotely, a
-``\`` is refused, and an ``http(s)`` URL is also checked as ``yarl`` parses it; under a local root
-(resolved once) each component is ``lstat``-ed, a symbolic link resolves the path (one leading out is
+Image paths come from the data, so a path is refused (``bad_image``, before any request or open) unless the location the
+storage layer will finally act on lies under the root: control characters are refused; containment is decided on the
+path percent-decoded until it no longer changes (HTTP layers decode ``%2e%2e`` after any check on the raw string), an
+encoded separator or, remotely, a ``\`` is refused, and an ``http(s)`` URL is also checked as ``yarl`` parses it; under
+a local root (resolved once) each component is ``lstat``-ed, a symbolic link resolves the path (one leading out is
 refused), and only a regular file is read.
 
 Cost per image: ~12-20 us of string checks for a remote root; a local root adds one ``lstat`` per

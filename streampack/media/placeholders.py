@@ -1,10 +1,9 @@
 """Image placeholders: each image's single placeholder token becomes its rule's count of tokens.
 
-A sample's text holds one ``image_token_id`` per image, in image order (Qwen2-VL's
-``<|image_pad|>``, LLaVA's ``<image>``); :func:`expand_placeholders` repeats each to the image's
-token count as the HF processors do (:func:`expand_text` for text built outside the pipeline), with
-loss mask 0. An already-expanded sample passes unchanged; any other count is
-``image_placeholder_mismatch``.
+A sample's text holds one ``image_token_id`` per image, in image order (Qwen2-VL's ``<|image_pad|>``, LLaVA's
+``<image>``); :func:`expand_placeholders` repeats each to the image's token count as the HF processors do
+(:func:`expand_text` for text built outside the pipeline), with loss mask 0. An already-expanded sample passes
+unchanged; any other count is ``image_placeholder_mismatch``.
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ def image_starts(tokens: np.ndarray, image_token_id: int, counts: Sequence[int])
 
 
 def expand_placeholders(sample: Sample, counts: Sequence[int], image_token_id: int, *, kind: str = "image") -> Sample:
-    """``sample`` with every image placeholder repeated to its image's token count; labels,
-    loss mask and extras follow (extras repeat the placeholder's row). ``kind`` (``"video"``)
-    names what the placeholders stand for in the error."""
+    """``sample`` with every image placeholder repeated to its image's token count; labels, loss mask and extras follow
+    (extras repeat the placeholder's row). ``kind`` (``"video"``) names what the placeholders stand for in the error."""
     assert sample.tokens is not None, "expand after tokenizing"
     tokens = sample.tokens
     where = np.flatnonzero(tokens == image_token_id)

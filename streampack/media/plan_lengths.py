@@ -1,12 +1,11 @@
 """True sample lengths for planned equal batches: text plus every image's and video's tokens, per shard, cached.
 
 The shard index knows the text ids' lengths only; :class:`MediaLengths` gives the planner's count
-(:mod:`streampack.plan.epoch_plan`) the packed lengths of the shards it counts, read once through the
-same format reader, image reader and :class:`~streampack.media.stage.ExpandImages` as the stream
-(headers only), with each sample's image spans so the count cuts over-long samples around images as
-the overlong policy does. A skipped sample has length 0. The shard cut stays on the text lengths.
-Cached in ``cache_dir`` per shard and media setting, keyed by the shard's identity, ``tokens_key``,
-the limits and ``MediaOptions.recorded()``.
+(:mod:`streampack.plan.epoch_plan`) the packed lengths of the shards it counts, read once through the same format
+reader, image reader and :class:`~streampack.media.stage.ExpandImages` as the stream (headers only), with each sample's
+image spans so the count cuts over-long samples around images as the overlong policy does. A skipped sample has length
+0. The shard cut stays on the text lengths. Cached in ``cache_dir`` per shard and media setting, keyed by the shard's
+identity, ``tokens_key``, the limits and ``MediaOptions.recorded()``.
 
 **Cost per reader and epoch**: the reader's own ~N/G shards; a cache hit reads ~8 bytes per sample
 and per image, a miss reads each shard once more with its images (1.6 ms per sample on a local tar of

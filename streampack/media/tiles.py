@@ -1,11 +1,10 @@
 """LLaVA-NeXT any-res pixels: an image -> its base view plus the tiles of its best grid pinpoint.
 
-The steps are ``LlavaNextImageProcessorPil``'s, checked equal to 1e-5 (``tests/test_media_anyres.py``):
-pick the pinpoint (:meth:`~streampack.media.tokens.AnyResTiles.best`), resize keeping the aspect
-ratio, pad centred with black, cut into ``tile_size`` squares row-major, prepend the whole image
-squashed to one tile, rescale and normalise. Result: float32 ``[1 + tiles, 3, tile, tile]`` and the
-original ``(height, width)``, one image's ``pixel_values`` rows and ``image_sizes`` row.
-Cost: a 640x480 JPEG in 45 ms, a 1920x1080 one in 87 ms (``benchmarks/bench_media.py``).
+The steps are ``LlavaNextImageProcessorPil``'s, checked equal to 1e-5 (``tests/test_media_anyres.py``): pick the
+pinpoint (:meth:`~streampack.media.tokens.AnyResTiles.best`), resize keeping the aspect ratio, pad centred with black,
+cut into ``tile_size`` squares row-major, prepend the whole image squashed to one tile, rescale and normalise. Result:
+float32 ``[1 + tiles, 3, tile, tile]`` and the original ``(height, width)``, one image's ``pixel_values`` rows and
+``image_sizes`` row. Cost: a 640x480 JPEG in 45 ms, a 1920x1080 one in 87 ms (``benchmarks/bench_media.py``).
 """
 
 from __future__ import annotations

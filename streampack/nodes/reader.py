@@ -1,20 +1,18 @@
 """ShardReader: the source node. Sharded tar / jsonl / parquet files -> a deterministic stream of Samples.
 
-Order: epoch by epoch, this worker's spans (``sharding.assign_shards``, or the explicit ``work`` a
-finite plan or an elastic share hands over), samples in file order. Every sample carries its
-:class:`~streampack.sample.SampleOrigin`, which resume states store instead of tokens. The position
-is ``(epoch, shard_pos, offset, sample)``, the byte offset and number of the next sample, so a
-restore opens the shard at ``offset`` (a ``seek``, or a ``Range`` request) without reading the bytes
-before it (``.jsonl.gz`` excepted). The state also holds the settings (``config``, compared on
-restore), explicit spans (``work``) or a planned epoch's ends (``work_ends``), and the identities
-of the ``RECENT_SHARDS`` shards read last.
+Order: epoch by epoch, this worker's spans (``sharding.assign_shards``, or the explicit ``work`` a finite plan or an
+elastic share hands over), samples in file order. Every sample carries its :class:`~streampack.sample.SampleOrigin`,
+which resume states store instead of tokens. The position is ``(epoch, shard_pos, offset, sample)``, the byte offset and
+number of the next sample, so a restore opens the shard at ``offset`` (a ``seek``, or a ``Range`` request) without
+reading the bytes before it (``.jsonl.gz`` excepted). The state also holds the settings (``config``, compared on
+restore), explicit spans (``work``) or a planned epoch's ends (``work_ends``), and the identities of the
+``RECENT_SHARDS`` shards read last.
 
-A shard that changed since the save is refused by every reader
-(:class:`~streampack.io.shard_identity.ShardChanged`, never skipped): a planned reader compares the
-fingerprint of the manifest its plan was cut from with the state's and checks each shard it opens
-against that manifest. Cost per reader: no request of its own; one compare at restore (the
-fingerprint is O(N) once per process: 0.46 µs × N, ``benchmarks/bench_resume_check.py``) and the
-stat / HEAD it makes anyway per shard it opens.
+A shard that changed since the save is refused by every reader (:class:`~streampack.io.shard_identity.ShardChanged`,
+never skipped): a planned reader compares the fingerprint of the manifest its plan was cut from with the state's and
+checks each shard it opens against that manifest. Cost per reader: no request of its own; one compare at restore (the
+fingerprint is O(N) once per process: 0.46 µs × N, ``benchmarks/bench_resume_check.py``) and the stat / HEAD it makes
+anyway per shard it opens.
 """
 
 from __future__ import annotations
@@ -109,14 +107,13 @@ def ends_from_state(saved: Mapping[Any, Any] | None) -> dict[int, WorkEnds]:
 class ShardReader(BaseNode[Sample]):
     """Reads this worker's share of ``urls`` as :class:`Sample`\\ s (``tokens`` int64 or ``text``).
 
-    ``epochs=None`` repeats forever, reshuffling each epoch (it raises only once no shard can ever give
-    this worker a sample); ``epochs=N`` stops after epoch N-1, starting at ``start_epoch``. ``place``
-    says which reader this is (``Placement.current()`` for this process's); ``read`` which fields to
-    read, their bounds, the index cache and how shards are fetched (``open_options`` replaces that last
-    part when given). Bad input goes to ``error_policy`` (default ``read.error_policy()``), reads and
-    retries are counted in ``io_stats``. ``work`` gives explicit spans for some epochs; ``keep_work``
-    stores them in the state (after an elastic resume they cannot be recomputed). ``source``: the
-    source index recorded in each sample's origin.
+    ``epochs=None`` repeats forever, reshuffling each epoch (it raises only once no shard can ever give this worker a
+    sample); ``epochs=N`` stops after epoch N-1, starting at ``start_epoch``. ``place`` says which reader this is
+    (``Placement.current()`` for this process's); ``read`` which fields to read, their bounds, the index cache and how
+    shards are fetched (``open_options`` replaces that last part when given). Bad input goes to ``error_policy``
+    (default ``read.error_policy()``), reads and retries are counted in ``io_stats``. ``work`` gives explicit spans for
+    some epochs; ``keep_work`` stores them in the state (after an elastic resume they cannot be recomputed). ``source``:
+    the source index recorded in each sample's origin.
     """
 
     def __init__(

@@ -1,13 +1,12 @@
 """Tokenize stage: ``Sample.text`` -> ``Sample.tokens``, a block of samples at a time.
 
-:class:`TextEncoder` is the one tokenization path (the node, ``streampack pack`` / ``inspect``, a
-hand-built ``ParallelMapper``), so BOS/EOS, the id checks and the errors are the same everywhere.
-Blocks of ``block_size`` samples are encoded together (``encode_batch``), optionally over
-``num_threads`` threads, and reassembled in input order. State = the upstream state at the start of
-the block, the block's sample count and the offset inside it: a restore re-encodes one block instead
-of storing tokens, so ``get_state`` is O(1) and ``block_size`` / ``num_threads`` may change.
-Ids must be integers in ``[0, vocab_size)`` (below 2**31 without one: a stray id would fail on the
-GPU, far from its sample); a bad result is a :class:`~streampack.errors.DataError` under ``on_error``.
+:class:`TextEncoder` is the one tokenization path (the node, ``streampack pack`` / ``inspect``, a hand-built
+``ParallelMapper``), so BOS/EOS, the id checks and the errors are the same everywhere. Blocks of ``block_size`` samples
+are encoded together (``encode_batch``), optionally over ``num_threads`` threads, and reassembled in input order. State
+= the upstream state at the start of the block, the block's sample count and the offset inside it: a restore re-encodes
+one block instead of storing tokens, so ``get_state`` is O(1) and ``block_size`` / ``num_threads`` may change. Ids must
+be integers in ``[0, vocab_size)`` (below 2**31 without one: a stray id would fail on the GPU, far from its sample); a
+bad result is a :class:`~streampack.errors.DataError` under ``on_error``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """The cost histogram a balancing reader starts from: the same on every rank, before its first pack.
 
-Cost-balanced emission (:mod:`streampack.packing.schedule`) turns each step's quantile into a cost
-level with the histogram of pack costs the reader has counted; at step 0 every reader's is empty, and
-for the first ~2,000 packs the levels differ between ranks. So every reader packs the same sample of
-document lengths, drawn from the data set's shard indexes by the stream seed alone, with the packer's
-own rules (``window_rounds.run_rounds``), and counts its packs' costs as ``SEED_WEIGHT`` packs: the
-levels agree from step 0 and still follow a drifting stream after about ``SEED_WEIGHT`` own packs.
-Straggler factor over steps 0-500 (``benchmarks/bench_balance_e2e.py``, 16 readers, capacity 131,072):
-cold 1.064, seeded 1.027.
+Cost-balanced emission (:mod:`streampack.packing.schedule`) turns each step's quantile into a cost level with the
+histogram of pack costs the reader has counted; at step 0 every reader's is empty, and for the first ~2,000 packs the
+levels differ between ranks. So every reader packs the same sample of document lengths, drawn from the data set's shard
+indexes by the stream seed alone, with the packer's own rules (``window_rounds.run_rounds``), and counts its packs'
+costs as ``SEED_WEIGHT`` packs: the levels agree from step 0 and still follow a drifting stream after about
+``SEED_WEIGHT`` own packs. Straggler factor over steps 0-500 (``benchmarks/bench_balance_e2e.py``, 16 readers, capacity
+131,072): cold 1.064, seeded 1.027.
 
 **Cost per reader** (s samples per shard): the indexes of ``ceil(SEED_SAMPLES / s)`` shards (at most
 ``SEED_SHARDS``, one request each, the same on every reader), O(N) to draw them, and lengths-only
@@ -42,9 +41,8 @@ MIN_SAMPLES = 256
 
 
 def sample_lengths(num_shards: int, lengths_of: Callable[[int], np.ndarray], seed: int) -> np.ndarray:
-    """int64 lengths of the samples in shards drawn by ``seed`` (the same on every reader) until
-    ``SEED_SAMPLES`` are known; ``lengths_of(shard)`` gives a shard's index lengths (-1 or 0:
-    unknown or refused, skipped)."""
+    """int64 lengths of the samples in shards drawn by ``seed`` (the same on every reader) until ``SEED_SAMPLES`` are
+    known; ``lengths_of(shard)`` gives a shard's index lengths (-1 or 0: unknown or refused, skipped)."""
     order = np.random.default_rng([int(seed), 0x5EED]).permutation(num_shards)[:SEED_SHARDS]
     found: list[np.ndarray] = []
     total = 0

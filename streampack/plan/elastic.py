@@ -2,13 +2,12 @@
 share on ``(c, d)``, with every sample of the epoch read exactly once.
 
 What an old reader had not handed to the trainer is what its nodes' ``undelivered`` methods say
-(:mod:`streampack.plan.cursor`): its carried samples (as references) and every sample after its
-frontier, up to ``E*``, the latest frontier epoch of all readers. :func:`remaining` gathers that from
-the old states (no shard read: <= G_old + 1 index reads for the old plans' boundaries, O(N + G_old)
-CPU and memory); :mod:`streampack.plan.reshard` cuts it into the new readers' shares, read in epoch
-``E*`` before the new topology's plan continues from ``E* + 1``. A nested state of another version and
-a shard whose identity changed are refused by name. Mixtures (the draw sequence is per reader) and
-graphs with a user node stage (its buffer cannot be split) are refused.
+(:mod:`streampack.plan.cursor`): its carried samples (as references) and every sample after its frontier, up to ``E*``,
+the latest frontier epoch of all readers. :func:`remaining` gathers that from the old states (no shard read: <= G_old +
+1 index reads for the old plans' boundaries, O(N + G_old) CPU and memory); :mod:`streampack.plan.reshard` cuts it into
+the new readers' shares, read in epoch ``E*`` before the new topology's plan continues from ``E* + 1``. A nested state
+of another version and a shard whose identity changed are refused by name. Mixtures (the draw sequence is per reader)
+and graphs with a user node stage (its buffer cannot be split) are refused.
 """
 
 from __future__ import annotations

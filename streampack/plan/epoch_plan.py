@@ -1,13 +1,12 @@
 """Finite epochs without guesswork: which samples one reader reads, and how many batches it yields.
 
-Each reader plans only its own share of an epoch from the data set's manifest: the epoch's shards in
-the ``(seed, epoch)`` order are cut into contiguous sample ranges balanced by token count, ranks
-first, then each rank's workers (:class:`~streampack.plan.sharding.PrefixCut`, opening only the
-<= 4 shards its boundaries fall in). When every rank must yield the same number of batches, the plan
-carries a late quota (:mod:`streampack.plan.quota`): after the first batch, in the background, the
-reader counts its own batches through the packer's round logic and the readers agree on the counts
-(:mod:`streampack.plan.agree`); the quota says how many fillers make its rank's total the largest
-rank's. ``equal_batches="count"`` has each reader count every reader's batches instead (O(T)).
+Each reader plans only its own share of an epoch from the data set's manifest: the epoch's shards in the ``(seed,
+epoch)`` order are cut into contiguous sample ranges balanced by token count, ranks first, then each rank's workers
+(:class:`~streampack.plan.sharding.PrefixCut`, opening only the <= 4 shards its boundaries fall in). When every rank
+must yield the same number of batches, the plan carries a late quota (:mod:`streampack.plan.quota`): after the first
+batch, in the background, the reader counts its own batches through the packer's round logic and the readers agree on
+the counts (:mod:`streampack.plan.agree`); the quota says how many fillers make its rank's total the largest rank's.
+``equal_batches="count"`` has each reader count every reader's batches instead (O(T)).
 
 **Cost per reader and epoch** (N shards, T samples, G readers; ``benchmarks/bench_scale.py``): before
 the first batch, 1 manifest read per process and at most 4 boundary shards' indexes, CPU
@@ -85,8 +84,7 @@ class ReaderPlan:
     epoch: int
     spans: list[Span]
     quota: LateQuota | None
-    """Batches it yields, fillers included, settled when first needed (None: as many as its data
-    makes)."""
+    """Batches it yields, fillers included, settled when first needed (None: as many as its data makes)."""
 
 
 class RankCounts(Protocol):
@@ -214,8 +212,7 @@ class EpochPlanner:
         return cut.pieces(*cut.bounds(self.dp_size, self.num_workers, global_worker))
 
     def spans(self, epoch: int, global_worker: int) -> list[Span]:
-        """Its byte ranges: a whole shard needs no index (read to its end); a part is cut
-        through that shard's index."""
+        """Its byte ranges: a whole shard needs no index (read to its end); a part is cut through that shard's index."""
         out = []
         for p in self.ranges(epoch, global_worker):
             whole = p.lo == 0 and p.hi == int(self.shards.samples[p.shard])

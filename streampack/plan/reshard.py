@@ -1,11 +1,10 @@
 """Resharding: one new reader's share of what an old run had left (:mod:`streampack.plan.elastic`).
 
-A finite stream is cut at sample granularity, balanced by token count (ranks first) from the pieces'
-totals (the manifest's for whole shards, a byte-share estimate for parts: no index read but at the
-<= 4 pieces a new reader's boundaries fall in); each new reader's quota is late and pinned
-(``plan.quota``). An infinite stream deals whole spans round-robin and the carried samples in equal
-runs; offline packs are dealt by batches of ``packs_per_batch``, ranks first, as ``PackedShardReader``
-deals an epoch.
+A finite stream is cut at sample granularity, balanced by token count (ranks first) from the pieces' totals (the
+manifest's for whole shards, a byte-share estimate for parts: no index read but at the <= 4 pieces a new reader's
+boundaries fall in); each new reader's quota is late and pinned (``plan.quota``). An infinite stream deals whole spans
+round-robin and the carried samples in equal runs; offline packs are dealt by batches of ``packs_per_batch``, ranks
+first, as ``PackedShardReader`` deals an epoch.
 
 **Cost per new reader** (G_old old readers, N shards): CPU and memory O(N + G_old · (window + 3));
 before its first batch the indexes of <= 4 boundary pieces, after it those of its own ~N/G shards and

@@ -1,13 +1,12 @@
 """Which samples each global worker reads in each epoch: pure assignment arithmetic.
 
-Global worker ``g = dp_rank * num_workers + worker_id`` of ``G = dp_size * num_workers``; epoch ``e``
-orders the ``S`` shards by a permutation seeded by ``(seed, e)``, so every rank computes the same
-order without communicating. Infinite streams assign by shard (:func:`assign_shards`: whole shards
-at positions ``g, g + G, ...`` while ``S >= G``, so no shard index is read; else one part of one
-shard). Finite epochs assign by sample (:class:`PrefixCut`): the epoch's samples are cut into ``G``
-contiguous ranges of nearly equal cost (tokens, or bytes), ranks first and then each rank's workers,
-which keeps filler batches few; :func:`cut_two_level` over every sample is the definition the tests
-compare it with. Either way each sample of an epoch is read by exactly one global worker.
+Global worker ``g = dp_rank * num_workers + worker_id`` of ``G = dp_size * num_workers``; epoch ``e`` orders the ``S``
+shards by a permutation seeded by ``(seed, e)``, so every rank computes the same order without communicating. Infinite
+streams assign by shard (:func:`assign_shards`: whole shards at positions ``g, g + G, ...`` while ``S >= G``, so no
+shard index is read; else one part of one shard). Finite epochs assign by sample (:class:`PrefixCut`): the epoch's
+samples are cut into ``G`` contiguous ranges of nearly equal cost (tokens, or bytes), ranks first and then each rank's
+workers, which keeps filler batches few; :func:`cut_two_level` over every sample is the definition the tests compare it
+with. Either way each sample of an epoch is read by exactly one global worker.
 
 **Cost per reader** (N shards): the permutation and the shard prefix sums are O(N) (~0.2 µs per
 shard at N=10^5, ``benchmarks/bench_scale.py``); one reader's range is 4 ``searchsorted`` plus one
@@ -90,10 +89,9 @@ def assign_shards(
 
 
 def cut_balanced(costs: np.ndarray, parts: int) -> np.ndarray:
-    """int64 ``[parts + 1]`` boundaries cutting ``costs`` into ``parts`` contiguous ranges whose
-    sums are as equal as cuts between items allow: boundary ``k`` is the prefix whose cost is
-    nearest ``k / parts`` of the total (ties to the shorter prefix). ``b[0] == 0``,
-    ``b[-1] == len(costs)``, non-decreasing."""
+    """int64 ``[parts + 1]`` boundaries cutting ``costs`` into ``parts`` contiguous ranges whose sums are as equal as
+    cuts between items allow: boundary ``k`` is the prefix whose cost is nearest ``k / parts`` of the total (ties to the
+    shorter prefix). ``b[0] == 0``, ``b[-1] == len(costs)``, non-decreasing."""
     if parts < 1:
         raise ValueError(f"{parts=} must be >= 1")
     prefix = np.concatenate([[0], np.cumsum(np.asarray(costs, dtype=np.float64))])

@@ -1,18 +1,16 @@
 """Resume state: versioned, fingerprinted, plain data, bounded by the window.
 
-A :class:`~streampack.dataset.PackedDataset` state (one per DataLoader worker) is
-``{"version", "fingerprint", "worker": {"dp_rank", "worker_id"}, "passes", "graph", "metrics"}``:
-``graph`` is the nested node state (None: the start of the pass); settings and counters records (the
-fingerprint and metrics, each node's ``config``, ``identity``, ``counters``, ``metrics``) are one JSON
-text each (:func:`record_text`). A state of another :data:`STATE_VERSION` is refused. Only ints,
-strings, lists, dicts and tensors appear, so ``torch.load(weights_only=True)`` accepts it.
+A :class:`~streampack.dataset.PackedDataset` state (one per DataLoader worker) is ``{"version", "fingerprint", "worker":
+{"dp_rank", "worker_id"}, "passes", "graph", "metrics"}``: ``graph`` is the nested node state (None: the start of the
+pass); settings and counters records (the fingerprint and metrics, each node's ``config``, ``identity``, ``counters``,
+``metrics``) are one JSON text each (:func:`record_text`). A state of another :data:`STATE_VERSION` is refused. Only
+ints, strings, lists, dicts and tensors appear, so ``torch.load(weights_only=True)`` accepts it.
 
-Samples held in buffers are stored as references, one :data:`REF` record (56 bytes) saying where to
-re-read the sample and which chunk it was (:mod:`streampack.plan.replay`), so a state grows with the
-window's sample count, never with document length; only a graph that cannot replay (a user node stage)
-stores tokens (:func:`samples_to_state`). Both are a few flat tensors, not one object per sample:
-StatefulDataLoader diffs every worker state at each snapshot, and a handful of tensors compares in
-microseconds where a list of 1024 dicts does not.
+Samples held in buffers are stored as references, one :data:`REF` record (56 bytes) saying where to re-read the sample
+and which chunk it was (:mod:`streampack.plan.replay`), so a state grows with the window's sample count, never with
+document length; only a graph that cannot replay (a user node stage) stores tokens (:func:`samples_to_state`). Both are
+a few flat tensors, not one object per sample: StatefulDataLoader diffs every worker state at each snapshot, and a
+handful of tensors compares in microseconds where a list of 1024 dicts does not.
 """
 
 from __future__ import annotations
