@@ -28,14 +28,7 @@ from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
 from streampack.nodes.epochs import add_metrics
 from streampack.nodes.window_packer import fill
-from streampack.options import (
-    CostOptions,
-    PackOptions,
-    ReadOptions,
-    TokenizeOptions,
-    TopologyOptions,
-    checked_records,
-)
+from streampack.options import CostOptions, PackOptions, ReadOptions, TokenizeOptions, TopologyOptions, checked_records
 from streampack.plan.epoch_plan import unplannable
 from streampack.plan.passes import PassTracker
 from streampack.plan.reshard import PendingResume
@@ -54,15 +47,7 @@ from streampack.plan.state import (
     record_text,
 )
 from streampack.plan.topology import current_worker, resolve_topology
-from streampack.settings import (
-    Placement,
-    Share,
-    StreamConfig,
-    URLs,
-    fingerprint_settings,
-    sources_of,
-    tokenizer_id,
-)
+from streampack.settings import Placement, Share, StreamConfig, URLs, fingerprint_settings, sources_of, tokenizer_id
 
 # ``numpy.random`` is imported in the training process because every DataLoader worker seeds it as it
 # starts: forked workers inherit it (9.5 ms of CPU per worker start instead of 22).

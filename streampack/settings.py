@@ -21,13 +21,7 @@ from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.media.options import MediaOptions
 from streampack.nodes.collate import BatchLayout
-from streampack.options import (
-    CostOptions,
-    PackOptions,
-    ReadOptions,
-    TokenizeOptions,
-    TopologyOptions,
-)
+from streampack.options import CostOptions, PackOptions, ReadOptions, TokenizeOptions, TopologyOptions
 from streampack.options._check import need_int, need_type
 from streampack.options.topology import Placement as Placement  # re-exported: the graph's records are here
 from streampack.packing.window_rounds import PackerRules, default_max_wait

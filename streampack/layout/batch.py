@@ -23,20 +23,8 @@ import numpy as np
 import torch
 
 from streampack.layout import adapters, transfer
-from streampack.layout.documents import (
-    alloc_extras,
-    check_doc,
-    check_extras,
-    normalize,
-    targets,
-)
-from streampack.layout.spans import (
-    doc_places,
-    longest,
-    offset_fields,
-    span_index,
-    varlen_offsets,
-)
+from streampack.layout.documents import alloc_extras, check_doc, check_extras, normalize, targets
+from streampack.layout.spans import doc_places, longest, offset_fields, span_index, varlen_offsets
 from streampack.layout.stats import WorkerStats
 from streampack.layout.vision_adapters import hf_vision_inputs
 from streampack.layout.vision_batch import VisionBatch, VisionLayout, vision_batch

@@ -15,9 +15,7 @@ from numbers import Real
 from typing import Any
 
 from torchdata.nodes import BaseNode
-from torchdata.nodes.samplers.multi_node_weighted_sampler import (
-    MultiNodeWeightedSampler,
-)
+from torchdata.nodes.samplers.multi_node_weighted_sampler import MultiNodeWeightedSampler
 from torchdata.nodes.samplers.stop_criteria import StopCriteria
 
 from streampack.options.read import MIXTURE_STOPS

@@ -48,14 +48,7 @@ from streampack.plan.sharding import (
     spans_from_state,
     spans_to_state,
 )
-from streampack.plan.state import (
-    STATE_VERSION,
-    VERSION_KEY,
-    check_node_config,
-    check_version,
-    record_of,
-    record_text,
-)
+from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_node_config, check_version, record_of, record_text
 from streampack.sample import Sample, SampleOrigin
 
 CONFIG_KEY = "config"

@@ -29,13 +29,7 @@ from streampack.nodes.reader import ShardReader, check_manifest
 from streampack.nodes.window_packer import WindowPacker
 from streampack.plan.cursor import Pulled, Undelivered
 from streampack.plan.epoch_plan import ShardSamples
-from streampack.plan.sharding import (
-    ShardSpan,
-    Span,
-    WorkEnds,
-    assign_shards,
-    epoch_permutation,
-)
+from streampack.plan.sharding import ShardSpan, Span, WorkEnds, assign_shards, epoch_permutation
 from streampack.plan.state import (
     FINGERPRINT_KEY,
     GRAPH_KEY,

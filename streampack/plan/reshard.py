@@ -22,12 +22,7 @@ import numpy as np
 from streampack.graph.build import make_planner
 from streampack.logs import get_logger
 from streampack.nodes.packed_reader import deal
-from streampack.plan.elastic import (
-    TOPOLOGY_KEYS,
-    Remaining,
-    remaining,
-    topology_of,
-)
+from streampack.plan.elastic import TOPOLOGY_KEYS, Remaining, remaining, topology_of
 from streampack.plan.epoch_plan import ShardSamples, equalize, settle_agreed, settle_all
 from streampack.plan.quota import LateQuota, Settled
 from streampack.plan.sharding import Span
