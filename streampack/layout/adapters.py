@@ -215,12 +215,9 @@ def te_kwargs(batch: PackedBatch, *, causal: bool = True) -> TEKwargs:
     # identity, not equality, is what TE checks; `has_padding` is a Python comparison of the
     # batch's token counts, so this costs no device sync
     padded = _device_int32(batch.cu_seqlens_padded, device) if batch.has_padding else real
-    return TEKwargs(
-        cu_seqlens_q=real, cu_seqlens_kv=real,
-        cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
-        max_seqlen_q=int(batch.max_seqlen), max_seqlen_kv=int(batch.max_seqlen),
-        attn_mask_type="padding_causal" if causal else "padding",
-    )
+    return TEKwargs(cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                    max_seqlen_q=int(batch.max_seqlen), max_seqlen_kv=int(batch.max_seqlen),
+                    attn_mask_type="padding_causal" if causal else "padding")
 
 
 def packed_seq_params(batch: PackedBatch, *, causal: bool = True) -> Any:
@@ -252,14 +249,10 @@ def hf_inputs(batch: PackedBatch) -> HFInputs:
     total = batch.total_tokens
     index = span_index(cu, total)
     positions = torch.arange(total, device=device) - cu.to(torch.int64)[index.to(torch.int64)]
-    return HFInputs(
-        input_ids=batch.input_ids.unsqueeze(0),
-        position_ids=positions.unsqueeze(0),
-        labels=hf_labels(batch).unsqueeze(0),
-        cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-        max_length_q=batch.varlen_max_seqlen, max_length_k=batch.varlen_max_seqlen,
-        seq_idx=index.unsqueeze(0),
-    )
+    return HFInputs(input_ids=batch.input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                    labels=hf_labels(batch).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                    max_length_q=batch.varlen_max_seqlen, max_length_k=batch.varlen_max_seqlen,
+                    seq_idx=index.unsqueeze(0))
 
 
 def ssm_kwargs(batch: PackedBatch) -> SSMKwargs:

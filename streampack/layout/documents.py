@@ -67,13 +67,10 @@ def normalize(doc: Any, index: tuple[int, int]) -> Sample:
             raise ValueError(f"document {key!r} has no 'input_ids' (keys: {sorted(doc)})")
         labels = doc.pop("labels", None)
         mask = doc.pop("loss_mask", None)
-        return Sample(
-            key=key,
-            tokens=_as_array(tokens, "tokens", key),
-            labels=None if labels is None else _as_array(labels, "labels", key),
-            loss_mask=None if mask is None else _as_array(mask, "loss_mask", key),
-            extras={k: _as_array(v, k, key) for k, v in doc.items()},
-        )
+        return Sample(key=key, tokens=_as_array(tokens, "tokens", key),
+                      labels=None if labels is None else _as_array(labels, "labels", key),
+                      loss_mask=None if mask is None else _as_array(mask, "loss_mask", key),
+                      extras={k: _as_array(v, k, key) for k, v in doc.items()})
     return Sample(key=default_key, tokens=_as_array(doc, "tokens", default_key))
 
 

@@ -109,26 +109,12 @@ class ShardReader(BaseNode[Sample]):
     the source index recorded in each sample's origin.
     """
 
-    def __init__(
-        self,
-        urls: ShardList | str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        epochs: int | None = None,
-        start_epoch: int = 0,
-        place: Placement = Placement(),
-        read: ReadOptions = ReadOptions(),
-        error_policy: ErrorPolicy | None = None,
-        open_options: OpenOptions | None = None,
-        io_stats: IOStats | None = None,
-        work: Work | None = None,
-        keep_work: bool = False,
-        source: int = 0,
-        media: Any = None,
-        saved_identities: Mapping[int, ShardStat] | None = None,
-        manifest: Manifest | None = None,
-    ) -> None:
+    def __init__(self, urls: ShardList | str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, seed: int = 0,
+                 shuffle: bool = True, epochs: int | None = None, start_epoch: int = 0, place: Placement = Placement(),
+                 read: ReadOptions = ReadOptions(), error_policy: ErrorPolicy | None = None,
+                 open_options: OpenOptions | None = None, io_stats: IOStats | None = None, work: Work | None = None,
+                 keep_work: bool = False, source: int = 0, media: Any = None,
+                 saved_identities: Mapping[int, ShardStat] | None = None, manifest: Manifest | None = None) -> None:
         super().__init__()
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"{seed=} must be an int >= 0")
@@ -190,10 +176,9 @@ class ShardReader(BaseNode[Sample]):
         if epoch in self.work:
             return self.work[epoch]
         if self._spans_cache is None or self._spans_cache[0] != epoch:
-            spans: list[ShardSpan | Span] = assign_shards(
-                len(self.urls), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                global_worker=self.global_worker, global_workers=self.global_workers,
-            )
+            spans: list[ShardSpan | Span] = assign_shards(len(self.urls), seed=self.seed, epoch=epoch,
+                                                          shuffle=self.shuffle, global_worker=self.global_worker,
+                                                          global_workers=self.global_workers)
             self._spans_cache = (epoch, spans)
         return self._spans_cache[1]
 

@@ -81,11 +81,9 @@ def samples_from_state(state: Mapping[str, Any]) -> list[Sample]:
     extras = {n: _split_optional(v, lengths) for n, v in state.get("extras", {}).items()}
     out = []
     for i, (key, url) in enumerate(zip(state["keys"], state["urls"])):
-        out.append(Sample(
-            key=key, url=url, tokens=tokens[bounds[i]:bounds[i + 1]].copy(),
-            labels=fields["labels"][i], loss_mask=fields["loss_mask"][i],
-            extras={n: v[i] for n, v in extras.items() if v[i] is not None},
-        ))
+        out.append(Sample(key=key, url=url, tokens=tokens[bounds[i]:bounds[i + 1]].copy(), labels=fields["labels"][i],
+                          loss_mask=fields["loss_mask"][i],
+                          extras={n: v[i] for n, v in extras.items() if v[i] is not None}))
     return out
 
 
