@@ -101,8 +101,7 @@ class ErrorCounter:
         return sum(self.counts.values())
 
     def as_dict(self) -> dict[str, Any]:
-        """``{"counts": {reason: n}, "total": n, "skipped_bytes": {reason: bytes},
-        "recent": [message, ...]}`` (plain data)."""
+        """``{"counts", "total", "skipped_bytes", "recent"}`` as plain data."""
         return {"counts": dict(self.counts), "total": self.total, "skipped_bytes": dict(self.skipped_bytes),
                 "recent": list(self.recent)}
 

@@ -108,8 +108,7 @@ class StreamConfig:
             raise ValueError(f"batches_per_epoch={self.topology.batches_per_epoch} needs a finite stream (epochs=N)")
 
     def batch_layout(self) -> BatchLayout:
-        """The collate's record: the batch's shape and padding, from ``capacity``, ``packs_per_batch``,
-        ``topology.align`` and ``packing``."""
+        """The collate's record: the batch's shape and padding."""
         return BatchLayout(capacity=self.capacity, packs_per_batch=self.packs_per_batch, align=self.topology.align,
                            pad_id=self.packing.pad_id, ignore_index=self.packing.ignore_index)
 

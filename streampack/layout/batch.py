@@ -120,8 +120,7 @@ class PackedBatch:
         return self.num_tokens / self.total_tokens if self.total_tokens else 0.0
 
     def map_tensors(self, fn: Any) -> PackedBatch:
-        """A copy with ``fn`` applied once to every tensor field (including extras); a tensor
-        shared by two fields stays shared."""
+        """A copy with ``fn`` applied once to every tensor (a tensor shared by two fields stays shared)."""
         done: dict[int, torch.Tensor] = {}
 
         def once(t: torch.Tensor) -> torch.Tensor:

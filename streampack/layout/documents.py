@@ -54,8 +54,7 @@ def _as_ids(arr: np.ndarray, what: str, key: str) -> np.ndarray:
 
 
 def normalize(doc: Any, index: tuple[int, int]) -> Sample:
-    """Accept a Sample, a mapping (``input_ids``/``tokens``, ``labels``, ``loss_mask``, ``key``,
-    other keys = extras) or a plain sequence of token ids."""
+    """A Sample from a Sample, a mapping (other keys than the known ones are extras) or a sequence of ids."""
     if isinstance(doc, Sample):
         return doc
     default_key = f"pack{index[0]}/doc{index[1]}"

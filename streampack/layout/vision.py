@@ -108,8 +108,7 @@ def image_spans(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, image_grid_th
 
 
 def _vision_offsets(spans: ImageSpans, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For the placeholders of ``spans``: their token indices, their (ti, hi, wi) offsets inside
-    their image ``[n, 3]``, and the index of the image each belongs to."""
+    """The placeholders of ``spans``: token indices, (ti, hi, wi) offsets ``[n, 3]`` and image index."""
     counts = spans.num_tokens
     image = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
     local = torch.arange(image.numel(), device=counts.device) - (counts.cumsum(0) - counts)[image]

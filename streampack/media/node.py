@@ -57,8 +57,7 @@ class DecodedImage:
 
 
 def vision_layout(options: MediaOptions) -> VisionLayout:
-    """The layout every batch of a stream with ``options`` has, images or not (what the
-    pipeline's collate and ``pack_batch(vision_layout=)`` take)."""
+    """The layout every batch of a stream with ``options`` has, images or not."""
     rule = options.rule
     if isinstance(rule, DynamicResolution):
         shape: tuple[int, ...] = (3 * rule.temporal_patch_size * rule.patch_size ** 2,)

@@ -54,8 +54,7 @@ def split_tar_fields(fields: Mapping[str, Any], videos_key: str, is_image: Any) 
 
 def tar_videos(videos: Mapping[str, list[tuple[int, str, Any]]], *, url: str, key: str) -> list[
         tuple[str, list[tuple[str, Any]]]]:
-    """Each video's ``(name, [(field, bytes), ...])`` in frame order; videos in number order
-    (``video.2`` before ``video.10``)."""
+    """Each video's ``(name, [(field, bytes), ...])`` in frame order; videos in number order."""
     if len(videos) > 1 and any("." not in name for name in videos):
         raise DataError("bad_video", f"video frames named both <video>.<frame> and <video>.<v>.<frame>: "
                         f"{sorted(videos)}", url=url, key=key, value=sorted(videos))
@@ -71,8 +70,7 @@ def tar_videos(videos: Mapping[str, list[tuple[int, str, Any]]], *, url: str, ke
 
 
 def column_videos(value: Any, videos_key: str, *, url: str, key: str) -> list[tuple[str, list[Any]]]:
-    """The videos of a json / parquet value: one frame list, or a list of frame lists;
-    ``(name, frames)`` each, ``name`` ``video[v]``."""
+    """The ``(name, frames)`` of a json / parquet value: one frame list, or a list of frame lists."""
     if value is None:
         return []
     if not isinstance(value, (list, tuple)) or not value:
@@ -89,8 +87,7 @@ def column_videos(value: Any, videos_key: str, *, url: str, key: str) -> list[tu
 
 def read_video(name: str, frames: list[tuple[str, Any]], *, max_frames: int, max_pixels: int,
                max_sample_pixels: int, url: str, key: str) -> MediaVideo:
-    """One video from its ``(frame name, bytes)`` list, headers read and checked (see the
-    module docstring; the sample's total is the caller's)."""
+    """One video from its ``(frame name, bytes)`` list, headers read and checked."""
     if not frames:
         raise DataError("bad_video", f"video {name!r} has no frame", url=url, key=key, value=name)
     if len(frames) > max_frames:

@@ -148,8 +148,7 @@ class BlockReader(ShardReader):
         return super()._open_span(span)
 
     def _open_blocks(self, span: ShardSpan | Span) -> Iterator[TokenBlock] | None:
-        """The blocks of ``span`` from the reader's position (``_open_span``'s range), or None
-        when its format has none."""
+        """The blocks of ``span`` from the reader's position, or None when its format has none."""
         url = self.urls[span.shard]
         if not block_format(url) or self._decode.media is not None:
             return None
@@ -170,8 +169,7 @@ class BlockReader(ShardReader):
                            stats=self.io_stats, chunk_bytes=self.chunk_bytes)
 
     def _take_over(self, here: tuple[int, int]) -> None:
-        """The per-sample reader reads the rest of the span: from where its reading began,
-        skipping the documents already handed out (see the module docstring)."""
+        """The per-sample reader reads the rest of the span (see the module docstring)."""
         assert self._range is not None
         url, where = self._range
         self._blocks, self._block, self._per_sample = None, None, here

@@ -171,8 +171,7 @@ class ShardReader(BaseNode[Sample]):
         return self._epoch
 
     def spans(self, epoch: int) -> list[ShardSpan | Span]:
-        """What this worker reads in ``epoch``, in order: ``work[epoch]`` when given, else
-        ``sharding.assign_shards``."""
+        """What this worker reads in ``epoch``: ``work[epoch]`` when given, else ``assign_shards``."""
         if epoch in self.work:
             return self.work[epoch]
         if self._spans_cache is None or self._spans_cache[0] != epoch:
@@ -393,8 +392,7 @@ class ShardReader(BaseNode[Sample]):
 
 
 def identities_to_state(identities: Mapping[int, ShardStat]) -> str:
-    """Shard identities as one JSON text of plain lists (``size`` -1 where the store gave none):
-    one leaf of the per-batch state (:func:`streampack.plan.state.record_text`)."""
+    """Shard identities as one JSON text of plain lists (``size`` -1 where the store gave none)."""
     return record_text({"shards": list(identities),
                         "sizes": [-1 if v.size is None else v.size for v in identities.values()],
                         "tags": [v.tag for v in identities.values()]})

@@ -20,11 +20,11 @@ from streampack.io.storage import ShardStat
 from streampack.plan.sharding import Span, WorkEnds
 from streampack.plan.state import (
     REF,
-    STATE_VERSION,
     concat_tables,
     record_of,
     record_text,
     refs_table,
+    require_fields,
     samples_from_state,
     samples_to_table,
 )
@@ -60,8 +60,7 @@ PULLED_FIELDS = tuple(f.name for f in fields(Pulled))
 
 
 def pulled_to_state(pulled: Iterable[Pulled]) -> str:
-    """The last samples pulled (one per source, by source) as one JSON text of named fields
-    (``state.record_text``: one leaf of the state a DataLoader flattens after every batch)."""
+    """The last samples pulled (one per source) as one JSON text of named fields."""
     return record_text({"pulled": [asdict(p) for p in sorted(pulled, key=lambda p: p.source)]})
 
 
@@ -69,7 +68,7 @@ def pulled_from_state(text: str) -> list[Pulled]:
     """Inverse of :func:`pulled_to_state` (``ValueError`` naming a missing field)."""
     out = []
     for fields_ in record_of(text)["pulled"]:
-        _require(fields_, PULLED_FIELDS, "a last sample pulled")
+        require_fields(fields_, PULLED_FIELDS, "a last sample pulled")
         out.append(Pulled(**{name: int(fields_[name]) for name in PULLED_FIELDS}))
     return out
 
@@ -122,8 +121,8 @@ class Split:
         if SPLIT_KEY not in pending:
             return None
         record = record_of(pending[SPLIT_KEY])
-        _require(record, ("at", "next", "count", "tokens", "lengths"), "a split document")
-        _require(record["at"], POSITION_FIELDS, "a split document's position")
+        require_fields(record, ("at", "next", "count", "tokens", "lengths"), "a split document")
+        require_fields(record["at"], POSITION_FIELDS, "a split document's position")
         lengths = record["lengths"]
         return cls(at=Position(**{name: int(record["at"][name]) for name in POSITION_FIELDS}),
                    next=int(record["next"]), count=int(record["count"]), tokens=int(record["tokens"]),
@@ -182,13 +181,6 @@ class PackedPlace:
     position: int
     work: dict[int, np.ndarray]
     """The packs of the epochs it was handed explicitly."""
-
-
-def _require(record: Mapping[str, Any], names: Iterable[str], what: str) -> None:
-    missing = [n for n in names if n not in record]
-    if missing:
-        raise ValueError(f"{what} without the field(s) {missing}: was the state saved by another streampack "
-                         f"version (state version={STATE_VERSION})?")
 
 
 __all__ = ["POSITION_FIELDS", "PULLED_FIELDS", "PackedPlace", "Planned", "Position", "Pulled", "Split", "Undelivered",

@@ -71,8 +71,7 @@ class Remaining:
 
 
 def topology_of(states: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
-    """``(dp_size, num_workers)`` the states were saved with, after checking they are all the
-    readers of one run, each exactly once."""
+    """``(dp_size, num_workers)`` of the states, checked to be every reader of one run, each once."""
     if not states:
         raise ValueError("an elastic resume needs the states of every reader of the old run; got none")
     prints = [dataset_record(s, FINGERPRINT_KEY) for s in states]
@@ -137,8 +136,7 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
 
 
 def saved_identities(states: Sequence[Mapping[str, Any]], sources: Sources) -> dict[int, ShardStat]:
-    """The shard identities the old readers recorded (each the shards it read last), checked to
-    agree with each other."""
+    """The shard identities the old readers recorded, checked to agree with each other."""
     out: dict[int, ShardStat] = {}
     for s in states:
         reader = find_state(s[GRAPH_KEY], READER_KIND)

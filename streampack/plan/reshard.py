@@ -45,8 +45,7 @@ _log = get_logger(__name__)
 
 def share(left: Remaining, config: StreamConfig, sources: Sources, place: Placement, *, agreement: Any = None,
           agree: Any = None) -> Share:
-    """This new reader's part of ``left`` (``place`` is the new topology); ``agreement`` /
-    ``agree`` as for :func:`streampack.graph.build.make_planner`."""
+    """This new reader's part of ``left`` (``place``: in the new topology)."""
     if sources.packed is not None:
         return _share_packs(left, config, place)
     if config.epochs is None:
@@ -206,8 +205,7 @@ class _ShareFinite:
         return concat_tables(carries), spans
 
     def share(self) -> Share:
-        """This reader's share; its quota (finite, several ranks) is counted and agreed late
-        (``plan.quota``: after its first batch) and pinned into its states."""
+        """This reader's share, with its late, pinned quota (``plan.quota``)."""
         place, planner = self.place, self.planner
         carry, spans = self.part(place.global_worker)
         quota = None

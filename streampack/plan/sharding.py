@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from streampack.plan.state import require_fields
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardSpan:
@@ -127,7 +129,7 @@ def spans_to_state(spans: Sequence[Span]) -> dict[str, Any]:
 
 def spans_from_state(columns: Mapping[str, Any]) -> list[Span]:
     """Inverse of :func:`spans_to_state`."""
-    _require_spans(columns)
+    require_fields(columns, SPAN_COLUMNS, "a span in a state")
     lists = [np.asarray(columns[c], dtype=np.int64).tolist() for c in SPAN_COLUMNS]
     return [_span_of(dict(zip(SPAN_COLUMNS, values))) for values in zip(*lists)]
 
@@ -139,20 +141,13 @@ def span_to_state(span: Span) -> dict[str, int]:
 
 def span_from_state(fields: Mapping[str, Any]) -> Span:
     """Inverse of :func:`span_to_state`."""
-    _require_spans(fields)
+    require_fields(fields, SPAN_COLUMNS, "a span in a state")
     return _span_of({c: int(fields[c]) for c in SPAN_COLUMNS})
 
 
 def _span_of(named: Mapping[str, int]) -> Span:
     return Span(shard=named["shard"], start=named["start"], first=named["first"],
                 end=None if named["end"] < 0 else named["end"], epoch=None if named["epoch"] < 0 else named["epoch"])
-
-
-def _require_spans(record: Mapping[str, Any]) -> None:
-    missing = [c for c in SPAN_COLUMNS if c not in record]
-    if missing:
-        raise ValueError(f"a span in a state without the field(s) {missing}: was it saved by another streampack "
-                         f"version?")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -116,6 +116,14 @@ def refs_of(n: int) -> np.ndarray:
     return np.zeros(n, dtype=REF)
 
 
+def require_fields(record: Mapping[str, Any], names: Iterable[str], what: str) -> None:
+    """``ValueError`` naming the fields of ``names`` that ``record`` lacks: a state of another layout."""
+    missing = [n for n in names if n not in record]
+    if missing:
+        raise ValueError(f"{what} without the field(s) {missing}: was the state saved by another streampack "
+                         f"version (state version={STATE_VERSION})?")
+
+
 def refs_to_state(refs: np.ndarray) -> dict[str, torch.Tensor]:
     """A :data:`REF` array as plain data: ``{column: int64 tensor}``."""
     return {name: torch.from_numpy(np.ascontiguousarray(refs[name])) for name in REF_COLUMNS}
@@ -123,10 +131,7 @@ def refs_to_state(refs: np.ndarray) -> dict[str, torch.Tensor]:
 
 def refs_from_state(columns: Mapping[str, Any]) -> np.ndarray:
     """Inverse of :func:`refs_to_state` (``ValueError`` naming a missing column)."""
-    missing = [name for name in REF_COLUMNS if name not in columns]
-    if missing:
-        raise ValueError(f"a reference table without the column(s) {missing}: was it saved by another streampack "
-                         f"version (state version={STATE_VERSION})?")
+    require_fields(columns, REF_COLUMNS, "a reference table")
     out = refs_of(len(columns["length"]))
     for name in REF_COLUMNS:
         out[name] = np.asarray(columns[name], dtype=np.int64)
@@ -288,8 +293,7 @@ def load_loader_state(loader: Any, loader_state: Mapping[str, Any]) -> None:
 
 
 def dataset_states(loader_state: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The PackedDataset state of every worker inside a StatefulDataLoader state, each with its
-    fingerprint and metrics as dicts (:func:`decoded_state`)."""
+    """The PackedDataset state of every worker inside a StatefulDataLoader state (:func:`decoded_state`)."""
     snapshot = loader_state.get("_snapshot")
     if snapshot is None:
         return [decoded_state(loader_state["dataset_state"])] if loader_state.get("dataset_state") else []
