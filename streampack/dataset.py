@@ -128,9 +128,7 @@ class PackedDataset(IterableDataset):
     @property
     def urls(self) -> list[str]:
         """Every shard, in order (a mixture's sources concatenated by name)."""
-        if self.sources.mixture:
-            return [u for _, s in sorted(self.sources.mixture.items()) for u in s.urls]
-        return list(self.sources.shards.urls) if self.sources.shards is not None else []
+        return [u for s in self.sources.lists for u in s.urls]
 
     @property
     def mixture(self) -> dict[str, list[str]] | None:

@@ -57,15 +57,13 @@ def read_header(data: bytes, *, url: str, key: str, name: str, max_pixels: int) 
     from PIL import Image
 
     header = webp_header(data)
-    if header is not None:
-        check_header(header, url=url, key=key, name=name, max_pixels=max_pixels)
-        return header
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
-            with Image.open(io.BytesIO(data), formats=FORMATS) as im:
-                header = ImageHeader(width=int(im.width), height=int(im.height), mode=str(im.mode),
-                                     format=str(im.format))
+        if header is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
+                with Image.open(io.BytesIO(data), formats=FORMATS) as im:
+                    header = ImageHeader(width=int(im.width), height=int(im.height), mode=str(im.mode),
+                                         format=str(im.format))
     except Image.DecompressionBombError as e:
         raise DataError("image_too_large", f"image {name!r}: {e}", url=url, key=key, value=name) from None
     except Image.UnidentifiedImageError:  # its message names only a BytesIO's address
