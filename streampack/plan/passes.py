@@ -22,6 +22,8 @@ import os
 import tempfile
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing import context as mp_context
 from multiprocessing.reduction import DupFd
 from typing import Any
@@ -56,10 +58,17 @@ class PassTracker:
         self._pid = 0
         self._thread_lock = threading.Lock()
 
-    def _locked(self) -> _Locked:
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The thread lock, then an exclusive record lock on the whole shared file."""
         if self._pid != os.getpid():  # a forked copy: a thread lock that no other thread can hold
             self._pid, self._thread_lock = os.getpid(), threading.Lock()
-        return _Locked(self._fd, self._thread_lock)
+        with self._thread_lock:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
 
     def set_next_pass(self, passes: int) -> None:
         """The pass the next fresh iteration runs."""
@@ -113,29 +122,6 @@ class PassTracker:
         if mp_context.get_spawning_popen() is None:
             return (PassTracker, ())  # a copy, not a worker process: independent counters
         return (_restore, (DupFd(self._fd),))
-
-
-class _Locked:
-    """The thread lock, then an exclusive record lock on the whole shared file."""
-
-    __slots__ = ("fd", "thread_lock")
-
-    def __init__(self, fd: int, thread_lock: threading.Lock) -> None:
-        self.fd, self.thread_lock = fd, thread_lock
-
-    def __enter__(self) -> None:
-        self.thread_lock.acquire()
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            self.thread_lock.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN)
-        finally:
-            self.thread_lock.release()
 
 
 def _restore(fd: Any) -> PassTracker:
