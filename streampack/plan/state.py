@@ -37,29 +37,20 @@ METRICS_KEY = "metrics"
 
 def samples_to_state(samples: Sequence[Sample]) -> dict[str, Any]:
     """Samples -> plain data: concatenated tokens and, per optional field, its values and a presence flag."""
-    lengths = [len(s) for s in samples]
-    out: dict[str, Any] = {
-        "keys": [s.key for s in samples],
-        "urls": [s.url for s in samples],
-        "lengths": torch.tensor(lengths, dtype=torch.int64),
-        "tokens": _cat([s.tokens for s in samples], np.int64),
-    }
+    out: dict[str, Any] = {"keys": [s.key for s in samples], "urls": [s.url for s in samples],
+                           "lengths": torch.tensor([len(s) for s in samples], dtype=torch.int64),
+                           "tokens": _cat([s.tokens for s in samples], np.int64)}
+
+    def optional(values: list[np.ndarray | None]) -> dict[str, torch.Tensor]:
+        return {"present": torch.tensor([v is not None for v in values], dtype=torch.bool),
+                "values": _cat([v for v in values if v is not None], None)}
+
     for name in ("labels", "loss_mask"):
-        present = [getattr(s, name) is not None for s in samples]
-        if any(present):
-            out[name] = {
-                "present": torch.tensor(present, dtype=torch.bool),
-                "values": _cat([getattr(s, name) for s in samples if getattr(s, name) is not None], None),
-            }
+        if any(getattr(s, name) is not None for s in samples):
+            out[name] = optional([getattr(s, name) for s in samples])
     names = sorted({n for s in samples for n in s.extras})
     if names:
-        out["extras"] = {
-            n: {
-                "present": torch.tensor([n in s.extras for s in samples], dtype=torch.bool),
-                "values": _cat([s.extras[n] for s in samples if n in s.extras], None),
-            }
-            for n in names
-        }
+        out["extras"] = {n: optional([s.extras.get(n) for s in samples]) for n in names}
     return out
 
 
