@@ -139,9 +139,6 @@ class BlockReader(ShardReader):
             if block.done:  # the per-sample reader moves on with the range's last sample
                 self._next_span()
 
-    def _span_epoch(self, span: ShardSpan | Span) -> int:
-        return self._epoch if not isinstance(span, Span) or span.epoch is None else span.epoch
-
     def _open_span(self, span: ShardSpan | Span) -> Iterator[Item]:
         if self._in_run and self._per_sample != (self._epoch, self._shard_pos):
             raise _NewSpan
@@ -149,21 +146,10 @@ class BlockReader(ShardReader):
 
     def _open_blocks(self, span: ShardSpan | Span) -> Iterator[TokenBlock] | None:
         """The blocks of ``span`` from the reader's position, or None when its format has none."""
-        url = self.urls[span.shard]
-        if not block_format(url) or self._decode.media is not None:
+        if not block_format(self.urls[span.shard]) or self._decode.media is not None:
             return None
-        if isinstance(span, Span):
-            start, end, first = span.start, span.end, span.first
-        elif span.parts > 1:
-            start, end, first = self.index(url).part(span.part, span.parts)
-        else:
-            start, end, first = 0, None, 0
-        self._remember(span.shard, url)
-        if self._offset < 0:
-            self._offset, self._sample = start, first
-        where = ShardRange(start=self._offset, first=self._sample, end=end)
-        self._range = (url, where)
-        if end is not None and where.start >= end:
+        url, where = self._range = self._start(span)
+        if where.end is not None and where.start >= where.end:
             return iter([TokenBlock.of_samples([], done=True)])
         return read_blocks(url, where, decode=self._decode, opts=self._open, streams=self._streams,
                            stats=self.io_stats, chunk_bytes=self.chunk_bytes)

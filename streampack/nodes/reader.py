@@ -289,7 +289,7 @@ class ShardReader(BaseNode[Sample]):
             sample = item.sample
             if sample is not None:
                 span = spans[self._shard_pos]
-                epoch = self._epoch if not isinstance(span, Span) or span.epoch is None else span.epoch
+                epoch = self._span_epoch(span)
                 sample = sample.evolve(origin=SampleOrigin(
                     shard=span.shard, offset=self._offset, number=self._sample, next_offset=item.next_offset,
                     next_number=item.next_index, epoch=epoch, source=self.source))
@@ -373,7 +373,8 @@ class ShardReader(BaseNode[Sample]):
             self._identities.popitem(last=False)
         self._identity_text = None
 
-    def _open_span(self, span: ShardSpan | Span) -> Iterator[Item]:
+    def _start(self, span: ShardSpan | Span) -> tuple[str, ShardRange]:
+        """The URL of ``span`` and its range from the reader's position (the shard's identity checked first)."""
         url = self.urls[span.shard]
         if isinstance(span, Span):
             start, end, first = span.start, span.end, span.first
@@ -384,11 +385,16 @@ class ShardReader(BaseNode[Sample]):
         self._remember(span.shard, url)
         if self._offset < 0:  # the position names where the next sample starts from now on
             self._offset, self._sample = start, first
-        start, first = self._offset, self._sample
-        if end is not None and start >= end:
+        return url, ShardRange(start=self._offset, first=self._sample, end=end)
+
+    def _span_epoch(self, span: ShardSpan | Span) -> int:
+        return self._epoch if not isinstance(span, Span) or span.epoch is None else span.epoch
+
+    def _open_span(self, span: ShardSpan | Span) -> Iterator[Item]:
+        url, where = self._start(span)
+        if where.end is not None and where.start >= where.end:
             return iter(())
-        return open_range(url, ShardRange(start=start, first=first, end=end), decode=self._decode,
-                          opts=self._open, streams=self._streams, stats=self.io_stats)
+        return open_range(url, where, decode=self._decode, opts=self._open, streams=self._streams, stats=self.io_stats)
 
 
 def identities_to_state(identities: Mapping[int, ShardStat]) -> str:
