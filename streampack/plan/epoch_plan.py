@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from streampack.io.index import ShardIndex, unknown_lengths_hint
 from streampack.packing.window_rounds import PackerRules, count_packs, worker_seed
+from streampack.plan.agree import RankCounts
 from streampack.plan.quota import LateQuota, Settled
 from streampack.plan.sharding import IndexRange, PrefixCut, Span, epoch_permutation
 
@@ -85,15 +86,6 @@ class ReaderPlan:
     spans: list[Span]
     quota: LateQuota | None
     """Batches it yields, fillers included, settled when first needed (None: as many as its data makes)."""
-
-
-class RankCounts(Protocol):
-    """What agreeing on counts returns (``streampack.plan.agree.RankCounts``)."""
-
-    @property
-    def target(self) -> int: ...
-    @property
-    def workers(self) -> tuple[int, ...]: ...
 
 
 Agree = Callable[[str, int, int, int, int], RankCounts]
