@@ -1,11 +1,8 @@
 """PackedDataset: shards -> PackedBatch, as a resumable ``IterableDataset``.
 
-A thin front over :func:`streampack.graph.build.build_graph`: the constructor expands the sources
-once, resolves the topology once, and builds the graph once in the main process, which is
-where every setting is validated (by the node that uses it). ``__iter__`` builds the same
-graph in each DataLoader worker and continues from a loaded state if there is one — its own
-state on the same topology, or its share of every old reader's state after a change of
-``dp_size`` / ``num_workers`` (:mod:`streampack.plan.elastic`).
+A thin front over :func:`streampack.graph.build.build_graph`: the constructor expands the sources,
+resolves the topology and builds the graph once in the main process (where every setting is
+validated); ``__iter__`` builds it again in each DataLoader worker and continues from a loaded state.
 """
 
 from __future__ import annotations
@@ -31,15 +28,7 @@ from streampack.media.options import MediaOptions
 from streampack.nodes.collate import filler_pack
 from streampack.nodes.epochs import add_metrics
 from streampack.nodes.window_packer import fill
-from streampack.options import (
-    CostOptions,
-    PackOptions,
-    ReadOptions,
-    TokenizeOptions,
-    TopologyOptions,
-    checked_records,
-    hint_flat_keywords,
-)
+from streampack.options import CostOptions, PackOptions, ReadOptions, TokenizeOptions, TopologyOptions, checked_records
 from streampack.plan.epoch_plan import unplannable
 from streampack.plan.passes import PassTracker
 from streampack.plan.reshard import PendingResume
@@ -58,20 +47,10 @@ from streampack.plan.state import (
     record_text,
 )
 from streampack.plan.topology import current_worker, resolve_topology
-from streampack.settings import (
-    Placement,
-    Share,
-    StreamConfig,
-    URLs,
-    fingerprint_settings,
-    sources_of,
-    tokenizer_id,
-)
+from streampack.settings import Placement, Share, StreamConfig, URLs, fingerprint_settings, sources_of, tokenizer_id
 
-# ``numpy.random`` is imported here, in the training process, because every DataLoader worker seeds
-# it as it starts (torch's worker loop): forked workers inherit the module instead of each
-# importing it (its compiled extensions: 9.5 ms of CPU per worker start instead of 22, on every fresh
-# iteration and on the resume's critical path; the pipeline imports it anyway, at its first batch).
+# ``numpy.random`` is imported in the training process because every DataLoader worker seeds it as it
+# starts: forked workers inherit it (9.5 ms of CPU per worker start instead of 22).
 
 quiet_set_vital()  # torchdata's StatefulDataLoader(ds, ...) warns on every construction (loader.py)
 
@@ -85,79 +64,25 @@ _STATELESS_MAIN = ("this PackedDataset is read by DataLoader worker processes: t
 class PackedDataset(IterableDataset):
     """Packed THD batches from tar / jsonl / parquet shards on any fsspec store, with exact resumable state.
 
-    Use with ``DataLoader(ds, batch_size=None, num_workers=N)`` or
-    ``StatefulDataLoader(ds, batch_size=None, num_workers=N)``; each item is a
-    :class:`~streampack.layout.batch.PackedBatch` of ``packs_per_batch`` packs of ``capacity`` tokens.
+    Use with ``DataLoader(ds, batch_size=None, num_workers=N)`` or ``StatefulDataLoader``; each item is
+    a :class:`~streampack.layout.batch.PackedBatch` of ``packs_per_batch`` packs of ``capacity``
+    tokens. The few settings most runs set are parameters; everything else comes in one option record
+    per stage (:mod:`streampack.options`), each checked when it was made. ``urls`` may map source names
+    to ``urls`` or ``(urls, weight)`` for a weighted :class:`~streampack.nodes.mixture.Mixture`.
 
-    **Parameters.** The few most runs set (``urls``, ``capacity``, ``tokenizer``, ``epochs``,
-    ``shuffle``, ``seed``, ``packs_per_batch``, ``stages``), then one option record per stage
-    (:mod:`streampack.options`): ``read=ReadOptions(...)``, ``tokenize=TokenizeOptions(...)``,
-    ``packing=PackOptions(...)``, ``topology=TopologyOptions(...)``, ``cost=CostOptions(...)``;
-    each record checked its own values when it was made. A field is set only through its record:
-    a flat keyword of earlier versions (``window=``, ``dp_size=``, ...) is a ``TypeError`` naming
-    the record field to set.
+    ``epochs=None`` streams forever on every reader; ``epochs=N`` runs N epochs per fresh iteration
+    (``set_epoch(p)`` picks the pass), each epoch's samples split between all readers of all ranks at
+    sample granularity, balanced by tokens, read exactly once, and every rank yields the same number of
+    batches (``TopologyOptions.equal_batches``: counted from the manifest and agreed through the
+    ``torch.distributed`` store, with filler batches, by default; see ``docs/dataset.md``).
 
-    **Streams and equal batch counts.** ``epochs=None`` (default) is infinite: every worker of
-    every rank streams forever, so no rank ever runs out and collectives never hang.
-    ``epochs=N`` is finite: each fresh iteration runs N epochs (pass ``p`` reads epochs
-    ``[p*N, (p+1)*N)``, so a second pass reshuffles, identically with any worker count;
-    ``set_epoch(p)`` chooses the pass, like ``DistributedSampler``). Each epoch's samples are
-    split between all readers of all ranks at sample granularity, balanced by token count, and
-    every sample is read exactly once. With ``dp_size > 1`` every rank yields the same number of
-    batches per epoch with no number to guess: by default (``TopologyOptions.equal_batches="plan"``) each reader
-    counts its own batches from the token lengths of its own shards (pre-tokenized shards) by
-    simulating the packer, the ranks agree on the counts through the ``torch.distributed`` store
-    (one round per epoch; without ``torch.distributed`` this is refused at construction, naming the
-    remedies), and readers of ranks with fewer batches end the epoch with
-    *filler* batches (``doc_keys`` all ``"<filler>"``, zero targets, the same shape as every
-    batch), as few as the data allows (``metrics()["plan"]``, ``metrics()["batches"]["fillers"]``).
-    ``equal_batches="sync"`` (text shards, stages that change lengths) leaves the counts to the
-    training loop: iterate ``streampack.sync_batches(loader, ds)``, which agrees with an
-    all-reduce per step. ``equal_batches="count"`` yields ``plan``'s batches with no store, each
-    reader counting every reader's (O(samples of the data set) per reader and epoch: ranks
-    simulated in one process, small data sets). ``batches_per_epoch`` (per rank, a multiple of
-    the worker count) overrides them all with a fixed count. The last batch of an epoch is completed with filler packs,
-    so every batch has ``packs_per_batch * capacity`` tokens.
-
-    **Manifest.** Splitting a finite epoch between several readers, and an elastic resume, are
-    planned from the data set's manifest (per shard: identity, sample count, token total; written
-    by ``streampack index URLS --out DIR``), so a reader's start costs O(its own share), not
-    O(data set): pass ``read=ReadOptions(manifest=DIR)``. Local shards without one get it built once in
-    ``cache_dir``; remote shards without one are refused at construction, naming the command.
-
-    **Mixtures.** ``urls`` may map source names to ``urls`` (weight 1) or ``(urls, weight)``,
-    e.g. ``{"web": ("web-{000..099}.tar", 0.7), "code": ("code/*.tar", 0.3)}``: one ShardReader
-    per source under a :class:`~streampack.nodes.mixture.Mixture` (torchdata's
-    ``MultiNodeWeightedSampler``). Finite mixtures end by ``ReadOptions.mixture_stop``.
-
-    **Topology** (``TopologyOptions``). The data-parallel rank and size come from ``dp_group`` (the data-parallel
-    process group), else ``dp_rank``/``dp_size``, else ``torch.distributed`` when the world group
-    is its only group (with TP/CP/PP groups present that raises instead of using the global
-    rank), else ``RANK``/``WORLD_SIZE``; resolved when the dataset is constructed.
-
-    **Compute cost** (``CostOptions``). ``model`` (a :class:`~streampack.packing.CostModel` or a model shape
-    for ``CostModel.from_shape``) gives every batch ``est_cost`` (``linear × tokens + attention ×
-    Σ L²``) and the readers' totals (``batch.stats.cost``). ``balance="cost"`` (or a
-    :class:`~streampack.packing.Balance`) also orders the packs so that every rank's step costs
-    about the same with no communication (:mod:`streampack.packing.schedule`): the packs are the
-    ones the packer makes anyway, so fill and batch counts do not change; each reader holds
-    ``Balance.reservoir`` ready packs.
-
-    **State.** ``state_dict()`` is this process's (or worker's) position: versioned,
-    fingerprinted, plain data, bounded by the window (carried samples are stored as references,
-    56 bytes each). ``load_state_dict(state)`` validates it and the next ``__iter__`` continues
-    bit-identically. ``load_state_dict([states of every reader of every rank])`` resumes on any
-    ``dp_size`` / ``num_workers``: each new reader takes its share of what the old readers had not
-    yet handed to the trainer, so every sample of the epoch is trained exactly once (on the same
-    topology that is the exact resume). In the main process of a DataLoader with workers
-    ``state_dict()`` raises (that copy has no position): checkpoint a StatefulDataLoader instead.
-    Loading a state invalidates any live iterator of this dataset. A shard that changed since the
-    state was saved is refused by name; ``ReadOptions.identity`` says what "changed" means: ``"tag"`` (size +
-    ETag / mtime, the default), ``"size"`` (accepts a re-staged copy), ``"digest"`` (size + a hash
-    of the first and last 64 KiB) or ``"off"`` (:mod:`streampack.io.shard_identity`).
+    ``state_dict()`` is this process's (or worker's) position: versioned, fingerprinted, plain data, bounded by the
+    window; ``load_state_dict(state)`` continues bit-identically, and ``load_state_dict([every reader's state])``
+    resumes on any ``dp_size`` / ``num_workers`` with every sample of the epoch trained exactly once. In the main
+    process of a DataLoader with workers ``state_dict()`` raises (that copy has no position): checkpoint the
+    StatefulDataLoader instead. A shard that changed since the save is refused by name (``ReadOptions.identity``).
     """
 
-    @hint_flat_keywords
     def __init__(self, urls: URLs | Mapping[str, Any], *, capacity: int, tokenizer: Any = None,
                  epochs: int | None = None, shuffle: bool = True, seed: int = 0, packs_per_batch: int = 1,
                  stages: Sequence[Any] = (), read: ReadOptions | None = None, tokenize: TokenizeOptions | None = None,
@@ -203,9 +128,7 @@ class PackedDataset(IterableDataset):
     @property
     def urls(self) -> list[str]:
         """Every shard, in order (a mixture's sources concatenated by name)."""
-        if self.sources.mixture:
-            return [u for _, s in sorted(self.sources.mixture.items()) for u in s.urls]
-        return list(self.sources.shards.urls) if self.sources.shards is not None else []
+        return [u for s in self.sources.lists for u in s.urls]
 
     @property
     def mixture(self) -> dict[str, list[str]] | None:
@@ -229,10 +152,8 @@ class PackedDataset(IterableDataset):
         return record_of(self._fingerprint_text(num_workers))
 
     def _fingerprint_text(self, num_workers: int) -> str:
-        """The fingerprint as a state keeps it (:func:`~streampack.plan.state.record_text`). The settings
-        never change after construction, and StatefulDataLoader asks every worker for its state
-        after every batch: made once per worker count (85 µs a time, ~2% of a batch of 8 x 4096
-        pre-tokenized tokens)."""
+        """The fingerprint as a state keeps it, made once per worker count: StatefulDataLoader asks for the
+        state after every batch (85 µs a time, ~2% of a batch of 8 x 4096 pre-tokenized tokens)."""
         text = self._fingerprint_texts.get(num_workers)
         if text is None:
             text = self._fingerprint_texts[num_workers] = record_text(self._settings(num_workers))
@@ -247,8 +168,7 @@ class PackedDataset(IterableDataset):
                 "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_workers": num_workers}
 
     def _shared_settings(self, manifest: Any) -> dict[str, Any]:
-        """What every rank must have alike (agreed once through the store): the fingerprint less
-        the rank and the worker count (agreed per round), plus the manifest's counts and sizes."""
+        """What every rank must have alike: the fingerprint less rank and worker count, plus the manifest's."""
         shared = {k: v for k, v in self._settings(0).items() if k not in ("dp_rank", "num_workers")}
         if manifest is not None:
             shared["manifest"] = manifest.fingerprint("size")  # not tags: node-local copies differ in mtime
@@ -258,9 +178,8 @@ class PackedDataset(IterableDataset):
         return shared
 
     def _check_agreement(self, explicit: bool) -> None:
-        """Refuse a finite multi-rank plan with no store to agree through: each reader would count
-        every reader's batches (O(samples of the data set) index reads and CPU per reader, at its
-        first state_dict()), which only ``equal_batches="count"`` asks for."""
+        """Refuse a finite multi-rank plan with no store to agree through: each reader would count every
+        reader's batches (O(samples of the data set) per reader), which only ``equal_batches="count"`` asks for."""
         c = self.config
         if (self._agreement is not None or c.epochs is None or self.dp_size == 1 or self.sources.shards is None
                 or self.sources.mixture or self.sources.packed is not None or c.topology.equal_batches != "plan"
@@ -279,8 +198,7 @@ class PackedDataset(IterableDataset):
             f"one process, small data sets)")
 
     def filler(self) -> PackedBatch:
-        """A batch of the stream's shape that trains nothing (what ``sync_batches`` feeds a rank
-        that ran out); with a cost model its ``est_cost`` is 0, like every filler's."""
+        """A batch of the stream's shape that trains nothing (what ``sync_batches`` feeds a rank that ran out)."""
         c, pack = self.config, self.config.packing
         batch = pack_batch([filler_pack(c.capacity, pack.pad_id)] * c.packs_per_batch, capacity=c.capacity,
                            align=c.topology.align, pad_id=pack.pad_id, ignore_index=pack.ignore_index)
@@ -305,8 +223,7 @@ class PackedDataset(IterableDataset):
         }
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
-        """One state (this reader's, same topology) or the states of every reader of every rank
-        of a run (any topology; see the class docstring)."""
+        """One state (this reader's, same topology) or the states of every reader of a run (any topology)."""
         if isinstance(state, Mapping):
             check_version(state)
             saved = dataset_record(state, FINGERPRINT_KEY)
@@ -318,8 +235,7 @@ class PackedDataset(IterableDataset):
         self._generation += 1  # a live iterator must not continue from a replaced position
 
     def metrics(self) -> dict[str, Any]:
-        """Counters of this process's graph (with DataLoader workers, read them from the loader
-        state: ``[s["metrics"] for s in streampack.plan.state.dataset_states(loader.state_dict())]``)."""
+        """Counters of this process's graph (with workers: ``dataset_states(loader.state_dict())``' metrics)."""
         if self._graph is None:
             return {}
         now = graph_metrics(self._graph.nodes)
@@ -373,9 +289,7 @@ class PackedDataset(IterableDataset):
                            stages=self.stages, share=share, validate=validate, agreement=self._agreement)
 
     def _check_equal_batches(self) -> Any:
-        """Finite, several ranks: the plan needs the data set's manifest (1 read; refused, naming
-        ``streampack index``, for remote shards without one) and, to count batches, every shard's
-        token total in it (O(N) ints; the refusal names the shards without). Returns it (or None)."""
+        """Finite, several ranks: the manifest the plan needs (None otherwise), refused without token totals."""
         c = self.config
         if c.epochs is None or self.dp_size == 1 or self.sources.packed is not None:
             return None
@@ -408,10 +322,8 @@ class PackedDataset(IterableDataset):
             yield batch.pin_memory() if pin else batch
 
     def _given_manifest(self) -> Manifest | None:
-        """The manifest given as ``read.manifest`` of a finite single-source stream, read once
-        here, in the main process: DataLoader workers get it with the dataset (forked: shared;
-        spawned: unpickled, ~121 B x N), 1 read of it per rank instead of 1 + W. A damaged or
-        foreign manifest is refused now, by name, before any worker starts."""
+        """The ``read.manifest`` of a finite single-source stream, read once in the main process (workers get
+        it with the dataset: 1 read per rank instead of 1 + W; a damaged one is refused before they start)."""
         shards = self.sources.shards
         if (self.config.epochs is None or self.config.read.manifest is None or shards is None or self.sources.mixture
                 or self.sources.packed is not None):
@@ -430,8 +342,7 @@ class PackedDataset(IterableDataset):
 
 def _agreement(dp_group: Any, dp_rank: int, dp_size: int, timeout_s: float | None,
                settings: dict[str, Any]) -> Any:
-    """How this rank's readers agree through the job's store (None with one rank or without
-    ``torch.distributed``), after checking once that every rank has the same ``settings``."""
+    """How this rank's readers agree through the job's store, after checking every rank's ``settings``."""
     if dp_size == 1:
         return None
     from streampack.plan.agree import Agreement

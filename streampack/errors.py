@@ -1,24 +1,10 @@
 """Bad input: the error type, the raise/skip policy and per-reason counters.
 
-Every problem found in the data becomes a :class:`DataError` whose message names the shard URL,
-the sample key and the offending value (webdataset-style: errors carry provenance). The reader
-hands each one to an :class:`ErrorPolicy`: ``"raise"`` re-raises it, ``"skip"`` drops the sample
-(or the corrupt byte range, or for an unreadable shard the rest of it) and counts it in an
-:class:`ErrorCounter`.
-
-Reasons used by the readers: ``corrupt_shard``, ``missing_shard``, ``unreachable_url``,
-``empty_sample``, ``bad_utf8``, ``bad_json``, ``json_too_deep``, ``bad_dtype``, ``bad_npy``,
-``bad_pickle``, ``pickle_refused``, ``shard_changed``, ``negative_id``, ``non_integer_id``, ``out_of_vocab_id``, ``missing_field``,
-``conflicting_fields``, ``bad_labels``, ``bad_loss_mask``, ``duplicate_member``,
-``repeated_key``, ``incomplete_sample``, ``line_too_long``, ``member_too_large``,
-``sample_too_large``; the tokenize stage adds ``tokenizer_error`` (and ``out_of_vocab_id``,
-``negative_id``, ``bad_dtype`` for what a tokenizer returns).
-
-Across processes: torch's DataLoader re-raises a worker's exception in the main process as
-``type(exc)(formatted_traceback)``, and pickling rebuilds an exception from its ``args``. So a
-:class:`DataError` built from one string parses ``reason`` / ``url`` / ``key`` back out of it
-(the last ``DataError: ...`` line of a traceback, or the message itself): ``except DataError``
-fires in the training loop with ``num_workers > 0`` and names the same shard and sample.
+Every problem found in the data becomes a :class:`DataError` naming the shard URL, the sample key and the offending
+value; an :class:`ErrorPolicy` re-raises it (``"raise"``) or drops the sample, byte range or rest of the shard and
+counts it (``"skip"``). The reasons are listed in ``docs/reliability.md``. torch's DataLoader re-raises a worker's
+exception as ``type(exc)(formatted_traceback)``, so a :class:`DataError` built from one string parses ``reason`` /
+``url`` / ``key`` back out of it: ``except DataError`` works in the training loop with ``num_workers > 0``.
 """
 
 from __future__ import annotations
@@ -26,18 +12,16 @@ from __future__ import annotations
 import ast
 import re
 from collections import deque
-from typing import Any, Literal
+from typing import Any
 
 from streampack.logs import get_logger, warn_every
 
-OnError = Literal["raise", "skip"]
 ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "skip")
 _LOG = get_logger(__name__)
 NOT_TOKENIZED = ("is not tokenized yet: it has text but no token ids; pass tokenizer= (a tokenizers.Tokenizer, "
                  "a tokenizer.json path or a str -> list[int] callable) to tokenize it, or tokens_key= naming "
                  "the field that holds token ids")
-"""Why a text sample reached a stage that needs ids, and the two ways out (the same words wherever
-it is raised)."""
+"""Why a text sample reached a stage that needs ids, and the two ways out (the same words wherever it is raised)."""
 _VALUE_REPR_CHARS = 80
 _VALUE_KEEP = 256  # a long str / bytes / list value is kept only this long on the exception
 _WHERE = " (shard="
@@ -90,12 +74,8 @@ class DataError(ValueError):
 
 
 class ErrorCounter:
-    """Counts of :class:`DataError` per reason, the bytes each reason skipped, and the last
-    ``keep`` messages.
-
-    Shared freely between nodes; no node state holds it. ``PackedDataset`` saves it in the
-    state's metrics and loads it back after a restore (see ``PackedDataset.__iter__``).
-    """
+    """Counts of :class:`DataError` per reason, the bytes each skipped, and the last ``keep`` messages
+    (shared between nodes; saved in the dataset state's metrics)."""
 
     def __init__(self, keep: int = 8) -> None:
         if keep < 0:
@@ -121,8 +101,7 @@ class ErrorCounter:
         return sum(self.counts.values())
 
     def as_dict(self) -> dict[str, Any]:
-        """``{"counts": {reason: n}, "total": n, "skipped_bytes": {reason: bytes},
-        "recent": [message, ...]}`` (plain data)."""
+        """``{"counts", "total", "skipped_bytes", "recent"}`` as plain data."""
         return {"counts": dict(self.counts), "total": self.total, "skipped_bytes": dict(self.skipped_bytes),
                 "recent": list(self.recent)}
 
@@ -138,11 +117,8 @@ class ErrorCounter:
 
 
 class ErrorPolicy:
-    """Applies ``on_error`` to a :class:`DataError`: always count it in ``errors``, then raise or not.
-
-    The one check of an ``on_error`` value (``ReadOptions`` makes one to check its own). A graph
-    makes one policy (``ReadOptions.error_policy``) and every node that meets bad input takes it,
-    so all of them count into the same :class:`ErrorCounter`."""
+    """Applies ``on_error`` to a :class:`DataError`: count it in ``errors``, then raise or not. The one
+    check of an ``on_error`` value; a graph's nodes share one policy and so one counter."""
 
     __slots__ = ("errors", "on_error")
 
@@ -164,11 +140,8 @@ class ErrorPolicy:
 
 
 def log_worker_error(err: BaseException, *, worker_id: int, num_workers: int, dp_rank: int) -> str:
-    """Log one line saying what failed in a DataLoader worker, and return it.
-
-    torch re-raises a worker's exception in the main process with the worker's whole traceback
-    folded into the message (37-122 lines measured for streampack's errors); this line, logged
-    from the worker before it raises, says the same in one line: type, shard, key, reason."""
+    """Log (and return) one line saying what failed in a DataLoader worker: torch re-raises it with the
+    whole traceback folded into the message (37-122 lines)."""
     where = f"DataLoader worker {worker_id} of {num_workers} (dp_rank {dp_rank})"
     if isinstance(err, DataError) and err.reason != "unknown":
         key = f" key={err.key!r}" if err.key else ""

@@ -1,20 +1,9 @@
 """Logging under the ``streampack`` logger, with rate limits for events that repeat per sample.
 
-A web-scale stream can skip thousands of bad samples or retry hundreds of reads an hour; one
-log line each would drown the training log. :func:`warn_every` emits the first occurrence of a
-kind of event at once and then at most one line per ``interval`` seconds per kind, saying how
-many were suppressed in between. Exact counts are always in the metrics, never only in logs:
-every :func:`warn_every` call (logged, suppressed, or below the logger's level) also counts its
-``kind`` in this process (:func:`event_counts`), and each batch carries its reader's counts to
-the training process (``batch.stats.events``).
-
-Event kinds: ``slow_batch`` (a reader took more than ``STREAMPACK_SLOW_BATCH_SECONDS``, default
-30, to build one batch: reads, tokenizing and packing included), ``first_batch`` (INFO: how long
-a reader took to its first batch), and the kinds the readers use (``retry``, ``skip``,
-``filler``, ...).
-
-Configure it like any library logger, e.g. ``logging.getLogger("streampack").setLevel("INFO")``;
-DataLoader workers inherit the configuration when they fork, and log to the same handlers.
+:func:`warn_every` logs the first event of a kind at once, then at most one line per ``interval`` seconds per kind with
+how many were suppressed; every call also counts its ``kind`` (:func:`event_counts`), and each batch carries its
+reader's counts (``batch.stats.events``), so exact counts never live only in logs. ``slow_batch`` fires when a reader
+takes more than ``STREAMPACK_SLOW_BATCH_SECONDS`` (default 30) to build one batch.
 """
 
 from __future__ import annotations

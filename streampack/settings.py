@@ -1,18 +1,13 @@
-"""The records a graph is built from: what to read, the settings that shape the stream, and
-where this reader sits.
-
-:class:`StreamConfig` holds the batch's shape, the order and the epochs, and the option record
-of each stage (:mod:`streampack.options`): the one record the front and the graph builder pass;
-:class:`Sources` is what the user named, expanded once;
-:class:`Placement` (from :mod:`streampack.options.topology`, where the nodes can take it too) which
-reader a graph is; :class:`Share` what an elastic resume hands one new
-reader. :func:`fingerprint_settings` is what a resume state records of them.
+"""The records a graph is built from: :class:`StreamConfig` (every setting), :class:`Sources` (what the
+user named, expanded once), :class:`Placement` (which reader) and :class:`Share` (what an elastic
+resume hands one new reader); :func:`fingerprint_settings` is what a resume state records of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import operator
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,14 +21,7 @@ from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
 from streampack.media.options import MediaOptions
 from streampack.nodes.collate import BatchLayout
-from streampack.options import (
-    CostOptions,
-    PackOptions,
-    ReadOptions,
-    TokenizeOptions,
-    TopologyOptions,
-    field_for,
-)
+from streampack.options import CostOptions, PackOptions, ReadOptions, TokenizeOptions, TopologyOptions
 from streampack.options._check import need_int, need_type
 from streampack.options.topology import Placement as Placement  # re-exported: the graph's records are here
 from streampack.packing.window_rounds import PackerRules, default_max_wait
@@ -75,11 +63,8 @@ class Sources:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamConfig:
-    """Every setting of a stream: the batch's shape, the order, the epochs, and the record of each
-    stage (:mod:`streampack.options`). Each record checked its own values when it was made; what
-    spans records (``capacity`` against ``topology.align``) is checked here, once, and the nodes
-    take their values as checked. A resume state is fingerprinted on these
-    (:func:`fingerprint_settings`)."""
+    """Every setting of a stream: the batch's shape, the order, the epochs and each stage's record. What
+    spans records (``capacity`` against ``topology.align``) is checked here, once."""
 
     capacity: int
     """Tokens per pack; a multiple of ``topology.align``."""
@@ -123,51 +108,46 @@ class StreamConfig:
             raise ValueError(f"batches_per_epoch={self.topology.batches_per_epoch} needs a finite stream (epochs=N)")
 
     def batch_layout(self) -> BatchLayout:
-        """The collate's record: the batch's shape and padding, from ``capacity``, ``packs_per_batch``,
-        ``topology.align`` and ``packing``."""
+        """The collate's record: the batch's shape and padding."""
         return BatchLayout(capacity=self.capacity, packs_per_batch=self.packs_per_batch, align=self.topology.align,
                            pad_id=self.packing.pad_id, ignore_index=self.packing.ignore_index)
 
     def packer_rules(self, seed: int) -> PackerRules:
-        """The window packer's rules (what the node runs and what a plan or a cost seed counts with),
-        made here only, from ``packing``, ``capacity`` and ``topology.align``; ``seed``: the packer's
-        own (``graph.build.packer_seed``: the stream seed mixed with the reader) or the stream's."""
+        """The window packer's rules, made here only (the node runs them, a plan or cost seed counts with
+        them); ``seed``: the packer's own (``graph.build.packer_seed``) or the stream's."""
         pack = self.packing
         return PackerRules(capacity=self.capacity, window=pack.window, algorithm=pack.algorithm,
                            align=self.topology.align, seed=seed, max_wait=pack.max_wait, slack=pack.slack)
 
 
-FINGERPRINT = ("capacity", "window", "algorithm", "packs_per_batch", "align", "text_key", "tokens_key",
-               "labels_key", "loss_mask_key", "overlong", "seed", "shuffle", "epochs", "on_error", "pad_id",
-               "ignore_index", "bos_id", "eos_id", "max_wait", "slack", "batches_per_epoch", "equal_batches",
-               "vocab_size", "limits", "cost_model", "balance")
-"""The settings a resume state is fingerprinted on, by their flat names, in the order states
-have always stored them (a state saved before the option records compares equal)."""
+FINGERPRINT = {
+    "capacity": "capacity", "window": "packing.window", "algorithm": "packing.algorithm",
+    "packs_per_batch": "packs_per_batch", "align": "topology.align", "text_key": "read.text_key",
+    "tokens_key": "read.tokens_key", "labels_key": "read.labels_key", "loss_mask_key": "read.loss_mask_key",
+    "overlong": "packing.overlong", "seed": "seed", "shuffle": "shuffle", "epochs": "epochs",
+    "on_error": "read.on_error", "pad_id": "packing.pad_id", "ignore_index": "packing.ignore_index",
+    "bos_id": "tokenize.bos_id", "eos_id": "tokenize.eos_id", "max_wait": "packing.max_wait",
+    "slack": "packing.slack", "batches_per_epoch": "topology.batches_per_epoch",
+    "equal_batches": "topology.equal_batches", "vocab_size": "read.vocab_size", "limits": "read.limits",
+    "cost_model": "cost.model", "balance": "cost.balance"}
+"""The settings a resume state is fingerprinted on: its name in the state (in the order states store them) ->
+where the config keeps it."""
 
 
 def fingerprint_settings(config: StreamConfig) -> dict[str, Any]:
-    """:data:`FINGERPRINT`, each looked up through its record (:func:`field_for`), records as plain dicts."""
-    options = config.read
-    records = {"read": options, "tokenize": config.tokenize, "packing": config.packing,
-               "topology": config.topology, "cost": config.cost}
+    """:data:`FINGERPRINT`'s values, records as plain dicts."""
 
-    def value(name: str) -> Any:
-        if name == "align":
-            return config.topology.align
+    def value(name: str, path: str) -> Any:
         if name == "max_wait":  # the number the packer waits, as states have always stored it
             return config.packing.max_wait or default_max_wait(config.packing.window)
         if name == "equal_batches":  # "count" yields the batches "plan" does, only counted without a store:
             equal = config.topology.equal_batches  # a state moves between them (a simulation to a launched run)
             return "plan" if equal == "count" else equal
         if name == "limits":  # the reader's own record of them (ShardReader keeps the same one)
-            return options.limits.recorded(images=config.media is not None)
-        hit = field_for(name)
-        if hit is not None:
-            param, _, field_name = hit
-            return getattr(records[param], field_name)
-        return getattr(config, name)
+            return config.read.limits.recorded(images=config.media is not None)
+        return operator.attrgetter(path)(config)
 
-    settings = {name: _plain(value(name)) for name in FINGERPRINT}
+    settings = {name: _plain(value(name, path)) for name, path in FINGERPRINT.items()}
     if settings["cost_model"] is not None and settings["cost_model"].get("vision") is None:
         settings["cost_model"].pop("vision", None)  # a text model: states saved before the vision term compare equal
     if settings["balance"] is not None:  # how a fresh run's histogram starts; a resume restores the saved one

@@ -228,8 +228,7 @@ class _Builder:
             start = share.epoch
         reader = PackedShardReader(
             self.sources.packed_urls, layout=config.batch_layout(), seed=config.seed,
-            shuffle=config.shuffle, epochs=end, start_epoch=start, dp_rank=place.dp_rank, dp_size=place.dp_size,
-            worker_id=place.worker_id, num_workers=place.num_workers,
+            shuffle=config.shuffle, epochs=end, start_epoch=start, place=place,
             work=None if share is None else {share.epoch: share.packs})
         quota = None
         if epoch is not None:

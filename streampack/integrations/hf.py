@@ -138,12 +138,10 @@ def write_loader_state(checkpoint: str | os.PathLike[str], rank: int, world_size
     os.replace(tmp, path)
 
 
-def _read(path: str) -> tuple[dict[str, Any], int | None]:
-    """(loader state, world size that wrote it, or None for a file of an older version)."""
+def _read(path: str) -> tuple[dict[str, Any], int]:
+    """(loader state, world size of the run that wrote it)."""
     saved = torch.load(path, weights_only=True)
-    if isinstance(saved, dict) and LOADER_KEY in saved and WORLD_SIZE_KEY in saved:
-        return saved[LOADER_KEY], int(saved[WORLD_SIZE_KEY])
-    return saved, None
+    return saved[LOADER_KEY], int(saved[WORLD_SIZE_KEY])
 
 
 def read_loader_states(checkpoint: str | os.PathLike[str], rank: int) -> list[dict[str, Any] | None]:
@@ -153,7 +151,7 @@ def read_loader_states(checkpoint: str | os.PathLike[str], rank: int) -> list[di
     if problem is not None:
         raise ValueError(f"cannot resume from {checkpoint}: {problem} (resuming would lose the data "
                          f"position and train on the stream's first batches again)")
-    world_size = _saved_world_size(checkpoint) or 1
+    world_size = _saved_world_size(checkpoint)
     ranks = _rank_files(checkpoint)
     return [_read(loader_state_path(checkpoint, r))[0] if r in ranks else None
             for r in range(max(world_size, max(ranks) + 1, rank + 1))]
@@ -165,9 +163,8 @@ def _rank_files(checkpoint: str | os.PathLike[str]) -> set[int]:
     return {int(m.group(1)) for m in map(pattern.match, names) if m}
 
 
-def _saved_world_size(checkpoint: str | os.PathLike[str]) -> int | None:
-    path = loader_state_path(checkpoint, 0)
-    return _read(path)[1] if os.path.exists(path) else None
+def _saved_world_size(checkpoint: str | os.PathLike[str]) -> int:
+    return _read(loader_state_path(checkpoint, 0))[1]
 
 
 def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
@@ -179,11 +176,10 @@ def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
         return (f"no {LOADER_STATE_FILE.format(rank=0)} (not saved by a PackedTrainer, or the save "
                 f"was interrupted)")
     world_size = _saved_world_size(checkpoint)
-    want = range(world_size) if world_size is not None else range(max(ranks) + 1)
-    missing = [r for r in want if r not in ranks]
+    missing = [r for r in range(world_size) if r not in ranks]
     if missing:
         names = ", ".join(LOADER_STATE_FILE.format(rank=r) for r in missing)
-        return f"missing {names} of the world_size={world_size or len(want)} run that saved it"
+        return f"missing {names} of the {world_size=} run that saved it"
     if not os.path.exists(os.path.join(checkpoint, TRAINER_STATE_NAME)):
         return f"no {TRAINER_STATE_NAME} (HF's save was interrupted)"
     return None

@@ -1,18 +1,11 @@
 """One :class:`~streampack.layout.batch.PackedBatch`, each attention consumer's own convention.
 
-Every adapter returns a record that is also a ``Mapping``, so it splats straight into the
-consumer (``flash_attn_varlen_func(q, k, v, **kw, causal=True)``); ``.as_dict()`` gives a plain
-dict. Nothing here imports flash-attn or Transformer Engine; :func:`packed_seq_params` tries
-``megatron.core`` and falls back to a local record.
-
-No adapter syncs the host with the device: the spans travel with the batch
-(:mod:`streampack.layout.spans`), ``max_*`` values are Python ints, and what is computed on the
-device (HF positions, ``seq_idx``) uses only ops whose output shape the host knows
-(``tests/unit/attention/test_sync_free.py`` checks it with a sync detector, on the meta device and on a GPU).
-
-Padding never changes a real token's output under causal attention: it sits after the real
-tokens of its span. Outputs *at* padding are finite garbage and their labels ``ignore_index``,
-so a loss over target rows (:func:`streampack.attention.loss.packed_cross_entropy`) never reads them.
+Every adapter returns a record that is also a ``Mapping``, so it splats straight into the consumer
+(``flash_attn_varlen_func(q, k, v, **kw, causal=True)``); nothing here imports flash-attn or
+Transformer Engine. No adapter syncs the host with the device: the spans travel with the batch,
+``max_*`` values are Python ints, and device-side values use only ops whose output shape the host
+knows (``tests/unit/attention/test_sync_free.py``). Padding sits after the real tokens of its span, so it never
+changes a real token's output under causal attention; its labels are ``ignore_index``.
 """
 
 from __future__ import annotations
@@ -53,15 +46,9 @@ class PackedBatch(Protocol):
 
 
 class KwargsRecord(Mapping[str, Any]):
-    """Mixin for dataclasses whose fields are exactly a consumer's keyword arguments.
-
-    ``fn(**record)`` works because a Mapping is splattable. Built like a dict too --
-    ``type(record)({...})`` -- because that is how HF Trainer's ``_prepare_input``, accelerate's
-    ``send_to_device`` and Lightning's ``apply_to_collection`` rebuild a mapping after moving
-    its tensors; ``.to(device)`` moves the tensors itself (a tensor shared by two fields stays
-    shared). Not frozen, for Lightning (see :class:`streampack.layout.batch.PackedBatch`).
-    Equality is identity (the fields hold tensors, whose ``==`` is elementwise).
-    """
+    """Mixin for dataclasses whose fields are exactly a consumer's keyword arguments: splattable, and
+    built like a dict (``type(record)({...})``) as HF Trainer, accelerate and Lightning rebuild a mapping
+    after moving its tensors. Not frozen, for Lightning; equality is identity."""
 
     __slots__ = ()
 
@@ -169,13 +156,9 @@ class LocalPackedSeqParams(KwargsRecord):
 
 @dataclass(**_RECORD)
 class HFInputs(KwargsRecord):
-    """Keyword arguments of an HF transformers causal LM, as ``DataCollatorWithFlattening``
-    emits them: ``model(**batch.hf_inputs())``. All tensors are ``[1, T]`` except the cu's.
-
-    ``use_cache`` is a field (``False``) on purpose: sdpa/eager/flex models detect packing from
-    ``position_ids`` only when ``attention_mask is None`` and no KV cache exists; with a cache
-    the documents silently attend to each other. Never pass an ``attention_mask``.
-    """
+    """Keyword arguments of an HF causal LM, as ``DataCollatorWithFlattening`` emits them (``[1, T]`` but
+    the cu's). ``use_cache=False`` on purpose: sdpa/eager/flex models detect packing from
+    ``position_ids`` only without a KV cache and ``attention_mask``; else documents attend to each other."""
 
     input_ids: torch.Tensor
     """int64 ``[1, T]``."""
@@ -232,19 +215,14 @@ def te_kwargs(batch: PackedBatch, *, causal: bool = True) -> TEKwargs:
     # identity, not equality, is what TE checks; `has_padding` is a Python comparison of the
     # batch's token counts, so this costs no device sync
     padded = _device_int32(batch.cu_seqlens_padded, device) if batch.has_padding else real
-    return TEKwargs(
-        cu_seqlens_q=real, cu_seqlens_kv=real,
-        cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
-        max_seqlen_q=int(batch.max_seqlen), max_seqlen_kv=int(batch.max_seqlen),
-        attn_mask_type="padding_causal" if causal else "padding",
-    )
+    return TEKwargs(cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                    max_seqlen_q=int(batch.max_seqlen), max_seqlen_kv=int(batch.max_seqlen),
+                    attn_mask_type="padding_causal" if causal else "padding")
 
 
 def packed_seq_params(batch: PackedBatch, *, causal: bool = True) -> Any:
-    """Megatron ``PackedSeqParams`` (the same tensors as :func:`te_kwargs`), or a
-    :class:`LocalPackedSeqParams` with the same fields when megatron-core is not installed.
-    Megatron's own ``attn_mask_type`` stays in its config; use ``padding_causal`` there too.
-    (The first call imports ``megatron.core``: about 8 s on a CPU machine.)"""
+    """Megatron ``PackedSeqParams`` (the tensors of :func:`te_kwargs`), or a :class:`LocalPackedSeqParams`
+    without megatron-core; use ``padding_causal`` in Megatron's config too."""
     te = te_kwargs(batch, causal=causal)
     values = {k: te[k] for k in (f.name for f in fields(LocalPackedSeqParams))}
     try:
@@ -255,9 +233,8 @@ def packed_seq_params(batch: PackedBatch, *, causal: bool = True) -> Any:
 
 
 def hf_labels(batch: PackedBatch) -> torch.Tensor:
-    """int64 ``[T]`` unshifted labels: ``out[t] = batch.labels[t-1]``, ``-100`` at ``t = 0`` and
-    wherever ``batch.labels`` ignores. Every document start gets ``-100`` from the PackedBatch
-    contract (the previous position is a document's last token or padding, both ignored)."""
+    """int64 ``[T]`` unshifted labels: ``out[t] = batch.labels[t-1]``, ``-100`` at ``t = 0`` and wherever
+    ``batch.labels`` ignores (so at every document start)."""
     labels = batch.labels
     shifted = torch.cat([labels.new_full((1,), HF_IGNORE_INDEX), labels[:-1]])
     if batch.ignore_index != HF_IGNORE_INDEX:
@@ -266,22 +243,16 @@ def hf_labels(batch: PackedBatch) -> torch.Tensor:
 
 
 def hf_inputs(batch: PackedBatch) -> HFInputs:
-    """``[1, T]`` inputs for HF transformers with packing (flash_attention_2 uses the cu's;
-    sdpa/eager/flex rebuild the same spans from ``position_ids``). Loss:
-    ``model(**batch.hf_inputs()).loss`` is the token mean over ``batch.num_targets``."""
+    """``[1, T]`` inputs for HF transformers with packing; ``.loss`` is the token mean over ``num_targets``."""
     device = batch.input_ids.device
     cu = _device_int32(batch.varlen_cu_seqlens, device)
     total = batch.total_tokens
     index = span_index(cu, total)
     positions = torch.arange(total, device=device) - cu.to(torch.int64)[index.to(torch.int64)]
-    return HFInputs(
-        input_ids=batch.input_ids.unsqueeze(0),
-        position_ids=positions.unsqueeze(0),
-        labels=hf_labels(batch).unsqueeze(0),
-        cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-        max_length_q=batch.varlen_max_seqlen, max_length_k=batch.varlen_max_seqlen,
-        seq_idx=index.unsqueeze(0),
-    )
+    return HFInputs(input_ids=batch.input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                    labels=hf_labels(batch).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                    max_length_q=batch.varlen_max_seqlen, max_length_k=batch.varlen_max_seqlen,
+                    seq_idx=index.unsqueeze(0))
 
 
 def ssm_kwargs(batch: PackedBatch) -> SSMKwargs:

@@ -23,20 +23,8 @@ import numpy as np
 import torch
 
 from streampack.layout import adapters, transfer
-from streampack.layout.documents import (
-    alloc_extras,
-    check_doc,
-    check_extras,
-    normalize,
-    targets,
-)
-from streampack.layout.spans import (
-    doc_places,
-    longest,
-    offset_fields,
-    span_index,
-    varlen_offsets,
-)
+from streampack.layout.documents import alloc_extras, check_doc, check_extras, normalize, targets
+from streampack.layout.spans import doc_places, longest, offset_fields, span_index, varlen_offsets
 from streampack.layout.stats import WorkerStats
 from streampack.layout.vision_adapters import hf_vision_inputs
 from streampack.layout.vision_batch import VisionBatch, VisionLayout, vision_batch
@@ -45,10 +33,8 @@ from streampack.sample import Sample
 _INT32_MAX = 2**31 - 1
 
 
-# Not frozen (treat it as immutable: `.to`, `map_tensors` and `dataclasses.replace` return new
-# batches): Lightning's apply_to_collection, which its precision plugins ("bf16-true", "16-true")
-# and FSDP / DeepSpeed input conversion run on every batch, rebuilds a dataclass by setattr on a
-# copy and raises "A frozen dataclass was passed" for a frozen one.
+# Not frozen (treat it as immutable): Lightning's apply_to_collection, run on every batch by its precision
+# plugins and FSDP / DeepSpeed input conversion, rebuilds a dataclass by setattr and refuses a frozen one.
 @dataclass(slots=True, kw_only=True, eq=False)
 class PackedBatch:
     """One micro-batch of ``num_packs`` packs of ``capacity`` tokens, flattened to ``T`` tokens."""
@@ -92,15 +78,11 @@ class PackedBatch:
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Per-token side tensors ``[T, ...]`` packed with the same layout, zero-padded."""
     est_cost: float | None = None
-    """Estimated compute of the real documents, ``linear × num_tokens + attention × Σ L²`` of a
-    :class:`streampack.packing.CostModel` (set by the pipeline's collate with ``CostOptions(model=)``,
-    else None). Gathered over data-parallel ranks it shows a step's imbalance."""
+    """``linear × num_tokens + attention × Σ L²`` of the stream's ``CostOptions(model=)``, else None."""
     vision: VisionBatch | None = None
-    """The images of the batch's documents (:mod:`streampack.layout.vision_batch`): on every batch
-    of a media stream, empty when no document has one; None for text streams."""
+    """The images of the batch's documents (:mod:`streampack.layout.vision_batch`); None for text streams."""
     stats: WorkerStats | None = None
-    """Running totals of the reader that built this batch (set by the pipeline's collate stage;
-    ``None`` for a batch built directly with :func:`pack_batch`)."""
+    """Running totals of the reader that built this batch (None from :func:`pack_batch` directly)."""
 
     @property
     def num_docs(self) -> int:
@@ -138,8 +120,7 @@ class PackedBatch:
         return self.num_tokens / self.total_tokens if self.total_tokens else 0.0
 
     def map_tensors(self, fn: Any) -> PackedBatch:
-        """A copy with ``fn`` applied once to every tensor field (including extras); a tensor
-        shared by two fields stays shared."""
+        """A copy with ``fn`` applied once to every tensor (a tensor shared by two fields stays shared)."""
         done: dict[int, torch.Tensor] = {}
 
         def once(t: torch.Tensor) -> torch.Tensor:
@@ -214,16 +195,11 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
                pad_id: int = 0, ignore_index: int = -100, vision_layout: VisionLayout | None = None) -> PackedBatch:
     """Lay out ``packs`` (each a list of documents) as one THD :class:`PackedBatch`.
 
-    Each document is a :class:`~streampack.sample.Sample`, a mapping with ``input_ids`` (and
-    optionally ``labels``, ``loss_mask``, ``key`` and per-token extras ``[L, ...]``) or a plain
-    sequence of ids. Every pack occupies exactly ``capacity`` tokens; each document is padded
-    to a multiple of ``align`` and a pack's trailing padding joins its last document's span.
-    Token ids and labels of any integer dtype become int64 (non-integral or out-of-range ids
-    are a ``ValueError``); a document's own label ``-100`` (the Sample convention) becomes
-    ``ignore_index``; ``labels``, ``loss_mask`` and extras must have one row per token, and an
-    extra the same per-token shape in every document. ``vision_layout`` (a media stream's,
-    :class:`~streampack.layout.vision_batch.VisionLayout`) gives every batch a ``vision``, images or
-    not; without it ``vision`` is None unless a document has images.
+    A document is a :class:`~streampack.sample.Sample`, a mapping with ``input_ids`` (and optionally
+    ``labels``, ``loss_mask``, ``key``, per-token extras) or a sequence of ids (:mod:`.documents`). Every
+    pack occupies ``capacity`` tokens; each document is padded to a multiple of ``align`` and a pack's
+    trailing padding joins its last span; a label ``-100`` becomes ``ignore_index``. ``vision_layout`` (a
+    media stream's) gives every batch a ``vision``, images or not.
     """
     capacity, align = _positive_int(capacity, "capacity"), _positive_int(align, "align")
     if capacity % align:

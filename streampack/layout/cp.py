@@ -1,15 +1,9 @@
 """Context-parallel sharding of a THD batch, token for token as Transformer Engine does it.
 
-Rank ``r`` of ``W`` takes, from each document whose padded span is ``L`` tokens at offset
-``s`` (``c = L / 2W``), the chunk ``[s + r·c, s + (r+1)·c)`` followed by the mirrored chunk
-``[s + (2W−1−r)·c, s + (2W−r)·c)``: every rank gets one early and one late piece of every
-document, so causal attention costs the same on every rank. This is
-``transformer_engine.pytorch.cpp_extensions.thd_get_partitioned_indices``; TE's own test case
-(``cu_seqlens_padded=[0, 8, 16]``, ``W=2``) gives rank 0 ``[0,1,6,7,8,9,14,15]`` and rank 1
-``[2,3,4,5,10,11,12,13]``.
-
-Labels are shifted before sharding (PackedBatch stores next-token targets), so a rank never
-needs its neighbour's tokens to build its targets.
+Rank ``r`` of ``W`` takes, from each document whose padded span is ``L`` tokens at offset ``s`` (``c = L / 2W``), ``[s +
+r·c, s + (r+1)·c)`` then the mirrored ``[s + (2W−1−r)·c, s + (2W−r)·c)``, so causal attention costs the same on every
+rank (``thd_get_partitioned_indices``; TE's own case ``cu_seqlens_padded=[0, 8, 16]``, ``W=2`` gives rank 0
+``[0,1,6,7,8,9,14,15]``). Labels are shifted before sharding, so a rank never needs its neighbour's tokens.
 """
 
 from __future__ import annotations
@@ -83,23 +77,14 @@ def cp_shard(batch: PackedBatch, cp_size: int, cp_rank: int) -> CPShard:
     """The slice of ``batch`` that context-parallel rank ``cp_rank`` of ``cp_size`` holds."""
     idx = cp_partition_indices(batch.cu_seqlens_padded, batch.total_tokens, cp_size, cp_rank)
     labels = batch.labels[idx]
-    return CPShard(
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        indices=idx,
-        input_ids=batch.input_ids[idx],
-        labels=labels,
-        position_ids=batch.position_ids[idx],
-        seq_idx=batch.seq_idx[idx],
-        cu_seqlens=batch.cu_seqlens,
-        cu_seqlens_padded=batch.cu_seqlens_padded,
-        cu_seqlens_padded_local=torch.div(batch.cu_seqlens_padded, cp_size,
-                                          rounding_mode="floor").to(torch.int32),
-        max_seqlen=batch.max_seqlen,
-        num_targets=batch.num_targets,
-        num_targets_local=int((labels != batch.ignore_index).sum()),
-        extras={k: v[idx] for k, v in batch.extras.items()},
-    )
+    return CPShard(cp_size=cp_size, cp_rank=cp_rank, indices=idx, input_ids=batch.input_ids[idx], labels=labels,
+                   position_ids=batch.position_ids[idx], seq_idx=batch.seq_idx[idx], cu_seqlens=batch.cu_seqlens,
+                   cu_seqlens_padded=batch.cu_seqlens_padded,
+                   cu_seqlens_padded_local=torch.div(batch.cu_seqlens_padded, cp_size,
+                                                     rounding_mode="floor").to(torch.int32),
+                   max_seqlen=batch.max_seqlen, num_targets=batch.num_targets,
+                   num_targets_local=int((labels != batch.ignore_index).sum()),
+                   extras={k: v[idx] for k, v in batch.extras.items()})
 
 
 def cp_unshard(parts: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor) -> torch.Tensor:

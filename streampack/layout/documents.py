@@ -1,9 +1,8 @@
 """What :func:`~streampack.layout.batch.pack_batch` accepts, checked before anything is laid out.
 
-A document arrives as a :class:`~streampack.sample.Sample`, a mapping or a plain id sequence;
-every form ends as a Sample whose per-token fields (labels, loss mask, extras) have exactly one
-row per token and whose ids are int64. numpy would otherwise broadcast a wrong-length field or
-cast ``-100`` into a small unsigned dtype without a word, which trains on padding.
+A Sample, a mapping or a plain id sequence, each ending as a Sample whose per-token fields have one
+row per token and whose ids are int64 (numpy would otherwise broadcast a wrong-length field or cast
+``-100`` into an unsigned dtype without a word, which trains on padding).
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ def _as_ids(arr: np.ndarray, what: str, key: str) -> np.ndarray:
 
 
 def normalize(doc: Any, index: tuple[int, int]) -> Sample:
-    """Accept a Sample, a mapping (``input_ids``/``tokens``, ``labels``, ``loss_mask``, ``key``,
-    other keys = extras) or a plain sequence of token ids."""
+    """A Sample from a Sample, a mapping (other keys than the known ones are extras) or a sequence of ids."""
     if isinstance(doc, Sample):
         return doc
     default_key = f"pack{index[0]}/doc{index[1]}"
@@ -68,13 +66,10 @@ def normalize(doc: Any, index: tuple[int, int]) -> Sample:
             raise ValueError(f"document {key!r} has no 'input_ids' (keys: {sorted(doc)})")
         labels = doc.pop("labels", None)
         mask = doc.pop("loss_mask", None)
-        return Sample(
-            key=key,
-            tokens=_as_array(tokens, "tokens", key),
-            labels=None if labels is None else _as_array(labels, "labels", key),
-            loss_mask=None if mask is None else _as_array(mask, "loss_mask", key),
-            extras={k: _as_array(v, k, key) for k, v in doc.items()},
-        )
+        return Sample(key=key, tokens=_as_array(tokens, "tokens", key),
+                      labels=None if labels is None else _as_array(labels, "labels", key),
+                      loss_mask=None if mask is None else _as_array(mask, "loss_mask", key),
+                      extras={k: _as_array(v, k, key) for k, v in doc.items()})
     return Sample(key=default_key, tokens=_as_array(doc, "tokens", default_key))
 
 
@@ -117,9 +112,8 @@ def targets(doc: Sample, ignore_index: int) -> np.ndarray:
 
 
 def check_extras(docs: list[list[Sample]]) -> list[str]:
-    """Extra names, present on every document with the same trailing shape: numpy would
-    otherwise broadcast a ``[L, 1]`` (or, when ``L`` happens to match, an ``[L]``) extra into
-    another document's ``[L, 3]`` layout without a word."""
+    """Extra names, present on every document with the same trailing shape: numpy would otherwise broadcast a ``[L, 1]``
+    (or, when ``L`` happens to match, an ``[L]``) extra into another document's ``[L, 3]`` layout without a word."""
     flat = [d for pack in docs for d in pack]
     names = sorted(flat[0].extras) if flat else []
     for d in flat:

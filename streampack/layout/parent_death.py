@@ -1,11 +1,8 @@
 """A DataLoader worker process ends with the training process, whatever it is blocked on.
 
-torch's worker loop notices a dead parent only between fetches, so a worker blocked elsewhere
-(writing the result pipe, whose read end a forked sibling keeps open) outlives a SIGKILLed
-training process for good: ~400 MB per worker with a pre-tokenized tar stream at capacity 2048.
-The kernel's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) ends it the moment its
-parent dies. Linux only. The signal follows the parent *thread* that started the worker: start
-iterating a loader in a thread that outlives it, as training loops do.
+torch's worker loop notices a dead parent only between fetches, so a worker blocked writing its
+result pipe outlived a SIGKILLed trainer for good (~400 MB each); ``prctl(PR_SET_PDEATHSIG, SIGKILL)``
+ends it at once. Linux only; the signal follows the parent thread that started the worker.
 """
 
 from __future__ import annotations

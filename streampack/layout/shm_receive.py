@@ -1,18 +1,10 @@
 """The receiving side of :mod:`streampack.layout.shm_ring`: map a sender's slot, give it back.
 
-A receiver keeps each slot it has seen mapped (and each sender's release pipe open), keyed by the
-sender's pid, fd and the file's ``(st_dev, st_ino)``: a batch in a known slot costs no ``open``,
-``mmap``, page faults or ``munmap`` (reading one 768 KiB batch: 1.2 ms from a fresh mapping, 0.4
-ms from a kept one, loaded 2-core box). A kept mapping holds its memfd alive, so the identity
-check on the key is sound. Each sender is watched through a pidfd (Linux 5.3+) by one idle
-daemon thread that drops the sender's entries when it exits, so nothing of a finished loader
-stays mapped once its batches are freed; entries of senders that are gone are also dropped
-whenever a new slot is mapped, and a failed release drops its sender's at once.
-
-A batch whose sender died before it was received cannot be mapped: :func:`attach` raises a
-``RuntimeError`` saying so (torch's loader then reports the worker as exited unexpectedly). Only
-the process that attached a slot releases it: a forked child that frees an inherited copy must
-not hand the parent's slot back.
+A receiver keeps each slot it has seen mapped, keyed by the sender's pid, fd and the file's
+``(st_dev, st_ino)``: a batch in a known slot costs no ``open``, ``mmap`` or page faults (a 768 KiB
+batch: 1.2 ms from a fresh mapping, 0.4 ms from a kept one). A pidfd watch drops a sender's entries
+when it exits. A batch whose sender died first raises ``RuntimeError`` in :func:`attach`; only the
+process that attached a slot releases it (a forked child must not hand the parent's slot back).
 """
 
 from __future__ import annotations
@@ -103,9 +95,8 @@ def _release(attacher: int, pipe: tuple[int, int, tuple[int, int]], ticket: byte
 
 
 def _exited(pid: int) -> bool:
-    """Whether ``pid`` has exited (or does within :data:`EXIT_WAIT_S`): a killed process closes
-    its files before it becomes a zombie, so a vanished slot can be seen a moment before the
-    exit that the DataLoader checks for."""
+    """Whether ``pid`` has exited (or does within :data:`EXIT_WAIT_S`): a killed process closes its files before it
+    becomes a zombie, so a vanished slot can be seen a moment before the exit that the DataLoader checks for."""
     deadline = time.monotonic() + EXIT_WAIT_S
     while True:
         try:

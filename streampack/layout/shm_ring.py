@@ -1,21 +1,13 @@
 """Reusable shared-memory slots for batches leaving a process, released by the receiver.
 
-A process keeps a *ring* of slots -- one anonymous ``memfd`` each, mapped once, so its pages are
-faulted in once -- and copies a batch's large storages into a free one, where torch's
-``file_system`` sharing makes a new segment per batch through ``torch_shm_manager`` (0.25-1.4 s to
-start before a worker's first batch on the 2-core box). The receiver maps the slot through
-``/proc/<pid>/fd/<fd>`` (:mod:`streampack.layout.shm_receive`) and, when the last tensor viewing it
-is freed, writes the slot's ticket into the sender's *release pipe*; the sender reads that pipe
-before taking a slot, so a batch the trainer still holds is never overwritten (a held slot stays
-out of the ring; past ``MAX_SLOTS`` or ``MAX_BYTES`` in flight :func:`take` returns None and the
-batch goes torch's way). The pipe also orders memory: the receiver's reads come before its
-``write``, the sender's reuse after its ``read``.
-
-Each reference carries the (device, inode) of the memfd and of the pipe, checked by the receiver
-before mapping or writing (a reused pid is refused). Nothing leaks when a process dies: a memfd
-has no name. Linux only; :func:`available` is False elsewhere, when this process cannot open its
-own ``/proc/self/fd`` entries, and when Yama's ``ptrace_scope`` is 2 or 3 (the training process
-may then not open its workers' fds). Batches then take torch's own hand-over.
+A process keeps a ring of slots (one anonymous ``memfd`` each, mapped once) and copies a batch's large storages into a
+free one, where torch's ``file_system`` sharing makes a segment per batch through ``torch_shm_manager`` (0.25-1.4 s to
+start before a worker's first batch). The receiver maps the slot through ``/proc/<pid>/fd/<fd>`` and, when the last view
+is freed, writes its ticket into the sender's release pipe, which the sender reads before taking a slot, so a held batch
+is never overwritten (past ``MAX_SLOTS`` / ``MAX_BYTES`` :func:`take` returns None and the batch goes torch's way); the
+pipe also orders memory. References carry the memfd's and pipe's (device, inode), so a reused pid is refused. Linux
+only: :func:`available` is False elsewhere, without readable ``/proc/self/fd`` entries or under Yama ``ptrace_scope`` 2
+or 3.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""The THD batch laid out from documents given as slices of token arrays, in whole-array work.
+"""The THD batch laid out from documents given as ``(array, start, length)`` slices of the buffers they
+were read into: how the collate lays out documents read as token blocks.
 
-:func:`pack_slices` is :func:`~streampack.layout.batch.pack_batch` for plain pre-tokenized
-documents (ids only) given as ``(array, start, length)`` slices of the buffers they were read
-into: how the collate lays out documents read as token blocks. Its output is pack_batch's, field
-for field (``tests/unit/nodes/test_block_reads.py`` compares them). With ``align == 1`` each ``[T]`` row is one
-``concatenate`` of views: 0.18 ms a batch of 8 x 4096 tokens where ``pack_batch`` takes 0.52 ms
-on the same documents as Samples (54 documents, 2-core box).
+:func:`pack_slices` gives :func:`~streampack.layout.batch.pack_batch`'s output field for field
+(``tests/unit/nodes/test_block_reads.py``); with ``align == 1`` each ``[T]`` row is one ``concatenate`` of views:
+0.18 ms a batch of 8 x 4096 tokens where ``pack_batch`` takes 0.52 ms on the same documents.
 """
 
 from __future__ import annotations
@@ -35,14 +33,9 @@ def pack_slices(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.n
                 doc_keys: tuple[str, ...], *, capacity: int, align: int = 1, pad_id: int = 0,
                 ignore_index: int = -100, ids_nonnegative: bool = False) -> PackedBatch:
     """The :class:`PackedBatch` of ``len(pack_sizes)`` packs: document ``i`` is
-    ``sources[i][starts[i]:starts[i] + lengths[i]]`` (any integer dtype; int ``[n]`` starts and
-    lengths, ``n = sum(pack_sizes)``), pack ``p`` holds the next ``pack_sizes[p]`` documents, in
-    order; ``doc_keys`` name them. Every document is padded to a multiple of ``align`` and a
-    pack's trailing padding joins its last document's span, as in ``pack_batch``. ``capacity``
-    and ``align`` are a collate's ``BatchLayout``, taken as checked (``StreamConfig`` checks
-    ``capacity % align`` once). ``ids_nonnegative``: the caller knows no id is negative (the
-    readers checked every one), so none equals a negative ``ignore_index`` and the targets are
-    counted without a pass."""
+    ``sources[i][starts[i]:starts[i] + lengths[i]]``, pack ``p`` holds the next ``pack_sizes[p]``;
+    ``capacity`` and ``align`` are taken as checked. ``ids_nonnegative``: the readers checked every id,
+    so none equals a negative ``ignore_index`` and the targets are counted without a pass."""
     num_packs = len(pack_sizes)
     total = num_packs * capacity
     if not num_packs or total > _INT32_MAX:
@@ -57,10 +50,9 @@ def pack_slices(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.n
 def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np.ndarray, pack_sizes: Sequence[int],
                   doc_keys: tuple[str, ...], *, capacity: int, pad_id: int, ignore_index: int,
                   ids_nonnegative: bool) -> PackedBatch:
-    """``align == 1``: each of the three ``[T]`` rows is one ``concatenate`` of views (a
-    document, its shifted ids, a run of a constant); the offsets are Python ints gathered on the
-    way (with no alignment padding the causal varlen spans are the padded offsets plus each
-    non-full pack's real end, so ``offset_fields``' sort is not needed)."""
+    """``align == 1``: each of the three ``[T]`` rows is one ``concatenate`` of views (a document, its shifted ids, a
+    run of a constant); the offsets are Python ints gathered on the way (with no alignment padding the causal varlen
+    spans are the padded offsets plus each non-full pack's real end, so ``offset_fields``' sort is not needed)."""
     total = len(pack_sizes) * capacity
     rows = torch.empty((3, total), dtype=torch.int64)
     input_ids, labels, positions = rows.numpy()

@@ -84,11 +84,9 @@ def offset_fields(cu_real: np.ndarray, cu_padded: np.ndarray, align: int) -> dic
 
 def doc_places(lengths: np.ndarray, sizes: Sequence[int], keys: Sequence[str], capacity: int,
                align: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where the documents of ``lengths`` (int ``[n]``, in layout order) go in packs of ``sizes``
-    (pack ``p`` holds the next ``sizes[p]``): int64 ``[n]`` token offset of each and int32
-    ``[n+1]`` offsets of their padded spans (``cu_seqlens_padded``). Each span is its length
-    rounded up to ``align``; a pack's trailing padding joins its last span. ``ValueError`` for an
-    empty pack, an empty document, or one that does not fit (``keys`` name the documents)."""
+    """Where the documents of ``lengths`` (int ``[n]``) go in packs of ``sizes``: int64 ``[n]`` token offsets
+    and int32 ``[n+1]`` ``cu_seqlens_padded``; ``ValueError`` (naming ``keys``) for an empty pack or
+    document, or one that does not fit."""
     sizes = np.asarray(sizes, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     if (sizes < 1).any():

@@ -1,9 +1,8 @@
 """What each batch tells the training process about the reader that built it.
 
-Every :class:`~streampack.layout.batch.PackedBatch` the pipeline builds carries a
-:class:`WorkerStats` (~1 KB pickled): its reader and that reader's running totals, which the
-training process keeps per reader and sums (:class:`streampack.integrations.metrics.StreamMetrics`)
-without serialising any worker's resume state. Totals, not deltas: an unlogged batch loses nothing.
+Every batch carries a :class:`WorkerStats` (~1 KB pickled): its reader and that reader's running
+totals, which :class:`streampack.integrations.metrics.StreamMetrics` keeps per reader and sums.
+Totals, not deltas: an unlogged batch loses nothing.
 """
 
 from __future__ import annotations

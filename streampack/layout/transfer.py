@@ -1,20 +1,12 @@
 """How a batch crosses from a DataLoader worker to the training process, without a handshake.
 
-torch's default moves every storage into its own shared-memory segment, whose descriptor the
-receiver fetches over a socket from the worker's ``resource_sharer`` thread -- a thread that
-needs the worker's GIL while the worker builds the next batch. :func:`reduce_batch` sends each
-distinct storage of a batch once instead: a small one (up to ``INLINE_BYTES``) inside the pickle,
-the large ones copied together into one reused slot of the sender's shared-memory ring
-(:mod:`streampack.layout.shm_ring`, received by :mod:`streampack.layout.shm_receive`), or,
-without a free slot, through torch's ``file_system`` sharing for that one storage (a named
-segment: no socket, no wait on the worker). :func:`from_wire` rebuilds every tensor as a view of
-its received storage, so views that shared a storage still share one and a tensor named by two
-fields stays one object. Per batch: 2.9 ms of CPU with the ring, 3.8 with named segments, 5.0
-with torch's default (``benchmarks/bench_transfer.py``, one worker).
-
-Only the queue between processes uses this (``ForkingPickler.register``; the process-wide
-sharing strategy, ``pickle`` and ``torch.save`` are untouched); a batch holding a tensor that is
-not a plain dense CPU tensor goes the default way.
+torch's default moves every storage into its own segment whose descriptor the receiver fetches over a socket from the
+worker's ``resource_sharer`` thread, which needs the worker's GIL while it builds the next batch. :func:`reduce_batch`
+sends each distinct storage once instead: a small one inside the pickle, the large ones together in one slot of the
+sender's ring (:mod:`streampack.layout.shm_ring`), or, without a free slot, through torch's ``file_system`` sharing;
+:func:`from_wire` rebuilds every tensor as a view of its storage, so shared storages stay shared. Per batch: 2.9 ms of
+CPU with the ring, 3.8 with named segments, 5.0 with torch's default (``benchmarks/bench_transfer.py``). Only the queue
+between processes uses this (``ForkingPickler.register``).
 """
 
 from __future__ import annotations
@@ -202,9 +194,8 @@ def reduce_batch(batch: Any) -> Any:
 
 
 def _reduce_small_tensor(t: torch.Tensor) -> Any:
-    """``ForkingPickler`` reducer for ``torch.Tensor`` in a DataLoader worker: a small plain CPU
-    tensor travels inside the pickle; anything else (large, shared on purpose, on a GPU) the
-    default way."""
+    """``ForkingPickler`` reducer for ``torch.Tensor`` in a DataLoader worker: a small plain CPU tensor travels inside
+    the pickle; anything else (large, shared on purpose, on a GPU) the default way."""
     if _plain_cpu(t) and not t.is_shared():
         storage = t.untyped_storage()
         if storage.nbytes() <= TENSOR_INLINE_BYTES:
@@ -219,10 +210,8 @@ def _rebuild_small_tensor(data: bytes, dtype: torch.dtype, offset: int, size: tu
 
 
 def inline_small_tensors() -> None:
-    """Send small plain tensors from this process by value (call it in a DataLoader worker):
-    the tensors of the state delta StatefulDataLoader sends after every batch cost ~1-3 ms of both
-    processes' CPU each through torch's reduction, and a 0.6-60 KB copy inside the pickle by value.
-    A tensor already in shared memory (shared on purpose) keeps torch's reduction."""
+    """Send small plain tensors from this process by value: a state delta's tensors cost ~1-3 ms of both
+    processes' CPU each through torch's reduction, a 0.6-60 KB copy inside the pickle."""
     ForkingPickler.register(torch.Tensor, _reduce_small_tensor)
 
 
@@ -230,9 +219,8 @@ _settled_pid = 0
 
 
 def settle_worker() -> None:
-    """Once per DataLoader worker process (``PackedDataset.__iter__`` calls it before building its
-    graph): small tensors of the per-batch state deltas travel by value (:func:`inline_small_tensors`).
-    No ``gc.freeze()``: it made the workers slower (``docs/changelog.md``)."""
+    """Once per DataLoader worker process: :func:`inline_small_tensors` (no ``gc.freeze()``: it made the
+    workers slower, ``docs/changelog.md``)."""
     global _settled_pid
     if _settled_pid != os.getpid():
         _settled_pid = os.getpid()

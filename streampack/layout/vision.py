@@ -1,27 +1,18 @@
-"""The vision side of a packed batch, per document of a THD pack, in vectorised torch (no I/O,
-no model, no Python loop over tokens or images): per-frame attention spans for the vision encoder
-and Qwen2-VL's 3-D rotary positions (mRoPE).
+"""The vision side of a packed batch in vectorised torch: per-frame attention spans for the vision
+encoder and Qwen2-VL's 3-D rotary positions (mRoPE), per document.
 
-**Vision ``cu_seqlens``.** Qwen2-VL's vision tower attends inside one frame at a time: an image
-of grid ``(t, h, w)`` is ``t`` segments of ``h·w`` patches (transformers'
-``get_vision_cu_seqlens`` with ``merge_temporal=False``). Grids ``[[1, 4, 6], [2, 2, 2]]`` give
-``cu_seqlens = [0, 24, 28, 32]``.
-
-**mRoPE positions** (Qwen2-VL's ``get_rope_index``, run per document). A text token has the same
-id on all three axes (temporal, height, width), one more than the previous item. An image of grid
-``(t, h, w)`` with spatial merge ``m`` is ``t·(h/m)·(w/m)`` placeholders, t-major then row-major;
-placeholder ``(ti, hi, wi)`` gets ``start + (ti, hi, wi)``, ``start`` being the position the next
-text token would have had, and the text after it resumes at ``start + max(h/m, w/m)``. With m = 2,
-a document ``[txt, txt, img×4 (grid 1×4×4), txt]``::
+Qwen2-VL's vision tower attends inside one frame: an image of grid ``(t, h, w)`` is ``t`` segments of
+``h·w`` patches (grids ``[[1, 4, 6], [2, 2, 2]]`` give ``cu_seqlens = [0, 24, 28, 32]``). mRoPE
+(``get_rope_index``, per document): a text token has the same id on all three axes, one more than the
+previous item; placeholder ``(ti, hi, wi)`` of an image gets ``start + (ti, hi, wi)`` and the text
+after it resumes at ``start + max(h/m, w/m)``. With m = 2, ``[txt, txt, img×4 (grid 1×4×4), txt]``::
 
     temporal  0 1  2 2 2 2  4
     height    0 1  2 2 3 3  4
     width     0 1  2 3 2 3  4
 
-Positions restart at 0 at every ``cu_seqlens`` span (tokens past the last one are one more span:
-pack padding). A placeholder run is cut by each image's own token count, so two adjacent images
-stay two (transformers would merge them and fail); wherever transformers' rule is defined the two
-agree (``tests/unit/layout/test_vision_layout.py``).
+Positions restart at every span. A placeholder run is cut by each image's token count, so adjacent
+images stay two (transformers would merge them); elsewhere both agree (``tests/unit/layout/test_vision_layout.py``).
 """
 
 from __future__ import annotations
@@ -34,8 +25,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ImageSpans:
-    """Where each image's placeholder tokens sit in a packed token axis (one row per image,
-    in order of appearance)."""
+    """Where each image's placeholder tokens sit in a packed token axis (one row per image, in order of appearance)."""
 
     document: torch.Tensor
     """int64 ``[n_images]``: index of the ``cu_seqlens`` span (document) holding the image."""
@@ -61,13 +51,8 @@ def _check_grid(grid_thw: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def vision_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
-    """int32 ``[Σ t + 1]``: cumulative patch counts of the vision encoder's attention segments,
-    one segment per frame (``h·w`` patches, ``t`` segments per image), leading 0.
-
-    ``grid_thw``: int ``[n_images, 3]`` patch grids ``(t, h, w)`` before the spatial merge (the
-    processor's ``image_grid_thw``). The last entry equals the rows of the flattened
-    ``pixel_values``; ``torch.diff`` of it gives each segment's length.
-    """
+    """int32 ``[Σ t + 1]``: cumulative patch counts of the vision encoder's attention segments, one per
+    frame, leading 0, from ``grid_thw`` (int ``[n_images, 3]`` patch grids before the spatial merge)."""
     grid = _check_grid(grid_thw, "grid_thw")
     frames = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
     return F.pad(frames.cumsum(0, dtype=torch.int32), (1, 0), value=0)
@@ -87,13 +72,9 @@ def _spans(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 def image_spans(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, image_grid_thw: torch.Tensor,
                 image_token_id: int, spatial_merge_size: int) -> ImageSpans:
-    """Map each image (a row of ``image_grid_thw``, in order) to its document and its run of
-    ``image_token_id`` placeholders in the packed ``input_ids`` (int ``[T]``).
-
-    ``ValueError`` when the placeholder count differs from the grids' ``Σ t·(h/m)·(w/m)``, when
-    an image's placeholders are not contiguous, or when one crosses a document boundary: any of
-    these would put an image's features on another document's tokens.
-    """
+    """Map each image (a row of ``image_grid_thw``) to its document and its run of placeholders in the
+    packed ``input_ids`` (int ``[T]``); ``ValueError`` when the counts differ, a run is not contiguous or
+    crosses a document boundary (an image's features would land on another document's tokens)."""
     if input_ids.ndim != 1:
         raise ValueError(f"input_ids must be the packed token axis [T], got shape {tuple(input_ids.shape)}")
     if spatial_merge_size < 1:
@@ -127,8 +108,7 @@ def image_spans(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, image_grid_th
 
 
 def _vision_offsets(spans: ImageSpans, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For the placeholders of ``spans``: their token indices, their (ti, hi, wi) offsets inside
-    their image ``[n, 3]``, and the index of the image each belongs to."""
+    """The placeholders of ``spans``: token indices, (ti, hi, wi) offsets ``[n, 3]`` and image index."""
     counts = spans.num_tokens
     image = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
     local = torch.arange(image.numel(), device=counts.device) - (counts.cumsum(0) - counts)[image]
@@ -141,16 +121,9 @@ def mrope_position_ids(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, image_
                        image_token_id: int, spatial_merge_size: int, *,
                        video_grid_thw: torch.Tensor | None = None,
                        video_token_id: int | None = None) -> torch.Tensor:
-    """int64 ``[3, T]``: Qwen2-VL's (temporal, height, width) positions of the packed
-    ``input_ids`` (int ``[T]``), restarting at every document span of ``cu_seqlens`` (int
-    ``[n+1]``, leading 0; the real or the padded offsets; tokens past the last entry are one
-    more span). Equal to transformers' ``Qwen2VLModel.get_rope_index`` run on each document
-    alone, concatenated (see the module docstring for the rule and a worked example).
-
-    ``image_grid_thw``: int ``[n_images, 3]`` patch grids before the merge, in order of their
-    placeholder runs; ``video_grid_thw``/``video_token_id`` likewise for videos (Qwen2-VL spaces
-    video frames by 1 on the temporal axis, as it does an image's single frame).
-    """
+    """int64 ``[3, T]``: Qwen2-VL's mRoPE positions of the packed ``input_ids`` (int ``[T]``), restarting
+    at every span of ``cu_seqlens`` (int ``[n+1]``); ``get_rope_index`` run on each document alone.
+    ``image_grid_thw`` / ``video_grid_thw``: int ``[n, 3]`` patch grids before the merge, in run order."""
     total = input_ids.numel()
     kinds = [image_spans(input_ids, cu_seqlens, image_grid_thw, image_token_id, spatial_merge_size)]
     if video_grid_thw is not None:

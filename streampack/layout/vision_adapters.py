@@ -1,18 +1,9 @@
-"""``hf_inputs()`` of a batch with images: what transformers' Qwen2-VL, LLaVA and LLaVA-NeXT
-forwards take.
+"""``hf_inputs()`` of a batch with images: what transformers' Qwen2-VL, LLaVA and LLaVA-NeXT forwards take.
 
-- Qwen2-VL / Qwen2.5-VL (flattened patches): ``pixel_values [Σ patches, C·t·p·p]``,
-  ``image_grid_thw [n, 3]``, for videos ``pixel_values_videos`` and ``video_grid_thw`` (None
-  when the batch has none of that kind), and ``position_ids [4, 1, T]``: the text positions (row
-  0, from which the model builds its per-document mask) on the 3-D mRoPE positions, on every
-  batch, images or not (with ``[1, T]`` each document would attend to the ones before it).
-- LLaVA (fixed-size images): ``pixel_values [n, 3, H, W]``; text positions as for a text model.
-- LLaVA-NeXT (any-res tiles): ``pixel_values [Σ (1 + tiles), 3, S, S]`` (the flattened form its
-  ``get_image_features`` accepts: no padding to the batch's most tiles) and ``image_sizes
-  [n, 2]`` (height, width), from which the model splits the rows per image.
-
-``PackedBatch.hf_inputs()`` adds these to the text-only :func:`streampack.layout.adapters.hf_inputs`.
-Image tokens' labels are ``-100`` (loss mask 0): no position is trained to predict one.
+Qwen2-VL: ``pixel_values [Σ patches, C·t·p·p]``, ``image_grid_thw``, the video pair, and
+``position_ids [4, 1, T]`` (text positions on the mRoPE ones, on every batch: with ``[1, T]`` each
+document would attend to the ones before it). LLaVA: ``pixel_values [n, 3, H, W]``. LLaVA-NeXT:
+``pixel_values [Σ (1 + tiles), 3, S, S]`` and ``image_sizes [n, 2]``. Image tokens' labels are -100.
 """
 
 from __future__ import annotations

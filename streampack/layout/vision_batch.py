@@ -11,16 +11,9 @@ grid (1, 4, 4) -> 16 patches, 4 image tokens ``I``, then 2 text tokens; document
     vision_cu_seqlens      [0, 16]                   (patches per image: varlen attention in the ViT)
     mrope_position_ids     [3, T]: per document, restarting at 0 (Qwen2-VL's rule)
 
-A video (Qwen2-VL, frames grouped by the temporal patch) has the same fields prefixed
-``video_`` (``pixel_values_videos``, ``video_grid_thw`` ``(t, h, w)``, ``video_doc``, ...,
-``video_cu_seqlens``: one segment per temporal patch); the mRoPE positions cover both. A
-LLaVA-NeXT any-res image is ``1 + tiles`` rows of ``pixel_values`` ``[Σ tiles, 3, S, S]``, with
-``image_grid_thw`` ``(1 + tiles, S, S)`` and its stored ``(height, width)`` in ``image_sizes``.
-
-A media stream gives its :class:`VisionLayout` to every batch, so a batch without images (a
-filler included) is an empty ``VisionBatch`` of that layout rather than None, and ``hf_inputs()``
-keeps the model's ``position_ids`` layout (Qwen2-VL ``[4, 1, T]``) on every step. The spans and
-positions are computed by :mod:`streampack.layout.vision`.
+Videos have the same fields prefixed ``video_``; a LLaVA-NeXT image is ``1 + tiles`` rows with its ``(height, width)``
+in ``image_sizes``. A media stream gives every batch its :class:`VisionLayout`, so a batch without images (a filler
+included) is an empty ``VisionBatch`` and keeps the model's ``position_ids`` layout.
 """
 
 from __future__ import annotations
@@ -137,11 +130,8 @@ def _check_layout(every: list[tuple[int, Any, Any]], layout: VisionLayout) -> No
 
 def vision_batch(docs: Sequence[Any], starts: Sequence[int], input_ids: torch.Tensor,
                  varlen_cu_seqlens: torch.Tensor, layout: VisionLayout | None = None) -> VisionBatch | None:
-    """The batch's images and videos from its documents (``streampack.media.node.DecodedImage``
-    each) laid out at token offsets ``starts``. mRoPE positions restart at the spans of
-    ``varlen_cu_seqlens``, the spans ``hf_inputs``' text positions restart at (a pack's trailing
-    padding is its own span). With ``layout`` (a media stream's) a batch without any image is an
-    empty :class:`VisionBatch` of that layout; without, it is None and the layout is the images'."""
+    """The batch's images and videos from its documents laid out at token offsets ``starts`` (mRoPE restarting at
+    ``varlen_cu_seqlens``); with ``layout`` a batch without images is an empty :class:`VisionBatch`, without it None."""
     every = [(d, doc, im) for d, doc in enumerate(docs) for im in doc.images]
     for _, doc, im in every:
         if not hasattr(im, "pixels"):

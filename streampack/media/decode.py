@@ -1,25 +1,12 @@
 """Encoded image -> the pixel values a VLM's vision encoder takes, as its HF processor makes them.
 
-Runs only for samples of emitted packs (:class:`~streampack.media.node.DecodeImages`), in the
-reader process (a DataLoader worker). The steps are the transformers PIL-backend processors'
-(``Qwen2VLImageProcessorPil``, ``LlavaImageProcessorPil``), checked against them on the same
-images (``tests/unit/media/test_media.py``): convert to RGB compositing transparency onto white, resize
-with PIL bicubic on 8-bit pixels, rescale by 1/255, normalise per channel (CLIP mean/std), then
-
-- :class:`~streampack.media.tokens.DynamicResolution`: ``smart_resize``, then the flattened
-  patches ``[gh·gw, C·t·p·p]`` (the frame repeated ``t`` = 2 times, merge-window order) with
-  ``grid_thw = (1, gh, gw)``;
-- :class:`~streampack.media.tokens.FixedTokens`: shortest edge to ``size``, center crop to
-  ``size x size``, ``[3, size, size]``;
-- :class:`~streampack.media.tokens.AnyResTiles`: the base view and the tiles of the best grid
-  pinpoint, ``[1 + tiles, 3, S, S]`` (:mod:`streampack.media.tiles`, against
-  ``LlavaNextImageProcessorPil``).
-
-Videos (frame lists) are :mod:`streampack.media.video_decode`.
-
-A body that the header accepted but that does not decode (truncated, corrupt) is
-``DataError("bad_image")`` naming shard, key and image. PIL's own decompression-bomb check
-stays on as a second line behind ``Limits.max_image_pixels`` (checked on the header first).
+Runs only for samples of emitted packs, in the reader process. The steps are the transformers
+PIL-backend processors' (``Qwen2VLImageProcessorPil``, ``LlavaImageProcessorPil``), checked against
+them in ``tests/unit/media/test_media.py``: RGB over white, PIL bicubic on 8-bit pixels, rescale, CLIP
+normalisation, then the rule's layout (:class:`~streampack.media.tokens.DynamicResolution`:
+flattened patches ``[gh·gw, C·t·p·p]`` and ``grid_thw``; ``FixedTokens``: ``[3, size, size]``;
+``AnyResTiles``: :mod:`streampack.media.tiles`). A body the header accepted that does not decode is
+``DataError("bad_image")``; PIL's decompression-bomb check stays on behind ``Limits.max_image_pixels``.
 """
 
 from __future__ import annotations

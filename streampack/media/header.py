@@ -1,20 +1,11 @@
 """An image's size and mode from its header only: what its token count needs, before any pixel.
 
-``PIL.Image.open`` is lazy: it parses the header (JPEG markers up to the frame header, PNG's
-IHDR) and decodes no pixel until ``load()`` — 623 bytes of a JPEG and 41 of a PNG read, ~30-75 us
-per image whatever its size, against 3-260 ms for a full decode of a 640x480 to 1920x1080 image
-(``benchmarks/bench_media.py``, loaded 2-core box).
-PIL's WebP plugin is the exception: its ``open`` hands the whole file to libwebp's demuxer (all
-823 KB of a 1080p WebP read, 2.5 ms). So WebP's size and alpha are read here from the first 30
-bytes of its RIFF header (the ``VP8 ``/``VP8L``/``VP8X`` chunk, RFC 9649), ~5 us, the same
-numbers as PIL's (tested on lossy, lossless and alpha files); a header this cannot read goes to
-PIL, and a body that disagrees with its header is refused at decode.
-
-Untrusted bytes: only the JPEG, PNG and WebP decoders are ever tried (``formats=``), so no
-plugin that shells out (PIL's EPS plugin runs Ghostscript) can be reached; the declared size is
-checked against ``Limits.max_image_pixels`` here, before any decode (a 50,000 x 50,000 PNG is a
-few KB of zeros that would inflate to 7.5 GB); a mode the decoder cannot turn into RGB is
-refused. Each problem is a :class:`~streampack.errors.DataError` naming shard, key and image.
+``PIL.Image.open`` parses only the header (623 bytes of a JPEG, 41 of a PNG; ~30-75 us per image against 3-260 ms for a
+full decode, ``benchmarks/bench_media.py``), except for WebP, whose ``open`` reads the whole file (2.5 ms at 1080p):
+WebP's size and alpha are read here from the first 30 bytes of its RIFF header (RFC 9649), ~5 us. Untrusted bytes: only
+the JPEG, PNG and WebP decoders are ever tried, the declared size is checked against ``Limits.max_image_pixels`` before
+any decode, and a mode that cannot become RGB is refused, each as a :class:`~streampack.errors.DataError` naming shard,
+key and image.
 """
 
 from __future__ import annotations
@@ -66,15 +57,13 @@ def read_header(data: bytes, *, url: str, key: str, name: str, max_pixels: int) 
     from PIL import Image
 
     header = webp_header(data)
-    if header is not None:
-        check_header(header, url=url, key=key, name=name, max_pixels=max_pixels)
-        return header
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
-            with Image.open(io.BytesIO(data), formats=FORMATS) as im:
-                header = ImageHeader(width=int(im.width), height=int(im.height), mode=str(im.mode),
-                                     format=str(im.format))
+        if header is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
+                with Image.open(io.BytesIO(data), formats=FORMATS) as im:
+                    header = ImageHeader(width=int(im.width), height=int(im.height), mode=str(im.mode),
+                                         format=str(im.format))
     except Image.DecompressionBombError as e:
         raise DataError("image_too_large", f"image {name!r}: {e}", url=url, key=key, value=name) from None
     except Image.UnidentifiedImageError:  # its message names only a BytesIO's address

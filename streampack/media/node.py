@@ -1,18 +1,10 @@
 """Decode after packing: the stage right after the packer turns emitted packs' images into pixels.
 
-The packer has seen lengths only; a pack leaving it is what will be trained, so decoding here
-makes pixel memory and decode CPU scale with what is trained, never with the window: samples
-waiting in a window hold their encoded bytes (a 640x480 JPEG: 109 KB), not their pixels (the
-same image as Qwen2-VL float32 patches, 3 channels x 2 temporal copies: 1,564 x 1,176 floats,
-7.4 MB). The node is a map over packs: its state is its source's plus counters,
-so resume is exactly the packer's.
-
-Each image (and each video) becomes a :class:`DecodedImage` carrying where its tokens sit in
-its document (the run of ``image_token_id`` / ``video_token_id`` of the same length, in order);
-a sample whose runs do not match its images (a stage that changed the tokens after the expansion;
-the overlong policy never cuts through an image, :mod:`streampack.nodes.overlong`), or a sample
-without images holding image or video tokens, is ``DataError("image_tokens_mismatch")``. A bad
-image follows ``on_error``: ``"skip"`` drops its sample from the pack (counted), ``"raise"`` raises.
+Decoding here makes pixel memory and decode CPU scale with what is trained, never with the window: a waiting 640x480
+JPEG holds 109 KB, its Qwen2-VL float32 patches 7.4 MB. The node is a map over packs (its state is its source's plus
+counters). Each image or video becomes a :class:`DecodedImage` with where its tokens sit in its document; runs of image
+tokens that do not match the images are ``DataError("image_tokens_mismatch")``, and a bad image follows ``on_error``
+(``"skip"`` drops its sample from the pack, counted).
 """
 
 from __future__ import annotations
@@ -65,8 +57,7 @@ class DecodedImage:
 
 
 def vision_layout(options: MediaOptions) -> VisionLayout:
-    """The layout every batch of a stream with ``options`` has, images or not (what the
-    pipeline's collate and ``pack_batch(vision_layout=)`` take)."""
+    """The layout every batch of a stream with ``options`` has, images or not."""
     rule = options.rule
     if isinstance(rule, DynamicResolution):
         shape: tuple[int, ...] = (3 * rule.temporal_patch_size * rule.patch_size ** 2,)

@@ -21,26 +21,20 @@ class MediaOptions:
     image_token_id: int
     """The placeholder id: one per image in the tokenized text, expanded to the image's count."""
     image_exts: tuple[str, ...] = IMAGE_EXTS
-    """Tar member extensions that are images; a sample's images are its members with these
-    extensions, in number order (``2.jpg`` < ``10.png``). One image may have any name; with
-    more, each name ends in its number (``0.jpg``, ``1.png``...), else ``bad_image``."""
+    """Tar member extensions that are images, taken in number order (``2.jpg`` < ``10.png``)."""
     images_key: str = "images"
     """json / parquet field: a list of image paths (jsonl, relative to ``image_root``) or of
     HF datasets ``{"bytes": ..., "path": ...}`` structs / raw bytes (parquet)."""
     image_root: str | None = None
-    """Directory or URL prefix that jsonl image paths are relative to (NeVA's ``image_folder``);
-    read through the same storage layer as the shards. Nothing outside it is read: a path that
-    leads out (``..``, percent-encoded or not, a symbolic link, a NUL byte) is ``bad_image``
+    """Directory or URL prefix that jsonl image paths are relative to; nothing outside it is read
     (:mod:`streampack.media.paths`)."""
     image_mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
     """Per-channel normalisation (OpenAI CLIP's, what Qwen2-VL's and LLaVA's processors use)."""
     image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
     rescale: float = 1 / 255
     video: VideoFrames | None = None
-    """Read videos (ordered frame lists, :mod:`streampack.media.video`) as Qwen2-VL videos with
-    this rule; needs ``rule=DynamicResolution`` with the same patch, merge and temporal sizes
-    (one vision encoder) and ``video_token_id``. None: frames are not grouped (a tar member
-    ``video.0.jpg`` is then an image like any other)."""
+    """Read videos (ordered frame lists, :mod:`streampack.media.video`) with this rule; needs
+    ``rule=DynamicResolution`` with the same sizes and ``video_token_id``. None: frames are images."""
     video_token_id: int | None = None
     """The video placeholder id (Qwen2-VL's ``<|video_pad|>``), one per video in the text."""
     videos_key: str = "video"
@@ -78,16 +72,15 @@ class MediaOptions:
                              f"({[getattr(frame, n) for n in sizes]}): one vision encoder; got {rule!r}")
 
     def recorded(self) -> dict[str, Any]:
-        """What a resume state's fingerprint records: the fields, the video ones only when set
-        (states saved before videos existed compare equal)."""
+        """What a resume state's fingerprint records: the fields, the video ones only when set."""
         out = dataclasses.asdict(self)
         if self.video is None and self.videos_key == "video":
             del out["video"], out["video_token_id"], out["videos_key"]
         return out
 
     def reading(self, opts: Any = None, stats: Any = None) -> Any:
-        """A :class:`~streampack.media.read.MediaReader`: these options bound to a reader's
-        ``OpenOptions`` and ``IOStats`` (None: the defaults), what the format readers call."""
+        """A :class:`~streampack.media.read.MediaReader`: these options bound to a reader's ``OpenOptions``
+        and ``IOStats`` (None: the defaults), what the format readers (``streampack.io``) call."""
         from streampack.io.storage import OpenOptions
         from streampack.media.read import MediaReader
 
@@ -95,9 +88,7 @@ class MediaOptions:
 
     @property
     def layout(self) -> str:
-        """How an image's pixels are laid out: ``patches`` (Qwen2-VL's flattened patches
-        ``[Σ patches, C·t·p·p]``), ``tiles`` (LLaVA-NeXT ``[Σ tiles, 3, S, S]``) or ``image``
-        (``[n, 3, H, W]``)."""
+        """How an image's pixels are laid out: ``patches`` (Qwen2-VL), ``tiles`` (LLaVA-NeXT) or ``image``."""
         if isinstance(self.rule, DynamicResolution):
             return "patches"
         return "tiles" if isinstance(self.rule, AnyResTiles) else "image"
@@ -105,17 +96,3 @@ class MediaOptions:
     def is_image_field(self, field: str) -> bool:
         """Whether the tar member field ``field`` (``0.jpg``, ``video.3.jpg``) is an image or frame."""
         return field.rsplit(".", 1)[-1].lower() in self.image_exts
-
-    # The readers (streampack.io) call these, on the options bound by ``reading()`` (a
-    # ShardReader binds them to its own read settings): io imports nothing of streampack.media.
-    def columns(self) -> dict[str, str]:
-        return self.reading().columns()
-
-    def tar_images(self, fields: dict[str, bytes], limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
-        return self.reading().tar_images(fields, limits, url=url, key=key)
-
-    def column_media(self, row: Any, limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
-        return self.reading().column_media(row, limits, url=url, key=key)
-
-    def record_media(self, record: Any, limits: Any, *, url: str, key: str) -> tuple[Any, ...]:
-        return self.reading().record_media(record, limits, url=url, key=key)

@@ -1,29 +1,14 @@
 """Where a jsonl image path may be read from: under ``MediaOptions.image_root``, and nowhere else.
 
-Image paths come from the data, so they are untrusted: a path is refused (``bad_image``, naming
-shard, key and the path, before any request or open) unless the location finally read lies under
-the root the user chose. "Finally" is what the storage layer will act on, not the string as written:
+Image paths come from the data, so a path is refused (``bad_image``, before any request or open) unless the location the
+storage layer will finally act on lies under the root: control characters are refused; containment is decided on the
+path percent-decoded until it no longer changes (HTTP layers decode ``%2e%2e`` after any check on the raw string), an
+encoded separator or, remotely, a ``\`` is refused, and an ``http(s)`` URL is also checked as ``yarl`` parses it; under
+a local root (resolved once) each component is ``lstat``-ed, a symbolic link resolves the path (one leading out is
+refused), and only a regular file is read.
 
-- a NUL byte is refused (the OS would cut the name there; ``open`` raises a bare ``ValueError``),
-  and so is any other control character (URL parsers drop tab, CR and LF, so ``.\\n./x`` is sent
-  as ``../x``);
-- percent-encoding: the HTTP layer decodes ``%2e%2e`` to ``..`` and resolves it *after* any check on
-  the raw string (``yarl`` normalises ``/images/%2e%2e/secret.png`` to ``/secret.png``), and an
-  object store or server may decode it too. So containment is decided on the path percent-decoded
-  until it no longer changes, for every protocol, and an encoded separator (``%2f``, ``%5c``, at
-  any depth of encoding) is refused outright: no store agrees on whether it splits a name. A
-  remote path may not hold a ``\\`` (some servers read it as ``/``). For ``http(s)`` the final
-  URL is also parsed as ``yarl`` parses it (what aiohttp sends) and its path must sit under the
-  root's path;
-- a local root is resolved once (``os.path.realpath``, so the root itself may be a link); each
-  component of the image path under it is ``lstat``-ed, and one that is a symbolic link (to a file
-  or a directory) makes the whole path resolved: a link that leads out of the root is refused, one
-  that stays inside is read, and the resolved path is what is opened. Only a regular file is read
-  (a FIFO in the root would block the reader forever).
-
-Cost per image: string checks for a remote root (~12 us s3, ~20 us http with the ``yarl`` parse,
-loaded 2-core box); a local root adds one ``lstat`` per component of the image path (~40 us in
-all for ``a/b/x.jpg``, about what opening and reading a 30 KB image costs; decoding it takes ms).
+Cost per image: ~12-20 us of string checks for a remote root; a local root adds one ``lstat`` per
+path component (~40 us for ``a/b/x.jpg``, about what reading a 30 KB image costs).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Image placeholders: each image's single placeholder token becomes its rule's count of tokens.
 
-A sample's text (chat template or plain) holds one placeholder per image where the image goes,
-in image order — Qwen2-VL's ``<|vision_start|><|image_pad|><|vision_end|>``, LLaVA's ``<image>``
-— tokenized to one ``image_token_id`` each. :func:`expand_placeholders` repeats each to the
-image's token count, which is what the HF processors do to the text before tokenizing
-(:func:`expand_text` does exactly that, for text built outside the pipeline). Image positions
-are never supervised: their loss mask is 0 (so no position is trained to predict an image token).
-
-A sample already expanded (pre-tokenized with ``count`` copies per image) passes unchanged; any
-other number of placeholders is ``image_placeholder_mismatch`` naming both counts.
+A sample's text holds one ``image_token_id`` per image, in image order (Qwen2-VL's ``<|image_pad|>``, LLaVA's
+``<image>``); :func:`expand_placeholders` repeats each to the image's token count as the HF processors do
+(:func:`expand_text` for text built outside the pipeline), with loss mask 0. An already-expanded sample passes
+unchanged; any other count is ``image_placeholder_mismatch``.
 """
 
 from __future__ import annotations
@@ -43,9 +38,8 @@ def image_starts(tokens: np.ndarray, image_token_id: int, counts: Sequence[int])
 
 
 def expand_placeholders(sample: Sample, counts: Sequence[int], image_token_id: int, *, kind: str = "image") -> Sample:
-    """``sample`` with every image placeholder repeated to its image's token count; labels,
-    loss mask and extras follow (extras repeat the placeholder's row). ``kind`` (``"video"``)
-    names what the placeholders stand for in the error."""
+    """``sample`` with every image placeholder repeated to its image's token count; labels, loss mask and extras follow
+    (extras repeat the placeholder's row). ``kind`` (``"video"``) names what the placeholders stand for in the error."""
     assert sample.tokens is not None, "expand after tokenizing"
     tokens = sample.tokens
     where = np.flatnonzero(tokens == image_token_id)

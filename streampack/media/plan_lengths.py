@@ -1,34 +1,15 @@
 """True sample lengths for planned equal batches: text plus every image's and video's tokens, per shard, cached.
 
-With several ranks and ``equal_batches="plan"`` every reader counts its batches from per-sample
-token lengths (:mod:`streampack.plan.epoch_plan`). The shard index knows the text ids' lengths
-only; a media sample's packed length adds each placeholder's expansion. :class:`MediaLengths`
-gives the planner's count those lengths for the shards it counts: a shard's samples read once
-through the same format reader, image reader (the dataset's read settings) and
-:class:`~streampack.media.stage.ExpandImages` as the stream itself, from the image headers (no
-pixel decoded), so the count sees exactly the lengths the packer will. A sample the stream skips
-(a bad image under ``on_error="skip"``) has length 0, which the count leaves out, as the reader
-does. The shard cut that decides who reads what stays on the index's text lengths (balance only:
-every reader computes the same cut), and the counts on the true ones. Each sample's image and
-video token spans are kept beside its length, so the count cuts an over-long sample around its
-images exactly as the stream's overlong policy does (:func:`streampack.nodes.overlong.cut_lengths`).
+The shard index knows the text ids' lengths only; :class:`MediaLengths` gives the planner's count
+(:mod:`streampack.plan.epoch_plan`) the packed lengths of the shards it counts, read once through the same format
+reader, image reader and :class:`~streampack.media.stage.ExpandImages` as the stream (headers only), with each sample's
+image spans so the count cuts over-long samples around images as the overlong policy does. A skipped sample has length
+0. The shard cut stays on the text lengths. Cached in ``cache_dir`` per shard and media setting, keyed by the shard's
+identity, ``tokens_key``, the limits and ``MediaOptions.recorded()``.
 
-Cached in ``cache_dir`` beside the shard indexes, one file per shard and media setting (its hash
-in the name), keyed by the shard's identity as the manifest recorded it, ``tokens_key``, the
-limits and ``MediaOptions.recorded()``: another rule, token id or frame cap is another file, a
-changed shard rebuilds it.
-
-**Cost per reader and epoch**: the plan counts the reader's own ~N/G shards (and elastic resumes
-its new share), so a cache hit is one read of a file of ~8 bytes per sample and 8 per image
-(before compression); a miss reads each of those shards once more, image bytes included (a
-jsonl record's image paths: one fetch per image, with the dataset's retry settings) and parses
-every header. Measured on the
-shared 2-core box (loaded; ``shard_lengths`` on a local tar of 300 samples with 0-3 PNG/JPEG/WebP
-images of up to 640x640 px, 77 MB): 1.6 ms per sample, most of it reading the bytes (a header
-parse is 6-85 us, ``benchmarks/bench_media.py``); the text index of the same shard builds in
-0.4 ms per sample. O(own share), never O(data set); the in-process fallback without
-``torch.distributed`` (explicit ``dp_rank``/``dp_size``: tests, simulations) counts every
-reader's batches and so reads every shard.
+**Cost per reader and epoch**: the reader's own ~N/G shards; a cache hit reads ~8 bytes per sample
+and per image, a miss reads each shard once more with its images (1.6 ms per sample on a local tar of
+300 samples with 0-3 images, ``benchmarks/bench_media.py``, against 0.4 ms for the text index).
 """
 
 from __future__ import annotations
@@ -84,10 +65,8 @@ class ShardMedia:
 
 
 class MediaLengths:
-    """``lengths(shard, samples) -> int32 [len(samples)]``: the planner's count lengths of
-    ``manifest``'s shard ``shard`` under ``media``, and ``chunks(shard, samples, lo, hi, max_len,
-    policy)``: those samples cut by the overlong policy around their images (see the module
-    docstring)."""
+    """``lengths(shard, samples) -> int32 [len(samples)]``: the planner's count lengths of a shard under
+    ``media``; ``chunks(...)``: those samples cut by the overlong policy around their images."""
 
     def __init__(self, manifest: Any, media: MediaOptions, options: Any, io_stats: Any = None) -> None:
         self.manifest, self.media, self.options = manifest, media, options

@@ -1,30 +1,10 @@
-"""A sample's images and videos from each shard format, as :class:`~streampack.media.header.MediaImage`
-and :class:`~streampack.media.video.MediaVideo`, read with the dataset's own read settings.
+"""A sample's images and videos from each shard format, read with the dataset's own read settings.
 
-- webdataset tar: the sample's members whose extension is an image extension
-  (``MediaOptions.image_exts``), in number order (``0.jpg``, ``1.png``, ... ``10.jpg``:
-  :func:`numbered`); with
-  ``MediaOptions.video`` set, those under ``videos_key`` are video frames
-  (:mod:`streampack.media.video`). The tar reader already bounds each member by
-  ``max_member_bytes`` and the sample by ``max_sample_bytes``.
-- parquet (HF datasets layout): the ``images_key`` column holds one image or a list, each an
-  ``{"bytes": ..., "path": ...}`` struct (the ``datasets.Image`` feature) or raw bytes; the
-  ``videos_key`` column a frame list or a list of them.
-- jsonl: the ``images_key`` field holds one path or a list, relative to
-  ``MediaOptions.image_root`` (NeVA's ``image_folder``), local or any fsspec URL, each read
-  whole through the storage layer and bounded by ``max_member_bytes``; ``videos_key`` holds
-  frame paths the same way. Nothing outside the root is read (:mod:`streampack.media.paths`).
-
-**Read settings.** A reader binds its :class:`~streampack.media.options.MediaOptions` to the
-dataset's :class:`~streampack.io.open.OpenOptions` and I/O counters
-(:meth:`MediaOptions.reading`, which ``ShardReader`` and the resume replay call), so a jsonl
-image path is fetched with the same retry budget, retry cap, timeouts, redirect rule and
-storage options as the shards, and its requests, retries and faults show in
-``metrics()["io"]``. An image that still fails is ``DataError("bad_image")`` naming the path.
-
-Every header is read and checked here (:func:`~streampack.media.header.read_images`): the
-reader, not the packer, is where a bad image is found, so ``on_error`` applies with the shard
-and key in the error.
+tar: members with an image extension, in number order (:func:`numbered`), videos under ``videos_key``; parquet: the
+``images_key`` column (an ``{"bytes", "path"}`` struct or raw bytes, one or a list); jsonl: paths under
+``MediaOptions.image_root`` (:mod:`streampack.media.paths`) read through the storage layer with the shards' retry,
+timeout and storage settings and I/O counters (:meth:`MediaOptions.reading`), bounded by ``max_member_bytes``. Every
+header is checked here, so ``on_error`` applies with the shard and key in the error.
 """
 
 from __future__ import annotations
@@ -51,9 +31,6 @@ class MediaReader:
     """The :class:`~streampack.media.options.MediaOptions`."""
     open: OpenOptions = OpenOptions()
     stats: IOStats | None = None
-
-    def reading(self, opts: OpenOptions, stats: IOStats | None = None) -> MediaReader:
-        return MediaReader(options=self.options, open=opts, stats=stats)
 
     def is_image_field(self, field: str) -> bool:
         """Whether the tar member field ``field`` (``0.jpg``, ``video.3.jpg``) is read."""
@@ -125,11 +102,8 @@ class MediaReader:
 
 
 def numbered(members: list[tuple[str, Any]], *, url: str, key: str) -> list[tuple[str, Any]]:
-    """A tar sample's image members in placeholder order: by name with every number compared as a
-    number (``2.png`` before ``10.png``, ``video.2.jpg`` before ``video.10.jpg``; string order put
-    ``10`` and ``11`` on the third and fourth placeholders). One image may have any name
-    (webdataset's ``k7.jpg``); with more, every name must end in its number (``<number>.<ext>`` or
-    ``<name>.<number>.<ext>``), each once, since nothing else says which placeholder it belongs to."""
+    """A tar sample's image members in placeholder order, numbers compared as numbers (``2.png`` before
+    ``10.png``). One image may have any name; with more, every name must end in its number, each once."""
     if len(members) <= 1:
         return members
     keyed: dict[tuple[tuple[int, int | str], ...], str] = {}

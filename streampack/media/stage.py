@@ -1,13 +1,8 @@
 """The length stage: a tokenized image-text sample -> its true packing length, no pixel decoded.
 
-Runs between tokenizing and the overlong policy as a plain function stage, so the resume replay
-(:mod:`streampack.plan.replay`) repeats it on re-read samples like any pure stage and a resume
-state keeps references only. Each image's token count comes from its header through the rule
-(:mod:`streampack.media.tokens`), each video's from its frame count and first frame's header
-(``VideoFrames``); each placeholder is expanded to that count
-(:mod:`streampack.media.placeholders`): image placeholders, then video placeholders. A bad
-sample follows ``on_error``: ``"skip"`` drops it
-(counted with the reading errors), ``"raise"`` raises the :class:`DataError`.
+A plain function stage between tokenizing and the overlong policy, so the resume replay repeats it and a state keeps
+references only. Each image's token count comes from its header through the rule, each video's from its frame count and
+first frame; image then video placeholders are expanded. A bad sample follows ``on_error``.
 """
 
 from __future__ import annotations
@@ -68,9 +63,8 @@ def token_starts(sample: Sample, token_id: int, counts: list[int], kind: str) ->
 
 
 def media_spans(sample: Sample, options: MediaOptions) -> MediaSpans:
-    """The token span of every image and video of the expanded ``sample``; a sample whose
-    placeholder runs are not its items' counts (a stage after the expansion changed the tokens)
-    is ``DataError("image_tokens_mismatch")``."""
+    """The token span of every image and video of the expanded ``sample``; a sample whose placeholder runs are not its
+    items' counts (a stage after the expansion changed the tokens) is ``DataError("image_tokens_mismatch")``."""
     assert sample.tokens is not None
     counts = media_counts(sample, options)
     is_video = np.fromiter((isinstance(m, MediaVideo) for m in sample.images), dtype=bool, count=len(sample.images))

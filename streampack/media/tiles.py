@@ -1,29 +1,10 @@
 """LLaVA-NeXT any-res pixels: an image -> its base view plus the tiles of its best grid pinpoint.
 
-The steps are ``LlavaNextImageProcessorPil``'s (transformers 5.24), checked equal on the same
-images to 1e-5 (``tests/unit/media/test_media_anyres.py``): on the 8-bit RGB image,
-
-1. pick the pinpoint ``(H, W)`` that keeps the most pixels, then wastes the fewest
-   (:meth:`~streampack.media.tokens.AnyResTiles.best`, ``select_best_resolution``);
-2. resize (PIL bicubic) to fit it, keeping the aspect ratio: the side that limits the scale
-   becomes exactly ``W`` (or ``H``), the other ``min(ceil(side * scale), H)``
-   (``get_patch_output_size``);
-3. pad with black to ``(H, W)``, centred (the odd pixel after: ``divmod(gap, 2)``);
-4. cut it into ``tile_size`` squares, row-major;
-5. prepend the whole image squashed to ``tile_size x tile_size`` (the base view);
-6. rescale by 1/255 and normalise each (CLIP mean/std).
-
-Result: float32 ``[1 + (H / tile)·(W / tile), 3, tile, tile]`` and the original ``(height,
-width)``: what ``LlavaNextForConditionalGeneration`` takes as one image's rows of
-``pixel_values`` (the flattened ``[Σ tiles, 3, tile, tile]`` form, no padding to the batch's most
-tiles) and its ``image_sizes`` row, from which the model recomputes the tile count and the
-unpadding that ``AnyResTiles.count`` counted. The processor's ``size["shortest_edge"]`` and
-``crop_size`` are both ``tile_size`` here, as in every released LLaVA-NeXT (336).
-
-Cost (``benchmarks/bench_media.py``, best of 10, shared 2-core box, loaded): a
-640x480 JPEG -> 5 views of 336 px in 45 ms (its Qwen2-VL patches: 21 ms), a 1920x1080 one in
-87 ms (91 ms); the views hold 5 x 336² pixels whatever the image, so normalising them is most
-of it for small images and the decode for large ones.
+The steps are ``LlavaNextImageProcessorPil``'s, checked equal to 1e-5 (``tests/unit/media/test_media_anyres.py``): pick the
+pinpoint (:meth:`~streampack.media.tokens.AnyResTiles.best`), resize keeping the aspect ratio, pad centred with black,
+cut into ``tile_size`` squares row-major, prepend the whole image squashed to one tile, rescale and normalise. Result:
+float32 ``[1 + tiles, 3, tile, tile]`` and the original ``(height, width)``, one image's ``pixel_values`` rows and
+``image_sizes`` row. Cost: a 640x480 JPEG in 45 ms, a 1920x1080 one in 87 ms (``benchmarks/bench_media.py``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """How many tokens an image costs, from its size alone: the pluggable rules a VLM's processor uses.
 
-Each rule is a small frozen record with ``count(width, height) -> int`` (image tokens in the
-text) and ``resized(width, height) -> (height, width)`` (the pixel size the encoder sees), so
-the packer can be told a sample's true length from its image headers, before any decode:
-
-- :class:`FixedTokens` — one fixed-size encoder input per image (LLaVA-1.5: 336 x 336 px,
-  CLIP ViT-L/14 -> 24 x 24 = 576 tokens).
-- :class:`DynamicResolution` — Qwen2-VL / Qwen2.5-VL: ``smart_resize`` both sides to multiples of
-  ``patch_size * merge_size`` (28) keeping the area in ``[min_pixels, max_pixels]``; tokens =
-  ``(h / 28) * (w / 28)``. The numbers are transformers' ``Qwen2VLImageProcessor``'s (tested
-  against it on many sizes).
-- :class:`AnyResTiles` — LLaVA-NeXT any-res: the best grid pinpoint, base image + tiles minus the
-  letterbox padding + one newline token per row (transformers' ``LlavaNextProcessor`` numbers).
-  Counting only: pixels for this rule are not produced here (see ``streampack.media.decode``).
+Each rule is a frozen record with ``count(width, height)`` (image tokens in the text) and
+``resized(width, height)`` (the pixel size the encoder sees): :class:`FixedTokens` (LLaVA-1.5: 576),
+:class:`DynamicResolution` (Qwen2-VL's ``smart_resize`` to multiples of 28, tested against
+``Qwen2VLImageProcessor``) and :class:`AnyResTiles` (LLaVA-NeXT any-res, ``LlavaNextProcessor``'s numbers).
 """
 
 from __future__ import annotations
@@ -134,14 +125,9 @@ class AnyResTiles:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VideoFrames:
-    """A Qwen2-VL / Qwen2.5-VL video from its ordered frames (defaults: the released
-    ``Qwen2VLVideoProcessor``'s: frames of 128·28·28 to 768·28·28 pixels, at most 768 frames).
-
-    Every frame is resized to ``frame.resized(width, height)`` of the video's frame size; ``n``
-    frames are padded to a multiple of ``frame.temporal_patch_size`` by repeating the last one
-    (the processor's rule), so the grid is ``(ceil(n / tp), h / p, w / p)`` and the tokens
-    ``ceil(n / tp) * (h / 28) * (w / 28)``. The processor's optional per-video pixel budget
-    (``cap_pixels_per_frame``, off in transformers 5.24) is not applied."""
+    """A Qwen2-VL video from its ordered frames (defaults: ``Qwen2VLVideoProcessor``'s): every frame resized
+    to ``frame.resized``, ``n`` frames padded to a multiple of the temporal patch ``tp``, so the tokens are
+    ``ceil(n / tp) * (h / 28) * (w / 28)``."""
 
     frame: DynamicResolution = DynamicResolution(min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768)
     max_frames: int = 768

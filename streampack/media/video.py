@@ -1,24 +1,10 @@
-"""Videos as ordered frame lists: which fields of a sample are one video's frames, and the checks
-that run on their headers before anything is decoded.
+"""Videos as ordered frame lists: which fields of a sample are one video's frames, checked on their headers.
 
-A video is stored as its frames, each an ordinary JPEG / PNG / WebP (sampled beforehand, e.g.
-at 2 fps, as Qwen2-VL's pipelines do), under ``MediaOptions.videos_key`` (``video``):
-
-- webdataset tar: members ``<key>.video.<frame>.<ext>`` are the sample's one video
-  (``k7.video.0.jpg``, ``k7.video.1.jpg``, ...); ``<key>.video.<v>.<frame>.<ext>`` gives
-  several (video ``v``). Frame numbers are integers ordered as numbers (``video.10.jpg``
-  after ``video.9.jpg``) and must run 0..n-1, with no gap.
-- parquet / jsonl: the ``video`` field holds one video as a list of frames, or a list of
-  videos, each a list of frames; a frame is what an image is in that format (parquet: bytes
-  or an HF ``{"bytes", "path"}`` struct; jsonl: a path under ``image_root``).
-
-The text holds one ``video_token_id`` placeholder per video (Qwen2-VL's ``<|video_pad|>``), in
-video order. Every frame's header is read and checked like an image's (``max_image_pixels``);
-the frames of all videos and images of a sample count together against
-``max_sample_pixels``. A video with more than ``VideoFrames.max_frames`` frames
-(``video_too_long``), frames of different sizes (``video_frame_size``), a gap in its frame
-numbers or an empty frame list (``bad_video``) is a :class:`~streampack.errors.DataError` naming
-shard, key and video, under ``on_error``.
+Frames are ordinary images under ``MediaOptions.videos_key``: tar members ``<key>.video.<frame>.<ext>`` (or
+``<key>.video.<v>.<frame>.<ext>`` for several), numbered 0..n-1 without a gap; parquet / jsonl a list of frames or a
+list of such lists. One ``video_token_id`` per video in the text. Every frame is checked like an image and all media of
+a sample count against ``max_sample_pixels``; too many frames (``video_too_long``), frames of different sizes
+(``video_frame_size``) or a gap (``bad_video``) is a :class:`~streampack.errors.DataError` under ``on_error``.
 """
 
 from __future__ import annotations
@@ -48,10 +34,8 @@ class MediaVideo:
 
 def split_tar_fields(fields: Mapping[str, Any], videos_key: str, is_image: Any) -> tuple[
         list[tuple[str, Any]], dict[str, list[tuple[int, str, Any]]]]:
-    """A tar sample's image fields (the caller orders them by number), and its video frames by name:
-    ``{video name: [(frame number, field, bytes), ...]}``. A field under ``videos_key`` whose
-    name is not ``video.<frame>.<ext>`` / ``video.<v>.<frame>.<ext>`` is a ``bad_video``
-    (raised by the caller's checks: its frame number is -1)."""
+    """A tar sample's image fields, and its video frames by name: ``{video: [(frame, field, bytes), ...]}``
+    (frame -1 for a malformed name, refused by the caller as ``bad_video``)."""
     images, videos = [], {}
     for field in sorted(fields):
         if not is_image(field):
@@ -70,8 +54,7 @@ def split_tar_fields(fields: Mapping[str, Any], videos_key: str, is_image: Any) 
 
 def tar_videos(videos: Mapping[str, list[tuple[int, str, Any]]], *, url: str, key: str) -> list[
         tuple[str, list[tuple[str, Any]]]]:
-    """Each video's ``(name, [(field, bytes), ...])`` in frame order; videos in number order
-    (``video.2`` before ``video.10``)."""
+    """Each video's ``(name, [(field, bytes), ...])`` in frame order; videos in number order."""
     if len(videos) > 1 and any("." not in name for name in videos):
         raise DataError("bad_video", f"video frames named both <video>.<frame> and <video>.<v>.<frame>: "
                         f"{sorted(videos)}", url=url, key=key, value=sorted(videos))
@@ -87,8 +70,7 @@ def tar_videos(videos: Mapping[str, list[tuple[int, str, Any]]], *, url: str, ke
 
 
 def column_videos(value: Any, videos_key: str, *, url: str, key: str) -> list[tuple[str, list[Any]]]:
-    """The videos of a json / parquet value: one frame list, or a list of frame lists;
-    ``(name, frames)`` each, ``name`` ``video[v]``."""
+    """The ``(name, frames)`` of a json / parquet value: one frame list, or a list of frame lists."""
     if value is None:
         return []
     if not isinstance(value, (list, tuple)) or not value:
@@ -105,8 +87,7 @@ def column_videos(value: Any, videos_key: str, *, url: str, key: str) -> list[tu
 
 def read_video(name: str, frames: list[tuple[str, Any]], *, max_frames: int, max_pixels: int,
                max_sample_pixels: int, url: str, key: str) -> MediaVideo:
-    """One video from its ``(frame name, bytes)`` list, headers read and checked (see the
-    module docstring; the sample's total is the caller's)."""
+    """One video from its ``(frame name, bytes)`` list, headers read and checked."""
     if not frames:
         raise DataError("bad_video", f"video {name!r} has no frame", url=url, key=key, value=name)
     if len(frames) > max_frames:

@@ -1,28 +1,10 @@
 """A video's frames -> Qwen2-VL's ``pixel_values_videos`` rows and ``video_grid_thw``, as
-``Qwen2VLVideoProcessor`` makes them.
+``Qwen2VLVideoProcessor`` makes them (checked equal in ``tests/unit/media/test_media_video.py``).
 
-Runs only for samples of emitted packs (:class:`~streampack.media.node.DecodeImages`). The steps
-are the processor's (transformers 5.24, torchvision backend), checked equal on the same frames
-(``tests/unit/media/test_media_video.py``):
-
-1. decode each frame to 8-bit RGB (transparency over white, as for images);
-2. resize every frame to ``smart_resize`` of the frame size (``VideoFrames.frame``) with
-   torch's antialiased bicubic on the uint8 frames (``F.interpolate(..., mode="bicubic",
-   antialias=True)``: the kernel torchvision's ``resize`` calls for uint8 on the CPU; PIL's
-   bicubic differs from it by up to 12 levels when upscaling, so the image path's PIL resize
-   would not reproduce the processor), skipped when the size is already right;
-3. ``(x - 255·mean) / (255·std)`` in float32 (the processor's fused rescale + normalise);
-4. pad the frames to a multiple of the temporal patch (2) by repeating the last one, and cut
-   ``[t, tp, C, h, w]`` into merge-window-ordered patches ``[t·gh·gw, C·tp·p·p]``.
-
-The vision tower attends inside one temporal patch at a time (``t`` segments of ``gh·gw``
-patches: ``streampack.layout.vision.vision_cu_seqlens``). Frames are decoded one at a time
-and resized together; peak memory is the uint8 frames plus the float32 patches.
-
-Cost per frame (``benchmarks/bench_media.py``, 8-frame videos of JPEG frames, best of 10,
-shared 2-core box, loaded): the header that sizes it 44 us (640x480) / 85 us
-(1920x1080), a full decode 2.2 / 18 ms, this whole path 14 / 50 ms; so packing by headers
-reads 50-200x less CPU than decoding to count, and only emitted packs pay the 14-50 ms.
+Each frame is decoded to 8-bit RGB, resized with torch's antialiased bicubic on uint8 (the kernel
+torchvision uses; PIL's bicubic differs by up to 12 levels), normalised in float32, padded to the
+temporal patch (2) by repeating the last frame and cut into merge-window-ordered patches. Cost per
+frame: 14 ms at 640x480, 50 ms at 1080p, paid only by emitted packs (a header is 44-85 us).
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """BlockReader: the graph's reader, which hands out runs of documents read as token blocks.
 
-Its direct consumer, the overlong node, takes documents of pre-tokenized shards as runs:
-:meth:`BlockReader.run` returns the documents from the reader's position to the end of the
-block it is in (a :class:`DocRun`: a :class:`~streampack.io.token_block.TokenBlock` and a row
-range, nothing per document), and :meth:`BlockReader.consume` moves the position past the first
-``k`` of them — exactly as ``k`` calls of :meth:`ShardReader.next` would: the same ``(epoch,
-shard_pos, offset, sample, yielded)`` position, the same span and epoch roll-over, the same
-shard identity checks, so its state is a ShardReader state. Any other consumer (a mixture, the
-tokenizer, a stage) reads it sample by sample with ``next()``.
-
-Where a block reader cannot go on (a format without one, text, a sample it does not judge
-plain: see :mod:`streampack.io.blocks`), the span is read per sample by the ShardReader
-itself, one document per run. A span whose blocks stop part way is re-read per sample from where
-its reading began, skipping what was already handed out, so the per-sample reader judges the
-rest with everything it would have seen (the keys of the range, for ``repeated_key``): the
-stream, errors included, is the per-sample reader's. (That re-read is the one cost of a bad
-sample on this path: the samples before it in its span are parsed twice.)
+The overlong node takes pre-tokenized documents as runs: :meth:`BlockReader.run` returns the documents from the position
+to the end of their block (a :class:`DocRun`: a :class:`~streampack.io.token_block.TokenBlock` and a row range, nothing
+per document), and :meth:`BlockReader.consume` moves past the first ``k`` exactly as ``k`` calls of
+:meth:`ShardReader.next` would, so its state is a ShardReader state. Other consumers call ``next()``. Where no block
+reader applies (:mod:`streampack.io.blocks`), or a span's blocks stop part way, the span is read per sample from where
+its reading began, skipping what was handed out, so the stream, errors included, is the per-sample reader's (the samples
+before a bad one are parsed twice).
 """
 
 from __future__ import annotations
@@ -57,9 +48,7 @@ class _NewSpan(Exception):
 
 
 class BlockReader(ShardReader):
-    """A :class:`ShardReader` with :meth:`run` / :meth:`consume` (see the module docstring);
-    ``next()`` still yields Samples, per sample. ``chunk_bytes``: the tar block reader's read
-    size (tests make it small)."""
+    """A :class:`ShardReader` with :meth:`run` / :meth:`consume`; ``chunk_bytes``: the tar block read size."""
 
     def __init__(self, *args: Any, chunk_bytes: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -150,39 +139,23 @@ class BlockReader(ShardReader):
             if block.done:  # the per-sample reader moves on with the range's last sample
                 self._next_span()
 
-    def _span_epoch(self, span: ShardSpan | Span) -> int:
-        return self._epoch if not isinstance(span, Span) or span.epoch is None else span.epoch
-
     def _open_span(self, span: ShardSpan | Span) -> Iterator[Item]:
         if self._in_run and self._per_sample != (self._epoch, self._shard_pos):
             raise _NewSpan
         return super()._open_span(span)
 
     def _open_blocks(self, span: ShardSpan | Span) -> Iterator[TokenBlock] | None:
-        """The blocks of ``span`` from the reader's position (``_open_span``'s range), or None
-        when its format has none."""
-        url = self.urls[span.shard]
-        if not block_format(url) or self._decode.media is not None:
+        """The blocks of ``span`` from the reader's position, or None when its format has none."""
+        if not block_format(self.urls[span.shard]) or self._decode.media is not None:
             return None
-        if isinstance(span, Span):
-            start, end, first = span.start, span.end, span.first
-        elif span.parts > 1:
-            start, end, first = self.index(url).part(span.part, span.parts)
-        else:
-            start, end, first = 0, None, 0
-        self._remember(span.shard, url)
-        if self._offset < 0:
-            self._offset, self._sample = start, first
-        where = ShardRange(start=self._offset, first=self._sample, end=end)
-        self._range = (url, where)
-        if end is not None and where.start >= end:
+        url, where = self._range = self._start(span)
+        if where.end is not None and where.start >= where.end:
             return iter([TokenBlock.of_samples([], done=True)])
         return read_blocks(url, where, decode=self._decode, opts=self._open, streams=self._streams,
                            stats=self.io_stats, chunk_bytes=self.chunk_bytes)
 
     def _take_over(self, here: tuple[int, int]) -> None:
-        """The per-sample reader reads the rest of the span: from where its reading began,
-        skipping the documents already handed out (see the module docstring)."""
+        """The per-sample reader reads the rest of the span (see the module docstring)."""
         assert self._range is not None
         url, where = self._range
         self._blocks, self._block, self._per_sample = None, None, here

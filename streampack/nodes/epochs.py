@@ -1,14 +1,9 @@
 """EpochLoop: a finite stream as one self-contained chain per epoch.
 
-Each epoch of a finite pass runs its own chain (reader -> ... -> packer -> collate) built by
-``make(epoch)``: the packer flushes at the epoch's end and the collate completes the epoch's
-quota with fillers, so every rank yields the same number of batches *per epoch*, no pack mixes
-two epochs, and a resume point always lies inside one epoch (which is what lets an elastic
-resume say exactly which samples of the epoch are left).
-
-State = the epoch, the chain's state, and the metrics of the finished epochs (so counters
-keep adding up over the pass). ``nodes`` (a dict) is updated in place with the live chain's
-named nodes, so a caller holding it always sees the current epoch's nodes.
+Each epoch runs its own chain built by ``make(epoch)``, so the packer flushes and the collate fills
+the quota at the epoch's end: every rank yields the same batches per epoch, no pack mixes two epochs,
+and a resume point lies inside one epoch. State = the epoch, the chain's state and the finished
+epochs' metrics; ``nodes`` is updated in place with the live chain's nodes.
 """
 
 from __future__ import annotations

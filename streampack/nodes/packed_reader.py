@@ -1,17 +1,10 @@
 """PackedShardReader: the source node of an offline-packed dataset (``streampack pack``).
 
-Sharding: the ``N`` packs of an epoch (in file order, or a permutation seeded by
-``(seed, epoch)`` with ``shuffle``) are grouped into batches of ``packs_per_batch`` packs, and
-batch ``u`` goes to rank ``u % dp_size``, worker ``(u // dp_size) % num_workers`` of that rank.
-Every pack is read exactly once per epoch whatever the worker count, and rank totals differ by
-at most one batch; :meth:`quotas` says how many batches (fillers included) each worker yields
-so that every rank's count is the same — at most ``dp_size - 1`` fillers per epoch, the fewest
-possible. (Until this rework each worker got ``N // G`` packs and the last ``N % G`` packs
-of every epoch were silently left out.)
-
-The state is ``(epoch, position)`` in this worker's list; restoring seeks straight to the pack's
-byte offset from the manifest, reading nothing before it. ``work`` (pack indices per epoch,
-kept in the state) replaces the dealt list for an epoch, as an elastic resume does.
+The ``N`` packs of an epoch (file order, or a ``(seed, epoch)`` permutation) are grouped into batches
+of ``packs_per_batch``; batch ``u`` goes to rank ``u % dp_size``, worker ``(u // dp_size) % num_workers``.
+Every pack is read exactly once per epoch; :meth:`quotas` equalizes the ranks' counts with at most
+``dp_size - 1`` fillers. The state is ``(epoch, position)`` (a restore seeks straight to the pack) and
+``work``, pack indices that replace an epoch's dealt list after an elastic resume.
 """
 
 from __future__ import annotations
@@ -32,10 +25,21 @@ from streampack.io.packed_format import (
     resolve_packed,
 )
 from streampack.nodes.collate import BatchLayout
+from streampack.options.topology import Placement
 from streampack.plan.cursor import PackedPlace
 from streampack.plan.epoch_plan import equalize
 from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_version
 from streampack.sample import Sample
+
+
+def deal(packs: np.ndarray, packs_per_batch: int, dp_size: int, num_workers: int, global_worker: int) -> np.ndarray:
+    """The part of ``packs`` (in order) a global worker reads: batch ``u`` of ``packs_per_batch`` goes to
+    rank ``u % dp_size``, worker ``(u // dp_size) % num_workers``."""
+    rank, worker = divmod(global_worker, num_workers)
+    units = np.arange(-(-len(packs) // packs_per_batch))
+    mine = units[(units % dp_size == rank) & ((units // dp_size) % num_workers == worker)]
+    idx = (mine[:, None] * packs_per_batch + np.arange(packs_per_batch)).ravel()
+    return packs[idx[idx < len(packs)]]
 
 
 class PackedShardReader(BaseNode[list[Sample]]):
@@ -52,8 +56,7 @@ class PackedShardReader(BaseNode[list[Sample]]):
 
     def __init__(self, urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, layout: BatchLayout,
                  seed: int = 0, shuffle: bool = False, epochs: int | None = 1, start_epoch: int = 0,
-                 dp_rank: int = 0, dp_size: int = 1, worker_id: int = 0, num_workers: int = 1,
-                 work: dict[int, np.ndarray] | None = None) -> None:
+                 place: Placement = Placement(), work: dict[int, np.ndarray] | None = None) -> None:
         super().__init__()
         # layout: the batches the packs go into (StreamConfig.batch_layout); the directory must match it
         capacity, align, packs_per_batch = layout.capacity, layout.align, layout.packs_per_batch
@@ -65,16 +68,13 @@ class PackedShardReader(BaseNode[list[Sample]]):
             if unknown:
                 raise ValueError(f"shards {unknown} are not listed in {str(root / MANIFEST_NAME)!r}")
         check_layout(m, capacity, align)
-        if not (0 <= dp_rank < dp_size and 0 <= worker_id < num_workers):
-            raise ValueError(f"need 0 <= {dp_rank=} < {dp_size=} and 0 <= {worker_id=} < {num_workers=}")
         if epochs is not None and epochs < 1:
             raise ValueError(f"{epochs=} must be >= 1 or None (endless)")
         if start_epoch < 0 or (epochs is not None and start_epoch >= epochs):
             raise ValueError(f"{start_epoch=} must be in [0, {epochs=})")
         self.start_epoch = start_epoch
-        self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
-        self.global_worker = dp_rank * num_workers + worker_id
-        self.global_workers = dp_size * num_workers
+        self.dp_size, self.num_workers = place.dp_size, place.num_workers
+        self.global_worker, self.global_workers = place.global_worker, place.global_workers
         self.packs_per_batch = packs_per_batch
         wanted = None if names is None else set(names)
         self._locations = [loc for loc in m.locations() if wanted is None or m.shards[loc[0]].name in wanted]
@@ -83,7 +83,8 @@ class PackedShardReader(BaseNode[list[Sample]]):
         self.seed, self.shuffle, self.epochs = seed, shuffle, epochs
         self.work: dict[int, np.ndarray] = {int(e): np.asarray(w, dtype=np.int64) for e, w in (work or {}).items()}
         self._fingerprint = {"manifest": m.digest, "shards": sorted(names or []), "capacity": capacity,
-                             "align": align, "seed": seed, "shuffle": shuffle, "dp_size": dp_size, "num_workers": num_workers,
+                             "align": align, "seed": seed, "shuffle": shuffle, "dp_size": place.dp_size,
+                             "num_workers": place.num_workers,
                              "global_worker": self.global_worker, "packs_per_batch": packs_per_batch}
         self._epoch = start_epoch
         self._position = 0
@@ -93,7 +94,8 @@ class PackedShardReader(BaseNode[list[Sample]]):
         self._file_shard = -1
         if epochs is None and not len(self.dealt(start_epoch, self.global_worker)):
             raise ValueError(f"{self.num_packs} packs in batches of {packs_per_batch} cannot feed "
-                             f"{self.global_workers} workers ({dp_size=} x {num_workers=}) in an endless stream")
+                             f"{self.global_workers} workers (dp_size={place.dp_size} x num_workers={place.num_workers}) "
+                             f"in an endless stream")
 
     @property
     def num_packs(self) -> int:
@@ -106,12 +108,7 @@ class PackedShardReader(BaseNode[list[Sample]]):
 
     def dealt(self, epoch: int, global_worker: int) -> np.ndarray:
         """The packs global worker ``global_worker`` reads in ``epoch`` (see the module docstring)."""
-        order = self.epoch_order(epoch)
-        rank, worker = divmod(global_worker, self.num_workers)
-        units = np.arange(-(-len(order) // self.packs_per_batch))
-        mine = units[(units % self.dp_size == rank) & ((units // self.dp_size) % self.num_workers == worker)]
-        idx = (mine[:, None] * self.packs_per_batch + np.arange(self.packs_per_batch)).ravel()
-        return order[idx[idx < len(order)]]
+        return deal(self.epoch_order(epoch), self.packs_per_batch, self.dp_size, self.num_workers, global_worker)
 
     def quotas(self, epoch: int) -> list[int]:
         """Batches each global worker yields in ``epoch`` so every rank yields the same count."""

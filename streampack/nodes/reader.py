@@ -1,44 +1,18 @@
-"""ShardReader: the source node. Sharded tar / jsonl files -> a deterministic stream of Samples.
+"""ShardReader: the source node. Sharded tar / jsonl / parquet files -> a deterministic stream of Samples.
 
-Order: epoch by epoch; in each epoch this worker's spans in order — ``sharding.assign_shards``
-by default, or the explicit ``work`` the graph hands over for an epoch (a finite epoch's plan,
-an elastic resume's share); inside a span, samples in file order. Every sample carries its
-:class:`~streampack.sample.SampleOrigin`, which resume states store instead of tokens. The
-position is ``(epoch, shard_pos, offset, sample)`` — the byte offset and number of the next
-sample, recorded while reading — so a restore opens the shard at ``offset`` (a ``seek``
-locally, a ``Range`` request remotely) without reading the bytes before it (``.jsonl.gz``
-excepted: see ``io.jsonl``).
+Order: epoch by epoch, this worker's spans (``sharding.assign_shards``, or the explicit ``work`` a finite plan or an
+elastic share hands over), samples in file order. Every sample carries its :class:`~streampack.sample.SampleOrigin`,
+which resume states store instead of tokens. The position is ``(epoch, shard_pos, offset, sample)``, the byte offset and
+number of the next sample, so a restore opens the shard at ``offset`` (a ``seek``, or a ``Range`` request) without
+reading the bytes before it (``.jsonl.gz`` excepted). The state also holds the settings (``config``, compared on
+restore), explicit spans (``work``) or a planned epoch's ends (``work_ends``), and the identities of the
+``RECENT_SHARDS`` shards read last.
 
-State (plain ints/strings; survives ``torch.load(weights_only=True)``)::
-
-    {"version": 5,
-     "config": '{"sources": <sha1 of the URL list, 16 hex>, "num_sources": S, "seed", "shuffle",
-                "dp_rank", "dp_size", "worker_id", "num_workers", "fields": [tokens_key, ...], ...}',
-     "epoch": e,            # epoch of the next sample
-     "start_epoch": s,      # first epoch of this stream
-     "work": {e: {"shard", "start", "first", "end" (-1: None), "epoch" (-1: None): int64 [n]}},  # explicit spans
-     "work_ends": {e: '{"head": {"shard": i, ...}, "tail": {...}, "spans": n}'},  # a planned epoch, in O(1)
-     "shard_pos": i,        # index into this worker's span list of epoch e
-     "offset": b,           # byte offset of the next sample in that shard; -1 = start of span
-     "sample": n,           # number (tar ordinal / jsonl line) of that sample
-     "yielded": k,          # samples yielded since the start
-     "epoch_yielded": k_e,  # samples yielded in epoch e
-     "identity": '{"shards", "sizes", "tags"}',  # the RECENT_SHARDS shards read last
-     "manifest": {"all", "tag", "size", "digest": 16 hex}}  # a planned reader: what its plan was cut from
-
-``config`` and ``identity`` are one JSON text each (:func:`streampack.plan.state.record_text`: one leaf
-each in the state ``StatefulDataLoader`` flattens after every batch). Restoring a state whose
-``config`` differs raises ``ValueError`` naming both values. A shard that changed since the save is refused by *every* reader, not only the one inside it
-(:class:`~streampack.io.shard_identity.ShardChanged`, a ``DataError`` naming the shard and its
-old and new identity; never skipped): a planned reader compares the fingerprint of the manifest
-its plan is cut from with the one the state recorded (a local data set's manifest is rebuilt
-when a shard changes, which moves every reader's cut), and checks each shard it opens against
-that manifest (a remote shard re-staged under an unchanged manifest). Putting the original bytes
-back makes the same resume succeed. Cost per reader: no request of its own — one compare at
-restore (the fingerprint is O(N) CPU once per process: 0.46 µs × N idle, 0.24–0.35 × loading
-the manifest, ``benchmarks/bench_resume_check.py``), and per shard it opens the stat /
-HEAD it makes anyway; only a refusal reads the saved manifest's copy (1 read) to name the
-changed shards.
+A shard that changed since the save is refused by every reader (:class:`~streampack.io.shard_identity.ShardChanged`,
+never skipped): a planned reader compares the fingerprint of the manifest its plan was cut from with the state's and
+checks each shard it opens against that manifest. Cost per reader: no request of its own; one compare at restore (the
+fingerprint is O(N) once per process: 0.46 µs × N, ``benchmarks/bench_resume_check.py``) and the stat / HEAD it makes
+anyway per shard it opens.
 """
 
 from __future__ import annotations
@@ -74,14 +48,7 @@ from streampack.plan.sharding import (
     spans_from_state,
     spans_to_state,
 )
-from streampack.plan.state import (
-    STATE_VERSION,
-    VERSION_KEY,
-    check_node_config,
-    check_version,
-    record_of,
-    record_text,
-)
+from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_node_config, check_version, record_of, record_text
 from streampack.sample import Sample, SampleOrigin
 
 CONFIG_KEY = "config"
@@ -133,45 +100,21 @@ def ends_from_state(saved: Mapping[Any, Any] | None) -> dict[int, WorkEnds]:
 class ShardReader(BaseNode[Sample]):
     """Reads this worker's share of ``urls`` as :class:`Sample`\\ s (``tokens`` int64 or ``text``).
 
-    ``epochs=None`` repeats forever with a fresh shard permutation each epoch (an epoch in which
-    this worker draws only empty or bad shards is passed over; it raises only once no shard can
-    ever give it a sample); ``epochs=N`` stops after epoch N-1; a fresh start reads from ``start_epoch`` (a second
-    finite pass reads epochs ``[N, 2N)`` and so reshuffles). ``place``
-    (:class:`~streampack.options.topology.Placement`, checked when it was made; its ``passes`` is the
-    graph's business) says which reader this is: rank 0 of 1 by default, ``Placement.current()``
-    for this process's rank and DataLoader worker.
-    ``read`` (:class:`~streampack.options.read.ReadOptions`, checked when it was made) says which
-    fields to read, the bounds on them (``vocab_size``, ``limits``), where indexes are cached and
-    how shards are fetched; ``open_options`` replaces that last part when given (a graph makes it
-    once for all its readers). Bad input goes to ``error_policy`` (default: ``read.error_policy()``):
-    ``on_error="skip"`` drops bad samples (and corrupt byte ranges, or the rest of an unreadable
-    shard) and counts them in its ``errors``. Reads, retries and faults are counted in
-    ``io_stats``, which may be shared like the policy. ``work`` gives explicit
-    spans for some epochs (others use the default assignment); ``keep_work`` stores them in the
-    state (when they cannot be recomputed, as after an elastic resume). ``source`` is the source
-    index recorded in each sample's origin.
+    ``epochs=None`` repeats forever, reshuffling each epoch (it raises only once no shard can ever give this worker a
+    sample); ``epochs=N`` stops after epoch N-1, starting at ``start_epoch``. ``place`` says which reader this is
+    (``Placement.current()`` for this process's); ``read`` which fields to read, their bounds, the index cache and how
+    shards are fetched (``open_options`` replaces that last part when given). Bad input goes to ``error_policy``
+    (default ``read.error_policy()``), reads and retries are counted in ``io_stats``. ``work`` gives explicit spans for
+    some epochs; ``keep_work`` stores them in the state (after an elastic resume they cannot be recomputed). ``source``:
+    the source index recorded in each sample's origin.
     """
 
-    def __init__(
-        self,
-        urls: ShardList | str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        epochs: int | None = None,
-        start_epoch: int = 0,
-        place: Placement = Placement(),
-        read: ReadOptions = ReadOptions(),
-        error_policy: ErrorPolicy | None = None,
-        open_options: OpenOptions | None = None,
-        io_stats: IOStats | None = None,
-        work: Work | None = None,
-        keep_work: bool = False,
-        source: int = 0,
-        media: Any = None,
-        saved_identities: Mapping[int, ShardStat] | None = None,
-        manifest: Manifest | None = None,
-    ) -> None:
+    def __init__(self, urls: ShardList | str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, seed: int = 0,
+                 shuffle: bool = True, epochs: int | None = None, start_epoch: int = 0, place: Placement = Placement(),
+                 read: ReadOptions = ReadOptions(), error_policy: ErrorPolicy | None = None,
+                 open_options: OpenOptions | None = None, io_stats: IOStats | None = None, work: Work | None = None,
+                 keep_work: bool = False, source: int = 0, media: Any = None,
+                 saved_identities: Mapping[int, ShardStat] | None = None, manifest: Manifest | None = None) -> None:
         super().__init__()
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"{seed=} must be an int >= 0")
@@ -228,15 +171,13 @@ class ShardReader(BaseNode[Sample]):
         return self._epoch
 
     def spans(self, epoch: int) -> list[ShardSpan | Span]:
-        """What this worker reads in ``epoch``, in order: ``work[epoch]`` when given, else
-        ``sharding.assign_shards``."""
+        """What this worker reads in ``epoch``: ``work[epoch]`` when given, else ``assign_shards``."""
         if epoch in self.work:
             return self.work[epoch]
         if self._spans_cache is None or self._spans_cache[0] != epoch:
-            spans: list[ShardSpan | Span] = assign_shards(
-                len(self.urls), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                global_worker=self.global_worker, global_workers=self.global_workers,
-            )
+            spans: list[ShardSpan | Span] = assign_shards(len(self.urls), seed=self.seed, epoch=epoch,
+                                                          shuffle=self.shuffle, global_worker=self.global_worker,
+                                                          global_workers=self.global_workers)
             self._spans_cache = (epoch, spans)
         return self._spans_cache[1]
 
@@ -276,11 +217,8 @@ class ShardReader(BaseNode[Sample]):
             self.verify_shard(spans[self._shard_pos].shard)
 
     def verify_shard(self, shard: int) -> None:
-        """``ValueError`` naming the shard and what changed when shard ``shard`` is not the one a
-        restored state read, compared as ``open_options.identity`` says (size + ETag / mtime by
-        default: :mod:`streampack.io.shard_identity`), or, when the state did not record it, not
-        the one the manifest planned (nothing without one). The packer's replay of carried
-        samples calls this for every shard it re-reads."""
+        """``ValueError`` naming the shard and what changed when ``shard`` is not the one a restored state
+        read (or, not recorded there, the one the manifest planned); the replay calls it for every shard."""
         saved = self._saved_identities.get(shard)
         if (saved is None and self.manifest is None) or self._open.identity == "off":
             return
@@ -299,11 +237,8 @@ class ShardReader(BaseNode[Sample]):
 
     @staticmethod
     def undelivered(state: Mapping[str, Any]) -> Planned:
-        """What a saved state says of the samples this reader had yet to read: its plan (the
-        spans of the epochs it holds explicitly, the ends of the planned ones) and its first
-        epoch, and what the plan was cut from (the manifest's fingerprints, the identities of
-        the shards read last). Where in the plan it stood is the overlong stage's frontier
-        (``OverlongNode.undelivered``): samples read but still in a tokenize block are after it."""
+        """A saved state's plan (explicit spans, planned epochs' ends), first epoch and what the plan was cut
+        from; where in it the reader stood is the overlong stage's frontier (``OverlongNode.undelivered``)."""
         return Planned(start_epoch=int(state[START_EPOCH_KEY]), work=work_from_state(state[WORK_KEY]),
                        ends=ends_from_state(state.get(ENDS_KEY)),
                        identities=identities_from_state(state.get(IDENTITY_KEY)), manifest=state.get(MANIFEST_KEY))
@@ -354,7 +289,7 @@ class ShardReader(BaseNode[Sample]):
             sample = item.sample
             if sample is not None:
                 span = spans[self._shard_pos]
-                epoch = self._epoch if not isinstance(span, Span) or span.epoch is None else span.epoch
+                epoch = self._span_epoch(span)
                 sample = sample.evolve(origin=SampleOrigin(
                     shard=span.shard, offset=self._offset, number=self._sample, next_offset=item.next_offset,
                     next_number=item.next_index, epoch=epoch, source=self.source))
@@ -402,15 +337,9 @@ class ShardReader(BaseNode[Sample]):
         self._epoch, self._shard_pos, self._offset, self._sample, self._epoch_yielded = self._epoch + 1, 0, -1, 0, 0
 
     def _check_not_starved(self) -> None:
-        """An infinite stream where this worker got nothing in the epoch that just ended.
-
-        One empty epoch is not an error: with ``shuffle`` the worker reads other shards next
-        epoch (an empty or corrupt shard, under ``on_error="skip"``, must not stop training when a
-        worker happens to draw only it). Every shard can land on this worker's position(s) of
-        the permutation, so the worker is starved for good only once each of the ``S`` shards
-        (in this worker's part of it) has come up empty since its last sample — or at once
-        when every epoch reads the same spans (``shuffle=False`` or a single shard).
-        """
+        """An infinite stream where this worker got nothing in the epoch that just ended: an error only once
+        every shard has come up empty since its last sample (at once when every epoch reads the same
+        spans), since with ``shuffle`` the next epoch draws other shards."""
         self._starved_shards.update(span.shard for span in self.spans(self._epoch))
         if self.shuffle and len(self.urls) > 1 and len(self._starved_shards) < len(self.urls):
             return
@@ -427,12 +356,9 @@ class ShardReader(BaseNode[Sample]):
         return self._identity_text
 
     def _remember(self, shard: int, url: str) -> None:
-        """Record the identity of a shard this reader opens (once per shard: a local ``stat``,
-        a ``HEAD`` for a remote object, plus two ranged reads under ``identity="digest"``; none
-        under ``"off"``), newest last, keeping the ``RECENT_SHARDS`` newest. A ``pipe:`` command
-        has no identity to record. A shard that is not the one the state recorded (an elastic
-        share: the old readers' record of it) or the one the manifest planned is refused with
-        :class:`~streampack.io.shard_identity.ShardChanged` before a byte of it is read."""
+        """Record the identity of a shard this reader opens (a ``stat`` / ``HEAD``, two ranged reads more under
+        ``identity="digest"``), keeping the ``RECENT_SHARDS`` newest; a shard that is not the one the state
+        or the manifest recorded is refused before a byte of it is read."""
         if url.startswith("pipe:") or self._open.identity == "off":
             return
         if shard not in self._checked or shard not in self._identities:  # a recorded one is checked again
@@ -447,7 +373,8 @@ class ShardReader(BaseNode[Sample]):
             self._identities.popitem(last=False)
         self._identity_text = None
 
-    def _open_span(self, span: ShardSpan | Span) -> Iterator[Item]:
+    def _start(self, span: ShardSpan | Span) -> tuple[str, ShardRange]:
+        """The URL of ``span`` and its range from the reader's position (the shard's identity checked first)."""
         url = self.urls[span.shard]
         if isinstance(span, Span):
             start, end, first = span.start, span.end, span.first
@@ -458,16 +385,20 @@ class ShardReader(BaseNode[Sample]):
         self._remember(span.shard, url)
         if self._offset < 0:  # the position names where the next sample starts from now on
             self._offset, self._sample = start, first
-        start, first = self._offset, self._sample
-        if end is not None and start >= end:
+        return url, ShardRange(start=self._offset, first=self._sample, end=end)
+
+    def _span_epoch(self, span: ShardSpan | Span) -> int:
+        return self._epoch if not isinstance(span, Span) or span.epoch is None else span.epoch
+
+    def _open_span(self, span: ShardSpan | Span) -> Iterator[Item]:
+        url, where = self._start(span)
+        if where.end is not None and where.start >= where.end:
             return iter(())
-        return open_range(url, ShardRange(start=start, first=first, end=end), decode=self._decode,
-                          opts=self._open, streams=self._streams, stats=self.io_stats)
+        return open_range(url, where, decode=self._decode, opts=self._open, streams=self._streams, stats=self.io_stats)
 
 
 def identities_to_state(identities: Mapping[int, ShardStat]) -> str:
-    """Shard identities as one JSON text of plain lists (``size`` -1 where the store gave none):
-    one leaf of the per-batch state (:func:`streampack.plan.state.record_text`)."""
+    """Shard identities as one JSON text of plain lists (``size`` -1 where the store gave none)."""
     return record_text({"shards": list(identities),
                         "sizes": [-1 if v.size is None else v.size for v in identities.values()],
                         "tags": [v.tag for v in identities.values()]})
@@ -484,14 +415,9 @@ def identities_from_state(saved: str | None) -> dict[int, ShardStat]:
 
 def check_manifest(saved: Mapping[str, str] | None, manifest: Manifest, opts: OpenOptions, *,
                    recorded: Mapping[int, ShardStat] | None = None, states: str = "the state was") -> None:
-    """:class:`~streampack.io.shard_identity.ShardChanged` naming the shards that changed since a
-    state recorded ``saved`` (its manifest's fingerprints, :data:`PRINT_MODES`) when ``manifest``
-    (the one planning now) differs from it as ``opts.identity`` compares: the epoch plan the
-    state's positions belong to was cut from other sample counts or other bytes.
-
-    Cost: one compare of 16 hex digits (the fingerprint is computed once per process); only on a
-    difference, one read of the saved manifest's copy to name the shards (O(N) compares), else
-    the shards this reader ``recorded`` are compared with ``manifest`` (no request)."""
+    """:class:`~streampack.io.shard_identity.ShardChanged` naming the shards that changed when ``manifest``
+    (the one planning now) differs from the fingerprints a state recorded (``saved``) as ``opts.identity``
+    compares. Only on a difference is the saved manifest's copy read (1 read), to name the shards."""
     mode = opts.identity
     if mode == "off" or not saved or saved.get(mode) == manifest.fingerprint(mode):
         return

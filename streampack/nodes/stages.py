@@ -1,15 +1,8 @@
-"""User stages between tokenization and packing.
+"""User stages between tokenization and packing, given as recipes (the graph is built in every worker).
 
-``PackedDataset(stages=[...])`` accepts, in order:
-
-- a plain function ``Sample -> Sample | None``: wrapped in :class:`MapSamples`; returning
-  ``None`` drops the sample (counted in ``counters["dropped"]``);
-- a ``BaseNode`` subclass: called as ``cls(upstream)``;
-- ``NodeStage(factory)``: ``factory(upstream)`` must return a ``BaseNode[Sample]`` (use it for
-  nodes that need more arguments, e.g. ``NodeStage(lambda up: MyFilter(up, threshold=3))``).
-
-The graph is built inside every worker, so stages are given as recipes, not node instances.
-A user node must keep exact state itself (``get_state`` / ``reset``) for resume to stay exact.
+``PackedDataset(stages=[...])`` accepts a function ``Sample -> Sample | None`` (:class:`MapSamples`;
+None drops the sample, counted), a ``BaseNode`` subclass (``cls(upstream)``) or ``NodeStage(factory)``.
+A user node must keep exact state itself for resume to stay exact.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Tokenize stage: ``Sample.text`` -> ``Sample.tokens``, a block of samples at a time.
 
-:class:`TextEncoder` is the one tokenization path of the library: the :class:`Tokenize` node,
-``streampack pack`` / ``inspect`` (through the same graph) and a hand-built graph
-(``ParallelMapper(reader, TextEncoder(tok))``) all turn text into ids with it, so BOS/EOS, the
-id checks and the error messages are the same everywhere.
-
-Samples are pulled in blocks of ``block_size`` and encoded together (``encode_batch`` for a
-HF ``tokenizers.Tokenizer``), optionally split over ``num_threads`` threads (the Rust
-tokenizer releases the GIL). Results are reassembled in input order, so the stream does not
-depend on the thread count.
-
-State = the upstream state at the start of the current block + how many upstream samples the
-block read + the offset inside the block; restoring re-reads and re-encodes that one block (at
-most ``block_size`` samples) instead of storing encoded tokens, which keeps ``get_state`` O(1)
-(StatefulDataLoader asks for it after every batch). The replay reads the *saved* block's
-sample count, so ``block_size`` / ``num_threads`` may change between save and restore.
-
-Encoded ids are checked (integers, none negative, all below ``vocab_size`` — below 2**31 when it
-is not given: a custom tokenizer's stray id would otherwise index past the embedding table and
-fail on the GPU, far from its sample); a bad result, or a tokenizer that raises,
-is a :class:`~streampack.errors.DataError` naming the shard URL and sample key, handled by
-``on_error`` like a reading error: ``"skip"`` drops exactly that sample and counts it.
+:class:`TextEncoder` is the one tokenization path (the node, ``streampack pack`` / ``inspect``, a hand-built
+``ParallelMapper``), so BOS/EOS, the id checks and the errors are the same everywhere. Blocks of ``block_size`` samples
+are encoded together (``encode_batch``), optionally over ``num_threads`` threads, and reassembled in input order. State
+= the upstream state at the start of the block, the block's sample count and the offset inside it: a restore re-encodes
+one block instead of storing tokens, so ``get_state`` is O(1) and ``block_size`` / ``num_threads`` may change. Ids must
+be integers in ``[0, vocab_size)`` (below 2**31 without one: a stray id would fail on the GPU, far from its sample); a
+bad result is a :class:`~streampack.errors.DataError` under ``on_error``.
 """
 
 from __future__ import annotations
@@ -70,13 +56,9 @@ def make_encoder(tokenizer: Any) -> Encoder:
 
 
 class TextEncoder:
-    """Text samples -> tokenized samples: encode, check the ids, add ``bos_id`` / ``eos_id``.
-
-    ``encode(samples)`` handles a block and returns, per sample, the tokenized sample, ``None``
-    when the text encodes to nothing (a zero-length document would break packing kernels) or
-    the :class:`DataError` it raised. Calling it on one sample returns the tokenized sample or
-    raises, so it also works as a ``torchdata.nodes.ParallelMapper`` ``map_fn``.
-    """
+    """Text samples -> tokenized samples: encode, check the ids, add ``bos_id`` / ``eos_id``. ``encode(block)``
+    returns per sample the result, None (empty text) or the :class:`DataError`; called on one sample it
+    returns or raises, so it is also a ``ParallelMapper`` ``map_fn``."""
 
     def __init__(self, tokenizer: Any, options: TokenizeOptions = TokenizeOptions(), *,
                  vocab_size: int | None = None) -> None:
@@ -173,10 +155,8 @@ class TextEncoder:
 
 
 class Tokenize(BaseNode[Sample]):
-    """Encode ``text`` samples with a :class:`TextEncoder`; samples that already carry tokens
-    pass through unchanged. A sample whose text encodes to zero tokens is dropped and counted
-    in ``counters["empty"]``; a sample the tokenizer rejects goes to ``error_policy``
-    (``ReadOptions.error_policy``: the one the graph's readers count into; default: raise)."""
+    """Encode ``text`` samples with a :class:`TextEncoder` (tokenized ones pass); an empty result is dropped
+    and counted in ``counters["empty"]``, a rejected sample goes to ``error_policy`` (default: raise)."""
 
     SOURCE_KEY = "source"
     OFFSET_KEY = "offset"

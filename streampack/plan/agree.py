@@ -1,67 +1,22 @@
 """Agreement between ranks through the job's c10d store: on the settings, once, and on per-epoch batch counts.
 
-Ranks built with different settings (seed, shuffle, epochs, window, sources, ...) read the wrong
-data — some samples never, others twice — while stepping in lockstep, so nothing else notices:
-:func:`agree_settings` checks once, when the dataset is built, that every rank has the same
-settings (the stream's fingerprint less the rank and the worker count, plus the manifest's sample
-counts and sizes), and a difference is the same ValueError on every rank naming each setting and
-both values.
+Ranks built with different settings read the wrong data while stepping in lockstep, so :func:`agree_settings` checks
+once, when the dataset is built, that every rank has the same settings and raises the same ValueError on every rank
+naming each difference. In a finite epoch every rank must yield the same number of batches or a collective hangs: each
+reader counts its own batches and :func:`agree_counts` tells it the largest rank total and its rank's per-worker counts.
+Readers are often DataLoader workers, which cannot join collectives, so they are clients of the store torch.distributed
+was initialised with (TCPStore, FileStore, or an in-process store for thread-simulated ranks); a process keeps its
+clients across rounds. Waiting is bounded by ``timeout_s`` (the TimeoutError names the readers that did not arrive),
+connecting by ``connect_timeout_s``; an inconsistent round (peers, workers or ranks disagreeing) writes ``"!message"``
+into ``done`` so every reader raises the same ValueError at once.
 
-In a finite epoch every data-parallel rank must yield the same number of batches, or a
-collective hangs. Each reader (DataLoader worker, or the main process) counts only its own
-batches; :func:`agree_counts` then tells every reader (a) the largest rank total and (b) its own
-rank's per-worker counts. Readers are often DataLoader workers, which cannot join the trainer's
-collectives, so they talk to the store torch.distributed was initialised with, as clients: a
-TCPStore (torchrun, ``env://``, ``tcp://``), a FileStore (``file://``) or, for ranks that are
-threads of one process, any store of that process (a HashStore; :meth:`Agreement.in_process`).
-
-Waiting is bounded by ``Agreement.timeout_s`` (``TopologyOptions.agree_timeout_s``; default the
-process group's timeout); the TimeoutError names the readers that did not arrive. Reaching the
-store is bounded apart (``connect_timeout_s``) and happens once per process: a process keeps its
-clients for later rounds (one per round running at the same time, as a blocked wait holds its
-client), so a reader does not reconnect every epoch.
-
-**Cost of the settings agreement** (R ranks; S = the settings' json, ~0.75 KB for a token stream,
-more with a mixture, a cost model or media): per rank, once per dataset, in its main process,
-5 store requests (compare_set, 2 add, wait, get) and 2 S + O(1) bytes; +1 request for a rank
-that finds a difference, +1 for the last to arrive; on a difference +2 requests each (the second
-barrier). Per DataLoader worker: 0 (it gets the checked dataset pickled). Store: ~5 R requests,
-R + 3 keys, S bytes kept.
-
-Protocol for round ``key`` (keys live under ``{prefix}/{key}/``; R = dp_size, W = num_workers):
-
-1. ``compare_set(c/{r}/{w}, "", "{count} {W} {token}")``: the first reporter of (r, w) wins;
-   a model-parallel peer with the same (r, w) reads the winner back, must match (else ValueError
-   naming both values) and stops here, so duplicates never count twice.
-2. The winner ``add``\\s 1 to ``a`` (readers arrived, for error messages) and to ``n/{r}``; the
-   one that brings ``n/{r}`` to W is the rank aggregator: one ``multi_get`` of the W records, sets
-   ``t/{r} = "{total} {c0},...,{cW-1}"``, ``add``\\s 1 to ``N``; the one that brings ``N`` to R is
-   the global aggregator: one ``multi_get`` of the R totals, ``compare_set(done, "", max)``.
-3. Everyone ``wait``\\s for ``done`` (bounded by ``timeout_s``), then one ``multi_get(done, t/{r})``.
-
-A reader that finds the round inconsistent (peers disagree, workers of one rank disagree on W,
-ranks run different W) writes ``"!message"`` into ``done`` so every reader raises the same
-ValueError at once instead of some of them training on wrong counts or waiting out the timeout.
-
-Cost per round, per reader: 5 store requests (compare_set, 2 add, wait, multi_get) of O(1)
-bytes, plus one connection per process (kept across rounds); rank aggregator (1 per rank):
-+3 requests, O(W) bytes; global aggregator: +2 requests, O(R) bytes; a model-parallel duplicate:
-3 requests. Store, per round: 5 G + 3 R + 2 requests, G + 2 R + 3 keys of < 64 bytes (~0.6 MB
-at 8,192 readers; never deleted, a late duplicate may still read them), and one open connection
-per waiting reader (the store host needs ``ulimit -n`` > G + R + the job's own).
-
-So a round costs at least (5 G + 3 R) / (store throughput) plus wake-ups: the loopback
-TCPStore served ~8-9k requests/s on a shared 2-core box (``benchmarks/bench_agree.py``; its
-rounds by G are in ``benchmarks/README.md``, "Agreement rounds"), i.e. >= 5 s for 1,024 ranks x
-8 workers, once per epoch. Quotas settle in the background after each reader's first batch
-(``plan.quota``), so a round delays no batch unless it outlasts the reader's epoch of data.
-
-Against the alternatives: ``sync_batches`` costs one all-reduce per step (0.35 ms gloo, 2
-local processes; more at 1,024 ranks), i.e. 3.5-35 s per epoch of 10^4-10^5 steps, and needs the
-training loop's cooperation; every reader simulating every reader costs O(samples of the data
-set) CPU per reader per epoch (1,100+ CPU-s at 10^9 samples and 8,192 readers). This costs O(1)
-requests per reader per epoch, paid at the epoch boundary, and one O(G)-request burst on the
-central store, which is the scaling limit: at 10^5 readers, >= 1 min per round on that box.
+Cost (R ranks, W workers, G = R W readers). Settings, once per dataset and rank: 5 store requests and 2 S bytes (S ~0.75
+KB of json); store ~5 R requests, R + 3 keys. Per count round and reader: 5 requests (compare_set, 2 add, wait,
+multi_get) of O(1) bytes; the rank aggregator +3 requests of O(W) bytes, the global one +2 of O(R); store 5 G + 3 R + 2
+requests and G + 2 R + 3 keys (~0.6 MB at 8,192 readers, never deleted) and one connection per waiting reader. The
+loopback TCPStore serves ~8-9k requests/s here (``benchmarks/bench_agree.py``), so a round at 1,024 ranks x 8 workers
+takes >= 5 s once per epoch, settled in the background after the first batch (``plan.quota``); the alternatives are an
+all-reduce per step (``sync_batches``) or every reader simulating every reader (O(samples of the data set) per reader).
 """
 
 from __future__ import annotations
@@ -87,14 +42,8 @@ _ERROR = "!"  # a ``done`` value starting with this is a message every reader ra
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Agreement:
-    """Where and under which namespace the readers of one run agree: a c10d store the job has, by
-    address. Picklable: it travels to DataLoader workers (fork or spawn), where each process
-    connects lazily and keeps its connections (:func:`_connection`).
-
-    Exactly one address: ``host``/``port`` (a TCPStore: torchrun, ``env://``, ``tcp://``),
-    ``path`` (a FileStore: ``file://`` init; every reader must see the same file) or ``local``
-    (a store of this process, e.g. a HashStore, registered by :meth:`in_process`: readers that are
-    threads of one process, as the in-process simulations are)."""
+    """Where the readers of one run agree: a c10d store by address (exactly one of ``host``/``port``,
+    ``path``, ``local``) and the run's key prefix. Picklable: each process connects lazily."""
 
     prefix: str
     """Namespace of this run's keys: unique per run, identical on every rank."""
@@ -138,17 +87,15 @@ class Agreement:
 
     @classmethod
     def in_process(cls, store: Any, *, prefix: str, dp_size: int, timeout_s: float = 1800.0) -> Agreement:
-        """An agreement through ``store`` (any c10d store, e.g. a HashStore) for readers that are
-        threads of this process; a reader in another process is refused with a ValueError."""
+        """An agreement through any c10d ``store`` of this process, for readers that are its threads."""
         name = f"{os.getpid()}/{id(store)}"
         _LOCAL[name] = store
         return cls(local=name, prefix=prefix, dp_size=dp_size, timeout_s=timeout_s)
 
     @classmethod
     def of_store(cls, store: Any, *, prefix: str, dp_size: int, timeout_s: float | None = None) -> Agreement:
-        """The agreement through ``store`` (under torch's PrefixStore wrappers): a TCPStore or a
-        FileStore by address, any other store (a HashStore) for this process only. ``timeout_s``
-        None: the store's own timeout (``init_process_group`` sets it to the process group's)."""
+        """The agreement through ``store``: a TCPStore or FileStore by address, any other for this process
+        only; ``timeout_s`` None: the store's own (the process group's)."""
         from torch.distributed import FileStore, TCPStore
 
         if timeout_s is None:
@@ -163,17 +110,9 @@ class Agreement:
     @classmethod
     def from_dist(cls, dp_group: Any, dp_rank: int, dp_size: int, *, timeout_s: float | None = None,
                   settings: Mapping[str, Any] | None = None) -> Agreement | None:
-        """The agreement for this run, or None without torch.distributed or with one rank.
-
-        Collective over ``dp_group`` (None: the world group): call it on every rank of it, in
-        the main process, when the dataset is built. The group's rank 0 draws a random nonce and
-        broadcasts it, so keys left in the store by an earlier run (torchrun's agent keeps its
-        store across restarts) or by another dataset of this run are never read as this one's.
-        Any store torch.distributed was initialised with serves: a TCPStore, a FileStore
-        (``file://``) or, for ranks that are threads of one process, any other (a HashStore).
-        ``timeout_s`` None: the store's timeout, which ``init_process_group`` sets to the
-        process group's. ``settings`` given: :func:`agree_settings` checks them once, here.
-        """
+        """The agreement for this run (None without torch.distributed or with one rank); collective over
+        ``dp_group``. Rank 0 broadcasts a random key prefix, so keys an earlier run or another dataset
+        left in the store are never read as this one's; ``settings`` given: :func:`agree_settings`."""
         import torch.distributed as dist
 
         if dp_size <= 1 or not (dist.is_available() and dist.is_initialized()):
@@ -203,12 +142,9 @@ class RankCounts:
 
 def agree_counts(agreement: Agreement, *, key: str, dp_rank: int, worker_id: int, num_workers: int,
                  count: int) -> RankCounts:
-    """Report this reader's ``count`` for round ``key`` and wait for every reader's. Every reader
-    of every rank calls it once per round; model-parallel peers may repeat a (dp_rank,
-    worker_id) with the same count. Raises ValueError on disagreement, TimeoutError after
-    ``agreement.timeout_s`` naming the round, this reader and how many readers had arrived.
-    ``key`` must name the round uniquely within the run: asking again (a resumed epoch) gets the
-    first answer if the count is the same and a ValueError if not."""
+    """Report this reader's ``count`` for round ``key`` (unique in the run) and wait for every reader's.
+    The first report of a (dp_rank, worker_id) wins; a model-parallel peer or a resumed epoch asking
+    again must report the same count (else ValueError)."""
     validate_topology(dp_rank, agreement.dp_size, worker_id, num_workers)
     if not isinstance(count, numbers.Integral) or isinstance(count, bool) or count < 0:
         raise ValueError(f"count={count!r} must be an int >= 0")
@@ -242,21 +178,9 @@ def agree_counts(agreement: Agreement, *, key: str, dp_rank: int, worker_id: int
 
 
 def agree_settings(agreement: Agreement, *, dp_rank: int, settings: Mapping[str, Any]) -> None:
-    """Check once, when the dataset is built, that every rank has the same ``settings`` (the
-    stream's fingerprint less what differs by rank: plain, json-able values). Every rank of
-    ``agreement`` calls it once, in its main process; it returns when all have and agree, and on
-    a difference raises the same ValueError on every rank, naming the settings and both values —
-    only after every rank has read the outcome, so the store's host failing cannot turn the
-    others' error into a lost connection. TimeoutError after ``agreement.timeout_s`` naming the
-    ranks that did not arrive.
-
-    Protocol (keys under ``{prefix}/settings/``): the first rank's ``compare_set(first, "",
-    {rank, settings})`` wins and every rank compares its own to the winner's; a rank that
-    differs ``compare_set``\\s ``done`` to ``"!message"``; each rank ``add``\\s 1 to ``at/{r}``
-    and (the first of its model-parallel peers) to ``n``; the one bringing ``n`` to R sets
-    ``done`` (unless set); all wait for ``done`` and get it. On an error, a second barrier
-    (``add`` to ``read``, the last sets ``bye``, all wait for it) keeps every rank alive until all
-    have read it."""
+    """Check that every rank has the same json-able ``settings``; every rank calls it once, in its main
+    process. A difference is the same ValueError on every rank, raised only after all have read it
+    (a second barrier), so the store's host failing cannot turn it into a lost connection."""
     text = json.dumps({"rank": int(dp_rank), "settings": dict(settings)}, sort_keys=True, default=str)
     base = f"{agreement.prefix}/settings"
     with _connection(agreement) as store:
@@ -308,8 +232,7 @@ def _short(value: Any) -> str:
 
 
 def _wait(store: Any, key: str, deadline: float) -> bool:
-    """Wait for ``key`` until ``deadline``: False on a timeout (the store cancels the wait, so the
-    same connection can still ask who arrived); a lost store (DistNetworkError) is raised as is."""
+    """Wait for ``key`` until ``deadline``: False on a timeout; a lost store (DistNetworkError) is raised."""
     from torch.distributed import DistNetworkError
 
     try:
@@ -317,9 +240,7 @@ def _wait(store: Any, key: str, deadline: float) -> bool:
     except DistNetworkError:
         raise
     except RuntimeError:  # DistStoreError from a TCPStore or HashStore, a plain RuntimeError from a FileStore
-        if store.check([key]):
-            return True
-        return False
+        return bool(store.check([key]))
     return True
 
 
@@ -381,8 +302,7 @@ _POOL_LOCK = threading.Lock()
 
 
 def _after_fork() -> None:
-    """A forked child (a DataLoader worker) starts with no clients and a free lock, whatever a
-    parent's thread held at the fork."""
+    """A forked child starts with no clients and a free lock."""
     global _POOL_LOCK
     _POOL_LOCK = threading.Lock()
     _POOL.clear()
@@ -393,10 +313,8 @@ os.register_at_fork(after_in_child=_after_fork)
 
 @contextmanager
 def _connection(agreement: Agreement) -> Iterator[Any]:
-    """A client of ``agreement``'s store for one round: an idle one of this process, else a new
-    one (a blocked wait holds its client, so concurrent rounds need one each); returned to the
-    pool afterwards, so a process's readers connect once, not once per epoch. A forked child
-    never reuses its parent's socket (the pool is keyed by pid)."""
+    """A client of the store for one round: an idle one of this process (keyed by pid), else a new one
+    (a blocked wait holds its client, so concurrent rounds need one each)."""
     if agreement.local:
         store = _LOCAL.get(agreement.local)
         if store is None or not agreement.local.startswith(f"{os.getpid()}/"):

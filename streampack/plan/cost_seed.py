@@ -1,32 +1,18 @@
 """The cost histogram a balancing reader starts from: the same on every rank, before its first pack.
 
-**Why.** Cost-balanced emission (:mod:`streampack.packing.schedule`) turns each step's quantile
-into a cost level with the histogram of pack costs the reader has counted. Every rank reads its
-own documents, so at step 0 every histogram is empty, and for the first ~2,000 packs the
-readers' histograms — and with them the levels, the very thing that makes ranks agree — differ.
-Measured end to end (``benchmarks/bench_balance_e2e.py``: 16 real ``PackedDataset`` readers,
-capacity 131,072, the generated long-tail lengths of ``benchmarks/bench_balance.py``, Llama-3-8B
-FLOP model), straggler factor over steps 0–500: cold 1.064, seeded 1.027; with attention truly
-1.5x the FLOP model, cold 1.079, seeded 1.034 (token-only: 1.994 and 2.325).
+Cost-balanced emission (:mod:`streampack.packing.schedule`) turns each step's quantile into a cost level with the
+histogram of pack costs the reader has counted; at step 0 every reader's is empty, and for the first ~2,000 packs the
+levels differ between ranks. So every reader packs the same sample of document lengths, drawn from the data set's shard
+indexes by the stream seed alone, with the packer's own rules (``window_rounds.run_rounds``), and counts its packs'
+costs as ``SEED_WEIGHT`` packs: the levels agree from step 0 and still follow a drifting stream after about
+``SEED_WEIGHT`` own packs. Straggler factor over steps 0-500 (``benchmarks/bench_balance_e2e.py``, 16 readers, capacity
+131,072): cold 1.064, seeded 1.027.
 
-**Design.** Every reader packs the *same* sample of document lengths with the packer's own
-rules (``window_rounds.run_rounds``: window, algorithm, alignment, overlong policy) and counts
-the costs of the packs it makes. The sample is drawn from the data set's own shard indexes, with
-shards and lengths chosen by the stream seed alone, so the seed histogram is bit-identical on
-every rank and worker: the levels agree from step 0. The sample's lengths are drawn with
-replacement to feed ``SEED_PACKS`` packs (or ``SEED_ROUNDS`` rounds' worth; a pack holds one long document or tens of short ones,
-so a few thousand documents' lengths make thousands of distinct packs). The histogram then
-counts as ``SEED_WEIGHT`` packs, and the reader's own packs are added to it as before, so a
-stream whose lengths drift still moves the levels (after about ``SEED_WEIGHT`` own packs),
-while over the first hundreds of steps the readers' own noise cannot pull them apart.
-
-**Cost per reader** (N shards, s samples per shard): the indexes of ``ceil(SEED_SAMPLES / s)``
-shards (at most ``SEED_SHARDS``), the same ones every reader reads (one request each,
-``≈ 9 B × samples``; a planned reader fetches indexes anyway), O(N) to draw them, and the
-lengths-only rounds of at most ``SEED_PACKS`` packs or ``SEED_ROUNDS`` rounds: 0.15 s for
-4,096 packs at capacity 131,072 (2-core box under load). Paid once per reader when it starts
-fresh (a restore brings its saved histogram and computes nothing). Without known token lengths (text or parquet shards
-the index cannot count) there is nothing to sample: the reader starts cold, as before.
+**Cost per reader** (s samples per shard): the indexes of ``ceil(SEED_SAMPLES / s)`` shards (at most
+``SEED_SHARDS``, one request each, the same on every reader), O(N) to draw them, and lengths-only
+rounds of at most ``SEED_PACKS`` packs or ``SEED_ROUNDS`` rounds: 0.15 s for 4,096 packs at capacity
+131,072. Paid once when a reader starts fresh (a restore brings its histogram); without known token
+lengths the reader starts cold.
 """
 
 from __future__ import annotations
@@ -55,9 +41,8 @@ MIN_SAMPLES = 256
 
 
 def sample_lengths(num_shards: int, lengths_of: Callable[[int], np.ndarray], seed: int) -> np.ndarray:
-    """int64 lengths of the samples in shards drawn by ``seed`` (the same on every reader) until
-    ``SEED_SAMPLES`` are known; ``lengths_of(shard)`` gives a shard's index lengths (-1 or 0:
-    unknown or refused, skipped)."""
+    """int64 lengths of the samples in shards drawn by ``seed`` (the same on every reader) until ``SEED_SAMPLES`` are
+    known; ``lengths_of(shard)`` gives a shard's index lengths (-1 or 0: unknown or refused, skipped)."""
     order = np.random.default_rng([int(seed), 0x5EED]).permutation(num_shards)[:SEED_SHARDS]
     found: list[np.ndarray] = []
     total = 0
@@ -73,10 +58,8 @@ def sample_lengths(num_shards: int, lengths_of: Callable[[int], np.ndarray], see
 
 def seed_counts(lengths: np.ndarray, rules: PackerRules, model: CostModel, scale: CostScale, *,
                 seed: int, cut: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray | None:
-    """int64 ``[BINS]``: the histogram of ``SEED_PACKS`` packs made from ``lengths`` (drawn with
-    replacement by ``seed``) by the packer's ``rules``, scaled to count ``SEED_WEIGHT`` packs;
-    None with fewer than ``MIN_SAMPLES`` lengths. ``cut``: the overlong policy (raw lengths ->
-    the chunks the packer sees); lengths above the capacity are dropped without one."""
+    """int64 ``[BINS]``: the histogram of ``SEED_PACKS`` packs the packer's ``rules`` make from ``lengths``
+    (drawn by ``seed``, cut by ``cut``), scaled to ``SEED_WEIGHT`` packs; None below ``MIN_SAMPLES``."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if cut is not None:
         lengths = cut(lengths)

@@ -1,24 +1,11 @@
 """The cursor: named records of what a reader has not yet delivered to the trainer.
 
-A reader's stream is cut, at any state, into three parts that never overlap:
-
-- the **frontier** (:class:`Pulled`): per source, the last sample the overlong stage pulled;
-  every sample after it in the reader's order (the rest of its spans, :mod:`~streampack.plan.sharding`)
-  is still unread downstream;
-- a **split in progress** (:class:`Split`): the chunks of one document not emitted yet;
-- the packer's **window carry**: the packs of the round not emitted yet and the samples carried
-  to the next round, as a table of references (``state.REF`` records: source, shard, offset,
-  number, epoch, chunk, length).
-
-Each stateful node owns its part and hands it out through one method over its own saved state
-(``ShardReader.undelivered``: the planned spans; ``OverlongNode.undelivered``: the frontier and
-the split; ``WindowPacker.undelivered``: the carry), returning these records. An elastic resume
-(:mod:`streampack.plan.elastic`) composes them into :class:`Undelivered` and never reads a
-node's private keys or a column by position. The records' state forms are plain data that
-``torch.load(weights_only=True)`` reads: a table of references is one int64 tensor per named
-column (``state.refs_to_state``); a record of a few fields (the frontier, a split) is one JSON
-text of named fields, one leaf of the state a ``StatefulDataLoader`` flattens and diffs after
-every batch, as the settings and counters are.
+A reader's stream is cut, at any state, into three parts that never overlap: the frontier (:class:`Pulled`: per source,
+the last sample the overlong stage pulled; the rest of the reader's spans is unread), a split in progress
+(:class:`Split`: the chunks of one document not emitted yet) and the packer's carry (a table of ``state.REF``
+references). Each stateful node hands its part out through one ``undelivered`` method over its own saved state;
+:mod:`streampack.plan.elastic` composes them into :class:`Undelivered` and never reads a node's private keys or a column
+by position. In a state, a table of references is one int64 tensor per named column and a small record one JSON text.
 """
 
 from __future__ import annotations
@@ -33,11 +20,11 @@ from streampack.io.storage import ShardStat
 from streampack.plan.sharding import Span, WorkEnds
 from streampack.plan.state import (
     REF,
-    STATE_VERSION,
     concat_tables,
     record_of,
     record_text,
     refs_table,
+    require_fields,
     samples_from_state,
     samples_to_table,
 )
@@ -73,8 +60,7 @@ PULLED_FIELDS = tuple(f.name for f in fields(Pulled))
 
 
 def pulled_to_state(pulled: Iterable[Pulled]) -> str:
-    """The last samples pulled (one per source, by source) as one JSON text of named fields
-    (``state.record_text``: one leaf of the state a DataLoader flattens after every batch)."""
+    """The last samples pulled (one per source) as one JSON text of named fields."""
     return record_text({"pulled": [asdict(p) for p in sorted(pulled, key=lambda p: p.source)]})
 
 
@@ -82,7 +68,7 @@ def pulled_from_state(text: str) -> list[Pulled]:
     """Inverse of :func:`pulled_to_state` (``ValueError`` naming a missing field)."""
     out = []
     for fields_ in record_of(text)["pulled"]:
-        _require(fields_, PULLED_FIELDS, "a last sample pulled")
+        require_fields(fields_, PULLED_FIELDS, "a last sample pulled")
         out.append(Pulled(**{name: int(fields_[name]) for name in PULLED_FIELDS}))
     return out
 
@@ -135,8 +121,8 @@ class Split:
         if SPLIT_KEY not in pending:
             return None
         record = record_of(pending[SPLIT_KEY])
-        _require(record, ("at", "next", "count", "tokens", "lengths"), "a split document")
-        _require(record["at"], POSITION_FIELDS, "a split document's position")
+        require_fields(record, ("at", "next", "count", "tokens", "lengths"), "a split document")
+        require_fields(record["at"], POSITION_FIELDS, "a split document's position")
         lengths = record["lengths"]
         return cls(at=Position(**{name: int(record["at"][name]) for name in POSITION_FIELDS}),
                    next=int(record["next"]), count=int(record["count"]), tokens=int(record["tokens"]),
@@ -159,9 +145,8 @@ def split_samples(pending: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Undelivered:
-    """What one reader had not delivered, as its nodes hand it out: the frontier (None: nothing
-    pulled yet) and the carried samples in delivery order (the packer's window, then a split
-    document's chunks left)."""
+    """What one reader had not delivered, as its nodes hand it out: the frontier (None: nothing pulled yet) and the
+    carried samples in delivery order (the packer's window, then a split document's chunks left)."""
 
     pulled: Pulled | None
     carry: Mapping[str, Any]
@@ -196,13 +181,6 @@ class PackedPlace:
     position: int
     work: dict[int, np.ndarray]
     """The packs of the epochs it was handed explicitly."""
-
-
-def _require(record: Mapping[str, Any], names: Iterable[str], what: str) -> None:
-    missing = [n for n in names if n not in record]
-    if missing:
-        raise ValueError(f"{what} without the field(s) {missing}: was the state saved by another streampack "
-                         f"version (state version={STATE_VERSION})?")
 
 
 __all__ = ["POSITION_FIELDS", "PULLED_FIELDS", "PackedPlace", "Planned", "Position", "Pulled", "Split", "Undelivered",

@@ -1,38 +1,18 @@
-"""Elastic resume: the states of every reader of a run on ``(dp_size=a, num_workers=b)`` ->
-each reader's share on ``(c, d)``, with every sample of the epoch read exactly once.
+"""Elastic resume: the states of every reader of a run on ``(dp_size=a, num_workers=b)`` -> each reader's
+share on ``(c, d)``, with every sample of the epoch read exactly once.
 
-What an old reader had not yet handed to the trainer is exactly what its nodes say it is, each
-through its ``undelivered`` method over its own saved state, as the named records of
-:mod:`streampack.plan.cursor` (never a node's private keys, never a column by position):
-
-- its *carried* samples: the packs of the packer's round not yet emitted, the packer's carry
-  and the chunks left of a split document — all stored as references (shard, offset, chunk);
-- every sample after its *frontier*, the last sample the overlong stage pulled (samples read
-  but still in a tokenize block are after it): the rest of its spans in the frontier's epoch,
-  then its whole share of any later epoch up to ``E*``, the latest frontier epoch of all
-  readers (readers of an infinite stream may be an epoch apart).
-
-:func:`remaining` gathers that from the old states (once per process, from plain data: no
-shard is read; the old plans come from the manifest and the indexes of the shards their
-boundaries fall in: <= G_old + 1 index reads, O(N + G_old) CPU and memory, no per-shard HEAD); :mod:`streampack.plan.reshard` cuts it into
-the new readers' shares. The new readers read their share in epoch ``E*`` (each sample keeps
-the epoch it belongs to in its origin) and then follow the regular plan of the new topology
-from ``E* + 1``. The frontier is exact because every stage between the reader and the
-overlong stage keeps the reader's order (tokenizing, function stages).
-
-Refused with a ``ValueError`` naming what differs, as the same-topology resume refuses: a
-nested node state of another version, and a shard whose identity (size, ETag / mtime) is not the
-one the old readers recorded — checked against the manifest up front, and by each new reader when
-it opens a shard (no extra request).
-
-Not supported (a clear ``ValueError``): mixtures (the mixture's draw sequence is per reader), and
-graphs with a user node stage (its own buffer cannot be split). On the same topology nothing
-changes: each reader takes its own state back and continues bit-identically.
+What an old reader had not handed to the trainer is what its nodes' ``undelivered`` methods say
+(:mod:`streampack.plan.cursor`): its carried samples (as references) and every sample after its frontier, up to ``E*``,
+the latest frontier epoch of all readers. :func:`remaining` gathers that from the old states (no shard read: <= G_old +
+1 index reads for the old plans' boundaries, O(N + G_old) CPU and memory); :mod:`streampack.plan.reshard` cuts it into
+the new readers' shares, read in epoch ``E*`` before the new topology's plan continues from ``E* + 1``. A nested state
+of another version and a shard whose identity changed are refused by name. Mixtures (the draw sequence is per reader)
+and graphs with a user node stage (its buffer cannot be split) are refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,13 +29,7 @@ from streampack.nodes.reader import ShardReader, check_manifest
 from streampack.nodes.window_packer import WindowPacker
 from streampack.plan.cursor import Pulled, Undelivered
 from streampack.plan.epoch_plan import ShardSamples
-from streampack.plan.sharding import (
-    ShardSpan,
-    Span,
-    WorkEnds,
-    assign_shards,
-    epoch_permutation,
-)
+from streampack.plan.sharding import ShardSpan, Span, WorkEnds, assign_shards, epoch_permutation
 from streampack.plan.state import (
     FINGERPRINT_KEY,
     GRAPH_KEY,
@@ -64,6 +38,7 @@ from streampack.plan.state import (
     check_identities,
     check_node_versions,
     dataset_record,
+    nested,
     samples_to_table,
 )
 from streampack.settings import Placement, ReadOptions, Sources, StreamConfig
@@ -96,8 +71,7 @@ class Remaining:
 
 
 def topology_of(states: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
-    """``(dp_size, num_workers)`` the states were saved with, after checking they are all the
-    readers of one run, each exactly once."""
+    """``(dp_size, num_workers)`` of the states, checked to be every reader of one run, each once."""
     if not states:
         raise ValueError("an elastic resume needs the states of every reader of the old run; got none")
     prints = [dataset_record(s, FINGERPRINT_KEY) for s in states]
@@ -125,19 +99,7 @@ def topology_of(states: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
 
 def find_state(tree: Any, kind: str) -> dict[str, Any] | None:
     """The first node state of ``kind`` nested anywhere in ``tree``."""
-    if isinstance(tree, Mapping):
-        if tree.get("kind") == kind:
-            return dict(tree)
-        children: Iterator[Any] = iter(tree.values())
-    elif isinstance(tree, (list, tuple)):
-        children = iter(tree)
-    else:
-        return None
-    for child in children:
-        found = find_state(child, kind)
-        if found is not None:
-            return found
-    return None
+    return next((dict(node) for node in nested(tree) if node.get("kind") == kind), None)
 
 
 def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources: Sources,
@@ -174,8 +136,7 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
 
 
 def saved_identities(states: Sequence[Mapping[str, Any]], sources: Sources) -> dict[int, ShardStat]:
-    """The shard identities the old readers recorded (each the shards it read last), checked to
-    agree with each other."""
+    """The shard identities the old readers recorded, checked to agree with each other."""
     out: dict[int, ShardStat] = {}
     for s in states:
         reader = find_state(s[GRAPH_KEY], READER_KIND)
@@ -263,8 +224,7 @@ class _OldPlans:
         if self._packed is None:
             self._packed = PackedShardReader(
                 self.sources.packed_urls, layout=self.config.batch_layout(), seed=self.config.seed,
-                shuffle=self.config.shuffle, epochs=None if self.last is None else self.last, dp_size=self.dp_size,
-                num_workers=self.readers)
+                shuffle=self.config.shuffle, epochs=None if self.last is None else self.last, place=self.place)
         return self._packed.dealt(epoch, g)
 
     def _spans(self, g: int, epoch: int, work: Mapping[int, list[Span]],

@@ -1,56 +1,37 @@
 """Finite epochs without guesswork: which samples one reader reads, and how many batches it yields.
 
-Each reader plans only its own share of an epoch, from the data set's manifest
-(:mod:`streampack.io.manifest`: per shard its sample count and token total): the epoch's shards
-in the ``(seed, epoch)`` order are cut into contiguous sample ranges balanced by token count —
-ranks first, then each rank's workers — by prefix sums over the shard totals and a
-``searchsorted`` per boundary (:class:`~streampack.plan.sharding.PrefixCut`: exactly the
-boundaries ``sharding.cut_two_level`` gives over every sample, opening only the shard each of its
-<= 4 boundaries falls in). When every rank must yield the same number of batches, the reader's
-plan carries a *late quota* (:mod:`streampack.plan.quota`): after its first batch, in a
-background thread, the reader counts its own batches (its own samples' lengths through the
-packer's round logic, ``window_rounds.count_packs``) and the readers agree on the counts
-(``streampack.plan.agree``: one store round per epoch, O(1) requests per reader); the quota is first
-used when the reader's own data runs out, to know how many filler batches make its rank's total
-the largest rank's (:func:`rank_quotas`, the same quotas :func:`equalize` gives). The agreement
-uses whatever store torch.distributed has (TCPStore, FileStore, HashStore). With
-``equal_batches="count"`` (ranks simulated in one process, small data sets) each reader counts
-every reader's batches instead, at its first ``state_dict()`` or when its data runs out — O(T)
-CPU, memory and index reads per reader; ``PackedDataset`` refuses a plan with no store up front,
-so only that explicit choice pays it.
+Each reader plans only its own share of an epoch from the data set's manifest: the epoch's shards in the ``(seed,
+epoch)`` order are cut into contiguous sample ranges balanced by token count, ranks first, then each rank's workers
+(:class:`~streampack.plan.sharding.PrefixCut`, opening only the <= 4 shards its boundaries fall in). When every rank
+must yield the same number of batches, the plan carries a late quota (:mod:`streampack.plan.quota`): after the first
+batch, in the background, the reader counts its own batches through the packer's round logic and the readers agree on
+the counts (:mod:`streampack.plan.agree`); the quota says how many fillers make its rank's total the largest rank's.
+``equal_batches="count"`` has each reader count every reader's batches instead (O(T)).
 
-**Cost per reader and epoch** (N shards, T samples, G readers; ``python benchmarks/bench_scale.py``
-on this shared 2-core box): before the first batch, 1 manifest read per process and at most 4
-boundary shards' indexes (a whole shard needs no index), CPU ~0.06-0.4 µs · N (permutation,
-prefix sums, cut); after it, in the background, the indexes of its own ~N/G shards (the boundary
-ones reused; none kept), ~1-6 µs · T/G of packer count (1.1 µs unloaded, 6 µs with the box
-loaded) and 5 store requests; memory ~122 B · N for the manifest (measured, `bench_manifest_memory.py`) + ~48 B · T/G at the count's
-peak (int32 lengths and the packer's temporaries). At N=10^5, T=10^9, G=8,192: 5 requests
-before the first batch, 18 after it, 0.2-0.7 s of CPU, ~17 MB. An index length of 0 (an empty
-record) is left out of the count, as the reader skips it (counted as ``empty_sample``).
+**Cost per reader and epoch** (N shards, T samples, G readers; ``benchmarks/bench_scale.py``): before
+the first batch, 1 manifest read per process and at most 4 boundary shards' indexes, CPU
+~0.06-0.4 µs · N; after it, in the background, the indexes of its own ~N/G shards (not kept),
+~1-6 µs · T/G of packer count and 5 store requests; memory ~122 B · N for the manifest + ~48 B · T/G
+at the count's peak. At N=10^5, T=10^9, G=8,192: 5 requests before the first batch, 18 after, 0.2-0.7 s
+of CPU, ~17 MB.
 
-Trade-off against agreeing at run time (``streampack.sync_batches``: one all-reduce of "I
-still have data" per step; ``python benchmarks/bench_state.py --plan --sync``, provisional): planning costs nothing per step but
-needs token lengths in the manifest (pre-tokenized shards) and no stage that changes lengths.
-Agreeing per step works for any data (text, stages) but costs one all-reduce per step (0.35 ms
-on gloo with 2 local processes, 0.9 ms loaded; NCCL is far cheaper) and needs the training
-loop's cooperation. Both leave the same fillers for the same split: on 1M lognormal samples
-(mean 600, capacity 4096, 2 packs per batch, 2 readers per rank) 2 over 2 ranks, 7 over 8, 117
-over 64 (0.16% of 73k batches; the lower bound with batches free to move between ranks is 0, 7
-and 53). A second, count-weighted re-cut did not help reliably (64 ranks: 113 -> 77..97;
-8 ranks: 7 -> 12..17), so there is none.
+Planning costs nothing per step but needs token lengths in the manifest and no stage that changes
+lengths; ``sync_batches`` works for any data at one all-reduce per step. Both leave the same fillers
+(1M lognormal samples, capacity 4096: 117 over 64 ranks, 0.16% of 73k batches); a second,
+count-weighted re-cut did not help reliably, so there is none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from streampack.io.index import ShardIndex, unknown_lengths_hint
 from streampack.packing.window_rounds import PackerRules, count_packs, worker_seed
+from streampack.plan.agree import RankCounts
 from streampack.plan.quota import LateQuota, Settled
 from streampack.plan.sharding import IndexRange, PrefixCut, Span, epoch_permutation
 
@@ -104,17 +85,7 @@ class ReaderPlan:
     epoch: int
     spans: list[Span]
     quota: LateQuota | None
-    """Batches it yields, fillers included, settled when first needed (None: as many as its data
-    makes)."""
-
-
-class RankCounts(Protocol):
-    """What agreeing on counts returns (``streampack.plan.agree.RankCounts``)."""
-
-    @property
-    def target(self) -> int: ...
-    @property
-    def workers(self) -> tuple[int, ...]: ...
+    """Batches it yields, fillers included, settled when first needed (None: as many as its data makes)."""
 
 
 Agree = Callable[[str, int, int, int, int], RankCounts]
@@ -150,11 +121,9 @@ def chunk_lengths(lengths: np.ndarray, max_len: int, policy: str) -> np.ndarray:
 
 
 def count_batches(counting: Counting, global_worker: int, stream: np.ndarray, carry: np.ndarray | None = None) -> int:
-    """Batches one worker's packer and collate make from documents of raw ``stream`` lengths
-    (the overlong policy is applied here) after ``carry`` (already cut) lengths."""
+    """Batches one worker makes from raw ``stream`` lengths after ``carry`` (already cut) lengths."""
     stream = np.asarray(stream)
-    stream = stream[stream > 0]  # an empty or refused record (0, BAD_LENGTH) never reaches the packer: the
-    # reader skips and counts it, or raises
+    stream = stream[stream > 0]  # an empty or refused record (0, BAD_LENGTH) never reaches the packer
     return count_chunks(counting, global_worker, chunk_lengths(stream, counting.max_len, counting.policy), carry)
 
 
@@ -165,9 +134,8 @@ def count_chunks(counting: Counting, global_worker: int, chunks: np.ndarray, car
 
 
 def rank_quotas(workers: Sequence[int], target: int) -> list[int]:
-    """One rank's quotas: its workers' ``workers`` batches plus the ``target - sum(workers)``
-    fillers, given one by one to the worker with the fewest batches so far (so DataLoader
-    round-robin keeps them at the end of the epoch)."""
+    """One rank's quotas: ``target - sum(workers)`` fillers given one by one to the worker with the fewest
+    batches so far (so DataLoader round-robin keeps them at the end of the epoch)."""
     quotas = list(workers)
     for _ in range(target - sum(workers)):
         w = min(range(len(quotas)), key=lambda i: (quotas[i], i))
@@ -189,16 +157,10 @@ def equalize(batches: Sequence[int], ranks: int) -> tuple[list[int], int, int]:
 class EpochPlanner:
     """Plans finite epochs for one reader of ``dp_size`` ranks x ``num_workers`` readers.
 
-    ``shards`` holds every shard's totals (a :class:`~streampack.io.manifest.Manifest`:
-    ``samples``, ``costs(tokens=)``, ``known_lengths()``, ``urls``); ``index(shard)`` loads one
-    shard's per-sample index — only for the shards a reader reads (to count its batches) and the
-    few its boundaries fall in. ``counting`` None plans who reads what without counting batches
-    (one rank, or ranks that agree at run time). ``agree`` (see :data:`Agree`) makes the batch
-    counts equal from this reader's own count; without it every reader counts every reader's
-    batches (``equal_batches="count"``: O(T) CPU, memory and index reads per reader). ``lengths(shard,
-    samples)`` replaces the index's lengths in the counts (not in the cut): a media stream's
-    true lengths (:mod:`streampack.media.plan_lengths`), whose ``chunks`` also cuts them around
-    images as the stream's overlong policy does.
+    ``shards``: the manifest; ``index(shard)`` loads one shard's index (only the shards read or cut);
+    ``counting`` None plans without counting batches; ``agree`` (:data:`Agree`) equalizes the counts
+    from this reader's own (without it every reader counts every reader's); ``lengths(shard, samples)``
+    replaces the index's lengths in the counts (a media stream's, :mod:`streampack.media.plan_lengths`).
     """
 
     def __init__(self, shards: Any, index: Callable[[int], ShardIndex], *, seed: int, shuffle: bool,
@@ -242,8 +204,7 @@ class EpochPlanner:
         return cut.pieces(*cut.bounds(self.dp_size, self.num_workers, global_worker))
 
     def spans(self, epoch: int, global_worker: int) -> list[Span]:
-        """Its byte ranges: a whole shard needs no index (read to its end); a part is cut
-        through that shard's index."""
+        """Its byte ranges: a whole shard needs no index (read to its end); a part is cut through that shard's index."""
         out = []
         for p in self.ranges(epoch, global_worker):
             whole = p.lo == 0 and p.hi == int(self.shards.samples[p.shard])
@@ -262,9 +223,8 @@ class EpochPlanner:
         return self._counts[key]
 
     def count_spans(self, global_worker: int, spans: Sequence[Span], carry: np.ndarray | None = None) -> int:
-        """Batches reader ``global_worker`` makes from ``spans`` after ``carry`` (chunk lengths
-        already in its window): one index read per shard not already open (the boundary shards a
-        plan opened are reused); the indexes read here are not kept (memory O(T/G) lengths)."""
+        """Batches reader ``global_worker`` makes from ``spans`` after ``carry`` (chunk lengths already in
+        its window); the indexes read here are not kept (memory O(T/G) lengths)."""
         assert self.counting is not None
         chunks = []
         for span in spans:
@@ -284,8 +244,7 @@ class EpochPlanner:
         return chunk_lengths(stream[stream > 0], max_len, policy)  # 0: a record the reader skips
 
     def plan(self, epoch: int, global_worker: int, info: dict[str, Any] | None = None) -> ReaderPlan:
-        """Reader ``global_worker``'s spans and (when batches are counted) its late quota, whose
-        settling updates ``info``. No index is read but its <= 4 boundary shards'."""
+        """Reader ``global_worker``'s spans and (when batches are counted) its late quota."""
         if self._plan is None or self._plan_of != (epoch, global_worker):
             spans = self.spans(epoch, global_worker)
             quota = None

@@ -1,31 +1,17 @@
 """What the copies of one dataset in DataLoader worker processes must agree on.
 
-A DataLoader gives each worker process its own copy of the dataset (forked, or pickled under
-``spawn``), and the main process's copy never runs ``__iter__``. So a counter kept on the
-dataset object cannot say which pass a worker runs (a second ``iter(loader)`` would repeat the
-first pass's order), whether workers have read anything (so the main process's
-``state_dict()`` is stale), or whether a loaded state was already used. :class:`PassTracker`
-keeps those facts in a small block of shared memory created with the dataset:
+Each DataLoader worker has its own copy of the dataset and the main process's copy never iterates, so a counter on the
+dataset object cannot say which pass a worker runs, whether workers have read anything (the main copy's ``state_dict()``
+is stale) or whether a loaded state was already used. :class:`PassTracker` keeps those facts in a small block of shared
+memory created with the dataset: the pass (a fresh iteration by reader ``w`` starts a new pass if ``w`` already started
+the current one, so the shuffle does not depend on the worker count), whether a worker process iterated, and the load
+generation each reader slot used.
 
-- *passes*: a fresh iteration by reader ``w`` starts a new pass if ``w`` already started the
-  current one, else joins it. Every worker of one loader iteration starts once, so they all
-  agree — with 0, 2 or 8 workers, persistent or not — and the pass number (hence the shuffle)
-  does not depend on the worker count.
-- *worker iteration*: set once a DataLoader worker process iterates the dataset.
-- *load generations*: a loaded state carries a generation drawn here; each reader slot uses a
-  generation once, so the next fresh iteration of the loader starts a new pass instead of
-  re-applying the checkpoint.
-
-The block is an anonymous shared file (a ``memfd`` on Linux) mapped by every copy, locked with
-``fcntl`` record locks, not a ``multiprocessing.Array(lock=True)``: that lock is a named POSIX
-semaphore, which starts a ``resource_tracker`` process per training process and, when the
-training process is SIGKILLed, makes the tracker print ``leaked semaphore objects`` on every
-preemption. A record lock has no name and the kernel drops it with a process that dies holding
-it (a killed worker never leaves the others waiting). Record locks belong to a process, so a
-thread lock orders the threads of one process. A forked worker inherits the mapping; a spawned
-one gets the file's descriptor with its start (``multiprocessing.reduction.DupFd``); pickling
-the dataset for anything else (``copy.deepcopy``, ``torch.save``) gives the copy a tracker of
-its own.
+The block is an anonymous shared file (``memfd``) locked with ``fcntl`` record locks, not a
+``multiprocessing.Array(lock=True)``: that lock is a named POSIX semaphore, whose ``resource_tracker``
+prints ``leaked semaphore objects`` on every SIGKILLed preemption. A record lock has no name and dies
+with its process; a thread lock orders the threads of one process. A spawned worker gets the file's
+descriptor with its start (``multiprocessing.reduction.DupFd``).
 """
 
 from __future__ import annotations
@@ -36,6 +22,8 @@ import os
 import tempfile
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing import context as mp_context
 from multiprocessing.reduction import DupFd
 from typing import Any
@@ -70,10 +58,17 @@ class PassTracker:
         self._pid = 0
         self._thread_lock = threading.Lock()
 
-    def _locked(self) -> _Locked:
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The thread lock, then an exclusive record lock on the whole shared file."""
         if self._pid != os.getpid():  # a forked copy: a thread lock that no other thread can hold
             self._pid, self._thread_lock = os.getpid(), threading.Lock()
-        return _Locked(self._fd, self._thread_lock)
+        with self._thread_lock:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
 
     def set_next_pass(self, passes: int) -> None:
         """The pass the next fresh iteration runs."""
@@ -127,29 +122,6 @@ class PassTracker:
         if mp_context.get_spawning_popen() is None:
             return (PassTracker, ())  # a copy, not a worker process: independent counters
         return (_restore, (DupFd(self._fd),))
-
-
-class _Locked:
-    """The thread lock, then an exclusive record lock on the whole shared file."""
-
-    __slots__ = ("fd", "thread_lock")
-
-    def __init__(self, fd: int, thread_lock: threading.Lock) -> None:
-        self.fd, self.thread_lock = fd, thread_lock
-
-    def __enter__(self) -> None:
-        self.thread_lock.acquire()
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            self.thread_lock.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN)
-        finally:
-            self.thread_lock.release()
 
 
 def _restore(fd: Any) -> PassTracker:

@@ -1,39 +1,18 @@
 """A finite epoch's batch quota, settled late: when the reader first needs it, not before its first batch.
 
-Every rank must yield the same number of batches in a finite epoch, so a reader whose data runs out
-emits filler batches up to its *quota*: its rank's largest total spread over its workers
-(``epoch_plan.rank_quotas``). The quota needs the reader's own batch count (its packer's rounds
-over the token lengths of its own samples, i.e. the sample indexes of its ~N/G shards) and the
-other readers' counts. Counting before the first batch cost every reader ⌈N/G⌉ index reads
-before it could start (310 extra requests at 64 ranks over 20,000 shards,
-``benchmarks/bench_scale.py``). The quota is first *used* when the reader's own data runs out, so:
+Every rank must yield the same number of batches in a finite epoch, so a reader whose data runs out emits filler batches
+up to its quota (``epoch_plan.rank_quotas``), which needs its own batch count (the indexes of its ~N/G shards) and the
+other readers'. Counting before the first batch cost every reader ⌈N/G⌉ index reads before it could start (310 extra
+requests at 64 ranks over 20,000 shards, ``benchmarks/bench_scale.py``), so counting and agreeing run in a background
+thread started after the reader's first batch (at once for a reader with no data). It cannot wait until the data runs
+out: a reader waiting there for another rank's reader, while that rank's step waits for this one's, would hang. Without
+an agreement (ranks simulated in one process) the quota is computed when first needed, in the calling thread, each
+reader counting every reader (O(T)). The quota only decides how many fillers follow the last batch of data, so every
+batch is the same whenever the count ends.
 
-- **Counting and agreeing run in a background thread**, started once the reader has handed out
-  its first batch (or at once if it needs the quota first: a reader with no data). It reads its
-  own shards' indexes (the <= 4 its plan already opened at its boundaries are reused), counts, and
-  joins the agreement (``streampack.plan.agree``: one store round, O(1) requests per reader). It cannot
-  wait for the data to run out: a rank whose reader waits there for a reader of another rank
-  that is still reading, while that rank's training step waits for this rank's, would hang. The
-  thread progresses whatever the training loop does.
-- **Without an agreement** (explicit ``dp_rank``/``dp_size``, no ``torch.distributed``: ranks
-  simulated in one process) the quota is computed, in the calling thread, when first needed (each
-  reader counts every reader: O(T)). No thread. ``PackedDataset`` logs that cost when it is built
-  this way, and refuses a launcher-started run (``RANK``/``WORLD_SIZE``) without
-  ``torch.distributed`` up front: every store torch.distributed can be initialised with serves.
-
-Every batch is the same whichever moment the count ends: the quota only decides how many fillers
-follow the last batch of data. A quota that turns out smaller than the data (a stage that changed
-lengths) is refused as before, at the first batch after the quota is known.
-
-State: the reader's own count and its quota once known. A restore takes them back (no recount
-when they are there; else the reader recounts its own share, O(T/G)), and in a run with an
-agreement a restored reader still joins the new run's round (5 requests, no index read) so the
-readers that had not settled theirs can. Without an agreement the first state after a batch
-settles the quota (no one to wait for; what the plan did up front before), so a shard changed
-between save and resume cannot change the epoch's count. An elastic resume's quota is pinned
-(``pin``): its inputs, the old readers' states, are not at hand after a later restore, so a state
-taken before it settled waits for it. With an agreement, a state taken before the background count
-ended holds no count (the count is not waited for: a loader snapshots every step).
+State: the reader's own count and its quota once known; a restore takes them back (else recounts its share, O(T/G)) and,
+with an agreement, still joins the new run's round (5 requests, no index read). An elastic resume's quota is pinned
+(``pin``): its inputs, the old states, are gone after a later restore, so a state taken before it settled waits for it.
 """
 
 from __future__ import annotations
@@ -70,10 +49,8 @@ class Settled:
 
 
 class LateQuota:
-    """One reader's quota for one epoch: ``count()`` gives its own batches, ``settle(count)``
-    the :class:`Settled` quota (agreeing with the other readers, or counting them all).
-    ``background``: run both in a thread once :meth:`start` is called (a run with an agreement).
-    ``info`` (the graph's ``metrics()["plan"]`` dict) is updated when it settles."""
+    """One reader's quota for one epoch: ``count()`` its own batches, ``settle(count)`` the :class:`Settled`
+    quota; ``background`` runs both in a thread from :meth:`start`; ``info`` is updated when it settles."""
 
     COUNT_KEY = "batches"
     QUOTA_KEY = "quota"

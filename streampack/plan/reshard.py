@@ -1,26 +1,14 @@
 """Resharding: one new reader's share of what an old run had left (:mod:`streampack.plan.elastic`).
 
-A finite stream is cut at sample granularity, balanced by token count (ranks first, then
-each rank's workers) from the pieces' totals (the manifest's for whole shards, a byte-share
-estimate for parts of shards: no index read but at the <= 4 pieces a new reader's boundaries fall
-in), and each new reader's quota is late (``plan.quota``): after its first batch it counts its
-own batches with the packer's own round logic (``window_rounds.count_packs``) and the counts are
-agreed through the store (``streampack.plan.agree``), or without one every new reader counts every new
-reader's (O(T)) when its data runs out, so every new rank yields the same number of batches in the
-resumed epoch (logged, with the fillers it costs). The quota is pinned into the reader's states
-(a state taken before it settled waits for it): after a later restore the old states it came from
-are gone.
+A finite stream is cut at sample granularity, balanced by token count (ranks first) from the pieces' totals (the
+manifest's for whole shards, a byte-share estimate for parts: no index read but at the <= 4 pieces a new reader's
+boundaries fall in); each new reader's quota is late and pinned (``plan.quota``). An infinite stream deals whole spans
+round-robin and the carried samples in equal runs; offline packs are dealt by batches of ``packs_per_batch``, ranks
+first, as ``PackedShardReader`` deals an epoch.
 
-**Cost per new reader** (old readers G_old, new G, shards N, samples T): CPU and memory O(N +
-G_old · (window + 3)) for the pieces; requests before its first batch: the indexes of <= 4
-boundary pieces; after it, in the background, those of its own ~N/G shards (to count) and one
-store round. What the old readers had left (:func:`streampack.plan.elastic.remaining`,
-once per process) adds the boundary indexes of the old readers' plans: <= G_old + 1 reads. An infinite stream deals whole spans
-round-robin (no index needs reading) and the carried samples in equal runs. Offline packs are
-dealt by batches of ``packs_per_batch``, ranks first, as ``PackedShardReader`` deals an epoch.
-
-:class:`PendingResume` is what ``PackedDataset.load_state_dict([...])`` keeps until the
-dataset's ``__iter__`` knows this reader's worker count.
+**Cost per new reader** (G_old old readers, N shards): CPU and memory O(N + G_old · (window + 3));
+before its first batch the indexes of <= 4 boundary pieces, after it those of its own ~N/G shards and
+one store round; :func:`~streampack.plan.elastic.remaining` adds <= G_old + 1 index reads per process.
 """
 
 from __future__ import annotations
@@ -33,12 +21,8 @@ import numpy as np
 
 from streampack.graph.build import make_planner
 from streampack.logs import get_logger
-from streampack.plan.elastic import (
-    TOPOLOGY_KEYS,
-    Remaining,
-    remaining,
-    topology_of,
-)
+from streampack.nodes.packed_reader import deal
+from streampack.plan.elastic import TOPOLOGY_KEYS, Remaining, remaining, topology_of
 from streampack.plan.epoch_plan import ShardSamples, equalize, settle_agreed, settle_all
 from streampack.plan.quota import LateQuota, Settled
 from streampack.plan.sharding import Span
@@ -61,8 +45,7 @@ _log = get_logger(__name__)
 
 def share(left: Remaining, config: StreamConfig, sources: Sources, place: Placement, *, agreement: Any = None,
           agree: Any = None) -> Share:
-    """This new reader's part of ``left`` (``place`` is the new topology); ``agreement`` /
-    ``agree`` as for :func:`streampack.graph.build.make_planner`."""
+    """This new reader's part of ``left`` (``place``: in the new topology)."""
     if sources.packed is not None:
         return _share_packs(left, config, place)
     if config.epochs is None:
@@ -80,20 +63,12 @@ def _share_infinite(left: Remaining, place: Placement) -> Share:
 
 def _share_packs(left: Remaining, config: StreamConfig, place: Placement) -> Share:
     packs = np.concatenate([r.packs for r in left.readers if r.packs is not None] or [np.zeros(0, np.int64)])
-    ppb, ranks, workers = config.packs_per_batch, place.dp_size, place.num_workers
-    units = np.arange(-(-len(packs) // ppb))
-    counts = []
-    mine = np.zeros(0, dtype=np.int64)
-    for g in range(place.global_workers):
-        rank, worker = divmod(g, workers)
-        sel = units[(units % ranks == rank) & ((units // ranks) % workers == worker)]
-        idx = (sel[:, None] * ppb + np.arange(ppb)).ravel()
-        got = packs[idx[idx < len(packs)]]
-        counts.append(-(-len(got) // ppb))
-        if g == place.global_worker:
-            mine = got
-    quota = equalize(counts, ranks)[0][place.global_worker] if config.epochs is not None and ranks > 1 else None
-    return Share(epoch=left.epoch, packs=mine, quota=quota)
+    ppb, ranks = config.packs_per_batch, place.dp_size
+    dealt = [deal(packs, ppb, ranks, place.num_workers, g) for g in range(place.global_workers)]
+    quota = None
+    if config.epochs is not None and ranks > 1:
+        quota = equalize([-(-len(d) // ppb) for d in dealt], ranks)[0][place.global_worker]
+    return Share(epoch=left.epoch, packs=dealt[place.global_worker], quota=quota)
 
 
 Point = tuple[int, int]
@@ -112,10 +87,8 @@ class _Piece:
 
 
 class _PieceCut:
-    """``cut_two_level`` over the pieces' costs, one reader at a time: pieces are found by
-    ``searchsorted`` on their prefix sums and only the piece a boundary falls in is opened
-    (its per-sample costs scaled to the piece's cost, in integers so every reader computes the
-    same points). O(P) for the prefix sums, at most 4 opened pieces per reader."""
+    """``cut_two_level`` over the pieces' costs, one reader at a time, opening only the pieces a boundary
+    falls in (their per-sample costs scaled in integers, so every reader computes the same points)."""
 
     def __init__(self, costs: list[int], local: Any) -> None:
         self.costs = np.asarray(costs, dtype=np.int64)
@@ -170,14 +143,8 @@ class _PieceCut:
 
 
 class _ShareFinite:
-    """Sample-granular, token-balanced cut of a finite stream's remaining samples.
-
-    **Cost per new reader** (P pieces = the old readers' carries and spans, about N + 3 G_old):
-    O(P) CPU and memory for the piece costs (from the manifest; no request), the indexes of at
-    most 4 boundary pieces before its first batch; after it its own share's shards' (to count
-    its batches: O(T/G)) and one agreement on the counts (or, with ``equal_batches="count"``, every new reader's
-    count: O(T), when its data runs out).
-    """
+    """Sample-granular, token-balanced cut of a finite stream's remaining samples (cost: module docstring,
+    P = N + 3 G_old pieces)."""
 
     def __init__(self, left: Remaining, config: StreamConfig, sources: Sources, place: Placement, *,
                  agreement: Any = None, agree: Any = None) -> None:
@@ -238,8 +205,7 @@ class _ShareFinite:
         return concat_tables(carries), spans
 
     def share(self) -> Share:
-        """This reader's share; its quota (finite, several ranks) is counted and agreed late
-        (``plan.quota``: after its first batch) and pinned into its states."""
+        """This reader's share, with its late, pinned quota (``plan.quota``)."""
         place, planner = self.place, self.planner
         carry, spans = self.part(place.global_worker)
         quota = None

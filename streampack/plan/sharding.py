@@ -1,31 +1,16 @@
 """Which samples each global worker reads in each epoch: pure assignment arithmetic.
 
-Global worker ``g = dp_rank * num_workers + worker_id`` of ``G = dp_size * num_workers``.
-Epoch ``e`` orders the ``S`` shards by a permutation seeded by ``(seed, e)`` (natural order
-when ``shuffle=False``), so every rank computes the same order without communicating. Two
-assignments use it:
+Global worker ``g = dp_rank * num_workers + worker_id`` of ``G = dp_size * num_workers``; epoch ``e`` orders the ``S``
+shards by a permutation seeded by ``(seed, e)``, so every rank computes the same order without communicating. Infinite
+streams assign by shard (:func:`assign_shards`: whole shards at positions ``g, g + G, ...`` while ``S >= G``, so no
+shard index is read; else one part of one shard). Finite epochs assign by sample (:class:`PrefixCut`): the epoch's
+samples are cut into ``G`` contiguous ranges of nearly equal cost (tokens, or bytes), ranks first and then each rank's
+workers, which keeps filler batches few; :func:`cut_two_level` over every sample is the definition the tests compare it
+with. Either way each sample of an epoch is read by exactly one global worker.
 
-- **by shard** (:func:`assign_shards`, infinite streams): ``S >= G`` gives worker ``g`` the
-  whole shards at permuted positions ``g, g + G, ...``; ``S < G`` gives it one contiguous part of
-  one shard (position ``g % S``, part ``g // S``, cut through the shard index). No index is
-  needed while ``S >= G``, which matters for a web-scale stream: building every shard's index
-  means reading every shard once, and an infinite stream never runs dry, so whole shards are
-  balanced enough.
-- **by sample** (:class:`PrefixCut`, finite epochs): the epoch's samples, shard after shard in
-  permuted order, are cut into ``G`` contiguous ranges of nearly equal cost (token counts, or
-  bytes when lengths are unknown), first into ``dp_size`` rank ranges, then each into its
-  workers (:func:`cut_two_level` over every sample is the definition; ``PrefixCut`` gives the
-  same boundaries from shard totals). Balancing ranks first is what keeps filler batches few:
-  only a rank's total is compared with the other ranks'.
-
-Either way each sample of an epoch is read by exactly one global worker.
-
-**Cost per reader** (N shards, G readers): the permutation and the shard prefix sums are O(N)
-(~0.2 µs per shard measured at N=10^5, ``benchmarks/bench_scale.py``); one reader's range is 4
-``searchsorted`` over them plus one per-sample index per boundary (at most 4), never
-O(samples) or O(G · N) (``split_ranges`` once per global reader over the whole shard list was
-22 s of CPU at 8,192 readers x 10^4 shards). :func:`cut_two_level` itself is O(samples) and is
-kept as the definition the tests compare with.
+**Cost per reader** (N shards): the permutation and the shard prefix sums are O(N) (~0.2 µs per
+shard at N=10^5, ``benchmarks/bench_scale.py``); one reader's range is 4 ``searchsorted`` plus one
+index per boundary shard (at most 4), never O(samples) or O(G · N).
 """
 
 from __future__ import annotations
@@ -36,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from streampack.plan.state import require_fields
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,10 +91,9 @@ def assign_shards(
 
 
 def cut_balanced(costs: np.ndarray, parts: int) -> np.ndarray:
-    """int64 ``[parts + 1]`` boundaries cutting ``costs`` into ``parts`` contiguous ranges whose
-    sums are as equal as cuts between items allow: boundary ``k`` is the prefix whose cost is
-    nearest ``k / parts`` of the total (ties to the shorter prefix). ``b[0] == 0``,
-    ``b[-1] == len(costs)``, non-decreasing."""
+    """int64 ``[parts + 1]`` boundaries cutting ``costs`` into ``parts`` contiguous ranges whose sums are as equal as
+    cuts between items allow: boundary ``k`` is the prefix whose cost is nearest ``k / parts`` of the total (ties to the
+    shorter prefix). ``b[0] == 0``, ``b[-1] == len(costs)``, non-decreasing."""
     if parts < 1:
         raise ValueError(f"{parts=} must be >= 1")
     prefix = np.concatenate([[0], np.cumsum(np.asarray(costs, dtype=np.float64))])
@@ -143,7 +129,7 @@ def spans_to_state(spans: Sequence[Span]) -> dict[str, Any]:
 
 def spans_from_state(columns: Mapping[str, Any]) -> list[Span]:
     """Inverse of :func:`spans_to_state`."""
-    _require_spans(columns)
+    require_fields(columns, SPAN_COLUMNS, "a span in a state")
     lists = [np.asarray(columns[c], dtype=np.int64).tolist() for c in SPAN_COLUMNS]
     return [_span_of(dict(zip(SPAN_COLUMNS, values))) for values in zip(*lists)]
 
@@ -155,7 +141,7 @@ def span_to_state(span: Span) -> dict[str, int]:
 
 def span_from_state(fields: Mapping[str, Any]) -> Span:
     """Inverse of :func:`span_to_state`."""
-    _require_spans(fields)
+    require_fields(fields, SPAN_COLUMNS, "a span in a state")
     return _span_of({c: int(fields[c]) for c in SPAN_COLUMNS})
 
 
@@ -164,19 +150,10 @@ def _span_of(named: Mapping[str, int]) -> Span:
                 end=None if named["end"] < 0 else named["end"], epoch=None if named["epoch"] < 0 else named["epoch"])
 
 
-def _require_spans(record: Mapping[str, Any]) -> None:
-    missing = [c for c in SPAN_COLUMNS if c not in record]
-    if missing:
-        raise ValueError(f"a span in a state without the field(s) {missing}: was it saved by another streampack "
-                         f"version?")
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class WorkEnds:
-    """A planned epoch's spans in O(1): the first and the last, and how many there are. Every
-    span between them is a whole non-empty shard, in the epoch's shard order
-    (``EpochPlanner.spans``), so an elastic resume rebuilds a reader's plan from its state and
-    the manifest with no index read."""
+    """A planned epoch's spans in O(1): the first, the last and how many (those between are whole shards),
+    so an elastic resume rebuilds a reader's plan with no index read."""
 
     head: Span
     tail: Span
@@ -187,32 +164,10 @@ def _none_to(value: int | None) -> int:
     return -1 if value is None else int(value)
 
 
-def split_ranges(ranges: Sequence[IndexRange], lo: int, hi: int) -> list[IndexRange]:
-    """The pieces of ``ranges`` (read back to back) that cover overall positions ``[lo, hi)``."""
-    out: list[IndexRange] = []
-    pos = 0
-    for r in ranges:
-        a, b = max(lo, pos), min(hi, pos + len(r))
-        if a < b:
-            out.append(IndexRange(shard=r.shard, lo=r.lo + a - pos, hi=r.lo + b - pos, epoch=r.epoch))
-        pos += len(r)
-        if pos >= hi:
-            break
-    return out
-
-
 class PrefixCut:
-    """:func:`cut_two_level` of one epoch, computed for one reader from shard totals.
-
-    The epoch's samples are the shards of ``order`` back to back; ``samples[s]`` and
-    ``costs[s]`` are shard ``s``'s sample count and total cost (int64, from the manifest).
-    ``local(s)`` gives shard ``s``'s per-sample costs (int64, summing to ``costs[s]``); it is
-    called only for a shard a boundary falls inside. :meth:`bounds` gives exactly the sample
-    positions ``cut_two_level`` gives over the concatenated per-sample costs (the float64
-    prefix sums there are exact integers below 2**53, so comparing integer shard prefixes with the
-    same float targets makes the same choices), at O(N) once for the prefix sums plus
-    O(N + log n) and at most one ``local`` call per boundary — never O(samples) or O(readers x shards).
-    """
+    """:func:`cut_two_level` of one epoch for one reader, from shard totals (``samples``, ``costs``); only
+    a shard a boundary falls in is opened (``local(s)``: its per-sample costs). The float64 prefix sums
+    of ``cut_two_level`` are exact integers below 2**53, so the boundaries are the same."""
 
     def __init__(self, order: np.ndarray, samples: np.ndarray, costs: np.ndarray,
                  local: Callable[[int], np.ndarray]) -> None:

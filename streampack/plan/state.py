@@ -1,40 +1,23 @@
 """Resume state: versioned, fingerprinted, plain data, bounded by the window.
 
-A :class:`~streampack.dataset.PackedDataset` state (one per DataLoader worker) is::
+A :class:`~streampack.dataset.PackedDataset` state (one per DataLoader worker) is ``{"version", "fingerprint", "worker":
+{"dp_rank", "worker_id"}, "passes", "graph", "metrics"}``: ``graph`` is the nested node state (None: the start of the
+pass); settings and counters records (the fingerprint and metrics, each node's ``config``, ``identity``, ``counters``,
+``metrics``) are one JSON text each (:func:`record_text`). A state of another :data:`STATE_VERSION` is refused. Only
+ints, strings, lists, dicts and tensors appear, so ``torch.load(weights_only=True)`` accepts it.
 
-    {"version": 5,
-     "fingerprint": '{"sources": [...], "capacity": 4096, "window": 1024, "algorithm": "bfd",
-                     "align": 1, "seed": 0, "dp_size": 1, "num_workers": 2, ...}',
-     "worker": {"dp_rank": 0, "worker_id": 1},
-     "passes": 0,                   # completed fresh iterations (finite mode)
-     "graph": {...},                # nested node state, or None = start of the pass
-     "metrics": '{...}'}
-
-Settings and counters records -- the fingerprint and metrics here, and in the graph each node's
-``config``, ``identity``, ``counters`` and ``metrics`` -- are one JSON text each
-(:func:`record_text`, read back with :func:`record_of`). A state of another layout is refused:
-its ``version`` is not :data:`STATE_VERSION` (:func:`check_version`), and a record that is not
-a text is a ``ValueError`` too.
-
-Only ints, strings, lists, dicts and tensors appear, so ``torch.load(weights_only=True)``
-accepts it. Samples held in buffers (the packer's window, a split document's chunks) are
-stored as *references* — one entry of each :data:`REF_COLUMNS` column (56 bytes) saying where to
-re-read the sample and which chunk it was (:mod:`streampack.plan.replay`) — so a state grows with the
-window's sample count, never with document length or capacity; only a graph that cannot
-replay samples (a user node stage) stores their tokens (:func:`samples_to_state`). Either form
-is a few flat tensors, not one object per sample: StatefulDataLoader diffs every worker state
-against the previous one at each snapshot, and a handful of tensors compares in microseconds
-where a list of 1024 dicts does not.
-
-The states of every reader of a run (``dataset_states`` of every rank's loader state) also
-resume on another ``dp_size`` / ``num_workers``: see :mod:`streampack.plan.elastic`.
+Samples held in buffers are stored as references, one :data:`REF` record (56 bytes) saying where to re-read the sample
+and which chunk it was (:mod:`streampack.plan.replay`), so a state grows with the window's sample count, never with
+document length; only a graph that cannot replay (a user node stage) stores tokens (:func:`samples_to_state`). Both are
+a few flat tensors, not one object per sample: StatefulDataLoader diffs every worker state at each snapshot, and a
+handful of tensors compares in microseconds where a list of 1024 dicts does not.
 """
 
 from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,34 +36,21 @@ METRICS_KEY = "metrics"
 
 
 def samples_to_state(samples: Sequence[Sample]) -> dict[str, Any]:
-    """Tokenized samples -> plain data: concatenated int64 tokens plus per-sample metadata.
+    """Samples -> plain data: concatenated tokens and, per optional field, its values and a presence flag."""
+    out: dict[str, Any] = {"keys": [s.key for s in samples], "urls": [s.url for s in samples],
+                           "lengths": torch.tensor([len(s) for s in samples], dtype=torch.int64),
+                           "tokens": _cat([s.tokens for s in samples], np.int64)}
 
-    Optional per-token fields (labels, loss_mask, extras) are concatenated over the samples
-    that carry them, with a presence flag per sample.
-    """
-    lengths = [len(s) for s in samples]
-    out: dict[str, Any] = {
-        "keys": [s.key for s in samples],
-        "urls": [s.url for s in samples],
-        "lengths": torch.tensor(lengths, dtype=torch.int64),
-        "tokens": _cat([s.tokens for s in samples], np.int64),
-    }
+    def optional(values: list[np.ndarray | None]) -> dict[str, torch.Tensor]:
+        return {"present": torch.tensor([v is not None for v in values], dtype=torch.bool),
+                "values": _cat([v for v in values if v is not None], None)}
+
     for name in ("labels", "loss_mask"):
-        present = [getattr(s, name) is not None for s in samples]
-        if any(present):
-            out[name] = {
-                "present": torch.tensor(present, dtype=torch.bool),
-                "values": _cat([getattr(s, name) for s in samples if getattr(s, name) is not None], None),
-            }
+        if any(getattr(s, name) is not None for s in samples):
+            out[name] = optional([getattr(s, name) for s in samples])
     names = sorted({n for s in samples for n in s.extras})
     if names:
-        out["extras"] = {
-            n: {
-                "present": torch.tensor([n in s.extras for s in samples], dtype=torch.bool),
-                "values": _cat([s.extras[n] for s in samples if n in s.extras], None),
-            }
-            for n in names
-        }
+        out["extras"] = {n: optional([s.extras.get(n) for s in samples]) for n in names}
     return out
 
 
@@ -102,11 +72,9 @@ def samples_from_state(state: Mapping[str, Any]) -> list[Sample]:
     extras = {n: _split_optional(v, lengths) for n, v in state.get("extras", {}).items()}
     out = []
     for i, (key, url) in enumerate(zip(state["keys"], state["urls"])):
-        out.append(Sample(
-            key=key, url=url, tokens=tokens[bounds[i]:bounds[i + 1]].copy(),
-            labels=fields["labels"][i], loss_mask=fields["loss_mask"][i],
-            extras={n: v[i] for n, v in extras.items() if v[i] is not None},
-        ))
+        out.append(Sample(key=key, url=url, tokens=tokens[bounds[i]:bounds[i + 1]].copy(), labels=fields["labels"][i],
+                          loss_mask=fields["loss_mask"][i],
+                          extras={n: v[i] for n, v in extras.items() if v[i] is not None}))
     return out
 
 
@@ -127,19 +95,24 @@ def _split_optional(field: Mapping[str, Any] | None, lengths: list[int]) -> list
 
 # ----------------------------------------------------------------- carried samples by reference
 REF_COLUMNS = ("source", "shard", "offset", "number", "epoch", "chunk", "length")
-"""The fields of a reference: where to re-read a carried sample and which chunk it was, plus its
-token length (checked when it is re-read: a stage that is not a pure function of the sample is
-caught instead of silently changing the stream)."""
+"""Where to re-read a carried sample, which chunk it was, and its length (checked when re-read: a stage
+that is not a pure function of the sample is caught instead of silently changing the stream)."""
 REF = np.dtype([(name, np.int64) for name in REF_COLUMNS])
-"""A table of references in memory: a structured array read by field (``refs["length"]``). In a
-state the same columns are kept as one int64 tensor each under its name (:func:`refs_to_state`):
-a column cannot be dropped or shifted without the restore naming it."""
+"""A table of references, read by field; a state keeps one int64 tensor per column, by name."""
 Replay = Callable[[np.ndarray], list[Sample]]
 """Re-reads references (an array of :data:`REF`) -> the samples, in order."""
 
 
 def refs_of(n: int) -> np.ndarray:
     return np.zeros(n, dtype=REF)
+
+
+def require_fields(record: Mapping[str, Any], names: Iterable[str], what: str) -> None:
+    """``ValueError`` naming the fields of ``names`` that ``record`` lacks: a state of another layout."""
+    missing = [n for n in names if n not in record]
+    if missing:
+        raise ValueError(f"{what} without the field(s) {missing}: was the state saved by another streampack "
+                         f"version (state version={STATE_VERSION})?")
 
 
 def refs_to_state(refs: np.ndarray) -> dict[str, torch.Tensor]:
@@ -149,10 +122,7 @@ def refs_to_state(refs: np.ndarray) -> dict[str, torch.Tensor]:
 
 def refs_from_state(columns: Mapping[str, Any]) -> np.ndarray:
     """Inverse of :func:`refs_to_state` (``ValueError`` naming a missing column)."""
-    missing = [name for name in REF_COLUMNS if name not in columns]
-    if missing:
-        raise ValueError(f"a reference table without the column(s) {missing}: was it saved by another streampack "
-                         f"version (state version={STATE_VERSION})?")
+    require_fields(columns, REF_COLUMNS, "a reference table")
     out = refs_of(len(columns["length"]))
     for name in REF_COLUMNS:
         out[name] = np.asarray(columns[name], dtype=np.int64)
@@ -160,8 +130,7 @@ def refs_from_state(columns: Mapping[str, Any]) -> np.ndarray:
 
 
 def ref_of(sample: Sample) -> tuple[int, ...] | None:
-    """The reference of ``sample`` as a :data:`REF` record, or None when it has no origin (then
-    store its tokens)."""
+    """The reference of ``sample`` as a :data:`REF` record, or None when it has no origin."""
     o = sample.origin
     if o is None:
         return None
@@ -170,12 +139,8 @@ def ref_of(sample: Sample) -> tuple[int, ...] | None:
 
 
 def samples_to_table(samples: Sequence[Sample], *, by_reference: bool) -> dict[str, Any]:
-    """Samples -> a small table: a reference for each sample with an origin (when
-    ``by_reference``), the tokens of the others (:func:`samples_to_state`), and which is which.
-
-    A reference costs ``8 * len(REF_COLUMNS)`` bytes whatever the sample's length, so a state
-    made of them grows with the window's sample count, never with document length.
-    """
+    """Samples -> a table: a reference for each sample with an origin (when ``by_reference``), the tokens
+    of the others (:func:`samples_to_state`), and which is which."""
     records = [ref_of(s) if by_reference else None for s in samples]
     is_ref = [r is not None for r in records]
     return {
@@ -228,23 +193,8 @@ def table_lengths(table: Mapping[str, Any]) -> np.ndarray:
     return out
 
 
-def samples_from_table(table: Mapping[str, Any], replay: Replay | None) -> list[Sample]:
-    """Inverse of :func:`samples_to_table`; references are re-read with ``replay``."""
-    is_ref = table["is_ref"].tolist()
-    stored = iter(samples_from_state(table["stored"]))
-    if any(is_ref):
-        if replay is None:
-            raise ValueError("this state holds carried samples by reference but the graph cannot re-read "
-                             "them (it has a user node stage); it was saved by another graph")
-        replayed = iter(replay(table_refs(table)))
-    else:
-        replayed = iter(())
-    return [next(replayed) if r else next(stored) for r in is_ref]
-
-
 def check_version(state: Mapping[str, Any], *, what: str = "state") -> None:
-    """Every versioned state (the dataset's and each node's that keeps one) carries
-    ``STATE_VERSION``; one number for the whole library, bumped when any layout changes."""
+    """``STATE_VERSION``: one number for the whole library, bumped when any layout changes."""
     version = state.get(VERSION_KEY) if isinstance(state, Mapping) else None
     if version != STATE_VERSION:
         raise ValueError(f"{what} version={version!r} is not the supported version={STATE_VERSION}; "
@@ -261,14 +211,9 @@ def check_node_config(saved: Mapping[str, Any], current: Mapping[str, Any], *, n
 
 
 def record_text(record: Mapping[str, Any]) -> str:
-    """A settings or counters record as one JSON text: how a dataset state keeps its fingerprint
-    and its metrics. ``StatefulDataLoader`` flattens every worker's state after every batch,
-    diffs it leaf by leaf against the last one, sends the changed leaves, and the training
-    process rebuilds every worker's whole state from its leaves; as nested dicts these two
-    records, and the nodes' ``config``, ``identity``, ``counters`` and ``metrics``, would be most
-    of a state's leaves: as one text each a finite epoch's state has 44 leaves instead of 154,
-    and ``state_dict()`` plus torchdata's delta costs ~160 µs a batch instead of ~285 (the
-    measurements, per step, are in ``docs/changelog.md``)."""
+    """A settings or counters record as one JSON text. StatefulDataLoader diffs every worker's state leaf
+    by leaf after every batch: one text per record makes a finite epoch's state 44 leaves instead of 154,
+    and ``state_dict()`` plus torchdata's delta ~160 µs a batch instead of ~285."""
     return json.dumps(record, separators=(",", ":"), default=_plain)
 
 
@@ -283,9 +228,8 @@ def record_of(value: str | None) -> dict[str, Any]:
 
 
 def dataset_record(state: Mapping[str, Any], key: str) -> dict[str, Any]:
-    """A dataset state's fingerprint or metrics (``key``): the JSON text a saved state holds, or
-    the dict :func:`dataset_states` decoded it to (through JSON again, so both compare equal:
-    tuples as lists); ``{}`` when absent."""
+    """A dataset state's fingerprint or metrics (``key``), from its JSON text or the dict
+    :func:`dataset_states` decoded (through JSON again, so both compare equal); ``{}`` when absent."""
     value = state.get(key)
     return json.loads(record_text(value)) if isinstance(value, Mapping) else record_of(value)
 
@@ -300,8 +244,7 @@ def decoded_state(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    """What ``json`` cannot write itself: numpy scalars and arrays as Python numbers and lists,
-    sets as sorted lists."""
+    """Numpy values as Python numbers and lists, sets as sorted lists."""
     if isinstance(value, (np.generic, np.ndarray)):
         return value.tolist()
     if isinstance(value, (set, frozenset)):
@@ -319,11 +262,8 @@ def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any]) -> N
 
 
 def check_loader_state(loader_state: Mapping[str, Any], num_workers: int) -> None:
-    """Check a ``StatefulDataLoader.state_dict()`` against the loader's ``num_workers``.
-
-    StatefulDataLoader itself fails with a bare ``AssertionError`` (or silently restarts
-    workers) when ``num_workers`` changed; call this (or :func:`load_loader_state`) first.
-    """
+    """Check a ``StatefulDataLoader.state_dict()`` against the loader's ``num_workers`` (StatefulDataLoader
+    itself fails with a bare ``AssertionError``, or silently restarts workers)."""
     snapshot = loader_state.get("_snapshot")
     if snapshot is None:
         saved = 0
@@ -344,8 +284,7 @@ def load_loader_state(loader: Any, loader_state: Mapping[str, Any]) -> None:
 
 
 def dataset_states(loader_state: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The PackedDataset state of every worker inside a StatefulDataLoader state, each with its
-    fingerprint and metrics as dicts (:func:`decoded_state`)."""
+    """The PackedDataset state of every worker inside a StatefulDataLoader state (:func:`decoded_state`)."""
     snapshot = loader_state.get("_snapshot")
     if snapshot is None:
         return [decoded_state(loader_state["dataset_state"])] if loader_state.get("dataset_state") else []
@@ -361,18 +300,23 @@ def state_nbytes(state: Any) -> int:
 
 
 def check_node_versions(tree: Any, who: str) -> None:
-    """Every node state nested in ``tree`` that records a version has this library's
-    (``ValueError`` naming the node and the reader, as the same-topology restore does)."""
+    """Every node state nested in ``tree`` that records a version has this library's."""
+    for node in nested(tree):
+        if VERSION_KEY in node:
+            check_version(node, what=f"{node.get('kind', 'node')} state of {who}")
+
+
+def nested(tree: Any) -> Iterator[Mapping[str, Any]]:
+    """Every mapping nested in ``tree`` (itself included), depth first."""
     if isinstance(tree, Mapping):
-        if VERSION_KEY in tree:
-            check_version(tree, what=f"{tree.get('kind', 'node')} state of {who}")
-        children: Iterator[Any] = iter(tree.values())
+        yield tree
+        children: Any = tree.values()
     elif isinstance(tree, (list, tuple)):
-        children = iter(tree)
+        children = tree
     else:
         return
     for child in children:
-        check_node_versions(child, who)
+        yield from nested(child)
 
 
 def check_identities(saved: Mapping[int, Any], now: Callable[[int], Any], name: Callable[[int], str],

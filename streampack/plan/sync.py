@@ -1,19 +1,10 @@
-"""Equal step counts agreed at run time: for finite data whose batch counts cannot be planned.
+"""Equal step counts agreed at run time, for finite data whose batch counts cannot be planned.
 
-``PackedDataset(epochs=N)`` over several ranks plans every rank's batch count from the shard
-index by default. Text shards (no token lengths before tokenizing) and stages that change
-lengths cannot be planned: build the dataset with
-``topology=TopologyOptions(equal_batches="sync")`` and iterate::
-
-    for batch in streampack.sync_batches(loader, ds, group=dp_group):
-        ...
-
-Each step all-reduces one integer (MAX of "I still have a batch") over the data-parallel
-group: while any rank has data every rank steps, a rank that ran out stepping on
-``ds.filler()`` (same shape, zero targets); the loop ends on every rank in the same step.
-Cost: one tiny all-reduce per step (0.35 ms with gloo and 2 local processes on this CPU box,
-``benchmarks/bench_state.py --sync``, provisional; far less on NCCL), and it needs the training loop's cooperation,
-which is why planning is the default.
+Text shards and stages that change lengths cannot be planned: build the dataset with
+``TopologyOptions(equal_batches="sync")`` and iterate ``streampack.sync_batches(loader, ds, group=)``.
+Each step all-reduces MAX of "I still have a batch"; a rank that ran out steps on ``ds.filler()`` and
+the loop ends on every rank in the same step. Cost: one tiny all-reduce per step (0.35 ms with gloo,
+2 local processes), and the training loop's cooperation, which is why planning is the default.
 """
 
 from __future__ import annotations

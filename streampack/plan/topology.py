@@ -1,8 +1,4 @@
 """Where this process sits: its data-parallel rank and size, and its DataLoader worker.
-
-One helper for each question, used by every stage, so "which worker am I" has one answer
-(DataLoader terms: ``num_workers == 0`` in the main process) and the sharding arithmetic
-uses ``max(num_workers, 1)`` readers.
 """
 
 from __future__ import annotations
@@ -48,19 +44,9 @@ def validate_topology(dp_rank: int, dp_size: int, worker_id: int, num_workers: i
 
 
 def resolve_topology(dp_rank: int | None = None, dp_size: int | None = None, process_group: Any = None) -> tuple[int, int]:
-    """``(dp_rank, dp_size)`` of this process, in this order of precedence:
-
-    1. ``process_group`` (the data-parallel group: ``dp_group=`` of ``PackedDataset``): rank
-       and size within it;
-    2. explicit ``dp_rank`` / ``dp_size``;
-    3. ``torch.distributed`` when initialised — but only while the world group is the only
-       process group: once other groups exist (TP/CP/PP, a ``DeviceMesh``), the global rank
-       is not the data-parallel rank, so this raises ``ValueError`` asking for ``dp_group``
-       instead of letting every model-parallel rank of a replica read different data;
-    4. the ``RANK`` / ``WORLD_SIZE`` environment (the global rank: right only without model
-       parallelism, which cannot be detected from the environment);
-    5. ``(0, 1)``.
-    """
+    """``(dp_rank, dp_size)`` of this process from ``process_group``, else the explicit values, else
+    ``torch.distributed`` (refused once other groups exist: the global rank is not the data-parallel
+    rank), else ``RANK`` / ``WORLD_SIZE``, else ``(0, 1)``."""
     if process_group is not None:
         import torch.distributed as dist
 

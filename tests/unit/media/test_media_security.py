@@ -272,9 +272,9 @@ def test_reader_orders_numbered_tar_members_by_number() -> None:
     media = MediaOptions(rule=FIXED, image_token_id=IMAGE_ID)
     fields = {f"{j}.{('png', 'jpg')[j % 2]}": image_bytes(8 + j, 8, ("PNG", "JPEG")[j % 2], seed=j)
               for j in (10, 2, 0, 1, 11, 9)}
-    got = media.tar_images(fields, media_limits(), url="s.tar", key="k")
+    got = media.reading().tar_images(fields, media_limits(), url="s.tar", key="k")
     assert [im.name for im in got] == ["0.png", "1.jpg", "2.png", "9.jpg", "10.png", "11.jpg"]
-    single = media.tar_images({"jpg": image_bytes(8, 8, "JPEG")}, media_limits(), url="s.tar", key="k")
+    single = media.reading().tar_images({"jpg": image_bytes(8, 8, "JPEG")}, media_limits(), url="s.tar", key="k")
     assert [im.name for im in single] == ["jpg"]  # webdataset's one-image sample (k.jpg) keeps working
 
 

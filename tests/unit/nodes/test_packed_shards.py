@@ -18,6 +18,7 @@ from streampack.layout.batch import check_invariants, pack_batch
 from streampack.nodes.collate import BatchLayout
 from streampack.nodes.packed_reader import PackedShardReader
 from streampack.options import PackOptions, ReadOptions, TokenizeOptions, TopologyOptions
+from streampack.options.topology import Placement
 
 
 def _pack(tmp_path: Path, docs, *, capacity: int, extra: list[str] = (), num_shards: int = 3, **kw) -> Path:
@@ -134,7 +135,8 @@ def test_ranks_and_workers_read_every_pack_once(tmp_path, dp_size, num_workers, 
             batches = 0
             for worker in range(num_workers):
                 reader = PackedShardReader(out, layout=BatchLayout(capacity=128, packs_per_batch=packs_per_batch),
-                                           dp_rank=rank, dp_size=dp_size, worker_id=worker, num_workers=num_workers,
+                                           place=Placement(dp_rank=rank, dp_size=dp_size, worker_id=worker,
+                                                           num_workers=num_workers),
                                            shuffle=True, seed=3, epochs=epoch + 1, start_epoch=epoch)
                 packs = list(reader)
                 assert len(packs) == len(reader.dealt(epoch, reader.global_worker))
@@ -153,13 +155,13 @@ def test_ranks_and_workers_read_every_pack_once(tmp_path, dp_size, num_workers, 
 def test_state_is_exact(tmp_path, shuffle, epochs):
     out = _pack(tmp_path, make_token_docs(120, seed=7, max_len=60), capacity=128)
     n = check_save_load(lambda: PackedShardReader(out, layout=BatchLayout(capacity=128), shuffle=shuffle, epochs=epochs,
-                                                  seed=1, dp_rank=1, dp_size=2))
+                                                  seed=1, place=Placement(dp_rank=1, dp_size=2)))
     assert n == epochs * (read_manifest(out).num_packs // 2)
 
 
 def test_state_refuses_other_settings(tmp_path):
     out = _pack(tmp_path, make_token_docs(80, seed=8), capacity=128)
-    reader = PackedShardReader(out, layout=BatchLayout(capacity=128), dp_size=2)
+    reader = PackedShardReader(out, layout=BatchLayout(capacity=128), place=Placement(dp_size=2))
     next(iter(reader))
     state = json.loads(json.dumps(reader.state_dict()))
     assert state["next_pack"] == [0, 2]  # shard index, pack index of this rank's next pack

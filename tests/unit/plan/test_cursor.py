@@ -140,7 +140,7 @@ def test_a_state_of_another_layout_is_refused_by_name(tmp_path, monkeypatch, blo
         _make(urls).load_state_dict(old)
     dropped = roundtrip(state)
     _find_table(dropped["graph"])["refs"].pop("epoch")
-    with pytest.raises(ValueError, match=r"reference table without the column\(s\) \['epoch'\]"):
+    with pytest.raises(ValueError, match=r"reference table without the field\(s\) \['epoch'\]"):
         ds = _make(urls)
         ds.load_state_dict(dropped)
         next(iter(ds))
