@@ -148,8 +148,6 @@ def fingerprint_settings(config: StreamConfig) -> dict[str, Any]:
         return operator.attrgetter(path)(config)
 
     settings = {name: _plain(value(name, path)) for name, path in FINGERPRINT.items()}
-    if settings["cost_model"] is not None and settings["cost_model"].get("vision") is None:
-        settings["cost_model"].pop("vision", None)  # a text model: states saved before the vision term compare equal
     if settings["balance"] is not None:  # how a fresh run's histogram starts; a resume restores the saved one
         del settings["balance"]["seeded"]
     if config.media is not None:
