@@ -2,30 +2,18 @@
 
 ::
 
-    ShardReader ─┬─> [Mixture] -> [Tokenize] -> [your stages] -> OverlongNode -> WindowPacker -> ThdCollate
-    (one per source)
-    PackedShardReader (``streampack pack`` output) ───────────────────────────────────────────> ThdCollate
+    BlockReader ─┬─> [Mixture] -> [Tokenize] -> [stages] -> OverlongNode -> WindowPacker -> [DecodeImages] -> ThdCollate
+    (one per source: token blocks straight to OverlongNode when nothing sits between)
+    PackedShardReader (``streampack pack`` output) ────────────────────────────────────────────────────> ThdCollate
 
 A finite stream (``epochs=N``) runs that chain once per epoch under an
-:class:`~streampack.nodes.epochs.EpochLoop`, each epoch read as planned by
-:class:`~streampack.plan.epoch_plan.EpochPlanner` (sample-balanced spans, and with several
-ranks the batch quota that gives every rank the same count) over the data set's manifest
-(:func:`manifest_of`; one reader that counts nothing needs neither). An infinite stream is one
-chain. Building a reader's graph costs no request but the manifest's (1 read per process) and
-what its planner reads (see :mod:`streampack.plan.epoch_plan`).
-
-:class:`StreamConfig` (the batch's shape, order and epochs, with the record of every stage:
-``read``, ``tokenize``, ``packing``, ``topology``, ``cost``, ``media``; see
-:mod:`streampack.options`) is what ``PackedDataset`` was given: each record checked its own
-values when it was made, and the builder hands each node its stage's record (or what is made
-from it in one place: the packer's rules, ``StreamConfig.packer_rules``; the one
-``ErrorPolicy`` of a reader's graph, ``ReadOptions.error_policy``), so nothing is checked twice.
-Building a graph once in the main process (what ``PackedDataset.__init__`` does) checks what only
-the nodes can: a tokenizer that loads, the shards' formats.
-
-``around`` lets a caller wrap any named stage with torchdata's own nodes, e.g.
-``around={"tokenize": lambda n: Prefetcher(n, 16)}``; the wrapped node's state nests in the
-graph's state like any other.
+:class:`~streampack.nodes.epochs.EpochLoop`, each epoch read as :class:`~streampack.plan.epoch_plan.EpochPlanner`
+planned it over the data set's manifest (:func:`manifest_of`; one reader that counts nothing needs neither); an
+infinite stream is one chain. Building a graph costs no request but the manifest's (1 read per process) and its
+planner's. The builder hands each node its stage's record from :class:`StreamConfig`, each checked once where it was
+made (the packer's rules from ``StreamConfig.packer_rules``, one ``ErrorPolicy`` per graph), so nothing is checked
+twice. ``around`` wraps any named stage with torchdata's own nodes, e.g.
+``around={"tokenize": lambda n: Prefetcher(n, 16)}``; the wrapped node's state nests like any other.
 """
 
 from __future__ import annotations
