@@ -84,9 +84,8 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_demo_corpus(directory: str | os.PathLike[str], *, num_shards: int = 8,
-                      docs_per_shard: int = 1500, seed: int = 0, vocab_size: int = 20_000,
-                      mean_words: float = _MEAN_WORDS,
+def write_demo_corpus(directory: str | os.PathLike[str], *, num_shards: int = 8, docs_per_shard: int = 1500,
+                      seed: int = 0, vocab_size: int = 20_000, mean_words: float = _MEAN_WORDS,
                       progress: Callable[[int], None] | None = None) -> list[str]:
     """Write ``num_shards`` tar shards of text documents into ``directory`` (same arguments, same bytes);
     return their paths. ``progress(n)`` is called after every shard with its document count."""
@@ -139,8 +138,7 @@ def train_demo_tokenizer(paths: list[str], out_path: str | os.PathLike[str], *,
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(iter_corpus_text(paths, sample_bytes), trainer=trainer)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -159,8 +159,7 @@ def report(tally: Tally, seconds: float, args: argparse.Namespace, out: Any = No
     lengths = np.concatenate(tally.doc_lengths) if tally.doc_lengths else np.zeros(0, np.int64)
     per_pack = np.asarray(tally.docs_per_pack)
     fill = tally.tokens / tally.slots if tally.slots else 0.0
-    to_max, per_batch = padded_fills(lengths, args.capacity, round(per_pack.mean() * args.packs_per_batch),
-                                     args.seed)
+    to_max, per_batch = padded_fills(lengths, args.capacity, round(per_pack.mean() * args.packs_per_batch), args.seed)
     g = glyphs(out)
     b = round(per_pack.mean() * args.packs_per_batch)
     w = 34
@@ -170,8 +169,7 @@ def report(tally: Tally, seconds: float, args: argparse.Namespace, out: Any = No
           f"(read + tokenize + pack + collate, 1 process)", file=out)
     print(f"\nFill = real tokens / tokens computed, same {len(lengths):,} documents:", file=out)
     rows = [(f"streampack ({args.algorithm}, window {args.window})", fill),
-            (f"pad per batch ({b} docs/batch)", per_batch),
-            (f"pad to max ({args.capacity})", to_max)]
+            (f"pad per batch ({b} docs/batch)", per_batch), (f"pad to max ({args.capacity})", to_max)]
     for label, value in rows:
         print(f"  {label:<{w}} {fill_bar(value, glyph=g)} {value:7.2%}", file=out)
     print("  (streaming steady state: the packer emits near-full packs and carries the rest; "

@@ -110,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
     bins = pack(aligned, args.capacity, algorithm=args.algorithm, seed=args.seed)
     metrics = _metrics(aligned, bins, args.capacity)
     metrics["fill"] = float(lengths.sum() / (len(bins) * args.capacity))
-    with tqdm(total=len(bins), desc="writing", unit="pack", disable=no_bar(args.no_progress),
-              file=sys.stderr) as bar:
+    with tqdm(total=len(bins), desc="writing", unit="pack", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
         manifest = write_packed_dataset(
             docs, bins, args.out, capacity=args.capacity, align=align, cp_size=args.cp_size,
             tp_size=args.tp_size, algorithm=args.algorithm, seed=args.seed,

@@ -79,12 +79,10 @@ class PackedDataModule(L.LightningDataModule):
                  log_metrics: bool = True) -> None:
         super().__init__()
         self.train_dataset = train_dataset
-        self.loader_kwargs = {
-            "num_workers": num_workers,
-            "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
-            "persistent_workers": persistent_workers if num_workers else False,
-            "prefetch_factor": prefetch_factor if num_workers else None,
-        }
+        self.loader_kwargs = {"num_workers": num_workers,
+                              "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
+                              "persistent_workers": persistent_workers if num_workers else False,
+                              "prefetch_factor": prefetch_factor if num_workers else None}
         self.log_metrics = log_metrics
         self.stream_metrics = StreamMetrics()
         self._loader: TrainedLoader | None = None

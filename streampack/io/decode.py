@@ -65,10 +65,8 @@ class Item:
     at_end: bool
 
 
-def make_sample(
-    *, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None,
-    vocab_size: int | None = None, images: tuple[Any, ...] = (),
-) -> Sample:
+def make_sample(*, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None,
+                vocab_size: int | None = None, images: tuple[Any, ...] = ()) -> Sample:
     """Validate raw fields into a :class:`Sample`; raises :class:`DataError`."""
     tok = txt = None
     if tokens is not None:
@@ -176,16 +174,10 @@ def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, k
     images: tuple[Any, ...] = ()
     if opts.media is not None:
         images = opts.media.record_media(record, opts.limits, url=url, key=key)
-    return make_sample(
-        images=images,
-        url=url,
-        key=key,
-        tokens=record.get(opts.tokens_key),
-        text=record.get(opts.text_key),
-        labels=record.get(opts.labels_key) if opts.labels_key else None,
-        loss_mask=record.get(opts.loss_mask_key) if opts.loss_mask_key else None,
-        vocab_size=opts.vocab_size,
-    )
+    return make_sample(images=images, url=url, key=key, tokens=record.get(opts.tokens_key),
+                       text=record.get(opts.text_key), labels=record.get(opts.labels_key) if opts.labels_key else None,
+                       loss_mask=record.get(opts.loss_mask_key) if opts.loss_mask_key else None,
+                       vocab_size=opts.vocab_size)
 
 
 def validate_tokens(value: Any, *, url: str, key: str, vocab_size: int | None = None) -> np.ndarray:

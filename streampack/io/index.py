@@ -318,9 +318,8 @@ def decode_index(data: Any) -> ShardIndex:
     n = int(data["n"])
     return ShardIndex(url=str(data["url"]), fingerprint=str(data["fingerprint"]),
                       offsets=data["offsets"] if "offsets" in data else np.arange(n, dtype=np.int64),
-                      lengths=data["lengths"] if "lengths" in data else np.full(n, -1, np.int32),
-                      end=int(data["end"]), damage=str(data["damage"]),
-                      number_array=data["numbers"] if "numbers" in data else None,
+                      lengths=data["lengths"] if "lengths" in data else np.full(n, -1, np.int32), end=int(data["end"]),
+                      damage=str(data["damage"]), number_array=data["numbers"] if "numbers" in data else None,
                       key_blob=data["key_blob"].tobytes() if "key_blob" in data else b"",
                       key_ends=data["key_ends"] if "key_ends" in data else None)
 

@@ -151,10 +151,9 @@ class Manifest:
         def col(name: str) -> np.ndarray:
             return np.asarray([getattr(t, name) for t in totals], dtype=np.int64).reshape(-1)
 
-        return cls(location=location, tokens_key=tokens_key, urls=tuple(t.url for t in totals),
-                   sizes=col("size"), tags=tuple(t.tag for t in totals), samples=col("samples"),
-                   tokens=col("tokens"), byte_costs=col("byte_cost"), digests=tuple(t.digest for t in totals),
-                   limits=limits)
+        return cls(location=location, tokens_key=tokens_key, urls=tuple(t.url for t in totals), sizes=col("size"),
+                   tags=tuple(t.tag for t in totals), samples=col("samples"), tokens=col("tokens"),
+                   byte_costs=col("byte_cost"), digests=tuple(t.digest for t in totals), limits=limits)
 
     def known_lengths(self) -> bool:
         """Whether every sample's token count is known (what counting batches needs)."""
@@ -275,8 +274,7 @@ def build_entry(url: str, location: str, decode: DecodeOptions, opts: OpenOption
     path = cache_path(url, _join(location, SHARDS_DIR))
     index = cached_index(path, fp, opts)
     if index is None:
-        index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats, size=ident.size,
-                            ranged=ranged)
+        index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats, size=ident.size, ranged=ranged)
         if not save_arrays(path, encode_index(index), opts):
             raise OSError(f"cannot write the index of {url!r} to {path!r}")
     return ShardTotals.of(index, ident, shard_identity.shard_digest(url, ident.size, opts, stats))

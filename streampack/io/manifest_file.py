@@ -198,8 +198,7 @@ def checked_fields(path: str, data: Mapping[str, np.ndarray], version: int) -> d
         out[name] = _ints(field(name), n, least, bad, name)
     for name, ends_name in STRING_COLUMNS.items():
         # digests may be absent as a whole (zero strings), never for some shards only
-        out[name] = _strings(field(name), field(ends_name), n, bad, name, ends_name,
-                             optional=name == "digests")
+        out[name] = _strings(field(name), field(ends_name), n, bad, name, ends_name, optional=name == "digests")
     empty = np.flatnonzero(np.diff(data["url_ends"].astype(np.int64), prepend=0) == 0)
     if len(empty):
         raise bad("urls", f"holds an empty URL at entry {int(empty[0])}")

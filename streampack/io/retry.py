@@ -137,8 +137,7 @@ def _budget(policy: RetryPolicy, url: str, last: Transient) -> float:
 
 
 def with_retries(attempt: Callable[[], T], *, url: str, policy: RetryPolicy, stats: IOStats | None = None,
-                 what: str = "read", reason: str = "unreachable_url",
-                 first_failure: Transient | None = None) -> T:
+                 what: str = "read", reason: str = "unreachable_url", first_failure: Transient | None = None) -> T:
     """``attempt()``, retried after :class:`Transient` failures per ``policy``; ``first_failure`` (one
     already counted, e.g. by a background prefetch) starts the run."""
     failures, started, last = 0, time.monotonic(), first_failure

@@ -40,9 +40,8 @@ _ZERO = bytes(BLOCK)
 
 def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions, streams: list[BinaryIO],
                stats: IOStats | None = None, chunk_bytes: int | None = None) -> Iterator[TokenBlock]:
-    """The blocks of ``where`` (see the module docstring); ends early, without a ``done`` block,
-    where the per-sample reader must take over (a read failure included: it retries and
-    reports it itself)."""
+    """The blocks of ``where`` (see the module docstring); ends early, without a ``done`` block, where the per-sample
+    reader must take over (a read failure included: it retries and reports it itself)."""
     size = chunk_bytes or CHUNK_BYTES
     end = where.end
     if end is not None and (end - where.start) % BLOCK:
@@ -142,11 +141,10 @@ def _open(url: str, start: int, stop: int | None, opts: OpenOptions,
 def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool, url: str,
               tokens_key: str = "input_ids", limits: Limits = Limits(), bound: int = 2**31,
               after: Callable[[bytes], bool] | None = None) -> tuple[TokenBlock, int, np.ndarray] | None:
-    """The whole plain samples at the start of ``buf`` (bytes of the shard from header offset
-    ``base``, sample number ``first``; ``final``: nothing follows ``buf`` in the stream), the
-    bytes they take and their member names (uint8 ``[n, 100]``); None where the per-sample reader
-    must read. ``after(field)`` judges a range's last sample when the header past ``end`` is an
-    extension header (see :func:`_intact_after`); without it such a range is not taken."""
+    """The whole plain samples at the start of ``buf`` (bytes of the shard from header offset ``base``, sample number
+    ``first``; ``final``: nothing follows ``buf`` in the stream), the bytes they take and their member names (uint8
+    ``[n, 100]``); None where the per-sample reader must read. ``after(field)`` judges a range's last sample when the
+    header past ``end`` is an extension header (see :func:`_intact_after`); without it such a range is not taken."""
     n = len(buf) - len(buf) % BLOCK
     stop = None if end is None else end - base
     heads, sizes, p = _chain(buf, n if stop is None else min(n, stop))

@@ -81,8 +81,7 @@ class _Sources:
                  key: str) -> None:
         self.fields, self.records, self.url, self.key = fields, records, url, key
 
-    def one(self, what: str, *, npy: tuple[str, ...] = (), raw: tuple[str, ...] = (),
-            name: str | None = None) -> Any:
+    def one(self, what: str, *, npy: tuple[str, ...] = (), raw: tuple[str, ...] = (), name: str | None = None) -> Any:
         found = [m for m in npy if m in self.fields]
         if raw:
             found += [m for m in raw if m in self.fields]

@@ -37,10 +37,9 @@ RECORDS: dict[str, type] = {"read": ReadOptions, "tokenize": TokenizeOptions, "p
 
 
 def field_for(name: str) -> tuple[str, type, str] | None:
-    """``(parameter, record, field)`` that a flat keyword ``name`` of earlier versions meant, read
-    off the records' fields: a field of that name (``window`` -> ``packing.window``), or
-    ``<parameter>_<start of a field>`` (``cost_model`` -> ``cost.model``, ``tokenize_block`` ->
-    ``tokenize.block_size``); ``None`` for any other name."""
+    """``(parameter, record, field)`` that a flat keyword ``name`` of earlier versions meant, read off the records'
+    fields: a field of that name (``window`` -> ``packing.window``), or ``<parameter>_<start of a field>``
+    (``cost_model`` -> ``cost.model``, ``tokenize_block`` -> ``tokenize.block_size``); ``None`` for any other name."""
     param, _, rest = name.partition("_")
     found = None
     for p, kind in RECORDS.items():

@@ -61,8 +61,7 @@ def pack_flat(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0
     return get_algorithm(algorithm).flat(lengths, capacity, seed=seed, backend=backend)
 
 
-def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
-         backend: Backend = "auto") -> Bins:
+def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *, backend: Backend = "auto") -> Bins:
     """Pack items of the given lengths into bins of ``capacity`` tokens.
 
     Arguments as ``pack_flat``. Returns one int64 array per bin with the indices of its
@@ -75,8 +74,6 @@ def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
     return pack_flat(lengths, capacity, algorithm, seed, backend=backend).bins()
 
 
-__all__ = [
-    "ALGORITHMS", "THRESHOLD", "Backend", "Balance", "Bins", "CostModel", "MetricsAccumulator", "PackResult",
-    "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram",
-    "karmarkar_karp", "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack",
-]
+__all__ = ["ALGORITHMS", "THRESHOLD", "Backend", "Balance", "Bins", "CostModel", "MetricsAccumulator", "PackResult",
+           "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram", "karmarkar_karp",
+           "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack"]

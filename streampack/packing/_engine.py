@@ -78,8 +78,7 @@ class Packer:
     def __call__(self, lengths: Any, capacity: int, *, seed: int = 0) -> Bins:
         return self.flat(lengths, capacity, seed=seed).bins()
 
-    def flat(self, lengths: Any, capacity: int, *, seed: int = 0,
-             backend: Backend = "auto") -> PackResult:
+    def flat(self, lengths: Any, capacity: int, *, seed: int = 0, backend: Backend = "auto") -> PackResult:
         """The packing as a ``PackResult`` (see ``streampack.packing.pack_flat``)."""
         if backend not in BACKENDS:
             raise ValueError(f"{backend=} is not one of {', '.join(BACKENDS)}")

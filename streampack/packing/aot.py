@@ -40,11 +40,9 @@ SIGNATURES = {  # kernel name -> numba signature; every array is int64, any layo
 }
 
 
-KERNEL_MODULES = {"_common": ["group_log"], "best_fit": ["_bfd_kernel"],
-                  "first_fit": ["first_fit_kernel"], "mffd": ["_pairs_kernel"],
-                  "balanced": ["_round_kernel", "_unlink_kernel"],
-                  "histogram": ["_configurations_kernel", "_emit_kernel"],
-                  "sequential": ["_next_fit_kernel"]}
+KERNEL_MODULES = {"_common": ["group_log"], "best_fit": ["_bfd_kernel"], "first_fit": ["first_fit_kernel"],
+                  "mffd": ["_pairs_kernel"], "balanced": ["_round_kernel", "_unlink_kernel"],
+                  "histogram": ["_configurations_kernel", "_emit_kernel"], "sequential": ["_next_fit_kernel"]}
 
 
 def _modules() -> list[ModuleType]:

@@ -27,11 +27,10 @@ round cap (14–24 rounds), 1e5 items stop after 20–24 of 30, 1e6 after 12–1
 
 def _round_kernel(lengths: IntBuffer, first: IntBuffer, nxt: IntBuffer, loads: IntBuffer,
                   pairs_lo: IntBuffer, pairs_hi: IntBuffer, side: IntBuffer, min_gap: int) -> int:
-    """One round: re-split each pair (lo, hi) of bins whose loads differ by ``min_gap`` or
-    more by 2-way KK differencing, keeping a split only when it lowers the pair's larger
-    load. Bin b's items are a linked list (``first[b]``, ``nxt[item]``, -1 ends it);
-    ``loads``, ``first`` and ``nxt`` are updated, ``side`` is scratch ``[n]``.
-    Returns how many pairs changed."""
+    """One round: re-split each pair (lo, hi) of bins whose loads differ by ``min_gap`` or more by 2-way KK
+    differencing, keeping a split only when it lowers the pair's larger load. Bin b's items are a linked list
+    (``first[b]``, ``nxt[item]``, -1 ends it); ``loads``, ``first`` and ``nxt`` are updated, ``side`` is scratch
+    ``[n]``. Returns how many pairs changed."""
     changed = 0
     heap = [(0, 0)]  # (-value, representative item); the element gives numba the type
     union = [0]
@@ -111,8 +110,7 @@ def _rebalance(lengths: np.ndarray, start: PackResult, loads: np.ndarray,
         ranks = np.argsort(now, kind="stable")
         gap = max(2, int(now[ranks[-1]] - now[ranks[0]]) // 4)  # leave the near-equal pairs
         hi = ranks[::-1][:half] if r % 2 == 0 else ranks[m - half:]  # fold, then shift
-        kernel(lengths_b, first, nxt_b, loads_b, engine.buffer(ranks[:half]), engine.buffer(hi),
-               side, gap)
+        kernel(lengths_b, first, nxt_b, loads_b, engine.buffer(ranks[:half]), engine.buffer(hi), side, gap)
         variance.append(float(np.var(np.asarray(loads_b, dtype=np.int64))))
         if variance[-1] > (1 - STOP_GAIN) * variance[-3]:
             break

@@ -54,9 +54,8 @@ class VisionCost:
                              f"attention={self.attention}")
 
     @classmethod
-    def from_shape(cls, *, hidden: int, layers: int, mlp: int, patch_dim: int,
-                   spatial_merge: int = 1, out_hidden: int | None = None,
-                   training: bool = True) -> VisionCost:
+    def from_shape(cls, *, hidden: int, layers: int, mlp: int, patch_dim: int, spatial_merge: int = 1,
+                   out_hidden: int | None = None, training: bool = True) -> VisionCost:
         """FLOPs of a ViT with a Qwen2-VL-style merger (module docstring); ``hidden`` is the
         ViT width, ``out_hidden`` the language model's (default: ``hidden``)."""
         out_hidden = hidden if out_hidden is None else out_hidden
@@ -117,9 +116,8 @@ class CostModel:
                              f"attention={self.attention}")
 
     @classmethod
-    def from_shape(cls, *, hidden: int, layers: int, heads: int, ffn: int,
-                   kv_heads: int | None = None, vocab: int = 0, gated: bool = True,
-                   training: bool = True) -> CostModel:
+    def from_shape(cls, *, hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None, vocab: int = 0,
+                   gated: bool = True, training: bool = True) -> CostModel:
         """FLOPs of a decoder-only transformer (see the module docstring for the formula)."""
         kv_heads = heads if kv_heads is None else kv_heads
         _check_sizes(hidden=hidden, layers=layers, heads=heads, ffn=ffn, kv_heads=kv_heads)
@@ -129,8 +127,7 @@ class CostModel:
         h, kv = hidden, kv_heads * (hidden // heads)
         per_layer = 4 * h * h + 4 * h * kv + (6 if gated else 4) * h * ffn + 2 * h
         scale = 3 if training else 1
-        return cls(linear=float(scale * (layers * per_layer + 2 * h * vocab)),
-                   attention=float(scale * 2 * h * layers))
+        return cls(linear=float(scale * (layers * per_layer + 2 * h * vocab)), attention=float(scale * 2 * h * layers))
 
     def _vision(self, what: str) -> VisionCost:
         if self.vision is None:

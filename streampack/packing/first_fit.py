@@ -29,11 +29,9 @@ def room_tree(rooms: np.ndarray, num_leaves: int, capacity: int) -> np.ndarray:
     return tree
 
 
-def first_fit_kernel(xs: IntBuffer, tree: IntBuffer, bins: IntBuffer, num_bins: int,
-                     limit: int) -> int:
-    """Place lengths ``xs`` in order, each into the leftmost bin of ``tree`` with room.
-    ``bins[j]`` := its bin, or -1 (item left out) when that bin is ``>= limit``. Returns the
-    number of bins opened, starting from ``num_bins``."""
+def first_fit_kernel(xs: IntBuffer, tree: IntBuffer, bins: IntBuffer, num_bins: int, limit: int) -> int:
+    """Place lengths ``xs`` in order, each into the leftmost bin of ``tree`` with room. ``bins[j]`` := its bin, or -1
+    (item left out) when that bin is ``>= limit``. Returns the number of bins opened, starting from ``num_bins``."""
     size = len(tree) // 2
     for j in range(len(xs)):
         x = xs[j]
@@ -70,9 +68,8 @@ def _first_fit(lengths: np.ndarray, capacity: int, seq: np.ndarray, engine: Engi
 
 
 def _ffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
-    """First-fit decreasing, O(n log n): longest first (ties by index), each into the
-    leftmost bin with room. Layout: bins in creation order, items in placement order.
-    ``seed`` is unused."""
+    """First-fit decreasing, O(n log n): longest first (ties by index), each into the leftmost bin with room. Layout:
+    bins in creation order, items in placement order. ``seed`` is unused."""
     return _first_fit(lengths, capacity, decreasing_order(lengths, capacity), engine)
 
 

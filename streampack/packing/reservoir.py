@@ -59,13 +59,11 @@ class Reservoir(Generic[T]):
         return self.first_batch + self.emitted // self.schedule.packs_per_batch
 
     def load(self, *, counts: np.ndarray, first_batch: int, emitted: int) -> None:
-        """Restore the counters of a saved reservoir (its packs are then ``add``-ed with
-        ``count=False``)."""
+        """Restore the counters of a saved reservoir (its packs are then ``add``-ed with ``count=False``)."""
         self.counts = np.array(counts, dtype=np.int64)
         self.first_batch, self.emitted, self._cum = int(first_batch), int(emitted), None
 
-    def add(self, items: Sequence[T], y: np.ndarray, *, born: Sequence[int] | None = None,
-            count: bool = True) -> None:
+    def add(self, items: Sequence[T], y: np.ndarray, *, born: Sequence[int] | None = None, count: bool = True) -> None:
         """Hold ``items`` (normalized costs ``y``); ``count`` them in the histogram unless they
         were counted before (a restore)."""
         y = np.asarray(y, dtype=np.float64)

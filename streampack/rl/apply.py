@@ -113,10 +113,9 @@ def apply_dynamic_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any
 def apply_packed_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any = None, *,
                       dp_rank: int, loss_mask: Any = None, fixed_shape: bool = True,
                       pad_id: int = 0, ignore_index: int = -100) -> list[PackedBatch]:
-    """The micro-batches of ``dp_rank`` as one-pack :class:`PackedBatch` es, in run order (``doc_keys``
-    ``"seq{i}"``). ``fixed_shape=True``: ``T`` = the budget rounded *down* to ``plan.align`` (every
-    packed length fits); ``False``: ``T`` = its packed length. ``loss_mask`` (laid out as
-    ``input_ids``) becomes each document's loss mask."""
+    """The micro-batches of ``dp_rank`` as one-pack :class:`PackedBatch` es, in run order (``doc_keys`` ``"seq{i}"``).
+    ``fixed_shape=True``: ``T`` = the budget rounded *down* to ``plan.align`` (every packed length fits); ``False``:
+    ``T`` = its packed length. ``loss_mask`` (laid out as ``input_ids``) becomes each document's loss mask."""
     if plan.kind != "packed":
         raise ValueError(f"apply_packed_plan needs a packed plan, got kind={plan.kind!r}")
     _rank(plan, dp_rank)

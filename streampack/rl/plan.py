@@ -108,9 +108,8 @@ class MicroBatchPlan:
     def stats(self) -> dict[str, Any]:
         """The summary as one flat dict (for logging)."""
         real = int(self.seq_lens.sum())
-        return {"kind": self.kind, "num_sequences": self.num_sequences,
-                "num_microbatches": self.num_microbatches, "real_tokens": real,
-                "padded_tokens": self.padded_tokens,
+        return {"kind": self.kind, "num_sequences": self.num_sequences, "num_microbatches": self.num_microbatches,
+                "real_tokens": real, "padded_tokens": self.padded_tokens,
                 "padding_fraction": 1 - real / self.padded_tokens if self.padded_tokens else 0.0,
                 "balance": self.balance}
 
@@ -182,18 +181,16 @@ def _finish(kind: str, lens: np.ndarray, mbs: list[list[np.ndarray]],
     assert all(ix.size for rank in mbs for ix in rank), "empty micro-batch"
     inverse = np.empty_like(order)
     inverse[order] = np.arange(order.size)
-    return MicroBatchPlan(
-        kind=kind, seq_lens=lens, inverse=inverse, max_tokens_per_microbatch=budget, align=align,
-        microbatches=tuple(tuple(ix.astype(np.int64) for ix in rank) for rank in mbs),
-        padded_lengths=tuple(tuple(int(v) for v in rank) for rank in padded))
+    return MicroBatchPlan(kind=kind, seq_lens=lens, inverse=inverse, max_tokens_per_microbatch=budget, align=align,
+                          microbatches=tuple(tuple(ix.astype(np.int64) for ix in rank) for rank in mbs),
+                          padded_lengths=tuple(tuple(int(v) for v in rank) for rank in padded))
 
 
 CONVENTIONS = ("balanced", "roll")
 
 
-def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbatch: int,
-                         sequence_length_round: int, pp_size: int = 1,
-                         chunk_size: int | None = None, convention: str = "balanced",
+def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbatch: int, sequence_length_round: int,
+                         pp_size: int = 1, chunk_size: int | None = None, convention: str = "balanced",
                          allow_overlong: bool = False) -> MicroBatchPlan:
     """Plan padded micro-batches of similar-length sequences for ``dp_size`` ranks.
 
@@ -237,8 +234,7 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
                              f"micro-batches (use a chunk_size that leaves >= dp_size per chunk)")
         where = f"sequences {idx[0]}..{idx[-1]} ({dp_size=}, {pp_size=})"
         if convention == "roll":
-            rank_mbs, shared = _roll.roll_rows(idx, lens, rounded, overlong, dp_size, budget,
-                                               pp_size, where)
+            rank_mbs, shared = _roll.roll_rows(idx, lens, rounded, overlong, dp_size, budget, pp_size, where)
             groups = [list(zip(r, shared)) for r in rank_mbs]
         else:
             groups = [_dynamic.group(s, rounded, overlong, budget)
