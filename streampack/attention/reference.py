@@ -1,9 +1,8 @@
 """Exact packed attention in plain torch: the CPU fallback and the yardstick for kernels.
 
-``sdpa_packed`` runs ``F.scaled_dot_product_attention`` once over ``[T]`` with a ``bool[T, T]``
-mask: O(T²) memory (``T = 8192`` is 64 MiB), so a reference, not a training kernel.
-``flex_block_mask`` expresses the same mask for FlexAttention, which skips fully masked blocks
-(forward only on CPU, ~30 s to compile).
+``sdpa_packed`` runs ``F.scaled_dot_product_attention`` once over ``[T]`` with a ``bool[T, T]`` mask: O(T²) memory (``T
+= 8192`` is 64 MiB), so a reference, not a training kernel. ``flex_block_mask`` expresses the same mask for
+FlexAttention, which skips fully masked blocks (forward only on CPU, ~30 s to compile).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """A synthetic long-tail text corpus: webdataset tar shards of pseudo-English, made offline.
 
-The demo, tests and benchmarks need a skewed length distribution without downloading anything:
-a Zipfian vocabulary of syllable pseudo-words (``p_k ~ 1 / k**1.1``, so a BPE trained on it
-behaves like one trained on natural text), lognormal document lengths (``sigma=1.05``: mean ~600
-tokens with the demo's 8k BPE, ~1% over 4096), sentences and paragraphs. Shards get fixed tar
-metadata, so a seed gives byte-identical files; each sample is ``{key}.txt``. The default 8 shards
+The demo, tests and benchmarks need a skewed length distribution without downloading anything: a Zipfian vocabulary of
+syllable pseudo-words (``p_k ~ 1 / k**1.1``, so a BPE trained on it behaves like one trained on natural text), lognormal
+document lengths (``sigma=1.05``: mean ~600 tokens with the demo's 8k BPE, ~1% over 4096), sentences and paragraphs.
+Shards get fixed tar metadata, so a seed gives byte-identical files; each sample is ``{key}.txt``. The default 8 shards
 x 1500 documents are 52.5 MB.
 """
 

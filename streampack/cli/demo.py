@@ -1,9 +1,8 @@
 """``streampack demo``: the whole pipeline on a synthetic long-tail corpus, nothing downloaded.
 
-The first run writes the corpus (:mod:`streampack.cli.corpus`, ~50 MB) and trains a byte-level BPE
-on its first 4 MB into the cache directory; later runs reuse both. It streams the shards through
-``PackedDataset`` and reports fill against padding on the same documents, throughput, documents
-per pack, and one pack's layout with its ``cu_seqlens``.
+The first run writes the corpus (:mod:`streampack.cli.corpus`, ~50 MB) and trains a byte-level BPE on its first 4 MB
+into the cache directory; later runs reuse both. It streams the shards through ``PackedDataset`` and reports fill
+against padding on the same documents, throughput, documents per pack, and one pack's layout with its ``cu_seqlens``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """``streampack inspect``: length statistics of a dataset and the fill each algorithm would reach.
 
-Offline fill packs all lengths at once (what ``streampack pack`` gets). Windowed fill runs the
-real :class:`~streampack.nodes.window_packer.WindowPacker` over zero-cost stand-in samples
-that carry only a length (a read-only zero-stride array), so the projection is exactly what
-``PackedDataset`` would reach with that window, without reading tokens twice. Overlong
-documents are counted split into ``capacity``-token chunks (the ``split`` policy).
+Offline fill packs all lengths at once (what ``streampack pack`` gets). Windowed fill runs the real
+:class:`~streampack.nodes.window_packer.WindowPacker` over zero-cost stand-in samples that carry only a length (a
+read-only zero-stride array), so the projection is exactly what ``PackedDataset`` would reach with that window, without
+reading tokens twice. Overlong documents are counted split into ``capacity``-token chunks (the ``split`` policy).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """``streampack`` entry point: argparse subcommands, and errors as one line on stderr.
 
-A user error prints ``streampack: error: <message>`` and exits with code 2 (``--debug`` shows the
-traceback); anything else is a bug and keeps its traceback. ``--version``, ``--help`` and a usage
-error import no subcommand module, and a subcommand imports only its own (torch made
-``--version`` take 4.7 s).
+A user error prints ``streampack: error: <message>`` and exits with code 2 (``--debug`` shows the traceback); anything
+else is a bug and keeps its traceback. ``--version``, ``--help`` and a usage error import no subcommand module, and a
+subcommand imports only its own (torch made ``--version`` take 4.7 s).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Lightning ``Trainer`` on a :class:`~streampack.dataset.PackedDataset` (docs/integrations.md).
 
-``trainer.fit(model, datamodule=PackedDataModule(ds, num_workers=2), ckpt_path=...)``: the
-``training_step`` receives a :class:`~streampack.layout.batch.PackedBatch` on the model's device.
-Each part answers a measured failure:
+``trainer.fit(model, datamodule=PackedDataModule(ds, num_workers=2), ckpt_path=...)``: the ``training_step`` receives a
+:class:`~streampack.layout.batch.PackedBatch` on the model's device. Each part answers a measured failure:
 
 * **The position of the batches trained.** Lightning fetches one batch ahead, so a loader's own
   state at a checkpoint would skip a batch on resume: the module's loader keeps the state after

@@ -1,5 +1,4 @@
-"""torchtitan's data convention for packed batches, with document boundaries that are not
-guessed from EOS tokens.
+"""torchtitan's data convention for packed batches, with document boundaries that are not guessed from EOS tokens.
 
 torchtitan reads ``(input_dict, labels)`` (``input_dict["input"]`` ``[B, S]``, other keys passed to
 ``forward``, labels shifted with ``-100``). For ``attn_type="varlen"`` / ``"flex"`` its Llama models

@@ -4,11 +4,10 @@ Every value of a record (ids, text, labels, loss mask) is checked here, once; a 
 a :class:`~streampack.errors.DataError` naming shard, key and value. Token ids (and labels) must
 be below ``vocab_size`` (below 2**31 when it is not given).
 
-JSON nesting (``max_json_depth``) is bounded without slowing normal lines: a line with no more
-opening brackets than the limit cannot nest deeper; any other is parsed (CPython's json raises
-``RecursionError`` long before the C stack is at risk) and the parsed object measured. Only a
-process that raised the recursion limit past :data:`SAFE_RECURSION_LIMIT` gets the exact byte
-scan (:func:`json_depth`, ~1.5x ``json.loads``, ``benchmarks/bench_hostile.py``) before parsing.
+JSON nesting (``max_json_depth``) is bounded without slowing normal lines: a line with no more opening brackets than the
+limit cannot nest deeper; any other is parsed (CPython's json raises ``RecursionError`` long before the C stack is at
+risk) and the parsed object measured. Only a process that raised the recursion limit past :data:`SAFE_RECURSION_LIMIT`
+gets the exact byte scan (:func:`json_depth`, ~1.5x ``json.loads``, ``benchmarks/bench_hostile.py``) before parsing.
 """
 
 from __future__ import annotations

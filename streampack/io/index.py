@@ -1,10 +1,9 @@
 """Per-shard sample index: where each sample starts, its key and token length, built once.
 
-A reader needs it to split one shard between workers, and planners use ``lengths`` (-1 where
-unknown: text); resuming does not. The first process that needs an index builds it under a lock in
-``cache_dir``; the others wait, then load it. It is used only while its fingerprint (the shard's
-strict identity, ``tokens_key``, :func:`limits_key`, the version) matches. Planning uses the data
-set's manifest instead (:mod:`streampack.io.manifest`).
+A reader needs it to split one shard between workers, and planners use ``lengths`` (-1 where unknown: text); resuming
+does not. The first process that needs an index builds it under a lock in ``cache_dir``; the others wait, then load it.
+It is used only while its fingerprint (the shard's strict identity, ``tokens_key``, :func:`limits_key`, the version)
+matches. Planning uses the data set's manifest instead (:mod:`streampack.io.manifest`).
 
 **Cost per shard** (:func:`load_or_build_index`): 1 stat / HEAD + 1 read of the index file, unless
 it is one of the :data:`_MEMO_SIZE` = 4 used last; a miss adds one scan (tar: headers only, remote

@@ -10,13 +10,12 @@ Planning an epoch needs only the per-shard totals; a reader then fetches the sam
 shards it reads and of the few its boundaries fall in. The manifest is also the shards' identity
 for resume checks, so a start makes no per-shard HEAD: a changed shard is found when it is opened.
 
-**Cost per reader** (N shards, G readers, T samples): 1 request per rank to load the manifest
-(workers get it with the dataset), ``≈ 122 B × N`` held per process and ``≈ 420 B × N`` at the
-load's peak (``benchmarks/bench_manifest_memory.py``); O(N/G + 4) requests and O(T/G) memory for
-the sample indexes. A resume compares :meth:`Manifest.fingerprint` (O(N) CPU once per process,
-0.46 µs × N, ``benchmarks/bench_resume_check.py``) and reads the copy kept under
-``history/<fingerprint>`` only to name the changed shards when it refuses. The file is
-``≈ 70 B × N``, loaded in ``≈ 3.6 µs × N`` (``benchmarks/bench_index.py``).
+**Cost per reader** (N shards, G readers, T samples): 1 request per rank to load the manifest (workers get it with the
+dataset), ``≈ 122 B × N`` held per process and ``≈ 420 B × N`` at the load's peak
+(``benchmarks/bench_manifest_memory.py``); O(N/G + 4) requests and O(T/G) memory for the sample indexes. A resume
+compares :meth:`Manifest.fingerprint` (O(N) CPU once per process, 0.46 µs × N, ``benchmarks/bench_resume_check.py``) and
+reads the copy kept under ``history/<fingerprint>`` only to name the changed shards when it refuses. The file is ``≈ 70
+B × N``, loaded in ``≈ 3.6 µs × N`` (``benchmarks/bench_index.py``).
 """
 
 from __future__ import annotations

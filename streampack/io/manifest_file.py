@@ -1,10 +1,9 @@
 """The manifest file's columns: string columns held as bytes, and every field checked on load.
 
-A manifest is input like any shard: :func:`checked_fields` refuses a truncated, hand-edited or
-foreign file with one ``ValueError`` naming the file and the field. In memory it is four int64
-columns and three :class:`StringColumn` (URL, tag, digest) that keep per shard only the bytes not
-shared with every other string's start and end plus a 4-byte offset: 122 B per shard where a
-``str`` per shard and column costs 339 B (``benchmarks/bench_manifest_memory.py``).
+A manifest is input like any shard: :func:`checked_fields` refuses a truncated, hand-edited or foreign file with one
+``ValueError`` naming the file and the field. In memory it is four int64 columns and three :class:`StringColumn` (URL,
+tag, digest) that keep per shard only the bytes not shared with every other string's start and end plus a 4-byte offset:
+122 B per shard where a ``str`` per shard and column costs 339 B (``benchmarks/bench_manifest_memory.py``).
 """
 
 from __future__ import annotations

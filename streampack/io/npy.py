@@ -1,9 +1,8 @@
 """``.npy`` tar members -> arrays, without trusting the header.
 
-``np.load`` allocates whatever shape a header declares (``(10**12,)``: a ``MemoryError``) and
-object arrays unpickle. Here the header is parsed with numpy's safe reader (a 10 KB cap), object
-dtypes are refused, and the declared size must equal the member's bytes before any array exists;
-the array is a zero-copy view of the member.
+``np.load`` allocates whatever shape a header declares (``(10**12,)``: a ``MemoryError``) and object arrays unpickle.
+Here the header is parsed with numpy's safe reader (a 10 KB cap), object dtypes are refused, and the declared size must
+equal the member's bytes before any array exists; the array is a zero-copy view of the member.
 """
 
 from __future__ import annotations

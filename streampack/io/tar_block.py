@@ -1,14 +1,13 @@
 """webdataset tar shards of ``.npy`` token members, read as :class:`~streampack.io.token_block.TokenBlock` s.
 
-One read of a byte range (at most ``CHUNK_BYTES`` at a time); a loop follows the header chain by
-declared sizes (~0.4 µs a header) and every header, pax record, name, ``.npy`` header and id is
-checked as columns (:mod:`streampack.io.tar_columns`). The block's token array is a view of the
-read buffer. A block accepts exactly what the per-sample reader (:mod:`streampack.io.tar`) turns
-into valid samples with nothing to report, in the shape webdataset's ``TarWriter`` writes (one
-``<key>.npy`` member per sample behind an optional ``mtime`` pax header); anything else ends the
-blocks before its sample and the per-sample reader reads from there. ~6 µs a document, where the
-per-sample reader takes 60-100 µs (``benchmarks/bench_loaders.py``). A bad sample hands the rest
-of its chunk to the per-sample reader: exact, but slow for such shards.
+One read of a byte range (at most ``CHUNK_BYTES`` at a time); a loop follows the header chain by declared sizes (~0.4 µs
+a header) and every header, pax record, name, ``.npy`` header and id is checked as columns
+(:mod:`streampack.io.tar_columns`). The block's token array is a view of the read buffer. A block accepts exactly what
+the per-sample reader (:mod:`streampack.io.tar`) turns into valid samples with nothing to report, in the shape
+webdataset's ``TarWriter`` writes (one ``<key>.npy`` member per sample behind an optional ``mtime`` pax header);
+anything else ends the blocks before its sample and the per-sample reader reads from there. ~6 µs a document, where the
+per-sample reader takes 60-100 µs (``benchmarks/bench_loaders.py``). A bad sample hands the rest of its chunk to the
+per-sample reader: exact, but slow for such shards.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
     end = where.end
     if end is not None and (end - where.start) % BLOCK:
         return
-    # one block past a range's end, as the per-sample reader opens it: the header there
-    # judges the range's last sample
+    # one block past a range's end, as the per-sample reader opens it: the header there judges the range's last sample
     stop = None if end is None else end + BLOCK
     try:
         f, known = _open(url, where.start, stop, opts, stats)

@@ -1,9 +1,8 @@
 """One tar sample's members -> a validated :class:`~streampack.sample.Sample`.
 
-Fields: ``npy`` or ``<tokens_key>.npy`` (ids), ``json`` (a record), ``txt``, ``labels.npy``,
-``loss_mask.npy``, and pickle members (refused unless ``allow_pickle=True``: ``pickle_refused``).
-Tokens win over text; each of tokens, text, labels and loss mask must come from one member, else
-``conflicting_fields``.
+Fields: ``npy`` or ``<tokens_key>.npy`` (ids), ``json`` (a record), ``txt``, ``labels.npy``, ``loss_mask.npy``, and
+pickle members (refused unless ``allow_pickle=True``: ``pickle_refused``). Tokens win over text; each of tokens, text,
+labels and loss mask must come from one member, else ``conflicting_fields``.
 """
 
 from __future__ import annotations

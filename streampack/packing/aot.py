@@ -3,11 +3,10 @@ process loads without importing numba.
 
     python -m streampack.packing.aot        # build into $STREAMPACK_CACHE/aot (once)
 
-A fresh process's first JIT call costs ~0.7 s (1–10 s on loaded cores), so without a build the
-plain path serves everything below ``THRESHOLD`` at 10–20x the compiled time; the same kernels
-compiled by ``numba.pycc`` import in 18 ms and run as fast as the JIT's
-(``benchmarks/bench_packing_scaling.py``). The module's name hashes the kernel files, numpy's and
-Python's versions and the machine, so an edited kernel never loads a stale build.
+A fresh process's first JIT call costs ~0.7 s (1–10 s on loaded cores), so without a build the plain path serves
+everything below ``THRESHOLD`` at 10–20x the compiled time; the same kernels compiled by ``numba.pycc`` import in 18 ms
+and run as fast as the JIT's (``benchmarks/bench_packing_scaling.py``). The module's name hashes the kernel files,
+numpy's and Python's versions and the machine, so an edited kernel never loads a stale build.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """``kk``: the fewest bins, then loads balanced by pairwise Karmarkar–Karp differencing.
 
-``bfd`` gives the bin count (a k-way search gives 0.6–0.9% more bins and grows superlinearly),
-with its slack piled into the last bins; rounds of pairwise rebalancing spread it. Bins ranked by
-load are paired (even rounds lightest with heaviest, odd rounds rank i with i + ⌈m/2⌉) and each
-pair re-split by 2-way Karmarkar–Karp, kept only if it lowers the pair's larger load. At most
-``2·bit_length(m) + 2`` rounds, ending once a round lowers the load variance by less than 2%:
-O(n log² n) time, O(n) memory (0.3–0.6 s at 1e6 compiled, ``benchmarks/bench_packing_scaling.py``).
-Layout: bins by decreasing load, item indices ascending inside a bin. ``seed`` is unused.
+``bfd`` gives the bin count (a k-way search gives 0.6–0.9% more bins and grows superlinearly), with its slack piled into
+the last bins; rounds of pairwise rebalancing spread it. Bins ranked by load are paired (even rounds lightest with
+heaviest, odd rounds rank i with i + ⌈m/2⌉) and each pair re-split by 2-way Karmarkar–Karp, kept only if it lowers the
+pair's larger load. At most ``2·bit_length(m) + 2`` rounds, ending once a round lowers the load variance by less than
+2%: O(n log² n) time, O(n) memory (0.3–0.6 s at 1e6 compiled, ``benchmarks/bench_packing_scaling.py``). Layout: bins by
+decreasing load, item indices ascending inside a bin. ``seed`` is unused.
 """
 
 from __future__ import annotations

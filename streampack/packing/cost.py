@@ -4,22 +4,20 @@ Packing balances tokens, but causal attention grows with the square of each docu
 one 4096-token document costs more than eight of 512. ``CostModel`` puts a number on that, from
 two coefficients given directly or derived from a model shape. Pure numpy; no torch.
 
-``CostModel.from_shape``, for ``layers`` blocks of hidden size h, head size d = h / heads,
-h_kv = kv_heads · d, FFN size f and vocabulary V (a matmul [n, a] x [a, b] is 2·n·a·b FLOPs),
-forward per token: attention projections ``4h² + 4·h·h_kv``, FFN ``6hf`` gated (``4hf`` plain),
-LM head ``2hV`` once. Causal scores of a document of length L, per layer, cost ``2·h·L(L+1)``
-(flash-attention skips the masked blocks): ``2hL`` joins the linear term, ``2h`` per layer is
-the attention coefficient. Training multiplies both by 3 (backward ≈ 2x forward; the scores
-recomputed in flash-attention's backward are ignored). A Llama-2-7B shape gives 39.6 GFLOP per
-token and 786k FLOP per L² in training: a 4096-token document's attention is 7.5% of its cost.
+``CostModel.from_shape``, for ``layers`` blocks of hidden size h, head size d = h / heads, h_kv = kv_heads · d, FFN size
+f and vocabulary V (a matmul [n, a] x [a, b] is 2·n·a·b FLOPs), forward per token: attention projections ``4h² +
+4·h·h_kv``, FFN ``6hf`` gated (``4hf`` plain), LM head ``2hV`` once. Causal scores of a document of length L, per layer,
+cost ``2·h·L(L+1)`` (flash-attention skips the masked blocks): ``2hL`` joins the linear term, ``2h`` per layer is the
+attention coefficient. Training multiplies both by 3 (backward ≈ 2x forward; the scores recomputed in flash-attention's
+backward are ignored). A Llama-2-7B shape gives 39.6 GFLOP per token and 786k FLOP per L² in training: a 4096-token
+document's attention is 7.5% of its cost.
 
-**Vision encoder** (``CostModel(vision=VisionCost(...))``): a ViT runs every image's patches,
-linear in patches plus attention bidirectional inside each frame (``h·w`` patches), never across.
-``VisionCost.from_shape`` for ``layers`` blocks of width e, MLP size f, patch input P = C·tp·p²
-and a Qwen2-VL merger (m² patches → one token of ``out_hidden``), per patch: embedding ``2Pe``,
-per layer ``8e² + 4ef``, merger ``2e²m² + 2e·out``; per frame of S patches and layer ``4eS²``.
-``training=False`` for a frozen encoder. It equals torch's FLOP counter on transformers' Qwen2-VL
-vision tower (``tests/unit/packing/test_vlm_cost.py``); a 1036x1036 image costs as much as ~1.2x its token count.
+**Vision encoder** (``CostModel(vision=VisionCost(...))``): a ViT runs every image's patches, linear in patches plus
+attention bidirectional inside each frame (``h·w`` patches), never across. ``VisionCost.from_shape`` for ``layers``
+blocks of width e, MLP size f, patch input P = C·tp·p² and a Qwen2-VL merger (m² patches → one token of ``out_hidden``),
+per patch: embedding ``2Pe``, per layer ``8e² + 4ef``, merger ``2e²m² + 2e·out``; per frame of S patches and layer
+``4eS²``. ``training=False`` for a frozen encoder. It equals torch's FLOP counter on transformers' Qwen2-VL vision tower
+(``tests/unit/packing/test_vlm_cost.py``); a 1036x1036 image costs as much as ~1.2x its token count.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """First-fit packers: ``ffd`` (longest first) and ``ffs`` (first-fit shuffle).
 
-"The leftmost bin whose room is >= x" is one O(log m) descent of a max-tree over the rooms, where
-a scan of the open bins is O(n·m) (48 s for 1e5 lengths in NeMo-RL's code). The tree is sized by
-the any-fit bound (``2·sum // C + 2``), unopened bins at the right with room C, so bins are
-numbered in creation order. ``mffd`` reuses the kernel.
+"The leftmost bin whose room is >= x" is one O(log m) descent of a max-tree over the rooms, where a scan of the open
+bins is O(n·m) (48 s for 1e5 lengths in NeMo-RL's code). The tree is sized by the any-fit bound (``2·sum // C + 2``),
+unopened bins at the right with room C, so bins are numbered in creation order. ``mffd`` reuses the kernel.
 """
 
 from __future__ import annotations

@@ -30,10 +30,9 @@ T = TypeVar("T")
 class Reservoir(Generic[T]):
     """The ready packs of one reader and the histogram of every pack cost it has seen.
 
-    ``add(items, y)`` puts packs (any objects) with their normalized costs ``y``; ``take()``
-    emits the one the schedule picks for the next slot. ``first_batch``: batches this
-    reader yielded before (earlier epochs of the pass), so its steps stay aligned with the
-    other ranks'; ``counts``: a histogram to start from (the previous epoch's).
+    ``add(items, y)`` puts packs (any objects) with their normalized costs ``y``; ``take()`` emits the one the schedule
+    picks for the next slot. ``first_batch``: batches this reader yielded before (earlier epochs of the pass), so its
+    steps stay aligned with the other ranks'; ``counts``: a histogram to start from (the previous epoch's).
     """
 
     def __init__(self, balance: Balance, schedule: Schedule, scale: CostScale, *, first_batch: int = 0,

@@ -1,9 +1,8 @@
 """streampack's own dynamic batching convention (``convention="balanced"``), on lengths.
 
-Longest first, so the peak-memory micro-batch runs first (an OOM shows at micro-batch 0). Ranks
-are dealt one round of ``dp_size`` sorted sequences at a time, largest to the lightest rank, and
-each rank cuts its run into micro-batches with ``count * round_up(max_len) <= budget``. This
-reproduces NeMo-RL's diagram exactly, order included.
+Longest first, so the peak-memory micro-batch runs first (an OOM shows at micro-batch 0). Ranks are dealt one round of
+``dp_size`` sorted sequences at a time, largest to the lightest rank, and each rank cuts its run into micro-batches with
+``count * round_up(max_len) <= budget``. This reproduces NeMo-RL's diagram exactly, order included.
 """
 
 from __future__ import annotations

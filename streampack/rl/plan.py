@@ -253,12 +253,11 @@ def plan_packed_microbatches(seq_lens: Any, *, dp_size: int, max_tokens_per_micr
                              align: int = 1, cost_model: CostModel | None = None) -> MicroBatchPlan:
     """Plan one THD pack per micro-batch, balanced across ranks and across micro-batches.
 
-    Each sequence occupies ``round_up(len, align)`` tokens. Ranks get balanced token sums
-    (Karmarkar-Karp); each rank's sequences are split into ``M`` micro-batches, the same
-    ``M`` on every rank, every packed length ``<= max_tokens_per_microbatch`` (hard cap).
-    ``algorithm="kk"``: ``M = max(min_num_microbatches, ceil(rank tokens / budget))``, raised
-    until every part fits (ROLL §2.4). ``"ffd"``/``"bfd"`` (or another packing-registry
-    name): bins of the budget per rank, then the largest bins split until counts match.
+    Each sequence occupies ``round_up(len, align)`` tokens. Ranks get balanced token sums (Karmarkar-Karp); each rank's
+    sequences are split into ``M`` micro-batches, the same ``M`` on every rank, every packed length ``<=
+    max_tokens_per_microbatch`` (hard cap). ``algorithm="kk"``: ``M = max(min_num_microbatches, ceil(rank tokens /
+    budget))``, raised until every part fits (ROLL §2.4). ``"ffd"``/``"bfd"`` (or another packing-registry name): bins
+    of the budget per rank, then the largest bins split until counts match.
 
     ``cost_model``: balance estimated compute (``linear · tokens + attention · Σ L²``,
     :class:`streampack.packing.CostModel`) instead of tokens — across ranks always, and across
