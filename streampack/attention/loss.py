@@ -68,8 +68,7 @@ def _flat(x: torch.Tensor, total: int, what: str) -> torch.Tensor:
     if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == total:
         x = x[0]  # HF-style [1, T, ...]
     if x.shape[0] != total:
-        raise ValueError(f"{what} has leading shape {tuple(x.shape[:2])}, expected [{total}, ...] "
-                         f"or [1, {total}, ...]")
+        raise ValueError(f"{what} has leading shape {tuple(x.shape[:2])}, expected [{total}, ...] or [1, {total}, ...]")
     return x
 
 

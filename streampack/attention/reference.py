@@ -58,8 +58,7 @@ def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_or_meta
     over the whole batch (``Hkv`` may divide ``H``), returns ``[Tq, H, D]``. Under context parallelism
     ``q`` holds one rank's tokens: give ``q_indices`` or a :class:`~streampack.layout.cp.CPShard`."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [T, H, D], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k, v must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q_indices is None:
         q_indices = getattr(batch_or_meta, "indices", None)
     mask = _meta_mask(batch_or_meta, causal).to(q.device)

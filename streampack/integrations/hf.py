@@ -173,8 +173,7 @@ def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
     rank of the run that saved it and HF's ``trainer_state.json`` (which HF writes after them)."""
     ranks = _rank_files(checkpoint)
     if 0 not in ranks:
-        return (f"no {LOADER_STATE_FILE.format(rank=0)} (not saved by a PackedTrainer, or the save "
-                f"was interrupted)")
+        return (f"no {LOADER_STATE_FILE.format(rank=0)} (not saved by a PackedTrainer, or the save was interrupted)")
     world_size = _saved_world_size(checkpoint)
     want = range(world_size) if world_size is not None else range(max(ranks) + 1)
     missing = [r for r in want if r not in ranks]

@@ -86,10 +86,9 @@ def titan_dataloader(dataset: Any, *, dp_rank: int, dp_world_size: int, **kwargs
     resolved = (getattr(dataset, "dp_rank", None), getattr(dataset, "dp_size", None))
     if None not in resolved and resolved != (dp_rank, dp_world_size):
         raise ValueError(f"titan_dataloader({dp_rank=}, {dp_world_size=}) but the dataset resolved "
-                         f"dp_rank={resolved[0]}, dp_size={resolved[1]}: pass the data-parallel rank and size "
-                         f"of torchtitan's parallel_dims to the PackedDataset too (topology=TopologyOptions("
-                         f"dp_rank=..., dp_size=...) or TopologyOptions(dp_group=...)), or its data would be "
-                         f"another rank's")
+                         f"dp_rank={resolved[0]}, dp_size={resolved[1]}: pass the data-parallel rank and size of "
+                         "torchtitan's parallel_dims to the PackedDataset too (topology=TopologyOptions(dp_rank=..., "
+                         "dp_size=...) or TopologyOptions(dp_group=...)), or its data would be another rank's")
     from torchtitan.components.dataloader import ParallelAwareDataloader  # after the check: it takes ~10 s
 
     return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,

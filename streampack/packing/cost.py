@@ -48,8 +48,7 @@ class VisionCost:
 
     def __post_init__(self) -> None:
         if not (self.linear >= 0 and self.attention >= 0):
-            raise ValueError(f"vision coefficients must be >= 0, got linear={self.linear}, "
-                             f"attention={self.attention}")
+            raise ValueError(f"vision coefficients must be >= 0, got linear={self.linear}, attention={self.attention}")
 
     @classmethod
     def from_shape(cls, *, hidden: int, layers: int, mlp: int, patch_dim: int, spatial_merge: int = 1,
@@ -110,8 +109,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         if not (self.linear >= 0 and self.attention >= 0):
-            raise ValueError(f"coefficients must be >= 0, got linear={self.linear}, "
-                             f"attention={self.attention}")
+            raise ValueError(f"coefficients must be >= 0, got linear={self.linear}, attention={self.attention}")
 
     @classmethod
     def from_shape(cls, *, hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None, vocab: int = 0,

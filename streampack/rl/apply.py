@@ -78,8 +78,7 @@ class _Rows:
                 raise ValueError(f"row {i} of attention_mask is not one contiguous block")
             row = self.ids[i, start:start + real.numel()]
         if row.numel() != int(self.plan.seq_lens[i]):
-            raise ValueError(f"sequence {i} has {row.numel()} real tokens, the plan says "
-                             f"{int(self.plan.seq_lens[i])}")
+            raise ValueError(f"sequence {i} has {row.numel()} real tokens, the plan says {int(self.plan.seq_lens[i])}")
         return row.to(torch.int64)
 
 
@@ -137,8 +136,7 @@ def _loss_rows(loss_mask: Any, rows: _Rows) -> list[torch.Tensor]:
         return [torch.as_tensor(m) for m in loss_mask]
     lm = torch.as_tensor(loss_mask)
     if lm.shape != rows.ids.shape:
-        raise ValueError(f"loss_mask shape {tuple(lm.shape)} != input_ids shape "
-                         f"{tuple(rows.ids.shape)}")
+        raise ValueError(f"loss_mask shape {tuple(lm.shape)} != input_ids shape {tuple(rows.ids.shape)}")
     return [lm[i][rows.mask[i]] for i in range(lm.shape[0])]
 
 
@@ -150,11 +148,9 @@ def restore_order(outputs: Sequence[Sequence[Any]], plan: MicroBatchPlan) -> lis
     flat: list[Any] = []
     for r, (rank_out, rank_mbs) in enumerate(zip(outputs, plan.microbatches)):
         if len(rank_out) != len(rank_mbs):
-            raise ValueError(f"rank {r} has {len(rank_out)} micro-batch outputs, the plan "
-                             f"{len(rank_mbs)}")
+            raise ValueError(f"rank {r} has {len(rank_out)} micro-batch outputs, the plan {len(rank_mbs)}")
         for j, (mb_out, ix) in enumerate(zip(rank_out, rank_mbs)):
             if len(mb_out) != ix.size:
-                raise ValueError(f"rank {r} micro-batch {j} has {len(mb_out)} rows, the plan "
-                                 f"{ix.size} sequences")
+                raise ValueError(f"rank {r} micro-batch {j} has {len(mb_out)} rows, the plan {ix.size} sequences")
             flat.extend(mb_out[k] for k in range(ix.size))
     return [flat[p] for p in plan.inverse.tolist()]

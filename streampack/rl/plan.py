@@ -152,8 +152,7 @@ def _check_args(seq_lens: Any, **positive: int) -> np.ndarray:
             raise ValueError(f"{name}={value!r} must be a positive int")
     lens = np.asarray(seq_lens)
     if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer):
-        raise ValueError(f"seq_lens must be a non-empty 1-D integer array, got {lens.dtype} "
-                         f"of shape {lens.shape}")
+        raise ValueError(f"seq_lens must be a non-empty 1-D integer array, got {lens.dtype} of shape {lens.shape}")
     if (lens < 1).any():
         i = int(np.argmax(lens < 1))
         raise ValueError(f"sequence {i} has length {int(lens[i])}; every length must be >= 1")
@@ -169,8 +168,7 @@ def _refuse_overlong(lens: np.ndarray, padded: np.ndarray, budget: int, what: st
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"sequence {i} of length {int(lens[i])} needs {int(padded[i])} tokens "
-                         f"after {what}, more than max_tokens_per_microbatch={budget} "
-                         f"({bad.size} such sequences)")
+                         f"after {what}, more than max_tokens_per_microbatch={budget} ({bad.size} such sequences)")
 
 
 def _finish(kind: str, lens: np.ndarray, mbs: list[list[np.ndarray]],
