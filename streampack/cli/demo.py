@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = describe(__doc__)
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--cache-dir", default=None,
-                   help="where the corpus and tokenizer live (default $STREAMPACK_CACHE/demo or ~/.cache/streampack/demo)")
+                   help="where the corpus and tokenizer live "
+                        "(default $STREAMPACK_CACHE/demo or ~/.cache/streampack/demo)")
     p.add_argument("--capacity", type=int, default=4096, help="tokens per pack")
     p.add_argument("--window", type=int, default=1024, help="samples in the packer's rolling window")
     p.add_argument("--algorithm", default="bfd", help="packing algorithm (see streampack.packing.ALGORITHMS)")

@@ -28,7 +28,8 @@ COMMANDS: dict[str, Command] = {
     "inspect": Command(module="streampack.cli.inspect_cmd",
                        help="length statistics and projected packing fill of a dataset"),
     "pack": Command(module="streampack.cli.pack_cmd", help="pack a dataset offline into packed shards + manifest.json"),
-    "index": Command(module="streampack.cli.index_cmd", help="write the manifest and sample index of every shard ahead of training"),
+    "index": Command(module="streampack.cli.index_cmd",
+                     help="write the manifest and sample index of every shard ahead of training"),
     "bench": Command(module="streampack.cli.bench_cmd", help="run the benchmarks and write a markdown report"),
 }
 # Exceptions that mean "the input is wrong", not "streampack is broken".

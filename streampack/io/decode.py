@@ -187,7 +187,8 @@ def validate_tokens(value: Any, *, url: str, key: str, vocab_size: int | None = 
         if arr.dtype.kind not in "iu":
             raise DataError("bad_dtype", f"token array has dtype {arr.dtype}", url=url, key=key, value=arr[:8].tolist())
         if arr.ndim != 1:
-            raise DataError("bad_dtype", f"token array has shape {arr.shape}, want [L]", url=url, key=key, value=arr.shape)
+            raise DataError("bad_dtype", f"token array has shape {arr.shape}, want [L]", url=url, key=key,
+                            value=arr.shape)
         if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
             raise DataError("bad_dtype", "token id overflows int64", url=url, key=key, value=int(arr.max()))
         arr = arr.astype(np.int64, copy=False)
@@ -213,7 +214,8 @@ def check_id_bound(ids: np.ndarray, vocab_size: int | None, *, what: str, url: s
     bound = id_bound(vocab_size)
     if ids.size and int(ids.max()) >= bound:
         bad = int(ids[np.argmax(ids >= bound)])
-        limit = f"vocab_size={vocab_size}" if vocab_size is not None else "2**31 (set vocab_size to check the real bound)"
+        limit = (f"vocab_size={vocab_size}" if vocab_size is not None
+                 else "2**31 (set vocab_size to check the real bound)")
         raise DataError("out_of_vocab_id", f"{what} {bad} is not below {limit}", url=url, key=key, value=bad)
 
 
@@ -257,7 +259,8 @@ def validate_per_token(value: Any, length: int | None, *, what: str, url: str, k
         kind = f"{arr.dtype}{list(arr.shape)}"
         raise DataError(reason, f"{what} must be a 1-D integer array, got {kind}", url=url, key=key, value=kind)
     if length is not None and arr.shape[0] != length:
-        raise DataError(reason, f"{what} has length {arr.shape[0]} != {length} tokens", url=url, key=key, value=arr.shape[0])
+        raise DataError(reason, f"{what} has length {arr.shape[0]} != {length} tokens", url=url, key=key,
+                        value=arr.shape[0])
     if what == "loss_mask":
         if arr.size and not np.isin(arr, (0, 1)).all():
             raise DataError(reason, "loss_mask values must be 0/1", url=url, key=key, value=arr[:8].tolist())

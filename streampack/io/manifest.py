@@ -195,7 +195,8 @@ class Manifest:
         size, and tag (``"tag"``), digest (``"digest"``) or both (``"all"``: the history copy's key).
         Equal fingerprints mean every position saved under the other manifest is still right. O(N) CPU."""
         if mode not in self._prints:
-            parts = ["counts", "sizes", *{"tag": ["tags"], "digest": ["digests"], "all": ["tags", "digests"]}.get(mode, [])]
+            per_mode = {"tag": ["tags"], "digest": ["digests"], "all": ["tags", "digests"]}
+            parts = ["counts", "sizes", *per_mode.get(mode, [])]
             self._prints[mode] = hashlib.sha1("|".join([mode, str(len(self.urls)), *map(self._part, parts)])
                                               .encode()).hexdigest()[:16]
         return self._prints[mode]

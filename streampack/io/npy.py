@@ -64,7 +64,8 @@ def decode_npy(data: bytes, *, member: str, url: str, key: str) -> np.ndarray:
                         f"({max(count, 0) * dtype.itemsize} bytes) but holds {len(data) - offset}",
                         url=url, key=key, value=shape)
     try:
-        return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape, order="F" if fortran else "C")
+        flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+        return flat.reshape(shape, order="F" if fortran else "C")
     except (ValueError, TypeError) as e:
         raise DataError("bad_npy", f"member {member!r}: {e}", url=url, key=key, value=shape) from None
 

@@ -181,7 +181,8 @@ def distinct_rows(names: np.ndarray) -> bool:
     return not (ordered[1:] == ordered[:-1]).any()
 
 
-def npy_members(first: np.ndarray, data: np.ndarray, msize: np.ndarray) -> tuple[np.dtype, np.ndarray, np.ndarray] | None:
+def npy_members(first: np.ndarray, data: np.ndarray,
+                msize: np.ndarray) -> tuple[np.dtype, np.ndarray, np.ndarray] | None:
     """The token dtype and each document's element start and length, when every member (its first data block ``first``,
     uint8 ``[n, 512]``, at byte ``data``) is a 1-D native-order integer ``.npy`` in numpy's own header form (what
     ``npy._fast_npy`` reads), with the header in that block, of exactly its member's size."""

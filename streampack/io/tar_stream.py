@@ -159,7 +159,8 @@ class _Reader:
         while self.end is None or pos < self.end:
             block = self.read(BLOCK)
             if len(block) < BLOCK:
-                what = f"truncated data of member {bad.name!r}" if bad.name else f"{bad.detail}; no readable tar header after it"
+                what = (f"truncated data of member {bad.name!r}" if bad.name
+                        else f"{bad.detail}; no readable tar header after it")
                 raise DataError("corrupt_shard", what, url=self.url, value=bad.first,
                                 skipped_bytes=pos + len(block) - bad.first)
             if is_header(block):

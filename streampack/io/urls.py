@@ -78,7 +78,8 @@ def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         item = os.fspath(item)
         if item.startswith("pipe:"):
             if not allow_pipe:
-                raise ValueError(f"refusing {item!r}: pipe: URLs run shell commands; pass allow_pipe=True to accept them")
+                raise ValueError(f"refusing {item!r}: pipe: URLs run shell commands; "
+                                 "pass allow_pipe=True to accept them")
             out.append(item)
             continue
         for name in braceexpand(item):
