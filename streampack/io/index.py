@@ -45,7 +45,7 @@ from streampack.io.open import open_shard
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote, local_path
 from streampack.io.tar import TarRegion, group_length, iter_tar_units, split_key
-from streampack.io.tar_sparse import open_sparse
+from streampack.io.tar_sparse import SparseStream
 from streampack.io.urls import shard_format
 
 INDEX_VERSION = 4
@@ -204,7 +204,8 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
     # a shard within one block is one request read whole: ranged reads cannot beat that
     sparse = fmt == "tar" and is_remote(url) and size is not None and (
         ranged == "always" or (ranged == "auto" and size > opts.block_size))
-    with (open_sparse(url, size, opts, stats, ranged) if sparse else open_shard(url, 0, opts=opts, stats=stats)) as raw:
+    raw = SparseStream(url, size, opts, stats, mode=ranged) if sparse else open_shard(url, 0, opts=opts, stats=stats)
+    with raw:
         if fmt == "parquet":
             lengths = (parquet.token_lengths(raw, decode, url) if lengths
                        else np.full(int(parquet.row_counts(raw, url).sum()), -1, np.int32))

@@ -82,7 +82,9 @@ class _Rows:
         return row.to(torch.int64)
 
 
-def _rank(plan: MicroBatchPlan, dp_rank: int) -> None:
+def _check(plan: MicroBatchPlan, kind: str, dp_rank: int, caller: str) -> None:
+    if plan.kind != kind:
+        raise ValueError(f"{caller} needs a {kind} plan, got kind={plan.kind!r}")
     if not 0 <= dp_rank < plan.dp_size:
         raise ValueError(f"{dp_rank=} is outside the plan's dp_size={plan.dp_size}")
 
@@ -90,9 +92,7 @@ def _rank(plan: MicroBatchPlan, dp_rank: int) -> None:
 def apply_dynamic_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any = None, *,
                        dp_rank: int, pad_id: int = 0) -> list[DynamicMicroBatch]:
     """The micro-batches of ``dp_rank`` in run order, each ``[b, L]`` with its own ``L``."""
-    if plan.kind != "dynamic":
-        raise ValueError(f"apply_dynamic_plan needs a dynamic plan, got kind={plan.kind!r}")
-    _rank(plan, dp_rank)
+    _check(plan, "dynamic", dp_rank, "apply_dynamic_plan")
     rows = _Rows(plan, input_ids, attention_mask)
     out = []
     for ix, length in zip(plan.microbatches[dp_rank], plan.padded_lengths[dp_rank]):
@@ -115,9 +115,7 @@ def apply_packed_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any 
     """The micro-batches of ``dp_rank`` as one-pack :class:`PackedBatch` es, in run order (``doc_keys`` ``"seq{i}"``).
     ``fixed_shape=True``: ``T`` = the budget rounded *down* to ``plan.align`` (every packed length fits); ``False``:
     ``T`` = its packed length. ``loss_mask`` (laid out as ``input_ids``) becomes each document's loss mask."""
-    if plan.kind != "packed":
-        raise ValueError(f"apply_packed_plan needs a packed plan, got kind={plan.kind!r}")
-    _rank(plan, dp_rank)
+    _check(plan, "packed", dp_rank, "apply_packed_plan")
     rows = _Rows(plan, input_ids, attention_mask)
     masks = None if loss_mask is None else _Rows(plan, _loss_rows(loss_mask, rows), None)
     fixed = plan.max_tokens_per_microbatch // plan.align * plan.align
