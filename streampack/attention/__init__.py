@@ -48,14 +48,10 @@ from streampack.layout.adapters import (
     varlen_cu_seqlens,
 )
 
-__all__ = [
-    "LeakReport", "leak_probe",
-    "CPFlashAttnInputs", "CPFlashAttnKwargs", "CPRankInputs", "FlashAttnKwargs", "HFInputs",
-    "LocalPackedSeqParams", "LossResult", "PaddedDocuments", "SSMKwargs", "TEKwargs",
-    "cp_flash_attn_inputs", "cp_rank_inputs", "flash_attn_kwargs", "flex_block_mask",
-    "global_num_sequences", "global_num_targets", "hf_inputs", "hf_labels",
-    "num_supervised_sequences", "packed_attention_mask", "packed_cross_entropy",
-    "packed_seq_params", "sdpa_packed", "ssm_kwargs", "te_kwargs", "token_logprobs",
-    "unpack_padded", "unpack_per_document", "varlen_attention", "varlen_attention_reference",
-    "varlen_cu_seqlens",
-]
+__all__ = ["LeakReport", "leak_probe", "CPFlashAttnInputs", "CPFlashAttnKwargs", "CPRankInputs", "FlashAttnKwargs",
+           "HFInputs", "LocalPackedSeqParams", "LossResult", "PaddedDocuments", "SSMKwargs", "TEKwargs",
+           "cp_flash_attn_inputs", "cp_rank_inputs", "flash_attn_kwargs", "flex_block_mask", "global_num_sequences",
+           "global_num_targets", "hf_inputs", "hf_labels", "num_supervised_sequences", "packed_attention_mask",
+           "packed_cross_entropy", "packed_seq_params", "sdpa_packed", "ssm_kwargs", "te_kwargs", "token_logprobs",
+           "unpack_padded", "unpack_per_document", "varlen_attention", "varlen_attention_reference",
+           "varlen_cu_seqlens"]

@@ -88,19 +88,13 @@ def cp_flash_attn_inputs(batch: PackedBatch, cp_size: int, cp_rank: int) -> CPFl
     k_lengths = torch.stack([(cp_rank + 1) * chunk, (2 * cp_size - cp_rank) * chunk], 1).reshape(-1)
     k_indices = _ranges(cup[:-1].repeat_interleave(2), k_lengths)
     device = batch.input_ids.device
-    kwargs = CPFlashAttnKwargs(
-        cu_seqlens_q=_cu(q_lengths).to(device).contiguous(),
-        cu_seqlens_k=_cu(k_lengths).to(device).contiguous(),
-        max_seqlen_q=int(q_lengths.max()), max_seqlen_k=int(k_lengths.max()),
-    )
+    kwargs = CPFlashAttnKwargs(cu_seqlens_q=_cu(q_lengths).to(device).contiguous(),
+                               cu_seqlens_k=_cu(k_lengths).to(device).contiguous(), max_seqlen_q=int(q_lengths.max()),
+                               max_seqlen_k=int(k_lengths.max()))
     return CPFlashAttnInputs(kwargs=kwargs, k_indices=k_indices.to(device))
 
 
 def cp_rank_inputs(batch: PackedBatch, cp_size: int, cp_rank: int) -> CPRankInputs:
     """The shard and every adapter's per-rank inputs for rank ``cp_rank`` of ``cp_size``."""
-    return CPRankInputs(
-        shard=cp_shard(batch, cp_size, cp_rank),
-        te=te_kwargs(batch),
-        packed_seq_params=packed_seq_params(batch),
-        flash=cp_flash_attn_inputs(batch, cp_size, cp_rank),
-    )
+    return CPRankInputs(shard=cp_shard(batch, cp_size, cp_rank), te=te_kwargs(batch),
+                        packed_seq_params=packed_seq_params(batch), flash=cp_flash_attn_inputs(batch, cp_size, cp_rank))

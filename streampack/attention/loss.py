@@ -68,8 +68,7 @@ def _flat(x: torch.Tensor, total: int, what: str) -> torch.Tensor:
     if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == total:
         x = x[0]  # HF-style [1, T, ...]
     if x.shape[0] != total:
-        raise ValueError(f"{what} has leading shape {tuple(x.shape[:2])}, expected [{total}, ...] "
-                         f"or [1, {total}, ...]")
+        raise ValueError(f"{what} has leading shape {tuple(x.shape[:2])}, expected [{total}, ...] or [1, {total}, ...]")
     return x
 
 
@@ -99,9 +98,8 @@ def unpack_padded(x: torch.Tensor, batch: PackedBatch, padding_value: float = 0.
 
 def _loss_input(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, *,
                 upcast: bool, mask_ignored: bool) -> torch.Tensor:
-    """``[N, V]`` logits as the loss reads them: float32 for bf16/fp16 when ``upcast`` (a bf16
-    log-softmax loses ~3 digits; HF and torchtitan upcast too), ignored rows zeroed when
-    ``mask_ignored``."""
+    """``[N, V]`` logits as the loss reads them: float32 for bf16/fp16 when ``upcast`` (a bf16 log-softmax loses ~3
+    digits; HF and torchtitan upcast too), ignored rows zeroed when ``mask_ignored``."""
     if upcast and logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if mask_ignored:
@@ -111,10 +109,9 @@ def _loss_input(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, *
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, *,
                    upcast: bool = True, mask_ignored: bool = False) -> torch.Tensor:
-    """``log p(labels[t] | logits[t])`` for already-shifted labels (``logits [..., V]``,
-    ``labels [...]``); 0 where ``labels == ignore_index``. float32 for half-precision logits
-    (with ``upcast``), else their own dtype. No host sync: it is ``-F.cross_entropy(...,
-    reduction="none")``."""
+    """``log p(labels[t] | logits[t])`` for already-shifted labels (``logits [..., V]``, ``labels [...]``); 0 where
+    ``labels == ignore_index``. float32 for half-precision logits (with ``upcast``), else their own dtype. No host sync:
+    it is ``-F.cross_entropy(..., reduction="none")``."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
     flat_labels = labels.reshape(-1).to(logits.device)
@@ -139,10 +136,9 @@ def _count(value: object, name: str) -> int:
     return int(value)
 
 
-def packed_cross_entropy(logits: torch.Tensor, batch: PackedBatch, num_targets: int | None = None,
-                         *, reduction: str = "token", num_sequences: int | None = None,
-                         per_token: bool = False, upcast: bool = True,
-                         mask_ignored: bool = False) -> LossResult:
+def packed_cross_entropy(logits: torch.Tensor, batch: PackedBatch, num_targets: int | None = None, *,
+                         reduction: str = "token", num_sequences: int | None = None, per_token: bool = False,
+                         upcast: bool = True, mask_ignored: bool = False) -> LossResult:
     """Next-token cross entropy of ``logits [T, V]`` (or ``[1, T, V]``) against ``batch.labels``, with no host sync.
     ``reduction="token"``: ``sum / num_targets`` (pass the step's :func:`global_num_targets`, then *sum* the
     micro-batch losses); ``"sequence"``: each document's mean, summed, over ``num_sequences``
@@ -170,11 +166,9 @@ def packed_cross_entropy(logits: torch.Tensor, batch: PackedBatch, num_targets: 
                        else _count(num_sequences, "num_sequences"))
         token_loss = F.cross_entropy(x, labels, ignore_index=batch.ignore_index, reduction="none")
         loss_sum = _sequence_sum(token_loss, labels != batch.ignore_index, batch)
-    return LossResult(
-        loss=loss_sum / denominator if denominator > 0 else None,
-        loss_sum=loss_sum, denominator=denominator, num_targets=batch.num_targets,
-        num_sequences=batch.num_target_docs, reduction=reduction, per_token=token_loss,
-    )
+    return LossResult(loss=loss_sum / denominator if denominator > 0 else None, loss_sum=loss_sum,
+                      denominator=denominator, num_targets=batch.num_targets, num_sequences=batch.num_target_docs,
+                      reduction=reduction, per_token=token_loss)
 
 
 def _sequence_sum(token_loss: torch.Tensor, keep: torch.Tensor, batch: PackedBatch) -> torch.Tensor:

@@ -61,5 +61,4 @@ def leak_probe(forward: Callable[[PackedBatch], torch.Tensor], batch: PackedBatc
     diff = diff.reshape(batch.total_tokens, -1).amax(dim=1)
     others = real & (seq_idx != doc)
     other = float(diff[others].max()) if bool(others.any()) else 0.0
-    return LeakReport(doc=doc, max_diff_other_docs=other, max_diff_self=float(diff[mine].max()),
-                      leaked=other > atol)
+    return LeakReport(doc=doc, max_diff_other_docs=other, max_diff_self=float(diff[mine].max()), leaked=other > atol)

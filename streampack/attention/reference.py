@@ -1,9 +1,8 @@
 """Exact packed attention in plain torch: the CPU fallback and the yardstick for kernels.
 
-``sdpa_packed`` runs ``F.scaled_dot_product_attention`` once over ``[T]`` with a ``bool[T, T]``
-mask: O(T²) memory (``T = 8192`` is 64 MiB), so a reference, not a training kernel.
-``flex_block_mask`` expresses the same mask for FlexAttention, which skips fully masked blocks
-(forward only on CPU, ~30 s to compile).
+``sdpa_packed`` runs ``F.scaled_dot_product_attention`` once over ``[T]`` with a ``bool[T, T]`` mask: O(T²) memory (``T
+= 8192`` is 64 MiB), so a reference, not a training kernel. ``flex_block_mask`` expresses the same mask for
+FlexAttention, which skips fully masked blocks (forward only on CPU, ~30 s to compile).
 """
 
 from __future__ import annotations
@@ -53,15 +52,13 @@ def _meta_mask(meta: PackedMeta, causal: bool) -> torch.Tensor:
     return packed_attention_mask(meta.cu_seqlens, meta.cu_seqlens_padded, total, causal)
 
 
-def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_or_meta: PackedMeta,
-                causal: bool = True, *, q_indices: torch.Tensor | None = None,
-                scale: float | None = None) -> torch.Tensor:
+def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_or_meta: PackedMeta, causal: bool = True, *,
+                q_indices: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Packed attention via ``F.scaled_dot_product_attention``: q ``[Tq, H, D]``, k, v ``[T, Hkv, D]``
     over the whole batch (``Hkv`` may divide ``H``), returns ``[Tq, H, D]``. Under context parallelism
     ``q`` holds one rank's tokens: give ``q_indices`` or a :class:`~streampack.layout.cp.CPShard`."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [T, H, D], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k, v must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q_indices is None:
         q_indices = getattr(batch_or_meta, "indices", None)
     mask = _meta_mask(batch_or_meta, causal).to(q.device)
@@ -72,10 +69,8 @@ def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_or_meta
     if mask.shape[0] != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens, expected {mask.shape[0]} "
                          "(pass q_indices for a context-parallel shard)")
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-        scale=scale, enable_gqa=k.shape[1] != q.shape[1],
-    )
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(0, 1)
 
 
@@ -94,16 +89,13 @@ def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         mask = None
         if causal:
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
-        o = F.scaled_dot_product_attention(
-            q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
-            attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
-        )
+        o = F.scaled_dot_product_attention(q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
+                                           attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
         out[qs] = o.transpose(0, 1)
     return out
 
 
-def flex_block_mask(batch_or_meta: PackedMeta, causal: bool = True,
-                    device: str | torch.device | None = None) -> Any:
+def flex_block_mask(batch_or_meta: PackedMeta, causal: bool = True, device: str | torch.device | None = None) -> Any:
     """A FlexAttention ``BlockMask`` for the packed layout (same mask as
     :func:`packed_attention_mask`). Use with ``flex_attention(q, k, v, block_mask=...)`` on
     ``[1, H, T, D]`` tensors; wrap ``flex_attention`` in ``torch.compile`` for speed."""
@@ -111,8 +103,7 @@ def flex_block_mask(batch_or_meta: PackedMeta, causal: bool = True,
 
     total = int(batch_or_meta.cu_seqlens_padded[-1])
     device = torch.device(device) if device is not None else batch_or_meta.cu_seqlens.device
-    doc, real = _doc_layout(batch_or_meta.cu_seqlens.to(device),
-                            batch_or_meta.cu_seqlens_padded.to(device), total)
+    doc, real = _doc_layout(batch_or_meta.cu_seqlens.to(device), batch_or_meta.cu_seqlens_padded.to(device), total)
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         allowed = (doc[q_idx] == doc[kv_idx]) & real[kv_idx]

@@ -34,9 +34,8 @@ def _accepts(kernel: Callable[..., Any], name: str) -> bool:
     return name in inspect.signature(kernel).parameters
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: FlashAttnKwargs, *,
-                     causal: bool = True, scale: float | None = None,
-                     kernel: Callable[..., Any] | None = None) -> torch.Tensor:
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: FlashAttnKwargs, *, causal: bool = True,
+                     scale: float | None = None, kernel: Callable[..., Any] | None = None) -> torch.Tensor:
     """Packed attention over the spans of ``kwargs`` (``batch.flash_attn_kwargs()``): ``q`` ``[T, H, D]``,
     ``k``/``v`` ``[T, Hkv, D]``, returns ``[T, H, D]``. ``kernel`` defaults to torch's ``varlen_attn``."""
     kernel = kernel if kernel is not None else torch_varlen_attn()
@@ -50,5 +49,4 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: 
         else:  # torch 2.11: no grouped-query support in the kernel's signature
             k = k.repeat_interleave(heads // kv_heads, dim=1)
             v = v.repeat_interleave(heads // kv_heads, dim=1)
-    return kernel(q, k, v, kwargs.cu_seqlens_q, kwargs.cu_seqlens_k, kwargs.max_seqlen_q,
-                  kwargs.max_seqlen_k, **extra)
+    return kernel(q, k, v, kwargs.cu_seqlens_q, kwargs.cu_seqlens_k, kwargs.max_seqlen_q, kwargs.max_seqlen_k, **extra)

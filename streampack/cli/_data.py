@@ -106,8 +106,7 @@ class Documents:
 
         if is_packed_dataset(list(urls) if len(urls) > 1 else urls[0]):
             raise CliError(f"{' '.join(map(str, urls))} is the output of `streampack pack` (packs, not "
-                           "documents; its manifest.json holds the pack lengths and metrics): give the "
-                           "original shards")
+                           "documents; its manifest.json holds the pack lengths and metrics): give the original shards")
         check_tokenizer(tokenizer)
         config = StreamConfig(capacity=capacity, shuffle=False, epochs=1, read=read,
                               tokenize=tokenize if tokenize is not None else TokenizeOptions())

@@ -41,6 +41,5 @@ def run(args: argparse.Namespace) -> int:
     spec.loader.exec_module(module)
     report, failed = module.run_all(quick=args.quick, out=args.out)
     print(report)
-    print(f"report written to {args.out}" + (f"; {failed} benchmark(s) failed" if failed else ""),
-          file=sys.stderr)
+    print(f"report written to {args.out}" + (f"; {failed} benchmark(s) failed" if failed else ""), file=sys.stderr)
     return 1 if failed else 0

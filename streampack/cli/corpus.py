@@ -1,10 +1,9 @@
 """A synthetic long-tail text corpus: webdataset tar shards of pseudo-English, made offline.
 
-The demo, tests and benchmarks need a skewed length distribution without downloading anything:
-a Zipfian vocabulary of syllable pseudo-words (``p_k ~ 1 / k**1.1``, so a BPE trained on it
-behaves like one trained on natural text), lognormal document lengths (``sigma=1.05``: mean ~600
-tokens with the demo's 8k BPE, ~1% over 4096), sentences and paragraphs. Shards get fixed tar
-metadata, so a seed gives byte-identical files; each sample is ``{key}.txt``. The default 8 shards
+The demo, tests and benchmarks need a skewed length distribution without downloading anything: a Zipfian vocabulary of
+syllable pseudo-words (``p_k ~ 1 / k**1.1``, so a BPE trained on it behaves like one trained on natural text), lognormal
+document lengths (``sigma=1.05``: mean ~600 tokens with the demo's 8k BPE, ~1% over 4096), sentences and paragraphs.
+Shards get fixed tar metadata, so a seed gives byte-identical files; each sample is ``{key}.txt``. The default 8 shards
 x 1500 documents are 52.5 MB.
 """
 
@@ -84,9 +83,8 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_demo_corpus(directory: str | os.PathLike[str], *, num_shards: int = 8,
-                      docs_per_shard: int = 1500, seed: int = 0, vocab_size: int = 20_000,
-                      mean_words: float = _MEAN_WORDS,
+def write_demo_corpus(directory: str | os.PathLike[str], *, num_shards: int = 8, docs_per_shard: int = 1500,
+                      seed: int = 0, vocab_size: int = 20_000, mean_words: float = _MEAN_WORDS,
                       progress: Callable[[int], None] | None = None) -> list[str]:
     """Write ``num_shards`` tar shards of text documents into ``directory`` (same arguments, same bytes);
     return their paths. ``progress(n)`` is called after every shard with its document count."""
@@ -139,8 +137,7 @@ def train_demo_tokenizer(paths: list[str], out_path: str | os.PathLike[str], *,
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(iter_corpus_text(paths, sample_bytes), trainer=trainer)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)

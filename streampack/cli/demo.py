@@ -1,9 +1,8 @@
 """``streampack demo``: the whole pipeline on a synthetic long-tail corpus, nothing downloaded.
 
-The first run writes the corpus (:mod:`streampack.cli.corpus`, ~50 MB) and trains a byte-level BPE
-on its first 4 MB into the cache directory; later runs reuse both. It streams the shards through
-``PackedDataset`` and reports fill against padding on the same documents, throughput, documents
-per pack, and one pack's layout with its ``cu_seqlens``.
+The first run writes the corpus (:mod:`streampack.cli.corpus`, ~50 MB) and trains a byte-level BPE on its first 4 MB
+into the cache directory; later runs reuse both. It streams the shards through ``PackedDataset`` and reports fill
+against padding on the same documents, throughput, documents per pack, and one pack's layout with its ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = describe(__doc__)
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--cache-dir", default=None,
-                   help="where the corpus and tokenizer live (default $STREAMPACK_CACHE/demo or ~/.cache/streampack/demo)")
+                   help="where the corpus and tokenizer live "
+                        "(default $STREAMPACK_CACHE/demo or ~/.cache/streampack/demo)")
     p.add_argument("--capacity", type=int, default=4096, help="tokens per pack")
     p.add_argument("--window", type=int, default=1024, help="samples in the packer's rolling window")
     p.add_argument("--algorithm", default="bfd", help="packing algorithm (see streampack.packing.ALGORITHMS)")
@@ -159,8 +159,7 @@ def report(tally: Tally, seconds: float, args: argparse.Namespace, out: Any = No
     lengths = np.concatenate(tally.doc_lengths) if tally.doc_lengths else np.zeros(0, np.int64)
     per_pack = np.asarray(tally.docs_per_pack)
     fill = tally.tokens / tally.slots if tally.slots else 0.0
-    to_max, per_batch = padded_fills(lengths, args.capacity, round(per_pack.mean() * args.packs_per_batch),
-                                     args.seed)
+    to_max, per_batch = padded_fills(lengths, args.capacity, round(per_pack.mean() * args.packs_per_batch), args.seed)
     g = glyphs(out)
     b = round(per_pack.mean() * args.packs_per_batch)
     w = 34
@@ -170,8 +169,7 @@ def report(tally: Tally, seconds: float, args: argparse.Namespace, out: Any = No
           f"(read + tokenize + pack + collate, 1 process)", file=out)
     print(f"\nFill = real tokens / tokens computed, same {len(lengths):,} documents:", file=out)
     rows = [(f"streampack ({args.algorithm}, window {args.window})", fill),
-            (f"pad per batch ({b} docs/batch)", per_batch),
-            (f"pad to max ({args.capacity})", to_max)]
+            (f"pad per batch ({b} docs/batch)", per_batch), (f"pad to max ({args.capacity})", to_max)]
     for label, value in rows:
         print(f"  {label:<{w}} {fill_bar(value, glyph=g)} {value:7.2%}", file=out)
     print("  (streaming steady state: the packer emits near-full packs and carries the rest; "

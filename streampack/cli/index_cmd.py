@@ -1,11 +1,10 @@
 """``streampack index URLS --out DIR``: write a data set's manifest and shard indexes once, ahead of training.
 
-With ``--out DIR`` (local or any fsspec URL) it writes ``DIR/manifest.spm.npz`` and
-``DIR/shards/*.spidx.npz``: pass ``manifest=DIR`` to ``PackedDataset`` and no training process
-indexes or HEADs a shard to plan. Without ``--out`` it fills the per-shard cache (``--cache-dir``).
-It resumes (a shard whose index is there for its identity and settings is not read again);
-damaged shards are indexed up to the damage and listed; an unreadable shard fails the run (exit 1,
-no manifest).
+With ``--out DIR`` (local or any fsspec URL) it writes ``DIR/manifest.spm.npz`` and ``DIR/shards/*.spidx.npz``: pass
+``manifest=DIR`` to ``PackedDataset`` and no training process indexes or HEADs a shard to plan. Without ``--out`` it
+fills the per-shard cache (``--cache-dir``). It resumes (a shard whose index is there for its identity and settings is
+not read again); damaged shards are indexed up to the damage and listed; an unreadable shard fails the run (exit 1, no
+manifest).
 
 **Cost** per shard: 1 stat / HEAD, 2 ranged reads of ≤ 64 KiB (the digest), one scan unless its
 index is there, 1 write. Remote shards run on ``--jobs`` threads (default 16: the work waits on

@@ -1,10 +1,9 @@
 """``streampack inspect``: length statistics of a dataset and the fill each algorithm would reach.
 
-Offline fill packs all lengths at once (what ``streampack pack`` gets). Windowed fill runs the
-real :class:`~streampack.nodes.window_packer.WindowPacker` over zero-cost stand-in samples
-that carry only a length (a read-only zero-stride array), so the projection is exactly what
-``PackedDataset`` would reach with that window, without reading tokens twice. Overlong
-documents are counted split into ``capacity``-token chunks (the ``split`` policy).
+Offline fill packs all lengths at once (what ``streampack pack`` gets). Windowed fill runs the real
+:class:`~streampack.nodes.window_packer.WindowPacker` over zero-cost stand-in samples that carry only a length (a
+read-only zero-stride array), so the projection is exactly what ``PackedDataset`` would reach with that window, without
+reading tokens twice. Overlong documents are counted split into ``capacity``-token chunks (the ``split`` policy).
 """
 
 from __future__ import annotations
@@ -34,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated window sizes to simulate ('' = none; default %(default)s)")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a length histogram PNG")
     add_input_guards(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (they are off when stderr is not a terminal)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
 
 
@@ -93,7 +93,8 @@ def fill_table(lengths: np.ndarray, capacity: int, algorithms: Sequence[str], wi
     from tqdm import tqdm
 
     chunks = split_lengths(lengths, capacity)
-    head = f"  {'algorithm':<12} {'offline':>8} {'packs':>9} {'docs/pack':>9}" + "".join(f" {'W=' + str(w):>7}" for w in windows)
+    head = (f"  {'algorithm':<12} {'offline':>8} {'packs':>9} {'docs/pack':>9}"
+            + "".join(f" {'W=' + str(w):>7}" for w in windows))
     lines = [f"projected fill at capacity {capacity} ({len(chunks):,} documents after split; "
              f"pad-to-max fill would be {chunks.sum() / (len(chunks) * capacity):.1%}):", head]
     with tqdm(total=len(algorithms) * (1 + len(windows)), desc="simulating packers", unit="run",

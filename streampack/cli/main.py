@@ -1,9 +1,8 @@
 """``streampack`` entry point: argparse subcommands, and errors as one line on stderr.
 
-A user error prints ``streampack: error: <message>`` and exits with code 2 (``--debug`` shows the
-traceback); anything else is a bug and keeps its traceback. ``--version``, ``--help`` and a usage
-error import no subcommand module, and a subcommand imports only its own (torch made
-``--version`` take 4.7 s).
+A user error prints ``streampack: error: <message>`` and exits with code 2 (``--debug`` shows the traceback); anything
+else is a bug and keeps its traceback. ``--version``, ``--help`` and a usage error import no subcommand module, and a
+subcommand imports only its own (torch made ``--version`` take 4.7 s).
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ COMMANDS: dict[str, Command] = {
     "inspect": Command(module="streampack.cli.inspect_cmd",
                        help="length statistics and projected packing fill of a dataset"),
     "pack": Command(module="streampack.cli.pack_cmd", help="pack a dataset offline into packed shards + manifest.json"),
-    "index": Command(module="streampack.cli.index_cmd", help="write the manifest and sample index of every shard ahead of training"),
+    "index": Command(module="streampack.cli.index_cmd",
+                     help="write the manifest and sample index of every shard ahead of training"),
     "bench": Command(module="streampack.cli.bench_cmd", help="run the benchmarks and write a markdown report"),
 }
 # Exceptions that mean "the input is wrong", not "streampack is broken".

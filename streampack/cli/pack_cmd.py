@@ -48,11 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eos-id", type=int, default=None, help="id added after each tokenized text")
     p.add_argument("--on-error", default="raise", choices=ON_ERROR_CHOICES,
                    help="bad samples: raise (default) or skip and count them")
-    p.add_argument("--overlong", default="split", choices=OVERLONG_POLICIES, help="documents longer than capacity (default split)")
+    p.add_argument("--overlong", default="split", choices=OVERLONG_POLICIES,
+                   help="documents longer than capacity (default split)")
     p.add_argument("--packs-per-shard", type=int, default=1000, help="packs per output tar shard (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of randomized algorithms")
     add_input_guards(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (they are off when stderr is not a terminal)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
 
 
@@ -110,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
     bins = pack(aligned, args.capacity, algorithm=args.algorithm, seed=args.seed)
     metrics = _metrics(aligned, bins, args.capacity)
     metrics["fill"] = float(lengths.sum() / (len(bins) * args.capacity))
-    with tqdm(total=len(bins), desc="writing", unit="pack", disable=no_bar(args.no_progress),
-              file=sys.stderr) as bar:
+    with tqdm(total=len(bins), desc="writing", unit="pack", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
         manifest = write_packed_dataset(
             docs, bins, args.out, capacity=args.capacity, align=align, cp_size=args.cp_size,
             tp_size=args.tp_size, algorithm=args.algorithm, seed=args.seed,

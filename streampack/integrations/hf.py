@@ -81,20 +81,18 @@ class PackedTrainer(transformers.Trainer):
             raise ValueError("PackedTrainer needs a train_dataset (a PackedDataset)")
         args = self.args
         workers = args.dataloader_num_workers
-        loader = stateful_loader(
-            self.train_dataset, batch_size=None, num_workers=workers,
-            pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
-            persistent_workers=args.dataloader_persistent_workers if workers else False,
-            prefetch_factor=args.dataloader_prefetch_factor if workers else None,
-            multiprocessing_context=args.dataloader_multiprocessing_context if workers else None)
+        loader = stateful_loader(self.train_dataset, batch_size=None, num_workers=workers,
+                                 pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+                                 persistent_workers=args.dataloader_persistent_workers if workers else False,
+                                 prefetch_factor=args.dataloader_prefetch_factor if workers else None,
+                                 multiprocessing_context=args.dataloader_multiprocessing_context if workers else None)
         if self._resume is not None:
             self._resume.apply(self.train_dataset, loader)
             self._resume = None
         self._loader = loader
         return HFBatches(loader, self.stream_metrics)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
-              **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = last_resumable_checkpoint(self.args.output_dir)
@@ -168,13 +166,11 @@ def _saved_world_size(checkpoint: str | os.PathLike[str]) -> int:
 
 
 def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
-    """Why ``checkpoint`` cannot be resumed from (None: it can): it must hold
-    ``streampack_loader_rank{i}.pt`` of every rank of the run that saved it and HF's
-    ``trainer_state.json`` (which HF writes after them)."""
+    """Why ``checkpoint`` cannot be resumed from (None: it can): it must hold ``streampack_loader_rank{i}.pt`` of every
+    rank of the run that saved it and HF's ``trainer_state.json`` (which HF writes after them)."""
     ranks = _rank_files(checkpoint)
     if 0 not in ranks:
-        return (f"no {LOADER_STATE_FILE.format(rank=0)} (not saved by a PackedTrainer, or the save "
-                f"was interrupted)")
+        return (f"no {LOADER_STATE_FILE.format(rank=0)} (not saved by a PackedTrainer, or the save was interrupted)")
     world_size = _saved_world_size(checkpoint)
     missing = [r for r in range(world_size) if r not in ranks]
     if missing:

@@ -1,8 +1,7 @@
 """Lightning ``Trainer`` on a :class:`~streampack.dataset.PackedDataset` (docs/integrations.md).
 
-``trainer.fit(model, datamodule=PackedDataModule(ds, num_workers=2), ckpt_path=...)``: the
-``training_step`` receives a :class:`~streampack.layout.batch.PackedBatch` on the model's device.
-Each part answers a measured failure:
+``trainer.fit(model, datamodule=PackedDataModule(ds, num_workers=2), ckpt_path=...)``: the ``training_step`` receives a
+:class:`~streampack.layout.batch.PackedBatch` on the model's device. Each part answers a measured failure:
 
 * **The position of the batches trained.** Lightning fetches one batch ahead, so a loader's own
   state at a checkpoint would skip a batch on resume: the module's loader keeps the state after
@@ -79,12 +78,10 @@ class PackedDataModule(L.LightningDataModule):
                  log_metrics: bool = True) -> None:
         super().__init__()
         self.train_dataset = train_dataset
-        self.loader_kwargs = {
-            "num_workers": num_workers,
-            "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
-            "persistent_workers": persistent_workers if num_workers else False,
-            "prefetch_factor": prefetch_factor if num_workers else None,
-        }
+        self.loader_kwargs = {"num_workers": num_workers,
+                              "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
+                              "persistent_workers": persistent_workers if num_workers else False,
+                              "prefetch_factor": prefetch_factor if num_workers else None}
         self.log_metrics = log_metrics
         self.stream_metrics = StreamMetrics()
         self._loader: TrainedLoader | None = None

@@ -73,9 +73,8 @@ class StreamMetrics:
         return {f"{prefix}{k}": float(v) for k, v in totals.items()}
 
     def log_to(self, writer: Any, step: int, prefix: str = "streampack/", group: Any = None) -> None:
-        """Write :meth:`scalars` to ``writer``: anything with ``add_scalar(tag, value, step)``
-        (TensorBoard's ``SummaryWriter``), ``log_metrics(dict, step)`` (Lightning loggers) or
-        ``log(dict, step=step)`` (a W&B run)."""
+        """Write :meth:`scalars` to ``writer``: anything with ``add_scalar(tag, value, step)`` (TensorBoard's
+        ``SummaryWriter``), ``log_metrics(dict, step)`` (Lightning loggers) or ``log(dict, step=step)`` (a W&B run)."""
         values = self.scalars(prefix, group)
         if hasattr(writer, "add_scalar"):
             for tag, value in values.items():
@@ -109,7 +108,6 @@ def _all_reduce(totals: Mapping[str, float], group: Any) -> dict[str, float]:
     kinds: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(kinds, sorted(k for k in totals if k.startswith("events/")), group=group)
     keys = list(COUNTS) + sorted(set().union(*kinds))
-    values = torch.tensor([float(totals.get(k, 0)) for k in keys], dtype=torch.float64,
-                          device=collective_device(group))
+    values = torch.tensor([float(totals.get(k, 0)) for k in keys], dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(values, group=group)
     return _with_ratios(dict(zip(keys, values.tolist())))

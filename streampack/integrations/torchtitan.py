@@ -1,5 +1,4 @@
-"""torchtitan's data convention for packed batches, with document boundaries that are not
-guessed from EOS tokens.
+"""torchtitan's data convention for packed batches, with document boundaries that are not guessed from EOS tokens.
 
 torchtitan reads ``(input_dict, labels)`` (``input_dict["input"]`` ``[B, S]``, other keys passed to
 ``forward``, labels shifted with ``-100``). For ``attn_type="varlen"`` / ``"flex"`` its Llama models
@@ -35,13 +34,9 @@ def titan_collate(batch: PackedBatch) -> tuple[dict[str, Any], torch.Tensor]:
     labels = batch.labels
     if batch.ignore_index != HF_IGNORE_INDEX:
         labels = torch.where(labels == batch.ignore_index, HF_IGNORE_INDEX, labels)
-    inputs = {
-        "input": batch.input_ids.unsqueeze(0),
-        "positions": batch.position_ids.unsqueeze(0),
-        SPANS_KEY: batch.varlen_cu_seqlens,
-        MAX_KEY: batch.varlen_max_seqlen,
-        LAYOUT_KEY: torch.stack([batch.cu_seqlens, batch.cu_seqlens_padded]),
-    }
+    inputs = {"input": batch.input_ids.unsqueeze(0), "positions": batch.position_ids.unsqueeze(0),
+              SPANS_KEY: batch.varlen_cu_seqlens, MAX_KEY: batch.varlen_max_seqlen,
+              LAYOUT_KEY: torch.stack([batch.cu_seqlens, batch.cu_seqlens_padded])}
     return inputs, labels.unsqueeze(0)
 
 
@@ -91,10 +86,9 @@ def titan_dataloader(dataset: Any, *, dp_rank: int, dp_world_size: int, **kwargs
     resolved = (getattr(dataset, "dp_rank", None), getattr(dataset, "dp_size", None))
     if None not in resolved and resolved != (dp_rank, dp_world_size):
         raise ValueError(f"titan_dataloader({dp_rank=}, {dp_world_size=}) but the dataset resolved "
-                         f"dp_rank={resolved[0]}, dp_size={resolved[1]}: pass the data-parallel rank and size "
-                         f"of torchtitan's parallel_dims to the PackedDataset too (topology=TopologyOptions("
-                         f"dp_rank=..., dp_size=...) or TopologyOptions(dp_group=...)), or its data would be "
-                         f"another rank's")
+                         f"dp_rank={resolved[0]}, dp_size={resolved[1]}: pass the data-parallel rank and size of "
+                         "torchtitan's parallel_dims to the PackedDataset too (topology=TopologyOptions(dp_rank=..., "
+                         "dp_size=...) or TopologyOptions(dp_group=...)), or its data would be another rank's")
     from torchtitan.components.dataloader import ParallelAwareDataloader  # after the check: it takes ~10 s
 
     return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,

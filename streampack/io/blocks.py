@@ -36,16 +36,14 @@ def block_format(url: str) -> bool:
         return False
 
 
-def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions,
-                streams: list[BinaryIO], stats: IOStats | None = None,
-                chunk_bytes: int | None = None) -> Iterator[TokenBlock] | None:
+def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions, streams: list[BinaryIO],
+                stats: IOStats | None = None, chunk_bytes: int | None = None) -> Iterator[TokenBlock] | None:
     """The blocks of ``where`` in ``url``, or None when the format has no block reader or the decode
     options ask for more than token ids; streams opened are appended to ``streams`` (the caller closes them)."""
     if not block_format(url) or decode.media is not None or decode.labels_key or decode.loss_mask_key:
         return None
     if shard_format(url) == "tar":
-        return tar_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats,
-                          chunk_bytes=chunk_bytes)
+        return tar_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats, chunk_bytes=chunk_bytes)
     return parquet_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats)
 
 

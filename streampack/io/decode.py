@@ -4,11 +4,10 @@ Every value of a record (ids, text, labels, loss mask) is checked here, once; a 
 a :class:`~streampack.errors.DataError` naming shard, key and value. Token ids (and labels) must
 be below ``vocab_size`` (below 2**31 when it is not given).
 
-JSON nesting (``max_json_depth``) is bounded without slowing normal lines: a line with no more
-opening brackets than the limit cannot nest deeper; any other is parsed (CPython's json raises
-``RecursionError`` long before the C stack is at risk) and the parsed object measured. Only a
-process that raised the recursion limit past :data:`SAFE_RECURSION_LIMIT` gets the exact byte
-scan (:func:`json_depth`, ~1.5x ``json.loads``, ``benchmarks/bench_hostile.py``) before parsing.
+JSON nesting (``max_json_depth``) is bounded without slowing normal lines: a line with no more opening brackets than the
+limit cannot nest deeper; any other is parsed (CPython's json raises ``RecursionError`` long before the C stack is at
+risk) and the parsed object measured. Only a process that raised the recursion limit past :data:`SAFE_RECURSION_LIMIT`
+gets the exact byte scan (:func:`json_depth`, ~1.5x ``json.loads``, ``benchmarks/bench_hostile.py``) before parsing.
 """
 
 from __future__ import annotations
@@ -65,10 +64,8 @@ class Item:
     at_end: bool
 
 
-def make_sample(
-    *, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None,
-    vocab_size: int | None = None, images: tuple[Any, ...] = (),
-) -> Sample:
+def make_sample(*, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None,
+                vocab_size: int | None = None, images: tuple[Any, ...] = ()) -> Sample:
     """Validate raw fields into a :class:`Sample`; raises :class:`DataError`."""
     tok = txt = None
     if tokens is not None:
@@ -176,16 +173,10 @@ def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, k
     images: tuple[Any, ...] = ()
     if opts.media is not None:
         images = opts.media.record_media(record, opts.limits, url=url, key=key)
-    return make_sample(
-        images=images,
-        url=url,
-        key=key,
-        tokens=record.get(opts.tokens_key),
-        text=record.get(opts.text_key),
-        labels=record.get(opts.labels_key) if opts.labels_key else None,
-        loss_mask=record.get(opts.loss_mask_key) if opts.loss_mask_key else None,
-        vocab_size=opts.vocab_size,
-    )
+    return make_sample(images=images, url=url, key=key, tokens=record.get(opts.tokens_key),
+                       text=record.get(opts.text_key), labels=record.get(opts.labels_key) if opts.labels_key else None,
+                       loss_mask=record.get(opts.loss_mask_key) if opts.loss_mask_key else None,
+                       vocab_size=opts.vocab_size)
 
 
 def validate_tokens(value: Any, *, url: str, key: str, vocab_size: int | None = None) -> np.ndarray:
@@ -196,7 +187,8 @@ def validate_tokens(value: Any, *, url: str, key: str, vocab_size: int | None = 
         if arr.dtype.kind not in "iu":
             raise DataError("bad_dtype", f"token array has dtype {arr.dtype}", url=url, key=key, value=arr[:8].tolist())
         if arr.ndim != 1:
-            raise DataError("bad_dtype", f"token array has shape {arr.shape}, want [L]", url=url, key=key, value=arr.shape)
+            raise DataError("bad_dtype", f"token array has shape {arr.shape}, want [L]", url=url, key=key,
+                            value=arr.shape)
         if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
             raise DataError("bad_dtype", "token id overflows int64", url=url, key=key, value=int(arr.max()))
         arr = arr.astype(np.int64, copy=False)
@@ -222,7 +214,8 @@ def check_id_bound(ids: np.ndarray, vocab_size: int | None, *, what: str, url: s
     bound = id_bound(vocab_size)
     if ids.size and int(ids.max()) >= bound:
         bad = int(ids[np.argmax(ids >= bound)])
-        limit = f"vocab_size={vocab_size}" if vocab_size is not None else "2**31 (set vocab_size to check the real bound)"
+        limit = (f"vocab_size={vocab_size}" if vocab_size is not None
+                 else "2**31 (set vocab_size to check the real bound)")
         raise DataError("out_of_vocab_id", f"{what} {bad} is not below {limit}", url=url, key=key, value=bad)
 
 
@@ -266,7 +259,8 @@ def validate_per_token(value: Any, length: int | None, *, what: str, url: str, k
         kind = f"{arr.dtype}{list(arr.shape)}"
         raise DataError(reason, f"{what} must be a 1-D integer array, got {kind}", url=url, key=key, value=kind)
     if length is not None and arr.shape[0] != length:
-        raise DataError(reason, f"{what} has length {arr.shape[0]} != {length} tokens", url=url, key=key, value=arr.shape[0])
+        raise DataError(reason, f"{what} has length {arr.shape[0]} != {length} tokens", url=url, key=key,
+                        value=arr.shape[0])
     if what == "loss_mask":
         if arr.size and not np.isin(arr, (0, 1)).all():
             raise DataError(reason, "loss_mask values must be 0/1", url=url, key=key, value=arr[:8].tolist())

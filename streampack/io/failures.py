@@ -16,8 +16,10 @@ chain for an HTTP status first, then at the exception types:
 from __future__ import annotations
 
 import asyncio
+import datetime
 import sys
 from collections.abc import Mapping
+from email.utils import parsedate_to_datetime
 
 from streampack.errors import DataError
 from streampack.io.retry import REFUSED, Transient
@@ -32,7 +34,7 @@ class RedirectRefused(Exception):
 def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseException:
     """A read failure as :class:`Transient` (retry), ``DataError`` (give up at once), or
     ``exc`` itself (not an I/O failure: a bug, let it propagate)."""
-    if isinstance(exc, (DataError, Transient)):  # already judged (io.http, io.s3_read)
+    if isinstance(exc, (DataError, Transient)):  # already judged (io.http)
         return exc
     gone, denied = "missing_shard", "corrupt_shard" if local else "unreachable_url"
     if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
@@ -102,13 +104,20 @@ def _is_parse_error(exc: BaseException) -> bool:
 
 
 def _retry_after(exc: BaseException) -> float | None:
-    from streampack.io.http import retry_after
-
-    for e in _chain(exc):
-        headers = getattr(e, "headers", None)
-        if headers is not None and hasattr(headers, "get"):
-            return retry_after(headers)
-    return None
+    """Seconds the first ``Retry-After`` header in ``exc``'s chain asks to wait (a number or an HTTP date), if any."""
+    headers = next((e.headers for e in _chain(exc) if hasattr(getattr(e, "headers", None), "get")), None)
+    value = headers.get("Retry-After") if headers is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
 
 
 def _is_timeout(exc: BaseException) -> bool:

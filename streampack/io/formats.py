@@ -1,10 +1,9 @@
 """One shard range -> decoded items, whatever the format: the only place that knows formats.
 
-The reader node hands over *where* to read (:class:`ShardRange`: the position and number of the
-first sample, and where to stop) and gets :class:`~streampack.io.decode.Item` s back, each with
-the position of the sample after it, so it can resume anywhere without knowing how a format
-lays its samples out. A position is a byte offset (tar, jsonl; uncompressed bytes for
-``.gz`` / ``.zst``) or a row number (parquet).
+The reader node hands over *where* to read (:class:`ShardRange`: the position and number of the first sample, and where
+to stop) and gets :class:`~streampack.io.decode.Item` s back, each with the position of the sample after it, so it can
+resume anywhere without knowing how a format lays its samples out. A position is a byte offset (tar, jsonl; uncompressed
+bytes for ``.gz`` / ``.zst``) or a row number (parquet).
 """
 
 from __future__ import annotations

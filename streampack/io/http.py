@@ -1,4 +1,4 @@
-"""http(s) requests that check what comes back: one version of one object, exactly the bytes asked.
+"""http(s) and S3 requests that check what comes back: one version of one object, exactly the bytes asked.
 
 fsspec's ``HTTPFileSystem.cat_file`` drops the headers and reads the whole body whatever its
 length, and its ``info`` has no deadline. So streampack sends its own ``HEAD`` and ranged ``GET``
@@ -11,14 +11,17 @@ through the same filesystem's aiohttp session and checks each answer:
   ETag is compared from the headers only);
 - **a deadline for every request**, ``HEAD`` included (``OpenOptions.request_deadline``);
 - ``Retry-After`` of a 429 / 503 is handed to the retry policy.
+
+s3fs's ``cat_file`` likewise drops what the answer says about the object, so an overwritten key would splice two
+versions: :func:`s3_get_range` sends its ``GetObject`` through s3fs's own client with ``IfMatch`` set to the first
+answer's ETag and compares each answer's ``ETag`` and ``ContentRange`` total with the pin; a mismatch or 412 is
+``DataError("shard_changed")``.
 """
 
 from __future__ import annotations
 
-import datetime
 import re
 from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
 from typing import Any
 
 from streampack.errors import DataError
@@ -162,20 +165,50 @@ async def _body(r: Any, skip: int, want: int, url: str) -> bytes:
     return bytes(out)
 
 
-def retry_after(headers: Any) -> float | None:
-    """Seconds a ``Retry-After`` header asks to wait (a number or an HTTP date), if any."""
-    value = headers.get("Retry-After") if headers is not None else None
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+def s3_get_range(fs: Any, path: str, start: int, end: int, pin: Pin, deadline: float) -> bytes:
+    """Bytes ``[start, end)`` of the S3 object ``path`` of the version ``pin`` names."""
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, _s3_get, fs, path, start, end, pin, timeout=deadline)
 
 
-__all__ = ["CONTENT_RANGE", "Pin", "changed", "check_total", "check_version", "get_range", "head", "retry_after"]
+async def _s3_get(fs: Any, path: str, start: int, end: int, pin: Pin) -> bytes:
+    from s3fs.core import version_id_kw
+
+    bucket, key, version = fs.split_path(path)
+    extra = {"IfMatch": pin.etag} if pin.etag and not pin.etag.startswith("W/") else {}
+    try:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                 **version_id_kw(version), **extra)
+    except Exception as e:
+        if _precondition_failed(e):
+            raise changed(path, f"the store refused IfMatch {pin.etag} (HTTP 412)") from None
+        raise
+    body = resp["Body"]
+    try:
+        check_version({"ETag": resp.get("ETag")} if resp.get("ETag") else {}, f"s3://{path}", pin)
+        m = CONTENT_RANGE.fullmatch(resp.get("ContentRange") or "")
+        if m is not None:
+            check_total(m.group(3), f"s3://{path}", pin)
+        want = end - start
+        if resp.get("ContentLength", want) > want:
+            raise Transient("long_body", detail=f"body of {resp['ContentLength']} bytes for the {want} asked for")
+        data = bytearray()
+        while len(data) < want:  # a read returns what has arrived, up to its size
+            chunk = await body.read(want - len(data))
+            if not chunk:
+                break
+            data += chunk
+        return bytes(data)
+    finally:
+        body.close()
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    from streampack.io.failures import status_of
+
+    status, code = status_of(exc)
+    return status == 412 or code == "PreconditionFailed"
+
+
+__all__ = ["CONTENT_RANGE", "Pin", "changed", "check_total", "check_version", "get_range", "head", "s3_get_range"]

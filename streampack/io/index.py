@@ -1,10 +1,9 @@
 """Per-shard sample index: where each sample starts, its key and token length, built once.
 
-A reader needs it to split one shard between workers, and planners use ``lengths`` (-1 where
-unknown: text); resuming does not. The first process that needs an index builds it under a lock in
-``cache_dir``; the others wait, then load it. It is used only while its fingerprint (the shard's
-strict identity, ``tokens_key``, :func:`limits_key`, the version) matches. Planning uses the data
-set's manifest instead (:mod:`streampack.io.manifest`).
+A reader needs it to split one shard between workers, and planners use ``lengths`` (-1 where unknown: text); resuming
+does not. The first process that needs an index builds it under a lock in ``cache_dir``; the others wait, then load it.
+It is used only while its fingerprint (the shard's strict identity, ``tokens_key``, :func:`limits_key`, the version)
+matches. Planning uses the data set's manifest instead (:mod:`streampack.io.manifest`).
 
 **Cost per shard** (:func:`load_or_build_index`): 1 stat / HEAD + 1 read of the index file, unless
 it is one of the :data:`_MEMO_SIZE` = 4 used last; a miss adds one scan (tar: headers only, remote
@@ -46,7 +45,7 @@ from streampack.io.open import open_shard
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote, local_path
 from streampack.io.tar import TarRegion, group_length, iter_tar_units, split_key
-from streampack.io.tar_sparse import open_sparse
+from streampack.io.tar_sparse import SparseStream
 from streampack.io.urls import shard_format
 
 INDEX_VERSION = 4
@@ -205,7 +204,8 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
     # a shard within one block is one request read whole: ranged reads cannot beat that
     sparse = fmt == "tar" and is_remote(url) and size is not None and (
         ranged == "always" or (ranged == "auto" and size > opts.block_size))
-    with (open_sparse(url, size, opts, stats, ranged) if sparse else open_shard(url, 0, opts=opts, stats=stats)) as raw:
+    raw = SparseStream(url, size, opts, stats, mode=ranged) if sparse else open_shard(url, 0, opts=opts, stats=stats)
+    with raw:
         if fmt == "parquet":
             lengths = (parquet.token_lengths(raw, decode, url) if lengths
                        else np.full(int(parquet.row_counts(raw, url).sum()), -1, np.int32))
@@ -318,9 +318,8 @@ def decode_index(data: Any) -> ShardIndex:
     n = int(data["n"])
     return ShardIndex(url=str(data["url"]), fingerprint=str(data["fingerprint"]),
                       offsets=data["offsets"] if "offsets" in data else np.arange(n, dtype=np.int64),
-                      lengths=data["lengths"] if "lengths" in data else np.full(n, -1, np.int32),
-                      end=int(data["end"]), damage=str(data["damage"]),
-                      number_array=data["numbers"] if "numbers" in data else None,
+                      lengths=data["lengths"] if "lengths" in data else np.full(n, -1, np.int32), end=int(data["end"]),
+                      damage=str(data["damage"]), number_array=data["numbers"] if "numbers" in data else None,
                       key_blob=data["key_blob"].tobytes() if "key_blob" in data else b"",
                       key_ends=data["key_ends"] if "key_ends" in data else None)
 

@@ -1,10 +1,9 @@
 """Where shard index files live and how they are written: one compressed ``.npz`` per shard in
 the cache directory (local or any fsspec URL), replaced atomically, built under a lock.
 
-The lock is ``fcntl.flock`` on ``<index file>.lock``; a remote cache directory is used without
-one (objects are replaced atomically). A local directory that cannot be written is said once per
-process and the index used uncached; a filesystem without ``flock`` builds without the lock.
-Files are created ``0666 & ~umask``, so a team can share a cache.
+The lock is ``fcntl.flock`` on ``<index file>.lock``; a remote cache directory is used without one (objects are replaced
+atomically). A local directory that cannot be written is said once per process and the index used uncached; a filesystem
+without ``flock`` builds without the lock. Files are created ``0666 & ~umask``, so a team can share a cache.
 """
 
 from __future__ import annotations

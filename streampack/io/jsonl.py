@@ -113,9 +113,8 @@ def _require_ids_or_text(record: dict[str, Any], opts: DecodeOptions, *, url: st
                         f"(fields: {fields}); set tokens_key= / text_key=", url=url, key=key)
 
 
-def iter_jsonl_items(
-    f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, first_index: int, end: int | None
-) -> Iterator[Item]:
+def iter_jsonl_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, first_index: int,
+                     end: int | None) -> Iterator[Item]:
     """Decoded samples of one shard range; a bad line becomes an ``Item`` with ``error`` set."""
     reached, number = start, first_index
     limit = opts.limits.max_line_bytes

@@ -1,10 +1,9 @@
 """Which sample keys a reader has seen in a shard range, in about 10 bytes per key.
 
-Keys are hashed to 63 bits (:func:`key_hash`, the same in every process; a collision has
-probability ~n^2 / 2^64). The newest hashes sit in a ``set``; older ones are merged into a sorted
-``int64`` array behind a one-hash Bloom filter, so only ~12% of lookups binary-search: ~1-3 us
-per insert, 24 bytes per key at a merge's peak, where a ``set`` of strings takes ~100
-(``benchmarks/bench_hostile.py``).
+Keys are hashed to 63 bits (:func:`key_hash`, the same in every process; a collision has probability ~n^2 / 2^64). The
+newest hashes sit in a ``set``; older ones are merged into a sorted ``int64`` array behind a one-hash Bloom filter, so
+only ~12% of lookups binary-search: ~1-3 us per insert, 24 bytes per key at a merge's peak, where a ``set`` of strings
+takes ~100 (``benchmarks/bench_hostile.py``).
 """
 
 from __future__ import annotations

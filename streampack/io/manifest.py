@@ -10,13 +10,12 @@ Planning an epoch needs only the per-shard totals; a reader then fetches the sam
 shards it reads and of the few its boundaries fall in. The manifest is also the shards' identity
 for resume checks, so a start makes no per-shard HEAD: a changed shard is found when it is opened.
 
-**Cost per reader** (N shards, G readers, T samples): 1 request per rank to load the manifest
-(workers get it with the dataset), ``≈ 122 B × N`` held per process and ``≈ 420 B × N`` at the
-load's peak (``benchmarks/bench_manifest_memory.py``); O(N/G + 4) requests and O(T/G) memory for
-the sample indexes. A resume compares :meth:`Manifest.fingerprint` (O(N) CPU once per process,
-0.46 µs × N, ``benchmarks/bench_resume_check.py``) and reads the copy kept under
-``history/<fingerprint>`` only to name the changed shards when it refuses. The file is
-``≈ 70 B × N``, loaded in ``≈ 3.6 µs × N`` (``benchmarks/bench_index.py``).
+**Cost per reader** (N shards, G readers, T samples): 1 request per rank to load the manifest (workers get it with the
+dataset), ``≈ 122 B × N`` held per process and ``≈ 420 B × N`` at the load's peak
+(``benchmarks/bench_manifest_memory.py``); O(N/G + 4) requests and O(T/G) memory for the sample indexes. A resume
+compares :meth:`Manifest.fingerprint` (O(N) CPU once per process, 0.46 µs × N, ``benchmarks/bench_resume_check.py``) and
+reads the copy kept under ``history/<fingerprint>`` only to name the changed shards when it refuses. The file is ``≈ 70
+B × N``, loaded in ``≈ 3.6 µs × N`` (``benchmarks/bench_index.py``).
 """
 
 from __future__ import annotations
@@ -151,10 +150,9 @@ class Manifest:
         def col(name: str) -> np.ndarray:
             return np.asarray([getattr(t, name) for t in totals], dtype=np.int64).reshape(-1)
 
-        return cls(location=location, tokens_key=tokens_key, urls=tuple(t.url for t in totals),
-                   sizes=col("size"), tags=tuple(t.tag for t in totals), samples=col("samples"),
-                   tokens=col("tokens"), byte_costs=col("byte_cost"), digests=tuple(t.digest for t in totals),
-                   limits=limits)
+        return cls(location=location, tokens_key=tokens_key, urls=tuple(t.url for t in totals), sizes=col("size"),
+                   tags=tuple(t.tag for t in totals), samples=col("samples"), tokens=col("tokens"),
+                   byte_costs=col("byte_cost"), digests=tuple(t.digest for t in totals), limits=limits)
 
     def known_lengths(self) -> bool:
         """Whether every sample's token count is known (what counting batches needs)."""
@@ -197,7 +195,8 @@ class Manifest:
         size, and tag (``"tag"``), digest (``"digest"``) or both (``"all"``: the history copy's key).
         Equal fingerprints mean every position saved under the other manifest is still right. O(N) CPU."""
         if mode not in self._prints:
-            parts = ["counts", "sizes", *{"tag": ["tags"], "digest": ["digests"], "all": ["tags", "digests"]}.get(mode, [])]
+            per_mode = {"tag": ["tags"], "digest": ["digests"], "all": ["tags", "digests"]}
+            parts = ["counts", "sizes", *per_mode.get(mode, [])]
             self._prints[mode] = hashlib.sha1("|".join([mode, str(len(self.urls)), *map(self._part, parts)])
                                               .encode()).hexdigest()[:16]
         return self._prints[mode]
@@ -275,8 +274,7 @@ def build_entry(url: str, location: str, decode: DecodeOptions, opts: OpenOption
     path = cache_path(url, _join(location, SHARDS_DIR))
     index = cached_index(path, fp, opts)
     if index is None:
-        index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats, size=ident.size,
-                            ranged=ranged)
+        index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats, size=ident.size, ranged=ranged)
         if not save_arrays(path, encode_index(index), opts):
             raise OSError(f"cannot write the index of {url!r} to {path!r}")
     return ShardTotals.of(index, ident, shard_identity.shard_digest(url, ident.size, opts, stats))

@@ -1,10 +1,9 @@
 """The manifest file's columns: string columns held as bytes, and every field checked on load.
 
-A manifest is input like any shard: :func:`checked_fields` refuses a truncated, hand-edited or
-foreign file with one ``ValueError`` naming the file and the field. In memory it is four int64
-columns and three :class:`StringColumn` (URL, tag, digest) that keep per shard only the bytes not
-shared with every other string's start and end plus a 4-byte offset: 122 B per shard where a
-``str`` per shard and column costs 339 B (``benchmarks/bench_manifest_memory.py``).
+A manifest is input like any shard: :func:`checked_fields` refuses a truncated, hand-edited or foreign file with one
+``ValueError`` naming the file and the field. In memory it is four int64 columns and three :class:`StringColumn` (URL,
+tag, digest) that keep per shard only the bytes not shared with every other string's start and end plus a 4-byte offset:
+122 B per shard where a ``str`` per shard and column costs 339 B (``benchmarks/bench_manifest_memory.py``).
 """
 
 from __future__ import annotations
@@ -198,8 +197,7 @@ def checked_fields(path: str, data: Mapping[str, np.ndarray], version: int) -> d
         out[name] = _ints(field(name), n, least, bad, name)
     for name, ends_name in STRING_COLUMNS.items():
         # digests may be absent as a whole (zero strings), never for some shards only
-        out[name] = _strings(field(name), field(ends_name), n, bad, name, ends_name,
-                             optional=name == "digests")
+        out[name] = _strings(field(name), field(ends_name), n, bad, name, ends_name, optional=name == "digests")
     empty = np.flatnonzero(np.diff(data["url_ends"].astype(np.int64), prepend=0) == 0)
     if len(empty):
         raise bad("urls", f"holds an empty URL at entry {int(empty[0])}")

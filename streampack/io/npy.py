@@ -1,9 +1,8 @@
 """``.npy`` tar members -> arrays, without trusting the header.
 
-``np.load`` allocates whatever shape a header declares (``(10**12,)``: a ``MemoryError``) and
-object arrays unpickle. Here the header is parsed with numpy's safe reader (a 10 KB cap), object
-dtypes are refused, and the declared size must equal the member's bytes before any array exists;
-the array is a zero-copy view of the member.
+``np.load`` allocates whatever shape a header declares (``(10**12,)``: a ``MemoryError``) and object arrays unpickle.
+Here the header is parsed with numpy's safe reader (a 10 KB cap), object dtypes are refused, and the declared size must
+equal the member's bytes before any array exists; the array is a zero-copy view of the member.
 """
 
 from __future__ import annotations
@@ -65,7 +64,8 @@ def decode_npy(data: bytes, *, member: str, url: str, key: str) -> np.ndarray:
                         f"({max(count, 0) * dtype.itemsize} bytes) but holds {len(data) - offset}",
                         url=url, key=key, value=shape)
     try:
-        return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape, order="F" if fortran else "C")
+        flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+        return flat.reshape(shape, order="F" if fortran else "C")
     except (ValueError, TypeError) as e:
         raise DataError("bad_npy", f"member {member!r}: {e}", url=url, key=key, value=shape) from None
 

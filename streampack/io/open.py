@@ -20,9 +20,8 @@ from typing import Any, BinaryIO
 
 from streampack.errors import DataError
 from streampack.io.failures import classify
-from streampack.io.http import Pin, get_range
+from streampack.io.http import Pin, get_range, s3_get_range
 from streampack.io.retry import IOStats, Transient, with_retries
-from streampack.io.s3_read import s3_get_range
 from streampack.io.storage import OpenOptions, deadline, filesystem, is_http, is_remote, local_path, protocol_of, stat
 
 _DISCARD_CHUNK = 1 << 20
@@ -293,12 +292,15 @@ def _open_pipe(url: str, offset: int, opts: OpenOptions) -> BinaryIO:
     return proc.stdout  # type: ignore[return-value]
 
 
-def skip_bytes(f: BinaryIO, n: int, url: str) -> None:
-    """Read and drop ``n`` bytes of a stream that cannot seek (a pipe, a decompressor)."""
+def skip_bytes(f: BinaryIO, n: int, url: str, why: str = "stream ended before the resume offset",
+               at: int | None = None) -> None:
+    """Read and drop ``n`` bytes of a stream that cannot seek (a pipe, a decompressor, a tar member's data), in 1 MiB
+    chunks (a declared size may be absurd); a short stream raises ``DataError("corrupt_shard", why)`` whose value is
+    ``at``, or the bytes still missing."""
     while n > 0:
         chunk = f.read(min(n, _DISCARD_CHUNK))
         if not chunk:
-            raise DataError("corrupt_shard", "stream ended before the resume offset", url=url, value=n)
+            raise DataError("corrupt_shard", why, url=url, value=n if at is None else at)
         n -= len(chunk)
 
 

@@ -102,15 +102,13 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
                          f"this streampack reads version={FORMAT_VERSION}")
     known = {"format", "version", "capacity", "align", "cp_size", "tp_size", "algorithm", "seed",
              "shards", "pack_lengths", "pack_docs", "fields", "metrics"}
-    return Manifest(
-        root=str(mpath.parent), capacity=int(raw["capacity"]), align=int(raw["align"]),
-        cp_size=int(raw["cp_size"]), tp_size=int(raw["tp_size"]), algorithm=str(raw["algorithm"]),
-        seed=int(raw["seed"]),
-        shards=tuple(PackedShard(name=s["name"], offsets=tuple(s["offsets"])) for s in raw["shards"]),
-        pack_lengths=tuple(raw["pack_lengths"]), pack_docs=tuple(raw["pack_docs"]),
-        fields=tuple(raw["fields"]), metrics=dict(raw.get("metrics", {})),
-        extra={k: v for k, v in raw.items() if k not in known},
-    )
+    return Manifest(root=str(mpath.parent), capacity=int(raw["capacity"]), align=int(raw["align"]),
+                    cp_size=int(raw["cp_size"]), tp_size=int(raw["tp_size"]), algorithm=str(raw["algorithm"]),
+                    seed=int(raw["seed"]),
+                    shards=tuple(PackedShard(name=s["name"], offsets=tuple(s["offsets"])) for s in raw["shards"]),
+                    pack_lengths=tuple(raw["pack_lengths"]), pack_docs=tuple(raw["pack_docs"]),
+                    fields=tuple(raw["fields"]), metrics=dict(raw.get("metrics", {})),
+                    extra={k: v for k, v in raw.items() if k not in known})
 
 
 def resolve_packed(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> tuple[Path, list[str] | None]:
@@ -192,12 +190,10 @@ def decode_pack(members: dict[str, bytes], *, url: str) -> list[Sample]:
                          f"doc_lengths sum {int(lengths.sum())}, {len(keys)} keys for {len(lengths)} docs")
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     return [
-        Sample(key=keys[i], tokens=tokens[s:e],
-               labels=None if labels is None else labels[s:e].astype(np.int64),
+        Sample(key=keys[i], tokens=tokens[s:e], labels=None if labels is None else labels[s:e].astype(np.int64),
                loss_mask=None if mask is None else mask[s:e].astype(bool))
         for i, (s, e) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
     ]
 
 
-__all__ = ["MANIFEST_NAME", "Manifest", "PackedShard", "decode_pack",
-           "is_packed_dataset", "read_manifest", "read_pack"]
+__all__ = ["MANIFEST_NAME", "Manifest", "PackedShard", "decode_pack", "is_packed_dataset", "read_manifest", "read_pack"]

@@ -40,14 +40,11 @@ def _token_dtype(docs: Sequence[Sample]) -> type:
     return np.int32 if top <= np.iinfo(np.int32).max else np.int64
 
 
-def pack_members(pack: Sequence[Sample], *, token_dtype: type, with_labels: bool,
-                 with_mask: bool) -> dict[str, bytes]:
+def pack_members(pack: Sequence[Sample], *, token_dtype: type, with_labels: bool, with_mask: bool) -> dict[str, bytes]:
     """The tar fields of one pack: concatenated arrays plus per-document lengths and keys."""
-    members = {
-        "input_ids.npy": _npy(np.concatenate([d.tokens for d in pack]).astype(token_dtype)),
-        "doc_lengths.npy": _npy(np.asarray([len(d) for d in pack], dtype=np.int32)),
-        "keys.json": json.dumps([d.doc_key for d in pack]).encode(),
-    }
+    members = {"input_ids.npy": _npy(np.concatenate([d.tokens for d in pack]).astype(token_dtype)),
+               "doc_lengths.npy": _npy(np.asarray([len(d) for d in pack], dtype=np.int32)),
+               "keys.json": json.dumps([d.doc_key for d in pack]).encode()}
     if with_labels:  # a document without its own labels is supervised on its tokens
         members["labels.npy"] = _npy(np.concatenate(
             [d.tokens if d.labels is None else d.labels for d in pack]).astype(np.int64))
@@ -98,13 +95,11 @@ def write_packed_dataset(docs: Sequence[Sample], bins: Sequence[np.ndarray], out
         shards.append({"name": name, "offsets": offsets})
         if progress is not None:
             progress(len(offsets))
-    manifest = {
-        "format": FORMAT, "version": FORMAT_VERSION, "capacity": capacity, "align": align,
-        "cp_size": cp_size, "tp_size": tp_size, "algorithm": algorithm, "seed": seed,
-        "num_packs": len(bins), "num_docs": int(sum(pack_docs)), "num_tokens": int(sum(pack_lengths)),
-        "fields": fields, "metrics": metrics or {}, **(extra or {}),
-        "pack_lengths": pack_lengths, "pack_docs": pack_docs, "shards": shards,
-    }
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "capacity": capacity, "align": align, "cp_size": cp_size,
+                "tp_size": tp_size, "algorithm": algorithm, "seed": seed, "num_packs": len(bins),
+                "num_docs": int(sum(pack_docs)), "num_tokens": int(sum(pack_lengths)), "fields": fields,
+                "metrics": metrics or {}, **(extra or {}), "pack_lengths": pack_lengths, "pack_docs": pack_docs,
+                "shards": shards}
     written = {s["name"] for s in shards}
     for stale in out.glob("packed-*.tar"):  # shards of an earlier, larger packing of this folder
         if stale.name not in written:

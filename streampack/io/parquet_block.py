@@ -1,11 +1,10 @@
 """Parquet shards with an integer-list token column, read as :class:`~streampack.io.token_block.TokenBlock` s.
 
-One read per row group of the token column alone; the list offsets and values are taken
-zero-copy, so a block is the row group's value buffer with each row a ``(start, length)`` in it.
-A block holds only rows the per-sample reader (:mod:`streampack.io.parquet`) turns into valid
-samples with nothing to report (only the token column, within ``max_sample_bytes``, no null or
-empty row, ids in range); at the first row group that is not, the blocks end and that reader
-reads on from that row.
+One read per row group of the token column alone; the list offsets and values are taken zero-copy, so a block is the row
+group's value buffer with each row a ``(start, length)`` in it. A block holds only rows the per-sample reader
+(:mod:`streampack.io.parquet`) turns into valid samples with nothing to report (only the token column, within
+``max_sample_bytes``, no null or empty row, ids in range); at the first row group that is not, the blocks end and that
+reader reads on from that row.
 """
 
 from __future__ import annotations

@@ -274,9 +274,8 @@ class _Judge:
                          key=group.key, value=group.offset)
 
 
-def iter_tar_units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable[[str], int],
-                   seekable: bool, limits: Limits,
-                   reopen: Callable[[int, int | None], BinaryIO] | None = None) -> Iterator[Unit]:
+def iter_tar_units(f: BinaryIO, *, url: str, start: int, end: int | None, want: Callable[[str], int], seekable: bool,
+                   limits: Limits, reopen: Callable[[int, int | None], BinaryIO] | None = None) -> Iterator[Unit]:
     """Judged sample groups and corrupt regions of ``[start, end)``. With ``reopen(a, b)`` a range that
     ends inside the shard looks past ``end``: ``f`` must then hold one more block after it."""
     peek = None if end is None or reopen is None else _Peek(f, reopen, at=end, url=url, want=want,

@@ -1,14 +1,13 @@
 """webdataset tar shards of ``.npy`` token members, read as :class:`~streampack.io.token_block.TokenBlock` s.
 
-One read of a byte range (at most ``CHUNK_BYTES`` at a time); a loop follows the header chain by
-declared sizes (~0.4 µs a header) and every header, pax record, name, ``.npy`` header and id is
-checked as columns (:mod:`streampack.io.tar_columns`). The block's token array is a view of the
-read buffer. A block accepts exactly what the per-sample reader (:mod:`streampack.io.tar`) turns
-into valid samples with nothing to report, in the shape webdataset's ``TarWriter`` writes (one
-``<key>.npy`` member per sample behind an optional ``mtime`` pax header); anything else ends the
-blocks before its sample and the per-sample reader reads from there. ~6 µs a document, where the
-per-sample reader takes 60-100 µs (``benchmarks/bench_loaders.py``). A bad sample hands the rest
-of its chunk to the per-sample reader: exact, but slow for such shards.
+One read of a byte range (at most ``CHUNK_BYTES`` at a time); a loop follows the header chain by declared sizes (~0.4 µs
+a header) and every header, pax record, name, ``.npy`` header and id is checked as columns
+(:mod:`streampack.io.tar_columns`). The block's token array is a view of the read buffer. A block accepts exactly what
+the per-sample reader (:mod:`streampack.io.tar`) turns into valid samples with nothing to report, in the shape
+webdataset's ``TarWriter`` writes (one ``<key>.npy`` member per sample behind an optional ``mtime`` pax header);
+anything else ends the blocks before its sample and the per-sample reader reads from there. ~6 µs a document, where the
+per-sample reader takes 60-100 µs (``benchmarks/bench_loaders.py``). A bad sample hands the rest of its chunk to the
+per-sample reader: exact, but slow for such shards.
 """
 
 from __future__ import annotations
@@ -40,15 +39,13 @@ _ZERO = bytes(BLOCK)
 
 def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions, streams: list[BinaryIO],
                stats: IOStats | None = None, chunk_bytes: int | None = None) -> Iterator[TokenBlock]:
-    """The blocks of ``where`` (see the module docstring); ends early, without a ``done`` block,
-    where the per-sample reader must take over (a read failure included: it retries and
-    reports it itself)."""
+    """The blocks of ``where`` (see the module docstring); ends early, without a ``done`` block, where the per-sample
+    reader must take over (a read failure included: it retries and reports it itself)."""
     size = chunk_bytes or CHUNK_BYTES
     end = where.end
     if end is not None and (end - where.start) % BLOCK:
         return
-    # one block past a range's end, as the per-sample reader opens it: the header there
-    # judges the range's last sample
+    # one block past a range's end, as the per-sample reader opens it: the header there judges the range's last sample
     stop = None if end is None else end + BLOCK
     try:
         f, known = _open(url, where.start, stop, opts, stats)
@@ -142,11 +139,10 @@ def _open(url: str, start: int, stop: int | None, opts: OpenOptions,
 def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool, url: str,
               tokens_key: str = "input_ids", limits: Limits = Limits(), bound: int = 2**31,
               after: Callable[[bytes], bool] | None = None) -> tuple[TokenBlock, int, np.ndarray] | None:
-    """The whole plain samples at the start of ``buf`` (bytes of the shard from header offset
-    ``base``, sample number ``first``; ``final``: nothing follows ``buf`` in the stream), the
-    bytes they take and their member names (uint8 ``[n, 100]``); None where the per-sample reader
-    must read. ``after(field)`` judges a range's last sample when the header past ``end`` is an
-    extension header (see :func:`_intact_after`); without it such a range is not taken."""
+    """The whole plain samples at the start of ``buf`` (bytes of the shard from header offset ``base``, sample number
+    ``first``; ``final``: nothing follows ``buf`` in the stream), the bytes they take and their member names (uint8
+    ``[n, 100]``); None where the per-sample reader must read. ``after(field)`` judges a range's last sample when the
+    header past ``end`` is an extension header (see :func:`_intact_after`); without it such a range is not taken."""
     n = len(buf) - len(buf) % BLOCK
     stop = None if end is None else end - base
     heads, sizes, p = _chain(buf, n if stop is None else min(n, stop))

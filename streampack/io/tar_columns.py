@@ -37,9 +37,8 @@ def _fields(fields: np.ndarray, digits: int) -> tuple[np.ndarray, bool]:
 
 
 def _octal(fields: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Numeric tar fields (uint8 ``[k, w]``) as ``tar_header._number`` reads them: octal digits
-    in one run between blanks (space or NUL), empty = 0; anything else is not ok (base-256,
-    8 or 9, a sign, a blank between digits)."""
+    """Numeric tar fields (uint8 ``[k, w]``) as ``tar_header._number`` reads them: octal digits in one run between
+    blanks (space or NUL), empty = 0; anything else is not ok (base-256, 8 or 9, a sign, a blank between digits)."""
     digit = (fields >= 48) & (fields <= 55)
     ok = (digit | (fields == 32) | (fields == 0)).all(1)
     runs = digit.copy()
@@ -182,11 +181,11 @@ def distinct_rows(names: np.ndarray) -> bool:
     return not (ordered[1:] == ordered[:-1]).any()
 
 
-def npy_members(first: np.ndarray, data: np.ndarray, msize: np.ndarray) -> tuple[np.dtype, np.ndarray, np.ndarray] | None:
-    """The token dtype and each document's element start and length, when every member (its
-    first data block ``first``, uint8 ``[n, 512]``, at byte ``data``) is a 1-D native-order
-    integer ``.npy`` in numpy's own header form (what ``npy._fast_npy`` reads), with the header
-    in that block, of exactly its member's size."""
+def npy_members(first: np.ndarray, data: np.ndarray,
+                msize: np.ndarray) -> tuple[np.dtype, np.ndarray, np.ndarray] | None:
+    """The token dtype and each document's element start and length, when every member (its first data block ``first``,
+    uint8 ``[n, 512]``, at byte ``data``) is a 1-D native-order integer ``.npy`` in numpy's own header form (what
+    ``npy._fast_npy`` reads), with the header in that block, of exactly its member's size."""
     if (msize < 16).any():
         return None
     head = first[:, :12]

@@ -1,9 +1,8 @@
 """One tar sample's members -> a validated :class:`~streampack.sample.Sample`.
 
-Fields: ``npy`` or ``<tokens_key>.npy`` (ids), ``json`` (a record), ``txt``, ``labels.npy``,
-``loss_mask.npy``, and pickle members (refused unless ``allow_pickle=True``: ``pickle_refused``).
-Tokens win over text; each of tokens, text, labels and loss mask must come from one member, else
-``conflicting_fields``.
+Fields: ``npy`` or ``<tokens_key>.npy`` (ids), ``json`` (a record), ``txt``, ``labels.npy``, ``loss_mask.npy``, and
+pickle members (refused unless ``allow_pickle=True``: ``pickle_refused``). Tokens win over text; each of tokens, text,
+labels and loss mask must come from one member, else ``conflicting_fields``.
 """
 
 from __future__ import annotations
@@ -27,7 +26,8 @@ def decoder_want(opts: DecodeOptions) -> Callable[[str], int]:
 
     def want(name: str) -> int:
         field = name.rsplit("/", 1)[-1].partition(".")[2]
-        if field in used or (opts.media is not None and opts.media.is_image_field(field)) or (opts.allow_pickle and field.rsplit(".", 1)[-1] in PICKLE_EXTS):
+        if (field in used or (opts.media is not None and opts.media.is_image_field(field))
+                or (opts.allow_pickle and field.rsplit(".", 1)[-1] in PICKLE_EXTS)):
             return -1
         return 0
 
@@ -81,8 +81,7 @@ class _Sources:
                  key: str) -> None:
         self.fields, self.records, self.url, self.key = fields, records, url, key
 
-    def one(self, what: str, *, npy: tuple[str, ...] = (), raw: tuple[str, ...] = (),
-            name: str | None = None) -> Any:
+    def one(self, what: str, *, npy: tuple[str, ...] = (), raw: tuple[str, ...] = (), name: str | None = None) -> Any:
         found = [m for m in npy if m in self.fields]
         if raw:
             found += [m for m in raw if m in self.fields]

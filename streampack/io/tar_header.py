@@ -1,9 +1,8 @@
 """One tar header block -> its fields, strictly: what is not a valid header says so.
 
-``tarfile`` is lenient where a streaming reader of untrusted shards cannot be: ``int()``
-accepts ``"-1"``, ``"+7"`` and ``"1_0"`` in a size field, and its pax parser raises bare
-``ValueError``s (or, for a record of length 0, loops forever in older readers). Every problem
-here is an :class:`Unreadable` that the stream turns into a corrupt region.
+``tarfile`` is lenient where a streaming reader of untrusted shards cannot be: ``int()`` accepts ``"-1"``, ``"+7"`` and
+``"1_0"`` in a size field, and its pax parser raises bare ``ValueError``s (or, for a record of length 0, loops forever
+in older readers). Every problem here is an :class:`Unreadable` that the stream turns into a corrupt region.
 """
 
 from __future__ import annotations

@@ -83,8 +83,4 @@ class SparseStream(SeekableRaw):
         self.fetches += 1
 
 
-def open_sparse(url: str, size: int, opts: OpenOptions, stats: IOStats | None, mode: str = "auto") -> BinaryIO:
-    return SparseStream(url, size, opts, stats, mode=mode)  # type: ignore[return-value]
-
-
-__all__ = ["BLOCK", "MIN_GAP", "PROBE", "RANGED_MODES", "SparseStream", "open_sparse"]
+__all__ = ["BLOCK", "MIN_GAP", "PROBE", "RANGED_MODES", "SparseStream"]

@@ -1,9 +1,8 @@
 """Tar members from a byte stream: every header verified, every declared size bounded, and a
 corrupt header skipped to the next readable one.
 
-Not ``tarfile``: its stream mode treats a header cut short as a clean end (a truncated shard would
-silently lose its tail) and reads whatever size a header declares; resuming also needs each
-header's exact offset. Damage:
+Not ``tarfile``: its stream mode treats a header cut short as a clean end (a truncated shard would silently lose its
+tail) and reads whatever size a header declares; resuming also needs each header's exact offset. Damage:
 
 - a header that is not one (bad checksum, non-octal fields) starts a :class:`CorruptRegion`,
   scanned forward to the next valid ``ustar`` header, as GNU tar does; a malformed pax record or
@@ -21,12 +20,12 @@ from typing import BinaryIO
 
 from streampack.errors import DataError
 from streampack.io.limits import MAX_EXTENSION_BYTES
+from streampack.io.open import skip_bytes
 from streampack.io.tar_header import BLOCK, MAX_DECLARED, Unreadable, is_header, parse_header, parse_pax
 
 ZERO_BLOCK = bytes(BLOCK)
 REGULAR = (b"0", b"\0", b"7")
 EXTENSIONS = (b"L", b"K", b"x", b"g")
-_DISCARD = 1 << 20
 
 
 @dataclass(slots=True)
@@ -104,11 +103,7 @@ class _Reader:
         if self.seekable:  # past the end is found by the next header read
             self.f.seek(n, io.SEEK_CUR)
             return
-        while n > 0:  # in bounded chunks: a declared size may be absurd
-            chunk = self.f.read(min(n, _DISCARD))
-            if not chunk:
-                raise DataError("corrupt_shard", "truncated tar member data", url=self.url, value=at)
-            n -= len(chunk)
+        skip_bytes(self.f, n, self.url, "truncated tar member data", at=at)
 
     def header(self, pos: int, block: bytes | None) -> _Header | None:
         """The member header at ``pos`` with its extension headers applied; None at the end."""
@@ -164,7 +159,8 @@ class _Reader:
         while self.end is None or pos < self.end:
             block = self.read(BLOCK)
             if len(block) < BLOCK:
-                what = f"truncated data of member {bad.name!r}" if bad.name else f"{bad.detail}; no readable tar header after it"
+                what = (f"truncated data of member {bad.name!r}" if bad.name
+                        else f"{bad.detail}; no readable tar header after it")
                 raise DataError("corrupt_shard", what, url=self.url, value=bad.first,
                                 skipped_bytes=pos + len(block) - bad.first)
             if is_header(block):

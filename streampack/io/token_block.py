@@ -16,9 +16,8 @@ from streampack.sample import Sample
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class TokenBlock:
-    """``n`` consecutive documents of one shard range: document ``i`` is ``tokens[starts[i]:starts[i] +
-    lengths[i]]``, sample ``numbers[i]`` at ``offsets[i]``, followed by ``next_offsets[i]`` /
-    ``next_numbers[i]``."""
+    """``n`` consecutive documents of one shard range: document ``i`` is ``tokens[starts[i]:starts[i] + lengths[i]]``,
+    sample ``numbers[i]`` at ``offsets[i]``, followed by ``next_offsets[i]`` / ``next_numbers[i]``."""
 
     url: str
     tokens: np.ndarray

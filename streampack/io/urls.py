@@ -1,11 +1,10 @@
 """Shard URLs: what a user may write in ``urls`` and what it expands to.
 
 Each item is a local path, a directory (its shard files, sorted, recursive), a brace pattern
-(``train-{000000..000999}.tar``, via ``braceexpand``), a glob, or a URL of any fsspec filesystem:
-one naming a shard is kept, one ending in ``/`` or without a shard suffix is a prefix, one with
-``*`` / ``[`` a glob. A ``pipe:`` command only when allowed. Expansion runs once per dataset; a
-pattern that matches nothing raises. :func:`missing_local` stats every local shard once (~5 us
-each) so a missing one is named when the dataset is built; remote shards are not stat'ed.
+(``train-{000000..000999}.tar``, via ``braceexpand``), a glob, or a URL of any fsspec filesystem: one naming a shard is
+kept, one ending in ``/`` or without a shard suffix is a prefix, one with ``*`` / ``[`` a glob. A ``pipe:`` command only
+when allowed. Expansion runs once per dataset; a pattern that matches nothing raises. :func:`missing_local` stats every
+local shard once (~5 us each) so a missing one is named when the dataset is built; remote shards are not stat'ed.
 """
 
 from __future__ import annotations
@@ -79,7 +78,8 @@ def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         item = os.fspath(item)
         if item.startswith("pipe:"):
             if not allow_pipe:
-                raise ValueError(f"refusing {item!r}: pipe: URLs run shell commands; pass allow_pipe=True to accept them")
+                raise ValueError(f"refusing {item!r}: pipe: URLs run shell commands; "
+                                 "pass allow_pipe=True to accept them")
             out.append(item)
             continue
         for name in braceexpand(item):

@@ -1,7 +1,6 @@
-"""CostOptions: estimated compute per batch, and cost-balanced emission (``PackedDataset(cost=...)``):
-``WindowPacker`` takes ``balance`` and ``model`` (:mod:`streampack.packing.schedule`),
-``ThdCollate`` ``model`` (``PackedBatch.est_cost``).
-"""
+"""CostOptions: estimated compute per batch, and cost-balanced emission (``PackedDataset(cost=...)``): ``WindowPacker``
+takes ``balance`` and ``model`` (:mod:`streampack.packing.schedule`), ``ThdCollate`` ``model``
+(``PackedBatch.est_cost``)."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ class CostOptions:
     ``CostModel.from_shape``, e.g. ``{"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8,
     "ffn": 14336, "vocab": 128256}``; held as the ``CostModel`` it makes), or None (no estimate)."""
     balance: Balance | str | None = None
-    """``"cost"`` (default :class:`~streampack.packing.Balance` options) or a ``Balance``: order
-    the packs so that every rank's step costs about the same (needs ``model``); held as a
-    ``Balance``. None: packs leave in shuffled order."""
+    """``"cost"`` (default :class:`~streampack.packing.Balance` options) or a ``Balance``: order the packs so that every
+    rank's step costs about the same (needs ``model``); held as a ``Balance``. None: packs leave in shuffled order."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", _model(self.model))

@@ -1,8 +1,7 @@
 """ReadOptions: what the readers read from a shard and how they fetch it (``PackedDataset(read=...)``).
 
-The fields that decide which samples are kept (the keys, ``on_error``, ``vocab_size``, ``limits``,
-``mixture_stop``) are part of a resume state's fingerprint; those that only decide how bytes
-arrive (retries, timeouts, caching) are not.
+The fields that decide which samples are kept (the keys, ``on_error``, ``vocab_size``, ``limits``, ``mixture_stop``) are
+part of a resume state's fingerprint; those that only decide how bytes arrive (retries, timeouts, caching) are not.
 """
 
 from __future__ import annotations

@@ -38,15 +38,13 @@ class TopologyOptions:
     align_multiple: int = 1
     """An extra per-document multiple (lcm with the above), e.g. 16 for FP8."""
     equal_batches: str = "plan"
-    """Finite stream, several ranks: how every rank yields the same number of batches (N shards,
-    T samples, G readers of all ranks). ``plan``: each reader counts its own batches from the
-    manifest's token lengths and the readers agree through the job's c10d store (refused without
-    ``torch.distributed``): O(T/G) index reads and CPU per reader per epoch, 5 store requests.
-    ``count``: each reader counts every reader's batches itself, no store: O(T) per reader per
-    epoch (every shard's index, ~1-6 µs of packer count per sample; ~100 s at 2,000 shards), for
-    ranks simulated in one process and small data sets; the same batches as ``plan``. ``sync``: the
-    training loop agrees per step (``streampack.sync_batches``, one all-reduce), for text shards
-    and stages that change lengths."""
+    """Finite stream, several ranks: how every rank yields the same number of batches (N shards, T samples, G readers of
+    all ranks). ``plan``: each reader counts its own batches from the manifest's token lengths and the readers agree
+    through the job's c10d store (refused without ``torch.distributed``): O(T/G) index reads and CPU per reader per
+    epoch, 5 store requests. ``count``: each reader counts every reader's batches itself, no store: O(T) per reader per
+    epoch (every shard's index, ~1-6 µs of packer count per sample; ~100 s at 2,000 shards), for ranks simulated in one
+    process and small data sets; the same batches as ``plan``. ``sync``: the training loop agrees per step
+    (``streampack.sync_batches``, one all-reduce), for text shards and stages that change lengths."""
     batches_per_epoch: int | None = None
     """Finite stream: a fixed count of batches per rank per epoch (a multiple of the worker
     count) that overrides ``equal_batches``."""

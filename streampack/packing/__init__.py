@@ -1,13 +1,12 @@
 """Packing algorithms: pure functions from item lengths to bins of item indices.
 
-Every algorithm is called as ``(lengths, capacity, *, seed=0) -> Bins``: ``lengths`` is int ``[n]``
-(each 1..capacity); one int64 array of item indices per bin in layout order, every index exactly
-once, no bin over capacity, no empty bin, deterministic for a seed. ``pack`` is the one entry point,
-``pack_flat`` its flat form (:class:`PackResult`), ``ALGORITHMS`` the registry names are validated
-against. The kernels run compiled when the ahead-of-time module is built, when this process
-already ran them compiled, or from ``THRESHOLD`` items (see ``_engine``), else as plain Python,
-with identical bins; importing this package loads neither numba nor torch. Timings of every
-algorithm: ``benchmarks/README.md``, "Packing kernels".
+Every algorithm is called as ``(lengths, capacity, *, seed=0) -> Bins``: ``lengths`` is int ``[n]`` (each 1..capacity);
+one int64 array of item indices per bin in layout order, every index exactly once, no bin over capacity, no empty bin,
+deterministic for a seed. ``pack`` is the one entry point, ``pack_flat`` its flat form (:class:`PackResult`),
+``ALGORITHMS`` the registry names are validated against. The kernels run compiled when the ahead-of-time module is
+built, when this process already ran them compiled, or from ``THRESHOLD`` items (see ``_engine``), else as plain Python,
+with identical bins; importing this package loads neither numba nor torch. Timings of every algorithm:
+``benchmarks/README.md``, "Packing kernels".
 """
 
 from __future__ import annotations
@@ -55,28 +54,23 @@ def pack_flat(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0
         ``PackResult`` with ``order`` int64 ``[n]`` and ``offsets`` int64 ``[num_bins + 1]``;
         ``result.bins()`` gives what ``pack`` returns.
 
-    Example: ``pack_flat([5, 4, 3, 3, 3], 10, "ffd")`` -> ``order=[0, 1, 2, 3, 4]``,
-    ``offsets=[0, 2, 5]``.
+    Example: ``pack_flat([5, 4, 3, 3, 3], 10, "ffd")`` -> ``order=[0, 1, 2, 3, 4]``, ``offsets=[0, 2, 5]``.
     """
     return get_algorithm(algorithm).flat(lengths, capacity, seed=seed, backend=backend)
 
 
-def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *,
-         backend: Backend = "auto") -> Bins:
+def pack(lengths: Any, capacity: int, algorithm: str = "bfd", seed: int = 0, *, backend: Backend = "auto") -> Bins:
     """Pack items of the given lengths into bins of ``capacity`` tokens.
 
-    Arguments as ``pack_flat``. Returns one int64 array per bin with the indices of its
-    items, in layout order (see each algorithm), as a read-only sequence (``Bins``: each
-    array is made when read, so ``pack`` costs what ``pack_flat`` does); empty (``== []``)
-    when n = 0.
+    Arguments as ``pack_flat``. Returns one int64 array per bin with the indices of its items, in layout order (see each
+    algorithm), as a read-only sequence (``Bins``: each array is made when read, so ``pack`` costs what ``pack_flat``
+    does); empty (``== []``) when n = 0.
 
     Example: ``pack([5, 4, 3, 3, 3], 10, "ffd")`` -> ``[array([0, 1]), array([2, 3, 4])]``.
     """
     return pack_flat(lengths, capacity, algorithm, seed, backend=backend).bins()
 
 
-__all__ = [
-    "ALGORITHMS", "THRESHOLD", "Backend", "Balance", "Bins", "CostModel", "MetricsAccumulator", "PackResult",
-    "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram",
-    "karmarkar_karp", "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack",
-]
+__all__ = ["ALGORITHMS", "THRESHOLD", "Backend", "Balance", "Bins", "CostModel", "MetricsAccumulator", "PackResult",
+           "Packer", "PackingMetrics", "bfd", "ffd", "ffs", "get_algorithm", "greedy", "histogram", "karmarkar_karp",
+           "kk", "mffd", "pack", "pack_flat", "packing_metrics", "shuffle_pack"]

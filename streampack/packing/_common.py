@@ -38,9 +38,7 @@ def validate(lengths: object, capacity: object) -> tuple[np.ndarray, int]:
         raise ValueError(f"lengths[{low}]={int(arr[low])} must be >= 1 (item {low} is empty)")
     high = int(np.argmax(arr))
     if arr[high] > capacity:
-        raise ValueError(
-            f"item {high} has length {int(arr[high])} > {capacity=}; split or drop it first"
-        )
+        raise ValueError(f"item {high} has length {int(arr[high])} > {capacity=}; split or drop it first")
     if int(arr[high]) * arr.size > _MAX_TOTAL and sum(arr.tolist()) > _MAX_TOTAL:
         raise ValueError("the lengths must sum to at most 2**62 (kernels count in int64)")
     return np.ascontiguousarray(arr, dtype=np.int64), capacity
@@ -78,9 +76,8 @@ def from_log(items: np.ndarray, bins: np.ndarray, num_bins: int) -> PackResult:
 
 
 def group_log(items: np.ndarray, bins: np.ndarray, order: np.ndarray, offsets: np.ndarray) -> None:
-    """Kernel (compiled path): ``from_log`` as one O(n) counting sort into ``order`` and
-    ``offsets`` (zeros, ``[num_bins + 1]``), where a stable argsort by an int64 bin id would
-    be a 0.1 s timsort at 1e6 items."""
+    """Kernel (compiled path): ``from_log`` as one O(n) counting sort into ``order`` and ``offsets`` (zeros, ``[num_bins
+    + 1]``), where a stable argsort by an int64 bin id would be a 0.1 s timsort at 1e6 items."""
     for j in range(len(bins)):
         offsets[bins[j] + 1] += 1
     for b in range(len(offsets) - 1):

@@ -1,10 +1,9 @@
 """Which path runs a packer: compiled kernels or the same kernels as plain Python (identical bins).
 
-``backend="auto"`` runs the compiled kernels when the ahead-of-time module is built (loads in
-18 ms, no numba), when this process already ran the algorithm compiled (``_LOADED``), or for inputs
-of at least ``THRESHOLD`` items (numba's JIT); otherwise the plain path runs and numba is never
-imported. ``THRESHOLD`` = 2^16: below it every plain path costs at most ~0.2 s, under the ~0.7 s a
-fresh process pays to load numba (``benchmarks/README.md``, "The threshold").
+``backend="auto"`` runs the compiled kernels when the ahead-of-time module is built (loads in 18 ms, no numba), when
+this process already ran the algorithm compiled (``_LOADED``), or for inputs of at least ``THRESHOLD`` items (numba's
+JIT); otherwise the plain path runs and numba is never imported. ``THRESHOLD`` = 2^16: below it every plain path costs
+at most ~0.2 s, under the ~0.7 s a fresh process pays to load numba (``benchmarks/README.md``, "The threshold").
 """
 
 from __future__ import annotations
@@ -78,8 +77,7 @@ class Packer:
     def __call__(self, lengths: Any, capacity: int, *, seed: int = 0) -> Bins:
         return self.flat(lengths, capacity, seed=seed).bins()
 
-    def flat(self, lengths: Any, capacity: int, *, seed: int = 0,
-             backend: Backend = "auto") -> PackResult:
+    def flat(self, lengths: Any, capacity: int, *, seed: int = 0, backend: Backend = "auto") -> PackResult:
         """The packing as a ``PackResult`` (see ``streampack.packing.pack_flat``)."""
         if backend not in BACKENDS:
             raise ValueError(f"{backend=} is not one of {', '.join(BACKENDS)}")

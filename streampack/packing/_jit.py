@@ -1,12 +1,11 @@
 """Compiling the packing kernels with numba, on first use, with a cache outside the package.
 
-Each algorithm's inner loop is one *kernel* in the subset of Python numba compiles; the plain
-path runs it on lists, the compiled path ``compiled(kernel)`` on arrays: one source, so the two
-cannot drift apart. numba is imported only on the first large input (or never, when the
-ahead-of-time module is built). The on-disk cache saves 0.6–3.9 s per process that packs a large
-input (``benchmarks/README.md``, "The on-disk cache"), so it is on, in ``$STREAMPACK_CACHE/numba``
-(never beside the possibly read-only source); an unwritable directory compiles without it.
-Kernels are self-contained (enforced below), so numba's source-hash key never loads a stale one.
+Each algorithm's inner loop is one *kernel* in the subset of Python numba compiles; the plain path runs it on lists, the
+compiled path ``compiled(kernel)`` on arrays: one source, so the two cannot drift apart. numba is imported only on the
+first large input (or never, when the ahead-of-time module is built). The on-disk cache saves 0.6–3.9 s per process that
+packs a large input (``benchmarks/README.md``, "The on-disk cache"), so it is on, in ``$STREAMPACK_CACHE/numba`` (never
+beside the possibly read-only source); an unwritable directory compiles without it. Kernels are self-contained (enforced
+below), so numba's source-hash key never loads a stale one.
 """
 
 from __future__ import annotations

@@ -3,11 +3,10 @@ process loads without importing numba.
 
     python -m streampack.packing.aot        # build into $STREAMPACK_CACHE/aot (once)
 
-A fresh process's first JIT call costs ~0.7 s (1–10 s on loaded cores), so without a build the
-plain path serves everything below ``THRESHOLD`` at 10–20x the compiled time; the same kernels
-compiled by ``numba.pycc`` import in 18 ms and run as fast as the JIT's
-(``benchmarks/bench_packing_scaling.py``). The module's name hashes the kernel files, numpy's and
-Python's versions and the machine, so an edited kernel never loads a stale build.
+A fresh process's first JIT call costs ~0.7 s (1–10 s on loaded cores), so without a build the plain path serves
+everything below ``THRESHOLD`` at 10–20x the compiled time; the same kernels compiled by ``numba.pycc`` import in 18 ms
+and run as fast as the JIT's (``benchmarks/bench_packing_scaling.py``). The module's name hashes the kernel files,
+numpy's and Python's versions and the machine, so an edited kernel never loads a stale build.
 """
 
 from __future__ import annotations
@@ -40,11 +39,9 @@ SIGNATURES = {  # kernel name -> numba signature; every array is int64, any layo
 }
 
 
-KERNEL_MODULES = {"_common": ["group_log"], "best_fit": ["_bfd_kernel"],
-                  "first_fit": ["first_fit_kernel"], "mffd": ["_pairs_kernel"],
-                  "balanced": ["_round_kernel", "_unlink_kernel"],
-                  "histogram": ["_configurations_kernel", "_emit_kernel"],
-                  "sequential": ["_next_fit_kernel"]}
+KERNEL_MODULES = {"_common": ["group_log"], "best_fit": ["_bfd_kernel"], "first_fit": ["first_fit_kernel"],
+                  "mffd": ["_pairs_kernel"], "balanced": ["_round_kernel", "_unlink_kernel"],
+                  "histogram": ["_configurations_kernel", "_emit_kernel"], "sequential": ["_next_fit_kernel"]}
 
 
 def _modules() -> list[ModuleType]:

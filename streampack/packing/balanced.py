@@ -1,12 +1,11 @@
 """``kk``: the fewest bins, then loads balanced by pairwise Karmarkar–Karp differencing.
 
-``bfd`` gives the bin count (a k-way search gives 0.6–0.9% more bins and grows superlinearly),
-with its slack piled into the last bins; rounds of pairwise rebalancing spread it. Bins ranked by
-load are paired (even rounds lightest with heaviest, odd rounds rank i with i + ⌈m/2⌉) and each
-pair re-split by 2-way Karmarkar–Karp, kept only if it lowers the pair's larger load. At most
-``2·bit_length(m) + 2`` rounds, ending once a round lowers the load variance by less than 2%:
-O(n log² n) time, O(n) memory (0.3–0.6 s at 1e6 compiled, ``benchmarks/bench_packing_scaling.py``).
-Layout: bins by decreasing load, item indices ascending inside a bin. ``seed`` is unused.
+``bfd`` gives the bin count (a k-way search gives 0.6–0.9% more bins and grows superlinearly), with its slack piled into
+the last bins; rounds of pairwise rebalancing spread it. Bins ranked by load are paired (even rounds lightest with
+heaviest, odd rounds rank i with i + ⌈m/2⌉) and each pair re-split by 2-way Karmarkar–Karp, kept only if it lowers the
+pair's larger load. At most ``2·bit_length(m) + 2`` rounds, ending once a round lowers the load variance by less than
+2%: O(n log² n) time, O(n) memory (0.3–0.6 s at 1e6 compiled, ``benchmarks/bench_packing_scaling.py``). Layout: bins by
+decreasing load, item indices ascending inside a bin. ``seed`` is unused.
 """
 
 from __future__ import annotations
@@ -27,11 +26,10 @@ round cap (14–24 rounds), 1e5 items stop after 20–24 of 30, 1e6 after 12–1
 
 def _round_kernel(lengths: IntBuffer, first: IntBuffer, nxt: IntBuffer, loads: IntBuffer,
                   pairs_lo: IntBuffer, pairs_hi: IntBuffer, side: IntBuffer, min_gap: int) -> int:
-    """One round: re-split each pair (lo, hi) of bins whose loads differ by ``min_gap`` or
-    more by 2-way KK differencing, keeping a split only when it lowers the pair's larger
-    load. Bin b's items are a linked list (``first[b]``, ``nxt[item]``, -1 ends it);
-    ``loads``, ``first`` and ``nxt`` are updated, ``side`` is scratch ``[n]``.
-    Returns how many pairs changed."""
+    """One round: re-split each pair (lo, hi) of bins whose loads differ by ``min_gap`` or more by 2-way KK
+    differencing, keeping a split only when it lowers the pair's larger load. Bin b's items are a linked list
+    (``first[b]``, ``nxt[item]``, -1 ends it); ``loads``, ``first`` and ``nxt`` are updated, ``side`` is scratch
+    ``[n]``. Returns how many pairs changed."""
     changed = 0
     heap = [(0, 0)]  # (-value, representative item); the element gives numba the type
     union = [0]
@@ -111,8 +109,7 @@ def _rebalance(lengths: np.ndarray, start: PackResult, loads: np.ndarray,
         ranks = np.argsort(now, kind="stable")
         gap = max(2, int(now[ranks[-1]] - now[ranks[0]]) // 4)  # leave the near-equal pairs
         hi = ranks[::-1][:half] if r % 2 == 0 else ranks[m - half:]  # fold, then shift
-        kernel(lengths_b, first, nxt_b, loads_b, engine.buffer(ranks[:half]), engine.buffer(hi),
-               side, gap)
+        kernel(lengths_b, first, nxt_b, loads_b, engine.buffer(ranks[:half]), engine.buffer(hi), side, gap)
         variance.append(float(np.var(np.asarray(loads_b, dtype=np.int64))))
         if variance[-1] > (1 - STOP_GAIN) * variance[-3]:
             break

@@ -4,22 +4,20 @@ Packing balances tokens, but causal attention grows with the square of each docu
 one 4096-token document costs more than eight of 512. ``CostModel`` puts a number on that, from
 two coefficients given directly or derived from a model shape. Pure numpy; no torch.
 
-``CostModel.from_shape``, for ``layers`` blocks of hidden size h, head size d = h / heads,
-h_kv = kv_heads · d, FFN size f and vocabulary V (a matmul [n, a] x [a, b] is 2·n·a·b FLOPs),
-forward per token: attention projections ``4h² + 4·h·h_kv``, FFN ``6hf`` gated (``4hf`` plain),
-LM head ``2hV`` once. Causal scores of a document of length L, per layer, cost ``2·h·L(L+1)``
-(flash-attention skips the masked blocks): ``2hL`` joins the linear term, ``2h`` per layer is
-the attention coefficient. Training multiplies both by 3 (backward ≈ 2x forward; the scores
-recomputed in flash-attention's backward are ignored). A Llama-2-7B shape gives 39.6 GFLOP per
-token and 786k FLOP per L² in training: a 4096-token document's attention is 7.5% of its cost.
+``CostModel.from_shape``, for ``layers`` blocks of hidden size h, head size d = h / heads, h_kv = kv_heads · d, FFN size
+f and vocabulary V (a matmul [n, a] x [a, b] is 2·n·a·b FLOPs), forward per token: attention projections ``4h² +
+4·h·h_kv``, FFN ``6hf`` gated (``4hf`` plain), LM head ``2hV`` once. Causal scores of a document of length L, per layer,
+cost ``2·h·L(L+1)`` (flash-attention skips the masked blocks): ``2hL`` joins the linear term, ``2h`` per layer is the
+attention coefficient. Training multiplies both by 3 (backward ≈ 2x forward; the scores recomputed in flash-attention's
+backward are ignored). A Llama-2-7B shape gives 39.6 GFLOP per token and 786k FLOP per L² in training: a 4096-token
+document's attention is 7.5% of its cost.
 
-**Vision encoder** (``CostModel(vision=VisionCost(...))``): a ViT runs every image's patches,
-linear in patches plus attention bidirectional inside each frame (``h·w`` patches), never across.
-``VisionCost.from_shape`` for ``layers`` blocks of width e, MLP size f, patch input P = C·tp·p²
-and a Qwen2-VL merger (m² patches → one token of ``out_hidden``), per patch: embedding ``2Pe``,
-per layer ``8e² + 4ef``, merger ``2e²m² + 2e·out``; per frame of S patches and layer ``4eS²``.
-``training=False`` for a frozen encoder. It equals torch's FLOP counter on transformers' Qwen2-VL
-vision tower (``tests/unit/packing/test_vlm_cost.py``); a 1036x1036 image costs as much as ~1.2x its token count.
+**Vision encoder** (``CostModel(vision=VisionCost(...))``): a ViT runs every image's patches, linear in patches plus
+attention bidirectional inside each frame (``h·w`` patches), never across. ``VisionCost.from_shape`` for ``layers``
+blocks of width e, MLP size f, patch input P = C·tp·p² and a Qwen2-VL merger (m² patches → one token of ``out_hidden``),
+per patch: embedding ``2Pe``, per layer ``8e² + 4ef``, merger ``2e²m² + 2e·out``; per frame of S patches and layer
+``4eS²``. ``training=False`` for a frozen encoder. It equals torch's FLOP counter on transformers' Qwen2-VL vision tower
+(``tests/unit/packing/test_vlm_cost.py``); a 1036x1036 image costs as much as ~1.2x its token count.
 """
 
 from __future__ import annotations
@@ -50,13 +48,11 @@ class VisionCost:
 
     def __post_init__(self) -> None:
         if not (self.linear >= 0 and self.attention >= 0):
-            raise ValueError(f"vision coefficients must be >= 0, got linear={self.linear}, "
-                             f"attention={self.attention}")
+            raise ValueError(f"vision coefficients must be >= 0, got linear={self.linear}, attention={self.attention}")
 
     @classmethod
-    def from_shape(cls, *, hidden: int, layers: int, mlp: int, patch_dim: int,
-                   spatial_merge: int = 1, out_hidden: int | None = None,
-                   training: bool = True) -> VisionCost:
+    def from_shape(cls, *, hidden: int, layers: int, mlp: int, patch_dim: int, spatial_merge: int = 1,
+                   out_hidden: int | None = None, training: bool = True) -> VisionCost:
         """FLOPs of a ViT with a Qwen2-VL-style merger (module docstring); ``hidden`` is the
         ViT width, ``out_hidden`` the language model's (default: ``hidden``)."""
         out_hidden = hidden if out_hidden is None else out_hidden
@@ -113,13 +109,11 @@ class CostModel:
 
     def __post_init__(self) -> None:
         if not (self.linear >= 0 and self.attention >= 0):
-            raise ValueError(f"coefficients must be >= 0, got linear={self.linear}, "
-                             f"attention={self.attention}")
+            raise ValueError(f"coefficients must be >= 0, got linear={self.linear}, attention={self.attention}")
 
     @classmethod
-    def from_shape(cls, *, hidden: int, layers: int, heads: int, ffn: int,
-                   kv_heads: int | None = None, vocab: int = 0, gated: bool = True,
-                   training: bool = True) -> CostModel:
+    def from_shape(cls, *, hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None, vocab: int = 0,
+                   gated: bool = True, training: bool = True) -> CostModel:
         """FLOPs of a decoder-only transformer (see the module docstring for the formula)."""
         kv_heads = heads if kv_heads is None else kv_heads
         _check_sizes(hidden=hidden, layers=layers, heads=heads, ffn=ffn, kv_heads=kv_heads)
@@ -129,8 +123,7 @@ class CostModel:
         h, kv = hidden, kv_heads * (hidden // heads)
         per_layer = 4 * h * h + 4 * h * kv + (6 if gated else 4) * h * ffn + 2 * h
         scale = 3 if training else 1
-        return cls(linear=float(scale * (layers * per_layer + 2 * h * vocab)),
-                   attention=float(scale * 2 * h * layers))
+        return cls(linear=float(scale * (layers * per_layer + 2 * h * vocab)), attention=float(scale * 2 * h * layers))
 
     def _vision(self, what: str) -> VisionCost:
         if self.vision is None:

@@ -1,9 +1,8 @@
 """First-fit packers: ``ffd`` (longest first) and ``ffs`` (first-fit shuffle).
 
-"The leftmost bin whose room is >= x" is one O(log m) descent of a max-tree over the rooms, where
-a scan of the open bins is O(n·m) (48 s for 1e5 lengths in NeMo-RL's code). The tree is sized by
-the any-fit bound (``2·sum // C + 2``), unopened bins at the right with room C, so bins are
-numbered in creation order. ``mffd`` reuses the kernel.
+"The leftmost bin whose room is >= x" is one O(log m) descent of a max-tree over the rooms, where a scan of the open
+bins is O(n·m) (48 s for 1e5 lengths in NeMo-RL's code). The tree is sized by the any-fit bound (``2·sum // C + 2``),
+unopened bins at the right with room C, so bins are numbered in creation order. ``mffd`` reuses the kernel.
 """
 
 from __future__ import annotations
@@ -29,11 +28,9 @@ def room_tree(rooms: np.ndarray, num_leaves: int, capacity: int) -> np.ndarray:
     return tree
 
 
-def first_fit_kernel(xs: IntBuffer, tree: IntBuffer, bins: IntBuffer, num_bins: int,
-                     limit: int) -> int:
-    """Place lengths ``xs`` in order, each into the leftmost bin of ``tree`` with room.
-    ``bins[j]`` := its bin, or -1 (item left out) when that bin is ``>= limit``. Returns the
-    number of bins opened, starting from ``num_bins``."""
+def first_fit_kernel(xs: IntBuffer, tree: IntBuffer, bins: IntBuffer, num_bins: int, limit: int) -> int:
+    """Place lengths ``xs`` in order, each into the leftmost bin of ``tree`` with room. ``bins[j]`` := its bin, or -1
+    (item left out) when that bin is ``>= limit``. Returns the number of bins opened, starting from ``num_bins``."""
     size = len(tree) // 2
     for j in range(len(xs)):
         x = xs[j]
@@ -70,9 +67,8 @@ def _first_fit(lengths: np.ndarray, capacity: int, seq: np.ndarray, engine: Engi
 
 
 def _ffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
-    """First-fit decreasing, O(n log n): longest first (ties by index), each into the
-    leftmost bin with room. Layout: bins in creation order, items in placement order.
-    ``seed`` is unused."""
+    """First-fit decreasing, O(n log n): longest first (ties by index), each into the leftmost bin with room. Layout:
+    bins in creation order, items in placement order. ``seed`` is unused."""
     return _first_fit(lengths, capacity, decreasing_order(lengths, capacity), engine)
 
 

@@ -18,13 +18,11 @@ from streampack.packing._engine import Engine, IntBuffer, Packer
 from streampack.packing.result import PackResult
 
 
-def _configurations_kernel(sizes: IntBuffer, counts: IntBuffer, capacity: int,
-                           parent: IntBuffer, added: IntBuffer, count: IntBuffer,
-                           nxt: IntBuffer, heads: IntBuffer) -> tuple[int, int]:
-    """Build the configuration forest: configuration i is ``parent[i]`` plus one item of size index
-    ``added[i]``, held by ``count[i]`` packs, ``nxt[i]`` the next of its room group (-1 ends it).
-    Writes each room group's head configuration by increasing room to ``heads``; returns
-    (configurations, groups)."""
+def _configurations_kernel(sizes: IntBuffer, counts: IntBuffer, capacity: int, parent: IntBuffer, added: IntBuffer,
+                           count: IntBuffer, nxt: IntBuffer, heads: IntBuffer) -> tuple[int, int]:
+    """Build the configuration forest: configuration i is ``parent[i]`` plus one item of size index ``added[i]``, held
+    by ``count[i]`` packs, ``nxt[i]`` the next of its room group (-1 ends it). Writes each room group's head
+    configuration by increasing room to ``heads``; returns (configurations, groups)."""
     group = {capacity: 0}  # room -> newest configuration with packs at that room
     group.pop(capacity)  # (the literal gives numba the key and value types)
     heap = [capacity]  # negated rooms of groups that may be non-empty
@@ -68,9 +66,8 @@ def _configurations_kernel(sizes: IntBuffer, counts: IntBuffer, capacity: int,
     return num, len(rooms)
 
 
-def _emit_kernel(parent: IntBuffer, added: IntBuffer, count: IntBuffer, nxt: IntBuffer,
-                 heads: IntBuffer, num_heads: int, chain: IntBuffer, depth: IntBuffer,
-                 packs: IntBuffer) -> tuple[int, int]:
+def _emit_kernel(parent: IntBuffer, added: IntBuffer, count: IntBuffer, nxt: IntBuffer, heads: IntBuffer,
+                 num_heads: int, chain: IntBuffer, depth: IntBuffer, packs: IntBuffer) -> tuple[int, int]:
     """Non-empty configurations in output order (by room group, fullest first, then
     configuration): their contents, root first, into ``chain``; items per pack into
     ``depth``; packs into ``packs`` (each ``[n]``). Returns (chain length, configurations)."""
@@ -103,9 +100,8 @@ def _emit(sizes: list[int] | np.ndarray, counts: np.ndarray, capacity: int,
     n = int(counts.sum())
     forest = [engine.buffer(np.zeros(n, dtype=np.int64)) for _ in range(4)]
     heads = engine.buffer(np.zeros(n + 1, dtype=np.int64))
-    _, num_heads = engine.kernel(_configurations_kernel)(
-        engine.buffer(np.asarray(sizes, dtype=np.int64)), engine.buffer(counts), capacity,
-        *forest, heads)
+    _, num_heads = engine.kernel(_configurations_kernel)(engine.buffer(np.asarray(sizes, dtype=np.int64)),
+                                                         engine.buffer(counts), capacity, *forest, heads)
     out = [engine.buffer(np.zeros(n, dtype=np.int64)) for _ in range(3)]
     size, num = engine.kernel(_emit_kernel)(*forest, heads, num_heads, *out)
     chain, d, k = (np.asarray(b[:m], dtype=np.int64) for b, m in zip(out, (size, num, num)))

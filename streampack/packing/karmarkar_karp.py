@@ -79,8 +79,7 @@ def karmarkar_karp(lengths: np.ndarray, num_parts: int) -> list[np.ndarray]:
     Example: ``karmarkar_karp([4, 5, 6, 7, 8], 2)`` -> ``[array([0, 1, 3]), array([2, 4])]``
     (sums 16 and 14; the optimum 15 / 15 is NP-hard in general).
 
-    Cost O(n log n + n·k·log k) worst case, O(n + k) memory; n = 1024, k = 64 takes ~11 ms,
-    n = 8192 ~0.1 s.
+    Cost O(n log n + n·k·log k) worst case, O(n + k) memory; n = 1024, k = 64 takes ~11 ms, n = 8192 ~0.1 s.
     """
     if isinstance(num_parts, bool) or not isinstance(num_parts, (int, np.integer)):
         raise TypeError(f"num_parts must be an int, got {num_parts!r}")

@@ -30,10 +30,9 @@ T = TypeVar("T")
 class Reservoir(Generic[T]):
     """The ready packs of one reader and the histogram of every pack cost it has seen.
 
-    ``add(items, y)`` puts packs (any objects) with their normalized costs ``y``; ``take()``
-    emits the one the schedule picks for the next slot. ``first_batch``: batches this
-    reader yielded before (earlier epochs of the pass), so its steps stay aligned with the
-    other ranks'; ``counts``: a histogram to start from (the previous epoch's).
+    ``add(items, y)`` puts packs (any objects) with their normalized costs ``y``; ``take()`` emits the one the schedule
+    picks for the next slot. ``first_batch``: batches this reader yielded before (earlier epochs of the pass), so its
+    steps stay aligned with the other ranks'; ``counts``: a histogram to start from (the previous epoch's).
     """
 
     def __init__(self, balance: Balance, schedule: Schedule, scale: CostScale, *, first_batch: int = 0,
@@ -59,13 +58,11 @@ class Reservoir(Generic[T]):
         return self.first_batch + self.emitted // self.schedule.packs_per_batch
 
     def load(self, *, counts: np.ndarray, first_batch: int, emitted: int) -> None:
-        """Restore the counters of a saved reservoir (its packs are then ``add``-ed with
-        ``count=False``)."""
+        """Restore the counters of a saved reservoir (its packs are then ``add``-ed with ``count=False``)."""
         self.counts = np.array(counts, dtype=np.int64)
         self.first_batch, self.emitted, self._cum = int(first_batch), int(emitted), None
 
-    def add(self, items: Sequence[T], y: np.ndarray, *, born: Sequence[int] | None = None,
-            count: bool = True) -> None:
+    def add(self, items: Sequence[T], y: np.ndarray, *, born: Sequence[int] | None = None, count: bool = True) -> None:
         """Hold ``items`` (normalized costs ``y``); ``count`` them in the histogram unless they
         were counted before (a restore)."""
         y = np.asarray(y, dtype=np.float64)

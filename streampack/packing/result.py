@@ -106,8 +106,7 @@ class Bins(Sequence[np.ndarray]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
             return NotImplemented
-        return len(self) == len(other) and all(
-            np.array_equal(a, b) for a, b in zip(self, other))
+        return len(self) == len(other) and all(np.array_equal(a, b) for a, b in zip(self, other))
 
     __hash__ = None  # type: ignore[assignment]  # compares by value, like a list
 

@@ -32,11 +32,10 @@ from streampack.packing import aot  # noqa: F401 - at import: the first pack cal
 WARMUP = 64
 """Default :attr:`PackerRules.warmup` (see "Warm-up" in the module docstring)."""
 WAIT_SAMPLES = 8192
-"""The default ``max_wait`` bounds a sample's wait to about this many later samples (8 rounds of
-the default window 1024), whatever the window: a smaller window waits more rounds of fewer
-samples. Measured (lognormal mean 600 and the heavy-tail mix, 100k documents, C = 4096, window
-256, ``benchmarks/bench_packing_scaling.py``): 8 rounds left the online fill 0.22 points below
-offline bfd (0.14 of it from ~70 packs forced out by age), 32 rounds 0.07–0.08."""
+"""The default ``max_wait`` bounds a sample's wait to about this many later samples (8 rounds of the default window
+1024), whatever the window: a smaller window waits more rounds of fewer samples. Measured (lognormal mean 600 and the
+heavy-tail mix, 100k documents, C = 4096, window 256, ``benchmarks/bench_packing_scaling.py``): 8 rounds left the online
+fill 0.22 points below offline bfd (0.14 of it from ~70 packs forced out by age), 32 rounds 0.07–0.08."""
 
 
 def default_max_wait(window: int) -> int:
@@ -186,11 +185,10 @@ def run_rounds(rules: PackerRules, read: Callable[[int], np.ndarray], carry: np.
 
 
 def count_packs(rules: PackerRules, stream: np.ndarray, carry: np.ndarray | None = None) -> int:
-    """Packs a :class:`WindowPacker` with these rules emits for a finite stream of ``stream``
-    lengths (each ``<= capacity``), starting with ``carry`` lengths in its window: the same
-    rounds, packing and choices as the node, on lengths alone. Cost-balanced emission
-    (``balance``) reorders and regroups packs but never adds or drops one, so the count holds
-    for it too."""
+    """Packs a :class:`WindowPacker` with these rules emits for a finite stream of ``stream`` lengths (each ``<=
+    capacity``), starting with ``carry`` lengths in its window: the same rounds, packing and choices as the node, on
+    lengths alone. Cost-balanced emission (``balance``) reorders and regroups packs but never adds or drops one, so the
+    count holds for it too."""
     stream = np.asarray(stream, dtype=np.int64)
     pos = 0
 

@@ -1,8 +1,7 @@
 """Micro-batches for an in-memory RL rollout batch: dynamic batching and balanced packing.
 
-Plan on lengths (:mod:`streampack.rl.plan`, numpy only), apply the plan to tensors and restore
-the original order of per-sequence results (:mod:`streampack.rl.apply`, torch; loaded on first
-use so planning alone never imports torch).
+Plan on lengths (:mod:`streampack.rl.plan`, numpy only), apply the plan to tensors and restore the original order of
+per-sequence results (:mod:`streampack.rl.apply`, torch; loaded on first use so planning alone never imports torch).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """streampack's own dynamic batching convention (``convention="balanced"``), on lengths.
 
-Longest first, so the peak-memory micro-batch runs first (an OOM shows at micro-batch 0). Ranks
-are dealt one round of ``dp_size`` sorted sequences at a time, largest to the lightest rank, and
-each rank cuts its run into micro-batches with ``count * round_up(max_len) <= budget``. This
-reproduces NeMo-RL's diagram exactly, order included.
+Longest first, so the peak-memory micro-batch runs first (an OOM shows at micro-batch 0). Ranks are dealt one round of
+``dp_size`` sorted sequences at a time, largest to the lightest rank, and each rank cuts its run into micro-batches with
+``count * round_up(max_len) <= budget``. This reproduces NeMo-RL's diagram exactly, order included.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ def deal(idx: np.ndarray, lens: np.ndarray, load: np.ndarray) -> list[np.ndarray
     return [np.asarray(s, dtype=np.int64) for s in shards]
 
 
-def group(shard: np.ndarray, rounded: np.ndarray, overlong: np.ndarray,
-          budget: int) -> list[tuple[np.ndarray, int]]:
+def group(shard: np.ndarray, rounded: np.ndarray, overlong: np.ndarray, budget: int) -> list[tuple[np.ndarray, int]]:
     """Greedy maximal runs of a sorted shard (optimal in count, since any sub-run of a run
     that fits also fits); each run with its padded length."""
     groups: list[tuple[np.ndarray, int]] = []
@@ -48,8 +46,7 @@ def group(shard: np.ndarray, rounded: np.ndarray, overlong: np.ndarray,
     return groups
 
 
-def split_to(groups: list[tuple[np.ndarray, int]], target: int, rounded: np.ndarray, *,
-             where: str) -> None:
+def split_to(groups: list[tuple[np.ndarray, int]], target: int, rounded: np.ndarray, *, where: str) -> None:
     """Split the largest multi-sequence micro-batch in two until there are ``target``."""
     while len(groups) < target:
         multi = [j for j, (ix, _) in enumerate(groups) if ix.size > 1]

@@ -22,9 +22,8 @@ def roll_rows(idx: np.ndarray, lens: np.ndarray, rounded: np.ndarray, overlong: 
     """One chunk of sequences ``idx``: every rank's micro-batches (the same rows on every
     rank) and their shared padded lengths."""
     if idx.size % dp:
-        raise ValueError(f"{where}: ROLL's dynamic batching deals sorted[r::dp_size] to rank r and "
-                         f"needs every rank to hold the same number of sequences; {idx.size} "
-                         f"sequences do not divide by dp_size={dp}")
+        raise ValueError(f"{where}: ROLL's dynamic batching deals sorted[r::dp_size] to rank r and needs every rank to "
+                         f"hold the same number of sequences; {idx.size} sequences do not divide by dp_size={dp}")
     order = idx[np.argsort(lens[idx], kind="stable")]
     shards = [order[r::dp] for r in range(dp)]
     row_len = np.max([rounded[s] for s in shards], axis=0)

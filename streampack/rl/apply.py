@@ -78,12 +78,13 @@ class _Rows:
                 raise ValueError(f"row {i} of attention_mask is not one contiguous block")
             row = self.ids[i, start:start + real.numel()]
         if row.numel() != int(self.plan.seq_lens[i]):
-            raise ValueError(f"sequence {i} has {row.numel()} real tokens, the plan says "
-                             f"{int(self.plan.seq_lens[i])}")
+            raise ValueError(f"sequence {i} has {row.numel()} real tokens, the plan says {int(self.plan.seq_lens[i])}")
         return row.to(torch.int64)
 
 
-def _rank(plan: MicroBatchPlan, dp_rank: int) -> None:
+def _check(plan: MicroBatchPlan, kind: str, dp_rank: int, caller: str) -> None:
+    if plan.kind != kind:
+        raise ValueError(f"{caller} needs a {kind} plan, got kind={plan.kind!r}")
     if not 0 <= dp_rank < plan.dp_size:
         raise ValueError(f"{dp_rank=} is outside the plan's dp_size={plan.dp_size}")
 
@@ -91,9 +92,7 @@ def _rank(plan: MicroBatchPlan, dp_rank: int) -> None:
 def apply_dynamic_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any = None, *,
                        dp_rank: int, pad_id: int = 0) -> list[DynamicMicroBatch]:
     """The micro-batches of ``dp_rank`` in run order, each ``[b, L]`` with its own ``L``."""
-    if plan.kind != "dynamic":
-        raise ValueError(f"apply_dynamic_plan needs a dynamic plan, got kind={plan.kind!r}")
-    _rank(plan, dp_rank)
+    _check(plan, "dynamic", dp_rank, "apply_dynamic_plan")
     rows = _Rows(plan, input_ids, attention_mask)
     out = []
     for ix, length in zip(plan.microbatches[dp_rank], plan.padded_lengths[dp_rank]):
@@ -113,13 +112,10 @@ def apply_dynamic_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any
 def apply_packed_plan(plan: MicroBatchPlan, input_ids: Any, attention_mask: Any = None, *,
                       dp_rank: int, loss_mask: Any = None, fixed_shape: bool = True,
                       pad_id: int = 0, ignore_index: int = -100) -> list[PackedBatch]:
-    """The micro-batches of ``dp_rank`` as one-pack :class:`PackedBatch` es, in run order (``doc_keys``
-    ``"seq{i}"``). ``fixed_shape=True``: ``T`` = the budget rounded *down* to ``plan.align`` (every
-    packed length fits); ``False``: ``T`` = its packed length. ``loss_mask`` (laid out as
-    ``input_ids``) becomes each document's loss mask."""
-    if plan.kind != "packed":
-        raise ValueError(f"apply_packed_plan needs a packed plan, got kind={plan.kind!r}")
-    _rank(plan, dp_rank)
+    """The micro-batches of ``dp_rank`` as one-pack :class:`PackedBatch` es, in run order (``doc_keys`` ``"seq{i}"``).
+    ``fixed_shape=True``: ``T`` = the budget rounded *down* to ``plan.align`` (every packed length fits); ``False``:
+    ``T`` = its packed length. ``loss_mask`` (laid out as ``input_ids``) becomes each document's loss mask."""
+    _check(plan, "packed", dp_rank, "apply_packed_plan")
     rows = _Rows(plan, input_ids, attention_mask)
     masks = None if loss_mask is None else _Rows(plan, _loss_rows(loss_mask, rows), None)
     fixed = plan.max_tokens_per_microbatch // plan.align * plan.align
@@ -138,8 +134,7 @@ def _loss_rows(loss_mask: Any, rows: _Rows) -> list[torch.Tensor]:
         return [torch.as_tensor(m) for m in loss_mask]
     lm = torch.as_tensor(loss_mask)
     if lm.shape != rows.ids.shape:
-        raise ValueError(f"loss_mask shape {tuple(lm.shape)} != input_ids shape "
-                         f"{tuple(rows.ids.shape)}")
+        raise ValueError(f"loss_mask shape {tuple(lm.shape)} != input_ids shape {tuple(rows.ids.shape)}")
     return [lm[i][rows.mask[i]] for i in range(lm.shape[0])]
 
 
@@ -151,11 +146,9 @@ def restore_order(outputs: Sequence[Sequence[Any]], plan: MicroBatchPlan) -> lis
     flat: list[Any] = []
     for r, (rank_out, rank_mbs) in enumerate(zip(outputs, plan.microbatches)):
         if len(rank_out) != len(rank_mbs):
-            raise ValueError(f"rank {r} has {len(rank_out)} micro-batch outputs, the plan "
-                             f"{len(rank_mbs)}")
+            raise ValueError(f"rank {r} has {len(rank_out)} micro-batch outputs, the plan {len(rank_mbs)}")
         for j, (mb_out, ix) in enumerate(zip(rank_out, rank_mbs)):
             if len(mb_out) != ix.size:
-                raise ValueError(f"rank {r} micro-batch {j} has {len(mb_out)} rows, the plan "
-                                 f"{ix.size} sequences")
+                raise ValueError(f"rank {r} micro-batch {j} has {len(mb_out)} rows, the plan {ix.size} sequences")
             flat.extend(mb_out[k] for k in range(ix.size))
     return [flat[p] for p in plan.inverse.tolist()]

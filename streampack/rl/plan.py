@@ -108,9 +108,8 @@ class MicroBatchPlan:
     def stats(self) -> dict[str, Any]:
         """The summary as one flat dict (for logging)."""
         real = int(self.seq_lens.sum())
-        return {"kind": self.kind, "num_sequences": self.num_sequences,
-                "num_microbatches": self.num_microbatches, "real_tokens": real,
-                "padded_tokens": self.padded_tokens,
+        return {"kind": self.kind, "num_sequences": self.num_sequences, "num_microbatches": self.num_microbatches,
+                "real_tokens": real, "padded_tokens": self.padded_tokens,
                 "padding_fraction": 1 - real / self.padded_tokens if self.padded_tokens else 0.0,
                 "balance": self.balance}
 
@@ -153,8 +152,7 @@ def _check_args(seq_lens: Any, **positive: int) -> np.ndarray:
             raise ValueError(f"{name}={value!r} must be a positive int")
     lens = np.asarray(seq_lens)
     if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer):
-        raise ValueError(f"seq_lens must be a non-empty 1-D integer array, got {lens.dtype} "
-                         f"of shape {lens.shape}")
+        raise ValueError(f"seq_lens must be a non-empty 1-D integer array, got {lens.dtype} of shape {lens.shape}")
     if (lens < 1).any():
         i = int(np.argmax(lens < 1))
         raise ValueError(f"sequence {i} has length {int(lens[i])}; every length must be >= 1")
@@ -170,8 +168,7 @@ def _refuse_overlong(lens: np.ndarray, padded: np.ndarray, budget: int, what: st
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"sequence {i} of length {int(lens[i])} needs {int(padded[i])} tokens "
-                         f"after {what}, more than max_tokens_per_microbatch={budget} "
-                         f"({bad.size} such sequences)")
+                         f"after {what}, more than max_tokens_per_microbatch={budget} ({bad.size} such sequences)")
 
 
 def _finish(kind: str, lens: np.ndarray, mbs: list[list[np.ndarray]],
@@ -182,18 +179,16 @@ def _finish(kind: str, lens: np.ndarray, mbs: list[list[np.ndarray]],
     assert all(ix.size for rank in mbs for ix in rank), "empty micro-batch"
     inverse = np.empty_like(order)
     inverse[order] = np.arange(order.size)
-    return MicroBatchPlan(
-        kind=kind, seq_lens=lens, inverse=inverse, max_tokens_per_microbatch=budget, align=align,
-        microbatches=tuple(tuple(ix.astype(np.int64) for ix in rank) for rank in mbs),
-        padded_lengths=tuple(tuple(int(v) for v in rank) for rank in padded))
+    return MicroBatchPlan(kind=kind, seq_lens=lens, inverse=inverse, max_tokens_per_microbatch=budget, align=align,
+                          microbatches=tuple(tuple(ix.astype(np.int64) for ix in rank) for rank in mbs),
+                          padded_lengths=tuple(tuple(int(v) for v in rank) for rank in padded))
 
 
 CONVENTIONS = ("balanced", "roll")
 
 
-def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbatch: int,
-                         sequence_length_round: int, pp_size: int = 1,
-                         chunk_size: int | None = None, convention: str = "balanced",
+def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbatch: int, sequence_length_round: int,
+                         pp_size: int = 1, chunk_size: int | None = None, convention: str = "balanced",
                          allow_overlong: bool = False) -> MicroBatchPlan:
     """Plan padded micro-batches of similar-length sequences for ``dp_size`` ranks.
 
@@ -237,8 +232,7 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
                              f"micro-batches (use a chunk_size that leaves >= dp_size per chunk)")
         where = f"sequences {idx[0]}..{idx[-1]} ({dp_size=}, {pp_size=})"
         if convention == "roll":
-            rank_mbs, shared = _roll.roll_rows(idx, lens, rounded, overlong, dp_size, budget,
-                                               pp_size, where)
+            rank_mbs, shared = _roll.roll_rows(idx, lens, rounded, overlong, dp_size, budget, pp_size, where)
             groups = [list(zip(r, shared)) for r in rank_mbs]
         else:
             groups = [_dynamic.group(s, rounded, overlong, budget)
@@ -257,12 +251,11 @@ def plan_packed_microbatches(seq_lens: Any, *, dp_size: int, max_tokens_per_micr
                              align: int = 1, cost_model: CostModel | None = None) -> MicroBatchPlan:
     """Plan one THD pack per micro-batch, balanced across ranks and across micro-batches.
 
-    Each sequence occupies ``round_up(len, align)`` tokens. Ranks get balanced token sums
-    (Karmarkar-Karp); each rank's sequences are split into ``M`` micro-batches, the same
-    ``M`` on every rank, every packed length ``<= max_tokens_per_microbatch`` (hard cap).
-    ``algorithm="kk"``: ``M = max(min_num_microbatches, ceil(rank tokens / budget))``, raised
-    until every part fits (ROLL §2.4). ``"ffd"``/``"bfd"`` (or another packing-registry
-    name): bins of the budget per rank, then the largest bins split until counts match.
+    Each sequence occupies ``round_up(len, align)`` tokens. Ranks get balanced token sums (Karmarkar-Karp); each rank's
+    sequences are split into ``M`` micro-batches, the same ``M`` on every rank, every packed length ``<=
+    max_tokens_per_microbatch`` (hard cap). ``algorithm="kk"``: ``M = max(min_num_microbatches, ceil(rank tokens /
+    budget))``, raised until every part fits (ROLL §2.4). ``"ffd"``/``"bfd"`` (or another packing-registry name): bins
+    of the budget per rank, then the largest bins split until counts match.
 
     ``cost_model``: balance estimated compute (``linear · tokens + attention · Σ L²``,
     :class:`streampack.packing.CostModel`) instead of tokens — across ranks always, and across
