@@ -143,6 +143,25 @@ def test_top_level_and_nodes_show_the_flow() -> None:
         assert stages, f"{path.name} defines no BaseNode stage"
 
 
+def test_one_chain_one_node_of_each_kind_and_no_switch() -> None:
+    """One chain: every stage has one node class (a faster way to do a job is how that node does it,
+    not a twin), and no environment variable chooses a code path: the ones read name a place or a
+    threshold."""
+    import importlib
+
+    from torchdata.nodes import BaseNode
+
+    stages = sorted(v.__name__ for path in (PACKAGE / "nodes").glob("*.py") if path.name != "__init__.py"
+                    for v in vars(importlib.import_module(f"streampack.nodes.{path.stem}")).values()
+                    if isinstance(v, type) and issubclass(v, BaseNode) and v.__module__.endswith(f".{path.stem}"))
+    public = [s for s in stages if not s.startswith("_")]  # a private helper node (the mixture's counter) aside
+    assert public == ["BlockReader", "EpochLoop", "MapSamples", "Mixture", "OverlongNode", "PackedShardReader",
+                      "ShardReader", "ThdCollate", "Tokenize", "WindowPacker"], public
+    source = "".join(path.read_text() for path in PACKAGE.rglob("*.py"))
+    read = set(re.findall(r"\b(STREAMPACK_[A-Z0-9_]+)\b", source))
+    assert read == {"STREAMPACK_CACHE", "STREAMPACK_S3_ENDPOINT", "STREAMPACK_SLOW_BATCH_SECONDS"}, read
+
+
 @pytest.mark.parametrize("module", ["streampack", "streampack.packing", "streampack.io.urls", "streampack.rl.plan"])
 def test_light_imports_do_not_load_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"
