@@ -51,7 +51,7 @@ class TokenBlock:
         return int(self.lengths.shape[0])
 
     def key(self, i: int) -> str:
-        """The sample key of document ``i`` (what ``Sample.key`` is on the per-sample path)."""
+        """The sample key of document ``i`` (what ``Sample.key`` is when it is read sample by sample)."""
         if self.samples is not None:
             return self.samples[i].key
         if self.key_at is None:

@@ -179,7 +179,7 @@ class PackRows:
         return self.keys
 
     def samples(self) -> list[Sample]:
-        """The pack as the per-sample path's Samples (what a filler or a rich batch is laid out from)."""
+        """The pack as Samples (what ``pack_batch`` lays out a batch with a Sample-borne document from)."""
         out = []
         for values in _plain(self.rows).tolist():
             r = dict(zip(COLUMNS, values))  # by name: a tuple unpack would silently follow the field order
