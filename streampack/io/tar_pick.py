@@ -19,7 +19,7 @@ from streampack.io.limits import id_bound
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote
 from streampack.io.tar_block import _PAX, _open, _samples  # the block reader's own checks
-from streampack.io.tar_header import BLOCK
+from streampack.io.tar_header import BLOCK, padded
 from streampack.io.token_block import TokenBlock
 
 Clusters = list[tuple[list[tuple[int, int]], int]]
@@ -143,7 +143,7 @@ def _walk(buf: bytes, at: list[int], limit: int) -> tuple[list[int], list[int], 
             heads.append(p)
             sizes.append(size)
             kinds.append(buf[p + 156])
-            p += BLOCK + ((size + BLOCK - 1) & -BLOCK)
+            p += BLOCK + padded(size)
             if kinds[-1] != _PAX:
                 break
         if p > len(buf):

@@ -21,11 +21,8 @@ from typing import BinaryIO
 from streampack.errors import DataError
 from streampack.io.limits import MAX_EXTENSION_BYTES
 from streampack.io.open import skip_bytes
-from streampack.io.tar_header import BLOCK, MAX_DECLARED, Unreadable, is_header, parse_header, parse_pax
-
-ZERO_BLOCK = bytes(BLOCK)
-REGULAR = (b"0", b"\0", b"7")
-EXTENSIONS = (b"L", b"K", b"x", b"g")
+from streampack.io.tar_header import (BLOCK, EXTENSIONS, MAX_DECLARED, PAX, REGULAR, ZERO_BLOCK, Unreadable, is_header,
+                                      padded, parse_header, parse_pax)
 
 
 @dataclass(slots=True)
@@ -67,10 +64,6 @@ class _Header:
     @property
     def next(self) -> int:
         return self.data_at + padded(self.size)
-
-
-def padded(size: int) -> int:
-    return -(-size // BLOCK) * BLOCK
 
 
 class _Reader:
@@ -135,7 +128,7 @@ class _Reader:
                 raise DataError("corrupt_shard", "truncated tar extension header", url=self.url, value=pos)
             if kind == b"L":
                 long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            elif kind == b"x":
+            elif kind == PAX:
                 try:
                     pax = parse_pax(data[:size], first=first, at=pos)
                 except Unreadable as bad:
