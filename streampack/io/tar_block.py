@@ -22,7 +22,7 @@ from streampack.errors import DataError
 from streampack.io import open as shard_open
 from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
-from streampack.io.limits import Limits, id_bound
+from streampack.io.limits import id_bound
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote, local_path
 from streampack.io.tar_columns import headers_ok, ids_in_range, member_names, npy_members, pax_ok
@@ -63,8 +63,7 @@ def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
         pos += len(data)
         final = len(data) < want or pos == limit
         buf = tail + data if tail else data
-        parsed = parse_tar(buf, base=base, first=number, end=end, final=final, url=url, tokens_key=decode.tokens_key,
-                           limits=decode.limits, bound=id_bound(decode.vocab_size),
+        parsed = parse_tar(buf, base=base, first=number, end=end, final=final, url=url, decode=decode,
                            after=lambda field: _intact_after(url, end, field, decode, opts, stats))
         if parsed is None:
             return
@@ -101,8 +100,7 @@ def _intact_after(url: str, at: int | None, field: bytes, decode: DecodeOptions,
             f.seek(at)
             data = f.read(size)
             final = len(data) < size
-            parsed = parse_tar(data, base=at, first=0, end=None, final=final, url=url, tokens_key=decode.tokens_key,
-                               limits=decode.limits, bound=id_bound(decode.vocab_size))
+            parsed = parse_tar(data, base=at, first=0, end=None, final=final, url=url, decode=decode)
             if parsed is None:
                 return False
             block, _, names = parsed
@@ -134,8 +132,7 @@ def _open(url: str, start: int, stop: int | None, opts: OpenOptions,
     return f, size
 
 
-def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool, url: str,
-              tokens_key: str = "input_ids", limits: Limits = Limits(), bound: int = 2**31,
+def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool, url: str, decode: DecodeOptions,
               after: Callable[[bytes], bool] | None = None) -> tuple[TokenBlock, int, np.ndarray] | None:
     """The whole plain samples at the start of ``buf`` (bytes of the shard from header offset ``base``, sample number
     ``first``; ``final``: nothing follows ``buf`` in the stream), the bytes they take and their member names (uint8
@@ -172,7 +169,7 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
         return (_empty(url, done), used, np.zeros((0, 100), np.uint8)) if done or not final else None
     parsed = _samples(buf, np.asarray(heads, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
                       np.asarray(kinds, dtype=np.uint8), base=base, first=first, done=done, url=url,
-                      tokens_key=tokens_key, limits=limits, bound=bound, used=used)
+                      decode=decode, used=used)
     if look and parsed is not None:
         block, _, names = parsed
         name = names[-1].tobytes().rstrip(b"\0")
@@ -199,8 +196,7 @@ def _chain(buf: bytes, limit: int) -> tuple[list[int], list[int], int]:
 
 
 def _samples(buf: bytes, heads: np.ndarray, sizes: np.ndarray, kinds: np.ndarray, *, base: int, first: int,
-             done: bool, url: str, tokens_key: str, limits: Limits, bound: int,
-             used: int) -> tuple[TokenBlock, int, np.ndarray] | None:
+             done: bool, url: str, decode: DecodeOptions, used: int) -> tuple[TokenBlock, int, np.ndarray] | None:
     blocks = np.frombuffer(buf, np.uint8, count=len(buf) - len(buf) % BLOCK).reshape(-1, BLOCK)
     pax = kinds == _PAX
     regular = (kinds == _REGULAR[0]) | (kinds == _REGULAR[1]) | (kinds == _REGULAR[2])
@@ -213,19 +209,19 @@ def _samples(buf: bytes, heads: np.ndarray, sizes: np.ndarray, kinds: np.ndarray
     members = heads[at]
     before = np.maximum(at - 1, 0)
     firsts = np.where((at > 0) & pax[before], heads[before], members)
-    names = member_names(rows[at], tokens_key)
+    names = member_names(rows[at], decode.tokens_key)
     if names is None:
         return None
     key_len, name_rows = names
     msize = sizes[at]
-    if (msize > min(limits.max_member_bytes, limits.max_sample_bytes)).any():
+    if (msize > min(decode.limits.max_member_bytes, decode.limits.max_sample_bytes)).any():
         return None
     npy = npy_members(blocks[members // BLOCK + 1], members + BLOCK, msize)
     if npy is None:
         return None
     dtype, starts, lengths = npy
     tokens = np.frombuffer(buf, dtype=dtype, count=len(buf) // dtype.itemsize)
-    if not ids_in_range(tokens, starts, lengths, bound):
+    if not ids_in_range(tokens, starts, lengths, id_bound(decode.vocab_size)):
         return None
     numbers = np.arange(first, first + len(members), dtype=np.int64)
     offsets = base + firsts

@@ -15,7 +15,6 @@ from typing import BinaryIO
 import numpy as np
 
 from streampack.io.decode import DecodeOptions
-from streampack.io.limits import id_bound
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote
 from streampack.io.tar_block import _open, parse_tar
@@ -55,8 +54,7 @@ def tar_samples_at(shards: list[tuple[str, Clusters]], *, decode: DecodeOptions,
     joined = b"".join(pieces)
     # each piece is a sample's whole headers and data, so the pieces chain as one tar stream: the block
     # reader parses them as it parses a chunk that ends between samples (no end-of-archive block)
-    parsed = parse_tar(joined, base=0, first=0, end=None, final=False, url="", tokens_key=decode.tokens_key,
-                       limits=decode.limits, bound=id_bound(decode.vocab_size))
+    parsed = parse_tar(joined, base=0, first=0, end=None, final=False, url="", decode=decode)
     if parsed is None or len(parsed[0]) != len(pieces):
         return None
     got, blocks, lo = parsed[0], [], 0
