@@ -26,8 +26,8 @@ from streampack.io.keys import KeySet
 from streampack.io.limits import Limits
 from streampack.io.npy import npy_length
 from streampack.io.tar_decode import decode_tar_sample, decoder_want
-from streampack.io.tar_header import BLOCK, is_plain_member
-from streampack.io.tar_stream import ZERO_BLOCK, CorruptRegion, Cursor, TarMember, iter_tar_members
+from streampack.io.tar_header import BLOCK, opens_region
+from streampack.io.tar_stream import CorruptRegion, Cursor, TarMember, iter_tar_members
 
 _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 _LOOKAHEAD = 16
@@ -171,8 +171,7 @@ class _Peek:
 
     def region_next(self) -> bool:
         if self._region is None:
-            block = self.f.read(BLOCK)  # the range's stream stands at its end
-            self._region = bool(block) and block != ZERO_BLOCK and not is_plain_member(block)
+            self._region = opens_region(self.f.read(BLOCK))  # the range's stream stands at its end
         return self._region
 
     def units(self, *, after_region: bool) -> Iterator[Unit]:

@@ -8,8 +8,19 @@ in older readers). Every problem here is an :class:`Unreadable` that the stream 
 from __future__ import annotations
 
 BLOCK = 512
+ZERO_BLOCK = bytes(BLOCK)
 MAX_DECLARED = 1 << 48
 """256 TiB: past any real member, and ``seek()`` offsets stay in range."""
+REGULAR = (b"0", b"\0", b"7")
+"""Type flags of a member read as a file (``7``: contiguous); both readers skip the others."""
+PAX = b"x"
+EXTENSIONS = (b"L", b"K", PAX, b"g")
+"""Type flags of the headers that describe the member after them (or, ``g``, none)."""
+
+
+def padded(size: int) -> int:
+    """``size`` data bytes with the padding to the next header."""
+    return (size + BLOCK - 1) & -BLOCK
 
 
 class Unreadable(Exception):
@@ -62,10 +73,11 @@ def _signed_checksum(hdr: bytes) -> int:
     return sum(hdr[:148]) + 256 + sum(hdr[156:]) - 256 * high
 
 
-def is_plain_member(block: bytes) -> bool:
-    """Whether ``block`` is a valid header of a plain member (not an extension header, whose
-    content could still prove malformed)."""
-    return is_header(block) and block[156:157] in (b"0", b"\0", b"7")
+def opens_region(block: bytes) -> bool:
+    """Whether ``block``, read past a range's end, is neither the archive's end nor a valid header
+    of a plain member (an extension header's content could still prove malformed): then both
+    readers judge the range's last sample by the samples after it."""
+    return bool(block) and block != ZERO_BLOCK and not (is_header(block) and block[156:157] in REGULAR)
 
 
 def is_header(block: bytes) -> bool:

@@ -15,11 +15,10 @@ from typing import BinaryIO
 import numpy as np
 
 from streampack.io.decode import DecodeOptions
-from streampack.io.limits import id_bound
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, is_remote
-from streampack.io.tar_block import _PAX, _open, _samples  # the block reader's own checks
-from streampack.io.tar_header import BLOCK
+from streampack.io.tar_block import _open, parse_tar
+from streampack.io.tar_header import BLOCK, PAX, padded
 from streampack.io.token_block import TokenBlock
 
 Clusters = list[tuple[list[tuple[int, int]], int]]
@@ -53,15 +52,9 @@ def tar_samples_at(shards: list[tuple[str, Clusters]], *, decode: DecodeOptions,
         read.append(got)
     pieces = [p for r in read for p in r.pieces]
     joined = b"".join(pieces)
-    rel = np.zeros(len(pieces), dtype=np.int64)
-    np.cumsum([len(p) for p in pieces[:-1]], out=rel[1:])
-    walked = _walk(joined, rel.tolist(), limit)
-    if walked is None or walked[-1]:
-        return None
-    heads, sizes, kinds, _, _ = walked
-    parsed = _samples(joined, np.asarray(heads, np.int64), np.asarray(sizes, np.int64), np.asarray(kinds, np.uint8),
-                      base=0, first=0, done=False, url="", tokens_key=decode.tokens_key, limits=decode.limits,
-                      bound=id_bound(decode.vocab_size), used=0)
+    # each piece is a sample's whole headers and data, so the pieces chain as one tar stream: the block
+    # reader parses them as it parses a chunk that ends between samples (no end-of-archive block)
+    parsed = parse_tar(joined, base=0, first=0, end=None, final=False, url="", decode=decode)
     if parsed is None or len(parsed[0]) != len(pieces):
         return None
     got, blocks, lo = parsed[0], [], 0
@@ -114,7 +107,7 @@ def _read_cluster(f: BinaryIO, rel: list[int], need: int, limit: int) -> tuple[b
         walked = _walk(buf, rel, limit)
         if walked is None:
             return None
-        _, _, _, stops, short = walked
+        stops, short = walked
         if not short:
             return buf, rel, stops
         if not more or short - rel[-1] > limit:
@@ -122,34 +115,29 @@ def _read_cluster(f: BinaryIO, rel: list[int], need: int, limit: int) -> tuple[b
         need = short
 
 
-def _walk(buf: bytes, at: list[int], limit: int) -> tuple[list[int], list[int], list[int], list[int], int] | None:
-    """The headers of the samples starting at ``at`` (a pax header then a member, or a member),
-    their sizes and type flags, where each sample ends, and 0, or the bytes to read when the
-    buffer stops short of a sample; None where a size field does not read."""
-    heads: list[int] = []
-    sizes: list[int] = []
-    kinds: list[int] = []
+def _walk(buf: bytes, at: list[int], limit: int) -> tuple[list[int], int] | None:
+    """Where each sample starting at ``at`` (a pax header then a member, or a member) ends, and 0,
+    or the bytes to read when the buffer stops short of a sample; None where a size field does
+    not read or is over ``limit``."""
     ends: list[int] = []
     for p in at:
         for _ in range(2):  # a pax header, then the member
             if p + BLOCK > len(buf):
-                return heads, sizes, kinds, ends, p + BLOCK
+                return ends, p + BLOCK
             try:
                 size = int(buf[p + 124:p + 135], 8)
             except ValueError:
                 return None
             if size > limit:
                 return None
-            heads.append(p)
-            sizes.append(size)
-            kinds.append(buf[p + 156])
-            p += BLOCK + ((size + BLOCK - 1) & -BLOCK)
-            if kinds[-1] != _PAX:
+            kind = buf[p + 156:p + 157]
+            p += BLOCK + padded(size)
+            if kind != PAX:
                 break
         if p > len(buf):
-            return heads, sizes, kinds, ends, p
+            return ends, p
         ends.append(p)
-    return heads, sizes, kinds, ends, 0
+    return ends, 0
 
 
 __all__ = ["Clusters", "tar_samples_at"]

@@ -19,13 +19,10 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from streampack.errors import DataError
+from streampack.io import tar_header
 from streampack.io.limits import MAX_EXTENSION_BYTES
 from streampack.io.open import skip_bytes
-from streampack.io.tar_header import BLOCK, MAX_DECLARED, Unreadable, is_header, parse_header, parse_pax
-
-ZERO_BLOCK = bytes(BLOCK)
-REGULAR = (b"0", b"\0", b"7")
-EXTENSIONS = (b"L", b"K", b"x", b"g")
+from streampack.io.tar_header import BLOCK, Unreadable, is_header, padded, parse_header, parse_pax
 
 
 @dataclass(slots=True)
@@ -69,10 +66,6 @@ class _Header:
         return self.data_at + padded(self.size)
 
 
-def padded(size: int) -> int:
-    return -(-size // BLOCK) * BLOCK
-
-
 class _Reader:
     """Reads headers and data of one tar stream from a known offset."""
 
@@ -113,16 +106,16 @@ class _Reader:
                 if self.end is not None and pos >= self.end and first == pos:
                     return None
                 block = self.read(BLOCK)
-            if block == ZERO_BLOCK and first == pos:
+            if block == tar_header.ZERO_BLOCK and first == pos:
                 return None
             if len(block) < BLOCK:
                 raise DataError("corrupt_shard", self._short(block, pos), url=self.url, value=pos)
             name, size, kind = parse_header(block, first=first, at=pos)
             block = None
-            if kind not in EXTENSIONS:
+            if kind not in tar_header.EXTENSIONS:
                 size = int(pax["size"]) if "size" in pax else size
                 name = pax.get("path", long_name or name)
-                if size >= MAX_DECLARED or (self.size is not None and pos + BLOCK + size > self.size):
+                if size >= tar_header.MAX_DECLARED or (self.size is not None and pos + BLOCK + size > self.size):
                     # a lie, or a file cut inside this member: resync tells them apart
                     raise Unreadable(f"member {name!r} declares {size} bytes, past the end of the file",
                                       first=first, at=pos, name=name)
@@ -135,7 +128,7 @@ class _Reader:
                 raise DataError("corrupt_shard", "truncated tar extension header", url=self.url, value=pos)
             if kind == b"L":
                 long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            elif kind == b"x":
+            elif kind == tar_header.PAX:
                 try:
                     pax = parse_pax(data[:size], first=first, at=pos)
                 except Unreadable as bad:
@@ -210,7 +203,7 @@ def iter_tar_members(f: BinaryIO, *, url: str, start: int, end: int | None = Non
         block = None
         if head is None:
             return
-        regular = head.kind in REGULAR
+        regular = head.kind in tar_header.REGULAR
         cursor.pending = (head.name, head.first)
         data = reader.data(head, want(head.name) if regular else 0, max_bytes)
         cursor.pending = None
