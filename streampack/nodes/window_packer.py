@@ -80,12 +80,10 @@ from streampack.plan.rows import (
     unread_rows,
 )
 from streampack.plan.state import (
+    make_table,
     record_of,
     record_text,
-    refs_table,
-    refs_to_state,
     samples_from_state,
-    samples_to_state,
     table_refs,
     table_size,
     table_slice,
@@ -341,17 +339,14 @@ class WindowPacker(BaseNode[PackRows]):
         """The held documents as references (56 bytes each, whatever their length), and as their
         tokens where they cannot be re-read (no replay, or a Sample without an origin): what
         ``state.samples_to_table`` makes of their Samples."""
-        if self.replay is None:
-            is_ref = np.zeros(len(held), dtype=bool)
-        else:
-            is_ref = held["shard"] != NO_ORIGIN
-            if is_ref.all():
-                return refs_table(ref_table(held))
+        is_ref = held["shard"] != NO_ORIGIN if self.replay is not None else np.zeros(len(held), dtype=bool)
         stored = take(held, ~is_ref)
-        blocks = {k: v for p in packs for k, v in p.blocks.items()}  # the store keeps only the carry's
-        blocks.update({b: self.store.blocks[b] for b in set(stored["block"].tolist()) - blocks.keys()})
-        return {"is_ref": torch.from_numpy(is_ref), "refs": refs_to_state(ref_table(take(held, is_ref))),
-                "stored": samples_to_state(PackRows(rows=stored, blocks=blocks).samples())}
+        samples: list[Sample] = []
+        if len(stored):
+            blocks = {k: v for p in packs for k, v in p.blocks.items()}  # the store keeps only the carry's
+            blocks.update({b: self.store.blocks[b] for b in set(stored["block"].tolist()) - blocks.keys()})
+            samples = PackRows(rows=stored, blocks=blocks).samples()
+        return make_table(is_ref, ref_table(take(held, is_ref)), samples)
 
     @classmethod
     def undelivered(cls, state: Mapping[str, Any]) -> Undelivered:

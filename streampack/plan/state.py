@@ -138,22 +138,27 @@ def ref_of(sample: Sample) -> tuple[int, ...] | None:
                   "chunk": o.chunk, "length": len(sample)}[name] for name in REF_COLUMNS)
 
 
+def make_table(is_ref: np.ndarray, refs: np.ndarray, stored: Sequence[Sample]) -> dict[str, Any]:
+    """The one layout of a table: which rows are references (bool ``[n]``), the references (an array of
+    :data:`REF`, in order) and the tokens of the other rows (:func:`samples_to_state`, in order)."""
+    # a copy: torch.from_numpy of an empty array may share its (null) storage with the empty refs columns,
+    # which torch.save refuses as one storage seen as two types
+    return {"is_ref": torch.tensor(np.asarray(is_ref, dtype=bool), dtype=torch.bool), "refs": refs_to_state(refs),
+            "stored": samples_to_state(stored)}
+
+
 def samples_to_table(samples: Sequence[Sample], *, by_reference: bool) -> dict[str, Any]:
     """Samples -> a table: a reference for each sample with an origin (when ``by_reference``), the tokens
     of the others (:func:`samples_to_state`), and which is which."""
     records = [ref_of(s) if by_reference else None for s in samples]
-    is_ref = [r is not None for r in records]
-    return {
-        "is_ref": torch.tensor(is_ref, dtype=torch.bool),
-        "refs": refs_to_state(np.array([r for r in records if r is not None], dtype=REF)),
-        "stored": samples_to_state([s for s, r in zip(samples, is_ref) if not r]),
-    }
+    is_ref = np.array([r is not None for r in records], dtype=bool)
+    return make_table(is_ref, np.array([r for r in records if r is not None], dtype=REF),
+                      [s for s, r in zip(samples, is_ref) if not r])
 
 
 def refs_table(refs: np.ndarray) -> dict[str, Any]:
     """A table of references only (no stored tokens)."""
-    return {"is_ref": torch.ones(len(refs), dtype=torch.bool), "refs": refs_to_state(refs),
-            "stored": samples_to_state([])}
+    return make_table(np.ones(len(refs), dtype=bool), refs, [])
 
 
 def table_refs(table: Mapping[str, Any]) -> np.ndarray:
@@ -172,16 +177,15 @@ def table_slice(table: Mapping[str, Any], lo: int, hi: int) -> dict[str, Any]:
     inside = int(is_ref[lo:hi].sum())
     stored = samples_from_state(table["stored"])
     s_before = lo - before
-    return {"is_ref": is_ref[lo:hi].clone(), "refs": refs_to_state(table_refs(table)[before:before + inside]),
-            "stored": samples_to_state(stored[s_before:s_before + (hi - lo - inside)])}
+    return make_table(is_ref[lo:hi].numpy().copy(), table_refs(table)[before:before + inside],
+                      stored[s_before:s_before + (hi - lo - inside)])
 
 
 def concat_tables(tables: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if not tables:
         return samples_to_table([], by_reference=True)
-    return {"is_ref": torch.cat([t["is_ref"] for t in tables]),
-            "refs": refs_to_state(np.concatenate([table_refs(t) for t in tables])),
-            "stored": samples_to_state([s for t in tables for s in samples_from_state(t["stored"])])}
+    return make_table(torch.cat([t["is_ref"] for t in tables]).numpy(), np.concatenate([table_refs(t) for t in tables]),
+                      [s for t in tables for s in samples_from_state(t["stored"])])
 
 
 def table_lengths(table: Mapping[str, Any]) -> np.ndarray:
