@@ -26,7 +26,7 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorPolicy
 from streampack.logs import get_logger, warn_every
-from streampack.nodes.block_reader import BlockReader, DocRun
+from streampack.nodes.block_reader import BlockReader
 from streampack.options.packing import OVERLONG_POLICIES
 from streampack.plan.cursor import (
     POSITION_FIELDS,
@@ -40,7 +40,7 @@ from streampack.plan.cursor import (
     split_samples,
 )
 from streampack.plan.epoch_plan import chunk_lengths
-from streampack.plan.rows import BlockStore, PackRows, cat, repeat, rows_of, sample_rows
+from streampack.plan.rows import BlockStore, PackRows, block_rows, cat, repeat, rows_of, sample_rows
 from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
 from streampack.sample import Sample
 
@@ -190,23 +190,6 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
     return chunks
 
 
-def base_rows(run: DocRun, k: int, store: BlockStore) -> np.ndarray:
-    """The first ``k`` documents of ``run`` as rows (whole documents: chunk -1)."""
-    block, lo = run.block, run.lo
-    rows = rows_of(k)
-    rows["length"] = block.lengths[lo:lo + k]
-    rows["source"], rows["shard"], rows["epoch"] = run.source, run.shard, run.epoch
-    rows["offset"] = block.offsets[lo:lo + k]
-    rows["number"] = block.numbers[lo:lo + k]
-    rows["next_offset"] = block.next_offsets[lo:lo + k]
-    rows["next_number"] = block.next_numbers[lo:lo + k]
-    rows["chunk"] = -1
-    rows["block"] = store.add(block)
-    rows["doc"] = np.arange(lo, lo + k)
-    rows["start"] = block.starts[lo:lo + k]
-    return rows
-
-
 def chunk_counts(lengths: np.ndarray, max_len: int, policy: str) -> np.ndarray:
     """Documents each of ``lengths`` becomes under ``policy`` (``apply_overlong``)."""
     if policy == "split":
@@ -348,7 +331,8 @@ class OverlongNode(BaseNode[Sample]):
             k = bad + 1
         if not run.consumed:
             self.source.consume(k)  # type: ignore[attr-defined]
-        rows = base_rows(run, k, self.store)
+        rows = block_rows(run.block, slice(run.lo, run.lo + k), self.store, source=run.source, shard=run.shard,
+                          epoch=run.epoch)
         last = Pulled(**{name: int(rows[-1][name]) for name in PULLED_FIELDS})
         self._last[last.source] = last
         if bad >= 0:
@@ -443,5 +427,5 @@ class OverlongNode(BaseNode[Sample]):
 
 
 assert OVERLONG_POLICIES == ("split", "truncate", "drop", "error")
-__all__ = ["OverlongCounters", "OverlongNode", "apply_overlong", "base_rows", "check_policy", "chunk_counts",
+__all__ = ["OverlongCounters", "OverlongNode", "apply_overlong", "check_policy", "chunk_counts",
            "cut_lengths", "expand"]

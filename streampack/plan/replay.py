@@ -46,11 +46,10 @@ from streampack.io.formats import ShardRange, open_range
 from streampack.io.storage import OpenOptions, is_remote
 from streampack.io.token_block import TokenBlock
 from streampack.io.urls import ShardList, shard_format
-from streampack.nodes.block_reader import DocRun
-from streampack.nodes.overlong import apply_overlong, base_rows, expand
+from streampack.nodes.overlong import apply_overlong, expand
 from streampack.nodes.tokenize import TextEncoder
 from streampack.plan.cursor import Position
-from streampack.plan.rows import BlockStore, put, rows_of, sample_rows
+from streampack.plan.rows import BlockStore, block_rows, put, rows_of, sample_rows
 from streampack.plan.state import REF, REF_COLUMNS
 from streampack.sample import Sample, SampleOrigin
 
@@ -235,7 +234,7 @@ class Replayer:
             block, _, source, shard = where[members[0]]
             idx = np.asarray(members, dtype=np.int64)
             docs = np.fromiter((where[i][1] for i in members), dtype=np.int64, count=len(members))
-            put(out, idx, _doc_rows(block, docs, store.add(block), source, shard))
+            put(out, idx, block_rows(block, docs, store, source=source, shard=shard))
         out["epoch"] = refs["epoch"]
         self._cut_as_saved(out, refs)
         return out
@@ -287,8 +286,8 @@ class Replayer:
 
     def _cut(self, doc: tuple[TokenBlock, int, int, int], epoch: int, store: BlockStore) -> np.ndarray:
         block, i, source, shard = doc
-        run = DocRun(block=block, lo=i, hi=i + 1, epoch=epoch, source=source, shard=shard)
-        rows, _ = expand(base_rows(run, 1, store), self.spec.max_len, self.spec.policy)
+        rows = block_rows(block, slice(i, i + 1), store, source=source, shard=shard, epoch=epoch)
+        rows, _ = expand(rows, self.spec.max_len, self.spec.policy)
         return rows
 
     def _read_all(self, refs: np.ndarray,
@@ -410,20 +409,6 @@ def _group_of(blocks: list[TokenBlock], row: int) -> TokenBlock | None:
         if int(block.offsets[0]) <= row <= int(block.offsets[-1]):
             return block
     return None
-
-
-def _doc_rows(block: TokenBlock, docs: np.ndarray, bid: int, source: int, shard: int) -> np.ndarray:
-    """Documents ``docs`` of ``block`` as whole-document rows."""
-    rows = rows_of(docs.shape[0])
-    rows["length"] = block.lengths[docs]
-    rows["source"], rows["shard"], rows["chunk"], rows["block"] = source, shard, -1, bid
-    rows["offset"] = block.offsets[docs]
-    rows["number"] = block.numbers[docs]
-    rows["next_offset"] = block.next_offsets[docs]
-    rows["next_number"] = block.next_numbers[docs]
-    rows["doc"] = docs
-    rows["start"] = block.starts[docs]
-    return rows
 
 
 def _span(cluster: list[tuple[int, int]], lengths: dict[int, int], remote: bool) -> int:

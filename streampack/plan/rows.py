@@ -88,6 +88,21 @@ def unread_rows(refs: np.ndarray, policy: str) -> np.ndarray:
     return rows
 
 
+def block_rows(block: TokenBlock, docs: slice | np.ndarray, store: BlockStore, *, source: int, shard: int,
+               epoch: int = 0) -> np.ndarray:
+    """Documents ``docs`` of ``block`` (a slice on the reading path, indices on a re-read) as
+    whole-document rows: chunk -1, pointing into ``block`` (added to ``store``)."""
+    rows = rows_of(len(block.lengths[docs]))
+    rows["length"] = block.lengths[docs]
+    rows["source"], rows["shard"], rows["epoch"], rows["chunk"] = source, shard, epoch, -1
+    rows["offset"], rows["number"] = block.offsets[docs], block.numbers[docs]
+    rows["next_offset"], rows["next_number"] = block.next_offsets[docs], block.next_numbers[docs]
+    rows["block"] = store.add(block)
+    rows["doc"] = np.arange(docs.start, docs.stop) if isinstance(docs, slice) else docs
+    rows["start"] = block.starts[docs]
+    return rows
+
+
 def sample_rows(samples: Sequence[Sample], store: BlockStore) -> np.ndarray:
     """Rows of ``samples`` (each one document, as the overlong policy left it), pointing into
     one new block of them: their origins become the rows' origin fields."""
@@ -237,5 +252,5 @@ def make_packs(rows: np.ndarray, sizes: list[int], blocks: Mapping[int, TokenBlo
             for j, (lo, hi) in enumerate(zip(cut, bounds[1:]))]
 
 
-__all__ = ["COLUMNS", "NO_ORIGIN", "ROW", "UNREAD", "BlockStore", "PackRows", "cat", "make_packs", "put", "ref_table", "repeat",
-           "rows_of", "sample_rows", "take", "unread_rows"]
+__all__ = ["COLUMNS", "NO_ORIGIN", "ROW", "UNREAD", "BlockStore", "PackRows", "block_rows", "cat", "make_packs", "put",
+           "ref_table", "repeat", "rows_of", "sample_rows", "take", "unread_rows"]
