@@ -108,20 +108,14 @@ def check_header(header: ImageHeader, *, url: str, key: str, name: str, max_pixe
                         f"{sorted(MODES)}", url=url, key=key, value=header.mode)
 
 
-def read_images(named: list[tuple[str, bytes]], *, url: str, key: str, max_pixels: int,
-                max_sample_pixels: int) -> tuple[MediaImage, ...]:
-    """Every ``(name, bytes)`` of one sample as a :class:`MediaImage`, in order; the pixels of
-    all of them together must stay within ``max_sample_pixels`` (``sample_too_large``)."""
-    out, total = [], 0
+def read_images(named: list[tuple[str, bytes]], *, url: str, key: str, max_pixels: int) -> tuple[MediaImage, ...]:
+    """Every ``(name, bytes)`` of one sample as a :class:`MediaImage`, in order."""
+    out = []
     for name, data in named:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise DataError("bad_image", f"image {name!r} is {type(data).__name__}, want bytes", url=url, key=key,
                             value=name)
         data = bytes(data)
-        header = read_header(data, url=url, key=key, name=name, max_pixels=max_pixels)
-        total += header.pixels
-        if total > max_sample_pixels:
-            raise DataError("sample_too_large", f"images up to {name!r} declare {total} pixels, over "
-                            f"max_sample_pixels={max_sample_pixels}", url=url, key=key, value=total)
-        out.append(MediaImage(name=name, data=data, header=header))
+        out.append(MediaImage(name=name, data=data, header=read_header(data, url=url, key=key, name=name,
+                                                                       max_pixels=max_pixels)))
     return tuple(out)

@@ -19,7 +19,7 @@ from streampack.errors import DataError, ErrorPolicy
 from streampack.layout.vision_batch import VisionLayout
 from streampack.media.decode import decode_image
 from streampack.media.options import MediaOptions
-from streampack.media.stage import media_counts, token_starts
+from streampack.media.stage import media_spans
 from streampack.media.tokens import AnyResTiles, DynamicResolution, FixedTokens
 from streampack.media.video import MediaVideo
 from streampack.media.video_decode import video_pixels
@@ -87,25 +87,19 @@ def decode_sample(sample: Sample, options: MediaOptions) -> Sample:
     """``sample`` with every image and video decoded and placed on its token run; raises DataError."""
     if not sample.images:
         return _no_placeholders(sample, options)
-    counts = media_counts(sample, options)
-    images = [m for m in sample.images if not isinstance(m, MediaVideo)]
-    videos = [m for m in sample.images if isinstance(m, MediaVideo)]
-    layout = options.layout
-    merge = options.rule.merge_size if layout == "patches" else 1
+    spans = media_spans(sample, options)
+    merge = options.rule.merge_size if options.layout == "patches" else 1
     decoded = []
-    image_at = token_starts(sample, options.image_token_id, counts[0], "image").tolist()
-    for image, start, n in zip(images, image_at, counts[0]):
-        px = decode_image(image, options, url=sample.url, key=sample.key)
-        decoded.append(DecodedImage(pixels=px.values, grid_thw=px.grid_thw, offset=start, length=n, size=px.size,
-                                    token_id=options.image_token_id, merge_size=merge, layout=layout))
-    if videos:
-        assert options.video_token_id is not None
-        video_at = token_starts(sample, options.video_token_id, counts[1], "video").tolist()
-        for video, start, n in zip(videos, video_at, counts[1]):
-            px = video_pixels(video, options, url=sample.url, key=sample.key)
-            decoded.append(DecodedImage(pixels=px.values, grid_thw=px.grid_thw, offset=start, length=n,
-                                        token_id=options.video_token_id, merge_size=merge, layout="patches",
-                                        video=True))
+    for start, stop, i in zip(spans.start.tolist(), spans.stop.tolist(), spans.item.tolist()):
+        item = sample.images[i]
+        video = isinstance(item, MediaVideo)
+        if video:
+            px = video_pixels(item, options, url=sample.url, key=sample.key)
+        else:
+            px = decode_image(item, options, url=sample.url, key=sample.key)
+        decoded.append(DecodedImage(pixels=px.values, grid_thw=px.grid_thw, offset=start, length=stop - start,
+                                    size=px.size, token_id=options.video_token_id if video else options.image_token_id,
+                                    merge_size=merge, layout="patches" if video else options.layout, video=video))
     return sample.evolve(images=tuple(decoded))
 
 

@@ -45,11 +45,11 @@ class MediaReader:
 
     def tar_images(self, fields: Mapping[str, bytes], limits: Limits, *, url: str, key: str) -> tuple[Any, ...]:
         if self.options.video is None:
-            images = numbered([(f, raw) for f, raw in fields.items() if self.is_image_field(f)], url=url, key=key)
-            return _images(images, limits, url=url, key=key)
-        images, frames = split_tar_fields(fields, self.options.videos_key, self.is_image_field)
-        return self._media(numbered(images, url=url, key=key), tar_videos(frames, url=url, key=key), limits,
-                           url=url, key=key)
+            images, videos = [(f, raw) for f, raw in fields.items() if self.is_image_field(f)], []
+        else:
+            images, frames = split_tar_fields(fields, self.options.videos_key, self.is_image_field)
+            videos = tar_videos(frames, url=url, key=key)
+        return self._media(numbered(images, url=url, key=key), videos, limits, url=url, key=key)
 
     def column_media(self, row: Mapping[str, Any], limits: Limits, *, url: str, key: str) -> tuple[Any, ...]:
         """Images and videos of a parquet row (``{"images": value, "videos": value}``)."""
@@ -73,16 +73,17 @@ class MediaReader:
 
     def _media(self, images: list[tuple[str, Any]], videos: list[tuple[str, list[tuple[str, Any]]]], limits: Limits,
                *, url: str, key: str) -> tuple[Any, ...]:
-        out: list[MediaImage | MediaVideo] = list(_images(images, limits, url=url, key=key))
+        out: list[MediaImage | MediaVideo] = list(read_images(images, url=url, key=key,
+                                                              max_pixels=limits.max_image_pixels))
         for name, frames in videos:
             out.append(read_video(name, frames, max_frames=self.options.video.max_frames,
-                                  max_pixels=limits.max_image_pixels, max_sample_pixels=limits.max_sample_pixels,
-                                  url=url, key=key))
+                                  max_pixels=limits.max_image_pixels, url=url, key=key))
         total = sum(im.header.pixels for im in out if isinstance(im, MediaImage)) + sum(
             f.header.pixels for v in out if isinstance(v, MediaVideo) for f in v.frames)
         if total > limits.max_sample_pixels:
-            raise DataError("sample_too_large", f"images and video frames declare {total} pixels, over "
-                            f"max_sample_pixels={limits.max_sample_pixels}", url=url, key=key, value=total)
+            raise DataError("sample_too_large", f"the sample's images{' and video frames' if videos else ''} declare "
+                            f"{total} pixels, over max_sample_pixels={limits.max_sample_pixels}", url=url, key=key,
+                            value=total)
         return tuple(out)
 
     def _path(self, path: Any, limits: Limits, *, url: str, key: str) -> tuple[str, bytes]:
@@ -124,11 +125,6 @@ def numbered(members: list[tuple[str, Any]], *, url: str, key: str) -> list[tupl
 
 def _is_number(part: str) -> bool:
     return part.isascii() and part.isdigit()
-
-
-def _images(named: list[tuple[str, Any]], limits: Limits, *, url: str, key: str) -> tuple[MediaImage, ...]:
-    return read_images(named, url=url, key=key, max_pixels=limits.max_image_pixels,
-                       max_sample_pixels=limits.max_sample_pixels)
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -49,19 +49,6 @@ class MediaSpans:
     """int64 ``[k]``: its index in ``sample.images``."""
 
 
-def token_starts(sample: Sample, token_id: int, counts: list[int], kind: str) -> np.ndarray:
-    """Where each of the ``len(counts)`` runs of ``token_id`` starts in ``sample.tokens``;
-    ``DataError("image_tokens_mismatch")`` naming shard and key when they are not those runs."""
-    assert sample.tokens is not None
-    starts = image_starts(sample.tokens, token_id, counts)
-    if starts is None:
-        found = int((sample.tokens == token_id).sum())
-        raise DataError("image_tokens_mismatch", f"{found} {kind} tokens (id {token_id}) are not {len(counts)} "
-                        f"contiguous runs of {counts} (a stage after the expansion changed the tokens?)",
-                        url=sample.url, key=sample.key, value=found)
-    return starts
-
-
 def media_spans(sample: Sample, options: MediaOptions) -> MediaSpans:
     """The token span of every image and video of the expanded ``sample``; a sample whose placeholder runs are not its
     items' counts (a stage after the expansion changed the tokens) is ``DataError("image_tokens_mismatch")``."""
@@ -73,7 +60,12 @@ def media_spans(sample: Sample, options: MediaOptions) -> MediaSpans:
                                      ("video", options.video_token_id, counts[1], np.flatnonzero(is_video))):
         if token_id is None:
             continue
-        first = token_starts(sample, token_id, n, kind)
+        first = image_starts(sample.tokens, token_id, n)
+        if first is None:
+            found = int((sample.tokens == token_id).sum())
+            raise DataError("image_tokens_mismatch", f"{found} {kind} tokens (id {token_id}) are not {len(n)} "
+                            f"contiguous runs of {n} (a stage after the expansion changed the tokens?)",
+                            url=sample.url, key=sample.key, value=found)
         starts.append(first)
         stops.append(first + np.asarray(n, dtype=np.int64))
         items.append(index)

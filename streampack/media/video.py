@@ -85,15 +85,15 @@ def column_videos(value: Any, videos_key: str, *, url: str, key: str) -> list[tu
     return [(f"{videos_key}[0]", list(value))]
 
 
-def read_video(name: str, frames: list[tuple[str, Any]], *, max_frames: int, max_pixels: int,
-               max_sample_pixels: int, url: str, key: str) -> MediaVideo:
+def read_video(name: str, frames: list[tuple[str, Any]], *, max_frames: int, max_pixels: int, url: str,
+               key: str) -> MediaVideo:
     """One video from its ``(frame name, bytes)`` list, headers read and checked."""
     if not frames:
         raise DataError("bad_video", f"video {name!r} has no frame", url=url, key=key, value=name)
     if len(frames) > max_frames:
         raise DataError("video_too_long", f"video {name!r} has {len(frames)} frames, over max_frames={max_frames}",
                         url=url, key=key, value=len(frames))
-    read = read_images(frames, url=url, key=key, max_pixels=max_pixels, max_sample_pixels=max_sample_pixels)
+    read = read_images(frames, url=url, key=key, max_pixels=max_pixels)
     size = (read[0].header.width, read[0].header.height)
     for frame in read[1:]:
         if (frame.header.width, frame.header.height) != size:

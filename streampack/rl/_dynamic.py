@@ -1,7 +1,8 @@
 """streampack's own dynamic batching convention (``convention="balanced"``), on lengths.
 
 Longest first, so the peak-memory micro-batch runs first (an OOM shows at micro-batch 0). Ranks are dealt one round of
-``dp_size`` sorted sequences at a time, largest to the lightest rank, and each rank cuts its run into micro-batches with
+``dp_size`` sorted sequences at a time, largest to the lightest rank (token balance 1.0001 where ROLL's stride deal
+gives 1.018, ``benchmarks/bench_rl.py``), and each rank cuts its run into micro-batches with
 ``count * round_up(max_len) <= budget``. This reproduces NeMo-RL's diagram exactly, order included.
 """
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from streampack.rl._dynamic import group
+
 
 def roll_rows(idx: np.ndarray, lens: np.ndarray, rounded: np.ndarray, overlong: np.ndarray,
               dp: int, budget: int, pp_size: int, where: str) -> tuple[list[list[np.ndarray]], list[int]]:
@@ -28,17 +30,10 @@ def roll_rows(idx: np.ndarray, lens: np.ndarray, rounded: np.ndarray, overlong: 
     shards = [order[r::dp] for r in range(dp)]
     row_len = np.max([rounded[s] for s in shards], axis=0)
     row_over = np.any([overlong[s] for s in shards], axis=0)
-    ranges: list[list[int]] = []
-    lengths: list[int] = []
-    for j in range(row_len.size):
-        if ranges and not row_over[j] and not row_over[ranges[-1][0]]:
-            width = max(lengths[-1], int(row_len[j]))
-            if (j + 1 - ranges[-1][0]) * width <= budget:
-                ranges[-1][1] = j + 1
-                lengths[-1] = width
-                continue
-        ranges.append([j, j + 1])
-        lengths.append(int(row_len[j]))
+    # rows are cut like one rank's sorted run, with each row's length its longest over the ranks
+    groups = group(np.arange(row_len.size), row_len, row_over, budget)
+    ranges = [[int(ix[0]), int(ix[-1]) + 1] for ix, _ in groups]
+    lengths = [width for _, width in groups]
     _split_to_multiple(ranges, lengths, pp_size, where)
     return [[shard[s:e] for s, e in ranges] for shard in shards], lengths
 

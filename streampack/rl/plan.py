@@ -1,18 +1,11 @@
-"""Micro-batch plans for an in-memory RL rollout batch, computed from sequence lengths only.
+"""Micro-batch plans for an in-memory RL rollout batch, computed from sequence lengths only (reference: ``docs/rl.md``).
 
-Two planners, one record (:class:`MicroBatchPlan`: rank -> micro-batch -> sequence indices):
-
-* :func:`plan_dynamic_batches` (padded ``[b, L]`` micro-batches, any attention kernel): sort,
-  deal to DP ranks, cut into micro-batches whose padded size ``count x L`` never exceeds the
-  budget. Conventions: ``"balanced"`` (:mod:`streampack.rl._dynamic`, longest first, dealt
-  largest-to-lightest: balance 1.0001 where ROLL's stride deal gives 1.018) and ``"roll"``
-  (:mod:`streampack.rl._roll`, ROLL's code exactly). Both are hard caps.
-* :func:`plan_packed_microbatches` (one THD pack per micro-batch): Karmarkar-Karp from the
-  batch to DP ranks, then from each rank to ``M`` micro-batches (ROLL sequence packing §2.4).
-
-Both give every rank the same number of micro-batches, none empty, a multiple of ``pp_size``,
-or raise ``ValueError`` instead of planning a hang. On 1024 lognormal lengths, dp 8, budget 16384
-(``benchmarks/bench_rl.py``) padding is 82% for the naive batch max, 6.2% dynamic, 2.1% packed.
+Two planners, one record (:class:`MicroBatchPlan`: rank -> micro-batch -> sequence indices): :func:`plan_dynamic_batches`
+(padded ``[b, L]`` micro-batches, conventions in :mod:`streampack.rl._dynamic` and :mod:`streampack.rl._roll`) and
+:func:`plan_packed_microbatches` (one THD pack per micro-batch, Karmarkar-Karp to ranks, then to micro-batches). Both
+give every rank the same number of micro-batches, none empty, a multiple of ``pp_size``, or raise ``ValueError`` instead
+of planning a hang. On 1024 lognormal lengths, dp 8, budget 16384 (``benchmarks/bench_rl.py``) padding is 82% for the
+naive batch max, 6.2% dynamic, 2.1% packed.
 """
 
 from __future__ import annotations
@@ -137,13 +130,6 @@ def _balanced_parts(values: np.ndarray, k: int) -> list[np.ndarray]:
     # positive values and k <= n: largest differencing never leaves a part empty
     assert len(parts) == k and all(p.size for p in parts), "partition left a part empty"
     return parts
-
-
-def _bins(values: np.ndarray, capacity: int, algorithm: str) -> list[np.ndarray]:
-    """Bins of item indices, each with ``sum(values) <= capacity``."""
-    out = [np.asarray(b, dtype=np.int64) for b in pack(values, capacity, algorithm=algorithm)]
-    assert all(int(values[b].sum()) <= capacity for b in out), "a bin exceeds its capacity"
-    return out
 
 
 def _check_args(seq_lens: Any, **positive: int) -> np.ndarray:
@@ -310,7 +296,7 @@ def _kk_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, weights: np.n
 
 def _binned_microbatches(ranks: list[np.ndarray], aligned: np.ndarray, budget: int, min_mb: int,
                          algorithm: str) -> list[list[np.ndarray]]:
-    bins = [[r[b] for b in _bins(aligned[r], budget, algorithm)] for r in ranks]
+    bins = [[r[b] for b in pack(aligned[r], budget, algorithm=algorithm)] for r in ranks]
     count = max(min_mb, max(len(b) for b in bins))
     for r, rank_bins in enumerate(bins):
         while len(rank_bins) < count:  # split the fullest multi-sequence bin in two

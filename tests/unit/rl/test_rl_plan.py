@@ -315,7 +315,8 @@ def test_property_tests_are_not_vacuous():
 
 @pytest.mark.parametrize("k", [1, 2, 3, 7])
 def test_partition_primitives_match_contracts(k):
-    from streampack.rl.plan import _balanced_parts, _bins
+    from streampack.packing import pack
+    from streampack.rl.plan import _balanced_parts
 
     values = np.random.default_rng(k).integers(1, 100, size=40)
     parts = _balanced_parts(values, k)
@@ -323,7 +324,7 @@ def test_partition_primitives_match_contracts(k):
     assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(40))
     assert max(values[p].sum() for p in parts) - min(values[p].sum() for p in parts) <= 99
     for algorithm in ("ffd", "bfd"):
-        bins = _bins(values, 150, algorithm)
+        bins = pack(values, 150, algorithm=algorithm)  # what _binned_microbatches packs each rank with
         assert np.array_equal(np.sort(np.concatenate(bins)), np.arange(40))
         assert all(values[b].sum() <= 150 for b in bins)
 
