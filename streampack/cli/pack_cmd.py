@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -58,16 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run)
 
 
-def _metrics(lengths: np.ndarray, bins: list[np.ndarray], capacity: int) -> dict[str, Any]:
-    from streampack.packing.metrics import packing_metrics
-
-    m = packing_metrics(lengths, bins, capacity)
-    raw = dataclasses.asdict(m) if dataclasses.is_dataclass(m) else dict(vars(m))
-    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in raw.items()
-            if isinstance(v, (int, float, str, bool, np.integer, np.floating))
-            or (isinstance(v, np.ndarray) and v.size <= 64)}
-
-
 def _overlong_summary(c: OverlongCounters) -> str:
     return (f"{c.samples_split} split into {c.chunks_created} chunks, {c.samples_truncated} truncated "
             f"({c.tokens_truncated} tokens cut), {c.samples_dropped} dropped ({c.tokens_dropped} tokens)")
@@ -80,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from streampack.io.packed_writer import write_packed_dataset
     from streampack.nodes.overlong import OverlongCounters, apply_overlong
     from streampack.options import ReadOptions, TokenizeOptions, TopologyOptions
-    from streampack.packing import ALGORITHMS, pack
+    from streampack.packing import ALGORITHMS, pack, packing_metrics
 
     if args.algorithm not in ALGORITHMS:
         raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")
@@ -110,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = np.asarray([len(d) for d in docs], dtype=np.int64)
     aligned = -(-lengths // align) * align
     bins = pack(aligned, args.capacity, algorithm=args.algorithm, seed=args.seed)
-    metrics = _metrics(aligned, bins, args.capacity)
+    metrics = dataclasses.asdict(packing_metrics(aligned, bins, args.capacity))  # ints and floats: JSON as they are
     metrics["fill"] = float(lengths.sum() / (len(bins) * args.capacity))
     with tqdm(total=len(bins), desc="writing", unit="pack", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
         manifest = write_packed_dataset(

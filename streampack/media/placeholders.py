@@ -1,9 +1,8 @@
 """Image placeholders: each image's single placeholder token becomes its rule's count of tokens.
 
 A sample's text holds one ``image_token_id`` per image, in image order (Qwen2-VL's ``<|image_pad|>``, LLaVA's
-``<image>``); :func:`expand_placeholders` repeats each to the image's token count as the HF processors do
-(:func:`expand_text` for text built outside the pipeline), with loss mask 0. An already-expanded sample passes
-unchanged; any other count is ``image_placeholder_mismatch``.
+``<image>``); :func:`expand_placeholders` repeats each to the image's token count as the HF processors do, with loss
+mask 0. An already-expanded sample passes unchanged; any other count is ``image_placeholder_mismatch``.
 """
 
 from __future__ import annotations
@@ -14,14 +13,6 @@ import numpy as np
 
 from streampack.errors import DataError
 from streampack.sample import Sample
-
-
-def expand_text(text: str, placeholder: str, counts: Sequence[int]) -> str:
-    """``text`` with its k-th ``placeholder`` repeated ``counts[k]`` times."""
-    parts = text.split(placeholder)
-    if len(parts) - 1 != len(counts):
-        raise ValueError(f"text holds {len(parts) - 1} placeholders {placeholder!r} for {len(counts)} images")
-    return parts[0] + "".join(placeholder * n + rest for n, rest in zip(counts, parts[1:]))
 
 
 def image_starts(tokens: np.ndarray, image_token_id: int, counts: Sequence[int]) -> np.ndarray | None:

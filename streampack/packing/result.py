@@ -49,17 +49,6 @@ class PackResult:
         """int64 ``[num_bins]``: tokens per bin."""
         return self.bin_sums(np.asarray(lengths, dtype=np.int64))
 
-    def bin_ids(self) -> np.ndarray:
-        """int64 ``[n]``: the bin of each position of ``order``."""
-        return np.repeat(np.arange(self.num_bins, dtype=np.int64), self.sizes())
-
-    @staticmethod
-    def from_bins(bins: list[np.ndarray]) -> PackResult:
-        """The flat form of a list of index arrays (e.g. a packing built by hand)."""
-        sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
-        order = np.concatenate(bins).astype(np.int64) if bins else np.zeros(0, dtype=np.int64)
-        return PackResult(order=order, offsets=np.concatenate(([0], np.cumsum(sizes))))
-
 
 class Bins(Sequence[np.ndarray]):
     """The bins of a ``PackResult`` as a read-only sequence: ``bins[b]`` is the int64 view

@@ -11,7 +11,7 @@ import pytest
 from streampack.errors import DataError
 from streampack.media import DynamicResolution, FixedTokens, MediaImage, MediaOptions, read_header
 from streampack.media.decode import decode_image
-from streampack.media.placeholders import expand_placeholders, expand_text
+from streampack.media.placeholders import expand_placeholders
 from streampack.sample import Sample
 from tests.helpers_media import IMAGE_ID, image_bytes, png_header_only
 
@@ -67,7 +67,6 @@ def test_placeholders_expand_with_labels_mask_and_extras() -> None:
     with pytest.raises(DataError, match="image_placeholder_mismatch") as e:
         expand_placeholders(s, [3], IMAGE_ID)
     assert e.value.key == "k"
-    assert expand_text("a<image>b<image>", "<image>", [2, 1]) == "a<image><image>b<image>"
 
 
 def test_adjacent_images_are_cut_by_their_counts() -> None:
