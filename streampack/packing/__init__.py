@@ -1,12 +1,9 @@
-"""Packing algorithms: pure functions from item lengths to bins of item indices.
+"""Packing algorithms: pure functions from item lengths to bins of item indices (reference: ``docs/algorithms.md``).
 
 Every algorithm is called as ``(lengths, capacity, *, seed=0) -> Bins``: ``lengths`` is int ``[n]`` (each 1..capacity);
 one int64 array of item indices per bin in layout order, every index exactly once, no bin over capacity, no empty bin,
 deterministic for a seed. ``pack`` is the one entry point, ``pack_flat`` its flat form (:class:`PackResult`),
-``ALGORITHMS`` the registry names are validated against. The kernels run compiled when the ahead-of-time module is
-built, when this process already ran them compiled, or from ``THRESHOLD`` items (see ``_engine``), else as plain Python,
-with identical bins; importing this package loads neither numba nor torch. Timings of every algorithm:
-``benchmarks/README.md``, "Packing kernels".
+``ALGORITHMS`` the registry names are validated against. Importing this package loads neither numba nor torch.
 """
 
 from __future__ import annotations

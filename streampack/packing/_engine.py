@@ -1,9 +1,7 @@
 """Which path runs a packer: compiled kernels or the same kernels as plain Python (identical bins).
 
-``backend="auto"`` runs the compiled kernels when the ahead-of-time module is built (loads in 18 ms, no numba), when
-this process already ran the algorithm compiled (``_LOADED``), or for inputs of at least ``THRESHOLD`` items (numba's
-JIT); otherwise the plain path runs and numba is never imported. ``THRESHOLD`` = 2^16: below it every plain path costs
-at most ~0.2 s, under the ~0.7 s a fresh process pays to load numba (``benchmarks/README.md``, "The threshold").
+``THRESHOLD`` = 2^16: below it every plain path costs at most ~0.2 s, under the ~0.7 s a fresh process pays to load numba
+(``benchmarks/README.md``, "The threshold"); the rest of the ``backend="auto"`` rule is :meth:`Packer.flat`'s.
 """
 
 from __future__ import annotations

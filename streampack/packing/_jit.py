@@ -1,11 +1,10 @@
-"""Compiling the packing kernels with numba, on first use, with a cache outside the package.
+"""Compiling the packing kernels with numba, on first use, with a cache in ``$STREAMPACK_CACHE/numba``.
 
 Each algorithm's inner loop is one *kernel* in the subset of Python numba compiles; the plain path runs it on lists, the
-compiled path ``compiled(kernel)`` on arrays: one source, so the two cannot drift apart. numba is imported only on the
-first large input (or never, when the ahead-of-time module is built). The on-disk cache saves 0.6–3.9 s per process that
-packs a large input (``benchmarks/README.md``, "The on-disk cache"), so it is on, in ``$STREAMPACK_CACHE/numba`` (never
-beside the possibly read-only source); an unwritable directory compiles without it. Kernels are self-contained (enforced
-below), so numba's source-hash key never loads a stale one.
+compiled path ``compiled(kernel)`` on arrays: one source, so the two cannot drift apart. The on-disk cache saves 0.6–3.9 s
+per process that packs a large input (``benchmarks/README.md``, "The on-disk cache"); it is never beside the possibly
+read-only source, and an unwritable directory compiles without it. Kernels are self-contained (enforced below), so
+numba's source-hash key never loads a stale one.
 """
 
 from __future__ import annotations
@@ -13,18 +12,9 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
-
-
-def cache_dir() -> Path:
-    """Where compiled kernels are cached: ``$STREAMPACK_CACHE/numba``, else
-    ``~/.cache/streampack/numba`` (``$XDG_CACHE_HOME`` honoured)."""
-    from streampack.packing import aot
-
-    return aot.cache_root() / "numba"
 
 
 def compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,12 +47,14 @@ def _check_self_contained(kernel: Callable[..., Any]) -> None:
 
 
 def _enable_cache(dispatcher: Any, kernel: Callable[..., Any]) -> None:
-    """Point the dispatcher's cache at ``cache_dir()`` and nowhere else."""
+    """Point the dispatcher's cache at ``$STREAMPACK_CACHE/numba`` and nowhere else."""
     try:
         from numba.core import caching
     except ImportError:  # numba moved its internals: compile without a cache
         return
-    root = str(cache_dir())
+    from streampack.packing import aot
+
+    root = str(aot.cache_root() / "numba")
 
     class Locator(caching.UserProvidedCacheLocator):
         def __init__(self, py_func: Any, py_file: str) -> None:

@@ -1,12 +1,6 @@
-"""Ahead-of-time packing kernels: one extension module, built once per machine, that a
-process loads without importing numba.
-
-    python -m streampack.packing.aot        # build into $STREAMPACK_CACHE/aot (once)
-
-A fresh process's first JIT call costs ~0.7 s (1–10 s on loaded cores), so without a build the plain path serves
-everything below ``THRESHOLD`` at 10–20x the compiled time; the same kernels compiled by ``numba.pycc`` import in 18 ms
-and run as fast as the JIT's (``benchmarks/bench_packing_scaling.py``). The module's name hashes the kernel files,
-numpy's and Python's versions and the machine, so an edited kernel never loads a stale build.
+"""Ahead-of-time packing kernels: one extension module, built once per machine by ``python -m streampack.packing.aot``
+into ``$STREAMPACK_CACHE/aot``, that a process loads in 18 ms without importing numba (``docs/algorithms.md``). Its name
+hashes the kernel files, numpy's and Python's versions and the machine, so an edited kernel never loads a stale build.
 """
 
 from __future__ import annotations
@@ -26,36 +20,22 @@ from typing import Any
 _STATE: dict[str, Any] = {}  # "module": the loaded module, or None once known to be absent
 
 A = "i8[:]"
-SIGNATURES = {  # kernel name -> numba signature; every array is int64, any layout
-    "_bfd_kernel": f"i8({A}, i8, {A}, {A})",
-    "first_fit_kernel": f"i8({A}, {A}, {A}, i8, i8)",
-    "_pairs_kernel": f"i8({', '.join([A] * 6)})",
-    "_round_kernel": f"i8({', '.join([A] * 7)}, i8)",
-    "_unlink_kernel": f"void({A}, {A}, {A})",
-    "group_log": f"void({A}, {A}, {A}, {A})",
-    "_configurations_kernel": f"UniTuple(i8, 2)({A}, {A}, i8, {', '.join([A] * 5)})",
-    "_emit_kernel": f"UniTuple(i8, 2)({', '.join([A] * 5)}, i8, {A}, {A}, {A})",
-    "_next_fit_kernel": f"i8({A}, i8, {A})",
+KERNELS = {  # module -> kernel -> numba signature; every array is int64, any layout
+    "_common": {"group_log": f"void({A}, {A}, {A}, {A})"},
+    "best_fit": {"_bfd_kernel": f"i8({A}, i8, {A}, {A})"},
+    "first_fit": {"first_fit_kernel": f"i8({A}, {A}, {A}, i8, i8)"},
+    "mffd": {"_pairs_kernel": f"i8({', '.join([A] * 6)})"},
+    "balanced": {"_round_kernel": f"i8({', '.join([A] * 7)}, i8)", "_unlink_kernel": f"void({A}, {A}, {A})"},
+    "histogram": {"_configurations_kernel": f"UniTuple(i8, 2)({A}, {A}, i8, {', '.join([A] * 5)})",
+                  "_emit_kernel": f"UniTuple(i8, 2)({', '.join([A] * 5)}, i8, {A}, {A}, {A})"},
+    "sequential": {"_next_fit_kernel": f"i8({A}, i8, {A})"},
 }
-
-
-KERNEL_MODULES = {"_common": ["group_log"], "best_fit": ["_bfd_kernel"], "first_fit": ["first_fit_kernel"],
-                  "mffd": ["_pairs_kernel"], "balanced": ["_round_kernel", "_unlink_kernel"],
-                  "histogram": ["_configurations_kernel", "_emit_kernel"], "sequential": ["_next_fit_kernel"]}
 
 
 def _modules() -> list[ModuleType]:
     # by module path: the package's `mffd` / `histogram` attributes are the packers. Imported
     # here, not at module level: the algorithm modules import `_jit`, which imports this one.
-    return [importlib.import_module(f"streampack.packing.{m}") for m in KERNEL_MODULES]
-
-
-def kernels() -> dict[str, Callable[..., Any]]:
-    """Every kernel the compiled path runs, by name."""
-    found = {name: getattr(module, name)
-             for module, names in zip(_modules(), KERNEL_MODULES.values()) for name in names}
-    assert set(found) == set(SIGNATURES), "a kernel without an AOT signature"
-    return found
+    return [importlib.import_module(f"streampack.packing.{m}") for m in KERNELS]
 
 
 def module_name() -> str:
@@ -63,7 +43,7 @@ def module_name() -> str:
     cost 24 ms), the signatures, numpy's ABI and the interpreter."""
     import numpy as np
 
-    digest = hashlib.sha256(repr(sorted(SIGNATURES.items())).encode())
+    digest = hashlib.sha256(repr(KERNELS).encode())
     for module in _modules():
         digest.update(Path(module.__file__ or "").read_bytes())
     digest.update(f"{np.__version__} {sys.version} {platform.machine()}".encode())
@@ -118,8 +98,9 @@ def build(directory: Path | None = None) -> Path:
     cc = CC(module_name())
     cc.output_dir = str(target)
     cc.verbose = False
-    for name, fn in kernels().items():
-        cc.export(name, SIGNATURES[name])(fn)
+    for module, signatures in zip(_modules(), KERNELS.values()):
+        for name, signature in signatures.items():
+            cc.export(name, signature)(getattr(module, name))
     cc.compile()
     _STATE.clear()  # found on the next call
     return target / f"{module_name()}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
