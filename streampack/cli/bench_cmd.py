@@ -11,12 +11,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from streampack.cli._data import CliError, describe
+from streampack.cli._data import CliError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
-    p.description = describe(__doc__)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: packing, pipeline and cold start at small sizes (under a minute on 2 cores)")
     p.add_argument("--out", default="benchmark-report.md", help="markdown report path (default %(default)s)")

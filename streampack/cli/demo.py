@@ -19,15 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from streampack.cli._data import CliError, describe, no_bar
+from streampack.cli._data import CliError, no_bar
 from streampack.cli.render import fill_bar, glyphs, layout_block
 
 _CHUNK = re.compile(r"/\d+$")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
-    p.description = describe(__doc__)
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--cache-dir", default=None,
                    help="where the corpus and tokenizer live "
@@ -46,13 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (they are off when stderr is not a terminal)")
     p.set_defaults(run=run)
-
-
-def cache_root(flag: str | None) -> Path:
-    if flag:
-        return Path(flag).expanduser()
-    env = os.environ.get("STREAMPACK_CACHE")
-    return Path(env).expanduser() / "demo" if env else Path.home() / ".cache" / "streampack" / "demo"
 
 
 def prepare_corpus(root: Path, *, num_shards: int, docs_per_shard: int, seed: int,
@@ -195,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_seconds <= 0:
         raise CliError(f"--max-seconds={args.max_seconds} must be > 0")
     from streampack.graph import StreamConfig
+    from streampack.io.index_cache import default_cache_dir
     from streampack.options import PackOptions, TopologyOptions
     from streampack.packing import ALGORITHMS
 
@@ -206,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
                      topology=TopologyOptions(cp_size=args.cp_size, tp_size=args.tp_size))
     except ValueError as e:
         raise CliError(str(e)) from None
-    root = cache_root(args.cache_dir)
+    root = Path(args.cache_dir).expanduser() if args.cache_dir else Path(default_cache_dir()) / "demo"
     urls, tokenizer, reused = prepare_corpus(root, num_shards=args.num_shards, docs_per_shard=args.docs_per_shard,
                                              seed=args.seed, progress=not args.no_progress)
     size = sum(os.path.getsize(u) for u in urls) / 1e6

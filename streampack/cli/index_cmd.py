@@ -22,12 +22,10 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
-from streampack.cli._data import CliError, add_limit_arguments, describe, parsed_limits
+from streampack.cli._data import CliError, add_limit_arguments, parsed_limits
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
-    p.description = describe(__doc__)
     p.add_argument("urls", nargs="+", help="shards: paths, globs, brace patterns, directories or fsspec URLs")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the manifest and index files here (PackedDataset's manifest=DIR); local or a URL")

@@ -19,7 +19,8 @@ class Command:
     """A subcommand as the top-level parser lists it, without importing its module."""
 
     module: str
-    """Module with ``add_arguments(parser)`` and ``run(args) -> int``."""
+    """Module with ``add_arguments(parser)`` and ``run(args) -> int``; its docstring's first paragraph is the
+    subcommand's ``--help`` description."""
     help: str
 
 
@@ -52,7 +53,11 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.help)
         if commands is None or name in commands:
-            importlib.import_module(command.module).add_arguments(p)
+            from streampack.cli._data import describe
+
+            module = importlib.import_module(command.module)
+            p.description = describe(module.__doc__)
+            module.add_arguments(p)
         # SUPPRESS: a subcommand's default must not overwrite a --debug given before it
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show tracebacks instead of one-line errors")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from streampack.cli._data import CliError, Documents, add_input_guards, describe, input_guards, no_bar
+from streampack.cli._data import CliError, Documents, add_input_guards, input_guards, no_bar
 from streampack.errors import ON_ERROR_CHOICES
 
 if TYPE_CHECKING:
@@ -27,8 +27,6 @@ OVERLONG_POLICIES: tuple[str, ...] = ("split", "truncate", "drop", "error")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The subcommand's arguments (``streampack.cli.main`` made ``p`` with its name and help)."""
-    p.description = describe(__doc__)
     p.add_argument("urls", nargs="+", help="input shards: paths, globs, brace patterns or a directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--capacity", type=int, required=True, help="tokens per pack")

@@ -26,7 +26,7 @@ def decoder_want(opts: DecodeOptions) -> Callable[[str], int]:
 
     def want(name: str) -> int:
         field = name.rsplit("/", 1)[-1].partition(".")[2]
-        if (field in used or (opts.media is not None and opts.media.is_image_field(field))
+        if (field in used or (opts.media is not None and opts.media.options.is_image_field(field))
                 or (opts.allow_pickle and field.rsplit(".", 1)[-1] in PICKLE_EXTS)):
             return -1
         return 0

@@ -32,10 +32,6 @@ class MediaReader:
     open: OpenOptions = OpenOptions()
     stats: IOStats | None = None
 
-    def is_image_field(self, field: str) -> bool:
-        """Whether the tar member field ``field`` (``0.jpg``, ``video.3.jpg``) is read."""
-        return self.options.is_image_field(field)
-
     def columns(self) -> dict[str, str]:
         """The parquet columns holding media: ``{"images": ..., "videos": ...}``."""
         out = {"images": self.options.images_key}
@@ -45,9 +41,9 @@ class MediaReader:
 
     def tar_images(self, fields: Mapping[str, bytes], limits: Limits, *, url: str, key: str) -> tuple[Any, ...]:
         if self.options.video is None:
-            images, videos = [(f, raw) for f, raw in fields.items() if self.is_image_field(f)], []
+            images, videos = [(f, raw) for f, raw in fields.items() if self.options.is_image_field(f)], []
         else:
-            images, frames = split_tar_fields(fields, self.options.videos_key, self.is_image_field)
+            images, frames = split_tar_fields(fields, self.options.videos_key, self.options.is_image_field)
             videos = tar_videos(frames, url=url, key=key)
         return self._media(numbered(images, url=url, key=key), videos, limits, url=url, key=key)
 

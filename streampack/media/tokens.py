@@ -1,8 +1,7 @@
 """How many tokens an image costs, from its size alone: the pluggable rules a VLM's processor uses.
 
-Each rule is a frozen record with ``count(width, height)`` (image tokens in the text) and
-``resized(width, height)`` (the pixel size the encoder sees): :class:`FixedTokens` (LLaVA-1.5: 576),
-:class:`DynamicResolution` (Qwen2-VL's ``smart_resize`` to multiples of 28, tested against
+Each rule is a frozen record with ``count(width, height)`` (image tokens in the text): :class:`FixedTokens`
+(LLaVA-1.5: 576), :class:`DynamicResolution` (Qwen2-VL's ``smart_resize`` to multiples of 28, tested against
 ``Qwen2VLImageProcessor``) and :class:`AnyResTiles` (LLaVA-NeXT any-res, ``LlavaNextProcessor``'s numbers).
 """
 
@@ -26,9 +25,6 @@ class FixedTokens:
 
     def count(self, width: int, height: int) -> int:
         return self.tokens
-
-    def resized(self, width: int, height: int) -> tuple[int, int]:
-        return self.size, self.size
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,9 +102,6 @@ class AnyResTiles:
             if kept > most or (kept == most and wasted < waste):
                 best, most, waste = (h, w), kept, wasted
         return best
-
-    def resized(self, width: int, height: int) -> tuple[int, int]:
-        return self.best(width, height)
 
     def count(self, width: int, height: int) -> int:
         best_h, best_w = self.best(width, height)
