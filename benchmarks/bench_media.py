@@ -32,10 +32,9 @@ from PIL import Image
 
 from streampack.io.limits import Limits
 from streampack.media import AnyResTiles, DynamicResolution, MediaImage, MediaOptions, read_header
-from streampack.media.decode import decode_image, open_rgb
+from streampack.media.decode import decode_image, open_rgb, video_pixels
 from streampack.media.tokens import VideoFrames
 from streampack.media.video import MediaVideo
-from streampack.media.video_decode import video_pixels
 
 SIZES = ((640, 480), (1920, 1080))
 FORMATS = (("jpg", "JPEG"), ("png", "PNG"), ("webp", "WEBP"))

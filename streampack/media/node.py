@@ -17,12 +17,11 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import DataError, ErrorPolicy
 from streampack.layout.vision_batch import VisionLayout
-from streampack.media.decode import decode_image
+from streampack.media.decode import decode_image, video_pixels
 from streampack.media.options import MediaOptions
 from streampack.media.stage import media_spans
 from streampack.media.tokens import AnyResTiles, DynamicResolution, FixedTokens
 from streampack.media.video import MediaVideo
-from streampack.media.video_decode import video_pixels
 from streampack.plan.state import record_of, record_text
 from streampack.sample import Sample
 

@@ -17,9 +17,9 @@ from PIL import Image
 
 from streampack import PackedDataset
 from streampack.media import DynamicResolution, MediaImage, MediaOptions, read_header
+from streampack.media.decode import video_pixels
 from streampack.media.tokens import VideoFrames
 from streampack.media.video import MediaVideo
-from streampack.media.video_decode import video_pixels
 from streampack.options import PackOptions, TopologyOptions
 from tests.helpers_media import IMAGE_ID, VIDEO_ID, image_bytes, write_video_tar
 from tests.unit.media.test_media_video import MEDIA, check_videos
