@@ -117,11 +117,7 @@ class Documents:
         self.root = node
 
     def __iter__(self) -> Iterator[Sample]:
-        while True:
-            try:
-                yield next(self.root)
-            except StopIteration:
-                return
+        return iter(self.root)  # a BaseNode is its own iterator, reset above
 
 
 def sample_lengths(samples: Iterator[Sample], progress: Callable[[int], Any] | None = None) -> tuple[np.ndarray, str]:

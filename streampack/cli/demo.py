@@ -150,9 +150,9 @@ def report(tally: Tally, seconds: float, args: argparse.Namespace, out: Any = No
     lengths = np.concatenate(tally.doc_lengths) if tally.doc_lengths else np.zeros(0, np.int64)
     per_pack = np.asarray(tally.docs_per_pack)
     fill = tally.tokens / tally.slots if tally.slots else 0.0
-    to_max, per_batch = padded_fills(lengths, args.capacity, round(per_pack.mean() * args.packs_per_batch), args.seed)
-    g = glyphs(out)
     b = round(per_pack.mean() * args.packs_per_batch)
+    to_max, per_batch = padded_fills(lengths, args.capacity, b, args.seed)
+    g = glyphs(out)
     w = 34
     print(f"\nStreamed {tally.batches} batches ({len(per_pack)} packs of {args.capacity} tokens) "
           f"in {seconds:.1f} s: {tally.tokens:,} real tokens, {len(lengths):,} documents", file=out)

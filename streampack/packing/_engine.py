@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from streampack.packing import _jit  # numba itself is imported by _jit.compiled, not here
 from streampack.packing._common import from_log, group_log, validate
 from streampack.packing.result import Bins, PackResult
 
@@ -39,7 +38,9 @@ class Engine:
     def kernel(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self.compiled:
             return fn
-        return _jit.compiled(fn)
+        from streampack.packing import aot  # here: `python -m streampack.packing.aot` runs it
+
+        return aot.compiled(fn)
 
     def buffer(self, values: np.ndarray) -> IntBuffer:
         """``values`` as the container its kernel is fastest on: the array for numba, a list

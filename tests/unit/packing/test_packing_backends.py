@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import streampack.packing as packing
-from streampack.packing import _engine, _jit, aot
+from streampack.packing import _engine, aot
 from tests.unit.packing.test_packing_algorithms import check_packing, problems
 
 NAMES = sorted(packing.ALGORITHMS)
@@ -54,15 +54,15 @@ def test_both_paths_agree_at_window_size(name: str, capacity: int) -> None:
 
 
 def spy_on_compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the kernels compiled from now on (``_jit.compiled`` wrapped)."""
+    """The names of the kernels compiled from now on (``aot.compiled`` wrapped)."""
     compiled_kernels: list[str] = []
-    real = _jit.compiled
+    real = aot.compiled
 
     def spy(kernel: Callable[..., Any]) -> Callable[..., Any]:
         compiled_kernels.append(kernel.__name__)
         return real(kernel)
 
-    monkeypatch.setattr(_jit, "compiled", spy)
+    monkeypatch.setattr(aot, "compiled", spy)
     return compiled_kernels
 
 
@@ -97,7 +97,7 @@ def _kernel_with_a_call(x: int) -> int:
 
 def test_kernels_must_be_self_contained() -> None:
     with pytest.raises(TypeError, match="calls Python function '_helper'"):
-        _jit.compiled(_kernel_with_a_call)
+        aot.compiled(_kernel_with_a_call)
 
 
 def run_fresh(code: str, **env: str) -> dict:
@@ -137,9 +137,9 @@ print(json.dumps({"import": after_import, "calls": after_calls,
 @pytest.mark.slow  # a subprocess / spawned processes: the integration set
 def test_compiled_kernels_cache_outside_the_package(tmp_path: Path) -> None:
     code = ISOLATED_IMPORT + """
-from streampack.packing import _jit
+from streampack.packing import aot
 from streampack.packing._common import group_log  # the smallest kernel: quick to compile
-kernel = _jit.compiled(group_log)
+kernel = aot.compiled(group_log)
 order, offsets = np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
 kernel(np.arange(3), np.array([1, 0, 1]), order, offsets)
 assert order.tolist() == [1, 0, 2] and offsets.tolist() == [0, 1, 3]
@@ -162,7 +162,7 @@ def test_unwritable_cache_compiles_without_one(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("STREAMPACK_CACHE", str(unwritable))
     before = sorted(PACKAGE_DIR.rglob("*.nb[ic]"))
     dispatcher = numba.njit(group_log)
-    _jit._enable_cache(dispatcher, group_log)  # must neither raise nor fall back in-tree
+    aot._enable_cache(dispatcher, group_log)  # must neither raise nor fall back in-tree
     order, offsets = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64)
     dispatcher(np.arange(2), np.zeros(2, dtype=np.int64), order, offsets)
     assert offsets.tolist() == [0, 2]
