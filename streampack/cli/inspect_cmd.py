@@ -52,13 +52,13 @@ def split_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
 
 def windowed_fill(lengths: np.ndarray, capacity: int, window: int, algorithm: str, seed: int = 0) -> float:
     """Fill the streaming window packer reaches on ``lengths`` (each <= capacity), in order."""
-    from streampack.cli.length_source import LengthSource
+    from streampack.cli._data import length_source
     from streampack.graph import StreamConfig
     from streampack.nodes.window_packer import WindowPacker, fill
     from streampack.options import PackOptions
 
     config = StreamConfig(capacity=capacity, packing=PackOptions(window=window, algorithm=algorithm))  # checks them
-    packer = WindowPacker(LengthSource(lengths), rules=config.packer_rules(seed))
+    packer = WindowPacker(length_source(lengths), rules=config.packer_rules(seed))
     packer.reset(None)
     while True:
         try:
