@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
-from streampack.cli._data import CliError, add_limit_arguments, parsed_limits
+from streampack.cli._data import CliError, add_limit_arguments, no_bar, parsed_limits
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     results, damaged, failed, samples = [], [], [], 0
     with pool:
         for url, result in tqdm(_mapped(pool, work, urls, jobs), total=len(urls), unit="shard",
-                                desc="indexing", file=sys.stderr, disable=True if args.quiet else None):
+                                desc="indexing", file=sys.stderr, disable=no_bar(args.quiet)):
             if isinstance(result, Exception):
                 failed.append(f"failed: {result}")
                 continue

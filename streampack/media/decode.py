@@ -1,17 +1,10 @@
 """Encoded images and videos -> the pixel values a VLM's vision encoder takes, as its HF processors make them.
 
-Runs only for samples of emitted packs, in the reader process. The steps are the transformers
-PIL-backend processors' (``Qwen2VLImageProcessorPil``, ``LlavaImageProcessorPil``), checked against
-them in ``tests/unit/media/test_media.py``: RGB over white, PIL bicubic on 8-bit pixels, rescale, CLIP
-normalisation, then the rule's layout (:class:`~streampack.media.tokens.DynamicResolution`:
-flattened patches ``[gh·gw, C·t·p·p]`` and ``grid_thw``; ``FixedTokens``: ``[3, size, size]``;
-``AnyResTiles``: :mod:`streampack.media.tiles`). A body the header accepted that does not decode is
-``DataError("bad_image")``; PIL's decompression-bomb check stays on behind ``Limits.max_image_pixels``.
-
-A video's frames are resized as ``Qwen2VLVideoProcessor`` resizes them (checked equal in
-``tests/unit/media/test_media_video_hf.py``): torch's antialiased bicubic on uint8, the kernel torchvision uses (PIL's
-bicubic differs by up to 12 levels), then the last frame repeated up to the temporal patch. Cost per frame: 14 ms at
-640x480, 50 ms at 1080p, paid only by emitted packs (a header is 44-85 us).
+Runs only for samples of emitted packs, in the reader process; the steps, and the processors they are checked against,
+are in ``docs/multimodal.md`` ("Pack first, decode after"). A body the header accepted that does not decode is
+``DataError("bad_image")``; PIL's decompression-bomb check stays on behind ``Limits.max_image_pixels``. Video frames are
+resized with torch's antialiased bicubic on uint8, the kernel torchvision uses (PIL's bicubic differs by up to 12
+levels): 14 ms a frame at 640x480, 50 ms at 1080p, paid only by emitted packs (a header is 44-85 us).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Where a jsonl image path may be read from: under ``MediaOptions.image_root``, and nowhere else.
+"""Where a jsonl image path may be read from: under ``MediaOptions.image_root``, and nowhere else (the rules:
+``docs/multimodal.md``, "``image_root`` rules").
 
-Image paths come from the data, so a path is refused (``bad_image``, before any request or open) unless the location the
-storage layer will finally act on lies under the root: control characters are refused; containment is decided on the
-path percent-decoded until it no longer changes (HTTP layers decode ``%2e%2e`` after any check on the raw string), an
-encoded separator or, remotely, a ``\`` is refused, and an ``http(s)`` URL is also checked as ``yarl`` parses it; under
-a local root (resolved once) each component is ``lstat``-ed, a symbolic link resolves the path (one leading out is
-refused), and only a regular file is read.
-
-Cost per image: ~12-20 us of string checks for a remote root; a local root adds one ``lstat`` per
-path component (~40 us for ``a/b/x.jpg``, about what reading a 30 KB image costs).
+Containment is decided on the path percent-decoded until it no longer changes, since HTTP layers decode ``%2e%2e`` after
+any check on the raw string, and an ``http(s)`` URL is also checked as ``yarl`` parses it. Cost per image: ~12-20 us of
+string checks for a remote root; a local root adds one ``lstat`` per path component (~40 us for ``a/b/x.jpg``, about
+what reading a 30 KB image costs).
 """
 
 from __future__ import annotations
@@ -101,22 +97,15 @@ def _local(root: str, norm: str, refuse: Callable[[str], DataError]) -> str:
             mode = os.lstat(at).st_mode
         except OSError:
             return target  # missing: the open reports it as the read error it is
-        if stat.S_ISLNK(mode):
-            return _resolved(real_root, target, refuse)
-    if not stat.S_ISREG(mode):
-        raise refuse("is not a regular file")
-    return target
-
-
-def _resolved(real_root: str, target: str, refuse: Callable[[str], DataError]) -> str:
-    """``target`` (which crosses a symbolic link) resolved, if it stays under ``real_root``."""
-    target = os.path.realpath(target)
-    if os.path.commonpath([real_root, target]) != real_root or target == real_root:
-        raise refuse("leads out of image_root (through a symbolic link)")
-    try:
-        mode = os.stat(target).st_mode
-    except OSError:
-        return target
+        if stat.S_ISLNK(mode):  # the path resolved, if it stays under the root
+            target = os.path.realpath(target)
+            if os.path.commonpath([real_root, target]) != real_root or target == real_root:
+                raise refuse("leads out of image_root (through a symbolic link)")
+            try:
+                mode = os.stat(target).st_mode
+            except OSError:
+                return target
+            break
     if not stat.S_ISREG(mode):
         raise refuse("is not a regular file")
     return target

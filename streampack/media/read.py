@@ -1,10 +1,8 @@
-"""A sample's images and videos from each shard format, read with the dataset's own read settings.
+"""A sample's images and videos from each shard format (where they are: ``docs/multimodal.md``).
 
-tar: members with an image extension, in number order (:func:`numbered`), videos under ``videos_key``; parquet: the
-``images_key`` column (an ``{"bytes", "path"}`` struct or raw bytes, one or a list); jsonl: paths under
-``MediaOptions.image_root`` (:mod:`streampack.media.paths`) read through the storage layer with the shards' retry,
-timeout and storage settings and I/O counters (:meth:`MediaOptions.reading`), bounded by ``max_member_bytes``. Every
-header is checked here, so ``on_error`` applies with the shard and key in the error.
+jsonl paths are read through the storage layer with the shards' retry, timeout and storage settings and I/O counters
+(:meth:`MediaOptions.reading`), bounded by ``max_member_bytes``. Every header is checked here, so ``on_error`` applies
+with the shard and key in the error.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Videos as ordered frame lists: which fields of a sample are one video's frames, checked on their headers.
+"""Videos as ordered frame lists (where a sample's frames are: ``docs/multimodal.md``), checked on their headers.
 
-Frames are ordinary images under ``MediaOptions.videos_key``: tar members ``<key>.video.<frame>.<ext>`` (or
-``<key>.video.<v>.<frame>.<ext>`` for several), numbered 0..n-1 without a gap; parquet / jsonl a list of frames or a
-list of such lists. One ``video_token_id`` per video in the text. Every frame is checked like an image and all media of
-a sample count against ``max_sample_pixels``; too many frames (``video_too_long``), frames of different sizes
+Every frame is checked like an image; too many frames (``video_too_long``), frames of different sizes
 (``video_frame_size``) or a gap (``bad_video``) is a :class:`~streampack.errors.DataError` under ``on_error``.
 """
 

@@ -91,7 +91,5 @@ def group_log(items: np.ndarray, bins: np.ndarray, order: np.ndarray, offsets: n
 
 def from_starts(items: np.ndarray, starts: np.ndarray) -> PackResult:
     """Bins that are consecutive runs of ``items`` beginning at positions ``starts``."""
-    offsets = np.append(np.asarray(starts, dtype=np.int64), np.int64(items.size))
-    if items.size == 0:
-        offsets = np.zeros(1, dtype=np.int64)
+    offsets = np.append(np.asarray(starts, dtype=np.int64), np.int64(items.size))  # n >= 1 (Packer.flat)
     return PackResult(order=np.asarray(items, dtype=np.int64), offsets=offsets)
