@@ -74,12 +74,8 @@ def make_document(num_words: int, vocab: np.ndarray, cdf: np.ndarray, rng: np.ra
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
+    info = tarfile.TarInfo(name)  # TarInfo's defaults are fixed: mtime 0, mode 0o644, uid/gid 0, no owner names
     info.size = len(data)
-    info.mtime = 0
-    info.mode = 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
     tar.addfile(info, io.BytesIO(data))
 
 

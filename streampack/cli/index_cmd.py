@@ -15,6 +15,7 @@ requests), local ones on one process per core (the scan is Python, serialized by
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -73,8 +74,6 @@ def _one(work: Callable[[str], Any], url: str) -> tuple[str, Any]:
 
 def _mapped(pool: Executor, work: Callable[[str], Any], urls: Sequence[str], jobs: int) -> Iterator[tuple[str, Any]]:
     """``(url, result or DataError)`` in URL order, at most ``2 * jobs`` shards in flight."""
-    import functools
-
     one = functools.partial(_one, work)
     pending: list[Any] = []
     for url in urls:
@@ -86,8 +85,6 @@ def _mapped(pool: Executor, work: Callable[[str], Any], urls: Sequence[str], job
 
 
 def run(args: argparse.Namespace) -> int:
-    import functools
-
     from tqdm import tqdm
 
     from streampack.io.index import index_decode, index_dir, load_or_build_index

@@ -70,23 +70,9 @@ def vision_layout(options: MediaOptions) -> VisionLayout:
                         pixel_shape=shape, video_token_id=options.video_token_id)
 
 
-def _no_placeholders(sample: Sample, options: MediaOptions) -> Sample:
-    """A sample without images must hold no image or video token: the batch would hand the model
-    placeholders with no pixels (the model raises mid-step) or mRoPE would refuse the batch."""
-    assert sample.tokens is not None
-    for token_id, kind in ((options.image_token_id, "image"), (options.video_token_id, "video")):
-        if token_id is not None and bool((sample.tokens == token_id).any()):
-            found = int((sample.tokens == token_id).sum())
-            raise DataError("image_tokens_mismatch", f"{found} {kind} tokens (id {token_id}) in a document "
-                            f"without {kind}s", url=sample.url, key=sample.key, value=found)
-    return sample
-
-
 def decode_sample(sample: Sample, options: MediaOptions) -> Sample:
     """``sample`` with every image and video decoded and placed on its token run; raises DataError."""
-    if not sample.images:
-        return _no_placeholders(sample, options)
-    spans = media_spans(sample, options)
+    spans = media_spans(sample, options)  # also refuses placeholders in a sample without images
     merge = options.rule.merge_size if options.layout == "patches" else 1
     decoded = []
     for start, stop, i in zip(spans.start.tolist(), spans.stop.tolist(), spans.item.tolist()):

@@ -51,7 +51,8 @@ class MediaSpans:
 
 def media_spans(sample: Sample, options: MediaOptions) -> MediaSpans:
     """The token span of every image and video of the expanded ``sample``; a sample whose placeholder runs are not its
-    items' counts (a stage after the expansion changed the tokens) is ``DataError("image_tokens_mismatch")``."""
+    items' counts (a stage after the expansion changed the tokens, or placeholders with no item) is
+    ``DataError("image_tokens_mismatch")``."""
     assert sample.tokens is not None
     counts = media_counts(sample, options)
     is_video = np.fromiter((isinstance(m, MediaVideo) for m in sample.images), dtype=bool, count=len(sample.images))
@@ -63,9 +64,11 @@ def media_spans(sample: Sample, options: MediaOptions) -> MediaSpans:
         first = image_starts(sample.tokens, token_id, n)
         if first is None:
             found = int((sample.tokens == token_id).sum())
-            raise DataError("image_tokens_mismatch", f"{found} {kind} tokens (id {token_id}) are not {len(n)} "
-                            f"contiguous runs of {n} (a stage after the expansion changed the tokens?)",
-                            url=sample.url, key=sample.key, value=found)
+            # without items the batch would hand the model placeholders with no pixels (it raises mid-step)
+            what = (f"are not {len(n)} contiguous runs of {n} (a stage after the expansion changed the tokens?)" if n
+                    else f"in a document without {kind}s")
+            raise DataError("image_tokens_mismatch", f"{found} {kind} tokens (id {token_id}) {what}", url=sample.url,
+                            key=sample.key, value=found)
         starts.append(first)
         stops.append(first + np.asarray(n, dtype=np.int64))
         items.append(index)
