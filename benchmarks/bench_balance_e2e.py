@@ -18,11 +18,13 @@ batch, window 1,024, Llama-3-8B cost model (training FLOPs). A step's cost on a 
 batch's ``linear · tokens + attention · Σ L²``, evaluated twice: with the FLOP model the packer
 balances by, and with attention 1.5× heavier (what an H100 measured: the balancer does not know).
 
-Modes: token-only (``balance=None``), cost-balanced with a cold histogram
+Modes (``--modes`` picks some): token-only (``balance=None``), cost-balanced with a cold histogram
 (``Balance(seeded=False)``: every reader counts from nothing) and cost-balanced as shipped (the
-histogram seeded from the shard indexes, :mod:`streampack.plan.cost_seed`). Reported: the
-straggler factor (max over ranks / mean, per step) averaged over steps ``[0, steps)`` and over the
-second half alone, its 99th percentile, and the seconds each mode took.
+histogram seeded from the shard indexes, :mod:`streampack.plan.cost_seed`), without a manifest
+and with one (``ReadOptions(manifest=...)``, built once here). Reported: the straggler factor (max
+over ranks / mean, per step) averaged over steps ``[0, steps)`` and over the second half alone,
+its 99th percentile, fill, and the wall and CPU seconds each mode took. With ``--data`` it also
+reports what one reader's seed costs without a manifest, with an empty and a warm index cache.
 """
 
 from __future__ import annotations
@@ -141,6 +143,34 @@ def run(quick: bool = False, *, docs: int = 120_000, shards: int = 64, ranks: in
     return rows
 
 
+def seed_cost(urls: list[str], ranks: int, repeats: int = 3) -> list[dict[str, Any]]:
+    """CPU seconds of one reader's seed (``plan.cost_seed.seed_levels``) without a manifest: with an empty
+    index cache (it builds the sampled shards' indexes) and a warm one (it loads them), least of ``repeats``."""
+    from streampack.io import index
+    from streampack.plan.cost_seed import SEED_SAMPLES, seed_levels
+    from streampack.settings import Placement
+
+    place = Placement(dp_rank=1, dp_size=ranks)
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for label in ("empty", "warm"):
+            best = float("inf")
+            for _ in range(1 if label == "empty" else repeats):
+                index._memo.clear()  # a fresh reader's process
+                ds = PackedDataset(urls, capacity=CAPACITY, packing=PackOptions(window=1024), seed=0,
+                                   topology=TopologyOptions(dp_rank=1, dp_size=ranks),
+                                   cost=CostOptions(model=LLAMA3_8B, balance=Balance()),
+                                   read=ReadOptions(cache_dir=cache))
+                cpu = time.process_time()
+                counts = seed_levels(ds.config, ds.sources, place, planner=lambda: None)
+                best = min(best, time.process_time() - cpu)
+            assert counts is not None
+            per_shard = len(index.load_or_build_index(urls[0], cache_dir=cache))
+            rows.append({"index cache": label, "shards read": min(-(-SEED_SAMPLES // per_shard), len(urls)),
+                         "samples a shard": per_shard, "seed CPU s": round(best, 3)})
+    return rows
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -164,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"{args.ranks} ranks of PackedDataset, capacity {CAPACITY}, 1 pack per batch, {args.docs} generated "
             f"long-tail documents in {args.shards} tar shards, Llama-3-8B cost model; straggler over steps "
             f"0-{args.steps}")
-    return emit(head + "\n\n" + markdown(rows), args.out)
+    text = head + "\n\n" + markdown(rows)
+    if args.data:  # the shards are kept: what one reader's seed costs without a manifest
+        urls = write_data(args.data, args.docs, args.shards)
+        text += "\n\nOne reader's seed without a manifest (its CPU, least of 3 when warm):\n\n" + markdown(
+            seed_cost(urls, args.ranks))
+    return emit(text, args.out)
 
 
 if __name__ == "__main__":
