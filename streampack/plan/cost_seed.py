@@ -12,17 +12,20 @@ Where the lengths come from (:func:`seed_levels`):
 
 - a finite stream, or any stream given ``manifest=``: the manifest's stored shard indexes (the planner's);
 - an infinite stream without one: the same shards' indexes, each loaded or built where the reader keeps its own
-  (``cache_dir``; tar: headers only, parquet: footer and token column), so both give the same seed;
+  (``cache_dir``), so both give the same seed;
 - a mixture: each source's sample, drawn in proportion to its weight (its draw probability);
 - cold (no seed): one reader alone (no rank to agree with), offline packs (no packer), and any source whose sampled
   index knows no token length — text that is tokenized on the fly: knowing its lengths means reading and tokenizing
   tens of thousands of documents on every reader before the first batch.
 
 **Cost per reader** (s samples per shard): the indexes of ``ceil(SEED_SAMPLES / s)`` shards per source (at most
-``SEED_SHARDS``; one stat and one index read each when cached, else one scan; the same shards on every reader; a
-source whose first sampled shard knows no length stops there), O(N) to draw them, and lengths-only rounds of at
-most ``SEED_PACKS`` packs or ``SEED_ROUNDS`` rounds: 0.15 s for 4,096 packs at capacity 131,072. Paid once when a
-reader starts fresh (a restore brings its histogram).
+``SEED_SHARDS``; the same shards on every reader; a source whose first sampled shard knows no length stops there),
+each one stat and one index read when cached, else one scan written to the cache (tar: its headers; jsonl: the
+shard read once; parquet: footer and token column), O(N) to draw them, and lengths-only rounds of at most
+``SEED_PACKS`` packs or ``SEED_ROUNDS`` rounds. Measured (``benchmarks/bench_balance_e2e.py --data``, 18 tar
+shards of 1,875 samples, capacity 131,072): 1.8 s of CPU with an empty index cache (once per cache directory),
+0.18 s with a warm one, most of it the 4,096 packs. Paid once when a reader starts fresh (a restore brings its
+histogram).
 """
 
 from __future__ import annotations
