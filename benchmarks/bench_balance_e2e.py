@@ -18,11 +18,13 @@ batch, window 1,024, Llama-3-8B cost model (training FLOPs). A step's cost on a 
 batch's ``linear · tokens + attention · Σ L²``, evaluated twice: with the FLOP model the packer
 balances by, and with attention 1.5× heavier (what an H100 measured: the balancer does not know).
 
-Modes: token-only (``balance=None``), cost-balanced with a cold histogram
+Modes (``--modes`` picks some): token-only (``balance=None``), cost-balanced with a cold histogram
 (``Balance(seeded=False)``: every reader counts from nothing) and cost-balanced as shipped (the
-histogram seeded from the shard indexes, :mod:`streampack.plan.cost_seed`). Reported: the
-straggler factor (max over ranks / mean, per step) averaged over steps ``[0, steps)`` and over the
-second half alone, its 99th percentile, and the seconds each mode took.
+histogram seeded from the shard indexes, :mod:`streampack.plan.cost_seed`), without a manifest
+and with one (``ReadOptions(manifest=...)``, built once here). Reported: the straggler factor (max
+over ranks / mean, per step) averaged over steps ``[0, steps)`` and over the second half alone,
+its 99th percentile, fill, and the wall and CPU seconds each mode took. With ``--data`` it also
+reports what one reader's seed costs without a manifest, with an empty and a warm index cache.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +47,30 @@ from helpers_data import split_docs, tar_members, write_tar  # noqa: E402
 from report import emit  # noqa: E402
 
 from streampack.dataset import PackedDataset  # noqa: E402
+from streampack.io.index import index_decode  # noqa: E402
+from streampack.io.limits import Limits  # noqa: E402
+from streampack.io.manifest import build_manifest  # noqa: E402
 from streampack.options import CostOptions, PackOptions, ReadOptions, TopologyOptions  # noqa: E402
 from streampack.packing import CostModel  # noqa: E402
 from streampack.packing.schedule import Balance  # noqa: E402
 
 CAPACITY = 131072
-MODES: dict[str, Balance | None] = {"token-only": None, "cost-balanced, cold histogram": Balance(seeded=False),
-                                    "cost-balanced, seeded histogram": Balance()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mode:
+    balance: Balance | None
+    """The packer's balance (None: token-only)."""
+    manifest: bool = False
+    """Whether the readers are given the data set's manifest (``ReadOptions(manifest=...)``)."""
+
+
+MODES: dict[str, Mode] = {
+    "token-only": Mode(balance=None),
+    "cost-balanced, cold histogram": Mode(balance=Balance(seeded=False)),
+    "cost-balanced, seeded, no manifest": Mode(balance=Balance()),
+    "cost-balanced, seeded, manifest": Mode(balance=Balance(), manifest=True),
+}
 
 
 def write_data(directory: str, docs: int, shards: int, seed: int = 0) -> list[str]:
@@ -69,13 +89,13 @@ def write_data(directory: str, docs: int, shards: int, seed: int = 0) -> list[st
 
 
 def run_ranks(urls: list[str], ranks: int, steps: int, balance: Balance | None,
-              cache: str) -> tuple[np.ndarray, np.ndarray]:
+              read: ReadOptions) -> tuple[np.ndarray, np.ndarray]:
     """float64 ``[steps, ranks]`` tokens and Σ L² of each rank's batch at each step."""
     tokens, squares = np.zeros((steps, ranks)), np.zeros((steps, ranks))
     for r in range(ranks):
         ds = PackedDataset(urls, capacity=CAPACITY, packing=PackOptions(window=1024), seed=0,
                            topology=TopologyOptions(dp_rank=r, dp_size=ranks),
-                           cost=CostOptions(model=LLAMA3_8B, balance=balance), read=ReadOptions(cache_dir=cache))
+                           cost=CostOptions(model=LLAMA3_8B, balance=balance), read=read)
         for step, batch in zip(range(steps), ds):
             real = [n for n, k in zip(batch.doc_lengths.tolist(), batch.doc_keys) if k != "<filler>"]
             lengths = np.asarray(real, dtype=np.float64)
@@ -89,7 +109,7 @@ def straggler(cost: np.ndarray) -> np.ndarray:
 
 
 def run(quick: bool = False, *, docs: int = 120_000, shards: int = 64, ranks: int = 16, steps: int = 500,
-        data: str | None = None) -> list[dict[str, Any]]:
+        data: str | None = None, modes: list[str] | None = None) -> list[dict[str, Any]]:
     """Rows for ``benchmarks/run_all.py``; ``quick``: 4 ranks, 40 steps, 8,000 documents."""
     if quick:
         docs, shards, ranks, steps = 8_000, 8, 4, 40
@@ -97,11 +117,20 @@ def run(quick: bool = False, *, docs: int = 120_000, shards: int = 64, ranks: in
     heavy = {"FLOP model": model.attention, "attention 1.5x": 1.5 * model.attention}
     with tempfile.TemporaryDirectory() as tmp:
         urls = write_data(data or os.path.join(tmp, "shards"), docs, shards)
+        cache = os.path.join(tmp, "cache")
         rows = []
-        for name, balance in MODES.items():
-            started = time.perf_counter()
-            tokens, squares = run_ranks(urls, ranks, steps, balance, os.path.join(tmp, "cache"))
+        for name in modes or list(MODES):
+            mode = MODES[name]
+            read = ReadOptions(cache_dir=cache)
+            if mode.manifest:
+                location = os.path.join(tmp, "manifest")
+                if not os.path.exists(location):
+                    build_manifest(urls, location, decode=index_decode("input_ids", Limits()))
+                read = ReadOptions(cache_dir=cache, manifest=location)
+            started, cpu = time.perf_counter(), time.process_time()
+            tokens, squares = run_ranks(urls, ranks, steps, mode.balance, read)
             seconds = round(time.perf_counter() - started, 1)
+            cpu_seconds = round(time.process_time() - cpu, 1)
             for truth, attention in heavy.items():
                 sf = straggler(model.linear * tokens + attention * squares)
                 rows.append({"mode": name, "true cost": truth, "ranks": ranks, "steps": f"0-{steps}",
@@ -109,8 +138,36 @@ def run(quick: bool = False, *, docs: int = 120_000, shards: int = 64, ranks: in
                              "straggler 2nd half": round(float(sf[steps // 2:].mean()), 4),
                              "straggler_p99": round(float(np.quantile(sf, 0.99)), 4),
                              "fill_%": round(100 * float(tokens.sum()) / (tokens.size * CAPACITY), 3),
-                             "seconds": seconds})
+                             "seconds": seconds, "cpu_seconds": cpu_seconds})
             print(f"bench_balance_e2e: {name} done ({seconds} s)", file=sys.stderr, flush=True)
+    return rows
+
+
+def seed_cost(urls: list[str], ranks: int, repeats: int = 3) -> list[dict[str, Any]]:
+    """CPU seconds of one reader's seed (``plan.cost_seed.seed_levels``) without a manifest: with an empty
+    index cache (it builds the sampled shards' indexes) and a warm one (it loads them), least of ``repeats``."""
+    from streampack.io import index
+    from streampack.plan.cost_seed import SEED_SAMPLES, seed_levels
+    from streampack.settings import Placement
+
+    place = Placement(dp_rank=1, dp_size=ranks)
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for label in ("empty", "warm"):
+            best = float("inf")
+            for _ in range(1 if label == "empty" else repeats):
+                index._memo.clear()  # a fresh reader's process
+                ds = PackedDataset(urls, capacity=CAPACITY, packing=PackOptions(window=1024), seed=0,
+                                   topology=TopologyOptions(dp_rank=1, dp_size=ranks),
+                                   cost=CostOptions(model=LLAMA3_8B, balance=Balance()),
+                                   read=ReadOptions(cache_dir=cache))
+                cpu = time.process_time()
+                counts = seed_levels(ds.config, ds.sources, place, planner=lambda: None)
+                best = min(best, time.process_time() - cpu)
+            assert counts is not None
+            per_shard = len(index.load_or_build_index(urls[0], cache_dir=cache))
+            rows.append({"index cache": label, "shards read": min(-(-SEED_SAMPLES // per_shard), len(urls)),
+                         "samples a shard": per_shard, "seed CPU s": round(best, 3)})
     return rows
 
 
@@ -129,12 +186,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--data", help="keep the shards in this directory (reused when present)")
     p.add_argument("--out", help="also write the markdown table here")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), metavar="MODE",
+                   help=f"run only these (default all): {', '.join(repr(m) for m in MODES)}")
     args = p.parse_args(argv)
-    rows = run(docs=args.docs, shards=args.shards, ranks=args.ranks, steps=args.steps, data=args.data)
+    rows = run(docs=args.docs, shards=args.shards, ranks=args.ranks, steps=args.steps, data=args.data,
+               modes=args.modes)
     head = (f"{args.ranks} ranks of PackedDataset, capacity {CAPACITY}, 1 pack per batch, {args.docs} generated "
             f"long-tail documents in {args.shards} tar shards, Llama-3-8B cost model; straggler over steps "
             f"0-{args.steps}")
-    return emit(head + "\n\n" + markdown(rows), args.out)
+    text = head + "\n\n" + markdown(rows)
+    if args.data:  # the shards are kept: what one reader's seed costs without a manifest
+        urls = write_data(args.data, args.docs, args.shards)
+        text += "\n\nOne reader's seed without a manifest (its CPU, least of 3 when warm):\n\n" + markdown(
+            seed_cost(urls, args.ranks))
+    return emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_restore.py [--tokens 4e6] [--rounds 3] [--formats tar,parquet]
         [--baseline ROOT] [--dir DIR]
+    PYTHONPATH=. python benchmarks/bench_restore.py --phases [--rounds 5] [--dir DIR]
 
 The peers' corpus (``benchmarks/peers/corpus.py``: lognormal lengths, mean 600, int32 ids, 16
 shards), ``PackedDataset`` with capacity 4096, window 1024 and 8 packs a batch, as
@@ -19,6 +20,15 @@ side by side), format and round, in fresh processes, the trees alternating:
 Best (least) of the rounds per cell: a shared machine only ever slows a run down. Then, in this
 process and this tree only, the constants of a tar restore's pick (``io/tar_pick.py``): k random
 documents of one shard, each its own read (the worst case), least of 30: ms a call, µs a document.
+
+``--phases``: where a restore's time goes instead, this tree only, least CPU ms of ``--rounds``
+fresh processes per phase (CPU, not wall: the box is shared). w0: ``torch.load`` of the state,
+``PackedDataset(...)``, ``StatefulDataLoader`` + ``load_loader_state``, ``iter()`` (the graph
+built and restored: of it, the window packer's reset), the first batch (of it, the re-read of its
+carried documents). w2: the parent's phases (``iter()`` forks the workers), and in each worker
+(timing wrappers around ``PackedDataset.__iter__``, ``manifest_of`` and the packer's re-read; the
+code paths are unchanged) its CPU before ``__iter__`` (the worker's start and ``load_state_dict``),
+then from ``__iter__`` to its first batch, with the manifest and re-read parts; the worst worker.
 """
 
 from __future__ import annotations
@@ -97,6 +107,116 @@ def _child(what: str, urls: list[str], scratch: str, at: float, after: int) -> d
         out["exact"] = all(torch.equal(a, b) for a, b in zip(got, saved["ids"]))
     del it
     return out
+
+
+_WRAPPED: dict[str, float] = {}
+
+
+def _timed(owner: object, name: str, label: str, log: str | None = None) -> None:
+    """Wrap ``owner.name`` to add its CPU seconds to ``_WRAPPED[label]`` (and append them to ``log``: workers)."""
+    import functools
+
+    inner = getattr(owner, name)
+
+    @functools.wraps(inner)
+    def wrapper(*args, **kwargs):
+        cpu = time.process_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _WRAPPED[label] = _WRAPPED.get(label, 0.0) + time.process_time() - cpu
+            if log is not None:
+                _worker_log(log, label, time.process_time() - cpu)
+
+    setattr(owner, name, wrapper)
+
+
+def _worker_log(path: str, what: str, value: float) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps([os.getpid(), what, value]) + "\n")
+
+
+def _phases(urls: list[str], scratch: str, workers: int) -> dict:
+    """CPU seconds of each phase of one restore in this fresh process (see the module docstring)."""
+    import pyarrow.parquet  # noqa: F401 - imports out of the timings
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import streampack.graph.build as build
+    from streampack import PackedDataset
+    from streampack.nodes.window_packer import WindowPacker
+    from streampack.options import PackOptions
+    from streampack.plan.state import load_loader_state
+
+    log = os.path.join(scratch, f"workers-{os.getpid()}.jsonl") if workers else None
+    _timed(WindowPacker, "reset", "of which packer reset", log)
+    _timed(WindowPacker, "_read", "of which re-read", log)
+    _timed(build, "manifest_of", "of which manifest", log)
+    if workers:
+        first_of = PackedDataset.__iter__
+
+        def iterate(self):
+            _worker_log(log, "before __iter__", time.process_time())
+            cpu = time.process_time()
+            for n, batch in enumerate(first_of(self)):
+                if n == 0:
+                    _worker_log(log, "__iter__ to first batch", time.process_time() - cpu)
+                yield batch
+
+        PackedDataset.__iter__ = iterate
+    with open(os.path.join(scratch, f"state-w{workers}.pt"), "rb") as f:
+        blob = torch.load(f, weights_only=False)["state"]
+    torch.load(io.BytesIO(blob), weights_only=True)  # the unpickler's first call, out of the timing
+    out, cpu = {}, time.process_time()
+
+    def mark(name: str) -> None:
+        nonlocal cpu
+        out[name] = time.process_time() - cpu
+        cpu = time.process_time()
+
+    state = torch.load(io.BytesIO(blob), weights_only=True)
+    mark("torch.load")
+    ds = PackedDataset(urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=PACKS,
+                       packing=PackOptions(window=WINDOW))
+    mark("PackedDataset()")
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None)
+    load_loader_state(loader, state)
+    mark("loader + load_loader_state")
+    _WRAPPED.clear()
+    it = iter(loader)
+    mark("iter()")
+    out.update({f"iter(): {k}": v for k, v in _WRAPPED.items()})
+    _WRAPPED.clear()
+    next(it)
+    mark("first batch")
+    out.update({f"first batch: {k}": v for k, v in _WRAPPED.items()})
+    out["total"] = sum(v for k, v in out.items() if ":" not in k)
+    del it, loader
+    if workers:
+        per: dict[int, dict[str, float]] = {}
+        with open(log) as f:
+            for line in f:
+                pid, what, value = json.loads(line)
+                per.setdefault(pid, {})[what] = per.setdefault(pid, {}).get(what, 0.0) + value
+        for what in ("before __iter__", "__iter__ to first batch", "of which manifest", "of which re-read"):
+            out[f"worker: {what}"] = max(w.get(what, 0.0) for w in per.values())
+    return out
+
+
+def phases(rounds: int = 5, directory: str | None = None, tokens: float = 4e6, at: float = 0.5) -> list[dict]:
+    """Least CPU seconds per phase of a tar restore at w0 and w2 over ``rounds`` fresh processes."""
+    from peers.corpus import Corpus, CorpusSpec, write_tar
+
+    urls = write_tar(Corpus(CorpusSpec(tokens=int(tokens)), directory or tempfile.mkdtemp(prefix="streampack-restore-")))
+    root = str(HERE.parent)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        _spawn(root, "save", urls, scratch, at, 1)
+        _spawn(root, "save2", urls, scratch, at, 1)
+        for workers in (0, 2):
+            runs = [_spawn(root, f"phases{workers}", urls, scratch, at, 1) for _ in range(rounds)]
+            rows += [{"workers": workers, "phase": k, "cpu_ms": min(r[k] for r in runs) * 1e3} for k in runs[0]]
+    return rows
 
 
 def _spawn(root: str, what: str, urls: list[str], scratch: str, at: float, after: int) -> dict:
@@ -180,11 +300,21 @@ def main() -> None:
     ap.add_argument("--after", type=int, default=25, help="batches timed after the restore")
     ap.add_argument("--baseline", default=None, help="another checkout's root, measured side by side")
     ap.add_argument("--dir", default=None, help="keep the written corpus here and reuse it")
+    ap.add_argument("--phases", action="store_true", help="where a restore's CPU goes, per phase (tar, this tree)")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         what, urls, scratch, at, after = args.child
-        print(json.dumps(_child(what, json.loads(urls), scratch, float(at), int(after))))
+        work = (lambda: _phases(json.loads(urls), scratch, int(what[-1]))) if what.startswith("phases") else (
+            lambda: _child(what, json.loads(urls), scratch, float(at), int(after)))
+        print(json.dumps(work()))
+        return
+    if args.phases:
+        rows = phases(args.rounds, args.dir, args.tokens, args.at)
+        print(f"Where a tar restore's CPU goes (least of {args.rounds} fresh processes; ms):\n")
+        print("| workers | phase | CPU ms |\n|---:|---|---:|")
+        for r in rows:
+            print(f"| {r['workers']} | {r['phase']} | {r['cpu_ms']:.1f} |")
         return
     rows = run(args.tokens, args.rounds, tuple(args.formats.split(",")), args.at, args.after, args.baseline, args.dir)
     cells, picks = [r for r in rows if "pick_ms" not in r], [r for r in rows if "pick_ms" in r]

@@ -43,10 +43,10 @@ from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
 from streampack.nodes.window_packer import Balancing, WindowPacker, fill
 from streampack.options.read import ReadOptions
-from streampack.packing.schedule import CostScale, Schedule
+from streampack.packing.schedule import Schedule
 from streampack.packing.window_rounds import worker_seed
-from streampack.plan.cost_seed import sample_lengths, seed_counts
-from streampack.plan.epoch_plan import Agree, Counting, EpochPlanner, chunk_lengths
+from streampack.plan.cost_seed import seed_levels
+from streampack.plan.epoch_plan import Agree, Counting, EpochPlanner
 from streampack.plan.quota import LateQuota
 from streampack.plan.replay import Replayer, ReplaySpec
 from streampack.plan.sharding import Span
@@ -281,30 +281,9 @@ class _Builder:
 
     def _seed_once(self) -> np.ndarray | None:
         if self._seed is None:  # one seed per reader: every epoch's and every rebuilt chain's start
-            self._seed = (self._seed_levels(),)
+            self._seed = (seed_levels(self.config, self.sources, self.place, planner=lambda: self.planner,
+                                      io_stats=self.io_stats),)
         return None if self._seed[0] is None else self._seed[0].copy()
-
-    def _seed_levels(self) -> np.ndarray | None:
-        """The cost histogram every reader of every rank starts from (``plan.cost_seed``): the
-        packs of one length sample of the data set's indexes, chosen by the stream seed. None
-        (a cold start) for one reader alone, a mixture, offline packs, unknown lengths, or an
-        infinite stream without ``manifest=``: it plans nothing, so it is not made to build a
-        manifest (one pass over every shard at first start) only to seed the histograms."""
-        config = self.config
-        if (not self.needs_plan or self.place.global_workers == 1 or config.cost.balance is None
-                or not config.cost.balance.seeded or config.cost.model is None):
-            return None
-        assert self.sources.shards is not None
-        if config.epochs is None and config.read.manifest is None:
-            return None  # infinite streams plan nothing: building a manifest to seed would read every shard
-        planner = self.planner
-        if not planner.shards.known_lengths():
-            return None
-        rules = config.packer_rules(config.seed)
-        lengths = sample_lengths(planner.num_shards, lambda s: planner.samples(s).lengths, config.seed)
-        scale = CostScale.of(config.cost.model.linear, config.cost.model.attention, config.capacity)
-        return seed_counts(lengths, rules, config.cost.model, scale, seed=config.seed,
-                           cut=lambda n: chunk_lengths(n, config.capacity, config.packing.overlong))
 
     def _fixed_quota(self) -> int | None:
         return _worker_quota(self.config, self.place)

@@ -35,3 +35,17 @@ def test_simulator_shows_the_balance_on_a_small_setup() -> None:
     assert token["straggler"] > 1.5 and balanced["straggler"] < 1.1, rows
     assert balanced["held_steps_max"] < 4 * 64 + 20
     assert bench_balance.state_bytes(setup, CostModel.from_shape(**bench_balance.LLAMA3_8B), None, steps=5) > 0
+
+
+@pytest.mark.slow
+def test_end_to_end_readers_without_manifest_balance_from_step_0() -> None:
+    """benchmarks/bench_balance_e2e.py --quick (4 infinite-stream PackedDataset ranks at 128k, steps 0-40, no
+    manifest): the seeded histogram keeps the straggler near 1 from the first step, where a cold one does not
+    (1.006 against 1.034 on this data: the seed is deterministic, so are these numbers)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_balance_e2e
+
+    rows = bench_balance_e2e.run(quick=True, modes=["cost-balanced, cold histogram",
+                                                    "cost-balanced, seeded, no manifest"])
+    got = {r["mode"]: r["straggler"] for r in rows if r["true cost"] == "FLOP model"}
+    assert got["cost-balanced, seeded, no manifest"] < 1.015 < 1.025 < got["cost-balanced, cold histogram"], got

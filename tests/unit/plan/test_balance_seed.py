@@ -8,12 +8,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers_data import serve_directory
+from helpers_data import serve_directory, write_jsonl_shards
 from node_checks import write_token_shards
 
 from streampack.dataset import PackedDataset
 from streampack.graph.build import build_graph
 from streampack.io.index import index_decode
+from streampack.io.index_cache import INDEX_SUFFIX
 from streampack.io.limits import Limits
 from streampack.io.manifest import build_manifest
 from streampack.options import CostOptions, PackOptions, ReadOptions, TopologyOptions
@@ -52,22 +53,29 @@ def _first_counts(urls: list[str], place: Placement, *, balance: Any, **kw) -> n
     return packer.reservoir.counts.copy()
 
 
-@pytest.mark.parametrize("epochs", [None, 2])
-def test_every_reader_of_every_rank_starts_from_the_same_histogram(shards, epochs, tmp_path) -> None:
+def _manifest(urls: list[str], directory: Any) -> str:
+    location = str(directory / "manifest")
+    build_manifest(urls, location, decode=index_decode("input_ids", Limits()))
+    return location
+
+
+@pytest.mark.parametrize("stream", ["finite", "infinite, manifest", "infinite, no manifest"])
+def test_every_reader_of_every_rank_starts_from_the_same_histogram(shards, stream, tmp_path) -> None:
     """Finding: each reader's histogram started empty, so the ranks' cost levels disagreed for the
-    first ~2,000 packs (straggler 1.07 over steps 0-500 end to end at 128k, against 1.03 warm)."""
+    first ~2,000 packs (straggler 1.064 over steps 0-500 end to end at 128k, against 1.027 seeded).
+    An infinite stream without ``manifest=`` seeds from the same shards' own indexes: the same seed."""
     urls, _ = shards
-    if epochs is None:  # an infinite stream seeds only from a manifest it is given
-        location = str(tmp_path / "manifest")
-        build_manifest(urls, location, decode=index_decode("input_ids", Limits()))
-        kw = {"epochs": None, "read": ReadOptions(manifest=location)}
-    else:
-        kw = {"epochs": epochs}
+    kw: dict[str, Any] = {"finite": {"epochs": 2}, "infinite, no manifest": {"epochs": None},
+                          "infinite, manifest": {"epochs": None, "read": ReadOptions(manifest=_manifest(urls, tmp_path))}
+                          }[stream]
     found = [_first_counts(urls, Placement(dp_rank=r, dp_size=4, worker_id=w, num_workers=2),
                            balance="cost", **kw) for r, w in ((0, 0), (3, 1))]
     assert found[0].sum() > 0.9 * SEED_WEIGHT  # not empty: the seed, counted as SEED_WEIGHT packs
     for counts in found[1:]:
         np.testing.assert_array_equal(counts, found[0])
+    # every kind of stream seeds from the same sample: the planner's manifest or the shards' own indexes
+    np.testing.assert_array_equal(found[0], _first_counts(urls, Placement(dp_rank=1, dp_size=4), balance="cost",
+                                                          epochs=1))
     # the seed follows the data: the same sample under another stream seed gives a different histogram
     other = _first_counts(urls, Placement(dp_rank=0, dp_size=4), balance="cost", seed=7, **kw)
     assert other.sum() > 0.9 * SEED_WEIGHT and not np.array_equal(other, found[0])
@@ -81,27 +89,61 @@ def test_unseeded_and_single_readers_start_cold(shards) -> None:
         Balance(seeded=1)  # type: ignore[arg-type]
 
 
-def test_an_infinite_local_stream_without_manifest_starts_cold_and_builds_none(shards, tmp_path) -> None:
-    """Seeding must not cost an infinite stream one pass over the data set: without ``manifest=``
-    it starts cold and builds no manifest (first version: it built one to seed)."""
+def test_an_infinite_stream_without_manifest_reads_a_few_indexes_and_builds_no_manifest(shards, tmp_path,
+                                                                                         monkeypatch) -> None:
+    """Seeding must not cost an infinite stream one pass over the data set: without ``manifest=`` it reads
+    the indexes of the few shards its sample needs (here 3 of 6: 300 lengths, 100 a shard), kept where the
+    readers keep theirs, and builds no manifest."""
     urls, _ = shards
+    monkeypatch.setattr(cost_seed, "SEED_SAMPLES", 300)
     cache = tmp_path / "cache"
-    assert _first_counts(urls, Placement(dp_rank=1, dp_size=4), balance="cost",
-                         read=ReadOptions(cache_dir=str(cache))).sum() == 0
-    assert not cache.exists() or not any(p.is_file() for p in cache.rglob("*"))
+    counts = _first_counts(urls, Placement(dp_rank=1, dp_size=4), balance="cost",
+                           read=ReadOptions(cache_dir=str(cache)))
+    assert counts.sum() > 0.9 * SEED_WEIGHT
+    written = [p.name for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+    assert len(written) == 3 and all(INDEX_SUFFIX in name for name in written), written
 
 
-def test_infinite_remote_stream_without_manifest_starts_cold_not_refused(shards) -> None:
-    """The seed needs the manifest, which an infinite stream of remote shards is not required to
-    have: it starts cold (as before) instead of refusing to start."""
+def test_infinite_remote_stream_without_manifest_seeds_from_its_indexes(shards) -> None:
+    """An infinite stream of remote shards need not have a manifest: it seeds from the sampled shards'
+    indexes (headers read by ranged requests), the same seed as its local copy, and starts."""
     urls, _ = shards
+    local = _first_counts(urls, Placement(dp_rank=1, dp_size=4), balance="cost")
+    assert local.sum() > 0.9 * SEED_WEIGHT
     with serve_directory(os.path.dirname(urls[0])) as server:
         remote = server.urls_for(urls)
-        assert _first_counts(remote, Placement(dp_rank=1, dp_size=4), balance="cost").sum() == 0
+        np.testing.assert_array_equal(_first_counts(remote, Placement(dp_rank=1, dp_size=4), balance="cost"), local)
         ds = PackedDataset(remote, capacity=CAP, packing=PackOptions(window=32),
                            cost=CostOptions(model=SHAPE, balance="cost"),
                            topology=TopologyOptions(dp_rank=1, dp_size=4))
         assert next(iter(ds)).num_tokens > 0
+
+
+def test_text_tokenized_on_the_fly_starts_cold_after_one_index(tmp_path, monkeypatch) -> None:
+    """Text has no token lengths in its index: the first sampled shard says so, and no other is read."""
+    urls = write_jsonl_shards(tmp_path / "text", ["word " * (i % 50 + 1) for i in range(600)], 6)
+    read: list[int] = []
+    lengths_of = cost_seed.index_lengths(urls, ReadOptions(cache_dir=str(tmp_path / "cache")))
+    monkeypatch.setattr(cost_seed, "index_lengths", lambda *a, **k: lambda s: read.append(s) or lengths_of(s))
+    counts = _first_counts(urls, Placement(dp_rank=1, dp_size=4), balance="cost", tokenizer=lambda t: list(t.encode()),
+                           read=ReadOptions(cache_dir=str(tmp_path / "cache")))
+    assert counts.sum() == 0 and len(read) == 1
+
+
+def test_a_mixture_seeds_from_each_source_by_weight(shards, tmp_path) -> None:
+    """A mixture draws each document's source by weight; its seed is each source's sample in that
+    proportion, the same on every reader. Finding: mixtures started cold."""
+    urls, _ = shards
+    long_urls, _ = write_token_shards(tmp_path / "long", 300, 3, mean=200, seed=4)
+    mixture = {"short": (urls, 3.0), "long": (long_urls, 1.0)}
+    found = [_first_counts(mixture, Placement(dp_rank=r, dp_size=4), balance="cost") for r in (0, 3)]
+    assert found[0].sum() > 0.9 * SEED_WEIGHT
+    np.testing.assert_array_equal(found[0], found[1])
+    # the weights shape the seed: more of the long source makes costlier packs
+    heavier = _first_counts({"short": (urls, 1.0), "long": (long_urls, 3.0)}, Placement(dp_rank=0, dp_size=4),
+                            balance="cost")
+    mean_bin = lambda c: float(np.arange(c.size) @ c) / c.sum()  # noqa: E731
+    assert mean_bin(heavier) > mean_bin(found[0])
 
 
 def test_seed_is_the_packers_own_packs_of_the_sample() -> None:
