@@ -78,10 +78,7 @@ def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseExcept
 
 def status_of(exc: BaseException) -> tuple[int | None, str | None]:
     """The HTTP status (and S3 error code) anywhere in ``exc``'s cause chain."""
-    seen: BaseException | None = exc
-    for _ in range(6):
-        if seen is None:
-            break
+    for seen in _chain(exc):
         status = getattr(seen, "status", None)
         if isinstance(status, int) and 100 <= status < 600:
             return status, None
@@ -94,7 +91,6 @@ def status_of(exc: BaseException) -> tuple[int | None, str | None]:
         status = getattr(response, "status_code", None)  # requests / httpx (huggingface_hub)
         if isinstance(status, int):
             return status, None
-        seen = seen.__cause__ or seen.__context__
     return None, None
 
 

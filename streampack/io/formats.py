@@ -61,8 +61,11 @@ def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
     compressed = fmt != "jsonl"
     streams.append(open_shard(url, 0 if compressed else start, None if compressed else end, opts=opts, stats=stats))
     streams.append(text_stream(_NotEmpty(streams[-1], url) if compressed else streams[-1], url))
-    if compressed and start:
-        skip_uncompressed(streams[-1], start, url)
+    if compressed and start:  # neither can seek: decompress and drop (O(start) CPU, see io.compression)
+        try:
+            skip_bytes(streams[-1], start, url)
+        except DECOMPRESS_ERRORS as e:
+            raise DataError("corrupt_shard", f"cannot decompress: {e}", url=url, value=start) from None
     return iter_jsonl_items(streams[-1], decode, url=url, start=start, first_index=where.first, end=end)
 
 
@@ -85,13 +88,4 @@ class _NotEmpty:
         return getattr(self._raw, name)
 
 
-def skip_uncompressed(f: BinaryIO, n: int, url: str) -> None:
-    """``.gz`` / ``.zst`` cannot seek: decompress and drop ``n`` bytes (O(n) CPU; see
-    :mod:`streampack.io.compression`)."""
-    try:
-        skip_bytes(f, n, url)
-    except DECOMPRESS_ERRORS as e:
-        raise DataError("corrupt_shard", f"cannot decompress: {e}", url=url, value=n) from None
-
-
-__all__ = ["ShardRange", "open_range", "skip_uncompressed"]
+__all__ = ["ShardRange", "open_range"]

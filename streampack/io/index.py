@@ -208,7 +208,7 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
     with raw:
         if fmt == "parquet":
             lengths = (parquet.token_lengths(raw, decode, url) if lengths
-                       else np.full(int(parquet.row_counts(raw, url).sum()), -1, np.int32))
+                       else np.full(parquet.parquet_file(raw, url).metadata.num_rows, -1, np.int32))
             return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(len(lengths), dtype=np.int64),
                               lengths=lengths, end=len(lengths))
         scan = _Scan()
