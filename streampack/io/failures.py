@@ -1,16 +1,5 @@
-"""Read failures sorted into "retry" and "give up", whatever the store raised them as.
-
-Each fsspec back-end reports failures its own way; :func:`classify` looks through the cause
-chain for an HTTP status first, then at the exception types:
-
-- give up at once (``DataError``): 404 / 410 and missing files (``missing_shard``); 401 / 403,
-  missing credentials, other 4xx, a refused cross-host redirect, a redirect loop
-  (``unreachable_url``, or ``corrupt_shard`` for an unreadable local file);
-- retry (:class:`~streampack.io.retry.Transient`, by kind): 408 / 425 / 429 / 5xx and S3
-  throttling (with their ``Retry-After``), timeouts, a body that ended early, an answer aiohttp
-  could not parse (``bad_response``), a refused connection (``refused``), other connection and
-  OS errors;
-- anything else is not an I/O failure (a bug): it propagates unchanged.
+"""Read failures sorted into "retry" and "give up", whatever the store raised them as: each fsspec back-end reports
+failures its own way, so :func:`classify` looks through the cause chain (which failures retry: docs/storage.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """http(s) and S3 requests that check what comes back: one version of one object, exactly the bytes asked.
 
-fsspec's ``HTTPFileSystem.cat_file`` drops the headers and reads the whole body whatever its
-length, and its ``info`` has no deadline. So streampack sends its own ``HEAD`` and ranged ``GET``
-through the same filesystem's aiohttp session and checks each answer:
-
-- **bounded body**: more than the bytes asked for is the ``long_body`` fault and the connection
-  is closed (an endless body added +241 MiB RSS within a 4 s deadline through ``cat_file``);
-- **one version per read**: the first answer pins the object's ETag and size; every later block
-  is sent ``If-Match`` and must report the same, else ``DataError("shard_changed")`` (a weak
-  ETag is compared from the headers only);
-- **a deadline for every request**, ``HEAD`` included (``OpenOptions.request_deadline``);
-- ``Retry-After`` of a 429 / 503 is handed to the retry policy.
-
-s3fs's ``cat_file`` likewise drops what the answer says about the object, so an overwritten key would splice two
-versions: :func:`s3_get_range` sends its ``GetObject`` through s3fs's own client with ``IfMatch`` set to the first
-answer's ETag and compares each answer's ``ETag`` and ``ContentRange`` total with the pin; a mismatch or 412 is
-``DataError("shard_changed")``.
+Not fsspec's ``cat_file``: it drops the headers and reads the whole body whatever its length (an endless body added
++241 MiB RSS within a 4 s deadline), and its ``info`` has no deadline; s3fs's likewise drops what the answer says about
+the object, so an overwritten key would splice two versions. So the requests go through the same filesystem's own
+session (aiohttp) or client (s3fs): the first answer pins the object's ETag and size, every later block is sent
+``If-Match`` and must report the same (else ``DataError("shard_changed")``), and a body past the range asked for is the
+``long_body`` fault (docs/storage.md).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ A shard cut short is indexed up to the damage (``damage``), met and counted once
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import threading
 from array import array
@@ -204,7 +205,8 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
     # a shard within one block is one request read whole: ranged reads cannot beat that
     sparse = fmt == "tar" and is_remote(url) and size is not None and (
         ranged == "always" or (ranged == "auto" and size > opts.block_size))
-    raw = SparseStream(url, size, opts, stats, mode=ranged) if sparse else open_shard(url, 0, opts=opts, stats=stats)
+    raw = (io.BufferedReader(SparseStream(url, size, opts, stats, mode=ranged)) if sparse  # type: ignore[arg-type]
+           else open_shard(url, 0, opts=opts, stats=stats))
     with raw:
         if fmt == "parquet":
             lengths = (parquet.token_lengths(raw, decode, url) if lengths

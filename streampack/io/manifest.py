@@ -245,15 +245,13 @@ class Manifest:
                          f"{len(urls)}; " + (f"not in it: {missing[:3]} ({len(missing)} in all)" if missing else
                                               "the order differs") + ": rebuild it with `streampack index`")
 
-    def index_path(self, shard: int) -> str:
-        return cache_path(self.urls[shard], _join(self.location, SHARDS_DIR))
-
     def load_index(self, shard: int, decode: DecodeOptions, opts: OpenOptions) -> ShardIndex:
         """Shard ``shard``'s sample index: one read of its index file, checked against the
         manifest's identity of the shard (no request to the shard itself)."""
         url = self.urls[shard]
         decode = index_decode(decode.tokens_key, decode.limits)
-        index = cached_index(self.index_path(shard), fingerprint_of(url, decode, self.identity(shard)), opts)
+        path = cache_path(url, _join(self.location, SHARDS_DIR))
+        index = cached_index(path, fingerprint_of(url, decode, self.identity(shard)), opts)
         if index is None:
             asked, built = (decode.tokens_key, limits_key(url, decode.limits)), \
                 (self.tokens_key, limits_key(url, self.limits))

@@ -1,14 +1,9 @@
-"""Opening a shard at a byte offset: the only place that reads bytes from a file or a store.
+"""Opening a shard at a byte offset: the only place that reads bytes from a file or a store (docs/storage.md).
 
-:func:`open_shard` returns a buffered stream of bytes ``[offset, end)``. Under it a
-:class:`ResumableStream` counts what it delivered; a failed read or a body that ends early is
-retried *at its current offset* under the one retry policy, so the parser never sees a retry, a
-duplicate or a gap; when the policy gives up, ``DataError("unreachable_url")`` (``"corrupt_shard"``
-locally). Local paths are plain ``open`` + ``seek``. Remote URLs are read in blocks of
-``OpenOptions.block_size``, one bounded request each (http(s) and S3 pinned to one version), the next
-prefetched in a thread: unlike one streaming GET, every request gets a deadline and the same retry
-rules, and parsing (90-160 MB/s a worker) stays the bottleneck (``benchmarks/bench_storage.py``).
-``pipe:cmd`` runs a shell command, so it needs ``allow_pipe=True``; it cannot seek or resume.
+A :class:`ResumableStream` retries a failed read or a short body *at its current offset*, so the parser never sees a
+retry, a duplicate or a gap. Remote URLs are read in blocks of ``OpenOptions.block_size``, one bounded request each, the
+next prefetched in a thread: unlike one streaming GET, every request gets a deadline and the same retry rules, and
+parsing (90-160 MB/s a worker) stays the bottleneck (``benchmarks/bench_storage.py``).
 """
 
 from __future__ import annotations

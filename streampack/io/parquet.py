@@ -6,11 +6,9 @@ and the position are the row number: resuming at row ``r`` opens its row group a
 that group only. The index is the footer's rows and each row's token count (:func:`token_lengths`).
 
 Only the needed columns are read, a row group at a time, in batches of at most :data:`BATCH_ROWS`.
-Untrusted files are bounded by ``Limits.max_sample_bytes`` from the footer before decoding (a
-column chunk decodes to at least ``num_values`` leaf values and its ``total_uncompressed_size``):
-a row group whose rows average more than the limit is refused unread (a 934-byte file holding
-64M ids cost +1,707 MiB, and is refused at +80 MiB: ``benchmarks/rss_child.py``); decoded rows
-are checked again. Damage is located to the row: a batch that fails is re-read one row at a time.
+``Limits.max_sample_bytes`` is checked from the footer before decoding (a row group whose rows average more is refused
+unread; measured in docs/reliability.md), then row by row. A batch that fails is re-read one row at a time, so damage is
+located to the row.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Shard URLs: what a user may write in ``urls`` and what it expands to.
+"""Shard URLs: what a user may write in ``urls`` (docs/storage.md) and what it expands to, once per dataset.
 
-Each item is a local path, a directory (its shard files, sorted, recursive), a brace pattern
-(``train-{000000..000999}.tar``, via ``braceexpand``), a glob, or a URL of any fsspec filesystem: one naming a shard is
-kept, one ending in ``/`` or without a shard suffix is a prefix, one with ``*`` / ``[`` a glob. A ``pipe:`` command only
-when allowed. Expansion runs once per dataset; a pattern that matches nothing raises. :func:`missing_local` stats every
-local shard once (~5 us each) so a missing one is named when the dataset is built; remote shards are not stat'ed.
+Each item is a local path, a directory (its shard files, sorted, recursive), a brace pattern (via ``braceexpand``), a
+glob, or a URL of any fsspec filesystem; a pattern that matches nothing raises.
 """
 
 from __future__ import annotations

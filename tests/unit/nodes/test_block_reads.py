@@ -299,7 +299,7 @@ def _stream(reader, blocks: bool) -> list:
             reader.from_blocks += k
         for i in range(run.lo, run.lo + k):
             b = run.block
-            out.append((b.doc_key(i), b.ids(i).tolist(), (int(b.offsets[i]), int(b.numbers[i]), int(b.next_offsets[i]),
+            out.append((b.doc_keys()[i], b.ids(i).tolist(), (int(b.offsets[i]), int(b.numbers[i]), int(b.next_offsets[i]),
                                                            int(b.next_numbers[i]))))
     return out, _plain(reader.state_dict())
 
