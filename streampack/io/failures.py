@@ -41,7 +41,8 @@ def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseExcept
                          f"{len(getattr(exc, 'history', ()))} redirects", url=url, value=url)
     if names & _SHORT_BODY:
         return Transient("short_body", exc)
-    if any(_is_parse_error(e) for e in _chain(exc)):
+    parse_errors = sys.modules.get("aiohttp.http_exceptions")
+    if parse_errors is not None and any(isinstance(e, parse_errors.HttpProcessingError) for e in _chain(exc)):
         return Transient("bad_response", exc, detail=f"unparsable answer: {exc}")
     if any(isinstance(e, ConnectionRefusedError) or isinstance(getattr(e, "os_error", None), ConnectionRefusedError)
            for e in _chain(exc)):
@@ -81,11 +82,6 @@ def status_of(exc: BaseException) -> tuple[int | None, str | None]:
         if isinstance(status, int):
             return status, None
     return None, None
-
-
-def _is_parse_error(exc: BaseException) -> bool:
-    aiohttp_errors = sys.modules.get("aiohttp.http_exceptions")
-    return aiohttp_errors is not None and isinstance(exc, aiohttp_errors.HttpProcessingError)
 
 
 def _retry_after(exc: BaseException) -> float | None:

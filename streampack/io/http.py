@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streampack.errors import DataError
+from streampack.io.failures import status_of
 from streampack.io.retry import Transient
 
 CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -171,7 +172,8 @@ async def _s3_get(fs: Any, path: str, start: int, end: int, pin: Pin) -> bytes:
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
                                  **version_id_kw(version), **extra)
     except Exception as e:
-        if _precondition_failed(e):
+        status, code = status_of(e)
+        if status == 412 or code == "PreconditionFailed":
             raise changed(path, f"the store refused IfMatch {pin.etag} (HTTP 412)") from None
         raise
     body = resp["Body"]
@@ -192,13 +194,6 @@ async def _s3_get(fs: Any, path: str, start: int, end: int, pin: Pin) -> bytes:
         return bytes(data)
     finally:
         body.close()
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    from streampack.io.failures import status_of
-
-    status, code = status_of(exc)
-    return status == 412 or code == "PreconditionFailed"
 
 
 __all__ = ["CONTENT_RANGE", "Pin", "changed", "check_total", "check_version", "get_range", "head", "s3_get_range"]

@@ -148,17 +148,13 @@ def _http_client_kwargs(opts: OpenOptions) -> dict[str, Any]:
 
 
 async def _refuse_cross_host(session: Any, ctx: Any, params: Any) -> None:
-    target = params.url.join(_yarl_url(params.response.headers.get("Location", "")))
+    import yarl
+
+    target = params.url.join(yarl.URL(params.response.headers.get("Location", "")))
     if target.host and params.url.host and target.host.lower() != params.url.host.lower():
         params.response.close()
         raise RedirectRefused(f"redirect from {params.url} to another host ({target}); "
                               f"pass allow_redirects=True to follow it")
-
-
-def _yarl_url(location: str) -> Any:
-    import yarl
-
-    return yarl.URL(location)
 
 
 def _s3_kwargs(opts: OpenOptions, user_config: Mapping[str, Any]) -> dict[str, Any]:
