@@ -145,17 +145,13 @@ class _Tracked(io.RawIOBase):
 
     @property
     def at_frame_end(self) -> bool:
-        """Whether every byte of the current frame has been handed on (:meth:`next_frame` opens the next one)."""
+        """Whether every byte of the current frame has been handed on."""
         return bool(self._tracker.frame_ends) and self._tracker.frame_ends[0] == self._passed
 
     @property
     def drained(self) -> bool:
         """Whether the input has ended and every byte of it has been handed on."""
         return self._eof and not self._held
-
-    def next_frame(self) -> None:
-        assert self.at_frame_end
-        self._tracker.frame_ends.popleft()
 
     def _ready(self) -> int:
         """Bytes that may be handed on now: confirmed ones, up to the current frame's end."""
@@ -212,7 +208,7 @@ class ZstdReader(io.RawIOBase):
             if n or not self._tracked.at_frame_end:
                 break
             self._reader.close()
-            self._tracked.next_frame()
+            self._tracker.frame_ends.popleft()  # the frame is done: the next reader starts after it
             self._reader = self._frame_reader()
         if n == 0 and self._tracker.error is not None:  # every byte before the damage was delivered
             raise CorruptStream(self._tracker.error)

@@ -181,8 +181,6 @@ class Manifest:
         """:class:`~streampack.io.shard_identity.ShardChanged` (a ``ValueError``) when ``now``, the
         identity the reader found opening shard ``shard``, is not what the manifest indexed, compared as
         ``mode`` says. No request: a stale manifest is found lazily, never by a HEAD per shard at start."""
-        if mode == "off":
-            return
         shard_identity.check(self.urls[shard], self.recorded(shard, mode), now, mode,
                              since=f"the manifest at {self.location!r} indexed it",
                              prefix="stale manifest: ",
