@@ -22,7 +22,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -30,7 +30,6 @@ from streampack.errors import DataError
 from streampack.io import parquet, storage
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, token_count
-from streampack.io.formats import ShardRange
 from streampack.io.index_cache import (
     INDEX_SUFFIX,
     cache_path,
@@ -53,13 +52,6 @@ INDEX_VERSION = 4
 _MEMO_SIZE = 4  # a worker reads one split shard at a time; a big shard's index is tens of MB
 _memo: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
 _memo_lock = threading.Lock()
-
-
-class Position(NamedTuple):
-    """Where sample ``i`` starts: its position (byte offset, or row) and its number."""
-
-    offset: int
-    number: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -104,32 +96,17 @@ class ShardIndex:
     def keys(self) -> list[str]:
         return [self.key(i) for i in range(len(self))]
 
-    def position(self, i: int) -> Position:
-        """Where sample ``i`` starts; ``i == len(self)`` is the end (where the damage starts in a damaged shard)."""
-        n = len(self)
-        if not 0 <= i <= n:
-            raise IndexError(f"sample {i} of a shard with {n} samples")
-        if i < n:
-            return Position(int(self.offsets[i]), self.number(i))
-        return Position(self.end, self.number(n - 1) + 1 if n else 0)
-
-    def range(self, lo: int, hi: int, *, last: bool = False) -> ShardRange:
-        """Samples ``[lo, hi)`` as a range to read. ``last``: this range ends the shard's
-        reading; in a damaged shard it reads past ``end`` (``end=None``) to meet the damage."""
-        if not 0 <= lo <= hi <= len(self):
-            raise ValueError(f"bad sample range [{lo}, {hi}) of {len(self)}")
-        start, first = self.position(lo)
-        end = None if (last and self.damage and hi == len(self)) else self.position(hi).offset
-        return ShardRange(start=start, first=first, end=end)
-
     def part(self, part: int, parts: int) -> tuple[int, int | None, int]:
         """``(start, end, first)`` of contiguous part ``part`` of ``parts``: sample ``i`` belongs to part
-        ``i * parts // len`` (``end`` None only for a damaged shard's last part, see :meth:`range`)."""
+        ``i * parts // len``. A damaged shard's last part reads past ``end`` (``end`` None) to meet the damage."""
         if not 0 <= part < parts:
             raise ValueError(f"{part=} must be in [0, {parts=})")
         n = len(self)
-        where = self.range(-(-part * n // parts), -(-(part + 1) * n // parts), last=part == parts - 1)
-        return where.start, where.end, where.first
+        lo, hi = -(-part * n // parts), -(-(part + 1) * n // parts)
+        last = self.number(n - 1) + 1 if n else 0  # the number after the last sample
+        start, first = (int(self.offsets[lo]), self.number(lo)) if lo < n else (self.end, last)
+        end = None if (self.damage and part == parts - 1) else int(self.offsets[hi]) if hi < n else self.end
+        return start, end, first
 
 
 def index_decode(tokens_key: str = "input_ids", limits: Limits | None = None) -> DecodeOptions:
@@ -349,6 +326,6 @@ def _whole(data: Mapping[str, np.ndarray]) -> bool:
         n > 0 and int(data["key_ends"][-1]) == len(data["key_blob"]) and bool((np.diff(data["key_ends"]) >= 0).all()))
 
 
-__all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",
+__all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "ShardIndex", "build_index", "cache_path",
            "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_decode",
            "index_dir", "limits_key", "load_or_build_index", "unknown_lengths_hint"]
