@@ -20,9 +20,8 @@ from streampack.io.retry import IOStats, Transient, with_retries
 from streampack.io.storage import OpenOptions, deadline, filesystem, is_http, is_remote, local_path, protocol_of, stat
 
 _DISCARD_CHUNK = 1 << 20
-LOCAL_BUFFER = 256 << 10
-"""Bytes per local read (the buffered reader's buffer)."""
-REMOTE_BUFFER = 256 << 10
+BUFFER = 256 << 10
+"""The buffered reader's buffer, and the bytes of a local read."""
 
 
 def _open_local(path: str) -> BinaryIO:
@@ -219,7 +218,7 @@ class ResumableStream(SeekableRaw):
             except Transient as e:  # the background attempt failed: this run of failures starts with it
                 first = e
         else:
-            start, size = pos, max(want, LOCAL_BUFFER) if self._local else self._block_size
+            start, size = pos, max(want, BUFFER) if self._local else self._block_size
             end = start + size if self._end is None else min(start + size, self._end)
         if data is None:
             data = with_retries(lambda: self._attempt(start, end), url=self._url, policy=self._opts.retry,
@@ -270,16 +269,13 @@ def open_shard(url: str, offset: int = 0, end: int | None = None, *, opts: OpenO
         raise ValueError(f"bad byte range {offset=} {end=} for {url!r}")
     if url.startswith("pipe:"):
         return _open_pipe(url, offset, opts)
-    if is_remote(url):
-        size = None
-        if end is None:  # the object's size is where its bytes must end
-            size = stat(url, opts, stats).size
-        source: _Local | _Remote = _Remote(url, opts, size)
-        raw = ResumableStream(source, url=url, start=offset, end=end, opts=opts, stats=stats, block=opts.block_size)
-        return io.BufferedReader(raw, buffer_size=REMOTE_BUFFER)  # type: ignore[return-value]
-    path = local_path(url)
-    raw = ResumableStream(_Local(path), url=url, start=offset, end=end, opts=opts, stats=stats, block=LOCAL_BUFFER)
-    return io.BufferedReader(raw, buffer_size=LOCAL_BUFFER)  # type: ignore[return-value]
+    remote = is_remote(url)
+    # a remote object read to its end: its size is where its bytes must end
+    source = (_Remote(url, opts, stat(url, opts, stats).size if end is None else None) if remote
+              else _Local(local_path(url)))
+    raw = ResumableStream(source, url=url, start=offset, end=end, opts=opts, stats=stats,
+                          block=opts.block_size if remote else BUFFER)
+    return io.BufferedReader(raw, buffer_size=BUFFER)  # type: ignore[return-value]
 
 
 def _open_pipe(url: str, offset: int, opts: OpenOptions) -> BinaryIO:
