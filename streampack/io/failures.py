@@ -14,6 +14,8 @@ from streampack.errors import DataError
 from streampack.io.retry import REFUSED, Transient
 
 _SHORT_BODY = {"ClientPayloadError", "IncompleteRead", "ContentLengthError", "TransferEncodingError"}
+_TIMEOUTS = {"FSTimeoutError", "ServerTimeoutError", "ReadTimeoutError", "ConnectTimeoutError", "ConnectionTimeoutError",
+             "SocketTimeoutError", "ReadTimeout", "ConnectTimeout"}
 
 
 class RedirectRefused(Exception):
@@ -59,7 +61,7 @@ def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseExcept
     name = type(exc).__name__
     if isinstance(exc, PermissionError) or name in ("NoCredentialsError", "PartialCredentialsError"):
         return DataError(denied, f"access denied: {exc}", url=url, value=url)
-    if _is_timeout(exc):
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) or names & _TIMEOUTS:
         return Transient("timeout", exc)
     if isinstance(exc, (ConnectionError, OSError)) or _is_client_error(exc):
         return Transient("connection" if not local else "io_error", exc)
@@ -99,14 +101,6 @@ def _retry_after(exc: BaseException) -> float | None:
     except (TypeError, ValueError):
         return None
     return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return True
-    names = {type(e).__name__ for e in _chain(exc)}
-    return bool(names & {"FSTimeoutError", "ServerTimeoutError", "ReadTimeoutError", "ConnectTimeoutError",
-                         "ConnectionTimeoutError", "SocketTimeoutError", "ReadTimeout", "ConnectTimeout"})
 
 
 def _is_client_error(exc: BaseException) -> bool:
