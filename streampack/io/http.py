@@ -84,7 +84,7 @@ async def _get(fs: Any, url: str, start: int, end: int, pin: Pin) -> bytes:
             if m is not None:
                 check_total(m.group(1), url, pin)
         _check_status(fs, r, url)
-        check_version(r.headers, url, pin)
+        check_version(r.headers.get("ETag"), url, pin)
         if r.status == 206:
             m = CONTENT_RANGE.fullmatch(r.headers.get("Content-Range", ""))
             if m is None or int(m.group(1)) != start:
@@ -108,9 +108,8 @@ def _check_status(fs: Any, r: Any, url: str) -> None:
                         url=url, value=url)
 
 
-def check_version(headers: Any, url: str, pin: Pin) -> None:
-    etag = headers.get("ETag")
-    if etag is None:
+def check_version(etag: str | None, url: str, pin: Pin) -> None:
+    if not etag:
         return
     if pin.etag is None:
         pin.etag = etag
@@ -178,7 +177,7 @@ async def _s3_get(fs: Any, path: str, start: int, end: int, pin: Pin) -> bytes:
         raise
     body = resp["Body"]
     try:
-        check_version({"ETag": resp.get("ETag")} if resp.get("ETag") else {}, f"s3://{path}", pin)
+        check_version(resp.get("ETag"), f"s3://{path}", pin)
         m = CONTENT_RANGE.fullmatch(resp.get("ContentRange") or "")
         if m is not None:
             check_total(m.group(3), f"s3://{path}", pin)
