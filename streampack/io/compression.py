@@ -1,14 +1,10 @@
-"""Compressed jsonl: ``.gz`` (gzip) and ``.zst`` (zstandard), streamed, never random-access.
+"""Compressed jsonl: ``.gz`` and ``.zst``, streamed: neither can seek, so resuming decompresses and drops everything
+before the offset (O(offset), 0.3-2 GB/s on one core; docs/storage.md).
 
-Neither format can seek, so a jsonl position is an offset in *uncompressed* bytes and resuming at
-it decompresses and drops everything before it (O(offset), 0.3-2 GB/s on one core). Use plain
-jsonl, tar or parquet when mid-shard resume must be O(1).
-
-A stream that ends inside a frame is damage, not an end: zstandard's reader silently returns the partial data, so
-:class:`ZstdReader` follows the frame layout itself (frame and block headers only) and raises :class:`CorruptStream`
-when the input stops anywhere but between two frames. Bytes that start no frame are damage too, but only after every
-line before them. Each frame is decompressed by a reader of its own, so a frame that fails costs no line of the frames
-before it; that costs ~15 us a frame (1.5-2x on a file of one line per frame, nothing for 1 MiB frames).
+zstandard's reader returns a frame cut short as if it were whole, so :class:`ZstdReader` follows the frame layout itself
+(frame and block headers only) and raises :class:`CorruptStream` when the input stops anywhere but between two frames.
+Each frame gets a reader of its own, so a frame that fails costs no line of the frames before it: ~15 us a frame
+(1.5-2x on a file of one line per frame, nothing for 1 MiB frames).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""When is a shard "the same one": the ``identity`` option of resumes and manifest checks.
-
-A resume state's byte offsets and a manifest's sample index are right only for the bytes they were
-made from. ``OpenOptions.identity`` says what proves a shard still holds them (docs/reliability.md):
-``tag`` (size + ETag / generation / ``st_mtime_ns``: a re-staged copy is refused), ``size`` (any
-same-size rewrite passes), ``digest`` (size + SHA-1 of the first and last 64 KiB: a same-size edit
-confined to the middle is not seen; 2 ranged reads more) or ``off``. A state saved under one kind
-and checked under another is refused naming the option. Index caches always use the strict one.
+"""When is a shard "the same one": the ``identity`` option of resumes and manifest checks (the modes:
+docs/reliability.md). ``digest`` hashes the size and the first and last 64 KiB: a same-size edit confined to the middle
+is not seen, for 2 ranged reads more. A state saved under one kind and checked under another is refused naming the
+option; index caches always use the strict one.
 """
 
 from __future__ import annotations
