@@ -87,20 +87,15 @@ def _token_file(url: str, *, decode: DecodeOptions, opts: OpenOptions, streams: 
 
 
 def _group(pf: Any, group: int, firsts: list[int], decode: DecodeOptions) -> tuple[np.ndarray, np.ndarray] | None:
-    """Row group ``group``'s token column (:func:`_read`), unless the per-sample reader refuses
-    the group unread (over ``max_sample_bytes`` a row by the footer)."""
+    """Row group ``group``'s token column as (int64 list offsets ``[rows + 1]``, flat values), zero-copy; None
+    when it cannot be read or holds a null, or when the per-sample reader refuses the group unread (over
+    ``max_sample_bytes`` a row by the footer)."""
+    import pyarrow as pa
+
     key = decode.tokens_key
     if _decoded_bytes(pf.metadata.row_group(group), [key]) // max(1, firsts[group + 1] - firsts[group]) \
             > decode.limits.max_sample_bytes:
         return None
-    return _read(pf, group, key)
-
-
-def _read(pf: Any, group: int, key: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """The token column of one row group as (int64 list offsets ``[rows + 1]``, flat values),
-    zero-copy; None when it cannot be read or holds a null."""
-    import pyarrow as pa
-
     try:
         table = pf.read_row_group(group, columns=[key], use_threads=False)
     except (pa.ArrowException, OSError):
