@@ -141,11 +141,8 @@ def is_packed_dataset(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[
         root, _ = resolve_packed(urls)
     except ValueError:
         return False
-    mpath = root / MANIFEST_NAME
-    if not mpath.is_file():
-        return False
-    try:
-        return json.loads(mpath.read_text()).get("format") == FORMAT
+    try:  # no manifest (or a directory of that name) is an OSError
+        return json.loads((root / MANIFEST_NAME).read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 
