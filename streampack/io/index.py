@@ -30,15 +30,7 @@ from streampack.errors import DataError
 from streampack.io import parquet, storage
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, token_count
-from streampack.io.index_cache import (
-    INDEX_SUFFIX,
-    cache_path,
-    default_cache_dir,
-    index_dir,
-    load_arrays,
-    locked,
-    save_arrays,
-)
+from streampack.io.index_cache import cache_path, load_arrays, locked, save_arrays
 from streampack.io.jsonl import iter_lines
 from streampack.io.limits import Limits
 from streampack.io.open import open_shard
@@ -326,6 +318,5 @@ def _whole(data: Mapping[str, np.ndarray]) -> bool:
         n > 0 and int(data["key_ends"][-1]) == len(data["key_blob"]) and bool((np.diff(data["key_ends"]) >= 0).all()))
 
 
-__all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "ShardIndex", "build_index", "cache_path",
-           "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_decode",
-           "index_dir", "limits_key", "load_or_build_index", "unknown_lengths_hint"]
+__all__ = ["INDEX_VERSION", "ShardIndex", "build_index", "cache_path", "cached_index", "decode_index", "encode_index",
+           "fingerprint_of", "index_decode", "limits_key", "load_or_build_index", "unknown_lengths_hint"]

@@ -23,7 +23,8 @@ from helpers_formats import jsonl_bytes, write_parquet_shards, write_zst_shards
 from streampack import PackedDataset
 from streampack.cli.main import main
 from streampack.errors import ErrorCounter, ErrorPolicy
-from streampack.io.index import INDEX_SUFFIX, cache_path, load_or_build_index
+from streampack.io.index import cache_path, load_or_build_index
+from streampack.io.index_cache import INDEX_SUFFIX
 from streampack.io.limits import Limits
 from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
