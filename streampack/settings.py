@@ -189,14 +189,14 @@ def sources_of(urls: URLs | Mapping[str, Any], *, opts: OpenOptions, mixture_sto
             if is_packed_dataset(source):
                 raise ValueError(f"mixture source {name!r} is a `streampack pack` directory; mixtures "
                                  f"read raw shards only")
-            shards[name] = ShardList.of(source, allow_pipe=opts.allow_pipe, opts=opts)
+            shards[name] = ShardList.of(source, opts=opts)
         if not shards:
             raise ValueError("a mixture needs at least one source")
         by_name = dict(sorted(weights.items(), key=lambda kv: str(kv[0])))  # mapping order never matters
         return Sources(mixture=shards, weights=by_name, stop=mixture_stop)
     if is_packed_dataset(urls):
         return Sources(packed=packed_manifest(urls), packed_urls=urls)
-    return Sources(shards=ShardList.of(urls, allow_pipe=opts.allow_pipe, opts=opts))
+    return Sources(shards=ShardList.of(urls, opts=opts))
 
 
 def tokenizer_id(tokenizer: Any) -> str | None:

@@ -87,7 +87,8 @@ def _mapped(pool: Executor, work: Callable[[str], Any], urls: Sequence[str], job
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from streampack.io.index import index_decode, index_dir, load_or_build_index
+    from streampack.io.index import index_decode, load_or_build_index
+    from streampack.io.index_cache import index_dir
     from streampack.io.manifest import Manifest, build_entry, save_manifest
     from streampack.io.retry import IOStats, RetryPolicy
     from streampack.io.storage import OpenOptions, is_remote

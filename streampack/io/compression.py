@@ -1,14 +1,10 @@
-"""Compressed jsonl: ``.gz`` (gzip) and ``.zst`` (zstandard), streamed, never random-access.
+"""Compressed jsonl: ``.gz`` and ``.zst``, streamed: neither can seek, so resuming decompresses and drops everything
+before the offset (O(offset), 0.3-2 GB/s on one core; docs/storage.md).
 
-Neither format can seek, so a jsonl position is an offset in *uncompressed* bytes and resuming at
-it decompresses and drops everything before it (O(offset), 0.3-2 GB/s on one core). Use plain
-jsonl, tar or parquet when mid-shard resume must be O(1).
-
-A stream that ends inside a frame is damage, not an end: zstandard's reader silently returns the partial data, so
-:class:`ZstdReader` follows the frame layout itself (frame and block headers only) and raises :class:`CorruptStream`
-when the input stops anywhere but between two frames. Bytes that start no frame are damage too, but only after every
-line before them. Each frame is decompressed by a reader of its own, so a frame that fails costs no line of the frames
-before it; that costs ~15 us a frame (1.5-2x on a file of one line per frame, nothing for 1 MiB frames).
+zstandard's reader returns a frame cut short as if it were whole, so :class:`ZstdReader` follows the frame layout itself
+(frame and block headers only) and raises :class:`CorruptStream` when the input stops anywhere but between two frames.
+Each frame gets a reader of its own, so a frame that fails costs no line of the frames before it: ~15 us a frame
+(1.5-2x on a file of one line per frame, nothing for 1 MiB frames).
 """
 
 from __future__ import annotations
@@ -145,17 +141,13 @@ class _Tracked(io.RawIOBase):
 
     @property
     def at_frame_end(self) -> bool:
-        """Whether every byte of the current frame has been handed on (:meth:`next_frame` opens the next one)."""
+        """Whether every byte of the current frame has been handed on."""
         return bool(self._tracker.frame_ends) and self._tracker.frame_ends[0] == self._passed
 
     @property
     def drained(self) -> bool:
         """Whether the input has ended and every byte of it has been handed on."""
         return self._eof and not self._held
-
-    def next_frame(self) -> None:
-        assert self.at_frame_end
-        self._tracker.frame_ends.popleft()
 
     def _ready(self) -> int:
         """Bytes that may be handed on now: confirmed ones, up to the current frame's end."""
@@ -212,7 +204,7 @@ class ZstdReader(io.RawIOBase):
             if n or not self._tracked.at_frame_end:
                 break
             self._reader.close()
-            self._tracked.next_frame()
+            self._tracker.frame_ends.popleft()  # the frame is done: the next reader starts after it
             self._reader = self._frame_reader()
         if n == 0 and self._tracker.error is not None:  # every byte before the damage was delivered
             raise CorruptStream(self._tracker.error)

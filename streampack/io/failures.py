@@ -1,16 +1,5 @@
-"""Read failures sorted into "retry" and "give up", whatever the store raised them as.
-
-Each fsspec back-end reports failures its own way; :func:`classify` looks through the cause
-chain for an HTTP status first, then at the exception types:
-
-- give up at once (``DataError``): 404 / 410 and missing files (``missing_shard``); 401 / 403,
-  missing credentials, other 4xx, a refused cross-host redirect, a redirect loop
-  (``unreachable_url``, or ``corrupt_shard`` for an unreadable local file);
-- retry (:class:`~streampack.io.retry.Transient`, by kind): 408 / 425 / 429 / 5xx and S3
-  throttling (with their ``Retry-After``), timeouts, a body that ended early, an answer aiohttp
-  could not parse (``bad_response``), a refused connection (``refused``), other connection and
-  OS errors;
-- anything else is not an I/O failure (a bug): it propagates unchanged.
+"""Read failures sorted into "retry" and "give up", whatever the store raised them as: each fsspec back-end reports
+failures its own way, so :func:`classify` looks through the cause chain (which failures retry: docs/storage.md).
 """
 
 from __future__ import annotations
@@ -25,6 +14,8 @@ from streampack.errors import DataError
 from streampack.io.retry import REFUSED, Transient
 
 _SHORT_BODY = {"ClientPayloadError", "IncompleteRead", "ContentLengthError", "TransferEncodingError"}
+_TIMEOUTS = {"FSTimeoutError", "ServerTimeoutError", "ReadTimeoutError", "ConnectTimeoutError", "ConnectionTimeoutError",
+             "SocketTimeoutError", "ReadTimeout", "ConnectTimeout"}
 
 
 class RedirectRefused(Exception):
@@ -52,7 +43,8 @@ def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseExcept
                          f"{len(getattr(exc, 'history', ()))} redirects", url=url, value=url)
     if names & _SHORT_BODY:
         return Transient("short_body", exc)
-    if any(_is_parse_error(e) for e in _chain(exc)):
+    parse_errors = sys.modules.get("aiohttp.http_exceptions")
+    if parse_errors is not None and any(isinstance(e, parse_errors.HttpProcessingError) for e in _chain(exc)):
         return Transient("bad_response", exc, detail=f"unparsable answer: {exc}")
     if any(isinstance(e, ConnectionRefusedError) or isinstance(getattr(e, "os_error", None), ConnectionRefusedError)
            for e in _chain(exc)):
@@ -69,7 +61,7 @@ def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseExcept
     name = type(exc).__name__
     if isinstance(exc, PermissionError) or name in ("NoCredentialsError", "PartialCredentialsError"):
         return DataError(denied, f"access denied: {exc}", url=url, value=url)
-    if _is_timeout(exc):
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) or names & _TIMEOUTS:
         return Transient("timeout", exc)
     if isinstance(exc, (ConnectionError, OSError)) or _is_client_error(exc):
         return Transient("connection" if not local else "io_error", exc)
@@ -78,10 +70,7 @@ def classify(exc: BaseException, url: str, *, local: bool = False) -> BaseExcept
 
 def status_of(exc: BaseException) -> tuple[int | None, str | None]:
     """The HTTP status (and S3 error code) anywhere in ``exc``'s cause chain."""
-    seen: BaseException | None = exc
-    for _ in range(6):
-        if seen is None:
-            break
+    for seen in _chain(exc):
         status = getattr(seen, "status", None)
         if isinstance(status, int) and 100 <= status < 600:
             return status, None
@@ -94,13 +83,7 @@ def status_of(exc: BaseException) -> tuple[int | None, str | None]:
         status = getattr(response, "status_code", None)  # requests / httpx (huggingface_hub)
         if isinstance(status, int):
             return status, None
-        seen = seen.__cause__ or seen.__context__
     return None, None
-
-
-def _is_parse_error(exc: BaseException) -> bool:
-    aiohttp_errors = sys.modules.get("aiohttp.http_exceptions")
-    return aiohttp_errors is not None and isinstance(exc, aiohttp_errors.HttpProcessingError)
 
 
 def _retry_after(exc: BaseException) -> float | None:
@@ -118,14 +101,6 @@ def _retry_after(exc: BaseException) -> float | None:
     except (TypeError, ValueError):
         return None
     return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return True
-    names = {type(e).__name__ for e in _chain(exc)}
-    return bool(names & {"FSTimeoutError", "ServerTimeoutError", "ReadTimeoutError", "ConnectTimeoutError",
-                         "ConnectionTimeoutError", "SocketTimeoutError", "ReadTimeout", "ConnectTimeout"})
 
 
 def _is_client_error(exc: BaseException) -> bool:

@@ -44,25 +44,27 @@ def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
     unreachable (after retries) or corrupt shard raises ``DataError``."""
     start, end = where.start, where.end
     fmt = shard_format(url)
-    if fmt == "parquet":
-        streams.append(open_shard(url, opts=opts, stats=stats))
-        return iter_parquet_items(streams[-1], decode, url=url, start=start, end=end)
-    if fmt == "tar":
-        def reopen(offset: int, stop: int | None) -> BinaryIO:  # to judge a split range's last samples
-            streams.append(open_shard(url, offset, stop, opts=opts, stats=stats))
-            return streams[-1]
 
-        # a split range is opened one header past its end: the tar reader looks there for a
-        # corrupt region (an index-made end is followed at least by the end-of-archive blocks)
-        streams.append(open_shard(url, start, None if end is None else end + TAR_BLOCK, opts=opts, stats=stats))
+    def opened(offset: int = 0, stop: int | None = None) -> BinaryIO:
+        streams.append(open_shard(url, offset, stop, opts=opts, stats=stats))
+        return streams[-1]
+
+    if fmt == "parquet":
+        return iter_parquet_items(opened(), decode, url=url, start=start, end=end)
+    if fmt == "tar":
+        # a split range is opened one header past its end: the tar reader looks there for a corrupt region (an
+        # index-made end is followed at least by the end-of-archive blocks), and past it with `reopen`
         pipe = url.startswith("pipe:")
-        return iter_tar_items(streams[-1], decode, url=url, start=start, first_index=where.first, end=end,
-                              seekable=not pipe, reopen=None if pipe else reopen)
+        return iter_tar_items(opened(start, None if end is None else end + TAR_BLOCK), decode, url=url, start=start,
+                              first_index=where.first, end=end, seekable=not pipe, reopen=None if pipe else opened)
     compressed = fmt != "jsonl"
-    streams.append(open_shard(url, 0 if compressed else start, None if compressed else end, opts=opts, stats=stats))
-    streams.append(text_stream(_NotEmpty(streams[-1], url) if compressed else streams[-1], url))
-    if compressed and start:
-        skip_uncompressed(streams[-1], start, url)
+    raw = opened() if compressed else opened(start, end)
+    streams.append(text_stream(_NotEmpty(raw, url) if compressed else raw, url))
+    if compressed and start:  # neither can seek: decompress and drop (O(start) CPU, see io.compression)
+        try:
+            skip_bytes(streams[-1], start, url)
+        except DECOMPRESS_ERRORS as e:
+            raise DataError("corrupt_shard", f"cannot decompress: {e}", url=url, value=start) from None
     return iter_jsonl_items(streams[-1], decode, url=url, start=start, first_index=where.first, end=end)
 
 
@@ -85,13 +87,4 @@ class _NotEmpty:
         return getattr(self._raw, name)
 
 
-def skip_uncompressed(f: BinaryIO, n: int, url: str) -> None:
-    """``.gz`` / ``.zst`` cannot seek: decompress and drop ``n`` bytes (O(n) CPU; see
-    :mod:`streampack.io.compression`)."""
-    try:
-        skip_bytes(f, n, url)
-    except DECOMPRESS_ERRORS as e:
-        raise DataError("corrupt_shard", f"cannot decompress: {e}", url=url, value=n) from None
-
-
-__all__ = ["ShardRange", "open_range", "skip_uncompressed"]
+__all__ = ["ShardRange", "open_range"]

@@ -1,21 +1,11 @@
 """http(s) and S3 requests that check what comes back: one version of one object, exactly the bytes asked.
 
-fsspec's ``HTTPFileSystem.cat_file`` drops the headers and reads the whole body whatever its
-length, and its ``info`` has no deadline. So streampack sends its own ``HEAD`` and ranged ``GET``
-through the same filesystem's aiohttp session and checks each answer:
-
-- **bounded body**: more than the bytes asked for is the ``long_body`` fault and the connection
-  is closed (an endless body added +241 MiB RSS within a 4 s deadline through ``cat_file``);
-- **one version per read**: the first answer pins the object's ETag and size; every later block
-  is sent ``If-Match`` and must report the same, else ``DataError("shard_changed")`` (a weak
-  ETag is compared from the headers only);
-- **a deadline for every request**, ``HEAD`` included (``OpenOptions.request_deadline``);
-- ``Retry-After`` of a 429 / 503 is handed to the retry policy.
-
-s3fs's ``cat_file`` likewise drops what the answer says about the object, so an overwritten key would splice two
-versions: :func:`s3_get_range` sends its ``GetObject`` through s3fs's own client with ``IfMatch`` set to the first
-answer's ETag and compares each answer's ``ETag`` and ``ContentRange`` total with the pin; a mismatch or 412 is
-``DataError("shard_changed")``.
+Not fsspec's ``cat_file``: it drops the headers and reads the whole body whatever its length (an endless body added
++241 MiB RSS within a 4 s deadline), and its ``info`` has no deadline; s3fs's likewise drops what the answer says about
+the object, so an overwritten key would splice two versions. So the requests go through the same filesystem's own
+session (aiohttp) or client (s3fs): the first answer pins the object's ETag and size, every later block is sent
+``If-Match`` and must report the same (else ``DataError("shard_changed")``), and a body past the range asked for is the
+``long_body`` fault (docs/storage.md).
 """
 
 from __future__ import annotations
@@ -25,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streampack.errors import DataError
+from streampack.io.failures import status_of
 from streampack.io.retry import Transient
 
 CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -93,7 +84,7 @@ async def _get(fs: Any, url: str, start: int, end: int, pin: Pin) -> bytes:
             if m is not None:
                 check_total(m.group(1), url, pin)
         _check_status(fs, r, url)
-        check_version(r.headers, url, pin)
+        check_version(r.headers.get("ETag"), url, pin)
         if r.status == 206:
             m = CONTENT_RANGE.fullmatch(r.headers.get("Content-Range", ""))
             if m is None or int(m.group(1)) != start:
@@ -117,9 +108,8 @@ def _check_status(fs: Any, r: Any, url: str) -> None:
                         url=url, value=url)
 
 
-def check_version(headers: Any, url: str, pin: Pin) -> None:
-    etag = headers.get("ETag")
-    if etag is None:
+def check_version(etag: str | None, url: str, pin: Pin) -> None:
+    if not etag:
         return
     if pin.etag is None:
         pin.etag = etag
@@ -181,12 +171,13 @@ async def _s3_get(fs: Any, path: str, start: int, end: int, pin: Pin) -> bytes:
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
                                  **version_id_kw(version), **extra)
     except Exception as e:
-        if _precondition_failed(e):
+        status, code = status_of(e)
+        if status == 412 or code == "PreconditionFailed":
             raise changed(path, f"the store refused IfMatch {pin.etag} (HTTP 412)") from None
         raise
     body = resp["Body"]
     try:
-        check_version({"ETag": resp.get("ETag")} if resp.get("ETag") else {}, f"s3://{path}", pin)
+        check_version(resp.get("ETag"), f"s3://{path}", pin)
         m = CONTENT_RANGE.fullmatch(resp.get("ContentRange") or "")
         if m is not None:
             check_total(m.group(3), f"s3://{path}", pin)
@@ -202,13 +193,6 @@ async def _s3_get(fs: Any, path: str, start: int, end: int, pin: Pin) -> bytes:
         return bytes(data)
     finally:
         body.close()
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    from streampack.io.failures import status_of
-
-    status, code = status_of(exc)
-    return status == 412 or code == "PreconditionFailed"
 
 
 __all__ = ["CONTENT_RANGE", "Pin", "changed", "check_total", "check_version", "get_range", "head", "s3_get_range"]

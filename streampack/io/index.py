@@ -15,13 +15,14 @@ A shard cut short is indexed up to the damage (``damage``), met and counted once
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -29,16 +30,7 @@ from streampack.errors import DataError
 from streampack.io import parquet, storage
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, token_count
-from streampack.io.formats import ShardRange
-from streampack.io.index_cache import (
-    INDEX_SUFFIX,
-    cache_path,
-    default_cache_dir,
-    index_dir,
-    load_arrays,
-    locked,
-    save_arrays,
-)
+from streampack.io.index_cache import cache_path, load_arrays, locked, save_arrays
 from streampack.io.jsonl import iter_lines
 from streampack.io.limits import Limits
 from streampack.io.open import open_shard
@@ -52,13 +44,6 @@ INDEX_VERSION = 4
 _MEMO_SIZE = 4  # a worker reads one split shard at a time; a big shard's index is tens of MB
 _memo: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
 _memo_lock = threading.Lock()
-
-
-class Position(NamedTuple):
-    """Where sample ``i`` starts: its position (byte offset, or row) and its number."""
-
-    offset: int
-    number: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -103,32 +88,17 @@ class ShardIndex:
     def keys(self) -> list[str]:
         return [self.key(i) for i in range(len(self))]
 
-    def position(self, i: int) -> Position:
-        """Where sample ``i`` starts; ``i == len(self)`` is the end (where the damage starts in a damaged shard)."""
-        n = len(self)
-        if not 0 <= i <= n:
-            raise IndexError(f"sample {i} of a shard with {n} samples")
-        if i < n:
-            return Position(int(self.offsets[i]), self.number(i))
-        return Position(self.end, self.number(n - 1) + 1 if n else 0)
-
-    def range(self, lo: int, hi: int, *, last: bool = False) -> ShardRange:
-        """Samples ``[lo, hi)`` as a range to read. ``last``: this range ends the shard's
-        reading; in a damaged shard it reads past ``end`` (``end=None``) to meet the damage."""
-        if not 0 <= lo <= hi <= len(self):
-            raise ValueError(f"bad sample range [{lo}, {hi}) of {len(self)}")
-        start, first = self.position(lo)
-        end = None if (last and self.damage and hi == len(self)) else self.position(hi).offset
-        return ShardRange(start=start, first=first, end=end)
-
     def part(self, part: int, parts: int) -> tuple[int, int | None, int]:
         """``(start, end, first)`` of contiguous part ``part`` of ``parts``: sample ``i`` belongs to part
-        ``i * parts // len`` (``end`` None only for a damaged shard's last part, see :meth:`range`)."""
+        ``i * parts // len``. A damaged shard's last part reads past ``end`` (``end`` None) to meet the damage."""
         if not 0 <= part < parts:
             raise ValueError(f"{part=} must be in [0, {parts=})")
         n = len(self)
-        where = self.range(-(-part * n // parts), -(-(part + 1) * n // parts), last=part == parts - 1)
-        return where.start, where.end, where.first
+        lo, hi = -(-part * n // parts), -(-(part + 1) * n // parts)
+        last = self.number(n - 1) + 1 if n else 0  # the number after the last sample
+        start, first = (int(self.offsets[lo]), self.number(lo)) if lo < n else (self.end, last)
+        end = None if (self.damage and part == parts - 1) else int(self.offsets[hi]) if hi < n else self.end
+        return start, end, first
 
 
 def index_decode(tokens_key: str = "input_ids", limits: Limits | None = None) -> DecodeOptions:
@@ -204,11 +174,12 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
     # a shard within one block is one request read whole: ranged reads cannot beat that
     sparse = fmt == "tar" and is_remote(url) and size is not None and (
         ranged == "always" or (ranged == "auto" and size > opts.block_size))
-    raw = SparseStream(url, size, opts, stats, mode=ranged) if sparse else open_shard(url, 0, opts=opts, stats=stats)
+    raw = (io.BufferedReader(SparseStream(url, size, opts, stats, mode=ranged)) if sparse  # type: ignore[arg-type]
+           else open_shard(url, 0, opts=opts, stats=stats))
     with raw:
         if fmt == "parquet":
             lengths = (parquet.token_lengths(raw, decode, url) if lengths
-                       else np.full(int(parquet.row_counts(raw, url).sum()), -1, np.int32))
+                       else np.full(parquet.parquet_file(raw, url).metadata.num_rows, -1, np.int32))
             return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(len(lengths), dtype=np.int64),
                               lengths=lengths, end=len(lengths))
         scan = _Scan()
@@ -347,6 +318,5 @@ def _whole(data: Mapping[str, np.ndarray]) -> bool:
         n > 0 and int(data["key_ends"][-1]) == len(data["key_blob"]) and bool((np.diff(data["key_ends"]) >= 0).all()))
 
 
-__all__ = ["INDEX_SUFFIX", "INDEX_VERSION", "Position", "ShardIndex", "build_index", "cache_path",
-           "cached_index", "decode_index", "default_cache_dir", "encode_index", "fingerprint_of", "index_decode",
-           "index_dir", "limits_key", "load_or_build_index", "unknown_lengths_hint"]
+__all__ = ["INDEX_VERSION", "ShardIndex", "build_index", "cache_path", "cached_index", "decode_index", "encode_index",
+           "fingerprint_of", "index_decode", "limits_key", "load_or_build_index", "unknown_lengths_hint"]

@@ -43,8 +43,12 @@ def cache_path(url: str, cache_dir: str | None) -> str:
     """The index file of ``url`` (named by a hash of the URL and its basename)."""
     name = os.path.basename(url.split("?", 1)[0].rstrip("/")) or "shard"
     directory = index_dir(cache_dir)
-    name = hashlib.sha1(url.encode()).hexdigest()[:16] + "-" + name + INDEX_SUFFIX
-    return f"{directory.rstrip('/')}/{name}" if is_remote(directory) else os.path.join(directory, name)
+    return join_path(directory, hashlib.sha1(url.encode()).hexdigest()[:16] + "-" + name + INDEX_SUFFIX)
+
+
+def join_path(location: str, name: str) -> str:
+    """``location/name`` for a local directory or a store URL."""
+    return f"{location.rstrip('/')}/{name}" if is_remote(location) else os.path.join(location, name)
 
 
 class DamagedFile(ValueError):
@@ -175,5 +179,5 @@ def _no_lock(directory: str, e: BaseException) -> None:
                     e)
 
 
-__all__ = ["INDEX_SUFFIX", "DamagedFile", "cache_path", "default_cache_dir", "index_dir", "load_arrays", "locked",
-           "read_arrays", "save_arrays"]
+__all__ = ["INDEX_SUFFIX", "DamagedFile", "cache_path", "default_cache_dir", "index_dir", "join_path", "load_arrays",
+           "locked", "read_arrays", "save_arrays"]

@@ -1,12 +1,6 @@
-"""The limits a reader enforces on untrusted shards, checked while streaming, before allocating.
-
-A shard may declare anything (a 1 TiB tar member, a ``.jsonl.gz`` line inflating to 400 MiB, a
-2 KiB line nesting 1000 brackets). Each limit is checked on the *declared* or *so-far-read* size,
-so a reader never holds more than one item's limit, and what crosses it is a
-:class:`~streampack.errors.DataError`; the table of limits and reasons is in docs/reliability.md.
-32 MiB of line or member leaves room for a 1M-token document (~7 MB as a json id list) while
-bounding a reader's peak at a few hundred MiB. Pax / GNU long-name headers are capped at
-:data:`MAX_EXTENSION_BYTES`, not settable.
+"""The limits a reader enforces on untrusted shards, on *declared* or *so-far-read* sizes, before allocating (the
+table of limits and reasons: docs/reliability.md). 32 MiB of line or member leaves room for a 1M-token document (~7 MB
+as a json id list) while bounding a reader's peak at a few hundred MiB.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from streampack.io.index import (
     index_decode,
     limits_key,
 )
-from streampack.io.index_cache import DamagedFile, index_dir, locked, read_arrays, save_arrays
+from streampack.io.index_cache import DamagedFile, index_dir, join_path, locked, read_arrays, save_arrays
 from streampack.io.limits import Limits
 from streampack.io.manifest_file import LIMITS, StringColumn, checked_fields
 from streampack.io.retry import IOStats
@@ -181,8 +181,6 @@ class Manifest:
         """:class:`~streampack.io.shard_identity.ShardChanged` (a ``ValueError``) when ``now``, the
         identity the reader found opening shard ``shard``, is not what the manifest indexed, compared as
         ``mode`` says. No request: a stale manifest is found lazily, never by a HEAD per shard at start."""
-        if mode == "off":
-            return
         shard_identity.check(self.urls[shard], self.recorded(shard, mode), now, mode,
                              since=f"the manifest at {self.location!r} indexed it",
                              prefix="stale manifest: ",
@@ -245,15 +243,13 @@ class Manifest:
                          f"{len(urls)}; " + (f"not in it: {missing[:3]} ({len(missing)} in all)" if missing else
                                               "the order differs") + ": rebuild it with `streampack index`")
 
-    def index_path(self, shard: int) -> str:
-        return cache_path(self.urls[shard], _join(self.location, SHARDS_DIR))
-
     def load_index(self, shard: int, decode: DecodeOptions, opts: OpenOptions) -> ShardIndex:
         """Shard ``shard``'s sample index: one read of its index file, checked against the
         manifest's identity of the shard (no request to the shard itself)."""
         url = self.urls[shard]
         decode = index_decode(decode.tokens_key, decode.limits)
-        index = cached_index(self.index_path(shard), fingerprint_of(url, decode, self.identity(shard)), opts)
+        path = cache_path(url, join_path(self.location, SHARDS_DIR))
+        index = cached_index(path, fingerprint_of(url, decode, self.identity(shard)), opts)
         if index is None:
             asked, built = (decode.tokens_key, limits_key(url, decode.limits)), \
                 (self.tokens_key, limits_key(url, self.limits))
@@ -271,7 +267,7 @@ def build_entry(url: str, location: str, decode: DecodeOptions, opts: OpenOption
     decode = index_decode(decode.tokens_key, decode.limits)
     ident = storage.identity(url, opts, stats)
     fp = fingerprint_of(url, decode, ident)
-    path = cache_path(url, _join(location, SHARDS_DIR))
+    path = cache_path(url, join_path(location, SHARDS_DIR))
     index = cached_index(path, fp, opts)
     if index is None:
         index = build_index(url, fingerprint=fp, decode=decode, opts=opts, stats=stats, size=ident.size, ranged=ranged)
@@ -312,11 +308,11 @@ def obtain_manifest(urls: Sequence[str], *, location: str | None, cache_dir: str
     decode = index_decode(decode.tokens_key, decode.limits)
     key = "\n".join([decode.tokens_key, limits_key("x.tar", decode.limits), limits_key("x.jsonl", decode.limits),
                      *urls])
-    where = _join(_join(index_dir(cache_dir), "manifests"), hashlib.sha1(key.encode()).hexdigest()[:16])
+    where = join_path(join_path(index_dir(cache_dir), "manifests"), hashlib.sha1(key.encode()).hexdigest()[:16])
     manifest = _current_manifest(where, urls, opts, stats)
     if manifest is not None:
         return manifest
-    with locked(_join(where, MANIFEST_FILE)):
+    with locked(join_path(where, MANIFEST_FILE)):
         manifest = _current_manifest(where, urls, opts, stats)  # built by another process while this one waited
         if manifest is not None:
             return manifest
@@ -354,13 +350,13 @@ def save_manifest(manifest: Manifest, opts: OpenOptions) -> None:
               "urls": urls, "url_ends": url_ends, "tags": tags, "tag_ends": tag_ends, "sizes": manifest.sizes,
               "samples": manifest.samples, "tokens": manifest.tokens, "byte_costs": manifest.byte_costs,
               "digests": digests, "digest_ends": digest_ends, "limits": limits}
-    path = _join(manifest.location, MANIFEST_FILE)
+    path = join_path(manifest.location, MANIFEST_FILE)
     if not save_arrays(path, arrays, opts):
         raise OSError(f"cannot write the manifest {path!r}")
     # A copy named by its fingerprint: a resume state names the manifest it was saved under, so
     # when the shards have changed since, the refusal can name which (one more write per build).
-    history = _join(manifest.location, HISTORY_DIR)
-    save_arrays(_join(history, f"{manifest.fingerprint('all')}{HISTORY_SUFFIX}"), arrays, opts)
+    history = join_path(manifest.location, HISTORY_DIR)
+    save_arrays(join_path(history, f"{manifest.fingerprint('all')}{HISTORY_SUFFIX}"), arrays, opts)
     if not is_remote(history):
         _prune(history)
 
@@ -390,7 +386,7 @@ def _prune(history: str) -> None:
 def load_manifest(location: str, opts: OpenOptions = OpenOptions(), *, name: str = MANIFEST_FILE) -> Manifest:
     """The manifest in ``location`` (one read), every field checked; ``ValueError`` naming the file
     when it is absent, damaged, of another version or not what ``streampack index`` writes."""
-    path = _join(location, name)
+    path = join_path(location, name)
     try:
         data = read_arrays(path, opts)
     except DamagedFile as e:
@@ -405,10 +401,6 @@ def load_manifest(location: str, opts: OpenOptions = OpenOptions(), *, name: str
         raise ValueError(f"the manifest {path!r} is not valid: field 'limits' ({e}): rebuild it with "
                          f"`streampack index URLS --out DIR`") from None
     return Manifest(location=location, limits=limits, **fields)
-
-
-def _join(location: str, name: str) -> str:
-    return f"{location.rstrip('/')}/{name}" if is_remote(location) else os.path.join(location, name)
 
 
 __all__ = ["MANIFEST_FILE", "MANIFEST_VERSION", "Manifest", "ShardChange", "ShardTotals", "build_entry",

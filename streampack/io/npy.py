@@ -17,7 +17,7 @@ import numpy as np
 from streampack.errors import DataError
 
 # A 1-D array's header as numpy writes it; anything else goes through the general path.
-_NPY_1D = re.compile(rb"\{'descr': '([<>|=][iuf][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
+NPY_1D = re.compile(rb"\{'descr': '([<>|=][iuf][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
 # numpy parses the header dict with ``tokenize`` + ``ast.literal_eval``: a damaged one raises any of
 _HEADER_ERRORS = (ValueError, EOFError, SyntaxError, TypeError, OverflowError, RecursionError, tokenize.TokenError)
 
@@ -29,7 +29,7 @@ def _fast_npy(data: bytes) -> np.ndarray | None:
         return None
     start = 10 if data[6] == 1 else 12
     hlen = int.from_bytes(data[8:start], "little")
-    m = _NPY_1D.match(data, start, start + hlen)
+    m = NPY_1D.match(data, start, start + hlen)
     if m is None:
         return None
     dtype, count, offset = np.dtype(m.group(1).decode()), int(m.group(2)), start + hlen

@@ -1,14 +1,9 @@
-"""Opening a shard at a byte offset: the only place that reads bytes from a file or a store.
+"""Opening a shard at a byte offset: the only place that reads bytes from a file or a store (docs/storage.md).
 
-:func:`open_shard` returns a buffered stream of bytes ``[offset, end)``. Under it a
-:class:`ResumableStream` counts what it delivered; a failed read or a body that ends early is
-retried *at its current offset* under the one retry policy, so the parser never sees a retry, a
-duplicate or a gap; when the policy gives up, ``DataError("unreachable_url")`` (``"corrupt_shard"``
-locally). Local paths are plain ``open`` + ``seek``. Remote URLs are read in blocks of
-``OpenOptions.block_size``, one bounded request each (http(s) and S3 pinned to one version), the next
-prefetched in a thread: unlike one streaming GET, every request gets a deadline and the same retry
-rules, and parsing (90-160 MB/s a worker) stays the bottleneck (``benchmarks/bench_storage.py``).
-``pipe:cmd`` runs a shell command, so it needs ``allow_pipe=True``; it cannot seek or resume.
+A :class:`ResumableStream` retries a failed read or a short body *at its current offset*, so the parser never sees a
+retry, a duplicate or a gap. Remote URLs are read in blocks of ``OpenOptions.block_size``, one bounded request each, the
+next prefetched in a thread: unlike one streaming GET, every request gets a deadline and the same retry rules, and
+parsing (90-160 MB/s a worker) stays the bottleneck (``benchmarks/bench_storage.py``).
 """
 
 from __future__ import annotations
@@ -25,9 +20,8 @@ from streampack.io.retry import IOStats, Transient, with_retries
 from streampack.io.storage import OpenOptions, deadline, filesystem, is_http, is_remote, local_path, protocol_of, stat
 
 _DISCARD_CHUNK = 1 << 20
-LOCAL_BUFFER = 256 << 10
-"""Bytes per local read (the buffered reader's buffer)."""
-REMOTE_BUFFER = 256 << 10
+BUFFER = 256 << 10
+"""The buffered reader's buffer, and the bytes of a local read."""
 
 
 def _open_local(path: str) -> BinaryIO:
@@ -43,30 +37,30 @@ class _Local:
         self._f: BinaryIO | None = None
         self._at = -1
         try:
-            self._f, self._at = _open_local(path), 0
+            self._file()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
             raise DataError("missing_shard", f"cannot open: {e.strerror or e}", url=path, value=path) from None
 
-    def fetch(self, start: int, end: int) -> bytes:
+    def _file(self) -> BinaryIO:
         if self._f is None:
             self._f, self._at = _open_local(self.path), 0
+        return self._f
+
+    def fetch(self, start: int, end: int) -> bytes:
+        f = self._file()
         if self._at != start:
-            self._f.seek(start)
-        data = self._f.read(end - start)
+            f.seek(start)
+        data = f.read(end - start)
         self._at = start + len(data)
         return data
 
     def length(self) -> int | None:
         """The file's current size (parquet readers seek from the end)."""
-        if self._f is None:
-            self._f, self._at = _open_local(self.path), 0
-        self._at = self._f.seek(0, io.SEEK_END)
+        self._at = self._file().seek(0, io.SEEK_END)
         return self._at
 
-    def reset(self) -> None:
-        self.close()
-
     def close(self) -> None:
+        """Also what a fault does: the next fetch reopens the file."""
         f, self._f, self._at = self._f, None, -1
         if f is not None:
             try:
@@ -96,9 +90,6 @@ class _Remote:
 
     def length(self) -> int | None:
         return self.size
-
-    def reset(self) -> None:
-        pass
 
     def close(self) -> None:
         pass
@@ -133,9 +124,23 @@ class _Prefetch:
 
 
 class SeekableRaw(io.RawIOBase):
-    """A raw stream that keeps its own position ``_pos``; ``_size()`` is where ``SEEK_END`` counts from."""
+    """A raw stream that keeps its own position ``_pos``, read from a loaded block ``_buf`` that starts at
+    ``_buf_at``; ``_size()`` is where ``SEEK_END`` counts from."""
 
     _pos: int
+    _buf: Any
+    _buf_at: int
+
+    def _loaded(self) -> bool:
+        return self._buf_at <= self._pos < self._buf_at + len(self._buf)
+
+    def _deliver(self, b: Any, want: int) -> int:
+        """Up to ``want`` bytes of the loaded block from ``_pos`` into ``b``."""
+        i = self._pos - self._buf_at
+        n = min(want, len(self._buf) - i)
+        memoryview(b).cast("B")[:n] = self._buf[i:i + n]
+        self._pos += n
+        return n
 
     def _size(self) -> int:
         raise NotImplementedError
@@ -186,15 +191,11 @@ class ResumableStream(SeekableRaw):
         want = len(b) if limit is None else min(len(b), limit - self._pos)
         if want <= 0:
             return 0
-        if not self._buf_at <= self._pos < self._buf_at + len(self._buf):
+        if not self._loaded():
             self._load(want)
-            if not self._buf_at <= self._pos < self._buf_at + len(self._buf):
+            if not self._loaded():
                 return 0  # the data ended here (size unknown)
-        i = self._pos - self._buf_at
-        n = min(want, len(self._buf) - i)
-        memoryview(b).cast("B")[:n] = self._buf[i:i + n]
-        self._pos += n
-        return n
+        return self._deliver(b, want)
 
     def close(self) -> None:
         if not self.closed:
@@ -217,7 +218,7 @@ class ResumableStream(SeekableRaw):
             except Transient as e:  # the background attempt failed: this run of failures starts with it
                 first = e
         else:
-            start, size = pos, max(want, LOCAL_BUFFER) if self._local else self._block_size
+            start, size = pos, max(want, BUFFER) if self._local else self._block_size
             end = start + size if self._end is None else min(start + size, self._end)
         if data is None:
             data = with_retries(lambda: self._attempt(start, end), url=self._url, policy=self._opts.retry,
@@ -230,20 +231,17 @@ class ResumableStream(SeekableRaw):
             nxt = end + self._block_size if self._end is None else min(end + self._block_size, self._end)
             self._ahead = _Prefetch(self._attempt, end, nxt, self._stats)
 
-    def _counted_fetch(self, start: int, end: int) -> bytes:
+    def _attempt(self, start: int, end: int) -> bytes:
         if self._stats is not None and not self._local:
             self._stats.count(requests=1)
-        return self._src.fetch(start, end)
-
-    def _attempt(self, start: int, end: int) -> bytes:
         try:
-            data = self._counted_fetch(start, end)
+            data = self._src.fetch(start, end)
         except Exception as e:  # noqa: BLE001 - sorted by classify; non-I/O errors re-raised as is
             failure = classify(e, self._url, local=self._local)
             if failure is e:
                 raise
             if isinstance(failure, Transient):
-                self._src.reset()
+                self._src.close()
             raise failure from None
         return self._checked(data, start, end)
 
@@ -258,7 +256,7 @@ class ResumableStream(SeekableRaw):
             raise DataError("unreachable_url", f"asked for {asked} bytes at offset {start}, got {len(data)}",
                             url=self._url, value=start)
         if len(data) < asked and self._end is not None and not self._local:  # a body that ended early
-            self._src.reset()
+            self._src.close()
             raise Transient("short_read", detail=f"{len(data)} of {asked} bytes at offset {start}")
         return bytes(data)
 
@@ -271,16 +269,13 @@ def open_shard(url: str, offset: int = 0, end: int | None = None, *, opts: OpenO
         raise ValueError(f"bad byte range {offset=} {end=} for {url!r}")
     if url.startswith("pipe:"):
         return _open_pipe(url, offset, opts)
-    if is_remote(url):
-        size = None
-        if end is None:  # the object's size is where its bytes must end
-            size = stat(url, opts, stats).size
-        source: _Local | _Remote = _Remote(url, opts, size)
-        raw = ResumableStream(source, url=url, start=offset, end=end, opts=opts, stats=stats, block=opts.block_size)
-        return io.BufferedReader(raw, buffer_size=REMOTE_BUFFER)  # type: ignore[return-value]
-    path = local_path(url)
-    raw = ResumableStream(_Local(path), url=url, start=offset, end=end, opts=opts, stats=stats, block=LOCAL_BUFFER)
-    return io.BufferedReader(raw, buffer_size=LOCAL_BUFFER)  # type: ignore[return-value]
+    remote = is_remote(url)
+    # a remote object read to its end: its size is where its bytes must end
+    source = (_Remote(url, opts, stat(url, opts, stats).size if end is None else None) if remote
+              else _Local(local_path(url)))
+    raw = ResumableStream(source, url=url, start=offset, end=end, opts=opts, stats=stats,
+                          block=opts.block_size if remote else BUFFER)
+    return io.BufferedReader(raw, buffer_size=BUFFER)  # type: ignore[return-value]
 
 
 def _open_pipe(url: str, offset: int, opts: OpenOptions) -> BinaryIO:

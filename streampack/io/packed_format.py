@@ -80,15 +80,10 @@ class Manifest:
         return [(s, p) for s, shard in enumerate(self.shards) for p in range(len(shard.offsets))]
 
 
-def _manifest_path(path: str | os.PathLike[str]) -> Path:
-    p = Path(path)
-    return p / MANIFEST_NAME if p.is_dir() else p
-
-
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Load the manifest from a packed directory or a ``manifest.json`` path; ``ValueError``
-    when it is missing, not json, or not a streampack packed manifest."""
-    mpath = _manifest_path(path)
+def read_manifest(root: str | os.PathLike[str]) -> Manifest:
+    """Load the manifest of the packed directory ``root``; ``ValueError`` when it is missing, not json,
+    or not a streampack packed manifest."""
+    mpath = Path(root) / MANIFEST_NAME
     try:
         raw = json.loads(mpath.read_text())
     except FileNotFoundError:
@@ -146,11 +141,8 @@ def is_packed_dataset(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[
         root, _ = resolve_packed(urls)
     except ValueError:
         return False
-    mpath = root / MANIFEST_NAME
-    if not mpath.is_file():
-        return False
-    try:
-        return json.loads(mpath.read_text()).get("format") == FORMAT
+    try:  # no manifest (or a directory of that name) is an OSError
+        return json.loads((root / MANIFEST_NAME).read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 

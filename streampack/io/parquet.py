@@ -6,11 +6,9 @@ and the position are the row number: resuming at row ``r`` opens its row group a
 that group only. The index is the footer's rows and each row's token count (:func:`token_lengths`).
 
 Only the needed columns are read, a row group at a time, in batches of at most :data:`BATCH_ROWS`.
-Untrusted files are bounded by ``Limits.max_sample_bytes`` from the footer before decoding (a
-column chunk decodes to at least ``num_values`` leaf values and its ``total_uncompressed_size``):
-a row group whose rows average more than the limit is refused unread (a 934-byte file holding
-64M ids cost +1,707 MiB, and is refused at +80 MiB: ``benchmarks/rss_child.py``); decoded rows
-are checked again. Damage is located to the row: a batch that fails is re-read one row at a time.
+``Limits.max_sample_bytes`` is checked from the footer before decoding (a row group whose rows average more is refused
+unread; measured in docs/reliability.md), then row by row. A batch that fails is re-read one row at a time, so damage is
+located to the row.
 """
 
 from __future__ import annotations
@@ -26,7 +24,8 @@ from streampack.io.decode import BAD_LENGTH, DecodeOptions, Item, make_sample
 BATCH_ROWS = 256
 
 
-def _parquet_file(f: BinaryIO, url: str) -> Any:
+def parquet_file(f: BinaryIO, url: str) -> Any:
+    """``pyarrow.parquet.ParquetFile`` of ``f`` (its footer read); ``DataError("corrupt_shard")`` when unreadable."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -34,6 +33,12 @@ def _parquet_file(f: BinaryIO, url: str) -> Any:
         return pq.ParquetFile(f)
     except (pa.ArrowException, OSError) as e:
         raise DataError("corrupt_shard", f"not a readable parquet file: {e}", url=url, value=0) from None
+
+
+def group_firsts(md: Any) -> list[int]:
+    """The first row of each row group of the footer ``md``, then the row count."""
+    counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
 
 
 def int_lists(kind: Any, *, fixed: bool = True) -> bool:
@@ -44,12 +49,6 @@ def int_lists(kind: Any, *, fixed: bool = True) -> bool:
     return lists and pa.types.is_integer(kind.value_type)
 
 
-def row_counts(f: BinaryIO, url: str) -> np.ndarray:
-    """int64 ``[num_row_groups]``: rows per row group, from the footer only."""
-    md = _parquet_file(f, url).metadata
-    return np.array([md.row_group(i).num_rows for i in range(md.num_row_groups)], dtype=np.int64)
-
-
 def token_lengths(f: BinaryIO, opts: DecodeOptions, url: str) -> np.ndarray:
     """int32 ``[rows]``: each row's token count as the reader will see it, for an index; -1 where not
     known before tokenizing, :data:`~streampack.io.decode.BAD_LENGTH` where the reader refuses the row.
@@ -58,17 +57,17 @@ def token_lengths(f: BinaryIO, opts: DecodeOptions, url: str) -> np.ndarray:
     per shard by ``streampack index``; a reader that only splits a shard keeps the footer-only index."""
     import pyarrow.compute as pc
 
-    pf = _parquet_file(f, url)
+    pf = parquet_file(f, url)
     md, schema = pf.metadata, pf.schema_arrow
-    counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
     key = opts.tokens_key
     kind = schema.field(key).type if key in schema.names else None
     if kind is None or not int_lists(kind):
-        return np.full(sum(counts), -1, np.int32)  # text to tokenize (or no usable column: the reader says why)
+        return np.full(md.num_rows, -1, np.int32)  # text to tokenize (or no usable column: the reader says why)
     null = -1 if opts.text_key and opts.text_key in schema.names else BAD_LENGTH
     width, limit = kind.value_type.bit_width // 8, opts.limits.max_sample_bytes
     out = []
-    for g, rows in enumerate(counts):
+    for g in range(md.num_row_groups):
+        rows = md.row_group(g).num_rows
         per_row = _decoded_bytes(md.row_group(g), [key]) // max(1, rows)
         if per_row > limit:  # the reader refuses the whole group unread: so does the plan
             out.append(np.full(rows, BAD_LENGTH, np.int32))
@@ -102,7 +101,7 @@ def check_schema(f: BinaryIO, opts: DecodeOptions, url: str) -> None:
     the wrong type); reads the footer only."""
     import pyarrow as pa
 
-    schema = _parquet_file(f, url).schema_arrow
+    schema = parquet_file(f, url).schema_arrow
     columns = _columns(schema.names, opts, url)
     if "tokens" in columns:
         kind = schema.field(columns["tokens"]).type
@@ -135,10 +134,9 @@ def _rows(column: Any) -> list[Any]:
 def iter_parquet_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int, end: int | None) -> Iterator[Item]:
     """Decoded samples of rows ``[start, end)``; a bad row (or row group over the limits) becomes an
     ``Item`` with ``error`` set; an unreadable page raises ``DataError("corrupt_shard")`` naming its first row."""
-    pf = _parquet_file(f, url)
+    pf = parquet_file(f, url)
     md = pf.metadata
-    counts = np.array([md.row_group(i).num_rows for i in range(md.num_row_groups)], np.int64)
-    firsts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    firsts = group_firsts(md)
     stop = firsts[-1] if end is None else min(end, firsts[-1])
     if start >= stop:
         return
@@ -152,7 +150,7 @@ def iter_parquet_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int
     plan: tuple[int, bool] = (BATCH_ROWS, False)
     for g in range(first_group, int(np.searchsorted(firsts, stop, side="left"))):
         total = _decoded_bytes(md.row_group(g), names)
-        per_row = total // max(1, int(counts[g]))
+        per_row = total // max(1, firsts[g + 1] - firsts[g])
         if per_row > limit:
             if run:
                 yield from _run_items(pf, run, firsts, start, stop, *plan, columns, opts, url=url)
@@ -243,4 +241,5 @@ def _nbytes(value: Any) -> int:
     return len(value) if isinstance(value, (str, bytes)) else 0
 
 
-__all__ = ["BATCH_ROWS", "check_schema", "int_lists", "iter_parquet_items", "row_counts", "token_lengths"]
+__all__ = ["BATCH_ROWS", "check_schema", "group_firsts", "int_lists", "iter_parquet_items", "parquet_file",
+           "token_lengths"]

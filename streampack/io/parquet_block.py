@@ -19,7 +19,7 @@ from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
 from streampack.io.limits import id_bound
 from streampack.io.open import open_shard
-from streampack.io.parquet import _decoded_bytes, int_lists
+from streampack.io.parquet import _decoded_bytes, group_firsts, int_lists, parquet_file
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.token_block import TokenBlock
@@ -73,39 +73,29 @@ def _token_file(url: str, *, decode: DecodeOptions, opts: OpenOptions, streams: 
                 stats: IOStats | None) -> tuple[Any, list[int]] | None:
     """The shard opened (its stream appended to ``streams``) and each row group's first row
     (and the row count after the last), when its token column is one a block holds."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         streams.append(open_shard(url, opts=opts, stats=stats))
-        pf = pq.ParquetFile(streams[-1])
-    except (DataError, OSError, pa.ArrowException):
+        pf = parquet_file(streams[-1], url)
+    except (DataError, OSError):
         return None
-    md, schema = pf.metadata, pf.schema_arrow
-    key = decode.tokens_key
+    schema, key = pf.schema_arrow, decode.tokens_key
     if key not in schema.names or (decode.text_key and decode.text_key in schema.names):
         return None
     if not int_lists(schema.field(key).type, fixed=False):
         return None
-    counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
-    return pf, np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+    return pf, group_firsts(pf.metadata)
 
 
 def _group(pf: Any, group: int, firsts: list[int], decode: DecodeOptions) -> tuple[np.ndarray, np.ndarray] | None:
-    """Row group ``group``'s token column (:func:`_read`), unless the per-sample reader refuses
-    the group unread (over ``max_sample_bytes`` a row by the footer)."""
+    """Row group ``group``'s token column as (int64 list offsets ``[rows + 1]``, flat values), zero-copy; None
+    when it cannot be read or holds a null, or when the per-sample reader refuses the group unread (over
+    ``max_sample_bytes`` a row by the footer)."""
+    import pyarrow as pa
+
     key = decode.tokens_key
     if _decoded_bytes(pf.metadata.row_group(group), [key]) // max(1, firsts[group + 1] - firsts[group]) \
             > decode.limits.max_sample_bytes:
         return None
-    return _read(pf, group, key)
-
-
-def _read(pf: Any, group: int, key: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """The token column of one row group as (int64 list offsets ``[rows + 1]``, flat values),
-    zero-copy; None when it cannot be read or holds a null."""
-    import pyarrow as pa
-
     try:
         table = pf.read_row_group(group, columns=[key], use_threads=False)
     except (pa.ArrowException, OSError):

@@ -1,12 +1,8 @@
-"""One retry policy for every read: backoff with full jitter inside a time budget, and counters.
+"""One retry policy for every read: backoff with full jitter inside a time budget, and counters (docs/storage.md).
 
-A read is an *attempt*; a failure classified as transient is raised as :class:`Transient` inside it, and
-:func:`with_retries` sleeps and tries again until it succeeds, the consecutive failures have lasted ``budget`` seconds
-(plus the attempt in flight), or ``retries`` are spent. Then the last failure becomes ``DataError("unreachable_url")``
-(``"corrupt_shard"`` locally) naming the URL. Full jitter (``uniform(0, min(max_backoff, backoff * 2**n))``) keeps every
-worker of every rank from retrying an outage in lockstep. A ``Retry-After`` is honoured (a wait past the budget gives up
-at once); a connection refused by a host never answered gets ``refused_budget`` (a few seconds): a wrong port is a
-mistake more often than an outage.
+Full jitter (``uniform(0, min(max_backoff, backoff * 2**n))``) keeps every worker of every rank from retrying an outage
+in lockstep; a connection refused by a host never answered gets ``refused_budget``: a wrong port is a mistake more
+often than an outage.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""When is a shard "the same one": the ``identity`` option of resumes and manifest checks.
-
-A resume state's byte offsets and a manifest's sample index are right only for the bytes they were
-made from. ``OpenOptions.identity`` says what proves a shard still holds them (docs/reliability.md):
-``tag`` (size + ETag / generation / ``st_mtime_ns``: a re-staged copy is refused), ``size`` (any
-same-size rewrite passes), ``digest`` (size + SHA-1 of the first and last 64 KiB: a same-size edit
-confined to the middle is not seen; 2 ranged reads more) or ``off``. A state saved under one kind
-and checked under another is refused naming the option. Index caches always use the strict one.
+"""When is a shard "the same one": the ``identity`` option of resumes and manifest checks (the modes:
+docs/reliability.md). ``digest`` hashes the size and the first and last 64 KiB: a same-size edit confined to the middle
+is not seen, for 2 ranged reads more. A state saved under one kind and checked under another is refused naming the
+option; index caches always use the strict one.
 """
 
 from __future__ import annotations
@@ -14,8 +10,9 @@ import hashlib
 
 from streampack.errors import DataError
 from streampack.io import storage
+from streampack.io.open import open_shard
 from streampack.io.retry import IOStats
-from streampack.io.storage import IDENTITY_MODES, OpenOptions, ShardStat, is_remote, local_path
+from streampack.io.storage import IDENTITY_MODES, OpenOptions, ShardStat
 
 DIGEST_PREFIX = "digest="
 EDGE = 64 << 10
@@ -35,18 +32,10 @@ def shard_digest(url: str, size: int | None, opts: OpenOptions, stats: IOStats |
         spans.append((max(EDGE, size - EDGE), size))
     h = hashlib.sha1(f"{size}|".encode())
     for start, end in spans:
-        h.update(_read(url, start, end, opts, stats))
+        # with no size known, a range past the end would be a short body (retried): read to the end instead
+        with open_shard(url, start, None if size is None else end, opts=opts, stats=stats) as f:
+            h.update(f.read(end - start))
     return DIGEST_PREFIX + h.hexdigest()
-
-
-def _read(url: str, start: int, end: int, opts: OpenOptions, stats: IOStats | None) -> bytes:
-    if not is_remote(url):
-        with open(local_path(url), "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-    fs, path = storage.filesystem(url, opts)
-    data = storage.call(lambda: fs.cat_file(path, start=start, end=end), url, opts, stats, what="digest read")
-    return bytes(data[: end - start])  # a body never exceeds the range asked for
 
 
 def current(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat:

@@ -1,11 +1,6 @@
-"""Where shards live: fsspec filesystems built with streampack's timeouts and redirect policy,
-and the few store calls (stat, listing) made under the retry policy.
-
-Every remote URL goes through one fsspec filesystem per (process, protocol, options); local paths never do. On top of
-the user's ``storage_options`` (whose values win): http(s) timeouts and a redirect guard (another host raises
-:class:`RedirectRefused` unless ``allow_redirects=True``); s3 timeouts, s3fs's and botocore's own retries off so the one
-policy decides, and ``$STREAMPACK_S3_ENDPOINT`` with path-style addressing; every async filesystem a
-``request_deadline`` per request, stats and listings included.
+"""Where shards live: one fsspec filesystem per (process, protocol, options), built with streampack's timeouts and
+redirect policy under the user's ``storage_options``, and the few store calls (stat, listing) made under the retry
+policy (docs/storage.md).
 """
 
 from __future__ import annotations
@@ -153,17 +148,13 @@ def _http_client_kwargs(opts: OpenOptions) -> dict[str, Any]:
 
 
 async def _refuse_cross_host(session: Any, ctx: Any, params: Any) -> None:
-    target = params.url.join(_yarl_url(params.response.headers.get("Location", "")))
+    import yarl
+
+    target = params.url.join(yarl.URL(params.response.headers.get("Location", "")))
     if target.host and params.url.host and target.host.lower() != params.url.host.lower():
         params.response.close()
         raise RedirectRefused(f"redirect from {params.url} to another host ({target}); "
                               f"pass allow_redirects=True to follow it")
-
-
-def _yarl_url(location: str) -> Any:
-    import yarl
-
-    return yarl.URL(location)
 
 
 def _s3_kwargs(opts: OpenOptions, user_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,16 +1,10 @@
 """webdataset tar shards: members grouped into samples, judged, decoded and indexed.
 
-Consecutive members sharing the key (name up to the first dot of the basename) form one sample;
-members come from ``tar_stream`` (headers verified, sizes bounded, corrupt headers skipped), and
-those the decoder never reads are skipped unread. Bad structure costs exactly the samples it touches:
-
-- a sample next to a corrupt region is kept only if it has the fields of the next intact sample
-  (a lost ``labels.npy`` must not become a sample trained on its own tokens); else it is
-  ``incomplete_sample`` or part of the region's ``corrupt_shard``. Judging only by what follows
-  keeps the verdict the same when a read resumes mid-range;
-- a key met earlier in the range is ``repeated_key`` (:class:`~streampack.io.keys.KeySet`). This
-  verdict looks back, so a repeat whose first occurrence precedes a resume point passes after that
-  resume: remembering it would mean re-reading the range prefix at every resume.
+Consecutive members sharing the key (name up to the first dot of the basename) form one sample; members come from
+``tar_stream``, and those the decoder never reads are skipped unread. Bad structure costs exactly the samples it
+touches (``incomplete_sample``, ``repeated_key``: docs/reliability.md). A sample next to a corrupt region is judged only
+by what follows it, so the verdict is the same when a read resumes mid-range; a repeated key looks back, so keys before
+a resume point are not remembered (that would mean re-reading the range prefix at every resume).
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
         heads, sizes, kinds = heads[:keep], sizes[:keep], kinds[:keep]
     used = p if done else (heads[-1] + BLOCK + padded(sizes[-1]) if heads else 0)
     if not heads:
-        return (_empty(url, done), used, np.zeros((0, 100), np.uint8)) if done or not final else None
+        return (TokenBlock.of_samples([], done=done), used, np.zeros((0, 100), np.uint8)) if done or not final else None
     parsed = _samples(buf, np.asarray(heads, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
                       np.asarray(kinds, dtype=np.uint8), base=base, first=first, done=done, url=url,
                       decode=decode, used=used)
@@ -230,12 +230,6 @@ def _samples(buf: bytes, heads: np.ndarray, sizes: np.ndarray, kinds: np.ndarray
                        next_offsets=next_offsets, numbers=numbers, next_numbers=numbers + 1, done=done,
                        key_bytes=buf, key_at=members, key_len=key_len)
     return block, used, name_rows
-
-
-def _empty(url: str, done: bool) -> TokenBlock:
-    none = np.zeros(0, dtype=np.int64)
-    return TokenBlock(url=url, tokens=none, starts=none, lengths=none, offsets=none, next_offsets=none,
-                      numbers=none, next_numbers=none, done=done)
 
 
 __all__ = ["CHUNK_BYTES", "parse_tar", "tar_blocks"]

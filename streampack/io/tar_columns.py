@@ -7,18 +7,17 @@ a False (or None) sends the range to that reader, so a check may be stricter, ne
 
 from __future__ import annotations
 
-import re
 import sys
 
 import numpy as np
 
 from streampack.io.limits import MAX_EXTENSION_BYTES
+from streampack.io.npy import NPY_1D
 from streampack.io.tar_header import BLOCK, Unreadable, parse_pax
 
 USTAR = np.frombuffer(b"ustar", np.uint8)
 _NUMPY = np.frombuffer(b"\x93NUMPY", np.uint8)
 _SHAPE_END = np.frombuffer(b",), }", np.uint8)
-_NPY_1D = re.compile(rb"\{'descr': '([<>|=][iuf][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
 _NATIVE = "<" if sys.byteorder == "little" else ">"
 _POW8 = 8 ** np.arange(22, dtype=np.int64)
 _POW10 = 10 ** np.arange(19, dtype=np.int64)
@@ -199,7 +198,7 @@ def npy_members(first: np.ndarray, data: np.ndarray,
     if not (hlen == h).all() or (msize < start + h).any() or start + h > BLOCK:
         return None
     text = first[:, start:start + h]
-    m = _NPY_1D.match(bytes(text[0]))
+    m = NPY_1D.match(bytes(text[0]))
     if m is None:
         return None
     descr = m.group(1).decode()

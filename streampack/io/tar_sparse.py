@@ -54,15 +54,11 @@ class SparseStream(SeekableRaw):
             self._pos += n
             self._dense_at = self._pos
             return n
-        if not self._buf_at <= self._pos < self._buf_at + len(self._buf):
+        if not self._loaded():
             self._fetch()
             if self._dense is not None:
                 return self.readinto(b)
-        i = self._pos - self._buf_at
-        n = min(want, len(self._buf) - i)
-        memoryview(b).cast("B")[:n] = self._buf[i:i + n]
-        self._pos += n
-        return n
+        return self._deliver(b, want)
 
     def close(self) -> None:
         if self._dense is not None:

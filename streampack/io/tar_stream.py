@@ -77,19 +77,6 @@ class _Reader:
             self.size = f.seek(0, io.SEEK_END)
             f.seek(here)
 
-    def read(self, n: int) -> bytes:
-        first = self.f.read(n)
-        if len(first) == n or not first:
-            return first
-        parts, got = [first], len(first)
-        while got < n:
-            chunk = self.f.read(n - got)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        return b"".join(parts)
-
     def skip(self, n: int, *, at: int) -> None:
         if n <= 0:
             return
@@ -105,7 +92,7 @@ class _Reader:
             if block is None:
                 if self.end is not None and pos >= self.end and first == pos:
                     return None
-                block = self.read(BLOCK)
+                block = self.f.read(BLOCK)
             if block == tar_header.ZERO_BLOCK and first == pos:
                 return None
             if len(block) < BLOCK:
@@ -123,7 +110,7 @@ class _Reader:
             if size > MAX_EXTENSION_BYTES:
                 raise Unreadable(f"extension header declares {size} bytes (limit {MAX_EXTENSION_BYTES})",
                                   first=first, at=pos, poison=True)
-            data = self.read(padded(size))
+            data = self.f.read(padded(size))
             if len(data) < padded(size):
                 raise DataError("corrupt_shard", "truncated tar extension header", url=self.url, value=pos)
             if kind == b"L":
@@ -150,7 +137,7 @@ class _Reader:
         block (None when the range ended first); raises when the stream ends first."""
         pos = bad.resume
         while self.end is None or pos < self.end:
-            block = self.read(BLOCK)
+            block = self.f.read(BLOCK)
             if len(block) < BLOCK:
                 what = (f"truncated data of member {bad.name!r}" if bad.name
                         else f"{bad.detail}; no readable tar header after it")
@@ -172,7 +159,7 @@ class _Reader:
             self.skip(padded(head.size), at=head.data_at)
             return None
         n = head.size if n < 0 else min(n, head.size)
-        data = self.read(n)
+        data = self.f.read(n)
         if len(data) < n:
             raise DataError("corrupt_shard", f"truncated data of member {head.name!r}", url=self.url,
                             value=head.data_at)

@@ -59,12 +59,8 @@ class TokenBlock:
         at = int(self.key_at[i])
         return self.key_bytes[at:at + int(self.key_len[i])].decode("utf-8", "surrogateescape")
 
-    def doc_key(self, i: int) -> str:
-        """``url#key`` of document ``i`` (``Sample.doc_key``)."""
-        return self.doc_keys()[i]
-
     def doc_keys(self) -> list[str]:
-        """Every document's ``url#key``, made on first use (one pass over the block: a key read
+        """Every document's ``url#key`` (``Sample.doc_key``), made on first use (one pass over the block: a key read
         per document through numpy scalars cost ~6 µs)."""
         keys = self._doc_keys
         if not keys:

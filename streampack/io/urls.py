@@ -1,10 +1,7 @@
-"""Shard URLs: what a user may write in ``urls`` and what it expands to.
+"""Shard URLs: what a user may write in ``urls`` (docs/storage.md) and what it expands to, once per dataset.
 
-Each item is a local path, a directory (its shard files, sorted, recursive), a brace pattern
-(``train-{000000..000999}.tar``, via ``braceexpand``), a glob, or a URL of any fsspec filesystem: one naming a shard is
-kept, one ending in ``/`` or without a shard suffix is a prefix, one with ``*`` / ``[`` a glob. A ``pipe:`` command only
-when allowed. Expansion runs once per dataset; a pattern that matches nothing raises. :func:`missing_local` stats every
-local shard once (~5 us each) so a missing one is named when the dataset is built; remote shards are not stat'ed.
+Each item is a local path, a directory (its shard files, sorted, recursive), a brace pattern (via ``braceexpand``), a
+glob, or a URL of any fsspec filesystem; a pattern that matches nothing raises.
 """
 
 from __future__ import annotations
@@ -41,11 +38,11 @@ class ShardList:
 
     @classmethod
     def of(cls, urls: ShardList | str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
-           allow_pipe: bool = False, opts: OpenOptions | None = None) -> ShardList:
+           opts: OpenOptions | None = None) -> ShardList:
         """``urls`` itself when already a ShardList, else its expansion (:func:`expand_urls`)."""
         if isinstance(urls, ShardList):
             return urls
-        expanded = tuple(expand_urls(urls, allow_pipe=allow_pipe, opts=opts))
+        expanded = tuple(expand_urls(urls, opts=opts))
         return cls(expanded, hashlib.sha1("\n".join(expanded).encode()).hexdigest()[:16])
 
     def __len__(self) -> int:
@@ -66,18 +63,19 @@ def shard_format(url: str) -> str:
     return SHARD_SUFFIXES[suffix]
 
 
-def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, allow_pipe: bool = False,
+def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                 opts: OpenOptions | None = None) -> list[str]:
-    """Shards, in order (see the module docstring); remote listings use ``opts``."""
+    """Shards, in order (see the module docstring); remote listings use ``opts``, which also says whether
+    ``pipe:`` commands are accepted."""
     items = [urls] if isinstance(urls, (str, os.PathLike)) else list(urls)
     if not items:
         raise ValueError("no shard URLs given")
-    opts = opts if opts is not None else OpenOptions(allow_pipe=allow_pipe)
+    opts = opts if opts is not None else OpenOptions()
     out: list[str] = []
     for item in items:
         item = os.fspath(item)
         if item.startswith("pipe:"):
-            if not allow_pipe:
+            if not opts.allow_pipe:
                 raise ValueError(f"refusing {item!r}: pipe: URLs run shell commands; "
                                  "pass allow_pipe=True to accept them")
             out.append(item)

@@ -124,7 +124,7 @@ class ShardReader(BaseNode[Sample]):
             raise ValueError(f"{start_epoch=} must be an int in [0, {epochs=})")
         self._open = open_options if open_options is not None else read.open_options()
         self.io_stats: IOStats = io_stats if io_stats is not None else IOStats()
-        shards = ShardList.of(urls, allow_pipe=self._open.allow_pipe, opts=self._open)
+        shards = ShardList.of(urls, opts=self._open)
         self.urls: tuple[str, ...] = shards.urls
         self.seed, self.shuffle, self.epochs, self.start_epoch = seed, shuffle, epochs, start_epoch
         self.global_worker, self.global_workers = place.global_worker, place.global_workers

@@ -148,7 +148,7 @@ def test_fewer_files_than_workers_split_by_rows_with_a_footer_index(tmp_path, mo
     CountingFile.log = []
     monkeypatch.setattr(open_mod, "_open_local", lambda p: io.BufferedReader(CountingFile(p)))
     index = load_or_build_index(url, cache_dir=str(tmp_path / "cache"), positions_only=True)  # as a reader asks
-    assert len(index) == 100 and index.position(37) == (37, 37) and index.position(100) == (100, 100)
+    assert len(index) == 100 and index.part(37, 100) == (37, 38, 37) and index.part(99, 100) == (99, 100, 99)
     footer = sum(n for _, n in CountingFile.log)
     assert footer < 0.2 * os.path.getsize(url), "the index of a parquet file is its footer, not a scan"
     parts = [[s.tokens.tolist() for s in ShardReader(url, place=Placement(worker_id=w, num_workers=3), epochs=1,

@@ -25,7 +25,8 @@ from node_checks import roundtrip
 
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io import open as open_mod
-from streampack.io.index import INDEX_SUFFIX, load_or_build_index
+from streampack.io.index import load_or_build_index
+from streampack.io.index_cache import INDEX_SUFFIX
 from streampack.io.retry import RetryPolicy
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import expand_urls

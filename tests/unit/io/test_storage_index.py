@@ -23,7 +23,8 @@ from helpers_formats import jsonl_bytes, write_parquet_shards, write_zst_shards
 from streampack import PackedDataset
 from streampack.cli.main import main
 from streampack.errors import ErrorCounter, ErrorPolicy
-from streampack.io.index import INDEX_SUFFIX, cache_path, load_or_build_index
+from streampack.io.index import cache_path, load_or_build_index
+from streampack.io.index_cache import INDEX_SUFFIX
 from streampack.io.limits import Limits
 from streampack.io.storage import OpenOptions
 from streampack.nodes.reader import ShardReader
@@ -42,7 +43,7 @@ def read_split(url, workers: int, cache_dir: str, limits: Limits = Limits()) -> 
     return out, errors
 
 
-def test_position_range_and_part(tmp_path):
+def test_part_positions_and_numbers(tmp_path):
     docs = make_token_docs(10, seed=1)
     path = tmp_path / "blank.jsonl"
     raw = jsonl_bytes(docs)
@@ -51,13 +52,13 @@ def test_position_range_and_part(tmp_path):
     index = load_or_build_index(str(path), cache_dir=str(tmp_path / "c"))
     assert len(index) == 10 and index.numbers.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11]
     assert index.lengths.tolist() == [len(d) for d in docs]
-    assert index.position(3) == (len(b"".join(lines[:3])) + 2, 5)
-    assert index.position(10) == (os.path.getsize(path), 12) and index.position(10).offset == index.end
-    with pytest.raises(IndexError):
-        index.position(11)
-    where = index.range(2, 5)
-    assert (where.start, where.first, where.end) == (*index.position(2), index.position(5).offset)
-    assert index.part(2, 3) == (index.position(7).offset, index.end, 9)
+    third = len(b"".join(lines[:3])) + 2  # sample 3 is line 5, after the blank lines
+    assert index.part(3, 10) == (third, int(index.offsets[4]), 5)
+    # a part past the last sample starts and ends at the end, numbered after the last sample
+    assert index.part(19, 20) == (os.path.getsize(path), os.path.getsize(path), 12) and index.end == os.path.getsize(path)
+    with pytest.raises(ValueError, match="part=3"):
+        index.part(3, 3)
+    assert index.part(2, 3) == (int(index.offsets[7]), index.end, 9)
     assert [index.key(i) for i in (0, 3)] == ["0", "5"]
 
 

@@ -50,7 +50,7 @@ def _same_docs(picked, whole, docs) -> None:
     assert len(picked) == len(docs)
     for i, d in enumerate(docs):
         assert picked.ids(i).tolist() == whole.ids(d).tolist()
-        assert picked.doc_key(i) == whole.doc_key(d)
+        assert picked.doc_keys()[i] == whole.doc_keys()[d]
         for field in ("offsets", "next_offsets", "numbers", "next_numbers", "lengths"):
             assert int(getattr(picked, field)[i]) == int(getattr(whole, field)[d]), field
 

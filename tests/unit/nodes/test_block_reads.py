@@ -222,10 +222,11 @@ def test_restore_reads_each_parquet_row_group_once(monkeypatch, tmp_path) -> Non
     docs = [rng.integers(0, 30_000, int(np.clip(rng.lognormal(5.3, 0.8), 8, 1500))).tolist() for _ in range(800)]
     urls = write_parquet_shards(tmp_path, docs, 2, row_group_size=50)
     reads: list[tuple[int, int]] = []
-    real = parquet_block._read
+    real = parquet_block._group
 
     def count() -> None:
-        monkeypatch.setattr(parquet_block, "_read", lambda pf, group, key: reads.append((id(pf), group)) or real(pf, group, key))
+        monkeypatch.setattr(parquet_block, "_group", lambda pf, group, firsts, decode: reads.append((id(pf), group))
+                            or real(pf, group, firsts, decode))
 
     state, rest = _restored_window(monkeypatch, urls, before=count)
     refs = state["graph"]["chain"]["source"]["table"]["refs"]
@@ -299,7 +300,7 @@ def _stream(reader, blocks: bool) -> list:
             reader.from_blocks += k
         for i in range(run.lo, run.lo + k):
             b = run.block
-            out.append((b.doc_key(i), b.ids(i).tolist(), (int(b.offsets[i]), int(b.numbers[i]), int(b.next_offsets[i]),
+            out.append((b.doc_keys()[i], b.ids(i).tolist(), (int(b.offsets[i]), int(b.numbers[i]), int(b.next_offsets[i]),
                                                            int(b.next_numbers[i]))))
     return out, _plain(reader.state_dict())
 
