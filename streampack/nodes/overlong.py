@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -47,9 +47,6 @@ from streampack.sample import Sample
 if TYPE_CHECKING:  # media stays an optional part: imported where a sample has images
     from streampack.media.options import MediaOptions
     from streampack.media.stage import MediaSpans
-
-OverlongPolicy = Literal["split", "truncate", "drop", "error"]
-
 
 class Rechunk(Protocol):
     """What the node re-reads a split sample with (a :class:`~streampack.plan.replay.Replayer`)."""
@@ -79,9 +76,9 @@ class OverlongCounters:
         return asdict(self)
 
 
-def check_policy(policy: str) -> None:
-    if policy not in OVERLONG_POLICIES:
-        raise ValueError(f"overlong={policy!r} must be one of {OVERLONG_POLICIES}")
+def _too_long(doc_key: str, n: int, max_len: int) -> ValueError:
+    return ValueError(f"sample {doc_key!r} has {n} tokens, more than the capacity {max_len} (overlong='error'; "
+                      f"use 'split', 'truncate' or 'drop')")
 
 
 def _slice(sample: Sample, start: int, stop: int, key: str, chunk: int, spans: MediaSpans | None = None) -> Sample:
@@ -121,7 +118,6 @@ def cut_lengths(n: int, max_len: int, policy: str, start: np.ndarray, stop: np.n
     """int64: the document lengths :func:`apply_overlong` makes, with ``media``, of a sample of
     ``n`` tokens whose images and videos span ``[start, stop)`` (sorted); what an epoch plan
     counts and an elastic resume re-cuts (``error`` counts as ``truncate``, as the plan does)."""
-    check_policy(policy)
     if n <= max_len:
         return np.asarray([n], dtype=np.int64)
     if policy == "drop":
@@ -152,7 +148,8 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
     image's tokens (see the module docstring): chunks may be shorter and more. A sample whose
     image tokens do not match its images is ``DataError("image_tokens_mismatch")``.
     """
-    check_policy(policy)
+    if policy not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong={policy!r} must be one of {OVERLONG_POLICIES}")
     if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
         # max_len=0 would make range(0, n, 0) raise a bare error, or truncate to nothing
         raise ValueError(f"{max_len=} must be a positive int")
@@ -161,8 +158,7 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
         return [sample]
     counters = counters if counters is not None else OverlongCounters()
     if policy == "error":
-        raise ValueError(f"sample {sample.doc_key!r} has {n} tokens, more than the capacity "
-                         f"{max_len} (overlong='error'; use 'split', 'truncate' or 'drop')")
+        raise _too_long(sample.doc_key, n, max_len)
     if policy == "drop":
         counters.samples_dropped += 1
         counters.tokens_dropped += n
@@ -336,10 +332,7 @@ class OverlongNode(BaseNode[Sample]):
         last = Pulled(**{name: int(rows[-1][name]) for name in PULLED_FIELDS})
         self._last[last.source] = last
         if bad >= 0:
-            key = run.block.key(run.lo + bad)
-            raise ValueError(f"sample {run.block.url + '#' + key if run.block.url else key!r} has {int(lengths[bad])} "
-                             f"tokens, more than the capacity {self.max_len} (overlong='error'; use 'split', 'truncate' "
-                             f"or 'drop')")
+            raise _too_long(run.block.doc_key(run.lo + bad), int(lengths[bad]), self.max_len)
         if over.any():
             self._count(lengths[:k][over], counts[:k][over])
         out, counts = expand(rows, self.max_len, self.policy)
@@ -427,5 +420,4 @@ class OverlongNode(BaseNode[Sample]):
 
 
 assert OVERLONG_POLICIES == ("split", "truncate", "drop", "error")
-__all__ = ["OverlongCounters", "OverlongNode", "apply_overlong", "check_policy", "chunk_counts",
-           "cut_lengths", "expand"]
+__all__ = ["OverlongCounters", "OverlongNode", "apply_overlong", "chunk_counts", "cut_lengths", "expand"]

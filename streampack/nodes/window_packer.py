@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -64,7 +64,6 @@ from streampack.packing.reservoir import Reservoir
 from streampack.packing.schedule import Balance, CostScale, Schedule
 from streampack.packing.window_rounds import PackerRules, aligned_lengths, choose, emission_order, pack_round
 from streampack.plan.cursor import Undelivered
-from streampack.plan.replay import Replayer
 from streampack.plan.rows import (
     NO_ORIGIN,
     UNREAD,
@@ -89,6 +88,9 @@ from streampack.plan.state import (
     table_slice,
 )
 from streampack.sample import Sample
+
+if TYPE_CHECKING:  # plan.replay re-reads through the overlong node's cut, which imports this package
+    from streampack.plan.replay import Replayer
 
 _METRIC_NAMES = ("rounds", "packs", "docs", "tokens", "aligned_tokens", "slots",
                  "forced_by_age", "forced_by_carry", "flushed", "max_rounds_waited")

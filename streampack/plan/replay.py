@@ -49,7 +49,7 @@ from streampack.io.urls import ShardList, shard_format
 from streampack.nodes.overlong import apply_overlong, expand
 from streampack.nodes.tokenize import TextEncoder
 from streampack.plan.cursor import Position
-from streampack.plan.rows import BlockStore, block_rows, put, rows_of, sample_rows
+from streampack.plan.rows import BlockStore, block_rows, put, rows_of, sample_rows, take
 from streampack.plan.state import REF, REF_COLUMNS
 from streampack.sample import Sample, SampleOrigin
 
@@ -99,10 +99,8 @@ class SampleReplayer:
             chunks = ready[(r["source"], r["shard"], r["offset"], r["epoch"])]
             chunk = chunks[max(r["chunk"], 0)] if max(r["chunk"], 0) < len(chunks) else None
             if chunk is None or len(chunk) != r["length"]:
-                got = None if chunk is None else len(chunk)
-                raise ValueError(f"carried sample {self._where(r)} chunk {r['chunk']} re-read with "
-                                 f"{got} tokens, {r['length']} when the state was saved: the shard changed "
-                                 f"since, or a stage is not a pure function of the sample")
+                url = self.spec.sources[r["source"]].urls[r["shard"]]
+                raise _changed(f"{url!r}@{r['offset']}", r["chunk"], None if chunk is None else len(chunk), r["length"])
             out.append(chunk)
         return out
 
@@ -111,9 +109,6 @@ class SampleReplayer:
         raw = self._read_shard(at.source, at.shard, [(at.offset, at.number)])
         key = (at.source, at.shard, at.offset, at.epoch)
         return self._prepare({key: raw[at.offset]})[key]
-
-    def _where(self, r: dict[str, int]) -> str:
-        return f"{self.spec.sources[r['source']].urls[r['shard']]!r}@{r['offset']}"
 
     def _read_all(self, records: list[dict[str, int]]) -> dict[tuple[int, int, int], Sample]:
         wanted: dict[tuple[int, int], dict[int, int]] = {}
@@ -188,6 +183,11 @@ class SampleReplayer:
         return out
 
 
+def _changed(where: str, chunk: int, got: int | None, saved: int) -> ValueError:
+    return ValueError(f"carried sample {where} chunk {chunk} re-read with {got} tokens, {saved} when the state was "
+                      f"saved: the shard changed since, or a stage is not a pure function of the sample")
+
+
 def _records(refs: np.ndarray) -> list[dict[str, int]]:
     """Each reference of a ``state.REF`` array as a dict of its fields (Python ints)."""
     columns = [refs[name].tolist() for name in REF_COLUMNS]
@@ -236,34 +236,25 @@ class Replayer:
             docs = np.fromiter((where[i][1] for i in members), dtype=np.int64, count=len(members))
             put(out, idx, block_rows(block, docs, store, source=source, shard=shard))
         out["epoch"] = refs["epoch"]
-        self._cut_as_saved(out, refs)
-        return out
+        return self._cut_as_saved(out, refs)
 
-    def _cut_as_saved(self, rows: np.ndarray, refs: np.ndarray) -> None:
-        """Each row made the chunk its reference names (``apply_overlong``'s cut, as columns);
-        the first that cannot be, or has another length, raises as the Replayer does."""
+    def _cut_as_saved(self, rows: np.ndarray, refs: np.ndarray) -> np.ndarray:
+        """The chunk each reference names of its re-read document (:func:`expand`, the node's own cut); the first
+        that is not there, or has another length, raises as the per-sample replayer does."""
         max_len, policy = self.spec.max_len, self.spec.policy
-        full, c = rows["length"].copy(), np.maximum(refs["chunk"], 0)
-        over = full > max_len
-        if over.any():
-            if policy == "split":
-                rows["start"] += np.where(over, c * max_len, 0)
-                rows["length"] = np.where(over, np.minimum(max_len, full - c * max_len), full)
-                rows["chunk"] = np.where(over, c, -1)
-                rows["cut"] = over
-            elif policy == "truncate":
-                rows["length"] = np.where(over, max_len, full)
-                rows["chunk"] = np.where(over, 0, -1)
-        chunks = np.where(over, -(-full // max_len), 1) if policy == "split" else np.where(over & (policy == "drop"), 0, 1)
-        bad = (c >= chunks) | (rows["length"] != refs["length"]) | (over & (policy == "error"))
+        cut, counts = expand(rows, max_len, policy)
+        c = np.maximum(refs["chunk"], 0)
+        bad = (c >= counts) | ((policy == "error") & (rows["length"] > max_len))
+        if not bad.any():
+            rows = take(cut, np.cumsum(counts) - counts + c)
+            bad = rows["length"] != refs["length"]
         if bad.any():
             i = int(bad.argmax())
             ref = refs[i]
             url = self.spec.sources[int(ref["source"])].urls[int(ref["shard"])]
-            got = None if c[i] >= chunks[i] else int(rows["length"][i])
-            raise ValueError(f"carried sample {url!r}@{int(ref['offset'])} chunk {int(ref['chunk'])} re-read with "
-                             f"{got} tokens, {int(ref['length'])} when the state was saved: the shard changed "
-                             f"since, or a stage is not a pure function of the sample")
+            raise _changed(f"{url!r}@{int(ref['offset'])}", int(ref["chunk"]),
+                           None if c[i] >= counts[i] else int(rows["length"][i]), int(ref["length"]))
+        return rows
 
     def verify(self, refs: np.ndarray) -> None:
         """Check every shard ``refs`` point into is the one the state was saved from (what the
@@ -300,9 +291,7 @@ class Replayer:
             lengths.setdefault((source, shard), {})[offset] = length
         out: dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]] = {}
         shards = [(source, shard, sorted(where.items())) for (source, shard), where in sorted(wanted.items())]
-        if self.spec.verify is not None:
-            for source, shard, _ in shards:
-                self.spec.verify(source, shard)
+        self.verify(refs)
         tar = [(s, h, p, lengths[(s, h)]) for s, h, p in shards
                if shard_format(self.spec.sources[s].urls[h]) == "tar"]
         picked = self._pick(tar)
