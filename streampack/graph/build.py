@@ -220,7 +220,7 @@ class _Builder:
             work=None if share is None else {share.epoch: share.packs})
         quota = None
         if epoch is not None:
-            quota = share.quota if share is not None else self._fixed_quota()
+            quota = share.quota if share is not None else _worker_quota(config, place)
             if quota is None and place.dp_size > 1:
                 quota = reader.quotas(epoch)[place.global_worker]
         return self.wrap("reader", reader), {"reader": reader, "errors": self.errors, "io": self.io_stats}, quota
@@ -235,13 +235,14 @@ class _Builder:
             if isinstance(quota, LateQuota):
                 quota.report_to(info)
         elif epoch is not None and not self.sources.mixture and planned:
-            quota = self._fixed_quota()
+            quota = _worker_quota(config, place)
             if self.needs_plan:
                 plan = self.planner.plan(epoch, place.global_worker, info=info if quota is None else None)
                 work = plan.spans
                 quota = quota if quota is not None else plan.quota
-        elif self.sources.mixture and config.epochs is not None:
-            quota = _mixture_quota(config, place)
+        elif self.sources.mixture and config.epochs is not None:  # one chain for the pass: its epochs' batches
+            quota = _worker_quota(config, place)
+            quota = None if quota is None else quota * config.epochs
         node, nodes = build_samples(config, self.sources, place, tokenizer=self.tokenizer,
                                     stages=self.stages, policy=self.policy, around=self.around,
                                     epoch=share.epoch if share is not None and epoch is None else epoch,
@@ -296,7 +297,7 @@ class _Builder:
             return None
         assert self.sources.shards is not None
         if config.epochs is None and config.read.manifest is None:
-            return None  # infinite streams plan nothing: building a manifest to seed would read every shard
+            return None
         planner = self.planner
         if not planner.shards.known_lengths():
             return None
@@ -305,9 +306,6 @@ class _Builder:
         scale = CostScale.of(config.cost.model.linear, config.cost.model.attention, config.capacity)
         return seed_counts(lengths, rules, config.cost.model, scale, seed=config.seed,
                            cut=lambda n: chunk_lengths(n, config.capacity, config.packing.overlong))
-
-    def _fixed_quota(self) -> int | None:
-        return _worker_quota(self.config, self.place)
 
     def _replay_spec(self, nodes: Mapping[str, Any]) -> ReplaySpec:
         config, options = self.config, self.config.read
@@ -431,12 +429,6 @@ def _worker_quota(config: StreamConfig, place: Placement) -> int | None:
     if per_rank % place.num_workers:
         raise ValueError(f"batches_per_epoch={per_rank} must be a multiple of num_workers={place.num_workers}")
     return per_rank // place.num_workers
-
-
-def _mixture_quota(config: StreamConfig, place: Placement) -> int | None:
-    """A finite mixture's batches per reader per pass when ``batches_per_epoch`` is set."""
-    quota = _worker_quota(config, place)
-    return None if quota is None else quota * config.epochs  # type: ignore[operator]
 
 
 def _wrapper(around: Mapping[str, Wrap] | None) -> Callable[[str, BaseNode[Any]], BaseNode[Any]]:

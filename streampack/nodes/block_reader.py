@@ -93,12 +93,8 @@ class BlockReader(ShardReader):
                         self._blocks = self._open_blocks(span)
                     except ShardChanged:
                         raise
-                    except DataError as e:
-                        self._advance(e, next_span=True)
-                        continue
-                    except OSError as e:
-                        self._advance(DataError("corrupt_shard", f"read failed: {e!r}", url=self.urls[span.shard],
-                                                value=self._offset), next_span=True)
+                    except (DataError, OSError) as e:
+                        self._lose_span(e, span)
                         continue
                 if self._blocks is None:
                     self._per_sample = here

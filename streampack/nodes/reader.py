@@ -219,21 +219,20 @@ class ShardReader(BaseNode[Sample]):
     def verify_shard(self, shard: int) -> None:
         """``ValueError`` naming the shard and what changed when ``shard`` is not the one a restored state
         read (or, not recorded there, the one the manifest planned); the replay calls it for every shard."""
-        saved = self._saved_identities.get(shard)
-        if (saved is None and self.manifest is None) or self._open.identity == "off":
-            return
+        if (shard in self._saved_identities or self.manifest is not None) and self._open.identity != "off":
+            self._current(shard)
+
+    def _current(self, shard: int) -> ShardStat:
+        """The identity of ``shard`` now, refused unless it is the one the state and the manifest recorded."""
         now = shard_identity.current(self.urls[shard], self._open, self.io_stats)
-        self._check_same(shard, now)
+        saved = self._saved_identities.get(shard)
+        if saved is not None:
+            shard_identity.check(self.urls[shard], saved, now, self._open.identity, since="the state was saved",
+                                 prefix="cannot resume: ",
+                                 consequence="; the saved positions point into the old contents")
         if self.manifest is not None:
             self.manifest.check_identity(shard, now, self._open.identity)
-
-    def _check_same(self, shard: int, now: ShardStat) -> None:
-        saved = self._saved_identities.get(shard)
-        url = self.urls[shard]
-        if saved is None:
-            return
-        shard_identity.check(url, saved, now, self._open.identity, since="the state was saved",
-                             prefix="cannot resume: ", consequence="; the saved positions point into the old contents")
+        return now
 
     @staticmethod
     def undelivered(state: Mapping[str, Any]) -> Planned:
@@ -275,13 +274,8 @@ class ShardReader(BaseNode[Sample]):
                 item = next(self._items, None)
             except ShardChanged:  # a refusal, whatever on_error says: reading on would splice two versions
                 raise
-            except DataError as e:  # missing / unreachable / corrupt: the rest of the span is lost
-                self._advance(e, next_span=True)
-                continue
-            except OSError as e:  # a broken `pipe:` (files and stores retry inside io.open)
-                url = self.urls[spans[self._shard_pos].shard]
-                self._advance(DataError("corrupt_shard", f"read failed: {e!r}", url=url, value=self._offset),
-                              next_span=True)
+            except (DataError, OSError) as e:
+                self._lose_span(e, spans[self._shard_pos])
                 continue
             if item is None:
                 self._next_span()
@@ -309,6 +303,13 @@ class ShardReader(BaseNode[Sample]):
     def _set_position(self, epoch: int, shard_pos: int, offset: int, sample: int, yielded: int, epoch_yielded: int) -> None:
         self._epoch, self._shard_pos, self._offset, self._sample = epoch, shard_pos, offset, sample
         self._yielded, self._epoch_yielded = yielded, epoch_yielded
+
+    def _lose_span(self, e: DataError | OSError, span: ShardSpan | Span) -> None:
+        """A span that cannot be read on (missing / unreachable / corrupt; an ``OSError`` is a broken ``pipe:``,
+        as files and stores retry inside io.open): the rest of it is lost, counted and handled by ``on_error``."""
+        if isinstance(e, OSError):
+            e = DataError("corrupt_shard", f"read failed: {e!r}", url=self.urls[span.shard], value=self._offset)
+        self._advance(e, next_span=True)
 
     def _advance(self, err: DataError | None, *, next_span: bool) -> None:
         """Count ``err``, move past the span if asked, then apply ``on_error`` — in that order, so
@@ -362,11 +363,7 @@ class ShardReader(BaseNode[Sample]):
         if url.startswith("pipe:") or self._open.identity == "off":
             return
         if shard not in self._checked or shard not in self._identities:  # a recorded one is checked again
-            now = shard_identity.current(url, self._open, self.io_stats)
-            self._check_same(shard, now)
-            if self.manifest is not None:
-                self.manifest.check_identity(shard, now, self._open.identity)
-            self._identities[shard] = now
+            self._identities[shard] = self._current(shard)
             self._checked.add(shard)
         self._identities.move_to_end(shard)
         while len(self._identities) > RECENT_SHARDS:

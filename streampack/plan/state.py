@@ -99,8 +99,6 @@ REF_COLUMNS = ("source", "shard", "offset", "number", "epoch", "chunk", "length"
 that is not a pure function of the sample is caught instead of silently changing the stream)."""
 REF = np.dtype([(name, np.int64) for name in REF_COLUMNS])
 """A table of references, read by field; a state keeps one int64 tensor per column, by name."""
-Replay = Callable[[np.ndarray], list[Sample]]
-"""Re-reads references (an array of :data:`REF`) -> the samples, in order."""
 
 
 def refs_of(n: int) -> np.ndarray:
