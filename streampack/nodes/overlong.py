@@ -1,18 +1,11 @@
-"""Overlong stage: what to do with a document longer than the pack capacity — split,
-truncate, drop or error — as a policy function and the node that applies it before packing.
+"""Overlong stage: what to do with a document longer than the pack capacity — split, truncate, drop or error — as a
+policy function and the node that applies it before packing.
 
-The right default differs by use case (pretraining wants ``split`` so no token is lost; chat
-SFT often wants ``drop`` or ``truncate`` because a split conversation is not a conversation),
-so the policy is explicit and every token it touches is counted; the counters travel in the
-node state so metrics stay exact across a resume.
-
-A sample with images (``media=``: the stream's :class:`~streampack.media.MediaOptions`) is never
-cut through an image's or video's tokens: a cut that would fall inside one moves to its start,
-and each chunk (or the truncated head) carries exactly the images whose tokens it holds, so the
-decode after packing finds every image on its own run. An image or video alone longer than the
-capacity cannot be placed whole in any pack: under ``split`` and ``truncate`` its sample is
-dropped, counted in ``samples_dropped``/``tokens_dropped`` and ``media_overlong`` (``error``
-raises, ``drop`` drops it as any overlong sample).
+The right default differs by use case (pretraining wants ``split`` so no token is lost; chat SFT often wants ``drop``
+or ``truncate`` because a split conversation is not a conversation), so the policy is explicit and every token it
+touches is counted; the counters travel in the node state so metrics stay exact across a resume. A sample with images
+(``media=``) is never cut through an image's or video's tokens, and one whose image alone is over the capacity is
+dropped under ``split`` and ``truncate``, counted in ``media_overlong`` (``docs/multimodal.md``).
 """
 
 from __future__ import annotations
@@ -145,7 +138,7 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
     ``split`` makes ``ceil(L / max_len)`` chunks with keys ``key/0``, ``key/1``, …; each chunk is
     its own document (its last token's label is ignored, like any document end). With ``media``
     (:class:`~streampack.media.MediaOptions`) and images in ``sample``, no cut falls inside an
-    image's tokens (see the module docstring): chunks may be shorter and more. A sample whose
+    image's tokens: chunks may be shorter and more. A sample whose
     image tokens do not match its images is ``DataError("image_tokens_mismatch")``.
     """
     if policy not in OVERLONG_POLICIES:
@@ -218,24 +211,19 @@ def expand(rows: np.ndarray, max_len: int, policy: str) -> tuple[np.ndarray, np.
 
 
 class OverlongNode(BaseNode[Sample]):
-    """Documents of at most ``max_len`` tokens according to ``policy``, as rows
-    (:mod:`streampack.plan.rows`): :meth:`take` hands out the next ``n`` documents.
+    """Documents of at most ``max_len`` tokens according to ``policy``, as rows (:mod:`streampack.plan.rows`):
+    :meth:`take` hands out the next ``n`` (the packer reads those); ``next()`` yields one as a Sample.
 
-    Its source is the reader, or whatever node yields Samples before it (a mixture, the tokenizer,
-    a stage, the image expansion). A :class:`~streampack.nodes.block_reader.BlockReader` that is
-    its direct source hands it runs of documents read as blocks: it pulls exactly the documents
-    that give ``n`` (the chunk counts of a run are a cumulative sum; one ``searchsorted`` says how
-    many to consume), and cuts them as columns. Samples are cut one by one (:func:`apply_overlong`,
-    which keeps images whole) and become rows of one block of them. Either way the reader's
-    position, the chunks left of a split document and the counters are the same.
+    Its source is the reader, or whatever node yields Samples before it. A
+    :class:`~streampack.nodes.block_reader.BlockReader` that is its direct source hands it runs of documents read as
+    blocks: it consumes exactly the documents that give ``n`` (one ``searchsorted`` over the run's cumulative chunk
+    counts) and cuts them as columns (:func:`expand`). Samples are cut one by one (:func:`apply_overlong`, which keeps
+    images whole). Either way the reader's position, the chunks left of a split document and the counters are the same.
 
-    State = upstream state + the sample being split, as a reference (where to re-read it and how
-    many of its chunks were emitted; its tokens only when ``replay`` is None or the sample has no
-    origin) + counters + the origin of the last sample pulled from each source: every sample after
-    it in its reader's order is still unread downstream, which is what an elastic resume needs.
-    ``replay``: a :class:`~streampack.plan.replay.Replayer` (re-reads a split sample's chunks at a
-    restore). ``next()`` yields one document as a Sample (a node wrapped around this one reads
-    that); the packer reads rows with :meth:`take`.
+    State = upstream state + the sample being split, as a reference (its tokens only when ``replay`` is None or the
+    sample has no origin) + counters + the last sample pulled from each source (every sample after it in its reader's
+    order is unread downstream: an elastic resume's frontier). ``replay`` (a
+    :class:`~streampack.plan.replay.Replayer`) re-reads a split sample's chunks at a restore.
     """
 
     SOURCE_KEY = "source"

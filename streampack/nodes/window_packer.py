@@ -1,51 +1,26 @@
 """WindowPacker: a rolling window of samples -> packs of at most ``capacity`` aligned tokens.
 
-One *round*: refill the window up to ``window`` samples, pack all of them once with a
-registry algorithm (``bfd`` by default), emit every pack that is full enough, carry the
-samples of the other packs into the next round. Packing once per round (not once per
-emitted pack) keeps the cost at one ``pack()`` call per ~``window`` samples. A fresh packer
-warms up: round ``r`` refills only to ``min(window, warmup * 2**r)`` samples (``warmup`` = 64),
-so the first packs leave after 64 samples, not a whole window (window 1024, ~1,900-token text
-documents, 2 workers: 1.5 s instead of 23 s to the first batch, fill cost <= 0.035 pp; see
-:mod:`~streampack.packing.window_rounds`).
-
-A pack is emitted when
+One *round*: refill the window up to ``window`` samples (a fresh packer warms up:
+:mod:`~streampack.packing.window_rounds`), pack all of them once with a registry algorithm (``bfd`` by default), emit
+every pack that is full enough and carry the samples of the other packs into the next round: one ``pack()`` call per
+~``window`` samples. A pack is emitted when
   1. its free space is at most ``slack`` tokens (default ``capacity // 256``), or
-  2. one of its samples entered the window ``max_wait`` rounds ago (bounded latency: a sample
-     is emitted at the latest in the round ``max_wait`` rounds after the one it arrived in,
-     i.e. before ``max_wait * window`` later samples are read; default ``max(8, 8192 // window)``
+  2. one of its samples entered the window ``max_wait`` rounds ago (bounded latency; default ``max(8, 8192 // window)``
      rounds, so about 8,192 samples at any window up to 1024), or
-  3. carrying it would leave less than half of this round's window for new samples (the
-     fullest such packs go first), so every round makes progress even on a stream that never
-     fills a pack, or
+  3. carrying it would leave less than half of this round's window for new samples (the fullest such packs go
+     first), so every round makes progress even on a stream that never fills a pack, or
   4. the upstream is exhausted (flush: nothing is ever lost at the end of a finite stream).
-The packs of a round are emitted in an order permuted by ``default_rng((seed, round))``, so
-the pack order does not follow length. With ``balance`` (cost-balanced emission,
-:mod:`streampack.packing.schedule`) they go to a reservoir of ready packs instead and leave in
-the order a schedule shared by every rank picks, so each rank's step costs about the same; the
-packs themselves, and so fill and pack counts, are the same. Its state adds the reservoir's
-packs (as references, like the carry), their steps and a cost histogram.
+A round's packs leave in an order permuted by ``default_rng((seed, round))``, so the order does not follow length;
+with ``balance`` (:mod:`streampack.packing.schedule`) they leave a reservoir in the order a schedule shared by every
+rank picks, and the packs themselves are the same. Lengths are packed aligned (``ceil(L / align) * align``) so every
+pack still fits after the collate pads each document. The defaults give 99.934% fill against offline bfd's 99.995%
+(lognormal mean ~600, capacity 4096; ``benchmarks/bench_packing_scaling.py`` measures it by window).
 
-Lengths are packed *aligned* (``ceil(L / align) * align``) so every pack still fits after
-the collate pads each document to the CP/TP alignment.
-
-The window is a table of rows (:mod:`streampack.plan.rows`): a refill is one ``take`` from the
-:class:`~streampack.nodes.overlong.OverlongNode` (from any other source, one Sample a row), a pack
-one fancy index, and a pack leaves as a :class:`~streampack.plan.rows.PackRows` (iterating it
-gives its Samples). Defaults (``slack = capacity // 256``, 8 rounds of ``max_wait`` at window 1024)
-give 99.934% fill against offline bfd's 99.995% (lognormal mean ~600, capacity 4096);
-``benchmarks/bench_packing_scaling.py`` measures it by window.
-
-State = the upstream state after the round's refill + the round's packs and carry as a table of
-references (:mod:`streampack.plan.replay`; tokens where a document cannot be re-read) + the packs
-already emitted (+ metrics): 56 bytes a document of the window whatever its length (~65 KB per
-worker at window 1024; tokens instead took 63 MB at capacity 128k, ``benchmarks/bench_state.py``).
-``get_state`` is cached per round (StatefulDataLoader snapshots after every batch). A restore
-rebuilds exactly the saved packs (no re-packing) from rows whose ids are not read yet
-(``rows.UNREAD``); each pack's documents are re-read when it is about to leave, :data:`READ_AHEAD`
-packs at a time, so the first batch after a restore waits for its own ~55 documents, not the
-window's ~1,000. ``carry=`` starts the packer with documents already in its window (an elastic
-resume hands each new worker its share of the old windows that way).
+The window is a table of rows (:mod:`streampack.plan.rows`). State = the upstream state after the round's refill +
+the round's packs and carry as references (:mod:`streampack.plan.state`) + the packs emitted + metrics (+ the
+reservoir's packs, steps and cost histogram), cached per round. A restore rebuilds exactly the saved packs from rows
+not read yet (``rows.UNREAD``) and re-reads each pack's documents when it is about to leave, :data:`READ_AHEAD` packs
+at a time. ``carry=`` starts the window with documents (an elastic resume's share of the old windows).
 """
 
 from __future__ import annotations

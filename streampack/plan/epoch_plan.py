@@ -15,10 +15,8 @@ the first batch, 1 manifest read per process and at most 4 boundary shards' inde
 at the count's peak. At N=10^5, T=10^9, G=8,192: 5 requests before the first batch, 18 after, 0.2-0.7 s
 of CPU, ~17 MB.
 
-Planning costs nothing per step but needs token lengths in the manifest and no stage that changes
-lengths; ``sync_batches`` works for any data at one all-reduce per step. Both leave the same fillers
-(1M lognormal samples, capacity 4096: 117 over 64 ranks, 0.16% of 73k batches); a second,
-count-weighted re-cut did not help reliably, so there is none.
+The plan leaves exactly the fillers the cut needs (``docs/dataset.md``); a second, count-weighted re-cut did not
+reduce them reliably, so there is none.
 """
 
 from __future__ import annotations
@@ -103,9 +101,6 @@ class Counting:
     policy: str
     packs_per_batch: int
 
-    def for_worker(self, global_worker: int) -> PackerRules:
-        return replace(self.rules, seed=worker_seed(self.rules.seed, global_worker))
-
 
 def chunk_lengths(lengths: np.ndarray, max_len: int, policy: str) -> np.ndarray:
     """The document lengths ``lengths`` become under the overlong policy, in stream order."""
@@ -129,7 +124,7 @@ def count_batches(counting: Counting, global_worker: int, stream: np.ndarray, ca
 
 def count_chunks(counting: Counting, global_worker: int, chunks: np.ndarray, carry: np.ndarray | None = None) -> int:
     """:func:`count_batches` of documents already cut by the overlong policy."""
-    packs = count_packs(counting.for_worker(global_worker), chunks, carry)
+    packs = count_packs(replace(counting.rules, seed=worker_seed(counting.rules.seed, global_worker)), chunks, carry)
     return -(-packs // counting.packs_per_batch)
 
 

@@ -1,33 +1,27 @@
 """Re-reading carried documents from where they were read, instead of storing their tokens.
 
-A resume state refers to each document that sat in a buffer (the packer's window, a split
-sample's pending chunks) by its origin — source, shard, offset, number, chunk, length — and the
-:class:`Replayer` turns those references back into the very documents the buffer held, checking
-each one's length against the one recorded: a stage that is not a pure function of the sample,
-or a shard changed since the save, is an error, not a silently different stream. References cost
-56 bytes a document whatever its length (~65 KB per worker at window 1024, where tokens took
-63 MB at capacity 128k: ``benchmarks/bench_state.py``). A graph with a user ``BaseNode`` stage
-cannot be replayed (the node may hold its own buffer): its states store tokens.
+A resume state refers to each document that sat in a buffer (the packer's window, a split sample's pending chunks) by
+its origin (:data:`~streampack.plan.state.REF`), and the :class:`Replayer` turns those references back into the very
+documents the buffer held, checking each one's length against the one recorded: a stage that is not a pure function of
+the sample, or a shard changed since the save, is an error, not a silently different stream. A graph with a user
+``BaseNode`` stage cannot be replayed (the node may hold its own buffer): its states store tokens.
 
-Where a stream's documents are the shards' own token ids (no tokenizer, stage or images), the
-documents are re-read as blocks, and only them: in a tar shard the wanted samples are picked at
-their offsets and checked alone (:func:`~streampack.io.blocks.read_samples_at`; positions more
-than ``REOPEN_GAP`` bytes apart remotely, :data:`PICK_GAP` locally, are separate reads); in a
-parquet shard each row group holding wanted rows is read once per restore and kept until the
-packer says every carried row is read again (:meth:`Replayer.forget`); elsewhere the shard is
-read as blocks from each cluster's first position (:data:`BLOCK_GAP` locally). A position the
-blocks do not reach, and every document of any other stream, is re-read by the
-:class:`SampleReplayer`: read, tokenized with the graph's own encoder, passed through the function
-stages and cut by the overlong policy, one pass per shard in offset order.
+Where a stream's documents are the shards' own token ids (no tokenizer, stage or images), only the wanted documents
+are re-read, as blocks: in a tar shard they are picked at their offsets and checked alone
+(:func:`~streampack.io.blocks.read_samples_at`); in a parquet shard each row group holding wanted rows is read once per
+restore and kept until the packer says every carried row is read again (:meth:`Replayer.forget`); elsewhere the shard
+is read as blocks from each cluster's first position. Positions farther apart than ``REOPEN_GAP`` bytes remotely
+(:data:`PICK_GAP`, :data:`BLOCK_GAP` locally) are separate reads. A position the blocks do not reach, and every
+document of any other stream, is re-read by the :class:`SampleReplayer`: read, tokenized with the graph's own encoder,
+passed through the function stages and cut by the overlong policy, one pass per shard in offset order.
 
-**Cost per reader** of a restore (W documents in the saved window, over S_W shards): S_W identity
-checks at the restore (a ``stat``, or a ``HEAD`` remotely); then, as the restored packs leave
-(``WindowPacker.READ_AHEAD`` at a time), one read per cluster of their documents: for tar, CPU and
-bytes O(W) in all (~15 µs a document read on its own, ~0.4 ms a re-read for the checks of all its
-shards, ``benchmarks/bench_restore.py``); for parquet, each row group holding a carried row read
-once. Memory: W rows of 104 bytes (``rows.ROW``), plus those row groups until their last carried
-row is re-read. Reading only the carried documents, the 25 batches after a restore read 8.5 MB
-where reading their clusters whole read 31.7 MB (uninterrupted: 3.6 MB; window 1024).
+**Cost per reader** of a restore (W documents in the saved window, over S_W shards): S_W identity checks at the
+restore (a ``stat``, or a ``HEAD`` remotely); then, as the restored packs leave (``WindowPacker.READ_AHEAD`` at a
+time), one read per cluster of their documents: for tar, CPU and bytes O(W) in all (~15 µs a document read on its
+own, ~0.4 ms a re-read for the checks of all its shards, ``benchmarks/bench_restore.py``); for parquet, each row group
+holding a carried row read once. Memory: W rows of 104 bytes (``rows.ROW``), plus those row groups until their last
+carried row is re-read. Reading only the carried documents, the 25 batches after a restore read 8.5 MB where reading
+their clusters whole read 31.7 MB (uninterrupted: 3.6 MB; window 1024).
 """
 
 from __future__ import annotations

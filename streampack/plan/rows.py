@@ -1,21 +1,15 @@
 """Documents as table rows: the one form a document travels in from the overlong node to the collate.
 
-Between the reader (or the last stage) and the collate, a document is one record of a structured array of
-:data:`ROW` (13 int64 fields, read by name: ``rows["length"]``): its length, its origin
-(exactly the fields of a :class:`~streampack.sample.SampleOrigin`, so a resume state refers to
-it the same way) and where its ids are (``block``: an id in a :class:`BlockStore`; ``doc``: its
-index in that block; ``start``: its first id's element offset, a chunk's included). Documents read as blocks
-(:mod:`streampack.io.blocks`) point into the block they were read in; documents that arrive as
-Samples (text after the tokenizer, a stage's output, a mixture, media) point into a block made of
-those Samples (:func:`sample_rows`), which keeps each Sample whole for the collate. A window of
-1,024 documents is one array; taking, splitting and regrouping documents are whole-array
-operations. A field is a strided view, as fast as a column of a plain int64 matrix; what numpy
-does record by record on a structured array (``concatenate``: ~110 µs for 1,300 rows against
-~5; a fancy ``take``: ~60 µs against ~11) goes through the plain int64 view of the same memory
-here (:func:`cat`, :func:`take`, :func:`put`, :func:`repeat`), at the plain matrix's speed.
-
-:class:`PackRows` is one pack as the packer emits it: its rows in layout order and the blocks
-they point into (so the collate never looks a block up in a store that has moved on).
+A document is one record of a structured array of :data:`ROW` (13 int64 fields, read by name: ``rows["length"]``):
+its length, its origin (the fields of a :class:`~streampack.sample.SampleOrigin`, so a resume state refers to it the
+same way) and where its ids are (``block``: an id in a :class:`BlockStore`; ``doc``: its index in that block;
+``start``: its first id's element offset, a chunk's included). Documents read as blocks point into the block they
+were read in; documents that arrive as Samples point into a block made of those Samples (:func:`sample_rows`), which
+keeps each Sample whole for the collate. Taking, splitting and regrouping documents are whole-array operations; what
+numpy does record by record on a structured array (``concatenate``: ~110 µs for 1,300 rows against ~5; a fancy
+``take``: ~60 µs against ~11) goes through the plain int64 view of the same memory (:func:`cat`, :func:`take`,
+:func:`put`, :func:`repeat`). :class:`PackRows` is one pack as the packer emits it: its rows in layout order and the
+blocks they point into (so the collate never looks a block up in a store that has moved on).
 """
 
 from __future__ import annotations
