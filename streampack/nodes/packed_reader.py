@@ -28,7 +28,7 @@ from streampack.nodes.collate import BatchLayout
 from streampack.options.topology import Placement
 from streampack.plan.cursor import PackedPlace
 from streampack.plan.epoch_plan import equalize
-from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_version
+from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_node_config, check_version
 from streampack.sample import Sample
 
 
@@ -122,11 +122,8 @@ class PackedShardReader(BaseNode[list[Sample]]):
             self._epoch, self._position = self.start_epoch, 0
             return
         check_version(initial_state, what="PackedShardReader state")
-        saved = initial_state[self.FINGERPRINT_KEY]
-        for name, value in self._fingerprint.items():
-            if saved.get(name) != value:
-                raise ValueError(f"cannot restore PackedShardReader state: it was saved with "
-                                 f"{name}={saved.get(name)!r}, this reader has {name}={value!r}")
+        check_node_config(initial_state[self.FINGERPRINT_KEY], self._fingerprint, node="PackedShardReader",
+                          label="reader")
         self.work = {int(e): w.numpy() for e, w in initial_state.get(self.WORK_KEY, {}).items()} or self.work
         self._epoch = int(initial_state[self.EPOCH_KEY])
         self._position = int(initial_state[self.POSITION_KEY])

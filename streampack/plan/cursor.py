@@ -21,9 +21,9 @@ from streampack.plan.sharding import Span, WorkEnds
 from streampack.plan.state import (
     REF,
     concat_tables,
+    make_table,
     record_of,
     record_text,
-    refs_table,
     require_fields,
     samples_from_state,
     samples_to_table,
@@ -33,8 +33,7 @@ from streampack.sample import SampleOrigin
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pulled:
-    """The last sample an overlong stage pulled from one source (a dropped field here once
-    re-trained a whole shard after two elastic resumes, so every field is read by name)."""
+    """The last sample an overlong stage pulled from one source (every field read by name)."""
 
     source: int
     shard: int
@@ -135,7 +134,7 @@ class Split:
             refs[name] = getattr(self.at, name)
         refs["chunk"] = np.arange(self.next, self.count)
         refs["length"] = np.asarray(lengths, dtype=np.int64)[self.next:self.count]
-        return refs_table(refs)
+        return make_table(np.ones(len(refs), dtype=bool), refs, [])
 
 
 def split_samples(pending: Mapping[str, Any]) -> dict[str, Any]:

@@ -245,31 +245,25 @@ class EpochPlanner:
             quota = None
             if self.counting is not None:
                 quota = LateQuota(count=lambda: self.count_spans(global_worker, spans),
-                                  settle=lambda mine: self._settle(epoch, global_worker, mine),
+                                  settle=lambda mine: self.settle(f"plan/{epoch}", global_worker, mine,
+                                                                  lambda h: self.count(epoch, h)),
                                   background=self.agree is not None, info=info)
             self._plan, self._plan_of = ReaderPlan(epoch=epoch, spans=spans, quota=quota), (epoch, global_worker)
         return self._plan
 
-    def _settle(self, epoch: int, g: int, mine: int) -> Settled:
+    def settle(self, key: str, g: int, mine: int, count: Callable[[int], int]) -> Settled:
+        """Reader ``g``'s quota from its own batch count ``mine``: agreed in store round ``key`` (O(1) requests, no
+        one else's data), else from ``count(h)`` of every other reader ``h`` (O(T))."""
         rank, worker = divmod(g, self.num_workers)
-        if self.agree is not None:  # one store round: O(1) requests, no one else's data
-            return settle_agreed(self.agree(f"plan/{epoch}", rank, worker, self.num_workers, mine), worker, mine)
-        counts = [mine if h == g else self.count(epoch, h) for h in range(self.global_workers)]  # fallback: O(T)
-        return settle_all(counts, self.dp_size, self.num_workers, g)
-
-
-def settle_agreed(got: RankCounts, worker: int, mine: int) -> Settled:
-    """A reader's quota from an agreement round's answer."""
-    quotas = rank_quotas(list(got.workers), int(got.target))
-    return Settled(quota=quotas[worker], batches=mine, rank_fillers=int(got.target) - sum(got.workers))
-
-
-def settle_all(counts: Sequence[int], ranks: int, workers: int, g: int) -> Settled:
-    """A reader's quota from every reader's count."""
-    quotas, fillers, least = equalize(counts, ranks)
-    group = slice(g // workers * workers, (g // workers + 1) * workers)
-    return Settled(quota=quotas[g], batches=int(counts[g]), rank_fillers=sum(quotas[group]) - sum(counts[group]),
-                   fillers=fillers, min_fillers=least)
+        if self.agree is not None:
+            got = self.agree(key, rank, worker, self.num_workers, mine)
+            quotas = rank_quotas(list(got.workers), int(got.target))
+            return Settled(quota=quotas[worker], batches=mine, rank_fillers=int(got.target) - sum(got.workers))
+        counts = [mine if h == g else count(h) for h in range(self.global_workers)]
+        quotas, fillers, least = equalize(counts, self.dp_size)
+        group = slice(rank * self.num_workers, (rank + 1) * self.num_workers)
+        return Settled(quota=quotas[g], batches=mine, rank_fillers=sum(quotas[group]) - sum(counts[group]),
+                       fillers=fillers, min_fillers=least)
 
 
 def unplannable(shards: Any, dp_size: int) -> str:

@@ -23,7 +23,7 @@ from streampack.graph.build import make_planner
 from streampack.logs import get_logger
 from streampack.nodes.packed_reader import deal
 from streampack.plan.elastic import TOPOLOGY_KEYS, Remaining, remaining, topology_of
-from streampack.plan.epoch_plan import ShardSamples, equalize, settle_agreed, settle_all
+from streampack.plan.epoch_plan import ShardSamples, equalize
 from streampack.plan.quota import LateQuota, Settled
 from streampack.plan.sharding import Span
 from streampack.plan.state import (
@@ -216,18 +216,19 @@ class _ShareFinite:
         return Share(epoch=self.left.epoch, spans=spans, carry=carry, quota=quota, identities=self.left.identities)
 
     def _settle(self, mine: int) -> Settled:
-        place, planner = self.place, self.planner
-        if planner.agree is not None:
-            got = planner.agree(f"elastic/{self.left.epoch}", place.dp_rank, place.worker_id, place.num_workers, mine)
-            return settle_agreed(got, place.worker_id, mine)
-        counts = []  # no agreement: count every new reader (O(T))
-        for g in range(place.global_workers):
+        place, planner, counts = self.place, self.planner, {self.place.global_worker: mine}
+
+        def count(g: int) -> int:  # without an agreement every new reader is counted here
             carry, spans = self.part(g)
-            counts.append(mine if g == place.global_worker else planner.count_spans(g, spans, table_lengths(carry)))
-        settled = settle_all(counts, place.dp_size, place.num_workers, place.global_worker)
+            counts[g] = planner.count_spans(g, spans, table_lengths(carry))
+            return counts[g]
+
+        settled = planner.settle(f"elastic/{self.left.epoch}", place.global_worker, mine, count)
+        if settled.fillers is None:
+            return settled
         _log.info("elastic resume: %d old readers -> %d; epoch %d re-planned: %d batches per rank, "
                   "%d fillers over all ranks (fewest possible %d)", self.left.old_dp_size * self.left.old_readers,
-                  place.global_workers, self.left.epoch, (sum(counts) + settled.fillers) // place.dp_size,
+                  place.global_workers, self.left.epoch, (sum(counts.values()) + settled.fillers) // place.dp_size,
                   settled.fillers, settled.min_fillers)
         return settled
 

@@ -101,10 +101,6 @@ REF = np.dtype([(name, np.int64) for name in REF_COLUMNS])
 """A table of references, read by field; a state keeps one int64 tensor per column, by name."""
 
 
-def refs_of(n: int) -> np.ndarray:
-    return np.zeros(n, dtype=REF)
-
-
 def require_fields(record: Mapping[str, Any], names: Iterable[str], what: str) -> None:
     """``ValueError`` naming the fields of ``names`` that ``record`` lacks: a state of another layout."""
     missing = [n for n in names if n not in record]
@@ -121,7 +117,7 @@ def refs_to_state(refs: np.ndarray) -> dict[str, torch.Tensor]:
 def refs_from_state(columns: Mapping[str, Any]) -> np.ndarray:
     """Inverse of :func:`refs_to_state` (``ValueError`` naming a missing column)."""
     require_fields(columns, REF_COLUMNS, "a reference table")
-    out = refs_of(len(columns["length"]))
+    out = np.zeros(len(columns["length"]), dtype=REF)
     for name in REF_COLUMNS:
         out[name] = np.asarray(columns[name], dtype=np.int64)
     return out
@@ -152,11 +148,6 @@ def samples_to_table(samples: Sequence[Sample], *, by_reference: bool) -> dict[s
     is_ref = np.array([r is not None for r in records], dtype=bool)
     return make_table(is_ref, np.array([r for r in records if r is not None], dtype=REF),
                       [s for s, r in zip(samples, is_ref) if not r])
-
-
-def refs_table(refs: np.ndarray) -> dict[str, Any]:
-    """A table of references only (no stored tokens)."""
-    return make_table(np.ones(len(refs), dtype=bool), refs, [])
 
 
 def table_refs(table: Mapping[str, Any]) -> np.ndarray:
