@@ -30,11 +30,10 @@ from streampack.plan.cursor import (
     Undelivered,
     pulled_from_state,
     pulled_to_state,
-    split_samples,
 )
 from streampack.plan.epoch_plan import chunk_lengths
 from streampack.plan.rows import BlockStore, PackRows, block_rows, cat, repeat, rows_of, sample_rows
-from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
+from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state, samples_to_table
 from streampack.sample import Sample
 
 if TYPE_CHECKING:  # media stays an optional part: imported where a sample has images
@@ -399,7 +398,7 @@ class OverlongNode(BaseNode[Sample]):
         pending = state[cls.PENDING_KEY]
         split = Split.from_state(pending)
         if split is None:
-            carry = split_samples(pending)
+            carry = samples_to_table(samples_from_state(pending))
         else:
             lengths = split.lengths if split.lengths is not None else \
                 chunk_lengths(np.asarray([split.tokens]), capacity, policy)

@@ -25,8 +25,6 @@ from streampack.plan.state import (
     record_of,
     record_text,
     require_fields,
-    samples_from_state,
-    samples_to_table,
 )
 from streampack.sample import SampleOrigin
 
@@ -109,14 +107,14 @@ class Split:
 
     def to_state(self) -> dict[str, str]:
         """``{"split": <one JSON text of named fields>}`` (a ``pending`` record of tokens has no
-        ``split`` key: :func:`split_samples`)."""
+        ``split`` key)."""
         return {SPLIT_KEY: record_text({"at": asdict(self.at), "next": self.next, "count": self.count,
                                         "tokens": self.tokens, "lengths": self.lengths})}
 
     @classmethod
     def from_state(cls, pending: Mapping[str, Any]) -> Split | None:
         """The split a saved ``pending`` record holds, or None when it holds tokens instead (a
-        graph that cannot re-read: :func:`split_samples`)."""
+        graph that cannot re-read)."""
         if SPLIT_KEY not in pending:
             return None
         record = record_of(pending[SPLIT_KEY])
@@ -135,11 +133,6 @@ class Split:
         refs["chunk"] = np.arange(self.next, self.count)
         refs["length"] = np.asarray(lengths, dtype=np.int64)[self.next:self.count]
         return make_table(np.ones(len(refs), dtype=bool), refs, [])
-
-
-def split_samples(pending: Mapping[str, Any]) -> dict[str, Any]:
-    """The chunks a ``pending`` record keeps as tokens, as a table."""
-    return samples_to_table(samples_from_state(pending), by_reference=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,4 +176,4 @@ class PackedPlace:
 
 
 __all__ = ["POSITION_FIELDS", "PULLED_FIELDS", "PackedPlace", "Planned", "Position", "Pulled", "Split", "Undelivered",
-           "pulled_from_state", "pulled_to_state", "split_samples"]
+           "pulled_from_state", "pulled_to_state"]

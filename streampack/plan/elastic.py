@@ -201,7 +201,7 @@ class _OldPlans:
         return _Frontier(epoch=epoch, origin=origin, carry=left.carry, work=plan.work, ends=plan.ends)
 
     def left(self, g: int, f: _Frontier, last: int) -> OldReader:
-        carry = f.carry if f.carry is not None else samples_to_table([], by_reference=True)
+        carry = f.carry if f.carry is not None else samples_to_table([])
         if f.done:
             return OldReader(carry=carry, packs=np.zeros(0, np.int64) if self.sources.packed is not None else None)
         if self.sources.packed is not None:

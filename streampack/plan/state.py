@@ -123,15 +123,6 @@ def refs_from_state(columns: Mapping[str, Any]) -> np.ndarray:
     return out
 
 
-def ref_of(sample: Sample) -> tuple[int, ...] | None:
-    """The reference of ``sample`` as a :data:`REF` record, or None when it has no origin."""
-    o = sample.origin
-    if o is None:
-        return None
-    return tuple({"source": o.source, "shard": o.shard, "offset": o.offset, "number": o.number, "epoch": o.epoch,
-                  "chunk": o.chunk, "length": len(sample)}[name] for name in REF_COLUMNS)
-
-
 def make_table(is_ref: np.ndarray, refs: np.ndarray, stored: Sequence[Sample]) -> dict[str, Any]:
     """The one layout of a table: which rows are references (bool ``[n]``), the references (an array of
     :data:`REF`, in order) and the tokens of the other rows (:func:`samples_to_state`, in order)."""
@@ -141,13 +132,10 @@ def make_table(is_ref: np.ndarray, refs: np.ndarray, stored: Sequence[Sample]) -
             "stored": samples_to_state(stored)}
 
 
-def samples_to_table(samples: Sequence[Sample], *, by_reference: bool) -> dict[str, Any]:
-    """Samples -> a table: a reference for each sample with an origin (when ``by_reference``), the tokens
-    of the others (:func:`samples_to_state`), and which is which."""
-    records = [ref_of(s) if by_reference else None for s in samples]
-    is_ref = np.array([r is not None for r in records], dtype=bool)
-    return make_table(is_ref, np.array([r for r in records if r is not None], dtype=REF),
-                      [s for s, r in zip(samples, is_ref) if not r])
+def samples_to_table(samples: Sequence[Sample]) -> dict[str, Any]:
+    """Samples -> a table of their tokens (what a graph that cannot re-read carries; the packer writes its
+    references itself)."""
+    return make_table(np.zeros(len(samples), dtype=bool), np.zeros(0, dtype=REF), samples)
 
 
 def table_refs(table: Mapping[str, Any]) -> np.ndarray:
@@ -172,7 +160,7 @@ def table_slice(table: Mapping[str, Any], lo: int, hi: int) -> dict[str, Any]:
 
 def concat_tables(tables: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if not tables:
-        return samples_to_table([], by_reference=True)
+        return samples_to_table([])
     return make_table(torch.cat([t["is_ref"] for t in tables]).numpy(), np.concatenate([table_refs(t) for t in tables]),
                       [s for t in tables for s in samples_from_state(t["stored"])])
 
