@@ -6,13 +6,11 @@
     (one per source: token blocks straight to OverlongNode when nothing sits between)
     PackedShardReader (``streampack pack`` output) ────────────────────────────────────────────────────> ThdCollate
 
-A finite stream (``epochs=N``) runs that chain once per epoch under an
-:class:`~streampack.nodes.epochs.EpochLoop`, each epoch read as :class:`~streampack.plan.epoch_plan.EpochPlanner`
-planned it over the data set's manifest (:func:`manifest_of`; one reader that counts nothing needs neither); an
-infinite stream is one chain. Building a graph costs no request but the manifest's (1 read per process) and its
-planner's. The builder hands each node its stage's record from :class:`StreamConfig`, each checked once where it was
-made (the packer's rules from ``StreamConfig.packer_rules``, one ``ErrorPolicy`` per graph), so nothing is checked
-twice. ``around`` wraps any named stage with torchdata's own nodes, e.g.
+A finite stream (``epochs=N``) runs that chain once per epoch under an :class:`~streampack.nodes.epochs.EpochLoop`,
+each epoch read as :class:`~streampack.plan.epoch_plan.EpochPlanner` planned it over the data set's manifest
+(:func:`manifest_of`); an infinite stream is one chain. Building a graph costs no request but the manifest's (1 read
+per process) and its planner's. Each node takes its stage's record from :class:`StreamConfig`, checked once where it
+was made. ``around`` wraps any named stage with torchdata's own nodes, e.g.
 ``around={"tokenize": lambda n: Prefetcher(n, 16)}``; the wrapped node's state nests like any other.
 """
 

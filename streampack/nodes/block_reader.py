@@ -76,13 +76,9 @@ class BlockReader(ShardReader):
     def run(self) -> DocRun | None:
         """The next documents (not yet consumed, unless ``consumed``); None at the end."""
         while True:
-            if self.epochs is not None and self._epoch >= self.epochs:
+            span = self._span()
+            if span is None:
                 return None
-            spans = self.spans(self._epoch)
-            if self._shard_pos >= len(spans):
-                self._next_epoch()
-                continue
-            span = spans[self._shard_pos]
             if self._block is not None and self._pos < len(self._block):
                 return DocRun(block=self._block, lo=self._pos, hi=len(self._block), epoch=self._span_epoch(span),
                               source=self.source, shard=span.shard)

@@ -262,37 +262,41 @@ class ShardReader(BaseNode[Sample]):
 
     def next(self) -> Sample:
         while True:
-            if self.epochs is not None and self._epoch >= self.epochs:
+            span = self._span()
+            if span is None:
                 raise StopIteration
-            spans = self.spans(self._epoch)
-            if self._shard_pos >= len(spans):
-                self._next_epoch()
-                continue
             try:
                 if self._items is None:
-                    self._items = self._open_span(spans[self._shard_pos])
+                    self._items = self._open_span(span)
                 item = next(self._items, None)
             except ShardChanged:  # a refusal, whatever on_error says: reading on would splice two versions
                 raise
             except (DataError, OSError) as e:
-                self._lose_span(e, spans[self._shard_pos])
+                self._lose_span(e, span)
                 continue
             if item is None:
                 self._next_span()
                 continue
             sample = item.sample
             if sample is not None:
-                span = spans[self._shard_pos]
-                epoch = self._span_epoch(span)
                 sample = sample.evolve(origin=SampleOrigin(
                     shard=span.shard, offset=self._offset, number=self._sample, next_offset=item.next_offset,
-                    next_number=item.next_index, epoch=epoch, source=self.source))
+                    next_number=item.next_index, epoch=self._span_epoch(span), source=self.source))
                 self._yielded += 1
                 self._epoch_yielded += 1
             self._offset, self._sample = item.next_offset, item.next_index
             self._advance(item.error, next_span=item.at_end)
             if sample is not None:
                 return sample
+
+    def _span(self) -> ShardSpan | Span | None:
+        """The span the next sample comes from (past the epochs that ended); None at the end of the stream."""
+        while self.epochs is None or self._epoch < self.epochs:
+            spans = self.spans(self._epoch)
+            if self._shard_pos < len(spans):
+                return spans[self._shard_pos]
+            self._next_epoch()
+        return None
 
     def close(self) -> None:
         """Release the open shard (the position is kept)."""
