@@ -207,14 +207,10 @@ class EpochPlanner:
         return out
 
     def count(self, epoch: int, global_worker: int) -> int:
-        """Batches reader ``global_worker`` makes in ``epoch`` (reads its shards' indexes, keeps them)."""
-        assert self.counting is not None
+        """Batches reader ``global_worker`` makes in ``epoch`` (:meth:`count_spans` of its plan, once)."""
         key = (epoch, global_worker)
         if key not in self._counts:
-            chunks = [self._chunks(p.shard, self.samples(p.shard), p.lo, p.hi)
-                      for p in self.ranges(epoch, global_worker)]
-            self._counts[key] = count_chunks(self.counting, global_worker,
-                                             np.concatenate(chunks or [np.zeros(0, np.int64)]))
+            self._counts[key] = self.count_spans(global_worker, self.spans(epoch, global_worker))
         return self._counts[key]
 
     def count_spans(self, global_worker: int, spans: Sequence[Span], carry: np.ndarray | None = None) -> int:

@@ -1,16 +1,13 @@
 """Which samples each global worker reads in each epoch: pure assignment arithmetic.
 
-Global worker ``g = dp_rank * num_workers + worker_id`` of ``G = dp_size * num_workers``; epoch ``e`` orders the ``S``
-shards by a permutation seeded by ``(seed, e)``, so every rank computes the same order without communicating. Infinite
-streams assign by shard (:func:`assign_shards`: whole shards at positions ``g, g + G, ...`` while ``S >= G``, so no
-shard index is read; else one part of one shard). Finite epochs assign by sample (:class:`PrefixCut`): the epoch's
+Epoch ``e`` orders the shards by a permutation seeded by ``(seed, e)``, the same on every rank. Infinite streams assign
+by shard (:func:`assign_shards`: whole shards at positions ``g, g + G, ...`` while there are at least ``G`` shards, so
+no shard index is read; else one part of one shard). Finite epochs assign by sample (:class:`PrefixCut`): the epoch's
 samples are cut into ``G`` contiguous ranges of nearly equal cost (tokens, or bytes), ranks first and then each rank's
 workers, which keeps filler batches few; :func:`cut_two_level` over every sample is the definition the tests compare it
-with. Either way each sample of an epoch is read by exactly one global worker.
-
-**Cost per reader** (N shards): the permutation and the shard prefix sums are O(N) (~0.2 µs per
-shard at N=10^5, ``benchmarks/bench_scale.py``); one reader's range is 4 ``searchsorted`` plus one
-index per boundary shard (at most 4), never O(samples) or O(G · N).
+with. **Cost per reader** (N shards): the permutation and the shard prefix sums are O(N) (~0.2 µs per shard at
+N=10^5, ``benchmarks/bench_scale.py``); one reader's range is 4 ``searchsorted`` plus one index per boundary shard
+(at most 4), never O(samples) or O(G · N).
 """
 
 from __future__ import annotations
