@@ -252,6 +252,8 @@ class PackedDataset(IterableDataset):
         if here.num_workers > 0 and multiprocessing.parent_process() is not None:  # a worker process
             die_with_parent()  # first: a worker must not outlive a killed training process
             transfer.settle_worker()
+        if self._manifest is not None:  # read by the main process; another dataset may have been read since
+            hold_manifest(self.config, self.sources, self._manifest)
         pending, self._pending = self._pending, None
         if pending is not None and not self._tracker.claim(here.id, self._pending_generation):
             pending = None  # used by this reader in an earlier iteration: a fresh pass now
@@ -283,8 +285,6 @@ class PackedDataset(IterableDataset):
         return self._run(self._generation, self._graph, pin=self.config.packing.pin_memory and here.num_workers == 0)
 
     def _build(self, place: Placement, share: Share | None = None, validate: bool = False) -> Graph:
-        if self._manifest is not None:  # another dataset of this process may have been read since
-            hold_manifest(self.config, self.sources, self._manifest)
         return build_graph(self.config, self.sources, place, tokenizer=self.tokenizer,
                            stages=self.stages, share=share, validate=validate, agreement=self._agreement)
 
@@ -333,11 +333,6 @@ class PackedDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get a copy without the live graph (it is rebuilt in __iter__)
         return {**self.__dict__, "_graph": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        if self._manifest is not None:  # a spawned worker: the manifest the main process read
-            hold_manifest(self.config, self.sources, self._manifest)
 
 
 def _agreement(dp_group: Any, dp_rank: int, dp_size: int, timeout_s: float | None,
