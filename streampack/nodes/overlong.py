@@ -161,16 +161,13 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
 
         spans = media_spans(sample, media)
     start, stop = (spans.start, spans.stop) if spans is not None else (np.zeros(0, np.int64),) * 2
-    if policy == "truncate":
-        end = _cut(max_len, start, stop)
-        if end == 0:  # the sample opens with an image longer than the capacity
-            return _drop(sample, counters, max_len)
-        counters.samples_truncated += 1
-        counters.tokens_truncated += n - end
-        return [_slice(sample, 0, end, sample.key, 0, spans)]
-    bounds = _bounds(n, max_len, start, stop)
-    if bounds is None:
+    bounds = [0, *np.cumsum(cut_lengths(n, max_len, policy, start, stop)).tolist()]
+    if len(bounds) == 1:  # an image or video alone is longer than the capacity
         return _drop(sample, counters, max_len)
+    if policy == "truncate":
+        counters.samples_truncated += 1
+        counters.tokens_truncated += n - bounds[1]
+        return [_slice(sample, 0, bounds[1], sample.key, 0, spans)]
     chunks = [_slice(sample, s, e, f"{sample.key}/{i}", i, spans) for i, (s, e) in enumerate(zip(bounds, bounds[1:]))]
     counters.samples_split += 1
     counters.tokens_split += n

@@ -10,7 +10,7 @@ Every pack is read exactly once per epoch; :meth:`quotas` equalizes the ranks' c
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -137,31 +137,26 @@ class PackedShardReader(BaseNode[list[Sample]]):
     def get_state(self) -> dict[str, Any]:
         import torch
 
-        nxt = self._peek()
+        nxt = next(self._ahead(), None)
         return {VERSION_KEY: STATE_VERSION, self.KIND_KEY: self.KIND, self.FINGERPRINT_KEY: dict(self._fingerprint),
                 self.EPOCH_KEY: self._epoch, self.POSITION_KEY: self._position,
-                self.NEXT_KEY: None if nxt is None else list(self._locations[nxt]),
+                self.NEXT_KEY: None if nxt is None else list(self._locations[nxt[2]]),
                 self.WORK_KEY: {e: torch.from_numpy(w) for e, w in self.work.items()}}
 
     def next(self) -> list[Sample]:
-        while True:
-            if self.epochs is not None and self._epoch >= self.epochs:
-                raise StopIteration
-            order = self._epoch_order(self._epoch)
-            if self._position < len(order):
-                self._position += 1
-                return self._read(int(order[self._position - 1]))
-            self._epoch, self._position = self._epoch + 1, 0
+        for epoch, position, index in self._ahead():
+            self._epoch, self._position = epoch, position + 1
+            return self._read(index)
+        self._epoch, self._position = max(self._epoch, self.epochs or 0), 0  # as far as the epochs go
+        raise StopIteration
 
-    def _peek(self) -> int | None:
-        """Global index of the next pack this worker yields, or None at the end."""
+    def _ahead(self) -> Iterator[tuple[int, int, int]]:
+        """``(epoch, position, global pack index)`` of each pack this worker yields from its position on."""
         epoch, position = self._epoch, self._position
         while self.epochs is None or epoch < self.epochs:
             order = self._epoch_order(epoch)
-            if position < len(order):
-                return int(order[position])
+            yield from ((epoch, p, int(order[p])) for p in range(position, len(order)))
             epoch, position = epoch + 1, 0
-        return None
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:

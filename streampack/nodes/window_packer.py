@@ -297,11 +297,10 @@ class WindowPacker(BaseNode[PackRows]):
             else:
                 held_packs = self._packs
                 held = cat([self._round_rows, self._carry]) if len(self._carry) else self._round_rows
-            sizes = [len(p) for p in res.items] if res is not None else [len(p) for p in self._packs]
             self._cache = {
                 self.SOURCE_KEY: self.source.state_dict(),  # the upstream rests between rounds
                 self.TABLE_KEY: self._table(held, held_packs),
-                self.SIZES_KEY: torch.tensor(sizes, dtype=torch.int64),
+                self.SIZES_KEY: torch.tensor([len(p) for p in held_packs], dtype=torch.int64),
                 self.ENTERED_KEY: torch.from_numpy(self._entered.copy()),
                 self.ROUND_KEY: self._round,
             }
