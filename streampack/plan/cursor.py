@@ -48,10 +48,6 @@ class Pulled:
         return cls(source=origin.source, shard=origin.shard, epoch=origin.epoch, offset=origin.offset,
                    number=origin.number, next_offset=origin.next_offset, next_number=origin.next_number)
 
-    def origin(self) -> SampleOrigin:
-        return SampleOrigin(shard=self.shard, offset=self.offset, number=self.number, next_offset=self.next_offset,
-                            next_number=self.next_number, epoch=self.epoch, source=self.source)
-
 
 PULLED_FIELDS = tuple(f.name for f in fields(Pulled))
 

@@ -100,18 +100,11 @@ def block_rows(block: TokenBlock, docs: slice | np.ndarray, store: BlockStore, *
 def sample_rows(samples: Sequence[Sample], store: BlockStore) -> np.ndarray:
     """Rows of ``samples`` (each one document, as the overlong policy left it), pointing into
     one new block of them: their origins become the rows' origin fields."""
-    block = TokenBlock.of_samples(list(samples), done=False)
-    rows = rows_of(len(samples))
-    origins = [s.origin for s in samples]
+    rows = block_rows(TokenBlock.of_samples(list(samples), done=False), slice(0, len(samples)), store, source=0,
+                      shard=0)
     rows["source"], rows["shard"], rows["epoch"], rows["chunk"] = np.array(
-        [(o.source, o.shard, o.epoch, o.chunk) if o is not None else (0, NO_ORIGIN, 0, -1) for o in origins],
-        dtype=np.int64).reshape(-1, 4).T
-    rows["length"] = block.lengths
-    rows["offset"], rows["number"] = block.offsets, block.numbers
-    rows["next_offset"], rows["next_number"] = block.next_offsets, block.next_numbers
-    rows["block"] = store.add(block)
-    rows["doc"] = np.arange(len(samples))
-    rows["start"] = block.starts
+        [(o.source, o.shard, o.epoch, o.chunk) if o is not None else (0, NO_ORIGIN, 0, -1) for o in
+         (s.origin for s in samples)], dtype=np.int64).reshape(-1, 4).T
     return rows
 
 
