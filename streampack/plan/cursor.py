@@ -1,11 +1,9 @@
 """The cursor: named records of what a reader has not yet delivered to the trainer.
 
-A reader's stream is cut, at any state, into three parts that never overlap: the frontier (:class:`Pulled`: per source,
-the last sample the overlong stage pulled; the rest of the reader's spans is unread), a split in progress
-(:class:`Split`: the chunks of one document not emitted yet) and the packer's carry (a table of ``state.REF``
-references). Each stateful node hands its part out through one ``undelivered`` method over its own saved state;
-:mod:`streampack.plan.elastic` composes them into :class:`Undelivered` and never reads a node's private keys or a column
-by position. In a state, a table of references is one int64 tensor per named column and a small record one JSON text.
+A reader's stream is cut, at any state, into three parts that never overlap: the frontier (:class:`Pulled`), a split
+in progress (:class:`Split`) and the packer's carry (a table of ``state.REF`` references). Each stateful node hands
+its part out through one ``undelivered`` method over its own saved state; :mod:`streampack.plan.elastic` composes them
+into :class:`Undelivered` and never reads a node's private keys or a column by position.
 """
 
 from __future__ import annotations
