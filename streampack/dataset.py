@@ -182,8 +182,7 @@ class PackedDataset(IterableDataset):
         reader's batches (O(samples of the data set) per reader), which only ``equal_batches="count"`` asks for."""
         c = self.config
         if (self._agreement is not None or c.epochs is None or self.dp_size == 1 or self.sources.shards is None
-                or self.sources.mixture or self.sources.packed is not None or c.topology.equal_batches != "plan"
-                or counting_for(c, Placement(dp_size=self.dp_size)) is None):
+                or c.topology.equal_batches != "plan" or counting_for(c, Placement(dp_size=self.dp_size)) is None):
             return
         where = ("explicit TopologyOptions(dp_rank=, dp_size=)" if explicit else "RANK/WORLD_SIZE from the launcher")
         raise ValueError(
@@ -324,10 +323,8 @@ class PackedDataset(IterableDataset):
     def _given_manifest(self) -> Manifest | None:
         """The ``read.manifest`` of a finite single-source stream, read once in the main process (workers get
         it with the dataset: 1 read per rank instead of 1 + W; a damaged one is refused before they start)."""
-        shards = self.sources.shards
-        if (self.config.epochs is None or self.config.read.manifest is None or shards is None or self.sources.mixture
-                or self.sources.packed is not None):
-            return None
+        if self.config.epochs is None or self.config.read.manifest is None or self.sources.shards is None:
+            return None  # sources_of: shards are None for a mixture or offline packs
         return manifest_of(self.config, self.sources)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -87,8 +87,9 @@ class _Piece:
 
 
 class _PieceCut:
-    """``cut_two_level`` over the pieces' costs, one reader at a time, opening only the pieces a boundary
-    falls in (their per-sample costs scaled in integers, so every reader computes the same points)."""
+    """:class:`~streampack.plan.sharding.PrefixCut`'s cut over the pieces' costs, one reader at a time, opening only
+    the pieces a boundary falls in (their per-sample costs scaled in integers, so every reader computes the same
+    points)."""
 
     def __init__(self, costs: list[int], local: Any) -> None:
         self.costs = np.asarray(costs, dtype=np.int64)
