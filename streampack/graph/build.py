@@ -75,18 +75,6 @@ def replayable(stages: Sequence[Any]) -> bool:
     return all(not isinstance(s, (NodeStage, type)) for s in stages)
 
 
-def media_stages(config: StreamConfig, stages: Sequence[Any], policy: ErrorPolicy) -> list[Any]:
-    """``stages`` behind the image length stage when the stream has images. Carried image
-    samples must be re-read from their origin (a state never holds image bytes), so every
-    stage must be a replayable function."""
-    if config.media is None:
-        return list(stages)
-    if not replayable(stages):
-        raise ValueError("media= needs function stages only: a node stage makes resume states store samples, "
-                         "and a state never stores image bytes")
-    return [ExpandImages(config.media, error_policy=policy), *stages]
-
-
 def build_samples(config: StreamConfig, sources: Sources, place: Placement, *,
                   tokenizer: Any = None, stages: Sequence[Any] = (), policy: ErrorPolicy | None = None,
                   around: Mapping[str, Wrap] | None = None, epoch: int | None = None,
@@ -165,7 +153,12 @@ class _Builder:
         self.config, self.sources, self.place = config, sources, place
         self.tokenizer, self.around, self.errors, self.share = tokenizer, around, errors, share
         self.policy = config.read.error_policy(errors)  # every node of this reader's graph takes it
-        self.stages = media_stages(config, stages, self.policy)
+        self.stages = list(stages)
+        if config.media is not None:  # images first; carried image samples are re-read, never stored as bytes
+            if not replayable(stages):
+                raise ValueError("media= needs function stages only: a node stage makes resume states store samples, "
+                                 "and a state never stores image bytes")
+            self.stages = [ExpandImages(config.media, error_policy=self.policy), *stages]
         self.io_stats, self.agreement = io_stats, agreement
         self.wrap = _wrapper(around)
         self._planner: EpochPlanner | None = None

@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # media stays an optional part: imported where a sample has i
     from streampack.media.options import MediaOptions
     from streampack.media.stage import MediaSpans
 
+
 class Rechunk(Protocol):
     """What the node re-reads a split sample with (a :class:`~streampack.plan.replay.Replayer`)."""
 

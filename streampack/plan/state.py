@@ -109,26 +109,13 @@ def require_fields(record: Mapping[str, Any], names: Iterable[str], what: str) -
                          f"version (state version={STATE_VERSION})?")
 
 
-def refs_to_state(refs: np.ndarray) -> dict[str, torch.Tensor]:
-    """A :data:`REF` array as plain data: ``{column: int64 tensor}``."""
-    return {name: torch.from_numpy(np.ascontiguousarray(refs[name])) for name in REF_COLUMNS}
-
-
-def refs_from_state(columns: Mapping[str, Any]) -> np.ndarray:
-    """Inverse of :func:`refs_to_state` (``ValueError`` naming a missing column)."""
-    require_fields(columns, REF_COLUMNS, "a reference table")
-    out = np.zeros(len(columns["length"]), dtype=REF)
-    for name in REF_COLUMNS:
-        out[name] = np.asarray(columns[name], dtype=np.int64)
-    return out
-
-
 def make_table(is_ref: np.ndarray, refs: np.ndarray, stored: Sequence[Sample]) -> dict[str, Any]:
     """The one layout of a table: which rows are references (bool ``[n]``), the references (an array of
     :data:`REF`, in order) and the tokens of the other rows (:func:`samples_to_state`, in order)."""
     # a copy: torch.from_numpy of an empty array may share its (null) storage with the empty refs columns,
     # which torch.save refuses as one storage seen as two types
-    return {"is_ref": torch.tensor(np.asarray(is_ref, dtype=bool), dtype=torch.bool), "refs": refs_to_state(refs),
+    return {"is_ref": torch.tensor(np.asarray(is_ref, dtype=bool), dtype=torch.bool),
+            "refs": {name: torch.from_numpy(np.ascontiguousarray(refs[name])) for name in REF_COLUMNS},
             "stored": samples_to_state(stored)}
 
 
@@ -139,8 +126,13 @@ def samples_to_table(samples: Sequence[Sample]) -> dict[str, Any]:
 
 
 def table_refs(table: Mapping[str, Any]) -> np.ndarray:
-    """The references of a table, as a :data:`REF` array."""
-    return refs_from_state(table["refs"])
+    """The references of a table, as a :data:`REF` array (``ValueError`` naming a missing column)."""
+    columns = table["refs"]
+    require_fields(columns, REF_COLUMNS, "a reference table")
+    out = np.zeros(len(columns["length"]), dtype=REF)
+    for name in REF_COLUMNS:
+        out[name] = np.asarray(columns[name], dtype=np.int64)
+    return out
 
 
 def table_size(table: Mapping[str, Any]) -> int:
