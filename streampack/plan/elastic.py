@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from streampack.graph.build import make_planner, replayable
+from streampack.io import shard_identity
 from streampack.io.index import load_or_build_index
 from streampack.io.storage import ShardStat
 from streampack.nodes.epochs import EpochLoop
@@ -34,7 +35,6 @@ from streampack.plan.state import (
     GRAPH_KEY,
     PASSES_KEY,
     WORKER_KEY,
-    check_identities,
     check_node_versions,
     dataset_record,
     nested,
@@ -125,8 +125,10 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
             reader = find_state(s[GRAPH_KEY], READER_KIND)
             check_manifest(ShardReader.undelivered(reader).manifest if reader else None, old.planner.shards,
                            options.open_options(), recorded=identities, states="the states were")
-        check_identities(identities, lambda shard: old.planner.shards.recorded(shard, mode),
-                         lambda shard: _url(sources, shard), mode)
+        for shard, ident in identities.items():
+            shard_identity.check(_url(sources, shard), ident, old.planner.shards.recorded(shard, mode), mode,
+                                 since="the states were saved", prefix="cannot resume: ",
+                                 consequence="; their positions point into the old contents")
     frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]
     last = max(f.epoch for f in frontiers)
     out = [old.left(g, f, last) for g, f in enumerate(frontiers)]

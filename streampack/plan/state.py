@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from streampack.io import shard_identity
 from streampack.sample import Sample
 
 STATE_VERSION = 5
@@ -290,12 +289,3 @@ def nested(tree: Any) -> Iterator[Mapping[str, Any]]:
         return
     for child in children:
         yield from nested(child)
-
-
-def check_identities(saved: Mapping[int, Any], now: Callable[[int], Any], name: Callable[[int], str],
-                     mode: str = "tag") -> None:
-    """``ValueError`` naming each shard whose identity ``now(shard)`` (an ``io.storage.ShardStat``)
-    is not the saved one, compared as ``mode`` (``OpenOptions.identity``) says."""
-    for shard, ident in saved.items():
-        shard_identity.check(name(shard), ident, now(shard), mode, since="the states were saved",
-                             prefix="cannot resume: ", consequence="; their positions point into the old contents")
