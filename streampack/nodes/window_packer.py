@@ -364,7 +364,7 @@ class WindowPacker(BaseNode[PackRows]):
             i = int(aligned.argmax())
             one = window[i:i + 1]
             (pack,) = make_packs(one, [1], self.store.subset(one), align=self.align)
-            raise ValueError(f"sample {pack.doc_keys()[0]!r} has {int(window['length'][i])} tokens "
+            raise ValueError(f"sample {pack.keys[0]!r} has {int(window['length'][i])} tokens "
                              f"({int(aligned[i])} aligned), more than capacity={self.capacity}; "
                              f"apply an overlong policy before packing")
         emit, keep, forced = choose(rules, pack_round(rules, aligned, round_), aligned, entered, round_, ended)

@@ -177,9 +177,6 @@ class PackRows:
     def __iter__(self) -> Iterator[Sample]:
         return iter(self.samples())
 
-    def doc_keys(self) -> list[str]:
-        return self.keys
-
     def samples(self) -> list[Sample]:
         """The pack as Samples (what ``pack_batch`` lays out a batch with a Sample-borne document from)."""
         out = []
