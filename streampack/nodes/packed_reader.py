@@ -101,14 +101,11 @@ class PackedShardReader(BaseNode[list[Sample]]):
     def num_packs(self) -> int:
         return len(self._locations)
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """Every pack of ``epoch`` (indices into the locations), in reading order."""
-        n = self.num_packs
-        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-
     def dealt(self, epoch: int, global_worker: int) -> np.ndarray:
-        """The packs global worker ``global_worker`` reads in ``epoch`` (see the module docstring)."""
-        return deal(self.epoch_order(epoch), self.packs_per_batch, self.dp_size, self.num_workers, global_worker)
+        """The packs (indices into the locations) global worker ``global_worker`` reads in ``epoch``, in order."""
+        n = self.num_packs
+        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return deal(order, self.packs_per_batch, self.dp_size, self.num_workers, global_worker)
 
     def quotas(self, epoch: int) -> list[int]:
         """Batches each global worker yields in ``epoch`` so every rank yields the same count."""

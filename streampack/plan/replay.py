@@ -42,7 +42,7 @@ from streampack.io.token_block import TokenBlock
 from streampack.io.urls import ShardList, shard_format
 from streampack.nodes.overlong import apply_overlong, expand
 from streampack.nodes.tokenize import TextEncoder
-from streampack.plan.cursor import Position
+from streampack.plan.cursor import POSITION_FIELDS, Position
 from streampack.plan.rows import BlockStore, block_rows, put, rows_of, sample_rows, take
 from streampack.plan.state import REF, REF_COLUMNS
 from streampack.sample import Sample, SampleOrigin
@@ -161,17 +161,12 @@ class Replayer:
         if not self.blocks:
             return sample_rows(self._sample_chunks(at), store)
         one = np.zeros(1, dtype=REF)
-        one["source"], one["shard"], one["offset"], one["number"], one["epoch"] = (at.source, at.shard, at.offset,
-                                                                                  at.number, at.epoch)
-        one["chunk"] = -1
-        found = self._read_all(one, keep=False)  # a split sample's chunks, at a restore: no group kept for it
-        return self._cut(found[(at.source, at.shard, at.offset)], at.epoch, store)
-
-    def _cut(self, doc: tuple[TokenBlock, int, int, int], epoch: int, store: BlockStore) -> np.ndarray:
-        block, i, source, shard = doc
-        rows = block_rows(block, slice(i, i + 1), store, source=source, shard=shard, epoch=epoch)
-        rows, _ = expand(rows, self.spec.max_len, self.spec.policy)
-        return rows
+        for name in POSITION_FIELDS:
+            one[name] = getattr(at, name)
+        # a split sample's chunks, at a restore: no row group kept for it
+        block, i, source, shard = self._read_all(one, keep=False)[(at.source, at.shard, at.offset)]
+        rows = block_rows(block, slice(i, i + 1), store, source=source, shard=shard, epoch=at.epoch)
+        return expand(rows, self.spec.max_len, self.spec.policy)[0]
 
     def _read_all(self, refs: np.ndarray,
                   keep: bool = True) -> dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]]:
