@@ -54,10 +54,6 @@ class IndexRange:
     shard: int
     lo: int
     hi: int
-    epoch: int | None = None
-
-    def __len__(self) -> int:
-        return self.hi - self.lo
 
 
 def epoch_permutation(num_shards: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
