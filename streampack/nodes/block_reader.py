@@ -1,12 +1,11 @@
 """BlockReader: the graph's reader, which hands out runs of documents read as token blocks.
 
-The overlong node takes pre-tokenized documents as runs: :meth:`BlockReader.run` returns the documents from the position
-to the end of their block (a :class:`DocRun`: a :class:`~streampack.io.token_block.TokenBlock` and a row range, nothing
-per document), and :meth:`BlockReader.consume` moves past the first ``k`` exactly as ``k`` calls of
-:meth:`ShardReader.next` would, so its state is a ShardReader state. Other consumers call ``next()``. Where no block
-reader applies (:mod:`streampack.io.blocks`), or a span's blocks stop part way, the span is read per sample from where
-its reading began, skipping what was handed out, so the stream, errors included, is the per-sample reader's (the samples
-before a bad one are parsed twice).
+:meth:`BlockReader.run` returns the documents from the position to the end of their block (a :class:`DocRun`: a
+:class:`~streampack.io.token_block.TokenBlock` and a row range, nothing per document), and :meth:`BlockReader.consume`
+moves past the first ``k`` exactly as ``k`` calls of :meth:`ShardReader.next` would, so its state is a ShardReader
+state. Where no block reader applies (:mod:`streampack.io.blocks`), or a span's blocks stop part way, the span is read
+per sample from where its reading began, skipping what was handed out, so the stream, errors included, is the
+per-sample reader's (the samples before a bad one are parsed twice).
 """
 
 from __future__ import annotations

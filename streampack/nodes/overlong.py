@@ -122,15 +122,6 @@ def cut_lengths(n: int, max_len: int, policy: str, start: np.ndarray, stop: np.n
     return np.zeros(0, dtype=np.int64) if bounds is None else np.diff(np.asarray(bounds, dtype=np.int64))
 
 
-def _drop(sample: Sample, counters: OverlongCounters, max_len: int) -> list[Sample]:
-    counters.samples_dropped += 1
-    counters.tokens_dropped += len(sample)
-    counters.media_overlong += 1
-    warn_every(_log, "media_overlong", "dropped sample %r: one of its images or videos alone has more tokens "
-               "than the capacity %d (counted in overlong counters' media_overlong)", sample.doc_key, max_len)
-    return []
-
-
 def apply_overlong(sample: Sample, max_len: int, policy: str,
                    counters: OverlongCounters | None = None, *, media: MediaOptions | None = None) -> list[Sample]:
     """Return the documents that ``sample`` becomes under ``policy`` (``[sample]`` when it fits).
@@ -152,19 +143,22 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
     counters = counters if counters is not None else OverlongCounters()
     if policy == "error":
         raise _too_long(sample.doc_key, n, max_len)
-    if policy == "drop":
-        counters.samples_dropped += 1
-        counters.tokens_dropped += n
-        return []
     spans = None
-    if media is not None and sample.images:
+    if media is not None and sample.images and policy != "drop":
         from streampack.media.stage import media_spans
 
         spans = media_spans(sample, media)
     start, stop = (spans.start, spans.stop) if spans is not None else (np.zeros(0, np.int64),) * 2
     bounds = [0, *np.cumsum(cut_lengths(n, max_len, policy, start, stop)).tolist()]
-    if len(bounds) == 1:  # an image or video alone is longer than the capacity
-        return _drop(sample, counters, max_len)
+    if len(bounds) == 1:  # dropped: by the policy, or an image or video alone is longer than the capacity
+        counters.samples_dropped += 1
+        counters.tokens_dropped += n
+        if policy != "drop":
+            counters.media_overlong += 1
+            warn_every(_log, "media_overlong", "dropped sample %r: one of its images or videos alone has more "
+                       "tokens than the capacity %d (counted in overlong counters' media_overlong)", sample.doc_key,
+                       max_len)
+        return []
     if policy == "truncate":
         counters.samples_truncated += 1
         counters.tokens_truncated += n - bounds[1]

@@ -1,16 +1,12 @@
 """ShardReader: the source node. Sharded tar / jsonl / parquet files -> a deterministic stream of Samples.
 
 Order: epoch by epoch, this worker's spans (``sharding.assign_shards``, or the explicit ``work`` a finite plan or an
-elastic share hands over), samples in file order. Every sample carries its :class:`~streampack.sample.SampleOrigin`,
-which resume states store instead of tokens. The position is ``(epoch, shard_pos, offset, sample)``, the byte offset and
-number of the next sample, so a restore opens the shard at ``offset`` (a ``seek``, or a ``Range`` request) without
-reading the bytes before it (``.jsonl.gz`` excepted). The state also holds the settings (``config``, compared on
-restore), explicit spans (``work``) or a planned epoch's ends (``work_ends``), and the identities of the
-``RECENT_SHARDS`` shards read last.
-
-A shard that changed since the save is refused by every reader (:class:`~streampack.io.shard_identity.ShardChanged`,
-never skipped): a planned reader compares the fingerprint of the manifest its plan was cut from with the state's and
-checks each shard it opens against that manifest. Cost per reader: no request of its own; one compare at restore (the
+elastic share hands over), samples in file order, each carrying its :class:`~streampack.sample.SampleOrigin`. The
+position is the byte offset and number of the next sample, so a restore opens the shard there (a ``seek``, or a
+``Range`` request) without reading the bytes before it (``.jsonl.gz`` excepted). A shard that changed since the save
+is refused (:class:`~streampack.io.shard_identity.ShardChanged`, never skipped): against the identities of the
+``RECENT_SHARDS`` shards the state recorded, and, for a planned reader, against the manifest its plan was cut from
+(whose fingerprint the state records too). Cost per reader: no request of its own; one compare at restore (the
 fingerprint is O(N) once per process: 0.46 µs × N, ``benchmarks/bench_resume_check.py``) and the stat / HEAD it makes
 anyway per shard it opens.
 """

@@ -162,7 +162,7 @@ class _ShareFinite:
         out = [_Piece(carry=carry, cost=int(lengths.sum()) if self.tokens else len(lengths))]
         for s in spans:
             total = int(self.manifest.costs(tokens=self.tokens)[s.shard])
-            if not _whole(s):
+            if (s.start, s.first, s.end) != (0, 0, None):  # a part of a shard: its share of the bytes
                 width = int(self.manifest.byte_costs[s.shard])
                 end = width if s.end is None else s.end
                 total = total * min(max(end - s.start, 0), width) // max(width, 1)
@@ -232,10 +232,6 @@ class _ShareFinite:
                   place.global_workers, self.left.epoch, (sum(counts.values()) + settled.fillers) // place.dp_size,
                   settled.fillers, settled.min_fillers)
         return settled
-
-
-def _whole(span: Span) -> bool:
-    return span.start == 0 and span.first == 0 and span.end is None
 
 
 @dataclass(slots=True)
