@@ -17,6 +17,7 @@ was made. ``around`` wraps any named stage with torchdata's own nodes, e.g.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,12 +128,11 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, tok
         raise ValueError("balance='cost' orders the packs of the streaming packer; a `streampack pack` "
                          "directory holds packs made offline: read raw shards to balance them")
     errors, io_stats = ErrorCounter(), IOStats()
-    nodes: dict[str, Any] = {}
     build = _Builder(config, sources, place, tokenizer, stages, around, errors, share, io_stats, agreement)
     if config.epochs is None or (sources.mixture and sources.packed is None):
-        root, named = build.chain(None)
-        nodes.update(named)
+        root, nodes = build.chain(None)
         return Graph(root=root, nodes=nodes, errors=errors, io_stats=io_stats)
+    nodes = {}  # the live epoch's, kept up to date by the loop
     last, first = _epochs(config, place)
     assert last is not None
     if share is not None:
@@ -163,7 +163,6 @@ class _Builder:
         self.wrap = _wrapper(around)
         self._planner: EpochPlanner | None = None
         self._last: tuple[WindowPacker, ThdCollate] | None = None  # the previous epoch's, for balance
-        self._seed: tuple[np.ndarray | None] | None = None  # the balance's starting histogram, once computed
         self.counting = counting_for(config, place) if config.epochs is not None else None
         # one reader that counts nothing reads every shard whole in the epoch's order: no plan,
         # no manifest (building it would read every shard once more before the first batch:
@@ -272,10 +271,9 @@ class _Builder:
                          first_batch=first, levels=levels)
 
     def _seed_once(self) -> np.ndarray | None:
-        if self._seed is None:  # one seed per reader: every epoch's and every rebuilt chain's start
-            self._seed = (self._seed_levels(),)
-        return None if self._seed[0] is None else self._seed[0].copy()
+        return None if self._seed_levels is None else self._seed_levels.copy()
 
+    @functools.cached_property  # one seed per reader: every epoch's and every rebuilt chain's start
     def _seed_levels(self) -> np.ndarray | None:
         """The cost histogram every reader of every rank starts from (``plan.cost_seed``): the
         packs of one length sample of the data set's indexes, chosen by the stream seed. None

@@ -49,7 +49,6 @@ class Agreement:
     host: str = ""
     """Host of the TCPStore server (the job's rendezvous store)."""
     port: int = 0
-    """Its port."""
     path: str = ""
     """The FileStore's file."""
     local: str = ""

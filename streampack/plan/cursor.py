@@ -92,7 +92,7 @@ class Split:
     next: int
     """The first chunk not emitted."""
     count: int
-    """Its chunks."""
+    """How many chunks it was cut into."""
     tokens: int
     """Its tokens (checked when it is re-read)."""
     lengths: tuple[int, ...] | None = None
