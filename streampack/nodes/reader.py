@@ -71,10 +71,6 @@ read before it, where the packer's carried samples come from (~70 bytes each).""
 Work = dict[int, list[Span]]
 
 
-def work_to_state(work: Work) -> dict[int, Any]:
-    return {e: spans_to_state(spans) for e, spans in work.items()}
-
-
 def work_from_state(saved: dict[Any, Any]) -> Work:
     return {int(e): spans_from_state(columns) for e, columns in saved.items()}
 
@@ -145,7 +141,8 @@ class ShardReader(BaseNode[Sample]):
         })
         self.work: Work = dict(work or {})
         self.keep_work, self.source = keep_work, source
-        self._work_tensors = work_to_state(self.work) if keep_work else {}  # built once: get_state runs per batch
+        # built once: get_state runs per batch
+        self._work_tensors = {e: spans_to_state(spans) for e, spans in self.work.items()} if keep_work else {}
         self._ends = {} if keep_work else ends_to_state(self.work)
         self._spans_cache: tuple[int, list[ShardSpan | Span]] | None = None
         self._streams: list[BinaryIO] = []

@@ -174,10 +174,6 @@ class EpochPlanner:
         self._plan: ReaderPlan | None = None
         self._plan_of: tuple[int, int] | None = None
 
-    @property
-    def global_workers(self) -> int:
-        return self.dp_size * self.num_workers
-
     def samples(self, shard: int) -> ShardSamples:
         if shard not in self._samples:
             self._samples[shard] = ShardSamples.of(self._load(shard))
@@ -255,7 +251,7 @@ class EpochPlanner:
             got = self.agree(key, rank, worker, self.num_workers, mine)
             quotas = rank_quotas(list(got.workers), int(got.target))
             return Settled(quota=quotas[worker], batches=mine, rank_fillers=int(got.target) - sum(got.workers))
-        counts = [mine if h == g else count(h) for h in range(self.global_workers)]
+        counts = [mine if h == g else count(h) for h in range(self.dp_size * self.num_workers)]
         quotas, fillers, least = equalize(counts, self.dp_size)
         group = slice(rank * self.num_workers, (rank + 1) * self.num_workers)
         return Settled(quota=quotas[g], batches=mine, rank_fillers=sum(quotas[group]) - sum(counts[group]),
