@@ -182,8 +182,7 @@ class PackedDataset(IterableDataset):
         reader's batches (O(samples of the data set) per reader), which only ``equal_batches="count"`` asks for."""
         c = self.config
         if (self._agreement is not None or c.epochs is None or self.dp_size == 1 or self.sources.shards is None
-                or self.sources.mixture or self.sources.packed is not None or c.topology.equal_batches != "plan"
-                or counting_for(c, Placement(dp_size=self.dp_size)) is None):
+                or c.topology.equal_batches != "plan" or counting_for(c, Placement(dp_size=self.dp_size)) is None):
             return
         where = ("explicit TopologyOptions(dp_rank=, dp_size=)" if explicit else "RANK/WORLD_SIZE from the launcher")
         raise ValueError(
@@ -252,6 +251,8 @@ class PackedDataset(IterableDataset):
         if here.num_workers > 0 and multiprocessing.parent_process() is not None:  # a worker process
             die_with_parent()  # first: a worker must not outlive a killed training process
             transfer.settle_worker()
+        if self._manifest is not None:  # read by the main process; another dataset may have been read since
+            hold_manifest(self.config, self.sources, self._manifest)
         pending, self._pending = self._pending, None
         if pending is not None and not self._tracker.claim(here.id, self._pending_generation):
             pending = None  # used by this reader in an earlier iteration: a fresh pass now
@@ -283,8 +284,6 @@ class PackedDataset(IterableDataset):
         return self._run(self._generation, self._graph, pin=self.config.packing.pin_memory and here.num_workers == 0)
 
     def _build(self, place: Placement, share: Share | None = None, validate: bool = False) -> Graph:
-        if self._manifest is not None:  # another dataset of this process may have been read since
-            hold_manifest(self.config, self.sources, self._manifest)
         return build_graph(self.config, self.sources, place, tokenizer=self.tokenizer,
                            stages=self.stages, share=share, validate=validate, agreement=self._agreement)
 
@@ -324,20 +323,13 @@ class PackedDataset(IterableDataset):
     def _given_manifest(self) -> Manifest | None:
         """The ``read.manifest`` of a finite single-source stream, read once in the main process (workers get
         it with the dataset: 1 read per rank instead of 1 + W; a damaged one is refused before they start)."""
-        shards = self.sources.shards
-        if (self.config.epochs is None or self.config.read.manifest is None or shards is None or self.sources.mixture
-                or self.sources.packed is not None):
-            return None
+        if self.config.epochs is None or self.config.read.manifest is None or self.sources.shards is None:
+            return None  # sources_of: shards are None for a mixture or offline packs
         return manifest_of(self.config, self.sources)
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get a copy without the live graph (it is rebuilt in __iter__)
         return {**self.__dict__, "_graph": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        if self._manifest is not None:  # a spawned worker: the manifest the main process read
-            hold_manifest(self.config, self.sources, self._manifest)
 
 
 def _agreement(dp_group: Any, dp_rank: int, dp_size: int, timeout_s: float | None,

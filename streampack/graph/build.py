@@ -6,19 +6,18 @@
     (one per source: token blocks straight to OverlongNode when nothing sits between)
     PackedShardReader (``streampack pack`` output) ────────────────────────────────────────────────────> ThdCollate
 
-A finite stream (``epochs=N``) runs that chain once per epoch under an
-:class:`~streampack.nodes.epochs.EpochLoop`, each epoch read as :class:`~streampack.plan.epoch_plan.EpochPlanner`
-planned it over the data set's manifest (:func:`manifest_of`; one reader that counts nothing needs neither); an
-infinite stream is one chain. Building a graph costs no request but the manifest's (1 read per process) and its
-planner's. The builder hands each node its stage's record from :class:`StreamConfig`, each checked once where it was
-made (the packer's rules from ``StreamConfig.packer_rules``, one ``ErrorPolicy`` per graph), so nothing is checked
-twice. ``around`` wraps any named stage with torchdata's own nodes, e.g.
+A finite stream (``epochs=N``) runs that chain once per epoch under an :class:`~streampack.nodes.epochs.EpochLoop`,
+each epoch read as :class:`~streampack.plan.epoch_plan.EpochPlanner` planned it over the data set's manifest
+(:func:`manifest_of`); an infinite stream is one chain. Building a graph costs no request but the manifest's (1 read
+per process) and its planner's. Each node takes its stage's record from :class:`StreamConfig`, checked once where it
+was made. ``around`` wraps any named stage with torchdata's own nodes, e.g.
 ``around={"tokenize": lambda n: Prefetcher(n, 16)}``; the wrapped node's state nests like any other.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,18 +76,6 @@ def replayable(stages: Sequence[Any]) -> bool:
     return all(not isinstance(s, (NodeStage, type)) for s in stages)
 
 
-def media_stages(config: StreamConfig, stages: Sequence[Any], policy: ErrorPolicy) -> list[Any]:
-    """``stages`` behind the image length stage when the stream has images. Carried image
-    samples must be re-read from their origin (a state never holds image bytes), so every
-    stage must be a replayable function."""
-    if config.media is None:
-        return list(stages)
-    if not replayable(stages):
-        raise ValueError("media= needs function stages only: a node stage makes resume states store samples, "
-                         "and a state never stores image bytes")
-    return [ExpandImages(config.media, error_policy=policy), *stages]
-
-
 def build_samples(config: StreamConfig, sources: Sources, place: Placement, *,
                   tokenizer: Any = None, stages: Sequence[Any] = (), policy: ErrorPolicy | None = None,
                   around: Mapping[str, Wrap] | None = None, epoch: int | None = None,
@@ -141,12 +128,11 @@ def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, tok
         raise ValueError("balance='cost' orders the packs of the streaming packer; a `streampack pack` "
                          "directory holds packs made offline: read raw shards to balance them")
     errors, io_stats = ErrorCounter(), IOStats()
-    nodes: dict[str, Any] = {}
     build = _Builder(config, sources, place, tokenizer, stages, around, errors, share, io_stats, agreement)
     if config.epochs is None or (sources.mixture and sources.packed is None):
-        root, named = build.chain(None)
-        nodes.update(named)
+        root, nodes = build.chain(None)
         return Graph(root=root, nodes=nodes, errors=errors, io_stats=io_stats)
+    nodes = {}  # the live epoch's, kept up to date by the loop
     last, first = _epochs(config, place)
     assert last is not None
     if share is not None:
@@ -167,12 +153,16 @@ class _Builder:
         self.config, self.sources, self.place = config, sources, place
         self.tokenizer, self.around, self.errors, self.share = tokenizer, around, errors, share
         self.policy = config.read.error_policy(errors)  # every node of this reader's graph takes it
-        self.stages = media_stages(config, stages, self.policy)
+        self.stages = list(stages)
+        if config.media is not None:  # images first; carried image samples are re-read, never stored as bytes
+            if not replayable(stages):
+                raise ValueError("media= needs function stages only: a node stage makes resume states store samples, "
+                                 "and a state never stores image bytes")
+            self.stages = [ExpandImages(config.media, error_policy=self.policy), *stages]
         self.io_stats, self.agreement = io_stats, agreement
         self.wrap = _wrapper(around)
         self._planner: EpochPlanner | None = None
         self._last: tuple[WindowPacker, ThdCollate] | None = None  # the previous epoch's, for balance
-        self._seed: tuple[np.ndarray | None] | None = None  # the balance's starting histogram, once computed
         self.counting = counting_for(config, place) if config.epochs is not None else None
         # one reader that counts nothing reads every shard whole in the epoch's order: no plan,
         # no manifest (building it would read every shard once more before the first batch:
@@ -220,7 +210,7 @@ class _Builder:
             work=None if share is None else {share.epoch: share.packs})
         quota = None
         if epoch is not None:
-            quota = share.quota if share is not None else self._fixed_quota()
+            quota = share.quota if share is not None else _worker_quota(config, place)
             if quota is None and place.dp_size > 1:
                 quota = reader.quotas(epoch)[place.global_worker]
         return self.wrap("reader", reader), {"reader": reader, "errors": self.errors, "io": self.io_stats}, quota
@@ -235,13 +225,14 @@ class _Builder:
             if isinstance(quota, LateQuota):
                 quota.report_to(info)
         elif epoch is not None and not self.sources.mixture and planned:
-            quota = self._fixed_quota()
+            quota = _worker_quota(config, place)
             if self.needs_plan:
                 plan = self.planner.plan(epoch, place.global_worker, info=info if quota is None else None)
                 work = plan.spans
                 quota = quota if quota is not None else plan.quota
-        elif self.sources.mixture and config.epochs is not None:
-            quota = _mixture_quota(config, place)
+        elif self.sources.mixture and config.epochs is not None:  # one chain for the pass: its epochs' batches
+            quota = _worker_quota(config, place)
+            quota = None if quota is None else quota * config.epochs
         node, nodes = build_samples(config, self.sources, place, tokenizer=self.tokenizer,
                                     stages=self.stages, policy=self.policy, around=self.around,
                                     epoch=share.epoch if share is not None and epoch is None else epoch,
@@ -280,13 +271,12 @@ class _Builder:
                          first_batch=first, levels=levels)
 
     def _seed_once(self) -> np.ndarray | None:
-        if self._seed is None:  # one seed per reader: every epoch's and every rebuilt chain's start
-            self._seed = (seed_levels(self.config, self.sources, self.place, planner=lambda: self.planner,
-                                      io_stats=self.io_stats),)
-        return None if self._seed[0] is None else self._seed[0].copy()
+        return None if self._seed_levels is None else self._seed_levels.copy()
 
-    def _fixed_quota(self) -> int | None:
-        return _worker_quota(self.config, self.place)
+    @functools.cached_property  # one seed per reader: every epoch's and every rebuilt chain's start
+    def _seed_levels(self) -> np.ndarray | None:
+        return seed_levels(self.config, self.sources, self.place, planner=lambda: self.planner,
+                           io_stats=self.io_stats)
 
     def _replay_spec(self, nodes: Mapping[str, Any]) -> ReplaySpec:
         config, options = self.config, self.config.read
@@ -410,12 +400,6 @@ def _worker_quota(config: StreamConfig, place: Placement) -> int | None:
     if per_rank % place.num_workers:
         raise ValueError(f"batches_per_epoch={per_rank} must be a multiple of num_workers={place.num_workers}")
     return per_rank // place.num_workers
-
-
-def _mixture_quota(config: StreamConfig, place: Placement) -> int | None:
-    """A finite mixture's batches per reader per pass when ``batches_per_epoch`` is set."""
-    quota = _worker_quota(config, place)
-    return None if quota is None else quota * config.epochs  # type: ignore[operator]
 
 
 def _wrapper(around: Mapping[str, Wrap] | None) -> Callable[[str, BaseNode[Any]], BaseNode[Any]]:

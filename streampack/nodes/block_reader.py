@@ -1,12 +1,11 @@
 """BlockReader: the graph's reader, which hands out runs of documents read as token blocks.
 
-The overlong node takes pre-tokenized documents as runs: :meth:`BlockReader.run` returns the documents from the position
-to the end of their block (a :class:`DocRun`: a :class:`~streampack.io.token_block.TokenBlock` and a row range, nothing
-per document), and :meth:`BlockReader.consume` moves past the first ``k`` exactly as ``k`` calls of
-:meth:`ShardReader.next` would, so its state is a ShardReader state. Other consumers call ``next()``. Where no block
-reader applies (:mod:`streampack.io.blocks`), or a span's blocks stop part way, the span is read per sample from where
-its reading began, skipping what was handed out, so the stream, errors included, is the per-sample reader's (the samples
-before a bad one are parsed twice).
+:meth:`BlockReader.run` returns the documents from the position to the end of their block (a :class:`DocRun`: a
+:class:`~streampack.io.token_block.TokenBlock` and a row range, nothing per document), and :meth:`BlockReader.consume`
+moves past the first ``k`` exactly as ``k`` calls of :meth:`ShardReader.next` would, so its state is a ShardReader
+state. Where no block reader applies (:mod:`streampack.io.blocks`), or a span's blocks stop part way, the span is read
+per sample from where its reading began, skipping what was handed out, so the stream, errors included, is the
+per-sample reader's (the samples before a bad one are parsed twice).
 """
 
 from __future__ import annotations
@@ -76,13 +75,9 @@ class BlockReader(ShardReader):
     def run(self) -> DocRun | None:
         """The next documents (not yet consumed, unless ``consumed``); None at the end."""
         while True:
-            if self.epochs is not None and self._epoch >= self.epochs:
+            span = self._span()
+            if span is None:
                 return None
-            spans = self.spans(self._epoch)
-            if self._shard_pos >= len(spans):
-                self._next_epoch()
-                continue
-            span = spans[self._shard_pos]
             if self._block is not None and self._pos < len(self._block):
                 return DocRun(block=self._block, lo=self._pos, hi=len(self._block), epoch=self._span_epoch(span),
                               source=self.source, shard=span.shard)
@@ -93,12 +88,8 @@ class BlockReader(ShardReader):
                         self._blocks = self._open_blocks(span)
                     except ShardChanged:
                         raise
-                    except DataError as e:
-                        self._advance(e, next_span=True)
-                        continue
-                    except OSError as e:
-                        self._advance(DataError("corrupt_shard", f"read failed: {e!r}", url=self.urls[span.shard],
-                                                value=self._offset), next_span=True)
+                    except (DataError, OSError) as e:
+                        self._lose_span(e, span)
                         continue
                 if self._blocks is None:
                     self._per_sample = here

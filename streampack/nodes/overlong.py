@@ -1,25 +1,18 @@
-"""Overlong stage: what to do with a document longer than the pack capacity — split,
-truncate, drop or error — as a policy function and the node that applies it before packing.
+"""Overlong stage: what to do with a document longer than the pack capacity — split, truncate, drop or error — as a
+policy function and the node that applies it before packing.
 
-The right default differs by use case (pretraining wants ``split`` so no token is lost; chat
-SFT often wants ``drop`` or ``truncate`` because a split conversation is not a conversation),
-so the policy is explicit and every token it touches is counted; the counters travel in the
-node state so metrics stay exact across a resume.
-
-A sample with images (``media=``: the stream's :class:`~streampack.media.MediaOptions`) is never
-cut through an image's or video's tokens: a cut that would fall inside one moves to its start,
-and each chunk (or the truncated head) carries exactly the images whose tokens it holds, so the
-decode after packing finds every image on its own run. An image or video alone longer than the
-capacity cannot be placed whole in any pack: under ``split`` and ``truncate`` its sample is
-dropped, counted in ``samples_dropped``/``tokens_dropped`` and ``media_overlong`` (``error``
-raises, ``drop`` drops it as any overlong sample).
+The right default differs by use case (pretraining wants ``split`` so no token is lost; chat SFT often wants ``drop``
+or ``truncate`` because a split conversation is not a conversation), so the policy is explicit and every token it
+touches is counted; the counters travel in the node state so metrics stay exact across a resume. A sample with images
+(``media=``) is never cut through an image's or video's tokens, and one whose image alone is over the capacity is
+dropped under ``split`` and ``truncate``, counted in ``media_overlong`` (``docs/multimodal.md``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -37,18 +30,15 @@ from streampack.plan.cursor import (
     Undelivered,
     pulled_from_state,
     pulled_to_state,
-    split_samples,
 )
 from streampack.plan.epoch_plan import chunk_lengths
 from streampack.plan.rows import BlockStore, PackRows, block_rows, cat, repeat, rows_of, sample_rows
-from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state
+from streampack.plan.state import record_of, record_text, samples_from_state, samples_to_state, samples_to_table
 from streampack.sample import Sample
 
 if TYPE_CHECKING:  # media stays an optional part: imported where a sample has images
     from streampack.media.options import MediaOptions
     from streampack.media.stage import MediaSpans
-
-OverlongPolicy = Literal["split", "truncate", "drop", "error"]
 
 
 class Rechunk(Protocol):
@@ -79,9 +69,9 @@ class OverlongCounters:
         return asdict(self)
 
 
-def check_policy(policy: str) -> None:
-    if policy not in OVERLONG_POLICIES:
-        raise ValueError(f"overlong={policy!r} must be one of {OVERLONG_POLICIES}")
+def _too_long(doc_key: str, n: int, max_len: int) -> ValueError:
+    return ValueError(f"sample {doc_key!r} has {n} tokens, more than the capacity {max_len} (overlong='error'; "
+                      f"use 'split', 'truncate' or 'drop')")
 
 
 def _slice(sample: Sample, start: int, stop: int, key: str, chunk: int, spans: MediaSpans | None = None) -> Sample:
@@ -121,7 +111,6 @@ def cut_lengths(n: int, max_len: int, policy: str, start: np.ndarray, stop: np.n
     """int64: the document lengths :func:`apply_overlong` makes, with ``media``, of a sample of
     ``n`` tokens whose images and videos span ``[start, stop)`` (sorted); what an epoch plan
     counts and an elastic resume re-cuts (``error`` counts as ``truncate``, as the plan does)."""
-    check_policy(policy)
     if n <= max_len:
         return np.asarray([n], dtype=np.int64)
     if policy == "drop":
@@ -133,15 +122,6 @@ def cut_lengths(n: int, max_len: int, policy: str, start: np.ndarray, stop: np.n
     return np.zeros(0, dtype=np.int64) if bounds is None else np.diff(np.asarray(bounds, dtype=np.int64))
 
 
-def _drop(sample: Sample, counters: OverlongCounters, max_len: int) -> list[Sample]:
-    counters.samples_dropped += 1
-    counters.tokens_dropped += len(sample)
-    counters.media_overlong += 1
-    warn_every(_log, "media_overlong", "dropped sample %r: one of its images or videos alone has more tokens "
-               "than the capacity %d (counted in overlong counters' media_overlong)", sample.doc_key, max_len)
-    return []
-
-
 def apply_overlong(sample: Sample, max_len: int, policy: str,
                    counters: OverlongCounters | None = None, *, media: MediaOptions | None = None) -> list[Sample]:
     """Return the documents that ``sample`` becomes under ``policy`` (``[sample]`` when it fits).
@@ -149,10 +129,11 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
     ``split`` makes ``ceil(L / max_len)`` chunks with keys ``key/0``, ``key/1``, …; each chunk is
     its own document (its last token's label is ignored, like any document end). With ``media``
     (:class:`~streampack.media.MediaOptions`) and images in ``sample``, no cut falls inside an
-    image's tokens (see the module docstring): chunks may be shorter and more. A sample whose
+    image's tokens: chunks may be shorter and more. A sample whose
     image tokens do not match its images is ``DataError("image_tokens_mismatch")``.
     """
-    check_policy(policy)
+    if policy not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong={policy!r} must be one of {OVERLONG_POLICIES}")
     if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
         # max_len=0 would make range(0, n, 0) raise a bare error, or truncate to nothing
         raise ValueError(f"{max_len=} must be a positive int")
@@ -161,28 +142,27 @@ def apply_overlong(sample: Sample, max_len: int, policy: str,
         return [sample]
     counters = counters if counters is not None else OverlongCounters()
     if policy == "error":
-        raise ValueError(f"sample {sample.doc_key!r} has {n} tokens, more than the capacity "
-                         f"{max_len} (overlong='error'; use 'split', 'truncate' or 'drop')")
-    if policy == "drop":
-        counters.samples_dropped += 1
-        counters.tokens_dropped += n
-        return []
+        raise _too_long(sample.doc_key, n, max_len)
     spans = None
-    if media is not None and sample.images:
+    if media is not None and sample.images and policy != "drop":
         from streampack.media.stage import media_spans
 
         spans = media_spans(sample, media)
     start, stop = (spans.start, spans.stop) if spans is not None else (np.zeros(0, np.int64),) * 2
+    bounds = [0, *np.cumsum(cut_lengths(n, max_len, policy, start, stop)).tolist()]
+    if len(bounds) == 1:  # dropped: by the policy, or an image or video alone is longer than the capacity
+        counters.samples_dropped += 1
+        counters.tokens_dropped += n
+        if policy != "drop":
+            counters.media_overlong += 1
+            warn_every(_log, "media_overlong", "dropped sample %r: one of its images or videos alone has more "
+                       "tokens than the capacity %d (counted in overlong counters' media_overlong)", sample.doc_key,
+                       max_len)
+        return []
     if policy == "truncate":
-        end = _cut(max_len, start, stop)
-        if end == 0:  # the sample opens with an image longer than the capacity
-            return _drop(sample, counters, max_len)
         counters.samples_truncated += 1
-        counters.tokens_truncated += n - end
-        return [_slice(sample, 0, end, sample.key, 0, spans)]
-    bounds = _bounds(n, max_len, start, stop)
-    if bounds is None:
-        return _drop(sample, counters, max_len)
+        counters.tokens_truncated += n - bounds[1]
+        return [_slice(sample, 0, bounds[1], sample.key, 0, spans)]
     chunks = [_slice(sample, s, e, f"{sample.key}/{i}", i, spans) for i, (s, e) in enumerate(zip(bounds, bounds[1:]))]
     counters.samples_split += 1
     counters.tokens_split += n
@@ -222,24 +202,19 @@ def expand(rows: np.ndarray, max_len: int, policy: str) -> tuple[np.ndarray, np.
 
 
 class OverlongNode(BaseNode[Sample]):
-    """Documents of at most ``max_len`` tokens according to ``policy``, as rows
-    (:mod:`streampack.plan.rows`): :meth:`take` hands out the next ``n`` documents.
+    """Documents of at most ``max_len`` tokens according to ``policy``, as rows (:mod:`streampack.plan.rows`):
+    :meth:`take` hands out the next ``n`` (the packer reads those); ``next()`` yields one as a Sample.
 
-    Its source is the reader, or whatever node yields Samples before it (a mixture, the tokenizer,
-    a stage, the image expansion). A :class:`~streampack.nodes.block_reader.BlockReader` that is
-    its direct source hands it runs of documents read as blocks: it pulls exactly the documents
-    that give ``n`` (the chunk counts of a run are a cumulative sum; one ``searchsorted`` says how
-    many to consume), and cuts them as columns. Samples are cut one by one (:func:`apply_overlong`,
-    which keeps images whole) and become rows of one block of them. Either way the reader's
-    position, the chunks left of a split document and the counters are the same.
+    Its source is the reader, or whatever node yields Samples before it. A
+    :class:`~streampack.nodes.block_reader.BlockReader` that is its direct source hands it runs of documents read as
+    blocks: it consumes exactly the documents that give ``n`` (one ``searchsorted`` over the run's cumulative chunk
+    counts) and cuts them as columns (:func:`expand`). Samples are cut one by one (:func:`apply_overlong`, which keeps
+    images whole). Either way the reader's position, the chunks left of a split document and the counters are the same.
 
-    State = upstream state + the sample being split, as a reference (where to re-read it and how
-    many of its chunks were emitted; its tokens only when ``replay`` is None or the sample has no
-    origin) + counters + the origin of the last sample pulled from each source: every sample after
-    it in its reader's order is still unread downstream, which is what an elastic resume needs.
-    ``replay``: a :class:`~streampack.plan.replay.Replayer` (re-reads a split sample's chunks at a
-    restore). ``next()`` yields one document as a Sample (a node wrapped around this one reads
-    that); the packer reads rows with :meth:`take`.
+    State = upstream state + the sample being split, as a reference (its tokens only when ``replay`` is None or the
+    sample has no origin) + counters + the last sample pulled from each source (every sample after it in its reader's
+    order is unread downstream: an elastic resume's frontier). ``replay`` (a
+    :class:`~streampack.plan.replay.Replayer`) re-reads a split sample's chunks at a restore.
     """
 
     SOURCE_KEY = "source"
@@ -336,10 +311,7 @@ class OverlongNode(BaseNode[Sample]):
         last = Pulled(**{name: int(rows[-1][name]) for name in PULLED_FIELDS})
         self._last[last.source] = last
         if bad >= 0:
-            key = run.block.key(run.lo + bad)
-            raise ValueError(f"sample {run.block.url + '#' + key if run.block.url else key!r} has {int(lengths[bad])} "
-                             f"tokens, more than the capacity {self.max_len} (overlong='error'; use 'split', 'truncate' "
-                             f"or 'drop')")
+            raise _too_long(run.block.doc_key(run.lo + bad), int(lengths[bad]), self.max_len)
         if over.any():
             self._count(lengths[:k][over], counts[:k][over])
         out, counts = expand(rows, self.max_len, self.policy)
@@ -418,7 +390,7 @@ class OverlongNode(BaseNode[Sample]):
         pending = state[cls.PENDING_KEY]
         split = Split.from_state(pending)
         if split is None:
-            carry = split_samples(pending)
+            carry = samples_to_table(samples_from_state(pending))
         else:
             lengths = split.lengths if split.lengths is not None else \
                 chunk_lengths(np.asarray([split.tokens]), capacity, policy)
@@ -427,5 +399,4 @@ class OverlongNode(BaseNode[Sample]):
 
 
 assert OVERLONG_POLICIES == ("split", "truncate", "drop", "error")
-__all__ = ["OverlongCounters", "OverlongNode", "apply_overlong", "check_policy", "chunk_counts",
-           "cut_lengths", "expand"]
+__all__ = ["OverlongCounters", "OverlongNode", "apply_overlong", "chunk_counts", "cut_lengths", "expand"]

@@ -10,7 +10,7 @@ Every pack is read exactly once per epoch; :meth:`quotas` equalizes the ranks' c
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -28,7 +28,7 @@ from streampack.nodes.collate import BatchLayout
 from streampack.options.topology import Placement
 from streampack.plan.cursor import PackedPlace
 from streampack.plan.epoch_plan import equalize
-from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_version
+from streampack.plan.state import STATE_VERSION, VERSION_KEY, check_node_config, check_version
 from streampack.sample import Sample
 
 
@@ -101,14 +101,11 @@ class PackedShardReader(BaseNode[list[Sample]]):
     def num_packs(self) -> int:
         return len(self._locations)
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """Every pack of ``epoch`` (indices into the locations), in reading order."""
-        n = self.num_packs
-        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-
     def dealt(self, epoch: int, global_worker: int) -> np.ndarray:
-        """The packs global worker ``global_worker`` reads in ``epoch`` (see the module docstring)."""
-        return deal(self.epoch_order(epoch), self.packs_per_batch, self.dp_size, self.num_workers, global_worker)
+        """The packs (indices into the locations) global worker ``global_worker`` reads in ``epoch``, in order."""
+        n = self.num_packs
+        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return deal(order, self.packs_per_batch, self.dp_size, self.num_workers, global_worker)
 
     def quotas(self, epoch: int) -> list[int]:
         """Batches each global worker yields in ``epoch`` so every rank yields the same count."""
@@ -122,11 +119,8 @@ class PackedShardReader(BaseNode[list[Sample]]):
             self._epoch, self._position = self.start_epoch, 0
             return
         check_version(initial_state, what="PackedShardReader state")
-        saved = initial_state[self.FINGERPRINT_KEY]
-        for name, value in self._fingerprint.items():
-            if saved.get(name) != value:
-                raise ValueError(f"cannot restore PackedShardReader state: it was saved with "
-                                 f"{name}={saved.get(name)!r}, this reader has {name}={value!r}")
+        check_node_config(initial_state[self.FINGERPRINT_KEY], self._fingerprint, node="PackedShardReader",
+                          label="reader")
         self.work = {int(e): w.numpy() for e, w in initial_state.get(self.WORK_KEY, {}).items()} or self.work
         self._epoch = int(initial_state[self.EPOCH_KEY])
         self._position = int(initial_state[self.POSITION_KEY])
@@ -140,31 +134,26 @@ class PackedShardReader(BaseNode[list[Sample]]):
     def get_state(self) -> dict[str, Any]:
         import torch
 
-        nxt = self._peek()
+        nxt = next(self._ahead(), None)
         return {VERSION_KEY: STATE_VERSION, self.KIND_KEY: self.KIND, self.FINGERPRINT_KEY: dict(self._fingerprint),
                 self.EPOCH_KEY: self._epoch, self.POSITION_KEY: self._position,
-                self.NEXT_KEY: None if nxt is None else list(self._locations[nxt]),
+                self.NEXT_KEY: None if nxt is None else list(self._locations[nxt[2]]),
                 self.WORK_KEY: {e: torch.from_numpy(w) for e, w in self.work.items()}}
 
     def next(self) -> list[Sample]:
-        while True:
-            if self.epochs is not None and self._epoch >= self.epochs:
-                raise StopIteration
-            order = self._epoch_order(self._epoch)
-            if self._position < len(order):
-                self._position += 1
-                return self._read(int(order[self._position - 1]))
-            self._epoch, self._position = self._epoch + 1, 0
+        for epoch, position, index in self._ahead():
+            self._epoch, self._position = epoch, position + 1
+            return self._read(index)
+        self._epoch, self._position = max(self._epoch, self.epochs or 0), 0  # as far as the epochs go
+        raise StopIteration
 
-    def _peek(self) -> int | None:
-        """Global index of the next pack this worker yields, or None at the end."""
+    def _ahead(self) -> Iterator[tuple[int, int, int]]:
+        """``(epoch, position, global pack index)`` of each pack this worker yields from its position on."""
         epoch, position = self._epoch, self._position
         while self.epochs is None or epoch < self.epochs:
             order = self._epoch_order(epoch)
-            if position < len(order):
-                return int(order[position])
+            yield from ((epoch, p, int(order[p])) for p in range(position, len(order)))
             epoch, position = epoch + 1, 0
-        return None
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:

@@ -1,16 +1,12 @@
 """ShardReader: the source node. Sharded tar / jsonl / parquet files -> a deterministic stream of Samples.
 
 Order: epoch by epoch, this worker's spans (``sharding.assign_shards``, or the explicit ``work`` a finite plan or an
-elastic share hands over), samples in file order. Every sample carries its :class:`~streampack.sample.SampleOrigin`,
-which resume states store instead of tokens. The position is ``(epoch, shard_pos, offset, sample)``, the byte offset and
-number of the next sample, so a restore opens the shard at ``offset`` (a ``seek``, or a ``Range`` request) without
-reading the bytes before it (``.jsonl.gz`` excepted). The state also holds the settings (``config``, compared on
-restore), explicit spans (``work``) or a planned epoch's ends (``work_ends``), and the identities of the
-``RECENT_SHARDS`` shards read last.
-
-A shard that changed since the save is refused by every reader (:class:`~streampack.io.shard_identity.ShardChanged`,
-never skipped): a planned reader compares the fingerprint of the manifest its plan was cut from with the state's and
-checks each shard it opens against that manifest. Cost per reader: no request of its own; one compare at restore (the
+elastic share hands over), samples in file order, each carrying its :class:`~streampack.sample.SampleOrigin`. The
+position is the byte offset and number of the next sample, so a restore opens the shard there (a ``seek``, or a
+``Range`` request) without reading the bytes before it (``.jsonl.gz`` excepted). A shard that changed since the save
+is refused (:class:`~streampack.io.shard_identity.ShardChanged`, never skipped): against the identities of the
+``RECENT_SHARDS`` shards the state recorded, and, for a planned reader, against the manifest its plan was cut from
+(whose fingerprint the state records too). Cost per reader: no request of its own; one compare at restore (the
 fingerprint is O(N) once per process: 0.46 µs × N, ``benchmarks/bench_resume_check.py``) and the stat / HEAD it makes
 anyway per shard it opens.
 """
@@ -73,10 +69,6 @@ RECENT_SHARDS = 256
 """Shards whose identity (size, ETag / mtime) a state keeps: the shard being read and the ones
 read before it, where the packer's carried samples come from (~70 bytes each)."""
 Work = dict[int, list[Span]]
-
-
-def work_to_state(work: Work) -> dict[int, Any]:
-    return {e: spans_to_state(spans) for e, spans in work.items()}
 
 
 def work_from_state(saved: dict[Any, Any]) -> Work:
@@ -149,7 +141,8 @@ class ShardReader(BaseNode[Sample]):
         })
         self.work: Work = dict(work or {})
         self.keep_work, self.source = keep_work, source
-        self._work_tensors = work_to_state(self.work) if keep_work else {}  # built once: get_state runs per batch
+        # built once: get_state runs per batch
+        self._work_tensors = {e: spans_to_state(spans) for e, spans in self.work.items()} if keep_work else {}
         self._ends = {} if keep_work else ends_to_state(self.work)
         self._spans_cache: tuple[int, list[ShardSpan | Span]] | None = None
         self._streams: list[BinaryIO] = []
@@ -219,21 +212,20 @@ class ShardReader(BaseNode[Sample]):
     def verify_shard(self, shard: int) -> None:
         """``ValueError`` naming the shard and what changed when ``shard`` is not the one a restored state
         read (or, not recorded there, the one the manifest planned); the replay calls it for every shard."""
-        saved = self._saved_identities.get(shard)
-        if (saved is None and self.manifest is None) or self._open.identity == "off":
-            return
+        if (shard in self._saved_identities or self.manifest is not None) and self._open.identity != "off":
+            self._current(shard)
+
+    def _current(self, shard: int) -> ShardStat:
+        """The identity of ``shard`` now, refused unless it is the one the state and the manifest recorded."""
         now = shard_identity.current(self.urls[shard], self._open, self.io_stats)
-        self._check_same(shard, now)
+        saved = self._saved_identities.get(shard)
+        if saved is not None:
+            shard_identity.check(self.urls[shard], saved, now, self._open.identity, since="the state was saved",
+                                 prefix="cannot resume: ",
+                                 consequence="; the saved positions point into the old contents")
         if self.manifest is not None:
             self.manifest.check_identity(shard, now, self._open.identity)
-
-    def _check_same(self, shard: int, now: ShardStat) -> None:
-        saved = self._saved_identities.get(shard)
-        url = self.urls[shard]
-        if saved is None:
-            return
-        shard_identity.check(url, saved, now, self._open.identity, since="the state was saved",
-                             prefix="cannot resume: ", consequence="; the saved positions point into the old contents")
+        return now
 
     @staticmethod
     def undelivered(state: Mapping[str, Any]) -> Planned:
@@ -263,42 +255,41 @@ class ShardReader(BaseNode[Sample]):
 
     def next(self) -> Sample:
         while True:
-            if self.epochs is not None and self._epoch >= self.epochs:
+            span = self._span()
+            if span is None:
                 raise StopIteration
-            spans = self.spans(self._epoch)
-            if self._shard_pos >= len(spans):
-                self._next_epoch()
-                continue
             try:
                 if self._items is None:
-                    self._items = self._open_span(spans[self._shard_pos])
+                    self._items = self._open_span(span)
                 item = next(self._items, None)
             except ShardChanged:  # a refusal, whatever on_error says: reading on would splice two versions
                 raise
-            except DataError as e:  # missing / unreachable / corrupt: the rest of the span is lost
-                self._advance(e, next_span=True)
-                continue
-            except OSError as e:  # a broken `pipe:` (files and stores retry inside io.open)
-                url = self.urls[spans[self._shard_pos].shard]
-                self._advance(DataError("corrupt_shard", f"read failed: {e!r}", url=url, value=self._offset),
-                              next_span=True)
+            except (DataError, OSError) as e:
+                self._lose_span(e, span)
                 continue
             if item is None:
                 self._next_span()
                 continue
             sample = item.sample
             if sample is not None:
-                span = spans[self._shard_pos]
-                epoch = self._span_epoch(span)
                 sample = sample.evolve(origin=SampleOrigin(
                     shard=span.shard, offset=self._offset, number=self._sample, next_offset=item.next_offset,
-                    next_number=item.next_index, epoch=epoch, source=self.source))
+                    next_number=item.next_index, epoch=self._span_epoch(span), source=self.source))
                 self._yielded += 1
                 self._epoch_yielded += 1
             self._offset, self._sample = item.next_offset, item.next_index
             self._advance(item.error, next_span=item.at_end)
             if sample is not None:
                 return sample
+
+    def _span(self) -> ShardSpan | Span | None:
+        """The span the next sample comes from (past the epochs that ended); None at the end of the stream."""
+        while self.epochs is None or self._epoch < self.epochs:
+            spans = self.spans(self._epoch)
+            if self._shard_pos < len(spans):
+                return spans[self._shard_pos]
+            self._next_epoch()
+        return None
 
     def close(self) -> None:
         """Release the open shard (the position is kept)."""
@@ -309,6 +300,13 @@ class ShardReader(BaseNode[Sample]):
     def _set_position(self, epoch: int, shard_pos: int, offset: int, sample: int, yielded: int, epoch_yielded: int) -> None:
         self._epoch, self._shard_pos, self._offset, self._sample = epoch, shard_pos, offset, sample
         self._yielded, self._epoch_yielded = yielded, epoch_yielded
+
+    def _lose_span(self, e: DataError | OSError, span: ShardSpan | Span) -> None:
+        """A span that cannot be read on (missing / unreachable / corrupt; an ``OSError`` is a broken ``pipe:``,
+        as files and stores retry inside io.open): the rest of it is lost, counted and handled by ``on_error``."""
+        if isinstance(e, OSError):
+            e = DataError("corrupt_shard", f"read failed: {e!r}", url=self.urls[span.shard], value=self._offset)
+        self._advance(e, next_span=True)
 
     def _advance(self, err: DataError | None, *, next_span: bool) -> None:
         """Count ``err``, move past the span if asked, then apply ``on_error`` — in that order, so
@@ -362,11 +360,7 @@ class ShardReader(BaseNode[Sample]):
         if url.startswith("pipe:") or self._open.identity == "off":
             return
         if shard not in self._checked or shard not in self._identities:  # a recorded one is checked again
-            now = shard_identity.current(url, self._open, self.io_stats)
-            self._check_same(shard, now)
-            if self.manifest is not None:
-                self.manifest.check_identity(shard, now, self._open.identity)
-            self._identities[shard] = now
+            self._identities[shard] = self._current(shard)
             self._checked.add(shard)
         self._identities.move_to_end(shard)
         while len(self._identities) > RECENT_SHARDS:

@@ -60,28 +60,22 @@ class MapSamples(BaseNode[Sample]):
         return {self.SOURCE_KEY: self.source.state_dict(), self.COUNTERS_KEY: record_text(self.counters)}
 
 
-def check_stages(stages: Sequence[Any]) -> None:
-    """Reject anything :func:`build_stages` cannot use, before any worker starts."""
-    for i, stage in enumerate(stages):
-        if isinstance(stage, BaseNode):
-            raise TypeError(f"stages[{i}] is a node instance; pass its class or "
-                            f"NodeStage(lambda upstream: ...) so every worker builds its own")
-        if not (isinstance(stage, NodeStage) or callable(stage)):
-            raise TypeError(f"stages[{i}]={stage!r} is not a function, BaseNode class or NodeStage")
-
-
 def build_stages(upstream: BaseNode[Sample], stages: Sequence[Any]) -> tuple[BaseNode[Sample], list[BaseNode]]:
     """Chain ``stages`` after ``upstream``; returns the last node and the nodes built."""
-    check_stages(stages)
     built: list[BaseNode] = []
     node = upstream
-    for stage in stages:
+    for i, stage in enumerate(stages):
         if isinstance(stage, NodeStage):
             node = stage.factory(node)
         elif isinstance(stage, type) and issubclass(stage, BaseNode):
             node = stage(node)
-        else:
+        elif isinstance(stage, BaseNode):
+            raise TypeError(f"stages[{i}] is a node instance; pass its class or "
+                            f"NodeStage(lambda upstream: ...) so every worker builds its own")
+        elif callable(stage):
             node = MapSamples(node, stage)
+        else:
+            raise TypeError(f"stages[{i}]={stage!r} is not a function, BaseNode class or NodeStage")
         if not isinstance(node, BaseNode):
             raise TypeError(f"stage {stage!r} built {type(node).__name__}, not a BaseNode")
         built.append(node)

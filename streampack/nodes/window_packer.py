@@ -1,58 +1,33 @@
 """WindowPacker: a rolling window of samples -> packs of at most ``capacity`` aligned tokens.
 
-One *round*: refill the window up to ``window`` samples, pack all of them once with a
-registry algorithm (``bfd`` by default), emit every pack that is full enough, carry the
-samples of the other packs into the next round. Packing once per round (not once per
-emitted pack) keeps the cost at one ``pack()`` call per ~``window`` samples. A fresh packer
-warms up: round ``r`` refills only to ``min(window, warmup * 2**r)`` samples (``warmup`` = 64),
-so the first packs leave after 64 samples, not a whole window (window 1024, ~1,900-token text
-documents, 2 workers: 1.5 s instead of 23 s to the first batch, fill cost <= 0.035 pp; see
-:mod:`~streampack.packing.window_rounds`).
-
-A pack is emitted when
+One *round*: refill the window up to ``window`` samples (a fresh packer warms up:
+:mod:`~streampack.packing.window_rounds`), pack all of them once with a registry algorithm (``bfd`` by default), emit
+every pack that is full enough and carry the samples of the other packs into the next round: one ``pack()`` call per
+~``window`` samples. A pack is emitted when
   1. its free space is at most ``slack`` tokens (default ``capacity // 256``), or
-  2. one of its samples entered the window ``max_wait`` rounds ago (bounded latency: a sample
-     is emitted at the latest in the round ``max_wait`` rounds after the one it arrived in,
-     i.e. before ``max_wait * window`` later samples are read; default ``max(8, 8192 // window)``
+  2. one of its samples entered the window ``max_wait`` rounds ago (bounded latency; default ``max(8, 8192 // window)``
      rounds, so about 8,192 samples at any window up to 1024), or
-  3. carrying it would leave less than half of this round's window for new samples (the
-     fullest such packs go first), so every round makes progress even on a stream that never
-     fills a pack, or
+  3. carrying it would leave less than half of this round's window for new samples (the fullest such packs go
+     first), so every round makes progress even on a stream that never fills a pack, or
   4. the upstream is exhausted (flush: nothing is ever lost at the end of a finite stream).
-The packs of a round are emitted in an order permuted by ``default_rng((seed, round))``, so
-the pack order does not follow length. With ``balance`` (cost-balanced emission,
-:mod:`streampack.packing.schedule`) they go to a reservoir of ready packs instead and leave in
-the order a schedule shared by every rank picks, so each rank's step costs about the same; the
-packs themselves, and so fill and pack counts, are the same. Its state adds the reservoir's
-packs (as references, like the carry), their steps and a cost histogram.
+A round's packs leave in an order permuted by ``default_rng((seed, round))``, so the order does not follow length;
+with ``balance`` (:mod:`streampack.packing.schedule`) they leave a reservoir in the order a schedule shared by every
+rank picks, and the packs themselves are the same. Lengths are packed aligned (``ceil(L / align) * align``) so every
+pack still fits after the collate pads each document. The defaults give 99.934% fill against offline bfd's 99.995%
+(lognormal mean ~600, capacity 4096; ``benchmarks/bench_packing_scaling.py`` measures it by window).
 
-Lengths are packed *aligned* (``ceil(L / align) * align``) so every pack still fits after
-the collate pads each document to the CP/TP alignment.
-
-The window is a table of rows (:mod:`streampack.plan.rows`): a refill is one ``take`` from the
-:class:`~streampack.nodes.overlong.OverlongNode` (from any other source, one Sample a row), a pack
-one fancy index, and a pack leaves as a :class:`~streampack.plan.rows.PackRows` (iterating it
-gives its Samples). Defaults (``slack = capacity // 256``, 8 rounds of ``max_wait`` at window 1024)
-give 99.934% fill against offline bfd's 99.995% (lognormal mean ~600, capacity 4096);
-``benchmarks/bench_packing_scaling.py`` measures it by window.
-
-State = the upstream state after the round's refill + the round's packs and carry as a table of
-references (:mod:`streampack.plan.replay`; tokens where a document cannot be re-read) + the packs
-already emitted (+ metrics): 56 bytes a document of the window whatever its length (~65 KB per
-worker at window 1024; tokens instead took 63 MB at capacity 128k, ``benchmarks/bench_state.py``).
-``get_state`` is cached per round (StatefulDataLoader snapshots after every batch). A restore
-rebuilds exactly the saved packs (no re-packing) from rows whose ids are not read yet
-(``rows.UNREAD``); each pack's documents are re-read when it is about to leave, :data:`READ_AHEAD`
-packs at a time, so the first batch after a restore waits for its own ~55 documents, not the
-window's ~1,000. ``carry=`` starts the packer with documents already in its window (an elastic
-resume hands each new worker its share of the old windows that way).
+The window is a table of rows (:mod:`streampack.plan.rows`). State = the upstream state after the round's refill +
+the round's packs and carry as references (:mod:`streampack.plan.state`) + the packs emitted + metrics (+ the
+reservoir's packs, steps and cost histogram), cached per round. A restore rebuilds exactly the saved packs from rows
+not read yet (``rows.UNREAD``) and re-reads each pack's documents when it is about to leave, :data:`READ_AHEAD` packs
+at a time. ``carry=`` starts the window with documents (an elastic resume's share of the old windows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -64,7 +39,6 @@ from streampack.packing.reservoir import Reservoir
 from streampack.packing.schedule import Balance, CostScale, Schedule
 from streampack.packing.window_rounds import PackerRules, aligned_lengths, choose, emission_order, pack_round
 from streampack.plan.cursor import Undelivered
-from streampack.plan.replay import Replayer
 from streampack.plan.rows import (
     NO_ORIGIN,
     UNREAD,
@@ -89,6 +63,9 @@ from streampack.plan.state import (
     table_slice,
 )
 from streampack.sample import Sample
+
+if TYPE_CHECKING:  # plan.replay re-reads through the overlong node's cut, which imports this package
+    from streampack.plan.replay import Replayer
 
 _METRIC_NAMES = ("rounds", "packs", "docs", "tokens", "aligned_tokens", "slots",
                  "forced_by_age", "forced_by_carry", "flushed", "max_rounds_waited")
@@ -320,11 +297,10 @@ class WindowPacker(BaseNode[PackRows]):
             else:
                 held_packs = self._packs
                 held = cat([self._round_rows, self._carry]) if len(self._carry) else self._round_rows
-            sizes = [len(p) for p in res.items] if res is not None else [len(p) for p in self._packs]
             self._cache = {
                 self.SOURCE_KEY: self.source.state_dict(),  # the upstream rests between rounds
                 self.TABLE_KEY: self._table(held, held_packs),
-                self.SIZES_KEY: torch.tensor(sizes, dtype=torch.int64),
+                self.SIZES_KEY: torch.tensor([len(p) for p in held_packs], dtype=torch.int64),
                 self.ENTERED_KEY: torch.from_numpy(self._entered.copy()),
                 self.ROUND_KEY: self._round,
             }
@@ -388,7 +364,7 @@ class WindowPacker(BaseNode[PackRows]):
             i = int(aligned.argmax())
             one = window[i:i + 1]
             (pack,) = make_packs(one, [1], self.store.subset(one), align=self.align)
-            raise ValueError(f"sample {pack.doc_keys()[0]!r} has {int(window['length'][i])} tokens "
+            raise ValueError(f"sample {pack.keys[0]!r} has {int(window['length'][i])} tokens "
                              f"({int(aligned[i])} aligned), more than capacity={self.capacity}; "
                              f"apply an overlong policy before packing")
         emit, keep, forced = choose(rules, pack_round(rules, aligned, round_), aligned, entered, round_, ended)

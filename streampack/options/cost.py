@@ -1,6 +1,5 @@
-"""CostOptions: estimated compute per batch, and cost-balanced emission (``PackedDataset(cost=...)``): ``WindowPacker``
-takes ``balance`` and ``model`` (:mod:`streampack.packing.schedule`), ``ThdCollate`` ``model``
-(``PackedBatch.est_cost``)."""
+"""CostOptions: estimated compute per batch (``PackedBatch.est_cost``), and cost-balanced emission
+(:mod:`streampack.packing.schedule`) (``PackedDataset(cost=...)``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""PackOptions: how samples become packs, and the batch they are laid out in (``PackedDataset(packing=...)``).
-
-``OverlongNode`` takes ``overlong``; ``WindowPacker`` the rules ``StreamConfig.packer_rules`` makes
-from ``window``, ``algorithm``, ``max_wait`` and ``slack`` (an epoch plan counts with the same);
-``ThdCollate`` the ``BatchLayout`` made with ``pad_id`` and ``ignore_index``.
-"""
+"""PackOptions: how samples become packs, and the batch they are laid out in (``PackedDataset(packing=...)``)."""
 
 from __future__ import annotations
 

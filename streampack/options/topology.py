@@ -1,8 +1,5 @@
-"""TopologyOptions: where this process sits among the parallel ranks (``PackedDataset(topology=...)``):
-``dp_*`` decide what each reader reads, context / tensor parallelism the per-document alignment,
-``equal_batches`` and ``batches_per_epoch`` how every rank of a finite stream yields the same count.
-:class:`Placement` is which reader a graph is: the resolved numbers the graph and its reader take.
-"""
+"""TopologyOptions: where this process sits among the parallel ranks (``PackedDataset(topology=...)``), and
+:class:`Placement`: which reader a graph is, in the resolved numbers the graph and its reader take."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """Agreement between ranks through the job's c10d store: on the settings, once, and on per-epoch batch counts.
 
-Ranks built with different settings read the wrong data while stepping in lockstep, so :func:`agree_settings` checks
-once, when the dataset is built, that every rank has the same settings and raises the same ValueError on every rank
-naming each difference. In a finite epoch every rank must yield the same number of batches or a collective hangs: each
-reader counts its own batches and :func:`agree_counts` tells it the largest rank total and its rank's per-worker counts.
-Readers are often DataLoader workers, which cannot join collectives, so they are clients of the store torch.distributed
-was initialised with (TCPStore, FileStore, or an in-process store for thread-simulated ranks); a process keeps its
-clients across rounds. Waiting is bounded by ``timeout_s`` (the TimeoutError names the readers that did not arrive),
-connecting by ``connect_timeout_s``; an inconsistent round (peers, workers or ranks disagreeing) writes ``"!message"``
+:func:`agree_settings` checks once, when the dataset is built, that every rank has the same settings (else the ranks
+read the wrong data in lockstep) and raises the same ValueError on every rank. :func:`agree_counts` tells each reader
+of a finite epoch the largest rank total and its rank's per-worker counts. Readers are often DataLoader workers, which
+cannot join collectives, so they are clients of the store torch.distributed was initialised with (TCPStore, FileStore,
+or an in-process store for thread-simulated ranks), kept per process across rounds. Waiting is bounded by
+``timeout_s`` (the TimeoutError names the readers that did not arrive); an inconsistent round writes ``"!message"``
 into ``done`` so every reader raises the same ValueError at once.
 
 Cost (R ranks, W workers, G = R W readers). Settings, once per dataset and rank: 5 store requests and 2 S bytes (S ~0.75
@@ -15,8 +13,7 @@ KB of json); store ~5 R requests, R + 3 keys. Per count round and reader: 5 requ
 multi_get) of O(1) bytes; the rank aggregator +3 requests of O(W) bytes, the global one +2 of O(R); store 5 G + 3 R + 2
 requests and G + 2 R + 3 keys (~0.6 MB at 8,192 readers, never deleted) and one connection per waiting reader. The
 loopback TCPStore serves ~8-9k requests/s here (``benchmarks/bench_agree.py``), so a round at 1,024 ranks x 8 workers
-takes >= 5 s once per epoch, settled in the background after the first batch (``plan.quota``); the alternatives are an
-all-reduce per step (``sync_batches``) or every reader simulating every reader (O(samples of the data set) per reader).
+takes >= 5 s once per epoch, settled in the background after the first batch (``plan.quota``).
 """
 
 from __future__ import annotations
@@ -52,7 +49,6 @@ class Agreement:
     host: str = ""
     """Host of the TCPStore server (the job's rendezvous store)."""
     port: int = 0
-    """Its port."""
     path: str = ""
     """The FileStore's file."""
     local: str = ""

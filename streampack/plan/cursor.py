@@ -1,11 +1,9 @@
 """The cursor: named records of what a reader has not yet delivered to the trainer.
 
-A reader's stream is cut, at any state, into three parts that never overlap: the frontier (:class:`Pulled`: per source,
-the last sample the overlong stage pulled; the rest of the reader's spans is unread), a split in progress
-(:class:`Split`: the chunks of one document not emitted yet) and the packer's carry (a table of ``state.REF``
-references). Each stateful node hands its part out through one ``undelivered`` method over its own saved state;
-:mod:`streampack.plan.elastic` composes them into :class:`Undelivered` and never reads a node's private keys or a column
-by position. In a state, a table of references is one int64 tensor per named column and a small record one JSON text.
+A reader's stream is cut, at any state, into three parts that never overlap: the frontier (:class:`Pulled`), a split
+in progress (:class:`Split`) and the packer's carry (a table of ``state.REF`` references). Each stateful node hands
+its part out through one ``undelivered`` method over its own saved state; :mod:`streampack.plan.elastic` composes them
+into :class:`Undelivered` and never reads a node's private keys or a column by position.
 """
 
 from __future__ import annotations
@@ -21,20 +19,17 @@ from streampack.plan.sharding import Span, WorkEnds
 from streampack.plan.state import (
     REF,
     concat_tables,
+    make_table,
     record_of,
     record_text,
-    refs_table,
     require_fields,
-    samples_from_state,
-    samples_to_table,
 )
 from streampack.sample import SampleOrigin
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pulled:
-    """The last sample an overlong stage pulled from one source (a dropped field here once
-    re-trained a whole shard after two elastic resumes, so every field is read by name)."""
+    """The last sample an overlong stage pulled from one source (every field read by name)."""
 
     source: int
     shard: int
@@ -50,10 +45,6 @@ class Pulled:
     def of(cls, origin: SampleOrigin) -> Pulled:
         return cls(source=origin.source, shard=origin.shard, epoch=origin.epoch, offset=origin.offset,
                    number=origin.number, next_offset=origin.next_offset, next_number=origin.next_number)
-
-    def origin(self) -> SampleOrigin:
-        return SampleOrigin(shard=self.shard, offset=self.offset, number=self.number, next_offset=self.next_offset,
-                            next_number=self.next_number, epoch=self.epoch, source=self.source)
 
 
 PULLED_FIELDS = tuple(f.name for f in fields(Pulled))
@@ -101,7 +92,7 @@ class Split:
     next: int
     """The first chunk not emitted."""
     count: int
-    """Its chunks."""
+    """How many chunks it was cut into."""
     tokens: int
     """Its tokens (checked when it is re-read)."""
     lengths: tuple[int, ...] | None = None
@@ -110,14 +101,14 @@ class Split:
 
     def to_state(self) -> dict[str, str]:
         """``{"split": <one JSON text of named fields>}`` (a ``pending`` record of tokens has no
-        ``split`` key: :func:`split_samples`)."""
+        ``split`` key)."""
         return {SPLIT_KEY: record_text({"at": asdict(self.at), "next": self.next, "count": self.count,
                                         "tokens": self.tokens, "lengths": self.lengths})}
 
     @classmethod
     def from_state(cls, pending: Mapping[str, Any]) -> Split | None:
         """The split a saved ``pending`` record holds, or None when it holds tokens instead (a
-        graph that cannot re-read: :func:`split_samples`)."""
+        graph that cannot re-read)."""
         if SPLIT_KEY not in pending:
             return None
         record = record_of(pending[SPLIT_KEY])
@@ -135,12 +126,7 @@ class Split:
             refs[name] = getattr(self.at, name)
         refs["chunk"] = np.arange(self.next, self.count)
         refs["length"] = np.asarray(lengths, dtype=np.int64)[self.next:self.count]
-        return refs_table(refs)
-
-
-def split_samples(pending: Mapping[str, Any]) -> dict[str, Any]:
-    """The chunks a ``pending`` record keeps as tokens, as a table."""
-    return samples_to_table(samples_from_state(pending), by_reference=False)
+        return make_table(np.ones(len(refs), dtype=bool), refs, [])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,4 +170,4 @@ class PackedPlace:
 
 
 __all__ = ["POSITION_FIELDS", "PULLED_FIELDS", "PackedPlace", "Planned", "Position", "Pulled", "Split", "Undelivered",
-           "pulled_from_state", "pulled_to_state", "split_samples"]
+           "pulled_from_state", "pulled_to_state"]

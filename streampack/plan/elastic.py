@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from streampack.graph.build import make_planner, replayable
-from streampack.io.index import index_decode, load_or_build_index
+from streampack.io import shard_identity
+from streampack.io.index import load_or_build_index
 from streampack.io.storage import ShardStat
 from streampack.nodes.epochs import EpochLoop
 from streampack.nodes.overlong import OverlongNode
@@ -28,20 +29,18 @@ from streampack.nodes.reader import KIND as READER_KIND
 from streampack.nodes.reader import ShardReader, check_manifest
 from streampack.nodes.window_packer import WindowPacker
 from streampack.plan.cursor import Pulled, Undelivered
-from streampack.plan.epoch_plan import ShardSamples
 from streampack.plan.sharding import ShardSpan, Span, WorkEnds, assign_shards, epoch_permutation
 from streampack.plan.state import (
     FINGERPRINT_KEY,
     GRAPH_KEY,
     PASSES_KEY,
     WORKER_KEY,
-    check_identities,
     check_node_versions,
     dataset_record,
     nested,
     samples_to_table,
 )
-from streampack.settings import Placement, ReadOptions, Sources, StreamConfig
+from streampack.settings import Placement, Sources, StreamConfig
 
 TOPOLOGY_KEYS = ("dp_size", "dp_rank", "num_workers")
 
@@ -126,8 +125,10 @@ def remaining(states: Sequence[Mapping[str, Any]], config: StreamConfig, sources
             reader = find_state(s[GRAPH_KEY], READER_KIND)
             check_manifest(ShardReader.undelivered(reader).manifest if reader else None, old.planner.shards,
                            options.open_options(), recorded=identities, states="the states were")
-        check_identities(identities, lambda shard: old.planner.shards.recorded(shard, mode),
-                         lambda shard: _url(sources, shard), mode)
+        for shard, ident in identities.items():
+            shard_identity.check(_url(sources, shard), ident, old.planner.shards.recorded(shard, mode), mode,
+                                 since="the states were saved", prefix="cannot resume: ",
+                                 consequence="; their positions point into the old contents")
     frontiers = [old.frontier(g, s[GRAPH_KEY]) for g, s in enumerate(ordered)]
     last = max(f.epoch for f in frontiers)
     out = [old.left(g, f, last) for g, f in enumerate(frontiers)]
@@ -202,7 +203,7 @@ class _OldPlans:
         return _Frontier(epoch=epoch, origin=origin, carry=left.carry, work=plan.work, ends=plan.ends)
 
     def left(self, g: int, f: _Frontier, last: int) -> OldReader:
-        carry = f.carry if f.carry is not None else samples_to_table([], by_reference=True)
+        carry = f.carry if f.carry is not None else samples_to_table([])
         if f.done:
             return OldReader(carry=carry, packs=np.zeros(0, np.int64) if self.sources.packed is not None else None)
         if self.sources.packed is not None:
@@ -237,13 +238,18 @@ class _OldPlans:
                 return self._tagged(rebuilt, epoch)
         if self.planner is not None:
             return self._tagged(self.planner.spans(epoch, g), epoch)
-        shards = self.sources.shards
-        assert shards is not None
-        out = []
-        for s in assign_shards(len(shards), seed=self.config.seed, epoch=epoch, shuffle=self.config.shuffle,
-                               global_worker=g, global_workers=self.dp_size * self.readers):
-            out.append(_resolve(s, lambda i: shard_samples(shards.urls[i], self.options)))
-        return self._tagged(out, epoch)
+        assert self.sources.shards is not None
+        return self._tagged([Span(shard=s.shard) if s.parts == 1 else self._part(s) for s in assign_shards(
+            len(self.sources.shards), seed=self.config.seed, epoch=epoch, shuffle=self.config.shuffle,
+            global_worker=g, global_workers=self.dp_size * self.readers)], epoch)
+
+    def _part(self, s: ShardSpan) -> Span:
+        """Part ``s.part`` of ``s.parts`` of a shard, from its index as the reader cuts it."""
+        url = self.sources.shards.urls[s.shard]  # type: ignore[union-attr]
+        index = load_or_build_index(url, decode=self.options.decode(), opts=self.options.open_options(),
+                                    cache_dir=self.options.cache_dir, positions_only=True)
+        start, end, first = index.part(s.part, s.parts)
+        return Span(shard=s.shard, start=start, first=first, end=end)
 
     def _from_ends(self, epoch: int, ends: WorkEnds) -> list[Span] | None:
         """A planned epoch's spans from their ends: the whole non-empty shards between them in
@@ -276,17 +282,3 @@ class _OldPlans:
         raise ValueError(f"the state's last sample (shard {origin.shard} @ {origin.offset}, epoch {origin.epoch}) "
                          f"is not in its reader's plan: the states were saved with other settings or shards")
 
-
-def shard_samples(url: str, options: ReadOptions) -> ShardSamples:
-    decode = index_decode(options.tokens_key, options.limits)  # was: default limits, another cache key
-    return ShardSamples.of(load_or_build_index(url, decode=decode, opts=options.open_options(),
-                                               cache_dir=options.cache_dir))
-
-
-def _resolve(span: ShardSpan, index: Any) -> Span:
-    if span.parts == 1:
-        return Span(shard=span.shard)
-    samples: ShardSamples = index(span.shard)
-    n = len(samples)
-    lo, hi = -(-span.part * n // span.parts), -(-(span.part + 1) * n // span.parts)
-    return samples.span(span.shard, lo, hi)

@@ -15,10 +15,8 @@ the first batch, 1 manifest read per process and at most 4 boundary shards' inde
 at the count's peak. At N=10^5, T=10^9, G=8,192: 5 requests before the first batch, 18 after, 0.2-0.7 s
 of CPU, ~17 MB.
 
-Planning costs nothing per step but needs token lengths in the manifest and no stage that changes
-lengths; ``sync_batches`` works for any data at one all-reduce per step. Both leave the same fillers
-(1M lognormal samples, capacity 4096: 117 over 64 ranks, 0.16% of 73k batches); a second,
-count-weighted re-cut did not help reliably, so there is none.
+The plan leaves exactly the fillers the cut needs (``docs/dataset.md``); a second, count-weighted re-cut did not
+reduce them reliably, so there is none.
 """
 
 from __future__ import annotations
@@ -103,9 +101,6 @@ class Counting:
     policy: str
     packs_per_batch: int
 
-    def for_worker(self, global_worker: int) -> PackerRules:
-        return replace(self.rules, seed=worker_seed(self.rules.seed, global_worker))
-
 
 def chunk_lengths(lengths: np.ndarray, max_len: int, policy: str) -> np.ndarray:
     """The document lengths ``lengths`` become under the overlong policy, in stream order."""
@@ -129,7 +124,7 @@ def count_batches(counting: Counting, global_worker: int, stream: np.ndarray, ca
 
 def count_chunks(counting: Counting, global_worker: int, chunks: np.ndarray, carry: np.ndarray | None = None) -> int:
     """:func:`count_batches` of documents already cut by the overlong policy."""
-    packs = count_packs(counting.for_worker(global_worker), chunks, carry)
+    packs = count_packs(replace(counting.rules, seed=worker_seed(counting.rules.seed, global_worker)), chunks, carry)
     return -(-packs // counting.packs_per_batch)
 
 
@@ -179,10 +174,6 @@ class EpochPlanner:
         self._plan: ReaderPlan | None = None
         self._plan_of: tuple[int, int] | None = None
 
-    @property
-    def global_workers(self) -> int:
-        return self.dp_size * self.num_workers
-
     def samples(self, shard: int) -> ShardSamples:
         if shard not in self._samples:
             self._samples[shard] = ShardSamples.of(self._load(shard))
@@ -212,14 +203,10 @@ class EpochPlanner:
         return out
 
     def count(self, epoch: int, global_worker: int) -> int:
-        """Batches reader ``global_worker`` makes in ``epoch`` (reads its shards' indexes, keeps them)."""
-        assert self.counting is not None
+        """Batches reader ``global_worker`` makes in ``epoch`` (:meth:`count_spans` of its plan, once)."""
         key = (epoch, global_worker)
         if key not in self._counts:
-            chunks = [self._chunks(p.shard, self.samples(p.shard), p.lo, p.hi)
-                      for p in self.ranges(epoch, global_worker)]
-            self._counts[key] = count_chunks(self.counting, global_worker,
-                                             np.concatenate(chunks or [np.zeros(0, np.int64)]))
+            self._counts[key] = self.count_spans(global_worker, self.spans(epoch, global_worker))
         return self._counts[key]
 
     def count_spans(self, global_worker: int, spans: Sequence[Span], carry: np.ndarray | None = None) -> int:
@@ -250,31 +237,25 @@ class EpochPlanner:
             quota = None
             if self.counting is not None:
                 quota = LateQuota(count=lambda: self.count_spans(global_worker, spans),
-                                  settle=lambda mine: self._settle(epoch, global_worker, mine),
+                                  settle=lambda mine: self.settle(f"plan/{epoch}", global_worker, mine,
+                                                                  lambda h: self.count(epoch, h)),
                                   background=self.agree is not None, info=info)
             self._plan, self._plan_of = ReaderPlan(epoch=epoch, spans=spans, quota=quota), (epoch, global_worker)
         return self._plan
 
-    def _settle(self, epoch: int, g: int, mine: int) -> Settled:
+    def settle(self, key: str, g: int, mine: int, count: Callable[[int], int]) -> Settled:
+        """Reader ``g``'s quota from its own batch count ``mine``: agreed in store round ``key`` (O(1) requests, no
+        one else's data), else from ``count(h)`` of every other reader ``h`` (O(T))."""
         rank, worker = divmod(g, self.num_workers)
-        if self.agree is not None:  # one store round: O(1) requests, no one else's data
-            return settle_agreed(self.agree(f"plan/{epoch}", rank, worker, self.num_workers, mine), worker, mine)
-        counts = [mine if h == g else self.count(epoch, h) for h in range(self.global_workers)]  # fallback: O(T)
-        return settle_all(counts, self.dp_size, self.num_workers, g)
-
-
-def settle_agreed(got: RankCounts, worker: int, mine: int) -> Settled:
-    """A reader's quota from an agreement round's answer."""
-    quotas = rank_quotas(list(got.workers), int(got.target))
-    return Settled(quota=quotas[worker], batches=mine, rank_fillers=int(got.target) - sum(got.workers))
-
-
-def settle_all(counts: Sequence[int], ranks: int, workers: int, g: int) -> Settled:
-    """A reader's quota from every reader's count."""
-    quotas, fillers, least = equalize(counts, ranks)
-    group = slice(g // workers * workers, (g // workers + 1) * workers)
-    return Settled(quota=quotas[g], batches=int(counts[g]), rank_fillers=sum(quotas[group]) - sum(counts[group]),
-                   fillers=fillers, min_fillers=least)
+        if self.agree is not None:
+            got = self.agree(key, rank, worker, self.num_workers, mine)
+            quotas = rank_quotas(list(got.workers), int(got.target))
+            return Settled(quota=quotas[worker], batches=mine, rank_fillers=int(got.target) - sum(got.workers))
+        counts = [mine if h == g else count(h) for h in range(self.dp_size * self.num_workers)]
+        quotas, fillers, least = equalize(counts, self.dp_size)
+        group = slice(rank * self.num_workers, (rank + 1) * self.num_workers)
+        return Settled(quota=quotas[g], batches=mine, rank_fillers=sum(quotas[group]) - sum(counts[group]),
+                       fillers=fillers, min_fillers=least)
 
 
 def unplannable(shards: Any, dp_size: int) -> str:

@@ -1,17 +1,13 @@
 """What the copies of one dataset in DataLoader worker processes must agree on.
 
-Each DataLoader worker has its own copy of the dataset and the main process's copy never iterates, so a counter on the
-dataset object cannot say which pass a worker runs, whether workers have read anything (the main copy's ``state_dict()``
-is stale) or whether a loaded state was already used. :class:`PassTracker` keeps those facts in a small block of shared
-memory created with the dataset: the pass (a fresh iteration by reader ``w`` starts a new pass if ``w`` already started
-the current one, so the shuffle does not depend on the worker count), whether a worker process iterated, and the load
-generation each reader slot used.
-
-The block is an anonymous shared file (``memfd``) locked with ``fcntl`` record locks, not a
-``multiprocessing.Array(lock=True)``: that lock is a named POSIX semaphore, whose ``resource_tracker``
-prints ``leaked semaphore objects`` on every SIGKILLed preemption. A record lock has no name and dies
-with its process; a thread lock orders the threads of one process. A spawned worker gets the file's
-descriptor with its start (``multiprocessing.reduction.DupFd``).
+Each DataLoader worker has its own copy of the dataset and the main process's copy never iterates, so
+:class:`PassTracker` keeps in a small block of shared memory created with the dataset: the pass (a fresh iteration by
+reader ``w`` starts a new pass if ``w`` already started the current one, so the shuffle does not depend on the worker
+count), whether a worker process iterated (the main copy's ``state_dict()`` is stale) and the load generation each
+reader slot used. The block is an anonymous shared file (``memfd``) locked with ``fcntl`` record locks, not a
+``multiprocessing.Array(lock=True)``, whose named POSIX semaphore makes ``resource_tracker`` print ``leaked semaphore
+objects`` on every SIGKILLed preemption; a record lock has no name and dies with its process. A spawned worker gets
+the file's descriptor with its start (``multiprocessing.reduction.DupFd``).
 """
 
 from __future__ import annotations

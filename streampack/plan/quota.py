@@ -1,18 +1,16 @@
 """A finite epoch's batch quota, settled late: when the reader first needs it, not before its first batch.
 
-Every rank must yield the same number of batches in a finite epoch, so a reader whose data runs out emits filler batches
-up to its quota (``epoch_plan.rank_quotas``), which needs its own batch count (the indexes of its ~N/G shards) and the
-other readers'. Counting before the first batch cost every reader ⌈N/G⌉ index reads before it could start (310 extra
-requests at 64 ranks over 20,000 shards, ``benchmarks/bench_scale.py``), so counting and agreeing run in a background
-thread started after the reader's first batch (at once for a reader with no data). It cannot wait until the data runs
-out: a reader waiting there for another rank's reader, while that rank's step waits for this one's, would hang. Without
-an agreement (ranks simulated in one process) the quota is computed when first needed, in the calling thread, each
-reader counting every reader (O(T)). The quota only decides how many fillers follow the last batch of data, so every
-batch is the same whenever the count ends.
+A reader whose data runs out emits filler batches up to its quota (``epoch_plan.rank_quotas``), which needs its own
+batch count (the indexes of its ~N/G shards) and the other readers'. Counting before the first batch cost every reader
+⌈N/G⌉ index reads before it could start (310 extra requests at 64 ranks over 20,000 shards,
+``benchmarks/bench_scale.py``), so counting and agreeing run in a background thread started after the reader's first
+batch (at once for a reader with no data); waiting until the data runs out could hang two ranks on each other. Without
+an agreement the quota is computed in the calling thread when first needed. The quota only decides how many fillers
+follow the last batch of data, so every batch is the same whenever the count ends.
 
-State: the reader's own count and its quota once known; a restore takes them back (else recounts its share, O(T/G)) and,
-with an agreement, still joins the new run's round (5 requests, no index read). An elastic resume's quota is pinned
-(``pin``): its inputs, the old states, are gone after a later restore, so a state taken before it settled waits for it.
+State: the reader's own count and its quota once known; a restore takes them back (else recounts its share, O(T/G))
+and, with an agreement, still joins the new run's round (5 requests, no index read). An elastic resume's quota is
+pinned (``pin``): its inputs, the old states, are gone after a later restore.
 """
 
 from __future__ import annotations

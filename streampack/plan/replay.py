@@ -1,33 +1,27 @@
 """Re-reading carried documents from where they were read, instead of storing their tokens.
 
-A resume state refers to each document that sat in a buffer (the packer's window, a split
-sample's pending chunks) by its origin — source, shard, offset, number, chunk, length — and the
-:class:`Replayer` turns those references back into the very documents the buffer held, checking
-each one's length against the one recorded: a stage that is not a pure function of the sample,
-or a shard changed since the save, is an error, not a silently different stream. References cost
-56 bytes a document whatever its length (~65 KB per worker at window 1024, where tokens took
-63 MB at capacity 128k: ``benchmarks/bench_state.py``). A graph with a user ``BaseNode`` stage
-cannot be replayed (the node may hold its own buffer): its states store tokens.
+A resume state refers to each document that sat in a buffer (the packer's window, a split sample's pending chunks) by
+its origin (:data:`~streampack.plan.state.REF`), and the :class:`Replayer` turns those references back into the very
+documents the buffer held, checking each one's length against the one recorded: a stage that is not a pure function of
+the sample, or a shard changed since the save, is an error, not a silently different stream. A graph with a user
+``BaseNode`` stage cannot be replayed (the node may hold its own buffer): its states store tokens.
 
-Where a stream's documents are the shards' own token ids (no tokenizer, stage or images), the
-documents are re-read as blocks, and only them: in a tar shard the wanted samples are picked at
-their offsets and checked alone (:func:`~streampack.io.blocks.read_samples_at`; positions more
-than ``REOPEN_GAP`` bytes apart remotely, :data:`PICK_GAP` locally, are separate reads); in a
-parquet shard each row group holding wanted rows is read once per restore and kept until the
-packer says every carried row is read again (:meth:`Replayer.forget`); elsewhere the shard is
-read as blocks from each cluster's first position (:data:`BLOCK_GAP` locally). A position the
-blocks do not reach, and every document of any other stream, is re-read by the
-:class:`SampleReplayer`: read, tokenized with the graph's own encoder, passed through the function
-stages and cut by the overlong policy, one pass per shard in offset order.
+Where a stream's documents are the shards' own token ids (no tokenizer, stage or images), only the wanted documents
+are re-read, as blocks: in a tar shard they are picked at their offsets and checked alone
+(:func:`~streampack.io.blocks.read_samples_at`); in a parquet shard each row group holding wanted rows is read once per
+restore and kept until the packer says every carried row is read again (:meth:`Replayer.forget`); elsewhere the shard
+is read as blocks from each cluster's first position. Positions farther apart than ``REOPEN_GAP`` bytes remotely
+(:data:`PICK_GAP`, :data:`BLOCK_GAP` locally) are separate reads. A position the blocks do not reach, and every
+document of any other stream, is re-read per sample: read, tokenized with the graph's own encoder,
+passed through the function stages and cut by the overlong policy, one pass per shard in offset order.
 
-**Cost per reader** of a restore (W documents in the saved window, over S_W shards): S_W identity
-checks at the restore (a ``stat``, or a ``HEAD`` remotely); then, as the restored packs leave
-(``WindowPacker.READ_AHEAD`` at a time), one read per cluster of their documents: for tar, CPU and
-bytes O(W) in all (~15 µs a document read on its own, ~0.4 ms a re-read for the checks of all its
-shards, ``benchmarks/bench_restore.py``); for parquet, each row group holding a carried row read
-once. Memory: W rows of 104 bytes (``rows.ROW``), plus those row groups until their last carried
-row is re-read. Reading only the carried documents, the 25 batches after a restore read 8.5 MB
-where reading their clusters whole read 31.7 MB (uninterrupted: 3.6 MB; window 1024).
+**Cost per reader** of a restore (W documents in the saved window, over S_W shards): S_W identity checks at the
+restore (a ``stat``, or a ``HEAD`` remotely); then, as the restored packs leave (``WindowPacker.READ_AHEAD`` at a
+time), one read per cluster of their documents: for tar, CPU and bytes O(W) in all (~15 µs a document read on its
+own, ~0.4 ms a re-read for the checks of all its shards, ``benchmarks/bench_restore.py``); for parquet, each row group
+holding a carried row read once. Memory: W rows of 104 bytes (``rows.ROW``), plus those row groups until their last
+carried row is re-read. Reading only the carried documents, the 25 batches after a restore read 8.5 MB where reading
+their clusters whole read 31.7 MB (uninterrupted: 3.6 MB; window 1024).
 """
 
 from __future__ import annotations
@@ -48,8 +42,8 @@ from streampack.io.token_block import TokenBlock
 from streampack.io.urls import ShardList, shard_format
 from streampack.nodes.overlong import apply_overlong, expand
 from streampack.nodes.tokenize import TextEncoder
-from streampack.plan.cursor import Position
-from streampack.plan.rows import BlockStore, block_rows, put, rows_of, sample_rows
+from streampack.plan.cursor import POSITION_FIELDS, Position
+from streampack.plan.rows import BlockStore, block_rows, put, rows_of, sample_rows, take
 from streampack.plan.state import REF, REF_COLUMNS
 from streampack.sample import Sample, SampleOrigin
 
@@ -82,110 +76,9 @@ class ReplaySpec:
     (:meth:`~streampack.nodes.reader.ShardReader.verify_shard`)."""
 
 
-class SampleReplayer:
-    """``replayer(refs) -> samples``: re-reads references (an array of ``state.REF``) as the
-    graph made them, per sample (read, tokenize, stages, overlong cut)."""
-
-    def __init__(self, spec: ReplaySpec) -> None:
-        self.spec = spec
-
-    def __call__(self, refs: np.ndarray) -> list[Sample]:
-        records = _records(refs)
-        raw = self._read_all(records)
-        keys = {(r["source"], r["shard"], r["offset"], r["epoch"]) for r in records}
-        ready = self._prepare({k: raw[k[:3]] for k in sorted(keys)})
-        out = []
-        for r in records:
-            chunks = ready[(r["source"], r["shard"], r["offset"], r["epoch"])]
-            chunk = chunks[max(r["chunk"], 0)] if max(r["chunk"], 0) < len(chunks) else None
-            if chunk is None or len(chunk) != r["length"]:
-                got = None if chunk is None else len(chunk)
-                raise ValueError(f"carried sample {self._where(r)} chunk {r['chunk']} re-read with "
-                                 f"{got} tokens, {r['length']} when the state was saved: the shard changed "
-                                 f"since, or a stage is not a pure function of the sample")
-            out.append(chunk)
-        return out
-
-    def chunks(self, at: Position) -> list[Sample]:
-        """Every chunk the overlong policy cuts from the sample at ``at``."""
-        raw = self._read_shard(at.source, at.shard, [(at.offset, at.number)])
-        key = (at.source, at.shard, at.offset, at.epoch)
-        return self._prepare({key: raw[at.offset]})[key]
-
-    def _where(self, r: dict[str, int]) -> str:
-        return f"{self.spec.sources[r['source']].urls[r['shard']]!r}@{r['offset']}"
-
-    def _read_all(self, records: list[dict[str, int]]) -> dict[tuple[int, int, int], Sample]:
-        wanted: dict[tuple[int, int], dict[int, int]] = {}
-        for r in records:
-            wanted.setdefault((r["source"], r["shard"]), {})[r["offset"]] = r["number"]
-        out: dict[tuple[int, int, int], Sample] = {}
-        for (source, shard), where in sorted(wanted.items()):
-            for offset, sample in self._read_shard(source, shard, sorted(where.items())).items():
-                out[(source, shard, offset)] = sample
-        return out
-
-    def _read_shard(self, source: int, shard: int, wanted: list[tuple[int, int]]) -> dict[int, Sample]:
-        """Raw samples at ``wanted`` ``(offset, number)`` positions of one shard, in one pass
-        (reopening only across gaps larger than ``REOPEN_GAP``)."""
-        url = self.spec.sources[source].urls[shard]
-        if self.spec.verify is not None:
-            self.spec.verify(source, shard)
-        seekable = compression_of(url) is None
-        gap = REOPEN_GAP if is_remote(url) else LOCAL_REOPEN_GAP
-        found: dict[int, Sample] = {}
-        i = 0
-        while i < len(wanted):
-            start = wanted[i][0]
-            pos, num = wanted[i]
-            streams: list[BinaryIO] = []
-            try:
-                for item in open_range(url, ShardRange(start=pos, first=num), decode=self.spec.decode,
-                                       opts=self.spec.opts, streams=streams):
-                    if pos > wanted[i][0]:
-                        break  # no sample starts there: reopen at it, which reports the problem
-                    if pos == wanted[i][0]:
-                        if item.sample is None:
-                            raise ValueError(f"cannot re-read carried sample {url!r}@{pos}: {item.error} "
-                                             f"(the shard changed since the state was saved?)")
-                        origin = SampleOrigin(shard=shard, offset=pos, number=num, next_offset=item.next_offset,
-                                              next_number=item.next_index, source=source)
-                        found[pos] = item.sample.evolve(origin=origin)
-                        i += 1
-                        if i == len(wanted) or (seekable and wanted[i][0] - item.next_offset > gap):
-                            break
-                    pos, num = item.next_offset, item.next_index
-            except DataError as e:
-                raise ValueError(f"cannot re-read carried samples of {url!r}: {e}") from None
-            finally:
-                for stream in streams:
-                    stream.close()
-            if start not in found:
-                raise ValueError(f"no sample starts at offset {start} of {url!r} any more "
-                                 f"(the shard changed since the state was saved)")
-        return found
-
-    def _prepare(self, raw: dict[tuple[int, int, int, int], Sample]) -> dict[tuple[int, int, int, int], list[Sample]]:
-        """Tokenize, apply the function stages and the overlong policy, as the graph did
-        (keys: source, shard, offset, epoch — the epoch the sample was read in)."""
-        keys = list(raw)
-        samples = [raw[k].evolve(origin=replace(raw[k].origin, epoch=k[3])) for k in keys]
-        if self.spec.encoder is not None:
-            encoded = self.spec.encoder.encode(samples)
-            for k, s in zip(keys, encoded):
-                if not isinstance(s, Sample):
-                    raise ValueError(f"carried sample {raw[k].doc_key!r} no longer tokenizes ({s!r})")
-            samples = encoded  # type: ignore[assignment]
-        out = {}
-        for k, sample in zip(keys, samples):
-            for fn in self.spec.stages:
-                result = fn(sample)
-                if not isinstance(result, Sample):
-                    raise ValueError(f"stage {fn!r} returned {result!r} for carried sample {sample.doc_key!r}, "
-                                     f"which it kept when the state was saved: stages must be pure functions")
-                sample = result
-            out[k] = apply_overlong(sample, self.spec.max_len, self.spec.policy, media=self.spec.media)
-        return out
+def _changed(where: str, chunk: int, got: int | None, saved: int) -> ValueError:
+    return ValueError(f"carried sample {where} chunk {chunk} re-read with {got} tokens, {saved} when the state was "
+                      f"saved: the shard changed since, or a stage is not a pure function of the sample")
 
 
 def _records(refs: np.ndarray) -> list[dict[str, int]]:
@@ -197,7 +90,7 @@ def _records(refs: np.ndarray) -> list[dict[str, int]]:
 BLOCK_GAP = 262144
 """Bytes between two wanted samples of a local shard above which a cluster ends: the block
 reader parses ~1 MB in ~1 ms here, so reading through a gap beats reopening up to about this
-(the per-sample Replayer decodes each sample read through, so its gap is 64 KiB)."""
+(re-reading per sample decodes each sample read through, so its gap is 64 KiB)."""
 PICK_GAP = 16384
 """The same for a local tar shard whose wanted samples are picked (:mod:`streampack.io.tar_pick`):
 bytes read through are copied but not parsed, ~2-4 GB/s from the page cache, against a few µs
@@ -210,7 +103,6 @@ class Replayer:
 
     def __init__(self, spec: ReplaySpec) -> None:
         self.spec = spec
-        self.general = SampleReplayer(spec)
         # a stream whose documents are the shards' own token ids re-reads them as blocks and cuts
         # them as columns; a tokenizer, a stage or images make every document a Sample again
         self.blocks = spec.encoder is None and not spec.stages and spec.media is None
@@ -223,7 +115,7 @@ class Replayer:
 
     def __call__(self, refs: np.ndarray, store: BlockStore) -> np.ndarray:
         if not self.blocks:
-            return sample_rows(self.general(refs), store)
+            return sample_rows(self._samples(refs), store)
         found = self._read_all(refs)
         out = rows_of(len(refs))
         where = [found[key] for key in zip(refs["source"].tolist(), refs["shard"].tolist(), refs["offset"].tolist())]
@@ -236,34 +128,25 @@ class Replayer:
             docs = np.fromiter((where[i][1] for i in members), dtype=np.int64, count=len(members))
             put(out, idx, block_rows(block, docs, store, source=source, shard=shard))
         out["epoch"] = refs["epoch"]
-        self._cut_as_saved(out, refs)
-        return out
+        return self._cut_as_saved(out, refs)
 
-    def _cut_as_saved(self, rows: np.ndarray, refs: np.ndarray) -> None:
-        """Each row made the chunk its reference names (``apply_overlong``'s cut, as columns);
-        the first that cannot be, or has another length, raises as the Replayer does."""
+    def _cut_as_saved(self, rows: np.ndarray, refs: np.ndarray) -> np.ndarray:
+        """The chunk each reference names of its re-read document (:func:`expand`, the node's own cut); the first
+        that is not there, or has another length, raises as the per-sample path does."""
         max_len, policy = self.spec.max_len, self.spec.policy
-        full, c = rows["length"].copy(), np.maximum(refs["chunk"], 0)
-        over = full > max_len
-        if over.any():
-            if policy == "split":
-                rows["start"] += np.where(over, c * max_len, 0)
-                rows["length"] = np.where(over, np.minimum(max_len, full - c * max_len), full)
-                rows["chunk"] = np.where(over, c, -1)
-                rows["cut"] = over
-            elif policy == "truncate":
-                rows["length"] = np.where(over, max_len, full)
-                rows["chunk"] = np.where(over, 0, -1)
-        chunks = np.where(over, -(-full // max_len), 1) if policy == "split" else np.where(over & (policy == "drop"), 0, 1)
-        bad = (c >= chunks) | (rows["length"] != refs["length"]) | (over & (policy == "error"))
+        cut, counts = expand(rows, max_len, policy)
+        c = np.maximum(refs["chunk"], 0)
+        bad = (c >= counts) | ((policy == "error") & (rows["length"] > max_len))
+        if not bad.any():
+            rows = take(cut, np.cumsum(counts) - counts + c)
+            bad = rows["length"] != refs["length"]
         if bad.any():
             i = int(bad.argmax())
             ref = refs[i]
             url = self.spec.sources[int(ref["source"])].urls[int(ref["shard"])]
-            got = None if c[i] >= chunks[i] else int(rows["length"][i])
-            raise ValueError(f"carried sample {url!r}@{int(ref['offset'])} chunk {int(ref['chunk'])} re-read with "
-                             f"{got} tokens, {int(ref['length'])} when the state was saved: the shard changed "
-                             f"since, or a stage is not a pure function of the sample")
+            raise _changed(f"{url!r}@{int(ref['offset'])}", int(ref["chunk"]),
+                           None if c[i] >= counts[i] else int(rows["length"][i]), int(ref["length"]))
+        return rows
 
     def verify(self, refs: np.ndarray) -> None:
         """Check every shard ``refs`` point into is the one the state was saved from (what the
@@ -276,19 +159,14 @@ class Replayer:
     def chunks(self, at: Position, store: BlockStore) -> np.ndarray:
         """Every chunk the overlong policy cuts from the sample at ``at``."""
         if not self.blocks:
-            return sample_rows(self.general.chunks(at), store)
+            return sample_rows(self._sample_chunks(at), store)
         one = np.zeros(1, dtype=REF)
-        one["source"], one["shard"], one["offset"], one["number"], one["epoch"] = (at.source, at.shard, at.offset,
-                                                                                  at.number, at.epoch)
-        one["chunk"] = -1
-        found = self._read_all(one, keep=False)  # a split sample's chunks, at a restore: no group kept for it
-        return self._cut(found[(at.source, at.shard, at.offset)], at.epoch, store)
-
-    def _cut(self, doc: tuple[TokenBlock, int, int, int], epoch: int, store: BlockStore) -> np.ndarray:
-        block, i, source, shard = doc
-        rows = block_rows(block, slice(i, i + 1), store, source=source, shard=shard, epoch=epoch)
-        rows, _ = expand(rows, self.spec.max_len, self.spec.policy)
-        return rows
+        for name in POSITION_FIELDS:
+            one[name] = getattr(at, name)
+        # a split sample's chunks, at a restore: no row group kept for it
+        block, i, source, shard = self._read_all(one, keep=False)[(at.source, at.shard, at.offset)]
+        rows = block_rows(block, slice(i, i + 1), store, source=source, shard=shard, epoch=at.epoch)
+        return expand(rows, self.spec.max_len, self.spec.policy)[0]
 
     def _read_all(self, refs: np.ndarray,
                   keep: bool = True) -> dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]]:
@@ -300,9 +178,7 @@ class Replayer:
             lengths.setdefault((source, shard), {})[offset] = length
         out: dict[tuple[int, int, int], tuple[TokenBlock, int, int, int]] = {}
         shards = [(source, shard, sorted(where.items())) for (source, shard), where in sorted(wanted.items())]
-        if self.spec.verify is not None:
-            for source, shard, _ in shards:
-                self.spec.verify(source, shard)
+        self.verify(refs)
         tar = [(s, h, p, lengths[(s, h)]) for s, h, p in shards
                if shard_format(self.spec.sources[s].urls[h]) == "tar"]
         picked = self._pick(tar)
@@ -316,7 +192,7 @@ class Replayer:
                 got = self._read_shard(source, shard, positions, lengths[(source, shard)], keep)
             missing = [p for p in positions if p[0] not in got]
             if missing:  # the per-sample reader: its checks, its errors
-                for offset, sample in self.general._read_shard(source, shard, missing).items():
+                for offset, sample in self._read_sample_shard(source, shard, missing).items():
                     got[offset] = (TokenBlock.of_samples([sample], done=False), 0)
             for offset, (block, i) in got.items():
                 out[(source, shard, offset)] = (block, i, source, shard)
@@ -404,6 +280,101 @@ class Replayer:
         return found
 
 
+    # ------------------------------------------------ per sample: read, tokenize, stages, overlong cut
+    def _samples(self, refs: np.ndarray) -> list[Sample]:
+        """The documents ``refs`` name, re-read as the graph made them."""
+        records = _records(refs)
+        raw = self._read_samples(records)
+        keys = {(r["source"], r["shard"], r["offset"], r["epoch"]) for r in records}
+        ready = self._prepare({k: raw[k[:3]] for k in sorted(keys)})
+        out = []
+        for r in records:
+            chunks = ready[(r["source"], r["shard"], r["offset"], r["epoch"])]
+            chunk = chunks[max(r["chunk"], 0)] if max(r["chunk"], 0) < len(chunks) else None
+            if chunk is None or len(chunk) != r["length"]:
+                url = self.spec.sources[r["source"]].urls[r["shard"]]
+                raise _changed(f"{url!r}@{r['offset']}", r["chunk"], None if chunk is None else len(chunk), r["length"])
+            out.append(chunk)
+        return out
+
+    def _sample_chunks(self, at: Position) -> list[Sample]:
+        raw = self._read_sample_shard(at.source, at.shard, [(at.offset, at.number)])
+        key = (at.source, at.shard, at.offset, at.epoch)
+        return self._prepare({key: raw[at.offset]})[key]
+
+    def _read_samples(self, records: list[dict[str, int]]) -> dict[tuple[int, int, int], Sample]:
+        wanted: dict[tuple[int, int], dict[int, int]] = {}
+        for r in records:
+            wanted.setdefault((r["source"], r["shard"]), {})[r["offset"]] = r["number"]
+        out: dict[tuple[int, int, int], Sample] = {}
+        for (source, shard), where in sorted(wanted.items()):
+            for offset, sample in self._read_sample_shard(source, shard, sorted(where.items())).items():
+                out[(source, shard, offset)] = sample
+        return out
+
+    def _read_sample_shard(self, source: int, shard: int, wanted: list[tuple[int, int]]) -> dict[int, Sample]:
+        """Raw samples at ``wanted`` ``(offset, number)`` positions of one shard, in one pass
+        (reopening only across gaps larger than ``REOPEN_GAP``)."""
+        url = self.spec.sources[source].urls[shard]
+        if self.spec.verify is not None:
+            self.spec.verify(source, shard)
+        seekable = compression_of(url) is None
+        gap = REOPEN_GAP if is_remote(url) else LOCAL_REOPEN_GAP
+        found: dict[int, Sample] = {}
+        i = 0
+        while i < len(wanted):
+            start = wanted[i][0]
+            pos, num = wanted[i]
+            streams: list[BinaryIO] = []
+            try:
+                for item in open_range(url, ShardRange(start=pos, first=num), decode=self.spec.decode,
+                                       opts=self.spec.opts, streams=streams):
+                    if pos > wanted[i][0]:
+                        break  # no sample starts there: reopen at it, which reports the problem
+                    if pos == wanted[i][0]:
+                        if item.sample is None:
+                            raise ValueError(f"cannot re-read carried sample {url!r}@{pos}: {item.error} "
+                                             f"(the shard changed since the state was saved?)")
+                        origin = SampleOrigin(shard=shard, offset=pos, number=num, next_offset=item.next_offset,
+                                              next_number=item.next_index, source=source)
+                        found[pos] = item.sample.evolve(origin=origin)
+                        i += 1
+                        if i == len(wanted) or (seekable and wanted[i][0] - item.next_offset > gap):
+                            break
+                    pos, num = item.next_offset, item.next_index
+            except DataError as e:
+                raise ValueError(f"cannot re-read carried samples of {url!r}: {e}") from None
+            finally:
+                for stream in streams:
+                    stream.close()
+            if start not in found:
+                raise ValueError(f"no sample starts at offset {start} of {url!r} any more "
+                                 f"(the shard changed since the state was saved)")
+        return found
+
+    def _prepare(self, raw: dict[tuple[int, int, int, int], Sample]) -> dict[tuple[int, int, int, int], list[Sample]]:
+        """Tokenize, apply the function stages and the overlong policy, as the graph did
+        (keys: source, shard, offset, epoch — the epoch the sample was read in)."""
+        keys = list(raw)
+        samples = [raw[k].evolve(origin=replace(raw[k].origin, epoch=k[3])) for k in keys]
+        if self.spec.encoder is not None:
+            encoded = self.spec.encoder.encode(samples)
+            for k, s in zip(keys, encoded):
+                if not isinstance(s, Sample):
+                    raise ValueError(f"carried sample {raw[k].doc_key!r} no longer tokenizes ({s!r})")
+            samples = encoded  # type: ignore[assignment]
+        out = {}
+        for k, sample in zip(keys, samples):
+            for fn in self.spec.stages:
+                result = fn(sample)
+                if not isinstance(result, Sample):
+                    raise ValueError(f"stage {fn!r} returned {result!r} for carried sample {sample.doc_key!r}, "
+                                     f"which it kept when the state was saved: stages must be pure functions")
+                sample = result
+            out[k] = apply_overlong(sample, self.spec.max_len, self.spec.policy, media=self.spec.media)
+        return out
+
+
 def _group_of(blocks: list[TokenBlock], row: int) -> TokenBlock | None:
     for block in blocks:
         if int(block.offsets[0]) <= row <= int(block.offsets[-1]):
@@ -431,4 +402,4 @@ def _clusters(positions: list[tuple[int, int]], gap: int) -> list[list[tuple[int
     return out
 
 
-__all__ = ["BLOCK_GAP", "LOCAL_REOPEN_GAP", "PICK_GAP", "REOPEN_GAP", "ReplaySpec", "Replayer", "SampleReplayer"]
+__all__ = ["BLOCK_GAP", "LOCAL_REOPEN_GAP", "PICK_GAP", "REOPEN_GAP", "ReplaySpec", "Replayer"]

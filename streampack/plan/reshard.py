@@ -23,7 +23,7 @@ from streampack.graph.build import make_planner
 from streampack.logs import get_logger
 from streampack.nodes.packed_reader import deal
 from streampack.plan.elastic import TOPOLOGY_KEYS, Remaining, remaining, topology_of
-from streampack.plan.epoch_plan import ShardSamples, equalize, settle_agreed, settle_all
+from streampack.plan.epoch_plan import ShardSamples, equalize
 from streampack.plan.quota import LateQuota, Settled
 from streampack.plan.sharding import Span
 from streampack.plan.state import (
@@ -87,8 +87,9 @@ class _Piece:
 
 
 class _PieceCut:
-    """``cut_two_level`` over the pieces' costs, one reader at a time, opening only the pieces a boundary
-    falls in (their per-sample costs scaled in integers, so every reader computes the same points)."""
+    """:class:`~streampack.plan.sharding.PrefixCut`'s cut over the pieces' costs, one reader at a time, opening only
+    the pieces a boundary falls in (their per-sample costs scaled in integers, so every reader computes the same
+    points)."""
 
     def __init__(self, costs: list[int], local: Any) -> None:
         self.costs = np.asarray(costs, dtype=np.int64)
@@ -161,7 +162,7 @@ class _ShareFinite:
         out = [_Piece(carry=carry, cost=int(lengths.sum()) if self.tokens else len(lengths))]
         for s in spans:
             total = int(self.manifest.costs(tokens=self.tokens)[s.shard])
-            if not _whole(s):
+            if (s.start, s.first, s.end) != (0, 0, None):  # a part of a shard: its share of the bytes
                 width = int(self.manifest.byte_costs[s.shard])
                 end = width if s.end is None else s.end
                 total = total * min(max(end - s.start, 0), width) // max(width, 1)
@@ -216,24 +217,21 @@ class _ShareFinite:
         return Share(epoch=self.left.epoch, spans=spans, carry=carry, quota=quota, identities=self.left.identities)
 
     def _settle(self, mine: int) -> Settled:
-        place, planner = self.place, self.planner
-        if planner.agree is not None:
-            got = planner.agree(f"elastic/{self.left.epoch}", place.dp_rank, place.worker_id, place.num_workers, mine)
-            return settle_agreed(got, place.worker_id, mine)
-        counts = []  # no agreement: count every new reader (O(T))
-        for g in range(place.global_workers):
+        place, planner, counts = self.place, self.planner, {self.place.global_worker: mine}
+
+        def count(g: int) -> int:  # without an agreement every new reader is counted here
             carry, spans = self.part(g)
-            counts.append(mine if g == place.global_worker else planner.count_spans(g, spans, table_lengths(carry)))
-        settled = settle_all(counts, place.dp_size, place.num_workers, place.global_worker)
+            counts[g] = planner.count_spans(g, spans, table_lengths(carry))
+            return counts[g]
+
+        settled = planner.settle(f"elastic/{self.left.epoch}", place.global_worker, mine, count)
+        if settled.fillers is None:
+            return settled
         _log.info("elastic resume: %d old readers -> %d; epoch %d re-planned: %d batches per rank, "
                   "%d fillers over all ranks (fewest possible %d)", self.left.old_dp_size * self.left.old_readers,
-                  place.global_workers, self.left.epoch, (sum(counts) + settled.fillers) // place.dp_size,
+                  place.global_workers, self.left.epoch, (sum(counts.values()) + settled.fillers) // place.dp_size,
                   settled.fillers, settled.min_fillers)
         return settled
-
-
-def _whole(span: Span) -> bool:
-    return span.start == 0 and span.first == 0 and span.end is None
 
 
 @dataclass(slots=True)

@@ -1,21 +1,15 @@
 """Documents as table rows: the one form a document travels in from the overlong node to the collate.
 
-Between the reader (or the last stage) and the collate, a document is one record of a structured array of
-:data:`ROW` (13 int64 fields, read by name: ``rows["length"]``): its length, its origin
-(exactly the fields of a :class:`~streampack.sample.SampleOrigin`, so a resume state refers to
-it the same way) and where its ids are (``block``: an id in a :class:`BlockStore`; ``doc``: its
-index in that block; ``start``: its first id's element offset, a chunk's included). Documents read as blocks
-(:mod:`streampack.io.blocks`) point into the block they were read in; documents that arrive as
-Samples (text after the tokenizer, a stage's output, a mixture, media) point into a block made of
-those Samples (:func:`sample_rows`), which keeps each Sample whole for the collate. A window of
-1,024 documents is one array; taking, splitting and regrouping documents are whole-array
-operations. A field is a strided view, as fast as a column of a plain int64 matrix; what numpy
-does record by record on a structured array (``concatenate``: ~110 µs for 1,300 rows against
-~5; a fancy ``take``: ~60 µs against ~11) goes through the plain int64 view of the same memory
-here (:func:`cat`, :func:`take`, :func:`put`, :func:`repeat`), at the plain matrix's speed.
-
-:class:`PackRows` is one pack as the packer emits it: its rows in layout order and the blocks
-they point into (so the collate never looks a block up in a store that has moved on).
+A document is one record of a structured array of :data:`ROW` (13 int64 fields, read by name: ``rows["length"]``):
+its length, its origin (the fields of a :class:`~streampack.sample.SampleOrigin`, so a resume state refers to it the
+same way) and where its ids are (``block``: an id in a :class:`BlockStore`; ``doc``: its index in that block;
+``start``: its first id's element offset, a chunk's included). Documents read as blocks point into the block they
+were read in; documents that arrive as Samples point into a block made of those Samples (:func:`sample_rows`), which
+keeps each Sample whole for the collate. Taking, splitting and regrouping documents are whole-array operations; what
+numpy does record by record on a structured array (``concatenate``: ~110 µs for 1,300 rows against ~5; a fancy
+``take``: ~60 µs against ~11) goes through the plain int64 view of the same memory (:func:`cat`, :func:`take`,
+:func:`put`, :func:`repeat`). :class:`PackRows` is one pack as the packer emits it: its rows in layout order and the
+blocks they point into (so the collate never looks a block up in a store that has moved on).
 """
 
 from __future__ import annotations
@@ -106,18 +100,11 @@ def block_rows(block: TokenBlock, docs: slice | np.ndarray, store: BlockStore, *
 def sample_rows(samples: Sequence[Sample], store: BlockStore) -> np.ndarray:
     """Rows of ``samples`` (each one document, as the overlong policy left it), pointing into
     one new block of them: their origins become the rows' origin fields."""
-    block = TokenBlock.of_samples(list(samples), done=False)
-    rows = rows_of(len(samples))
-    origins = [s.origin for s in samples]
+    rows = block_rows(TokenBlock.of_samples(list(samples), done=False), slice(0, len(samples)), store, source=0,
+                      shard=0)
     rows["source"], rows["shard"], rows["epoch"], rows["chunk"] = np.array(
-        [(o.source, o.shard, o.epoch, o.chunk) if o is not None else (0, NO_ORIGIN, 0, -1) for o in origins],
-        dtype=np.int64).reshape(-1, 4).T
-    rows["length"] = block.lengths
-    rows["offset"], rows["number"] = block.offsets, block.numbers
-    rows["next_offset"], rows["next_number"] = block.next_offsets, block.next_numbers
-    rows["block"] = store.add(block)
-    rows["doc"] = np.arange(len(samples))
-    rows["start"] = block.starts
+        [(o.source, o.shard, o.epoch, o.chunk) if o is not None else (0, NO_ORIGIN, 0, -1) for o in
+         (s.origin for s in samples)], dtype=np.int64).reshape(-1, 4).T
     return rows
 
 
@@ -189,9 +176,6 @@ class PackRows:
 
     def __iter__(self) -> Iterator[Sample]:
         return iter(self.samples())
-
-    def doc_keys(self) -> list[str]:
-        return self.keys
 
     def samples(self) -> list[Sample]:
         """The pack as Samples (what ``pack_batch`` lays out a batch with a Sample-borne document from)."""

@@ -1,16 +1,12 @@
 """Which samples each global worker reads in each epoch: pure assignment arithmetic.
 
-Global worker ``g = dp_rank * num_workers + worker_id`` of ``G = dp_size * num_workers``; epoch ``e`` orders the ``S``
-shards by a permutation seeded by ``(seed, e)``, so every rank computes the same order without communicating. Infinite
-streams assign by shard (:func:`assign_shards`: whole shards at positions ``g, g + G, ...`` while ``S >= G``, so no
-shard index is read; else one part of one shard). Finite epochs assign by sample (:class:`PrefixCut`): the epoch's
+Epoch ``e`` orders the shards by a permutation seeded by ``(seed, e)``, the same on every rank. Infinite streams assign
+by shard (:func:`assign_shards`: whole shards at positions ``g, g + G, ...`` while there are at least ``G`` shards, so
+no shard index is read; else one part of one shard). Finite epochs assign by sample (:class:`PrefixCut`): the epoch's
 samples are cut into ``G`` contiguous ranges of nearly equal cost (tokens, or bytes), ranks first and then each rank's
-workers, which keeps filler batches few; :func:`cut_two_level` over every sample is the definition the tests compare it
-with. Either way each sample of an epoch is read by exactly one global worker.
-
-**Cost per reader** (N shards): the permutation and the shard prefix sums are O(N) (~0.2 µs per
-shard at N=10^5, ``benchmarks/bench_scale.py``); one reader's range is 4 ``searchsorted`` plus one
-index per boundary shard (at most 4), never O(samples) or O(G · N).
+workers, which keeps filler batches few. **Cost per reader** (N shards): the permutation and the shard prefix sums are O(N) (~0.2 µs per shard at
+N=10^5, ``benchmarks/bench_scale.py``); one reader's range is 4 ``searchsorted`` plus one index per boundary shard
+(at most 4), never O(samples) or O(G · N).
 """
 
 from __future__ import annotations
@@ -58,10 +54,6 @@ class IndexRange:
     shard: int
     lo: int
     hi: int
-    epoch: int | None = None
-
-    def __len__(self) -> int:
-        return self.hi - self.lo
 
 
 def epoch_permutation(num_shards: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -88,31 +80,6 @@ def assign_shards(
     pos = global_worker % num_shards
     parts = global_workers // num_shards + (1 if pos < global_workers % num_shards else 0)
     return [ShardSpan(shard=int(perm[pos]), part=global_worker // num_shards, parts=parts)]
-
-
-def cut_balanced(costs: np.ndarray, parts: int) -> np.ndarray:
-    """int64 ``[parts + 1]`` boundaries cutting ``costs`` into ``parts`` contiguous ranges whose sums are as equal as
-    cuts between items allow: boundary ``k`` is the prefix whose cost is nearest ``k / parts`` of the total (ties to the
-    shorter prefix). ``b[0] == 0``, ``b[-1] == len(costs)``, non-decreasing."""
-    if parts < 1:
-        raise ValueError(f"{parts=} must be >= 1")
-    prefix = np.concatenate([[0], np.cumsum(np.asarray(costs, dtype=np.float64))])
-    targets = prefix[-1] * np.arange(1, parts) / parts
-    above = np.searchsorted(prefix, targets, side="left")
-    below = np.maximum(above - 1, 0)
-    nearer_below = (targets - prefix[below]) <= (prefix[np.minimum(above, len(prefix) - 1)] - targets)
-    inner = np.where(nearer_below, below, above)
-    return np.concatenate([[0], np.maximum.accumulate(inner), [len(prefix) - 1]]).astype(np.int64)
-
-
-def cut_two_level(costs: np.ndarray, ranks: int, workers: int) -> np.ndarray:
-    """``[ranks * workers + 1]`` boundaries: ranks balanced first, then each rank's workers."""
-    outer = cut_balanced(costs, ranks)
-    out = [0]
-    for r in range(ranks):
-        lo, hi = int(outer[r]), int(outer[r + 1])
-        out.extend((lo + cut_balanced(costs[lo:hi], workers)[1:]).tolist())
-    return np.asarray(out, dtype=np.int64)
 
 
 SPAN_COLUMNS = ("shard", "start", "first", "end", "epoch")
@@ -165,9 +132,11 @@ def _none_to(value: int | None) -> int:
 
 
 class PrefixCut:
-    """:func:`cut_two_level` of one epoch for one reader, from shard totals (``samples``, ``costs``); only
-    a shard a boundary falls in is opened (``local(s)``: its per-sample costs). The float64 prefix sums
-    of ``cut_two_level`` are exact integers below 2**53, so the boundaries are the same."""
+    """The epoch's samples (shards in ``order``) cut into contiguous ranges, ranks first and then each rank's
+    workers: boundary ``k`` of ``parts`` in a range is the prefix whose cost is nearest ``k / parts`` of the range's
+    cost (ties to the shorter prefix). Computed for one reader from shard totals (``samples``, ``costs``), opening only
+    a shard a boundary falls in (``local(s)``: its per-sample costs); ``tests/unit/plan/test_sharding.py`` compares it
+    with that cut over every sample's cost."""
 
     def __init__(self, order: np.ndarray, samples: np.ndarray, costs: np.ndarray,
                  local: Callable[[int], np.ndarray]) -> None:
@@ -183,14 +152,14 @@ class PrefixCut:
         return int(self.starts[-1])
 
     def bounds(self, ranks: int, workers: int, global_worker: int) -> tuple[int, int]:
-        """Sample positions ``[lo, hi)`` of ``global_worker``: ``cut_two_level(...)[g:g + 2]``."""
+        """Sample positions ``[lo, hi)`` of ``global_worker``."""
         r, w = divmod(global_worker, workers)
         rank_lo, rank_hi = self.boundary(0, self.total, ranks, r), self.boundary(0, self.total, ranks, r + 1)
         return self.boundary(rank_lo, rank_hi, workers, w), self.boundary(rank_lo, rank_hi, workers, w + 1)
 
     def boundary(self, lo: int, hi: int, parts: int, k: int) -> int:
-        """``lo + cut_balanced(costs[lo:hi], parts)[k]`` (the cut is monotone in ``k``, so its
-        running maximum changes nothing and one boundary can be computed alone)."""
+        """Boundary ``k`` of ``parts`` in sample positions ``[lo, hi)`` (the cut is monotone in ``k``, so one
+        boundary can be computed alone)."""
         if k <= 0 or k >= parts:
             return lo if k <= 0 else hi
         base = self.value(lo)

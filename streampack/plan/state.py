@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from streampack.io import shard_identity
 from streampack.sample import Sample
 
 STATE_VERSION = 5
@@ -99,12 +98,6 @@ REF_COLUMNS = ("source", "shard", "offset", "number", "epoch", "chunk", "length"
 that is not a pure function of the sample is caught instead of silently changing the stream)."""
 REF = np.dtype([(name, np.int64) for name in REF_COLUMNS])
 """A table of references, read by field; a state keeps one int64 tensor per column, by name."""
-Replay = Callable[[np.ndarray], list[Sample]]
-"""Re-reads references (an array of :data:`REF`) -> the samples, in order."""
-
-
-def refs_of(n: int) -> np.ndarray:
-    return np.zeros(n, dtype=REF)
 
 
 def require_fields(record: Mapping[str, Any], names: Iterable[str], what: str) -> None:
@@ -115,55 +108,30 @@ def require_fields(record: Mapping[str, Any], names: Iterable[str], what: str) -
                          f"version (state version={STATE_VERSION})?")
 
 
-def refs_to_state(refs: np.ndarray) -> dict[str, torch.Tensor]:
-    """A :data:`REF` array as plain data: ``{column: int64 tensor}``."""
-    return {name: torch.from_numpy(np.ascontiguousarray(refs[name])) for name in REF_COLUMNS}
-
-
-def refs_from_state(columns: Mapping[str, Any]) -> np.ndarray:
-    """Inverse of :func:`refs_to_state` (``ValueError`` naming a missing column)."""
-    require_fields(columns, REF_COLUMNS, "a reference table")
-    out = refs_of(len(columns["length"]))
-    for name in REF_COLUMNS:
-        out[name] = np.asarray(columns[name], dtype=np.int64)
-    return out
-
-
-def ref_of(sample: Sample) -> tuple[int, ...] | None:
-    """The reference of ``sample`` as a :data:`REF` record, or None when it has no origin."""
-    o = sample.origin
-    if o is None:
-        return None
-    return tuple({"source": o.source, "shard": o.shard, "offset": o.offset, "number": o.number, "epoch": o.epoch,
-                  "chunk": o.chunk, "length": len(sample)}[name] for name in REF_COLUMNS)
-
-
 def make_table(is_ref: np.ndarray, refs: np.ndarray, stored: Sequence[Sample]) -> dict[str, Any]:
     """The one layout of a table: which rows are references (bool ``[n]``), the references (an array of
     :data:`REF`, in order) and the tokens of the other rows (:func:`samples_to_state`, in order)."""
     # a copy: torch.from_numpy of an empty array may share its (null) storage with the empty refs columns,
     # which torch.save refuses as one storage seen as two types
-    return {"is_ref": torch.tensor(np.asarray(is_ref, dtype=bool), dtype=torch.bool), "refs": refs_to_state(refs),
+    return {"is_ref": torch.tensor(np.asarray(is_ref, dtype=bool), dtype=torch.bool),
+            "refs": {name: torch.from_numpy(np.ascontiguousarray(refs[name])) for name in REF_COLUMNS},
             "stored": samples_to_state(stored)}
 
 
-def samples_to_table(samples: Sequence[Sample], *, by_reference: bool) -> dict[str, Any]:
-    """Samples -> a table: a reference for each sample with an origin (when ``by_reference``), the tokens
-    of the others (:func:`samples_to_state`), and which is which."""
-    records = [ref_of(s) if by_reference else None for s in samples]
-    is_ref = np.array([r is not None for r in records], dtype=bool)
-    return make_table(is_ref, np.array([r for r in records if r is not None], dtype=REF),
-                      [s for s, r in zip(samples, is_ref) if not r])
-
-
-def refs_table(refs: np.ndarray) -> dict[str, Any]:
-    """A table of references only (no stored tokens)."""
-    return make_table(np.ones(len(refs), dtype=bool), refs, [])
+def samples_to_table(samples: Sequence[Sample]) -> dict[str, Any]:
+    """Samples -> a table of their tokens (what a graph that cannot re-read carries; the packer writes its
+    references itself)."""
+    return make_table(np.zeros(len(samples), dtype=bool), np.zeros(0, dtype=REF), samples)
 
 
 def table_refs(table: Mapping[str, Any]) -> np.ndarray:
-    """The references of a table, as a :data:`REF` array."""
-    return refs_from_state(table["refs"])
+    """The references of a table, as a :data:`REF` array (``ValueError`` naming a missing column)."""
+    columns = table["refs"]
+    require_fields(columns, REF_COLUMNS, "a reference table")
+    out = np.zeros(len(columns["length"]), dtype=REF)
+    for name in REF_COLUMNS:
+        out[name] = np.asarray(columns[name], dtype=np.int64)
+    return out
 
 
 def table_size(table: Mapping[str, Any]) -> int:
@@ -183,7 +151,7 @@ def table_slice(table: Mapping[str, Any], lo: int, hi: int) -> dict[str, Any]:
 
 def concat_tables(tables: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if not tables:
-        return samples_to_table([], by_reference=True)
+        return samples_to_table([])
     return make_table(torch.cat([t["is_ref"] for t in tables]).numpy(), np.concatenate([table_refs(t) for t in tables]),
                       [s for t in tables for s in samples_from_state(t["stored"])])
 
@@ -321,12 +289,3 @@ def nested(tree: Any) -> Iterator[Mapping[str, Any]]:
         return
     for child in children:
         yield from nested(child)
-
-
-def check_identities(saved: Mapping[int, Any], now: Callable[[int], Any], name: Callable[[int], str],
-                     mode: str = "tag") -> None:
-    """``ValueError`` naming each shard whose identity ``now(shard)`` (an ``io.storage.ShardStat``)
-    is not the saved one, compared as ``mode`` (``OpenOptions.identity``) says."""
-    for shard, ident in saved.items():
-        shard_identity.check(name(shard), ident, now(shard), mode, since="the states were saved",
-                             prefix="cannot resume: ", consequence="; their positions point into the old contents")

@@ -1,11 +1,7 @@
-"""Equal step counts agreed at run time, for finite data whose batch counts cannot be planned.
-
-Text shards and stages that change lengths cannot be planned: build the dataset with
-``TopologyOptions(equal_batches="sync")`` and iterate ``streampack.sync_batches(loader, ds, group=)``.
-Each step all-reduces MAX of "I still have a batch"; a rank that ran out steps on ``ds.filler()`` and
-the loop ends on every rank in the same step. Cost: one tiny all-reduce per step (0.35 ms with gloo,
-2 local processes), and the training loop's cooperation, which is why planning is the default.
-"""
+"""Equal step counts agreed at run time, for finite data whose batch counts cannot be planned (text shards, stages
+that change lengths): ``TopologyOptions(equal_batches="sync")`` and ``streampack.sync_batches(loader, ds, group=)``,
+one all-reduce per step and the training loop's cooperation, which is why planning is the default
+(``docs/dataset.md``)."""
 
 from __future__ import annotations
 

@@ -200,3 +200,13 @@ def test_window_256_fills_within_a_tenth_of_a_point_of_offline_bfd() -> None:
     offline = lengths.sum() / (packing.pack_flat(lengths, 4096, "bfd").num_bins * 4096)
     online = lengths.sum() / (count_packs(PackerRules(capacity=4096, window=256), lengths) * 4096)
     assert 0 <= offline - online < 0.001, (offline, online)
+
+
+def test_a_document_over_the_capacity_is_refused_by_key() -> None:
+    """A source that is not an overlong node may hand the packer a document no pack holds: refused naming it."""
+    samples = make_samples([10, CAP + 1, 20], seed=1)
+    packer = WindowPacker(ListSource(samples), rules=PackerRules(capacity=CAP, window=8), shuffle=False)
+    packer.reset()
+    with pytest.raises(ValueError, match=rf"sample '{samples[1].doc_key}' has {CAP + 1} tokens \({CAP + 1} aligned\), "
+                                         rf"more than capacity={CAP}; apply an overlong policy before packing"):
+        next(packer)

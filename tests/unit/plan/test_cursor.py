@@ -19,6 +19,7 @@ from topology_sim import roundtrip
 
 import streampack
 from streampack import PackedDataset
+from streampack.io.index import load_or_build_index
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.reader import KIND as READER_KIND
 from streampack.nodes.reader import ShardReader
@@ -26,7 +27,8 @@ from streampack.nodes.window_packer import WindowPacker
 from streampack.options import PackOptions
 from streampack.plan import rows as row_table
 from streampack.plan.cursor import Pulled, Split, Undelivered
-from streampack.plan.elastic import find_state, shard_samples
+from streampack.plan.elastic import find_state
+from streampack.plan.epoch_plan import ShardSamples
 from streampack.plan.state import REF_COLUMNS, table_lengths, table_refs, table_size
 
 CAP = 64
@@ -112,7 +114,8 @@ def test_what_the_nodes_hand_out_is_exactly_what_is_still_to_come(tmp_path, monk
     options = _make(urls).config.read
     pulled, after = left.pulled, 0
     for shard, url in enumerate(urls):  # one reader, no shuffle: shards in order, each whole
-        samples = shard_samples(url, options)
+        samples = ShardSamples.of(load_or_build_index(url, decode=options.decode(), opts=options.open_options(),
+                                                      cache_dir=options.cache_dir))
         lengths = samples.costs(tokens=True)
         if shard > pulled.shard:
             after += int(lengths.sum())

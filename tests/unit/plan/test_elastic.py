@@ -157,14 +157,16 @@ def _tag_epoch(sample):
     return replace(sample, key=f"{sample.key}@{sample.origin.epoch}")
 
 
-def test_elastic_infinite_stream_text_and_tokenizer(tmp_path):
+@pytest.mark.parametrize("num_shards,a,b", [(3, 2, 1), (1, 2, 2)])
+def test_elastic_infinite_stream_text_and_tokenizer(tmp_path, num_shards, a, b):
     """Infinite stream, text tokenized in blocks (samples read but not yet tokenized at save):
-    every (sample, epoch) up to the resumed epoch E* exactly once, later epochs at most once."""
-    urls = write_jsonl_shards(tmp_path, make_text_docs(50, seed=2), 3)
+    every (sample, epoch) up to the resumed epoch E* exactly once, later epochs at most once. With
+    fewer shards than old readers, each old reader read a part of a shard (``ShardIndex.part``)."""
+    urls = write_jsonl_shards(tmp_path, make_text_docs(50, seed=2), num_shards)
     kw = {"tokenizer": lambda t: list(t.encode()), "tokenize": TokenizeOptions(block_size=5), "stages": [_tag_epoch],
           "packing": PackOptions(window=6), "epochs": None, "capacity": 64}
     make = lambda r, size: _ds(urls, r, size, **kw)  # noqa: E731
-    consumed, states = _old_run(make, 2, 1, 7)
+    consumed, states = _old_run(make, a, b, 7)
     probe = make(0, 3)
     last = elastic.remaining(states, probe.config, probe.sources, probe.stages).epoch
     for rank in range(3):

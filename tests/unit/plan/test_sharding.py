@@ -12,7 +12,7 @@ from node_checks import roundtrip
 
 from streampack.nodes.reader import ShardReader
 from streampack.options.topology import Placement
-from streampack.plan.sharding import assign_shards, cut_two_level, epoch_permutation
+from streampack.plan.sharding import assign_shards, epoch_permutation
 from streampack.plan.topology import Worker, current_worker, resolve_topology
 
 
@@ -220,6 +220,32 @@ def test_auto_topology_from_env(tmp_path, monkeypatch):
     reader = ShardReader(urls, place=place, epochs=1)
     assert reader.global_worker == 1 and reader.global_workers == 2
     assert Placement.current(dp_rank=0, dp_size=3).global_workers == 3  # explicit values come first
+
+
+def cut_balanced(costs: np.ndarray, parts: int) -> np.ndarray:
+    """The reference cut over every item: int64 ``[parts + 1]`` boundaries cutting ``costs`` into ``parts``
+    contiguous ranges whose sums are as equal as cuts between items allow: boundary ``k`` is the prefix whose cost is
+    nearest ``k / parts`` of the total (ties to the shorter prefix). Its float64 prefix sums are exact integers below
+    2**53, so ``PrefixCut``'s integer sums must give the same boundaries."""
+    if parts < 1:
+        raise ValueError(f"{parts=} must be >= 1")
+    prefix = np.concatenate([[0], np.cumsum(np.asarray(costs, dtype=np.float64))])
+    targets = prefix[-1] * np.arange(1, parts) / parts
+    above = np.searchsorted(prefix, targets, side="left")
+    below = np.maximum(above - 1, 0)
+    nearer_below = (targets - prefix[below]) <= (prefix[np.minimum(above, len(prefix) - 1)] - targets)
+    inner = np.where(nearer_below, below, above)
+    return np.concatenate([[0], np.maximum.accumulate(inner), [len(prefix) - 1]]).astype(np.int64)
+
+
+def cut_two_level(costs: np.ndarray, ranks: int, workers: int) -> np.ndarray:
+    """``[ranks * workers + 1]`` boundaries: ranks balanced first, then each rank's workers."""
+    outer = cut_balanced(costs, ranks)
+    out = [0]
+    for r in range(ranks):
+        lo, hi = int(outer[r]), int(outer[r + 1])
+        out.extend((lo + cut_balanced(costs[lo:hi], workers)[1:]).tolist())
+    return np.asarray(out, dtype=np.int64)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -166,7 +166,7 @@ def test_node_records_are_one_leaf_each_and_a_state_of_another_layout_is_refused
     every batch (``_unflatten``: work per leaf and per level of its key): each reader's config and
     identity and each node's counters and metrics are one JSON text now, so a state is 44 leaves
     and 199 key levels, not 82 and 426 (streampack.plan.state.record_text). The packer's carried
-    references are one tensor per named column (``state.refs_to_state``: no column read by
+    references are one tensor per named column (``state.make_table``: no column read by
     position), 6 leaves and 37 key levels more: 50 and 236. Decoded the records are the dicts
     they were. No release ever wrote another layout, so none is read: a state of the layout that
     kept them as dicts (version 3) is refused naming both versions, and so is one that claims this

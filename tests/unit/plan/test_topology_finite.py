@@ -115,7 +115,7 @@ def test_plan_counts_exactly_the_packs_the_node_emits(seed):
     from streampack.plan.state import samples_to_table
 
     node = WindowPacker(ListSource(make_samples(lengths)), rules=rules,  # the very rules the plan counts with
-                        carry=samples_to_table(make_samples(carry), by_reference=False))
+                        carry=samples_to_table(make_samples(carry)))
     assert count_packs(rules, lengths, carry) == sum(1 for _ in node)
 
 
@@ -133,7 +133,7 @@ def test_plan_counts_the_warmup_rounds_exactly(seed):
     from streampack.plan.state import samples_to_table
 
     node = WindowPacker(ListSource(make_samples(lengths)), rules=rules,
-                        carry=samples_to_table(make_samples(carry), by_reference=False))
+                        carry=samples_to_table(make_samples(carry)))
     assert count_packs(rules, lengths, carry) == sum(1 for _ in node)
     assert node.metrics["rounds"] >= 2  # the ramp ran (not one flush round)
 
