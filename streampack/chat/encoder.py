@@ -1,0 +1,267 @@
+"""Chat records -> tokens and a loss mask: rendered with the tokenizer's own chat template, supervised on the turns
+the user names.
+
+Rendering is transformers' (the jinja renderer ``apply_chat_template`` runs, with the tokenizer's special tokens),
+and the rendered text is tokenized as ``apply_chat_template`` does (``add_special_tokens=False``), so ids equal it.
+A token is supervised when its characters overlap a supervised span (the rule of ``return_assistant_tokens_mask``):
+
+- a template with ``{% generation %}`` markers gives the assistant spans itself, so the mask is exactly
+  ``return_assistant_tokens_mask``'s;
+- otherwise each turn's span is found from the rendering: turn ``i`` of role ``r`` starts where the rendering of
+  ``messages[:i]`` ends (with the generation prompt when ``r`` is ``assistant``: the header is prompt, not answer)
+  and ends where the rendering of ``messages[:i + 1]`` ends. Both must be prefixes of the whole rendering: a
+  template that rewrites earlier turns (one that drops past reasoning) fails that check for them and the record
+  is refused (``chat_template_rewrites``), never mis-masked; the final turn is always checkable
+  (``train_on="last"``). A turn whose role renders nothing is ``chat_role_unplaced``; a role the template
+  raises on is ``chat_template_error``.
+
+``prompt`` / ``completion`` records follow TRL: strings are tokenized as text (EOS appended unless the completion
+ends with it), message lists are rendered; the completion starts where the ids of the prompt alone and of the
+whole diverge. Cost: rendering a conversation of ``n`` turns renders ``n`` prefixes (``benchmarks/bench_chat.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from streampack.chat.records import Conversation, conversation
+from streampack.errors import DataError
+from streampack.io.limits import id_bound
+from streampack.options.tokenize import ChatOptions
+from streampack.sample import Sample
+
+GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def chat_tokenizer(tokenizer: Any, template: str | None) -> Any:
+    """A HF fast tokenizer with a chat template: the one given, or a ``tokenizers.Tokenizer`` / ``tokenizer.json``
+    wrapped (then ``template`` is required)."""
+    if isinstance(tokenizer, (str, os.PathLike)) or type(tokenizer).__module__.startswith("tokenizers"):
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer) if not isinstance(
+            tokenizer, (str, os.PathLike)) else PreTrainedTokenizerFast(tokenizer_file=os.fspath(tokenizer))
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise TypeError(f"chat= needs a transformers tokenizer (or a tokenizers.Tokenizer with ChatOptions("
+                        f"template=...)), got {type(tokenizer).__name__}")
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError(f"chat= needs a fast tokenizer (character offsets locate the turns), got "
+                        f"{type(tokenizer).__name__}")
+    if template is None and tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat_template: pass ChatOptions(template=...)")
+    return tokenizer
+
+
+@dataclass(slots=True, kw_only=True)
+class Rendered:
+    """One conversation on its way to tokens: its text, supervised character spans and the character ends of the
+    supervised turns (where a cut may end it), then its ids and mask."""
+
+    text: str
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    cuts: list[int] = field(default_factory=list)
+    ids: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    cut_tokens: list[int] = field(default_factory=list)
+
+    def tokenized(self, ids: Sequence[int], offsets: Sequence[tuple[int, int]]) -> None:
+        """Every token overlapping a supervised span is supervised (``return_assistant_tokens_mask``'s rule)."""
+        self.ids = np.asarray(ids, np.int64)
+        at = np.asarray(offsets, np.int64).reshape(-1, 2)
+        self.mask = np.zeros(self.ids.shape[0], dtype=bool)
+        for a, b in self.spans:
+            self.mask |= (at[:, 1] > a) & (at[:, 0] < b)
+        self.cut_tokens = [int(np.searchsorted(at[:, 0], c)) for c in self.cuts]
+
+
+class ChatEncoder:
+    """Chat samples -> tokenized samples with ``loss_mask``; the :class:`~streampack.nodes.tokenize.Tokenize` node's
+    encoder when ``TokenizeOptions.chat`` is set. ``encode(block)`` returns per sample the result, None (dropped as
+    overlong) or the :class:`DataError`; ``events`` counts the last block's ``truncated`` / ``dropped``."""
+
+    COUNTERS = ("truncated", "dropped")
+
+    def __init__(self, tokenizer: Any, options: ChatOptions, *, vocab_size: int | None = None,
+                 max_len: int | None = None, media: Any = None) -> None:
+        self.tokenizer = chat_tokenizer(tokenizer, options.template)
+        self.options, self.vocab_size, self.media = options, vocab_size, media
+        self.max_len = None if options.overlong == "policy" else max_len
+        self.template = self.tokenizer.get_chat_template(options.template)
+        self.markers = GENERATION.search(self.template) is not None
+        self.events = dict.fromkeys(self.COUNTERS, 0)
+
+    def __call__(self, sample: Sample) -> Sample:
+        out = self.encode([sample])[0]
+        if isinstance(out, DataError):
+            raise out
+        if out is None:
+            raise DataError("chat_overlong", f"the conversation is longer than {self.max_len} tokens",
+                            url=sample.url, key=sample.key, value=self.max_len)
+        return out
+
+    def encode(self, samples: Sequence[Sample]) -> list[Sample | DataError | None]:
+        """Chat samples are rendered and tokenized as one batch; any other sample passes."""
+        self.events = dict.fromkeys(self.COUNTERS, 0)
+        out: list[Sample | DataError | None] = list(samples)
+        todo: list[tuple[int, Rendered]] = []
+        for i, s in enumerate(samples):
+            if s.chat is None:
+                if s.tokens is None:
+                    out[i] = DataError("not_chat", "a text sample reached the chat stage: chat= renders chat records "
+                                       "(messages, conversations, prompt/completion)", url=s.url, key=s.key,
+                                       value=None)
+                continue
+            try:
+                todo.append((i, self._render(s)))
+            except DataError as e:
+                out[i] = e
+        texts = [r for _, r in todo if r.ids is None]
+        if texts:
+            enc = self.tokenizer([r.text for r in texts], add_special_tokens=False, return_offsets_mapping=True)
+            for r, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"]):
+                r.tokenized(ids, offsets)
+        for i, r in todo:
+            out[i] = self._finish(samples[i], r)
+        return out
+
+    def _render(self, sample: Sample) -> Rendered:
+        conv = conversation(sample.chat, self.options.image_placeholder, url=sample.url, key=sample.key)
+        if conv.text_pair is None:
+            return self._turns(conv, sample)
+        prompt, completion = conv.text_pair
+        eos = self.tokenizer.eos_token
+        if eos and not completion.endswith(eos):  # TRL: a plain completion learns to stop
+            completion += eos
+        # TRL: both tokenized with the tokenizer's own special tokens; the completion starts where they diverge
+        before, ids = self.tokenizer([prompt, prompt + completion])["input_ids"]
+        mask = np.ones(len(ids), dtype=bool)
+        mask[:_common_prefix(before, ids) if self.options.completion_only else 0] = False
+        return Rendered(text=prompt + completion, ids=np.asarray(ids, np.int64), mask=mask)
+
+    def _turns(self, conv: Conversation, sample: Sample) -> Rendered:
+        messages, opts = list(conv.messages), self.options
+        n = len(messages)
+        plain = self._render_all([messages[:i] for i in range(1, n + 1)], conv, sample)
+        full = plain[-1]
+        for i in range(n):
+            if plain[i] == (plain[i - 1] if i else ""):
+                raise DataError("chat_role_unplaced", f"the chat template renders nothing for turn {i} (role "
+                                f"{messages[i]['role']!r}): it cannot place that role", url=sample.url,
+                                key=sample.key, value=messages[i]["role"])
+        if conv.prompt_turns is not None:  # TRL's conversational prompt-completion: the completion's turns
+            chosen = list(range(conv.prompt_turns if opts.completion_only else 0, n))
+        else:
+            chosen = [i for i, m in enumerate(messages) if m["role"] in opts.roles]
+            if opts.train_on == "last":
+                chosen = [i for i in chosen if messages[i]["role"] == "assistant"][-1:]
+        if not chosen:
+            raise DataError("chat_nothing_supervised", f"no turn of the roles {opts.roles} to supervise",
+                            url=sample.url, key=sample.key, value=opts.roles)
+        marked = self._marked(conv, sample) if self.markers and conv.prompt_turns is None else {}
+        assistant = [i for i in chosen if messages[i]["role"] == "assistant" and i not in marked]
+        gen = dict(zip(assistant, self._render_all([messages[:i] for i in assistant], conv, sample, generation=True)))
+        spans, cuts = [], []
+        for i in chosen:
+            if i in marked:  # the template's own span: no prefix to check
+                a, b = marked[i]
+            else:
+                before = gen[i] if i in gen else (plain[i - 1] if i else "")
+                if not (full.startswith(before) and full.startswith(plain[i])):
+                    raise DataError("chat_template_rewrites", f"the chat template renders turn {i} (role "
+                                    f"{messages[i]['role']!r}) differently once later turns follow (it rewrites "
+                                    f"earlier turns, e.g. drops past reasoning); train_on='last' supervises only "
+                                    f"the final turn", url=sample.url, key=sample.key, value=i)
+                a, b = len(before), len(plain[i])
+            spans.append((a, self._content_end(full, a, b, messages[i], sample)))
+            cuts.append(b)
+        return Rendered(text=full, spans=spans, cuts=cuts)
+
+    def _marked(self, conv: Conversation, sample: Sample) -> dict[int, tuple[int, int]]:
+        """Assistant turn -> its ``{% generation %}`` span (what ``return_assistant_tokens_mask`` marks)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        _, (spans,) = render_jinja_template(conversations=[list(conv.messages)], tools=conv.tools,
+                                            chat_template=self.template, return_assistant_tokens_mask=True,
+                                            **self.tokenizer.special_tokens_map)
+        turns = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        if len(spans) != len(turns):
+            raise DataError("chat_template_error", f"the chat template marks {len(spans)} generation spans for "
+                            f"{len(turns)} assistant turns", url=sample.url, key=sample.key, value=len(spans))
+        return dict(zip(turns, map(tuple, spans)))
+
+    def _content_end(self, full: str, start: int, end: int, message: dict[str, Any], sample: Sample) -> int:
+        """``end`` (the turn's end-of-turn text supervised), or where its content ends when ``train_on_eot`` is
+        False."""
+        if self.options.train_on_eot:
+            return end
+        content = message.get("content")
+        text = content if isinstance(content, str) else "".join(
+            p.get("text", "") for p in content or () if isinstance(p, dict))
+        at = full.rfind(text.rstrip(), start, end) if text.strip() else -1
+        if at < 0:
+            raise DataError("chat_template_rewrites", f"the template does not render the content of a "
+                            f"{message['role']!r} turn verbatim, so its end-of-turn text cannot be told apart "
+                            f"(train_on_eot=False)", url=sample.url, key=sample.key, value=message["role"])
+        return at + len(text.rstrip())
+
+    def _render_all(self, prefixes: list[list[dict[str, Any]]], conv: Conversation, sample: Sample, *,
+                    generation: bool = False) -> list[str]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if not prefixes:
+            return []
+        try:
+            rendered, _ = render_jinja_template(conversations=prefixes, tools=conv.tools, chat_template=self.template,
+                                                add_generation_prompt=generation, **self.tokenizer.special_tokens_map)
+        except Exception as e:  # noqa: BLE001 — jinja's raise_exception and any template failure
+            roles = tuple(m["role"] for m in prefixes[-1])
+            raise DataError("chat_template_error", f"the chat template refused the conversation: "
+                            f"{type(e).__name__}: {str(e)[:160]}", url=sample.url, key=sample.key,
+                            value=roles) from None
+        return rendered
+
+    def _finish(self, sample: Sample, r: Rendered) -> Sample | DataError | None:
+        ids, mask = r.ids, r.mask
+        assert ids is not None and mask is not None
+        if ids.size and int(ids.max()) >= id_bound(self.vocab_size):
+            return DataError("out_of_vocab_id", f"the tokenizer returned token id {int(ids.max())}, not below "
+                             f"vocab_size={self.vocab_size}", url=sample.url, key=sample.key, value=int(ids.max()))
+        if not mask.any():
+            return DataError("chat_nothing_supervised", "no token of the supervised turns survived tokenizing",
+                             url=sample.url, key=sample.key, value=None)
+        images = sample.images
+        if self.max_len is not None and self._length(ids, images) > self.max_len:
+            fit = [c for c in r.cut_tokens if self._length(ids[:c], images) <= self.max_len]
+            if self.options.overlong == "drop" or not fit:
+                self.events["dropped"] += 1
+                return None
+            ids, mask = ids[:max(fit)], mask[:max(fit)]
+            if self.media is not None:
+                images = images[:int((ids == self.media.image_token_id).sum())]
+            self.events["truncated"] += 1
+        return replace(sample, tokens=ids, loss_mask=mask, chat=None, text=None, images=images)
+
+    def _length(self, ids: np.ndarray, images: tuple[Any, ...]) -> int:
+        """Tokens once the media rule expands each image placeholder (the packing length)."""
+        if self.media is None or not images:
+            return int(ids.shape[0])
+        from streampack.media.stage import media_counts
+
+        counts, videos = media_counts(Sample(key="", tokens=ids, images=images), self.media)
+        placed = int((ids == self.media.image_token_id).sum())
+        return int(ids.shape[0]) + sum(counts[:placed]) - placed + sum(videos)
+
+    def close(self) -> None:
+        """Nothing to release (the tokenizer batches in its own threads)."""
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
