@@ -152,6 +152,8 @@ def fingerprint_settings(config: StreamConfig) -> dict[str, Any]:
         del settings["balance"]["seeded"]
     if config.media is not None:
         settings["media"] = config.media.recorded()
+    if config.tokenize.chat is not None:  # how records become tokens and masks (a template by its digest)
+        settings["chat"] = config.tokenize.chat.recorded()
     return settings
 
 

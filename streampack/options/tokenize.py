@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 from streampack.options._check import need_choice, need_int, need_type
 
@@ -52,6 +54,14 @@ class ChatOptions:
         need_type("ChatOptions", "image_placeholder", self.image_placeholder, str)
         if not self.image_placeholder:
             raise ValueError("ChatOptions(image_placeholder=''): must be a non-empty string")
+
+    def recorded(self) -> dict[str, Any]:
+        """What a resume state's fingerprint records: the fields, a template by its sha1."""
+        out = {f: getattr(self, f) for f in self.__slots__}
+        if self.template is not None:
+            out["template"] = "sha1:" + hashlib.sha1(self.template.encode()).hexdigest()[:16]
+        out["train_on"] = list(self.train_on) if isinstance(self.train_on, tuple) else self.train_on
+        return out
 
     @property
     def roles(self) -> tuple[str, ...]:
