@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers_chat import (CHATML, GENERATION, LLAMA3, REASONING, USER_ASSISTANT, chat_tokenizer, conversations,
-                          words)
+from helpers_chat import CHATML, GENERATION, LLAMA3, REASONING, USER_ASSISTANT, chat_tokenizer, conversations, words
 from node_checks import ListSource, check_save_load, drain
 
 from streampack.chat import ChatEncoder
