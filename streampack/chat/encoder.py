@@ -26,6 +26,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -73,7 +74,7 @@ class Rendered:
     def tokenized(self, ids: Sequence[int], offsets: Sequence[tuple[int, int]]) -> None:
         """Every token overlapping a supervised span is supervised (``return_assistant_tokens_mask``'s rule)."""
         self.ids = np.asarray(ids, np.int64)
-        at = np.asarray(offsets, np.int64).reshape(-1, 2)
+        at = np.fromiter(chain.from_iterable(offsets), np.int64, count=2 * len(offsets)).reshape(-1, 2)
         self.mask = np.zeros(self.ids.shape[0], dtype=bool)
         for a, b in self.spans:
             self.mask |= (at[:, 1] > a) & (at[:, 0] < b)
@@ -122,10 +123,10 @@ class ChatEncoder:
             except DataError as e:
                 out[i] = e
         texts = [r for _, r in todo if r.ids is None]
-        if texts:
-            enc = self.tokenizer([r.text for r in texts], add_special_tokens=False, return_offsets_mapping=True)
-            for r, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"]):
-                r.tokenized(ids, offsets)
+        if texts:  # the fast tokenizer's own batch call, as apply_chat_template tokenizes (no special tokens added)
+            for r, e in zip(texts, self.tokenizer.backend_tokenizer.encode_batch([r.text for r in texts],
+                                                                                 add_special_tokens=False)):
+                r.tokenized(e.ids, e.offsets)
         for i, r in todo:
             out[i] = self._finish(samples[i], r)
         return out
