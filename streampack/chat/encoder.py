@@ -239,7 +239,8 @@ class ChatEncoder:
         images = sample.images
         if self.max_len is not None and self._length(ids, images) > self.max_len:
             fit = [c for c in r.cut_tokens if self._length(ids[:c], images) <= self.max_len]
-            if self.options.overlong == "drop" or not fit:
+            if self.options.overlong == "drop" or not fit or any(hasattr(m, "frames") for m in images):
+                # a video's frames are not cut with the text: a conversation with one is kept whole or dropped
                 self.events["dropped"] += 1
                 return None
             ids, mask = ids[:max(fit)], mask[:max(fit)]

@@ -107,7 +107,7 @@ ALLOWED = {
     "rl": {"packing", "layout"},
     "integrations": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "options", "plan"},
     "cli": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "integrations", "options",
-            "plan"},
+            "plan", "chat"},
 }
 LEAVES = {"errors", "logs", "sample", "plan.state", "plan.topology"}
 
