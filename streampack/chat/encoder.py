@@ -128,7 +128,10 @@ class ChatEncoder:
                                                                                  add_special_tokens=False)):
                 r.tokenized(e.ids, e.offsets)
         for i, r in todo:
-            out[i] = self._finish(samples[i], r)
+            try:
+                out[i] = self._finish(samples[i], r)
+            except DataError as e:  # an image header the media rule refuses
+                out[i] = e
         return out
 
     def _render(self, sample: Sample) -> Rendered:
@@ -239,8 +242,8 @@ class ChatEncoder:
         images = sample.images
         if self.max_len is not None and self._length(ids, images) > self.max_len:
             fit = [c for c in r.cut_tokens if self._length(ids[:c], images) <= self.max_len]
-            if self.options.overlong == "drop" or not fit or any(hasattr(m, "frames") for m in images):
-                # a video's frames are not cut with the text: a conversation with one is kept whole or dropped
+            video = any(hasattr(m, "frames") for m in images)  # frames are not cut with the text: kept or dropped
+            if self.options.overlong == "drop" or not fit or video:
                 self.events["dropped"] += 1
                 return None
             ids, mask = ids[:max(fit)], mask[:max(fit)]
@@ -258,9 +261,6 @@ class ChatEncoder:
         counts, videos = media_counts(Sample(key="", tokens=ids, images=images), self.media)
         placed = int((ids == self.media.image_token_id).sum())
         return int(ids.shape[0]) + sum(counts[:placed]) - placed + sum(videos)
-
-    def close(self) -> None:
-        """Nothing to release (the tokenizer batches in its own threads)."""
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
