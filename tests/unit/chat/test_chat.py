@@ -52,6 +52,8 @@ def test_mask_equals_return_assistant_tokens_mask_with_and_without_markers() -> 
 
 
 def test_turn_selection_and_end_of_turn() -> None:
+    """axolotl's chat_template strategy tests, adapted: ``roles_to_train`` (every assistant turn, the last only,
+    the user's turns) and ``train_on_eos`` (the end-of-turn token trained with its turn, or not)."""
     tok = chat_tokenizer(LLAMA3)
     record = {"messages": [{"role": "system", "content": "w9"}, {"role": "user", "content": "w1 w2"},
                            {"role": "assistant", "content": "w3 w4"}, {"role": "user", "content": "w5"},
