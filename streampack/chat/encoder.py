@@ -175,16 +175,35 @@ class ChatEncoder:
             if i in marked:  # the template's own span: no prefix to check
                 a, b = marked[i]
             else:
-                before = gen[i] if i in gen else (plain[i - 1] if i else "")
-                if not (full.startswith(before) and full.startswith(plain[i])):
-                    raise DataError("chat_template_rewrites", f"the chat template renders turn {i} (role "
-                                    f"{messages[i]['role']!r}) differently once later turns follow (it rewrites "
-                                    f"earlier turns, e.g. drops past reasoning); train_on='last' supervises only "
-                                    f"the final turn", url=sample.url, key=sample.key, value=i)
-                a, b = len(before), len(plain[i])
+                a, b = self._span(i, messages[i], plain, gen.get(i), full, sample)
+                if conv.prompt_turns is None:  # the separator after the end-of-turn token is the next turn's
+                    b = a + len(full[a:b].rstrip())  # (as templates with generation markers mark it)
             spans.append((a, self._content_end(full, a, b, messages[i], sample)))
             cuts.append(b)
         return Rendered(text=full, spans=spans, cuts=cuts)
+
+    def _span(self, i: int, message: dict[str, Any], plain: list[str], gen: str | None, full: str,
+              sample: Sample) -> tuple[int, int]:
+        """Where turn ``i`` starts and ends in ``full``, from the renderings of its prefixes (``gen``: with the
+        generation prompt); ``chat_template_rewrites`` when they cannot tell."""
+        prev = plain[i - 1] if i else ""
+        history = _common_prefix(prev, full)  # a template may end a conversation with EOS: not the next turn's
+        if gen is None:
+            a = len(prev) if history == len(prev) else -1
+        else:  # after the generation prompt, or the part of it the turn renders (one that opens a reasoning block)
+            a = _common_prefix(gen, full)
+            a = a if a > history or gen == prev else -1  # none of a non-empty prompt: the header is unknown
+        b = len(plain[i])
+        if not full.startswith(plain[i]):  # where the two part, in whole tokens: "</s>" and "<|user|>" share "<"
+            turn, whole = self.tokenizer.backend_tokenizer.encode_batch([plain[i], full], add_special_tokens=False)
+            k = _common_prefix(turn.ids, whole.ids)
+            b = whole.offsets[k - 1][1] if k else 0
+        if a < 0 or b < len(plain[i]) and not _renders(full, a, b, message):
+            raise DataError("chat_template_rewrites", f"the chat template renders turn {i} (role "
+                            f"{message['role']!r}) differently once later turns follow (it rewrites earlier turns, "
+                            f"e.g. drops past reasoning); train_on='last' supervises only the final turn",
+                            url=sample.url, key=sample.key, value=i)
+        return a, b
 
     def _marked(self, conv: Conversation, sample: Sample) -> dict[int, tuple[int, int]]:
         """Assistant turn -> its ``{% generation %}`` span (what ``return_assistant_tokens_mask`` marks)."""
@@ -204,9 +223,7 @@ class ChatEncoder:
         False."""
         if self.options.train_on_eot:
             return end
-        content = message.get("content")
-        text = content if isinstance(content, str) else "".join(
-            p.get("text", "") for p in content or () if isinstance(p, dict))
+        text = _text(message)
         at = full.rfind(text.rstrip(), start, end) if text.strip() else -1
         if at < 0:
             raise DataError("chat_template_rewrites", f"the template does not render the content of a "
@@ -263,7 +280,23 @@ class ChatEncoder:
         return int(ids.shape[0]) + sum(counts[:placed]) - placed + sum(videos)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else "".join(
+        p.get("text", "") for p in content or () if isinstance(p, dict))
+
+
+def _renders(full: str, start: int, end: int, message: dict[str, Any]) -> bool:
+    """Whether the message's text is rendered whole in ``full[start:end]`` (a turn that parts from the whole
+    rendering only after its content: the template writes something only after a conversation's last turn)."""
+    text = _text(message).strip()
+    return bool(text) and full.find(text, start, end) >= 0
+
+
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items (ids, or characters of two strings) ``a`` and ``b`` share."""
     n = min(len(a), len(b))
+    if isinstance(a, str):
+        return len(os.path.commonprefix([a[:n], b[:n]]))
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if diff.size else n
