@@ -151,10 +151,13 @@ class ChatEncoder:
     def _turns(self, conv: Conversation, sample: Sample) -> Rendered:
         messages, opts = list(conv.messages), self.options
         n = len(messages)
-        plain = self._render_all([messages[:i] for i in range(1, n + 1)], conv, sample)
+        # a template may refuse a prefix (a lone system turn: "no user query"); only the renderings a trained turn
+        # reads must exist
+        plain = self._render_all([messages[:i] for i in range(1, n + 1)], conv, sample, partial=True)
         full = plain[-1]
+        assert full is not None
         for i in range(n):
-            if plain[i] == (plain[i - 1] if i else ""):
+            if plain[i] is not None and plain[i] == (plain[i - 1] if i else ""):
                 raise DataError("chat_role_unplaced", f"the chat template renders nothing for turn {i} (role "
                                 f"{messages[i]['role']!r}): it cannot place that role", url=sample.url,
                                 key=sample.key, value=messages[i]["role"])
@@ -172,6 +175,10 @@ class ChatEncoder:
         gen = dict(zip(assistant, self._render_all([messages[:i] for i in assistant], conv, sample, generation=True)))
         spans, cuts = [], []
         for i in chosen:
+            if plain[i] is None or (i and plain[i - 1] is None):
+                raise DataError("chat_template_error", f"the chat template refuses the conversation up to turn {i} "
+                                f"(role {messages[i]['role']!r}), so where that turn ends cannot be read",
+                                url=sample.url, key=sample.key, value=i)
             if i in marked:  # the template's own span: no prefix to check
                 a, b = marked[i]
             else:
@@ -187,23 +194,28 @@ class ChatEncoder:
         """Where turn ``i`` starts and ends in ``full``, from the renderings of its prefixes (``gen``: with the
         generation prompt); ``chat_template_rewrites`` when they cannot tell."""
         prev = plain[i - 1] if i else ""
-        history = _common_prefix(prev, full)  # a template may end a conversation with EOS: not the next turn's
+        history = self._parting(prev, full)  # a template may end a conversation with EOS: not the next turn's
         if gen is None:
             a = len(prev) if history == len(prev) else -1
-        else:  # after the generation prompt, or the part of it the turn renders (one that opens a reasoning block)
-            a = _common_prefix(gen, full)
+        else:  # after the generation prompt, or the part of it the turn renders (one that opens a thinking block)
+            a = self._parting(gen, full)
             a = a if a > history or gen == prev else -1  # none of a non-empty prompt: the header is unknown
-        b = len(plain[i])
-        if not full.startswith(plain[i]):  # where the two part, in whole tokens: "</s>" and "<|user|>" share "<"
-            turn, whole = self.tokenizer.backend_tokenizer.encode_batch([plain[i], full], add_special_tokens=False)
-            k = _common_prefix(turn.ids, whole.ids)
-            b = whole.offsets[k - 1][1] if k else 0
+        b = self._parting(plain[i], full)
         if a < 0 or b < len(plain[i]) and not _renders(full, a, b, message):
             raise DataError("chat_template_rewrites", f"the chat template renders turn {i} (role "
                             f"{message['role']!r}) differently once later turns follow (it rewrites earlier turns, "
                             f"e.g. drops past reasoning); train_on='last' supervises only the final turn",
                             url=sample.url, key=sample.key, value=i)
         return a, b
+
+    def _parting(self, prefix: str, full: str) -> int:
+        """How much of ``full`` the rendering ``prefix`` is: all of it when a prefix, else up to where the two part
+        in whole tokens (``</s>`` and ``<|user|>`` share a ``<``, no token)."""
+        if full.startswith(prefix):
+            return len(prefix)
+        mine, whole = self.tokenizer.backend_tokenizer.encode_batch([prefix, full], add_special_tokens=False)
+        k = _common_prefix(mine.ids, whole.ids)
+        return whole.offsets[k - 1][1] if k else 0
 
     def _marked(self, conv: Conversation, sample: Sample) -> dict[int, tuple[int, int]]:
         """Assistant turn -> its ``{% generation %}`` span (what ``return_assistant_tokens_mask`` marks)."""
@@ -232,20 +244,33 @@ class ChatEncoder:
         return at + len(text.rstrip())
 
     def _render_all(self, prefixes: list[list[dict[str, Any]]], conv: Conversation, sample: Sample, *,
-                    generation: bool = False) -> list[str]:
+                    generation: bool = False, partial: bool = False) -> list[Any]:
+        """The renderings of ``prefixes``; with ``partial`` one the template refuses is None (but the last)."""
         from transformers.utils.chat_template_utils import render_jinja_template
+
+        def render(batch: list[list[dict[str, Any]]]) -> list[str]:
+            return render_jinja_template(conversations=batch, tools=conv.tools, chat_template=self.template,
+                                         add_generation_prompt=generation, **self.tokenizer.special_tokens_map)[0]
 
         if not prefixes:
             return []
         try:
-            rendered, _ = render_jinja_template(conversations=prefixes, tools=conv.tools, chat_template=self.template,
-                                                add_generation_prompt=generation, **self.tokenizer.special_tokens_map)
+            return render(prefixes)
         except Exception as e:  # noqa: BLE001 — jinja's raise_exception and any template failure
+            error = e
+        out: list[Any] = [None] * len(prefixes)
+        if partial:
+            for k, prefix in enumerate(prefixes):
+                try:
+                    out[k] = render([prefix])[0]
+                except Exception as e:  # noqa: BLE001
+                    error = e
+        if out[-1] is None:
             roles = tuple(m["role"] for m in prefixes[-1])
             raise DataError("chat_template_error", f"the chat template refused the conversation: "
-                            f"{type(e).__name__}: {str(e)[:160]}", url=sample.url, key=sample.key,
+                            f"{type(error).__name__}: {str(error)[:160]}", url=sample.url, key=sample.key,
                             value=roles) from None
-        return rendered
+        return out
 
     def _finish(self, sample: Sample, r: Rendered) -> Sample | DataError | None:
         ids, mask = r.ids, r.mask
@@ -293,10 +318,8 @@ def _renders(full: str, start: int, end: int, message: dict[str, Any]) -> bool:
     return bool(text) and full.find(text, start, end) >= 0
 
 
-def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """How many leading items (ids, or characters of two strings) ``a`` and ``b`` share."""
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
     n = min(len(a), len(b))
-    if isinstance(a, str):
-        return len(os.path.commonprefix([a[:n], b[:n]]))
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if diff.size else n

@@ -187,3 +187,50 @@ def test_a_chat_record_without_the_chat_stage_is_refused() -> None:
 def test_words_helper_is_in_vocabulary() -> None:
     tok = chat_tokenizer(CHATML)
     assert 0 not in tok(words(np.random.default_rng(0), 50, 50))["input_ids"]
+
+
+END_EOS = ("{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>' + m['content'] "
+           "+ '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant"
+           "<|end_header_id|>' }}{% else %}{{ eos_token }}{% endif %}")
+"""Phi-3's shape: EOS only after a conversation's last turn (so a prefix's rendering is not a prefix)."""
+THINK_PROMPT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' %}"
+                "{{ '<think></think>' }}{% endif %}{{ m['content'] + '<|im_end|>\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>' }}{% endif %}")
+"""Nemotron's shape: the generation prompt opens a thinking block the rendered turn closes at once."""
+OTHER_PROMPT = ("{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>' + m['content'] "
+                "+ '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>' }}{% endif %}")
+"""A generation prompt the turns never render: where the answer starts is unknown."""
+TWO_TURNS = {"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2 w3"},
+                          {"role": "user", "content": "w4"}, {"role": "assistant", "content": "w5"}]}
+
+
+def test_an_end_of_conversation_eos_is_not_the_next_turn() -> None:
+    tok = chat_tokenizer(END_EOS)
+    got = _marked(tok, _one(ChatEncoder(tok, ChatOptions()), TWO_TURNS))
+    assert got == ("<|start_header_id|> user <|end_header_id|> w1 <|eot_id|> <|start_header_id|> assistant "
+                   "<|end_header_id|> [w2] [w3] [<|eot_id|>] <|start_header_id|> user <|end_header_id|> w4 <|eot_id|> "
+                   "<|start_header_id|> assistant <|end_header_id|> [w5] [<|eot_id|>] [<|endoftext|>]")
+
+
+def test_a_generation_prompt_that_opens_a_thinking_block_stays_prompt() -> None:
+    tok = chat_tokenizer(THINK_PROMPT)
+    got = _marked(tok, _one(ChatEncoder(tok, ChatOptions()), TWO_TURNS))
+    assert got.count("assistant <think> [</think>]") == 2 and "[w2] [w3] [<|im_end|>]" in got
+
+
+def test_a_generation_prompt_the_turns_never_render_is_refused() -> None:
+    err = ChatEncoder(chat_tokenizer(OTHER_PROMPT), ChatOptions()).encode([_chat(TWO_TURNS)])[0]
+    assert isinstance(err, DataError) and err.reason == "chat_template_rewrites"
+
+
+def test_a_prefix_the_template_refuses_is_only_needed_where_a_trained_turn_reads_it() -> None:
+    """Qwen3.5's template raises on a conversation with no user turn, such as a lone system prefix: the system turn
+    is not trained, so the record renders; training the system role needs that prefix and is refused."""
+    needs_user = ("{% if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
+                  "{{ raise_exception('No user query found in messages.') }}{% endif %}" + CHATML)
+    tok = chat_tokenizer(needs_user)
+    record = {"messages": [{"role": "system", "content": "w9"}, *TWO_TURNS["messages"]]}
+    got = _one(ChatEncoder(tok, ChatOptions()), record)
+    assert got.tokens.tolist() == tok.apply_chat_template(record["messages"])["input_ids"] and got.loss_mask.sum() == 5
+    err = ChatEncoder(tok, ChatOptions(train_on=("system", "assistant"))).encode([_chat(record)])[0]
+    assert isinstance(err, DataError) and err.reason == "chat_template_error" and err.value == 0
