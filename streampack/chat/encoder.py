@@ -7,13 +7,16 @@ A token is supervised when its characters overlap a supervised span (the rule of
 
 - a template with ``{% generation %}`` markers gives the assistant spans itself, so the mask is exactly
   ``return_assistant_tokens_mask``'s;
-- otherwise each turn's span is found from the rendering: turn ``i`` of role ``r`` starts where the rendering of
-  ``messages[:i]`` ends (with the generation prompt when ``r`` is ``assistant``: the header is prompt, not answer)
-  and ends where the rendering of ``messages[:i + 1]`` ends. Both must be prefixes of the whole rendering: a
-  template that rewrites earlier turns (one that drops past reasoning) fails that check for them and the record
-  is refused (``chat_template_rewrites``), never mis-masked; the final turn is always checkable
-  (``train_on="last"``). A turn whose role renders nothing is ``chat_role_unplaced``; a role the template
-  raises on is ``chat_template_error``.
+- otherwise each turn's span is found from the rendering: turn ``i`` starts where the rendering of
+  ``messages[:i]`` ends (for an assistant turn after the generation prompt, or the part of it the turn renders:
+  the header, and a ``<think>`` the prompt opens, are prompt) and ends where the rendering of
+  ``messages[:i + 1]`` ends, less its trailing whitespace (the separator before the next turn). A rendering that
+  is not a prefix of the whole counts up to where the two part in whole tokens, and only when the turn's content
+  came before that point (phi-3 writes EOS only after the last turn); otherwise the template rewrites earlier
+  turns (one that drops past reasoning) and the record is refused (``chat_template_rewrites``), never
+  mis-masked; the final turn is always checkable (``train_on="last"``). A turn whose role renders nothing is
+  ``chat_role_unplaced``; a template that raises on the conversation, or on a prefix a trained turn is read
+  from, is ``chat_template_error``.
 
 ``prompt`` / ``completion`` records follow TRL: strings are tokenized as text (EOS appended unless the completion
 ends with it), message lists are rendered; the completion starts where the ids of the prompt alone and of the
@@ -22,63 +25,18 @@ whole diverge. Cost: rendering a conversation of ``n`` turns renders ``n`` prefi
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from itertools import chain
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from streampack.chat.records import Conversation, conversation
+from streampack.chat.template import Rendered, Template, common_prefix, message_text, renders_content
 from streampack.errors import DataError
 from streampack.io.limits import id_bound
 from streampack.options.tokenize import ChatOptions
 from streampack.sample import Sample
-
-GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-def chat_tokenizer(tokenizer: Any, template: str | None) -> Any:
-    """A HF fast tokenizer with a chat template: the one given, or a ``tokenizers.Tokenizer`` / ``tokenizer.json``
-    wrapped (then ``template`` is required)."""
-    if isinstance(tokenizer, (str, os.PathLike)) or type(tokenizer).__module__.startswith("tokenizers"):
-        from transformers import PreTrainedTokenizerFast
-
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer) if not isinstance(
-            tokenizer, (str, os.PathLike)) else PreTrainedTokenizerFast(tokenizer_file=os.fspath(tokenizer))
-    if not hasattr(tokenizer, "apply_chat_template"):
-        raise TypeError(f"chat= needs a transformers tokenizer (or a tokenizers.Tokenizer with ChatOptions("
-                        f"template=...)), got {type(tokenizer).__name__}")
-    if not getattr(tokenizer, "is_fast", False):
-        raise TypeError(f"chat= needs a fast tokenizer (character offsets locate the turns), got "
-                        f"{type(tokenizer).__name__}")
-    if template is None and tokenizer.chat_template is None:
-        raise ValueError("the tokenizer has no chat_template: pass ChatOptions(template=...)")
-    return tokenizer
-
-
-@dataclass(slots=True, kw_only=True)
-class Rendered:
-    """One conversation on its way to tokens: its text, supervised character spans and the character ends of the
-    supervised turns (where a cut may end it), then its ids and mask."""
-
-    text: str
-    spans: list[tuple[int, int]] = field(default_factory=list)
-    cuts: list[int] = field(default_factory=list)
-    ids: np.ndarray | None = None
-    mask: np.ndarray | None = None
-    cut_tokens: list[int] = field(default_factory=list)
-
-    def tokenized(self, ids: Sequence[int], offsets: Sequence[tuple[int, int]]) -> None:
-        """Every token overlapping a supervised span is supervised (``return_assistant_tokens_mask``'s rule)."""
-        self.ids = np.asarray(ids, np.int64)
-        at = np.fromiter(chain.from_iterable(offsets), np.int64, count=2 * len(offsets)).reshape(-1, 2)
-        self.mask = np.zeros(self.ids.shape[0], dtype=bool)
-        for a, b in self.spans:
-            self.mask |= (at[:, 1] > a) & (at[:, 0] < b)
-        self.cut_tokens = [int(np.searchsorted(at[:, 0], c)) for c in self.cuts]
 
 
 class ChatEncoder:
@@ -90,11 +48,10 @@ class ChatEncoder:
 
     def __init__(self, tokenizer: Any, options: ChatOptions, *, vocab_size: int | None = None,
                  max_len: int | None = None, media: Any = None) -> None:
-        self.tokenizer = chat_tokenizer(tokenizer, options.template)
+        self.template = Template(tokenizer, options.template)
+        self.tokenizer = self.template.tokenizer
         self.options, self.vocab_size, self.media = options, vocab_size, media
         self.max_len = None if options.overlong == "policy" else max_len
-        self.template = self.tokenizer.get_chat_template(options.template)
-        self.markers = GENERATION.search(self.template) is not None
         self.events = dict.fromkeys(self.COUNTERS, 0)
 
     def __call__(self, sample: Sample) -> Sample:
@@ -145,7 +102,7 @@ class ChatEncoder:
         # TRL: both tokenized with the tokenizer's own special tokens; the completion starts where they diverge
         before, ids = self.tokenizer([prompt, prompt + completion])["input_ids"]
         mask = np.ones(len(ids), dtype=bool)
-        mask[:_common_prefix(before, ids) if self.options.completion_only else 0] = False
+        mask[:common_prefix(before, ids) if self.options.completion_only else 0] = False
         return Rendered(text=prompt + completion, ids=np.asarray(ids, np.int64), mask=mask)
 
     def _turns(self, conv: Conversation, sample: Sample) -> Rendered:
@@ -153,7 +110,7 @@ class ChatEncoder:
         n = len(messages)
         # a template may refuse a prefix (a lone system turn: "no user query"); only the renderings a trained turn
         # reads must exist
-        plain = self._render_all([messages[:i] for i in range(1, n + 1)], conv, sample, partial=True)
+        plain = self.template.render_all([messages[:i] for i in range(1, n + 1)], conv, sample, partial=True)
         full = plain[-1]
         assert full is not None
         for i in range(n):
@@ -170,9 +127,9 @@ class ChatEncoder:
         if not chosen:
             raise DataError("chat_nothing_supervised", f"no turn of the roles {opts.roles} to supervise",
                             url=sample.url, key=sample.key, value=opts.roles)
-        marked = self._marked(conv, sample) if self.markers and conv.prompt_turns is None else {}
+        marked = self.template.marked(conv, sample) if self.template.markers and conv.prompt_turns is None else {}
         assistant = [i for i in chosen if messages[i]["role"] == "assistant" and i not in marked]
-        gen = dict(zip(assistant, self._render_all([messages[:i] for i in assistant], conv, sample, generation=True)))
+        gen = dict(zip(assistant, self.template.render_all([messages[:i] for i in assistant], conv, sample, generation=True)))
         spans, cuts = [], []
         for i in chosen:
             if plain[i] is None or (i and plain[i - 1] is None):
@@ -194,83 +151,32 @@ class ChatEncoder:
         """Where turn ``i`` starts and ends in ``full``, from the renderings of its prefixes (``gen``: with the
         generation prompt); ``chat_template_rewrites`` when they cannot tell."""
         prev = plain[i - 1] if i else ""
-        history = self._parting(prev, full)  # a template may end a conversation with EOS: not the next turn's
+        history = self.template.parting(prev, full)  # a template may end a conversation with EOS: not the next turn's
         if gen is None:
             a = len(prev) if history == len(prev) else -1
         else:  # after the generation prompt, or the part of it the turn renders (one that opens a thinking block)
-            a = self._parting(gen, full)
+            a = self.template.parting(gen, full)
             a = a if a > history or gen == prev else -1  # none of a non-empty prompt: the header is unknown
-        b = self._parting(plain[i], full)
-        if a < 0 or b < len(plain[i]) and not _renders(full, a, b, message):
+        b = self.template.parting(plain[i], full)
+        if a < 0 or b < len(plain[i]) and not renders_content(full, a, b, message):
             raise DataError("chat_template_rewrites", f"the chat template renders turn {i} (role "
                             f"{message['role']!r}) differently once later turns follow (it rewrites earlier turns, "
                             f"e.g. drops past reasoning); train_on='last' supervises only the final turn",
                             url=sample.url, key=sample.key, value=i)
         return a, b
 
-    def _parting(self, prefix: str, full: str) -> int:
-        """How much of ``full`` the rendering ``prefix`` is: all of it when a prefix, else up to where the two part
-        in whole tokens (``</s>`` and ``<|user|>`` share a ``<``, no token)."""
-        if full.startswith(prefix):
-            return len(prefix)
-        mine, whole = self.tokenizer.backend_tokenizer.encode_batch([prefix, full], add_special_tokens=False)
-        k = _common_prefix(mine.ids, whole.ids)
-        return whole.offsets[k - 1][1] if k else 0
-
-    def _marked(self, conv: Conversation, sample: Sample) -> dict[int, tuple[int, int]]:
-        """Assistant turn -> its ``{% generation %}`` span (what ``return_assistant_tokens_mask`` marks)."""
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        _, (spans,) = render_jinja_template(conversations=[list(conv.messages)], tools=conv.tools,
-                                            chat_template=self.template, return_assistant_tokens_mask=True,
-                                            **self.tokenizer.special_tokens_map)
-        turns = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
-        if len(spans) != len(turns):
-            raise DataError("chat_template_error", f"the chat template marks {len(spans)} generation spans for "
-                            f"{len(turns)} assistant turns", url=sample.url, key=sample.key, value=len(spans))
-        return dict(zip(turns, map(tuple, spans)))
-
     def _content_end(self, full: str, start: int, end: int, message: dict[str, Any], sample: Sample) -> int:
         """``end`` (the turn's end-of-turn text supervised), or where its content ends when ``train_on_eot`` is
         False."""
         if self.options.train_on_eot:
             return end
-        text = _text(message)
+        text = message_text(message)
         at = full.rfind(text.rstrip(), start, end) if text.strip() else -1
         if at < 0:
             raise DataError("chat_template_rewrites", f"the template does not render the content of a "
                             f"{message['role']!r} turn verbatim, so its end-of-turn text cannot be told apart "
                             f"(train_on_eot=False)", url=sample.url, key=sample.key, value=message["role"])
         return at + len(text.rstrip())
-
-    def _render_all(self, prefixes: list[list[dict[str, Any]]], conv: Conversation, sample: Sample, *,
-                    generation: bool = False, partial: bool = False) -> list[Any]:
-        """The renderings of ``prefixes``; with ``partial`` one the template refuses is None (but the last)."""
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        def render(batch: list[list[dict[str, Any]]]) -> list[str]:
-            return render_jinja_template(conversations=batch, tools=conv.tools, chat_template=self.template,
-                                         add_generation_prompt=generation, **self.tokenizer.special_tokens_map)[0]
-
-        if not prefixes:
-            return []
-        try:
-            return render(prefixes)
-        except Exception as e:  # noqa: BLE001 — jinja's raise_exception and any template failure
-            error = e
-        out: list[Any] = [None] * len(prefixes)
-        if partial:
-            for k, prefix in enumerate(prefixes):
-                try:
-                    out[k] = render([prefix])[0]
-                except Exception as e:  # noqa: BLE001
-                    error = e
-        if out[-1] is None:
-            roles = tuple(m["role"] for m in prefixes[-1])
-            raise DataError("chat_template_error", f"the chat template refused the conversation: "
-                            f"{type(error).__name__}: {str(error)[:160]}", url=sample.url, key=sample.key,
-                            value=roles) from None
-        return out
 
     def _finish(self, sample: Sample, r: Rendered) -> Sample | DataError | None:
         ids, mask = r.ids, r.mask
@@ -305,21 +211,3 @@ class ChatEncoder:
         return int(ids.shape[0]) + sum(counts[:placed]) - placed + sum(videos)
 
 
-def _text(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    return content if isinstance(content, str) else "".join(
-        p.get("text", "") for p in content or () if isinstance(p, dict))
-
-
-def _renders(full: str, start: int, end: int, message: dict[str, Any]) -> bool:
-    """Whether the message's text is rendered whole in ``full[start:end]`` (a turn that parts from the whole
-    rendering only after its content: the template writes something only after a conversation's last turn)."""
-    text = _text(message).strip()
-    return bool(text) and full.find(text, start, end) >= 0
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n

@@ -152,7 +152,7 @@ def chat_options(args: argparse.Namespace) -> tuple[Any, Any]:
     ``tokenizer.json`` with ``--chat-template``."""
     import os
 
-    from streampack.chat.encoder import chat_tokenizer
+    from streampack.chat.template import chat_tokenizer
     from streampack.options import TokenizeOptions
     from streampack.options.tokenize import ChatOptions
 
