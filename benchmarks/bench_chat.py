@@ -11,6 +11,8 @@ blocks of 64 as the Tokenize node encodes them, one process side by side:
 - ``hf_apply_chat_template``: transformers' ``apply_chat_template(..., return_assistant_tokens_mask=True)`` one
   record at a time with the marked template (what TRL's ``assistant_only_loss`` runs), for reference.
 
+Each of ``repeats`` rounds runs every case once, in turn; a case's rate is its best round.
+
 Run: ``PYTHONPATH=. python benchmarks/bench_chat.py`` (``--quick``: 400 records). The last numbers:
 ``benchmarks/README.md``, "Chat records".
 """
@@ -67,15 +69,12 @@ def tokenizer(texts: list[str], template: str) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", chat_template=template)
 
 
-def _rate(encode: Any, items: list[Any], repeats: int) -> tuple[float, int]:
-    """Best records/s over ``repeats`` passes, and the tokens one pass made."""
-    best, tokens = float("inf"), 0
-    for _ in range(repeats):
-        start, tokens = time.perf_counter(), 0
-        for i in range(0, len(items), BLOCK):
-            tokens += encode(items[i:i + BLOCK])
-        best = min(best, time.perf_counter() - start)
-    return len(items) / best, tokens
+def _pass(encode: Any, items: list[Any]) -> tuple[float, int]:
+    """Seconds for one pass over ``items`` in blocks, and the tokens it made."""
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(items), BLOCK):
+        tokens += encode(items[i:i + BLOCK])
+    return time.perf_counter() - start, tokens
 
 
 def run(n: int = 2_000, repeats: int = 3, quick: bool = False) -> list[dict[str, Any]]:
@@ -100,9 +99,15 @@ def run(n: int = 2_000, repeats: int = 3, quick: bool = False) -> list[dict[str,
              "chat": (lambda b: tokens_of(chat.encode(b)), chat_samples),
              "chat_markers": (lambda b: tokens_of(chat_marked.encode(b)), chat_samples),
              "hf_apply_chat_template": (hf, recs)}
+    best = dict.fromkeys(cases, float("inf"))
+    made = dict.fromkeys(cases, 0)
+    for _ in range(repeats):  # rounds of every case in turn: a loaded box slows all of them alike
+        for name, (encode, items) in cases.items():
+            seconds, made[name] = _pass(encode, items)
+            best[name] = min(best[name], seconds)
     rows, base = [], None
-    for name, (encode, items) in cases.items():
-        rate, tokens = _rate(encode, items, repeats)
+    for name in cases:
+        rate, tokens = n / best[name], made[name]
         base = base or rate
         rows.append({"stage": name, "records": n, "tokens": tokens, "records_per_s": round(rate),
                      "tokens_per_s": round(rate * tokens / n), "vs_text": round(rate / base, 3)})

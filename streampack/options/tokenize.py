@@ -83,8 +83,9 @@ class TokenizeOptions:
     block_size: int = 64
     """Texts batch-encoded together."""
     chat: ChatOptions | None = None
-    """Render chat records with the tokenizer's chat template (a HF tokenizer) and build their loss mask;
-    None: text only. ``bos_id`` / ``eos_id`` are then the template's business and must be None."""
+    """Render chat records with the tokenizer's chat template (a HF fast tokenizer) and build their loss mask;
+    None: text only. ``bos_id`` / ``eos_id`` are then the template's business and must be None, and a block is
+    encoded by the fast tokenizer's own batch call (``num_threads`` is not used)."""
 
     def __post_init__(self) -> None:
         need_int("TokenizeOptions", "bos_id", self.bos_id, 0, optional=True)

@@ -149,3 +149,16 @@ def test_an_elastic_resume_trains_every_conversation_once(tmp_path) -> None:
     kept = len(_want(records, tok))
     for epoch in range(last + 1):
         assert sum(1 for k in seen if k.endswith(f"@{epoch}")) == kept, epoch
+
+
+def test_a_resume_with_another_chat_template_on_the_tokenizer_is_refused(tmp_path) -> None:
+    from helpers_chat import LLAMA3
+
+    urls = _shards(tmp_path, conversations(20, seed=15), "jsonl")
+    make = lambda template: PackedDataset(urls, capacity=CAPACITY, epochs=1, tokenizer=chat_tokenizer(template),  # noqa: E731
+                                          tokenize=TokenizeOptions(chat=ChatOptions()))
+    ds = make(CHATML)
+    next(iter(ds))
+    with pytest.raises(ValueError, match="tokenizer"):
+        make(LLAMA3).load_state_dict(ds.state_dict())
+    make(CHATML).load_state_dict(ds.state_dict())  # the same tokenizer, built again: accepted
