@@ -11,7 +11,9 @@ blocks of 64 as the Tokenize node encodes them, one process side by side:
 - ``hf_apply_chat_template``: transformers' ``apply_chat_template(..., return_assistant_tokens_mask=True)`` one
   record at a time with the marked template (what TRL's ``assistant_only_loss`` runs), for reference.
 
-Each of ``repeats`` rounds runs every case once, in turn; a case's rate is its best round.
+Each of ``repeats`` rounds runs every case once, in turn; a case's rate is its best round, in wall seconds and in
+CPU seconds of the process (the fair measure on a shared box: the tokenizer's batch call spreads over threads
+that other jobs' load slows in wall time).
 
 Run: ``PYTHONPATH=. python benchmarks/bench_chat.py`` (``--quick``: 400 records). The last numbers:
 ``benchmarks/README.md``, "Chat records".
@@ -69,12 +71,13 @@ def tokenizer(texts: list[str], template: str) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", chat_template=template)
 
 
-def _pass(encode: Any, items: list[Any]) -> tuple[float, int]:
-    """Seconds for one pass over ``items`` in blocks, and the tokens it made."""
-    start, tokens = time.perf_counter(), 0
+def _pass(encode: Any, items: list[Any]) -> tuple[float, float, int]:
+    """Wall seconds and CPU seconds (every thread of the process: the tokenizer's batch call runs on several) for
+    one pass over ``items`` in blocks, and the tokens it made."""
+    wall, cpu, tokens = time.perf_counter(), time.process_time(), 0
     for i in range(0, len(items), BLOCK):
         tokens += encode(items[i:i + BLOCK])
-    return time.perf_counter() - start, tokens
+    return time.perf_counter() - wall, time.process_time() - cpu, tokens
 
 
 def run(n: int = 2_000, repeats: int = 3, quick: bool = False) -> list[dict[str, Any]]:
@@ -99,18 +102,17 @@ def run(n: int = 2_000, repeats: int = 3, quick: bool = False) -> list[dict[str,
              "chat": (lambda b: tokens_of(chat.encode(b)), chat_samples),
              "chat_markers": (lambda b: tokens_of(chat_marked.encode(b)), chat_samples),
              "hf_apply_chat_template": (hf, recs)}
-    best = dict.fromkeys(cases, float("inf"))
+    wall, cpu = dict.fromkeys(cases, float("inf")), dict.fromkeys(cases, float("inf"))
     made = dict.fromkeys(cases, 0)
     for _ in range(repeats):  # rounds of every case in turn: a loaded box slows all of them alike
         for name, (encode, items) in cases.items():
-            seconds, made[name] = _pass(encode, items)
-            best[name] = min(best[name], seconds)
-    rows, base = [], None
+            seconds, cpu_seconds, made[name] = _pass(encode, items)
+            wall[name], cpu[name] = min(wall[name], seconds), min(cpu[name], cpu_seconds)
+    rows = []
     for name in cases:
-        rate, tokens = n / best[name], made[name]
-        base = base or rate
-        rows.append({"stage": name, "records": n, "tokens": tokens, "records_per_s": round(rate),
-                     "tokens_per_s": round(rate * tokens / n), "vs_text": round(rate / base, 3)})
+        rows.append({"stage": name, "records": n, "tokens": made[name], "records_per_s": round(n / wall[name]),
+                     "records_per_cpu_s": round(n / cpu[name]), "vs_text_wall": round(wall["text"] / wall[name], 3),
+                     "vs_text_cpu": round(cpu["text"] / cpu[name], 3)})
     turns = np.mean([len(r["messages"]) for r in recs])
     for row in rows:
         row["turns_per_record"] = round(float(turns), 2)
