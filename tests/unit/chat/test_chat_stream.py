@@ -162,3 +162,21 @@ def test_a_resume_with_another_chat_template_on_the_tokenizer_is_refused(tmp_pat
     with pytest.raises(ValueError, match="tokenizer"):
         make(LLAMA3).load_state_dict(ds.state_dict())
     make(CHATML).load_state_dict(ds.state_dict())  # the same tokenizer, built again: accepted
+
+
+def test_dataloader_workers_render_and_resume_exactly(tmp_path) -> None:
+    """Two StatefulDataLoader workers, each with the HF tokenizer: a resume mid-epoch continues batch for batch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    urls = [str(write_jsonl(tmp_path / f"chat-{i}.jsonl", conversations(30, seed=20 + i))) for i in range(4)]
+    tok = chat_tokenizer(CHATML)
+    make = lambda: StatefulDataLoader(PackedDataset(urls, capacity=CAPACITY, epochs=1, tokenizer=tok,  # noqa: E731
+                                                    tokenize=TokenizeOptions(chat=ChatOptions()),
+                                                    packing=PackOptions(window=8)), batch_size=None, num_workers=2)
+    full = [canon(b) for b in make()]
+    loader = make()
+    it = iter(loader)
+    head = [canon(next(it)) for _ in range(5)]
+    resumed = make()
+    resumed.load_state_dict(loader.state_dict())
+    assert head + [canon(b) for b in resumed] == full and len(full) > 20
