@@ -152,6 +152,8 @@ def fingerprint_settings(config: StreamConfig) -> dict[str, Any]:
         del settings["balance"]["seeded"]
     if config.media is not None:
         settings["media"] = config.media.recorded()
+    if config.tokenize.chat is not None:  # how records become tokens and masks (a template by its digest)
+        settings["chat"] = config.tokenize.chat.recorded()
     return settings
 
 
@@ -208,5 +210,8 @@ def tokenizer_id(tokenizer: Any) -> str | None:
             return "sha1:" + hashlib.sha1(f.read()).hexdigest()[:16]
     if hasattr(tokenizer, "to_str"):  # tokenizers.Tokenizer: its full serialized definition
         return "sha1:" + hashlib.sha1(tokenizer.to_str().encode()).hexdigest()[:16]
+    if hasattr(tokenizer, "backend_tokenizer"):  # a transformers fast tokenizer: its vocabulary and chat template
+        text = tokenizer.backend_tokenizer.to_str() + repr(getattr(tokenizer, "chat_template", None))
+        return "sha1:" + hashlib.sha1(text.encode()).hexdigest()[:16]
     name = getattr(tokenizer, "__qualname__", type(tokenizer).__qualname__)
     return f"{getattr(tokenizer, '__module__', '')}.{name}"

@@ -31,9 +31,9 @@ def no_bar(no_progress: bool) -> bool | None:
     return True if no_progress else None
 
 
-def check_tokenizer(path: str | None) -> None:
+def check_tokenizer(path: Any) -> None:
     """Fail with one line before any data is read (the Tokenize node loads it again)."""
-    if path is None:
+    if not isinstance(path, str):  # None, or a tokenizer object (the chat stage's HF tokenizer)
         return
     if not os.path.isfile(path):
         raise CliError(f"--tokenizer {path!r}: no such file (want a tokenizer.json)")
@@ -96,7 +96,7 @@ class Documents:
     """Every sample of ``urls`` once, in shard order, through the pipeline's own graph
     (:func:`streampack.graph.build.build_samples`), so offline packs carry the same targets as a stream."""
 
-    def __init__(self, urls: Sequence[str], read: ReadOptions, *, capacity: int, tokenizer: str | None = None,
+    def __init__(self, urls: Sequence[str], read: ReadOptions, *, capacity: int, tokenizer: Any = None,
                  tokenize: TokenizeOptions | None = None) -> None:
         from streampack.graph.build import Placement, Sources, StreamConfig, build_samples
         from streampack.graph.preflight import preflight

@@ -4,17 +4,24 @@ Offline fill packs all lengths at once (what ``streampack pack`` gets). Windowed
 :class:`~streampack.nodes.window_packer.WindowPacker` over zero-cost stand-in samples that carry only a length (a
 read-only zero-stride array), so the projection is exactly what ``PackedDataset`` would reach with that window, without
 reading tokens twice. Overlong documents are counted split into ``capacity``-token chunks (the ``split`` policy).
+
+``--chat`` reads chat records through the chat stage (:mod:`streampack.chat`) with a HF tokenizer folder (or a
+``tokenizer.json`` and ``--chat-template``) and first prints ``--show`` records rendered, the supervised tokens
+between ``[[`` and ``]]`` (green on a terminal): masks are debugged by looking.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from streampack.cli._data import CliError, Documents, add_input_guards, describe, input_guards, no_bar, sample_lengths
+from streampack.sample import Sample
 
 DEFAULT_WINDOWS = (64, 256, 1024, 4096)
 
@@ -28,6 +35,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokenizer.json for text shards (without it, text is measured in whitespace words)")
     p.add_argument("--tokens-key", default="input_ids", help="field holding token ids")
     p.add_argument("--text-key", default="text", help="json field holding text")
+    p.add_argument("--chat", action="store_true",
+                   help="chat records (messages / conversations / prompt+completion): render them with the "
+                        "tokenizer's chat template (--tokenizer: a HF tokenizer folder) and mark what is supervised")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="with --chat: a jinja chat template file")
+    p.add_argument("--train-on", default="assistant",
+                   help="with --chat: 'assistant', 'last' or comma-separated roles (default %(default)s)")
+    p.add_argument("--show", type=int, default=3, help="with --chat: records printed with their supervised tokens "
+                   "marked (default %(default)s)")
     p.add_argument("--algorithms", default=None, help="comma-separated (default: all registered)")
     p.add_argument("--windows", default=",".join(map(str, DEFAULT_WINDOWS)),
                    help="comma-separated window sizes to simulate ('' = none; default %(default)s)")
@@ -132,6 +147,52 @@ def plot_histogram(lengths: np.ndarray, capacity: int, unit: str, path: str) -> 
     plt.close(fig)
 
 
+def chat_options(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The HF tokenizer and ``TokenizeOptions`` of ``--chat``: a tokenizer folder (read offline) or a
+    ``tokenizer.json`` with ``--chat-template``."""
+    import os
+
+    from streampack.chat.template import chat_tokenizer
+    from streampack.options import TokenizeOptions
+    from streampack.options.tokenize import ChatOptions
+
+    if args.tokenizer is None or not os.path.exists(args.tokenizer):
+        raise CliError(f"--chat needs --tokenizer: a HF tokenizer folder or a tokenizer.json (got {args.tokenizer!r})")
+    template = None
+    if args.chat_template is not None:
+        if not os.path.isfile(args.chat_template):
+            raise CliError(f"--chat-template {args.chat_template!r}: no such file")
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    roles = _parse_list(args.train_on)
+    train_on = args.train_on if args.train_on in ("assistant", "last") else tuple(roles)
+    try:
+        options = ChatOptions(template=template, train_on=train_on)
+        if os.path.isdir(args.tokenizer):
+            from transformers import AutoTokenizer
+
+            tokenizer = chat_tokenizer(AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True), template)
+        else:
+            tokenizer = chat_tokenizer(args.tokenizer, template)
+    except (OSError, TypeError, ValueError) as e:
+        raise CliError(f"--chat: {e}") from None
+    return tokenizer, TokenizeOptions(chat=options)
+
+
+def marked_record(tokenizer: Any, sample: Sample, *, color: bool = False) -> str:
+    """``sample`` decoded with each run of supervised tokens between ``[[`` and ``]]`` (green with ``color``), under
+    a line naming it and counting its tokens."""
+    assert sample.tokens is not None and sample.loss_mask is not None
+    mask = sample.loss_mask.astype(bool)
+    cuts = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    parts = []
+    for ids, on in zip(np.split(sample.tokens, cuts), np.split(mask, cuts)):
+        text = tokenizer.decode(ids.tolist())
+        parts.append((f"\x1b[32m{text}\x1b[0m" if color else f"[[{text}]]") if on[0] else text)
+    head = f"--- {sample.doc_key}: {len(mask)} tokens, {int(mask.sum())} supervised"
+    return head + "\n" + "".join(parts)
+
+
 def _parse_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -165,9 +226,20 @@ def run(args: argparse.Namespace) -> int:
     from streampack.options import ReadOptions
 
     read = ReadOptions(tokens_key=args.tokens_key, text_key=args.text_key, **input_guards(args))
-    samples = Documents(args.urls, read, capacity=args.capacity, tokenizer=args.tokenizer)
+    tokenizer, tokenize = chat_options(args) if args.chat else (args.tokenizer, None)
+    samples = Documents(args.urls, read, capacity=args.capacity, tokenizer=tokenizer, tokenize=tokenize)
+    stream = iter(samples)
+    if args.chat:
+        shown = [s for _, s in zip(range(max(0, args.show)), stream)]
+        for s in shown:
+            print(marked_record(tokenizer, s, color=sys.stdout.isatty()))
+        stream = itertools.chain(shown, stream)
     with tqdm(desc="reading", unit="sample", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
-        lengths, unit = sample_lengths(iter(samples), progress=bar.update)
+        lengths, unit = sample_lengths(stream, progress=bar.update)
+    if args.chat:
+        counters = samples.nodes["tokenize"].counters
+        print(f"chat: {counters['tokenized']:,} conversations, {counters['truncated']:,} cut to whole turns and "
+              f"{counters['dropped']:,} dropped (over --capacity {args.capacity})")
     lengths = lengths[lengths > 0]
     if len(lengths) == 0:
         raise CliError(f"no non-empty samples in {args.urls}")

@@ -110,7 +110,7 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *,
     node = wrap("reader", node)
     if tokenizer is not None:
         node = nodes["tokenize"] = Tokenize(node, tokenizer, config.tokenize, error_policy=policy,
-                                            vocab_size=options.vocab_size)
+                                            vocab_size=options.vocab_size, max_len=config.capacity, media=config.media)
         node = wrap("tokenize", node)
     node, nodes["stages"] = build_stages(node, stages)
     return wrap("stages", node), nodes

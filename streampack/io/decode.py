@@ -64,14 +64,28 @@ class Item:
     at_end: bool
 
 
+CHAT_FIELDS = ("messages", "conversations", "prompt", "completion", "system", "tools")
+"""The fields of a chat record, kept as ``Sample.chat`` when a record has no ids or text (the chat stage,
+:mod:`streampack.chat`, renders them)."""
+
+
+def chat_fields(record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A record's chat fields, None when it holds no conversation."""
+    chat = {k: record[k] for k in CHAT_FIELDS if record.get(k) is not None}
+    return chat if {"messages", "conversations", "prompt"} & chat.keys() else None
+
+
 def make_sample(*, url: str, key: str, tokens: Any = None, text: Any = None, labels: Any = None, loss_mask: Any = None,
-                vocab_size: int | None = None, images: tuple[Any, ...] = ()) -> Sample:
-    """Validate raw fields into a :class:`Sample`; raises :class:`DataError`."""
+                vocab_size: int | None = None, images: tuple[Any, ...] = (), chat: Any = None) -> Sample:
+    """Validate raw fields into a :class:`Sample` (ids win over text, text over a chat record); raises
+    :class:`DataError`."""
     tok = txt = None
     if tokens is not None:
         tok = validate_tokens(tokens, url=url, key=key, vocab_size=vocab_size)
     elif text is not None:
         txt = validate_text(text, url=url, key=key)
+    elif chat is not None:
+        return Sample(key=key, url=url, chat=chat, images=images)
     else:
         raise DataError("missing_field", "sample has neither tokens nor text", url=url, key=key, value=None)
     length = None if tok is None else tok.shape[0]
@@ -176,7 +190,7 @@ def decode_record(record: Mapping[str, Any], opts: DecodeOptions, *, url: str, k
     return make_sample(images=images, url=url, key=key, tokens=record.get(opts.tokens_key),
                        text=record.get(opts.text_key), labels=record.get(opts.labels_key) if opts.labels_key else None,
                        loss_mask=record.get(opts.loss_mask_key) if opts.loss_mask_key else None,
-                       vocab_size=opts.vocab_size)
+                       vocab_size=opts.vocab_size, chat=chat_fields(record))
 
 
 def validate_tokens(value: Any, *, url: str, key: str, vocab_size: int | None = None) -> np.ndarray:

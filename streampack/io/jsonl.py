@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 from streampack.errors import DataError
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
-from streampack.io.decode import DecodeOptions, Item, decode_record, parse_json_object
+from streampack.io.decode import DecodeOptions, Item, chat_fields, decode_record, parse_json_object
 from streampack.io.limits import Limits
 
 _DISCARD_CHUNK = 1 << 20
@@ -107,7 +107,7 @@ def iter_lines(f: BinaryIO, *, start: int, first_index: int, end: int | None,
 def _require_ids_or_text(record: dict[str, Any], opts: DecodeOptions, *, url: str, key: str) -> None:
     """A line with neither field is ``missing_field`` naming the keys looked for and the fields
     it has (a ``tokens_key`` / ``text_key`` typo is the usual cause), as parquet's error does."""
-    if record.get(opts.tokens_key) is None and record.get(opts.text_key) is None:
+    if record.get(opts.tokens_key) is None and record.get(opts.text_key) is None and chat_fields(record) is None:
         fields = list(record)[:20]
         raise DataError("missing_field", f"no {opts.tokens_key!r} (token ids) or {opts.text_key!r} (text) field "
                         f"(fields: {fields}); set tokens_key= / text_key=", url=url, key=key)

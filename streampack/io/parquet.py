@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from streampack.errors import DataError
-from streampack.io.decode import BAD_LENGTH, DecodeOptions, Item, make_sample
+from streampack.io.decode import BAD_LENGTH, CHAT_FIELDS, DecodeOptions, Item, chat_fields, make_sample
 
 BATCH_ROWS = 256
 
@@ -89,8 +89,9 @@ def _columns(schema_names: list[str], opts: DecodeOptions, url: str) -> dict[str
               "loss_mask": opts.loss_mask_key}
     if opts.media is not None:
         wanted.update(opts.media.columns())  # images, and videos when read
+    wanted.update({name: name for name in CHAT_FIELDS})  # a chat record's own columns
     out = {field: key for field, key in wanted.items() if key and key in schema_names}
-    if "tokens" not in out and "text" not in out:
+    if "tokens" not in out and "text" not in out and chat_fields(out) is None:
         raise DataError("missing_field", f"no column {opts.tokens_key!r} or {opts.text_key!r} "
                         f"(columns: {schema_names[:20]})", url=url, value=schema_names[:20])
     return out
@@ -108,7 +109,7 @@ def check_schema(f: BinaryIO, opts: DecodeOptions, url: str) -> None:
         if not int_lists(kind):
             raise DataError("bad_dtype", f"token column {columns['tokens']!r} has type {kind}, want a list of "
                             f"integers", url=url, value=str(kind))
-    else:
+    elif "text" in columns:
         kind = schema.field(columns["text"]).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
                 or pa.types.is_large_binary(kind)):
@@ -227,7 +228,7 @@ def _item(values: dict[str, list[Any]], i: int, row: int, *, url: str, at_end: b
         images = () if opts.media is None else opts.media.column_media(field, opts.limits, url=url, key=key)
         sample = make_sample(url=url, key=key, tokens=tokens, text=None if tokens is not None else field.get("text"),
                              labels=field.get("labels"), loss_mask=field.get("loss_mask"), vocab_size=opts.vocab_size,
-                             images=images)
+                             images=images, chat=chat_fields(field))
         return Item(sample, None, row + 1, row + 1, at_end)
     except DataError as e:
         return Item(None, e, row + 1, row + 1, at_end)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from streampack.errors import DataError
-from streampack.io.decode import DecodeOptions, make_sample, parse_json_object
+from streampack.io.decode import DecodeOptions, chat_fields, make_sample, parse_json_object
 from streampack.io.npy import decode_npy
 from streampack.sample import Sample
 
@@ -60,8 +60,9 @@ def decode_tar_sample(key: str, fields: dict[str, bytes], opts: DecodeOptions, *
     if "loss_mask.npy" in fields or (records and opts.loss_mask_key):
         mask = source.one("loss_mask", npy=("loss_mask.npy",), name=opts.loss_mask_key)
     images = () if opts.media is None else opts.media.tar_images(fields, opts.limits, url=url, key=key)
+    chat = next(filter(None, (chat_fields(r) for _, r in records)), None) if text is None else None
     return make_sample(url=url, key=key, tokens=tokens, text=text, labels=labels, loss_mask=mask,
-                       vocab_size=opts.vocab_size, images=images)
+                       vocab_size=opts.vocab_size, images=images, chat=chat)
 
 
 def _unpickle(raw: bytes, field: str, *, url: str, key: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Tokenize stage: ``Sample.text`` -> ``Sample.tokens``, a block of samples at a time.
+"""Tokenize stage: ``Sample.text`` -> ``Sample.tokens`` (or, with ``TokenizeOptions.chat``, a chat record ->
+tokens and loss mask through :class:`~streampack.chat.encoder.ChatEncoder`), a block of samples at a time.
 
 :class:`TextEncoder` is the one tokenization path (the node, ``streampack pack`` / ``inspect``, a hand-built
 ``ParallelMapper``), so BOS/EOS, the id checks and the errors are the same everywhere. Blocks of ``block_size`` samples
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from streampack.chat.encoder import ChatEncoder
 from streampack.errors import DataError, ErrorPolicy
 from streampack.io.limits import id_bound
 from streampack.options.tokenize import TokenizeOptions
@@ -87,7 +89,11 @@ class TextEncoder:
     def encode(self, samples: Sequence[Sample]) -> list[Sample | DataError | None]:
         """Samples that carry tokens pass through; text samples are encoded as one batch."""
         out: list[Sample | DataError | None] = list(samples)
-        todo = [i for i, s in enumerate(samples) if s.tokens is None]
+        todo = [i for i, s in enumerate(samples) if s.tokens is None and s.chat is None]
+        for i in (i for i, s in enumerate(samples) if s.tokens is None and s.chat is not None):
+            out[i] = DataError("chat_record", "a chat record (messages, conversations, prompt/completion) needs "
+                               "TokenizeOptions(chat=ChatOptions())", url=samples[i].url, key=samples[i].key,
+                               value=sorted(samples[i].chat))
         for i, ids in zip(todo, self._encode_texts([samples[i] for i in todo])):
             if isinstance(ids, DataError):
                 out[i] = ids
@@ -155,8 +161,9 @@ class TextEncoder:
 
 
 class Tokenize(BaseNode[Sample]):
-    """Encode ``text`` samples with a :class:`TextEncoder` (tokenized ones pass); an empty result is dropped
-    and counted in ``counters["empty"]``, a rejected sample goes to ``error_policy`` (default: raise)."""
+    """Encode ``text`` samples with a :class:`TextEncoder`, or chat records with a ``ChatEncoder`` (tokenized ones
+    pass); an empty result is dropped and counted in ``counters["empty"]`` (an overlong conversation in
+    ``"dropped"``, a cut one in ``"truncated"``), a rejected sample goes to ``error_policy`` (default: raise)."""
 
     SOURCE_KEY = "source"
     OFFSET_KEY = "offset"
@@ -164,17 +171,22 @@ class Tokenize(BaseNode[Sample]):
     COUNTERS_KEY = "counters"
 
     def __init__(self, source: BaseNode[Sample], tokenizer: Any, options: TokenizeOptions = TokenizeOptions(), *,
-                 error_policy: ErrorPolicy | None = None, vocab_size: int | None = None) -> None:
+                 error_policy: ErrorPolicy | None = None, vocab_size: int | None = None, max_len: int | None = None,
+                 media: Any = None) -> None:
         super().__init__()
         self.source = source
-        self.encoder = TextEncoder(tokenizer, options, vocab_size=vocab_size)
+        # chat records: the same node with the chat encoder (max_len and media: its overlong rule's lengths)
+        self.encoder: TextEncoder | ChatEncoder = TextEncoder(tokenizer, options, vocab_size=vocab_size) \
+            if options.chat is None else ChatEncoder(tokenizer, options.chat, vocab_size=vocab_size, max_len=max_len,
+                                                     media=media)
+        self._zero = {"tokenized": 0, "empty": 0, **dict.fromkeys(getattr(self.encoder, "COUNTERS", ()), 0)}
         self.block_size = options.block_size
         self._policy = error_policy if error_policy is not None else ErrorPolicy()
         self._block: list[Sample] = []
         self._offset = 0
         self._read = 0  # upstream samples the current block was made from
         self._block_state: dict[str, Any] | None = None
-        self.counters = {"tokenized": 0, "empty": 0}
+        self.counters = dict(self._zero)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -182,7 +194,7 @@ class Tokenize(BaseNode[Sample]):
         if initial_state is None:
             self.source.reset(None)
             self._block_state = None
-            self.counters = {"tokenized": 0, "empty": 0}
+            self.counters = dict(self._zero)
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
         self._block_state = initial_state[self.SOURCE_KEY]
@@ -224,11 +236,14 @@ class Tokenize(BaseNode[Sample]):
         self._read = len(raw)
         self._block, self._offset = [], 0
         failed: list[DataError] = []
-        for before, out in zip(raw, self.encoder.encode(raw)):
+        encoded = self.encoder.encode(raw)
+        for name, count in getattr(self.encoder, "events", {}).items():
+            self.counters[name] += 0 if replay else count
+        for before, out in zip(raw, encoded):
             if isinstance(out, DataError):
                 failed.append(out)
             elif out is None:
-                self.counters["empty"] += 0 if replay else 1
+                self.counters["empty"] += 0 if replay or before.chat is not None else 1  # a chat: dropped
             else:
                 self._block.append(out)
                 self.counters["tokenized"] += 0 if (replay or before.tokens is not None) else 1

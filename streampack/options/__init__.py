@@ -24,7 +24,7 @@ from typing import Any
 from streampack.options.cost import CostOptions
 from streampack.options.packing import PackOptions
 from streampack.options.read import ReadOptions
-from streampack.options.tokenize import TokenizeOptions
+from streampack.options.tokenize import ChatOptions, TokenizeOptions
 from streampack.options.topology import TopologyOptions
 
 RECORDS: dict[str, type] = {"read": ReadOptions, "tokenize": TokenizeOptions, "packing": PackOptions,
@@ -44,5 +44,5 @@ def checked_records(records: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CostOptions", "PackOptions", "RECORDS", "ReadOptions", "TokenizeOptions", "TopologyOptions",
+__all__ = ["ChatOptions", "CostOptions", "PackOptions", "RECORDS", "ReadOptions", "TokenizeOptions", "TopologyOptions",
            "checked_records"]

@@ -99,14 +99,15 @@ ALLOWED = {
     "packing": set(),
     "layout": set(),
     # media: the image spans a split must not cut; options: the records the nodes take
-    "nodes": {"io", "packing", "layout", "plan", "media", "options"},
+    "chat": {"io", "options", "media"},  # chat records rendered and masked: the chat stage's encoder
+    "nodes": {"io", "packing", "layout", "plan", "media", "options", "chat"},
     "plan": {"io", "packing", "layout", "nodes", "graph", "settings"},
     "options": {"io", "packing", "layout"},  # the per-stage records: they know nothing of the nodes that take them
     "attention": {"layout"},
     "rl": {"packing", "layout"},
     "integrations": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "options", "plan"},
     "cli": {"io", "nodes", "layout", "attention", "packing", "rl", "graph", "dataset", "integrations", "options",
-            "plan"},
+            "plan", "chat"},
 }
 LEAVES = {"errors", "logs", "sample", "plan.state", "plan.topology"}
 
