@@ -35,11 +35,19 @@ from streampack.sample import Sample
 _INT32_MAX = 2**31 - 1
 
 
+class _DerivedSlot:
+    """The slot caching a batch's derived fields: not a dataclass field, so ``fields()``, ``replace``, the worker
+    hand-over, pickling and copies (``__getstate__`` below) never carry it, and a rebuilt batch derives again."""
+
+    __slots__ = ("_derived",)
+
+
 # Not frozen (treat it as immutable): Lightning's apply_to_collection, run on every batch by its precision
-# plugins and FSDP / DeepSpeed input conversion, rebuilds a dataclass by setattr and refuses a frozen one. It keeps
-# an init=False field's value as it was, which is why the derived fields' cache records the tensors it came from.
+# plugins and FSDP / DeepSpeed input conversion, rebuilds a dataclass by setattr and refuses a frozen one. It
+# deep-copies the batch and sets the moved tensors on the copy, which is why the cache is left out of copies and
+# also records the tensors it was derived from.
 @dataclass(slots=True, kw_only=True, eq=False)
-class PackedBatch:
+class PackedBatch(_DerivedSlot):
     """One micro-batch of ``num_packs`` packs of ``capacity`` tokens, flattened to ``T`` tokens.
 
     Stores ``input_ids``, the offsets and the samples' own supervision; ``labels`` and ``position_ids`` are
@@ -90,8 +98,6 @@ class PackedBatch:
     """The images of the batch's documents (:mod:`streampack.layout.vision_batch`); None for text streams."""
     stats: WorkerStats | None = None
     """Running totals of the reader that built this batch (None from :func:`pack_batch` directly)."""
-    _derived: Derived | None = field(default=None, init=False, repr=False)
-    """Cache of the derived fields; never moved, pinned or sent (not an init field)."""
 
     @property
     def labels(self) -> torch.Tensor:
@@ -106,11 +112,15 @@ class PackedBatch:
 
     def _derive(self) -> Derived:
         sources = (self.input_ids, self.cu_seqlens, self.cu_seqlens_padded, self.loss_mask, self.target_ids)
-        got = self._derived
+        got: Derived | None = getattr(self, "_derived", None)
         if got is None or got.ignore_index != self.ignore_index or any(
                 a is not b for a, b in zip(got.sources, sources)):
             got = self._derived = derive(*sources, self.ignore_index)
         return got
+
+    def __getstate__(self) -> tuple[None, dict[str, Any]]:
+        """The fields only (pickle and ``copy`` would otherwise carry the cache's tensors along)."""
+        return None, {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def num_docs(self) -> int:
@@ -157,7 +167,7 @@ class PackedBatch:
             return done[id(t)]
 
         changes: dict[str, Any] = {f.name: once(v) for f in fields(self)
-                                   if f.init and isinstance(v := getattr(self, f.name), torch.Tensor)}
+                                   if isinstance(v := getattr(self, f.name), torch.Tensor)}
         changes["extras"] = {k: once(v) for k, v in self.extras.items()}
         if self.vision is not None:
             changes["vision"] = self.vision.map_tensors(once)

@@ -68,16 +68,27 @@ def target_counts(input_ids: torch.Tensor, cu_seqlens: np.ndarray, cu_seqlens_pa
     """``(num_targets, num_target_docs)`` of the host batch: labels that are not ``ignore_index``, and documents
     with at least one. Without supervision and with no id equal to ``ignore_index`` (``ids_avoid_ignore``: the
     caller knows; else one compare over ``input_ids``) they are ``Σ (L - 1)`` and the documents of 2+ tokens;
-    otherwise counted over the derived labels, as a consumer sees them."""
+    otherwise counted position by position with the rule :func:`derive` applies (numpy, a few passes over ``T``)."""
     lengths = np.diff(cu_seqlens)
     if loss_mask is None and target_ids is None and (
             ids_avoid_ignore or not INT32_MIN <= ignore_index <= INT32_MAX
             or not bool((input_ids.numpy() == ignore_index).any())):
         return int(lengths.sum()) - lengths.size, int(np.count_nonzero(lengths > 1))
-    labels = derive(input_ids, torch.from_numpy(cu_seqlens), torch.from_numpy(cu_seqlens_padded), loss_mask,
-                    target_ids, ignore_index).labels.numpy()
-    seen = np.concatenate(([0], np.cumsum(labels != ignore_index)))
-    return int(seen[-1]), int(np.count_nonzero(seen[cu_seqlens_padded[1:]] - seen[cu_seqlens_padded[:-1]]))
+    total = int(input_ids.shape[0])
+    starts = cu_seqlens_padded[:-1].astype(np.int64)
+    # has[t]: t predicts something (inside its document, not its last token): +1 at each start, -1 at each last
+    edges = np.zeros(total + 1, dtype=np.int32)
+    edges[starts] += 1  # starts are distinct, and so are lasts: no repeated index within one update
+    edges[starts + lengths - 1] -= 1
+    has = np.cumsum(edges[:-1], dtype=np.int32) > 0
+    source = (input_ids if target_ids is None else target_ids).numpy()
+    kept = np.zeros(total, dtype=bool)
+    np.not_equal(source[1:], ignore_index, out=kept[:-1])
+    if loss_mask is not None:
+        kept[:-1] &= loss_mask.numpy()[1:]
+    kept &= has
+    per_doc = np.add.reduceat(kept.view(np.uint8), starts, dtype=np.int64)
+    return int(per_doc.sum()), int(np.count_nonzero(per_doc))
 
 
 def check_int32(value: int, name: str) -> int:

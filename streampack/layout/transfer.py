@@ -62,11 +62,6 @@ class Wire(NamedTuple):
     """The shared-memory slot holding every large storage of the batch (:mod:`streampack.layout.shm_ring`)."""
 
 
-def _sent_fields(batch: Any) -> list[dataclasses.Field]:
-    """The fields a batch is rebuilt from (a cache of derived values, ``init=False``, stays behind)."""
-    return [f for f in dataclasses.fields(batch) if f.init]
-
-
 def _plain_cpu(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided \
         and not t.is_quantized and not t.requires_grad and not t.is_conj() and not t.is_neg()
@@ -75,7 +70,7 @@ def _plain_cpu(t: torch.Tensor) -> bool:
 def _tensor_items(batch: Any) -> dict[str, torch.Tensor] | None:
     """Every tensor of ``batch`` by field name, or None if one cannot travel as bytes."""
     out: dict[str, torch.Tensor] = {}
-    for f in _sent_fields(batch):
+    for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
         if isinstance(value, torch.Tensor):
             out[f.name] = value
@@ -163,7 +158,7 @@ def to_wire(batch: Any) -> Wire | None:
     for i, storage in enumerate(distinct):
         if sent[i] is None:
             sent[i] = _send_storage(storage)
-    plain = {f.name: getattr(batch, f.name) for f in _sent_fields(batch)
+    plain = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
              if f.name not in items and not (f.name == "extras" and any(k.startswith("extras/") for k in items))}
     return Wire(type(batch), plain, slots, tuple(views), tuple(sent), placed[0] if placed is not None else None)
 

@@ -116,7 +116,7 @@ def test_lightning_precision_and_device_helpers_take_packed_batches(precision: s
     for record in (batch, batch.hf_inputs()):
         moved = move_data_to_device(record, torch.device("meta"))
         assert type(moved) is type(record)
-    # apply_to_collection keeps the (init=False) cache of derived fields as it was: the moved batch must not
+    # apply_to_collection deep-copies the batch and sets the moved tensors on the copy: the moved batch must not
     # answer with the CPU labels the original derived, but derive its own on its device
     assert batch.labels.device.type == "cpu"
     moved = move_data_to_device(batch, torch.device("meta"))
