@@ -14,7 +14,14 @@ the best of its rounds (CPU time of the child, ``time.process_time``). Per tree:
 - derive ms per batch (this tree): ``labels`` + ``position_ids`` of a fresh batch on the CPU (on a GPU they run
   where the batch is; ``bench_gpu.py`` times them there).
 
+``--workers``: where the CPU of a 2-worker epoch goes (this tree, the tar shards of ``peers/corpus.py`` read by
+``PackedDataset`` under ``StatefulDataLoader``): the CPU of the process and its joined workers for an epoch of two
+corpus sizes, in-process, with 2 workers, and with 2 workers taking no per-step snapshot
+(``snapshot_every_n_steps`` past the epoch); the difference of the two sizes gives the CPU per batch with the fixed
+costs (start-up, worker fork, first window) taken out.
+
     PYTHONPATH=. python benchmarks/bench_compact.py --baseline /path/to/older/checkout --rounds 3
+    PYTHONPATH=. python benchmarks/bench_compact.py --workers
 """
 
 from __future__ import annotations
@@ -121,6 +128,63 @@ def child(tokens: int, repeats: int) -> dict[str, Any]:
     return out
 
 
+def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str) -> dict[str, Any]:
+    """One epoch of the peers' tar corpus in this fresh process: CPU of the process and its joined workers."""
+    import gc
+    import resource
+
+    sys.path.insert(0, str(HERE))
+    from peers.corpus import Corpus, CorpusSpec
+    from peers.streampack_peer import PACKS_PER_BATCH, StreampackPeer
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from streampack import PackedDataset
+    from streampack.options import PackOptions
+
+    def cpu() -> float:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    peer = StreampackPeer(capacity=CAPACITY)
+    peer.prepare(Corpus(CorpusSpec(tokens=tokens), directory))
+    gc.collect()
+    start = cpu()
+    ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=PACKS_PER_BATCH,
+                       packing=PackOptions(window=peer.window))
+    kw = {"prefetch_factor": 8, "snapshot_every_n_steps": snapshot_every} if workers else {}
+    real = batches = 0
+    for batch in StatefulDataLoader(ds, batch_size=None, num_workers=workers, **kw):
+        real += batch.num_tokens
+        batches += 1
+    return {"cpu": cpu() - start, "tokens": real, "batches": batches}  # the workers are joined at the epoch's end
+
+
+def workers_breakdown(sizes: tuple[int, int], rounds: int, directory: str) -> str:
+    cases = {"in-process": (0, 1), "2 workers": (2, 1), "2 workers, no per-step snapshot": (2, 1 << 40)}
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for _ in range(rounds):
+        for name, (workers, every) in cases.items():
+            for tokens in sizes:
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--child-epoch", str(tokens), str(workers),
+                       str(every), directory]
+                env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+                out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                if (name, tokens) not in best or got["cpu"] < best[name, tokens]["cpu"]:
+                    best[name, tokens] = got
+    small, large = sizes
+    lines = ["| epoch | CPU-s, small | CPU-s, large | tokens / CPU-s, large | marginal ms a batch | "
+             "marginal CPU a token / in-process |", "|---|---:|---:|---:|---:|---:|"]
+    marginal = {}
+    for name in cases:
+        a, b = best[name, small], best[name, large]
+        marginal[name] = (b["cpu"] - a["cpu"]) / (b["tokens"] - a["tokens"])
+        per_batch = 1e3 * (b["cpu"] - a["cpu"]) / (b["batches"] - a["batches"])
+        lines.append(f"| {name} | {a['cpu']:.3f} | {b['cpu']:.3f} | {b['tokens'] / b['cpu'] / 1e6:.1f} M | "
+                     f"{per_batch:.3f} | {marginal[name] / marginal['in-process']:.2f}× |")
+    return "\n".join(lines)
+
+
 def _spawn(root: str, tokens: int, repeats: int) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tokens", str(tokens), "--repeats",
@@ -170,10 +234,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=2_000_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="passes over the batches in each child (best kept)")
+    parser.add_argument("--workers", action="store_true", help="where the CPU of a 2-worker epoch goes")
+    parser.add_argument("--sizes", default="4e6,16e6", help="with --workers: the two corpus sizes, tokens")
+    parser.add_argument("--dir", default=None, help="with --workers: keep the written corpora here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-epoch", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.tokens, args.repeats)))
+        return 0
+    if args.child_epoch:
+        tokens, workers, every, directory = args.child_epoch
+        print(json.dumps(child_epoch(int(tokens), int(workers), int(every), directory)))
+        return 0
+    if args.workers:
+        import tempfile
+
+        small, large = (int(float(x)) for x in args.sizes.split(","))
+        with tempfile.TemporaryDirectory() as tmp:
+            print(workers_breakdown((small, large), args.rounds, args.dir or tmp))
         return 0
     best = compare(args.baseline, args.tokens, args.rounds, args.repeats)
     print(f"{best[next(iter(best))]['batches']} batches of {PACKS} x {CAPACITY} tokens, best of {args.rounds} "
