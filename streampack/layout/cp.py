@@ -55,7 +55,9 @@ class CPShard:
     indices: torch.Tensor
     """int64 ``[T/cp]``: global token index of each local token."""
     input_ids: torch.Tensor
+    """int64 ``[T/cp]`` (widened from the batch's int32 ids, as consumers of a shard have always taken them)."""
     labels: torch.Tensor
+    """int64 ``[T/cp]``: the batch's derived labels at the local tokens."""
     position_ids: torch.Tensor
     """Global positions of the local tokens (so RoPE sees each token's true position)."""
     seq_idx: torch.Tensor
