@@ -20,7 +20,11 @@ What it measures, on the same documents (lognormal and a long-tail mixture of le
    training advances by; slots/s is what the GPU computes.
 2. **Adapter overhead.** ``flash_attn_kwargs``, ``hf_inputs``, ``te_kwargs`` on the device batch,
    microseconds per call (they run no host sync; see tests/unit/attention/test_sync_free.py).
-3. **Loss overhead.** Forward + backward of the loss on ``[T, V]`` bf16 logits:
+3. **Feeding the step.** Host-to-device bytes a step (the batch's stored tensors, what ``batch.to(device)``
+   sends) against the ``[3, T]`` int64 rows of ids, labels and positions a loader used to write, and the
+   derivation of ``labels`` + ``position_ids`` on the device (``streampack.layout.derive``), ms a batch and its
+   share of a packed step.
+4. **Loss overhead.** Forward + backward of the loss on ``[T, V]`` bf16 logits:
    ``F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum") / n`` against
    ``packed_cross_entropy(logits, batch, num_targets=n)`` and its extras, and the earlier helper
    (boolean gather of the target rows, ``int(keep.sum())``, ``bincount``) for reference.
@@ -52,6 +56,7 @@ from streampack.attention import (  # noqa: E402
     varlen_attention_reference,
 )
 from streampack.attention.varlen import varlen_attention  # noqa: E402
+from streampack.layout.derive import derive  # noqa: E402
 from streampack.packing import pack  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -243,6 +248,19 @@ def adapter_overhead(batch: PackedBatch, calls: int = 200) -> dict[str, float]:
     return out
 
 
+def feed_cost(batch: PackedBatch, steps: int, warmup: int) -> dict[str, float]:
+    """Bytes ``to(device)`` sends for the host ``batch`` against the retired int64 rows, and the on-device
+    derivation's milliseconds per batch."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (getattr(batch, f) for f in batch.__dataclass_fields__) if isinstance(t, torch.Tensor)}
+    stored = sum(storages.values())
+    offsets = stored - batch.input_ids.untyped_storage().nbytes()
+    dev = batch.to(DEVICE)
+    args = (dev.input_ids, dev.cu_seqlens, dev.cu_seqlens_padded, dev.loss_mask, dev.target_ids, dev.ignore_index)
+    return {"bytes": stored, "bytes_rows": 24 * batch.total_tokens + offsets,
+            "derive_ms": timed(lambda: derive(*args), max(steps * 10, 1), warmup) * 1e3}
+
+
 def old_helper(logits: torch.Tensor, batch: PackedBatch, n: int) -> torch.Tensor:
     """The baseline loss: gather target rows, read counts on the host, bincount."""
     keep = batch.labels != batch.ignore_index
@@ -279,7 +297,7 @@ def loss_overhead(batch: PackedBatch, vocab: int, steps: int, warmup: int) -> di
 
 
 def report(c: Config, speeds: dict[str, dict[str, tuple[float, float]]], adapters: dict[str, float],
-           losses: dict[str, float], seconds_per_step: float) -> str:
+           losses: dict[str, float], seconds_per_step: float, feed: dict[str, float]) -> str:
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU check (timings meaningless)"
     head = (f"torch {torch.__version__} · {device} · bf16 · decoder dim {c.dim}, "
             f"{c.layers} layers, {c.heads}/{c.kv_heads} heads, vocab {c.vocab} "
@@ -292,6 +310,11 @@ def report(c: Config, speeds: dict[str, dict[str, tuple[float, float]]], adapter
             lines.append(f"| {kind} | {name} | {real:,.0f} | {slots:,.0f} | {packed / real:.2f}x |")
     lines += ["", "| adapter (device batch) | us per call | share of a packed step |", "|---|---:|---:|"]
     lines += [f"| {k} | {v:.1f} | {v / 1e6 / seconds_per_step:.3%} |" for k, v in adapters.items()]
+    lines += ["", "| feeding a step | value |", "|---|---:|",
+              f"| host-to-device bytes a step (stored fields) | {feed['bytes']:,.0f} |",
+              f"| the same with `[3, T]` int64 rows (ids, labels, positions) | {feed['bytes_rows']:,.0f} |",
+              f"| derive labels + position_ids on the device, ms a batch | {feed['derive_ms']:.3f} |",
+              f"| its share of a packed step | {feed['derive_ms'] / 1e3 / seconds_per_step:.3%} |"]
     base = losses["F.cross_entropy(logits.float(), ...) / n"]
     lines += ["", "| loss, forward + backward | ms | vs plain F.cross_entropy (float32) |", "|---|---:|---:|"]
     lines += [f"| {k} | {v:.2f} | {v / base - 1:+.1%} |" for k, v in losses.items()]
@@ -346,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     packed_tokens_s = speeds["lognormal"]["packed THD (varlen_attn)"][1]
     text = report(c, speeds, adapter_overhead(device_batch),
                   loss_overhead(device_batch, c.vocab, max(c.steps * 2, 1), c.warmup),
-                  c.packs * c.capacity / packed_tokens_s)
+                  c.packs * c.capacity / packed_tokens_s, feed_cost(probe, c.steps, c.warmup))
     return emit(text, args.out)
 
 

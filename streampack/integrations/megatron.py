@@ -47,7 +47,7 @@ class MegatronBatch(KwargsRecord):
 def megatron_batch(batch: PackedBatch, *, causal: bool = True) -> MegatronBatch:
     """:class:`MegatronBatch` for ``batch`` (on the batch's device; no host sync)."""
     keep = batch.labels != batch.ignore_index
-    return MegatronBatch(tokens=batch.input_ids.unsqueeze(0), labels=torch.where(keep, batch.labels, 0).unsqueeze(0),
+    return MegatronBatch(tokens=batch.input_ids.long().unsqueeze(0), labels=torch.where(keep, batch.labels, 0).unsqueeze(0),
                          loss_mask=keep.to(torch.float32).unsqueeze(0), position_ids=batch.position_ids.unsqueeze(0),
                          attention_mask=None, packed_seq_params=packed_seq_params(batch, causal=causal),
                          num_targets=batch.num_targets)

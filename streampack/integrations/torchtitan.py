@@ -34,7 +34,7 @@ def titan_collate(batch: PackedBatch) -> tuple[dict[str, Any], torch.Tensor]:
     labels = batch.labels
     if batch.ignore_index != HF_IGNORE_INDEX:
         labels = torch.where(labels == batch.ignore_index, HF_IGNORE_INDEX, labels)
-    inputs = {"input": batch.input_ids.unsqueeze(0), "positions": batch.position_ids.unsqueeze(0),
+    inputs = {"input": batch.input_ids.long().unsqueeze(0), "positions": batch.position_ids.unsqueeze(0),
               SPANS_KEY: batch.varlen_cu_seqlens, MAX_KEY: batch.varlen_max_seqlen,
               LAYOUT_KEY: torch.stack([batch.cu_seqlens, batch.cu_seqlens_padded])}
     return inputs, labels.unsqueeze(0)

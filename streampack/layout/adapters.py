@@ -249,7 +249,8 @@ def hf_inputs(batch: PackedBatch) -> HFInputs:
     total = batch.total_tokens
     index = span_index(cu, total)
     positions = torch.arange(total, device=device) - cu.to(torch.int64)[index.to(torch.int64)]
-    return HFInputs(input_ids=batch.input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+    # int64 ids: what HF's generate / embedding code paths and today's callers expect of ``input_ids``
+    return HFInputs(input_ids=batch.input_ids.long().unsqueeze(0), position_ids=positions.unsqueeze(0),
                     labels=hf_labels(batch).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                     max_length_q=batch.varlen_max_seqlen, max_length_k=batch.varlen_max_seqlen,
                     seq_idx=index.unsqueeze(0))

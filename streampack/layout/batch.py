@@ -2,14 +2,15 @@
 
 Worked example (``capacity=8, align=2``; documents ``a`` of 3 tokens and ``b`` of 2)::
 
-    input_ids          a0 a1 a2 P  b0 b1 P  P        (P = pad_id)
-    labels             a1 a2 -  -  b1 -  -  -        (- = ignore_index; already shifted)
-    position_ids       0  1  2  3  0  1  2  3        (restart at every padded span)
-    cu_seqlens         [0, 3, 5]                     (real lengths, int32)
-    cu_seqlens_padded  [0, 4, 8]                     (aligned spans; the trailing pack
+    input_ids          a0 a1 a2 P  b0 b1 P  P        (stored, int32; P = pad_id)
+    cu_seqlens         [0, 3, 5]                     (stored, int32: real lengths)
+    cu_seqlens_padded  [0, 4, 8]                     (stored, int32: aligned spans; the trailing pack
                                                       padding joins the pack's last span)
+    labels             a1 a2 -  -  b1 -  -  -        (derived, int64; - = ignore_index; already shifted)
+    position_ids       0  1  2  3  0  1  2  3        (derived, int64: restart at every padded span)
 
-Every span of ``cu_seqlens_padded`` is a multiple of ``align``; ``cu_seqlens_padded[-1] == T``.
+Every span of ``cu_seqlens_padded`` is a multiple of ``align``; ``cu_seqlens_padded[-1] == T``. What is stored and
+what is derived, and why: :mod:`streampack.layout.derive`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from streampack.layout import adapters, transfer
+from streampack.layout.derive import Derived, check_int32, check_int32_ids, derive, fits_int32, target_counts
 from streampack.layout.documents import alloc_extras, check_doc, check_extras, normalize, targets
 from streampack.layout.spans import doc_places, longest, offset_fields, span_index, varlen_offsets
 from streampack.layout.stats import WorkerStats
@@ -33,19 +35,26 @@ from streampack.sample import Sample
 _INT32_MAX = 2**31 - 1
 
 
+class _DerivedSlot:
+    """The slot caching a batch's derived fields: not a dataclass field, so ``fields()``, ``replace``, the worker
+    hand-over, pickling and copies (``__getstate__`` below) never carry it, and a rebuilt batch derives again."""
+
+    __slots__ = ("_derived",)
+
+
 # Not frozen (treat it as immutable): Lightning's apply_to_collection, run on every batch by its precision
-# plugins and FSDP / DeepSpeed input conversion, rebuilds a dataclass by setattr and refuses a frozen one.
+# plugins and FSDP / DeepSpeed input conversion, rebuilds a dataclass by setattr and refuses a frozen one. It
+# deep-copies the batch and sets the moved tensors on the copy, which is why the cache is left out of copies and
+# also records the tensors it was derived from.
 @dataclass(slots=True, kw_only=True, eq=False)
-class PackedBatch:
-    """One micro-batch of ``num_packs`` packs of ``capacity`` tokens, flattened to ``T`` tokens."""
+class PackedBatch(_DerivedSlot):
+    """One micro-batch of ``num_packs`` packs of ``capacity`` tokens, flattened to ``T`` tokens.
+
+    Stores ``input_ids``, the offsets and the samples' own supervision; ``labels`` and ``position_ids`` are
+    derived on first access, on the device the batch is on, and cached (:mod:`streampack.layout.derive`)."""
 
     input_ids: torch.Tensor
-    """int64 ``[T]``: all documents back to back, each followed by its alignment padding."""
-    labels: torch.Tensor
-    """int64 ``[T]``: next-token target of each position (already shifted); ``ignore_index`` at
-    each document's last token, at padding and wherever the sample's loss mask is 0."""
-    position_ids: torch.Tensor
-    """int64 ``[T]``: ``arange`` over each padded span, restarting at 0 at every document."""
+    """int32 ``[T]``: all documents back to back, each followed by its alignment padding."""
     cu_seqlens: torch.Tensor
     """int32 ``[n+1]``: cumulative real lengths of the ``n`` documents."""
     cu_seqlens_padded: torch.Tensor
@@ -75,6 +84,12 @@ class PackedBatch:
     align: int = 1
     pad_id: int = 0
     ignore_index: int = -100
+    loss_mask: torch.Tensor | None = None
+    """bool ``[T]``: token ``t`` is a target (unshifted; False at padding), stored when a sample carried a loss mask
+    and none carried labels; None otherwise."""
+    target_ids: torch.Tensor | None = None
+    """int32 ``[T]``: token ``t``'s target id (unshifted; ``ignore_index`` where none, at padding and where a
+    loss mask is 0), stored when a sample carried explicit labels; None otherwise."""
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Per-token side tensors ``[T, ...]`` packed with the same layout, zero-padded."""
     est_cost: float | None = None
@@ -83,6 +98,29 @@ class PackedBatch:
     """The images of the batch's documents (:mod:`streampack.layout.vision_batch`); None for text streams."""
     stats: WorkerStats | None = None
     """Running totals of the reader that built this batch (None from :func:`pack_batch` directly)."""
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """int64 ``[T]``: next-token target of each position (already shifted); ``ignore_index`` at each
+        document's last token, at padding and wherever the sample's loss mask is 0. Derived, cached."""
+        return self._derive().labels
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """int64 ``[T]``: ``arange`` over each padded span, restarting at 0 at every document. Derived, cached."""
+        return self._derive().position_ids
+
+    def _derive(self) -> Derived:
+        sources = (self.input_ids, self.cu_seqlens, self.cu_seqlens_padded, self.loss_mask, self.target_ids)
+        got: Derived | None = getattr(self, "_derived", None)
+        if got is None or got.ignore_index != self.ignore_index or any(
+                a is not b for a, b in zip(got.sources, sources)):
+            got = self._derived = derive(*sources, self.ignore_index)
+        return got
+
+    def __getstate__(self) -> tuple[None, dict[str, Any]]:
+        """The fields only (pickle and ``copy`` would otherwise carry the cache's tensors along)."""
+        return None, {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def num_docs(self) -> int:
@@ -136,6 +174,7 @@ class PackedBatch:
         return replace(self, **changes)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """A copy on ``device``: moves only what is stored; the derived fields are derived there."""
         return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PackedBatch:
@@ -199,13 +238,15 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     ``labels``, ``loss_mask``, ``key``, per-token extras) or a sequence of ids (:mod:`.documents`). Every
     pack occupies ``capacity`` tokens; each document is padded to a multiple of ``align`` and a pack's
     trailing padding joins its last span; a label ``-100`` becomes ``ignore_index``. ``vision_layout`` (a
-    media stream's) gives every batch a ``vision``, images or not.
+    media stream's) gives every batch a ``vision``, images or not. Ids (and labels) that int32 cannot hold are a
+    ``ValueError``.
     """
     capacity, align = _positive_int(capacity, "capacity"), _positive_int(align, "align")
     if capacity % align:
         raise ValueError(f"{capacity=} must be a multiple of {align=}")
     if not packs:
         raise ValueError("pack_batch needs at least one pack")
+    check_int32(pad_id, "pad_id")
     total = len(packs) * capacity
     if total > _INT32_MAX:
         # cu_seqlens are int32 in every varlen kernel: offsets past 2**31-1 would wrap (fa#2611)
@@ -216,46 +257,60 @@ def pack_batch(packs: Sequence[Sequence[Any]], *, capacity: int, align: int = 1,
     extra_names = check_extras(docs)
     flat = [d for pack in docs for d in pack]
     keys = tuple(d.doc_key for d in flat)
+    wide = [i for i, d in enumerate(flat) if not fits_int32(d.tokens.dtype)]
+    check_int32_ids([flat[i].tokens for i in wide], [keys[i] for i in wide], "token id")
     lengths = np.fromiter((len(d) for d in flat), dtype=np.int64, count=len(flat))
     at, cu_padded = doc_places(lengths, [len(pack) for pack in docs], keys, capacity, align)
     starts = at.tolist()
-    # one storage for the three [T] int64 fields (the int32 offsets share another): a worker
-    # hands a batch over per storage, 318 batches/s against 156 with one per field
-    # (benchmarks/bench_transfer.py, 8 x 4096 tokens, one worker)
-    rows = torch.empty((3, total), dtype=torch.int64)
-    input_ids, labels, positions = rows.numpy()
-    input_ids.fill(pad_id)
-    labels.fill(ignore_index)
+    input_ids = torch.full((total,), pad_id, dtype=torch.int32)
+    ids = input_ids.numpy()
+    loss_mask, target_ids = _supervision(flat, total, ignore_index)
+    mask, target = (None if t is None else t.numpy() for t in (loss_mask, target_ids))
     extras = alloc_extras(docs, extra_names, total)
     for doc, start, n in zip(flat, starts, lengths.tolist()):
-        input_ids[start:start + n] = doc.tokens
-        labels[start:start + n - 1] = doc.tokens[1:] if _ready(doc) else targets(doc, ignore_index)[1:]
+        ids[start:start + n] = doc.tokens  # in int32 range: checked above
+        if target is not None:
+            target[start:start + n] = targets(doc, ignore_index)
+        elif mask is not None:
+            mask[start:start + n] = True if doc.loss_mask is None else doc.loss_mask
         for name in extra_names:
             extras[name][start:start + n] = doc.extras[name]
-    batch = from_rows(rows, lengths, cu_padded, keys, capacity=capacity, align=align, pad_id=pad_id,
-                      ignore_index=ignore_index)
+    batch = from_ids(input_ids, lengths, cu_padded, keys, capacity=capacity, align=align, pad_id=pad_id,
+                     ignore_index=ignore_index, loss_mask=loss_mask, target_ids=target_ids)
     batch.extras = {k: torch.from_numpy(v) for k, v in extras.items()}
     batch.vision = vision_batch(flat, starts, batch.input_ids, batch.varlen_cu_seqlens, vision_layout)
     return batch
 
 
-def from_rows(rows: torch.Tensor, lengths: np.ndarray, cu_padded: np.ndarray, keys: tuple[str, ...], *,
-              capacity: int, align: int, pad_id: int, ignore_index: int) -> PackedBatch:
-    """The batch of ``rows`` (int64 ``[3, T]``: ids and shifted labels written, positions to
-    fill) whose documents of ``lengths`` (int ``[n]``) sit at the spans of ``cu_padded`` (int32
-    ``[n+1]``): positions, offsets and counts in whole-batch operations, not one per document."""
-    total = rows.shape[1]
-    _, labels, positions = rows.numpy()
-    np.subtract(np.arange(total), np.repeat(cu_padded[:-1], np.diff(cu_padded)), out=positions)
+def _supervision(docs: list[Sample], total: int, ignore_index: int) -> tuple[torch.Tensor | None, ...]:
+    """``(loss_mask, target_ids)`` to fill, as the documents need: explicit labels on any document store every
+    target id (a loss mask folded in), a loss mask alone stores the mask, neither stores nothing."""
+    if any(d.labels is not None for d in docs):
+        check_int32(ignore_index, "ignore_index")
+        wide = [i for i, d in enumerate(docs) if d.labels is not None and not fits_int32(d.labels.dtype)]
+        check_int32_ids([docs[i].labels for i in wide], [docs[i].doc_key for i in wide], "label")
+        return None, torch.full((total,), ignore_index, dtype=torch.int32)
+    if any(d.loss_mask is not None for d in docs):
+        return torch.zeros(total, dtype=torch.bool), None
+    return None, None
+
+
+def from_ids(input_ids: torch.Tensor, lengths: np.ndarray, cu_padded: np.ndarray, keys: tuple[str, ...], *,
+             capacity: int, align: int, pad_id: int, ignore_index: int, loss_mask: torch.Tensor | None = None,
+             target_ids: torch.Tensor | None = None, ids_avoid_ignore: bool = False) -> PackedBatch:
+    """The batch of ``input_ids`` (int32 ``[T]``, written) whose documents of ``lengths`` (int ``[n]``) sit at the
+    spans of ``cu_padded`` (int32 ``[n+1]``): offsets and counts in whole-batch operations, not one per document
+    (``ids_avoid_ignore``: see :func:`~streampack.layout.derive.target_counts`)."""
+    total = int(input_ids.shape[0])
     cu_real = np.zeros(lengths.size + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu_real[1:])
-    seen = np.concatenate(([0], np.cumsum(labels != ignore_index)))
+    num_targets, target_docs = target_counts(input_ids, cu_real, cu_padded, loss_mask, target_ids, ignore_index,
+                                             ids_avoid_ignore=ids_avoid_ignore)
     offsets = offset_fields(cu_real, cu_padded, align)
-    return PackedBatch(input_ids=rows[0], labels=rows[1], position_ids=rows[2], **offsets,
-                       max_seqlen=longest(cu_padded), num_tokens=int(cu_real[-1]), num_targets=int(seen[-1]),
-                       num_target_docs=int(np.count_nonzero(seen[cu_padded[1:]] - seen[cu_padded[:-1]])),
-                       doc_keys=keys, capacity=capacity, num_packs=total // capacity, align=align, pad_id=pad_id,
-                       ignore_index=ignore_index)
+    return PackedBatch(input_ids=input_ids, **offsets, max_seqlen=longest(cu_padded), num_tokens=int(cu_real[-1]),
+                       num_targets=num_targets, num_target_docs=target_docs, doc_keys=keys, capacity=capacity,
+                       num_packs=total // capacity, align=align, pad_id=pad_id, ignore_index=ignore_index,
+                       loss_mask=loss_mask, target_ids=target_ids)
 
 
 def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = None) -> None:
@@ -264,6 +319,7 @@ def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = 
     cu, cup = batch.cu_seqlens, batch.cu_seqlens_padded
     T = batch.total_tokens
     assert cu.dtype == torch.int32 and cup.dtype == torch.int32, "cu_seqlens must be int32"
+    assert batch.input_ids.dtype == torch.int32, "input_ids must be int32"
     assert cu.shape == cup.shape == (batch.num_docs + 1,), "cu_seqlens length != docs + 1"
     assert int(cu[0]) == 0 and int(cup[0]) == 0, "cu_seqlens must start at 0"
     assert int(cup[-1]) == T == batch.num_packs * batch.capacity, "cu_seqlens_padded[-1] != T"

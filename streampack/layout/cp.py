@@ -55,7 +55,9 @@ class CPShard:
     indices: torch.Tensor
     """int64 ``[T/cp]``: global token index of each local token."""
     input_ids: torch.Tensor
+    """int64 ``[T/cp]`` (widened from the batch's int32 ids, as consumers of a shard have always taken them)."""
     labels: torch.Tensor
+    """int64 ``[T/cp]``: the batch's derived labels at the local tokens."""
     position_ids: torch.Tensor
     """Global positions of the local tokens (so RoPE sees each token's true position)."""
     seq_idx: torch.Tensor
@@ -77,7 +79,7 @@ def cp_shard(batch: PackedBatch, cp_size: int, cp_rank: int) -> CPShard:
     """The slice of ``batch`` that context-parallel rank ``cp_rank`` of ``cp_size`` holds."""
     idx = cp_partition_indices(batch.cu_seqlens_padded, batch.total_tokens, cp_size, cp_rank)
     labels = batch.labels[idx]
-    return CPShard(cp_size=cp_size, cp_rank=cp_rank, indices=idx, input_ids=batch.input_ids[idx], labels=labels,
+    return CPShard(cp_size=cp_size, cp_rank=cp_rank, indices=idx, input_ids=batch.input_ids[idx].long(), labels=labels,
                    position_ids=batch.position_ids[idx], seq_idx=batch.seq_idx[idx], cu_seqlens=batch.cu_seqlens,
                    cu_seqlens_padded=batch.cu_seqlens_padded,
                    cu_seqlens_padded_local=torch.div(batch.cu_seqlens_padded, cp_size,

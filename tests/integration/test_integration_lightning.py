@@ -111,11 +111,16 @@ def test_lightning_precision_and_device_helpers_take_packed_batches(precision: s
     plugin = L.Trainer(accelerator="cpu", precision=precision, logger=False).precision_plugin
     converted = plugin.convert_input(batch)
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float64
-    assert converted.extras["pos3d"].dtype == dtype and converted.input_ids.dtype == torch.int64
+    assert converted.extras["pos3d"].dtype == dtype and converted.input_ids.dtype == torch.int32
     assert type(plugin.convert_input(batch.hf_inputs())).__name__ == "HFInputs"
     for record in (batch, batch.hf_inputs()):
         moved = move_data_to_device(record, torch.device("meta"))
         assert type(moved) is type(record)
+    # apply_to_collection deep-copies the batch and sets the moved tensors on the copy: the moved batch must not
+    # answer with the CPU labels the original derived, but derive its own on its device
+    assert batch.labels.device.type == "cpu"
+    moved = move_data_to_device(batch, torch.device("meta"))
+    assert moved.labels.device.type == "meta" and moved.position_ids.device.type == "meta"
 
 
 def test_fit_with_the_datamodule_logs_stream_metrics(urls: list[str], tmp_path: Path) -> None:

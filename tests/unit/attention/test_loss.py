@@ -163,7 +163,7 @@ def test_two_micro_batches_equal_unpacked_token_mean() -> None:
     assert n == sum(b.num_targets for b in micro) == global_num_targets([b.num_targets for b in micro])
     step = 0.0
     for b in micro:
-        feats = F.one_hot(b.input_ids, V).double()
+        feats = F.one_hot(b.input_ids.long(), V).double()
         step = step + packed_cross_entropy(feats @ weight, b, num_targets=n).loss
     (g_packed,) = torch.autograd.grad(step, weight)
     # unpacked: every document alone, one token mean over all of them
@@ -176,7 +176,7 @@ def test_two_micro_batches_equal_unpacked_token_mean() -> None:
     torch.testing.assert_close(step, ref)
     torch.testing.assert_close(g_packed, g_ref)
     # the naive alternative (mean of micro-batch means) is measurably different here
-    naive = sum(packed_cross_entropy(F.one_hot(b.input_ids, V).double() @ weight, b).loss
+    naive = sum(packed_cross_entropy(F.one_hot(b.input_ids.long(), V).double() @ weight, b).loss
                 for b in micro) / 2
     assert not math.isclose(float(naive.detach()), float(ref.detach()), rel_tol=1e-3)
     assert global_num_sequences(micro) == sum(num_supervised_sequences(b) for b in micro)

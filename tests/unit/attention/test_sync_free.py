@@ -114,6 +114,9 @@ BATCHES = {
                                     capacity=8, align=2),
     "no_targets": lambda: pack_batch([[{"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}]],
                                      capacity=4),
+    # explicit labels: stored as int32 target_ids, the labels derived from them on the device
+    "labels": lambda: pack_batch([[{"input_ids": [1, 2, 3, 4], "labels": [-100, 7, 8, -100]}, [5, 6]]],
+                                 capacity=8, align=2),
 }
 
 
@@ -172,3 +175,24 @@ def test_no_sync_on_a_real_gpu(name: str) -> None:
         exercise(batch)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(BATCHES))
+def test_deriving_labels_and_positions_does_not_sync_on_a_real_gpu(name: str) -> None:
+    """``exercise`` derives once and then reads the cache: derive again, from scratch, under the sync check."""
+    from streampack.layout.derive import derive
+
+    batch = BATCHES[name]().pin_memory().to("cuda", non_blocking=True)
+    stored = (batch.input_ids, batch.cu_seqlens, batch.cu_seqlens_padded, batch.loss_mask, batch.target_ids,
+              batch.ignore_index)
+    derive(*stored)  # warm-up
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = derive(*stored)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert torch.equal(got.labels.cpu(), BATCHES[name]().labels)

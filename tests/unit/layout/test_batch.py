@@ -141,5 +141,8 @@ def test_check_invariants_catches_a_corrupted_batch():
     b = pack_batch([[[1, 2, 3], [4, 5]]], capacity=6)
     leaked = b.labels.clone()
     leaked[2] = 4  # last token of doc 0 predicting doc 1's first token (titan#4075)
+    # labels are derived: a broken derivation is what could leak, so corrupt the cache it fills
+    b._derived = replace(b._derived, labels=leaked)
+    b.num_targets += 1
     with pytest.raises(AssertionError, match="crosses the boundary"):
-        check_invariants(replace(b, labels=leaked, num_targets=b.num_targets + 1))
+        check_invariants(b)

@@ -90,7 +90,7 @@ def test_integer_token_dtypes(tokens):
     mask = torch.tensor([True, False, True])
     batch = pack_batch([[{"input_ids": tokens, "loss_mask": mask.to(torch.uint8)}]], capacity=4)
     ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-    assert batch.input_ids.dtype == torch.int64 and batch.input_ids[:3].tolist() == ids.tolist()
+    assert batch.input_ids.dtype == torch.int32 and batch.input_ids[:3].tolist() == ids.tolist()
     assert batch.labels.tolist() == [-100, int(ids[2]), -100, -100]
     check_invariants(batch, [ids.tolist()])
 

@@ -28,32 +28,36 @@ def _batch(align: int = 1, extras: bool = False) -> PackedBatch:
             pack.append(Sample(key=f"{p}-{i}", url="/d/x.tar", tokens=rng.integers(0, 50_000, n),
                                loss_mask=loss_mask, extras=extra))
         packs.append(pack)
-    batch = pack_batch(packs, capacity=4096, align=align)
+    batch = pack_batch(packs, capacity=8192, align=align)  # int32 ids: 128 KiB, past INLINE_BYTES
     return dataclasses.replace(batch, stats=WorkerStats(dp_rank=0, worker_id=1, batches=3), est_cost=1.5)
 
 
 def _same(a: PackedBatch, b: PackedBatch) -> None:
-    for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
+    for name in [f.name for f in dataclasses.fields(a) if f.init] + ["labels", "position_ids"]:
+        x, y = getattr(a, name), getattr(b, name)
         if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(x, y), f.name
-        elif f.name == "extras":
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        elif name == "extras":
             assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-        elif f.name == "stats":
+        elif name == "stats":
             assert dataclasses.asdict(x) == dataclasses.asdict(y)
         else:
-            assert x == y, f.name
+            assert x == y, name
 
 
 def test_round_trip_keeps_fields_sharing_and_identity() -> None:
     for align, extras in ((1, False), (2, True)):
         batch = _batch(align, extras)
+        batch.labels  # fills the sender's cache of derived fields
         got = ForkingPickler.loads(ForkingPickler.dumps(batch))
+        assert batch._derived is not None and getattr(got, "_derived", None) is None  # the cache stays behind
         _same(batch, got)
         check_invariants(got)
-        # the three [T] rows still share one storage, and a tensor named twice is one object
-        ptr = got.input_ids.untyped_storage().data_ptr()
-        assert got.labels.untyped_storage().data_ptr() == ptr == got.position_ids.untyped_storage().data_ptr()
+        # only what is stored crosses: int32 ids, the bool loss mask, the offsets
+        wire = transfer.to_wire(batch)
+        assert "_derived" not in wire.plain and {v.dtype for v in wire.views} <= {torch.int32, torch.bool, torch.float32}
+        transfer.from_wire(wire)  # gives its slot back
+        assert got.input_ids.dtype == torch.int32 and got.loss_mask.dtype == torch.bool and got.target_ids is None
         assert (got.varlen_cu_seqlens_bidirectional is got.varlen_cu_seqlens) == (align == 1)
         before = int(batch.input_ids[0])
         got.input_ids[0] = before + 1  # writable memory
@@ -73,7 +77,7 @@ def test_large_storages_go_in_a_reused_slot_not_a_new_segment_per_batch() -> Non
     assert b"SlotRef" in data
     got = ForkingPickler.loads(data)
     _same(batch, got)
-    # every large storage of the batch (the [3, T] rows and the extra) is in one slot: one mapping
+    # every large storage of the batch (the ids, the loss mask and the extra) is in one slot: one mapping
     ptrs = {got.input_ids.untyped_storage().data_ptr(), got.extras["pixel_rows"].untyped_storage().data_ptr()}
     assert len(ptrs) == 1
     # a held batch keeps its slot; released ones come back, so the ring stays as small as what is held

@@ -1,0 +1,266 @@
+"""The compact PackedBatch against the tree before it: host bytes a token, layout CPU per batch, derivation cost.
+
+One corpus of generated documents (lognormal lengths, mean 600, clipped to [16, 4096]; ids uniform below 50,000)
+is packed greedily into batches of 8 x 4096 tokens. Each tree (this checkout and ``--baseline DIR``, an older
+checkout) is measured in its own fresh child process, the children taking turns round by round; every number is
+the best of its rounds (CPU time of the child, ``time.process_time``). Per tree:
+
+- bytes a token: the batch's distinct tensor storages (ids, labels and positions where they are stored, the
+  int32 offsets, a loss mask) over ``T``: what the loader writes, a worker hands over, ``pin_memory`` copies and
+  ``to(device)`` sends;
+- layout ms per batch: ``pack_slices`` (documents as int32 slices of the buffers a block reader filled: the
+  pre-tokenized tar / parquet path) and ``pack_batch`` (int64 Samples: the tokenized-text path), each also with a
+  loss mask on every document (``pack_batch`` only);
+- derive ms per batch (this tree): ``labels`` + ``position_ids`` of a fresh batch on the CPU (on a GPU they run
+  where the batch is; ``bench_gpu.py`` times them there).
+
+``--workers``: where the CPU of a 2-worker epoch goes (this tree, the tar shards of ``peers/corpus.py`` read by
+``PackedDataset`` under ``StatefulDataLoader``): the CPU of the process and its joined workers for an epoch of two
+corpus sizes, in-process, with 2 workers, and with 2 workers taking no per-step snapshot
+(``snapshot_every_n_steps`` past the epoch); the difference of the two sizes gives the CPU per batch with the fixed
+costs (start-up, worker fork, first window) taken out.
+
+    PYTHONPATH=. python benchmarks/bench_compact.py --baseline /path/to/older/checkout --rounds 3
+    PYTHONPATH=. python benchmarks/bench_compact.py --workers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+CAPACITY, PACKS = 4096, 8
+
+
+def corpus(tokens: int, seed: int = 0) -> tuple[list[list[list[tuple[int, int]]]], np.ndarray]:
+    """Batches (lists of packs of documents ``(start, length)`` in one int32 block, greedily filled) and the block."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(int(np.clip(rng.lognormal(np.log(600) - 0.5, 1.0), 16, CAPACITY)))
+    block = rng.integers(0, 50_000, sum(lengths)).astype(np.int32)
+    packs, room, at = [[]], CAPACITY, 0
+    for n in lengths:
+        if n > room:
+            packs.append([])
+            room = CAPACITY
+        packs[-1].append((at, n))
+        room -= n
+        at += n
+    batches = [packs[i:i + PACKS] for i in range(0, len(packs) - PACKS + 1, PACKS)]
+    return batches, block
+
+
+def _storage_bytes(batch: Any) -> int:
+    import torch
+
+    seen: dict[int, int] = {}
+    tensors = [getattr(batch, f) for f in batch.__dataclass_fields__]
+    tensors += list(batch.extras.values())
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _best(fn: Any, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t)
+    return best
+
+
+def child(tokens: int, repeats: int) -> dict[str, Any]:
+    """This process's tree: its numbers over the corpus's batches."""
+    from streampack.layout.batch import pack_batch
+    from streampack.layout.slices import pack_slices
+    from streampack.sample import Sample
+
+    batches, block = corpus(tokens)
+    slices = []
+    for packs in batches:
+        docs = [d for p in packs for d in p]
+        slices.append(([block] * len(docs), np.array([a for a, _ in docs]), np.array([n for _, n in docs]),
+                       [len(p) for p in packs], tuple(f"k{i}" for i in range(len(docs)))))
+    samples = [[[Sample(key=f"k{i}", url="/d/s.tar", tokens=block[a:a + n].astype(np.int64))
+                 for i, (a, n) in enumerate(p)] for p in packs] for packs in batches]
+    rng = np.random.default_rng(1)
+    masked = [[[s.evolve(loss_mask=rng.random(len(s)) < 0.8) for s in p] for p in packs] for packs in samples]
+    n = len(batches)
+
+    def run_slices() -> None:
+        for a in slices:
+            pack_slices(*a, capacity=CAPACITY, ids_nonnegative=True)
+
+    def run_samples(which: list) -> Any:
+        return lambda: [pack_batch(packs, capacity=CAPACITY) for packs in which]
+
+    out: dict[str, Any] = {"batches": n, "tokens_per_batch": PACKS * CAPACITY}
+    one = pack_slices(*slices[0], capacity=CAPACITY, ids_nonnegative=True)
+    out["bytes_per_token"] = _storage_bytes(one) / one.total_tokens
+    masked_one = pack_batch(masked[0], capacity=CAPACITY)
+    out["bytes_per_token_mask"] = _storage_bytes(masked_one) / masked_one.total_tokens
+    out["pack_slices_ms"] = 1e3 * _best(run_slices, repeats) / n
+    out["pack_batch_ms"] = 1e3 * _best(run_samples(samples), repeats) / n
+    out["pack_batch_mask_ms"] = 1e3 * _best(run_samples(masked), repeats) / n
+    built = [pack_slices(*a, capacity=CAPACITY, ids_nonnegative=True) for a in slices]
+    if not hasattr(type(built[0]), "_derive"):  # a tree that stores labels and positions
+        out["derive_ms"] = 0.0
+    else:
+        from streampack.layout.derive import derive
+
+        def run_derive() -> None:
+            for b in built:
+                derive(b.input_ids, b.cu_seqlens, b.cu_seqlens_padded, b.loss_mask, b.target_ids, b.ignore_index)
+
+        run_derive()  # torch's first calls of each op set up kernels: not a per-batch cost
+        out["derive_ms"] = 1e3 * _best(run_derive, repeats) / n
+    return out
+
+
+def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str) -> dict[str, Any]:
+    """One epoch of the peers' tar corpus in this fresh process: CPU of the process and its joined workers."""
+    import gc
+    import resource
+
+    sys.path.insert(0, str(HERE))
+    from peers.corpus import Corpus, CorpusSpec
+    from peers.streampack_peer import PACKS_PER_BATCH, StreampackPeer
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from streampack import PackedDataset
+    from streampack.options import PackOptions
+
+    def cpu() -> float:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    peer = StreampackPeer(capacity=CAPACITY)
+    peer.prepare(Corpus(CorpusSpec(tokens=tokens), directory))
+    gc.collect()
+    start = cpu()
+    ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=PACKS_PER_BATCH,
+                       packing=PackOptions(window=peer.window))
+    kw = {"prefetch_factor": 8, "snapshot_every_n_steps": snapshot_every} if workers else {}
+    real = batches = 0
+    for batch in StatefulDataLoader(ds, batch_size=None, num_workers=workers, **kw):
+        real += batch.num_tokens
+        batches += 1
+    return {"cpu": cpu() - start, "tokens": real, "batches": batches}  # the workers are joined at the epoch's end
+
+
+def workers_breakdown(sizes: tuple[int, int], rounds: int, directory: str) -> str:
+    cases = {"in-process": (0, 1), "2 workers": (2, 1), "2 workers, no per-step snapshot": (2, 1 << 40)}
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for _ in range(rounds):
+        for name, (workers, every) in cases.items():
+            for tokens in sizes:
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--child-epoch", str(tokens), str(workers),
+                       str(every), directory]
+                env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+                out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                if (name, tokens) not in best or got["cpu"] < best[name, tokens]["cpu"]:
+                    best[name, tokens] = got
+    small, large = sizes
+    lines = ["| epoch | CPU-s, small | CPU-s, large | tokens / CPU-s, large | marginal ms a batch | "
+             "marginal CPU a token / in-process |", "|---|---:|---:|---:|---:|---:|"]
+    marginal = {}
+    for name in cases:
+        a, b = best[name, small], best[name, large]
+        marginal[name] = (b["cpu"] - a["cpu"]) / (b["tokens"] - a["tokens"])
+        per_batch = 1e3 * (b["cpu"] - a["cpu"]) / (b["batches"] - a["batches"])
+        lines.append(f"| {name} | {a['cpu']:.3f} | {b['cpu']:.3f} | {b['tokens'] / b['cpu'] / 1e6:.1f} M | "
+                     f"{per_batch:.3f} | {marginal[name] / marginal['in-process']:.2f}× |")
+    return "\n".join(lines)
+
+
+def _spawn(root: str, tokens: int, repeats: int) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tokens", str(tokens), "--repeats",
+           str(repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(baseline: str | None, tokens: int, rounds: int, repeats: int) -> dict[str, dict[str, Any]]:
+    trees = {"this tree": str(HERE.parent)} | ({"baseline": baseline} if baseline else {})
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for r in range(rounds):
+        order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
+        for name, root in order:
+            runs[name].append(_spawn(root, tokens, repeats))
+    best = {}
+    for name, rows in runs.items():
+        keys = rows[0].keys()
+        best[name] = {k: (min(r[k] for r in rows) if k.endswith("_ms") else rows[0][k]) for k in keys}
+    return best
+
+
+def table(best: dict[str, dict[str, Any]]) -> str:
+    names = list(best)
+    lines = ["| | " + " | ".join(names) + (" | this / baseline |" if len(names) == 2 else " |"),
+             "|---|" + "---:|" * (len(names) + (len(names) == 2))]
+    labels = {"bytes_per_token": "host bytes a token", "bytes_per_token_mask": "host bytes a token, with a loss mask",
+              "pack_slices_ms": "pack_slices, ms a batch (blocks)", "pack_batch_ms": "pack_batch, ms a batch (Samples)",
+              "pack_batch_mask_ms": "pack_batch with loss masks, ms a batch",
+              "derive_ms": "derive labels + positions on the CPU, ms a batch"}
+    for key, label in labels.items():
+        vals = [best[n][key] for n in names]
+        cells = [f"{v:.3f}" if key.endswith("_ms") else f"{v:.2f}" for v in vals]
+        ratio = f" | {vals[0] / vals[1]:.2f}" if len(vals) == 2 and vals[1] else (" | —" if len(vals) == 2 else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + ratio + " |")
+    return "\n".join(lines)
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """Rows for ``benchmarks/run_all.py`` (this tree only)."""
+    return [{"tree": "this", **child(300_000 if quick else 2_000_000, 2 if quick else 3)}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", default=None, help="an older checkout, measured interleaved")
+    parser.add_argument("--tokens", type=int, default=2_000_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the batches in each child (best kept)")
+    parser.add_argument("--workers", action="store_true", help="where the CPU of a 2-worker epoch goes")
+    parser.add_argument("--sizes", default="4e6,16e6", help="with --workers: the two corpus sizes, tokens")
+    parser.add_argument("--dir", default=None, help="with --workers: keep the written corpora here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-epoch", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.tokens, args.repeats)))
+        return 0
+    if args.child_epoch:
+        tokens, workers, every, directory = args.child_epoch
+        print(json.dumps(child_epoch(int(tokens), int(workers), int(every), directory)))
+        return 0
+    if args.workers:
+        import tempfile
+
+        small, large = (int(float(x)) for x in args.sizes.split(","))
+        with tempfile.TemporaryDirectory() as tmp:
+            print(workers_breakdown((small, large), args.rounds, args.dir or tmp))
+        return 0
+    best = compare(args.baseline, args.tokens, args.rounds, args.repeats)
+    print(f"{best[next(iter(best))]['batches']} batches of {PACKS} x {CAPACITY} tokens, best of {args.rounds} "
+          f"interleaved rounds x {args.repeats} passes, CPU time\n")
+    print(table(best))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
