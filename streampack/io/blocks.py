@@ -16,6 +16,7 @@ from typing import BinaryIO
 
 from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
+from streampack.io.megatron import megatron_blocks
 from streampack.io.parquet_block import parquet_blocks, parquet_groups_at
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
@@ -24,7 +25,7 @@ from streampack.io.tar_pick import Clusters, tar_samples_at
 from streampack.io.token_block import TokenBlock
 from streampack.io.urls import shard_format
 
-BLOCK_FORMATS = ("tar", "parquet")
+BLOCK_FORMATS = ("tar", "parquet", "megatron")
 """Formats with a block reader."""
 
 
@@ -44,6 +45,8 @@ def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Ope
         return None
     if shard_format(url) == "tar":
         return tar_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats, chunk_bytes=chunk_bytes)
+    if shard_format(url) == "megatron":
+        return megatron_blocks(url, where.start, where.end, decode=decode, opts=opts, stats=stats)
     return parquet_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats)
 
 
