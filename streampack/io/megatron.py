@@ -30,7 +30,6 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import numpy as np
 
@@ -311,13 +310,17 @@ def megatron_blocks(url: str, start: int, end: int | None, *, decode: DecodeOpti
         docs = shard.documents(at, min(stop, at + max(1, CHUNK_BYTES // 64)))
         for i, j in _runs(shard, docs, limit):
             lengths = docs.lengths[i:j]
-            if (lengths < 1).any() or int(lengths.max()) * width > limit \
-                    or int(docs.starts[j - 1]) + int(lengths[-1]) * width > shard.bin_size:
+            plain = (lengths >= 1) & (lengths * width <= limit) & (docs.starts[i:j] + lengths * width <= shard.bin_size)
+            good = j - i if plain.all() else int(np.argmin(plain))
+            ids = _ids(shard, docs, i, i + good) if good else np.zeros(0, shard.header.dtype)
+            bad = np.flatnonzero((ids >= bound) | (ids < 0)) if ids.size else ids
+            if bad.size:  # the documents before the one holding the first bad id are plain
+                good = int(np.searchsorted(np.cumsum(lengths[:good]), bad[0], side="right"))
+                ids = ids[:int(lengths[:good].sum())]
+            if good:
+                yield _block(url, ids, lengths[:good], docs.first + i, done=docs.first + i + good == stop)
+            if good < j - i:
                 return
-            ids = _ids(shard, docs, i, j)
-            if ids.size and (int(ids.max()) >= bound or (ids.dtype.kind == "i" and int(ids.min()) < 0)):
-                return
-            yield _block(url, ids, lengths, docs.first + i, done=docs.first + j == stop)
         at = docs.first + len(docs.lengths)
 
 
