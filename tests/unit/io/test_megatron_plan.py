@@ -125,3 +125,14 @@ def test_a_changed_shard_is_refused_on_resume(corpus, tmp_path):
     with pytest.raises(ValueError, match="shard-000.idx"):
         list(restored)
 
+
+
+def test_one_shard_is_split_between_readers_by_document(corpus):
+    """Fewer shards than readers: 3 ranks x 2 workers share one shard (indexed without a manifest), each document
+    read once."""
+    urls, docs, _ = corpus
+    make = lambda r: _ds(urls[:1], None, r, 3)  # noqa: E731
+    runs = [list(SimRank(lambda r=r: make(r), 2)) for r in range(3)]
+    assert len({len(r) for r in runs}) == 1 and len(runs[0]) >= 1
+    expected = {k: v for k, v in _expected(urls, docs).items() if k.startswith(urls[0] + "#")}
+    assert _documents(b for r in runs for b in r) == expected
