@@ -142,6 +142,9 @@ def _documents(doc_index: np.ndarray, lengths: np.ndarray, pointers: np.ndarray,
     def bad(doc: int, why: str) -> DataError:
         return DataError("corrupt_shard", f"document {doc}: {why}", url=url, key=str(doc), value=doc)
 
+    def holding(seq: int) -> int:  # the document that holds sequence ``seq`` (the first, for one before the range)
+        return first_doc + max(int(np.searchsorted(doc_index, seq, side="right")) - 1, 0)
+
     steps = np.diff(doc_index)
     if doc_index.size and (doc_index[0] < 0 or doc_index[-1] > header.sequences or (steps < 0).any()):
         broken = np.flatnonzero((doc_index[1:] < doc_index[:-1]) | (doc_index[1:] > header.sequences)
@@ -151,15 +154,14 @@ def _documents(doc_index: np.ndarray, lengths: np.ndarray, pointers: np.ndarray,
                   f"[0, {header.sequences}]")
     if (lengths < 0).any():
         seq = first_seq + int(np.flatnonzero(lengths < 0)[0])
-        raise bad(first_doc + int(np.searchsorted(doc_index, seq, side="right")) - 1, f"sequence {seq} has a negative "
-                  f"length")
+        raise bad(holding(seq), f"sequence {seq} has a negative length")
     width = header.dtype.itemsize
     ends = pointers + lengths.astype(np.int64) * width
     gaps = np.flatnonzero(pointers[1:] != ends[:-1]) if pointers.size > 1 else np.zeros(0, np.int64)
-    if gaps.size or (pointers.size and pointers[0] < 0):
-        seq = first_seq + (int(gaps[0]) + 1 if gaps.size else 0)
-        raise bad(first_doc + int(np.searchsorted(doc_index, seq, side="right")) - 1, f"sequence {seq}'s pointer "
-                  f"does not follow the sequence before it (the .bin holds sequences back to back)")
+    if gaps.size:
+        seq = first_seq + int(gaps[0]) + 1
+        raise bad(holding(seq), f"sequence {seq}'s pointer does not follow the sequence before it (the .bin holds "
+                  f"sequences back to back)")
     if first_seq == 0 and pointers.size and pointers[0] != 0:
         raise bad(first_doc, "the first sequence's pointer is not 0")
     cum = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
@@ -185,7 +187,8 @@ class MegatronShard:
         lo = min(lo, hi)
         doc_index = np.frombuffer(_read(self.url, h.doc_index_at + 8 * lo, h.doc_index_at + 8 * (hi + 1), self.opts,
                                         self.stats), "<i8").astype(np.int64)
-        a = int(np.clip(doc_index[0], 0, h.sequences))
+        # one sequence before the range too: its end is where the range's first pointer must be
+        a = max(int(np.clip(doc_index[0], 0, h.sequences)) - 1, 0)
         b = int(np.clip(doc_index.max(initial=a), a, h.sequences))
         lengths = np.frombuffer(_read(self.url, h.lengths_at + 4 * a, h.lengths_at + 4 * b, self.opts, self.stats),
                                 "<i4").astype(np.int64)

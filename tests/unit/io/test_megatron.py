@@ -134,6 +134,22 @@ def _damage(url: str, how: str) -> str:
     raise AssertionError(how)
 
 
+def test_a_pointer_at_the_edge_of_a_read_is_checked(tmp_path, monkeypatch):
+    """A range's index slice is checked against the sequence before it: a broken pointer at a slice's first sequence
+    is found by the reader of that range alone (with no whole-index check before it)."""
+    monkeypatch.setattr(megatron, "CHUNK_BYTES", 256)  # slices of 4 documents
+    docs = make_token_docs(12, seed=2)
+    url = write_megatron(tmp_path / "p", docs)  # one sequence a document
+    header = megatron.parse_header(open(url, "rb").read(34), os.path.getsize(url), url)
+    _rewrite(url, header.pointers_at + 8 * 8, struct.pack("<q", 4 * sum(map(len, docs[:8])) + 4))
+    got = []
+    with pytest.raises(DataError, match="document 8: sequence 8's pointer") as e:
+        for item in _items(url, 8, 12):
+            got.append(item)
+    assert not got and e.value.key == "8"
+    assert [it.sample.tokens.tolist() for it in _items(url, 0, 8)] == docs[:8]
+
+
 @pytest.mark.parametrize("how", ["magic", "version", "float dtype", "truncated idx", "pointer", "document index",
                                  "longer bin"])
 def test_a_corrupt_pair_is_refused_naming_the_file(tmp_path, how):
