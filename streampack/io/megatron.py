@@ -16,9 +16,11 @@ and the ``.bin`` is every sequence's ids back to back. A document's sequences ar
 byte range of the ``.bin``; the position of a sample (what an index, a range and a resume state hold) is its document
 number, as parquet's is its row. A multimodal index (an int8 mode per sequence after the document indices) is refused.
 
-**What one range costs a reader**: one stat of the ``.bin``, three ranged reads of the ``.idx`` (its header, the
-range's document indices, its sequences' lengths and pointers: 12 bytes a sequence + 8 a document) and the range's
-``.bin`` bytes in reads of at most :data:`CHUNK_BYTES`; never the whole ``.bin``, never the ``.idx`` outside the range.
+**What one range costs a reader**: a stat of the ``.idx`` and of the ``.bin``, three small ranged reads of the
+``.idx`` (its 34-byte header, the last sequence's length and pointer, which fix the ``.bin``'s size), then per 65,536
+documents three more (their document indices, their sequences' lengths, their pointers: 8 bytes a document, 12 a
+sequence) and the documents' ``.bin`` bytes in reads of at most :data:`CHUNK_BYTES`; never the whole ``.bin``, never
+the ``.idx`` outside the range.
 The per-shard index (:func:`document_lengths`) reads the whole ``.idx`` once (12 bytes a sequence + 8 a document) and
 checks every pointer against the lengths, so a corrupt ``.idx`` is refused when the data set is indexed, naming the
 first document it breaks. The ``.bin``'s identity is its size: one that is not exactly what the ``.idx`` says is
@@ -50,6 +52,8 @@ DTYPES: dict[int, np.dtype] = {1: np.dtype("u1"), 2: np.dtype("i1"), 3: np.dtype
 """megatron-core's ``DType`` codes of integer ids (6 float64 and 7 float32 hold no token ids)."""
 CHUNK_BYTES = 4 << 20
 """``.bin`` bytes per read: a block holds the documents of one read (4 MiB: 1M int32 ids)."""
+DOCS_PER_SLICE = 65_536
+"""Documents whose index entries are read at once (~1.3 MiB of ``.idx`` at one sequence a document)."""
 
 
 def bin_url(idx_url: str) -> str:
@@ -172,7 +176,7 @@ def _documents(doc_index: np.ndarray, lengths: np.ndarray, pointers: np.ndarray,
 
 
 class MegatronShard:
-    """One ``.idx`` / ``.bin`` pair opened for ranged reads (its header and the ``.bin``'s size read once)."""
+    """One ``.idx`` / ``.bin`` pair opened for ranged reads (the ``.idx``'s header and the ``.bin``'s size read once)."""
 
     def __init__(self, url: str, opts: OpenOptions, stats: IOStats | None = None) -> None:
         self.url, self.bin, self.opts, self.stats = url, bin_url(url), opts, stats
@@ -181,7 +185,7 @@ class MegatronShard:
         self.bin_size = storage.identity(self.bin, opts, stats).size
 
     def documents(self, lo: int, hi: int) -> Documents:
-        """Documents ``[lo, hi)`` (clipped to the shard) from two ranged reads of the ``.idx``."""
+        """Documents ``[lo, hi)`` (clipped to the shard) from three ranged reads of the ``.idx``."""
         h = self.header
         hi = min(hi, h.documents)
         lo = min(lo, hi)
@@ -271,7 +275,7 @@ def iter_megatron_items(url: str, decode: DecodeOptions, *, opts: OpenOptions, s
     limit, width = decode.limits.max_sample_bytes, shard.header.dtype.itemsize
     at = start
     while at < stop:
-        docs = shard.documents(at, min(stop, at + max(1, CHUNK_BYTES // 64)))
+        docs = shard.documents(at, min(stop, at + DOCS_PER_SLICE))
         for i, j in _runs(shard, docs, limit):
             doc = docs.first + i
             size = int(docs.lengths[i]) * width
@@ -310,7 +314,7 @@ def megatron_blocks(url: str, start: int, end: int | None, *, decode: DecodeOpti
         return
     at = start
     while at < stop:
-        docs = shard.documents(at, min(stop, at + max(1, CHUNK_BYTES // 64)))
+        docs = shard.documents(at, min(stop, at + DOCS_PER_SLICE))
         for i, j in _runs(shard, docs, limit):
             lengths = docs.lengths[i:j]
             plain = (lengths >= 1) & (lengths * width <= limit) & (docs.starts[i:j] + lengths * width <= shard.bin_size)
@@ -335,5 +339,5 @@ def _block(url: str, ids: np.ndarray, lengths: np.ndarray, first: int, *, done: 
                       next_offsets=docs + 1, numbers=docs, next_numbers=docs + 1, done=done)
 
 
-__all__ = ["CHUNK_BYTES", "DTYPES", "MAGIC", "Documents", "Header", "MegatronShard", "bin_url", "document_lengths",
+__all__ = ["CHUNK_BYTES", "DOCS_PER_SLICE", "DTYPES", "MAGIC", "Documents", "Header", "MegatronShard", "bin_url", "document_lengths",
            "iter_megatron_items", "megatron_blocks", "parse_header"]

@@ -39,8 +39,10 @@ def _block_docs(url: str, start: int = 0, end: int | None = None) -> list[list[i
 
 @pytest.fixture(params=[np.uint16, np.int32, np.int64])
 def shard(request, tmp_path, monkeypatch):
-    """A shard of multi-sequence documents, read in chunks small enough that documents straddle reads."""
+    """A shard of multi-sequence documents, read in chunks small enough that documents straddle reads, its index in
+    slices of 7 documents."""
     monkeypatch.setattr(megatron, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(megatron, "DOCS_PER_SLICE", 7)
     docs = make_token_docs(60, seed=3, max_len=90, vocab=60_000)
     (url,) = write_megatron_shards(tmp_path, docs, 1, dtype=request.param, seed=1)
     return url, docs
@@ -137,7 +139,7 @@ def _damage(url: str, how: str) -> str:
 def test_a_pointer_at_the_edge_of_a_read_is_checked(tmp_path, monkeypatch):
     """A range's index slice is checked against the sequence before it: a broken pointer at a slice's first sequence
     is found by the reader of that range alone (with no whole-index check before it)."""
-    monkeypatch.setattr(megatron, "CHUNK_BYTES", 256)  # slices of 4 documents
+    monkeypatch.setattr(megatron, "DOCS_PER_SLICE", 4)
     docs = make_token_docs(12, seed=2)
     url = write_megatron(tmp_path / "p", docs)  # one sequence a document
     header = megatron.parse_header(open(url, "rb").read(34), os.path.getsize(url), url)
