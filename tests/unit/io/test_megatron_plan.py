@@ -136,3 +136,38 @@ def test_one_shard_is_split_between_readers_by_document(corpus):
     assert len({len(r) for r in runs}) == 1 and len(runs[0]) >= 1
     expected = {k: v for k, v in _expected(urls, docs).items() if k.startswith(urls[0] + "#")}
     assert _documents(b for r in runs for b in r) == expected
+
+
+
+def _truncated(tmp_path) -> tuple[list[str], dict[str, list[int]]]:
+    """Two shards, the second's .bin cut inside its document 18 (its documents 18 and 19 lose bytes); the URLs and
+    every document the cut leaves whole."""
+    import os
+
+    docs = [[d + 1] * (5 + d % 7) for d in range(40)]
+    urls = write_megatron_shards(tmp_path, docs, 2)
+    want = {k: v for k, v in _expected(urls, docs).items() if k not in (f"{urls[1]}#18", f"{urls[1]}#19")}
+    bin_path = urls[1][:-4] + ".bin"
+    os.truncate(bin_path, os.path.getsize(bin_path) - 4 * len(docs[-1]) - 4)
+    return urls, want
+
+
+def test_a_truncated_bin_is_skipped_document_by_document(tmp_path):
+    """Under ``skip`` exactly the documents past the cut are dropped and counted, every other one trained once."""
+    urls, want = _truncated(tmp_path)
+    ds = PackedDataset(urls, capacity=64, epochs=1, seed=1, read=ReadOptions(on_error="skip"))
+    assert _documents(ds) == want
+    assert ds.metrics()["errors"]["counts"] == {"corrupt_shard": 2}
+
+
+def test_a_truncated_bin_raises_from_a_worker_naming_the_document(tmp_path):
+    """Under ``raise`` the ``DataError`` leaves a DataLoader worker as itself, naming the shard and the document."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from streampack.errors import DataError
+
+    urls, _ = _truncated(tmp_path)
+    ds = PackedDataset(urls, capacity=64, epochs=1, seed=1)
+    with pytest.raises(DataError, match="document 18: .*truncated .bin") as e:
+        list(StatefulDataLoader(ds, batch_size=None, num_workers=1))
+    assert e.value.url == urls[1] and e.value.key == "18"
