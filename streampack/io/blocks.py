@@ -2,9 +2,10 @@
 
 :func:`read_blocks` gives the :class:`~streampack.io.token_block.TokenBlock` s of a shard range
 when its format has a block reader (tar with ``.npy`` token members, parquet with an integer-list
-token column, Megatron-core ``.idx`` + ``.bin``), else None. A block reader delivers only what the per-sample reader would deliver as
-valid samples with nothing to report, and stops at the first byte it does not judge plain; the
-caller reads on with the per-sample reader, so the error contract is that reader's by construction.
+token column, Megatron-core ``.idx`` + ``.bin``), else None. A block reader delivers only what the
+per-sample reader would deliver as valid samples with nothing to report, and stops at the first byte
+it does not judge plain; the caller reads on with the per-sample reader, so the error contract is
+that reader's by construction.
 :func:`read_samples_at` (tar samples by offset) and :func:`read_groups_at` (the parquet row groups
 holding given rows) serve a restore's re-read of its carried documents the same way.
 """

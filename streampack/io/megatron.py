@@ -176,7 +176,7 @@ def _documents(doc_index: np.ndarray, lengths: np.ndarray, pointers: np.ndarray,
 
 
 class MegatronShard:
-    """One ``.idx`` / ``.bin`` pair opened for ranged reads (the ``.idx``'s header and the ``.bin``'s size read once)."""
+    """One ``.idx`` / ``.bin`` pair opened for ranged reads (the ``.idx``'s header, the ``.bin``'s size: read once)."""
 
     def __init__(self, url: str, opts: OpenOptions, stats: IOStats | None = None) -> None:
         self.url, self.bin, self.opts, self.stats = url, bin_url(url), opts, stats
@@ -339,5 +339,5 @@ def _block(url: str, ids: np.ndarray, lengths: np.ndarray, first: int, *, done: 
                       next_offsets=docs + 1, numbers=docs, next_numbers=docs + 1, done=done)
 
 
-__all__ = ["CHUNK_BYTES", "DOCS_PER_SLICE", "DTYPES", "MAGIC", "Documents", "Header", "MegatronShard", "bin_url", "document_lengths",
-           "iter_megatron_items", "megatron_blocks", "parse_header"]
+__all__ = ["CHUNK_BYTES", "DOCS_PER_SLICE", "DTYPES", "MAGIC", "Documents", "Header", "MegatronShard", "bin_url",
+           "document_lengths", "iter_megatron_items", "megatron_blocks", "parse_header"]
