@@ -2,9 +2,10 @@
 
 :func:`read_blocks` gives the :class:`~streampack.io.token_block.TokenBlock` s of a shard range
 when its format has a block reader (tar with ``.npy`` token members, parquet with an integer-list
-token column), else None. A block reader delivers only what the per-sample reader would deliver as
-valid samples with nothing to report, and stops at the first byte it does not judge plain; the
-caller reads on with the per-sample reader, so the error contract is that reader's by construction.
+token column, Megatron-core ``.idx`` + ``.bin``), else None. A block reader delivers only what the
+per-sample reader would deliver as valid samples with nothing to report, and stops at the first byte
+it does not judge plain; the caller reads on with the per-sample reader, so the error contract is
+that reader's by construction.
 :func:`read_samples_at` (tar samples by offset) and :func:`read_groups_at` (the parquet row groups
 holding given rows) serve a restore's re-read of its carried documents the same way.
 """
@@ -16,6 +17,7 @@ from typing import BinaryIO
 
 from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
+from streampack.io.megatron import megatron_blocks
 from streampack.io.parquet_block import parquet_blocks, parquet_groups_at
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
@@ -24,7 +26,7 @@ from streampack.io.tar_pick import Clusters, tar_samples_at
 from streampack.io.token_block import TokenBlock
 from streampack.io.urls import shard_format
 
-BLOCK_FORMATS = ("tar", "parquet")
+BLOCK_FORMATS = ("tar", "parquet", "megatron")
 """Formats with a block reader."""
 
 
@@ -44,6 +46,8 @@ def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Ope
         return None
     if shard_format(url) == "tar":
         return tar_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats, chunk_bytes=chunk_bytes)
+    if shard_format(url) == "megatron":
+        return megatron_blocks(url, where.start, where.end, decode=decode, opts=opts, stats=stats)
     return parquet_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats)
 
 

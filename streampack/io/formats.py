@@ -3,7 +3,7 @@
 The reader node hands over *where* to read (:class:`ShardRange`: the position and number of the first sample, and where
 to stop) and gets :class:`~streampack.io.decode.Item` s back, each with the position of the sample after it, so it can
 resume anywhere without knowing how a format lays its samples out. A position is a byte offset (tar, jsonl; uncompressed
-bytes for ``.gz`` / ``.zst``) or a row number (parquet).
+bytes for ``.gz`` / ``.zst``) or a row number (parquet) or document number (Megatron).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from streampack.errors import DataError
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import DecodeOptions, Item
 from streampack.io.jsonl import iter_jsonl_items
+from streampack.io.megatron import iter_megatron_items
 from streampack.io.open import open_shard, skip_bytes
 from streampack.io.parquet import iter_parquet_items
 from streampack.io.retry import IOStats
@@ -31,9 +32,9 @@ class ShardRange:
 
     start: int
     """Position of the first sample to read: a byte offset (uncompressed bytes for .gz/.zst)
-    or, for parquet, a row number."""
+    or, for parquet, a row number (Megatron: a document number)."""
     first: int
-    """Number of that sample in the shard (tar ordinal, jsonl line number, parquet row)."""
+    """Number of that sample in the shard (tar ordinal, jsonl line number, parquet row, Megatron document)."""
     end: int | None = None
     """Position to stop at (exclusive), or None for the end of the shard."""
 
@@ -44,6 +45,8 @@ def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
     unreachable (after retries) or corrupt shard raises ``DataError``."""
     start, end = where.start, where.end
     fmt = shard_format(url)
+    if fmt == "megatron":  # ranged reads of its own, closed as they finish
+        return iter_megatron_items(url, decode, opts=opts, start=start, end=end, stats=stats)
 
     def opened(offset: int = 0, stop: int | None = None) -> BinaryIO:
         streams.append(open_shard(url, offset, stop, opts=opts, stats=stats))

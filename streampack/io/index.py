@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from streampack.errors import DataError
-from streampack.io import parquet, storage
+from streampack.io import megatron, parquet, storage
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, token_count
 from streampack.io.index_cache import cache_path, load_arrays, locked, save_arrays
@@ -113,6 +113,8 @@ def limits_key(url: str, limits: Limits) -> str:
     fmt = shard_format(url)
     if fmt == "parquet":
         return f"lengths,{limits.max_sample_bytes}"
+    if fmt == "megatron":
+        return f"{limits.max_sample_bytes}"
     names = ("max_member_bytes", "max_sample_bytes", "max_json_depth") if fmt == "tar" else (
         "max_line_bytes", "max_json_depth")
     return ",".join(f"{getattr(limits, n)}" for n in names)
@@ -171,6 +173,10 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
     """Scan ``url`` once; a remote tar of known ``size`` by ranged requests where that skips enough
     (``ranged``). ``lengths`` False: a parquet index of row positions only."""
     fmt = shard_format(url)
+    if fmt == "megatron":  # its .idx is the index: read whole and checked, the .bin only stat'ed
+        lengths = megatron.document_lengths(url, decode, opts, stats)
+        return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(len(lengths), dtype=np.int64),
+                          lengths=lengths, end=len(lengths))
     # a shard within one block is one request read whole: ranged reads cannot beat that
     sparse = fmt == "tar" and is_remote(url) and size is not None and (
         ranged == "always" or (ranged == "auto" and size > opts.block_size))

@@ -23,8 +23,10 @@ SHARD_SUFFIXES: dict[str, str] = {
     ".jsonl.gz": "jsonl.gz", ".ndjson.gz": "jsonl.gz", ".json.gz": "jsonl.gz",
     ".jsonl.zst": "jsonl.zst", ".ndjson.zst": "jsonl.zst", ".json.zst": "jsonl.zst",
     ".parquet": "parquet",
+    ".idx": "megatron",
 }
-"""Suffix -> format. Compressed ``.json`` is JSON lines (Dolma's and RedPajama's convention)."""
+"""Suffix -> format. Compressed ``.json`` is JSON lines (Dolma's and RedPajama's convention); a Megatron-core indexed
+data set (``prefix.idx`` + ``prefix.bin``) is named by its ``.idx`` (:mod:`streampack.io.megatron`)."""
 _BY_LENGTH = sorted(SHARD_SUFFIXES, key=len, reverse=True)
 
 
@@ -55,9 +57,12 @@ def _suffix(url: str) -> str | None:
 
 
 def shard_format(url: str) -> str:
-    """``"tar"``, ``"jsonl"``, ``"jsonl.gz"``, ``"jsonl.zst"`` or ``"parquet"`` from the URL's
+    """``"tar"``, ``"jsonl"``, ``"jsonl.gz"``, ``"jsonl.zst"``, ``"parquet"`` or ``"megatron"`` from the URL's
     suffix (a remote URL's query string ignored)."""
     suffix = _suffix(url)
+    if suffix is None and url.split("?", 1)[0].endswith(".bin"):
+        raise ValueError(f"cannot tell the format of shard {url!r}: a Megatron-core indexed data set is named by its "
+                         f".idx (the .bin beside it is read through it)")
     if suffix is None:
         raise ValueError(f"cannot tell the format of shard {url!r}: want one of {sorted(SHARD_SUFFIXES)}")
     return SHARD_SUFFIXES[suffix]

@@ -1,0 +1,147 @@
+"""Tokens per CPU-second of each pre-tokenized shard format on the same tokens (numbers quoted in docs/megatron.md).
+
+    python benchmarks/bench_formats.py --docs 40000 --shards 4
+
+The same long-tail documents (lognormal, mean ~600 tokens, ids < 50,000) are written as webdataset tar shards (an
+``input_ids.npy`` int32 member a sample, pax headers, as ``webdataset.TarWriter`` writes them), as Megatron-core
+indexed data sets of int32 and of uint16 ids (the ``.idx`` layout of ``streampack.io.megatron``, written here with
+numpy so the benchmark needs no megatron-core), and as parquet (an int32 list column, row groups of 1,024). Each is
+read three ways, timed in CPU seconds of this process (``time.process_time``, so a busy box does not count):
+
+- ``samples``: every document through the per-sample reader (``ShardReader``, one ``Sample`` each);
+- ``blocks``: every document as token blocks (``io.blocks.read_blocks``: what the graph's reader hands the packer);
+- ``packed``: ``PackedDataset`` end to end (one epoch, capacity 4,096, 2 packs a batch, window 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def make_docs(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(6.0, 0.9, n), 8, 16_000).astype(np.int64)
+    return [rng.integers(0, 50_000, int(k), dtype=np.int32) for k in lengths]
+
+
+def write_megatron(prefix: str, docs: list[np.ndarray], dtype: np.dtype) -> str:
+    """``prefix.bin`` + ``prefix.idx``, one sequence a document, in megatron-core's layout (version 1)."""
+    from streampack.io.megatron import DTYPES, MAGIC
+
+    code = next(c for c, d in DTYPES.items() if d == np.dtype(dtype))
+    lengths = np.array([len(d) for d in docs], np.int32)
+    pointers = np.zeros(len(docs), np.int64)
+    np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
+    with open(prefix + ".bin", "wb") as f:
+        for d in docs:
+            f.write(d.astype(dtype).tobytes())
+    with open(prefix + ".idx", "wb") as f:
+        f.write(struct.pack("<9sQBQQ", MAGIC, 1, code, len(docs), len(docs) + 1))
+        f.write(lengths.tobytes() + pointers.tobytes() + np.arange(len(docs) + 1, dtype=np.int64).tobytes())
+    return prefix + ".idx"
+
+
+def write_sets(root: str, docs: list[np.ndarray], shards: int) -> dict[str, list[str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import webdataset as wds
+
+    parts = [docs[s * len(docs) // shards:(s + 1) * len(docs) // shards] for s in range(shards)]
+    out: dict[str, list[str]] = {"tar": [], "megatron int32": [], "megatron uint16": [], "parquet": []}
+    for s, part in enumerate(parts):
+        path = os.path.join(root, f"shard-{s:04d}.tar")
+        with wds.TarWriter(path) as sink:
+            for i, d in enumerate(part):
+                sink.write({"__key__": f"{s:04d}-{i:08d}", "input_ids.npy": d})
+        out["tar"].append(path)
+        out["megatron int32"].append(write_megatron(os.path.join(root, f"m32-{s:04d}"), part, np.dtype("<i4")))
+        out["megatron uint16"].append(write_megatron(os.path.join(root, f"m16-{s:04d}"), part, np.dtype("<u2")))
+        path = os.path.join(root, f"shard-{s:04d}.parquet")
+        pq.write_table(pa.table({"input_ids": pa.array([d.tolist() for d in part], pa.list_(pa.int32()))}), path,
+                       row_group_size=1024)
+        out["parquet"].append(path)
+    return out
+
+
+def _cpu(work: Any) -> tuple[float, int]:
+    t = time.process_time()
+    tokens = work()
+    return time.process_time() - t, tokens
+
+
+def read_samples(urls: list[str]) -> int:
+    from streampack.nodes.reader import ShardReader
+
+    return sum(len(s.tokens) for s in ShardReader(urls, shuffle=False, epochs=1))
+
+
+def read_blocks(urls: list[str]) -> int:
+    from streampack.io.blocks import read_blocks as blocks_of
+    from streampack.io.decode import DecodeOptions
+    from streampack.io.formats import ShardRange
+    from streampack.io.storage import OpenOptions
+
+    total = 0
+    for url in urls:
+        streams: list = []
+        for block in blocks_of(url, ShardRange(start=0, first=0), decode=DecodeOptions(), opts=OpenOptions(),
+                               streams=streams):
+            total += int(block.lengths.sum())
+        for f in streams:
+            f.close()
+    return total
+
+
+def read_packed(urls: list[str]) -> int:
+    from streampack.dataset import PackedDataset
+    from streampack.options import PackOptions
+
+    ds = PackedDataset(urls, capacity=4096, packs_per_batch=2, epochs=1, seed=0, packing=PackOptions(window=256))
+    return sum(b.num_tokens for b in ds)
+
+
+def run(quick: bool = False, docs: int | None = None, shards: int = 4) -> list[dict[str, Any]]:
+    """One row per format and way of reading: tokens per CPU-second, and the ratio to tar read the same way."""
+    n = docs if docs is not None else (4_000 if quick else 40_000)
+    corpus = make_docs(n)
+    total = int(sum(len(d) for d in corpus))
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as root:
+        sets = write_sets(root, corpus, shards)
+        read_packed(sets["tar"][:1])  # the packer's first compile is not a format's cost
+        for way, work in (("samples", read_samples), ("blocks", read_blocks), ("packed", read_packed)):
+            tar_rate = None
+            for fmt, urls in sets.items():
+                seconds, tokens = _cpu(lambda w=work, u=urls: w(u))
+                assert tokens == total, (fmt, way, tokens, total)
+                rate = tokens / max(seconds, 1e-9)
+                tar_rate = rate if fmt == "tar" else tar_rate
+                disk = sum(os.path.getsize(u) + (os.path.getsize(u[:-4] + ".bin") if u.endswith(".idx") else 0)
+                           for u in urls)
+                rows.append({"format": fmt, "read": way, "docs": n, "tokens": tokens, "cpu_s": round(seconds, 3),
+                             "Mtok_per_cpu_s": round(rate / 1e6, 2), "vs_tar": round(rate / tar_rate, 2),
+                             "MB_on_disk": round(disk / 1e6, 1)})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--docs", type=int, default=40_000)
+    p.add_argument("--shards", type=int, default=4)
+    a = p.parse_args()
+    run(docs=a.docs, shards=a.shards)
+
+
+if __name__ == "__main__":
+    main()

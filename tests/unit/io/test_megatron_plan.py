@@ -1,0 +1,173 @@
+"""Megatron-core shards through ``PackedDataset`` like tar: the manifest (``streampack index``) plans a finite epoch
+over several ranks with equal batch counts and every document once; a restore is exact, an elastic one trains every
+document once; the token blocks give the batches the per-sample reader gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers_megatron import megatron_documents, write_megatron_shards
+from node_checks import canon, read_as, roundtrip, take
+from topology_sim import SimRank
+
+from streampack.cli.main import main
+from streampack.dataset import PackedDataset
+from streampack.options import PackOptions, ReadOptions, TopologyOptions
+
+CAP = 256
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """300 long-tail documents (up to 3 x capacity) in 4 shards of 1-3 sequences a document, and their manifest."""
+    root = tmp_path_factory.mktemp("megatron")
+    rng = np.random.default_rng(7)
+    lengths = np.clip(rng.lognormal(4.5, 0.9, 300), 1, 3 * CAP).astype(int)
+    docs = [rng.integers(0, 50_000, n).tolist() for n in lengths]
+    urls = write_megatron_shards(root / "data", docs, 4, dtype=np.uint16)
+    assert [d for u in urls for d in megatron_documents(u)] == docs
+    assert main(["index", *urls, "--out", str(root / "manifest"), "--quiet", "--pool", "threads"]) == 0
+    return urls, docs, str(root / "manifest")
+
+
+def _expected(urls, docs) -> dict[str, list[int]]:
+    out, i = {}, 0
+    for url in urls:
+        for d in range(len(megatron_documents(url))):
+            out[f"{url}#{d}"] = docs[i]
+            i += 1
+    return out
+
+
+def _documents(batches) -> dict[str, list[int]]:
+    """Documents by ``url#number`` (split chunks joined), each chunk once."""
+    chunks: dict[str, dict[int, list[int]]] = {}
+    for b in batches:
+        cu, starts = b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist()
+        for i, key in enumerate(b.doc_keys):
+            if key == "<filler>":
+                continue
+            url, _, sample = key.rpartition("#")
+            base, _, part = sample.partition("/")
+            parts = chunks.setdefault(f"{url}#{base}", {})
+            assert int(part or 0) not in parts, f"chunk {key} twice"
+            parts[int(part or 0)] = b.input_ids[starts[i]:starts[i] + cu[i + 1] - cu[i]].tolist()
+    return {k: [t for i in sorted(v) for t in v[i]] for k, v in chunks.items()}
+
+
+def _ds(urls, manifest, rank: int, size: int, **kw) -> PackedDataset:
+    return PackedDataset(urls, **{"capacity": CAP, "epochs": 1, "seed": 2, "packs_per_batch": 2,
+                                  "packing": PackOptions(window=16, max_wait=3),
+                                  "read": ReadOptions(manifest=manifest),
+                                  "topology": TopologyOptions(dp_rank=rank, dp_size=size, equal_batches="count"),
+                                  **kw})
+
+
+def test_finite_equal_steps_over_ranks_every_document_once(corpus, monkeypatch):
+    urls, docs, manifest = corpus
+    for blocks in (True, False):
+        read_as(monkeypatch, blocks)
+        runs = []
+        for r in range(3):
+            ds = _ds(urls, manifest, r, 3)
+            it = iter(ds)
+            first = next(it)
+            overlong, reader = ds._graph.nodes["overlong"], ds._graph.nodes["reader"]
+            runs.append([first, *it])
+            assert overlong.reads_blocks == blocks
+            assert not blocks or reader.sample_reads == 0, "a planned range was read per sample"
+        assert len({len(r) for r in runs}) == 1 and len(runs[0]) > 3, [len(r) for r in runs]
+        assert _documents(b for r in runs for b in r) == _expected(urls, docs)
+        if blocks:
+            fast = [[canon(b) for b in r] for r in runs]
+    assert fast == [[canon(b) for b in r] for r in runs], "blocks and per-sample reads gave other batches"
+
+
+def test_exact_resume(corpus):
+    urls, _, manifest = corpus
+    whole = [canon(b) for b in _ds(urls, manifest, 0, 2)]
+    assert len(whole) > 6
+    for stop in (1, len(whole) // 2, len(whole) - 1):
+        ds = _ds(urls, manifest, 0, 2)
+        head = [canon(b) for b in take(iter(ds), stop)]
+        again = _ds(urls, manifest, 0, 2)
+        again.load_state_dict(roundtrip(ds.state_dict()))
+        assert head + [canon(b) for b in again] == whole, f"resume after {stop} batches diverged"
+
+
+def test_elastic_resume_every_document_once(corpus):
+    urls, docs, manifest = corpus
+    make = lambda r, size: _ds(urls, manifest, r, size, packs_per_batch=1, packing=PackOptions(window=8))  # noqa: E731
+    old = [SimRank(lambda r=r: make(r, 2), 2) for r in range(2)]
+    consumed = [next(rk) for rk in old for _ in range(4)]
+    states = [s for rk in old for s in rk.states()]
+    runs = [list(SimRank(lambda r=r: make(r, 3), 0, load=states)) for r in range(3)]
+    assert len({len(r) for r in runs}) == 1
+    assert _documents(consumed + [b for r in runs for b in r]) == _expected(urls, docs)
+
+
+def test_a_changed_shard_is_refused_on_resume(corpus, tmp_path):
+    import shutil
+
+    urls, docs, manifest = corpus
+    copies = []
+    for url in urls:
+        for ext in (".idx", ".bin"):
+            shutil.copy(url[:-4] + ext, tmp_path / (url.rsplit("/", 1)[1][:-4] + ext))
+        copies.append(str(tmp_path / url.rsplit("/", 1)[1]))
+    ds = PackedDataset(copies, capacity=CAP, epochs=1, seed=2)
+    take(iter(ds), 2)
+    state = roundtrip(ds.state_dict())
+    write_megatron_shards(tmp_path / "other", docs[:10], 1)
+    shutil.copy(tmp_path / "other" / "shard-000.idx", copies[0])
+    restored = PackedDataset(copies, capacity=CAP, epochs=1, seed=2)
+    restored.load_state_dict(state)
+    with pytest.raises(ValueError, match="shard-000.idx"):
+        list(restored)
+
+
+
+def test_one_shard_is_split_between_readers_by_document(corpus):
+    """Fewer shards than readers: 3 ranks x 2 workers share one shard (indexed without a manifest), each document
+    read once."""
+    urls, docs, _ = corpus
+    make = lambda r: _ds(urls[:1], None, r, 3)  # noqa: E731
+    runs = [list(SimRank(lambda r=r: make(r), 2)) for r in range(3)]
+    assert len({len(r) for r in runs}) == 1 and len(runs[0]) >= 1
+    expected = {k: v for k, v in _expected(urls, docs).items() if k.startswith(urls[0] + "#")}
+    assert _documents(b for r in runs for b in r) == expected
+
+
+
+def _truncated(tmp_path) -> tuple[list[str], dict[str, list[int]]]:
+    """Two shards, the second's .bin cut inside its document 18 (its documents 18 and 19 lose bytes); the URLs and
+    every document the cut leaves whole."""
+    import os
+
+    docs = [[d + 1] * (5 + d % 7) for d in range(40)]
+    urls = write_megatron_shards(tmp_path, docs, 2)
+    want = {k: v for k, v in _expected(urls, docs).items() if k not in (f"{urls[1]}#18", f"{urls[1]}#19")}
+    bin_path = urls[1][:-4] + ".bin"
+    os.truncate(bin_path, os.path.getsize(bin_path) - 4 * len(docs[-1]) - 4)
+    return urls, want
+
+
+def test_a_truncated_bin_is_skipped_document_by_document(tmp_path):
+    """Under ``skip`` exactly the documents past the cut are dropped and counted, every other one trained once."""
+    urls, want = _truncated(tmp_path)
+    ds = PackedDataset(urls, capacity=64, epochs=1, seed=1, read=ReadOptions(on_error="skip"))
+    assert _documents(ds) == want
+    assert ds.metrics()["errors"]["counts"] == {"corrupt_shard": 2}
+
+
+def test_a_truncated_bin_raises_from_a_worker_naming_the_document(tmp_path):
+    """Under ``raise`` the ``DataError`` leaves a DataLoader worker as itself, naming the shard and the document."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from streampack.errors import DataError
+
+    urls, _ = _truncated(tmp_path)
+    ds = PackedDataset(urls, capacity=64, epochs=1, seed=1)
+    with pytest.raises(DataError, match="document 18: .*truncated .bin") as e:
+        list(StatefulDataLoader(ds, batch_size=None, num_workers=1))
+    assert e.value.url == urls[1] and e.value.key == "18"
