@@ -24,6 +24,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 from streampack.cli._data import CliError, add_limit_arguments, no_bar, parsed_limits
+from streampack.io.tar_sparse import RANGED_MODES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for local ones)")
     p.add_argument("--pool", choices=("auto", "threads", "processes"), default="auto",
                    help="auto: processes for local shards, threads for remote ones")
-    p.add_argument("--ranged", choices=("auto", "always", "never"), default="auto",
+    p.add_argument("--ranged", choices=RANGED_MODES, default="auto",
                    help="remote tar: read headers by ranged requests (auto: where the members are large)")
     p.add_argument("--retry-budget", type=float, default=120.0, help="seconds a failing read keeps retrying")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
