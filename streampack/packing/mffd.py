@@ -63,7 +63,7 @@ def _pairs_kernel(rooms: IntBuffer, vals: IntBuffer, left: IntBuffer, taken: Int
 def _mffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
     """Modified first-fit decreasing (see the module docstring). Layout: bins in creation
     order (large bins first), items in a bin in placement order. ``seed`` is unused."""
-    order = decreasing_order(lengths, capacity)
+    order = decreasing_order(lengths)
     xs = lengths[order]
     # class starts in the decreasing order: x > C // d is d·x > C without an int64 overflow
     med0, small0, tiny0 = (int(np.count_nonzero(xs > capacity // d)) for d in (2, 3, 6))

@@ -142,13 +142,10 @@ class CostScale:
         b = np.floor((np.asarray(y, dtype=np.float64) - self.lo) / (1 - self.lo) * BINS)
         return np.clip(b, 0, BINS - 1).astype(np.int64)
 
-    def levels(self, counts: np.ndarray, q: np.ndarray) -> np.ndarray:
-        """Normalized cost at quantiles ``q`` (``[..., k]``) of histograms ``counts``
-        (int ``[..., BINS]``): the upper edge of the first bin reaching ``q`` of the total."""
-        return self.levels_of(np.cumsum(counts, axis=-1), q)
-
-    def levels_of(self, cum: np.ndarray, q: np.ndarray) -> np.ndarray:
-        """:meth:`levels` from cumulative counts ``cum`` (``np.cumsum(counts, axis=-1)``)."""
+    def levels(self, cum: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """Normalized cost at quantiles ``q`` (``[..., k]``) of histograms with cumulative counts ``cum``
+        (int ``[..., BINS]``, ``np.cumsum(counts, axis=-1)``): the upper edge of the first bin reaching ``q`` of the
+        total."""
         need = q * cum[..., -1:]
         b = (cum[..., None, :] < need[..., :, None]).sum(-1)
         return self.lo + (np.minimum(b, BINS - 1) + 1) / BINS * (1 - self.lo)
