@@ -122,10 +122,10 @@ def run(args: argparse.Namespace) -> int:
                 failed.append(f"failed: {result}")
                 continue
             results.append(result)
-            samples += result.samples if args.out is not None else len(result)
+            readable = result.samples if args.out is not None else len(result)  # a manifest entry or an index
+            samples += readable
             if result.damage:
-                damaged.append(f"damaged: {url}: {result.samples if args.out else len(result)} readable sample(s), "
-                               f"then {result.damage}")
+                damaged.append(f"damaged: {url}: {readable} readable sample(s), then {result.damage}")
     for line in damaged + failed:
         print(line)
     where = args.out if args.out is not None else index_dir(args.cache_dir)
