@@ -9,13 +9,14 @@ x 1500 documents are 52.5 MB.
 
 from __future__ import annotations
 
-import io
 import os
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from streampack.io.packed_writer import add_member
 
 _ONSETS = ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w",
            "z", "br", "ch", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "th", "tr")
@@ -73,12 +74,6 @@ def make_document(num_words: int, vocab: np.ndarray, cdf: np.ndarray, rng: np.ra
     return "".join(out).rstrip() + "\n"
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)  # TarInfo's defaults are fixed: mtime 0, mode 0o644, uid/gid 0, no owner names
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
-
-
 def write_demo_corpus(directory: str | os.PathLike[str], *, num_shards: int = 8, docs_per_shard: int = 1500,
                       seed: int = 0, vocab_size: int = 20_000, mean_words: float = _MEAN_WORDS,
                       progress: Callable[[int], None] | None = None) -> list[str]:
@@ -99,7 +94,7 @@ def write_demo_corpus(directory: str | os.PathLike[str], *, num_shards: int = 8,
         with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
             for i, n in enumerate(lengths.tolist()):
                 text = make_document(n, vocab, cdf, rng)
-                _add(tar, f"s{shard:04d}-{i:06d}.txt", text.encode("utf-8"))
+                add_member(tar, f"s{shard:04d}-{i:06d}.txt", text.encode("utf-8"))
         os.replace(tmp, path)  # a crash never leaves a half shard that looks complete
         paths.append(str(path))
         if progress is not None:

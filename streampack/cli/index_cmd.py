@@ -24,6 +24,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 from streampack.cli._data import CliError, add_limit_arguments, no_bar, parsed_limits
+from streampack.io.tar_sparse import RANGED_MODES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for local ones)")
     p.add_argument("--pool", choices=("auto", "threads", "processes"), default="auto",
                    help="auto: processes for local shards, threads for remote ones")
-    p.add_argument("--ranged", choices=("auto", "always", "never"), default="auto",
+    p.add_argument("--ranged", choices=RANGED_MODES, default="auto",
                    help="remote tar: read headers by ranged requests (auto: where the members are large)")
     p.add_argument("--retry-budget", type=float, default=120.0, help="seconds a failing read keeps retrying")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
@@ -121,10 +122,10 @@ def run(args: argparse.Namespace) -> int:
                 failed.append(f"failed: {result}")
                 continue
             results.append(result)
-            samples += result.samples if args.out is not None else len(result)
+            readable = result.samples if args.out is not None else len(result)  # a manifest entry or an index
+            samples += readable
             if result.damage:
-                damaged.append(f"damaged: {url}: {result.samples if args.out else len(result)} readable sample(s), "
-                               f"then {result.damage}")
+                damaged.append(f"damaged: {url}: {readable} readable sample(s), then {result.damage}")
     for line in damaged + failed:
         print(line)
     where = args.out if args.out is not None else index_dir(args.cache_dir)

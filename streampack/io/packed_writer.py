@@ -27,11 +27,10 @@ def _npy(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """Append one regular file with fixed metadata, so the same contents give byte-identical shards."""
+    info = tarfile.TarInfo(name)  # TarInfo's defaults are fixed: mtime 0, mode 0o644, uid/gid 0, no owner names
+    info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
 
 
@@ -88,7 +87,7 @@ def write_packed_dataset(docs: Sequence[Sample], bins: Sequence[np.ndarray], out
                 offsets.append(tar.offset)
                 members = pack_members(pack, token_dtype=dtype, with_labels=with_labels, with_mask=with_mask)
                 for fld in fields:
-                    _add(tar, f"pack{index:08d}.{fld}", members[fld])
+                    add_member(tar, f"pack{index:08d}.{fld}", members[fld])
                 pack_lengths.append(sum(len(d) for d in pack))
                 pack_docs.append(len(pack))
         os.replace(tmp, out / name)

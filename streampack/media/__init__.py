@@ -1,7 +1,7 @@
 """Images and videos in samples: header-only sizes, token-count rules, placeholders, decode after packing.
 
 A reader attaches each sample's image bytes with their header (:mod:`.header`, :mod:`.video`, :mod:`.read`);
-:class:`.stage.ExpandImages` expands every placeholder to the rule's token count (:mod:`.tokens`, :mod:`.placeholders`),
+:class:`.stage.ExpandImages` expands every placeholder to the rule's token count (:mod:`.tokens`),
 so the packer sees true lengths; only emitted packs are decoded to pixels (:class:`.node.DecodeImages`).
 """
 

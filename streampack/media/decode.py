@@ -4,12 +4,15 @@ Runs only for samples of emitted packs, in the reader process; the steps, and th
 are in ``docs/multimodal.md`` ("Pack first, decode after"). A body the header accepted that does not decode is
 ``DataError("bad_image")``; PIL's decompression-bomb check stays on behind ``Limits.max_image_pixels``. Video frames are
 resized with torch's antialiased bicubic on uint8, the kernel torchvision uses (PIL's bicubic differs by up to 12
-levels): 14 ms a frame at 640x480, 50 ms at 1080p, paid only by emitted packs (a header is 44-85 us).
+levels): 14 ms a frame at 640x480, 50 ms at 1080p, paid only by emitted packs (a header is 44-85 us). Any-res tiles
+(LLaVA-NeXT) equal ``LlavaNextImageProcessorPil``'s to 1e-5 (``tests/unit/media/test_media_anyres.py``): a 640x480 JPEG
+in 45 ms, a 1920x1080 one in 87 ms (``benchmarks/bench_media.py``).
 """
 
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,12 +87,40 @@ def decode_image(image: MediaImage, options: MediaOptions, *, url: str, key: str
         arr = _normalized(im, options)[:, top:top + size, left:left + size]
         return Pixels(values=np.ascontiguousarray(arr), grid_thw=(1, size, size))
     if isinstance(rule, AnyResTiles):
-        from streampack.media.tiles import tile_pixels
-
-        tiles = tile_pixels(im, rule, lambda view: _normalized(view, options))
+        tiles = tile_pixels(im, rule, options)
         return Pixels(values=tiles, grid_thw=(tiles.shape[0], rule.tile_size, rule.tile_size),
                       size=(im.height, im.width))
     raise ValueError(f"no pixel layout for {type(rule).__name__}")
+
+
+def fit_size(width: int, height: int, target: tuple[int, int]) -> tuple[int, int]:
+    """(height, width) of the image resized to fit ``target`` = (H, W) keeping its aspect ratio
+    (transformers' ``get_patch_output_size``)."""
+    target_h, target_w = target
+    scale_w, scale_h = target_w / width, target_h / height
+    if scale_w < scale_h:
+        return min(math.ceil(height * scale_w), target_h), target_w
+    return target_h, min(math.ceil(width * scale_h), target_w)
+
+
+def tile_pixels(im: "PIL.Image.Image", rule: AnyResTiles, options: MediaOptions) -> np.ndarray:  # noqa: F821
+    """float32 ``[1 + tiles, 3, S, S]`` of the RGB image ``im`` (S = ``rule.tile_size``): pick the pinpoint
+    (:meth:`~streampack.media.tokens.AnyResTiles.best`), resize keeping the aspect ratio, pad centred with black, cut
+    into ``tile_size`` squares row-major, prepend the whole image squashed to one tile, rescale and normalise."""
+    from PIL import Image
+
+    bicubic = Image.Resampling.BICUBIC
+    size = rule.tile_size
+    best = rule.best(im.width, im.height)
+    new_h, new_w = fit_size(im.width, im.height, best)
+    resized = im if (new_w, new_h) == im.size else im.resize((new_w, new_h), resample=bicubic)
+    canvas = Image.new("RGB", (best[1], best[0]), (0, 0, 0))
+    canvas.paste(resized, ((best[1] - new_w) // 2, (best[0] - new_h) // 2))
+    base = im if im.size == (size, size) else im.resize((size, size), resample=bicubic)
+    grid = _normalized(canvas, options)  # [3, H, W]
+    rows, cols = best[0] // size, best[1] // size
+    tiles = grid.reshape(3, rows, size, cols, size).transpose(1, 3, 0, 2, 4).reshape(rows * cols, 3, size, size)
+    return np.ascontiguousarray(np.concatenate([_normalized(base, options)[None], tiles]), dtype=np.float32)
 
 
 def video_pixels(video: MediaVideo, options: MediaOptions, *, url: str, key: str) -> Pixels:

@@ -65,8 +65,8 @@ class ShardMedia:
 
 
 class MediaLengths:
-    """``lengths(shard, samples) -> int32 [len(samples)]``: the planner's count lengths of a shard under
-    ``media``; ``chunks(...)``: those samples cut by the overlong policy around their images."""
+    """The planner's count of a shard under ``media``: ``chunks(...)``, its samples as the documents the overlong
+    policy cuts them into, around their images."""
 
     def __init__(self, manifest: Any, media: MediaOptions, options: Any, io_stats: Any = None) -> None:
         self.manifest, self.media, self.options = manifest, media, options
@@ -74,9 +74,6 @@ class MediaLengths:
         self.decode = dataclasses.replace(options.decode(), media=media.reading(self.opts, io_stats))
         self.setting = json.dumps(media.recorded(), sort_keys=True, default=str)
         self.tag = hashlib.sha1(self.setting.encode()).hexdigest()[:12]
-
-    def __call__(self, shard: int, samples: Any) -> np.ndarray:
-        return self.media_of(shard, samples).lengths
 
     def chunks(self, shard: int, samples: Any, lo: int, hi: int, max_len: int, policy: str) -> np.ndarray:
         return self.media_of(shard, samples).chunks(lo, hi, max_len, policy)

@@ -44,9 +44,9 @@ def validate(lengths: object, capacity: object) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(arr, dtype=np.int64), capacity
 
 
-def decreasing_order(lengths: np.ndarray, capacity: int) -> np.ndarray:
+def decreasing_order(lengths: np.ndarray) -> np.ndarray:
     """Item indices by decreasing length, ties by increasing index (stable, deterministic)."""
-    top = int(lengths.max()) if lengths.size else 0  # lengths <= capacity, validated
+    top = int(lengths.max()) if lengths.size else 0
     if top <= _RADIX_MAX:
         key = (top - lengths).astype(np.uint16)
     else:

@@ -90,12 +90,6 @@ def loaded() -> types.ModuleType | None:
     return _STATE["module"]
 
 
-def built_kernel(fn: Callable[..., Any]) -> Callable[..., Any] | None:
-    """``fn`` from the built module, or None."""
-    module = loaded()
-    return None if module is None else getattr(module, fn.__name__, None)
-
-
 def build(directory: Path | None = None) -> Path:
     """Compile every kernel into one extension module under ``directory`` (default
     ``build_dir()``); returns its path. Needs numba and a C compiler."""
@@ -119,7 +113,8 @@ def compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
     numba's JIT (once per process; from the disk cache when present)."""
     if kernel not in _COMPILED:
         _check_self_contained(kernel)
-        built = built_kernel(kernel)  # the ahead-of-time module, when built: no numba import
+        module = loaded()  # the ahead-of-time module, when built: no numba import
+        built = None if module is None else getattr(module, kernel.__name__, None)
         if built is not None:
             _COMPILED[kernel] = built
             return built

@@ -62,7 +62,7 @@ def _bfd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackR
     longest first (placement order), equal lengths by index. ``seed`` is unused."""
     if capacity * (lengths.size + 1) >= 1 << 63:
         engine = Engine(compiled=False)  # the int64 heap keys would overflow
-    order = decreasing_order(lengths, capacity)
+    order = decreasing_order(lengths)
     xs = lengths[order]
     bins = engine.buffer(np.zeros(xs.size, dtype=np.int64))
     scratch = engine.buffer(np.zeros(xs.size + 1, dtype=np.int64))

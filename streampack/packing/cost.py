@@ -136,17 +136,14 @@ class CostModel:
         """Cost of one pack holding documents of ``lengths`` (int ``[k]``). ``padded_to`` (its capacity):
         padding runs through the linear layers but attends to nothing real. ``segments``: the patches of
         every vision attention segment of its images (``frame_patches``), priced by ``vision``."""
-        vision = 0.0 if segments is None else self._vision("segments").cost(segments)
-        return self._text_cost(lengths, padded_to) + vision
-
-    def _text_cost(self, lengths: np.ndarray, padded_to: int | None) -> float:
         lengths = np.asarray(lengths, dtype=np.float64)  # L² in float: no int64 overflow
         tokens = float(lengths.sum())
         if padded_to is not None:
             if tokens > padded_to:
                 raise ValueError(f"the pack holds {int(tokens)} tokens > {padded_to=}")
             tokens = float(padded_to)
-        return self.linear * tokens + self.attention * float(np.dot(lengths, lengths))
+        vision = 0.0 if segments is None else self._vision("segments").cost(segments)
+        return self.linear * tokens + self.attention * float(np.dot(lengths, lengths)) + vision
 
     def pack_costs(self, result: PackResult, lengths: np.ndarray, *,
                    padded_to: int | None = None, vision: VisionLoad | None = None) -> np.ndarray:

@@ -69,7 +69,7 @@ def _first_fit(lengths: np.ndarray, capacity: int, seq: np.ndarray, engine: Engi
 def _ffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
     """First-fit decreasing, O(n log n): longest first (ties by index), each into the leftmost bin with room. Layout:
     bins in creation order, items in placement order. ``seed`` is unused."""
-    return _first_fit(lengths, capacity, decreasing_order(lengths, capacity), engine)
+    return _first_fit(lengths, capacity, decreasing_order(lengths), engine)
 
 
 def _ffs(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:

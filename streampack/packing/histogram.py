@@ -116,7 +116,7 @@ def _histogram(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) ->
     """Shortest-pack-first histogram packing, O(n + N log N) (see the module docstring).
     Layout: packs by increasing remaining space (fullest first); items in a pack longest
     first; equal-length items handed out in index order. ``seed`` is unused."""
-    by_size = decreasing_order(lengths, capacity)
+    by_size = decreasing_order(lengths)
     sorted_lengths = lengths[by_size]
     first = np.flatnonzero(np.diff(sorted_lengths, prepend=0))  # start of each distinct size
     counts = np.diff(first, append=lengths.size)

@@ -20,7 +20,7 @@ from streampack.packing.result import PackResult
 
 def _pairs_kernel(rooms: IntBuffer, vals: IntBuffer, left: IntBuffer, taken: IntBuffer,
                   pair_slots: IntBuffer, pair_bins: IntBuffer) -> int:
-    """Phase 4. ``rooms``: room of each large bin (updated); ``vals``: small lengths,
+    """Phase 3. ``rooms``: room of each large bin (updated); ``vals``: small lengths,
     increasing; ``left``: identity ``[len(vals) + 1]`` (union-find "last free slot <= t",
     shifted by one); ``taken``: zeros. Logs each placement as (slot, bin); returns the count."""
     m = len(vals)
@@ -63,20 +63,20 @@ def _pairs_kernel(rooms: IntBuffer, vals: IntBuffer, left: IntBuffer, taken: Int
 def _mffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> PackResult:
     """Modified first-fit decreasing (see the module docstring). Layout: bins in creation
     order (large bins first), items in a bin in placement order. ``seed`` is unused."""
-    order = decreasing_order(lengths, capacity)
+    order = decreasing_order(lengths)
     xs = lengths[order]
     # class starts in the decreasing order: x > C // d is d·x > C without an int64 overflow
     med0, small0, tiny0 = (int(np.count_nonzero(xs > capacity // d)) for d in (2, 3, 6))
     bound = any_fit_bin_bound(lengths, capacity)
     first_fit = engine.kernel(first_fit_kernel)
-    # phases 2-3: large bins are the first leaves; a medium item whose leftmost fit is not
-    # a large bin (limit = med0) is left for phase 5 (bins[j] = -1)
+    # phase 2: large bins are the first leaves; a medium item whose leftmost fit is not
+    # a large bin (limit = med0) is left for phase 4 (bins[j] = -1)
     tree = engine.buffer(room_tree(capacity - xs[:med0], bound, capacity))
     medium = engine.buffer(np.zeros(small0 - med0, dtype=np.int64))
     first_fit(engine.buffer(xs[med0:small0]), tree, medium, med0, med0)
     medium = np.asarray(medium, dtype=np.int64)
 
-    # phase 4 on the large bins' rooms; small items by increasing length
+    # phase 3 on the large bins' rooms; small items by increasing length
     asc = np.arange(tiny0 - 1, small0 - 1, -1)
     rooms = engine.buffer(np.asarray(tree[len(tree) // 2:len(tree) // 2 + med0], dtype=np.int64))
     taken = engine.buffer(np.zeros(asc.size, dtype=np.int64))
@@ -86,7 +86,7 @@ def _mffd(lengths: np.ndarray, capacity: int, seed: int, engine: Engine) -> Pack
     k = engine.kernel(_pairs_kernel)(rooms, engine.buffer(xs[asc]), left, taken, slots, pair_bins)
     paired = asc[np.asarray(slots[:k], dtype=np.int64)]
 
-    # phase 5: the rest, still longest first, over a tree rebuilt from the updated rooms
+    # phase 4: the rest, still longest first, over a tree rebuilt from the updated rooms
     placed = np.zeros(xs.size, dtype=bool)
     placed[:med0] = True
     placed[med0:small0] = medium >= 0

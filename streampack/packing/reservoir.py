@@ -81,7 +81,7 @@ class Reservoir(Generic[T]):
         q = target_quantiles(self.balance, u, k, self.floor)[self.emitted % k]
         if self._cum is None:
             self._cum = np.cumsum(self.counts)
-        return float(self.scale.levels_of(self._cum, np.array([q]))[0])
+        return float(self.scale.levels(self._cum, np.array([q]))[0])
 
     def take(self) -> tuple[T, int, bool]:
         """``(item, steps it waited, forced)`` for the next slot; the reservoir must not be empty."""

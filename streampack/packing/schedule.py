@@ -1,15 +1,9 @@
 """Cost-balanced emission: which ready pack a reader emits at each step, with no communication.
 
-Packs hold the same tokens, not the same work (``Σ L²``), and every data-parallel step waits for
-the slowest rank. Every rank computes the same schedule from ``(seed, step)``: step ``s`` gets the
-point ``u = frac(u0(seed) + s * GOLDEN)``, each of the batch's k slots a stratified quantile
-(the costliest ``tail`` aimed at ``1 + over`` times as often). A reader turns the quantile into a
-cost level with the histogram of the pack costs it has seen (seeded the same on every rank:
-:mod:`streampack.plan.cost_seed`) and emits from its
-:class:`~streampack.packing.reservoir.Reservoir` the heaviest pack not above the level (within
-``tolerance``, the oldest first); after ``max_hold`` steps a pack goes at the first step whose
-level it does not exceed (``forced``). The rules and measurements are in docs/algorithms.md: with
-a reservoir of 64 the straggler factor at 1,024 ranks and 128k is 1.035, against 2.51 in token order.
+Every rank computes the same schedule of cost quantiles from ``(seed, step)``; each reader turns them into cost levels
+with its histogram of pack costs and picks from its :class:`~streampack.packing.reservoir.Reservoir` (the rules:
+``docs/algorithms.md``, "Compute-balanced packing"). With a reservoir of 64 the straggler factor at 1,024 ranks and
+128k is 1.035, against 2.51 in token order.
 
 Host memory: ``reservoir x capacity`` tokens per reader. State: the reservoir's documents as
 references (56 bytes each), a histogram of ``BINS`` counts (8 KB) and each pack's step.
@@ -142,13 +136,10 @@ class CostScale:
         b = np.floor((np.asarray(y, dtype=np.float64) - self.lo) / (1 - self.lo) * BINS)
         return np.clip(b, 0, BINS - 1).astype(np.int64)
 
-    def levels(self, counts: np.ndarray, q: np.ndarray) -> np.ndarray:
-        """Normalized cost at quantiles ``q`` (``[..., k]``) of histograms ``counts``
-        (int ``[..., BINS]``): the upper edge of the first bin reaching ``q`` of the total."""
-        return self.levels_of(np.cumsum(counts, axis=-1), q)
-
-    def levels_of(self, cum: np.ndarray, q: np.ndarray) -> np.ndarray:
-        """:meth:`levels` from cumulative counts ``cum`` (``np.cumsum(counts, axis=-1)``)."""
+    def levels(self, cum: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """Normalized cost at quantiles ``q`` (``[..., k]``) of histograms with cumulative counts ``cum``
+        (int ``[..., BINS]``, ``np.cumsum(counts, axis=-1)``): the upper edge of the first bin reaching ``q`` of the
+        total."""
         need = q * cum[..., -1:]
         b = (cum[..., None, :] < need[..., :, None]).sum(-1)
         return self.lo + (np.minimum(b, BINS - 1) + 1) / BINS * (1 - self.lo)

@@ -1,7 +1,7 @@
 """Micro-batch plans for an in-memory RL rollout batch, computed from sequence lengths only (reference: ``docs/rl.md``).
 
 Two planners, one record (:class:`MicroBatchPlan`: rank -> micro-batch -> sequence indices): :func:`plan_dynamic_batches`
-(padded ``[b, L]`` micro-batches, conventions in :mod:`streampack.rl._dynamic` and :mod:`streampack.rl._roll`) and
+(padded ``[b, L]`` micro-batches, conventions in :mod:`streampack.rl._dynamic`) and
 :func:`plan_packed_microbatches` (one THD pack per micro-batch, Karmarkar-Karp to ranks, then to micro-batches). Both
 give every rank the same number of micro-batches, none empty, a multiple of ``pp_size``, or raise ``ValueError`` instead
 of planning a hang. On 1024 lognormal lengths, dp 8, budget 16384 (``benchmarks/bench_rl.py``) padding is 82% for the
@@ -18,7 +18,7 @@ import numpy as np
 
 from streampack.packing import karmarkar_karp, pack
 from streampack.packing.cost import CostModel
-from streampack.rl import _dynamic, _roll
+from streampack.rl import _dynamic
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -187,7 +187,7 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
         pp_size: micro-batches per rank (per chunk) are made a multiple of it by splitting
             multi-sequence micro-batches: ``"balanced"`` the largest, again until it is a
             multiple; ``"roll"`` ROLL's rule with VPP (each of the ones with the most padded
-            tokens once; :mod:`streampack.rl._roll`).
+            tokens once; :mod:`streampack.rl._dynamic`).
         chunk_size: sort inside consecutive chunks of this many sequences only, so the
             training order of chunks is kept; micro-batches never cross a chunk.
         convention: ``"balanced"`` (streampack) or ``"roll"`` (ROLL's code; needs every chunk
@@ -218,7 +218,7 @@ def plan_dynamic_batches(seq_lens: Any, *, dp_size: int, max_tokens_per_microbat
                              f"micro-batches (use a chunk_size that leaves >= dp_size per chunk)")
         where = f"sequences {idx[0]}..{idx[-1]} ({dp_size=}, {pp_size=})"
         if convention == "roll":
-            rank_mbs, shared = _roll.roll_rows(idx, lens, rounded, overlong, dp_size, budget, pp_size, where)
+            rank_mbs, shared = _dynamic.roll_rows(idx, lens, rounded, overlong, dp_size, budget, pp_size, where)
             groups = [list(zip(r, shared)) for r in rank_mbs]
         else:
             groups = [_dynamic.group(s, rounded, overlong, budget)

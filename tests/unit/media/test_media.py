@@ -11,7 +11,7 @@ import pytest
 from streampack.errors import DataError
 from streampack.media import DynamicResolution, FixedTokens, MediaImage, MediaOptions, read_header
 from streampack.media.decode import decode_image
-from streampack.media.placeholders import expand_placeholders
+from streampack.media.stage import expand_placeholders
 from streampack.sample import Sample
 from tests.helpers_media import IMAGE_ID, image_bytes, png_header_only
 
@@ -70,7 +70,7 @@ def test_placeholders_expand_with_labels_mask_and_extras() -> None:
 
 
 def test_adjacent_images_are_cut_by_their_counts() -> None:
-    from streampack.media.placeholders import image_starts
+    from streampack.media.stage import image_starts
 
     tokens = np.array([5, IMAGE_ID, IMAGE_ID, 6])
     out = expand_placeholders(Sample(key="k", tokens=tokens), [2, 3], IMAGE_ID)

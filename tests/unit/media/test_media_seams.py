@@ -16,8 +16,7 @@ import torch
 from streampack import OverlongCounters, PackedDataset, Sample, apply_overlong
 from streampack.media import DynamicResolution, FixedTokens, MediaImage, MediaOptions, read_header
 from streampack.media.node import decode_sample
-from streampack.media.placeholders import image_starts
-from streampack.media.stage import ExpandImages, media_counts
+from streampack.media.stage import ExpandImages, image_starts, media_counts
 from streampack.options import PackOptions, ReadOptions, TopologyOptions
 from tests.helpers_media import IMAGE_ID, image_bytes, write_tar
 

@@ -96,7 +96,8 @@ def test_image_urls_inside_an_http_root_still_read(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("root", ["memory://bucket/images", "s3://bucket/images", "file:///data/images"])
 @pytest.mark.parametrize("path", ["%2e%2e/secret.png", "a/%2E%2E/%2e%2e/secret.png", "a%2fb.png", "a%5Cb.png",
-                                  "%252e%252e/secret.png", "a%252fb.png", "%25252525252e"])
+                                  "%252e%252e/secret.png", "a%252fb.png", "%25252525252e", "a\x00.png", "a%00.png",
+                                  "a%2500.png", "a%09.png"])
 def test_encoded_escapes_are_refused_for_every_protocol_before_any_read(root: str, path: str) -> None:
     media = MediaOptions(rule=FIXED, image_token_id=IMAGE_ID, image_root=root)
     with pytest.raises(DataError, match="image_root") as e:
