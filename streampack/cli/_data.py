@@ -120,15 +120,6 @@ class Documents:
         return iter(self.root)  # a BaseNode is its own iterator, reset above
 
 
-def length_source(lengths: np.ndarray) -> Any:
-    """One pass of stand-in samples of the given lengths as a ``BaseNode`` (tokens: zero-stride views, no memory), for
-    ``inspect``'s windowed simulation. torchdata is imported here, so the parser loads without torch."""
-    from torchdata.nodes import IterableWrapper
-
-    zero = np.zeros(1, dtype=np.int64)
-    return IterableWrapper(Sample(key=str(i), tokens=np.broadcast_to(zero, (n,))) for i, n in enumerate(lengths.tolist()))
-
-
 def sample_lengths(samples: Iterator[Sample], progress: Callable[[int], Any] | None = None) -> tuple[np.ndarray, str]:
     """Token length of every sample, and the unit: ``tokens``, or ``whitespace words`` for
     text samples read without a tokenizer (an estimate; BPE gives ~1.2-1.5 tokens per word)."""
@@ -146,4 +137,4 @@ def sample_lengths(samples: Iterator[Sample], progress: Callable[[int], Any] | N
 
 
 __all__ = ["LIMIT_FLAGS", "CliError", "Documents", "add_limit_arguments", "check_tokenizer",
-           "describe", "length_source", "no_bar", "parsed_limits", "sample_lengths"]
+           "describe", "no_bar", "parsed_limits", "sample_lengths"]

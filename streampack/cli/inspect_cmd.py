@@ -66,20 +66,15 @@ def split_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def windowed_fill(lengths: np.ndarray, capacity: int, window: int, algorithm: str, seed: int = 0) -> float:
-    """Fill the streaming window packer reaches on ``lengths`` (each <= capacity), in order."""
-    from streampack.cli._data import length_source
+    """Fill the streaming window packer reaches on ``lengths`` (each <= capacity), in order: its rounds counted on
+    lengths alone (``count_packs``, the planner's count of the node's packs), every pack ``capacity`` tokens."""
     from streampack.graph import StreamConfig
-    from streampack.nodes.window_packer import WindowPacker, fill
     from streampack.options import PackOptions
+    from streampack.packing.window_rounds import count_packs
 
     config = StreamConfig(capacity=capacity, packing=PackOptions(window=window, algorithm=algorithm))  # checks them
-    packer = WindowPacker(length_source(lengths), rules=config.packer_rules(seed))
-    packer.reset(None)
-    while True:
-        try:
-            packer.next()
-        except StopIteration:
-            return fill(packer.metrics)
+    packs = count_packs(config.packer_rules(seed), lengths)
+    return float(lengths.sum()) / (packs * capacity) if packs else 0.0
 
 
 def offline_fill(lengths: np.ndarray, capacity: int, algorithm: str) -> tuple[float, float, int]:

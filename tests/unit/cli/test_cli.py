@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers_data import make_token_docs, write_jsonl_shards, write_tar_shards
 
@@ -356,3 +357,24 @@ def test_brace_typo_fails_before_reading(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "shard-{000000..000003}.jsonl"), "--capacity", "64", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("streampack: error: 2 of 4 shards do not exist: ") and "shard-000003.jsonl" in err
+
+
+@pytest.mark.parametrize("algorithm", ["bfd", "greedy", "kk"])
+def test_inspect_windowed_fill_is_what_the_window_packer_reaches(algorithm):
+    """`inspect` counts the window's packs on lengths alone; the node itself must reach the same fill."""
+    from torchdata.nodes import IterableWrapper
+
+    from streampack.cli.inspect_cmd import windowed_fill
+    from streampack.graph import StreamConfig
+    from streampack.nodes.window_packer import WindowPacker, fill
+    from streampack.options import PackOptions
+    from streampack.sample import Sample
+
+    lengths = np.clip(np.random.default_rng(3).lognormal(np.log(40), 1.0, 1500).astype(np.int64), 1, 256)
+    config = StreamConfig(capacity=256, packing=PackOptions(window=64, algorithm=algorithm))
+    samples = (Sample(key=str(i), tokens=np.zeros(n, dtype=np.int64)) for i, n in enumerate(lengths.tolist()))
+    node = WindowPacker(IterableWrapper(samples), rules=config.packer_rules(5))
+    node.reset(None)
+    for _ in node:
+        pass
+    assert windowed_fill(lengths, 256, 64, algorithm, seed=5) == fill(node.metrics)
