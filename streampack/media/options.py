@@ -91,7 +91,9 @@ class MediaOptions:
 
     def vision_bound(self, vision: VisionCost, tokens: int) -> float:
         """The most ``tokens`` image tokens can cost ``vision``: every token an image's at the rule's densest patches
-        per token, in segments of its largest frame (or tile). Cost-balanced emission spans its histogram to it."""
+        per token, in segments of its largest frame (or tile). Cost-balanced emission spans its histogram to it; a
+        very thin image that ``smart_resize``'s rounding takes over ``max_pixels`` costs more and counts in the top
+        bin."""
         rule = self.rule
         if isinstance(rule, DynamicResolution):  # a token is merge² patches; a frame at most max_pixels
             frames = [rule] + ([self.video.frame] if self.video is not None else [])
