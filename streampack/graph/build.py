@@ -268,7 +268,7 @@ class _Builder:
         schedule = Schedule(seed=config.seed, packs_per_batch=config.packs_per_batch, lane=place.worker_id,
                             lanes=place.num_workers, ranks=place.dp_size)
         return Balancing(balance=config.cost.balance, cost_model=config.cost.model, schedule=schedule,
-                         first_batch=first, levels=levels)
+                         first_batch=first, levels=levels, media=config.media)
 
     def _seed_once(self) -> np.ndarray | None:
         return None if self._seed_levels is None else self._seed_levels.copy()

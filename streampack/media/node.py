@@ -19,7 +19,7 @@ from streampack.errors import DataError, ErrorPolicy
 from streampack.layout.vision_batch import VisionLayout
 from streampack.media.decode import decode_image, video_pixels
 from streampack.media.options import MediaOptions
-from streampack.media.stage import media_spans
+from streampack.media.stage import item_segments, media_spans
 from streampack.media.tokens import AnyResTiles, DynamicResolution, FixedTokens
 from streampack.media.video import MediaVideo
 from streampack.plan.state import record_of, record_text
@@ -48,6 +48,9 @@ class DecodedImage:
     """(height, width) as stored (``tiles``: LLaVA-NeXT's ``image_sizes`` row)."""
     video: bool = False
     """A video (``pixel_values_videos``), not an image."""
+    segments: tuple[int, ...] = ()
+    """Patches of each of its vision attention segments (frames, tiles): what the encoder's cost is priced on
+    (``CostModel(vision=...)``), from its header before decoding."""
 
     @property
     def flat(self) -> bool:
@@ -84,7 +87,8 @@ def decode_sample(sample: Sample, options: MediaOptions) -> Sample:
             px = decode_image(item, options, url=sample.url, key=sample.key)
         decoded.append(DecodedImage(pixels=px.values, grid_thw=px.grid_thw, offset=start, length=stop - start,
                                     size=px.size, token_id=options.video_token_id if video else options.image_token_id,
-                                    merge_size=merge, layout="patches" if video else options.layout, video=video))
+                                    merge_size=merge, layout="patches" if video else options.layout, video=video,
+                                    segments=tuple(item_segments(item, options))))
     return sample.evolve(images=tuple(decoded))
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streampack.media.tokens import RULES, AnyResTiles, DynamicResolution, TokenRule, VideoFrames
+
+if TYPE_CHECKING:
+    from streampack.packing.cost import VisionCost
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
@@ -85,6 +88,24 @@ class MediaOptions:
         from streampack.media.read import MediaReader
 
         return MediaReader(options=self, open=opts if opts is not None else OpenOptions(), stats=stats)
+
+    def vision_bound(self, vision: VisionCost, tokens: int) -> float:
+        """The most ``tokens`` image tokens can cost ``vision``: every token an image's at the rule's densest patches
+        per token, in segments of its largest frame (or tile). Cost-balanced emission spans its histogram to it; a
+        very thin image that ``smart_resize``'s rounding takes over ``max_pixels`` costs more and counts in the top
+        bin."""
+        rule = self.rule
+        if isinstance(rule, DynamicResolution):  # a token is merge² patches; a frame at most max_pixels
+            frames = [rule] + ([self.video.frame] if self.video is not None else [])
+            per_token = float(rule.merge_size ** 2)
+            segment = max(f.max_pixels // f.patch_size ** 2 for f in frames)
+        elif isinstance(rule, AnyResTiles):  # 1 + tiles segments for at least one tile's tokens
+            segment = (rule.tile_size // rule.patch_size) ** 2
+            per_token = 1.0 + max(h * w for h, w in rule.grid_pinpoints) / rule.tile_size ** 2
+        else:
+            per_token, segment = 1.0, rule.tokens
+        patches = per_token * tokens
+        return vision.linear * patches + vision.attention * patches * segment  # Σ S² <= segment · Σ S
 
     @property
     def layout(self) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from streampack.errors import DataError, ErrorPolicy
+from streampack.media.header import MediaImage
 from streampack.media.options import MediaOptions
 from streampack.media.video import MediaVideo
 from streampack.sample import Sample
@@ -78,6 +79,22 @@ def media_counts(sample: Sample, options: MediaOptions) -> tuple[list[int], list
             raise DataError("bad_image", f"{what} {item.name!r}: {e}", url=sample.url, key=sample.key,
                             value=(h.width, h.height)) from None
     return images, videos
+
+
+def vision_segments(sample: Sample, options: MediaOptions) -> np.ndarray:
+    """int64 ``[k]``: the patches of every vision attention segment of ``sample``'s images and videos, in order (what
+    ``CostModel.pack_cost(segments=)`` prices), from their headers through the rule: O(images), no pixel decoded.
+    The sample passed :class:`ExpandImages`, so the rule accepts every item's size."""
+    return np.asarray([n for item in sample.images for n in item_segments(item, options)], dtype=np.int64)
+
+
+def item_segments(item: MediaImage | MediaVideo, options: MediaOptions) -> list[int]:
+    """The patches of each vision attention segment of one image or video, from its header."""
+    h = item.header
+    if isinstance(item, MediaVideo):
+        assert options.video is not None  # a video is read only with a video rule
+        return options.video.segments(len(item.frames), h.width, h.height)
+    return options.rule.segments(h.width, h.height)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,6 +26,11 @@ class FixedTokens:
     def count(self, width: int, height: int) -> int:
         return self.tokens
 
+    def segments(self, width: int, height: int) -> list[int]:
+        """Patches of each vision attention segment: one of ``tokens`` (LLaVA-1.5's projector maps each
+        patch to one token; the CLS patch is left out)."""
+        return [self.tokens]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DynamicResolution:
@@ -75,6 +80,11 @@ class DynamicResolution:
         h, w = self.resized(width, height)
         return (h // self.factor) * (w // self.factor)
 
+    def segments(self, width: int, height: int) -> list[int]:
+        """Patches of each vision attention segment: the one frame of :meth:`grid`."""
+        _, h, w = self.grid(width, height)
+        return [h * w]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AnyResTiles:
@@ -115,6 +125,13 @@ class AnyResTiles:
             cur_w -= 2 * pad
         return cur_h * cur_w + cur_h + side * side + self.extra_tokens
 
+    def segments(self, width: int, height: int) -> list[int]:
+        """Patches of each vision attention segment: the base view and every tile, each its own
+        encoder pass of ``(tile_size / patch_size)²`` patches."""
+        best_h, best_w = self.best(width, height)
+        tiles = (best_h // self.tile_size) * (best_w // self.tile_size)
+        return [(self.tile_size // self.patch_size) ** 2] * (1 + tiles)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VideoFrames:
@@ -144,6 +161,11 @@ class VideoFrames:
         t, h, w = self.grid(frames, width, height)
         m = self.frame.merge_size
         return t * (h // m) * (w // m)
+
+    def segments(self, frames: int, width: int, height: int) -> list[int]:
+        """Patches of each vision attention segment: one per temporal patch of :meth:`grid`."""
+        t, h, w = self.grid(frames, width, height)
+        return [h * w] * t
 
 
 TokenRule = Union[FixedTokens, DynamicResolution, AnyResTiles]

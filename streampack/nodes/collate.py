@@ -17,6 +17,8 @@ worker with more data than its quota refuses (ValueError) rather than silently d
 With a ``cost_model`` every batch carries ``est_cost``, the estimated compute of its real
 packs (``linear × tokens + attention × Σ L²`` over its documents; filler packs cost 0),
 computed here once from the documents' lengths, and the running total ``counters["cost"]``.
+A model with a vision encoder (``CostModel(vision=...)``, a media stream only) adds its images' and
+videos' cost from each decoded image's ``segments`` (patches per frame or tile).
 
 A pack is a :class:`~streampack.plan.rows.PackRows` (what the packer emits) or a list of
 Samples (offline packs, decoded media packs). A batch of packs whose documents were read as
@@ -116,6 +118,9 @@ class ThdCollate(BaseNode[PackedBatch]):
         self.num_batches, self.surplus_hint = num_batches, surplus_hint
         self.late = num_batches if isinstance(num_batches, LateQuota) else None
         self.errors, self.dp_rank, self.worker_id = errors, dp_rank, worker_id
+        if cost_model is not None and cost_model.vision is not None and vision_layout is None:
+            raise ValueError("CostModel(vision=VisionCost(...)) prices the images of a media stream, but this stream has "
+                             "no media= (no image reaches a batch): give media=MediaOptions(...) or drop vision=")
         self.cost_model = cost_model
         self.vision_layout = vision_layout  # a media stream's: filler and image-less batches keep its layout
         self.slow_seconds = float(os.environ.get(SLOW_BATCH_ENV, "30"))
@@ -170,7 +175,7 @@ class ThdCollate(BaseNode[PackedBatch]):
         self.counters["batches"] += 1
         if self.late is not None:
             self.late.start()  # after the first batch: counting reads no index before it
-        return self._with_stats(batch, self._lengths(packs), time.perf_counter() - started)
+        return self._with_stats(batch, self._lengths(packs), time.perf_counter() - started, self._segments(packs))
 
     def _layout(self, real: list[Any], missing: int) -> PackedBatch:
         """The batch of the ``real`` packs, completed with ``missing`` filler packs."""
@@ -196,6 +201,13 @@ class ThdCollate(BaseNode[PackedBatch]):
         return [p.rows["length"] if isinstance(p, PackRows) else np.fromiter((len(s) for s in p), np.int64, len(p))
                 for p in real]
 
+    def _segments(self, real: list[Any]) -> np.ndarray | None:
+        """int64 patches of every vision attention segment of the real packs' decoded images (None: the
+        cost model prices no vision encoder)."""
+        if self.cost_model is None or self.cost_model.vision is None:
+            return None
+        return np.fromiter((n for p in real for s in p for image in s.images for n in image.segments), np.int64)
+
     def get_state(self) -> dict[str, Any]:
         # a quota that cannot be recounted after a restore (pinned), or that costs no waiting on
         # anyone (no agreement: settled here, as the plan once did) goes into the state, so a shard
@@ -215,16 +227,17 @@ class ThdCollate(BaseNode[PackedBatch]):
             self.num_batches = self.num_batches.get()
         return self.num_batches
 
-    def _with_stats(self, batch: PackedBatch, lengths: list[np.ndarray], seconds: float) -> PackedBatch:
-        """Count the batch's real packs (``lengths``: each one's document lengths) into the running
-        totals and attach them; log a slow or first batch. Filler packs are padding: no
-        documents, tokens or slots of data."""
+    def _with_stats(self, batch: PackedBatch, lengths: list[np.ndarray], seconds: float,
+                    segments: np.ndarray | None = None) -> PackedBatch:
+        """Count the batch's real packs (``lengths``: each one's document lengths; ``segments``: their images'
+        vision attention segments) into the running totals and attach them; log a slow or first batch. Filler
+        packs are padding: no documents, tokens or slots of data."""
         c = self.counters
         # the batch's lengths in one array: a numpy sum per pack was ~4 µs each, 2% of an epoch
         every = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         est_cost = None
         if self.cost_model is not None:
-            est_cost = self.cost_model.pack_cost(every)
+            est_cost = self.cost_model.pack_cost(every, segments=segments)
             c["cost"] += est_cost
         c["packs"] += len(lengths)
         c["docs"] += len(every)

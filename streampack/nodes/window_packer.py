@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from streampack.media.options import MediaOptions
+from streampack.media.stage import vision_segments
 from streampack.nodes.overlong import OverlongNode
 from streampack.packing.cost import CostModel
 from streampack.packing.reservoir import Reservoir
@@ -94,6 +96,22 @@ class Balancing:
     """The cost histogram it had then; or a function giving it (or None), called only when the
     packer starts fresh — a restore brings its own histogram — so a seed
     (:mod:`~streampack.plan.cost_seed`) costs a resume nothing."""
+    media: MediaOptions | None = None
+    """The stream's media (``config.media``): with ``cost_model.vision`` each pack's images are priced from their
+    headers (:func:`~streampack.media.stage.vision_segments`), and the histogram spans their most costly pack."""
+
+
+def _scale(balance: Balancing, capacity: int) -> CostScale:
+    """The histogram's scale: a full pack's text cost, plus, with a vision encoder, the most its images can add."""
+    model = balance.cost_model
+    scale = CostScale.of(model.linear, model.attention, capacity)
+    if model.vision is None:
+        return scale
+    if balance.media is None:
+        raise ValueError("CostModel(vision=VisionCost(...)) prices the images of a media stream, but this packer's "
+                         "Balancing has no media= (PackedDataset(media=MediaOptions(...)), or drop vision=)")
+    full = scale.full + balance.media.vision_bound(model.vision, capacity)
+    return CostScale(full=full, lo=0.5 * model.linear * capacity / full)
 
 
 class WindowPacker(BaseNode[PackRows]):
@@ -130,7 +148,7 @@ class WindowPacker(BaseNode[PackRows]):
         self.store = self._overlong.store if self._overlong is not None else BlockStore()
         self.balancing = balance
         if balance is not None:
-            self.scale = CostScale.of(balance.cost_model.linear, balance.cost_model.attention, self.capacity)
+            self.scale = _scale(balance, self.capacity)
         self._clear()
 
     def _clear(self) -> None:
@@ -238,6 +256,9 @@ class WindowPacker(BaseNode[PackRows]):
         """Keep ``reservoir`` packs ready (rounds as usual), emit the one the schedule picks."""
         while len(res) < res.balance.reservoir and not self._ended:
             self._run_round()
+            if self.balancing is not None and self.balancing.cost_model.vision is not None:
+                self._packs = self._read(self._packs)  # a restored carry's images are priced from their headers
+                self._forget_if_read()
             res.add(self._packs, self._costs(self._packs))
             self._packs = []
         if not len(res):
@@ -263,9 +284,17 @@ class WindowPacker(BaseNode[PackRows]):
         return pack
 
     def _costs(self, packs: list[PackRows]) -> np.ndarray:
-        """Normalized estimated cost of each pack (real document lengths)."""
-        model = self.balancing.cost_model  # type: ignore[union-attr]
-        return np.array([model.pack_cost(p.rows["length"]) / self.scale.full for p in packs], dtype=np.float64)
+        """Normalized estimated cost of each pack (real document lengths; with a vision encoder, its images'
+        segments from their headers, as the collate's ``est_cost`` prices them after decoding)."""
+        b = self.balancing
+        assert b is not None
+        model, media, empty = b.cost_model, b.media, np.zeros(0, np.int64)
+        if model.vision is None:
+            return np.array([model.pack_cost(p.rows["length"]) / self.scale.full for p in packs], dtype=np.float64)
+        assert media is not None  # _scale refused a vision encoder without media
+        return np.array([model.pack_cost(p.rows["length"], segments=np.concatenate(
+            [empty] + [vision_segments(s, media) for s in p.samples()]) if p.rich else empty) / self.scale.full
+            for p in packs], dtype=np.float64)
 
     def _read(self, packs: list[PackRows]) -> list[PackRows]:
         """``packs`` with the documents of the restored ones re-read (one replay: the block reads

@@ -17,7 +17,8 @@ attention bidirectional inside each frame (``h·w`` patches), never across. ``Vi
 blocks of width e, MLP size f, patch input P = C·tp·p² and a Qwen2-VL merger (m² patches → one token of ``out_hidden``),
 per patch: embedding ``2Pe``, per layer ``8e² + 4ef``, merger ``2e²m² + 2e·out``; per frame of S patches and layer
 ``4eS²``. ``training=False`` for a frozen encoder. It equals torch's FLOP counter on transformers' Qwen2-VL vision tower
-(``tests/unit/packing/test_vlm_cost.py``); a 1036x1036 image costs as much as ~1.2x its token count.
+(``tests/unit/packing/test_vlm_cost.py``); a 1036x1036 image costs as much as ~1.2x its token count. In a media
+stream each pack's segments come from its images' headers (``streampack.media.stage.vision_segments``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,11 @@ Where the lengths come from (:func:`seed_levels`):
 - a mixture: each source's sample, drawn in proportion to its weight (its draw probability);
 - cold (no seed): one reader alone (no rank to agree with), offline packs (no packer), and any source whose sampled
   index knows no token length — text that is tokenized on the fly: knowing its lengths means reading and tokenizing
-  tens of thousands of documents on every reader before the first batch.
+  tens of thousands of documents on every reader before the first batch;
+- cold, too, under a cost model with a vision encoder (``CostModel(vision=...)``): a shard index knows text lengths
+  only, and each image's patches come from its header, so a seed would read the images of ``SEED_SAMPLES`` documents
+  on every reader first (1.6 ms a sample on a local tar, ``benchmarks/bench_media.py``: ~50 s); a text-only seed
+  would put every level below the packs' real costs.
 
 **Cost per reader** (s samples per shard): the indexes of ``ceil(SEED_SAMPLES / s)`` shards per source (at most
 ``SEED_SHARDS``; the same shards on every reader; a source whose first sampled shard knows no length stops there),
@@ -69,8 +73,8 @@ def seed_levels(config: StreamConfig, sources: Sources, place: Placement, *, pla
     start (see the module docstring for which streams); ``planner()`` gives the reader's planner (built on
     first use: only a finite stream or one given ``manifest=`` asks for it)."""
     balance, model = config.cost.balance, config.cost.model
-    if (balance is None or not balance.seeded or model is None or place.global_workers == 1
-            or sources.packed is not None):
+    if (balance is None or not balance.seeded or model is None or model.vision is not None
+            or place.global_workers == 1 or sources.packed is not None):
         return None
     if sources.mixture:
         lengths = mixture_lengths([(sources.mixture[name].urls, sources.weights[name])

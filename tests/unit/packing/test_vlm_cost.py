@@ -87,3 +87,53 @@ def test_vision_formula_matches_counted_flops_of_transformers_qwen2_vl_tower(mer
     trained = VisionCost.from_shape(hidden=32, layers=2, mlp=128, patch_dim=24, spatial_merge=merge,
                                     out_hidden=48)
     assert (trained.linear, trained.attention) == (3 * model.linear, 3 * model.attention)
+
+
+def test_each_rules_segments_are_the_frames_and_tiles_its_encoder_attends_within() -> None:
+    """What a media stream prices (``streampack.media.stage.vision_segments``) is each image's and video's patch
+    grid, from its size alone: Qwen2-VL one segment per frame (``frame_patches`` of ``image_grid_thw`` /
+    ``video_grid_thw``), LLaVA-NeXT one per tile and the base view (as many as ``decode_image`` makes), LLaVA-1.5
+    one of its tokens."""
+    from streampack.media import AnyResTiles, DynamicResolution, FixedTokens, MediaOptions, VideoFrames
+    from streampack.media.decode import decode_image
+    from tests.helpers_media import image_bytes
+    from tests.unit.media.test_media import media_image
+
+    rule, video = DynamicResolution(), VideoFrames()
+    for w, h in ((640, 480), (28, 28), (3000, 20), (1920, 1080)):
+        assert rule.segments(w, h) == frame_patches(np.array([rule.grid(w, h)])).tolist()
+        assert video.segments(5, w, h) == frame_patches(np.array([video.grid(5, w, h)])).tolist()
+        assert len(video.segments(5, w, h)) == 3  # 5 frames in temporal patches of 2
+    tiles = AnyResTiles(grid_pinpoints=((8, 16), (16, 8), (16, 16)), tile_size=8, patch_size=2)
+    for w, h in ((20, 9), (9, 20), (5, 5), (31, 30)):
+        decoded = decode_image(media_image(image_bytes(w, h)), MediaOptions(rule=tiles, image_token_id=1),
+                               url="u", key="k")
+        assert tiles.segments(w, h) == [16] * decoded.values.shape[0]
+    assert FixedTokens().segments(640, 480) == [576]
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2-vl video", "llava-next", "llava-1.5"])
+def test_vision_bound_is_the_most_a_packs_images_cost(name: str) -> None:
+    """The balanced emission's histogram spans a full pack's text cost plus ``MediaOptions.vision_bound``: no
+    image of any size may cost its encoder more per token than the bound does."""
+    from streampack.media import AnyResTiles, DynamicResolution, FixedTokens, MediaOptions, VideoFrames
+
+    encoder = VisionCost(linear=5.0, attention=3.0)
+    rule = {"llava-next": AnyResTiles(), "llava-1.5": FixedTokens()}.get(name, DynamicResolution())
+    video = VideoFrames() if name == "qwen2-vl video" else None
+    media = MediaOptions(rule=rule, image_token_id=1, video=video, video_token_id=None if video is None else 2)
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for _ in range(300):
+        w, h = (int(v) for v in np.exp(rng.uniform(np.log(8), np.log(6000), 2)))
+        if max(w, h) / min(w, h) > 200:
+            continue
+        if video is not None:
+            frames = int(rng.integers(1, 9))
+            per_token = encoder.cost(video.segments(frames, w, h)) / video.count(frames, w, h)
+        else:
+            per_token = encoder.cost(rule.segments(w, h)) / rule.count(w, h)
+        worst = max(worst, per_token)
+    bound = media.vision_bound(encoder, 1)
+    assert worst <= bound
+    assert worst > {"llava-1.5": 0.99}.get(name, 0.5) * bound  # a bound, and not a loose one
