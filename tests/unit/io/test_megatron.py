@@ -90,7 +90,7 @@ def test_a_document_over_max_sample_bytes_is_refused_unread(tmp_path):
     got = _items(url, limits=limits)
     assert got[1].error.reason == "sample_too_large" and got[1].error.key == "1"
     assert [it.sample.tokens.tolist() for it in (got[0], got[2])] == [[1] * 10, [2] * 3]
-    assert build_index(url, decode=index_decode(limits=limits)).lengths.tolist() == [10, BAD_LENGTH, 3]
+    assert build_index(url, decode=index_decode(DecodeOptions(limits=limits))).lengths.tolist() == [10, BAD_LENGTH, 3]
 
 
 def test_a_shard_is_named_by_its_idx(tmp_path):
