@@ -87,7 +87,9 @@ def parse_layout(raw: bytes, size: int, url: str, token_dtype: str | None, *, wh
     try:
         shape, _, dtype = _header(buf)
     except _HEADER_ERRORS as e:
-        raise DataError("corrupt_shard", f"{what}: unreadable numpy header ({e})", url=url, value=size) from None
+        # numpy's message quotes the header: name the failure only, never the file's bytes
+        raise DataError("corrupt_shard", f"{what}: unreadable numpy header ({type(e).__name__})", url=url,
+                        value=size) from None
     if dtype.kind not in "iu" or dtype.itemsize > 8 or len(shape) != 1:
         raise DataError("bad_dtype", f"{what} holds {dtype}{list(shape)}: want a 1-D integer array", url=url,
                         value=str(dtype))

@@ -54,7 +54,7 @@ def corpus(request, tmp_path_factory):
     read = ReadOptions(token_dtype="uint32") if offsets else ReadOptions(eos_id=EOS)
     layout = ["--token-dtype", "uint32"] if offsets else ["--eos-id", str(EOS)]
     assert main(["index", *urls, "--out", str(root / "manifest"), "--quiet", "--pool", "threads", *layout]) == 0
-    expected, i = {}, 0
+    expected: dict[str, list[int]] = {}
     for url, part in zip(urls, np.array_split(np.arange(len(docs)), 4)):
         for d, j in enumerate(part):
             expected[f"{url}#{d}"] = docs[j] if offsets else docs[j] + [EOS]
