@@ -150,7 +150,14 @@ class TokenArray:
         self.offsets_url: str | None = None
         if self.eos is None:
             self.offsets_url = offsets_url(url)
-            off = _opened(self.offsets_url, None, opts, stats, "offsets file")
+            try:
+                off = _opened(self.offsets_url, None, opts, stats, "offsets file")
+            except DataError as e:
+                if e.reason != "missing_shard":
+                    raise
+                raise DataError("missing_shard", f"no eos_id is set and there is no offsets file {self.offsets_url} "
+                                f"beside the array: set ReadOptions(eos_id=...) or write that file", url=url,
+                                value=self.offsets_url) from None
             if off.ids != off.declared or off.declared < 1:
                 raise DataError("corrupt_shard", f"offsets file {self.offsets_url} holds {off.ids} of its "
                                 f"{off.declared} declared offsets (want at least 1: the array's start)", url=url,
