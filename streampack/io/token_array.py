@@ -13,9 +13,9 @@ one (a raw memmap, as OLMo's and Dolma's tokenizers write them) or a raw ``.bin`
   ``.offsets.npy`` is never a shard, so listing a directory does not take it for one.
 
 **What one range costs a reader**: a stat of the array and one read of its first 16 KiB (the header), then its ids
-in reads of at most :data:`CHUNK_BYTES`, never the array outside the range (at the EOS id, the range's last
-document is read to its end); with an offsets file also a stat and a header read of that file and, per
-:data:`DOCS_PER_SLICE` documents, one read of their offsets (8 bytes a document). The per-shard index
+in reads of at most :data:`CHUNK_BYTES`, never the array outside the range; with an offsets file also a stat, a
+header read and a read of the last offset of that file and, per :data:`DOCS_PER_SLICE` documents, one read of their
+offsets (8 bytes a document). The per-shard index
 (:func:`document_index`) is one block-wise scan of the whole array (EOS) or one read of the offsets file; memory
 12 bytes a document. Hostile input (a header that lies about its size, a truncated array, offsets out of order or
 past the end) is a ``DataError`` naming the file and the document, never the content.
