@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-key", default="input_ids", help="field holding token ids (for the lengths)")
     p.add_argument("--eos-id", type=int, default=None,
                    help="flat token arrays: documents end at this id (default: at the offsets file beside each)")
+    p.add_argument("--megatron-sample", choices=("document", "sequence"), default="document",
+                   help="Megatron-core indexed data sets: a sample per document (default) or per sequence")
     p.add_argument("--token-dtype", choices=TOKEN_DTYPES, default=None,
                    help="flat token arrays without a numpy header (raw .bin, memmap .npy): the ids' dtype")
     add_limit_arguments(p, note=" of the training run: an over-limit sample is indexed with an unknown length")
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                        storage_options=_storage_options(args.storage_option))
     urls = expand_urls(args.urls, opts=opts)
     decode = index_decode(DecodeOptions(tokens_key=args.tokens_key, limits=limits, eos_id=args.eos_id,
-                                        token_dtype=args.token_dtype))
+                                        token_dtype=args.token_dtype, megatron_sample=args.megatron_sample))
     remote = any(is_remote(u) for u in urls)
     processes = args.pool == "processes" or (args.pool == "auto" and not remote)
     jobs = args.jobs or (os.cpu_count() or 1 if processes else 16)

@@ -45,6 +45,8 @@ class DecodeOptions:
     """Bounds on line / member / sample bytes and json depth."""
     eos_id: int | None = None
     """Flat token arrays (:mod:`streampack.io.token_array`): documents end at this id; None: at the offsets file."""
+    megatron_sample: str = "document"
+    """Megatron-core indexed data sets: a sample per ``document`` or per ``sequence``."""
     token_dtype: str | None = None
     """Flat token arrays without a numpy header (a raw ``.bin`` or a memmap named ``.npy``): the ids' dtype."""
     media: Any = None

@@ -103,10 +103,10 @@ class ShardIndex:
 
 def index_decode(decode: DecodeOptions = DecodeOptions()) -> DecodeOptions:
     """The :class:`DecodeOptions` every index is built and looked up with (only what changes an
-    index: the tokens field, the limits, a token array's layout), from one function so two call sites never key the
+    index: the tokens field, the limits, a token array's layout, what a Megatron sample is), from one function so two call sites never key the
     same shard differently."""
     return DecodeOptions(tokens_key=decode.tokens_key, limits=decode.limits, eos_id=decode.eos_id,
-                         token_dtype=decode.token_dtype)
+                         token_dtype=decode.token_dtype, megatron_sample=decode.megatron_sample)
 
 
 def limits_key(url: str, limits: Limits) -> str:
@@ -137,7 +137,9 @@ def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) ->
     ETag / mtime: a stale index would point into other bytes) and what the index depends on."""
     where = url if is_remote(url) else os.path.abspath(local_path(url))
     tag = ident.tag.removeprefix("mtime_ns=") if not is_remote(url) else ident.tag
-    layout = f"|eos={decode.eos_id},dtype={decode.token_dtype}" if shard_format(url) == "token_array" else ""
+    fmt = shard_format(url)
+    layout = (f"|eos={decode.eos_id},dtype={decode.token_dtype}" if fmt == "token_array" else
+              f"|{decode.megatron_sample}" if fmt == "megatron" and decode.megatron_sample != "document" else "")
     return (f"v{INDEX_VERSION}|{decode.tokens_key}|{limits_key(url, decode.limits)}{layout}|{where}|{ident.size}|"
             f"{tag}")
 

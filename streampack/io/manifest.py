@@ -307,7 +307,7 @@ def obtain_manifest(urls: Sequence[str], *, location: str | None, cache_dir: str
                          f"is remote): build it once with `streampack index URLS --out DIR` and pass manifest=DIR")
     decode = index_decode(decode)
     key = "\n".join([decode.tokens_key, limits_key("x.tar", decode.limits), limits_key("x.jsonl", decode.limits),
-                     f"{decode.eos_id},{decode.token_dtype}", *urls])
+                     f"{decode.eos_id},{decode.token_dtype},{decode.megatron_sample}", *urls])
     where = join_path(join_path(index_dir(cache_dir), "manifests"), hashlib.sha1(key.encode()).hexdigest()[:16])
     manifest = _current_manifest(where, urls, opts, stats)
     if manifest is not None:

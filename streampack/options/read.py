@@ -19,6 +19,8 @@ from streampack.io.storage import OpenOptions
 from streampack.io.token_array import TOKEN_DTYPES
 from streampack.options._check import need_choice, need_type
 
+MEGATRON_SAMPLES: tuple[str, ...] = ("document", "sequence")
+"""What one sample of a Megatron-core indexed data set is."""
 MIXTURE_STOPS: tuple[str, ...] = ("all", "first", "cycle")
 """When a finite mixture ends (:class:`~streampack.nodes.mixture.Mixture` maps them to torchdata's rules)."""
 
@@ -43,6 +45,9 @@ class ReadOptions:
     eos_id: int | None = None
     """Flat token arrays (``.npy`` / ``.bin``, docs/token_arrays.md): a document ends at (and keeps) this id; None:
     documents are read from the offsets file beside the array."""
+    megatron_sample: str = "document"
+    """Megatron-core indexed data sets (docs/megatron.md): a sample per Megatron ``document`` (its sequences joined) or
+    per ``sequence``."""
     token_dtype: str | None = None
     """Flat token arrays without a numpy header (a raw ``.bin``, or a memmap named ``.npy`` as OLMo / Dolma write
     them): the ids' dtype, one of :data:`~streampack.io.token_array.TOKEN_DTYPES`; a header's dtype must agree."""
@@ -92,6 +97,7 @@ class ReadOptions:
         if self.eos_id is not None and not 0 <= self.eos_id < (self.vocab_size or 2**31):
             raise ValueError(f"ReadOptions: eos_id={self.eos_id} must be in [0, vocab_size={self.vocab_size}) "
                              f"(below 2**31 without a vocab_size)")
+        need_choice("ReadOptions", "megatron_sample", self.megatron_sample, MEGATRON_SAMPLES)
         need_choice("ReadOptions", "token_dtype", self.token_dtype, (None, *TOKEN_DTYPES))
         need_choice("ReadOptions", "mixture_stop", self.mixture_stop, MIXTURE_STOPS)
         if self.limits is None:
@@ -124,12 +130,15 @@ class ReadOptions:
         return DecodeOptions(tokens_key=self.tokens_key, text_key=self.text_key, labels_key=self.labels_key,
                              loss_mask_key=self.loss_mask_key, allow_pickle=self.allow_pickle,
                              vocab_size=self.vocab_size, limits=self.limits, eos_id=self.eos_id,
-                             token_dtype=self.token_dtype)
+                             token_dtype=self.token_dtype, megatron_sample=self.megatron_sample)
 
     def recorded_fields(self) -> list[str | int | None]:
-        """The fields a resume state must match (which record fields are read, and where a token array's documents
-        end); the token-array layout is listed only when set, so streams of other formats record what they did."""
+        """The fields a resume state must match (which record fields are read, where a token array's documents end,
+        what a Megatron sample is); those two are listed only when not the default, so streams that read neither
+        record what they did."""
         fields: list[str | int | None] = [self.tokens_key, self.text_key, self.labels_key, self.loss_mask_key]
         if self.eos_id is not None or self.token_dtype is not None:
             fields += [self.eos_id, self.token_dtype]
+        if self.megatron_sample != "document":
+            fields.append(f"megatron_sample={self.megatron_sample}")
         return fields
