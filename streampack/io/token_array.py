@@ -212,15 +212,15 @@ class TokenArray:
         return got
 
     def refused(self, doc: int, start: int, length: int) -> DataError | None:
-        """Why document ``doc`` of ``length`` ids from array index ``start`` is not read: over ``max_sample_bytes``
-        (its ids are not held) or past the end of a truncated array."""
-        if length * self.width > self.limit:
-            return self.bad(doc, "sample_too_large", f"{length * self.width} bytes, over max_sample_bytes="
-                            f"{self.limit}", length * self.width)
+        """Why document ``doc`` of ``length`` ids from array index ``start`` is not read: past the end of a truncated
+        array, or over ``max_sample_bytes`` (its ids are not held)."""
         if start + length > self.layout.ids:
             return self.bad(doc, "corrupt_shard", f"ids [{start}, {start + length}) lie past the end of the file "
                             f"({self.layout.ids} whole ids of the {self.layout.declared} declared): truncated array",
                             start + length)
+        if length * self.width > self.limit:
+            return self.bad(doc, "sample_too_large", f"{length * self.width} bytes, over max_sample_bytes="
+                            f"{self.limit}", length * self.width)
         return None
 
     def runs(self, start: int, first: int, end: int | None) -> Iterator[Run]:
@@ -376,9 +376,7 @@ def token_array_blocks(url: str, start: int, first: int, end: int | None, *, dec
             return
         good = run.lengths.size if (run.lengths >= 1).all() else int(np.argmin(run.lengths >= 1))
         ids = run.ids[:int(run.lengths[:good].sum())]
-        bad = np.flatnonzero(ids.astype(np.int64, copy=False) >= bound) if ids.size else ids
-        if ids.dtype.kind == "i" and ids.size:
-            bad = np.union1d(bad, np.flatnonzero(ids < 0))
+        bad = np.flatnonzero((ids >= bound) | (ids < 0)) if ids.size else ids
         if bad.size:  # the documents before the one holding the first bad id are plain
             good = int(np.searchsorted(np.cumsum(run.lengths[:good]), bad[0], side="right"))
             ids = ids[:int(run.lengths[:good].sum())]

@@ -93,10 +93,6 @@ class ReadOptions:
             ErrorPolicy(self.on_error)  # the one check of an on_error value
         except ValueError as e:
             raise ValueError(str(e).replace("ErrorPolicy(", "ReadOptions(", 1)) from None
-        need_type("ReadOptions", "eos_id", self.eos_id, int, optional=True)
-        if self.eos_id is not None and not 0 <= self.eos_id < (self.vocab_size or 2**31):
-            raise ValueError(f"ReadOptions: eos_id={self.eos_id} must be in [0, vocab_size={self.vocab_size}) "
-                             f"(below 2**31 without a vocab_size)")
         need_choice("ReadOptions", "megatron_sample", self.megatron_sample, MEGATRON_SAMPLES)
         need_choice("ReadOptions", "token_dtype", self.token_dtype, (None, *TOKEN_DTYPES))
         need_choice("ReadOptions", "mixture_stop", self.mixture_stop, MIXTURE_STOPS)
@@ -112,6 +108,10 @@ class ReadOptions:
             self.open_options()  # retries, timeouts, identity and storage options, checked by their records
         except (TypeError, ValueError) as e:
             raise type(e)(f"ReadOptions: {e}") from None
+        need_type("ReadOptions", "eos_id", self.eos_id, int, optional=True)
+        if self.eos_id is not None and not 0 <= self.eos_id < (self.vocab_size or 2**31):
+            raise ValueError(f"ReadOptions: eos_id={self.eos_id} must be in [0, vocab_size={self.vocab_size}) "
+                             f"(below 2**31 without a vocab_size)")
 
     def open_options(self) -> OpenOptions:
         """How the readers fetch shards."""
