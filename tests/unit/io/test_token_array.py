@@ -265,3 +265,22 @@ def test_read_options_check_the_layout(options, match):
 
     with pytest.raises(ValueError, match=match):
         ReadOptions(**options)
+
+
+def test_over_http_by_ranged_reads(tmp_path):
+    """On a loopback HTTP server both layouts read every document by ranged requests (the offsets file's too), whole
+    and from the middle of an array."""
+    from helpers_faults import serve_faulty
+
+    docs = _docs(25, seed=2)
+    os.makedirs(tmp_path / "d")
+    np.save(tmp_path / "d" / "a.npy", np.concatenate(docs).astype(np.uint16))
+    np.concatenate(docs).astype(np.uint32).tofile(tmp_path / "d" / "b.bin")
+    np.save(tmp_path / "d" / "b.offsets.npy", np.cumsum([0] + [len(d) for d in docs]))
+    with serve_faulty(tmp_path / "d") as server:
+        a, b = f"{server.url}/a.npy", f"{server.url}/b.bin"
+        assert [i.sample.tokens.tolist() for i in _items(a, DecodeOptions(eos_id=EOS))] == docs
+        assert [i.sample.tokens.tolist() for i in _items(b, DecodeOptions(token_dtype="uint32"))] == docs
+        index = build_index(a, decode=index_decode(DecodeOptions(eos_id=EOS)))
+        s, e, f = index.part(1, 2)
+        assert [i.sample.tokens.tolist() for i in _items(a, DecodeOptions(eos_id=EOS), s, f, e)] == docs[f:]
