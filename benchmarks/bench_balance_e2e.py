@@ -47,6 +47,7 @@ from helpers_data import split_docs, tar_members, write_tar  # noqa: E402
 from report import emit  # noqa: E402
 
 from streampack.dataset import PackedDataset  # noqa: E402
+from streampack.io.decode import DecodeOptions
 from streampack.io.index import index_decode  # noqa: E402
 from streampack.io.limits import Limits  # noqa: E402
 from streampack.io.manifest import build_manifest  # noqa: E402
@@ -125,7 +126,7 @@ def run(quick: bool = False, *, docs: int = 120_000, shards: int = 64, ranks: in
             if mode.manifest:
                 location = os.path.join(tmp, "manifest")
                 if not os.path.exists(location):
-                    build_manifest(urls, location, decode=index_decode("input_ids", Limits()))
+                    build_manifest(urls, location, decode=index_decode(DecodeOptions(limits=Limits())))
                 read = ReadOptions(cache_dir=cache, manifest=location)
             started, cpu = time.perf_counter(), time.process_time()
             tokens, squares = run_ranks(urls, ranks, steps, mode.balance, read)

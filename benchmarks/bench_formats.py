@@ -1,11 +1,14 @@
-"""Tokens per CPU-second of each pre-tokenized shard format on the same tokens (numbers quoted in docs/megatron.md).
+"""Tokens per CPU-second of each pre-tokenized shard format on the same tokens (numbers quoted in docs/megatron.md and
+docs/token_arrays.md).
 
     python benchmarks/bench_formats.py --docs 40000 --shards 4
 
 The same long-tail documents (lognormal, mean ~600 tokens, ids < 50,000) are written as webdataset tar shards (an
 ``input_ids.npy`` int32 member a sample, pax headers, as ``webdataset.TarWriter`` writes them), as Megatron-core
 indexed data sets of int32 and of uint16 ids (the ``.idx`` layout of ``streampack.io.megatron``, written here with
-numpy so the benchmark needs no megatron-core), and as parquet (an int32 list column, row groups of 1,024). Each is
+numpy so the benchmark needs no megatron-core), as parquet (an int32 list column, row groups of 1,024) and as flat
+token arrays (``np.save`` uint16 with each document's last id replaced by the EOS id :data:`EOS`, so the same token
+counts split at EOS; and ``np.memmap`` uint32 with an ``.offsets.npy`` file, the same ids). Each is
 read three ways, timed in CPU seconds of this process (``time.process_time``, so a busy box does not count):
 
 - ``samples``: every document through the per-sample reader (``ShardReader``, one ``Sample`` each);
@@ -26,6 +29,32 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+EOS = 65_535
+"""The EOS id of the token-array set split at EOS (above every id of :func:`make_docs`)."""
+
+
+def read_options(fmt: str) -> Any:
+    """What a format's set is read with (a token array's layout; the defaults for the others)."""
+    from streampack.options import ReadOptions
+
+    if fmt.endswith("(EOS)"):
+        return ReadOptions(eos_id=EOS)
+    return ReadOptions(token_dtype="uint32") if fmt.endswith("(offsets)") else ReadOptions()
+
+
+def write_token_arrays(root: str, s: int, part: list[np.ndarray], out: dict[str, list[str]]) -> None:
+    eos = np.concatenate([np.append(d[:-1], EOS) for d in part]).astype(np.uint16)
+    np.save(os.path.join(root, f"t16-{s:04d}.npy"), eos)
+    out["token array uint16 (EOS)"].append(os.path.join(root, f"t16-{s:04d}.npy"))
+    flat = np.concatenate(part).astype(np.uint32)
+    path = os.path.join(root, f"t32-{s:04d}.bin")
+    mm = np.memmap(path, dtype=np.uint32, mode="w+", shape=flat.shape)
+    mm[:] = flat
+    mm.flush()
+    np.save(os.path.join(root, f"t32-{s:04d}.offsets.npy"), np.cumsum([0] + [len(d) for d in part]))
+    out["token array uint32 (offsets)"].append(path)
 
 
 def make_docs(n: int, seed: int = 0) -> list[np.ndarray]:
@@ -57,7 +86,8 @@ def write_sets(root: str, docs: list[np.ndarray], shards: int) -> dict[str, list
     import webdataset as wds
 
     parts = [docs[s * len(docs) // shards:(s + 1) * len(docs) // shards] for s in range(shards)]
-    out: dict[str, list[str]] = {"tar": [], "megatron int32": [], "megatron uint16": [], "parquet": []}
+    out: dict[str, list[str]] = {"tar": [], "megatron int32": [], "megatron uint16": [], "parquet": [],
+                                 "token array uint16 (EOS)": [], "token array uint32 (offsets)": []}
     for s, part in enumerate(parts):
         path = os.path.join(root, f"shard-{s:04d}.tar")
         with wds.TarWriter(path) as sink:
@@ -70,6 +100,7 @@ def write_sets(root: str, docs: list[np.ndarray], shards: int) -> dict[str, list
         pq.write_table(pa.table({"input_ids": pa.array([d.tolist() for d in part], pa.list_(pa.int32()))}), path,
                        row_group_size=1024)
         out["parquet"].append(path)
+        write_token_arrays(root, s, part, out)
     return out
 
 
@@ -79,22 +110,21 @@ def _cpu(work: Any) -> tuple[float, int]:
     return time.process_time() - t, tokens
 
 
-def read_samples(urls: list[str]) -> int:
+def read_samples(urls: list[str], read: Any) -> int:
     from streampack.nodes.reader import ShardReader
 
-    return sum(len(s.tokens) for s in ShardReader(urls, shuffle=False, epochs=1))
+    return sum(len(s.tokens) for s in ShardReader(urls, shuffle=False, epochs=1, read=read))
 
 
-def read_blocks(urls: list[str]) -> int:
+def read_blocks(urls: list[str], read: Any) -> int:
     from streampack.io.blocks import read_blocks as blocks_of
-    from streampack.io.decode import DecodeOptions
     from streampack.io.formats import ShardRange
     from streampack.io.storage import OpenOptions
 
     total = 0
     for url in urls:
         streams: list = []
-        for block in blocks_of(url, ShardRange(start=0, first=0), decode=DecodeOptions(), opts=OpenOptions(),
+        for block in blocks_of(url, ShardRange(start=0, first=0), decode=read.decode(), opts=OpenOptions(),
                                streams=streams):
             total += int(block.lengths.sum())
         for f in streams:
@@ -102,11 +132,12 @@ def read_blocks(urls: list[str]) -> int:
     return total
 
 
-def read_packed(urls: list[str]) -> int:
+def read_packed(urls: list[str], read: Any) -> int:
     from streampack.dataset import PackedDataset
     from streampack.options import PackOptions
 
-    ds = PackedDataset(urls, capacity=4096, packs_per_batch=2, epochs=1, seed=0, packing=PackOptions(window=256))
+    ds = PackedDataset(urls, capacity=4096, packs_per_batch=2, epochs=1, seed=0, packing=PackOptions(window=256),
+                       read=read)
     return sum(b.num_tokens for b in ds)
 
 
@@ -118,16 +149,16 @@ def run(quick: bool = False, docs: int | None = None, shards: int = 4) -> list[d
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as root:
         sets = write_sets(root, corpus, shards)
-        read_packed(sets["tar"][:1])  # the packer's first compile is not a format's cost
+        read_packed(sets["tar"][:1], read_options("tar"))  # the packer's first compile is not a format's cost
         for way, work in (("samples", read_samples), ("blocks", read_blocks), ("packed", read_packed)):
             tar_rate = None
             for fmt, urls in sets.items():
-                seconds, tokens = _cpu(lambda w=work, u=urls: w(u))
+                seconds, tokens = _cpu(lambda w=work, u=urls, r=read_options(fmt): w(u, r))
                 assert tokens == total, (fmt, way, tokens, total)
                 rate = tokens / max(seconds, 1e-9)
                 tar_rate = rate if fmt == "tar" else tar_rate
                 disk = sum(os.path.getsize(u) + (os.path.getsize(u[:-4] + ".bin") if u.endswith(".idx") else 0)
-                           for u in urls)
+                           + (os.path.getsize(u[:-4] + ".offsets.npy") if u.endswith(".bin") else 0) for u in urls)
                 rows.append({"format": fmt, "read": way, "docs": n, "tokens": tokens, "cpu_s": round(seconds, 3),
                              "Mtok_per_cpu_s": round(rate / 1e6, 2), "vs_tar": round(rate / tar_rate, 2),
                              "MB_on_disk": round(disk / 1e6, 1)})

@@ -25,6 +25,7 @@ from typing import Any
 
 from streampack.cli._data import CliError, add_limit_arguments, no_bar, parsed_limits
 from streampack.io.tar_sparse import RANGED_MODES
+from streampack.io.token_array import TOKEN_DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="without --out: where the per-shard index files go (PackedDataset's cache_dir; default "
                         "$STREAMPACK_CACHE/index or ~/.cache/streampack/index)")
     p.add_argument("--tokens-key", default="input_ids", help="field holding token ids (for the lengths)")
+    p.add_argument("--eos-id", type=int, default=None,
+                   help="flat token arrays: documents end at this id (default: at the offsets file beside each)")
+    p.add_argument("--megatron-sample", choices=("document", "sequence"), default="document",
+                   help="Megatron-core indexed data sets: a sample per document (default) or per sequence")
+    p.add_argument("--token-dtype", choices=TOKEN_DTYPES, default=None,
+                   help="flat token arrays without a numpy header (raw .bin, memmap .npy): the ids' dtype")
     add_limit_arguments(p, note=" of the training run: an over-limit sample is indexed with an unknown length")
     p.add_argument("--jobs", type=int, default=None,
                    help="shards indexed at once (default: 16 threads for remote shards, one process per core "
@@ -88,6 +95,7 @@ def _mapped(pool: Executor, work: Callable[[str], Any], urls: Sequence[str], job
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from streampack.io.decode import DecodeOptions
     from streampack.io.index import index_decode, load_or_build_index
     from streampack.io.index_cache import index_dir
     from streampack.io.manifest import Manifest, build_entry, save_manifest
@@ -99,11 +107,14 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--jobs={args.jobs} must be >= 1")
     if args.out is not None and args.cache_dir is not None:
         raise CliError("--out writes a manifest and its index files; --cache-dir fills the per-shard cache: pick one")
+    if args.eos_id is not None and args.eos_id < 0:
+        raise CliError(f"--eos-id={args.eos_id} must be >= 0")
     limits = parsed_limits(args)
     opts = OpenOptions(retry=RetryPolicy(budget=args.retry_budget),
                        storage_options=_storage_options(args.storage_option))
     urls = expand_urls(args.urls, opts=opts)
-    decode = index_decode(args.tokens_key, limits)
+    decode = index_decode(DecodeOptions(tokens_key=args.tokens_key, limits=limits, eos_id=args.eos_id,
+                                        token_dtype=args.token_dtype, megatron_sample=args.megatron_sample))
     remote = any(is_remote(u) for u in urls)
     processes = args.pool == "processes" or (args.pool == "auto" and not remote)
     jobs = args.jobs or (os.cpu_count() or 1 if processes else 16)

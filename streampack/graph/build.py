@@ -305,7 +305,7 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement,
         return None
     options = config.read
     manifest = manifest_of(config, sources, io_stats)
-    decode, opts = index_decode(options.tokens_key, options.limits), options.open_options()
+    decode, opts = index_decode(options.decode()), options.open_options()
     counting = counting_for(config, place) if count else None
     # equal_batches="count" leaves agree None: the planner counts every reader's batches itself
     if agree is None and agreement is not None and counting is not None and config.topology.equal_batches == "plan":
@@ -334,7 +334,7 @@ def manifest_of(config: StreamConfig, sources: Sources, io_stats: IOStats | None
     is seen); remote shards without one are refused, naming ``streampack index``."""
     assert sources.shards is not None
     options = config.read
-    decode = index_decode(options.tokens_key, options.limits)
+    decode = index_decode(options.decode())
     key = _given_key(sources, options)
     if options.manifest is not None and key in _GIVEN:
         return _GIVEN[key]
@@ -355,7 +355,7 @@ def hold_manifest(config: StreamConfig, sources: Sources, manifest: Manifest) ->
 
 def _given_key(sources: Sources, options: ReadOptions) -> tuple[str, str, str]:
     assert sources.shards is not None
-    return str(options.manifest), sources.shards.digest, repr(index_decode(options.tokens_key, options.limits))
+    return str(options.manifest), sources.shards.digest, repr(index_decode(options.decode()))
 
 
 def counting_for(config: StreamConfig, place: Placement) -> Counting | None:

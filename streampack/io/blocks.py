@@ -2,7 +2,7 @@
 
 :func:`read_blocks` gives the :class:`~streampack.io.token_block.TokenBlock` s of a shard range
 when its format has a block reader (tar with ``.npy`` token members, parquet with an integer-list
-token column, Megatron-core ``.idx`` + ``.bin``), else None. A block reader delivers only what the
+token column, Megatron-core ``.idx`` + ``.bin``, flat token arrays), else None. A block reader delivers only what the
 per-sample reader would deliver as valid samples with nothing to report, and stops at the first byte
 it does not judge plain; the caller reads on with the per-sample reader, so the error contract is
 that reader's by construction.
@@ -23,10 +23,11 @@ from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.tar_block import tar_blocks
 from streampack.io.tar_pick import Clusters, tar_samples_at
+from streampack.io.token_array import token_array_blocks
 from streampack.io.token_block import TokenBlock
 from streampack.io.urls import shard_format
 
-BLOCK_FORMATS = ("tar", "parquet", "megatron")
+BLOCK_FORMATS = ("tar", "parquet", "megatron", "token_array")
 """Formats with a block reader."""
 
 
@@ -48,6 +49,8 @@ def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Ope
         return tar_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats, chunk_bytes=chunk_bytes)
     if shard_format(url) == "megatron":
         return megatron_blocks(url, where.start, where.end, decode=decode, opts=opts, stats=stats)
+    if shard_format(url) == "token_array":
+        return token_array_blocks(url, where.start, where.first, where.end, decode=decode, opts=opts, stats=stats)
     return parquet_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats)
 
 

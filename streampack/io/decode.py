@@ -43,6 +43,12 @@ class DecodeOptions:
     """Token ids (and labels) must be below it; None = below 2**31."""
     limits: Limits = Limits()
     """Bounds on line / member / sample bytes and json depth."""
+    eos_id: int | None = None
+    """Flat token arrays (:mod:`streampack.io.token_array`): documents end at this id; None: at the offsets file."""
+    megatron_sample: str = "document"
+    """Megatron-core indexed data sets: a sample per ``document`` or per ``sequence``."""
+    token_dtype: str | None = None
+    """Flat token arrays without a numpy header (a raw ``.bin`` or a memmap named ``.npy``): the ids' dtype."""
     media: Any = None
     """A :class:`streampack.media.MediaOptions` (where a sample's images are; its methods read
     them, so this layer imports nothing of ``streampack.media``); None = text only."""

@@ -3,7 +3,8 @@
 The reader node hands over *where* to read (:class:`ShardRange`: the position and number of the first sample, and where
 to stop) and gets :class:`~streampack.io.decode.Item` s back, each with the position of the sample after it, so it can
 resume anywhere without knowing how a format lays its samples out. A position is a byte offset (tar, jsonl; uncompressed
-bytes for ``.gz`` / ``.zst``) or a row number (parquet) or document number (Megatron).
+bytes for ``.gz`` / ``.zst``) or a row number (parquet) or document number (Megatron, a token array with an offsets
+file) or the array index of a document's first id (a token array split at the EOS id).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.tar import iter_tar_items
 from streampack.io.tar_header import BLOCK as TAR_BLOCK
+from streampack.io.token_array import iter_token_array_items
 from streampack.io.urls import shard_format
 
 
@@ -32,9 +34,10 @@ class ShardRange:
 
     start: int
     """Position of the first sample to read: a byte offset (uncompressed bytes for .gz/.zst)
-    or, for parquet, a row number (Megatron: a document number)."""
+    or, for parquet, a row number (Megatron: a document number; a token array: see :mod:`streampack.io.token_array`)."""
     first: int
-    """Number of that sample in the shard (tar ordinal, jsonl line number, parquet row, Megatron document)."""
+    """Number of that sample in the shard (tar ordinal, jsonl line number, parquet row, Megatron / token array
+    document)."""
     end: int | None = None
     """Position to stop at (exclusive), or None for the end of the shard."""
 
@@ -47,6 +50,8 @@ def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
     fmt = shard_format(url)
     if fmt == "megatron":  # ranged reads of its own, closed as they finish
         return iter_megatron_items(url, decode, opts=opts, start=start, end=end, stats=stats)
+    if fmt == "token_array":
+        return iter_token_array_items(url, decode, opts=opts, start=start, first=where.first, end=end, stats=stats)
 
     def opened(offset: int = 0, stop: int | None = None) -> BinaryIO:
         streams.append(open_shard(url, offset, stop, opts=opts, stats=stats))

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from streampack.errors import DataError
-from streampack.io import megatron, parquet, storage
+from streampack.io import megatron, parquet, storage, token_array
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, token_count
 from streampack.io.index_cache import cache_path, load_arrays, locked, save_arrays
@@ -101,10 +101,12 @@ class ShardIndex:
         return start, end, first
 
 
-def index_decode(tokens_key: str = "input_ids", limits: Limits | None = None) -> DecodeOptions:
+def index_decode(decode: DecodeOptions = DecodeOptions()) -> DecodeOptions:
     """The :class:`DecodeOptions` every index is built and looked up with (only what changes an
-    index), from one function so two call sites never key the same shard differently."""
-    return DecodeOptions(tokens_key=tokens_key, limits=limits if limits is not None else Limits())
+    index: the tokens field, the limits, a token array's layout, what a Megatron sample is), from one function so two call sites never key the
+    same shard differently."""
+    return DecodeOptions(tokens_key=decode.tokens_key, limits=decode.limits, eos_id=decode.eos_id,
+                         token_dtype=decode.token_dtype, megatron_sample=decode.megatron_sample)
 
 
 def limits_key(url: str, limits: Limits) -> str:
@@ -113,7 +115,7 @@ def limits_key(url: str, limits: Limits) -> str:
     fmt = shard_format(url)
     if fmt == "parquet":
         return f"lengths,{limits.max_sample_bytes}"
-    if fmt == "megatron":
+    if fmt in ("megatron", "token_array"):
         return f"{limits.max_sample_bytes}"
     names = ("max_member_bytes", "max_sample_bytes", "max_json_depth") if fmt == "tar" else (
         "max_line_bytes", "max_json_depth")
@@ -135,7 +137,11 @@ def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) ->
     ETag / mtime: a stale index would point into other bytes) and what the index depends on."""
     where = url if is_remote(url) else os.path.abspath(local_path(url))
     tag = ident.tag.removeprefix("mtime_ns=") if not is_remote(url) else ident.tag
-    return f"v{INDEX_VERSION}|{decode.tokens_key}|{limits_key(url, decode.limits)}|{where}|{ident.size}|{tag}"
+    fmt = shard_format(url)
+    layout = (f"|eos={decode.eos_id},dtype={decode.token_dtype}" if fmt == "token_array" else
+              f"|{decode.megatron_sample}" if fmt == "megatron" and decode.megatron_sample != "document" else "")
+    return (f"v{INDEX_VERSION}|{decode.tokens_key}|{limits_key(url, decode.limits)}{layout}|{where}|{ident.size}|"
+            f"{tag}")
 
 
 def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),
@@ -143,7 +149,7 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
                         positions_only: bool = False) -> ShardIndex:
     """The cached index of ``url`` if still valid, else one built now under the lock and cached.
     ``positions_only``: a parquet index of its footer alone (cached apart), no token column read."""
-    decode = index_decode(decode.tokens_key, decode.limits)
+    decode = index_decode(decode)
     ident = storage.identity(url, opts, stats)
     rows = positions_only and shard_format(url) == "parquet"
     fp, size = fingerprint_of(url, decode, ident) + ("|rows" if rows else ""), ident.size
@@ -177,6 +183,9 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
         lengths = megatron.document_lengths(url, decode, opts, stats)
         return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(len(lengths), dtype=np.int64),
                           lengths=lengths, end=len(lengths))
+    if fmt == "token_array":  # one block-wise scan of the ids (or the offsets file read whole)
+        positions, lengths, end = token_array.document_index(url, decode, opts, stats)
+        return ShardIndex(url=url, fingerprint=fingerprint, offsets=positions, lengths=lengths, end=end)
     # a shard within one block is one request read whole: ranged reads cannot beat that
     sparse = fmt == "tar" and is_remote(url) and size is not None and (
         ranged == "always" or (ranged == "auto" and size > opts.block_size))

@@ -247,7 +247,7 @@ class Manifest:
         """Shard ``shard``'s sample index: one read of its index file, checked against the
         manifest's identity of the shard (no request to the shard itself)."""
         url = self.urls[shard]
-        decode = index_decode(decode.tokens_key, decode.limits)
+        decode = index_decode(decode)
         path = cache_path(url, join_path(self.location, SHARDS_DIR))
         index = cached_index(path, fingerprint_of(url, decode, self.identity(shard)), opts)
         if index is None:
@@ -264,7 +264,7 @@ def build_entry(url: str, location: str, decode: DecodeOptions, opts: OpenOption
                 stats: IOStats | None = None, ranged: str = "auto") -> ShardTotals:
     """Index one shard into ``location`` and return its totals; an index file already there for this
     shard's identity and settings is kept (``streampack index`` resumes)."""
-    decode = index_decode(decode.tokens_key, decode.limits)
+    decode = index_decode(decode)
     ident = storage.identity(url, opts, stats)
     fp = fingerprint_of(url, decode, ident)
     path = cache_path(url, join_path(location, SHARDS_DIR))
@@ -305,9 +305,9 @@ def obtain_manifest(urls: Sequence[str], *, location: str | None, cache_dir: str
     if remote:
         raise ValueError(f"planning this run needs the data set's manifest ({len(urls)} shards, e.g. {remote[0]!r} "
                          f"is remote): build it once with `streampack index URLS --out DIR` and pass manifest=DIR")
-    decode = index_decode(decode.tokens_key, decode.limits)
+    decode = index_decode(decode)
     key = "\n".join([decode.tokens_key, limits_key("x.tar", decode.limits), limits_key("x.jsonl", decode.limits),
-                     *urls])
+                     f"{decode.eos_id},{decode.token_dtype},{decode.megatron_sample}", *urls])
     where = join_path(join_path(index_dir(cache_dir), "manifests"), hashlib.sha1(key.encode()).hexdigest()[:16])
     manifest = _current_manifest(where, urls, opts, stats)
     if manifest is not None:

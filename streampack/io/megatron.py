@@ -1,4 +1,5 @@
-"""Megatron-core indexed datasets (``prefix.bin`` + ``prefix.idx``) read in place, one sample per Megatron document.
+"""Megatron-core indexed datasets (``prefix.bin`` + ``prefix.idx``) read in place, a sample per Megatron document
+(or per sequence: ``megatron_sample="sequence"``, a sequence read as a document of one sequence).
 
 A shard is named by its ``.idx`` URL; its ``.bin`` is the same URL with ``.bin`` for ``.idx``. The ``.idx`` (what
 megatron-core's ``IndexedDatasetBuilder`` writes, version 1, little-endian) is::
@@ -176,21 +177,27 @@ def _documents(doc_index: np.ndarray, lengths: np.ndarray, pointers: np.ndarray,
 
 
 class MegatronShard:
-    """One ``.idx`` / ``.bin`` pair opened for ranged reads (the ``.idx``'s header, the ``.bin``'s size: read once)."""
+    """One ``.idx`` / ``.bin`` pair opened for ranged reads (the ``.idx``'s header, the ``.bin``'s size: read once).
+    ``per_sequence``: its samples are its sequences (sample ``s`` is sequence ``s``), else its documents."""
 
-    def __init__(self, url: str, opts: OpenOptions, stats: IOStats | None = None) -> None:
+    def __init__(self, url: str, opts: OpenOptions, stats: IOStats | None = None, *, per_sequence: bool = False) -> None:
         self.url, self.bin, self.opts, self.stats = url, bin_url(url), opts, stats
         size = storage.identity(url, opts, stats).size
         self.header = parse_header(_read(url, 0, min(size, HEADER.size), opts, stats), size, url)
         self.bin_size = storage.identity(self.bin, opts, stats).size
+        self.per_sequence = per_sequence
+        self.count = self.header.sequences if per_sequence else self.header.documents
+        """Number of samples."""
 
     def documents(self, lo: int, hi: int) -> Documents:
-        """Documents ``[lo, hi)`` (clipped to the shard) from three ranged reads of the ``.idx``."""
+        """Samples ``[lo, hi)`` (clipped to the shard) from three ranged reads of the ``.idx`` (two per sequence:
+        a sequence is a document of one sequence)."""
         h = self.header
-        hi = min(hi, h.documents)
+        hi = min(hi, self.count)
         lo = min(lo, hi)
-        doc_index = np.frombuffer(_read(self.url, h.doc_index_at + 8 * lo, h.doc_index_at + 8 * (hi + 1), self.opts,
-                                        self.stats), "<i8").astype(np.int64)
+        doc_index = (np.arange(lo, hi + 1, dtype=np.int64) if self.per_sequence else
+                     np.frombuffer(_read(self.url, h.doc_index_at + 8 * lo, h.doc_index_at + 8 * (hi + 1), self.opts,
+                                         self.stats), "<i8").astype(np.int64))
         # one sequence before the range too: its end is where the range's first pointer must be
         a = max(int(np.clip(doc_index[0], 0, h.sequences)) - 1, 0)
         b = int(np.clip(doc_index.max(initial=a), a, h.sequences))
@@ -229,9 +236,9 @@ def document_lengths(url: str, decode: DecodeOptions, opts: OpenOptions, stats: 
     """int32 ``[documents]``: each document's token count for an index (:data:`BAD_LENGTH` where the reader refuses
     it: over ``max_sample_bytes``, or past the end of a truncated ``.bin``); the whole ``.idx`` is read and
     checked (a corrupt one raises naming the first document it breaks)."""
-    shard = MegatronShard(url, opts, stats)
+    shard = MegatronShard(url, opts, stats, per_sequence=decode.megatron_sample == "sequence")
     shard.check_bin_size()
-    docs = shard.documents(0, shard.header.documents)
+    docs = shard.documents(0, shard.count)
     width = shard.header.dtype.itemsize
     out = docs.lengths.copy()
     out[docs.lengths * width > decode.limits.max_sample_bytes] = BAD_LENGTH
@@ -269,9 +276,9 @@ def iter_megatron_items(url: str, decode: DecodeOptions, *, opts: OpenOptions, s
                         stats: IOStats | None = None) -> Iterator[Item]:
     """Decoded samples of documents ``[start, end)``: a document that is empty, over ``max_sample_bytes``, has an id
     out of range or lies past the end of the ``.bin`` is an ``Item`` with its error; a corrupt ``.idx`` raises."""
-    shard = MegatronShard(url, opts, stats)
+    shard = MegatronShard(url, opts, stats, per_sequence=decode.megatron_sample == "sequence")
     shard.check_bin_size()
-    stop = shard.header.documents if end is None else min(end, shard.header.documents)
+    stop = shard.count if end is None else min(end, shard.count)
     limit, width = decode.limits.max_sample_bytes, shard.header.dtype.itemsize
     at = start
     while at < stop:
@@ -305,9 +312,9 @@ def megatron_blocks(url: str, start: int, end: int | None, *, decode: DecodeOpti
     """Documents ``[start, end)`` as blocks, one per ``.bin`` read; at the first document the per-sample reader would
     not deliver as a plain sample (empty, over the limits, an id out of range, past the end) the blocks end, and that
     reader reads on from it."""
-    shard = MegatronShard(url, opts, stats)
+    shard = MegatronShard(url, opts, stats, per_sequence=decode.megatron_sample == "sequence")
     shard.check_bin_size()
-    stop = shard.header.documents if end is None else min(end, shard.header.documents)
+    stop = shard.count if end is None else min(end, shard.count)
     limit, width, bound = decode.limits.max_sample_bytes, shard.header.dtype.itemsize, id_bound(decode.vocab_size)
     if start >= stop:
         yield _block(url, np.zeros(0, np.int64), np.zeros(0, np.int64), start, done=True)

@@ -16,6 +16,7 @@ from braceexpand import braceexpand
 
 from streampack.io import storage
 from streampack.io.storage import OpenOptions, is_remote, local_path
+from streampack.io.token_array import OFFSETS_SUFFIX
 
 SHARD_SUFFIXES: dict[str, str] = {
     ".tar": "tar",
@@ -24,9 +25,12 @@ SHARD_SUFFIXES: dict[str, str] = {
     ".jsonl.zst": "jsonl.zst", ".ndjson.zst": "jsonl.zst", ".json.zst": "jsonl.zst",
     ".parquet": "parquet",
     ".idx": "megatron",
+    ".npy": "token_array", ".bin": "token_array",
 }
 """Suffix -> format. Compressed ``.json`` is JSON lines (Dolma's and RedPajama's convention); a Megatron-core indexed
-data set (``prefix.idx`` + ``prefix.bin``) is named by its ``.idx`` (:mod:`streampack.io.megatron`)."""
+data set (``prefix.idx`` + ``prefix.bin``) is named by its ``.idx`` (:mod:`streampack.io.megatron`), so a listing
+skips a ``.bin`` with an ``.idx`` beside it; a flat token array is a ``.npy`` or ``.bin``
+(:mod:`streampack.io.token_array`) and its offsets file (``.offsets.npy``) is never a shard."""
 _BY_LENGTH = sorted(SHARD_SUFFIXES, key=len, reverse=True)
 
 
@@ -53,16 +57,34 @@ class ShardList:
 
 def _suffix(url: str) -> str | None:
     path = url.split("?", 1)[0].split("#", 1)[0] if is_remote(url) else url
+    if path.endswith(OFFSETS_SUFFIX):
+        return None
     return next((s for s in _BY_LENGTH if path.endswith(s)), None)
 
 
+def _shards_of(listing: list[str]) -> list[str]:
+    """The shards of a listing: its shard files, less the companions of other shards."""
+    return [u for u in _without_companions(listing) if _suffix(u) is not None]
+
+
+def _without_companions(listing: list[str]) -> list[str]:
+    """``listing`` less the files read through another: offsets files and the ``.bin`` of each Megatron pair."""
+    names = set(listing)
+    return [u for u in listing if not u.split("?", 1)[0].endswith(OFFSETS_SUFFIX) and not (
+        u.split("?", 1)[0].endswith(".bin") and _sibling(u, ".idx") in names)]
+
+
+def _sibling(url: str, suffix: str) -> str:
+    path, sep, query = url.partition("?")
+    return path[:-4] + suffix + sep + query
+
+
 def shard_format(url: str) -> str:
-    """``"tar"``, ``"jsonl"``, ``"jsonl.gz"``, ``"jsonl.zst"``, ``"parquet"`` or ``"megatron"`` from the URL's
-    suffix (a remote URL's query string ignored)."""
+    """``"tar"``, ``"jsonl"``, ``"jsonl.gz"``, ``"jsonl.zst"``, ``"parquet"``, ``"megatron"`` or ``"token_array"``
+    from the URL's suffix (a remote URL's query string ignored)."""
     suffix = _suffix(url)
-    if suffix is None and url.split("?", 1)[0].endswith(".bin"):
-        raise ValueError(f"cannot tell the format of shard {url!r}: a Megatron-core indexed data set is named by its "
-                         f".idx (the .bin beside it is read through it)")
+    if suffix is None and url.split("?", 1)[0].endswith(OFFSETS_SUFFIX):
+        raise ValueError(f"{url!r} is the offsets file of a flat token array, not a shard: name the array beside it")
     if suffix is None:
         raise ValueError(f"cannot tell the format of shard {url!r}: want one of {sorted(SHARD_SUFFIXES)}")
     return SHARD_SUFFIXES[suffix]
@@ -98,7 +120,7 @@ def _expand_remote(url: str, opts: OpenOptions) -> list[str]:
     pattern = "*" in path or "[" in path.split("://", 1)[1]
     if not pattern and not url.endswith("/") and _suffix(url) is not None:
         return [url]
-    found = [u for u in storage.find(url, opts, pattern=pattern) if _suffix(u) is not None]
+    found = _shards_of(storage.find(url, opts, pattern=pattern))
     if not found:
         what = "glob" if pattern else "prefix"
         raise ValueError(f"{what} {url!r} matches no shard files ({sorted(SHARD_SUFFIXES)})")
@@ -107,15 +129,17 @@ def _expand_remote(url: str, opts: OpenOptions) -> list[str]:
 
 def _expand_local(name: str) -> list[str]:
     if glob.has_magic(name):
-        found = sorted(glob.glob(name))
+        found = _without_companions(sorted(glob.glob(name)))
         if not found:
             raise ValueError(f"glob {name!r} matches no files")
         return found
     if _suffix(name) is not None:
+        if name.endswith(".bin") and os.path.isfile(_sibling(name, ".idx")):
+            raise ValueError(f"{name!r} is the .bin of a Megatron-core indexed data set, which is named by its .idx "
+                             f"(the .bin beside it is read through it)")
         return [name]
     if os.path.isdir(name):
-        found = sorted(os.path.join(root, f) for root, _, files in os.walk(name) for f in files
-                       if _suffix(f) is not None)
+        found = _shards_of(sorted(os.path.join(root, f) for root, _, files in os.walk(name) for f in files))
         if not found:
             raise ValueError(f"directory {name!r} holds no shard files ({sorted(SHARD_SUFFIXES)})")
         return found

@@ -80,7 +80,7 @@ class MediaLengths:
 
     def media_of(self, shard: int, samples: Any) -> ShardMedia:
         url = self.manifest.urls[shard]
-        key = index_decode(self.options.tokens_key, self.options.limits)
+        key = index_decode(self.options.decode())
         fp = f"media-v{VERSION}|{fingerprint_of(url, key, self.manifest.identity(shard))}|{self.setting}"
         path = cache_path(f"{url}?media={self.tag}", self.options.cache_dir)
         cached = load_arrays(path, self.opts)

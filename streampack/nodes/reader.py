@@ -135,7 +135,7 @@ class ShardReader(BaseNode[Sample]):
             "dp_size": place.dp_size,
             "worker_id": place.worker_id,
             "num_workers": place.num_workers,
-            "fields": [read.tokens_key, read.text_key, read.labels_key, read.loss_mask_key],
+            "fields": read.recorded_fields(),
             "vocab_size": read.vocab_size,  # both decide which samples are kept
             "limits": self._decode.limits.recorded(images=media is not None),
         })
@@ -177,7 +177,7 @@ class ShardReader(BaseNode[Sample]):
     def index(self, shard: int | str) -> ShardIndex:
         """The sample index (offsets, keys, token lengths) of a shard, built once and cached."""
         url = self.urls[shard] if isinstance(shard, int) else shard
-        return load_or_build_index(url, decode=index_decode(self._decode.tokens_key, self._decode.limits),
+        return load_or_build_index(url, decode=index_decode(self._decode),
                                    positions_only=True,
                                    opts=self._open, cache_dir=self._cache_dir,
                                    stats=self.io_stats)

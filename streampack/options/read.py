@@ -16,8 +16,11 @@ from streampack.io.decode import DecodeOptions
 from streampack.io.limits import Limits, check_vocab_size
 from streampack.io.retry import RetryPolicy
 from streampack.io.storage import OpenOptions
+from streampack.io.token_array import TOKEN_DTYPES
 from streampack.options._check import need_choice, need_type
 
+MEGATRON_SAMPLES: tuple[str, ...] = ("document", "sequence")
+"""What one sample of a Megatron-core indexed data set is."""
 MIXTURE_STOPS: tuple[str, ...] = ("all", "first", "cycle")
 """When a finite mixture ends (:class:`~streampack.nodes.mixture.Mixture` maps them to torchdata's rules)."""
 
@@ -39,6 +42,15 @@ class ReadOptions:
     bad sample is dropped and counted. Covers reading, decoding and tokenizing."""
     vocab_size: int | None = None
     """Token ids (read or tokenized) and labels must be below it; None = below 2**31."""
+    eos_id: int | None = None
+    """Flat token arrays (``.npy`` / ``.bin``, docs/token_arrays.md): a document ends at (and keeps) this id; None:
+    documents are read from the offsets file beside the array."""
+    megatron_sample: str = "document"
+    """Megatron-core indexed data sets (docs/megatron.md): a sample per Megatron ``document`` (its sequences joined) or
+    per ``sequence``."""
+    token_dtype: str | None = None
+    """Flat token arrays without a numpy header (a raw ``.bin``, or a memmap named ``.npy`` as OLMo / Dolma write
+    them): the ids' dtype, one of :data:`~streampack.io.token_array.TOKEN_DTYPES`; a header's dtype must agree."""
     limits: Limits = Limits()
     """Bytes per line / member / sample and json depth one sample may make a reader hold (None,
     as the flat ``limits=`` keyword took it: the defaults)."""
@@ -81,6 +93,8 @@ class ReadOptions:
             ErrorPolicy(self.on_error)  # the one check of an on_error value
         except ValueError as e:
             raise ValueError(str(e).replace("ErrorPolicy(", "ReadOptions(", 1)) from None
+        need_choice("ReadOptions", "megatron_sample", self.megatron_sample, MEGATRON_SAMPLES)
+        need_choice("ReadOptions", "token_dtype", self.token_dtype, (None, *TOKEN_DTYPES))
         need_choice("ReadOptions", "mixture_stop", self.mixture_stop, MIXTURE_STOPS)
         if self.limits is None:
             object.__setattr__(self, "limits", Limits())
@@ -94,6 +108,10 @@ class ReadOptions:
             self.open_options()  # retries, timeouts, identity and storage options, checked by their records
         except (TypeError, ValueError) as e:
             raise type(e)(f"ReadOptions: {e}") from None
+        need_type("ReadOptions", "eos_id", self.eos_id, int, optional=True)
+        if self.eos_id is not None and not 0 <= self.eos_id < (self.vocab_size or 2**31):
+            raise ValueError(f"ReadOptions: eos_id={self.eos_id} must be in [0, vocab_size={self.vocab_size}) "
+                             f"(below 2**31 without a vocab_size)")
 
     def open_options(self) -> OpenOptions:
         """How the readers fetch shards."""
@@ -111,4 +129,16 @@ class ReadOptions:
         """Which fields of a record hold what, and the bounds on them (what a reader decodes with)."""
         return DecodeOptions(tokens_key=self.tokens_key, text_key=self.text_key, labels_key=self.labels_key,
                              loss_mask_key=self.loss_mask_key, allow_pickle=self.allow_pickle,
-                             vocab_size=self.vocab_size, limits=self.limits)
+                             vocab_size=self.vocab_size, limits=self.limits, eos_id=self.eos_id,
+                             token_dtype=self.token_dtype, megatron_sample=self.megatron_sample)
+
+    def recorded_fields(self) -> list[str | int | None]:
+        """The fields a resume state must match (which record fields are read, where a token array's documents end,
+        what a Megatron sample is); those two are listed only when not the default, so streams that read neither
+        record what they did."""
+        fields: list[str | int | None] = [self.tokens_key, self.text_key, self.labels_key, self.loss_mask_key]
+        if self.eos_id is not None or self.token_dtype is not None:
+            fields += [self.eos_id, self.token_dtype]
+        if self.megatron_sample != "document":
+            fields.append(f"megatron_sample={self.megatron_sample}")
+        return fields

@@ -99,7 +99,7 @@ def index_lengths(urls: Sequence[str], options: ReadOptions,
                   io_stats: IOStats | None = None) -> Callable[[int], np.ndarray]:
     """``lengths_of(shard)`` for :func:`sample_lengths` from the shard's own index, loaded from (or built into)
     ``options.cache_dir``, where the reader keeps the index it splits a shard by."""
-    decode, opts = index_decode(options.tokens_key, options.limits), options.open_options()
+    decode, opts = index_decode(options.decode()), options.open_options()
     return lambda shard: load_or_build_index(urls[shard], decode=decode, opts=opts, cache_dir=options.cache_dir,
                                              stats=io_stats).lengths
 

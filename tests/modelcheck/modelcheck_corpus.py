@@ -20,6 +20,7 @@ from helpers_data import tar_members, write_tar
 from modelcheck_model import Record, Shard, Unit, expected_units, tag_epoch_key
 
 import streampack.options.read as read_options
+from streampack.io.decode import DecodeOptions
 from streampack.io.index import index_decode
 from streampack.io.limits import Limits
 from streampack.io.manifest import build_manifest
@@ -159,5 +160,5 @@ def dataset_options(u: Setup) -> dict[str, Any]:
 def served_manifest(urls: list[str], directory: str, options: dict[str, Any]) -> str:
     """A manifest of the served shards (a finite run over remote shards is refused without one)."""
     location = os.path.join(directory, "manifest")
-    build_manifest(urls, location, decode=index_decode("input_ids", options["read"].limits))
+    build_manifest(urls, location, decode=index_decode(DecodeOptions(limits=options["read"].limits)))
     return location

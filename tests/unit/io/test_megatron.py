@@ -71,6 +71,39 @@ def test_ranges_and_index(shard):
         assert _block_docs(url, lo, hi) == want
 
 
+def _sequences(url: str) -> list[list[int]]:
+    """Every sequence's ids as megatron-core's ``IndexedDataset`` reads them (its items)."""
+    from helpers_megatron import builder_and_dataset
+
+    ref = builder_and_dataset()[1](url[:-len(".idx")])
+    return [ref[s].tolist() for s in range(len(ref))]
+
+
+def test_a_sample_per_sequence_equals_megatron_core(shard):
+    """``megatron_sample="sequence"``: sample ``s`` is megatron-core's item ``s``, whole, in ranges, as blocks and in
+    the index (keyed apart from the per-document index of the same shard)."""
+    url, docs = shard
+    sequences = _sequences(url)
+    assert len(sequences) > len(docs), "the fixture cuts documents into several sequences"
+    decode = DecodeOptions(megatron_sample="sequence")
+    read = ReadOptions(megatron_sample="sequence")
+    assert [s.tokens.tolist() for s in ShardReader([url], shuffle=False, epochs=1, read=read)] == sequences
+    index = build_index(url, decode=index_decode(decode))
+    assert index.lengths.tolist() == [len(s) for s in sequences] and index.end == len(sequences)
+    n = len(sequences)
+    for lo, hi in [(0, 1), (5, 40), (n - 1, n), (n // 2, None)]:
+        where = ShardRange(start=lo, first=lo, end=hi)
+        items = list(open_range(url, where, decode=decode, opts=OpenOptions(), streams=[]))
+        assert [it.sample.tokens.tolist() for it in items] == sequences[lo:hi] and items[-1].at_end
+        blocks = read_blocks(url, where, decode=decode, opts=OpenOptions(), streams=[])
+        assert [b.ids(i).tolist() for b in blocks for i in range(len(b))] == sequences[lo:hi]
+    from streampack.io import storage
+    from streampack.io.index import fingerprint_of
+
+    ident = storage.identity(url, OpenOptions())
+    assert fingerprint_of(url, index_decode(decode), ident) != fingerprint_of(url, index_decode(), ident)
+
+
 def test_empty_documents_and_ids_out_of_range_are_refused_alone(tmp_path):
     docs = [[1, 2], [], [3, 4, 5], [70_000], [6]]
     url = write_megatron(tmp_path / "e", docs)
@@ -90,7 +123,7 @@ def test_a_document_over_max_sample_bytes_is_refused_unread(tmp_path):
     got = _items(url, limits=limits)
     assert got[1].error.reason == "sample_too_large" and got[1].error.key == "1"
     assert [it.sample.tokens.tolist() for it in (got[0], got[2])] == [[1] * 10, [2] * 3]
-    assert build_index(url, decode=index_decode(limits=limits)).lengths.tolist() == [10, BAD_LENGTH, 3]
+    assert build_index(url, decode=index_decode(DecodeOptions(limits=limits))).lengths.tolist() == [10, BAD_LENGTH, 3]
 
 
 def test_a_shard_is_named_by_its_idx(tmp_path):

@@ -171,3 +171,32 @@ def test_a_truncated_bin_raises_from_a_worker_naming_the_document(tmp_path):
     with pytest.raises(DataError, match="document 18: .*truncated .bin") as e:
         list(StatefulDataLoader(ds, batch_size=None, num_workers=1))
     assert e.value.url == urls[1] and e.value.key == "18"
+
+
+def test_a_sample_per_sequence_over_ranks_and_resumed(corpus, tmp_path):
+    """``megatron_sample="sequence"`` through the same path: the manifest built per sequence plans equal steps over
+    ranks with every sequence once; a restore is exact; a per-document state is refused."""
+    from helpers_megatron import builder_and_dataset
+
+    urls, _, per_document = corpus
+    assert main(["index", *urls, "--out", str(tmp_path / "m"), "--quiet", "--pool", "threads",
+                 "--megatron-sample", "sequence"]) == 0
+    expected = {}
+    for url in urls:
+        ref = builder_and_dataset()[1](url[:-4])
+        expected.update({f"{url}#{s}": ref[s].tolist() for s in range(len(ref))})
+    read = ReadOptions(manifest=str(tmp_path / "m"), megatron_sample="sequence")
+    runs = [list(_ds(urls, None, r, 2, read=read)) for r in range(2)]
+    assert len({len(r) for r in runs}) == 1 and len(expected) > 300
+    assert _documents(b for r in runs for b in r) == expected
+    whole = [canon(b) for b in runs[0]]
+    ds = _ds(urls, None, 0, 2, read=read)
+    head = [canon(b) for b in take(iter(ds), len(whole) // 2)]
+    state = roundtrip(ds.state_dict())
+    again = _ds(urls, None, 0, 2, read=read)
+    again.load_state_dict(state)
+    assert head + [canon(b) for b in again] == whole
+    per_doc = _ds(urls, per_document, 0, 2)
+    with pytest.raises(ValueError, match="megatron_sample=sequence"):
+        per_doc.load_state_dict(state)
+        list(per_doc)

@@ -11,7 +11,7 @@ from helpers_data import make_token_docs
 from helpers_formats import write_parquet, write_parquet_shards
 
 from streampack.dataset import PackedDataset
-from streampack.io.decode import BAD_LENGTH
+from streampack.io.decode import BAD_LENGTH, DecodeOptions
 from streampack.io.index import build_index, index_decode
 from streampack.io.limits import Limits
 from streampack.options import PackOptions, ReadOptions, TopologyOptions
@@ -42,7 +42,7 @@ def test_parquet_index_lengths_match_what_the_reader_sees(tmp_path):
     and refused without one; a row over max_sample_bytes is refused, as the reader refuses it."""
     table = pa.table({"input_ids": pa.array([[1, 2, 3], None, [], list(range(50)), [7]], pa.list_(pa.int64()))})
     pq.write_table(table, tmp_path / "a.parquet", row_group_size=2)
-    index = build_index(str(tmp_path / "a.parquet"), decode=index_decode("input_ids", Limits(max_sample_bytes=300)))
+    index = build_index(str(tmp_path / "a.parquet"), decode=index_decode(DecodeOptions(limits=Limits(max_sample_bytes=300))))
     assert index.lengths.tolist() == [3, BAD_LENGTH, 0, BAD_LENGTH, 1]
     with_text = pa.table({"input_ids": pa.array([[1, 2], None], pa.list_(pa.int32())), "text": ["a", "b"]})
     pq.write_table(with_text, tmp_path / "b.parquet")

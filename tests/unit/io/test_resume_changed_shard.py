@@ -25,6 +25,7 @@ from topology_sim import SimRank
 
 from streampack import PackedDataset
 from streampack.errors import DataError
+from streampack.io.decode import DecodeOptions
 from streampack.io.index import index_decode
 from streampack.io.manifest import HISTORY_DIR, HISTORY_KEEP, build_manifest, load_manifest, load_saved
 from streampack.nodes.collate import FILLER_KEY
@@ -184,7 +185,7 @@ def test_a_shard_restaged_over_http_with_a_new_etag_is_refused_and_resumes_once_
     with serve_faulty(tmp_path / "d") as server:
         urls = [f"{server.url}/{os.path.basename(u)}" for u in urls_local]
         location = str(tmp_path / "manifest")
-        build_manifest(urls, location, decode=index_decode("input_ids", PackedDataset(urls, **OPTIONS).config.read.limits))
+        build_manifest(urls, location, decode=index_decode(DecodeOptions(limits=PackedDataset(urls, **OPTIONS).config.read.limits)))
         kw = {"read": ReadOptions(manifest=location, on_error="skip")}
         want = _take(_ranks(urls, **kw))
         before, states = _save_after_one_batch(urls, **kw)

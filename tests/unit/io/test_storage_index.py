@@ -23,6 +23,7 @@ from helpers_formats import jsonl_bytes, write_parquet_shards, write_zst_shards
 from streampack import PackedDataset
 from streampack.cli.main import main
 from streampack.errors import ErrorCounter, ErrorPolicy
+from streampack.io.decode import DecodeOptions
 from streampack.io.index import cache_path, load_or_build_index
 from streampack.io.index_cache import INDEX_SUFFIX
 from streampack.io.limits import Limits
@@ -280,7 +281,7 @@ def test_only_the_limits_an_index_depends_on_key_it(tmp_path):
 
     (tar,) = write_tar_shards(tmp_path, make_token_docs(4), 1)
     (jsonl,) = write_jsonl_shards(tmp_path, make_token_docs(4), 1)
-    base, lines = index_decode(), index_decode(limits=Limits(max_line_bytes=10))
+    base, lines = index_decode(), index_decode(DecodeOptions(limits=Limits(max_line_bytes=10)))
     tar_id, jsonl_id = identity(tar, OpenOptions()), identity(jsonl, OpenOptions())
     assert fingerprint_of(tar, base, tar_id) == fingerprint_of(tar, lines, tar_id)
     assert fingerprint_of(jsonl, base, jsonl_id) != fingerprint_of(jsonl, lines, jsonl_id)

@@ -13,6 +13,7 @@ from node_checks import write_token_shards
 
 from streampack.dataset import PackedDataset
 from streampack.graph.build import build_graph
+from streampack.io.decode import DecodeOptions
 from streampack.io.index import index_decode
 from streampack.io.index_cache import INDEX_SUFFIX
 from streampack.io.limits import Limits
@@ -55,7 +56,7 @@ def _first_counts(urls: list[str], place: Placement, *, balance: Any, **kw) -> n
 
 def _manifest(urls: list[str], directory: Any) -> str:
     location = str(directory / "manifest")
-    build_manifest(urls, location, decode=index_decode("input_ids", Limits()))
+    build_manifest(urls, location, decode=index_decode(DecodeOptions(limits=Limits())))
     return location
 
 
