@@ -81,9 +81,9 @@ def read_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:
         raise DamagedFile(f"{path!r} is not a readable .npz ({type(e).__name__}: {str(e)[:80]})") from None
 
 
-# Member names are read as UTF-8 (what ``np.savez`` writes is ASCII: the same names): zipfile's
-# default cp437 codec is imported on first use, ~0.5 ms in every DataLoader worker that reads a
-# manifest or an index (``benchmarks/bench_restore.py --phases``). Python 3.10 has no such option.
+# Member names are read as UTF-8 (``np.savez`` writes ASCII names: the same strings): zipfile's default
+# cp437 codec would be imported on first use in every process, each DataLoader worker included (3.10 has
+# no such option).
 _NAMES: dict[str, str] = {"metadata_encoding": "utf-8"} if sys.version_info >= (3, 11) else {}
 
 
