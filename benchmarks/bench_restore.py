@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_restore.py [--tokens 4e6] [--rounds 3] [--formats tar,parquet]
         [--baseline ROOT] [--dir DIR]
-    PYTHONPATH=. python benchmarks/bench_restore.py --phases [--rounds 5] [--dir DIR]
+    PYTHONPATH=. python benchmarks/bench_restore.py --phases [--rounds 5] [--dir DIR] [--gc-off]
 
 The peers' corpus (``benchmarks/peers/corpus.py``: lognormal lengths, mean 600, int32 ids, 16
 shards), ``PackedDataset`` with capacity 4096, window 1024 and 8 packs a batch, as
@@ -29,11 +29,15 @@ carried documents). w2: the parent's phases (``iter()`` forks the workers), and 
 (timing wrappers around ``PackedDataset.__iter__``, ``manifest_of`` and the packer's re-read; the
 code paths are unchanged) its CPU before ``__iter__`` (the worker's start and ``load_state_dict``),
 then from ``__iter__`` to its first batch, with the manifest and re-read parts; the worst worker.
+``--gc-off`` collects and disables the garbage collector before the restore: a collection (~1 ms here)
+falls wherever the process's allocation count says, so any change to what a process allocates before or
+during a restore moves it in or out of these phases; without it the phases compare code paths alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import os
@@ -136,7 +140,7 @@ def _worker_log(path: str, what: str, value: float) -> None:
         f.write(json.dumps([os.getpid(), what, value]) + "\n")
 
 
-def _phases(urls: list[str], scratch: str, workers: int) -> dict:
+def _phases(urls: list[str], scratch: str, workers: int, gc_off: bool = False) -> dict:
     """CPU seconds of each phase of one restore in this fresh process (see the module docstring)."""
     import pyarrow.parquet  # noqa: F401 - imports out of the timings
     import torch
@@ -167,6 +171,9 @@ def _phases(urls: list[str], scratch: str, workers: int) -> dict:
     with open(os.path.join(scratch, f"state-w{workers}.pt"), "rb") as f:
         blob = torch.load(f, weights_only=False)["state"]
     torch.load(io.BytesIO(blob), weights_only=True)  # the unpickler's first call, out of the timing
+    if gc_off:  # forked workers inherit it
+        gc.collect()
+        gc.disable()
     out, cpu = {}, time.process_time()
 
     def mark(name: str) -> None:
@@ -203,7 +210,8 @@ def _phases(urls: list[str], scratch: str, workers: int) -> dict:
     return out
 
 
-def phases(rounds: int = 5, directory: str | None = None, tokens: float = 4e6, at: float = 0.5) -> list[dict]:
+def phases(rounds: int = 5, directory: str | None = None, tokens: float = 4e6, at: float = 0.5,
+           gc_off: bool = False) -> list[dict]:
     """Least CPU seconds per phase of a tar restore at w0 and w2 over ``rounds`` fresh processes."""
     from peers.corpus import Corpus, CorpusSpec, write_tar
 
@@ -214,7 +222,8 @@ def phases(rounds: int = 5, directory: str | None = None, tokens: float = 4e6, a
         _spawn(root, "save", urls, scratch, at, 1)
         _spawn(root, "save2", urls, scratch, at, 1)
         for workers in (0, 2):
-            runs = [_spawn(root, f"phases{workers}", urls, scratch, at, 1) for _ in range(rounds)]
+            runs = [_spawn(root, f"phases{workers}{'-gc-off' if gc_off else ''}", urls, scratch, at, 1)
+                    for _ in range(rounds)]
             rows += [{"workers": workers, "phase": k, "cpu_ms": min(r[k] for r in runs) * 1e3} for k in runs[0]]
     return rows
 
@@ -301,17 +310,20 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="another checkout's root, measured side by side")
     ap.add_argument("--dir", default=None, help="keep the written corpus here and reuse it")
     ap.add_argument("--phases", action="store_true", help="where a restore's CPU goes, per phase (tar, this tree)")
+    ap.add_argument("--gc-off", action="store_true", help="--phases with the garbage collector off (see above)")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         what, urls, scratch, at, after = args.child
-        work = (lambda: _phases(json.loads(urls), scratch, int(what[-1]))) if what.startswith("phases") else (
+        work = (lambda: _phases(json.loads(urls), scratch, int(what[6]), what.endswith("-gc-off"))) if what.startswith(
+            "phases") else (
             lambda: _child(what, json.loads(urls), scratch, float(at), int(after)))
         print(json.dumps(work()))
         return
     if args.phases:
-        rows = phases(args.rounds, args.dir, args.tokens, args.at)
-        print(f"Where a tar restore's CPU goes (least of {args.rounds} fresh processes; ms):\n")
+        rows = phases(args.rounds, args.dir, args.tokens, args.at, args.gc_off)
+        print(f"Where a tar restore's CPU goes (least of {args.rounds} fresh processes; ms"
+              f"{'; garbage collector off' if args.gc_off else ''}):\n")
         print("| workers | phase | CPU ms |\n|---:|---|---:|")
         for r in rows:
             print(f"| {r['workers']} | {r['phase']} | {r['cpu_ms']:.1f} |")

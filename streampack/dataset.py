@@ -17,7 +17,15 @@ import torch
 from torch.utils.data import IterableDataset
 
 from streampack.errors import log_worker_error
-from streampack.graph.build import Graph, build_graph, counting_for, graph_metrics, hold_manifest, manifest_of
+from streampack.graph.build import (
+    Graph,
+    build_graph,
+    counting_for,
+    graph_metrics,
+    hold_manifest,
+    manifest_of,
+    needs_plan,
+)
 from streampack.graph.preflight import preflight
 from streampack.integrations.loader import quiet_set_vital
 from streampack.io.manifest import Manifest
@@ -251,7 +259,7 @@ class PackedDataset(IterableDataset):
         if here.num_workers > 0 and multiprocessing.parent_process() is not None:  # a worker process
             die_with_parent()  # first: a worker must not outlive a killed training process
             transfer.settle_worker()
-        if self._manifest is not None:  # read by the main process; another dataset may have been read since
+        if self._manifest is not None:  # read by the main process (another dataset's may be held since)
             hold_manifest(self.config, self.sources, self._manifest)
         pending, self._pending = self._pending, None
         if pending is not None and not self._tracker.claim(here.id, self._pending_generation):
@@ -319,6 +327,15 @@ class PackedDataset(IterableDataset):
                     log_worker_error(e, worker_id=here.id, num_workers=here.num_workers, dp_rank=self.dp_rank)
                 raise
             yield batch.pin_memory() if pin else batch
+
+    def before_workers(self, num_workers: int) -> None:
+        """Read here, once, what each of ``num_workers`` DataLoader workers would read for itself before its
+        first batch: the data set's manifest, when their epochs are planned (forked workers inherit it, spawned
+        ones get it with the dataset; 5.4 ms of CPU in each worker's restore, ``benchmarks/bench_restore.py
+        --phases``). :func:`~streampack.plan.state.load_loader_state` calls it."""
+        place = Placement(dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=max(num_workers, 1))
+        if num_workers > 0 and self._manifest is None and needs_plan(self.config, self.sources, place):
+            self._manifest = manifest_of(self.config, self.sources)
 
     def _given_manifest(self) -> Manifest | None:
         """The ``read.manifest`` of a finite single-source stream, read once in the main process (workers get

@@ -27,7 +27,7 @@ from torchdata.nodes import BaseNode
 
 from streampack.errors import ErrorCounter, ErrorPolicy
 from streampack.io.index import index_decode
-from streampack.io.manifest import Manifest, obtain_manifest
+from streampack.io.manifest import Manifest, is_current, obtain_manifest
 from streampack.io.retry import IOStats
 from streampack.layout.batch import PackedBatch
 from streampack.media.node import DecodeImages, vision_layout
@@ -164,11 +164,7 @@ class _Builder:
         self._planner: EpochPlanner | None = None
         self._last: tuple[WindowPacker, ThdCollate] | None = None  # the previous epoch's, for balance
         self.counting = counting_for(config, place) if config.epochs is not None else None
-        # one reader that counts nothing reads every shard whole in the epoch's order: no plan,
-        # no manifest (building it would read every shard once more before the first batch:
-        # 2.8 s of a 5.9 s epoch of 60,000 samples in 8 tar shards, benchmarks/bench_pipeline.py)
-        self.needs_plan = (sources.shards is not None and not sources.mixture and sources.packed is None
-                           and (place.global_workers > 1 or self.counting is not None))
+        self.needs_plan = needs_plan(config, sources, place)
 
     @property
     def planner(self) -> EpochPlanner:
@@ -324,31 +320,39 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement,
                         counting=counting, agree=agree, lengths=lengths)
 
 
+def needs_plan(config: StreamConfig, sources: Sources, place: Placement) -> bool:
+    """Whether the reader at ``place`` reads an epoch plan cut from the manifest. One reader that counts
+    nothing reads every shard whole in the epoch's order: no plan, no manifest (building it would read
+    every shard once more before the first batch: 2.8 s of a 5.9 s epoch of 60,000 samples in 8 tar
+    shards, benchmarks/bench_pipeline.py)."""
+    return (config.epochs is not None and sources.shards is not None and not sources.mixture
+            and sources.packed is None and (place.global_workers > 1 or counting_for(config, place) is not None))
+
+
 _GIVEN: dict[tuple[str, str, str], Manifest] = {}
 
 
 def manifest_of(config: StreamConfig, sources: Sources, io_stats: IOStats | None = None) -> Manifest:
-    """The data set's manifest: ``config.read.manifest`` (read once per process; DataLoader workers
-    get the one ``PackedDataset`` read with the dataset, :func:`hold_manifest`), else built once
-    for local shards (re-checked on every call with one ``stat`` per shard, so a rewritten shard
-    is seen); remote shards without one are refused, naming ``streampack index``."""
+    """The data set's manifest: ``config.read.manifest``, else built once for local shards; remote
+    shards without one are refused, naming ``streampack index``. Read once per process and held
+    (:func:`hold_manifest`; DataLoader workers get the one ``PackedDataset`` read with the dataset);
+    a held local one is re-checked on every call with one ``stat`` per shard, so a rewritten shard
+    is seen, instead of read again."""
     assert sources.shards is not None
     options = config.read
-    decode = index_decode(options.decode())
-    key = _given_key(sources, options)
-    if options.manifest is not None and key in _GIVEN:
-        return _GIVEN[key]
+    held = _GIVEN.get(_given_key(sources, options))
+    if held is not None and (options.manifest is not None or is_current(held, held.urls, options.open_options(),
+                                                                        io_stats)):
+        return held
     manifest = obtain_manifest(list(sources.shards.urls), location=options.manifest, cache_dir=options.cache_dir,
-                               decode=decode, opts=options.open_options(), stats=io_stats)
-    if options.manifest is not None:
-        hold_manifest(config, sources, manifest)
+                               decode=index_decode(options.decode()), opts=options.open_options(), stats=io_stats)
+    hold_manifest(config, sources, manifest)
     return manifest
 
 
 def hold_manifest(config: StreamConfig, sources: Sources, manifest: Manifest) -> None:
-    """Make ``manifest`` (read from ``config.read.manifest`` by another process: the dataset a spawned
-    DataLoader worker unpickled carries it) what :func:`manifest_of` returns in this process, so
-    the worker does not fetch it again."""
+    """Make ``manifest`` (read by another process: the dataset a DataLoader worker got carries it)
+    what :func:`manifest_of` returns in this process, so the worker does not read it again."""
     _GIVEN.clear()  # one data set at a time
     _GIVEN[_given_key(sources, config.read)] = manifest
 

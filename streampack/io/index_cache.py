@@ -15,6 +15,7 @@ import io
 import os
 import secrets
 import struct
+import sys
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -73,12 +74,17 @@ def read_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:
     except FileNotFoundError:
         return None
     try:
-        with raw, np.load(raw, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
+        with raw, zipfile.ZipFile(raw, **_NAMES) as archive:
+            return {name.removesuffix(".npy"): np.lib.format.read_array(archive.open(name), allow_pickle=False)
+                    for name in archive.namelist()}
     except _DAMAGE as e:
         raise DamagedFile(f"{path!r} is not a readable .npz ({type(e).__name__}: {str(e)[:80]})") from None
-    except (AttributeError, TypeError):  # np.load found a .npy, not an archive: `with` on an ndarray
-        raise DamagedFile(f"{path!r} is not a .npz archive") from None
+
+
+# Member names are read as UTF-8 (``np.savez`` writes ASCII names: the same strings): zipfile's default
+# cp437 codec would be imported on first use in every process, each DataLoader worker included (3.10 has
+# no such option).
+_NAMES: dict[str, str] = {"metadata_encoding": "utf-8"} if sys.version_info >= (3, 11) else {}
 
 
 def load_arrays(path: str, opts: OpenOptions) -> dict[str, np.ndarray] | None:

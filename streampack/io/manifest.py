@@ -326,10 +326,13 @@ def _current_manifest(where: str, urls: Sequence[str], opts: OpenOptions, stats:
         manifest = load_manifest(where, opts)
     except ValueError:
         return None
-    if manifest.urls == urls and all(
-            manifest.identity(i) == storage.identity(u, opts, stats) for i, u in enumerate(urls)):
-        return manifest
-    return None
+    return manifest if is_current(manifest, urls, opts, stats) else None
+
+
+def is_current(manifest: Manifest, urls: Sequence[str], opts: OpenOptions, stats: IOStats | None = None) -> bool:
+    """Whether ``manifest`` lists exactly ``urls`` and every shard is what it indexed (one ``stat`` each)."""
+    return manifest.urls == urls and all(
+        manifest.identity(i) == storage.identity(u, opts, stats) for i, u in enumerate(urls))
 
 
 def _with_progress(work: Callable[[str], ShardTotals], urls: Sequence[str]) -> list[ShardTotals]:
@@ -404,4 +407,4 @@ def load_manifest(location: str, opts: OpenOptions = OpenOptions(), *, name: str
 
 
 __all__ = ["MANIFEST_FILE", "MANIFEST_VERSION", "Manifest", "ShardChange", "ShardTotals", "build_entry",
-           "build_manifest", "load_manifest", "load_saved", "obtain_manifest", "save_manifest"]
+           "build_manifest", "is_current", "load_manifest", "load_saved", "obtain_manifest", "save_manifest"]

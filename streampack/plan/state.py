@@ -250,9 +250,14 @@ def check_loader_state(loader_state: Mapping[str, Any], num_workers: int) -> Non
 
 
 def load_loader_state(loader: Any, loader_state: Mapping[str, Any]) -> None:
-    """``loader.load_state_dict(loader_state)`` after :func:`check_loader_state`."""
+    """``loader.load_state_dict(loader_state)`` after :func:`check_loader_state`; a ``PackedDataset`` then
+    reads once, before the loader starts its workers, what each worker's restore would read
+    (``PackedDataset.before_workers``)."""
     check_loader_state(loader_state, loader.num_workers)
     loader.load_state_dict(loader_state)
+    before_workers = getattr(loader.dataset, "before_workers", None)  # plan/ cannot import the dataset's class
+    if before_workers is not None:
+        before_workers(loader.num_workers)
 
 
 def dataset_states(loader_state: Mapping[str, Any]) -> list[dict[str, Any]]:

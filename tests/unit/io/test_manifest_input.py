@@ -272,3 +272,58 @@ def test_spawned_dataloader_workers_fetch_the_manifest_once_per_rank(tmp_path):
         assert _manifest_gets(info) == 1, "1 + W reads: each spawned worker fetched it again"
     finally:
         store.__exit__(None, None, None)
+
+
+# ------------------------------------------------------------------ a local manifest, held
+
+
+def _local(tmp_path: Path, counted: list[str], monkeypatch) -> tuple[PackedDataset, list[str]]:
+    import streampack.io.manifest as manifest_mod
+
+    urls = write_tar_shards(tmp_path / "d", make_token_docs(96, seed=2), 4)
+    inner = manifest_mod.load_manifest
+
+    def counting(location, *args, **kwargs):
+        counted.append(location)
+        return inner(location, *args, **kwargs)
+
+    monkeypatch.setattr(manifest_mod, "load_manifest", counting)
+    graph_mod._GIVEN.clear()
+    ds = PackedDataset(urls, capacity=256, epochs=1, seed=1, read=ReadOptions(cache_dir=str(tmp_path / "cache")))
+    return ds, urls
+
+
+def test_a_held_local_manifest_is_checked_by_stat_not_read_again(tmp_path, monkeypatch):
+    read: list[str] = []
+    ds, urls = _local(tmp_path, read, monkeypatch)
+    first = graph_mod.manifest_of(ds.config, ds.sources)
+    reads = len(read)
+    assert graph_mod.manifest_of(ds.config, ds.sources) is first and len(read) == reads
+    Path(urls[1]).write_bytes(Path(urls[1]).read_bytes() + b"\0" * 1024)  # a rewritten shard is seen
+    assert graph_mod.manifest_of(ds.config, ds.sources).sizes[1] == first.sizes[1] + 1024
+
+
+def test_a_restored_loader_reads_the_manifest_once_for_its_workers(tmp_path, monkeypatch):
+    """``load_loader_state`` on a loader with workers: the main process reads the manifest the
+    workers' plans need, and a worker (here: a spawned one, unpickling the dataset) reads none."""
+    from streampack.plan.state import load_loader_state
+
+    read: list[str] = []
+    ds, _ = _local(tmp_path, read, monkeypatch)
+
+    class Loader:  # what load_loader_state uses of a StatefulDataLoader
+        dataset, num_workers = ds, 2
+
+        def load_state_dict(self, state):
+            pass
+
+    load_loader_state(Loader(), {"_snapshot": {"_main_snapshot": {"_num_workers": 2}}})
+    assert ds._manifest is not None
+    worker = pickle.loads(pickle.dumps(ds))
+    graph_mod._GIVEN.clear()  # a spawned worker starts without it
+    reads = len(read)
+    graph_mod.hold_manifest(worker.config, worker.sources, worker._manifest)  # what __iter__ does first
+    assert graph_mod.manifest_of(worker.config, worker.sources) is worker._manifest and len(read) == reads
+    Loader.dataset, Loader.num_workers = PackedDataset(ds.urls, capacity=256, epochs=1, seed=1), 0
+    load_loader_state(Loader(), {})  # no workers, one rank: no plan, so no manifest to read
+    assert Loader.dataset._manifest is None
