@@ -173,6 +173,7 @@ def test_a_truncated_bin_raises_from_a_worker_naming_the_document(tmp_path):
     assert e.value.url == urls[1] and e.value.key == "18"
 
 
+@pytest.mark.slow  # ~5 s: a second manifest and three stop points
 def test_a_sample_per_sequence_over_ranks_and_resumed(corpus, tmp_path):
     """``megatron_sample="sequence"`` through the same path: the manifest built per sequence plans equal steps over
     ranks with every sequence once; a restore is exact; a per-document state is refused."""
