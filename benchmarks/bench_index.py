@@ -80,7 +80,7 @@ def bench_manifest(shards: int) -> list[dict[str, Any]]:
                           byte_cost=int(rng.integers(1e8, 1e9)),
                           digest="digest=" + rng.bytes(20).hex()) for i in range(shards)]
     with tempfile.TemporaryDirectory() as d:
-        save_manifest(Manifest.of(d, "input_ids", totals), OpenOptions())
+        save_manifest(Manifest.of(d, totals), OpenOptions())
         size = os.path.getsize(os.path.join(d, MANIFEST_FILE))
         script = ("import os, time; from streampack.io.manifest import load_manifest\n"
                   "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20\n"

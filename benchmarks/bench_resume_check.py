@@ -38,7 +38,7 @@ def synthetic(shards: int, location: str) -> Manifest:
                           samples=int(rng.integers(5e4, 1e5)), tokens=int(rng.integers(1e7, 1e8)),
                           byte_cost=int(rng.integers(1e8, 1e9)),
                           digest="digest=" + rng.bytes(20).hex()) for i in range(shards)]
-    return Manifest.of(location, "input_ids", totals)
+    return Manifest.of(location, totals)
 
 
 def best(fn, repeat: int = 5) -> float:

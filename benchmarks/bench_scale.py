@@ -196,7 +196,7 @@ def local_manifest(paths: list[Path], urls: list[str], location: Path) -> None:
         index = dataclasses.replace(index, url=url)
         save_arrays(cache_path(url, str(location / SHARDS_DIR)), encode_index(index), opts)
         totals.append(ShardTotals.of(index, ident))
-    save_manifest(Manifest.of(str(location), decode.tokens_key, totals), opts)
+    save_manifest(Manifest.of(str(location), totals, decode), opts)
 
 
 def measure(args: argparse.Namespace) -> list[dict]:

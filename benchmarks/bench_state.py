@@ -113,7 +113,7 @@ def plan_rows(samples: int, ranks: tuple[int, ...], workers: int = 2, capacity: 
     shards = np.array_split(lengths, 16)
     indexes = [ShardIndex(url=f"s{i}", fingerprint="", offsets=np.arange(len(s), dtype=np.int64),
                           lengths=s.astype(np.int32), end=len(s)) for i, s in enumerate(shards)]
-    manifest = Manifest.of("", "input_ids", [ShardTotals.of(ix, ShardStat(size=ix.end, tag="")) for ix in indexes])
+    manifest = Manifest.of("", [ShardTotals.of(ix, ShardStat(size=ix.end, tag="")) for ix in indexes])
     rows = []
     for dp in ranks:
         counting = Counting(rules=PackerRules(capacity=capacity, window=1024), max_len=capacity, policy="split",

@@ -292,4 +292,4 @@ def bucket_manifest(location: str | os.PathLike[str], shards: int) -> None:
         totals.append(ShardTotals(url=f"s3://my-bucket/datasets/web-2026/train/shard-{s:06d}.tar",
                                   size=400_000_000 + s, tag=f'"{h[:32]}"', samples=10_000 + s % 977,
                                   tokens=6_000_000 + s, byte_cost=399_000_000 + s, digest=f"digest={h}"))
-    save_manifest(Manifest.of(str(location), "input_ids", totals), OpenOptions())
+    save_manifest(Manifest.of(str(location), totals), OpenOptions())

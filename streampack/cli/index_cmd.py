@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"no manifest written: {len(failed)} shard(s) failed (their index files are kept: run it again "
                   f"to resume)", file=sys.stderr)
         else:
-            save_manifest(Manifest.of(args.out, decode.tokens_key, results, limits), opts)
+            save_manifest(Manifest.of(args.out, results, decode), opts)
             print(f"manifest: {len(results)} shard(s) -> {args.out}")
     if stats is not None and stats.retries:
         print(f"({stats.retries} read(s) retried: {stats.faults})", file=sys.stderr)

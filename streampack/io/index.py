@@ -112,7 +112,10 @@ def index_decode(decode: DecodeOptions = DecodeOptions()) -> DecodeOptions:
 def limits_key(url: str, limits: Limits) -> str:
     """The limits an index of ``url``'s format depends on, as a fingerprint part (a limit it does
     not depend on does not invalidate it; parquet's ``lengths`` prefix marks indexes with token counts)."""
-    fmt = shard_format(url)
+    return _limits_of(shard_format(url), limits)
+
+
+def _limits_of(fmt: str, limits: Limits) -> str:
     if fmt == "parquet":
         return f"lengths,{limits.max_sample_bytes}"
     if fmt in ("megatron", "token_array"):
@@ -132,16 +135,20 @@ def unknown_lengths_hint(urls: Sequence[str]) -> str:
     return "text to tokenize, or samples without the tokens field"
 
 
+def index_settings(fmt: str, decode: DecodeOptions) -> str:
+    """What an index of a shard of format ``fmt`` depends on besides the shard's bytes: the tokens field, the
+    limits it reads under, and the layout of a token array or a Megatron sample; a manifest records it per format."""
+    layout = (f"|eos={decode.eos_id},dtype={decode.token_dtype}" if fmt == "token_array" else
+              f"|{decode.megatron_sample}" if fmt == "megatron" and decode.megatron_sample != "document" else "")
+    return f"{decode.tokens_key}|{_limits_of(fmt, decode.limits)}{layout}"
+
+
 def fingerprint_of(url: str, decode: DecodeOptions, ident: storage.ShardStat) -> str:
     """What a cached index must match: the shard's identity ``ident`` (always the strict one, size +
     ETag / mtime: a stale index would point into other bytes) and what the index depends on."""
     where = url if is_remote(url) else os.path.abspath(local_path(url))
     tag = ident.tag.removeprefix("mtime_ns=") if not is_remote(url) else ident.tag
-    fmt = shard_format(url)
-    layout = (f"|eos={decode.eos_id},dtype={decode.token_dtype}" if fmt == "token_array" else
-              f"|{decode.megatron_sample}" if fmt == "megatron" and decode.megatron_sample != "document" else "")
-    return (f"v{INDEX_VERSION}|{decode.tokens_key}|{limits_key(url, decode.limits)}{layout}|{where}|{ident.size}|"
-            f"{tag}")
+    return f"v{INDEX_VERSION}|{index_settings(shard_format(url), decode)}|{where}|{ident.size}|{tag}"
 
 
 def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), opts: OpenOptions = OpenOptions(),
@@ -334,4 +341,4 @@ def _whole(data: Mapping[str, np.ndarray]) -> bool:
 
 
 __all__ = ["INDEX_VERSION", "ShardIndex", "build_index", "cache_path", "cached_index", "decode_index", "encode_index",
-           "fingerprint_of", "index_decode", "limits_key", "load_or_build_index", "unknown_lengths_hint"]
+           "fingerprint_of", "index_decode", "index_settings", "limits_key", "load_or_build_index", "unknown_lengths_hint"]

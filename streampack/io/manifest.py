@@ -39,6 +39,7 @@ from streampack.io.index import (
     encode_index,
     fingerprint_of,
     index_decode,
+    index_settings,
     limits_key,
 )
 from streampack.io.index_cache import DamagedFile, index_dir, join_path, locked, read_arrays, save_arrays
@@ -46,8 +47,9 @@ from streampack.io.limits import Limits
 from streampack.io.manifest_file import LIMITS, StringColumn, checked_fields
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions, ShardStat, is_remote
+from streampack.io.urls import shard_format
 
-MANIFEST_VERSION = 3  # 2: digests and limits recorded
+MANIFEST_VERSION = 4  # 2: digests and limits recorded; 4: the index settings of each format
 MANIFEST_FILE = "manifest.spm.npz"
 SHARDS_DIR = "shards"
 HISTORY_DIR = "history"
@@ -125,6 +127,8 @@ class Manifest:
     """Per shard ``digest=<sha1>`` (what ``identity="digest"`` compares); empty when not recorded."""
     limits: Limits = Limits()
     """The limits the index files were built under (an over-limit sample is indexed as -1)."""
+    settings: str = ""
+    """``fmt=<index_settings>`` of each format the data set holds, one per line: what its counts were made with."""
     _prints: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     """:meth:`fingerprint` by mode, computed once (a reader's state names it at every batch)."""
 
@@ -146,13 +150,29 @@ class Manifest:
         return len(self.urls)
 
     @classmethod
-    def of(cls, location: str, tokens_key: str, totals: Sequence[ShardTotals], limits: Limits = Limits()) -> Manifest:
+    def of(cls, location: str, totals: Sequence[ShardTotals], decode: DecodeOptions = DecodeOptions()) -> Manifest:
         def col(name: str) -> np.ndarray:
             return np.asarray([getattr(t, name) for t in totals], dtype=np.int64).reshape(-1)
 
-        return cls(location=location, tokens_key=tokens_key, urls=tuple(t.url for t in totals), sizes=col("size"),
-                   tags=tuple(t.tag for t in totals), samples=col("samples"), tokens=col("tokens"),
-                   byte_costs=col("byte_cost"), digests=tuple(t.digest for t in totals), limits=limits)
+        formats = sorted({shard_format(t.url) for t in totals})
+        return cls(location=location, tokens_key=decode.tokens_key, urls=tuple(t.url for t in totals),
+                   sizes=col("size"), tags=tuple(t.tag for t in totals), samples=col("samples"), tokens=col("tokens"),
+                   byte_costs=col("byte_cost"), digests=tuple(t.digest for t in totals), limits=decode.limits,
+                   settings="\n".join(f"{f}={index_settings(f, decode)}" for f in formats))
+
+    def check_settings(self, decode: DecodeOptions) -> None:
+        """``ValueError`` unless this run reads every format of the data set as its indexes were made (the tokens
+        field, the limits, a token array's EOS id and dtype, what a Megatron sample is): the sample counts a plan
+        divides come from them, and a reader that never loads an index would not notice the difference."""
+        built = dict(line.split("=", 1) for line in self.settings.splitlines())
+        differ = {f: (made, index_settings(f, decode)) for f, made in built.items()
+                  if made != index_settings(f, decode)}
+        if differ:
+            f, (made, asked) = next(iter(differ.items()))
+            raise ValueError(f"the manifest at {self.location!r} indexed its {f} shards with {made!r}, this run "
+                             f"reads them with {asked!r} (tokens field|limits|layout): rebuild it with `streampack "
+                             f"index` and the same --tokens-key / --max-* / --eos-id / --token-dtype / "
+                             f"--megatron-sample, or read as it was built")
 
     def known_lengths(self) -> bool:
         """Whether every sample's token count is known (what counting batches needs)."""
@@ -284,7 +304,7 @@ def build_manifest(urls: Sequence[str], location: str, *, decode: DecodeOptions 
     urls)`` maps the per-shard work (default: in order; the function is a picklable partial)."""
     work = functools.partial(build_entry, location=location, decode=decode, opts=opts, stats=stats, ranged=ranged)
     totals = each(work, urls) if each is not None else [work(u) for u in urls]
-    manifest = Manifest.of(location, decode.tokens_key, totals, decode.limits)
+    manifest = Manifest.of(location, totals, decode)
     save_manifest(manifest, opts)
     return manifest
 
@@ -300,6 +320,7 @@ def obtain_manifest(urls: Sequence[str], *, location: str | None, cache_dir: str
     if location is not None:
         manifest = load_manifest(location, opts)
         manifest.check_urls(urls)
+        manifest.check_settings(index_decode(decode))
         return manifest
     remote = [u for u in urls if is_remote(u)]
     if remote:
@@ -350,6 +371,7 @@ def save_manifest(manifest: Manifest, opts: OpenOptions) -> None:
     digests, digest_ends = manifest.digests.blob()
     limits = np.asarray([getattr(manifest.limits, n) for n in LIMITS], dtype=np.int64)
     arrays = {"version": np.array(MANIFEST_VERSION), "tokens_key": np.array(manifest.tokens_key),
+              "settings": np.array(manifest.settings),
               "urls": urls, "url_ends": url_ends, "tags": tags, "tag_ends": tag_ends, "sizes": manifest.sizes,
               "samples": manifest.samples, "tokens": manifest.tokens, "byte_costs": manifest.byte_costs,
               "digests": digests, "digest_ends": digest_ends, "limits": limits}

@@ -192,7 +192,7 @@ def checked_fields(path: str, data: Mapping[str, np.ndarray], version: int) -> d
     n = len(ends) if isinstance(ends, np.ndarray) and ends.ndim == 1 else -1
     if n < 0:
         raise bad("url_ends", "is not a 1-d array")
-    out: dict[str, Any] = {"tokens_key": tokens_key}
+    out: dict[str, Any] = {"tokens_key": tokens_key, "settings": _scalar(field("settings"), "U", bad, "settings")}
     for name, least in INT_COLUMNS.items():
         out[name] = _ints(field(name), n, least, bad, name)
     for name, ends_name in STRING_COLUMNS.items():

@@ -183,3 +183,16 @@ def test_a_truncated_array_raises_from_a_worker_naming_the_document(tmp_path):
     with pytest.raises(DataError, match="document 19: .*truncated array") as e:
         list(StatefulDataLoader(ds, batch_size=None, num_workers=1))
     assert e.value.url == urls[1] and e.value.key == "19"
+
+
+def test_a_manifest_indexed_with_another_layout_is_refused_before_a_batch(corpus):
+    """The plan divides the manifest's document counts: a run that splits the arrays otherwise (another EOS id,
+    another dtype) is refused up front, even one reader that would never load an index to notice."""
+    import dataclasses
+
+    urls, _, manifest, read = corpus
+    other = (dataclasses.replace(read, eos_id=EOS - 1) if read.eos_id is not None
+             else dataclasses.replace(read, token_dtype="uint16"))
+    for size in (1, 3):
+        with pytest.raises(ValueError, match=r"indexed its token_array shards with .* this run reads them with"):
+            next(iter(_ds(urls, manifest, other, 0, size)))
