@@ -40,7 +40,7 @@ from streampack.errors import DataError
 from streampack.io import storage
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, Item, make_sample
 from streampack.io.limits import id_bound
-from streampack.io.open import open_shard
+from streampack.io.open import read_range
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.token_block import TokenBlock
@@ -118,17 +118,6 @@ def parse_header(raw: bytes, size: int, url: str) -> Header:
     return header
 
 
-def _read(url: str, start: int, end: int, opts: OpenOptions, stats: IOStats | None) -> bytes:
-    """Bytes ``[start, end)`` of ``url`` in one ranged read."""
-    if end <= start:
-        return b""
-    with open_shard(url, start, end, opts=opts, stats=stats) as f:
-        data = f.read(end - start)
-    if len(data) != end - start:
-        raise DataError("corrupt_shard", f"read {len(data)} of bytes [{start}, {end})", url=url, value=start)
-    return data
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Documents:
     """Documents ``[first, first + n)`` of a shard: where each one's ids lie in the ``.bin``."""
@@ -183,7 +172,7 @@ class MegatronShard:
     def __init__(self, url: str, opts: OpenOptions, stats: IOStats | None = None, *, per_sequence: bool = False) -> None:
         self.url, self.bin, self.opts, self.stats = url, bin_url(url), opts, stats
         size = storage.identity(url, opts, stats).size
-        self.header = parse_header(_read(url, 0, min(size, HEADER.size), opts, stats), size, url)
+        self.header = parse_header(read_range(url, 0, min(size, HEADER.size), opts, stats), size, url)
         self.bin_size = storage.identity(self.bin, opts, stats).size
         self.per_sequence = per_sequence
         self.count = self.header.sequences if per_sequence else self.header.documents
@@ -196,14 +185,14 @@ class MegatronShard:
         hi = min(hi, self.count)
         lo = min(lo, hi)
         doc_index = (np.arange(lo, hi + 1, dtype=np.int64) if self.per_sequence else
-                     np.frombuffer(_read(self.url, h.doc_index_at + 8 * lo, h.doc_index_at + 8 * (hi + 1), self.opts,
+                     np.frombuffer(read_range(self.url, h.doc_index_at + 8 * lo, h.doc_index_at + 8 * (hi + 1), self.opts,
                                          self.stats), "<i8").astype(np.int64))
         # one sequence before the range too: its end is where the range's first pointer must be
         a = max(int(np.clip(doc_index[0], 0, h.sequences)) - 1, 0)
         b = int(np.clip(doc_index.max(initial=a), a, h.sequences))
-        lengths = np.frombuffer(_read(self.url, h.lengths_at + 4 * a, h.lengths_at + 4 * b, self.opts, self.stats),
+        lengths = np.frombuffer(read_range(self.url, h.lengths_at + 4 * a, h.lengths_at + 4 * b, self.opts, self.stats),
                                 "<i4").astype(np.int64)
-        pointers = np.frombuffer(_read(self.url, h.pointers_at + 8 * a, h.pointers_at + 8 * b, self.opts,
+        pointers = np.frombuffer(read_range(self.url, h.pointers_at + 8 * a, h.pointers_at + 8 * b, self.opts,
                                        self.stats), "<i8").astype(np.int64)
         return _documents(doc_index, lengths, pointers, first_seq=a, first_doc=lo, header=h, url=self.url)
 
@@ -215,9 +204,9 @@ class MegatronShard:
             expected = 0
         else:
             last = h.sequences - 1
-            length = int(np.frombuffer(_read(self.url, h.lengths_at + 4 * last, h.lengths_at + 4 * h.sequences,
+            length = int(np.frombuffer(read_range(self.url, h.lengths_at + 4 * last, h.lengths_at + 4 * h.sequences,
                                              self.opts, self.stats), "<i4")[0])
-            pointer = int(np.frombuffer(_read(self.url, h.pointers_at + 8 * last, h.pointers_at + 8 * h.sequences,
+            pointer = int(np.frombuffer(read_range(self.url, h.pointers_at + 8 * last, h.pointers_at + 8 * h.sequences,
                                               self.opts, self.stats), "<i8")[0])
             expected = pointer + length * h.dtype.itemsize
         if self.bin_size > expected:
@@ -268,7 +257,7 @@ def _ids(shard: MegatronShard, docs: Documents, i: int, j: int) -> np.ndarray:
     width = shard.header.dtype.itemsize
     lo = int(docs.starts[i])
     hi = lo + int(docs.lengths[i:j].sum()) * width
-    raw = _read(shard.bin, lo, hi, shard.opts, shard.stats)
+    raw = read_range(shard.bin, lo, hi, shard.opts, shard.stats)
     return np.frombuffer(raw, shard.header.dtype).astype(shard.header.dtype.newbyteorder("="), copy=False)
 
 

@@ -278,6 +278,17 @@ def open_shard(url: str, offset: int = 0, end: int | None = None, *, opts: OpenO
     return io.BufferedReader(raw, buffer_size=BUFFER)  # type: ignore[return-value]
 
 
+def read_range(url: str, start: int, end: int, opts: OpenOptions, stats: IOStats | None = None) -> bytes:
+    """Bytes ``[start, end)`` of ``url`` in one ranged read; a short read is the shard's ``DataError``."""
+    if end <= start:
+        return b""
+    with open_shard(url, start, end, opts=opts, stats=stats) as f:
+        data = f.read(end - start)
+    if len(data) != end - start:
+        raise DataError("corrupt_shard", f"read {len(data)} of bytes [{start}, {end})", url=url, value=start)
+    return data
+
+
 def _open_pipe(url: str, offset: int, opts: OpenOptions) -> BinaryIO:
     if not opts.allow_pipe:
         raise ValueError(f"refusing {url!r}: pass allow_pipe=True to run shell commands")
@@ -299,4 +310,4 @@ def skip_bytes(f: BinaryIO, n: int, url: str, why: str = "stream ended before th
         n -= len(chunk)
 
 
-__all__ = ["OpenOptions", "ResumableStream", "SeekableRaw", "open_shard", "skip_bytes"]
+__all__ = ["OpenOptions", "ResumableStream", "SeekableRaw", "open_shard", "read_range", "skip_bytes"]

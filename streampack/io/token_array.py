@@ -34,7 +34,7 @@ from streampack.io import storage
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, Item, make_sample
 from streampack.io.limits import id_bound
 from streampack.io.npy import _HEADER_ERRORS, _header
-from streampack.io.open import open_shard
+from streampack.io.open import read_range
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.token_block import TokenBlock
@@ -104,22 +104,11 @@ def parse_layout(raw: bytes, size: int, url: str, token_dtype: str | None, *, wh
     return Layout(dtype=dtype, data_at=data_at, declared=declared, ids=(size - data_at) // dtype.itemsize)
 
 
-def _read(url: str, start: int, end: int, opts: OpenOptions, stats: IOStats | None) -> bytes:
-    """Bytes ``[start, end)`` of ``url`` in one ranged read."""
-    if end <= start:
-        return b""
-    with open_shard(url, start, end, opts=opts, stats=stats) as f:
-        data = f.read(end - start)
-    if len(data) != end - start:
-        raise DataError("corrupt_shard", f"read {len(data)} of bytes [{start}, {end})", url=url, value=start)
-    return data
-
-
 def _opened(url: str, token_dtype: str | None, opts: OpenOptions, stats: IOStats | None, what: str) -> Layout:
     size = storage.identity(url, opts, stats).size
     if size is None:
         raise DataError("corrupt_shard", f"the store does not say the size of this {what}", url=url, value=None)
-    return parse_layout(_read(url, 0, min(size, HEADER_BYTES), opts, stats), size, url, token_dtype, what=what)
+    return parse_layout(read_range(url, 0, min(size, HEADER_BYTES), opts, stats), size, url, token_dtype, what=what)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,13 +166,13 @@ class TokenArray:
     def ids_at(self, lo: int, hi: int) -> np.ndarray:
         """Ids ``[lo, hi)`` in one ranged read."""
         w, at = self.width, self.layout.data_at
-        raw = _read(self.url, at + lo * w, at + hi * w, self.opts, self.stats)
+        raw = read_range(self.url, at + lo * w, at + hi * w, self.opts, self.stats)
         return np.frombuffer(raw, self.layout.dtype).astype(self.layout.dtype.newbyteorder("="), copy=False)
 
     def _offsets(self, lo: int, hi: int) -> np.ndarray:
         off = self.offsets_layout
         assert self.offsets_url is not None
-        raw = _read(self.offsets_url, off.data_at + lo * off.dtype.itemsize, off.data_at + hi * off.dtype.itemsize,
+        raw = read_range(self.offsets_url, off.data_at + lo * off.dtype.itemsize, off.data_at + hi * off.dtype.itemsize,
                     self.opts, self.stats)
         values = np.frombuffer(raw, off.dtype)
         if off.dtype.kind == "u" and values.size and int(values.max()) > 2**62:
