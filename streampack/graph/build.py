@@ -310,14 +310,14 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement,
         def agree(key: str, dp_rank: int, worker_id: int, num_workers: int, n: int) -> Any:
             return agree_counts(agreement, key=key, dp_rank=dp_rank, worker_id=worker_id,
                                 num_workers=num_workers, count=n)
-    lengths = None
+    chunks = None
     if counting is not None and config.media is not None:  # the index knows text lengths only
         from streampack.media.plan_lengths import MediaLengths
 
-        lengths = MediaLengths(manifest, config.media, options, io_stats)
+        chunks = MediaLengths(manifest, config.media, options, io_stats).chunks
     return EpochPlanner(manifest, lambda i: manifest.load_index(i, decode, opts), seed=config.seed,
                         shuffle=config.shuffle, dp_size=place.dp_size, num_workers=place.num_workers,
-                        counting=counting, agree=agree, lengths=lengths)
+                        counting=counting, agree=agree, chunks=chunks)
 
 
 def needs_plan(config: StreamConfig, sources: Sources, place: Placement) -> bool:

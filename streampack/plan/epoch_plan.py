@@ -154,14 +154,15 @@ class EpochPlanner:
 
     ``shards``: the manifest; ``index(shard)`` loads one shard's index (only the shards read or cut);
     ``counting`` None plans without counting batches; ``agree`` (:data:`Agree`) equalizes the counts
-    from this reader's own (without it every reader counts every reader's); ``lengths(shard, samples)``
-    replaces the index's lengths in the counts (a media stream's, :mod:`streampack.media.plan_lengths`).
+    from this reader's own (without it every reader counts every reader's); ``chunks(shard, samples, lo, hi,
+    max_len, policy)`` replaces the documents the index's lengths become (a media stream's, cut around its images:
+    :mod:`streampack.media.plan_lengths`).
     """
 
     def __init__(self, shards: Any, index: Callable[[int], ShardIndex], *, seed: int, shuffle: bool,
                  dp_size: int, num_workers: int, counting: Counting | None, agree: Agree | None = None,
-                 lengths: Callable[[int, ShardSamples], np.ndarray] | None = None) -> None:
-        self.shards, self._load, self._lengths = shards, index, lengths
+                 chunks: Callable[[int, ShardSamples, int, int, int, str], np.ndarray] | None = None) -> None:
+        self.shards, self._load, self._media_chunks = shards, index, chunks
         self.num_shards = len(shards.urls)
         self.seed, self.shuffle, self.dp_size, self.num_workers = seed, shuffle, dp_size, num_workers
         self.counting, self.agree = counting, agree
@@ -220,14 +221,13 @@ class EpochPlanner:
         return count_chunks(self.counting, global_worker, np.concatenate(chunks or [np.zeros(0, np.int64)]), carry)
 
     def _chunks(self, shard: int, samples: ShardSamples, lo: int, hi: int) -> np.ndarray:
-        """The document lengths samples ``lo:hi`` of ``shard`` become under the overlong policy; a
-        ``lengths`` with ``chunks`` (a media stream's) cuts them itself, around images."""
+        """The document lengths samples ``lo:hi`` of ``shard`` become under the overlong policy (a media stream's
+        ``chunks`` cuts them itself, around images)."""
         assert self.counting is not None
         max_len, policy = self.counting.max_len, self.counting.policy
-        cut = getattr(self._lengths, "chunks", None)
-        if cut is not None:
-            return cut(shard, samples, lo, hi, max_len, policy)
-        stream = (samples.lengths if self._lengths is None else self._lengths(shard, samples))[lo:hi]
+        if self._media_chunks is not None:
+            return self._media_chunks(shard, samples, lo, hi, max_len, policy)
+        stream = samples.lengths[lo:hi]
         return chunk_lengths(stream[stream > 0], max_len, policy)  # 0: a record the reader skips
 
     def plan(self, epoch: int, global_worker: int, info: dict[str, Any] | None = None) -> ReaderPlan:
