@@ -111,7 +111,7 @@ def plan_rows(samples: int, ranks: tuple[int, ...], workers: int = 2, capacity: 
 
     lengths = lognormal(samples, 600)
     shards = np.array_split(lengths, 16)
-    indexes = [ShardIndex(url=f"s{i}", fingerprint="", offsets=np.arange(len(s), dtype=np.int64),
+    indexes = [ShardIndex(url=f"s{i}.tar", fingerprint="", offsets=np.arange(len(s), dtype=np.int64),
                           lengths=s.astype(np.int32), end=len(s)) for i, s in enumerate(shards)]
     manifest = Manifest.of("", [ShardTotals.of(ix, ShardStat(size=ix.end, tag="")) for ix in indexes])
     rows = []

@@ -201,9 +201,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if os.path.isdir(path):  # an index page, as static file servers give
             links = "".join(f'<a href="{name}">{name}</a>\n' for name in sorted(os.listdir(path)))
             return 200, {"Content-Type": "text/html"}, f"<html><body>{links}</body></html>".encode()
-        if not os.path.isfile(path):
+        try:  # one open file for the ETag and the bytes: an object store's GET is atomic (a stat, then an open
+            f = open(path, "rb")  # of the path, once served a replaced object's bytes under the old ETag)
+        except (FileNotFoundError, IsADirectoryError):
             return 404, {}, b""
-        size, mtime = os.path.getsize(path), os.path.getmtime(path)
+        with f:
+            return self._object(f)
+
+    def _object(self, f: Any) -> tuple[int, dict[str, str], bytes]:
+        st = os.fstat(f.fileno())
+        size, mtime = st.st_size, st.st_mtime
         start, stop, status = 0, size, 200
         headers = {"Content-Type": "application/octet-stream", "Last-Modified": self.date_time_string(int(mtime)),
                    "ETag": f'"{size}-{int(mtime * 1e6)}"'}
@@ -221,9 +228,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.command == "HEAD":
             headers["Content-Length"] = str(size)
             return status, headers, b""
-        with open(path, "rb") as f:
-            f.seek(start)
-            return status, headers, f.read(stop - start)
+        f.seek(start)
+        return status, headers, f.read(stop - start)
 
     def _respond(self, status: int, headers: dict[str, str], body: bytes, fault: Fault | None = None) -> None:
         kind = fault.kind if fault is not None else None
