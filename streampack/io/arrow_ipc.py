@@ -140,13 +140,14 @@ def token_lengths(url: str, decode: DecodeOptions, opts: OpenOptions,
     """``(lengths, damage)``: int32 ``[rows]`` each readable row's token count as the reader sees it (-1 where only a
     tokenizer knows, :data:`~streampack.io.decode.BAD_LENGTH` where the reader refuses the row), and why the file
     ends early ("" when whole). One pass over the file reading only the token column's list offsets."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     key, limit = decode.tokens_key, decode.limits.max_sample_bytes
     out: list[np.ndarray] = []
     damage = ""
     try:
-        for row, batch in batches(url, opts, limit, stats):
+        for _, batch in batches(url, opts, limit, stats):
             schema = batch.schema
             kind = schema.field(key).type if key in schema.names else None
             if kind is None or not int_lists(kind):
@@ -161,12 +162,8 @@ def token_lengths(url: str, decode: DecodeOptions, opts: OpenOptions,
             out.append(lengths.astype(np.int32))
     except DataError as e:
         damage = str(e)
-    except Exception as e:  # a column that fails validation: the reader locates the row
-        import pyarrow as pa
-
-        if not isinstance(e, (pa.ArrowException, ValueError)):
-            raise
-        damage = f"corrupt_shard: record batch fails validation ({type(e).__name__})"
+    except (pa.ArrowException, ValueError) as e:  # a token column that fails validation: the reader names the row
+        damage = f"corrupt_shard: a record batch fails validation ({type(e).__name__})"
     return (np.concatenate(out) if out else np.zeros(0, np.int32)), damage
 
 
