@@ -1,5 +1,5 @@
-"""Tokens per CPU-second of each pre-tokenized shard format on the same tokens (numbers quoted in docs/megatron.md and
-docs/token_arrays.md).
+"""Tokens per CPU-second of each pre-tokenized shard format on the same tokens (numbers quoted in docs/megatron.md,
+docs/token_arrays.md and docs/hf_datasets.md).
 
     python benchmarks/bench_formats.py --docs 40000 --shards 4
 
@@ -8,7 +8,9 @@ The same long-tail documents (lognormal, mean ~600 tokens, ids < 50,000) are wri
 indexed data sets of int32 and of uint16 ids (the ``.idx`` layout of ``streampack.io.megatron``, written here with
 numpy so the benchmark needs no megatron-core), as parquet (an int32 list column, row groups of 1,024) and as flat
 token arrays (``np.save`` uint16 with each document's last id replaced by the EOS id :data:`EOS`, so the same token
-counts split at EOS; and ``np.memmap`` uint32 with an ``.offsets.npy`` file, the same ids). Each is
+counts split at EOS; and ``np.memmap`` uint32 with an ``.offsets.npy`` file, the same ids) and as a Hugging Face
+``datasets`` directory (``Dataset.save_to_disk`` with ``num_shards``: an int32 list column in record batches of
+1,000 rows, ``datasets``' default). Each is
 read three ways, timed in CPU seconds of this process (``time.process_time``, so a busy box does not count):
 
 - ``samples``: every document through the per-sample reader (``ShardReader``, one ``Sample`` each);
@@ -80,6 +82,23 @@ def write_megatron(prefix: str, docs: list[np.ndarray], dtype: np.dtype) -> str:
     return prefix + ".idx"
 
 
+def write_hf_dataset(root: str, docs: list[np.ndarray], shards: int) -> list[str]:
+    """The documents as ``datasets`` saves them, in ``shards`` ``.arrow`` files (the directory expanded)."""
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    from streampack.io.urls import expand_urls
+
+    datasets.disable_progress_bars()
+    lengths = np.array([len(d) for d in docs], np.int64)
+    column = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)),
+                                      pa.array(np.concatenate(docs).astype(np.int32)))
+    path = os.path.join(root, "hf")
+    datasets.Dataset(InMemoryTable(pa.table({"input_ids": column}))).save_to_disk(path, num_shards=shards)
+    return expand_urls(path)
+
+
 def write_sets(root: str, docs: list[np.ndarray], shards: int) -> dict[str, list[str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -101,6 +120,7 @@ def write_sets(root: str, docs: list[np.ndarray], shards: int) -> dict[str, list
                        row_group_size=1024)
         out["parquet"].append(path)
         write_token_arrays(root, s, part, out)
+    out["hf datasets (save_to_disk)"] = write_hf_dataset(root, docs, shards)
     return out
 
 

@@ -2,7 +2,8 @@
 
 :func:`read_blocks` gives the :class:`~streampack.io.token_block.TokenBlock` s of a shard range
 when its format has a block reader (tar with ``.npy`` token members, parquet with an integer-list
-token column, Megatron-core ``.idx`` + ``.bin``, flat token arrays), else None. A block reader delivers only what the
+token column, Megatron-core ``.idx`` + ``.bin``, flat token arrays, a ``datasets`` ``.arrow`` file with an
+integer-list token column), else None. A block reader delivers only what the
 per-sample reader would deliver as valid samples with nothing to report, and stops at the first byte
 it does not judge plain; the caller reads on with the per-sample reader, so the error contract is
 that reader's by construction.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from streampack.io.arrow_block import arrow_blocks
 from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
 from streampack.io.megatron import megatron_blocks
@@ -27,7 +29,7 @@ from streampack.io.token_array import token_array_blocks
 from streampack.io.token_block import TokenBlock
 from streampack.io.urls import shard_format
 
-BLOCK_FORMATS = ("tar", "parquet", "megatron", "token_array")
+BLOCK_FORMATS = ("tar", "parquet", "megatron", "token_array", "arrow")
 """Formats with a block reader."""
 
 
@@ -51,6 +53,8 @@ def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Ope
         return megatron_blocks(url, where.start, where.end, decode=decode, opts=opts, stats=stats)
     if shard_format(url) == "token_array":
         return token_array_blocks(url, where.start, where.first, where.end, decode=decode, opts=opts, stats=stats)
+    if shard_format(url) == "arrow":
+        return arrow_blocks(url, where, decode=decode, opts=opts, stats=stats)
     return parquet_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats)
 
 

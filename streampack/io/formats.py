@@ -3,7 +3,7 @@
 The reader node hands over *where* to read (:class:`ShardRange`: the position and number of the first sample, and where
 to stop) and gets :class:`~streampack.io.decode.Item` s back, each with the position of the sample after it, so it can
 resume anywhere without knowing how a format lays its samples out. A position is a byte offset (tar, jsonl; uncompressed
-bytes for ``.gz`` / ``.zst``) or a row number (parquet) or document number (Megatron, a token array with an offsets
+bytes for ``.gz`` / ``.zst``) or a row number (parquet, a datasets ``.arrow`` file) or document number (Megatron, a token array with an offsets
 file) or the array index of a document's first id (a token array split at the EOS id).
 """
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from streampack.errors import DataError
+from streampack.io.arrow_ipc import iter_arrow_items
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import DecodeOptions, Item
 from streampack.io.jsonl import iter_jsonl_items
@@ -50,6 +51,8 @@ def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
     fmt = shard_format(url)
     if fmt == "megatron":  # ranged reads of its own, closed as they finish
         return iter_megatron_items(url, decode, opts=opts, start=start, end=end, stats=stats)
+    if fmt == "arrow":
+        return iter_arrow_items(url, decode, opts=opts, start=start, end=end, stats=stats)
     if fmt == "token_array":
         return iter_token_array_items(url, decode, opts=opts, start=start, first=where.first, end=end, stats=stats)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from braceexpand import braceexpand
 
 from streampack.io import storage
+from streampack.io.arrow_ipc import data_files
 from streampack.io.storage import OpenOptions, is_remote, local_path
 from streampack.io.token_array import OFFSETS_SUFFIX
 
@@ -26,11 +27,14 @@ SHARD_SUFFIXES: dict[str, str] = {
     ".parquet": "parquet",
     ".idx": "megatron",
     ".npy": "token_array", ".bin": "token_array",
+    ".arrow": "arrow",
 }
 """Suffix -> format. Compressed ``.json`` is JSON lines (Dolma's and RedPajama's convention); a Megatron-core indexed
 data set (``prefix.idx`` + ``prefix.bin``) is named by its ``.idx`` (:mod:`streampack.io.megatron`), so a listing
 skips a ``.bin`` with an ``.idx`` beside it; a flat token array is a ``.npy`` or ``.bin``
-(:mod:`streampack.io.token_array`) and its offsets file (``.offsets.npy``) is never a shard."""
+(:mod:`streampack.io.token_array`) and its offsets file (``.offsets.npy``) is never a shard; an ``.arrow`` file is an
+Arrow IPC stream as Hugging Face ``datasets`` saves it (:mod:`streampack.io.arrow_ipc`), and a directory holding the
+``state.json`` of ``save_to_disk`` expands to its ``.arrow`` files in that file's order."""
 _BY_LENGTH = sorted(SHARD_SUFFIXES, key=len, reverse=True)
 
 
@@ -80,7 +84,8 @@ def _sibling(url: str, suffix: str) -> str:
 
 
 def shard_format(url: str) -> str:
-    """``"tar"``, ``"jsonl"``, ``"jsonl.gz"``, ``"jsonl.zst"``, ``"parquet"``, ``"megatron"`` or ``"token_array"``
+    """``"tar"``, ``"jsonl"``, ``"jsonl.gz"``, ``"jsonl.zst"``, ``"parquet"``, ``"megatron"``, ``"token_array"`` or
+    ``"arrow"``
     from the URL's suffix (a remote URL's query string ignored)."""
     suffix = _suffix(url)
     if suffix is None and url.split("?", 1)[0].endswith(OFFSETS_SUFFIX):
@@ -139,6 +144,9 @@ def _expand_local(name: str) -> list[str]:
                              f"(the .bin beside it is read through it)")
         return [name]
     if os.path.isdir(name):
+        saved = data_files(name)  # a datasets save_to_disk directory: its own order, not the names'
+        if saved is not None:
+            return saved
         found = _shards_of(sorted(os.path.join(root, f) for root, _, files in os.walk(name) for f in files))
         if not found:
             raise ValueError(f"directory {name!r} holds no shard files ({sorted(SHARD_SUFFIXES)})")
