@@ -20,8 +20,8 @@ from streampack.io.arrow_ipc import ahead, batches
 from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
 from streampack.io.limits import id_bound
-from streampack.io.parquet import _columns, int_lists
-from streampack.io.parquet_block import _block, _rows_ok
+from streampack.io.parquet import column_roles, int_lists
+from streampack.io.parquet_block import row_block, rows_ok
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.token_block import TokenBlock
@@ -34,7 +34,7 @@ def arrow_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Op
 
     start, end = where.start, where.end
     if end is not None and start >= end:
-        yield _block(url, np.zeros(0, np.int64), np.zeros(1, np.int64), start, done=True)
+        yield row_block(url, np.zeros(0, np.int64), np.zeros(1, np.int64), start, done=True)
         return
     limit, bound = decode.limits.max_sample_bytes, id_bound(decode.vocab_size)
     try:
@@ -43,7 +43,7 @@ def arrow_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Op
             if top > start:
                 schema = batch.schema
                 try:
-                    if _columns(schema.names, decode, url) != {"tokens": decode.tokens_key}:
+                    if column_roles(schema.names, decode, url) != {"tokens": decode.tokens_key}:
                         return  # the per-sample reader reads more than the ids (or the text in a null row)
                 except DataError:
                     return
@@ -60,9 +60,9 @@ def arrow_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Op
                                                                                                    end - row)
                 offsets = column.offsets.to_numpy().astype(np.int64, copy=False)[lo:hi + 1]
                 values = column.values.to_numpy()
-                if not _rows_ok(offsets, values, limit, bound):
+                if not rows_ok(offsets, values, limit, bound):
                     return
-                yield _block(url, values, offsets, row + lo, done=row + hi == end or (
+                yield row_block(url, values, offsets, row + lo, done=row + hi == end or (
                     end is None and last and hi == batch.num_rows))
             if (end is not None and top >= end) or pending is not None:
                 return

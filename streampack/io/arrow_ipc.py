@@ -34,7 +34,7 @@ import numpy as np
 from streampack.errors import DataError
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, Item
 from streampack.io.open import open_shard
-from streampack.io.parquet import _columns, _item, _rows, int_lists
+from streampack.io.parquet import column_roles, int_lists, row_item, row_values
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 
@@ -193,13 +193,13 @@ def iter_arrow_items(url: str, decode: DecodeOptions, *, opts: OpenOptions, star
         total = row + batch.num_rows
         if total > start:
             batch, error = _checked(batch, row, url)
-            columns = _columns(batch.schema.names, decode, url)
-            values = {field: _rows(batch.column(batch.schema.get_field_index(name)))
+            columns = column_roles(batch.schema.names, decode, url)
+            values = {field: row_values(batch.column(batch.schema.get_field_index(name)))
                       for field, name in columns.items()}
             stop = batch.num_rows if end is None else min(batch.num_rows, end - row)
             for i in range(max(start - row, 0), stop):
                 at_end = row + i + 1 == end or (end is None and last and error is None and i + 1 == batch.num_rows)
-                yield _item(values, i, row + i, url=url, at_end=at_end, opts=decode, check=True)
+                yield row_item(values, i, row + i, url=url, at_end=at_end, opts=decode, check=True)
             if error is not None:
                 raise error
         if end is not None and total >= end:

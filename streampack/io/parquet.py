@@ -82,7 +82,7 @@ def token_lengths(f: BinaryIO, opts: DecodeOptions, url: str) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int32)
 
 
-def _columns(schema_names: list[str], opts: DecodeOptions, url: str) -> dict[str, str]:
+def column_roles(schema_names: list[str], opts: DecodeOptions, url: str) -> dict[str, str]:
     """Which column holds what: ``{"tokens", "text", "labels", "loss_mask"} -> column`` (those
     present; token ids win over text in a row that has both, as in jsonl)."""
     wanted = {"tokens": opts.tokens_key, "text": opts.text_key, "labels": opts.labels_key,
@@ -103,7 +103,7 @@ def check_schema(f: BinaryIO, opts: DecodeOptions, url: str) -> None:
     import pyarrow as pa
 
     schema = parquet_file(f, url).schema_arrow
-    columns = _columns(schema.names, opts, url)
+    columns = column_roles(schema.names, opts, url)
     if "tokens" in columns:
         kind = schema.field(columns["tokens"]).type
         if not int_lists(kind):
@@ -117,7 +117,7 @@ def check_schema(f: BinaryIO, opts: DecodeOptions, url: str) -> None:
                             f"UTF-8 binary); set text_key= / tokens_key= to the right column", url=url, value=str(kind))
 
 
-def _rows(column: Any) -> list[Any]:
+def row_values(column: Any) -> list[Any]:
     """A column's values per row: numpy slices of the flat values for integer lists (no Python
     object per token), Python values otherwise; None for null rows."""
     if int_lists(column.type, fixed=False):
@@ -141,7 +141,7 @@ def iter_parquet_items(f: BinaryIO, opts: DecodeOptions, *, url: str, start: int
     stop = firsts[-1] if end is None else min(end, firsts[-1])
     if start >= stop:
         return
-    columns = _columns(pf.schema_arrow.names, opts, url)
+    columns = column_roles(pf.schema_arrow.names, opts, url)
     names = sorted(set(columns.values()))
     limit = opts.limits.max_sample_bytes
     first_group = int(np.searchsorted(firsts, start, side="right") - 1)
@@ -198,12 +198,12 @@ def _run_items(pf: Any, groups: list[int], firsts: list[int], start: int, stop: 
             if row + batch.num_rows <= lo:
                 row += batch.num_rows
                 continue
-            values = {field: _rows(batch.column(name)) for field, name in columns.items()}
+            values = {field: row_values(batch.column(name)) for field, name in columns.items()}
             for i in range(batch.num_rows):
                 if row >= hi:
                     return
                 if row >= lo:
-                    yield _item(values, i, row, url=url, at_end=row + 1 == stop, opts=opts, check=check)
+                    yield row_item(values, i, row, url=url, at_end=row + 1 == stop, opts=opts, check=check)
                 row += 1
     except (pa.ArrowException, OSError) as e:
         group = int(np.searchsorted(firsts, row, side="right") - 1)
@@ -215,7 +215,7 @@ def _run_items(pf: Any, groups: list[int], firsts: list[int], start: int, stop: 
                         value=row) from None
 
 
-def _item(values: dict[str, list[Any]], i: int, row: int, *, url: str, at_end: bool, opts: DecodeOptions,
+def row_item(values: dict[str, list[Any]], i: int, row: int, *, url: str, at_end: bool, opts: DecodeOptions,
           check: bool) -> Item:
     key = str(row)
     field = {name: column[i] for name, column in values.items()}
@@ -242,5 +242,5 @@ def _nbytes(value: Any) -> int:
     return len(value) if isinstance(value, (str, bytes)) else 0
 
 
-__all__ = ["BATCH_ROWS", "check_schema", "group_firsts", "int_lists", "iter_parquet_items", "parquet_file",
-           "token_lengths"]
+__all__ = ["BATCH_ROWS", "check_schema", "column_roles", "group_firsts", "int_lists", "iter_parquet_items",
+           "parquet_file", "row_item", "row_values", "token_lengths"]

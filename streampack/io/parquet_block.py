@@ -34,7 +34,7 @@ def parquet_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: 
     pf, firsts = opened
     stop = firsts[-1] if where.end is None else min(where.end, firsts[-1])
     if where.start >= stop:
-        yield _block(url, np.zeros(0, np.int64), np.zeros(1, np.int64), where.start, done=True)
+        yield row_block(url, np.zeros(0, np.int64), np.zeros(1, np.int64), where.start, done=True)
         return
     group = int(np.searchsorted(firsts, where.start, side="right") - 1)
     while firsts[group] < stop:
@@ -44,9 +44,9 @@ def parquet_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: 
             return
         offsets, values = column
         offsets = offsets[lo - firsts[group]:hi - firsts[group] + 1]
-        if not _rows_ok(offsets, values, decode.limits.max_sample_bytes, id_bound(decode.vocab_size)):
+        if not rows_ok(offsets, values, decode.limits.max_sample_bytes, id_bound(decode.vocab_size)):
             return
-        yield _block(url, values, offsets, lo, done=hi == stop)
+        yield row_block(url, values, offsets, lo, done=hi == stop)
         group += 1
 
 
@@ -63,9 +63,9 @@ def parquet_groups_at(url: str, rows: list[int], *, decode: DecodeOptions, opts:
         if group >= len(firsts) - 1:
             return None
         column = _group(pf, group, firsts, decode)
-        if column is None or not _rows_ok(*column, decode.limits.max_sample_bytes, id_bound(decode.vocab_size)):
+        if column is None or not rows_ok(*column, decode.limits.max_sample_bytes, id_bound(decode.vocab_size)):
             return None
-        out.append(_block(url, column[1], column[0], firsts[group], done=False))
+        out.append(row_block(url, column[1], column[0], firsts[group], done=False))
     return out
 
 
@@ -112,7 +112,7 @@ def _group(pf: Any, group: int, firsts: list[int], decode: DecodeOptions) -> tup
     return offsets, values
 
 
-def _rows_ok(offsets: np.ndarray, values: np.ndarray, limit: int, bound: int) -> bool:
+def rows_ok(offsets: np.ndarray, values: np.ndarray, limit: int, bound: int) -> bool:
     """No row empty or over ``limit`` bytes, every id in ``[0, bound)``."""
     lengths = np.diff(offsets)
     if not lengths.size:
@@ -125,10 +125,10 @@ def _rows_ok(offsets: np.ndarray, values: np.ndarray, limit: int, bound: int) ->
     return bool(used.max() < bound and used.min() >= 0)
 
 
-def _block(url: str, values: np.ndarray, offsets: np.ndarray, first_row: int, *, done: bool) -> TokenBlock:
+def row_block(url: str, values: np.ndarray, offsets: np.ndarray, first_row: int, *, done: bool) -> TokenBlock:
     rows = np.arange(first_row, first_row + offsets.size - 1, dtype=np.int64)
     return TokenBlock(url=url, tokens=values, starts=offsets[:-1], lengths=np.diff(offsets), offsets=rows,
                       next_offsets=rows + 1, numbers=rows, next_numbers=rows + 1, done=done)
 
 
-__all__ = ["parquet_blocks", "parquet_groups_at"]
+__all__ = ["parquet_blocks", "parquet_groups_at", "row_block", "rows_ok"]
