@@ -68,7 +68,7 @@ _NOISE = ("set_vital", "leaked semaphore", "resource_tracker", "Warning")
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> list[str]:
-    return write_token_shards(tmp_path_factory.mktemp("death"), 160, 4, mean=300, seed=3)[0]
+    return write_token_shards(tmp_path_factory.mktemp("death"), 480, 4, mean=300, seed=3)[0]
 
 
 def _alive(pid: int) -> bool:
@@ -164,8 +164,9 @@ def _nothing_mapped_soon() -> list[str]:
 
 
 def _loader(urls: list[str], epochs: int | None) -> StatefulDataLoader:
-    # 2 packs of 2048: the [3, T] rows are above what travels inside the pickle, so batches use the ring
-    ds = PackedDataset(urls, capacity=2048, packs_per_batch=2, epochs=epochs, seed=1, packing=PackOptions(window=16))
+    # 5 packs of 4096: the int32 ids (80 KB) are above what travels inside the pickle (transfer.INLINE_BYTES), so
+    # batches use the ring
+    ds = PackedDataset(urls, capacity=4096, packs_per_batch=5, epochs=epochs, seed=1, packing=PackOptions(window=16))
     return StatefulDataLoader(ds, batch_size=None, num_workers=2)
 
 
