@@ -177,3 +177,20 @@ def read_as(monkeypatch: Any, blocks: bool) -> None:
     from streampack.nodes.reader import ShardReader
 
     monkeypatch.setattr(graph_build, "BlockReader", BlockReader if blocks else ShardReader)
+
+
+def documents_by_key(batches: Any) -> dict[str, list[int]]:
+    """What ``batches`` delivered, by ``url#sample`` (a split document's chunks joined in order; fillers left out);
+    a chunk delivered twice fails."""
+    chunks: dict[str, dict[int, list[int]]] = {}
+    for b in batches:
+        cu, starts = b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist()
+        for i, key in enumerate(b.doc_keys):
+            if key == "<filler>":
+                continue
+            url, _, sample = key.rpartition("#")
+            base, _, part = sample.partition("/")
+            parts = chunks.setdefault(f"{url}#{base}", {})
+            assert int(part or 0) not in parts, f"chunk {key} twice"
+            parts[int(part or 0)] = b.input_ids[starts[i]:starts[i] + cu[i + 1] - cu[i]].tolist()
+    return {k: [t for i in sorted(v) for t in v[i]] for k, v in chunks.items()}

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from node_checks import canon, read_as, roundtrip, take
+from node_checks import canon, documents_by_key, read_as, roundtrip, take
 from topology_sim import SimRank
 
 from streampack.cli.main import main
@@ -37,22 +37,6 @@ def corpus(tmp_path_factory):
     return directory, expected, str(root / "manifest")
 
 
-def _documents(batches) -> dict[str, list[int]]:
-    """Rows by ``url#row`` (split chunks joined), each chunk once."""
-    chunks: dict[str, dict[int, list[int]]] = {}
-    for b in batches:
-        cu, starts = b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist()
-        for i, key in enumerate(b.doc_keys):
-            if key == "<filler>":
-                continue
-            url, _, sample = key.rpartition("#")
-            base, _, part = sample.partition("/")
-            parts = chunks.setdefault(f"{url}#{base}", {})
-            assert int(part or 0) not in parts, f"chunk {key} twice"
-            parts[int(part or 0)] = b.input_ids[starts[i]:starts[i] + cu[i + 1] - cu[i]].tolist()
-    return {k: [t for i in sorted(v) for t in v[i]] for k, v in chunks.items()}
-
-
 def _ds(source, manifest, rank: int, size: int, **kw) -> PackedDataset:
     return PackedDataset(source, **{"capacity": CAP, "epochs": 1, "seed": 2, "packs_per_batch": 2,
                                     "packing": PackOptions(window=16, max_wait=3),
@@ -75,7 +59,7 @@ def test_finite_equal_steps_over_ranks_every_row_once(corpus, monkeypatch):
             assert overlong.reads_blocks == blocks
             assert not blocks or reader.sample_reads == 0, "a planned range was read per sample"
         assert len({len(r) for r in runs}) == 1 and len(runs[0]) > 3, [len(r) for r in runs]
-        assert _documents(b for r in runs for b in r) == expected
+        assert documents_by_key(b for r in runs for b in r) == expected
         if blocks:
             fast = [[canon(b) for b in r] for r in runs]
     assert fast == [[canon(b) for b in r] for r in runs], "blocks and per-sample reads gave other batches"
@@ -102,7 +86,7 @@ def test_elastic_resume_every_row_once(corpus):
     states = [s for rk in old for s in rk.states()]
     runs = [list(SimRank(lambda r=r: make(r, 3), 0, load=states)) for r in range(3)]
     assert len({len(r) for r in runs}) == 1
-    assert _documents(consumed + [b for r in runs for b in r]) == expected
+    assert documents_by_key(consumed + [b for r in runs for b in r]) == expected
 
 
 def test_one_file_is_split_between_readers_by_row(corpus):
@@ -111,7 +95,7 @@ def test_one_file_is_split_between_readers_by_row(corpus):
     url = expand_urls(directory)[0]
     runs = [list(SimRank(lambda r=r: _ds([url], None, r, 3), 2)) for r in range(3)]
     assert len({len(r) for r in runs}) == 1 and len(runs[0]) >= 1
-    assert _documents(b for r in runs for b in r) == {k: v for k, v in expected.items() if k.startswith(url + "#")}
+    assert documents_by_key(b for r in runs for b in r) == {k: v for k, v in expected.items() if k.startswith(url + "#")}
 
 
 def _truncated(tmp_path) -> tuple[str, dict[str, list[int]], int]:
@@ -134,7 +118,7 @@ def test_a_truncated_file_is_skipped_from_the_cut(tmp_path):
     """Under ``skip`` the rows from the cut are dropped and it is counted once; every other row is trained once."""
     directory, want, _ = _truncated(tmp_path)
     ds = PackedDataset(directory, capacity=64, epochs=1, seed=1, read=ReadOptions(on_error="skip"))
-    assert _documents(ds) == want
+    assert documents_by_key(ds) == want
     assert ds.metrics()["errors"]["counts"] == {"corrupt_shard": 1}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers_megatron import megatron_documents, write_megatron_shards
-from node_checks import canon, read_as, roundtrip, take
+from node_checks import canon, documents_by_key, read_as, roundtrip, take
 from topology_sim import SimRank
 
 from streampack.cli.main import main
@@ -39,22 +39,6 @@ def _expected(urls, docs) -> dict[str, list[int]]:
     return out
 
 
-def _documents(batches) -> dict[str, list[int]]:
-    """Documents by ``url#number`` (split chunks joined), each chunk once."""
-    chunks: dict[str, dict[int, list[int]]] = {}
-    for b in batches:
-        cu, starts = b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist()
-        for i, key in enumerate(b.doc_keys):
-            if key == "<filler>":
-                continue
-            url, _, sample = key.rpartition("#")
-            base, _, part = sample.partition("/")
-            parts = chunks.setdefault(f"{url}#{base}", {})
-            assert int(part or 0) not in parts, f"chunk {key} twice"
-            parts[int(part or 0)] = b.input_ids[starts[i]:starts[i] + cu[i + 1] - cu[i]].tolist()
-    return {k: [t for i in sorted(v) for t in v[i]] for k, v in chunks.items()}
-
-
 def _ds(urls, manifest, rank: int, size: int, **kw) -> PackedDataset:
     return PackedDataset(urls, **{"capacity": CAP, "epochs": 1, "seed": 2, "packs_per_batch": 2,
                                   "packing": PackOptions(window=16, max_wait=3),
@@ -77,7 +61,7 @@ def test_finite_equal_steps_over_ranks_every_document_once(corpus, monkeypatch):
             assert overlong.reads_blocks == blocks
             assert not blocks or reader.sample_reads == 0, "a planned range was read per sample"
         assert len({len(r) for r in runs}) == 1 and len(runs[0]) > 3, [len(r) for r in runs]
-        assert _documents(b for r in runs for b in r) == _expected(urls, docs)
+        assert documents_by_key(b for r in runs for b in r) == _expected(urls, docs)
         if blocks:
             fast = [[canon(b) for b in r] for r in runs]
     assert fast == [[canon(b) for b in r] for r in runs], "blocks and per-sample reads gave other batches"
@@ -103,7 +87,7 @@ def test_elastic_resume_every_document_once(corpus):
     states = [s for rk in old for s in rk.states()]
     runs = [list(SimRank(lambda r=r: make(r, 3), 0, load=states)) for r in range(3)]
     assert len({len(r) for r in runs}) == 1
-    assert _documents(consumed + [b for r in runs for b in r]) == _expected(urls, docs)
+    assert documents_by_key(consumed + [b for r in runs for b in r]) == _expected(urls, docs)
 
 
 def test_a_changed_shard_is_refused_on_resume(corpus, tmp_path):
@@ -135,7 +119,7 @@ def test_one_shard_is_split_between_readers_by_document(corpus):
     runs = [list(SimRank(lambda r=r: make(r), 2)) for r in range(3)]
     assert len({len(r) for r in runs}) == 1 and len(runs[0]) >= 1
     expected = {k: v for k, v in _expected(urls, docs).items() if k.startswith(urls[0] + "#")}
-    assert _documents(b for r in runs for b in r) == expected
+    assert documents_by_key(b for r in runs for b in r) == expected
 
 
 
@@ -156,7 +140,7 @@ def test_a_truncated_bin_is_skipped_document_by_document(tmp_path):
     """Under ``skip`` exactly the documents past the cut are dropped and counted, every other one trained once."""
     urls, want = _truncated(tmp_path)
     ds = PackedDataset(urls, capacity=64, epochs=1, seed=1, read=ReadOptions(on_error="skip"))
-    assert _documents(ds) == want
+    assert documents_by_key(ds) == want
     assert ds.metrics()["errors"]["counts"] == {"corrupt_shard": 2}
 
 
@@ -189,7 +173,7 @@ def test_a_sample_per_sequence_over_ranks_and_resumed(corpus, tmp_path):
     read = ReadOptions(manifest=str(tmp_path / "m"), megatron_sample="sequence")
     runs = [list(_ds(urls, None, r, 2, read=read)) for r in range(2)]
     assert len({len(r) for r in runs}) == 1 and len(expected) > 300
-    assert _documents(b for r in runs for b in r) == expected
+    assert documents_by_key(b for r in runs for b in r) == expected
     whole = [canon(b) for b in runs[0]]
     ds = _ds(urls, None, 0, 2, read=read)
     head = [canon(b) for b in take(iter(ds), len(whole) // 2)]

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from node_checks import canon, read_as, roundtrip, take
+from node_checks import canon, documents_by_key, read_as, roundtrip, take
 from topology_sim import SimRank
 
 from streampack.cli.main import main
@@ -61,22 +61,6 @@ def corpus(request, tmp_path_factory):
     return urls, expected, str(root / "manifest"), read
 
 
-def _documents(batches) -> dict[str, list[int]]:
-    """Documents by ``url#number`` (split chunks joined), each chunk once."""
-    chunks: dict[str, dict[int, list[int]]] = {}
-    for b in batches:
-        cu, starts = b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist()
-        for i, key in enumerate(b.doc_keys):
-            if key == "<filler>":
-                continue
-            url, _, sample = key.rpartition("#")
-            base, _, part = sample.partition("/")
-            parts = chunks.setdefault(f"{url}#{base}", {})
-            assert int(part or 0) not in parts, f"chunk {key} twice"
-            parts[int(part or 0)] = b.input_ids[starts[i]:starts[i] + cu[i + 1] - cu[i]].tolist()
-    return {k: [t for i in sorted(v) for t in v[i]] for k, v in chunks.items()}
-
-
 def _ds(urls, manifest, read, rank: int, size: int, **kw) -> PackedDataset:
     import dataclasses
 
@@ -101,7 +85,7 @@ def test_finite_equal_steps_over_ranks_every_document_once(corpus, monkeypatch):
             assert overlong.reads_blocks == blocks
             assert not blocks or reader.sample_reads == 0, "a planned range was read per sample"
         assert len({len(r) for r in runs}) == 1 and len(runs[0]) > 3, [len(r) for r in runs]
-        assert _documents(b for r in runs for b in r) == expected
+        assert documents_by_key(b for r in runs for b in r) == expected
         if blocks:
             fast = [[canon(b) for b in r] for r in runs]
     assert fast == [[canon(b) for b in r] for r in runs], "blocks and per-sample reads gave other batches"
@@ -128,7 +112,7 @@ def test_elastic_resume_every_document_once(corpus):
     states = [s for rk in old for s in rk.states()]
     runs = [list(SimRank(lambda r=r: make(r, 3), 0, load=states)) for r in range(3)]
     assert len({len(r) for r in runs}) == 1
-    assert _documents(consumed + [b for r in runs for b in r]) == expected
+    assert documents_by_key(consumed + [b for r in runs for b in r]) == expected
 
 
 def test_one_array_is_split_between_readers_by_document(corpus):
@@ -137,7 +121,7 @@ def test_one_array_is_split_between_readers_by_document(corpus):
     urls, expected, _, read = corpus
     runs = [list(SimRank(lambda r=r: _ds(urls[:1], None, read, r, 3), 2)) for r in range(3)]
     assert len({len(r) for r in runs}) == 1 and len(runs[0]) >= 1
-    assert _documents(b for r in runs for b in r) == {k: v for k, v in expected.items() if k.startswith(urls[0] + "#")}
+    assert documents_by_key(b for r in runs for b in r) == {k: v for k, v in expected.items() if k.startswith(urls[0] + "#")}
 
 
 def test_another_eos_id_is_refused_on_resume(tmp_path):
@@ -168,7 +152,7 @@ def test_a_truncated_array_is_skipped_document_by_document(tmp_path):
     """Under ``skip`` exactly the document past the cut is dropped and counted, every other one trained once."""
     urls, want = _truncated(tmp_path)
     ds = PackedDataset(urls, capacity=64, epochs=1, seed=1, read=ReadOptions(on_error="skip", eos_id=EOS))
-    assert _documents(ds) == want
+    assert documents_by_key(ds) == want
     assert ds.metrics()["errors"]["counts"] == {"corrupt_shard": 1}
 
 
