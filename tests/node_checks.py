@@ -194,3 +194,38 @@ def documents_by_key(batches: Any) -> dict[str, list[int]]:
             assert int(part or 0) not in parts, f"chunk {key} twice"
             parts[int(part or 0)] = b.input_ids[starts[i]:starts[i] + cu[i + 1] - cu[i]].tolist()
     return {k: [t for i in sorted(v) for t in v[i]] for k, v in chunks.items()}
+
+
+def planned_dataset(source: Any, read: Any, rank: int, size: int, *, capacity: int, **kw: Any) -> Any:
+    """One rank's ``PackedDataset`` of a finite epoch of ``source``, planned from ``read.manifest`` over ``size``
+    ranks with equal batch counts (the format plan tests' common stream)."""
+    from streampack.dataset import PackedDataset
+    from streampack.options import PackOptions, TopologyOptions
+
+    return PackedDataset(source, **{"capacity": capacity, "epochs": 1, "seed": 2, "packs_per_batch": 2,
+                                    "packing": PackOptions(window=16, max_wait=3), "read": read,
+                                    "topology": TopologyOptions(dp_rank=rank, dp_size=size, equal_batches="count"),
+                                    **kw})
+
+
+def check_ranks_deliver_every_document_once(make: Callable[[int], Any], expected: dict[str, list[int]],
+                                            monkeypatch: Any, ranks: int = 3) -> None:
+    """``make(rank)`` over ``ranks`` ranks, reading blocks and then per sample: equal batch counts, every document of
+    ``expected`` (by ``url#sample``) exactly once, no planned range read per sample when blocks are on, and the same
+    batches both ways."""
+    both = []
+    for blocks in (True, False):
+        read_as(monkeypatch, blocks)
+        runs = []
+        for r in range(ranks):
+            ds = make(r)
+            it = iter(ds)
+            first = next(it)
+            overlong, reader = ds._graph.nodes["overlong"], ds._graph.nodes["reader"]
+            runs.append([first, *it])
+            assert overlong.reads_blocks == blocks
+            assert not blocks or reader.sample_reads == 0, "a planned range was read per sample"
+        assert len({len(r) for r in runs}) == 1 and len(runs[0]) > 3, [len(r) for r in runs]
+        assert documents_by_key(b for r in runs for b in r) == expected
+        both.append([[canon(b) for b in r] for r in runs])
+    assert both[0] == both[1], "blocks and per-sample reads gave other batches"

@@ -9,13 +9,20 @@ import os
 
 import numpy as np
 import pytest
-from node_checks import canon, documents_by_key, read_as, roundtrip, take
+from node_checks import (
+    canon,
+    check_ranks_deliver_every_document_once,
+    documents_by_key,
+    planned_dataset,
+    roundtrip,
+    take,
+)
 from topology_sim import SimRank
 
 from streampack.cli.main import main
 from streampack.dataset import PackedDataset
 from streampack.io.urls import expand_urls
-from streampack.options import PackOptions, ReadOptions, TopologyOptions
+from streampack.options import PackOptions, ReadOptions
 from tests.unit.io.test_hf_datasets import BATCH, save
 
 datasets = pytest.importorskip("datasets")
@@ -37,32 +44,14 @@ def corpus(tmp_path_factory):
     return directory, expected, str(root / "manifest")
 
 
-def _ds(source, manifest, rank: int, size: int, **kw) -> PackedDataset:
-    return PackedDataset(source, **{"capacity": CAP, "epochs": 1, "seed": 2, "packs_per_batch": 2,
-                                    "packing": PackOptions(window=16, max_wait=3),
-                                    "read": ReadOptions(manifest=manifest),
-                                    "topology": TopologyOptions(dp_rank=rank, dp_size=size, equal_batches="count"),
-                                    **kw})
+def _ds(source, manifest, rank: int, size: int, read: ReadOptions | None = None, **kw) -> PackedDataset:
+    read = ReadOptions(manifest=manifest) if read is None else read
+    return planned_dataset(source, read, rank, size, capacity=CAP, **kw)
 
 
 def test_finite_equal_steps_over_ranks_every_row_once(corpus, monkeypatch):
     directory, expected, manifest = corpus
-    for blocks in (True, False):
-        read_as(monkeypatch, blocks)
-        runs = []
-        for r in range(3):
-            ds = _ds(directory, manifest, r, 3)
-            it = iter(ds)
-            first = next(it)
-            overlong, reader = ds._graph.nodes["overlong"], ds._graph.nodes["reader"]
-            runs.append([first, *it])
-            assert overlong.reads_blocks == blocks
-            assert not blocks or reader.sample_reads == 0, "a planned range was read per sample"
-        assert len({len(r) for r in runs}) == 1 and len(runs[0]) > 3, [len(r) for r in runs]
-        assert documents_by_key(b for r in runs for b in r) == expected
-        if blocks:
-            fast = [[canon(b) for b in r] for r in runs]
-    assert fast == [[canon(b) for b in r] for r in runs], "blocks and per-sample reads gave other batches"
+    check_ranks_deliver_every_document_once(lambda r: _ds(directory, manifest, r, 3), expected, monkeypatch)
 
 
 def test_exact_resume(corpus):

@@ -7,12 +7,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers_megatron import megatron_documents, write_megatron_shards
-from node_checks import canon, documents_by_key, read_as, roundtrip, take
+from node_checks import (
+    canon,
+    check_ranks_deliver_every_document_once,
+    documents_by_key,
+    planned_dataset,
+    roundtrip,
+    take,
+)
 from topology_sim import SimRank
 
 from streampack.cli.main import main
 from streampack.dataset import PackedDataset
-from streampack.options import PackOptions, ReadOptions, TopologyOptions
+from streampack.options import PackOptions, ReadOptions
 
 CAP = 256
 
@@ -39,32 +46,14 @@ def _expected(urls, docs) -> dict[str, list[int]]:
     return out
 
 
-def _ds(urls, manifest, rank: int, size: int, **kw) -> PackedDataset:
-    return PackedDataset(urls, **{"capacity": CAP, "epochs": 1, "seed": 2, "packs_per_batch": 2,
-                                  "packing": PackOptions(window=16, max_wait=3),
-                                  "read": ReadOptions(manifest=manifest),
-                                  "topology": TopologyOptions(dp_rank=rank, dp_size=size, equal_batches="count"),
-                                  **kw})
+def _ds(urls, manifest, rank: int, size: int, read: ReadOptions | None = None, **kw) -> PackedDataset:
+    read = ReadOptions(manifest=manifest) if read is None else read
+    return planned_dataset(urls, read, rank, size, capacity=CAP, **kw)
 
 
 def test_finite_equal_steps_over_ranks_every_document_once(corpus, monkeypatch):
     urls, docs, manifest = corpus
-    for blocks in (True, False):
-        read_as(monkeypatch, blocks)
-        runs = []
-        for r in range(3):
-            ds = _ds(urls, manifest, r, 3)
-            it = iter(ds)
-            first = next(it)
-            overlong, reader = ds._graph.nodes["overlong"], ds._graph.nodes["reader"]
-            runs.append([first, *it])
-            assert overlong.reads_blocks == blocks
-            assert not blocks or reader.sample_reads == 0, "a planned range was read per sample"
-        assert len({len(r) for r in runs}) == 1 and len(runs[0]) > 3, [len(r) for r in runs]
-        assert documents_by_key(b for r in runs for b in r) == _expected(urls, docs)
-        if blocks:
-            fast = [[canon(b) for b in r] for r in runs]
-    assert fast == [[canon(b) for b in r] for r in runs], "blocks and per-sample reads gave other batches"
+    check_ranks_deliver_every_document_once(lambda r: _ds(urls, manifest, r, 3), _expected(urls, docs), monkeypatch)
 
 
 def test_exact_resume(corpus):

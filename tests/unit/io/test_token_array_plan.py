@@ -5,16 +5,24 @@ document, and a truncated one is skipped or named document by document."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 import pytest
-from node_checks import canon, documents_by_key, read_as, roundtrip, take
+from node_checks import (
+    canon,
+    check_ranks_deliver_every_document_once,
+    documents_by_key,
+    planned_dataset,
+    roundtrip,
+    take,
+)
 from topology_sim import SimRank
 
 from streampack.cli.main import main
 from streampack.dataset import PackedDataset
-from streampack.options import PackOptions, ReadOptions, TopologyOptions
+from streampack.options import PackOptions, ReadOptions
 
 CAP = 256
 EOS = 50_000
@@ -62,33 +70,12 @@ def corpus(request, tmp_path_factory):
 
 
 def _ds(urls, manifest, read, rank: int, size: int, **kw) -> PackedDataset:
-    import dataclasses
-
-    return PackedDataset(urls, **{"capacity": CAP, "epochs": 1, "seed": 2, "packs_per_batch": 2,
-                                  "packing": PackOptions(window=16, max_wait=3),
-                                  "read": dataclasses.replace(read, manifest=manifest),
-                                  "topology": TopologyOptions(dp_rank=rank, dp_size=size, equal_batches="count"),
-                                  **kw})
+    return planned_dataset(urls, dataclasses.replace(read, manifest=manifest), rank, size, capacity=CAP, **kw)
 
 
 def test_finite_equal_steps_over_ranks_every_document_once(corpus, monkeypatch):
     urls, expected, manifest, read = corpus
-    for blocks in (True, False):
-        read_as(monkeypatch, blocks)
-        runs = []
-        for r in range(3):
-            ds = _ds(urls, manifest, read, r, 3)
-            it = iter(ds)
-            first = next(it)
-            overlong, reader = ds._graph.nodes["overlong"], ds._graph.nodes["reader"]
-            runs.append([first, *it])
-            assert overlong.reads_blocks == blocks
-            assert not blocks or reader.sample_reads == 0, "a planned range was read per sample"
-        assert len({len(r) for r in runs}) == 1 and len(runs[0]) > 3, [len(r) for r in runs]
-        assert documents_by_key(b for r in runs for b in r) == expected
-        if blocks:
-            fast = [[canon(b) for b in r] for r in runs]
-    assert fast == [[canon(b) for b in r] for r in runs], "blocks and per-sample reads gave other batches"
+    check_ranks_deliver_every_document_once(lambda r: _ds(urls, manifest, read, r, 3), expected, monkeypatch)
 
 
 def test_exact_resume(corpus):
@@ -172,8 +159,6 @@ def test_a_truncated_array_raises_from_a_worker_naming_the_document(tmp_path):
 def test_a_manifest_indexed_with_another_layout_is_refused_before_a_batch(corpus):
     """The plan divides the manifest's document counts: a run that splits the arrays otherwise (another EOS id,
     another dtype) is refused up front, even one reader that would never load an index to notice."""
-    import dataclasses
-
     urls, _, manifest, read = corpus
     other = (dataclasses.replace(read, eos_id=EOS - 1) if read.eos_id is not None
              else dataclasses.replace(read, token_dtype="uint16"))
