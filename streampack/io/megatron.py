@@ -43,7 +43,7 @@ from streampack.io.limits import id_bound
 from streampack.io.open import read_range
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
-from streampack.io.token_block import TokenBlock
+from streampack.io.token_block import TokenBlock, byte_runs
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")
@@ -236,20 +236,14 @@ def document_lengths(url: str, decode: DecodeOptions, opts: OpenOptions, stats: 
 
 
 def _runs(shard: MegatronShard, docs: Documents, limit: int) -> Iterator[tuple[int, int]]:
-    """Document runs ``[i, j)`` of ``docs`` read together: consecutive, within the ``.bin``, at most
-    :data:`CHUNK_BYTES` (a bigger document alone); a document over ``limit`` bytes or past the end is a run alone."""
-    width = shard.header.dtype.itemsize
-    nbytes = docs.lengths * width
-    i, n = 0, len(docs.lengths)
-    while i < n:
-        j, total = i + 1, int(nbytes[i])
-        if total <= limit and int(docs.starts[i]) + total <= shard.bin_size:
-            while (j < n and total + int(nbytes[j]) <= CHUNK_BYTES and int(nbytes[j]) <= limit
-                   and int(docs.starts[j]) + int(nbytes[j]) <= shard.bin_size):
-                total += int(nbytes[j])
-                j += 1
-        yield i, j
-        i = j
+    """Document runs ``[i, j)`` of ``docs`` read together (:func:`~streampack.io.token_block.byte_runs`): a document
+    over ``limit`` bytes or past the end of the ``.bin`` is a run alone."""
+    nbytes = docs.lengths * shard.header.dtype.itemsize
+
+    def readable(k: int) -> bool:
+        return int(nbytes[k]) <= limit and int(docs.starts[k]) + int(nbytes[k]) <= shard.bin_size
+
+    return byte_runs(nbytes, readable, CHUNK_BYTES)
 
 
 def _ids(shard: MegatronShard, docs: Documents, i: int, j: int) -> np.ndarray:

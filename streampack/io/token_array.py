@@ -37,7 +37,7 @@ from streampack.io.npy import _HEADER_ERRORS, _header
 from streampack.io.open import read_range
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
-from streampack.io.token_block import TokenBlock
+from streampack.io.token_block import TokenBlock, byte_runs
 
 TOKEN_DTYPES: tuple[str, ...] = ("uint8", "int8", "int16", "uint16", "int32", "uint32", "int64")
 """``token_dtype`` values (little-endian): the integer types token ids are stored in."""
@@ -226,22 +226,17 @@ class TokenArray:
             hi = min(stop, at + DOCS_PER_SLICE)
             off = self.offsets(at, hi)
             lengths = np.diff(off)
-            i, n = 0, hi - at
-            while i < n:
-                err = self.refused(at + i, int(off[i]), int(lengths[i]))
+            def refused(k: int) -> DataError | None:
+                return self.refused(at + k, int(off[k]), int(lengths[k]))  # noqa: B023 - used within this slice
+
+            for i, j in byte_runs(lengths * self.width, lambda k: refused(k) is None, CHUNK_BYTES):
+                err = refused(i) if j == i + 1 else None
                 if err is not None:
                     yield _refused(err, at + i, at + i, at + i + 1)
-                    i += 1
                     continue
-                j, total = i + 1, int(lengths[i]) * self.width
-                while (j < n and total + int(lengths[j]) * self.width <= CHUNK_BYTES
-                       and self.refused(at + j, int(off[j]), int(lengths[j])) is None):
-                    total += int(lengths[j]) * self.width
-                    j += 1
                 docs = np.arange(at + i, at + j, dtype=np.int64)
                 yield Run(ids=self.ids_at(int(off[i]), int(off[j])), lengths=lengths[i:j].astype(np.int64),
                           positions=docs, next_positions=docs + 1, first=at + i)
-                i = j
             at = hi
 
     def _eos_runs(self, start: int, first: int, stop: int) -> Iterator[Run]:

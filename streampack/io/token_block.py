@@ -7,6 +7,7 @@ Documents are never copied out of the block; the collate copies each once, into 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,4 +95,18 @@ class TokenBlock:
                    offsets=where[:, 0], next_offsets=where[:, 1], numbers=where[:, 2], next_numbers=where[:, 3],
                    done=done, samples=tuple(samples))
 
-__all__ = ["TokenBlock"]
+def byte_runs(nbytes: np.ndarray, readable: Callable[[int], bool], cap: int) -> Iterator[tuple[int, int]]:
+    """Runs ``[i, j)`` of consecutive documents read together: readable ones whose ``nbytes`` sum to at most ``cap``
+    (a bigger one alone); a document that is not ``readable`` is a run alone (its reader says why)."""
+    i, n = 0, len(nbytes)
+    while i < n:
+        j, total = i + 1, int(nbytes[i])
+        if readable(i):
+            while j < n and total + int(nbytes[j]) <= cap and readable(j):
+                total += int(nbytes[j])
+                j += 1
+        yield i, j
+        i = j
+
+
+__all__ = ["TokenBlock", "byte_runs"]
