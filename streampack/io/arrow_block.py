@@ -21,7 +21,7 @@ from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
 from streampack.io.limits import id_bound
 from streampack.io.parquet import column_roles, int_lists
-from streampack.io.parquet_block import row_block, rows_ok
+from streampack.io.parquet_block import rows_ok
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
 from streampack.io.token_block import TokenBlock
@@ -34,7 +34,7 @@ def arrow_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Op
 
     start, end = where.start, where.end
     if end is not None and start >= end:
-        yield row_block(url, np.zeros(0, np.int64), np.zeros(1, np.int64), start, done=True)
+        yield TokenBlock.numbered(url, np.zeros(0, np.int64), np.zeros(1, np.int64), start, done=True)
         return
     limit, bound = decode.limits.max_sample_bytes, id_bound(decode.vocab_size)
     try:
@@ -62,7 +62,7 @@ def arrow_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Op
                 values = column.values.to_numpy()
                 if not rows_ok(offsets, values, limit, bound):
                     return
-                yield row_block(url, values, offsets, row + lo, done=row + hi == end or (
+                yield TokenBlock.numbered(url, values, offsets, row + lo, done=row + hi == end or (
                     end is None and last and hi == batch.num_rows))
             if (end is not None and top >= end) or pending is not None:
                 return

@@ -300,7 +300,7 @@ def megatron_blocks(url: str, start: int, end: int | None, *, decode: DecodeOpti
     stop = shard.count if end is None else min(end, shard.count)
     limit, width, bound = decode.limits.max_sample_bytes, shard.header.dtype.itemsize, id_bound(decode.vocab_size)
     if start >= stop:
-        yield _block(url, np.zeros(0, np.int64), np.zeros(0, np.int64), start, done=True)
+        yield TokenBlock.numbered(url, np.zeros(0, np.int64), np.zeros(1, np.int64), start, done=True)
         return
     at = start
     while at < stop:
@@ -315,18 +315,11 @@ def megatron_blocks(url: str, start: int, end: int | None, *, decode: DecodeOpti
                 good = int(np.searchsorted(np.cumsum(lengths[:good]), bad[0], side="right"))
                 ids = ids[:int(lengths[:good].sum())]
             if good:
-                yield _block(url, ids, lengths[:good], docs.first + i, done=docs.first + i + good == stop)
+                yield TokenBlock.numbered(url, ids, np.concatenate([[0], np.cumsum(lengths[:good])]), docs.first + i,
+                                          done=docs.first + i + good == stop)
             if good < j - i:
                 return
         at = docs.first + len(docs.lengths)
-
-
-def _block(url: str, ids: np.ndarray, lengths: np.ndarray, first: int, *, done: bool) -> TokenBlock:
-    starts = np.zeros(lengths.size, np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    docs = np.arange(first, first + lengths.size, dtype=np.int64)
-    return TokenBlock(url=url, tokens=ids, starts=starts, lengths=lengths.astype(np.int64), offsets=docs,
-                      next_offsets=docs + 1, numbers=docs, next_numbers=docs + 1, done=done)
 
 
 __all__ = ["CHUNK_BYTES", "DOCS_PER_SLICE", "DTYPES", "MAGIC", "Documents", "Header", "MegatronShard", "bin_url",

@@ -34,7 +34,7 @@ def parquet_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: 
     pf, firsts = opened
     stop = firsts[-1] if where.end is None else min(where.end, firsts[-1])
     if where.start >= stop:
-        yield row_block(url, np.zeros(0, np.int64), np.zeros(1, np.int64), where.start, done=True)
+        yield TokenBlock.numbered(url, np.zeros(0, np.int64), np.zeros(1, np.int64), where.start, done=True)
         return
     group = int(np.searchsorted(firsts, where.start, side="right") - 1)
     while firsts[group] < stop:
@@ -46,7 +46,7 @@ def parquet_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: 
         offsets = offsets[lo - firsts[group]:hi - firsts[group] + 1]
         if not rows_ok(offsets, values, decode.limits.max_sample_bytes, id_bound(decode.vocab_size)):
             return
-        yield row_block(url, values, offsets, lo, done=hi == stop)
+        yield TokenBlock.numbered(url, values, offsets, lo, done=hi == stop)
         group += 1
 
 
@@ -65,7 +65,7 @@ def parquet_groups_at(url: str, rows: list[int], *, decode: DecodeOptions, opts:
         column = _group(pf, group, firsts, decode)
         if column is None or not rows_ok(*column, decode.limits.max_sample_bytes, id_bound(decode.vocab_size)):
             return None
-        out.append(row_block(url, column[1], column[0], firsts[group], done=False))
+        out.append(TokenBlock.numbered(url, column[1], column[0], firsts[group], done=False))
     return out
 
 
@@ -125,10 +125,4 @@ def rows_ok(offsets: np.ndarray, values: np.ndarray, limit: int, bound: int) -> 
     return bool(used.max() < bound and used.min() >= 0)
 
 
-def row_block(url: str, values: np.ndarray, offsets: np.ndarray, first_row: int, *, done: bool) -> TokenBlock:
-    rows = np.arange(first_row, first_row + offsets.size - 1, dtype=np.int64)
-    return TokenBlock(url=url, tokens=values, starts=offsets[:-1], lengths=np.diff(offsets), offsets=rows,
-                      next_offsets=rows + 1, numbers=rows, next_numbers=rows + 1, done=done)
-
-
-__all__ = ["parquet_blocks", "parquet_groups_at", "row_block", "rows_ok"]
+__all__ = ["parquet_blocks", "parquet_groups_at", "rows_ok"]

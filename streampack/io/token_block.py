@@ -82,6 +82,14 @@ class TokenBlock:
         return self.tokens[s:s + int(self.lengths[i])].astype(np.int64)
 
     @classmethod
+    def numbered(cls, url: str, tokens: np.ndarray, bounds: np.ndarray, first: int, *, done: bool) -> TokenBlock:
+        """Documents ``tokens[bounds[k]:bounds[k + 1]]`` numbered from ``first``, each one's position its number (a
+        parquet or Arrow row, a Megatron document)."""
+        numbers = np.arange(first, first + bounds.size - 1, dtype=np.int64)
+        return cls(url=url, tokens=tokens, starts=bounds[:-1], lengths=np.diff(bounds), offsets=numbers,
+                   next_offsets=numbers + 1, numbers=numbers, next_numbers=numbers + 1, done=done)
+
+    @classmethod
     def of_samples(cls, samples: list[Sample], *, done: bool) -> TokenBlock:
         """A block of samples made by nodes that yield Samples (a sample without an origin, made
         by a stage or by hand, has -1 where its origin would be: it cannot be re-read)."""
