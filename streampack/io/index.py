@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from streampack.errors import DataError
-from streampack.io import arrow_ipc, megatron, parquet, storage, token_array
+from streampack.io import arrow_ipc, megatron, parquet, shard_identity, storage, token_array
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, token_count
 from streampack.io.index_cache import cache_path, load_arrays, locked, save_arrays
@@ -157,7 +157,7 @@ def load_or_build_index(url: str, *, decode: DecodeOptions = DecodeOptions(), op
     """The cached index of ``url`` if still valid, else one built now under the lock and cached.
     ``positions_only``: a parquet index of its footer alone (cached apart), no token column read."""
     decode = index_decode(decode)
-    ident = storage.identity(url, opts, stats)
+    ident = shard_identity.identity(url, opts, stats)
     rows = positions_only and shard_format(url) == "parquet"
     fp, size = fingerprint_of(url, decode, ident) + ("|rows" if rows else ""), ident.size
     path = cache_path(url, cache_dir)

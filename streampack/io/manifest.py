@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from streampack.io import shard_identity, storage
+from streampack.io import shard_identity
 from streampack.io.decode import DecodeOptions
 from streampack.io.index import (
     ShardIndex,
@@ -285,7 +285,7 @@ def build_entry(url: str, location: str, decode: DecodeOptions, opts: OpenOption
     """Index one shard into ``location`` and return its totals; an index file already there for this
     shard's identity and settings is kept (``streampack index`` resumes)."""
     decode = index_decode(decode)
-    ident = storage.identity(url, opts, stats)
+    ident = shard_identity.identity(url, opts, stats)
     fp = fingerprint_of(url, decode, ident)
     path = cache_path(url, join_path(location, SHARDS_DIR))
     index = cached_index(path, fp, opts)
@@ -353,7 +353,7 @@ def _current_manifest(where: str, urls: Sequence[str], opts: OpenOptions, stats:
 def is_current(manifest: Manifest, urls: Sequence[str], opts: OpenOptions, stats: IOStats | None = None) -> bool:
     """Whether ``manifest`` lists exactly ``urls`` and every shard is what it indexed (one ``stat`` each)."""
     return manifest.urls == urls and all(
-        manifest.identity(i) == storage.identity(u, opts, stats) for i, u in enumerate(urls))
+        manifest.identity(i) == shard_identity.identity(u, opts, stats) for i, u in enumerate(urls))
 
 
 def _with_progress(work: Callable[[str], ShardTotals], urls: Sequence[str]) -> list[ShardTotals]:

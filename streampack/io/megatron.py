@@ -24,8 +24,9 @@ sequence) and the documents' ``.bin`` bytes in reads of at most :data:`CHUNK_BYT
 the ``.idx`` outside the range.
 The per-shard index (:func:`document_lengths`) reads the whole ``.idx`` once (12 bytes a sequence + 8 a document) and
 checks every pointer against the lengths, so a corrupt ``.idx`` is refused when the data set is indexed, naming the
-first document it breaks. The ``.bin``'s identity is its size: one that is not exactly what the ``.idx`` says is
-refused (longer: a stale pair) or read up to the cut (the documents past it are ``DataError`` s naming each).
+first document it breaks. A ``.bin`` whose size is not exactly what the ``.idx`` says is refused (longer: a stale
+pair) or read up to the cut (the documents past it are ``DataError`` s naming each); one rewritten with the same size
+is refused by the pair's identity (:func:`streampack.io.shard_identity.identity`: both files' sizes and tags).
 """
 
 from __future__ import annotations
