@@ -33,10 +33,13 @@ _MESSAGE = re.compile(rf"(?P<reason>\w+): .*? \(shard=(?P<url>{_LITERAL})(?:, ke
 class DataError(ValueError):
     """A bad shard or sample. ``reason`` is the counter key; ``url``/``key`` say where;
     ``skipped_bytes`` is how many bytes of the shard it made the reader pass over (0 if
-    unknown). ``DataError(message)`` rebuilds one from its formatted message (see above)."""
+    unknown). ``DataError(message)`` or ``DataError(message=...)`` rebuilds one from its formatted message (see
+    above)."""
 
-    def __init__(self, reason: str, detail: str | None = None, *, url: str | None = None, key: str = "",
-                 value: Any = None, skipped_bytes: int = 0) -> None:
+    def __init__(self, reason: str = "", detail: str | None = None, *, url: str | None = None, key: str = "",
+                 value: Any = None, skipped_bytes: int = 0, message: str | None = None) -> None:
+        if message is not None:
+            reason = message
         if detail is None and url is None:
             self._from_message(reason)
             return
@@ -59,6 +62,16 @@ class DataError(ValueError):
         self.reason, self.detail, self.url, self.key = reason, detail, url, key
         self.value = value[:_VALUE_KEEP] if isinstance(value, (str, bytes, list)) else value
         self.skipped_bytes = skipped_bytes
+
+    @property
+    def message(self) -> str:
+        """The formatted message. Being on the class, it makes torch's worker hand-over re-raise a worker's
+        DataError as ``DataError(message=...)`` with no local variable holding it: the other spelling
+        (``exception = exc_type(msg); raise exception``) ties the exception, its traceback and the loader iterator
+        in those frames into a reference cycle, so the iterator outlives the caller's ``except`` until a garbage
+        collection, which closes its queues before its ``__del__`` can send the workers their stop message, and
+        the shutdown waits out torch's 5 s join timeout per worker (``tests/integration/test_worker_shutdown.py``)."""
+        return str(self)
 
     def _from_message(self, message: str) -> None:
         super().__init__(message)

@@ -108,9 +108,10 @@ def skip(url: str, **kw: Any) -> tuple[list[int], dict[str, int]]:
 def closing_workers(it: Any) -> Iterator[Any]:
     """A DataLoader iterator whose worker processes are shut down on exit, also when a
     DataError escapes: an abandoned one lives on and slows every later test (its ``__del__``
-    may even run in a later test's forked worker). The escaped exception's frames hold it in a
-    reference cycle, so the garbage collector frees it, in some later test, after finalizing the
-    queue its stop message goes through: torch's shutdown then waits out its 5 s join timeout."""
+    may even run in a later test's forked worker). An exception other than a DataError escapes in
+    a reference cycle with its frames, so the garbage collector frees it, in some later test, after
+    finalizing the queue its stop message goes through: torch's shutdown then waits out its 5 s join
+    timeout (a DataError does not: ``DataError.message``)."""
     try:
         yield it
     finally:
