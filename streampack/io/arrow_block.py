@@ -6,7 +6,7 @@ batch's value buffer with each row a ``(start, length)`` in it. A block holds on
 (:mod:`streampack.io.arrow_ipc`) turns into valid samples with nothing to report (the token column the only one it
 reads, no null or empty row, within ``max_sample_bytes``, ids in range); at the first batch that is not, or that
 cannot be read, the blocks end and that reader reads on from its first row. Reading costs what that reader's range
-costs (the batches before the range read, not decoded).
+costs (the schema and one ranged read from the batch holding the range's first row, with the shard's index).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from streampack.io.token_block import TokenBlock
 
 
 def arrow_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions,
-                 stats: IOStats | None = None) -> Iterator[TokenBlock]:
-    """One block per record batch holding rows ``[where.start, where.end)`` (see the module docstring)."""
+                 stats: IOStats | None = None, table: np.ndarray | None = None) -> Iterator[TokenBlock]:
+    """One block per record batch holding rows ``[where.start, where.end)`` (see the module docstring), read from
+    the batch holding ``where.start`` with the index's batch ``table``."""
     import pyarrow as pa
 
     start, end = where.start, where.end
@@ -38,7 +39,7 @@ def arrow_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Op
         return
     limit, bound = decode.limits.max_sample_bytes, id_bound(decode.vocab_size)
     try:
-        for row, batch, last, pending in ahead(batches(url, opts, limit, stats)):
+        for row, batch, last, pending in ahead(batches(url, opts, limit, stats, table=table, start=start, end=end)):
             top = row + batch.num_rows
             if top > start:
                 schema = batch.schema

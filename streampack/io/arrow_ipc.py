@@ -8,15 +8,17 @@ directory given as a source expands to them in that order (:func:`data_files`). 
 a parquet row is (:mod:`streampack.io.parquet`: an integer-list ``tokens_key`` column, or else a ``text_key`` column,
 plus optional ``labels_key`` / ``loss_mask_key`` lists); its key and its position are the row number.
 
-**What one range costs a reader**: the file is read from byte 0 as one sequential stream (a stream file has no footer
-to seek by). The record batches before row ``start`` are read but not decoded (pyarrow builds their arrays over the
-bytes read, zero-copy: O(columns) CPU a batch), so resuming at row ``r`` costs reading ``bytes(rows < b)`` where ``b``
-is the first row of ``r``'s batch, about ``r x bytes per row``, and O(``r / rows per batch``) CPU; the batches holding
-the range are validated (``RecordBatch.validate(full=True)``) and decoded. One read holds at most
-``max_sample_bytes``: a record batch whose body is larger is refused before it is allocated (``sample_too_large``).
-The per-shard index (:func:`token_lengths`) is one such pass over the whole file, reading only each row's token count
-from the list offsets; memory 4 bytes a row. A truncated or corrupt file is a ``DataError`` naming the file and the
-first row it could not read, never the content.
+**What one range costs a reader**: with the shard index (:func:`index_scan` records each record batch's byte offset
+and first row, :data:`BATCH_DTYPE`), a range from row ``r > 0`` is two ranged reads, the schema message and the file
+from the batch holding ``r`` to the batch after the one holding its last row: ``schema + bytes(those batches)``, under two
+batches more than the rows delivered (under one for a range to the end), whatever ``r`` is. Without it (a whole file read alone, a schema with
+dictionary fields) the file is read from byte 0 as one sequential stream (a stream file has no footer to seek by): the
+batches before the range are read but not decoded (pyarrow builds their arrays over the bytes read, zero-copy:
+O(columns) CPU a batch), about ``r x bytes per row``. The batches holding the range are validated
+(``RecordBatch.validate(full=True)``) and decoded. One read holds at most ``max_sample_bytes``: a record batch whose body
+is larger is refused before it is allocated (``sample_too_large``). The per-shard index is one pass over the whole
+file, reading only each row's token count from the list offsets; memory 4 bytes a row and 16 a batch. A truncated or
+corrupt file is a ``DataError`` naming the file and the first row it could not read, never the content.
 
 An in-memory ``datasets.Dataset`` or a streaming ``IterableDataset`` is not a source: save it with ``save_to_disk``
 (docs/hf_datasets.md).
@@ -27,13 +29,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from streampack.errors import DataError
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, Item
-from streampack.io.open import open_shard
+from streampack.io.open import open_shard, read_range
 from streampack.io.parquet import column_roles, int_lists, row_item, row_values
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
@@ -61,19 +64,28 @@ def data_files(directory: str) -> list[str] | None:
     return [os.path.join(directory, name) for name in files]
 
 
+BATCH_DTYPE = np.dtype([("offset", "<i8"), ("row", "<i8")])
+"""One record batch of a stream file, as the shard index keeps it: the byte offset of its message and its first row
+(a batch's message holds no reference to an earlier one but a dictionary: a file with dictionary fields gets none)."""
+
+
 class _Bounded:
     """A shard stream for pyarrow that refuses one read over ``limit`` bytes before it is made: pyarrow reads a
-    message body in one read of its declared length, so a hostile length is never allocated."""
+    message body in one read of its declared length, so a hostile length is never allocated. ``pos`` counts the
+    bytes read: pyarrow reads a message exactly (prefix, metadata, body), so between batches it is where the next
+    message starts."""
 
-    def __init__(self, raw: BinaryIO, url: str, limit: int) -> None:
-        self.raw, self.url, self.limit, self.row = raw, url, limit, 0
+    def __init__(self, raw: BinaryIO, url: str, limit: int, *, row: int = 0, pos: int = 0) -> None:
+        self.raw, self.url, self.limit, self.row, self.pos = raw, url, limit, row, pos
         self.closed = False
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0 or n > self.limit:
             raise DataError("sample_too_large", f"record batch from row {self.row}: a read of {n} bytes, over "
                             f"max_sample_bytes={self.limit}", url=self.url, key=str(self.row), value=n)
-        return self.raw.read(n)
+        data = self.raw.read(n)
+        self.pos += len(data)
+        return data
 
     def readable(self) -> bool:
         return True
@@ -86,13 +98,53 @@ class _Bounded:
         self.raw.close()
 
 
-def batches(url: str, opts: OpenOptions, limit: int, stats: IOStats | None) -> Iterator[tuple[int, Any]]:
-    """``(first row, record batch)`` of every batch of the file, not yet validated; an unreadable message raises
-    ``DataError("corrupt_shard")`` naming the first row it would hold."""
+class _Spliced:
+    """The schema's bytes, then the file from a record batch on: a stream pyarrow reads as the file without the
+    batches before that one."""
+
+    def __init__(self, head: bytes, tail: BinaryIO) -> None:
+        self.head, self.at, self.tail = head, 0, tail
+
+    def read(self, n: int) -> bytes:
+        out = self.head[self.at:self.at + n]
+        self.at += len(out)
+        while len(out) < n:
+            more = self.tail.read(n - len(out))
+            if not more:
+                break
+            out += more
+        return out
+
+    def close(self) -> None:
+        self.tail.close()
+
+
+def _opened(url: str, opts: OpenOptions, limit: int, stats: IOStats | None, table: np.ndarray | None, start: int,
+            end: int | None) -> _Bounded:
+    """The file for rows ``[start, end)``: from byte 0, or with ``table`` (the index's :data:`BATCH_DTYPE` rows) the
+    schema's bytes and one ranged read from the batch holding row ``start`` to the batch after the one holding row
+    ``end - 1`` (the file's end when ``end`` is None or in the last batch)."""
+    if table is None or not len(table) or start <= int(table["row"][0]):
+        return _Bounded(open_shard(url, 0, opts=opts, stats=stats), url, limit)
+    at = int(np.searchsorted(table["row"], start, side="right")) - 1
+    after = len(table) if end is None else int(np.searchsorted(table["row"], end, side="left"))
+    stop = int(table["offset"][after]) if after < len(table) else None
+    head = read_range(url, 0, int(table["offset"][0]), opts, stats)
+    tail = open_shard(url, int(table["offset"][at]), stop, opts=opts, stats=stats)
+    return _Bounded(_Spliced(head, tail), url, limit, row=int(table["row"][at]),  # type: ignore[arg-type]
+                    pos=int(table["offset"][at]) - len(head))
+
+
+def batches(url: str, opts: OpenOptions, limit: int, stats: IOStats | None, *, table: np.ndarray | None = None,
+            start: int = 0, end: int | None = None, offsets: list[int] | None = None) -> Iterator[tuple[int, Any]]:
+    """``(first row, record batch)`` of every batch of the file, not yet validated (with the index's ``table``,
+    from the batch holding row ``start`` up to the one holding row ``end - 1``: :func:`_opened`); an unreadable
+    message raises ``DataError("corrupt_shard")`` naming the first row it would hold. ``offsets`` gets the byte
+    offset of each batch's message (what the index records)."""
     import pyarrow as pa
 
-    stream = _Bounded(open_shard(url, 0, opts=opts, stats=stats), url, limit)
-    row = 0
+    stream = _opened(url, opts, limit, stats, table, start, end)
+    row = stream.row
     try:
         try:
             reader = pa.ipc.open_stream(stream)
@@ -100,6 +152,7 @@ def batches(url: str, opts: OpenOptions, limit: int, stats: IOStats | None) -> I
             raise DataError("corrupt_shard", f"row 0: no readable Arrow IPC stream schema before it ({type(e).__name__})", url=url, key="0",
                             value=0) from None
         while True:
+            at = stream.pos
             try:
                 batch = reader.read_next_batch()
             except StopIteration:
@@ -109,6 +162,8 @@ def batches(url: str, opts: OpenOptions, limit: int, stats: IOStats | None) -> I
                 raise DataError("corrupt_shard", f"row {row}: cannot read the record batch from it "
                                 f"({type(e).__name__}): truncated or corrupt file", url=url, key=str(row),
                                 value=row) from None
+            if offsets is not None:
+                offsets.append(at)
             yield row, batch
             row += batch.num_rows
             stream.row = row
@@ -135,20 +190,35 @@ def _checked(batch: Any, row: int, url: str) -> tuple[Any, DataError | None]:
                             value=row)
 
 
-def token_lengths(url: str, decode: DecodeOptions, opts: OpenOptions,
-                  stats: IOStats | None = None) -> tuple[np.ndarray, str]:
-    """``(lengths, damage)``: int32 ``[rows]`` each readable row's token count as the reader sees it (-1 where only a
-    tokenizer knows, :data:`~streampack.io.decode.BAD_LENGTH` where the reader refuses the row), and why the file
-    ends early ("" when whole). One pass over the file reading only the token column's list offsets."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ArrowScan:
+    """What indexing one ``.arrow`` file finds."""
+
+    lengths: np.ndarray
+    """int32 ``[rows]``: each readable row's token count as the reader sees it (-1 where only a tokenizer knows,
+    :data:`~streampack.io.decode.BAD_LENGTH` where the reader refuses the row)."""
+    damage: str
+    """Why the file ends early ("" when whole)."""
+    batches: np.ndarray | None
+    """:data:`BATCH_DTYPE` ``[batches]``: where each readable record batch starts (None for a file whose schema has
+    dictionary fields: read from byte 0)."""
+
+
+def index_scan(url: str, decode: DecodeOptions, opts: OpenOptions, stats: IOStats | None = None) -> ArrowScan:
+    """One pass over the file reading only the token column's list offsets, and each batch's byte offset."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     key, limit = decode.tokens_key, decode.limits.max_sample_bytes
     out: list[np.ndarray] = []
-    damage = ""
+    rows: list[int] = []
+    offsets: list[int] = []
+    damage, dictionaries = "", False
     try:
-        for _, batch in batches(url, opts, limit, stats):
+        for row, batch in batches(url, opts, limit, stats, offsets=offsets):
+            rows.append(row)
             schema = batch.schema
+            dictionaries = dictionaries or any(pa.types.is_dictionary(f.type) for f in schema)
             kind = schema.field(key).type if key in schema.names else None
             if kind is None or not int_lists(kind):
                 out.append(np.full(batch.num_rows, -1, np.int32))
@@ -164,7 +234,10 @@ def token_lengths(url: str, decode: DecodeOptions, opts: OpenOptions,
         damage = str(e)
     except (pa.ArrowException, ValueError) as e:  # a token column that fails validation: the reader names the row
         damage = f"corrupt_shard: a record batch fails validation ({type(e).__name__})"
-    return (np.concatenate(out) if out else np.zeros(0, np.int32)), damage
+    table = np.zeros(len(out), BATCH_DTYPE)
+    table["offset"], table["row"] = offsets[:len(out)], rows[:len(out)]
+    return ArrowScan(lengths=np.concatenate(out) if out else np.zeros(0, np.int32), damage=damage,
+                     batches=None if dictionaries else table)
 
 
 def ahead(batches: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any, bool, DataError | None]]:
@@ -182,14 +255,15 @@ def ahead(batches: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any, bool, 
 
 
 def iter_arrow_items(url: str, decode: DecodeOptions, *, opts: OpenOptions, start: int, end: int | None,
-                     stats: IOStats | None = None) -> Iterator[Item]:
-    """Decoded samples of rows ``[start, end)``; a bad row (no usable column, an id out of range, over
-    ``max_sample_bytes``) is an ``Item`` with its error; a truncated or corrupt file raises ``DataError`` naming the
-    first row it cannot read."""
+                     stats: IOStats | None = None, table: np.ndarray | None = None) -> Iterator[Item]:
+    """Decoded samples of rows ``[start, end)`` (read from the batch holding ``start`` with the index's ``table``);
+    a bad row (no usable column, an id out of range, over ``max_sample_bytes``) is an ``Item`` with its error; a
+    truncated or corrupt file raises ``DataError`` naming the first row it cannot read."""
     if end is not None and start >= end:
         return
     total = 0
-    for row, batch, last, pending in ahead(batches(url, opts, decode.limits.max_sample_bytes, stats)):
+    read = batches(url, opts, decode.limits.max_sample_bytes, stats, table=table, start=start, end=end)
+    for row, batch, last, pending in ahead(read):
         total = row + batch.num_rows
         if total > start:
             batch, error = _checked(batch, row, url)
@@ -211,4 +285,4 @@ def iter_arrow_items(url: str, decode: DecodeOptions, *, opts: OpenOptions, star
                         f"truncated file", url=url, key=str(total), value=total)
 
 
-__all__ = ["STATE_FILE", "ahead", "batches", "data_files", "iter_arrow_items", "token_lengths"]
+__all__ = ["BATCH_DTYPE", "STATE_FILE", "ArrowScan", "ahead", "batches", "data_files", "index_scan", "iter_arrow_items"]

@@ -14,7 +14,7 @@ holding given rows) serve a restore's re-read of its carried documents the same 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from streampack.io.arrow_block import arrow_blocks
 from streampack.io.decode import DecodeOptions
@@ -29,6 +29,9 @@ from streampack.io.token_array import token_array_blocks
 from streampack.io.token_block import TokenBlock
 from streampack.io.urls import shard_format
 
+if TYPE_CHECKING:
+    from streampack.io.index import ShardIndex
+
 BLOCK_FORMATS = ("tar", "parquet", "megatron", "token_array", "arrow")
 """Formats with a block reader."""
 
@@ -42,7 +45,8 @@ def block_format(url: str) -> bool:
 
 
 def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions, streams: list[BinaryIO],
-                stats: IOStats | None = None, chunk_bytes: int | None = None) -> Iterator[TokenBlock] | None:
+                stats: IOStats | None = None, chunk_bytes: int | None = None,
+                index: ShardIndex | None = None) -> Iterator[TokenBlock] | None:
     """The blocks of ``where`` in ``url``, or None when the format has no block reader or the decode
     options ask for more than token ids; streams opened are appended to ``streams`` (the caller closes them)."""
     if not block_format(url) or decode.media is not None or decode.labels_key or decode.loss_mask_key:
@@ -54,7 +58,8 @@ def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Ope
     if shard_format(url) == "token_array":
         return token_array_blocks(url, where.start, where.first, where.end, decode=decode, opts=opts, stats=stats)
     if shard_format(url) == "arrow":
-        return arrow_blocks(url, where, decode=decode, opts=opts, stats=stats)
+        return arrow_blocks(url, where, decode=decode, opts=opts, stats=stats,
+                            table=None if index is None else index.batch_table)
     return parquet_blocks(url, where, decode=decode, opts=opts, streams=streams, stats=stats)
 
 

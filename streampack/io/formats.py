@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from streampack.errors import DataError
 from streampack.io.arrow_ipc import iter_arrow_items
@@ -28,6 +28,9 @@ from streampack.io.tar_header import BLOCK as TAR_BLOCK
 from streampack.io.token_array import iter_token_array_items
 from streampack.io.urls import shard_format
 
+if TYPE_CHECKING:
+    from streampack.io.index import ShardIndex
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardRange:
@@ -43,16 +46,23 @@ class ShardRange:
     """Position to stop at (exclusive), or None for the end of the shard."""
 
 
+def seeks_by_index(url: str, where: ShardRange) -> bool:
+    """Whether a range of ``url`` starting where ``where`` does is read from a place its shard index records
+    (a ``.arrow`` stream file has no footer: the index knows where each record batch starts)."""
+    return where.start > 0 and shard_format(url) == "arrow"
+
+
 def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions,
-               streams: list[BinaryIO], stats: IOStats | None = None) -> Iterator[Item]:
-    """Decoded items of ``where`` in ``url`` (streams opened are appended to ``streams``); a missing,
-    unreachable (after retries) or corrupt shard raises ``DataError``."""
+               streams: list[BinaryIO], stats: IOStats | None = None, index: ShardIndex | None = None) -> Iterator[Item]:
+    """Decoded items of ``where`` in ``url`` (streams opened are appended to ``streams``; ``index``: the shard's,
+    when :func:`seeks_by_index`); a missing, unreachable (after retries) or corrupt shard raises ``DataError``."""
     start, end = where.start, where.end
     fmt = shard_format(url)
     if fmt == "megatron":  # ranged reads of its own, closed as they finish
         return iter_megatron_items(url, decode, opts=opts, start=start, end=end, stats=stats)
     if fmt == "arrow":
-        return iter_arrow_items(url, decode, opts=opts, start=start, end=end, stats=stats)
+        return iter_arrow_items(url, decode, opts=opts, start=start, end=end, stats=stats,
+                                table=None if index is None else index.batch_table)
     if fmt == "token_array":
         return iter_token_array_items(url, decode, opts=opts, start=start, first=where.first, end=end, stats=stats)
 
@@ -98,4 +108,4 @@ class _NotEmpty:
         return getattr(self._raw, name)
 
 
-__all__ = ["ShardRange", "open_range"]
+__all__ = ["ShardRange", "open_range", "seeks_by_index"]

@@ -40,7 +40,7 @@ from streampack.io.tar import TarRegion, group_length, iter_tar_units, split_key
 from streampack.io.tar_sparse import SparseStream
 from streampack.io.urls import shard_format
 
-INDEX_VERSION = 4
+INDEX_VERSION = 5
 _MEMO_SIZE = 4  # a worker reads one split shard at a time; a big shard's index is tens of MB
 _memo: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
 _memo_lock = threading.Lock()
@@ -66,6 +66,10 @@ class ShardIndex:
     key_blob: bytes = b""
     """Tar keys, UTF-8, back to back (empty for jsonl / parquet: the key is the number)."""
     key_ends: np.ndarray | None = None
+    batch_table: np.ndarray | None = None
+    """:data:`~streampack.io.arrow_ipc.BATCH_DTYPE` ``[batches]`` of a ``.arrow`` stream file: where each record
+    batch's message starts and its first row, so a range starting at row ``r`` reads the schema and then from the
+    batch holding ``r`` (None for other formats)."""
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0])
@@ -194,9 +198,10 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
         positions, lengths, end = token_array.document_index(url, decode, opts, stats)
         return ShardIndex(url=url, fingerprint=fingerprint, offsets=positions, lengths=lengths, end=end)
     if fmt == "arrow":  # one pass over the stream, reading only the token column's list offsets
-        lengths, damage = arrow_ipc.token_lengths(url, decode, opts, stats)
-        return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(len(lengths), dtype=np.int64),
-                          lengths=lengths, end=len(lengths), damage=damage)
+        scan = arrow_ipc.index_scan(url, decode, opts, stats)
+        return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(len(scan.lengths), dtype=np.int64),
+                          lengths=scan.lengths, end=len(scan.lengths), damage=scan.damage,
+                          batch_table=scan.batches)
     # a shard within one block is one request read whole: ranged reads cannot beat that
     sparse = fmt == "tar" and is_remote(url) and size is not None and (
         ranged == "always" or (ranged == "auto" and size > opts.block_size))
@@ -308,6 +313,8 @@ def encode_index(index: ShardIndex) -> dict[str, np.ndarray]:
     if index.key_ends is not None:
         out["key_blob"] = np.frombuffer(index.key_blob, dtype=np.uint8)
         out["key_ends"] = index.key_ends
+    if index.batch_table is not None:
+        out["batches"] = index.batch_table
     return out
 
 
@@ -318,7 +325,8 @@ def decode_index(data: Any) -> ShardIndex:
                       lengths=data["lengths"] if "lengths" in data else np.full(n, -1, np.int32), end=int(data["end"]),
                       damage=str(data["damage"]), number_array=data["numbers"] if "numbers" in data else None,
                       key_blob=data["key_blob"].tobytes() if "key_blob" in data else b"",
-                      key_ends=data["key_ends"] if "key_ends" in data else None)
+                      key_ends=data["key_ends"] if "key_ends" in data else None,
+                      batch_table=data["batches"] if "batches" in data else None)
 
 
 def cached_index(path: str, fp: str, opts: OpenOptions) -> ShardIndex | None:
@@ -340,8 +348,19 @@ def _whole(data: Mapping[str, np.ndarray]) -> bool:
         return False
     if ("key_ends" in data) != ("key_blob" in data):
         return False
+    if "batches" in data and not _batches_fit(data["batches"], n):
+        return False
     return "key_ends" not in data or (n == 0 and len(data["key_blob"]) == 0) or (
         n > 0 and int(data["key_ends"][-1]) == len(data["key_blob"]) and bool((np.diff(data["key_ends"]) >= 0).all()))
+
+
+def _batches_fit(table: np.ndarray, n: int) -> bool:
+    """Whether a stored batch table is one a range may seek by: rows from 0 and offsets both increasing, rows < n."""
+    if table.dtype != arrow_ipc.BATCH_DTYPE or table.ndim != 1:
+        return False
+    rows, offsets = table["row"], table["offset"]
+    return not len(table) or (int(rows[0]) == 0 and int(offsets[0]) > 0 and int(rows[-1]) < max(n, 1)
+                              and bool((np.diff(rows) > 0).all()) and bool((np.diff(offsets) > 0).all()))
 
 
 __all__ = ["INDEX_VERSION", "ShardIndex", "build_index", "cache_path", "cached_index", "decode_index", "encode_index",

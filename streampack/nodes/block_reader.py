@@ -18,6 +18,7 @@ from streampack.errors import DataError
 from streampack.io.blocks import block_format, read_blocks
 from streampack.io.decode import Item
 from streampack.io.formats import ShardRange, open_range
+from streampack.io.index import ShardIndex
 from streampack.io.shard_identity import ShardChanged
 from streampack.io.token_block import TokenBlock
 from streampack.nodes.reader import ShardReader
@@ -62,6 +63,7 @@ class BlockReader(ShardReader):
         self._block: TokenBlock | None = None
         self._pos = 0
         self._range: tuple[str, ShardRange] | None = None  # where this span's reading began
+        self._index: ShardIndex | None = None  # its shard's index, where the range starts by it
         self._per_sample: tuple[int, int] | None = None  # (epoch, shard_pos) read per sample
 
     def close(self) -> None:
@@ -142,8 +144,9 @@ class BlockReader(ShardReader):
         url, where = self._range = self._start(span)
         if where.end is not None and where.start >= where.end:
             return iter([TokenBlock.of_samples([], done=True)])
+        self._index = self.range_index(span, url, where)
         return read_blocks(url, where, decode=self._decode, opts=self._open, streams=self._streams,
-                           stats=self.io_stats, chunk_bytes=self.chunk_bytes)
+                           stats=self.io_stats, chunk_bytes=self.chunk_bytes, index=self._index)
 
     def _take_over(self, here: tuple[int, int]) -> None:
         """The per-sample reader reads the rest of the span (see the module docstring)."""
@@ -154,7 +157,7 @@ class BlockReader(ShardReader):
 
     def _skipping(self, url: str, where: ShardRange, at: int) -> Iterator[Item]:
         for item in open_range(url, where, decode=self._decode, opts=self._open, streams=self._streams,
-                               stats=self.io_stats):
+                               stats=self.io_stats, index=self._index):
             if item.next_offset <= at:
                 continue
             yield item

@@ -24,7 +24,7 @@ from torchdata.nodes import BaseNode
 from streampack.errors import DataError, ErrorCounter, ErrorPolicy
 from streampack.io import shard_identity
 from streampack.io.decode import Item
-from streampack.io.formats import ShardRange, open_range
+from streampack.io.formats import ShardRange, open_range, seeks_by_index
 from streampack.io.index import ShardIndex, index_decode, load_or_build_index
 from streampack.io.manifest import Manifest, load_saved
 from streampack.io.retry import IOStats
@@ -388,7 +388,18 @@ class ShardReader(BaseNode[Sample]):
         url, where = self._start(span)
         if where.end is not None and where.start >= where.end:
             return iter(())
-        return open_range(url, where, decode=self._decode, opts=self._open, streams=self._streams, stats=self.io_stats)
+        return open_range(url, where, decode=self._decode, opts=self._open, streams=self._streams, stats=self.io_stats,
+                          index=self.range_index(span, url, where))
+
+    def range_index(self, span: ShardSpan | Span, url: str, where: ShardRange) -> ShardIndex | None:
+        """The index of a shard whose format starts ``where`` from a place the index records
+        (:func:`~streampack.io.formats.seeks_by_index`): the manifest's (one read), else the one the span was cut
+        by; a whole shard without a manifest is read from its start (building an index reads all of it)."""
+        if not seeks_by_index(url, where):
+            return None
+        if self.manifest is not None:
+            return self.manifest.load_index(span.shard, self._decode, self._open)
+        return None if isinstance(span, ShardSpan) and span.parts == 1 else self.index(url)
 
 
 def identities_to_state(identities: Mapping[int, ShardStat]) -> str:
