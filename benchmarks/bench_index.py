@@ -5,10 +5,15 @@ and cli/index_cmd.py).
     python benchmarks/bench_index.py local --shards 200 --samples 1000 --jobs 2
     python benchmarks/bench_index.py http --shards 20 --samples 1000 --member 262144 --jobs 4
     python benchmarks/bench_index.py parquet --samples 20000
+    python benchmarks/bench_index.py ranks --shards 2000 --samples 20 --ranks 1 2 4 8
 
 ``parquet`` times one pre-tokenized parquet shard's index: the footer alone (row positions),
 with each row's token count (the token list column's lengths, ``io.parquet.token_lengths``), and
 a whole read of the shard through the reader's decoder, for scale.
+
+``ranks`` runs ``streampack index --rank r --world-size W`` as W processes at once over a loopback server (a
+job's ranks, simulated on one box) and reports per rank its CPU seconds, requests and shards, and rank 0's merge;
+on a box with fewer cores than ranks the wall time says nothing about a real job, the CPU and requests per rank do.
 
 ``http`` serves the shards from a loopback server (Range support) and indexes them with
 ``--ranged always`` and ``never``; member data is written as file holes, so a 5 GB data set
@@ -131,6 +136,47 @@ def bench_http(shards: int, samples: int, member: int, jobs: int) -> list[dict[s
     return rows
 
 
+def bench_ranks(shards: int, samples: int, worlds: list[int]) -> list[dict[str, Any]]:
+    from helpers_data import serve_directory
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        paths = make_set(os.path.join(d, "d"), shards, samples, 0)
+        size = sum(os.path.getsize(p) for p in paths)
+        position = {f"/{os.path.basename(p)}": i for i, p in enumerate(paths)}
+        with serve_directory(os.path.join(d, "d")) as server:
+            pattern = f"{server.url}/shard-{{{0:06d}..{shards - 1:06d}}}.tar"
+            for world in worlds:
+                server.requests.clear()
+                out = os.path.join(d, f"w{world}")
+                t = time.perf_counter()
+                procs = [subprocess.Popen([sys.executable, "-m", "streampack", "index", pattern, "--out", out,
+                                           "--quiet", "--rank", str(r), "--world-size", str(world)],
+                                          stdout=subprocess.PIPE, text=True) for r in range(world)]
+                cpu = []
+                for p in procs:
+                    _, status, usage = os.wait4(p.pid, 0)
+                    p.returncode = os.waitstatus_to_exitcode(status)
+                    cpu.append(usage.ru_utime + usage.ru_stime)
+                wall = time.perf_counter() - t
+                said = [p.stdout.read() for p in procs]
+                if any(p.returncode for p in procs):
+                    raise RuntimeError(f"a rank failed: {said}")
+                merge = float(said[0].split("merged ")[1].split(" in ")[1].split(" s")[0]) if world > 1 else 0.0
+                requests = [0] * world
+                for path, _ in server.requests:
+                    if path in position:
+                        requests[position[path] % world] += 1
+                print(f"ranks W={world}: {shards} shards x {samples} samples ({size / 1e6:.0f} MB) on loopback: wall "
+                      f"{wall:.1f} s (all ranks on this box); per rank CPU {min(cpu):.1f}-{max(cpu):.1f} s, "
+                      f"requests {min(requests)}-{max(requests)} ({sum(requests) / shards:.2f} per shard), "
+                      f"shards {shards // world}-{-(-shards // world)}; rank 0's merge {merge:.2f} s")
+                rows.append({"what": f"ranks W={world}", "shards": shards, "wall_s": round(wall, 1),
+                             "cpu_s_per_rank_max": round(max(cpu), 2), "cpu_s_all_ranks": round(sum(cpu), 1),
+                             "requests_per_rank_max": max(requests), "merge_s": merge})
+    return rows
+
+
 def bench_parquet(samples: int, mean: int = 600) -> list[dict[str, Any]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -169,21 +215,24 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     if quick:
         return bench_manifest(10_000) + bench_local(10, 200, 2)
     return bench_manifest(100_000) + bench_local(100, 1000, 2) + bench_http(20, 1000, 0, 4) + \
-        bench_http(20, 100, 2 << 20, 4)
+        bench_http(20, 100, 2 << 20, 4) + bench_ranks(400, 20, [1, 4])
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("manifest", "local", "http", "parquet"))
+    p.add_argument("what", choices=("manifest", "local", "http", "parquet", "ranks"))
     p.add_argument("--shards", type=int, default=20)
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--member", type=int, default=0)
     p.add_argument("--jobs", type=int, default=4)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8], help="ranks: world sizes to run")
     a = p.parse_args()
     if a.what == "manifest":
         bench_manifest(a.shards)
     elif a.what == "parquet":
         bench_parquet(a.samples)
+    elif a.what == "ranks":
+        bench_ranks(a.shards, a.samples, a.ranks)
     elif a.what == "local":
         bench_local(a.shards, a.samples, a.jobs)
     else:
