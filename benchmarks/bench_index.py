@@ -6,6 +6,7 @@ and cli/index_cmd.py).
     python benchmarks/bench_index.py http --shards 20 --samples 1000 --member 262144 --jobs 4
     python benchmarks/bench_index.py parquet --samples 20000
     python benchmarks/bench_index.py ranks --shards 2000 --samples 20 --ranks 1 2 4 8
+    python benchmarks/bench_index.py merge --shards 100000 --ranks 64
 
 ``parquet`` times one pre-tokenized parquet shard's index: the footer alone (row positions),
 with each row's token count (the token list column's lengths, ``io.parquet.token_lengths``), and
@@ -162,7 +163,7 @@ def bench_ranks(shards: int, samples: int, worlds: list[int]) -> list[dict[str, 
                 said = [p.stdout.read() for p in procs]
                 if any(p.returncode for p in procs):
                     raise RuntimeError(f"a rank failed: {said}")
-                merge = float(said[0].split("merged ")[1].split(" in ")[1].split(" s")[0]) if world > 1 else 0.0
+                merge = float(said[0].split("merged in ")[1].split(" s")[0]) if world > 1 else 0.0
                 requests = [0] * world
                 for path, _ in server.requests:
                     if path in position:
@@ -175,6 +176,50 @@ def bench_ranks(shards: int, samples: int, worlds: list[int]) -> list[dict[str, 
                              "cpu_s_per_rank_max": round(max(cpu), 2), "cpu_s_all_ranks": round(sum(cpu), 1),
                              "requests_per_rank_max": max(requests), "merge_s": merge})
     return rows
+
+
+def bench_merge(shards: int, world: int) -> list[dict[str, Any]]:
+    """Rank 0's merge alone: ``world`` parts of ``shards`` synthetic entries in all, merged in a fresh process."""
+    from streampack.cli.index_parts import JobArguments, write_part
+    from streampack.cli.ranks import JobRank
+    from streampack.io.decode import DecodeOptions
+    from streampack.io.index import index_decode
+    from streampack.io.manifest import ShardTotals
+    from streampack.io.storage import OpenOptions
+
+    rng = np.random.default_rng(0)
+    urls = [f"s3://my-bucket/datasets/web-2026/train/shard-{i:06d}.tar" for i in range(shards)]
+    totals = [ShardTotals(url=u, size=int(rng.integers(1e8, 1e9)), tag=f'"{rng.bytes(16).hex()}-3"',
+                          samples=int(rng.integers(5e4, 1e5)), tokens=int(rng.integers(1e7, 1e8)),
+                          byte_cost=int(rng.integers(1e8, 1e9)), digest="digest=" + rng.bytes(20).hex())
+              for u in urls]
+    decode = index_decode(DecodeOptions())
+    asked = JobArguments.of(urls, decode)
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(world):
+            write_part(d, JobRank(rank=r, world_size=world, source="bench"), asked, totals[r::world], decode,
+                       OpenOptions())
+        part_bytes = sum(e.stat().st_size for e in os.scandir(os.path.join(d, "parts")))
+        with open(os.path.join(d, "urls.txt"), "w") as f:
+            f.write("\n".join(urls))
+        script = ("import os, time\n"
+                  "from streampack.cli.index_parts import JobArguments, merge_parts\n"
+                  "from streampack.cli.ranks import JobRank\n"
+                  "from streampack.io.decode import DecodeOptions\n"
+                  "from streampack.io.index import index_decode\n"
+                  "from streampack.io.storage import OpenOptions\n"
+                  "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20\n"
+                  f"urls = open({os.path.join(d, 'urls.txt')!r}).read().split('\\n')\n"
+                  "decode = index_decode(DecodeOptions()); base = rss(); t = time.perf_counter()\n"
+                  f"m = merge_parts({d!r}, JobRank(rank=0, world_size={world}, source='bench'), urls, "
+                  "JobArguments.of(urls, decode), decode, OpenOptions(), timeout=0)\n"
+                  "print(time.perf_counter() - t, rss() - base, len(m))")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    seconds, rss, n = out.split()[-3:]
+    print(f"merge of {shards} shards from {world} parts ({part_bytes / 1e6:.1f} MB of parts): {float(seconds):.2f} s, "
+          f"RSS +{float(rss):.0f} MiB ({float(rss) * 2**20 / shards:.0f} B/shard)")
+    return [{"what": f"merge W={world}", "shards": int(n), "s": round(float(seconds), 2),
+             "rss_mib": round(float(rss), 1)}]
 
 
 def bench_parquet(samples: int, mean: int = 600) -> list[dict[str, Any]]:
@@ -220,7 +265,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("manifest", "local", "http", "parquet", "ranks"))
+    p.add_argument("what", choices=("manifest", "local", "http", "parquet", "ranks", "merge"))
     p.add_argument("--shards", type=int, default=20)
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--member", type=int, default=0)
@@ -233,6 +278,8 @@ def main() -> None:
         bench_parquet(a.samples)
     elif a.what == "ranks":
         bench_ranks(a.shards, a.samples, a.ranks)
+    elif a.what == "merge":
+        bench_merge(a.shards, a.ranks[0])
     elif a.what == "local":
         bench_local(a.shards, a.samples, a.jobs)
     else:

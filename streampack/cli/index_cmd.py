@@ -27,7 +27,6 @@ import functools
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
@@ -169,10 +168,7 @@ def _run_rank(args: argparse.Namespace, job: JobRank, urls: list[str], decode: A
     print(f"part: {write_part(args.out, job, asked, results, decode, opts)}")
     if job.rank != 0:
         return 0
-    t = time.perf_counter()
-    manifest = merge_parts(args.out, job, urls, asked, decode, opts, timeout=args.wait_timeout)
-    _save(manifest, opts)
-    print(f"merged {job.world_size} parts in {time.perf_counter() - t:.2f} s")
+    _save(merge_parts(args.out, job, urls, asked, decode, opts, timeout=args.wait_timeout), opts)
     return 0
 
 

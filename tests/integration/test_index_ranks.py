@@ -56,7 +56,7 @@ def test_three_processes_write_the_single_process_manifest(tmp_path):
     assert single.returncode == 0, single.stderr
     said = _finish([_launch(_index_args(urls, tmp_path / "job"), r, 3, how)
                     for r, how in enumerate(("torchrun", "slurm", "flags"))])
-    assert "rank 0 of 3 (torchrun" in said[0] and "rank 1 of 3 (SLURM" in said[1] and "merged 3 parts" in said[0]
+    assert "rank 0 of 3 (torchrun" in said[0] and "rank 1 of 3 (SLURM" in said[1] and "the 3 parts were there" in said[0]
     assert_same_manifest(tmp_path / "one", tmp_path / "job")
 
 
@@ -111,7 +111,7 @@ def test_a_rank_killed_mid_share_resumes_without_reading_its_indexed_shards_agai
         _SlowHandler.delay = 0.0
         _SlowHandler.asked.clear()
         said = _finish([rank0, _launch(_index_args(urls, tmp_path / "job"), 1, 2, "torchrun")])
-        assert "merged 2 parts" in said[0]
+        assert "the 2 parts were there" in said[0]
         assert {f: f.stat().st_mtime_ns for f in done} == done, "an indexed shard's index was rebuilt"
         for f, url in zip(index_files, urls[1::2]):
             asked = [(m, r) for m, p, r in _SlowHandler.asked if p == "/" + url.rsplit("/", 1)[1]]
@@ -134,3 +134,18 @@ def test_pack_ranks_as_processes_read_back_every_document_once(tmp_path):
     assert "from 2 ranks" in said[0]
     got = _read_all(tmp_path / "job")
     assert sorted(got.values()) == sorted(docs)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_launches_index_as_its_ranks(tmp_path):
+    from tests.unit.cli.test_ranks import assert_same_manifest
+
+    urls = write_tar_shards(tmp_path / "in", make_token_docs(60, seed=11), 5, fmt="npy")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for out, launcher in (("one", []), ("job", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])):
+        done = subprocess.run([sys.executable, *launcher, "-m", "streampack", *_index_args(urls, tmp_path / out)],
+                              env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 1 of 2 (torchrun" in done.stdout and "the 2 parts were there" in done.stdout
+    assert_same_manifest(tmp_path / "one", tmp_path / "job")
