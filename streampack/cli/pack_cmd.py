@@ -2,7 +2,8 @@
 
 For a dataset reused across many runs, where the best fill matters more than streaming: every
 sequence is read and all aligned lengths packed at once. All ids are held in memory (int64,
-~1.2 GB per 150M tokens): beyond a few hundred million tokens, pack per subset.
+~1.2 GB per 150M tokens): beyond a few hundred million tokens, pack per subset, or run it as the ranks of a
+torchrun / SLURM job, each of which packs and holds only its share (:mod:`streampack.cli.pack_parts`).
 """
 
 from __future__ import annotations
