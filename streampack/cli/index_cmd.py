@@ -32,7 +32,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 from streampack.cli._data import CliError, add_limit_arguments, no_bar, parsed_limits
-from streampack.cli.ranks import JobRank, add_rank_arguments, job_rank
+from streampack.cli.ranks import JobRank, add_rank_arguments, job_of
 from streampack.io.tar_sparse import RANGED_MODES
 from streampack.io.token_array import TOKEN_DTYPES
 
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--out writes a manifest and its index files; --cache-dir fills the per-shard cache: pick one")
     if args.eos_id is not None and args.eos_id < 0:
         raise CliError(f"--eos-id={args.eos_id} must be >= 0")
-    job = job_rank(args.rank, args.world_size)
+    job = job_of(args)
     limits = parsed_limits(args)
     opts = OpenOptions(retry=RetryPolicy(budget=args.retry_budget),
                        storage_options=_storage_options(args.storage_option))

@@ -113,7 +113,9 @@ def _load_part(out: str, job: JobRank, rank: int, asked: JobArguments, share: Se
         differ = asked.differences(data)
         if differ:
             raise CliError(f"rank {rank} was started with other arguments than rank 0: {'; '.join(differ)}; "
-                           f"every rank must run the same `streampack index` command (part {path!r})")
+                           f"every rank must run the same `streampack index` command (or the part {path!r} is "
+                           f"left from an earlier launch with other arguments and rank {rank} has not yet started: "
+                           f"delete it)")
         fields = checked_fields(path, data, MANIFEST_VERSION)
         part = Manifest(location=out, limits=Limits(**fields.pop("limits")), **fields)
     except (DamagedFile, ValueError) as e:

@@ -81,7 +81,7 @@ class Packed:
 
 
 def run(args: argparse.Namespace) -> int:
-    from streampack.cli.ranks import job_rank
+    from streampack.cli.ranks import job_of
     from streampack.io.packed_writer import packed_fields, write_packed_dataset
     from streampack.packing import ALGORITHMS
 
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     align = _align(args)
-    job = job_rank(args.rank, args.world_size)
+    job = job_of(args)
     fields = packed_fields(with_labels=args.labels_key is not None, with_mask=args.loss_mask_key is not None)
     if job.world_size > 1:
         from streampack.cli.pack_parts import run_rank

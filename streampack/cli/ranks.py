@@ -89,6 +89,13 @@ def job_rank(rank: int | None, world_size: int | None, environ: Mapping[str, str
     return JobRank(rank=r, world_size=w, source=source)
 
 
+def job_of(args: Any) -> JobRank:
+    """:func:`job_rank` of the flags :func:`add_rank_arguments` added, ``--wait-timeout`` checked before any work."""
+    if not args.wait_timeout >= 0:
+        raise CliError(f"--wait-timeout={args.wait_timeout} must be >= 0")
+    return job_rank(args.rank, args.world_size)
+
+
 def add_rank_arguments(p: Any) -> None:
     p.add_argument("--rank", type=int, default=None,
                    help="this process's rank in a job of --world-size processes (default: torchrun's RANK, "
@@ -104,8 +111,6 @@ def gather(load: Callable[[int], T | None], world_size: int, *, timeout: float, 
     """Every rank's part, in rank order: ``load(r)`` returns it, None while it is not there, or raises
     ``CliError`` (a failed or mismatched rank). ``CliError`` naming the missing ranks when ``timeout`` seconds
     pass without a new part."""
-    if not timeout >= 0:
-        raise CliError(f"--wait-timeout={timeout} must be >= 0")
     parts: dict[int, T] = {}
     pause, last = 0.05, time.monotonic()
     while True:
@@ -126,4 +131,4 @@ def gather(load: Callable[[int], T | None], world_size: int, *, timeout: float, 
         pause = min(pause * 2, 5.0)
 
 
-__all__ = ["PARTS_DIR", "JobRank", "add_rank_arguments", "gather", "job_rank"]
+__all__ = ["PARTS_DIR", "JobRank", "add_rank_arguments", "gather", "job_of", "job_rank"]

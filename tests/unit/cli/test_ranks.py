@@ -175,3 +175,8 @@ def test_a_pack_rank_with_other_settings_is_refused(tmp_path, capsys):
     assert _pack(urls, tmp_path / "job", "--rank", "0", "--world-size", "2") == 2
     assert "rank 1 was started with other arguments than rank 0 (its settings differ: seed)" in capsys.readouterr().err
     assert not (tmp_path / "job" / "manifest.json").exists()
+
+
+def test_a_negative_wait_is_refused_before_any_work(tmp_path, shards, capsys):
+    assert _index(shards, tmp_path / "job", "--rank", "0", "--world-size", "2", "--wait-timeout", "-1") == 2
+    assert "--wait-timeout=-1.0 must be >= 0" in capsys.readouterr().err and not (tmp_path / "job").exists()
