@@ -76,13 +76,16 @@ class Packed:
     lengths: np.ndarray
     """int64 ``[D]``: each document's tokens."""
     metrics: dict[str, Any]
+    fields: list[str]
+    """The tar fields of every pack: labels and loss masks where asked for (``--labels-key``, ``--loss-mask-key``)
+    or carried by any document."""
     counters: OverlongCounters
     errors: dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
     from streampack.cli.ranks import job_of
-    from streampack.io.packed_writer import packed_fields, write_packed_dataset
+    from streampack.io.packed_writer import write_packed_dataset
     from streampack.packing import ALGORITHMS
 
     if args.algorithm not in ALGORITHMS:
@@ -92,17 +95,16 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     align = _align(args)
     job = job_of(args)
-    fields = packed_fields(with_labels=args.labels_key is not None, with_mask=args.loss_mask_key is not None)
     if job.world_size > 1:
         from streampack.cli.pack_parts import run_rank
 
-        return run_rank(args, job, align=align, fields=fields, pack_share=_pack)
+        return run_rank(args, job, align=align, pack_share=_pack)
     start = time.perf_counter()
     packed = _pack(args, args.urls, align)
     with tqdm_bar(args, total=len(packed.bins), desc="writing", unit="pack") as bar:
         manifest = write_packed_dataset(
             packed.docs, packed.bins, args.out, capacity=args.capacity, align=align, cp_size=args.cp_size,
-            tp_size=args.tp_size, algorithm=args.algorithm, seed=args.seed, fields=fields,
+            tp_size=args.tp_size, algorithm=args.algorithm, seed=args.seed, fields=packed.fields,
             packs_per_shard=args.packs_per_shard, metrics=packed.metrics, progress=bar.update,
             extra={"sources": [str(u) for u in args.urls], "overlong": args.overlong,
                    "overlong_counters": packed.counters.as_dict(), "errors": packed.errors},
@@ -136,6 +138,7 @@ def _align(args: argparse.Namespace) -> int:
 
 def _pack(args: argparse.Namespace, urls: Sequence[str], align: int) -> Packed:
     """Read every document of ``urls`` (all held in memory), apply the overlong policy and pack them all at once."""
+    from streampack.io.packed_writer import packed_fields
     from streampack.nodes.overlong import OverlongCounters, apply_overlong
     from streampack.options import ReadOptions, TokenizeOptions
     from streampack.packing import pack, packing_metrics
@@ -159,5 +162,7 @@ def _pack(args: argparse.Namespace, urls: Sequence[str], align: int) -> Packed:
     bins = pack(aligned, args.capacity, algorithm=args.algorithm, seed=args.seed)
     metrics = dataclasses.asdict(packing_metrics(aligned, bins, args.capacity))  # ints and floats: JSON as they are
     metrics["fill"] = float(lengths.sum() / (len(bins) * args.capacity))
-    return Packed(docs=docs, bins=bins, lengths=lengths, metrics=metrics, counters=counters,
+    fields = packed_fields(with_labels=args.labels_key is not None or any(d.labels is not None for d in docs),
+                           with_mask=args.loss_mask_key is not None or any(d.loss_mask is not None for d in docs))
+    return Packed(docs=docs, bins=bins, lengths=lengths, metrics=metrics, fields=fields, counters=counters,
                   errors=samples.nodes["errors"].as_dict())

@@ -59,12 +59,12 @@ def _read_json(path: Path) -> Any:
         raise CliError(f"cannot read {str(path)!r}: {e}") from None
 
 
-def _asked(args: argparse.Namespace, urls: Sequence[str], align: int, fields: Sequence[str]) -> dict[str, Any]:
+def _asked(args: argparse.Namespace, urls: Sequence[str], align: int) -> dict[str, Any]:
     settings = {name: getattr(args, name) for name in SETTINGS}
     if args.tokenizer is not None:  # a path: what the ids depend on is its contents
         settings["tokenizer"] = hashlib.sha1(Path(args.tokenizer).read_bytes()).hexdigest()
     return {"count": len(urls), "urls_sha1": hashlib.sha1("\n".join(urls).encode()).hexdigest(), "align": align,
-            "fields": list(fields), "settings": settings}
+            "settings": settings}
 
 
 def _inputs(share: Sequence[str], args: argparse.Namespace) -> str:
@@ -82,7 +82,7 @@ def _reusable(record: Any, asked: dict[str, Any], inputs: str, out: Path) -> boo
             and all((out / s["name"]).is_file() for s in record.get("shards", ())))
 
 
-def run_rank(args: argparse.Namespace, job: JobRank, *, align: int, fields: Sequence[str],
+def run_rank(args: argparse.Namespace, job: JobRank, *, align: int,
              pack_share: Callable[[argparse.Namespace, Sequence[str], int], Any]) -> int:
     """One rank: its share packed (or its record of an earlier launch reused), and on rank 0 the manifest."""
     from streampack.io.packed_writer import write_packed_shards
@@ -91,7 +91,7 @@ def run_rank(args: argparse.Namespace, job: JobRank, *, align: int, fields: Sequ
     out = Path(args.out)
     urls = expand_urls(args.urls)
     share = [urls[i] for i in job.share(len(urls))]
-    asked = _asked(args, urls, align, fields)
+    asked = _asked(args, urls, align)
     inputs = _inputs(share, args)
     _failed_path(out, job).unlink(missing_ok=True)
     record = _read_json(_record_path(out, job))
@@ -102,7 +102,7 @@ def run_rank(args: argparse.Namespace, job: JobRank, *, align: int, fields: Sequ
         for partial in out.glob(f"{prefix}*.tar.tmp"):  # an earlier launch killed mid-shard
             partial.unlink()
         record = {"job": asked, "inputs": inputs, "shards": [], "pack_lengths": [], "pack_docs": [],
-                  "pack_loads": [], "documents": 0, "tokens": 0, "overlong_counters": {}, "errors": {}}
+                  "pack_loads": [], "fields": None, "documents": 0, "tokens": 0, "overlong_counters": {}, "errors": {}}
         if share:
             try:
                 packed = pack_share(args, share, align)
@@ -110,9 +110,10 @@ def run_rank(args: argparse.Namespace, job: JobRank, *, align: int, fields: Sequ
                 _write_json(_failed_path(out, job), {"error": str(e)})
                 raise
             written = write_packed_shards(packed.docs, packed.bins, out, capacity=args.capacity, align=align,
-                                          fields=fields, prefix=prefix, packs_per_shard=args.packs_per_shard)
+                                          fields=packed.fields, prefix=prefix,
+                                          packs_per_shard=args.packs_per_shard)
             record.update(shards=list(written.shards), pack_lengths=list(written.pack_lengths),
-                          pack_docs=list(written.pack_docs), pack_loads=list(written.pack_loads),
+                          pack_docs=list(written.pack_docs), pack_loads=list(written.pack_loads), fields=packed.fields,
                           documents=len(packed.docs), tokens=int(packed.lengths.sum()),
                           overlong_counters=packed.counters.as_dict(), errors=packed.errors)
         _write_json(_record_path(out, job), record)
@@ -124,7 +125,7 @@ def run_rank(args: argparse.Namespace, job: JobRank, *, align: int, fields: Sequ
         return 0
     records = gather(lambda r: _load(out, job, r, asked), job.world_size, timeout=args.wait_timeout,
                      where=str(out / PARTS_DIR))
-    _write_manifest(args, out, records, align=align, fields=fields)
+    _write_manifest(args, out, records, align=align)
     return 0
 
 
@@ -142,15 +143,28 @@ def _load(out: Path, job: JobRank, rank: int, asked: dict[str, Any]) -> dict[str
                         if asked["settings"].get(k) != theirs.get("settings", {}).get(k))
         what = (f"its URL list is {theirs.get('count')} shard(s), rank 0's {asked['count']}"
                 if (theirs.get("count"), theirs.get("urls_sha1")) != (asked["count"], asked["urls_sha1"])
-                else f"its settings differ: {', '.join(differ) or 'alignment or fields'}")
+                else f"its settings differ: {', '.join(differ) or 'alignment'}")
         raise CliError(f"rank {rank} was started with other arguments than rank 0 ({what}); every rank must run "
                        f"the same `streampack pack` command (or {str(_record_path(out, job, rank))!r} is left from "
                        f"an earlier launch with other arguments: delete it)")
     return record
 
 
-def _write_manifest(args: argparse.Namespace, out: Path, records: Sequence[dict[str, Any]], *, align: int,
-                    fields: Sequence[str]) -> None:
+def _fields(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The one field list of every pack; ``CliError`` when ranks wrote different ones (a share whose documents
+    carry labels or loss masks beside one whose documents do not: the manifest names one list for every pack)."""
+    written = {tuple(r["fields"]) for r in records if r.get("fields") is not None}
+    if len(written) > 1:
+        ranks = {f: [i for i, r in enumerate(records) if r.get("fields") is not None and tuple(r["fields"]) == f]
+                 for f in written}
+        which = "; ".join(f"ranks {v}: {list(k)}" for k, v in ranks.items())
+        raise CliError(f"the ranks wrote packs of different fields ({which}): pass --labels-key / --loss-mask-key "
+                       f"so that every rank writes them (a document without its own is supervised on its tokens) "
+                       f"and run the job again")
+    return list(written.pop()) if written else []
+
+
+def _write_manifest(args: argparse.Namespace, out: Path, records: Sequence[dict[str, Any]], *, align: int) -> None:
     import dataclasses
 
     import numpy as np
@@ -158,6 +172,7 @@ def _write_manifest(args: argparse.Namespace, out: Path, records: Sequence[dict[
     from streampack.io.packed_writer import PackedShards, write_packed_manifest
     from streampack.packing import packing_metrics
 
+    fields = _fields(records)
     written = [PackedShards(shards=tuple(r["shards"]), pack_lengths=tuple(r["pack_lengths"]),
                             pack_docs=tuple(r["pack_docs"]), pack_loads=tuple(r["pack_loads"])) for r in records]
     loads = np.asarray([n for w in written for n in w.pack_loads], dtype=np.int64)

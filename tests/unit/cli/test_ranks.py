@@ -180,3 +180,14 @@ def test_a_pack_rank_with_other_settings_is_refused(tmp_path, capsys):
 def test_a_negative_wait_is_refused_before_any_work(tmp_path, shards, capsys):
     assert _index(shards, tmp_path / "job", "--rank", "0", "--world-size", "2", "--wait-timeout", "-1") == 2
     assert "--wait-timeout=-1.0 must be >= 0" in capsys.readouterr().err and not (tmp_path / "job").exists()
+
+
+def test_pack_ranks_whose_documents_carry_other_fields_are_refused(tmp_path, capsys):
+    docs = make_token_docs(40, seed=8, max_len=60)
+    with_labels = write_tar_shards(tmp_path / "in", docs[:20], 2, prefix="a", labels=[[1] * len(d) for d in docs[:20]])
+    plain = write_tar_shards(tmp_path / "in", docs[20:], 2, prefix="b")
+    urls = [with_labels[0], plain[0], with_labels[1], plain[1]]  # rank 0: labels, rank 1: none
+    for r in (1, 0):
+        assert _pack(urls, tmp_path / "job", "--rank", str(r), "--world-size", "2") == (0 if r else 2)
+    err = capsys.readouterr().err
+    assert "the ranks wrote packs of different fields" in err and "'labels.npy'" in err and "--labels-key" in err
