@@ -29,12 +29,17 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streampack.cli._data import CliError, add_limit_arguments, no_bar, parsed_limits
 from streampack.cli.ranks import JobRank, add_rank_arguments, job_of
 from streampack.io.tar_sparse import RANGED_MODES
 from streampack.io.token_array import TOKEN_DTYPES
+
+if TYPE_CHECKING:
+    from streampack.io.decode import DecodeOptions
+    from streampack.io.manifest import Manifest
+    from streampack.io.storage import OpenOptions
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     return _run_rank(args, job, urls, decode, opts)
 
 
-def _run_rank(args: argparse.Namespace, job: JobRank, urls: list[str], decode: Any, opts: Any) -> int:
+def _run_rank(args: argparse.Namespace, job: JobRank, urls: list[str], decode: DecodeOptions,
+              opts: OpenOptions) -> int:
     """One rank of a job: its share, its part, and on rank 0 the merge (see :mod:`streampack.cli.ranks`)."""
     from streampack.cli.index_parts import JobArguments, clear_own, merge_parts, write_failure, write_part
 
@@ -172,14 +178,14 @@ def _run_rank(args: argparse.Namespace, job: JobRank, urls: list[str], decode: A
     return 0
 
 
-def _save(manifest: Any, opts: Any) -> None:
+def _save(manifest: Manifest, opts: OpenOptions) -> None:
     from streampack.io.manifest import save_manifest
 
     save_manifest(manifest, opts)
     print(f"manifest: {len(manifest)} shard(s) -> {manifest.location}")
 
 
-def _index(args: argparse.Namespace, urls: list[str], decode: Any, opts: Any, *,
+def _index(args: argparse.Namespace, urls: list[str], decode: DecodeOptions, opts: OpenOptions, *,
            desc: str) -> tuple[list[Any], list[str]]:
     """Index ``urls`` (into ``--out`` or the cache) on the pool; prints damaged and failed shards and the totals;
     returns the results in URL order (manifest entries with ``--out``, else indexes) and the failure lines."""
