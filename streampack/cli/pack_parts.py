@@ -10,6 +10,9 @@ rank's fill under ``ranks``; the folder reads back through ``PackedDataset`` as 
 
 Resume is per rank: a rank whose record is there for the same job, the same input identities and with its shards
 present does not read its share again; a rank killed before its record was written packs its whole share again.
+A rank that repacks removes its record first; rank 0 checks a record's job, not its inputs (that would be a
+``stat`` of every input shard on rank 0), so an earlier launch's record of a changed share can be merged only if
+rank 0 reads it before that share's rank has started and removed it.
 
 **Cost** per rank: its share's documents read and held once (ids as int64: ≈ 8 B a token), one ``stat`` per
 input shard of its share, its output shards and one record written; rank 0 W record reads and O(packs) memory.
@@ -98,6 +101,7 @@ def run_rank(args: argparse.Namespace, job: JobRank, *, align: int,
     if _reusable(record, asked, inputs, out):
         print(f"{job.describe()}: its {len(record['shards'])} shard(s) of packs are there for these inputs: kept")
     else:
+        _record_path(out, job).unlink(missing_ok=True)  # rank 0 must not merge it while its shards are rewritten
         prefix = f"part-{job.part_name()}-"
         for partial in out.glob(f"{prefix}*.tar.tmp"):  # an earlier launch killed mid-shard
             partial.unlink()
