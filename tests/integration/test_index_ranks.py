@@ -124,6 +124,7 @@ def test_a_rank_killed_mid_share_resumes_without_reading_its_indexed_shards_agai
         assert_same_manifest(tmp_path / "one", tmp_path / "job")
 
 
+@pytest.mark.slow
 def test_pack_ranks_as_processes_read_back_every_document_once(tmp_path):
     from tests.unit.cli.test_ranks import _read_all
 
