@@ -7,6 +7,7 @@ and cli/index_cmd.py).
     python benchmarks/bench_index.py parquet --samples 20000
     python benchmarks/bench_index.py ranks --shards 2000 --samples 20 --ranks 1 2 4 8
     python benchmarks/bench_index.py merge --shards 100000 --ranks 64
+    python benchmarks/bench_index.py pack --shards 16 --samples 500 --ranks 1 2 4 8
 
 ``parquet`` times one pre-tokenized parquet shard's index: the footer alone (row positions),
 with each row's token count (the token list column's lengths, ``io.parquet.token_lengths``), and
@@ -222,6 +223,37 @@ def bench_merge(shards: int, world: int) -> list[dict[str, Any]]:
              "rss_mib": round(float(rss), 1)}]
 
 
+def bench_pack_ranks(shards: int, samples: int, worlds: list[int], capacity: int = 4096) -> list[dict[str, Any]]:
+    """``streampack pack`` as W ranks (run one after another in this process, rank 0 last): the fill of the whole
+    set and of each rank's share, beside one process's on the same documents (packs never span two shares)."""
+    import json
+
+    from helpers_data import write_tar_shards
+
+    from streampack.cli.main import main as cli
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(600), 1.0, shards * samples), 1, capacity).astype(int)
+    docs = [rng.integers(0, 50_000, n).tolist() for n in lengths]
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        urls = write_tar_shards(os.path.join(d, "in"), docs, shards, fmt="npy")
+        for world in worlds:
+            out = os.path.join(d, f"w{world}")
+            for r in range(world - 1, -1, -1):
+                flags = ["--rank", str(r), "--world-size", str(world)] if world > 1 else []
+                if cli(["pack", *urls, "--out", out, "--capacity", str(capacity), "--no-progress", *flags]):
+                    raise RuntimeError(f"pack rank {r} of {world} failed")
+            with open(os.path.join(out, "manifest.json")) as f:
+                m = json.load(f)
+            per_rank = [r["fill"] for r in m.get("ranks", [])] or [m["metrics"]["fill"]]
+            print(f"pack W={world}: {len(docs)} documents, capacity {capacity}: fill {m['metrics']['fill']:.2%}, "
+                  f"per rank {min(per_rank):.2%}-{max(per_rank):.2%}, {m['num_packs']} packs")
+            rows.append({"what": f"pack W={world}", "fill": round(m["metrics"]["fill"], 4),
+                         "fill_rank_min": round(min(per_rank), 4), "packs": m["num_packs"]})
+    return rows
+
+
 def bench_parquet(samples: int, mean: int = 600) -> list[dict[str, Any]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -265,7 +297,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("manifest", "local", "http", "parquet", "ranks", "merge"))
+    p.add_argument("what", choices=("manifest", "local", "http", "parquet", "ranks", "merge", "pack"))
     p.add_argument("--shards", type=int, default=20)
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--member", type=int, default=0)
@@ -280,6 +312,8 @@ def main() -> None:
         bench_ranks(a.shards, a.samples, a.ranks)
     elif a.what == "merge":
         bench_merge(a.shards, a.ranks[0])
+    elif a.what == "pack":
+        bench_pack_ranks(a.shards, a.samples, a.ranks)
     elif a.what == "local":
         bench_local(a.shards, a.samples, a.jobs)
     else:
