@@ -2,7 +2,7 @@
 
 Rank ``r`` of ``W`` writes ``DIR/parts/rank-r-of-W.spm.npz``: the manifest arrays of its share (the same file format
 and checks as ``manifest.spm.npz``) plus what the job was asked, the expanded URL list's count and SHA-1 and the
-index settings, so rank 0 refuses a rank started with other arguments instead of merging its entries. A rank whose
+index settings, and the launch's id (:attr:`JobRank.launch`: a part of an earlier launch is waited past), so rank 0 refuses a rank started with other arguments instead of merging its entries. A rank whose
 shards fail writes ``rank-r-of-W.failed.npz`` naming them, and rank 0 stops at once. Rank 0 then puts entry ``i``
 of part ``r`` at shard ``r + i·W`` and writes the manifest through the one path a single process takes
 (:meth:`Manifest.of` + :func:`save_manifest`), so the result is the single-process manifest of the same URLs.
@@ -88,28 +88,30 @@ def write_part(out: str, job: JobRank, asked: JobArguments, totals: Sequence[Sha
                decode: DecodeOptions, opts: OpenOptions) -> str:
     """This rank's entries (in share order) as a part file, atomically; returns its path."""
     path = _path(out, job, PART_SUFFIX)
-    if not save_arrays(path, {**manifest_arrays(Manifest.of(out, totals, decode)), **asked.arrays()}, opts):
+    arrays = {**manifest_arrays(Manifest.of(out, totals, decode)), **asked.arrays(), "launch": np.array(job.launch)}
+    if not save_arrays(path, arrays, opts):
         raise OSError(f"cannot write the part {path!r}")
     return path
 
 
 def write_failure(out: str, job: JobRank, lines: Sequence[str], opts: OpenOptions) -> None:
     """Tell rank 0 this rank failed (so it stops at once instead of waiting its timeout)."""
-    save_arrays(_path(out, job, FAILED_SUFFIX), {"failed": np.array("\n".join(lines))}, opts)
+    save_arrays(_path(out, job, FAILED_SUFFIX), {"failed": np.array("\n".join(lines)), "launch": np.array(job.launch)},
+                opts)
 
 
 def _load_part(out: str, job: JobRank, rank: int, asked: JobArguments, share: Sequence[str],
                opts: OpenOptions) -> Manifest | None:
     failed = read_arrays(_path(out, job, FAILED_SUFFIX, rank), opts)
-    if failed is not None:
+    if failed is not None and str(failed.get("launch", "")) == job.launch:
         lines = str(failed["failed"]).splitlines()
         raise CliError(f"rank {rank} could not index {len(lines)} shard(s), e.g. {lines[0] if lines else '?'}: no "
                        f"manifest written (the index files made are kept: run the job again to resume)")
     path = _path(out, job, PART_SUFFIX, rank)
     try:
         data = read_arrays(path, opts)
-        if data is None:
-            return None
+        if data is None or str(data.get("launch", "")) != job.launch:
+            return None  # not written yet, or left by an earlier launch: this launch's rank r will replace it
         differ = asked.differences(data)
         if differ:
             raise CliError(f"rank {rank} was started with other arguments than rank 0: {'; '.join(differ)}; "

@@ -10,9 +10,11 @@ rank's fill under ``ranks``; the folder reads back through ``PackedDataset`` as 
 
 Resume is per rank: a rank whose record is there for the same job, the same input identities and with its shards
 present does not read its share again; a rank killed before its record was written packs its whole share again.
-A rank that repacks removes its record first; rank 0 checks a record's job, not its inputs (that would be a
-``stat`` of every input shard on rank 0), so an earlier launch's record of a changed share can be merged only if
-rank 0 reads it before that share's rank has started and removed it.
+A rank that repacks removes its record first. Every record carries the launch's id (:attr:`JobRank.launch`), and
+rank 0 merges only records of its own launch: a record an earlier launch left counts only once its rank has checked
+its inputs again and rewritten it (rank 0 checks a record's job, not its inputs, which would be a ``stat`` of every
+input shard on rank 0). Without a launch id (``--rank`` flags and no ``--launch-id``) an earlier launch's record of
+a changed share could be merged if rank 0 read it before that rank started.
 
 **Cost** per rank: its share's documents read and held once (ids as int64: ≈ 8 B a token), one ``stat`` per
 input shard of its share, its output shards and one record written; rank 0 W record reads and O(packs) memory.
@@ -100,18 +102,19 @@ def run_rank(args: argparse.Namespace, job: JobRank, *, align: int,
     record = _read_json(_record_path(out, job))
     if _reusable(record, asked, inputs, out):
         print(f"{job.describe()}: its {len(record['shards'])} shard(s) of packs are there for these inputs: kept")
+        record["launch"] = job.launch  # checked again just now: rank 0 may merge it under this launch
     else:
         _record_path(out, job).unlink(missing_ok=True)  # rank 0 must not merge it while its shards are rewritten
         prefix = f"part-{job.part_name()}-"
         for partial in out.glob(f"{prefix}*.tar.tmp"):  # an earlier launch killed mid-shard
             partial.unlink()
-        record = {"job": asked, "inputs": inputs, "shards": [], "pack_lengths": [], "pack_docs": [],
+        record = {"job": asked, "inputs": inputs, "launch": job.launch, "shards": [], "pack_lengths": [], "pack_docs": [],
                   "pack_loads": [], "fields": None, "documents": 0, "tokens": 0, "overlong_counters": {}, "errors": {}}
         if share:
             try:
                 packed = pack_share(args, share, align)
             except ValueError as e:  # CliError and DataError included: rank 0 stops at once instead of waiting
-                _write_json(_failed_path(out, job), {"error": str(e)})
+                _write_json(_failed_path(out, job), {"error": str(e), "launch": job.launch})
                 raise
             written = write_packed_shards(packed.docs, packed.bins, out, capacity=args.capacity, align=align,
                                           fields=packed.fields, prefix=prefix,
@@ -135,12 +138,12 @@ def run_rank(args: argparse.Namespace, job: JobRank, *, align: int,
 
 def _load(out: Path, job: JobRank, rank: int, asked: dict[str, Any]) -> dict[str, Any] | None:
     failed = _read_json(_failed_path(out, job, rank))
-    if failed is not None:
+    if failed is not None and failed.get("launch", "") == job.launch:
         raise CliError(f"rank {rank} failed: {failed.get('error')}: no manifest written (the ranks that finished "
                        f"keep their packs: run the job again)")
     record = _read_json(_record_path(out, job, rank))
-    if record is None:
-        return None
+    if record is None or record.get("launch", "") != job.launch:
+        return None  # not written yet, or left by an earlier launch: rank r checks its inputs and rewrites it
     theirs = record.get("job", {})
     if theirs != asked:
         differ = sorted(k for k in {*asked["settings"], *theirs.get("settings", {})}

@@ -44,6 +44,10 @@ class JobRank:
     world_size: int
     source: str
     """Where the two came from (``--rank/--world-size``, torchrun's or SLURM's variables, or one process)."""
+    launch: str = ""
+    """This launch's id, the same on every rank and new at every launch (``--launch-id``, else torchrun's
+    ``TORCHELASTIC_RUN_ID``, else SLURM's ``SLURM_JOB_ID.SLURM_STEP_ID``; empty when none is known): rank 0 merges
+    only parts written under it, so a part an earlier launch left is never taken for one this launch wrote."""
 
     def share(self, n: int) -> range:
         """Positions of the shards this rank handles among ``n``: every ``world_size``-th from ``rank``."""
@@ -62,7 +66,22 @@ _ENVIRONMENTS = (("torchrun (RANK / WORLD_SIZE)", "RANK", "WORLD_SIZE"),
                  ("SLURM (SLURM_PROCID / SLURM_NTASKS)", "SLURM_PROCID", "SLURM_NTASKS"))
 
 
-def job_rank(rank: int | None, world_size: int | None, environ: Mapping[str, str] = os.environ) -> JobRank:
+def launch_id(given: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """``given``, else torchrun's run id (``--standalone`` draws a new one per launch; ``none`` is its unset
+    default), else SLURM's job and step ids, else ``""`` (parts are then told apart by each rank removing its own
+    old part when it starts)."""
+    if given:
+        return given
+    run = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run and run != "none":
+        return f"torchrun:{run}"
+    if "SLURM_JOB_ID" in environ:
+        return f"slurm:{environ['SLURM_JOB_ID']}.{environ.get('SLURM_STEP_ID', '')}"
+    return ""
+
+
+def job_rank(rank: int | None, world_size: int | None, environ: Mapping[str, str] = os.environ,
+             launch: str | None = None) -> JobRank:
     """This process's rank and the job's size: ``--rank/--world-size`` first, then torchrun's ``RANK`` /
     ``WORLD_SIZE``, then SLURM's ``SLURM_PROCID`` / ``SLURM_NTASKS``, else one process; ``CliError`` naming the
     values when half of a pair is given, a value is not an integer, or the rank is outside ``[0, world_size)``."""
@@ -78,7 +97,7 @@ def job_rank(rank: int | None, world_size: int | None, environ: Mapping[str, str
                 raise CliError(f"{source}: only {rank_var if rank_var in environ else size_var} is set")
             found = (source, environ[rank_var], environ[size_var])
     if found is None:
-        return JobRank(rank=0, world_size=1, source="one process")
+        return JobRank(rank=0, world_size=1, source="one process", launch=launch_id(launch, environ))
     source, got_rank, got_size = found
     try:
         r, w = int(got_rank), int(got_size)
@@ -86,14 +105,14 @@ def job_rank(rank: int | None, world_size: int | None, environ: Mapping[str, str
         raise CliError(f"{source}: rank {got_rank!r} and world size {got_size!r} must be integers") from None
     if not (w >= 1 and 0 <= r < w):
         raise CliError(f"{source}: rank={r}, world size={w}: want world size >= 1 and 0 <= rank < world size")
-    return JobRank(rank=r, world_size=w, source=source)
+    return JobRank(rank=r, world_size=w, source=source, launch=launch_id(launch, environ))
 
 
 def job_of(args: Any) -> JobRank:
     """:func:`job_rank` of the flags :func:`add_rank_arguments` added, ``--wait-timeout`` checked before any work."""
     if not args.wait_timeout >= 0:
         raise CliError(f"--wait-timeout={args.wait_timeout} must be >= 0")
-    return job_rank(args.rank, args.world_size)
+    return job_rank(args.rank, args.world_size, launch=args.launch_id)
 
 
 def add_rank_arguments(p: Any) -> None:
@@ -101,6 +120,9 @@ def add_rank_arguments(p: Any) -> None:
                    help="this process's rank in a job of --world-size processes (default: torchrun's RANK, "
                         "else SLURM's SLURM_PROCID, else a job of one)")
     p.add_argument("--world-size", type=int, default=None, help="processes in the job (see --rank)")
+    p.add_argument("--launch-id", default=None, metavar="ID",
+                   help="the same on every rank, new at each launch (default: torchrun's TORCHELASTIC_RUN_ID, else "
+                        "SLURM's job and step ids): rank 0 merges only parts written under it")
     p.add_argument("--wait-timeout", type=float, default=3600.0, metavar="S",
                    help="rank 0: seconds to wait for the next rank's part before giving up, naming the ranks "
                         "missing (default %(default)s)")
@@ -131,4 +153,4 @@ def gather(load: Callable[[int], T | None], world_size: int, *, timeout: float, 
         pause = min(pause * 2, 5.0)
 
 
-__all__ = ["PARTS_DIR", "JobRank", "add_rank_arguments", "gather", "job_of", "job_rank"]
+__all__ = ["PARTS_DIR", "JobRank", "add_rank_arguments", "gather", "job_of", "job_rank", "launch_id"]

@@ -13,7 +13,7 @@ from helpers_data import make_token_docs, write_tar_shards
 
 from streampack.cli._data import CliError
 from streampack.cli.main import main
-from streampack.cli.ranks import JobRank, gather, job_rank
+from streampack.cli.ranks import JobRank, gather, job_rank, launch_id
 from streampack.io.index_cache import read_arrays
 from streampack.io.packed_format import read_manifest
 from streampack.io.storage import OpenOptions
@@ -191,3 +191,42 @@ def test_pack_ranks_whose_documents_carry_other_fields_are_refused(tmp_path, cap
         assert _pack(urls, tmp_path / "job", "--rank", str(r), "--world-size", "2") == (0 if r else 2)
     err = capsys.readouterr().err
     assert "the ranks wrote packs of different fields" in err and "'labels.npy'" in err and "--labels-key" in err
+
+
+@pytest.mark.parametrize(("given", "env", "want"), [
+    ("mine", {"TORCHELASTIC_RUN_ID": "abc"}, "mine"),
+    (None, {"TORCHELASTIC_RUN_ID": "abc", "SLURM_JOB_ID": "7"}, "torchrun:abc"),
+    (None, {"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "2"}, "slurm:7.2"),
+    (None, {}, ""),
+])
+def test_the_launch_id_comes_from_the_flag_then_torchrun_then_slurm(given, env, want):
+    assert launch_id(given, env) == want
+
+
+def test_rank_0_merges_no_index_part_an_earlier_launch_left(tmp_path, shards, capsys):
+    job = tmp_path / "job"
+    for r in (1, 0):
+        assert _index(shards, job, "--rank", str(r), "--world-size", "2", "--launch-id", "first") == 0
+    os.remove(job / "manifest.spm.npz")
+    # the next launch's rank 0 finishes before its rank 1 starts: rank 1's part on disk is the first launch's
+    assert _index(shards, job, "--rank", "0", "--world-size", "2", "--launch-id", "second", "--wait-timeout", "0.3") == 2
+    assert "parts of rank(s) 1 of 2" in capsys.readouterr().err and not (job / "manifest.spm.npz").exists()
+    for r in (1, 0):
+        assert _index(shards, job, "--rank", str(r), "--world-size", "2", "--launch-id", "second") == 0
+    assert _index(shards, tmp_path / "one") == 0
+    assert_same_manifest(tmp_path / "one", job)
+
+
+def test_rank_0_merges_no_pack_record_an_earlier_launch_left_until_its_rank_checked_it(tmp_path, capsys):
+    urls = write_tar_shards(tmp_path / "in", make_token_docs(100, seed=9, max_len=120), 4, fmt="npy")
+    job = tmp_path / "job"
+    for r in (1, 0):
+        assert _pack(urls, job, "--rank", str(r), "--world-size", "2", "--launch-id", "first") == 0
+    write_tar_shards(tmp_path / "in", make_token_docs(100, seed=10, max_len=120), 4, fmt="npy")  # new contents
+    assert _pack(urls, job, "--rank", "0", "--world-size", "2", "--launch-id", "second", "--wait-timeout", "0.3") == 2
+    assert "parts of rank(s) 1 of 2" in capsys.readouterr().err
+    assert _pack(urls, job, "--rank", "1", "--world-size", "2", "--launch-id", "second") == 0
+    assert "kept" not in capsys.readouterr().out  # rank 1 saw its inputs changed and packed them again
+    assert _pack(urls, job, "--rank", "0", "--world-size", "2", "--launch-id", "second") == 0
+    assert _pack(urls, tmp_path / "one") == 0
+    assert _read_all(job) == _read_all(tmp_path / "one")
