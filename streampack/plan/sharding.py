@@ -127,6 +127,21 @@ class WorkEnds:
     spans: int
 
 
+def spans_from_ends(ends: WorkEnds, order: np.ndarray, samples: np.ndarray) -> list[Span] | None:
+    """A planned epoch's spans from their ends: the head, the whole non-empty shards between head and tail in the
+    epoch's ``order`` (``samples``: every shard's sample count), the tail; None if they do not add up to
+    ``ends.spans`` (the ends were not cut from this order). O(N) in shards, no index read."""
+    if ends.spans == 1:
+        return [ends.head]
+    where = np.empty_like(order)
+    where[order] = np.arange(len(order))
+    middle = order[where[ends.head.shard] + 1:where[ends.tail.shard]]
+    middle = middle[np.asarray(samples)[middle] > 0]
+    if len(middle) + 2 != ends.spans:
+        return None
+    return [ends.head, *(Span(shard=int(s)) for s in middle), ends.tail]
+
+
 def _none_to(value: int | None) -> int:
     return -1 if value is None else int(value)
 
