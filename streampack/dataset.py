@@ -248,7 +248,8 @@ class PackedDataset(IterableDataset):
             return {}
         now = graph_metrics(self._graph.nodes)
         plan = now.pop("plan")
-        if self._graph.loop is not None:
+        # no finished epoch, nothing to add: state_dict() runs after every batch, and the sum is half of this call
+        if self._graph.loop is not None and self._graph.loop.totals:
             now = add_metrics(self._graph.loop.totals, now)
             if now.get("packing"):
                 now["packing"]["fill"] = fill(now["packing"])

@@ -242,7 +242,8 @@ class EpochPlanner:
              spans: list[Span] | None = None) -> ReaderPlan:
         """Reader ``global_worker``'s spans and (when batches are counted) its late quota. ``spans``: the ones a
         restored state recorded (:meth:`spans_from_ends`), taken instead of cutting the epoch again, which reads
-        the index of every shard a boundary falls in (up to 4; ~5 ms each for a 4 M-token tar corpus's shards)."""
+        the index of every shard a boundary falls in (up to 4) before a restored reader's first batch
+        (``benchmarks/bench_restore.py --phases``, "of which plan")."""
         if self._plan is None or self._plan_of != (epoch, global_worker) or spans is not None:
             spans = spans if spans is not None else self.spans(epoch, global_worker)
             quota = None
