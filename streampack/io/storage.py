@@ -226,6 +226,10 @@ def stat(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat
 def identity(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat:
     """What identifies a shard's current contents: its size and the store's tag (ETag / mtime
     / blob id) for a remote object, its size and ``st_mtime_ns`` for a local file."""
+    if url.startswith("hf-dataset://"):  # a datasets.Dataset's rows: its row count and fingerprint
+        from streampack.io.hf_dataset import identity as dataset_identity
+
+        return dataset_identity(url)
     if is_remote(url):
         return stat(url, opts, stats)
     try:
