@@ -52,7 +52,7 @@ def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
     fmt = shard_format(url)
     if fmt == "megatron":  # ranged reads of its own, closed as they finish
         return iter_megatron_items(url, decode, opts=opts, start=start, end=end, stats=stats)
-    if fmt == "hf_dataset":
+    if fmt in ("hf_dataset", "hf_stream"):
         return iter_dataset_items(url, decode, start=start, end=end)
     if fmt == "arrow":
         return iter_arrow_items(url, decode, opts=opts, start=start, end=end, stats=stats)

@@ -59,6 +59,12 @@ def is_dataset(obj: Any) -> bool:
     return datasets is not None and isinstance(obj, datasets.Dataset)
 
 
+def is_source_object(obj: Any) -> bool:
+    """Whether ``obj`` is a ``datasets.Dataset`` or ``IterableDataset`` (read by :func:`shards_of` or
+    :func:`streampack.io.hf_stream.shards_of`)."""
+    return is_dataset(obj) or is_streaming(obj)
+
+
 def is_streaming(obj: Any) -> bool:
     """Whether ``obj`` is a streaming ``datasets.IterableDataset``."""
     datasets = sys.modules.get("datasets")
@@ -86,7 +92,7 @@ class Held:
 
     def record_batches(self, lo: int, hi: int, columns: list[str]) -> Iterator[tuple[int, Any]]:
         """``(first dataset row, record batch)`` of dataset rows ``[lo, hi)``, only ``columns``."""
-        table = self.table.select(columns)
+        table = self.table.select(columns)  # zero-copy: only the columns read are touched
         for a in range(lo, hi, READ_ROWS):
             b = min(a + READ_ROWS, hi)
             part = table.slice(a, b - a) if self.indices is None else table.take(self.indices[a:b])
@@ -217,24 +223,40 @@ def _validated(batch: Any, row: int, url: str) -> tuple[Any, DataError | None]:
     return batch, DataError("corrupt_shard", f"rows from {row}: fail validation", url=url, key=str(row), value=row)
 
 
-def iter_dataset_items(url: str, decode: DecodeOptions, *, start: int, end: int | None) -> Iterator[Item]:
-    """Decoded samples of the shard's rows ``[start, end)``; a bad row is an ``Item`` with its error."""
+def shard_batches(url: str, start: int, end: int | None,
+                  decode: DecodeOptions) -> tuple[Iterator[tuple[int, Any, bool]], int | None]:
+    """``((first row, record batch, last of the range), ...)`` of the shard's rows from ``start`` (to ``end``), only
+    the columns ``decode`` reads (:func:`~streampack.io.parquet.column_roles`, whose ``missing_field`` it raises), and
+    the row the range stops at when known: a ``hf-dataset://`` row range of a ``Dataset``, or a ``hf-stream://``
+    shard of an ``IterableDataset`` (:mod:`streampack.io.hf_stream`)."""
+    if not is_object_url(url):
+        from streampack.io.hf_stream import stream_batches
+
+        return stream_batches(url, start, end, decode), end
     held, lo, hi = source(url)
     stop = hi - lo if end is None else min(end, hi - lo)
-    if start >= stop:
+    columns = sorted(set(column_roles(held.table.schema.names, decode, url).values()))
+    return ((first - lo, batch, first - lo + batch.num_rows == stop)
+            for first, batch in held.record_batches(lo + start, lo + stop, columns)), stop
+
+
+def iter_dataset_items(url: str, decode: DecodeOptions, *, start: int, end: int | None) -> Iterator[Item]:
+    """Decoded samples of the shard's rows ``[start, end)``; a bad row is an ``Item`` with its error."""
+    batches, stop = shard_batches(url, start, end, decode)
+    if stop is not None and start >= stop:
         return
-    columns = column_roles(held.table.schema.names, decode, url)
-    for first, batch in held.record_batches(lo + start, lo + stop, sorted(set(columns.values()))):
-        row = first - lo
+    for row, batch, last in batches:
+        columns = column_roles(batch.schema.names, decode, url)
         batch, error = _validated(batch, row, url)
         values = {field: row_values(batch.column(batch.schema.get_field_index(name)))
                   for field, name in columns.items()}
         for i in range(batch.num_rows):
-            yield row_item(values, i, row + i, url=url, at_end=row + i + 1 == stop, opts=decode, check=True)
+            at_end = last and error is None and i + 1 == batch.num_rows
+            yield row_item(values, i, row + i, url=url, at_end=at_end, opts=decode, check=True)
         if error is not None:
             raise error
 
 
 __all__ = ["READ_ROWS", "ROWS_PER_SHARD", "SCHEME", "DatasetShards", "Held", "identity",
-           "is_dataset", "is_object_url", "is_streaming", "iter_dataset_items", "shards_of", "source",
+           "is_dataset", "is_object_url", "is_source_object", "is_streaming", "iter_dataset_items", "shard_batches", "shards_of", "source",
            "token_lengths"]

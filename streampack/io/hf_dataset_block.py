@@ -15,7 +15,7 @@ import numpy as np
 
 from streampack.errors import DataError
 from streampack.io.decode import DecodeOptions
-from streampack.io.hf_dataset import source
+from streampack.io.hf_dataset import shard_batches
 from streampack.io.limits import id_bound
 from streampack.io.parquet import column_roles, int_lists
 from streampack.io.parquet_block import rows_ok
@@ -28,19 +28,21 @@ def dataset_blocks(url: str, start: int, end: int | None, *, decode: DecodeOptio
     that does not the blocks end and the per-sample reader reads on from there."""
     import pyarrow as pa
 
-    held, lo, hi = source(url)
-    stop = hi - lo if end is None else min(end, hi - lo)
-    if start >= stop:
+    try:
+        batches, stop = shard_batches(url, start, end, decode)
+    except DataError:
+        return  # no column to read: the per-sample reader says so
+    if stop is not None and start >= stop:
         yield TokenBlock.numbered(url, np.zeros(0, np.int64), np.zeros(1, np.int64), start, done=True)
         return
-    try:
-        if column_roles(held.table.schema.names, decode, url) != {"tokens": decode.tokens_key}:
-            return
-    except DataError:
-        return
     limit, bound = decode.limits.max_sample_bytes, id_bound(decode.vocab_size)
-    for first, batch in held.record_batches(lo + start, lo + stop, [decode.tokens_key]):
-        column = batch.column(0)
+    for row, batch, last in batches:
+        try:
+            if column_roles(batch.schema.names, decode, url) != {"tokens": decode.tokens_key}:
+                return  # the per-sample reader reads more than the ids
+        except DataError:
+            return
+        column = batch.column(batch.schema.get_field_index(decode.tokens_key))
         if not int_lists(column.type, fixed=False) or column.null_count or column.values.null_count:
             return
         try:
@@ -51,9 +53,7 @@ def dataset_blocks(url: str, start: int, end: int | None, *, decode: DecodeOptio
         values = column.values.to_numpy()
         if not rows_ok(offsets, values, limit, bound):
             return
-        row = first - lo
-        yield TokenBlock.numbered(url, values, offsets, row, done=row + batch.num_rows == stop)
-
+        yield TokenBlock.numbered(url, values, offsets, row, done=last)
 
 
 __all__ = ["dataset_blocks"]

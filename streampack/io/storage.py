@@ -226,10 +226,10 @@ def stat(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat
 def identity(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat:
     """What identifies a shard's current contents: its size and the store's tag (ETag / mtime
     / blob id) for a remote object, its size and ``st_mtime_ns`` for a local file."""
-    if url.startswith("hf-dataset://"):  # a datasets.Dataset's rows: its row count and fingerprint
-        from streampack.io.hf_dataset import identity as dataset_identity
+    if url.startswith(("hf-dataset://", "hf-stream://")):  # a datasets object's rows (io.hf_dataset, io.hf_stream)
+        from streampack.io import hf_dataset, hf_stream
 
-        return dataset_identity(url)
+        return hf_dataset.identity(url) if url.startswith("hf-dataset://") else hf_stream.identity(url)
     if is_remote(url):
         return stat(url, opts, stats)
     try:
