@@ -17,7 +17,7 @@ from streampack.errors import DataError
 from streampack.io.arrow_ipc import iter_arrow_items
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import DecodeOptions, Item
-from streampack.io.hf_dataset import iter_dataset_items
+from streampack.io.hf_rows import iter_dataset_items
 from streampack.io.jsonl import iter_jsonl_items
 from streampack.io.megatron import iter_megatron_items
 from streampack.io.open import open_shard, skip_bytes

@@ -15,7 +15,7 @@ import numpy as np
 
 from streampack.errors import DataError
 from streampack.io.decode import DecodeOptions
-from streampack.io.hf_dataset import shard_batches
+from streampack.io.hf_rows import shard_batches
 from streampack.io.limits import id_bound
 from streampack.io.parquet import column_roles, int_lists
 from streampack.io.parquet_block import rows_ok

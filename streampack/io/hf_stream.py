@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from streampack.errors import DataError
+from streampack.io import storage
 from streampack.io.decode import DecodeOptions
 from streampack.io.hf_dataset import READ_ROWS, DatasetShards
 from streampack.io.parquet import column_roles
@@ -116,6 +117,9 @@ def identity(url: str) -> ShardStat:
     """No size (a stream has none to give) and the stream's name."""
     stream, _ = source(url)
     return ShardStat(size=None, tag=f"stream={stream.name}")
+
+
+storage.IN_PROCESS[SCHEME] = identity
 
 
 def stream_batches(url: str, start: int, end: int | None, decode: DecodeOptions) -> Iterator[tuple[int, Any, bool]]:
