@@ -46,12 +46,30 @@ from streampack.io.storage import ShardStat
 SCHEME = "hf-dataset://"
 ROWS_PER_SHARD = 1 << 16
 """Rows of a shard: the unit of the epoch's shard order and of an index. 65,536 rows keep a 10^9-row table at 15,259
-shards (within the 10^5 a manifest plans) while a small data set still has several shards to order."""
+shards (within the 10^5 a manifest plans); a smaller data set is one shard, split between readers by row."""
 READ_ROWS = 1024
 """Rows taken from the table at once: what a reader holds beyond the table (a ``take`` through a mapping copies it)."""
 
-_REGISTRY: weakref.WeakValueDictionary[str, Held] = weakref.WeakValueDictionary()
-_LOCK = threading.Lock()
+
+class Registry:
+    """The ``datasets`` objects of this process by name, held weakly (an object lives as long as a ``PackedDataset`` or
+    reader keeps it). Several live objects may share a name (the same data, e.g. the dataset given twice); any of
+    them serves, so one going away never orphans the others' URLs."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, weakref.WeakSet[Any]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, obj: Any) -> None:
+        with self._lock:
+            self._held.setdefault(name, weakref.WeakSet()).add(obj)
+
+    def get(self, name: str) -> Any:
+        with self._lock:
+            return next(iter(self._held.get(name, ())), None)
+
+
+_REGISTRY = Registry()
 
 
 def is_dataset(obj: Any) -> bool:
@@ -85,8 +103,7 @@ class Held:
                                            ds._indices.column(0).to_numpy().astype(np.int64, copy=False))
         self.rows = len(ds)
         self._lengths: dict[tuple[str, str, int], np.ndarray] = {}
-        with _LOCK:
-            _REGISTRY[self.fingerprint] = self
+        _REGISTRY.add(self.fingerprint, self)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return Held, (self.ds,)
@@ -183,8 +200,7 @@ def source(url: str) -> tuple[Held, int, int]:
     """The registered dataset of ``url`` and its rows ``[lo, hi)``; ``DataError("missing_shard")`` when no dataset of
     that fingerprint is held by this process (a URL copied alone, or a dataset garbage-collected)."""
     fingerprint, lo, hi = _parse(url)
-    with _LOCK:
-        held = _REGISTRY.get(fingerprint)
+    held = _REGISTRY.get(fingerprint)
     if held is None:
         raise DataError("missing_shard", f"no datasets.Dataset with fingerprint {fingerprint} in this process: pass "
                         f"the Dataset object itself as the source (its URLs alone cannot be read)", url=url, value=url)
@@ -209,6 +225,6 @@ def token_lengths(url: str, decode: DecodeOptions) -> np.ndarray:
     return held.lengths(decode)[lo:hi]
 
 
-__all__ = ["READ_ROWS", "ROWS_PER_SHARD", "SCHEME", "DatasetShards", "Held", "identity",
+__all__ = ["READ_ROWS", "ROWS_PER_SHARD", "SCHEME", "DatasetShards", "Held", "Registry", "identity",
            "is_dataset", "is_object_url", "is_source_object", "is_streaming", "shards_of", "source",
            "token_lengths"]

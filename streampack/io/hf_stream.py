@@ -29,21 +29,18 @@ workers share it).
 from __future__ import annotations
 
 import hashlib
-import threading
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from streampack.errors import DataError
 from streampack.io import storage
 from streampack.io.decode import DecodeOptions
-from streampack.io.hf_dataset import READ_ROWS, DatasetShards
+from streampack.io.hf_dataset import READ_ROWS, DatasetShards, Registry
 from streampack.io.parquet import column_roles
 from streampack.io.storage import ShardStat
 
 SCHEME = "hf-stream://"
-_REGISTRY: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
-_LOCK = threading.Lock()
+_REGISTRY = Registry()
 
 
 def refusal(url: str) -> str:
@@ -76,8 +73,7 @@ class Stream:
 
     def __init__(self, ds: Any) -> None:
         self.ds, self.name, self.num_shards = ds, stream_name(ds), ds.num_shards
-        with _LOCK:
-            _REGISTRY[self.name] = self
+        _REGISTRY.add(self.name, self)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return Stream, (self.ds,)
@@ -105,8 +101,7 @@ def source(url: str) -> tuple[Stream, int]:
     index, _, count = rest.partition("-of-")
     if not index.isdigit() or not count.isdigit() or int(index) >= int(count):
         raise ValueError(f"{url!r} is not a {SCHEME}<name>/shard-<i>-of-<n> shard")
-    with _LOCK:
-        stream = _REGISTRY.get(name)
+    stream = _REGISTRY.get(name)
     if stream is None or stream.num_shards != int(count):
         raise DataError("missing_shard", f"no datasets.IterableDataset named {name} with {count} shards in this "
                         f"process: pass the IterableDataset object itself as the source", url=url, value=url)

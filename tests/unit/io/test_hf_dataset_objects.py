@@ -164,6 +164,18 @@ def test_spawned_dataloader_workers_get_the_table_with_the_dataset(ids, tmp_path
     assert got == expected_of(ds)
 
 
+def test_another_holder_of_the_same_dataset_going_away_orphans_nothing(ids, tmp_path):
+    """The registry is weak and by fingerprint: a second holder of the same data (here the same object listed again,
+    then dropped) must not take the first holder's entry with it."""
+    import gc
+
+    ds = datasets.Dataset.from_dict({"input_ids": ids})
+    pd = PackedDataset(ds, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=str(tmp_path)))
+    ShardList.of(datasets.Dataset.from_dict({"input_ids": ids}))  # the same fingerprint, dropped at once
+    gc.collect()
+    assert documents_by_key(pd) == expected_of(ds)
+
+
 def test_a_state_of_another_dataset_is_refused(ids, tmp_path):
     read = ReadOptions(cache_dir=str(tmp_path))
     one = PackedDataset(datasets.Dataset.from_dict({"input_ids": ids}), capacity=CAP, epochs=1, read=read)
