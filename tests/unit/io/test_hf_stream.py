@@ -106,3 +106,32 @@ def test_a_url_without_its_stream_is_named(ids):
     with pytest.raises(DataError, match="no datasets.IterableDataset named") as e:
         list(open_range(url, ShardRange(start=0, first=0), decode=DecodeOptions(), opts=OpenOptions(), streams=[]))
     assert e.value.reason == "missing_shard" and e.value.url == url
+
+
+def test_a_stateful_dataloader_worker_resumes_exactly(ids, tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = stream(ids, "mapped_shuffled")
+    loader = lambda: StatefulDataLoader(packed(ds, tmp_path, epochs=1), batch_size=None,  # noqa: E731
+                                        num_workers=1, multiprocessing_context="fork")
+    whole = [canon(b) for b in loader()]
+    first = loader()
+    head = [canon(b) for b in take(iter(first), 4)]
+    again = loader()
+    again.load_state_dict(roundtrip(first.state_dict()))
+    assert head + [canon(b) for b in again] == whole
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+def test_a_bad_row_names_the_shard_and_row_never_the_content(blocks, tmp_path, monkeypatch):
+    read_as(monkeypatch, blocks)
+    rows = [[1, 2], [3, 99_999], [4], [5, 6]]
+    ds = datasets.Dataset.from_dict({"input_ids": rows, "note": ["TOPSECRET"] * 4}).to_iterable_dataset(num_shards=2)
+    with pytest.raises(DataError) as e:
+        list(PackedDataset(ds, capacity=32, epochs=1, read=ReadOptions(vocab_size=1000, cache_dir=str(tmp_path))))
+    assert e.value.reason == "out_of_vocab_id" and e.value.url == ShardList.of(ds).urls[0] and e.value.key == "1"
+    assert "TOPSECRET" not in str(e.value)
+    skip = PackedDataset(ds, capacity=32, epochs=1, read=ReadOptions(vocab_size=1000, on_error="skip",
+                                                                     cache_dir=str(tmp_path)))
+    assert sorted(documents_by_key(skip).values()) == [[1, 2], [4], [5, 6]]
+    assert skip.metrics()["errors"]["counts"] == {"out_of_vocab_id": 1}
