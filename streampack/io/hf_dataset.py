@@ -157,6 +157,10 @@ def shards_of(ds: Any) -> DatasetShards:
     """The shards of ``ds`` (see the module docstring); an empty dataset is a ``ValueError``."""
     if len(ds) == 0:
         raise ValueError(f"the datasets.Dataset {ds._fingerprint} has no rows")
+    if ds.format["type"] == "custom":  # ds[i] is the transform's output, which the table does not hold
+        raise ValueError(f"the datasets.Dataset {ds._fingerprint} has a transform (set_transform / with_transform) "
+                         f"applied when a row is read: streampack reads the table's rows, so apply it with "
+                         f"ds.map(...) instead (or ds.reset_format() to read the rows as stored)")
     files = _whole_files(ds)
     if files is not None:
         return DatasetShards(urls=tuple(files), held=None)

@@ -4,8 +4,10 @@
 ``ds.shard(num_shards=n, index=i)`` yields (``datasets``' own split of its data sources, one each), in the order it
 yields it, with all of ``ds``'s ``map`` / ``filter`` / ``shuffle`` steps. A sample's position and key are its number
 in its shard. ``<name>`` hashes the stream's description (data set and config name, split, shard count, the files its
-source reads and its steps' kinds): ``datasets`` gives a streaming pipeline no fingerprint, so a state saved on
-another stream of the same description (another ``map`` function over the same files) is not told apart.
+source reads, or the fingerprints of the ``Dataset`` s ``to_iterable_dataset`` streams, and its steps' kinds):
+``datasets`` gives a streaming pipeline no fingerprint, so two streams of one description (another ``map`` function
+over the same files) are not told apart: a state saved on one resumes on the other, and in one process the readers of
+either may read the other.
 
 **Exact resume.** A streampack state refers to every document still in a buffer by (shard, position) and re-reads it
 (:mod:`streampack.plan.replay`); one position of the whole pipeline (``IterableDataset.state_dict()``) cannot name
@@ -59,12 +61,24 @@ def stream_name(ds: Any) -> str:
     while getattr(source, "ex_iterable", None) is not None:
         steps.append(type(source).__name__)
         source = source.ex_iterable
-    files = {k: v for k, v in (getattr(source, "kwargs", None) or {}).items()
-             if isinstance(v, str) or (isinstance(v, list) and all(isinstance(f, str) for f in v))}
+    reads = {k: _named(v) for k, v in (getattr(source, "kwargs", None) or {}).items()}
     info = ds.info
     text = repr((info.dataset_name, info.config_name, str(ds.split), ds.num_shards, type(source).__name__,
-                 sorted(files.items()), steps))
+                 sorted((k, v) for k, v in reads.items() if v is not None), steps))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _named(value: Any) -> Any:
+    """What names a source's argument: a file name as itself, a ``Dataset`` (``to_iterable_dataset``'s shards) by its
+    fingerprint, a list of them element by element; None for anything else (not part of the name)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(getattr(value, "_fingerprint", None), str):
+        return f"fingerprint={value._fingerprint}"
+    if isinstance(value, list):
+        named = [_named(v) for v in value]
+        return named if all(n is not None for n in named) else None
+    return None
 
 
 class Stream:

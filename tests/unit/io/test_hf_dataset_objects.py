@@ -219,3 +219,10 @@ def test_hostile_rows_name_the_shard_and_row_never_the_content(blocks, tmp_path,
                          read=ReadOptions(vocab_size=1000, on_error="skip", cache_dir=str(tmp_path)))
     assert sorted(documents_by_key(skip).values()) == [[1, 2], [3, 4, 5], [6]]
     assert skip.metrics()["errors"]["counts"] == {"out_of_vocab_id": 1, "missing_field": 1, "empty_sample": 1}
+
+
+def test_a_transform_applied_on_read_is_refused_naming_map(ids):
+    """``ds[i]`` of a dataset with ``set_transform`` is the transform's output, not the table's row."""
+    ds = datasets.Dataset.from_dict({"input_ids": ids}).with_transform(lambda batch: batch)
+    with pytest.raises(ValueError, match=r"with_transform.*ds\.map"):
+        PackedDataset(ds, capacity=CAP)

@@ -26,7 +26,7 @@ SHARDS = 4
 @pytest.fixture(scope="module")
 def ids() -> list[list[int]]:
     rng = np.random.default_rng(3)
-    return [rng.integers(0, 50_000, int(n)).tolist() for n in np.clip(rng.lognormal(3.5, 0.9, 240), 1, 2 * CAP)]
+    return [rng.integers(0, 50_000, int(n)).tolist() for n in np.clip(rng.lognormal(3.5, 0.9, 160), 1, 2 * CAP)]
 
 
 def plus_one(row: dict) -> dict:
@@ -135,3 +135,11 @@ def test_a_bad_row_names_the_shard_and_row_never_the_content(blocks, tmp_path, m
                                                                      cache_dir=str(tmp_path)))
     assert sorted(documents_by_key(skip).values()) == [[1, 2], [4], [5, 6]]
     assert skip.metrics()["errors"]["counts"] == {"out_of_vocab_id": 1}
+
+
+def test_streams_of_other_datasets_have_other_names(ids):
+    """``to_iterable_dataset`` of two tables with the same shape: named by the tables' fingerprints, never one for the
+    other."""
+    one = ShardList.of(stream(ids)).urls
+    other = ShardList.of(stream(ids[::-1])).urls
+    assert len(set(one) | set(other)) == 2 * SHARDS
