@@ -12,6 +12,8 @@
   by its fingerprint (:class:`Held`); the URL names the fingerprint, so a state saved on another dataset does not
   match these sources and is refused.
 
+A dataset with a transform applied on read (``set_transform``) is refused: ``ds[i]`` is not the table's row.
+
 A row is decoded as a parquet row is (:func:`streampack.io.parquet.row_item`: an integer-list ``tokens_key`` column,
 or else a ``text_key`` column to tokenize, plus optional ``labels_key`` / ``loss_mask_key`` lists); its key and
 position are its row number in its shard. Only the columns read are touched, a record batch of at most
@@ -21,8 +23,8 @@ position are its row number in its shard. Only the columns read are touched, a r
 is ``n / READ_ROWS`` zero-copy slices of the table (through a mapping: ``take`` copies the ``n`` rows' columns read,
 O(their bytes)) and the validation of what is delivered, O(its bytes); rows are never turned into Python lists beyond
 those delivered. The index of a shard (its token counts) is the token column's list offsets, computed once per process
-over the whole table (4 bytes a row) and indexed through the mapping. Memory: the object itself (an in-memory table
-is held once per process; forked DataLoader workers share its pages, spawned ones unpickle a copy of it: the table's
+over the whole table (4 bytes a row) and indexed through the mapping. Memory: the mapping as int64 (8 bytes a row of
+``ds``) and the object itself (an in-memory table is held once per process; forked DataLoader workers share its pages, spawned ones unpickle a copy of it: the table's
 bytes, while a memory-mapped one pickles as its file paths).
 """
 
