@@ -18,6 +18,9 @@ read three ways, timed in CPU seconds of this process (``time.process_time``, so
 - ``samples``: every document through the per-sample reader (``ShardReader``, one ``Sample`` each);
 - ``blocks``: every document as token blocks (``io.blocks.read_blocks``: what the graph's reader hands the packer);
 - ``packed``: ``PackedDataset`` end to end (one epoch, capacity 4,096, 2 packs a batch, window 256).
+
+and, for the in-memory ``Dataset``, what a spawned DataLoader worker pays to get it: ``pickle`` the ``PackedDataset``
+(the table pickled whole) and load it again, CPU seconds per GB of table.
 """
 
 from __future__ import annotations
@@ -180,6 +183,24 @@ def read_packed(urls: list[str], read: Any) -> int:
     return sum(b.num_tokens for b in ds)
 
 
+def spawn_cost(ds: Any) -> dict[str, Any]:
+    """CPU seconds to pickle a ``PackedDataset`` of ``ds`` and load it again (what each spawned worker is sent)."""
+    import pickle
+
+    from streampack.dataset import PackedDataset
+
+    packed = PackedDataset(ds, capacity=4096, epochs=1)
+    t = time.process_time()
+    blob = pickle.dumps(packed)
+    dumped = time.process_time()
+    pickle.loads(blob)
+    loaded = time.process_time()
+    gb = ds.data.nbytes / 1e9
+    return {"format": "hf datasets (in memory)", "read": "spawned worker (pickle + unpickle)",
+            "MB_pickled": round(len(blob) / 1e6, 1), "dump_cpu_s_per_GB": round((dumped - t) / gb, 3),
+            "load_cpu_s_per_GB": round((loaded - dumped) / gb, 3)}
+
+
 def run(quick: bool = False, docs: int | None = None, shards: int = 4) -> list[dict[str, Any]]:
     """One row per format and way of reading: tokens per CPU-second, and the ratio to tar read the same way."""
     n = docs if docs is not None else (4_000 if quick else 40_000)
@@ -201,6 +222,8 @@ def run(quick: bool = False, docs: int | None = None, shards: int = 4) -> list[d
                              "Mtok_per_cpu_s": round(rate / 1e6, 2), "vs_tar": round(rate / tar_rate, 2),
                              "MB_on_disk": round(disk / 1e6, 1)})
                 print(rows[-1], flush=True)
+        rows.append(spawn_cost(sets["hf datasets (in memory)"]))
+        print(rows[-1], flush=True)
     return rows
 
 
