@@ -172,9 +172,14 @@ def shards_of(ds: Any) -> DatasetShards:
     return DatasetShards(urls=urls, held=held)
 
 
+_METADATA_ONLY = ("replace_schema_metadata",)
+"""Operations ``datasets`` replays on a memory-mapped file that leave its rows and column names as the file has them
+(``load_dataset`` records its features in the schema's metadata)."""
+
+
 def _whole_files(ds: Any) -> list[str] | None:
     """The ``.arrow`` files whose rows, back to back, are ``ds``'s rows (no mapping, each a whole memory-mapped file
-    with no operation replayed on it); None when it is anything else."""
+    with no operation replayed on it but :data:`_METADATA_ONLY`); None when it is anything else."""
     from datasets.table import ConcatenationTable, MemoryMappedTable
 
     if ds._indices is not None:
@@ -185,7 +190,8 @@ def _whole_files(ds: Any) -> list[str] | None:
     if not blocks or any(len(row) != 1 for row in blocks):
         return None
     files = [row[0] for row in blocks]
-    if not all(isinstance(f, MemoryMappedTable) and not f.replays and f.path.endswith(".arrow") for f in files):
+    if not all(isinstance(f, MemoryMappedTable) and f.path.endswith(".arrow")
+               and all(op[0] in _METADATA_ONLY for op in f.replays) for f in files):
         return None
     return [f.path for f in files]
 

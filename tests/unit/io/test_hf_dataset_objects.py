@@ -90,14 +90,32 @@ def test_every_row_is_ds_i(kind, ids, saved, tmp_path, monkeypatch):
 
 
 def test_what_each_kind_reads(ids, saved):
-    """Whole cache files are read as files; a mapping, a slice or an in-memory table as row ranges of the object."""
+    """Whole cache files are read as files; a mapping, a slice, a renamed column (the file's names differ) or an
+    in-memory table as row ranges of the object."""
     loaded = datasets.load_from_disk(saved)
     assert ShardList.of(loaded).urls == tuple(f["filename"] for f in loaded.cache_files)
     assert ShardList.of(loaded).held is None
-    for ds in (loaded.shuffle(seed=1), loaded.select(range(3, 200)), datasets.Dataset.from_dict({"input_ids": ids})):
+    for ds in (loaded.shuffle(seed=1), loaded.select(range(3, 200)), loaded.rename_column("input_ids", "ids"),
+               datasets.Dataset.from_dict({"input_ids": ids})):
         shards = ShardList.of(ds)
         assert shards.urls[0] == f"hf-dataset://{ds._fingerprint}/rows-0-64" and shards.held.ds is ds
         assert shards.urls[-1].endswith(f"-{len(ds)}")
+
+
+def test_load_dataset_and_a_cached_map_are_read_as_their_cache_files(ids, tmp_path):
+    """``load_dataset`` (its builder's cache file) and a ``map`` writing a cache file: the files themselves, each row
+    as ``ds[i]``."""
+    import json
+
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        f.writelines(json.dumps({"input_ids": row}) + "\n" for row in ids)
+    loaded = datasets.load_dataset("json", data_files=str(tmp_path / "rows.jsonl"), split="train",
+                                   cache_dir=str(tmp_path / "hf"))
+    mapped = loaded.map(lambda row: {"input_ids": row["input_ids"][::-1]})
+    for ds in (loaded, mapped):
+        assert ShardList.of(ds).urls == tuple(f["filename"] for f in ds.cache_files)
+        got = documents_by_key(PackedDataset(ds, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=str(tmp_path))))
+        assert got == expected_of(ds)
 
 
 @pytest.mark.parametrize("kind", KINDS)
