@@ -129,6 +129,9 @@ def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                                  "pass allow_pipe=True to accept them")
             out.append(item)
             continue
+        if hf_dataset.is_object_url(item) or hf_stream.is_stream_url(item):
+            out.append(item)  # a datasets object's shard: read while this process holds the object
+            continue
         for name in braceexpand(item):
             out.extend(_expand_remote(name, opts) if is_remote(name) else _expand_local(local_path(name)))
     for url in out:

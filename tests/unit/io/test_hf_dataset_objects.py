@@ -203,6 +203,15 @@ def test_a_state_of_another_dataset_is_refused(ids, tmp_path):
         other.load_state_dict(roundtrip(one.state_dict()))
 
 
+def test_its_urls_name_the_object_while_it_is_held(ids, tmp_path):
+    """``PackedDataset(ds).urls`` given as URLs read the same rows while the object is held (a second dataset over the
+    same sources, the ``streampack`` command's data lists)."""
+    ds = datasets.Dataset.from_dict({"input_ids": ids})
+    first = PackedDataset(ds, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=str(tmp_path)))
+    again = PackedDataset(first.urls, capacity=CAP, epochs=1, read=ReadOptions(cache_dir=str(tmp_path)))
+    assert [canon(b) for b in again] == [canon(b) for b in first]
+
+
 def test_a_url_without_its_dataset_is_named(ids):
     url = ShardList.of(datasets.Dataset.from_dict({"input_ids": ids})).urls[0].replace("rows", "rows", 1)
     gone = url.replace(url[len("hf-dataset://"):].split("/")[0], "0" * 16)
