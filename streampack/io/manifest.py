@@ -322,7 +322,7 @@ def obtain_manifest(urls: Sequence[str], *, location: str | None, cache_dir: str
         manifest.check_urls(urls)
         manifest.check_settings(index_decode(decode))
         return manifest
-    remote = [u for u in urls if is_remote(u)]
+    remote = [u for u in urls if is_remote(u) and not u.startswith(("hf-dataset://", "hf-stream://"))]  # in memory
     if remote:
         raise ValueError(f"planning this run needs the data set's manifest ({len(urls)} shards, e.g. {remote[0]!r} "
                          f"is remote): build it once with `streampack index URLS --out DIR` and pass manifest=DIR")

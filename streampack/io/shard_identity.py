@@ -27,6 +27,8 @@ class ShardChanged(DataError):
 def shard_digest(url: str, size: int | None, opts: OpenOptions, stats: IOStats | None = None) -> str:
     """``digest=<sha1 hex>`` of ``size`` and the first and last :data:`EDGE` bytes of ``url`` (the first
     bytes only when ``size`` is None)."""
+    if url.startswith(("hf-dataset://", "hf-stream://")):  # a datasets object's rows: the URL names the object
+        return DIGEST_PREFIX + hashlib.sha1(url.encode()).hexdigest()
     spans = [(0, EDGE if size is None else min(EDGE, size))]
     if size is not None and size > EDGE:
         spans.append((max(EDGE, size - EDGE), size))
