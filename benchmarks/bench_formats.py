@@ -10,12 +10,17 @@ numpy so the benchmark needs no megatron-core), as parquet (an int32 list column
 token arrays (``np.save`` uint16 with each document's last id replaced by the EOS id :data:`EOS`, so the same token
 counts split at EOS; and ``np.memmap`` uint32 with an ``.offsets.npy`` file, the same ids) and as a Hugging Face
 ``datasets`` directory (``Dataset.save_to_disk`` with ``num_shards``: an int32 list column in record batches of
-1,000 rows, ``datasets``' default). Each is
+1,000 rows, ``datasets``' default), and the same table as an in-memory ``datasets.Dataset`` passed as the source
+(read in place, ``streampack.io.hf_dataset``), and shuffled (``Dataset.shuffle``: read through its indices mapping).
+Each is
 read three ways, timed in CPU seconds of this process (``time.process_time``, so a busy box does not count):
 
 - ``samples``: every document through the per-sample reader (``ShardReader``, one ``Sample`` each);
 - ``blocks``: every document as token blocks (``io.blocks.read_blocks``: what the graph's reader hands the packer);
 - ``packed``: ``PackedDataset`` end to end (one epoch, capacity 4,096, 2 packs a batch, window 256).
+
+and, for the in-memory ``Dataset``, what a spawned DataLoader worker pays to get it: ``pickle`` the ``PackedDataset``
+(the table pickled whole) and load it again, CPU seconds per GB of table.
 """
 
 from __future__ import annotations
@@ -82,24 +87,29 @@ def write_megatron(prefix: str, docs: list[np.ndarray], dtype: np.dtype) -> str:
     return prefix + ".idx"
 
 
-def write_hf_dataset(root: str, docs: list[np.ndarray], shards: int) -> list[str]:
-    """The documents as ``datasets`` saves them, in ``shards`` ``.arrow`` files (the directory expanded)."""
+def hf_in_memory(docs: list[np.ndarray]) -> Any:
+    """The documents as an in-memory ``datasets.Dataset`` of one int32 list column."""
     import datasets
     import pyarrow as pa
     from datasets.table import InMemoryTable
-
-    from streampack.io.urls import expand_urls
 
     datasets.disable_progress_bars()
     lengths = np.array([len(d) for d in docs], np.int64)
     column = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)),
                                       pa.array(np.concatenate(docs).astype(np.int32)))
+    return datasets.Dataset(InMemoryTable(pa.table({"input_ids": column})))
+
+
+def write_hf_dataset(root: str, docs: list[np.ndarray], shards: int) -> list[str]:
+    """The documents as ``datasets`` saves them, in ``shards`` ``.arrow`` files (the directory expanded)."""
+    from streampack.io.urls import expand_urls
+
     path = os.path.join(root, "hf")
-    datasets.Dataset(InMemoryTable(pa.table({"input_ids": column}))).save_to_disk(path, num_shards=shards)
+    hf_in_memory(docs).save_to_disk(path, num_shards=shards)
     return expand_urls(path)
 
 
-def write_sets(root: str, docs: list[np.ndarray], shards: int) -> dict[str, list[str]]:
+def write_sets(root: str, docs: list[np.ndarray], shards: int) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import webdataset as wds
@@ -121,7 +131,17 @@ def write_sets(root: str, docs: list[np.ndarray], shards: int) -> dict[str, list
         out["parquet"].append(path)
         write_token_arrays(root, s, part, out)
     out["hf datasets (save_to_disk)"] = write_hf_dataset(root, docs, shards)
+    out["hf datasets (in memory)"] = hf_in_memory(docs)
+    out["hf datasets (in memory, shuffled)"] = hf_in_memory(docs).shuffle(seed=0)
     return out
+
+
+def on_disk(source: Any) -> int:
+    """Bytes a set takes on disk; an in-memory ``Dataset``: its table's bytes in memory."""
+    if not isinstance(source, list):
+        return int(source.data.nbytes)
+    return sum(os.path.getsize(u) + (os.path.getsize(u[:-4] + ".bin") if u.endswith(".idx") else 0)
+               + (os.path.getsize(u[:-4] + ".offsets.npy") if u.endswith(".bin") else 0) for u in source)
 
 
 def _cpu(work: Any) -> tuple[float, int]:
@@ -136,13 +156,15 @@ def read_samples(urls: list[str], read: Any) -> int:
     return sum(len(s.tokens) for s in ShardReader(urls, shuffle=False, epochs=1, read=read))
 
 
-def read_blocks(urls: list[str], read: Any) -> int:
+def read_blocks(urls: Any, read: Any) -> int:
     from streampack.io.blocks import read_blocks as blocks_of
     from streampack.io.formats import ShardRange
     from streampack.io.storage import OpenOptions
+    from streampack.io.urls import ShardList
 
     total = 0
-    for url in urls:
+    shards = ShardList.of(urls)  # held while read: an in-memory Dataset's URLs name it
+    for url in shards.urls:
         streams: list = []
         for block in blocks_of(url, ShardRange(start=0, first=0), decode=read.decode(), opts=OpenOptions(),
                                streams=streams):
@@ -161,6 +183,24 @@ def read_packed(urls: list[str], read: Any) -> int:
     return sum(b.num_tokens for b in ds)
 
 
+def spawn_cost(ds: Any) -> dict[str, Any]:
+    """CPU seconds to pickle a ``PackedDataset`` of ``ds`` and load it again (what each spawned worker is sent)."""
+    import pickle
+
+    from streampack.dataset import PackedDataset
+
+    packed = PackedDataset(ds, capacity=4096, epochs=1)
+    t = time.process_time()
+    blob = pickle.dumps(packed)
+    dumped = time.process_time()
+    pickle.loads(blob)
+    loaded = time.process_time()
+    gb = ds.data.nbytes / 1e9
+    return {"format": "hf datasets (in memory)", "read": "spawned worker (pickle + unpickle)",
+            "MB_pickled": round(len(blob) / 1e6, 1), "dump_cpu_s_per_GB": round((dumped - t) / gb, 3),
+            "load_cpu_s_per_GB": round((loaded - dumped) / gb, 3)}
+
+
 def run(quick: bool = False, docs: int | None = None, shards: int = 4) -> list[dict[str, Any]]:
     """One row per format and way of reading: tokens per CPU-second, and the ratio to tar read the same way."""
     n = docs if docs is not None else (4_000 if quick else 40_000)
@@ -177,12 +217,13 @@ def run(quick: bool = False, docs: int | None = None, shards: int = 4) -> list[d
                 assert tokens == total, (fmt, way, tokens, total)
                 rate = tokens / max(seconds, 1e-9)
                 tar_rate = rate if fmt == "tar" else tar_rate
-                disk = sum(os.path.getsize(u) + (os.path.getsize(u[:-4] + ".bin") if u.endswith(".idx") else 0)
-                           + (os.path.getsize(u[:-4] + ".offsets.npy") if u.endswith(".bin") else 0) for u in urls)
+                disk = on_disk(urls)
                 rows.append({"format": fmt, "read": way, "docs": n, "tokens": tokens, "cpu_s": round(seconds, 3),
                              "Mtok_per_cpu_s": round(rate / 1e6, 2), "vs_tar": round(rate / tar_rate, 2),
                              "MB_on_disk": round(disk / 1e6, 1)})
                 print(rows[-1], flush=True)
+        rows.append(spawn_cost(sets["hf datasets (in memory)"]))
+        print(rows[-1], flush=True)
     return rows
 
 

@@ -26,9 +26,10 @@ fresh processes per phase (CPU, not wall: the box is shared). w0: ``torch.load``
 ``PackedDataset(...)``, ``StatefulDataLoader`` + ``load_loader_state``, ``iter()`` (the graph
 built and restored: of it, the window packer's reset), the first batch (of it, the re-read of its
 carried documents). w2: the parent's phases (``iter()`` forks the workers), and in each worker
-(timing wrappers around ``PackedDataset.__iter__``, ``manifest_of`` and the packer's re-read; the
+(timing wrappers around ``PackedDataset.__iter__``, ``manifest_of``, the epoch's plan (``EpochPlanner.plan``:
+its spans, cut again or taken from the state) and the packer's re-read; the
 code paths are unchanged) its CPU before ``__iter__`` (the worker's start and ``load_state_dict``),
-then from ``__iter__`` to its first batch, with the manifest and re-read parts; the worst worker.
+then from ``__iter__`` to its first batch, with the manifest, plan and re-read parts; the worst worker.
 ``--gc-off`` collects and disables the garbage collector before the restore: a collection (~1 ms here)
 falls wherever the process's allocation count says, so any change to what a process allocates before or
 during a restore moves it in or out of these phases; without it the phases compare code paths alone.
@@ -150,12 +151,14 @@ def _phases(urls: list[str], scratch: str, workers: int, gc_off: bool = False) -
     from streampack import PackedDataset
     from streampack.nodes.window_packer import WindowPacker
     from streampack.options import PackOptions
+    from streampack.plan.epoch_plan import EpochPlanner
     from streampack.plan.state import load_loader_state
 
     log = os.path.join(scratch, f"workers-{os.getpid()}.jsonl") if workers else None
     _timed(WindowPacker, "reset", "of which packer reset", log)
     _timed(WindowPacker, "_read", "of which re-read", log)
     _timed(build, "manifest_of", "of which manifest", log)
+    _timed(EpochPlanner, "plan", "of which plan", log)
     if workers:
         first_of = PackedDataset.__iter__
 
@@ -205,7 +208,8 @@ def _phases(urls: list[str], scratch: str, workers: int, gc_off: bool = False) -
             for line in f:
                 pid, what, value = json.loads(line)
                 per.setdefault(pid, {})[what] = per.setdefault(pid, {}).get(what, 0.0) + value
-        for what in ("before __iter__", "__iter__ to first batch", "of which manifest", "of which re-read"):
+        for what in ("before __iter__", "__iter__ to first batch", "of which manifest", "of which plan",
+                     "of which re-read"):
             out[f"worker: {what}"] = max(w.get(what, 0.0) for w in per.values())
     return out
 

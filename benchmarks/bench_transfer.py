@@ -14,7 +14,17 @@ cross from 1 or 2 workers three ways, side by side in one run:
 CPU per batch counts the training process and the workers (``RUSAGE_CHILDREN`` once they are
 joined), worker start-up included; the loop reads every token once (as a copy to a GPU would).
 
-Usage: ``python benchmarks/bench_transfer.py [--batches 400] [--quick]``
+``--snapshot``: what ``StatefulDataLoader``'s snapshot after every step costs per batch, part by part, for
+``PackedDataset`` over the peers' tar corpus (``peers/corpus.py``, capacity 4096, window 1024, 8 packs a batch,
+as ``bench_loaders.py`` runs it), all in this process in the order the loader runs them: in the worker the
+dataset's ``state_dict()`` (of it, the metrics record) and torchdata's delta against the previous state
+(flatten + compare), the delta through ``ForkingPickler`` (what the worker queue does, with the tensor reduction
+every worker installs, ``transfer.inline_small_tensors``) and back, then in the training process the delta
+applied and every worker's state rebuilt (``get_state``, ``--workers`` of them, as ``_take_snapshot`` does each step). Least of
+``--rounds`` epochs, µs a batch of CPU time.
+
+Usage: ``python benchmarks/bench_transfer.py [--batches 400] [--quick]``,
+``PYTHONPATH=. python benchmarks/bench_transfer.py --snapshot [--tokens 4e6] [--rounds 3]``
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from streampack.layout import shm_ring, transfer
@@ -90,12 +101,86 @@ def run(batches: int = 400, quick: bool = False) -> list[dict[str, object]]:
     return rows
 
 
+def snapshot_parts(tokens: float, rounds: int, workers: int = 2) -> list[dict[str, object]]:
+    """µs a batch of each part of the per-step snapshot (see the module docstring), least of ``rounds`` epochs."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from torch.utils.data import _DatasetKind
+    from torchdata.stateful_dataloader.incremental_state import _IncrementalWorkerState
+    from torchdata.stateful_dataloader.worker import _make_state_dict
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peers.corpus import Corpus, CorpusSpec
+    from peers.streampack_peer import PACKS_PER_BATCH, StreampackPeer
+
+    from streampack import PackedDataset
+    from streampack.options import PackOptions
+    from streampack.plan.state import record_text
+
+    class Fetcher:  # what torchdata's worker hands _make_state_dict
+        ended = False
+
+    transfer.inline_small_tensors()  # what settle_worker installs in every DataLoader worker
+    parts = ("state_dict", "of which metrics", "delta", "pickle + unpickle", "apply + get_state")
+    best: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        peer = StreampackPeer(capacity=CAPACITY)
+        peer.prepare(Corpus(CorpusSpec(tokens=int(tokens)), tmp))
+        for _ in range(rounds):
+            ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=PACKS_PER_BATCH,
+                               packing=PackOptions(window=peer.window))
+            it = iter(ds)
+            fetcher = Fetcher()
+            fetcher.dataset, fetcher.dataset_iter = ds, it
+            first = _make_state_dict(0, _DatasetKind.Iterable, fetcher, ds)
+            worker, main = _IncrementalWorkerState(first), _IncrementalWorkerState(first)
+            others = [_IncrementalWorkerState(first) for _ in range(workers - 1)]  # the other workers' states
+            spent = dict.fromkeys(parts, 0.0)
+            n = shipped = tensors = 0
+            for _ in it:
+                t0 = time.process_time()
+                state = _make_state_dict(0, _DatasetKind.Iterable, fetcher, ds)
+                t1 = time.process_time()
+                record_text(ds.metrics())
+                t2 = time.process_time()
+                delta = worker.generate_delta(state)
+                t3 = time.process_time()
+                wire = bytes(ForkingPickler.dumps(delta))
+                back = ForkingPickler.loads(wire)
+                t4 = time.process_time()
+                main.apply_delta(back)
+                for w in (main, *others):
+                    w.get_state()
+                t5 = time.process_time()
+                spent["state_dict"] += t1 - t0
+                spent["of which metrics"] += t2 - t1
+                spent["delta"] += t3 - t2
+                spent["pickle + unpickle"] += t4 - t3
+                spent["apply + get_state"] += t5 - t4
+                shipped += len(wire)
+                tensors += sum(isinstance(v, torch.Tensor) for v in (delta.get("dataset_state") or {}).values())
+                n += 1
+            for k, v in spent.items():
+                best[k] = min(best.get(k, float("inf")), 1e6 * v / n)
+            best["delta bytes a batch"], best["tensors a batch"] = shipped / n, tensors / n
+    rows = [{"part": k, "µs a batch": round(best[k], 1)} for k in parts]
+    rows.append({"part": "all (metrics counted once)", "µs a batch": round(sum(best[k] for k in parts)
+                                                                           - best["of which metrics"], 1)})
+    rows += [{"part": k, "µs a batch": round(best[k], 2)} for k in ("delta bytes a batch", "tensors a batch")]
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=400, help="per worker")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--snapshot", action="store_true", help="the per-step snapshot's parts, per batch")
+    parser.add_argument("--tokens", type=float, default=4e6, help="with --snapshot: the corpus size")
+    parser.add_argument("--rounds", type=int, default=3, help="with --snapshot: epochs, the least kept")
     args = parser.parse_args()
-    rows = run(args.batches, args.quick)
+    rows = snapshot_parts(args.tokens, args.rounds) if args.snapshot else run(args.batches, args.quick)
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:

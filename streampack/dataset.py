@@ -25,6 +25,7 @@ from streampack.graph.build import (
     hold_manifest,
     manifest_of,
     needs_plan,
+    restored_ends,
 )
 from streampack.graph.preflight import preflight
 from streampack.integrations.loader import quiet_set_vital
@@ -247,7 +248,8 @@ class PackedDataset(IterableDataset):
             return {}
         now = graph_metrics(self._graph.nodes)
         plan = now.pop("plan")
-        if self._graph.loop is not None:
+        # no finished epoch, nothing to add: state_dict() runs after every batch, and the sum is half of this call
+        if self._graph.loop is not None and self._graph.loop.totals:
             now = add_metrics(self._graph.loop.totals, now)
             if now.get("packing"):
                 now["packing"]["fill"] = fill(now["packing"])
@@ -275,8 +277,10 @@ class PackedDataset(IterableDataset):
                                  f"loaded into dp_rank={self.dp_rank} worker_id={here.id}")
         resume = state[PASSES_KEY] if state is not None else (pending.left.passes if share is not None else None)
         self._pass = self._tracker.begin(here.id, in_worker_process=here.num_workers > 0, resume=resume)
+        saved_graph = state[GRAPH_KEY] if state is not None else None
         self._graph = self._build(Placement(dp_rank=self.dp_rank, dp_size=self.dp_size, worker_id=here.id,
-                                            num_workers=here.readers, passes=self._pass), share=share)
+                                            num_workers=here.readers, passes=self._pass), share=share,
+                                  restored=restored_ends(saved_graph) if saved_graph is not None else None)
         if state is not None and state[GRAPH_KEY] is not None:
             self._graph.root.reset(state[GRAPH_KEY])
             # A restored graph has read exactly as far as the saved one (each node replays up to
@@ -291,9 +295,10 @@ class PackedDataset(IterableDataset):
         self._generation += 1
         return self._run(self._generation, self._graph, pin=self.config.packing.pin_memory and here.num_workers == 0)
 
-    def _build(self, place: Placement, share: Share | None = None, validate: bool = False) -> Graph:
-        return build_graph(self.config, self.sources, place, tokenizer=self.tokenizer,
-                           stages=self.stages, share=share, validate=validate, agreement=self._agreement)
+    def _build(self, place: Placement, share: Share | None = None, validate: bool = False,
+               restored: Any = None) -> Graph:
+        return build_graph(self.config, self.sources, place, tokenizer=self.tokenizer, stages=self.stages,
+                           share=share, validate=validate, agreement=self._agreement, restored=restored)
 
     def _check_equal_batches(self) -> Any:
         """Finite, several ranks: the manifest the plan needs (None otherwise), refused without token totals."""

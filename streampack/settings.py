@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from streampack.io.hf_dataset import is_source_object
 from streampack.io.packed_format import Manifest, is_packed_dataset, packed_manifest
 from streampack.io.storage import OpenOptions
 from streampack.io.urls import ShardList
@@ -188,7 +189,7 @@ def sources_of(urls: URLs | Mapping[str, Any], *, opts: OpenOptions, mixture_sto
         for name, value in urls.items():
             weighted = isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Real)
             source, weights[name] = value if weighted else (value, 1.0)
-            if is_packed_dataset(source):
+            if not is_source_object(source) and is_packed_dataset(source):
                 raise ValueError(f"mixture source {name!r} is a `streampack pack` directory; mixtures "
                                  f"read raw shards only")
             shards[name] = ShardList.of(source, opts=opts)
@@ -196,7 +197,7 @@ def sources_of(urls: URLs | Mapping[str, Any], *, opts: OpenOptions, mixture_sto
             raise ValueError("a mixture needs at least one source")
         by_name = dict(sorted(weights.items(), key=lambda kv: str(kv[0])))  # mapping order never matters
         return Sources(mixture=shards, weights=by_name, stop=mixture_stop)
-    if is_packed_dataset(urls):
+    if not is_source_object(urls) and is_packed_dataset(urls):
         return Sources(packed=packed_manifest(urls), packed_urls=urls)
     return Sources(shards=ShardList.of(urls, opts=opts))
 

@@ -6,10 +6,18 @@ fills the per-shard cache (``--cache-dir``). It resumes (a shard whose index is 
 not read again); damaged shards are indexed up to the damage and listed; an unreadable shard fails the run (exit 1, no
 manifest).
 
+Run by every rank of a ``torchrun`` or SLURM job (or W processes given ``--rank R --world-size W``), each rank
+indexes every W-th shard and writes a part file under ``DIR/parts``; rank 0 merges the W parts into the manifest a
+single process would write (:mod:`streampack.cli.ranks`, :mod:`streampack.cli.index_parts`). A rank killed and
+launched again re-reads none of the shards whose index files it wrote; a launch with another world size merges to
+the same manifest.
+
 **Cost** per shard: 1 stat / HEAD, 2 ranged reads of ≤ 64 KiB (the digest), one scan unless its
 index is there, 1 write. Remote shards run on ``--jobs`` threads (default 16: the work waits on
 requests), local ones on one process per core (the scan is Python, serialized by the GIL:
-100 shards 37 s with processes, 46 s with threads, ``benchmarks/bench_index.py``).
+100 shards 37 s with processes, 46 s with threads, ``benchmarks/bench_index.py``); under torchrun the
+processes of one node share its cores (``LOCAL_WORLD_SIZE``). Per rank of W: ⌈N/W⌉ shards as above, 1 listing of
+the URLs, 1 part write; rank 0 also W part reads and O(N) memory to merge.
 """
 
 from __future__ import annotations
@@ -21,11 +29,17 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streampack.cli._data import CliError, add_limit_arguments, no_bar, parsed_limits
+from streampack.cli.ranks import JobRank, add_rank_arguments, job_of
 from streampack.io.tar_sparse import RANGED_MODES
 from streampack.io.token_array import TOKEN_DTYPES
+
+if TYPE_CHECKING:
+    from streampack.io.decode import DecodeOptions
+    from streampack.io.manifest import Manifest
+    from streampack.io.storage import OpenOptions
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an fsspec storage option (VALUE parsed as JSON when it can be), repeatable")
     p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
                    help="no progress bar (it is off anyway when stderr is not a terminal)")
+    add_rank_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -92,15 +107,25 @@ def _mapped(pool: Executor, work: Callable[[str], Any], urls: Sequence[str], job
         yield future.result()
 
 
-def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+def _default_jobs(processes: bool) -> int:
+    """One process per core this rank may use (torchrun starts ``LOCAL_WORLD_SIZE`` ranks on a node, each of
+    which would otherwise start one per core), or 16 threads: remote work waits on requests."""
+    if not processes:
+        return 16
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, cores // local)
 
+
+def run(args: argparse.Namespace) -> int:
     from streampack.io.decode import DecodeOptions
-    from streampack.io.index import index_decode, load_or_build_index
-    from streampack.io.index_cache import index_dir
-    from streampack.io.manifest import Manifest, build_entry, save_manifest
-    from streampack.io.retry import IOStats, RetryPolicy
-    from streampack.io.storage import OpenOptions, is_remote
+    from streampack.io.index import index_decode
+    from streampack.io.manifest import Manifest
+    from streampack.io.retry import RetryPolicy
+    from streampack.io.storage import OpenOptions
     from streampack.io.urls import expand_urls
 
     if args.jobs is not None and args.jobs < 1:
@@ -109,15 +134,72 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--out writes a manifest and its index files; --cache-dir fills the per-shard cache: pick one")
     if args.eos_id is not None and args.eos_id < 0:
         raise CliError(f"--eos-id={args.eos_id} must be >= 0")
+    job = job_of(args)
     limits = parsed_limits(args)
     opts = OpenOptions(retry=RetryPolicy(budget=args.retry_budget),
                        storage_options=_storage_options(args.storage_option))
     urls = expand_urls(args.urls, opts=opts)
     decode = index_decode(DecodeOptions(tokens_key=args.tokens_key, limits=limits, eos_id=args.eos_id,
                                         token_dtype=args.token_dtype, megatron_sample=args.megatron_sample))
+    if job.world_size == 1:
+        results, failed = _index(args, urls, decode, opts, desc="indexing")
+        if args.out is not None:
+            if failed:
+                print(f"no manifest written: {len(failed)} shard(s) failed (their index files are kept: run it "
+                      f"again to resume)", file=sys.stderr)
+            else:
+                _save(Manifest.of(args.out, results, decode), opts)
+        return 1 if failed else 0
+    return _run_rank(args, job, urls, decode, opts)
+
+
+def _run_rank(args: argparse.Namespace, job: JobRank, urls: list[str], decode: DecodeOptions,
+              opts: OpenOptions) -> int:
+    """One rank of a job: its share, its part, and on rank 0 the merge (see :mod:`streampack.cli.ranks`)."""
+    from streampack.cli.index_parts import JobArguments, clear_own, merge_parts, write_failure, write_part
+
+    share = [urls[i] for i in job.share(len(urls))]
+    asked = JobArguments.of(urls, decode)
+    if args.out is not None:
+        clear_own(args.out, job, opts)
+    print(f"{job.describe()}: {len(share)} of {len(urls)} shard(s)")
+    results, failed = _index(args, share, decode, opts, desc=f"indexing (rank {job.rank}/{job.world_size})")
+    if args.out is None:  # the per-shard cache needs no merge
+        return 1 if failed else 0
+    if failed:
+        write_failure(args.out, job, failed, opts)
+        print(f"no part written: {len(failed)} shard(s) failed (their index files are kept: run the job again to "
+              f"resume)", file=sys.stderr)
+        return 1
+    print(f"part: {write_part(args.out, job, asked, results, decode, opts)}")
+    if job.rank != 0:
+        return 0
+    _save(merge_parts(args.out, job, urls, asked, decode, opts, timeout=args.wait_timeout), opts)
+    return 0
+
+
+def _save(manifest: Manifest, opts: OpenOptions) -> None:
+    from streampack.io.manifest import save_manifest
+
+    save_manifest(manifest, opts)
+    print(f"manifest: {len(manifest)} shard(s) -> {manifest.location}")
+
+
+def _index(args: argparse.Namespace, urls: list[str], decode: DecodeOptions, opts: OpenOptions, *,
+           desc: str) -> tuple[list[Any], list[str]]:
+    """Index ``urls`` (into ``--out`` or the cache) on the pool; prints damaged and failed shards and the totals;
+    returns the results in URL order (manifest entries with ``--out``, else indexes) and the failure lines."""
+    from tqdm import tqdm
+
+    from streampack.io.index import load_or_build_index
+    from streampack.io.index_cache import index_dir
+    from streampack.io.manifest import build_entry
+    from streampack.io.retry import IOStats
+    from streampack.io.storage import is_remote
+
     remote = any(is_remote(u) for u in urls)
     processes = args.pool == "processes" or (args.pool == "auto" and not remote)
-    jobs = args.jobs or (os.cpu_count() or 1 if processes else 16)
+    jobs = args.jobs or _default_jobs(processes)
     stats = None if processes else IOStats()  # counters do not cross processes
     if args.out is not None:
         work: Callable[[str], Any] = functools.partial(build_entry, location=args.out, decode=decode, opts=opts,
@@ -128,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     results, damaged, failed, samples = [], [], [], 0
     with pool:
         for url, result in tqdm(_mapped(pool, work, urls, jobs), total=len(urls), unit="shard",
-                                desc="indexing", file=sys.stderr, disable=no_bar(args.quiet)):
+                                desc=desc, file=sys.stderr, disable=no_bar(args.quiet)):
             if isinstance(result, Exception):
                 failed.append(f"failed: {result}")
                 continue
@@ -142,13 +224,6 @@ def run(args: argparse.Namespace) -> int:
     where = args.out if args.out is not None else index_dir(args.cache_dir)
     print(f"indexed {len(urls) - len(failed)} of {len(urls)} shard(s): {samples} samples, {len(damaged)} damaged "
           f"-> {where}")
-    if args.out is not None:
-        if failed:
-            print(f"no manifest written: {len(failed)} shard(s) failed (their index files are kept: run it again "
-                  f"to resume)", file=sys.stderr)
-        else:
-            save_manifest(Manifest.of(args.out, results, decode), opts)
-            print(f"manifest: {len(results)} shard(s) -> {args.out}")
     if stats is not None and stats.retries:
         print(f"({stats.retries} read(s) retried: {stats.faults})", file=sys.stderr)
-    return 1 if failed else 0
+    return results, failed

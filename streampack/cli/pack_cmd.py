@@ -2,7 +2,8 @@
 
 For a dataset reused across many runs, where the best fill matters more than streaming: every
 sequence is read and all aligned lengths packed at once. All ids are held in memory (int64,
-~1.2 GB per 150M tokens): beyond a few hundred million tokens, pack per subset.
+~1.2 GB per 150M tokens): beyond a few hundred million tokens, pack per subset, or run it as the ranks of a
+torchrun / SLURM job, each of which packs and holds only its share (:mod:`streampack.cli.pack_parts`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streampack.cli._data import CliError, Documents, add_input_guards, input_guards, no_bar
+from streampack.cli.ranks import add_rank_arguments
 from streampack.errors import ON_ERROR_CHOICES
 
 if TYPE_CHECKING:
@@ -53,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_input_guards(p)
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (they are off when stderr is not a terminal)")
+    add_rank_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -61,57 +66,103 @@ def _overlong_summary(c: OverlongCounters) -> str:
             f"({c.tokens_truncated} tokens cut), {c.samples_dropped} dropped ({c.tokens_dropped} tokens)")
 
 
-def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Packed:
+    """One process's packing of its shards, before anything is written."""
 
-    from streampack.graph import StreamConfig
+    docs: list[Any]
+    """The documents after the overlong policy (Samples)."""
+    bins: list[np.ndarray]
+    lengths: np.ndarray
+    """int64 ``[D]``: each document's tokens."""
+    metrics: dict[str, Any]
+    fields: list[str]
+    """The tar fields of every pack: labels and loss masks where asked for (``--labels-key``, ``--loss-mask-key``)
+    or carried by any document."""
+    counters: OverlongCounters
+    errors: dict[str, Any]
+
+
+def run(args: argparse.Namespace) -> int:
+    from streampack.cli.ranks import job_of
     from streampack.io.packed_writer import write_packed_dataset
-    from streampack.nodes.overlong import OverlongCounters, apply_overlong
-    from streampack.options import ReadOptions, TokenizeOptions, TopologyOptions
-    from streampack.packing import ALGORITHMS, pack, packing_metrics
+    from streampack.packing import ALGORITHMS
 
     if args.algorithm not in ALGORITHMS:
         raise CliError(f"--algorithm={args.algorithm!r} is not one of {sorted(ALGORITHMS)}")
     for name in ("cp_size", "tp_size", "align_multiple", "packs_per_shard"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    try:  # the capacity against the alignment, checked where every stream's config is made
+    align = _align(args)
+    job = job_of(args)
+    if job.world_size > 1:
+        from streampack.cli.pack_parts import run_rank
+
+        return run_rank(args, job, align=align, pack_share=_pack)
+    start = time.perf_counter()
+    packed = _pack(args, args.urls, align)
+    with tqdm_bar(args, total=len(packed.bins), desc="writing", unit="pack") as bar:
+        manifest = write_packed_dataset(
+            packed.docs, packed.bins, args.out, capacity=args.capacity, align=align, cp_size=args.cp_size,
+            tp_size=args.tp_size, algorithm=args.algorithm, seed=args.seed, fields=packed.fields,
+            packs_per_shard=args.packs_per_shard, metrics=packed.metrics, progress=bar.update,
+            extra={"sources": [str(u) for u in args.urls], "overlong": args.overlong,
+                   "overlong_counters": packed.counters.as_dict(), "errors": packed.errors},
+        )
+    print(f"packed {len(packed.docs):,} documents ({int(packed.lengths.sum()):,} tokens) into {manifest.num_packs:,} "
+          f"packs of {args.capacity} in {len(manifest.shards)} shards under {args.out} "
+          f"({time.perf_counter() - start:.1f} s)")
+    print(f"algorithm {args.algorithm}, align {align} (cp_size={args.cp_size}, tp_size={args.tp_size}): "
+          f"fill {packed.metrics['fill']:.2%}, {len(packed.docs) / manifest.num_packs:.1f} documents per pack; "
+          f"overlong={args.overlong!r}: {_overlong_summary(packed.counters)}")
+    return 0
+
+
+def tqdm_bar(args: argparse.Namespace, **kw: Any) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(disable=no_bar(args.no_progress), file=sys.stderr, **kw)
+
+
+def _align(args: argparse.Namespace) -> int:
+    """The per-document alignment, the capacity checked against it where every stream's config is made."""
+    from streampack.graph import StreamConfig
+    from streampack.options import TopologyOptions
+
+    try:
         topology = TopologyOptions(cp_size=args.cp_size, tp_size=args.tp_size, align_multiple=args.align_multiple)
-        align = StreamConfig(capacity=args.capacity, topology=topology).topology.align
+        return StreamConfig(capacity=args.capacity, topology=topology).topology.align
     except ValueError as e:
         raise CliError(f"--capacity: {e}") from None
+
+
+def _pack(args: argparse.Namespace, urls: Sequence[str], align: int) -> Packed:
+    """Read every document of ``urls`` (all held in memory), apply the overlong policy and pack them all at once."""
+    from streampack.io.packed_writer import packed_fields
+    from streampack.nodes.overlong import OverlongCounters, apply_overlong
+    from streampack.options import ReadOptions, TokenizeOptions
+    from streampack.packing import pack, packing_metrics
+
     read = ReadOptions(tokens_key=args.tokens_key, text_key=args.text_key, labels_key=args.labels_key,
                        loss_mask_key=args.loss_mask_key, on_error=args.on_error, **input_guards(args))
-    samples = Documents(args.urls, read, capacity=args.capacity, tokenizer=args.tokenizer,
+    samples = Documents(urls, read, capacity=args.capacity, tokenizer=args.tokenizer,
                         tokenize=TokenizeOptions(bos_id=args.bos_id, eos_id=args.eos_id))
     counters = OverlongCounters()
     docs = []
-    start = time.perf_counter()
-    with tqdm(desc="reading", unit="sample", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
+    with tqdm_bar(args, desc="reading", unit="sample") as bar:
         for s in samples:
             if s.tokens is None:
                 raise CliError(f"sample {s.doc_key!r} is text: pass --tokenizer PATH/tokenizer.json")
             docs.extend(apply_overlong(s, args.capacity, args.overlong, counters))
             bar.update(1)
     if not docs:
-        raise CliError(f"no non-empty samples in {args.urls}")
+        raise CliError(f"no non-empty samples in {list(urls)}")
     lengths = np.asarray([len(d) for d in docs], dtype=np.int64)
     aligned = -(-lengths // align) * align
     bins = pack(aligned, args.capacity, algorithm=args.algorithm, seed=args.seed)
     metrics = dataclasses.asdict(packing_metrics(aligned, bins, args.capacity))  # ints and floats: JSON as they are
     metrics["fill"] = float(lengths.sum() / (len(bins) * args.capacity))
-    with tqdm(total=len(bins), desc="writing", unit="pack", disable=no_bar(args.no_progress), file=sys.stderr) as bar:
-        manifest = write_packed_dataset(
-            docs, bins, args.out, capacity=args.capacity, align=align, cp_size=args.cp_size,
-            tp_size=args.tp_size, algorithm=args.algorithm, seed=args.seed,
-            packs_per_shard=args.packs_per_shard, metrics=metrics, progress=bar.update,
-            extra={"sources": [str(u) for u in args.urls], "overlong": args.overlong,
-                   "overlong_counters": counters.as_dict(), "errors": samples.nodes["errors"].as_dict()},
-        )
-    seconds = time.perf_counter() - start
-    print(f"packed {len(docs):,} documents ({int(lengths.sum()):,} tokens) into {manifest.num_packs:,} "
-          f"packs of {args.capacity} in {len(manifest.shards)} shards under {args.out} ({seconds:.1f} s)")
-    print(f"algorithm {args.algorithm}, align {align} (cp_size={args.cp_size}, tp_size={args.tp_size}): "
-          f"fill {metrics['fill']:.2%}, {len(docs) / manifest.num_packs:.1f} documents per pack; "
-          f"overlong={args.overlong!r}: {_overlong_summary(counters)}")
-    return 0
+    fields = packed_fields(with_labels=args.labels_key is not None or any(d.labels is not None for d in docs),
+                           with_mask=args.loss_mask_key is not None or any(d.loss_mask is not None for d in docs))
+    return Packed(docs=docs, bins=bins, lengths=lengths, metrics=metrics, fields=fields, counters=counters,
+                  errors=samples.nodes["errors"].as_dict())

@@ -38,6 +38,8 @@ from streampack.nodes.epochs import EpochLoop
 from streampack.nodes.mixture import Mixture
 from streampack.nodes.overlong import OverlongNode
 from streampack.nodes.packed_reader import PackedShardReader
+from streampack.nodes.reader import ENDS_KEY, KIND_KEY, ShardReader
+from streampack.nodes.reader import KIND as READER_KIND
 from streampack.nodes.stages import NodeStage, build_stages
 from streampack.nodes.tokenize import Tokenize
 from streampack.nodes.window_packer import Balancing, WindowPacker, fill
@@ -48,7 +50,8 @@ from streampack.plan.cost_seed import seed_levels
 from streampack.plan.epoch_plan import Agree, Counting, EpochPlanner
 from streampack.plan.quota import LateQuota
 from streampack.plan.replay import Replayer, ReplaySpec
-from streampack.plan.sharding import Span
+from streampack.plan.sharding import Span, WorkEnds
+from streampack.plan.state import nested
 from streampack.sample import Sample
 from streampack.settings import Placement, Share, Sources, StreamConfig
 
@@ -118,17 +121,21 @@ def build_samples(config: StreamConfig, sources: Sources, place: Placement, *,
 
 def build_graph(config: StreamConfig, sources: Sources, place: Placement, *, tokenizer: Any = None,
                 stages: Sequence[Any] = (), around: Mapping[str, Wrap] | None = None, share: Share | None = None,
-                validate: bool = False, agreement: Any = None) -> Graph:
+                validate: bool = False, agreement: Any = None, restored: Mapping[int, WorkEnds] | None = None) -> Graph:
     """The whole graph of one reader, ending in :class:`~streampack.nodes.collate.ThdCollate`;
     ``share`` starts it from an elastic resume's share. A finite stream builds each epoch's
     chain when the epoch starts; ``validate`` builds the first one at once (without planning
     it), so every setting is checked here. ``agreement`` (a ``streampack.plan.agree.Agreement``, or
-    None) is how a planned epoch's readers agree on their batch counts."""
+    None) is how a planned epoch's readers agree on their batch counts. ``restored``: the planned
+    epochs' ends of the state this graph is about to be reset to (:func:`restored_ends`), whose spans
+    are rebuilt from the manifest instead of cut again (the reader's reset then checks the manifest
+    against the one the state was cut from)."""
     if config.cost.balance is not None and sources.packed is not None:
         raise ValueError("balance='cost' orders the packs of the streaming packer; a `streampack pack` "
                          "directory holds packs made offline: read raw shards to balance them")
     errors, io_stats = ErrorCounter(), IOStats()
-    build = _Builder(config, sources, place, tokenizer, stages, around, errors, share, io_stats, agreement)
+    build = _Builder(config, sources, place, tokenizer, stages, around, errors, share, io_stats, agreement,
+                     restored)
     if config.epochs is None or (sources.mixture and sources.packed is None):
         root, nodes = build.chain(None)
         return Graph(root=root, nodes=nodes, errors=errors, io_stats=io_stats)
@@ -149,8 +156,10 @@ class _Builder:
 
     def __init__(self, config: StreamConfig, sources: Sources, place: Placement, tokenizer: Any,
                  stages: Sequence[Any], around: Mapping[str, Wrap] | None, errors: ErrorCounter,
-                 share: Share | None, io_stats: IOStats, agreement: Any) -> None:
+                 share: Share | None, io_stats: IOStats, agreement: Any,
+                 restored: Mapping[int, WorkEnds] | None = None) -> None:
         self.config, self.sources, self.place = config, sources, place
+        self.restored = dict(restored or {})
         self.tokenizer, self.around, self.errors, self.share = tokenizer, around, errors, share
         self.policy = config.read.error_policy(errors)  # every node of this reader's graph takes it
         self.stages = list(stages)
@@ -223,7 +232,10 @@ class _Builder:
         elif epoch is not None and not self.sources.mixture and planned:
             quota = _worker_quota(config, place)
             if self.needs_plan:
-                plan = self.planner.plan(epoch, place.global_worker, info=info if quota is None else None)
+                ends = self.restored.pop(epoch, None)  # the first chain of a restore only
+                saved = None if ends is None else self.planner.spans_from_ends(epoch, ends)
+                plan = self.planner.plan(epoch, place.global_worker, info=info if quota is None else None,
+                                         spans=saved)
                 work = plan.spans
                 quota = quota if quota is not None else plan.quota
         elif self.sources.mixture and config.epochs is not None:  # one chain for the pass: its epochs' batches
@@ -318,6 +330,13 @@ def make_planner(config: StreamConfig, sources: Sources, place: Placement,
     return EpochPlanner(manifest, lambda i: manifest.load_index(i, decode, opts), seed=config.seed,
                         shuffle=config.shuffle, dp_size=place.dp_size, num_workers=place.num_workers,
                         counting=counting, agree=agree, chunks=chunks)
+
+
+def restored_ends(graph_state: Any) -> dict[int, WorkEnds]:
+    """The planned epochs' ends a saved graph state's reader recorded (``{}``: none, or a mixture's readers, which
+    are not planned)."""
+    readers = [node for node in nested(graph_state) if node.get(KIND_KEY) == READER_KIND]
+    return ShardReader.undelivered(readers[0]).ends if len(readers) == 1 and readers[0].get(ENDS_KEY) else {}
 
 
 def needs_plan(config: StreamConfig, sources: Sources, place: Placement) -> bool:

@@ -62,10 +62,13 @@ class HFBatches:
 
 
 class PackedTrainer(transformers.Trainer):
-    """``transformers.Trainer`` for a PackedDataset ``train_dataset``; needs ``TrainingArguments(max_steps=...)``."""
+    """``transformers.Trainer`` for a PackedDataset ``train_dataset``; needs ``TrainingArguments(max_steps=...)``.
+    ``snapshot_every_n_steps`` goes to the ``StatefulDataLoader`` (set it to ``save_steps`` times the gradient
+    accumulation: docs/integrations.md)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, snapshot_every_n_steps: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         self.stream_metrics = StreamMetrics()
         self._loader: StatefulDataLoader | None = None
         self._resume: LoaderResume | None = None
@@ -85,7 +88,8 @@ class PackedTrainer(transformers.Trainer):
                                  pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
                                  persistent_workers=args.dataloader_persistent_workers if workers else False,
                                  prefetch_factor=args.dataloader_prefetch_factor if workers else None,
-                                 multiprocessing_context=args.dataloader_multiprocessing_context if workers else None)
+                                 multiprocessing_context=args.dataloader_multiprocessing_context if workers else None,
+                                 snapshot_every_n_steps=self.snapshot_every_n_steps)
         if self._resume is not None:
             self._resume.apply(self.train_dataset, loader)
             self._resume = None

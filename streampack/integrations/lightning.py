@@ -70,18 +70,20 @@ class TrainedLoader:
 
 class PackedDataModule(L.LightningDataModule):
     """Training data from a PackedDataset. ``num_workers``, ``pin_memory`` (default: with CUDA),
-    ``persistent_workers`` and ``prefetch_factor`` go to the ``StatefulDataLoader``;
-    ``log_metrics=False`` keeps the stream metrics (``dm.stream_metrics``) out of the loggers."""
+    ``persistent_workers``, ``prefetch_factor`` and ``snapshot_every_n_steps`` (set it to the checkpoint interval
+    in loader batches: docs/integrations.md) go to the ``StatefulDataLoader``; ``log_metrics=False`` keeps the
+    stream metrics (``dm.stream_metrics``) out of the loggers."""
 
     def __init__(self, train_dataset: Any, *, num_workers: int = 0, pin_memory: bool | None = None,
                  persistent_workers: bool = False, prefetch_factor: int | None = None,
-                 log_metrics: bool = True) -> None:
+                 snapshot_every_n_steps: int = 1, log_metrics: bool = True) -> None:
         super().__init__()
         self.train_dataset = train_dataset
         self.loader_kwargs = {"num_workers": num_workers,
                               "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
                               "persistent_workers": persistent_workers if num_workers else False,
-                              "prefetch_factor": prefetch_factor if num_workers else None}
+                              "prefetch_factor": prefetch_factor if num_workers else None,
+                              "snapshot_every_n_steps": snapshot_every_n_steps}
         self.log_metrics = log_metrics
         self.stream_metrics = StreamMetrics()
         self._loader: TrainedLoader | None = None

@@ -20,8 +20,8 @@ is larger is refused before it is allocated (``sample_too_large``). The per-shar
 file, reading only each row's token count from the list offsets; memory 4 bytes a row and 16 a batch. A truncated or
 corrupt file is a ``DataError`` naming the file and the first row it could not read, never the content.
 
-An in-memory ``datasets.Dataset`` or a streaming ``IterableDataset`` is not a source: save it with ``save_to_disk``
-(docs/hf_datasets.md).
+A ``datasets.Dataset`` object backed by whole cache files is read as those files; any other ``Dataset`` by
+:mod:`streampack.io.hf_dataset`, a streaming ``IterableDataset`` by :mod:`streampack.io.hf_stream` (docs/hf_datasets.md).
 """
 
 from __future__ import annotations

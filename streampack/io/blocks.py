@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from streampack.io.arrow_block import arrow_blocks
 from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
+from streampack.io.hf_dataset_block import dataset_blocks
 from streampack.io.megatron import megatron_blocks
 from streampack.io.parquet_block import parquet_blocks, parquet_groups_at
 from streampack.io.retry import IOStats
@@ -32,7 +33,7 @@ from streampack.io.urls import shard_format
 if TYPE_CHECKING:
     from streampack.io.index import ShardIndex
 
-BLOCK_FORMATS = ("tar", "parquet", "megatron", "token_array", "arrow")
+BLOCK_FORMATS = ("tar", "parquet", "megatron", "token_array", "arrow", "hf_dataset", "hf_stream")
 """Formats with a block reader."""
 
 
@@ -57,6 +58,8 @@ def read_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Ope
         return megatron_blocks(url, where.start, where.end, decode=decode, opts=opts, stats=stats)
     if shard_format(url) == "token_array":
         return token_array_blocks(url, where.start, where.first, where.end, decode=decode, opts=opts, stats=stats)
+    if shard_format(url) in ("hf_dataset", "hf_stream"):
+        return dataset_blocks(url, where.start, where.end, decode=decode)
     if shard_format(url) == "arrow":
         return arrow_blocks(url, where, decode=decode, opts=opts, stats=stats,
                             table=None if index is None else index.batch_table)

@@ -17,6 +17,7 @@ from streampack.errors import DataError
 from streampack.io.arrow_ipc import iter_arrow_items
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import DecodeOptions, Item
+from streampack.io.hf_rows import iter_dataset_items
 from streampack.io.jsonl import iter_jsonl_items
 from streampack.io.megatron import iter_megatron_items
 from streampack.io.open import open_shard, skip_bytes
@@ -60,6 +61,8 @@ def open_range(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
     fmt = shard_format(url)
     if fmt == "megatron":  # ranged reads of its own, closed as they finish
         return iter_megatron_items(url, decode, opts=opts, start=start, end=end, stats=stats)
+    if fmt in ("hf_dataset", "hf_stream"):
+        return iter_dataset_items(url, decode, start=start, end=end)
     if fmt == "arrow":
         return iter_arrow_items(url, decode, opts=opts, start=start, end=end, stats=stats,
                                 table=None if index is None else index.batch_table)

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from streampack.errors import DataError
-from streampack.io import arrow_ipc, megatron, parquet, shard_identity, storage, token_array
+from streampack.io import arrow_ipc, hf_dataset, hf_stream, megatron, parquet, shard_identity, storage, token_array
 from streampack.io.compression import DECOMPRESS_ERRORS, text_stream
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, token_count
 from streampack.io.index_cache import cache_path, load_arrays, locked, save_arrays
@@ -122,7 +122,7 @@ def limits_key(url: str, limits: Limits) -> str:
 def _limits_of(fmt: str, limits: Limits) -> str:
     if fmt == "parquet":
         return f"lengths,{limits.max_sample_bytes}"
-    if fmt in ("megatron", "token_array", "arrow"):
+    if fmt in ("megatron", "token_array", "arrow", "hf_dataset", "hf_stream"):
         return f"{limits.max_sample_bytes}"
     names = ("max_member_bytes", "max_sample_bytes", "max_json_depth") if fmt == "tar" else (
         "max_line_bytes", "max_json_depth")
@@ -197,6 +197,12 @@ def build_index(url: str, *, fingerprint: str = "", decode: DecodeOptions = Deco
     if fmt == "token_array":  # one block-wise scan of the ids (or the offsets file read whole)
         positions, lengths, end = token_array.document_index(url, decode, opts, stats)
         return ShardIndex(url=url, fingerprint=fingerprint, offsets=positions, lengths=lengths, end=end)
+    if fmt == "hf_stream":  # nothing to count without reading the whole stream
+        raise ValueError(hf_stream.refusal(url))
+    if fmt == "hf_dataset":  # the table's list offsets, through the indices mapping
+        lengths = hf_dataset.token_lengths(url, decode)
+        return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(len(lengths), dtype=np.int64),
+                          lengths=lengths, end=len(lengths))
     if fmt == "arrow":  # one pass over the stream, reading only the token column's list offsets
         scan = arrow_ipc.index_scan(url, decode, opts, stats)
         return ShardIndex(url=url, fingerprint=fingerprint, offsets=np.arange(len(scan.lengths), dtype=np.int64),

@@ -322,7 +322,7 @@ def obtain_manifest(urls: Sequence[str], *, location: str | None, cache_dir: str
         manifest.check_urls(urls)
         manifest.check_settings(index_decode(decode))
         return manifest
-    remote = [u for u in urls if is_remote(u)]
+    remote = [u for u in urls if is_remote(u) and not u.startswith(("hf-dataset://", "hf-stream://"))]  # in memory
     if remote:
         raise ValueError(f"planning this run needs the data set's manifest ({len(urls)} shards, e.g. {remote[0]!r} "
                          f"is remote): build it once with `streampack index URLS --out DIR` and pass manifest=DIR")
@@ -363,9 +363,8 @@ def _with_progress(work: Callable[[str], ShardTotals], urls: Sequence[str]) -> l
                                   file=sys.stderr)]
 
 
-def save_manifest(manifest: Manifest, opts: OpenOptions) -> None:
-    """Write the manifest file atomically (local: temp file + rename, mode ``0666 & ~umask``;
-    object stores: one PUT)."""
+def manifest_arrays(manifest: Manifest) -> dict[str, np.ndarray]:
+    """The arrays of the manifest file (what :func:`load_manifest` reads back, checked)."""
     urls, url_ends = manifest.urls.blob()
     tags, tag_ends = manifest.tags.blob()
     digests, digest_ends = manifest.digests.blob()
@@ -375,6 +374,13 @@ def save_manifest(manifest: Manifest, opts: OpenOptions) -> None:
               "urls": urls, "url_ends": url_ends, "tags": tags, "tag_ends": tag_ends, "sizes": manifest.sizes,
               "samples": manifest.samples, "tokens": manifest.tokens, "byte_costs": manifest.byte_costs,
               "digests": digests, "digest_ends": digest_ends, "limits": limits}
+    return arrays
+
+
+def save_manifest(manifest: Manifest, opts: OpenOptions) -> None:
+    """Write the manifest file atomically (local: temp file + rename, mode ``0666 & ~umask``;
+    object stores: one PUT)."""
+    arrays = manifest_arrays(manifest)
     path = join_path(manifest.location, MANIFEST_FILE)
     if not save_arrays(path, arrays, opts):
         raise OSError(f"cannot write the manifest {path!r}")
@@ -429,4 +435,5 @@ def load_manifest(location: str, opts: OpenOptions = OpenOptions(), *, name: str
 
 
 __all__ = ["MANIFEST_FILE", "MANIFEST_VERSION", "Manifest", "ShardChange", "ShardTotals", "build_entry",
-           "build_manifest", "is_current", "load_manifest", "load_saved", "obtain_manifest", "save_manifest"]
+           "build_manifest", "is_current", "load_manifest", "load_saved", "manifest_arrays", "obtain_manifest",
+           "save_manifest"]

@@ -78,6 +78,8 @@ def _edges(h: Any, url: str, size: int | None, opts: OpenOptions, stats: IOStats
 
 
 def _digest(files: list[tuple[str, ShardStat]], size: int | None, opts: OpenOptions, stats: IOStats | None) -> str:
+    if files[0][0].startswith(("hf-dataset://", "hf-stream://")):  # a datasets object's rows: the URL names the object
+        return DIGEST_PREFIX + hashlib.sha1(files[0][0].encode()).hexdigest()
     h = hashlib.sha1(f"{size}|".encode())
     for url, ident in files:
         _edges(h, url, size if len(files) == 1 else ident.size, opts, stats)

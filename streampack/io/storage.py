@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,11 @@ class ShardStat:
     """Bytes, or None when the store does not say (an http server without Content-Length)."""
     tag: str
     """ETag / mtime / blob id where the store has one (changes when the object does)."""
+
+
+IN_PROCESS: dict[str, Callable[[str], ShardStat]] = {}
+"""URL scheme -> the identity of a shard held by this process (a ``datasets`` object's rows), registered by the module
+that reads them (:mod:`streampack.io.hf_dataset`, :mod:`streampack.io.hf_stream`)."""
 
 
 def protocol_of(url: str) -> str | None:
@@ -226,6 +231,9 @@ def stat(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat
 def identity(url: str, opts: OpenOptions, stats: IOStats | None = None) -> ShardStat:
     """What identifies a shard's current contents: its size and the store's tag (ETag / mtime
     / blob id) for a remote object, its size and ``st_mtime_ns`` for a local file."""
+    held = IN_PROCESS.get(url.partition("://")[0] + "://")
+    if held is not None:
+        return held(url)
     if is_remote(url):
         return stat(url, opts, stats)
     try:

@@ -10,11 +10,12 @@ import glob
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from braceexpand import braceexpand
 
-from streampack.io import storage
+from streampack.io import hf_dataset, hf_stream, storage
 from streampack.io.arrow_ipc import data_files
 from streampack.io.storage import OpenOptions, is_remote, local_path
 from streampack.io.token_array import OFFSETS_SUFFIX
@@ -45,6 +46,10 @@ class ShardList:
     urls: tuple[str, ...]
     digest: str
     """sha1 of the URL list (16 hex): what a resume state is keyed on."""
+    held: Any = field(default=None, compare=False, repr=False)
+    """The ``datasets`` object the ``hf-dataset://`` / ``hf-stream://`` URLs name (:class:`~streampack.io.hf_dataset.Held`,
+    :class:`~streampack.io.hf_stream.Stream`), carried with the list so a DataLoader worker has it; None for shards named
+    by URL."""
 
     @classmethod
     def of(cls, urls: ShardList | str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
@@ -52,11 +57,18 @@ class ShardList:
         """``urls`` itself when already a ShardList, else its expansion (:func:`expand_urls`)."""
         if isinstance(urls, ShardList):
             return urls
+        if hf_dataset.is_source_object(urls):
+            found = hf_dataset.shards_of(urls) if hf_dataset.is_dataset(urls) else hf_stream.shards_of(urls)
+            return cls(found.urls, _digest(found.urls), held=found.held)
         expanded = tuple(expand_urls(urls, opts=opts))
-        return cls(expanded, hashlib.sha1("\n".join(expanded).encode()).hexdigest()[:16])
+        return cls(expanded, _digest(expanded))
 
     def __len__(self) -> int:
         return len(self.urls)
+
+
+def _digest(urls: tuple[str, ...]) -> str:
+    return hashlib.sha1("\n".join(urls).encode()).hexdigest()[:16]
 
 
 def _suffix(url: str) -> str | None:
@@ -85,8 +97,13 @@ def _sibling(url: str, suffix: str) -> str:
 
 def shard_format(url: str) -> str:
     """``"tar"``, ``"jsonl"``, ``"jsonl.gz"``, ``"jsonl.zst"``, ``"parquet"``, ``"megatron"``, ``"token_array"`` or
-    ``"arrow"``
-    from the URL's suffix (a remote URL's query string ignored)."""
+    ``"arrow"`` from the URL's suffix (a remote URL's query string ignored), or ``"hf_dataset"`` / ``"hf_stream"`` for
+    the rows of a ``datasets.Dataset`` / ``IterableDataset`` object (:mod:`streampack.io.hf_dataset`,
+    :mod:`streampack.io.hf_stream`)."""
+    if hf_dataset.is_object_url(url):
+        return "hf_dataset"
+    if hf_stream.is_stream_url(url):
+        return "hf_stream"
     suffix = _suffix(url)
     if suffix is None and url.split("?", 1)[0].endswith(OFFSETS_SUFFIX):
         raise ValueError(f"{url!r} is the offsets file of a flat token array, not a shard: name the array beside it")
@@ -111,6 +128,9 @@ def expand_urls(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                 raise ValueError(f"refusing {item!r}: pipe: URLs run shell commands; "
                                  "pass allow_pipe=True to accept them")
             out.append(item)
+            continue
+        if hf_dataset.is_object_url(item) or hf_stream.is_stream_url(item):
+            out.append(item)  # a datasets object's shard: read while this process holds the object
             continue
         for name in braceexpand(item):
             out.extend(_expand_remote(name, opts) if is_remote(name) else _expand_local(local_path(name)))

@@ -11,7 +11,7 @@ dropped under ``split`` and ``truncate``, counted in ``media_overlong`` (``docs/
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -66,7 +66,8 @@ class OverlongCounters:
     their images or videos alone has more tokens than the capacity."""
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        # not dataclasses.asdict, which deep-copies each value: this runs in every per-batch state snapshot
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _too_long(doc_key: str, n: int, max_len: int) -> ValueError:

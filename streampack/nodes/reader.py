@@ -117,7 +117,7 @@ class ShardReader(BaseNode[Sample]):
         self._open = open_options if open_options is not None else read.open_options()
         self.io_stats: IOStats = io_stats if io_stats is not None else IOStats()
         shards = ShardList.of(urls, opts=self._open)
-        self.urls: tuple[str, ...] = shards.urls
+        self.urls, self._held = shards.urls, shards.held  # held: a datasets object its URLs name, kept alive
         self.seed, self.shuffle, self.epochs, self.start_epoch = seed, shuffle, epochs, start_epoch
         self.global_worker, self.global_workers = place.global_worker, place.global_workers
         self._policy = error_policy if error_policy is not None else read.error_policy()

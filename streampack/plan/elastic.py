@@ -29,7 +29,7 @@ from streampack.nodes.reader import KIND as READER_KIND
 from streampack.nodes.reader import ShardReader, check_manifest
 from streampack.nodes.window_packer import WindowPacker
 from streampack.plan.cursor import Pulled, Undelivered
-from streampack.plan.sharding import ShardSpan, Span, WorkEnds, assign_shards, epoch_permutation
+from streampack.plan.sharding import ShardSpan, Span, WorkEnds, assign_shards
 from streampack.plan.state import (
     FINGERPRINT_KEY,
     GRAPH_KEY,
@@ -177,7 +177,6 @@ class _OldPlans:
         first = passes * config.epochs if config.epochs else 0
         self.first, self.last = first, (first + config.epochs if config.epochs else None)
         self._packed: PackedShardReader | None = None
-        self._order: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def frontier(self, g: int, graph: Any) -> _Frontier:
         if graph is None:
@@ -252,23 +251,9 @@ class _OldPlans:
         return Span(shard=s.shard, start=start, first=first, end=end)
 
     def _from_ends(self, epoch: int, ends: WorkEnds) -> list[Span] | None:
-        """A planned epoch's spans from their ends: the whole non-empty shards between them in
-        the epoch's order (O(N) once per epoch, no index read); None if they do not add up."""
-        if ends.spans == 1:
-            return [ends.head]
+        """A planned epoch's spans from their ends (:func:`~streampack.plan.sharding.spans_from_ends`)."""
         assert self.planner is not None
-        if self._order is None or self._order[0] != epoch:
-            order = epoch_permutation(self.planner.num_shards, seed=self.config.seed, epoch=epoch,
-                                      shuffle=self.config.shuffle)
-            where = np.empty_like(order)
-            where[order] = np.arange(len(order))
-            self._order = (epoch, order, where)
-        _, order, where = self._order
-        middle = order[where[ends.head.shard] + 1:where[ends.tail.shard]]
-        middle = middle[self.planner.shards.samples[middle] > 0]
-        if len(middle) + 2 != ends.spans:
-            return None
-        return [ends.head, *(Span(shard=int(s)) for s in middle), ends.tail]
+        return self.planner.spans_from_ends(epoch, ends)
 
     def _after(self, spans: list[Span], origin: Pulled | None) -> list[Span]:
         """``spans`` (tagged with their epochs) after the sample ``origin`` (all when None)."""

@@ -31,7 +31,15 @@ from streampack.io.index import ShardIndex, unknown_lengths_hint
 from streampack.packing.window_rounds import PackerRules, count_packs, worker_seed
 from streampack.plan.agree import RankCounts
 from streampack.plan.quota import LateQuota, Settled
-from streampack.plan.sharding import IndexRange, PrefixCut, Span, epoch_permutation
+from streampack.plan.sharding import (
+    IndexRange,
+    PrefixCut,
+    Span,
+    WorkEnds,
+    epoch_permutation,
+    order_positions,
+    spans_from_ends,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,6 +182,7 @@ class EpochPlanner:
         self._counts: dict[tuple[int, int], int] = {}
         self._plan: ReaderPlan | None = None
         self._plan_of: tuple[int, int] | None = None
+        self._order: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def samples(self, shard: int) -> ShardSamples:
         if shard not in self._samples:
@@ -230,10 +239,23 @@ class EpochPlanner:
         stream = samples.lengths[lo:hi]
         return chunk_lengths(stream[stream > 0], max_len, policy)  # 0: a record the reader skips
 
-    def plan(self, epoch: int, global_worker: int, info: dict[str, Any] | None = None) -> ReaderPlan:
-        """Reader ``global_worker``'s spans and (when batches are counted) its late quota."""
-        if self._plan is None or self._plan_of != (epoch, global_worker):
-            spans = self.spans(epoch, global_worker)
+    def spans_from_ends(self, epoch: int, ends: WorkEnds) -> list[Span] | None:
+        """The spans a state recorded as their ends (``ShardReader``'s ``work_ends``), rebuilt from the epoch's order
+        and the manifest's sample counts with no index read (:func:`~streampack.plan.sharding.spans_from_ends`)."""
+        if self._order is None or self._order[0] != epoch:  # once per epoch: an elastic resume asks for every reader
+            order = epoch_permutation(self.num_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+            self._order = (epoch, order, order_positions(order))
+        _, order, where = self._order
+        return spans_from_ends(ends, order, where, self.shards.samples)
+
+    def plan(self, epoch: int, global_worker: int, info: dict[str, Any] | None = None,
+             spans: list[Span] | None = None) -> ReaderPlan:
+        """Reader ``global_worker``'s spans and (when batches are counted) its late quota. ``spans``: the ones a
+        restored state recorded (:meth:`spans_from_ends`), taken instead of cutting the epoch again, which reads
+        the index of every shard a boundary falls in (up to 4) before a restored reader's first batch
+        (``benchmarks/bench_restore.py --phases``, "of which plan")."""
+        if self._plan is None or self._plan_of != (epoch, global_worker) or spans is not None:
+            spans = spans if spans is not None else self.spans(epoch, global_worker)
             quota = None
             if self.counting is not None:
                 quota = LateQuota(count=lambda: self.count_spans(global_worker, spans),

@@ -127,6 +127,27 @@ class WorkEnds:
     spans: int
 
 
+def order_positions(order: np.ndarray) -> np.ndarray:
+    """int64 ``[N]``: the position of each shard in the epoch's ``order`` (its inverse permutation)."""
+    where = np.empty_like(order)
+    where[order] = np.arange(len(order))
+    return where
+
+
+def spans_from_ends(ends: WorkEnds, order: np.ndarray, where: np.ndarray, samples: np.ndarray) -> list[Span] | None:
+    """A planned epoch's spans from their ends: the head, the whole non-empty shards between head and tail in the
+    epoch's ``order`` (``where``: :func:`order_positions` of it; ``samples``: every shard's sample count), the tail;
+    None if they do not add up to ``ends.spans`` (the ends were not cut from this order). No index read; O(own
+    spans) given ``where``, which is O(N) once per epoch."""
+    if ends.spans == 1:
+        return [ends.head]
+    middle = order[where[ends.head.shard] + 1:where[ends.tail.shard]]
+    middle = middle[np.asarray(samples)[middle] > 0]
+    if len(middle) + 2 != ends.spans:
+        return None
+    return [ends.head, *(Span(shard=int(s)) for s in middle), ends.tail]
+
+
 def _none_to(value: int | None) -> int:
     return -1 if value is None else int(value)
 

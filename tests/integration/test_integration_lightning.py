@@ -143,11 +143,14 @@ def _resumed(urls: list[str], tmp_path: Path, make_dm: Any) -> tuple[TinyLM, Tin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resume_from_a_lightning_checkpoint_is_exact(urls: list[str], tmp_path: Path, workers: int) -> None:
-    """SGD without a schedule: the step-3 checkpoint of a 3-step run is the 6-step run's."""
+@pytest.mark.parametrize(("workers", "snapshot"), [(0, 1), (2, 1), (2, 2)])
+def test_resume_from_a_lightning_checkpoint_is_exact(urls: list[str], tmp_path: Path, workers: int,
+                                                     snapshot: int) -> None:
+    """SGD without a schedule: the step-3 checkpoint of a 3-step run is the 6-step run's (with workers snapshotting
+    every 2 steps, step 3 is off the interval: the restored loader replays one batch)."""
     full, resumed = _resumed(urls, tmp_path, lambda: PackedDataModule(
-        PackedDataset(urls, capacity=64, packing=PackOptions(window=8)), num_workers=workers))
+        PackedDataset(urls, capacity=64, packing=PackOptions(window=8)), num_workers=workers,
+        snapshot_every_n_steps=snapshot))
     assert len(full.seen) == 12 and len(resumed.seen) == 6
     assert all(torch.equal(a, b) for a, b in zip(full.seen[6:], resumed.seen))
     assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))

@@ -86,3 +86,25 @@ def test_many_random_interruptions(shards, num_workers: int) -> None:
         rng = np.random.default_rng(seed + 10)
         stops = sorted(rng.choice(np.arange(1, total - 1), 5, replace=False).tolist())
         assert _interrupted(urls, num_workers, stops, total, packing=PackOptions(window=64, max_wait=3)) == full
+
+
+@pytest.mark.slow  # ~4 s: two workers, four loaders
+def test_a_state_taken_between_snapshots_resumes_exactly(shards) -> None:
+    """``snapshot_every_n_steps=N`` (the integrations' option, docs/integrations.md): a state taken k steps after
+    a worker snapshot restores it and drops k re-made batches, so every stop, on or off the interval, continues
+    with the uninterrupted run's batches."""
+    urls, _ = shards
+    full = [canon(b) for b in take(iter(StatefulDataLoader(_ds(urls), batch_size=None, num_workers=2)), 40)]
+    out, state, done, since = [], None, 0, []
+    for stop in (7, 13, 29, 40):
+        loader = StatefulDataLoader(_ds(urls), batch_size=None, num_workers=2, snapshot_every_n_steps=5)
+        if state is not None:
+            load_loader_state(loader, roundtrip(state))
+        it = iter(loader)
+        out += [canon(b) for b in take(it, stop - done)]
+        done = stop
+        state = loader.state_dict()
+        since.append(state["_steps_since_snapshot"])
+        del it
+    assert since == [2, 3, 4, 0]  # off the interval three times: the replay ran
+    assert out == full
