@@ -33,6 +33,9 @@ CHUNK_BYTES = 8 << 20
 """Bytes read at a time: a block holds the whole samples of one read, so memory stays bounded
 for shards of any size (a sample larger than a chunk doubles the next read)."""
 _REGULAR, _PAX = b"".join(REGULAR), ord(PAX)  # as the ints a header's type flag byte reads
+_POW8_11 = 8.0 ** np.arange(10, -1, -1)
+_HIGH4, _HIGH4_ZEROS = np.uint64(0xF8F8F8F8_00000000), np.uint64(0x30303030_00000000)
+_LOW7, _LOW7_ZEROS = np.uint64(0x00F8F8F8_F8F8F8F8), np.uint64(0x00303030_30303030)
 
 
 def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions, streams: list[BinaryIO],
@@ -156,7 +159,7 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
         done = True
     elif final:
         return None  # truncated: the per-sample reader reports it
-    kinds = [buf[h + 156] for h in heads]
+    kinds = np.frombuffer(buf, np.uint8, count=n)[heads + 156]
     if not done:  # drop the sample the buffer cuts
         keep = len(heads)
         if keep and (kinds[-1] == _PAX or p > n):
@@ -164,12 +167,10 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
         if keep and kinds[keep - 1] == _PAX:
             keep -= 1
         heads, sizes, kinds = heads[:keep], sizes[:keep], kinds[:keep]
-    used = p if done else (heads[-1] + BLOCK + padded(sizes[-1]) if heads else 0)
-    if not heads:
+    used = p if done else (int(heads[-1]) + BLOCK + padded(int(sizes[-1])) if heads.size else 0)
+    if not heads.size:
         return (TokenBlock.of_samples([], done=done), used, np.zeros((0, 100), np.uint8)) if done or not final else None
-    parsed = _samples(buf, np.asarray(heads, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
-                      np.asarray(kinds, dtype=np.uint8), base=base, first=first, done=done, url=url,
-                      decode=decode, used=used)
+    parsed = _samples(buf, heads, sizes, kinds, base=base, first=first, done=done, url=url, decode=decode, used=used)
     if look and parsed is not None:
         block, _, names = parsed
         name = names[-1].tobytes().rstrip(b"\0")
@@ -178,21 +179,40 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
     return parsed
 
 
-def _chain(buf: bytes, limit: int) -> tuple[list[int], list[int], int]:
+def _chain(buf: bytes, limit: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Header offsets from 0, following declared sizes, while below ``limit``; their sizes; and where
-    the chain stopped. Whether each is a header the per-sample reader accepts is checked after, as columns."""
+    the chain stopped. Whether each is a header the per-sample reader accepts is checked after, as columns.
+
+    The size field of every block below ``limit`` is read as one column first (a block of 11 octal digits: what
+    tar writers put there), so the walk from header to header is a list lookup a step (~0.1 µs, where parsing the
+    field with ``int`` was ~0.5 µs); a field of another form is parsed with ``int`` as it is reached."""
+    count = -(-limit // BLOCK)  # the blocks that may open a header
+    # bytes 124..134 are the high half of a block's 16th 8-byte word and the low 7 bytes of its 17th: all octal
+    # digits when each byte is 0x30 | (0..7); two word columns, where a [count, 11] byte test cost twice as much
+    words = np.frombuffer(buf, "<u8", count=count * BLOCK // 8).reshape(count, BLOCK // 8)
+    octal = np.flatnonzero(((words[:, 15] & _HIGH4) == _HIGH4_ZEROS) & ((words[:, 16] & _LOW7) == _LOW7_ZEROS))
+    digits = np.frombuffer(buf, np.uint8, count=count * BLOCK).reshape(count, BLOCK)[octal, 124:135] - 48
+    size = np.zeros(count, dtype=np.int64)
+    size[octal] = digits @ _POW8_11  # exact: 8**11 < 2**53
+    step = np.zeros(count, dtype=np.int64)
+    step[octal] = 1 + (size[octal] + BLOCK - 1) // BLOCK
+    steps = step.tolist()
     heads: list[int] = []
-    sizes: list[int] = []
     p = 0
-    try:
-        while p < limit:
-            size = int(buf[p + 124:p + 135], 8)
-            heads.append(p)
-            sizes.append(size)
-            p += BLOCK + ((size + BLOCK - 1) & -BLOCK)  # padded(size) inline: a call adds 13% to this loop
-    except ValueError:
-        pass
-    return heads, sizes, p
+    while p < count:
+        s = steps[p]
+        if not s:
+            try:
+                size[p] = odd = int(buf[p * BLOCK + 124:p * BLOCK + 135], 8)
+            except ValueError:
+                break
+            s = 1 + (odd + BLOCK - 1) // BLOCK
+            if s < 1:
+                break  # a negative size would hold the walk in place
+        heads.append(p)
+        p += s
+    at = np.asarray(heads, dtype=np.int64)
+    return at * BLOCK, size[at], p * BLOCK
 
 
 def _samples(buf: bytes, heads: np.ndarray, sizes: np.ndarray, kinds: np.ndarray, *, base: int, first: int,
