@@ -20,8 +20,16 @@ corpus sizes, in-process, with 2 workers, and with 2 workers taking no per-step 
 (``snapshot_every_n_steps`` past the epoch); the difference of the two sizes gives the CPU per batch with the fixed
 costs (start-up, worker fork, first window) taken out.
 
+``--constants``: what an in-process epoch costs per batch, per document and per token (this tree, or each of
+``--baseline``'s and this one's, taking turns): epochs of the peers' tar corpus in fresh processes, at four settings that
+move one count at a time (the reference: 8 M tokens of mean-600 documents in batches of 8 packs; a quarter of the packs
+per batch; documents a quarter as long; twice the tokens), each the least CPU of ``--rounds``; the four are solved for
+``CPU = fixed + a x batches + b x documents + c x tokens`` (a pack's own costs are in the token term: the packs of an
+epoch are its tokens over the fill). Then one reference epoch under ``cProfile`` gives each code's share of it.
+
     PYTHONPATH=. python benchmarks/bench_compact.py --baseline /path/to/older/checkout --rounds 3
     PYTHONPATH=. python benchmarks/bench_compact.py --workers
+    PYTHONPATH=. python benchmarks/bench_compact.py --constants --rounds 3 [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -129,8 +139,10 @@ def child(tokens: int, repeats: int) -> dict[str, Any]:
     return out
 
 
-def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str) -> dict[str, Any]:
-    """One epoch of the peers' tar corpus in this fresh process: CPU of the process and its joined workers."""
+def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, mean: float = 600.0,
+                packs_per_batch: int = 0, profile: bool = False) -> dict[str, Any]:
+    """One epoch of the peers' tar corpus in this fresh process: CPU of the process and its joined workers
+    (``packs_per_batch`` 0: the peers' 8; ``profile``: also each code's share of the epoch under cProfile)."""
     import gc
     import resource
 
@@ -147,17 +159,155 @@ def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str) 
         return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
     peer = StreampackPeer(capacity=CAPACITY)
-    peer.prepare(Corpus(CorpusSpec(tokens=tokens), directory))
+    peer.prepare(Corpus(CorpusSpec(tokens=tokens, mean=mean), directory))
     gc.collect()
-    start = cpu()
-    ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=PACKS_PER_BATCH,
-                       packing=PackOptions(window=peer.window))
-    kw = {"prefetch_factor": 8, "snapshot_every_n_steps": snapshot_every} if workers else {}
-    real = batches = 0
-    for batch in StatefulDataLoader(ds, batch_size=None, num_workers=workers, **kw):
-        real += batch.num_tokens
-        batches += 1
-    return {"cpu": cpu() - start, "tokens": real, "batches": batches}  # the workers are joined at the epoch's end
+
+    def epoch() -> dict[str, Any]:
+        start = cpu()
+        ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0,
+                           packs_per_batch=packs_per_batch or PACKS_PER_BATCH, packing=PackOptions(window=peer.window))
+        kw = {"prefetch_factor": 8, "snapshot_every_n_steps": snapshot_every} if workers else {}
+        real = batches = docs = 0
+        for batch in StatefulDataLoader(ds, batch_size=None, num_workers=workers, **kw):
+            real += batch.num_tokens
+            batches += 1
+            docs += batch.num_docs
+        return {"cpu": cpu() - start, "tokens": real, "batches": batches, "docs": docs}  # workers joined by now
+
+    if not profile:
+        return epoch()
+    import cProfile
+    import pstats
+
+    epoch()  # the first epoch pays the imports and the first calls: not a share of an epoch
+    prof = cProfile.Profile()
+    prof.enable()
+    out = epoch()
+    prof.disable()
+    return {**out, "shares": _shares(pstats.Stats(prof))}
+
+
+CODE = {  # the code each share is, by the streampack file the time is spent in
+    "reading the tar blocks (io/, nodes/block_reader.py: read, header walk, column checks, keys)": (
+        "streampack/io/", "streampack/nodes/block_reader.py"),
+    "the documents' rows and the window packer's rounds (plan/rows.py, nodes/window_packer.py, packing/)": (
+        "streampack/packing/", "streampack/nodes/window_packer.py", "streampack/plan/", "streampack/nodes/overlong.py"),
+    "the layout (layout/)": ("streampack/layout/",),
+    "the collate and its per-batch stats (nodes/collate.py, logs.py)": ("streampack/nodes/collate.py",
+                                                                       "streampack/logs.py"),
+}
+
+
+def _code(path: str) -> str:
+    return next((k for k, parts in CODE.items() if any(part in path for part in parts)), REST)
+
+
+REST = "the DataLoader, torch and the rest"
+
+
+def _shares(stats: Any) -> dict[str, float]:
+    """cProfile's view: each code's own time (``tottime``) over the epoch; numpy, torch and builtins count for the
+    streampack file that called them (through their heaviest caller)."""
+    table = stats.stats
+
+    def home(func: tuple, seen: frozenset = frozenset()) -> str:
+        if "streampack/" in func[0] or func in seen:
+            return func[0]
+        callers = table[func][4] if func in table else {}
+        if not callers:
+            return func[0]
+        heaviest = max(callers, key=lambda c: callers[c][3])  # the caller that spent the most time in it
+        return home(heaviest, seen | {func})
+
+    own = dict.fromkeys([*CODE, REST], 0.0)
+    for func, (_, _, tottime, _, _) in table.items():
+        own[_code(home(func))] += tottime
+    total = sum(own.values())
+    return {k: v / total for k, v in own.items()}
+
+
+def _sampled_shares(root: str, directory: str) -> dict[str, float] | None:
+    """py-spy's view (when it is installed): samples of the reference epochs, each counted for the innermost
+    streampack file on its stack. cProfile's per-call overhead inflates the many small calls of reading and packing
+    against the layout's few large ones; sampling does not."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    tokens, mean, ppb = SETTINGS["reference"]
+    with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
+        cmd = [spy, "record", "-r", "1000", "-f", "raw", "-o", raw.name, "--", sys.executable,
+               str(Path(__file__).resolve()), "--child-epoch", str(tokens), "0", "1", directory, "--mean", str(mean),
+               "--packs-per-batch", str(ppb), "--profile"]
+        if subprocess.run(cmd, capture_output=True, env={**os.environ, "PYTHONPATH": root}).returncode:
+            return None
+        counts = dict.fromkeys([*CODE, REST], 0)
+        for line in Path(raw.name).read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            frames = stack.split(";")
+            if not any("child_epoch.<locals>.epoch (" in f for f in frames):
+                continue
+            inner = next((f for f in reversed(frames) if "streampack/" in f), "")
+            counts[_code(inner)] += int(n)
+    total = sum(counts.values()) or 1
+    return {k: v / total for k, v in counts.items()}
+
+
+SETTINGS = {  # name: (tokens, mean document length, packs per batch)
+    "reference": (8_000_000, 600.0, 8),
+    "batches x4": (8_000_000, 600.0, 2),
+    "documents x4": (8_000_000, 150.0, 8),
+    "tokens x2": (16_000_000, 600.0, 8),
+}
+
+
+def constants(trees: dict[str, str], rounds: int, directory: str) -> dict[str, dict[str, Any]]:
+    """Per tree: the least CPU of ``rounds`` fresh epochs at each of :data:`SETTINGS`, the fit, and the shares."""
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in range(rounds):
+        for tree, root in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
+            for name, (tokens, mean, ppb) in SETTINGS.items():
+                got = _epoch_child(root, tokens, mean, ppb, directory)
+                if (tree, name) not in best or got["cpu"] < best[tree, name]["cpu"]:
+                    best[tree, name] = got
+    out = {}
+    for tree, root in trees.items():
+        rows = [best[tree, name] for name in SETTINGS]
+        counts = np.array([[1.0, g["batches"], g["docs"], g["tokens"]] for g in rows])
+        fixed, batch, doc, token = np.linalg.solve(counts, np.array([g["cpu"] for g in rows]))
+        ref = rows[0]
+        shares = _sampled_shares(root, directory)
+        out[tree] = {"fixed_s": fixed, "batch_us": 1e6 * batch, "doc_us": 1e6 * doc, "token_ns": 1e9 * token,
+                     "ref": ref, "sampled": shares is not None,
+                     "shares": shares or _epoch_child(root, *SETTINGS["reference"], directory, profile=True)["shares"]}
+    return out
+
+
+def _epoch_child(root: str, tokens: int, mean: float, ppb: int, directory: str, profile: bool = False) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-epoch", str(tokens), "0", "1", directory,
+           "--mean", str(mean), "--packs-per-batch", str(ppb)] + (["--profile"] if profile else [])
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def constants_table(out: dict[str, dict[str, Any]]) -> str:
+    names = list(out)
+    lines = ["| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    ref = out[names[0]]["ref"]
+    rows = [("µs a batch", "batch_us", "{:.1f}"), ("µs a document", "doc_us", "{:.2f}"),
+            ("ns a token", "token_ns", "{:.2f}"), ("fixed CPU-s (start-up, first window)", "fixed_s", "{:.3f}")]
+    for label, key, fmt in rows:
+        lines.append(f"| {label} | " + " | ".join(fmt.format(out[n][key]) for n in names) + " |")
+    lines.append("| reference epoch: tokens / CPU-s | " + " | ".join(
+        f"{out[n]['ref']['tokens'] / out[n]['ref']['cpu'] / 1e6:.1f} M" for n in names) + " |")
+    how = ("py-spy samples, each counted for the innermost streampack file on its stack" if out[names[0]]["sampled"]
+           else "own time under cProfile, which inflates the many small calls")
+    lines.append(f"\nreference epoch: {ref['tokens']:,} tokens, {ref['docs']:,} documents, {ref['batches']} batches; "
+                 f"each code's share of it ({how}):\n")
+    lines += ["| code | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for code in out[names[0]]["shares"]:
+        lines.append(f"| {code} | " + " | ".join(f"{100 * out[n]['shares'][code]:.0f}%" for n in names) + " |")
+    return "\n".join(lines)
 
 
 def workers_breakdown(sizes: tuple[int, int], rounds: int, directory: str) -> str:
@@ -239,18 +389,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="4e6,16e6", help="with --workers: the two corpus sizes, tokens")
     parser.add_argument("--dir", default=None, help="with --workers: keep the written corpora here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--constants", action="store_true", help="µs a batch, a document and a token, in-process")
     parser.add_argument("--child-epoch", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--mean", type=float, default=600.0, help=argparse.SUPPRESS)
+    parser.add_argument("--packs-per-batch", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.tokens, args.repeats)))
         return 0
     if args.child_epoch:
         tokens, workers, every, directory = args.child_epoch
-        print(json.dumps(child_epoch(int(tokens), int(workers), int(every), directory)))
+        print(json.dumps(child_epoch(int(tokens), int(workers), int(every), directory, args.mean, args.packs_per_batch,
+                                     args.profile)))
+        return 0
+    if args.constants:
+        trees = {"this tree": str(HERE.parent)} | ({"baseline": args.baseline} if args.baseline else {})
+        with tempfile.TemporaryDirectory() as tmp:
+            print(constants_table(constants(trees, args.rounds, args.dir or tmp)))
         return 0
     if args.workers:
-        import tempfile
-
         small, large = (int(float(x)) for x in args.sizes.split(","))
         with tempfile.TemporaryDirectory() as tmp:
             print(workers_breakdown((small, large), args.rounds, args.dir or tmp))

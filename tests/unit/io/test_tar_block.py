@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers_data import make_token_docs, write_tar_shards
 from helpers_hostile import BLOCK, archive, header, npy_bytes, pad, sample
 
+from streampack.io import tar_block
 from streampack.io.decode import DecodeOptions
+from streampack.io.formats import ShardRange
+from streampack.io.storage import OpenOptions
 from streampack.io.tar_block import _chain, parse_tar
 from streampack.io.tar_columns import ids_in_range
 
@@ -83,3 +87,31 @@ def test_ids_in_range_is_every_id_checked(dtype: str) -> None:
             assert ids_in_range(tokens, starts, lengths, bound) == want, (bound, tokens)
             outcomes.add(want)
     assert outcomes == {True, False}
+
+
+def test_a_read_buffer_is_reused_only_once_nothing_views_it(tmp_path) -> None:
+    """The blocks of one shard view its read buffer: reading another shard meanwhile must not write into it, and once
+    those blocks are gone the next read of that size takes it (no fresh pages to fault in)."""
+    urls = write_tar_shards(tmp_path, make_token_docs(600, min_len=300, max_len=400, vocab=50_000), 2)
+    streams: list = []
+
+    def read(url: str) -> list:
+        return list(tar_block.tar_blocks(url, ShardRange(start=0, first=0), decode=DecodeOptions(), opts=OpenOptions(),
+                                         streams=streams))
+
+    def buffer(block: tar_block.TokenBlock) -> object:
+        return block.tokens.base.obj  # the memoryview numpy keeps of the buffer read into
+
+    first = read(urls[0])
+    assert len(first) == 1 and len(first[0]) == 300 and first[0].tokens.nbytes >= tar_block._SPARE_MIN
+    kept = first[0].tokens.copy()
+    second = read(urls[1])
+    assert buffer(second[0]) is not buffer(first[0])
+    assert np.array_equal(first[0].tokens, kept)  # the other read left the viewed buffer alone
+    spare = [id(b) for b in tar_block._SPARE if b is buffer(first[0])]  # the pool keeps it alive: its id stays its own
+    del first
+    again = read(urls[0])
+    assert np.array_equal(again[0].tokens, kept)
+    assert spare == [id(buffer(again[0]))]  # the same buffer, taken again
+    for f in streams:
+        f.close()
