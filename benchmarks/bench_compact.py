@@ -21,11 +21,12 @@ corpus sizes, in-process, with 2 workers, and with 2 workers taking no per-step 
 costs (start-up, worker fork, first window) taken out.
 
 ``--constants``: what an in-process epoch costs per batch, per document and per token (this tree, or each of
-``--baseline``'s and this one's, taking turns): epochs of the peers' tar corpus in fresh processes, at four settings that
-move one count at a time (the reference: 8 M tokens of mean-600 documents in batches of 8 packs; a quarter of the packs
-per batch; documents a quarter as long; twice the tokens), each the least CPU of ``--rounds``; the four are solved for
-``CPU = fixed + a x batches + b x documents + c x tokens`` (a pack's own costs are in the token term: the packs of an
-epoch are its tokens over the fill). Then one reference epoch under ``cProfile`` gives each code's share of it.
+``--baseline``'s and this one's, taking turns): epochs of the peers' tar corpus at five settings that move the counts
+apart (the reference: 8 M tokens of mean-600 documents in batches of 8 packs; a quarter of the packs per batch;
+documents a quarter as long; both; twice the tokens), each the least CPU of 5 epochs in a row in a fresh process and of
+``--rounds`` such processes; a least-squares fit of ``CPU = fixed + a x batches + b x documents + c x tokens`` (a
+pack's own costs are in the token term: the packs of an epoch are its tokens over the fill), with its largest misfit.
+Then the reference epochs sampled by py-spy (when installed; else timed by cProfile) give each code's share.
 
     PYTHONPATH=. python benchmarks/bench_compact.py --baseline /path/to/older/checkout --rounds 3
     PYTHONPATH=. python benchmarks/bench_compact.py --workers
@@ -140,9 +141,10 @@ def child(tokens: int, repeats: int) -> dict[str, Any]:
 
 
 def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, mean: float = 600.0,
-                packs_per_batch: int = 0, profile: bool = False) -> dict[str, Any]:
+                packs_per_batch: int = 0, profile: bool = False, repeats: int = 1) -> dict[str, Any]:
     """One epoch of the peers' tar corpus in this fresh process: CPU of the process and its joined workers
-    (``packs_per_batch`` 0: the peers' 8; ``profile``: also each code's share of the epoch under cProfile)."""
+    (``packs_per_batch`` 0: the peers' 8; ``profile``: also each code's share of the epoch under cProfile;
+    ``repeats``: the least CPU of that many epochs in a row)."""
     import gc
     import resource
 
@@ -175,7 +177,8 @@ def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, 
         return {"cpu": cpu() - start, "tokens": real, "batches": batches, "docs": docs}  # workers joined by now
 
     if not profile:
-        return epoch()
+        runs = [epoch() for _ in range(max(repeats, 1))]
+        return min(runs, key=lambda r: r["cpu"])
     import cProfile
     import pstats
 
@@ -237,7 +240,7 @@ def _sampled_shares(root: str, directory: str) -> dict[str, float] | None:
     with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
         cmd = [spy, "record", "-r", "1000", "-f", "raw", "-o", raw.name, "--", sys.executable,
                str(Path(__file__).resolve()), "--child-epoch", str(tokens), "0", "1", directory, "--mean", str(mean),
-               "--packs-per-batch", str(ppb), "--profile"]
+               "--packs-per-batch", str(ppb), "--epochs", "3"]
         if subprocess.run(cmd, capture_output=True, env={**os.environ, "PYTHONPATH": root}).returncode:
             return None
         counts = dict.fromkeys([*CODE, REST], 0)
@@ -256,8 +259,12 @@ SETTINGS = {  # name: (tokens, mean document length, packs per batch)
     "reference": (8_000_000, 600.0, 8),
     "batches x4": (8_000_000, 600.0, 2),
     "documents x4": (8_000_000, 150.0, 8),
+    "documents x4, batches x4": (8_000_000, 150.0, 2),
     "tokens x2": (16_000_000, 600.0, 8),
 }
+REPEATS = 5
+"""Epochs in a row in each child, the least CPU kept: within one process the spread is a few percent, across
+fresh processes on a shared box far more."""
 
 
 def constants(trees: dict[str, str], rounds: int, directory: str) -> dict[str, dict[str, Any]]:
@@ -273,10 +280,12 @@ def constants(trees: dict[str, str], rounds: int, directory: str) -> dict[str, d
     for tree, root in trees.items():
         rows = [best[tree, name] for name in SETTINGS]
         counts = np.array([[1.0, g["batches"], g["docs"], g["tokens"]] for g in rows])
-        fixed, batch, doc, token = np.linalg.solve(counts, np.array([g["cpu"] for g in rows]))
+        cpu = np.array([g["cpu"] for g in rows])
+        (fixed, batch, doc, token), *_ = np.linalg.lstsq(counts, cpu, rcond=None)
         ref = rows[0]
         shares = _sampled_shares(root, directory)
         out[tree] = {"fixed_s": fixed, "batch_us": 1e6 * batch, "doc_us": 1e6 * doc, "token_ns": 1e9 * token,
+                     "misfit": float(np.abs(counts @ [fixed, batch, doc, token] / cpu - 1).max()),
                      "ref": ref, "sampled": shares is not None,
                      "shares": shares or _epoch_child(root, *SETTINGS["reference"], directory, profile=True)["shares"]}
     return out
@@ -284,7 +293,8 @@ def constants(trees: dict[str, str], rounds: int, directory: str) -> dict[str, d
 
 def _epoch_child(root: str, tokens: int, mean: float, ppb: int, directory: str, profile: bool = False) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child-epoch", str(tokens), "0", "1", directory,
-           "--mean", str(mean), "--packs-per-batch", str(ppb)] + (["--profile"] if profile else [])
+           "--mean", str(mean), "--packs-per-batch", str(ppb), "--epochs", str(REPEATS)] + (
+               ["--profile"] if profile else [])
     env = {**os.environ, "PYTHONPATH": root}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -298,6 +308,8 @@ def constants_table(out: dict[str, dict[str, Any]]) -> str:
             ("ns a token", "token_ns", "{:.2f}"), ("fixed CPU-s (start-up, first window)", "fixed_s", "{:.3f}")]
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt.format(out[n][key]) for n in names) + " |")
+    lines.append("| largest misfit of the five epochs | " + " | ".join(
+        f"{100 * out[n]['misfit']:.1f}%" for n in names) + " |")
     lines.append("| reference epoch: tokens / CPU-s | " + " | ".join(
         f"{out[n]['ref']['tokens'] / out[n]['ref']['cpu'] / 1e6:.1f} M" for n in names) + " |")
     how = ("py-spy samples, each counted for the innermost streampack file on its stack" if out[names[0]]["sampled"]
@@ -394,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mean", type=float, default=600.0, help=argparse.SUPPRESS)
     parser.add_argument("--packs-per-batch", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.tokens, args.repeats)))
@@ -401,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_epoch:
         tokens, workers, every, directory = args.child_epoch
         print(json.dumps(child_epoch(int(tokens), int(workers), int(every), directory, args.mean, args.packs_per_batch,
-                                     args.profile)))
+                                     args.profile, args.epochs)))
         return 0
     if args.constants:
         trees = {"this tree": str(HERE.parent)} | ({"baseline": args.baseline} if args.baseline else {})

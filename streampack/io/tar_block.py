@@ -1,7 +1,8 @@
 """webdataset tar shards of ``.npy`` token members, read as :class:`~streampack.io.token_block.TokenBlock` s.
 
-One read of a byte range (at most ``CHUNK_BYTES`` at a time); a loop follows the header chain by declared sizes (~0.4 µs
-a header) and every header, pax record, name, ``.npy`` header and id is checked as columns
+One read of a byte range (at most ``CHUNK_BYTES`` at a time, into a buffer of an earlier read that nothing views any
+more); a walk follows the header chain by declared sizes (every block's size field read as one column first, then a
+list lookup a header) and every header, pax record, name, ``.npy`` header and id is checked as columns
 (:mod:`streampack.io.tar_columns`). The block's token array is a view of the read buffer. A block accepts exactly what
 the per-sample reader (:mod:`streampack.io.tar`) turns into valid samples with nothing to report, in the shape
 webdataset's ``TarWriter`` writes (one ``<key>.npy`` member per sample behind an optional ``mtime`` pax header);
