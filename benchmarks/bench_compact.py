@@ -20,13 +20,12 @@ corpus sizes, in-process, with 2 workers, and with 2 workers taking no per-step 
 (``snapshot_every_n_steps`` past the epoch); the difference of the two sizes gives the CPU per batch with the fixed
 costs (start-up, worker fork, first window) taken out.
 
-``--constants``: what an in-process epoch costs per batch, per document and per token (this tree, or each of
-``--baseline``'s and this one's, taking turns): epochs of the peers' tar corpus at five settings that move the counts
-apart (the reference: 8 M tokens of mean-600 documents in batches of 8 packs; a quarter of the packs per batch;
-documents a quarter as long; both; twice the tokens), each the least CPU of 5 epochs in a row in a fresh process and of
-``--rounds`` such processes; a least-squares fit of ``CPU = fixed + a x batches + b x documents + c x tokens`` (a
-pack's own costs are in the token term: the packs of an epoch are its tokens over the fill), with its largest misfit.
-Then the reference epochs sampled by py-spy (when installed; else timed by cProfile) give each code's share.
+``--constants``: where an in-process epoch's CPU goes (this tree, or each of ``--baseline``'s and this one's, taking
+turns): the peers' 16 M-token tar corpus, the least CPU of 5 epochs in a row in a fresh process and of ``--rounds``
+such processes; the epochs sampled by py-spy (when installed; else timed by cProfile) give each code's share, shown
+as µs a batch, µs a document and ns a token of that epoch. (A fit of ``fixed + a x batches + b x documents + c x
+tokens`` over five settings that move the counts apart was tried: on the shared 2-core box its misfit was 7-12% and
+its token term came out negative, so the split is by code instead.)
 
     PYTHONPATH=. python benchmarks/bench_compact.py --baseline /path/to/older/checkout --rounds 3
     PYTHONPATH=. python benchmarks/bench_compact.py --workers
@@ -236,7 +235,7 @@ def _sampled_shares(root: str, directory: str) -> dict[str, float] | None:
     spy = shutil.which("py-spy")
     if spy is None:
         return None
-    tokens, mean, ppb = SETTINGS["reference"]
+    tokens, mean, ppb = REFERENCE
     with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
         cmd = [spy, "record", "-r", "1000", "-f", "raw", "-o", raw.name, "--", sys.executable,
                str(Path(__file__).resolve()), "--child-epoch", str(tokens), "0", "1", directory, "--mean", str(mean),
@@ -255,39 +254,27 @@ def _sampled_shares(root: str, directory: str) -> dict[str, float] | None:
     return {k: v / total for k, v in counts.items()}
 
 
-SETTINGS = {  # name: (tokens, mean document length, packs per batch)
-    "reference": (8_000_000, 600.0, 8),
-    "batches x4": (8_000_000, 600.0, 2),
-    "documents x4": (8_000_000, 150.0, 8),
-    "documents x4, batches x4": (8_000_000, 150.0, 2),
-    "tokens x2": (16_000_000, 600.0, 8),
-}
+REFERENCE = (16_000_000, 600.0, 8)
+"""The epoch whose CPU is split: tokens, mean document length, packs per batch (the peers' corpus and batches)."""
 REPEATS = 5
 """Epochs in a row in each child, the least CPU kept: within one process the spread is a few percent, across
 fresh processes on a shared box far more."""
 
 
 def constants(trees: dict[str, str], rounds: int, directory: str) -> dict[str, dict[str, Any]]:
-    """Per tree: the least CPU of ``rounds`` fresh epochs at each of :data:`SETTINGS`, the fit, and the shares."""
-    best: dict[tuple[str, str], dict[str, Any]] = {}
+    """Per tree: the least CPU of ``rounds`` fresh processes' reference epochs (each the least of :data:`REPEATS`),
+    and each code's share of it."""
+    best: dict[str, dict[str, Any]] = {}
     for r in range(rounds):
         for tree, root in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
-            for name, (tokens, mean, ppb) in SETTINGS.items():
-                got = _epoch_child(root, tokens, mean, ppb, directory)
-                if (tree, name) not in best or got["cpu"] < best[tree, name]["cpu"]:
-                    best[tree, name] = got
+            got = _epoch_child(root, *REFERENCE, directory)
+            if tree not in best or got["cpu"] < best[tree]["cpu"]:
+                best[tree] = got
     out = {}
     for tree, root in trees.items():
-        rows = [best[tree, name] for name in SETTINGS]
-        counts = np.array([[1.0, g["batches"], g["docs"], g["tokens"]] for g in rows])
-        cpu = np.array([g["cpu"] for g in rows])
-        (fixed, batch, doc, token), *_ = np.linalg.lstsq(counts, cpu, rcond=None)
-        ref = rows[0]
         shares = _sampled_shares(root, directory)
-        out[tree] = {"fixed_s": fixed, "batch_us": 1e6 * batch, "doc_us": 1e6 * doc, "token_ns": 1e9 * token,
-                     "misfit": float(np.abs(counts @ [fixed, batch, doc, token] / cpu - 1).max()),
-                     "ref": ref, "sampled": shares is not None,
-                     "shares": shares or _epoch_child(root, *SETTINGS["reference"], directory, profile=True)["shares"]}
+        out[tree] = {**best[tree], "sampled": shares is not None,
+                     "shares": shares or _epoch_child(root, *REFERENCE, directory, profile=True)["shares"]}
     return out
 
 
@@ -301,24 +288,22 @@ def _epoch_child(root: str, tokens: int, mean: float, ppb: int, directory: str, 
 
 
 def constants_table(out: dict[str, dict[str, Any]]) -> str:
+    """Each code's CPU in a batch and per document of the reference epoch (its share of the epoch's CPU)."""
     names = list(out)
-    lines = ["| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    ref = out[names[0]]["ref"]
-    rows = [("µs a batch", "batch_us", "{:.1f}"), ("µs a document", "doc_us", "{:.2f}"),
-            ("ns a token", "token_ns", "{:.2f}"), ("fixed CPU-s (start-up, first window)", "fixed_s", "{:.3f}")]
-    for label, key, fmt in rows:
-        lines.append(f"| {label} | " + " | ".join(fmt.format(out[n][key]) for n in names) + " |")
-    lines.append("| largest misfit of the five epochs | " + " | ".join(
-        f"{100 * out[n]['misfit']:.1f}%" for n in names) + " |")
-    lines.append("| reference epoch: tokens / CPU-s | " + " | ".join(
-        f"{out[n]['ref']['tokens'] / out[n]['ref']['cpu'] / 1e6:.1f} M" for n in names) + " |")
-    how = ("py-spy samples, each counted for the innermost streampack file on its stack" if out[names[0]]["sampled"]
+    ref = out[names[0]]
+    how = ("py-spy samples, each counted for the innermost streampack file on its stack" if ref["sampled"]
            else "own time under cProfile, which inflates the many small calls")
-    lines.append(f"\nreference epoch: {ref['tokens']:,} tokens, {ref['docs']:,} documents, {ref['batches']} batches; "
-                 f"each code's share of it ({how}):\n")
-    lines += ["| code | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for code in out[names[0]]["shares"]:
-        lines.append(f"| {code} | " + " | ".join(f"{100 * out[n]['shares'][code]:.0f}%" for n in names) + " |")
+    lines = [f"reference epoch: {ref['tokens']:,} tokens, {ref['docs']:,} documents, {ref['batches']} batches of "
+             f"{REFERENCE[2]} x {CAPACITY}; least CPU of {REPEATS} epochs a process; shares from {how}\n",
+             "| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines.append("| tokens / CPU-s | " + " | ".join(f"{o['tokens'] / o['cpu'] / 1e6:.1f} M" for o in out.values()) + " |")
+    lines.append("| µs a batch, all | " + " | ".join(f"{1e6 * o['cpu'] / o['batches']:.0f}" for o in out.values())
+                 + " |")
+    for code in ref["shares"]:
+        cells = [f"{100 * o['shares'][code]:.0f}%: {1e6 * o['shares'][code] * o['cpu'] / o['batches']:.0f} µs a batch, "
+                 f"{1e6 * o['shares'][code] * o['cpu'] / o['docs']:.2f} a document, "
+                 f"{1e9 * o['shares'][code] * o['cpu'] / o['tokens']:.2f} ns a token" for o in out.values()]
+        lines.append(f"| {code} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
