@@ -177,7 +177,7 @@ def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, 
 
     if not profile:
         runs = [epoch() for _ in range(max(repeats, 1))]
-        return min(runs, key=lambda r: r["cpu"])
+        return {**min(runs, key=lambda r: r["cpu"]), **(_reading(peer.urls) if repeats > 1 else {})}
     import cProfile
     import pstats
 
@@ -187,6 +187,38 @@ def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, 
     out = epoch()
     prof.disable()
     return {**out, "shares": _shares(pstats.Stats(prof))}
+
+
+def _reading(urls: list[str]) -> dict[str, float]:
+    """The parts of reading a tar shard as blocks, each timed alone over every shard (least of 5 passes): the read
+    from the page cache into a reused buffer (ns a token), the id check (ns a token), and the whole parse with its
+    checks (``parse_tar``, µs a document)."""
+    from streampack.io.decode import DecodeOptions
+    from streampack.io.tar_block import parse_tar
+    from streampack.io.tar_columns import ids_in_range
+
+    data = [Path(u).read_bytes() for u in urls]
+    spare = bytearray(max(len(d) for d in data))
+    decode = DecodeOptions()
+    blocks = [parse_tar(d, base=0, first=0, end=None, final=True, url=u, decode=decode)[0] for d, u in zip(data, urls)]
+    tokens = sum(int(b.lengths.sum()) for b in blocks)
+    docs = sum(len(b) for b in blocks)
+
+    def read() -> None:
+        for u in urls:
+            with open(u, "rb") as f:
+                f.readinto(spare)
+
+    def check() -> None:
+        for b in blocks:
+            ids_in_range(b.tokens, b.starts, b.lengths, 50_000)
+
+    def parse() -> None:
+        for d, u in zip(data, urls):
+            parse_tar(d, base=0, first=0, end=None, final=True, url=u, decode=decode)
+
+    return {"read_ns_token": 1e9 * _best(read, 5) / tokens, "check_ns_token": 1e9 * _best(check, 5) / tokens,
+            "parse_us_doc": 1e6 * _best(parse, 5) / docs}
 
 
 CODE = {  # the code each share is, by the streampack file the time is spent in
@@ -299,6 +331,9 @@ def constants_table(out: dict[str, dict[str, Any]]) -> str:
     lines.append("| tokens / CPU-s | " + " | ".join(f"{o['tokens'] / o['cpu'] / 1e6:.1f} M" for o in out.values()) + " |")
     lines.append("| µs a batch, all | " + " | ".join(f"{1e6 * o['cpu'] / o['batches']:.0f}" for o in out.values())
                  + " |")
+    lines.append("| of reading, alone: the read into a reused buffer / the id check / the whole parse | " + " | ".join(
+        f"{o['read_ns_token']:.2f} ns / {o['check_ns_token']:.2f} ns a token, {o['parse_us_doc']:.2f} µs a document"
+        for o in out.values()) + " |")
     for code in ref["shares"]:
         cells = [f"{100 * o['shares'][code]:.0f}%: {1e6 * o['shares'][code] * o['cpu'] / o['batches']:.0f} µs a batch, "
                  f"{1e6 * o['shares'][code] * o['cpu'] / o['docs']:.2f} a document, "
