@@ -6,9 +6,10 @@ list lookup a header) and every header, pax record, name, ``.npy`` header and id
 (:mod:`streampack.io.tar_columns`). The block's token array is a view of the read buffer. A block accepts exactly what
 the per-sample reader (:mod:`streampack.io.tar`) turns into valid samples with nothing to report, in the shape
 webdataset's ``TarWriter`` writes (one ``<key>.npy`` member per sample behind an optional ``mtime`` pax header);
-anything else ends the blocks before its sample and the per-sample reader reads from there. ~6 µs a document, where the
-per-sample reader takes 60-100 µs (``benchmarks/bench_loaders.py``). A bad sample hands the rest of its chunk to the
-per-sample reader: exact, but slow for such shards.
+anything else ends the blocks before its sample and the per-sample reader reads from there. ~2.5 µs a document with
+every check (``benchmarks/bench_compact.py --constants``), where the per-sample reader takes 60-100 µs
+(``benchmarks/bench_loaders.py``). A bad sample hands the rest of its chunk to the per-sample reader: exact, but slow for
+such shards.
 """
 
 from __future__ import annotations
