@@ -91,8 +91,8 @@ def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
 
 def _read(f: BinaryIO, want: int) -> bytes | bytearray:
     """``f.read(want)``; from a plain local file, into the buffer of an earlier read that nothing views any more (its
-    blocks are gone): the first writes to a fresh 8 MB buffer fault its pages in, ~10% of an in-process epoch's CPU
-    (``benchmarks/bench_compact.py --constants``). Any other stream (remote, or one a test wraps) is read as asked."""
+    blocks are gone), since the first writes to a fresh 8 MB buffer fault in its ~2,000 pages one by one. Any other
+    stream (remote, or one a test wraps) is read as asked."""
     if type(f) is not io.BufferedReader or want < _SPARE_MIN:
         return f.read(want)
     with _SPARE_LOCK:  # taken under the lock: once held here, its count shows it in use to any other reader
@@ -218,8 +218,8 @@ def _chain(buf: bytes, limit: int) -> tuple[np.ndarray, np.ndarray, int]:
     the chain stopped. Whether each is a header the per-sample reader accepts is checked after, as columns.
 
     The size field of every block below ``limit`` is read as one column first (a block of 11 octal digits: what
-    tar writers put there), so the walk from header to header is a list lookup a step (~0.1 µs, where parsing the
-    field with ``int`` was ~0.5 µs); a field of another form is parsed with ``int`` as it is reached."""
+    tar writers put there), so a step from header to header is a list lookup rather than an ``int`` parse of the
+    field; a field of another form is parsed with ``int`` as it is reached."""
     count = -(-limit // BLOCK)  # the blocks that may open a header
     # bytes 124..134 are the high half of a block's 16th 8-byte word and the low 7 bytes of its 17th: all octal
     # digits when each byte is 0x30 | (0..7); two word columns, where a [count, 11] byte test cost twice as much

@@ -52,8 +52,8 @@ def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np
                   ids_avoid_ignore: bool) -> PackedBatch:
     """``align == 1``: ``input_ids`` is one ``concatenate`` of views (the documents and each pack's run of padding);
     the offsets are Python lists made a pack at a time (with no alignment padding the causal varlen spans are the
-    padded offsets plus each non-full pack's real end, so ``offset_fields``' sort is not needed). At ~55 documents
-    a batch this is cheaper than whole-batch numpy (``doc_places``: ~1.5x the time in call overheads)."""
+    padded offsets plus each non-full pack's real end, so ``offset_fields``' sort is not needed); at ~55 documents
+    a batch, whole-batch numpy (as ``doc_places``) spends more than this in its calls' overheads."""
     n = _ints(lengths)
     if min(pack_sizes) < 1:
         raise ValueError(f"pack {min(range(len(pack_sizes)), key=pack_sizes.__getitem__)} is empty")
