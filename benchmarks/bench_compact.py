@@ -20,8 +20,16 @@ corpus sizes, in-process, with 2 workers, and with 2 workers taking no per-step 
 (``snapshot_every_n_steps`` past the epoch); the difference of the two sizes gives the CPU per batch with the fixed
 costs (start-up, worker fork, first window) taken out.
 
+``--constants``: where an in-process epoch's CPU goes (this tree, or each of ``--baseline``'s and this one's, taking
+turns): the peers' 16 M-token tar corpus, the least CPU of 5 epochs in a row in a fresh process and of ``--rounds``
+such processes; the epochs sampled by py-spy (when installed; else timed by cProfile) give each code's share, shown
+as µs a batch, µs a document and ns a token of that epoch. (A fit of ``fixed + a x batches + b x documents + c x
+tokens`` over five settings that move the counts apart was tried: on the shared 2-core box its misfit was 7-12% and
+its token term came out negative, so the split is by code instead.)
+
     PYTHONPATH=. python benchmarks/bench_compact.py --baseline /path/to/older/checkout --rounds 3
     PYTHONPATH=. python benchmarks/bench_compact.py --workers
+    PYTHONPATH=. python benchmarks/bench_compact.py --constants --rounds 3 [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -129,8 +139,11 @@ def child(tokens: int, repeats: int) -> dict[str, Any]:
     return out
 
 
-def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str) -> dict[str, Any]:
-    """One epoch of the peers' tar corpus in this fresh process: CPU of the process and its joined workers."""
+def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, mean: float = 600.0,
+                packs_per_batch: int = 0, profile: bool = False, repeats: int = 1) -> dict[str, Any]:
+    """One epoch of the peers' tar corpus in this fresh process: CPU of the process and its joined workers
+    (``packs_per_batch`` 0: the peers' 8; ``profile``: also each code's share of the epoch under cProfile;
+    ``repeats``: the least CPU of that many epochs in a row)."""
     import gc
     import resource
 
@@ -147,17 +160,186 @@ def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str) 
         return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
     peer = StreampackPeer(capacity=CAPACITY)
-    peer.prepare(Corpus(CorpusSpec(tokens=tokens), directory))
+    peer.prepare(Corpus(CorpusSpec(tokens=tokens, mean=mean), directory))
     gc.collect()
-    start = cpu()
-    ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=PACKS_PER_BATCH,
-                       packing=PackOptions(window=peer.window))
-    kw = {"prefetch_factor": 8, "snapshot_every_n_steps": snapshot_every} if workers else {}
-    real = batches = 0
-    for batch in StatefulDataLoader(ds, batch_size=None, num_workers=workers, **kw):
-        real += batch.num_tokens
-        batches += 1
-    return {"cpu": cpu() - start, "tokens": real, "batches": batches}  # the workers are joined at the epoch's end
+
+    def epoch() -> dict[str, Any]:
+        start = cpu()
+        ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0,
+                           packs_per_batch=packs_per_batch or PACKS_PER_BATCH, packing=PackOptions(window=peer.window))
+        kw = {"prefetch_factor": 8, "snapshot_every_n_steps": snapshot_every} if workers else {}
+        real = batches = docs = 0
+        for batch in StatefulDataLoader(ds, batch_size=None, num_workers=workers, **kw):
+            real += batch.num_tokens
+            batches += 1
+            docs += batch.num_docs
+        return {"cpu": cpu() - start, "tokens": real, "batches": batches, "docs": docs}  # workers joined by now
+
+    if not profile:
+        runs = [epoch() for _ in range(max(repeats, 1))]
+        return {**min(runs, key=lambda r: r["cpu"]), **(_reading(peer.urls) if repeats > 1 else {})}
+    import cProfile
+    import pstats
+
+    epoch()  # the first epoch pays the imports and the first calls: not a share of an epoch
+    prof = cProfile.Profile()
+    prof.enable()
+    out = epoch()
+    prof.disable()
+    return {**out, "shares": _shares(pstats.Stats(prof))}
+
+
+def _reading(urls: list[str]) -> dict[str, float]:
+    """The parts of reading a tar shard as blocks, each timed alone over every shard (least of 5 passes): the read
+    from the page cache into a reused buffer (ns a token), the id check (ns a token), and the whole parse with its
+    checks (``parse_tar``, µs a document)."""
+    from streampack.io.decode import DecodeOptions
+    from streampack.io.tar_block import parse_tar
+    from streampack.io.tar_columns import ids_in_range
+
+    data = [Path(u).read_bytes() for u in urls]
+    spare = bytearray(max(len(d) for d in data))
+    decode = DecodeOptions()
+    blocks = [parse_tar(d, base=0, first=0, end=None, final=True, url=u, decode=decode)[0] for d, u in zip(data, urls)]
+    tokens = sum(int(b.lengths.sum()) for b in blocks)
+    docs = sum(len(b) for b in blocks)
+
+    def read() -> None:
+        for u in urls:
+            with open(u, "rb") as f:
+                f.readinto(spare)
+
+    def check() -> None:
+        for b in blocks:
+            ids_in_range(b.tokens, b.starts, b.lengths, 50_000)
+
+    def parse() -> None:
+        for d, u in zip(data, urls):
+            parse_tar(d, base=0, first=0, end=None, final=True, url=u, decode=decode)
+
+    return {"read_ns_token": 1e9 * _best(read, 5) / tokens, "check_ns_token": 1e9 * _best(check, 5) / tokens,
+            "parse_us_doc": 1e6 * _best(parse, 5) / docs}
+
+
+CODE = {  # the code each share is, by the streampack file the time is spent in
+    "reading the tar blocks (io/, nodes/block_reader.py: read, header walk, column checks, keys)": (
+        "streampack/io/", "streampack/nodes/block_reader.py"),
+    "the documents' rows and the window packer's rounds (plan/rows.py, nodes/window_packer.py, packing/)": (
+        "streampack/packing/", "streampack/nodes/window_packer.py", "streampack/plan/", "streampack/nodes/overlong.py"),
+    "the layout (layout/)": ("streampack/layout/",),
+    "the collate and its per-batch stats (nodes/collate.py, logs.py)": ("streampack/nodes/collate.py",
+                                                                       "streampack/logs.py"),
+}
+
+
+def _code(path: str) -> str:
+    return next((k for k, parts in CODE.items() if any(part in path for part in parts)), REST)
+
+
+REST = "the DataLoader, torch and the rest"
+
+
+def _shares(stats: Any) -> dict[str, float]:
+    """cProfile's view: each code's own time (``tottime``) over the epoch; numpy, torch and builtins count for the
+    streampack file that called them (through their heaviest caller)."""
+    table = stats.stats
+
+    def home(func: tuple, seen: frozenset = frozenset()) -> str:
+        if "streampack/" in func[0] or func in seen:
+            return func[0]
+        callers = table[func][4] if func in table else {}
+        if not callers:
+            return func[0]
+        heaviest = max(callers, key=lambda c: callers[c][3])  # the caller that spent the most time in it
+        return home(heaviest, seen | {func})
+
+    own = dict.fromkeys([*CODE, REST], 0.0)
+    for func, (_, _, tottime, _, _) in table.items():
+        own[_code(home(func))] += tottime
+    total = sum(own.values())
+    return {k: v / total for k, v in own.items()}
+
+
+def _sampled_shares(root: str, directory: str) -> dict[str, float] | None:
+    """py-spy's view (when it is installed): samples of the reference epochs, each counted for the innermost
+    streampack file on its stack. cProfile's per-call overhead inflates the many small calls of reading and packing
+    against the layout's few large ones; sampling does not."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    tokens, mean, ppb = REFERENCE
+    with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
+        cmd = [spy, "record", "-r", "1000", "-f", "raw", "-o", raw.name, "--", sys.executable,
+               str(Path(__file__).resolve()), "--child-epoch", str(tokens), "0", "1", directory, "--mean", str(mean),
+               "--packs-per-batch", str(ppb), "--epochs", "3"]
+        if subprocess.run(cmd, capture_output=True, env={**os.environ, "PYTHONPATH": root}).returncode:
+            return None
+        counts = dict.fromkeys([*CODE, REST], 0)
+        for line in Path(raw.name).read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            frames = stack.split(";")
+            if not any("child_epoch.<locals>.epoch (" in f for f in frames):
+                continue
+            inner = next((f for f in reversed(frames) if "streampack/" in f), "")
+            counts[_code(inner)] += int(n)
+    total = sum(counts.values()) or 1
+    return {k: v / total for k, v in counts.items()}
+
+
+REFERENCE = (16_000_000, 600.0, 8)
+"""The epoch whose CPU is split: tokens, mean document length, packs per batch (the peers' corpus and batches)."""
+REPEATS = 5
+"""Epochs in a row in each child, the least CPU kept: within one process the spread is a few percent, across
+fresh processes on a shared box far more."""
+
+
+def constants(trees: dict[str, str], rounds: int, directory: str) -> dict[str, dict[str, Any]]:
+    """Per tree: the least CPU of ``rounds`` fresh processes' reference epochs (each the least of :data:`REPEATS`),
+    and each code's share of it."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in range(rounds):
+        for tree, root in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
+            got = _epoch_child(root, *REFERENCE, directory)
+            if tree not in best or got["cpu"] < best[tree]["cpu"]:
+                best[tree] = got
+    out = {}
+    for tree, root in trees.items():
+        shares = _sampled_shares(root, directory)
+        out[tree] = {**best[tree], "sampled": shares is not None,
+                     "shares": shares or _epoch_child(root, *REFERENCE, directory, profile=True)["shares"]}
+    return out
+
+
+def _epoch_child(root: str, tokens: int, mean: float, ppb: int, directory: str, profile: bool = False) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-epoch", str(tokens), "0", "1", directory,
+           "--mean", str(mean), "--packs-per-batch", str(ppb), "--epochs", str(REPEATS)] + (
+               ["--profile"] if profile else [])
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def constants_table(out: dict[str, dict[str, Any]]) -> str:
+    """Each code's CPU in a batch and per document of the reference epoch (its share of the epoch's CPU)."""
+    names = list(out)
+    ref = out[names[0]]
+    how = ("py-spy samples, each counted for the innermost streampack file on its stack" if ref["sampled"]
+           else "own time under cProfile, which inflates the many small calls")
+    lines = [f"reference epoch: {ref['tokens']:,} tokens, {ref['docs']:,} documents, {ref['batches']} batches of "
+             f"{REFERENCE[2]} x {CAPACITY}; least CPU of {REPEATS} epochs a process; shares from {how}\n",
+             "| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines.append("| tokens / CPU-s | " + " | ".join(f"{o['tokens'] / o['cpu'] / 1e6:.1f} M" for o in out.values()) + " |")
+    lines.append("| µs a batch, all | " + " | ".join(f"{1e6 * o['cpu'] / o['batches']:.0f}" for o in out.values())
+                 + " |")
+    lines.append("| of reading, alone: the read into a reused buffer / the id check / the whole parse | " + " | ".join(
+        f"{o['read_ns_token']:.2f} ns / {o['check_ns_token']:.2f} ns a token, {o['parse_us_doc']:.2f} µs a document"
+        for o in out.values()) + " |")
+    for code in ref["shares"]:
+        cells = [f"{100 * o['shares'][code]:.0f}%: {1e6 * o['shares'][code] * o['cpu'] / o['batches']:.0f} µs a batch, "
+                 f"{1e6 * o['shares'][code] * o['cpu'] / o['docs']:.2f} a document, "
+                 f"{1e9 * o['shares'][code] * o['cpu'] / o['tokens']:.2f} ns a token" for o in out.values()]
+        lines.append(f"| {code} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def workers_breakdown(sizes: tuple[int, int], rounds: int, directory: str) -> str:
@@ -239,18 +421,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="4e6,16e6", help="with --workers: the two corpus sizes, tokens")
     parser.add_argument("--dir", default=None, help="with --workers: keep the written corpora here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--constants", action="store_true", help="µs a batch, a document and a token, in-process")
     parser.add_argument("--child-epoch", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--mean", type=float, default=600.0, help=argparse.SUPPRESS)
+    parser.add_argument("--packs-per-batch", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.tokens, args.repeats)))
         return 0
     if args.child_epoch:
         tokens, workers, every, directory = args.child_epoch
-        print(json.dumps(child_epoch(int(tokens), int(workers), int(every), directory)))
+        print(json.dumps(child_epoch(int(tokens), int(workers), int(every), directory, args.mean, args.packs_per_batch,
+                                     args.profile, args.epochs)))
+        return 0
+    if args.constants:
+        trees = {"this tree": str(HERE.parent)} | ({"baseline": args.baseline} if args.baseline else {})
+        with tempfile.TemporaryDirectory() as tmp:
+            print(constants_table(constants(trees, args.rounds, args.dir or tmp)))
         return 0
     if args.workers:
-        import tempfile
-
         small, large = (int(float(x)) for x in args.sizes.split(","))
         with tempfile.TemporaryDirectory() as tmp:
             print(workers_breakdown((small, large), args.rounds, args.dir or tmp))

@@ -1,18 +1,23 @@
 """webdataset tar shards of ``.npy`` token members, read as :class:`~streampack.io.token_block.TokenBlock` s.
 
-One read of a byte range (at most ``CHUNK_BYTES`` at a time); a loop follows the header chain by declared sizes (~0.4 µs
-a header) and every header, pax record, name, ``.npy`` header and id is checked as columns
+One read of a byte range (at most ``CHUNK_BYTES`` at a time, into a buffer of an earlier read that nothing views any
+more); a walk follows the header chain by declared sizes (every block's size field read as one column first, then a
+list lookup a header) and every header, pax record, name, ``.npy`` header and id is checked as columns
 (:mod:`streampack.io.tar_columns`). The block's token array is a view of the read buffer. A block accepts exactly what
 the per-sample reader (:mod:`streampack.io.tar`) turns into valid samples with nothing to report, in the shape
 webdataset's ``TarWriter`` writes (one ``<key>.npy`` member per sample behind an optional ``mtime`` pax header);
-anything else ends the blocks before its sample and the per-sample reader reads from there. ~6 µs a document, where the
-per-sample reader takes 60-100 µs (``benchmarks/bench_loaders.py``). A bad sample hands the rest of its chunk to the
-per-sample reader: exact, but slow for such shards.
+anything else ends the blocks before its sample and the per-sample reader reads from there. ~2.5 µs a document with
+every check (``benchmarks/bench_compact.py --constants``), where the per-sample reader takes 60-100 µs
+(``benchmarks/bench_loaders.py``). A bad sample hands the rest of its chunk to the per-sample reader: exact, but slow for
+such shards.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
@@ -33,6 +38,9 @@ CHUNK_BYTES = 8 << 20
 """Bytes read at a time: a block holds the whole samples of one read, so memory stays bounded
 for shards of any size (a sample larger than a chunk doubles the next read)."""
 _REGULAR, _PAX = b"".join(REGULAR), ord(PAX)  # as the ints a header's type flag byte reads
+_POW8_11 = 8.0 ** np.arange(10, -1, -1)
+_HIGH4, _HIGH4_ZEROS = np.uint64(0xF8F8F8F8_00000000), np.uint64(0x30303030_00000000)
+_LOW7, _LOW7_ZEROS = np.uint64(0x00F8F8F8_F8F8F8F8), np.uint64(0x00303030_30303030)
 
 
 def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: OpenOptions, streams: list[BinaryIO],
@@ -57,7 +65,7 @@ def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
         # ask for what is there: read(8 MiB) of a 1.8 MB file cost 5x reading its size
         want = size if limit is None else min(size, max(limit - pos, 0))
         try:
-            data = f.read(want)
+            data = _read(f, want)
         except (DataError, OSError):
             return
         pos += len(data)
@@ -79,6 +87,35 @@ def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
             return
         tail, base, number = buf[used:], base + used, number + len(block)
         size = size if used else size * 2
+
+
+def _read(f: BinaryIO, want: int) -> bytes | bytearray:
+    """``f.read(want)``; from a plain local file, into the buffer of an earlier read that nothing views any more (its
+    blocks are gone), since the first writes to a fresh 8 MB buffer fault in its ~2,000 pages one by one. Any other
+    stream (remote, or one a test wraps) is read as asked."""
+    if type(f) is not io.BufferedReader or want < _SPARE_MIN:
+        return f.read(want)
+    with _SPARE_LOCK:  # taken under the lock: once held here, its count shows it in use to any other reader
+        buf = next((b for b in _SPARE if sys.getrefcount(b) == 3), None)  # the list, the loop, the call: nothing else
+        if buf is None:
+            buf = bytearray(want)
+            _SPARE.append(buf)
+            if len(_SPARE) > _SPARE_COUNT:
+                _SPARE.pop(0)  # still viewed: it goes when its blocks do
+        elif len(buf) > want:
+            del buf[want:]
+        elif len(buf) < want:
+            buf.extend(bytes(want - len(buf)))
+    got = f.readinto(buf) or 0
+    if got < want:
+        del buf[got:]
+    return buf
+
+
+_SPARE: list[bytearray] = []
+"""Buffers of earlier reads, in the order they were made; one whose only reference is this list is free."""
+_SPARE_LOCK = threading.Lock()
+_SPARE_COUNT, _SPARE_MIN = 4, 1 << 20
 
 
 def _intact_after(url: str, at: int | None, field: bytes, decode: DecodeOptions, opts: OpenOptions,
@@ -156,7 +193,7 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
         done = True
     elif final:
         return None  # truncated: the per-sample reader reports it
-    kinds = [buf[h + 156] for h in heads]
+    kinds = np.frombuffer(buf, np.uint8, count=n)[heads + 156]
     if not done:  # drop the sample the buffer cuts
         keep = len(heads)
         if keep and (kinds[-1] == _PAX or p > n):
@@ -164,12 +201,10 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
         if keep and kinds[keep - 1] == _PAX:
             keep -= 1
         heads, sizes, kinds = heads[:keep], sizes[:keep], kinds[:keep]
-    used = p if done else (heads[-1] + BLOCK + padded(sizes[-1]) if heads else 0)
-    if not heads:
+    used = p if done else (int(heads[-1]) + BLOCK + padded(int(sizes[-1])) if heads.size else 0)
+    if not heads.size:
         return (TokenBlock.of_samples([], done=done), used, np.zeros((0, 100), np.uint8)) if done or not final else None
-    parsed = _samples(buf, np.asarray(heads, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
-                      np.asarray(kinds, dtype=np.uint8), base=base, first=first, done=done, url=url,
-                      decode=decode, used=used)
+    parsed = _samples(buf, heads, sizes, kinds, base=base, first=first, done=done, url=url, decode=decode, used=used)
     if look and parsed is not None:
         block, _, names = parsed
         name = names[-1].tobytes().rstrip(b"\0")
@@ -178,21 +213,40 @@ def parse_tar(buf: bytes, *, base: int, first: int, end: int | None, final: bool
     return parsed
 
 
-def _chain(buf: bytes, limit: int) -> tuple[list[int], list[int], int]:
+def _chain(buf: bytes, limit: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Header offsets from 0, following declared sizes, while below ``limit``; their sizes; and where
-    the chain stopped. Whether each is a header the per-sample reader accepts is checked after, as columns."""
+    the chain stopped. Whether each is a header the per-sample reader accepts is checked after, as columns.
+
+    The size field of every block below ``limit`` is read as one column first (a block of 11 octal digits: what
+    tar writers put there), so a step from header to header is a list lookup rather than an ``int`` parse of the
+    field; a field of another form is parsed with ``int`` as it is reached."""
+    count = -(-limit // BLOCK)  # the blocks that may open a header
+    # bytes 124..134 are the high half of a block's 16th 8-byte word and the low 7 bytes of its 17th: all octal
+    # digits when each byte is 0x30 | (0..7); two word columns, where a [count, 11] byte test cost twice as much
+    words = np.frombuffer(buf, "<u8", count=count * BLOCK // 8).reshape(count, BLOCK // 8)
+    octal = np.flatnonzero(((words[:, 15] & _HIGH4) == _HIGH4_ZEROS) & ((words[:, 16] & _LOW7) == _LOW7_ZEROS))
+    digits = np.frombuffer(buf, np.uint8, count=count * BLOCK).reshape(count, BLOCK)[octal, 124:135] - 48
+    size = np.zeros(count, dtype=np.int64)
+    size[octal] = digits @ _POW8_11  # exact: 8**11 < 2**53
+    step = np.zeros(count, dtype=np.int64)
+    step[octal] = 1 + (size[octal] + BLOCK - 1) // BLOCK
+    steps = step.tolist()
     heads: list[int] = []
-    sizes: list[int] = []
     p = 0
-    try:
-        while p < limit:
-            size = int(buf[p + 124:p + 135], 8)
-            heads.append(p)
-            sizes.append(size)
-            p += BLOCK + ((size + BLOCK - 1) & -BLOCK)  # padded(size) inline: a call adds 13% to this loop
-    except ValueError:
-        pass
-    return heads, sizes, p
+    while p < count:
+        s = steps[p]
+        if not s:
+            try:
+                size[p] = odd = int(buf[p * BLOCK + 124:p * BLOCK + 135], 8)
+            except ValueError:
+                break
+            s = 1 + (odd + BLOCK - 1) // BLOCK
+            if s < 1:
+                break  # a negative size would hold the walk in place
+        heads.append(p)
+        p += s
+    at = np.asarray(heads, dtype=np.int64)
+    return at * BLOCK, size[at], p * BLOCK
 
 
 def _samples(buf: bytes, heads: np.ndarray, sizes: np.ndarray, kinds: np.ndarray, *, base: int, first: int,

@@ -228,18 +228,20 @@ def npy_members(first: np.ndarray, data: np.ndarray,
 
 
 def ids_in_range(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, bound: int) -> bool:
-    """Every id of every document in ``[0, bound)``: one reduction per document segment, in one
-    call (``reduceat`` over the interleaved starts and ends; the gaps between are headers)."""
+    """Every id of every document in ``[0, bound)``: one maximum per document segment, in one
+    call (``reduceat`` over the interleaved starts and ends; the gaps between are headers). Signed ids are
+    read as unsigned of their width, where a negative one is at least ``2**(bits - 1)``: one pass, not a
+    minimum and a maximum."""
     ends = starts + lengths
     cut = np.empty(2 * starts.size, dtype=np.int64)
     cut[0::2], cut[1::2] = starts, ends
     if cut[-1] >= tokens.size:
         cut = cut[:-1]
+    if tokens.dtype.kind == "i":
+        bound = min(bound, 1 << (8 * tokens.itemsize - 1))
+        tokens = tokens.view(tokens.dtype.str.replace("i", "u"))
     high = np.maximum.reduceat(tokens, cut)[0::2]
-    if tokens.dtype.kind == "u":
-        return bool((high < bound).all())
-    low = np.minimum.reduceat(tokens, cut)[0::2]
-    return bool((high < bound).all() and (low >= 0).all())
+    return bool((high < bound).all())
 
 
 __all__ = ["USTAR", "distinct_rows", "headers_ok", "ids_in_range", "member_names", "npy_members", "pax_ok"]

@@ -69,7 +69,7 @@ def target_counts(input_ids: torch.Tensor, cu_seqlens: np.ndarray, cu_seqlens_pa
     with at least one. Without supervision and with no id equal to ``ignore_index`` (``ids_avoid_ignore``: the
     caller knows; else one compare over ``input_ids``) they are ``Σ (L - 1)`` and the documents of 2+ tokens;
     otherwise counted position by position with the rule :func:`derive` applies (numpy, a few passes over ``T``)."""
-    lengths = np.diff(cu_seqlens)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # np.diff's checks cost ~5 µs a batch
     if loss_mask is None and target_ids is None and (
             ids_avoid_ignore or not INT32_MIN <= ignore_index <= INT32_MAX
             or not bool((input_ids.numpy() == ignore_index).any())):

@@ -8,7 +8,9 @@ views (``benchmarks/bench_compact.py`` measures both against ``pack_batch`` on t
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -49,43 +51,40 @@ def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np
                   doc_keys: tuple[str, ...], *, capacity: int, pad_id: int, ignore_index: int,
                   ids_avoid_ignore: bool) -> PackedBatch:
     """``align == 1``: ``input_ids`` is one ``concatenate`` of views (the documents and each pack's run of padding);
-    the offsets are Python ints gathered on the way (with no alignment padding the causal varlen spans are the padded
-    offsets plus each non-full pack's real end, so ``offset_fields``' sort is not needed)."""
-    total = len(pack_sizes) * capacity
-    input_ids = torch.empty(total, dtype=torch.int32)
+    the offsets are Python lists made a pack at a time (with no alignment padding the causal varlen spans are the
+    padded offsets plus each non-full pack's real end, so ``offset_fields``' sort is not needed); at ~55 documents
+    a batch, whole-batch numpy (as ``doc_places``) spends more than this in its calls' overheads."""
+    n = _ints(lengths)
+    if min(pack_sizes) < 1:
+        raise ValueError(f"pack {min(range(len(pack_sizes)), key=pack_sizes.__getitem__)} is empty")
+    if min(n) < 1:
+        i = n.index(min(n))
+        raise ValueError(f"document {doc_keys[i]!r} in pack {bisect_right(list(accumulate(pack_sizes)), i)} "
+                         f"has zero length")
+    docs = [src[a:a + k] for src, a, k in zip(sources, _ints(starts), n)]
     pad = _constant(pad_id, capacity)
-    ids = []
-    real, padded, causal = [0], [0], [0]
-    longest_span = longest_causal = tokens = 0
-    docs = zip(sources, _ints(starts), _ints(lengths))
+    real = [0, *accumulate(n)]
+    padded, causal, ids = [0], [0], []
+    longest_span = longest_causal = max(n)
+    i = 0
     for p, k in enumerate(pack_sizes):
-        if k < 1:
-            raise ValueError(f"pack {p} is empty")
-        base = used = p * capacity
-        for j in range(k):
-            src, a, n = next(docs)
-            if n < 1:
-                raise ValueError(f"document {doc_keys[len(real) - 1]!r} in pack {p} has zero length")
-            ids.append(src[a:a + n])
-            tokens += n
-            real.append(tokens)
-            used += n
-            if j < k - 1:
-                padded.append(used)
-                causal.append(used)
-                longest_causal = max(longest_causal, n)
-                longest_span = max(longest_span, n)
-                continue
-            left = base + capacity - used
-            if left < 0:
-                raise ValueError(f"pack {p} holds {used - base} tokens, more than {capacity=}")
-            ids.append(pad[:left])
-            padded.append(base + capacity)
-            longest_span = max(longest_span, n + left)
-            longest_causal = max(longest_causal, n, left)
-            if left:
-                causal.append(used)
-            causal.append(base + capacity)
+        base = p * capacity
+        ends = [base - real[i] + r for r in real[i + 1:i + k + 1]]
+        left = base + capacity - ends[-1]
+        if left < 0:
+            raise ValueError(f"pack {p} holds {ends[-1] - base} tokens, more than {capacity=}")
+        ids += docs[i:i + k]
+        ids.append(pad[:left])
+        used, ends[-1] = ends[-1], base + capacity
+        padded += ends
+        if left:  # the pack's padding is a causal span of its own, and its last document's span grows by it
+            causal += ends[:-1] + [used, base + capacity]
+            longest_span = max(longest_span, n[i + k - 1] + left)
+            longest_causal = max(longest_causal, left)
+        else:
+            causal += ends
+        i += k
+    input_ids = torch.empty(len(pack_sizes) * capacity, dtype=torch.int32)
     np.concatenate(ids, out=input_ids.numpy(), casting="unsafe")  # in int32 range: checked by the caller
     buffer = torch.from_numpy(np.array(real + padded + causal, dtype=np.int32))
     a, b = len(real), 2 * len(real)
@@ -95,7 +94,7 @@ def _back_to_back(sources: Sequence[np.ndarray], starts: np.ndarray, lengths: np
     return PackedBatch(input_ids=input_ids, cu_seqlens=buffer[:a], cu_seqlens_padded=buffer[a:b],
                        varlen_cu_seqlens=varlen, varlen_max_seqlen=longest_causal,
                        varlen_cu_seqlens_bidirectional=varlen, varlen_max_seqlen_bidirectional=longest_causal,
-                       max_seqlen=longest_span, num_tokens=tokens, num_targets=num_targets,
+                       max_seqlen=longest_span, num_tokens=real[-1], num_targets=num_targets,
                        num_target_docs=target_docs, doc_keys=doc_keys, capacity=capacity,
                        num_packs=len(pack_sizes), align=1, pad_id=pad_id, ignore_index=ignore_index)
 

@@ -20,7 +20,7 @@ capacity 4096, ``count_packs``) and takes the first batch of 1,900-token documen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +28,7 @@ import numpy.random  # noqa: F401 - at import: numpy loads it lazily, ~15 ms ins
 
 from streampack import packing
 from streampack.packing import aot  # noqa: F401 - at import: the first pack call would load it
+from streampack.packing.result import Bins
 
 WARMUP = 64
 """Default :attr:`PackerRules.warmup` (see "Warm-up" in the module docstring)."""
@@ -85,8 +86,8 @@ def worker_seed(seed: int, global_worker: int) -> int:
     return seed * 1_000_003 + global_worker
 
 
-def choose(rules: PackerRules, bins: list[np.ndarray], aligned: np.ndarray, entered: np.ndarray,
-           round_: int, ended: bool) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, int]]:
+def choose(rules: PackerRules, bins: Bins, aligned: np.ndarray, entered: np.ndarray,
+           round_: int, ended: bool) -> tuple[Sequence[np.ndarray], list[np.ndarray], dict[str, int]]:
     """Split one round's ``bins`` into (emit, keep) by the rules in the module docstring;
     also returns the counts of packs forced out (``forced_by_age`` / ``_carry``, ``flushed``)."""
     if ended:
@@ -95,15 +96,19 @@ def choose(rules: PackerRules, bins: list[np.ndarray], aligned: np.ndarray, ente
     rest: list[tuple[int, np.ndarray]] = []
     forced = {"forced_by_age": 0, "forced_by_carry": 0}
     oldest = round_ - rules.max_wait + 1  # type: ignore[operator]  (resolved in __post_init__)
-    for b in bins:
-        free = rules.capacity - int(aligned[b].sum())
-        if free <= rules.free_ok:
+    # every bin's free room and earliest entry as two reductions over the flat packing (a sum and a min per bin
+    # were ~5 µs a bin, ~4% of an in-process epoch)
+    flat = bins.result
+    free = (rules.capacity - flat.bin_sums(aligned)).tolist()
+    aged = (np.minimum.reduceat(entered[flat.order], flat.offsets[:-1]) <= oldest).tolist() if len(bins) else []
+    for b, room, old in zip(bins, free, aged):
+        if room <= rules.free_ok:
             emit.append(b)
-        elif int(entered[b].min()) <= oldest:
+        elif old:
             emit.append(b)
             forced["forced_by_age"] += 1
         else:
-            rest.append((free, b))
+            rest.append((room, b))
     carried = sum(len(b) for _, b in rest)
     limit = rules.size(round_) // 2
     if carried > limit:
@@ -120,7 +125,7 @@ def aligned_lengths(rules: PackerRules, lengths: np.ndarray) -> np.ndarray:
     return -(-lengths // rules.align) * rules.align
 
 
-def pack_round(rules: PackerRules, aligned: np.ndarray, round_: int) -> list[np.ndarray]:
+def pack_round(rules: PackerRules, aligned: np.ndarray, round_: int) -> Bins:
     """The bins of one round's (aligned) lengths."""
     return packing.pack(aligned, rules.capacity, algorithm=rules.algorithm, seed=rules.seed + round_)
 
