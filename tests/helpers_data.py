@@ -221,9 +221,11 @@ class LoopbackServer:
 
 
 @contextlib.contextmanager
-def serve_directory(directory: str | os.PathLike[str]) -> Iterator[LoopbackServer]:
-    """Serve ``directory`` on ``127.0.0.1`` (free port) with Range support, in a thread."""
-    handler = functools.partial(RangeRequestHandler, directory=os.fspath(directory))
+def serve_directory(directory: str | os.PathLike[str],
+                    handler_class: type[RangeRequestHandler] | None = None) -> Iterator[LoopbackServer]:
+    """Serve ``directory`` on ``127.0.0.1`` (free port) with Range support (or ``handler_class``, a subclass that
+    misbehaves on purpose), in a thread."""
+    handler = functools.partial(handler_class or RangeRequestHandler, directory=os.fspath(directory))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     info = LoopbackServer(url=f"http://127.0.0.1:{server.server_address[1]}")
     server.requests = info.requests  # type: ignore[attr-defined]

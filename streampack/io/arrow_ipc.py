@@ -171,7 +171,7 @@ def batches(url: str, opts: OpenOptions, limit: int, stats: IOStats | None, *, t
         stream.close()
 
 
-def _checked(batch: Any, row: int, url: str) -> tuple[Any, DataError | None]:
+def checked_batch(batch: Any, row: int, url: str) -> tuple[Any, DataError | None]:
     """``batch`` cut before its first row that fails pyarrow's full validation, and that row's error (or None)."""
     import pyarrow as pa
 
@@ -266,7 +266,7 @@ def iter_arrow_items(url: str, decode: DecodeOptions, *, opts: OpenOptions, star
     for row, batch, last, pending in ahead(read):
         total = row + batch.num_rows
         if total > start:
-            batch, error = _checked(batch, row, url)
+            batch, error = checked_batch(batch, row, url)
             columns = column_roles(batch.schema.names, decode, url)
             values = {field: row_values(batch.column(batch.schema.get_field_index(name)))
                       for field, name in columns.items()}

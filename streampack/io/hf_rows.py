@@ -10,29 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from streampack.errors import DataError
 from streampack.io import hf_stream
+from streampack.io.arrow_ipc import checked_batch
 from streampack.io.decode import DecodeOptions, Item
 from streampack.io.hf_dataset import source
 from streampack.io.parquet import column_roles, row_item, row_values
-
-
-def _validated(batch: Any, row: int, url: str) -> tuple[Any, DataError | None]:
-    """``batch`` cut before its first row that fails pyarrow's full validation, and that row's error (or None)."""
-    import pyarrow as pa
-
-    try:
-        batch.validate(full=True)
-        return batch, None
-    except (pa.ArrowException, ValueError):
-        pass
-    for i in range(batch.num_rows):
-        try:
-            batch.slice(i, 1).validate(full=True)
-        except (pa.ArrowException, ValueError) as e:
-            return batch.slice(0, i), DataError("corrupt_shard", f"row {row + i}: fails validation "
-                                                f"({type(e).__name__})", url=url, key=str(row + i), value=row + i)
-    return batch, DataError("corrupt_shard", f"rows from {row}: fail validation", url=url, key=str(row), value=row)
 
 
 def shard_batches(url: str, start: int, end: int | None,
@@ -57,7 +39,7 @@ def iter_dataset_items(url: str, decode: DecodeOptions, *, start: int, end: int 
         return
     for row, batch, last in batches:
         columns = column_roles(batch.schema.names, decode, url)
-        batch, error = _validated(batch, row, url)
+        batch, error = checked_batch(batch, row, url)
         values = {field: row_values(batch.column(batch.schema.get_field_index(name)))
                   for field, name in columns.items()}
         for i in range(batch.num_rows):

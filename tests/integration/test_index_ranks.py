@@ -3,20 +3,15 @@ as torchrun, SLURM or the flags give it; one rank killed with SIGKILL and launch
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import http.server
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers_data import LoopbackServer, RangeRequestHandler, make_token_docs, write_tar_shards
+from helpers_data import RangeRequestHandler, make_token_docs, serve_directory, write_tar_shards
 
 from streampack.io.index_cache import cache_path
 
@@ -73,27 +68,12 @@ class _SlowHandler(RangeRequestHandler):
         return super().send_head()
 
 
-@contextlib.contextmanager
-def _serve(directory: Path) -> Iterator[LoopbackServer]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_SlowHandler, directory=directory))
-    info = LoopbackServer(url=f"http://127.0.0.1:{server.server_address[1]}")
-    server.requests = info.requests  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
-        yield info
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-
 @pytest.mark.slow
 def test_a_rank_killed_mid_share_resumes_without_reading_its_indexed_shards_again(tmp_path):
     from tests.unit.cli.test_ranks import assert_same_manifest
 
     paths = write_tar_shards(tmp_path / "in", make_token_docs(240, seed=9), 24, fmt="npy")
-    with _serve(tmp_path / "in") as server:
+    with serve_directory(tmp_path / "in", _SlowHandler) as server:
         urls = server.urls_for(paths)
         _finish([_launch(_index_args(urls, tmp_path / "one"), 0, 1, "flags")])
         _SlowHandler.delay = 0.05  # ~4 requests a shard, one shard at a time: ~0.2 s a shard
