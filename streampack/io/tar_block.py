@@ -96,7 +96,8 @@ def _read(f: BinaryIO, want: int) -> bytes | bytearray:
     if type(f) is not io.BufferedReader or want < _SPARE_MIN:
         return f.read(want)
     with _SPARE_LOCK:  # taken under the lock: once held here, its count shows it in use to any other reader
-        buf = next((b for b in _SPARE if sys.getrefcount(b) == 3), None)  # the list, the loop, the call: nothing else
+        buf = next((b for b in _SPARE if sys.getrefcount(b) == 3 and _unexported(b)), None)  # the list, the loop,
+        # the call: nothing else holds it (a count an interpreter keeps lower is caught by the buffer's exports)
         if buf is None:
             buf = bytearray(want)
             _SPARE.append(buf)
@@ -110,6 +111,16 @@ def _read(f: BinaryIO, want: int) -> bytes | bytearray:
     if got < want:
         del buf[got:]
     return buf
+
+
+def _unexported(buf: bytearray) -> bool:
+    """Whether no array or memoryview views ``buf``: a bytearray with live exports cannot be resized."""
+    try:
+        buf.append(0)
+    except BufferError:
+        return False
+    buf.pop()
+    return True
 
 
 _SPARE: list[bytearray] = []
