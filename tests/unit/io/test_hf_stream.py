@@ -61,7 +61,7 @@ def test_every_row_once_as_the_stream_yields_it(kind, blocks, ids, tmp_path, mon
     assert documents_by_key(packed(ds, tmp_path, epochs=1)) == expected
 
 
-@pytest.mark.parametrize("kind", ["plain", "mapped_shuffled"])
+@pytest.mark.parametrize("kind", ["plain", pytest.param("mapped_shuffled", marks=pytest.mark.slow)])  # ~5 s
 def test_exact_resume_with_carried_documents(kind, ids, tmp_path):
     """Stopped after k batches (the window holding documents read but not packed) and resumed from the saved state in
     a new dataset: the same batches as never stopping, finite and forever."""
