@@ -18,7 +18,7 @@ the best of its rounds (CPU time of the child, ``time.process_time``). Per tree:
 ``PackedDataset`` under ``StatefulDataLoader``): the CPU of the process and its joined workers for an epoch of two
 corpus sizes, in-process, with 2 workers, and with 2 workers taking no per-step snapshot
 (``snapshot_every_n_steps`` past the epoch); the difference of the two sizes gives the CPU per batch with the fixed
-costs (start-up, worker fork, first window) taken out.
+costs (start-up, worker fork, first window) taken out, and of it the training process's own (the rest: the workers).
 
 ``--constants``: where an in-process epoch's CPU goes (this tree, or each of ``--baseline``'s and this one's, taking
 turns): the peers' 16 M-token tar corpus, the least CPU of 5 epochs in a row in a fresh process and of ``--rounds``
@@ -159,12 +159,15 @@ def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, 
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
+    def own() -> float:
+        return time.process_time()
+
     peer = StreampackPeer(capacity=CAPACITY)
     peer.prepare(Corpus(CorpusSpec(tokens=tokens, mean=mean), directory))
     gc.collect()
 
     def epoch() -> dict[str, Any]:
-        start = cpu()
+        start, start_own = cpu(), own()
         ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0,
                            packs_per_batch=packs_per_batch or PACKS_PER_BATCH, packing=PackOptions(window=peer.window))
         kw = {"prefetch_factor": 8, "snapshot_every_n_steps": snapshot_every} if workers else {}
@@ -173,7 +176,8 @@ def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, 
             real += batch.num_tokens
             batches += 1
             docs += batch.num_docs
-        return {"cpu": cpu() - start, "tokens": real, "batches": batches, "docs": docs}  # workers joined by now
+        # workers joined by now; "main": this process alone (the training process)
+        return {"cpu": cpu() - start, "main": own() - start_own, "tokens": real, "batches": batches, "docs": docs}
 
     if not profile:
         runs = [epoch() for _ in range(max(repeats, 1))]
@@ -357,14 +361,15 @@ def workers_breakdown(sizes: tuple[int, int], rounds: int, directory: str) -> st
                     best[name, tokens] = got
     small, large = sizes
     lines = ["| epoch | CPU-s, small | CPU-s, large | tokens / CPU-s, large | marginal ms a batch | "
-             "marginal CPU a token / in-process |", "|---|---:|---:|---:|---:|---:|"]
+             "of which the training process | marginal CPU a token / in-process |", "|---|---:|---:|---:|---:|---:|---:|"]
     marginal = {}
     for name in cases:
         a, b = best[name, small], best[name, large]
         marginal[name] = (b["cpu"] - a["cpu"]) / (b["tokens"] - a["tokens"])
         per_batch = 1e3 * (b["cpu"] - a["cpu"]) / (b["batches"] - a["batches"])
+        main = 1e3 * (b["main"] - a["main"]) / (b["batches"] - a["batches"])
         lines.append(f"| {name} | {a['cpu']:.3f} | {b['cpu']:.3f} | {b['tokens'] / b['cpu'] / 1e6:.1f} M | "
-                     f"{per_batch:.3f} | {marginal[name] / marginal['in-process']:.2f}× |")
+                     f"{per_batch:.3f} | {main:.3f} | {marginal[name] / marginal['in-process']:.2f}× |")
     return "\n".join(lines)
 
 

@@ -23,7 +23,14 @@ every worker installs, ``transfer.inline_small_tensors``) and back, then in the 
 applied and every worker's state rebuilt (``get_state``, ``--workers`` of them, as ``_take_snapshot`` does each step). Least of
 ``--rounds`` epochs, µs a batch of CPU time.
 
+``--parts``: the ring hand-over of one such batch (with its doc keys and the ``WorkerStats`` the collate attaches),
+part by part, all in this process: in the worker ``transfer.to_wire`` (the storages copied into a slot) and the
+pickle, in the training process the unpickle and ``transfer.from_wire`` (the slot mapped, the batch rebuilt); least
+of ``--rounds`` passes of 2,000 batches, µs a batch of CPU time, with the pickle's bytes; for scale, what
+``StatefulDataLoader`` with 2 workers costs an item (all processes) when each item is an int.
+
 Usage: ``python benchmarks/bench_transfer.py [--batches 400] [--quick]``,
+``PYTHONPATH=. python benchmarks/bench_transfer.py --parts [--rounds 3]``,
 ``PYTHONPATH=. python benchmarks/bench_transfer.py --snapshot [--tokens 4e6] [--rounds 3]``
 """
 
@@ -99,6 +106,68 @@ def run(batches: int = 400, quick: bool = False) -> list[dict[str, object]]:
             rows.append({"num_workers": workers, "hand-over": way, "batches/s": round(best["batches/s"]),
                          "CPU ms/batch (all processes)": round(best["CPU ms/batch"], 2)})
     return rows
+
+
+def handover_parts(rounds: int, n: int = 2000) -> list[dict[str, object]]:
+    """µs a batch of each part of the ring hand-over (see the module docstring), least of ``rounds`` passes."""
+    import pickle
+
+    from streampack.layout.stats import WorkerStats
+
+    batch = pack_batch(_packs(), capacity=CAPACITY)
+    batch.stats = WorkerStats(dp_rank=0, worker_id=1, batches=100, packs=800, docs=6400, tokens=3_200_000,
+                              slots=3_276_800, targets=3_193_600, build_seconds=1.5, events={"retry": 0})
+    transfer.register(PackedBatch)
+    parts = ("worker: to_wire", "worker: pickle", "training process: unpickle", "training process: from_wire")
+    best = dict.fromkeys(parts, float("inf"))
+    for _ in range(rounds):
+        spent = dict.fromkeys(parts, 0.0)
+        for _ in range(n):
+            t0 = time.process_time()
+            wire = transfer.to_wire(batch)
+            t1 = time.process_time()
+            data = ForkingPickler.dumps(wire)
+            t2 = time.process_time()
+            back = pickle.loads(data)
+            t3 = time.process_time()
+            got = transfer.from_wire(back)
+            t4 = time.process_time()
+            del got, back, wire  # the slot goes back, as when the training loop drops a batch
+            for part, spent_now in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                spent[part] += spent_now
+        for part in parts:
+            best[part] = min(best[part], 1e6 * spent[part] / n)
+    rows = [{"part": k, "µs a batch": round(v, 1)} for k, v in best.items()]
+    rows.append({"part": "in all", "µs a batch": round(sum(best.values()), 1)})
+    rows.append({"part": "pickle bytes a batch", "µs a batch": len(data)})
+    rows.append({"part": "for scale: StatefulDataLoader's 2 workers and queues, an int an item", "µs a batch":
+                 round(queue_floor(), 1)})
+    return rows
+
+
+class _Numbers(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def queue_floor(workers: int = 2, sizes: tuple[int, int] = (500, 2500), rounds: int = 3) -> float:
+    """µs of CPU (all processes) a DataLoader item costs when the item is an int: ``StatefulDataLoader``'s worker
+    loop, its queues and their feeder threads with nothing of ours in them (no snapshot; the difference of two epoch
+    sizes takes the workers' start out), least of ``rounds``."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def epoch(n: int) -> float:
+        start = _cpu()
+        for _ in StatefulDataLoader(_Numbers(n), batch_size=None, num_workers=workers, prefetch_factor=8,
+                                    snapshot_every_n_steps=1 << 40):
+            pass
+        return _cpu() - start  # the workers are joined: counted
+
+    small, large = (min(epoch(n) for _ in range(rounds)) for n in sizes)
+    return 1e6 * (large - small) / (workers * (sizes[1] - sizes[0]))
 
 
 def snapshot_parts(tokens: float, rounds: int, workers: int = 2) -> list[dict[str, object]]:
@@ -177,10 +246,14 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=400, help="per worker")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--snapshot", action="store_true", help="the per-step snapshot's parts, per batch")
+    parser.add_argument("--parts", action="store_true", help="the ring hand-over's parts, per batch")
     parser.add_argument("--tokens", type=float, default=4e6, help="with --snapshot: the corpus size")
-    parser.add_argument("--rounds", type=int, default=3, help="with --snapshot: epochs, the least kept")
+    parser.add_argument("--rounds", type=int, default=3, help="with --snapshot / --parts: passes, the least kept")
     args = parser.parse_args()
-    rows = snapshot_parts(args.tokens, args.rounds) if args.snapshot else run(args.batches, args.quick)
+    if args.parts:
+        rows = handover_parts(args.rounds)
+    else:
+        rows = snapshot_parts(args.tokens, args.rounds) if args.snapshot else run(args.batches, args.quick)
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:

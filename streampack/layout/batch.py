@@ -357,3 +357,4 @@ def check_invariants(batch: PackedBatch, docs: Sequence[Sequence[int]] | None = 
 
 # a worker hands batches to the training process as one byte blob (see the module for why)
 transfer.register(PackedBatch)
+transfer.register_record(WorkerStats)

@@ -2,11 +2,12 @@
 
 torch's default moves every storage into its own segment whose descriptor the receiver fetches over a socket from the
 worker's ``resource_sharer`` thread, which needs the worker's GIL while it builds the next batch. :func:`reduce_batch`
-sends each distinct storage once instead: a small one inside the pickle, the large ones together in one slot of the
-sender's ring (:mod:`streampack.layout.shm_ring`), or, without a free slot, through torch's ``file_system`` sharing;
-:func:`from_wire` rebuilds every tensor as a view of its storage, so shared storages stay shared. Per batch: 2.9 ms of
-CPU with the ring, 3.8 with named segments, 5.0 with torch's default (``benchmarks/bench_transfer.py``). Only the queue
-between processes uses this (``ForkingPickler.register``).
+sends each distinct storage once instead: when one is large, all of them together in one slot of the sender's ring
+(:mod:`streampack.layout.shm_ring`); else, or without a free slot, a small one inside the pickle and a large one
+through torch's ``file_system`` sharing; :func:`from_wire` rebuilds every tensor as a view of its storage, so shared
+storages stay shared. A 32 k-token batch from 2 workers, CPU of all processes: 1.5 ms with the ring, 1.9 with named
+segments, 2.8 with torch's default (``benchmarks/bench_transfer.py``); of it the ring's own parts, 0.11 ms
+(``--parts``). Only the queue between processes uses this (``ForkingPickler.register``).
 """
 
 from __future__ import annotations
@@ -34,52 +35,48 @@ _ALIGN = 64
 """Byte alignment of each storage inside a slot (any dtype's element size divides it)."""
 
 
-class TensorView(NamedTuple):
-    """One tensor of the batch: which storage it views, and how."""
-
-    storage: int
-    """Index into ``Wire.storages``."""
-    dtype: torch.dtype
-    storage_offset: int
-    """In elements of ``dtype``."""
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
 class Wire(NamedTuple):
-    """A batch on the wire: its class, non-tensor fields, its tensors and their storages."""
+    """A batch on the wire: its class, its fields' values, its tensors as views of their storages.
+
+    Plain tuples throughout (a named tuple or dataclass per view costs a Python-level reduce in the pickle); the
+    views are named columns, one entry per view."""
 
     cls: type
-    plain: dict[str, Any]
-    """Fields that are not tensors (extras excluded), pickled as they are."""
-    tensors: dict[str, int]
-    """Field name (``extras/NAME`` for an extra) -> index into ``views``."""
-    views: tuple[TensorView, ...]
+    values: tuple[Any, ...]
+    """Every field's value in ``dataclasses.fields(cls)`` order; a tensor field holds its index into the views."""
+    tensor_fields: int
+    """Bit ``i`` set: field ``i`` is a tensor (``values[i]`` indexes the views)."""
+    extras: tuple[tuple[str, int], ...] | None
+    """The ``extras`` mapping's ``(name, view index)`` pairs when its values are tensors, else None (it travels as
+    its value in ``values``)."""
+    view_storage: tuple[int, ...]
+    """Per view: index into ``storages``."""
+    view_dtype: tuple[torch.dtype, ...]
+    view_offset: tuple[int, ...]
+    """Per view: storage offset in elements of its dtype."""
+    view_size: tuple[tuple[int, ...], ...]
+    view_stride: tuple[tuple[int, ...], ...]
     storages: tuple[Any, ...]
     """Per storage: its bytes (small ones), its byte offset in ``slot`` (an int), or torch's
     shared-memory file handle ``(manager, handle, nbytes)`` from ``UntypedStorage._share_filename_cpu_``."""
     slot: SlotRef | None = None
-    """The shared-memory slot holding every large storage of the batch (:mod:`streampack.layout.shm_ring`)."""
+    """The shared-memory slot holding every storage of the batch (:mod:`streampack.layout.shm_ring`), or None."""
+
+
+_names: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """``cls``'s field names in order, looked up once per class (``dataclasses.fields`` costs ~4 µs a call)."""
+    names = _names.get(cls)
+    if names is None:
+        names = _names[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 def _plain_cpu(t: torch.Tensor) -> bool:
-    return type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided \
+    return type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided \
         and not t.is_quantized and not t.requires_grad and not t.is_conj() and not t.is_neg()
-
-
-def _tensor_items(batch: Any) -> dict[str, torch.Tensor] | None:
-    """Every tensor of ``batch`` by field name, or None if one cannot travel as bytes."""
-    out: dict[str, torch.Tensor] = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            out[f.name] = value
-        elif f.name == "extras" and isinstance(value, Mapping):
-            for k, v in value.items():
-                if not isinstance(v, torch.Tensor):
-                    return None
-                out[f"extras/{k}"] = v
-    return out if all(_plain_cpu(t) for t in out.values()) else None
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -99,11 +96,11 @@ def _send_storage(storage: torch.UntypedStorage) -> Any:
     return (manager, handle, size)
 
 
-def _into_slot(large: list[torch.UntypedStorage]) -> tuple[SlotRef, list[int]] | None:
-    """Copy ``large`` into one free slot of this process's ring: the slot and each storage's
+def _into_slot(storages: list[torch.UntypedStorage]) -> tuple[SlotRef, list[int]] | None:
+    """Copy ``storages`` into one free slot of this process's ring: the slot and each storage's
     byte offset in it, or None (no ring here, or too many slots still held by receivers)."""
     offsets, end = [], 0
-    for storage in large:
+    for storage in storages:
         offsets.append(end)
         end += -(-storage.nbytes() // _ALIGN) * _ALIGN
     got = shm_ring.take(end)
@@ -111,7 +108,7 @@ def _into_slot(large: list[torch.UntypedStorage]) -> tuple[SlotRef, list[int]] |
         return None
     ref, memory = got
     slot = np.frombuffer(memory, dtype=np.uint8, count=end)
-    for storage, offset in zip(large, offsets):
+    for storage, offset in zip(storages, offsets):
         # numpy's copy: one thread, ~30 µs for 768 KiB; torch's copy_ may wake its thread pool
         # (1.4-7 ms for the same bytes on the loaded 2-core box)
         slot[offset:offset + storage.nbytes()] = _bytes_of(storage).numpy()
@@ -127,40 +124,57 @@ def _receive_storage(sent: Any) -> torch.UntypedStorage:
     return rebuild_storage_filename(torch.UntypedStorage, *sent)
 
 
+class _Views:
+    """The distinct storages and the views of a batch's tensors, as :func:`to_wire` collects them."""
+
+    def __init__(self) -> None:
+        self.index: dict[int, int] = {}  # id(tensor) -> view index: one object named twice stays one
+        self.by_ptr: dict[int, int] = {}  # storage data_ptr -> index into distinct
+        self.distinct: list[torch.UntypedStorage] = []
+        self.storage: list[int] = []
+        self.dtype: list[torch.dtype] = []
+        self.offset: list[int] = []
+        self.size: list[tuple[int, ...]] = []
+        self.stride: list[tuple[int, ...]] = []
+
+    def add(self, t: torch.Tensor) -> int:
+        got = self.index.get(id(t))
+        if got is not None:
+            return got
+        storage = t.untyped_storage()
+        which = self.by_ptr.setdefault(storage.data_ptr(), len(self.distinct))
+        if which == len(self.distinct):
+            self.distinct.append(storage)
+        self.index[id(t)] = len(self.storage)
+        self.storage.append(which)
+        self.dtype.append(t.dtype)
+        self.offset.append(t.storage_offset())
+        self.size.append(tuple(t.shape))
+        self.stride.append(t.stride())
+        return len(self.storage) - 1
+
+
 def to_wire(batch: Any) -> Wire | None:
     """``batch`` (a dataclass with tensor fields and an optional ``extras`` mapping) in
     transfer form, or None when it holds a tensor that must go the default way."""
-    items = _tensor_items(batch)
-    if items is None:
-        return None
-    storages: dict[int, int] = {}  # storage data_ptr -> index into distinct
-    distinct: list[torch.UntypedStorage] = []
-    views: list[TensorView] = []
-    slots: dict[str, int] = {}
-    seen: dict[int, int] = {}  # id(tensor) -> view index: one object named twice stays one
-    for name, t in items.items():
-        if id(t) in seen:
-            slots[name] = seen[id(t)]
-            continue
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in storages:
-            storages[key] = len(distinct)
-            distinct.append(storage)
-        seen[id(t)] = slots[name] = len(views)
-        views.append(TensorView(storages[key], t.dtype, t.storage_offset(), tuple(t.shape), t.stride()))
-    large = [i for i, st in enumerate(distinct) if st.nbytes() > INLINE_BYTES]
-    placed = _into_slot([distinct[i] for i in large]) if large else None
-    sent: list[Any] = [None] * len(distinct)
-    if placed is not None:
-        for i, offset in zip(large, placed[1]):
-            sent[i] = offset
-    for i, storage in enumerate(distinct):
-        if sent[i] is None:
-            sent[i] = _send_storage(storage)
-    plain = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
-             if f.name not in items and not (f.name == "extras" and any(k.startswith("extras/") for k in items))}
-    return Wire(type(batch), plain, slots, tuple(views), tuple(sent), placed[0] if placed is not None else None)
+    cls = type(batch)
+    values = [getattr(batch, name) for name in _field_names(cls)]
+    views, mask, extras = _Views(), 0, None
+    for i, (name, value) in enumerate(zip(_names[cls], values)):
+        if isinstance(value, torch.Tensor):
+            if not _plain_cpu(value):
+                return None
+            values[i], mask = views.add(value), mask | 1 << i
+        elif name == "extras" and isinstance(value, Mapping) and value:
+            if not all(isinstance(v, torch.Tensor) and _plain_cpu(v) for v in value.values()):
+                return None  # a mapping of tensors and other values has no transfer form
+            extras, values[i] = tuple((k, views.add(v)) for k, v in value.items()), None
+    # with one large storage, the small ones share its slot too: each would cost a bytes object in the pickle and
+    # a writable copy in the training process (~6 µs a storage)
+    placed = _into_slot(views.distinct) if any(st.nbytes() > INLINE_BYTES for st in views.distinct) else None
+    sent = placed[1] if placed is not None else [_send_storage(storage) for storage in views.distinct]
+    return Wire(cls, tuple(values), mask, extras, tuple(views.storage), tuple(views.dtype), tuple(views.offset),
+                tuple(views.size), tuple(views.stride), tuple(sent), placed[0] if placed is not None else None)
 
 
 def from_wire(wire: Wire) -> Any:
@@ -169,19 +183,18 @@ def from_wire(wire: Wire) -> Any:
     slot = torch.from_numpy(shm_receive.attach(wire.slot)).untyped_storage() if wire.slot is not None else None
     storages = [(slot, sent) if isinstance(sent, int) else (_receive_storage(sent), 0) for sent in wire.storages]
     made = []
-    for v in wire.views:
-        storage, byte_offset = storages[v.storage]
-        offset = byte_offset // v.dtype.itemsize + v.storage_offset
-        made.append(torch.empty(0, dtype=v.dtype).set_(storage, offset, v.size, v.stride))
-    fields = dict(wire.plain)
-    extras = {}
-    for name, index in wire.tensors.items():
-        if name.startswith("extras/"):
-            extras[name[len("extras/"):]] = made[index]
-        else:
-            fields[name] = made[index]
-    if extras:
-        fields["extras"] = extras
+    for which, dtype, offset, size, stride in zip(wire.view_storage, wire.view_dtype, wire.view_offset,
+                                                  wire.view_size, wire.view_stride):
+        storage, byte_offset = storages[which]
+        made.append(torch.empty(0, dtype=dtype).set_(storage, byte_offset // dtype.itemsize + offset, size, stride))
+    names = _field_names(wire.cls)
+    fields = dict(zip(names, wire.values))
+    mask = wire.tensor_fields
+    for i, name in enumerate(names):
+        if mask >> i & 1:
+            fields[name] = made[fields[name]]
+    if wire.extras is not None:
+        fields["extras"] = {name: made[index] for name, index in wire.extras}
     return wire.cls(**fields)
 
 
@@ -230,3 +243,21 @@ def settle_worker() -> None:
 def register(cls: type) -> None:
     """Send instances of ``cls`` (a dataclass batch) between processes in transfer form."""
     ForkingPickler.register(cls, reduce_batch)
+
+
+def _rebuild_record(cls: type, values: tuple[Any, ...]) -> Any:
+    return cls(**dict(zip(_field_names(cls), values)))
+
+
+def _reduce_record(record: Any) -> Any:
+    return _rebuild_record, (type(record), tuple([getattr(record, name) for name in _field_names(type(record))]))
+
+
+def register_record(cls: type) -> None:
+    """Send instances of ``cls`` (a slotted dataclass of plain values whose every field is an ``__init__`` argument)
+    between processes as the tuple of its field values: a slotted dataclass's own pickling looks its fields up twice
+    (~12 µs a batch's :class:`~streampack.layout.stats.WorkerStats` through the queue, ~6 µs as a tuple)."""
+    if not all(f.init for f in dataclasses.fields(cls)):
+        raise TypeError(f"{cls.__name__} has a field that is not an __init__ argument: it cannot be rebuilt from its "
+                        f"fields' values")
+    ForkingPickler.register(cls, _reduce_record)
