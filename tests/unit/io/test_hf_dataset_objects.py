@@ -126,8 +126,8 @@ def test_three_ranks_equal_steps_every_row_once(kind, ids, saved, tmp_path, monk
                                             expected_of(ds), monkeypatch)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_exact_resume(kind, ids, saved, tmp_path):
+@pytest.mark.parametrize("kind", [k if k == "shuffled" else pytest.param(k, marks=pytest.mark.slow) for k in KINDS])
+def test_exact_resume(kind, ids, saved, tmp_path):  # ~2 s each: the mapped table in the fast loop, all in the slow set
     ds = make(kind, ids, saved)
     read = ReadOptions(cache_dir=str(tmp_path))
     whole = [canon(b) for b in planned_dataset(ds, read, 0, 2, capacity=CAP)]

@@ -147,7 +147,8 @@ def test_balanced_packer_every_sample_once_no_overflow_deterministic(problem) ->
     assert count_packs(rules, np.asarray(chunk_lengths)) == len(packs)  # the epoch plan still counts exactly
 
 
-@pytest.mark.parametrize("k,reservoir,max_hold", [(1, 8, None), (3, 5, 2), (2, 1, None)])
+@pytest.mark.parametrize("k,reservoir,max_hold", [  # ~2-5 s each: one in the fast loop, all in the slow set
+    pytest.param(1, 8, None, marks=pytest.mark.slow), (3, 5, 2), pytest.param(2, 1, None, marks=pytest.mark.slow)])
 def test_balanced_packer_save_load(k: int, reservoir: int, max_hold: int | None) -> None:
     samples = make_samples(lognormal_lengths(300, mean=60, seed=1, max_len=3 * CAP))
     balance = Balance(reservoir=reservoir, max_hold=max_hold)
