@@ -138,8 +138,9 @@ def test_planned_ranges_end_inside_shards(monkeypatch, corpus) -> None:
         assert ds.reader_kind_reads == 0, "a planned range was read per sample"
 
 
-@pytest.mark.parametrize("save_fast,load_fast,read_ahead", [(True, True, 16), (True, False, 16), (False, True, 16),
-                                                             (True, True, 1), (False, True, 1)])
+@pytest.mark.parametrize("save_fast,load_fast,read_ahead", [  # ~2 s each: the two crossings in the fast loop
+    pytest.param(True, True, 16, marks=pytest.mark.slow), (True, False, 16), (False, True, 16),
+    pytest.param(True, True, 1, marks=pytest.mark.slow), pytest.param(False, True, 1, marks=pytest.mark.slow)])
 def test_states_restore_on_either_path(monkeypatch, corpus, save_fast: bool, load_fast: bool, read_ahead: int) -> None:
     """Restored packs are re-read ``read_ahead`` at a time (1: every pack alone, and the window's
     carried documents leave mixed with new ones in later rounds)."""
