@@ -133,6 +133,7 @@ def test_the_balance_seed_stays_cold_under_a_vision_cost(equal_length: list[str]
     assert first_counts(VISION) == 0
 
 
+@pytest.mark.slow  # ~3 s; a balanced stream's resume and a media stream's resume each stay in the fast loop
 def test_a_balanced_vision_stream_resumes_exactly(tmp_path: Path) -> None:
     """A restore prices its reservoir's packs and the packs its carried documents join from their re-read headers:
     the same picks, so the same batches and estimates as never having stopped."""
