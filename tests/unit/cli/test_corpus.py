@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from streampack.cli.corpus import (
     document_lengths,
@@ -20,6 +21,7 @@ def _digest(paths: list[str]) -> list[str]:
     return [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
 
 
+@pytest.mark.slow  # ~3 s: writes the demo corpus twice
 def test_same_seed_gives_identical_bytes(tmp_path):
     a = write_demo_corpus(tmp_path / "a", num_shards=2, docs_per_shard=20, seed=7)
     b = write_demo_corpus(tmp_path / "b", num_shards=2, docs_per_shard=20, seed=7)

@@ -118,7 +118,8 @@ def test_load_dataset_and_a_cached_map_are_read_as_their_cache_files(ids, tmp_pa
         assert got == expected_of(ds)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k if k in ("shuffled", "files") else pytest.param(k, marks=pytest.mark.slow)
+                                  for k in KINDS])
 def test_three_ranks_equal_steps_every_row_once(kind, ids, saved, tmp_path, monkeypatch):
     ds = make(kind, ids, saved)
     read = ReadOptions(cache_dir=str(tmp_path))
@@ -154,6 +155,7 @@ def test_elastic_resume_three_to_two_ranks_every_row_once(kind, ids, saved, tmp_
     assert documents_by_key(consumed + [b for r in runs for b in r]) == expected_of(ds)
 
 
+@pytest.mark.slow  # ~3 s; a stream's worker resume stays in the fast loop (test_hf_stream.py)
 def test_forked_dataloader_workers_read_every_row_once_and_resume(ids, tmp_path):
     from torchdata.stateful_dataloader import StatefulDataLoader
 

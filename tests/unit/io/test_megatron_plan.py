@@ -51,6 +51,7 @@ def _ds(urls, manifest, rank: int, size: int, read: ReadOptions | None = None, *
     return planned_dataset(urls, read, rank, size, capacity=CAP, **kw)
 
 
+@pytest.mark.slow  # ~6 s; the token-array and save_to_disk plans run the same check in the fast loop
 def test_finite_equal_steps_over_ranks_every_document_once(corpus, monkeypatch):
     urls, docs, manifest = corpus
     check_ranks_deliver_every_document_once(lambda r: _ds(urls, manifest, r, 3), _expected(urls, docs), monkeypatch)

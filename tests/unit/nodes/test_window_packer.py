@@ -147,6 +147,7 @@ def _fill_vs_offline(n: int, window: int) -> tuple[float, float]:
     return fill(packer.metrics), offline
 
 
+@pytest.mark.slow  # ~3 s: a measurement of fill; the packer's behaviour is pinned by the golden streams
 def test_fill_window_1024_long_tail() -> None:
     got, offline = _fill_vs_offline(60_000, 1024)
     assert got >= 0.998, got
