@@ -229,3 +229,31 @@ def check_ranks_deliver_every_document_once(make: Callable[[int], Any], expected
         assert documents_by_key(b for r in runs for b in r) == expected
         both.append([[canon(b) for b in r] for r in runs])
     assert both[0] == both[1], "blocks and per-sample reads gave other batches"
+
+
+def check_exact_resume(make: Callable[[], Any]) -> None:
+    """A fresh ``make()`` stopped after its first batch, half of them and all but one, its state loaded into another
+    fresh one: the first's batches and then the second's are the uninterrupted epoch's."""
+    whole = [canon(b) for b in make()]
+    assert len(whole) > 6
+    for stop in (1, len(whole) // 2, len(whole) - 1):
+        ds = make()
+        head = [canon(b) for b in take(iter(ds), stop)]
+        again = make()
+        again.load_state_dict(roundtrip(ds.state_dict()))
+        assert head + [canon(b) for b in again] == whole, f"resume after {stop} batches diverged"
+
+
+def check_elastic_resume_every_document_once(make: Callable[[int, int], Any], expected: dict[str, list[int]], *,
+                                             old: tuple[int, int], new: tuple[int, int], taken: int) -> None:
+    """``make(rank, ranks)`` on ``old = (ranks, workers)`` for ``taken`` batches a rank, then every old state loaded on
+    ``new = (ranks, workers)``: equal batch counts on the new ranks, every document of ``expected`` exactly once."""
+    from topology_sim import SimRank  # here: topology_sim imports this module
+
+    (old_ranks, old_workers), (new_ranks, new_workers) = old, new
+    ranks = [SimRank(lambda r=r: make(r, old_ranks), old_workers) for r in range(old_ranks)]
+    consumed = [next(rk) for rk in ranks for _ in range(taken)]
+    states = [s for rk in ranks for s in rk.states()]
+    runs = [list(SimRank(lambda r=r: make(r, new_ranks), new_workers, load=states)) for r in range(new_ranks)]
+    assert len({len(r) for r in runs}) == 1
+    assert documents_by_key(consumed + [b for r in runs for b in r]) == expected

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from node_checks import (
     canon,
+    check_elastic_resume_every_document_once,
+    check_exact_resume,
     check_ranks_deliver_every_document_once,
     documents_by_key,
     planned_dataset,
@@ -19,7 +21,6 @@ from node_checks import (
     roundtrip,
     take,
 )
-from topology_sim import SimRank
 
 from streampack.dataset import PackedDataset
 from streampack.errors import DataError
@@ -131,14 +132,7 @@ def test_three_ranks_equal_steps_every_row_once(kind, ids, saved, tmp_path, monk
 def test_exact_resume(kind, ids, saved, tmp_path):  # ~2 s each: the mapped table in the fast loop, all in the slow set
     ds = make(kind, ids, saved)
     read = ReadOptions(cache_dir=str(tmp_path))
-    whole = [canon(b) for b in planned_dataset(ds, read, 0, 2, capacity=CAP)]
-    assert len(whole) > 6
-    for stop in (1, len(whole) // 2, len(whole) - 1):
-        first = planned_dataset(ds, read, 0, 2, capacity=CAP)
-        head = [canon(b) for b in take(iter(first), stop)]
-        again = planned_dataset(ds, read, 0, 2, capacity=CAP)
-        again.load_state_dict(roundtrip(first.state_dict()))
-        assert head + [canon(b) for b in again] == whole, f"resume after {stop} batches diverged"
+    check_exact_resume(lambda: planned_dataset(ds, read, 0, 2, capacity=CAP))
 
 
 @pytest.mark.parametrize("kind", MAPPED)
@@ -147,12 +141,7 @@ def test_elastic_resume_three_to_two_ranks_every_row_once(kind, ids, saved, tmp_
     read = ReadOptions(cache_dir=str(tmp_path))
     build = lambda r, size: planned_dataset(ds, read, r, size, capacity=CAP, packs_per_batch=1,  # noqa: E731
                                             packing=PackOptions(window=8))
-    old = [SimRank(lambda r=r: build(r, 3), 1) for r in range(3)]
-    consumed = [next(rk) for rk in old for _ in range(3)]
-    states = [s for rk in old for s in rk.states()]
-    runs = [list(SimRank(lambda r=r: build(r, 2), 2, load=states)) for r in range(2)]
-    assert len({len(r) for r in runs}) == 1
-    assert documents_by_key(consumed + [b for r in runs for b in r]) == expected_of(ds)
+    check_elastic_resume_every_document_once(build, expected_of(ds), old=(3, 1), new=(2, 2), taken=3)
 
 
 @pytest.mark.slow  # ~3 s; a stream's worker resume stays in the fast loop (test_hf_stream.py)

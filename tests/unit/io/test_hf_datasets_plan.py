@@ -10,12 +10,11 @@ import os
 import numpy as np
 import pytest
 from node_checks import (
-    canon,
+    check_elastic_resume_every_document_once,
+    check_exact_resume,
     check_ranks_deliver_every_document_once,
     documents_by_key,
     planned_dataset,
-    roundtrip,
-    take,
 )
 from topology_sim import SimRank
 
@@ -56,26 +55,14 @@ def test_finite_equal_steps_over_ranks_every_row_once(corpus, monkeypatch):
 
 def test_exact_resume(corpus):
     directory, _, manifest = corpus
-    whole = [canon(b) for b in _ds(directory, manifest, 0, 2)]
-    assert len(whole) > 6
-    for stop in (1, len(whole) // 2, len(whole) - 1):
-        ds = _ds(directory, manifest, 0, 2)
-        head = [canon(b) for b in take(iter(ds), stop)]
-        again = _ds(directory, manifest, 0, 2)
-        again.load_state_dict(roundtrip(ds.state_dict()))
-        assert head + [canon(b) for b in again] == whole, f"resume after {stop} batches diverged"
+    check_exact_resume(lambda: _ds(directory, manifest, 0, 2))
 
 
 def test_elastic_resume_every_row_once(corpus):
     directory, expected, manifest = corpus
     make = lambda r, size: _ds(directory, manifest, r, size, packs_per_batch=1,  # noqa: E731
                                packing=PackOptions(window=8))
-    old = [SimRank(lambda r=r: make(r, 2), 2) for r in range(2)]
-    consumed = [next(rk) for rk in old for _ in range(4)]
-    states = [s for rk in old for s in rk.states()]
-    runs = [list(SimRank(lambda r=r: make(r, 3), 0, load=states)) for r in range(3)]
-    assert len({len(r) for r in runs}) == 1
-    assert documents_by_key(consumed + [b for r in runs for b in r]) == expected
+    check_elastic_resume_every_document_once(make, expected, old=(2, 2), new=(3, 0), taken=4)
 
 
 def test_one_file_is_split_between_readers_by_row(corpus):

@@ -9,6 +9,8 @@ import pytest
 from helpers_megatron import megatron_documents, write_megatron_shards
 from node_checks import (
     canon,
+    check_elastic_resume_every_document_once,
+    check_exact_resume,
     check_ranks_deliver_every_document_once,
     documents_by_key,
     planned_dataset,
@@ -59,25 +61,13 @@ def test_finite_equal_steps_over_ranks_every_document_once(corpus, monkeypatch):
 
 def test_exact_resume(corpus):
     urls, _, manifest = corpus
-    whole = [canon(b) for b in _ds(urls, manifest, 0, 2)]
-    assert len(whole) > 6
-    for stop in (1, len(whole) // 2, len(whole) - 1):
-        ds = _ds(urls, manifest, 0, 2)
-        head = [canon(b) for b in take(iter(ds), stop)]
-        again = _ds(urls, manifest, 0, 2)
-        again.load_state_dict(roundtrip(ds.state_dict()))
-        assert head + [canon(b) for b in again] == whole, f"resume after {stop} batches diverged"
+    check_exact_resume(lambda: _ds(urls, manifest, 0, 2))
 
 
 def test_elastic_resume_every_document_once(corpus):
     urls, docs, manifest = corpus
     make = lambda r, size: _ds(urls, manifest, r, size, packs_per_batch=1, packing=PackOptions(window=8))  # noqa: E731
-    old = [SimRank(lambda r=r: make(r, 2), 2) for r in range(2)]
-    consumed = [next(rk) for rk in old for _ in range(4)]
-    states = [s for rk in old for s in rk.states()]
-    runs = [list(SimRank(lambda r=r: make(r, 3), 0, load=states)) for r in range(3)]
-    assert len({len(r) for r in runs}) == 1
-    assert documents_by_key(consumed + [b for r in runs for b in r]) == _expected(urls, docs)
+    check_elastic_resume_every_document_once(make, _expected(urls, docs), old=(2, 2), new=(3, 0), taken=4)
 
 
 def test_a_changed_shard_is_refused_on_resume(corpus, tmp_path):
