@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from streampack.cli._data import CliError
 from streampack.cli.ranks import PARTS_DIR, JobRank, gather
+from streampack.io.packed_writer import write_json
 
 SETTINGS = ("capacity", "algorithm", "cp_size", "tp_size", "align_multiple", "tokenizer", "tokens_key", "text_key",
             "labels_key", "loss_mask_key", "bos_id", "eos_id", "on_error", "overlong", "packs_per_shard", "seed",
@@ -45,14 +45,6 @@ def _record_path(out: Path, job: JobRank, rank: int | None = None) -> Path:
 
 def _failed_path(out: Path, job: JobRank, rank: int | None = None) -> Path:
     return out / PARTS_DIR / f"pack-{job.part_name(rank=rank)}.failed.json"
-
-
-def _write_json(path: Path, value: Any) -> None:
-    """Atomically: a reader sees the whole record or none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
 
 
 def _read_json(path: Path) -> Any:
@@ -114,7 +106,7 @@ def run_rank(args: argparse.Namespace, job: JobRank, *, align: int,
             try:
                 packed = pack_share(args, share, align)
             except ValueError as e:  # CliError and DataError included: rank 0 stops at once instead of waiting
-                _write_json(_failed_path(out, job), {"error": str(e), "launch": job.launch})
+                write_json(_failed_path(out, job), {"error": str(e), "launch": job.launch})
                 raise
             written = write_packed_shards(packed.docs, packed.bins, out, capacity=args.capacity, align=align,
                                           fields=packed.fields, prefix=prefix,
@@ -123,7 +115,7 @@ def run_rank(args: argparse.Namespace, job: JobRank, *, align: int,
                           pack_docs=list(written.pack_docs), pack_loads=list(written.pack_loads), fields=packed.fields,
                           documents=len(packed.docs), tokens=int(packed.lengths.sum()),
                           overlong_counters=packed.counters.as_dict(), errors=packed.errors)
-        _write_json(_record_path(out, job), record)
+        write_json(_record_path(out, job), record)
     packs = len(record["pack_lengths"])
     fill = record["tokens"] / (packs * args.capacity) if packs else 0.0
     print(f"{job.describe()}: {len(share)} of {len(urls)} input shard(s), {record['documents']:,} documents into "

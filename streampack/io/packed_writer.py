@@ -136,10 +136,17 @@ def write_packed_manifest(out_dir: str | os.PathLike[str], written: Sequence[Pac
         for stale in out.glob(pattern):
             if stale.name not in listed:
                 stale.unlink()
-    tmp = out / (MANIFEST_NAME + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / MANIFEST_NAME)
+    write_json(out / MANIFEST_NAME, manifest, indent=1)
     return read_manifest(out)
+
+
+def write_json(path: Path, value: Any, *, indent: int | None = None) -> None:
+    """``value`` as JSON at ``path``, atomically: a reader sees the whole file or none (the temporary file's name
+    carries the process id, so ranks writing beside each other never share one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=indent))
+    os.replace(tmp, path)
 
 
 def write_packed_dataset(docs: Sequence[Sample], bins: Sequence[np.ndarray], out_dir: str | os.PathLike[str],
@@ -162,4 +169,4 @@ def write_packed_dataset(docs: Sequence[Sample], bins: Sequence[np.ndarray], out
 
 
 __all__ = ["PackedShards", "pack_members", "packed_fields", "write_packed_dataset", "write_packed_manifest",
-           "write_packed_shards"]
+           "write_json", "write_packed_shards"]
