@@ -31,7 +31,7 @@ from typing import Any
 
 from streampack.cli._data import CliError
 from streampack.cli.ranks import PARTS_DIR, JobRank, gather
-from streampack.io.packed_writer import write_json
+from streampack.io.packed_writer import PackedShards, write_json, write_packed_manifest, write_packed_shards
 
 SETTINGS = ("capacity", "algorithm", "cp_size", "tp_size", "align_multiple", "tokenizer", "tokens_key", "text_key",
             "labels_key", "loss_mask_key", "bos_id", "eos_id", "on_error", "overlong", "packs_per_shard", "seed",
@@ -82,7 +82,6 @@ def _reusable(record: Any, asked: dict[str, Any], inputs: str, out: Path) -> boo
 def run_rank(args: argparse.Namespace, job: JobRank, *, align: int,
              pack_share: Callable[[argparse.Namespace, Sequence[str], int], Any]) -> int:
     """One rank: its share packed (or its record of an earlier launch reused), and on rank 0 the manifest."""
-    from streampack.io.packed_writer import write_packed_shards
     from streampack.io.urls import expand_urls
 
     out = Path(args.out)
@@ -168,7 +167,6 @@ def _write_manifest(args: argparse.Namespace, out: Path, records: Sequence[dict[
 
     import numpy as np
 
-    from streampack.io.packed_writer import PackedShards, write_packed_manifest
     from streampack.packing import packing_metrics
 
     fields = _fields(records)
