@@ -14,7 +14,6 @@ one :class:`ShardTotals` per shard while merging).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from streampack.io.limits import Limits
 from streampack.io.manifest import MANIFEST_VERSION, Manifest, ShardTotals, manifest_arrays
 from streampack.io.manifest_file import checked_fields
 from streampack.io.storage import OpenOptions, filesystem, is_remote
+from streampack.io.urls import list_digest
 
 PART_SUFFIX = ".spm.npz"
 FAILED_SUFFIX = ".failed.npz"
@@ -45,7 +45,7 @@ class JobArguments:
 
     @classmethod
     def of(cls, urls: Sequence[str], decode: DecodeOptions) -> JobArguments:
-        return cls(count=len(urls), urls_sha1=hashlib.sha1("\n".join(urls).encode()).hexdigest(),
+        return cls(count=len(urls), urls_sha1=list_digest(urls),
                    settings=repr(decode))
 
     def arrays(self) -> dict[str, np.ndarray]:

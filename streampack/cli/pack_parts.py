@@ -32,6 +32,7 @@ from typing import Any
 from streampack.cli._data import CliError
 from streampack.cli.ranks import PARTS_DIR, JobRank, gather
 from streampack.io.packed_writer import PackedShards, write_json, write_packed_manifest, write_packed_shards
+from streampack.io.urls import list_digest
 
 SETTINGS = ("capacity", "algorithm", "cp_size", "tp_size", "align_multiple", "tokenizer", "tokens_key", "text_key",
             "labels_key", "loss_mask_key", "bos_id", "eos_id", "on_error", "overlong", "packs_per_shard", "seed",
@@ -60,7 +61,7 @@ def _asked(args: argparse.Namespace, urls: Sequence[str], align: int) -> dict[st
     settings = {name: getattr(args, name) for name in SETTINGS}
     if args.tokenizer is not None:  # a path: what the ids depend on is its contents
         settings["tokenizer"] = hashlib.sha1(Path(args.tokenizer).read_bytes()).hexdigest()
-    return {"count": len(urls), "urls_sha1": hashlib.sha1("\n".join(urls).encode()).hexdigest(), "align": align,
+    return {"count": len(urls), "urls_sha1": list_digest(urls), "align": align,
             "settings": settings}
 
 

@@ -59,15 +59,16 @@ class ShardList:
             return urls
         if hf_dataset.is_source_object(urls):
             found = hf_dataset.shards_of(urls) if hf_dataset.is_dataset(urls) else hf_stream.shards_of(urls)
-            return cls(found.urls, _digest(found.urls), held=found.held)
+            return cls(found.urls, list_digest(found.urls), held=found.held)
         expanded = tuple(expand_urls(urls, opts=opts))
-        return cls(expanded, _digest(expanded))
+        return cls(expanded, list_digest(expanded))
 
     def __len__(self) -> int:
         return len(self.urls)
 
 
-def _digest(urls: tuple[str, ...]) -> str:
+def list_digest(urls: Sequence[str]) -> str:
+    """sha1 (16 hex) of an expanded URL list: what a resume state is keyed on, and what ranks of one job agree on."""
     return hashlib.sha1("\n".join(urls).encode()).hexdigest()[:16]
 
 
@@ -184,4 +185,4 @@ def missing_local(urls: Sequence[str]) -> list[str]:
     return [u for u in urls if not u.startswith("pipe:") and not is_remote(u) and not os.path.isfile(local_path(u))]
 
 
-__all__ = ["SHARD_SUFFIXES", "ShardList", "expand_urls", "is_remote", "missing_local", "shard_format"]
+__all__ = ["SHARD_SUFFIXES", "ShardList", "expand_urls", "is_remote", "list_digest", "missing_local", "shard_format"]
