@@ -1,7 +1,7 @@
 """``.npy`` tar members -> arrays, without trusting the header.
 
 ``np.load`` allocates whatever shape a header declares (``(10**12,)``: a ``MemoryError``) and object arrays unpickle.
-Here the header is parsed with numpy's safe reader (a 10 KB cap), object dtypes are refused, and the declared size must
+Here the header is parsed without evaluating it (a 10 KB cap), object dtypes are refused, and the declared size must
 equal the member's bytes before any array exists; the array is a zero-copy view of the member.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import threading
 import tokenize
 
 import numpy as np
@@ -19,7 +20,7 @@ from streampack.errors import DataError
 # A 1-D array's header as numpy writes it; anything else goes through the general path.
 NPY_1D = re.compile(rb"\{'descr': '([<>|=][iuf][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
 # numpy parses the header dict with ``tokenize`` + ``ast.literal_eval``: a damaged one raises any of
-_HEADER_ERRORS = (ValueError, EOFError, SyntaxError, TypeError, OverflowError, RecursionError, tokenize.TokenError)
+HEADER_ERRORS = (ValueError, EOFError, SyntaxError, TypeError, OverflowError, RecursionError, tokenize.TokenError)
 
 
 def _fast_npy(data: bytes) -> np.ndarray | None:
@@ -38,11 +39,42 @@ def _fast_npy(data: bytes) -> np.ndarray | None:
     return np.frombuffer(data, dtype=dtype, count=count, offset=offset)
 
 
-def _header(buf: io.BytesIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+# numpy reads a header with ``ast.literal_eval``, and CPython 3.11 keeps the AST constructor's recursion count in
+# interpreter-wide state: two threads parsing at once fail with "SystemError: AST constructor recursion depth mismatch"
+# (cpython gh-106905; it failed `streampack index --pool threads` in CI). So a header naming its three keys with
+# literal values, in any order and spacing, is parsed here; anything else (a structured dtype's list) goes to numpy's
+# reader, one thread at a time.
+_VALUE = rb"'[^']*'|True|False|\(\s*\)|\(\s*\d+\s*,\s*(?:\d+\s*,\s*)*(?:\d+\s*)?\)"
+_ITEM = rb"\s*'(descr|fortran_order|shape)'\s*:\s*(" + _VALUE + rb")\s*"
+_DICT = re.compile(rb"\{" + _ITEM + rb"," + _ITEM + rb"," + _ITEM + rb",?\s*\}\s*")
+_MAX_HEADER = 10_000  # numpy's own cap on a header it reads
+_AST_LOCK = threading.Lock()
+
+
+def read_header(buf: io.BytesIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """``(shape, fortran_order, dtype)`` of the ``.npy`` header at ``buf``'s start, ``buf`` left at the data; raises
+    one of ``HEADER_ERRORS``."""
     version = np.lib.format.read_magic(buf)
-    # version 3.0 differs from 2.0 only by a utf-8 (not latin-1) header: the same for ascii
-    reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    return reader(buf)
+    width = 2 if version == (1, 0) else 4  # 3.0 differs from 2.0 only by a utf-8 (not latin-1) header
+    start = buf.tell()
+    length = int.from_bytes(buf.read(width), "little")
+    if length > _MAX_HEADER:
+        raise ValueError(f"a {length}-byte header is over {_MAX_HEADER} bytes")
+    text = buf.read(length)
+    if len(text) != length:
+        raise EOFError(f"the header is cut after {len(text)} of its {length} bytes")
+    m = _DICT.fullmatch(text)
+    if m is None or len(set(m.group(1, 3, 5))) != 3:
+        buf.seek(start)
+        reader = np.lib.format.read_array_header_1_0 if width == 2 else np.lib.format.read_array_header_2_0
+        with _AST_LOCK:
+            return reader(buf)
+    fields = dict(zip(m.group(1, 3, 5), m.group(2, 4, 6)))
+    descr, order, dims = fields[b"descr"], fields[b"fortran_order"], fields[b"shape"]
+    if not descr.startswith(b"'") or order not in (b"True", b"False") or not dims.startswith(b"("):
+        raise ValueError("the header's descr is not a string, fortran_order not a bool or shape not a tuple")
+    shape = tuple(int(n) for n in re.findall(rb"\d+", dims))
+    return shape, order == b"True", np.dtype(descr[1:-1].decode("latin-1"))
 
 
 def decode_npy(data: bytes, *, member: str, url: str, key: str) -> np.ndarray:
@@ -52,8 +84,8 @@ def decode_npy(data: bytes, *, member: str, url: str, key: str) -> np.ndarray:
         return fast
     buf = io.BytesIO(data)
     try:
-        shape, fortran, dtype = _header(buf)
-    except _HEADER_ERRORS as e:
+        shape, fortran, dtype = read_header(buf)
+    except HEADER_ERRORS as e:
         raise DataError("bad_npy", f"member {member!r}: {e}", url=url, key=key, value=member) from None
     if dtype.hasobject:
         raise DataError("bad_npy", f"member {member!r} is an object array (it would unpickle)", url=url, key=key,
@@ -73,7 +105,7 @@ def decode_npy(data: bytes, *, member: str, url: str, key: str) -> np.ndarray:
 def npy_length(prefix: bytes) -> int:
     """Leading dimension from the first bytes of an ``.npy`` member (-1 if unreadable)."""
     try:
-        shape, _, _ = _header(io.BytesIO(prefix))
-    except _HEADER_ERRORS:
+        shape, _, _ = read_header(io.BytesIO(prefix))
+    except HEADER_ERRORS:
         return -1
     return int(shape[0]) if len(shape) >= 1 else -1

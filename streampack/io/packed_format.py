@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from streampack.io.npy import decode_npy
 from streampack.sample import Sample
 
 MANIFEST_NAME = "manifest.json"
@@ -171,7 +172,7 @@ def read_pack(f: BinaryIO, offset: int, fields: Sequence[str], *, url: str) -> d
 def decode_pack(members: dict[str, bytes], *, url: str) -> list[Sample]:
     """Split one pack's concatenated arrays back into its documents."""
     def npy(name: str) -> np.ndarray | None:
-        return np.load(io.BytesIO(members[name]), allow_pickle=False) if name in members else None
+        return decode_npy(members[name], member=name, url=url, key="") if name in members else None
 
     tokens = npy("input_ids.npy").astype(np.int64)
     lengths = npy("doc_lengths.npy").astype(np.int64)

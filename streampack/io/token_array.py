@@ -33,7 +33,7 @@ from streampack.errors import DataError
 from streampack.io import storage
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, Item, make_sample
 from streampack.io.limits import id_bound
-from streampack.io.npy import _HEADER_ERRORS, _header
+from streampack.io.npy import HEADER_ERRORS, read_header
 from streampack.io.open import read_range
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
@@ -73,7 +73,7 @@ class Layout:
 
 
 def parse_layout(raw: bytes, size: int, url: str, token_dtype: str | None, *, what: str = "token array") -> Layout:
-    """The layout of a file of ``size`` bytes starting ``raw``: a ``.npy`` header is parsed with numpy's safe reader
+    """The layout of a file of ``size`` bytes starting ``raw``: a ``.npy`` header is parsed without evaluating it
     (1-D, an integer dtype of at most 8 bytes, agreeing with ``token_dtype`` when given); a file without one is raw
     ``token_dtype`` ids. More bytes than a header declares is ``corrupt_shard`` (fewer: truncated, read up to the
     cut)."""
@@ -85,8 +85,8 @@ def parse_layout(raw: bytes, size: int, url: str, token_dtype: str | None, *, wh
         return Layout(dtype=dtype, data_at=0, declared=-(-size // dtype.itemsize), ids=size // dtype.itemsize)
     buf = io.BytesIO(raw)
     try:
-        shape, _, dtype = _header(buf)
-    except _HEADER_ERRORS as e:
+        shape, _, dtype = read_header(buf)
+    except HEADER_ERRORS as e:
         # numpy's message quotes the header: name the failure only, never the file's bytes
         raise DataError("corrupt_shard", f"{what}: unreadable numpy header ({type(e).__name__})", url=url,
                         value=size) from None
