@@ -62,8 +62,9 @@ from peers.corpus import Corpus, CorpusSpec  # noqa: E402
 from peers.measure import EpochRun, load_state, time_resume  # noqa: E402
 from peers.report import machine, versions  # noqa: E402
 
-LOADERS = ("streampack", "streampack-parquet", "litdata", "mosaic-concat", "mosaic", "webdataset", "hf-trl")
-BOUNDARIES = {"streampack": "kept, cu_seqlens", "streampack-parquet": "kept, cu_seqlens", "litdata": "cut at block edges",
+LOADERS = ("streampack", "streampack-parquet", "streampack-tokens", "litdata", "mosaic-concat", "mosaic", "webdataset", "hf-trl")
+BOUNDARIES = {"streampack": "kept, cu_seqlens", "streampack-parquet": "kept, cu_seqlens",
+              "streampack-tokens": "kept, cu_seqlens", "litdata": "cut at block edges",
               "mosaic-concat": "cut at block edges", "mosaic": "kept", "webdataset": "kept", "hf-trl": "kept"}
 BASELINE = " (baseline)"
 """Suffix of a streampack row measured on ``--baseline``'s tree (the same adapter, older code)."""

@@ -20,6 +20,7 @@ from .webdataset_peer import WebdatasetPeer
 PEERS: dict[str, Callable[[int], Any]] = {
     "streampack": lambda capacity: StreampackPeer(capacity=capacity),
     "streampack-parquet": lambda capacity: StreampackPeer(capacity=capacity, fmt="parquet"),
+    "streampack-tokens": lambda capacity: StreampackPeer(capacity=capacity, fmt="tokens"),
     "mosaic": lambda capacity: MosaicPeer(capacity=capacity),
     "mosaic-concat": lambda capacity: MosaicConcatPeer(capacity=capacity),
     "litdata": lambda capacity: LitdataPeer(capacity=capacity),

@@ -152,6 +152,25 @@ def write_parquet(corpus: Corpus, *, row_group_size: int = 1024) -> list[str]:
     return urls
 
 
+def write_token_arrays(corpus: Corpus) -> list[str]:
+    """Flat token arrays as OLMo and Dolma keep them: per shard one ``.npy`` of every document's ids back to back
+    (``np.save``, int32) and a ``.offsets.npy`` of where each document starts, then the end."""
+    name = "token-arrays"
+    out = corpus.format_dir(name)
+    urls = [os.path.join(out, f"shard-{s:05d}.npy") for s in range(corpus.spec.num_shards)]
+    if corpus.is_written(name):
+        return urls
+    os.makedirs(out, exist_ok=True)
+    starts = np.concatenate([[0], np.cumsum(corpus.lengths)])
+    for s, url in enumerate(urls):
+        docs = corpus.shard_docs(s)
+        lo, hi = int(starts[docs.start]), int(starts[docs.stop])
+        np.save(url, corpus.tokens[lo:hi])
+        np.save(url[: -len(".npy")] + ".offsets.npy", starts[docs.start:docs.stop + 1] - lo)
+    corpus.mark_written(name)
+    return urls
+
+
 def save_arrays(corpus: Corpus) -> str:
     """``tokens.npy`` and ``starts.npy`` (document offsets) for writers that run in other
     processes and must not redraw the corpus; returns their directory."""

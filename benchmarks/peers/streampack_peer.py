@@ -1,8 +1,8 @@
 """streampack: ``PackedDataset`` under ``StatefulDataLoader``, as the README shows.
 
 Reads the webdataset tar shards (``input_ids.npy`` members); with ``fmt="parquet"`` the
-parquet shards instead, which :func:`reads_parquet` detects at run time (the parquet reader
-lands separately). Packing: windowed best-fit decreasing (window 1024), 8 packs per batch.
+parquet shards instead, with ``fmt="tokens"`` flat token arrays with offsets files (the
+pre-tokenized layout litdata's chunks also hold). Packing: windowed best-fit decreasing (window 1024), 8 packs per batch.
 """
 
 from __future__ import annotations
@@ -11,36 +11,29 @@ from typing import Any
 
 from streampack.nodes.collate import FILLER_KEY
 
-from .corpus import Corpus, write_parquet, write_tar
+from .corpus import Corpus, write_parquet, write_tar, write_token_arrays
 from .measure import Count
 
 PACKS_PER_BATCH = 8
-
-
-def reads_parquet() -> bool:
-    from streampack.io.urls import SHARD_SUFFIXES
-
-    return ".parquet" in SHARD_SUFFIXES
 
 
 class StreampackPeer:
     packing = "windowed BFD (window 1024), whole documents, THD batch with cu_seqlens"
 
     def __init__(self, *, capacity: int, fmt: str = "tar", window: int = 1024) -> None:
-        if fmt not in ("tar", "parquet"):
-            raise ValueError(f"{fmt=} must be 'tar' or 'parquet'")
+        if fmt not in ("tar", "parquet", "tokens"):
+            raise ValueError(f"{fmt=} must be 'tar', 'parquet' or 'tokens'")
         self.capacity, self.fmt, self.window = capacity, fmt, window
-        self.name = "streampack" if fmt == "tar" else "streampack (parquet)"
+        self.name = "streampack" if fmt == "tar" else f"streampack ({'token arrays' if fmt == 'tokens' else fmt})"
         self.notes = ["state holds where to re-read each sample waiting in the packer window (shard, offset), not its tokens"]
         self.urls: list[str] = []
 
     def missing(self) -> str | None:
-        if self.fmt == "parquet" and not reads_parquet():
-            return "this streampack does not read parquet yet"
         return None
 
     def prepare(self, corpus: Corpus) -> None:
-        self.urls = write_tar(corpus) if self.fmt == "tar" else write_parquet(corpus)
+        write = {"tar": write_tar, "parquet": write_parquet, "tokens": write_token_arrays}[self.fmt]
+        self.urls = write(corpus)
         # import what the loader uses here, outside the timings, as the litdata adapter's prepare
         # imports litdata: a loader's cost is its reading and packing, not its import (which a
         # child run with PYTHONDONTWRITEBYTECODE=1 also compiles from source, ~0.1 s)

@@ -240,11 +240,7 @@ def _runs(shard: MegatronShard, docs: Documents, limit: int) -> Iterator[tuple[i
     """Document runs ``[i, j)`` of ``docs`` read together (:func:`~streampack.io.token_block.byte_runs`): a document
     over ``limit`` bytes or past the end of the ``.bin`` is a run alone."""
     nbytes = docs.lengths * shard.header.dtype.itemsize
-
-    def readable(k: int) -> bool:
-        return int(nbytes[k]) <= limit and int(docs.starts[k]) + int(nbytes[k]) <= shard.bin_size
-
-    return byte_runs(nbytes, readable, CHUNK_BYTES)
+    return byte_runs(nbytes, (nbytes <= limit) & (docs.starts + nbytes <= shard.bin_size), CHUNK_BYTES)
 
 
 def _ids(shard: MegatronShard, docs: Documents, i: int, j: int) -> np.ndarray:

@@ -226,11 +226,9 @@ class TokenArray:
             hi = min(stop, at + DOCS_PER_SLICE)
             off = self.offsets(at, hi)
             lengths = np.diff(off)
-            def refused(k: int) -> DataError | None:
-                return self.refused(at + k, int(off[k]), int(lengths[k]))  # noqa: B023 - used within this slice
-
-            for i, j in byte_runs(lengths * self.width, lambda k: refused(k) is None, CHUNK_BYTES):
-                err = refused(i) if j == i + 1 else None
+            readable = (off[:-1] + lengths <= self.layout.ids) & (lengths * self.width <= self.limit)
+            for i, j in byte_runs(lengths * self.width, readable, CHUNK_BYTES):
+                err = None if readable[i] else self.refused(at + i, int(off[i]), int(lengths[i]))
                 if err is not None:
                     yield _refused(err, at + i, at + i, at + i + 1)
                     continue

@@ -7,7 +7,7 @@ Documents are never copied out of the block; the collate copies each once, into 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,16 +103,23 @@ class TokenBlock:
                    offsets=where[:, 0], next_offsets=where[:, 1], numbers=where[:, 2], next_numbers=where[:, 3],
                    done=done, samples=tuple(samples))
 
-def byte_runs(nbytes: np.ndarray, readable: Callable[[int], bool], cap: int) -> Iterator[tuple[int, int]]:
-    """Runs ``[i, j)`` of consecutive documents read together: readable ones whose ``nbytes`` sum to at most ``cap``
-    (a bigger one alone); a document that is not ``readable`` is a run alone (its reader says why)."""
+def byte_runs(nbytes: np.ndarray, readable: np.ndarray, cap: int) -> Iterator[tuple[int, int]]:
+    """Runs ``[i, j)`` of consecutive documents read together: ``readable`` ones whose ``nbytes`` sum to at most
+    ``cap`` (a bigger one alone); a document that is not ``readable`` is a run alone (its reader says why). One
+    search a run, not a test a document (a per-document check cost ~2 µs: a third of a token array's read)."""
+    ends = np.zeros(len(nbytes) + 1, np.int64)
+    np.cumsum(nbytes, out=ends[1:])
+    unreadable = np.flatnonzero(~readable)
     i, n = 0, len(nbytes)
     while i < n:
-        j, total = i + 1, int(nbytes[i])
-        if readable(i):
-            while j < n and total + int(nbytes[j]) <= cap and readable(j):
-                total += int(nbytes[j])
-                j += 1
+        if not readable[i]:
+            yield i, i + 1
+            i += 1
+            continue
+        k = int(np.searchsorted(unreadable, i))
+        stop = int(unreadable[k]) if k < unreadable.size else n
+        j = int(np.searchsorted(ends, ends[i] + cap, side="right")) - 1
+        j = min(max(j, i + 1), stop)
         yield i, j
         i = j
 
