@@ -20,6 +20,12 @@ corpus sizes, in-process, with 2 workers, and with 2 workers taking no per-step 
 (``snapshot_every_n_steps`` past the epoch); the difference of the two sizes gives the CPU per batch with the fixed
 costs (start-up, worker fork, first window) taken out, and of it the training process's own (the rest: the workers).
 
+``--sending``: what of a worker's CPU is the sending (the 16 M-token corpus, one worker, each mode in a fresh
+process, the modes taking turns ``--rounds`` times, least CPU kept): the epoch in-process; in a worker that drops
+every batch (yielding one ``int`` at the end); in a worker that yields an ``int`` for each batch (torch's worker
+loop, queues and feeder thread with nothing to carry); in a worker that yields each batch. The worker's CPU is
+``RUSAGE_CHILDREN`` once it is joined, the training process's its own.
+
 ``--constants``: where an in-process epoch's CPU goes (this tree, or each of ``--baseline``'s and this one's, taking
 turns): the peers' 16 M-token tar corpus, the least CPU of 5 epochs in a row in a fresh process and of ``--rounds``
 such processes; the epochs sampled by py-spy (when installed; else timed by cProfile) give each code's share, shown
@@ -29,6 +35,7 @@ its token term came out negative, so the split is by code instead.)
 
     PYTHONPATH=. python benchmarks/bench_compact.py --baseline /path/to/older/checkout --rounds 3
     PYTHONPATH=. python benchmarks/bench_compact.py --workers [--batch-packs 8,32]
+    PYTHONPATH=. python benchmarks/bench_compact.py --sending --rounds 5
     PYTHONPATH=. python benchmarks/bench_compact.py --constants --rounds 3 [--baseline DIR]
 """
 
@@ -377,6 +384,81 @@ def workers_breakdown(sizes: tuple[int, int], rounds: int, directory: str, packs
     return "\n".join(lines)
 
 
+SENDING = {"in-process": "the epoch in the training process",
+           "worker, nothing sent": "a worker drops every batch",
+           "worker, an int a batch": "a worker yields an int for each batch",
+           "worker, the batches": "a worker yields each batch"}
+
+
+def child_sending(mode: str, tokens: int, directory: str) -> dict[str, Any]:
+    """One epoch of the peers' tar corpus in this fresh process as ``mode`` (a key of :data:`SENDING`) runs it."""
+    import gc
+    import resource
+
+    from torch.utils.data import IterableDataset
+
+    sys.path.insert(0, str(HERE))
+    from peers.corpus import Corpus, CorpusSpec
+    from peers.streampack_peer import PACKS_PER_BATCH, StreampackPeer
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from streampack import PackedDataset
+    from streampack.options import PackOptions
+
+    class Yields(IterableDataset):
+        def __init__(self, dataset: Any, what: str) -> None:
+            self.dataset, self.what = dataset, what
+
+        def __iter__(self) -> Any:
+            for i, batch in enumerate(self.dataset):
+                if self.what == "worker, the batches":
+                    yield batch
+                elif self.what == "worker, an int a batch":
+                    yield i
+            yield -1
+
+    peer = StreampackPeer(capacity=CAPACITY)
+    peer.prepare(Corpus(CorpusSpec(tokens=tokens), directory))
+    gc.collect()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=PACKS_PER_BATCH,
+                       packing=PackOptions(window=peer.window))
+    items = 0
+    if mode == "in-process":
+        for _ in ds:
+            items += 1
+    else:
+        loader = StatefulDataLoader(Yields(ds, mode), batch_size=None, num_workers=1, snapshot_every_n_steps=1 << 40)
+        for _ in loader:
+            items += 1
+        del loader
+        gc.collect()  # joins the worker: its CPU lands in RUSAGE_CHILDREN
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    main = me.ru_utime + me.ru_stime - before.ru_utime - before.ru_stime
+    return {"main": main, "worker": kids.ru_utime + kids.ru_stime, "items": items}
+
+
+def sending_breakdown(tokens: int, rounds: int, directory: str) -> str:
+    best: dict[str, dict[str, Any]] = {}
+    for _ in range(rounds):
+        for mode in SENDING:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child-sending", mode, str(tokens), directory]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                                 env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            if mode not in best or got["main"] + got["worker"] < best[mode]["main"] + best[mode]["worker"]:
+                best[mode] = got
+    batches = best["in-process"]["items"]
+    lines = ["| epoch | CPU-s, the worker | CPU-s, the training process | ms a batch, all | against in-process |",
+             "|---|---:|---:|---:|---:|"]
+    base = best["in-process"]["main"]
+    for mode, what in SENDING.items():
+        b = best[mode]
+        cpu = b["main"] + b["worker"]
+        lines.append(f"| {what} | {b['worker']:.3f} | {b['main']:.3f} | {1e3 * cpu / batches:.3f} | {cpu / base:.2f}× |")
+    return "\n".join(lines)
+
+
 def _spawn(root: str, tokens: int, repeats: int) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tokens", str(tokens), "--repeats",
@@ -433,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="with --workers: keep the written corpora here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--constants", action="store_true", help="µs a batch, a document and a token, in-process")
+    parser.add_argument("--sending", action="store_true", help="what of a worker's CPU is the sending")
+    parser.add_argument("--child-sending", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--child-epoch", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--mean", type=float, default=600.0, help=argparse.SUPPRESS)
     parser.add_argument("--packs-per-batch", type=int, default=0, help=argparse.SUPPRESS)
@@ -451,6 +535,14 @@ def main(argv: list[str] | None = None) -> int:
         trees = {"this tree": str(HERE.parent)} | ({"baseline": args.baseline} if args.baseline else {})
         with tempfile.TemporaryDirectory() as tmp:
             print(constants_table(constants(trees, args.rounds, args.dir or tmp)))
+        return 0
+    if args.child_sending:
+        mode, tokens, directory = args.child_sending
+        print(json.dumps(child_sending(mode, int(tokens), directory)))
+        return 0
+    if args.sending:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(sending_breakdown(16_000_000, args.rounds, args.dir or tmp))
         return 0
     if args.workers:
         small, large = (int(float(x)) for x in args.sizes.split(","))

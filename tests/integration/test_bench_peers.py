@@ -79,3 +79,41 @@ def test_greedy_and_pad_packs():
     batch = pad_packs(packs, 8)
     assert batch.input_ids.shape == (2, 8) and batch.num_tokens == 14
     assert batch.cu_seqlens.tolist() == [0, 3, 7, 10, 15]
+
+
+def test_the_token_array_peer_delivers_every_token_of_the_corpus_once(tmp_path):
+    """bench_loaders' ``streampack-tokens`` row: the corpus as flat token arrays with offsets files, read whole."""
+    from peers.corpus import Corpus, CorpusSpec
+    from peers.streampack_peer import StreampackPeer
+
+    from streampack.nodes.collate import FILLER_KEY
+
+    corpus = Corpus(CorpusSpec(tokens=60_000, num_shards=3), str(tmp_path))
+    peer = StreampackPeer(capacity=4096, fmt="tokens")
+    peer.prepare(corpus)
+    assert len(peer.urls) == 3 and all(u.endswith(".npy") for u in peer.urls)
+    delivered, docs = 0, []
+    for batch in peer.loader(0):
+        delivered += peer.count(batch).tokens
+        cu, at = batch.cu_seqlens.tolist(), batch.cu_seqlens_padded.tolist()
+        docs += [batch.input_ids[at[i]:at[i] + cu[i + 1] - cu[i]].tolist() for i, key in enumerate(batch.doc_keys)
+                 if key != FILLER_KEY]
+    assert delivered == corpus.num_tokens
+    expected = sorted(doc.tolist() for s in range(3) for _, doc in corpus.docs(s))
+    assert sorted(docs) == expected
+
+
+def test_the_sending_breakdowns_child_runs_each_mode(tmp_path):
+    """bench_compact.py --sending: each mode's child epoch counts its items and its processes' CPU."""
+    import bench_compact
+
+    for mode in bench_compact.SENDING:
+        got = bench_compact.child_sending(mode, 60_000, str(tmp_path))
+        want = {"in-process": 5, "worker, nothing sent": 1}.get(mode)
+        assert got["main"] > 0 and (mode == "in-process" or got["worker"] > 0)
+        if want == 1:
+            assert got["items"] == 1
+        elif mode == "in-process":
+            batches = got["items"]
+        else:
+            assert got["items"] == batches + 1
