@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
@@ -130,45 +130,44 @@ def write_tar(corpus: Corpus) -> list[str]:
     return urls
 
 
+def _write_shards(corpus: Corpus, name: str, suffix: str,
+                  write: Callable[[str, np.ndarray, np.ndarray], None]) -> list[str]:
+    """``write(url, ids, offsets)`` for each shard (its documents' ids back to back and where each starts, then the
+    end), unless the format was written before; the shards' urls."""
+    out = corpus.format_dir(name)
+    urls = [os.path.join(out, f"shard-{s:05d}{suffix}") for s in range(corpus.spec.num_shards)]
+    if corpus.is_written(name):
+        return urls
+    os.makedirs(out, exist_ok=True)
+    starts = np.concatenate([[0], np.cumsum(corpus.lengths)])
+    for s, url in enumerate(urls):
+        docs = corpus.shard_docs(s)
+        lo, hi = int(starts[docs.start]), int(starts[docs.stop])
+        write(url, corpus.tokens[lo:hi], starts[docs.start:docs.stop + 1] - lo)
+    corpus.mark_written(name)
+    return urls
+
+
 def write_parquet(corpus: Corpus, *, row_group_size: int = 1024) -> list[str]:
     """Parquet shards with one ``input_ids: list<int32>`` column (how HF stores token datasets)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    name = "parquet"
-    out = corpus.format_dir(name)
-    urls = [os.path.join(out, f"shard-{s:05d}.parquet") for s in range(corpus.spec.num_shards)]
-    if corpus.is_written(name):
-        return urls
-    os.makedirs(out, exist_ok=True)
-    starts = np.concatenate([[0], np.cumsum(corpus.lengths)])
-    for s, url in enumerate(urls):
-        docs = corpus.shard_docs(s)
-        lo, hi = int(starts[docs.start]), int(starts[docs.stop])
-        offsets = pa.array((starts[docs.start:docs.stop + 1] - lo).astype(np.int32))
-        column = pa.ListArray.from_arrays(offsets, pa.array(corpus.tokens[lo:hi]))
+    def write(url: str, ids: np.ndarray, offsets: np.ndarray) -> None:
+        column = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(ids))
         pq.write_table(pa.table({"input_ids": column}), url, row_group_size=row_group_size)
-    corpus.mark_written(name)
-    return urls
+
+    return _write_shards(corpus, "parquet", ".parquet", write)
 
 
 def write_token_arrays(corpus: Corpus) -> list[str]:
     """Flat token arrays as OLMo and Dolma keep them: per shard one ``.npy`` of every document's ids back to back
     (``np.save``, int32) and a ``.offsets.npy`` of where each document starts, then the end."""
-    name = "token-arrays"
-    out = corpus.format_dir(name)
-    urls = [os.path.join(out, f"shard-{s:05d}.npy") for s in range(corpus.spec.num_shards)]
-    if corpus.is_written(name):
-        return urls
-    os.makedirs(out, exist_ok=True)
-    starts = np.concatenate([[0], np.cumsum(corpus.lengths)])
-    for s, url in enumerate(urls):
-        docs = corpus.shard_docs(s)
-        lo, hi = int(starts[docs.start]), int(starts[docs.stop])
-        np.save(url, corpus.tokens[lo:hi])
-        np.save(url[: -len(".npy")] + ".offsets.npy", starts[docs.start:docs.stop + 1] - lo)
-    corpus.mark_written(name)
-    return urls
+    def write(url: str, ids: np.ndarray, offsets: np.ndarray) -> None:
+        np.save(url, ids)
+        np.save(url[: -len(".npy")] + ".offsets.npy", offsets)
+
+    return _write_shards(corpus, "token-arrays", ".npy", write)
 
 
 def save_arrays(corpus: Corpus) -> str:
