@@ -29,7 +29,14 @@ pickle, in the training process the unpickle and ``transfer.from_wire`` (the slo
 of ``--rounds`` passes of 2,000 batches, µs a batch of CPU time, with the pickle's bytes; for scale, what
 ``StatefulDataLoader`` with 2 workers costs an item (all processes) when each item is an int.
 
+``--in-worker``: the ring hand-over's copy where it really runs, in a worker's queue feeder thread, for
+``PackedDataset`` over the peers' 16 M-token tar corpus with one worker (window 1024, no per-step snapshot), at
+``--packs`` packs of 4,096 tokens a batch: thread CPU time a batch of taking a slot and of copying the batch's
+storages into it, the page faults of each (``RUSAGE_THREAD``), and for scale a ``clone`` of the ids in the worker's
+main thread right after the batch is laid out (its cache still warm); least of ``--rounds`` epochs.
+
 Usage: ``python benchmarks/bench_transfer.py [--batches 400] [--quick]``,
+``PYTHONPATH=. python benchmarks/bench_transfer.py --in-worker [--packs 8,32] [--rounds 3]``,
 ``PYTHONPATH=. python benchmarks/bench_transfer.py --parts [--rounds 3]``,
 ``PYTHONPATH=. python benchmarks/bench_transfer.py --snapshot [--tokens 4e6] [--rounds 3]``
 """
@@ -241,16 +248,119 @@ def snapshot_parts(tokens: float, rounds: int, workers: int = 2) -> list[dict[st
     return rows
 
 
+_IN_WORKER: dict[str, list[float]] = {}
+
+
+def _timed_into_slot(storages: list[torch.UntypedStorage]) -> object:
+    """``transfer._into_slot`` in two timed parts (the same code, split where the slot is taken)."""
+    offsets, end = [], 0
+    for storage in storages:
+        offsets.append(end)
+        end += -(-storage.nbytes() // 64) * 64
+    c0, f0 = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    got = shm_ring.take(end)
+    c1, f1 = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    _add("take a slot", c1 - c0, f1 - f0)
+    if got is None:
+        return None
+    ref, memory = got
+    slot = np.frombuffer(memory, dtype=np.uint8, count=end)
+    for storage, offset in zip(storages, offsets):
+        slot[offset:offset + storage.nbytes()] = transfer._bytes_of(storage).numpy()
+    del slot
+    _add("copy into it", time.thread_time() - c1, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f1)
+    return ref, offsets
+
+
+def _add(part: str, cpu: float, faults: float) -> None:
+    got = _IN_WORKER.setdefault(part, [0, 0.0, 0.0])
+    got[0] += 1
+    got[1] += cpu
+    got[2] += faults
+
+
+def _report_in_worker(out: str) -> None:
+    """The worker's totals, written to ``out`` as it exits (``multiprocessing``'s finalizers run then)."""
+    import json
+    import multiprocessing.util
+
+    def write() -> None:
+        with open(out, "w") as f:
+            json.dump(_IN_WORKER, f)
+    multiprocessing.util.Finalize(None, write, exitpriority=100)
+
+
+def in_worker_parts(packs: tuple[int, ...], rounds: int) -> list[dict[str, object]]:
+    """Thread CPU a batch of the hand-over's copy in a worker (see the module docstring)."""
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peers.corpus import Corpus, CorpusSpec
+    from peers.streampack_peer import StreampackPeer
+
+    from streampack import PackedDataset
+    from streampack.options import PackOptions
+
+    class Clones(IterableDataset):
+        def __init__(self, dataset: PackedDataset) -> None:
+            self.dataset = dataset
+
+        def __iter__(self) -> object:
+            for batch in self.dataset:
+                c0 = time.thread_time()
+                batch.input_ids.clone()
+                _add("for scale: a clone of the ids in the worker's main thread", time.thread_time() - c0, 0)
+                yield batch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        peer = StreampackPeer(capacity=CAPACITY)
+        peer.prepare(Corpus(CorpusSpec(tokens=16_000_000), tmp))
+        out = str(Path(tmp) / "worker.json")
+
+        def init(_: int) -> None:
+            transfer._into_slot = _timed_into_slot
+            _report_in_worker(out)
+
+        for ppb in packs:
+            best: dict[str, list[float]] = {}
+            for _ in range(rounds):
+                ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=ppb,
+                                   packing=PackOptions(window=peer.window))
+                loader = StatefulDataLoader(Clones(ds), batch_size=None, num_workers=1, prefetch_factor=8,
+                                            snapshot_every_n_steps=1 << 40, worker_init_fn=init)
+                for _ in loader:
+                    pass
+                del loader  # joins the worker, which writes its totals as it exits
+                with open(out) as f:
+                    for part, (n, cpu, faults) in json.load(f).items():
+                        if part not in best or cpu / n < best[part][1] / best[part][0]:
+                            best[part] = [n, cpu, faults]
+            for part, (n, cpu, faults) in best.items():
+                rows.append({"tokens a batch": f"{ppb * CAPACITY:,}", "part": part,
+                             "µs a batch": round(1e6 * cpu / n, 1), "page faults a batch": round(faults / n, 1)})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=400, help="per worker")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--snapshot", action="store_true", help="the per-step snapshot's parts, per batch")
     parser.add_argument("--parts", action="store_true", help="the ring hand-over's parts, per batch")
+    parser.add_argument("--in-worker", action="store_true", help="the hand-over's copy in a worker's feeder thread")
+    parser.add_argument("--packs", default="8,32", help="with --in-worker: packs of 4,096 tokens a batch")
     parser.add_argument("--tokens", type=float, default=4e6, help="with --snapshot: the corpus size")
     parser.add_argument("--rounds", type=int, default=3, help="with --snapshot / --parts: passes, the least kept")
     args = parser.parse_args()
-    if args.parts:
+    if args.in_worker:
+        rows = in_worker_parts(tuple(int(p) for p in args.packs.split(",")), args.rounds)
+    elif args.parts:
         rows = handover_parts(args.rounds)
     else:
         rows = snapshot_parts(args.tokens, args.rounds) if args.snapshot else run(args.batches, args.quick)

@@ -3,9 +3,9 @@
 A process keeps a ring of slots (one anonymous ``memfd`` each, mapped once) and copies a batch's large storages into a
 free one, where torch's ``file_system`` sharing makes a segment per batch through ``torch_shm_manager`` (0.25-1.4 s to
 start before a worker's first batch). The receiver maps the slot through ``/proc/<pid>/fd/<fd>`` and, when the last view
-is freed, writes its ticket into the sender's release pipe, which the sender reads before taking a slot, so a held batch
-is never overwritten (past ``MAX_SLOTS`` / ``MAX_BYTES`` :func:`take` returns None and the batch goes torch's way); the
-pipe also orders memory. References carry the memfd's and pipe's (device, inode), so a reused pid is refused. Linux
+is freed, writes its ticket into the sender's release pipe, which the sender reads when no slot it knows free fits (one
+read serves the next several takes), so a held batch is never overwritten (past ``MAX_SLOTS`` / ``MAX_BYTES``
+:func:`take` returns None and the batch goes torch's way); the pipe also orders memory. References carry the memfd's and pipe's (device, inode), so a reused pid is refused. Linux
 only: :func:`available` is False elsewhere, without readable ``/proc/self/fd`` entries or under Yama ``ptrace_scope`` 2
 or 3.
 """
@@ -87,8 +87,10 @@ class _Ring:
             return self._take(nbytes)
 
     def _take(self, nbytes: int) -> tuple[SlotRef, mmap.mmap] | None:
-        self.drain()
         free = [i for i, s in enumerate(self.slots) if not s.busy and s.size >= nbytes]
+        if not free:  # read the releases only when no slot known free fits: one read serves the next several takes
+            self.drain()
+            free = [i for i, s in enumerate(self.slots) if not s.busy and s.size >= nbytes]
         if free:
             index = min(free, key=lambda i: self.slots[i].size)
         else:

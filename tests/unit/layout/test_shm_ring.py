@@ -54,6 +54,20 @@ def test_released_slots_are_reused_so_the_ring_stays_small() -> None:
     assert len(shm_ring._ring.slots) == 1
 
 
+def test_releases_are_read_only_when_no_slot_known_free_fits(monkeypatch) -> None:
+    """Reading the release pipe is a syscall a batch in the worker's feeder thread (~20 µs there,
+    ``bench_transfer.py --in-worker``): one read serves every release written before it."""
+    views = [shm_receive.attach(_send(10_000, i)) for i in range(3)]
+    del views
+    gc.collect()  # all three released: three tickets wait in the pipe
+    reads = []
+    real_read = os.read
+    monkeypatch.setattr(shm_ring.os, "read", lambda fd, n: reads.append(fd) or real_read(fd, n))
+    again = [_send(10_000, 7) for _ in range(3)]
+    assert len(reads) == 1  # the first take read all three releases; the next two took slots known free
+    assert sorted(r.slot for r in again) == [0, 1, 2] and len(shm_ring._ring.slots) == 3
+
+
 def test_a_view_made_from_the_slot_keeps_it_held() -> None:
     """The trainer may keep one tensor of a batch (a slice of ``input_ids``) and drop the rest."""
     ref = _send(4096, 7)
