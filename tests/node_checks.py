@@ -257,3 +257,19 @@ def check_elastic_resume_every_document_once(make: Callable[[int, int], Any], ex
     runs = [list(SimRank(lambda r=r: make(r, new_ranks), new_workers, load=states)) for r in range(new_ranks)]
     assert len({len(r) for r in runs}) == 1
     assert documents_by_key(consumed + [b for r in runs for b in r]) == expected
+
+
+def worker_error(dataset: Any, error: type[BaseException], match: str) -> BaseException:
+    """The error one DataLoader worker raises reading ``dataset`` whole, with no traceback. ``pytest.raises`` keeps
+    the traceback, whose frames hold the loader's iterator: the test's frame and the traceback make a reference cycle,
+    the collector frees the iterator later together with its queues, and torch's shutdown then waits out its 5 s join
+    timeout for the worker (four such tests cost the fast loop ~25 s of waiting)."""
+    import pytest
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    with pytest.raises(error, match=match) as info:
+        list(StatefulDataLoader(dataset, batch_size=None, num_workers=1))
+    err = info.value
+    err.__traceback__ = None
+    del info  # the last reference to the traceback: the iterator and its worker go now, by reference count
+    return err

@@ -119,12 +119,13 @@ def test_no_run_blocks_say_why():
 
 
 @pytest.mark.parametrize("page", [_page_param(p) for p in PAGES if any(b.lang == "python" for b in blocks(p))])
-def test_python_blocks_run(page: Path, tmp_path, monkeypatch):
+def test_python_blocks_run(page: Path, tmp_path, monkeypatch, request):
     todo = [b for b in blocks(page) if b.lang == "python"]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("STREAMPACK_CACHE", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(ROOT))
     namespace: dict = {"__name__": "__docs__"}
+    request.addfinalizer(namespace.clear)
     for b in todo:
         code = compile(b.code, f"{b.page}:{b.line}", "exec")
         if b.no_run is not None:

@@ -16,6 +16,7 @@ from node_checks import (
     planned_dataset,
     roundtrip,
     take,
+    worker_error,
 )
 from topology_sim import SimRank
 
@@ -126,15 +127,12 @@ def test_a_truncated_bin_is_skipped_document_by_document(tmp_path):
 
 def test_a_truncated_bin_raises_from_a_worker_naming_the_document(tmp_path):
     """Under ``raise`` the ``DataError`` leaves a DataLoader worker as itself, naming the shard and the document."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
     from streampack.errors import DataError
 
     urls, _ = _truncated(tmp_path)
     ds = PackedDataset(urls, capacity=64, epochs=1, seed=1)
-    with pytest.raises(DataError, match="document 18: .*truncated .bin") as e:
-        list(StatefulDataLoader(ds, batch_size=None, num_workers=1))
-    assert e.value.url == urls[1] and e.value.key == "18"
+    err = worker_error(ds, DataError, "document 18: .*truncated .bin")
+    assert err.url == urls[1] and err.key == "18"
 
 
 @pytest.mark.slow  # ~5 s: a second manifest and three stop points

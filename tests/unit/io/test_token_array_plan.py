@@ -18,6 +18,7 @@ from node_checks import (
     planned_dataset,
     roundtrip,
     take,
+    worker_error,
 )
 from topology_sim import SimRank
 
@@ -134,15 +135,12 @@ def test_a_truncated_array_is_skipped_document_by_document(tmp_path):
 
 def test_a_truncated_array_raises_from_a_worker_naming_the_document(tmp_path):
     """Under ``raise`` the ``DataError`` leaves a DataLoader worker as itself, naming the array and the document."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
     from streampack.errors import DataError
 
     urls, _ = _truncated(tmp_path)
     ds = PackedDataset(urls, capacity=64, epochs=1, seed=1, read=ReadOptions(eos_id=EOS))
-    with pytest.raises(DataError, match="document 19: .*truncated array") as e:
-        list(StatefulDataLoader(ds, batch_size=None, num_workers=1))
-    assert e.value.url == urls[1] and e.value.key == "19"
+    err = worker_error(ds, DataError, "document 19: .*truncated array")
+    assert err.url == urls[1] and err.key == "19"
 
 
 def test_a_manifest_indexed_with_another_layout_is_refused_before_a_batch(corpus):
