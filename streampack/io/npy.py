@@ -19,7 +19,8 @@ from streampack.errors import DataError
 
 # A 1-D array's header as numpy writes it; anything else goes through the general path.
 NPY_1D = re.compile(rb"\{'descr': '([<>|=][iuf][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
-# numpy parses the header dict with ``tokenize`` + ``ast.literal_eval``: a damaged one raises any of
+# what a damaged header raises, from ``read_header``'s own checks or from numpy's reader (``tokenize`` +
+# ``ast.literal_eval``) on the headers it leaves to numpy
 HEADER_ERRORS = (ValueError, EOFError, SyntaxError, TypeError, OverflowError, RecursionError, tokenize.TokenError)
 
 

@@ -212,6 +212,10 @@ class TokenArray:
                             f"{self.limit}", length * self.width)
         return None
 
+    def readable(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Where :meth:`refused` finds nothing, for many documents at once (one comparison each, not a call)."""
+        return (starts + lengths <= self.layout.ids) & (lengths * self.width <= self.limit)
+
     def runs(self, start: int, first: int, end: int | None) -> Iterator[Run]:
         """The documents from position ``start`` (number ``first``) up to position ``end`` (None: the last)."""
         stop = self.stop if end is None else min(end, self.stop)
@@ -226,10 +230,11 @@ class TokenArray:
             hi = min(stop, at + DOCS_PER_SLICE)
             off = self.offsets(at, hi)
             lengths = np.diff(off)
-            readable = (off[:-1] + lengths <= self.layout.ids) & (lengths * self.width <= self.limit)
+            readable = self.readable(off[:-1], lengths)
             for i, j in byte_runs(lengths * self.width, readable, CHUNK_BYTES):
-                err = None if readable[i] else self.refused(at + i, int(off[i]), int(lengths[i]))
-                if err is not None:
+                if not readable[i]:
+                    err = self.refused(at + i, int(off[i]), int(lengths[i]))
+                    assert err is not None  # readable() is refused()'s rule
                     yield _refused(err, at + i, at + i, at + i + 1)
                     continue
                 docs = np.arange(at + i, at + j, dtype=np.int64)

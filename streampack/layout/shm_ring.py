@@ -5,9 +5,9 @@ free one, where torch's ``file_system`` sharing makes a segment per batch throug
 start before a worker's first batch). The receiver maps the slot through ``/proc/<pid>/fd/<fd>`` and, when the last view
 is freed, writes its ticket into the sender's release pipe, which the sender reads when no slot it knows free fits (one
 read serves the next several takes), so a held batch is never overwritten (past ``MAX_SLOTS`` / ``MAX_BYTES``
-:func:`take` returns None and the batch goes torch's way); the pipe also orders memory. References carry the memfd's and pipe's (device, inode), so a reused pid is refused. Linux
-only: :func:`available` is False elsewhere, without readable ``/proc/self/fd`` entries or under Yama ``ptrace_scope`` 2
-or 3.
+:func:`take` returns None and the batch goes torch's way); the pipe also orders memory. References carry the memfd's
+and pipe's (device, inode), so a reused pid is refused. Linux only: :func:`available` is False elsewhere, without
+readable ``/proc/self/fd`` entries or under Yama ``ptrace_scope`` 2 or 3.
 """
 
 from __future__ import annotations
