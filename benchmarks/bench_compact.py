@@ -322,12 +322,8 @@ def constants(trees: dict[str, str], rounds: int, directory: str) -> dict[str, d
 
 
 def _epoch_child(root: str, tokens: int, mean: float, ppb: int, directory: str, profile: bool = False) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-epoch", str(tokens), "0", "1", directory,
-           "--mean", str(mean), "--packs-per-batch", str(ppb), "--epochs", str(REPEATS)] + (
-               ["--profile"] if profile else [])
-    env = {**os.environ, "PYTHONPATH": root}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _child(root, "--child-epoch", tokens, 0, 1, directory, "--mean", mean, "--packs-per-batch", ppb,
+                  "--epochs", REPEATS, *(["--profile"] if profile else []))
 
 
 def constants_table(out: dict[str, dict[str, Any]]) -> str:
@@ -360,11 +356,8 @@ def workers_breakdown(sizes: tuple[int, int], rounds: int, directory: str, packs
         for ppb in packs:
             for name, (workers, every) in cases.items():
                 for tokens in sizes:
-                    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-epoch", str(tokens), str(workers),
-                           str(every), directory, "--packs-per-batch", str(ppb)]
-                    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-                    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-                    got = json.loads(out.stdout.strip().splitlines()[-1])
+                    got = _child(str(HERE.parent), "--child-epoch", tokens, workers, every, directory,
+                                 "--packs-per-batch", ppb)
                     if (name, ppb, tokens) not in best or got["cpu"] < best[name, ppb, tokens]["cpu"]:
                         best[name, ppb, tokens] = got
     small, large = sizes
@@ -442,10 +435,7 @@ def sending_breakdown(tokens: int, rounds: int, directory: str) -> str:
     best: dict[str, dict[str, Any]] = {}
     for _ in range(rounds):
         for mode in SENDING:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--child-sending", mode, str(tokens), directory]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True,
-                                 env={**os.environ, "PYTHONPATH": str(HERE.parent)})
-            got = json.loads(out.stdout.strip().splitlines()[-1])
+            got = _child(str(HERE.parent), "--child-sending", mode, tokens, directory)
             if mode not in best or got["main"] + got["worker"] < best[mode]["main"] + best[mode]["worker"]:
                 best[mode] = got
     batches = best["in-process"]["items"]
@@ -460,11 +450,16 @@ def sending_breakdown(tokens: int, rounds: int, directory: str) -> str:
 
 
 def _spawn(root: str, tokens: int, repeats: int) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tokens", str(tokens), "--repeats",
-           str(repeats)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _child(root, "--child", "--tokens", tokens, "--repeats", repeats, cwd=root, OMP_NUM_THREADS="1")
+
+
+def _child(root: str, *args: Any, cwd: str | None = None, **env: str) -> dict[str, Any]:
+    """This script run with ``args`` in a fresh process that imports streampack from ``root``: the JSON record its
+    last line prints."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *map(str, args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=cwd,
+                         env={**os.environ, "PYTHONPATH": root, **env})
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def compare(baseline: str | None, tokens: int, rounds: int, repeats: int) -> dict[str, dict[str, Any]]:
