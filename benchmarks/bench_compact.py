@@ -23,8 +23,10 @@ costs (start-up, worker fork, first window) taken out, and of it the training pr
 ``--sending``: what of a worker's CPU is the sending (the 16 M-token corpus, one worker, each mode in a fresh
 process, the modes taking turns ``--rounds`` times, least CPU kept): the epoch in-process; in a worker that drops
 every batch (yielding one ``int`` at the end); in a worker that yields an ``int`` for each batch (torch's worker
-loop, queues and feeder thread with nothing to carry); in a worker that yields each batch. The worker's CPU is
-``RUSAGE_CHILDREN`` once it is joined, the training process's its own.
+loop, queues and feeder thread with nothing to carry); in a worker that yields each batch; and, for what a loader of
+streampack's own could save, in a forked process outside torch's DataLoader that drops every batch, or sends each
+one in transfer form over a pipe from its main thread (no index queue, no feeder thread). The worker's CPU is
+``RUSAGE_CHILDREN`` once it is joined, the training process's its own. ``--batch-packs`` sets the packs a batch.
 
 ``--constants``: where an in-process epoch's CPU goes (this tree, or each of ``--baseline``'s and this one's, taking
 turns): the peers' 16 M-token tar corpus, the least CPU of 5 epochs in a row in a fresh process and of ``--rounds``
@@ -35,7 +37,7 @@ its token term came out negative, so the split is by code instead.)
 
     PYTHONPATH=. python benchmarks/bench_compact.py --baseline /path/to/older/checkout --rounds 3
     PYTHONPATH=. python benchmarks/bench_compact.py --workers [--batch-packs 8,32]
-    PYTHONPATH=. python benchmarks/bench_compact.py --sending --rounds 5
+    PYTHONPATH=. python benchmarks/bench_compact.py --sending --rounds 5 [--batch-packs 8,32]
     PYTHONPATH=. python benchmarks/bench_compact.py --constants --rounds 3 [--baseline DIR]
 """
 
@@ -380,10 +382,25 @@ def workers_breakdown(sizes: tuple[int, int], rounds: int, directory: str, packs
 SENDING = {"in-process": "the epoch in the training process",
            "worker, nothing sent": "a worker drops every batch",
            "worker, an int a batch": "a worker yields an int for each batch",
-           "worker, the batches": "a worker yields each batch"}
+           "worker, the batches": "a worker yields each batch",
+           "own process, nothing sent": "a forked process, no DataLoader, drops every batch",
+           "own process, the batches": "a forked process sends each batch over a pipe from its main thread"}
 
 
-def child_sending(mode: str, tokens: int, directory: str) -> dict[str, Any]:
+def _own_process(dataset: Any, send: bool, conn: Any) -> None:
+    """A worker outside torch's DataLoader: each batch of ``dataset`` in transfer form (``ForkingPickler``, as torch's
+    queue pickles it) written to ``conn`` by this thread (``send``), then an empty message; it exits once the
+    training process has answered, so the slots it sent stay readable until then."""
+    from multiprocessing.reduction import ForkingPickler
+
+    for batch in dataset:
+        if send:
+            conn.send_bytes(ForkingPickler.dumps(batch))
+    conn.send_bytes(b"")
+    conn.recv_bytes()
+
+
+def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int = PACKS) -> dict[str, Any]:
     """One epoch of the peers' tar corpus in this fresh process as ``mode`` (a key of :data:`SENDING`) runs it."""
     import gc
     import resource
@@ -392,7 +409,7 @@ def child_sending(mode: str, tokens: int, directory: str) -> dict[str, Any]:
 
     sys.path.insert(0, str(HERE))
     from peers.corpus import Corpus, CorpusSpec
-    from peers.streampack_peer import PACKS_PER_BATCH, StreampackPeer
+    from peers.streampack_peer import StreampackPeer
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from streampack import PackedDataset
@@ -414,12 +431,27 @@ def child_sending(mode: str, tokens: int, directory: str) -> dict[str, Any]:
     peer.prepare(Corpus(CorpusSpec(tokens=tokens), directory))
     gc.collect()
     before = resource.getrusage(resource.RUSAGE_SELF)
-    ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=PACKS_PER_BATCH,
+    ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=packs_per_batch,
                        packing=PackOptions(window=peer.window))
     items = 0
     if mode == "in-process":
         for _ in ds:
             items += 1
+    elif mode.startswith("own process"):
+        import multiprocessing
+        from multiprocessing.reduction import ForkingPickler
+
+        context = multiprocessing.get_context("fork")
+        here, there = context.Pipe()
+        worker = context.Process(target=_own_process, args=(ds, mode == "own process, the batches", there))
+        worker.start()
+        there.close()
+        while data := here.recv_bytes():
+            ForkingPickler.loads(data)
+            items += 1
+        here.send_bytes(b"")
+        worker.join()
+        items += 1  # the end, as the DataLoader modes count their last item
     else:
         loader = StatefulDataLoader(Yields(ds, mode), batch_size=None, num_workers=1, snapshot_every_n_steps=1 << 40)
         for _ in loader:
@@ -431,21 +463,28 @@ def child_sending(mode: str, tokens: int, directory: str) -> dict[str, Any]:
     return {"main": main, "worker": kids.ru_utime + kids.ru_stime, "items": items}
 
 
-def sending_breakdown(tokens: int, rounds: int, directory: str) -> str:
+def sending_breakdown(tokens: int, rounds: int, directory: str, packs_per_batch: int) -> str:
     best: dict[str, dict[str, Any]] = {}
     for _ in range(rounds):
         for mode in SENDING:
-            got = _child(str(HERE.parent), "--child-sending", mode, tokens, directory)
+            got = _child(str(HERE.parent), "--child-sending", mode, tokens, directory, packs_per_batch)
             if mode not in best or got["main"] + got["worker"] < best[mode]["main"] + best[mode]["worker"]:
                 best[mode] = got
     batches = best["in-process"]["items"]
-    lines = ["| epoch | CPU-s, the worker | CPU-s, the training process | ms a batch, all | against in-process |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| epoch | CPU-s, the worker | CPU-s, the training process | ms a batch, all | against in-process | "
+             "ms a batch over its process dropping them |",
+             "|---|---:|---:|---:|---:|---:|"]
     base = best["in-process"]["main"]
+
+    def cpu(mode: str) -> float:
+        return best[mode]["main"] + best[mode]["worker"]
+
     for mode, what in SENDING.items():
         b = best[mode]
-        cpu = b["main"] + b["worker"]
-        lines.append(f"| {what} | {b['worker']:.3f} | {b['main']:.3f} | {1e3 * cpu / batches:.3f} | {cpu / base:.2f}× |")
+        dropping = {"worker": "worker, nothing sent", "own process": "own process, nothing sent"}.get(mode.split(",")[0])
+        over = "—" if dropping in (None, mode) else f"{1e3 * (cpu(mode) - cpu(dropping)) / batches:.3f}"
+        lines.append(f"| {what} | {b['worker']:.3f} | {b['main']:.3f} | {1e3 * cpu(mode) / batches:.3f} | "
+                     f"{cpu(mode) / base:.2f}× | {over} |")
     return "\n".join(lines)
 
 
@@ -511,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--constants", action="store_true", help="µs a batch, a document and a token, in-process")
     parser.add_argument("--sending", action="store_true", help="what of a worker's CPU is the sending")
-    parser.add_argument("--child-sending", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child-sending", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--child-epoch", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--mean", type=float, default=600.0, help=argparse.SUPPRESS)
     parser.add_argument("--packs-per-batch", type=int, default=0, help=argparse.SUPPRESS)
@@ -532,12 +571,14 @@ def main(argv: list[str] | None = None) -> int:
             print(constants_table(constants(trees, args.rounds, args.dir or tmp)))
         return 0
     if args.child_sending:
-        mode, tokens, directory = args.child_sending
-        print(json.dumps(child_sending(mode, int(tokens), directory)))
+        mode, tokens, directory, packs_per_batch = args.child_sending
+        print(json.dumps(child_sending(mode, int(tokens), directory, int(packs_per_batch))))
         return 0
     if args.sending:
         with tempfile.TemporaryDirectory() as tmp:
-            print(sending_breakdown(16_000_000, args.rounds, args.dir or tmp))
+            for packs in (int(x) for x in args.batch_packs.split(",")):
+                print(f"{packs * CAPACITY:,} tokens a batch\n")
+                print(sending_breakdown(16_000_000, args.rounds, args.dir or tmp, packs), end="\n\n")
         return 0
     if args.workers:
         small, large = (int(float(x)) for x in args.sizes.split(","))
