@@ -49,6 +49,7 @@ from streampack.plan.state import (
     STATE_VERSION,
     VERSION_KEY,
     WORKER_KEY,
+    check_current,
     check_fingerprint,
     check_version,
     dataset_record,
@@ -234,6 +235,7 @@ class PackedDataset(IterableDataset):
         """One state (this reader's, same topology) or the states of every reader of a run (any topology)."""
         if isinstance(state, Mapping):
             check_version(state)
+            check_current(state)
             saved = dataset_record(state, FINGERPRINT_KEY)
             check_fingerprint(saved, self.fingerprint(saved.get("num_workers")))  # workers: in __iter__
             self._pending = state

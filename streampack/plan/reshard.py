@@ -29,6 +29,7 @@ from streampack.plan.sharding import Span
 from streampack.plan.state import (
     FINGERPRINT_KEY,
     WORKER_KEY,
+    check_current,
     check_fingerprint,
     check_version,
     concat_tables,
@@ -248,6 +249,7 @@ class PendingResume:
     def load(cls, ds: Any, states: list[dict[str, Any]]) -> PendingResume:
         for s in states:
             check_version(s)
+            check_current(s)
         dp_size, num_workers = topology_of(states)
         keep = lambda fp: {k: v for k, v in fp.items() if k not in TOPOLOGY_KEYS}  # noqa: E731
         check_fingerprint(keep(dataset_record(states[0], FINGERPRINT_KEY)), keep(ds.fingerprint(num_workers)))

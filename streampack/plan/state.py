@@ -32,6 +32,8 @@ WORKER_KEY = "worker"
 PASSES_KEY = "passes"
 GRAPH_KEY = "graph"
 METRICS_KEY = "metrics"
+STALE_KEY = "batches_after_snapshot"
+"""Set by :func:`dataset_states` on a worker state older than its loader state: the batches delivered since."""
 
 
 def samples_to_state(samples: Sequence[Sample]) -> dict[str, Any]:
@@ -261,12 +263,31 @@ def load_loader_state(loader: Any, loader_state: Mapping[str, Any]) -> None:
 
 
 def dataset_states(loader_state: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The PackedDataset state of every worker inside a StatefulDataLoader state (:func:`decoded_state`)."""
+    """The PackedDataset state of every worker inside a StatefulDataLoader state (:func:`decoded_state`).
+
+    A state taken between the workers' snapshots (``snapshot_every_n_steps`` > 1) holds each worker's state as of
+    its last snapshot, and only the loader replays the batches since: each such state is marked with their count
+    (:data:`STALE_KEY`), and loading it into a dataset is refused (:func:`check_current`); its metrics read as they
+    were at the snapshot."""
     snapshot = loader_state.get("_snapshot")
     if snapshot is None:
         return [decoded_state(loader_state["dataset_state"])] if loader_state.get("dataset_state") else []
+    since = loader_state.get("_steps_since_snapshot", 0)
     workers = snapshot.get("_worker_snapshots", {})
-    return [decoded_state(w["dataset_state"]) for _, w in sorted(workers.items()) if w.get("dataset_state")]
+    states = [decoded_state(w["dataset_state"]) for _, w in sorted(workers.items()) if w.get("dataset_state")]
+    return [{**state, STALE_KEY: since} for state in states] if since else states
+
+
+def check_current(state: Mapping[str, Any]) -> None:
+    """Refuse a dataset state :func:`dataset_states` took from between a loader's snapshots: a dataset loading it
+    would deliver the batches since that snapshot again."""
+    since = state.get(STALE_KEY)
+    if since:
+        raise ValueError(f"this dataset state comes from a loader state taken {since} batches after its workers' "
+                         f"last snapshot (snapshot_every_n_steps > 1): loaded, it would deliver those batches "
+                         f"again; resume the loader state itself with load_loader_state on the same dp_size and "
+                         f"num_workers, or save on the snapshot interval (or with snapshot_every_n_steps=1) for an "
+                         f"elastic resume")
 
 
 def state_nbytes(state: Any) -> int:

@@ -367,3 +367,27 @@ def test_old_readers_plans_come_from_their_states_without_index_reads(shards, mo
     assert len(set(counts)) == 1
     full = [x for r in range(3) for x in SimRank(lambda r=r: make(r, 3), 2)]
     assert _chunks(consumed + got) == _chunks(full) and max(_chunks(full).values()) == 1
+
+
+def test_elastic_resume_refuses_states_taken_between_snapshots(shards):
+    """A StatefulDataLoader state taken k steps after its workers' last snapshot (``snapshot_every_n_steps``, the
+    integrations' option) holds each worker's state as of that snapshot: loaded into a dataset, the k batches since
+    would be delivered again (before, silently). Loading them is refused, naming the way out; their metrics still
+    read; a state on the interval loads."""
+    urls, _ = shards
+    loader = StatefulDataLoader(_ds(urls, 0, 1), batch_size=None, num_workers=2, snapshot_every_n_steps=4)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    stale = dataset_states(roundtrip(loader.state_dict()))
+    assert [s["metrics"]["batches"]["batches"] for s in stale] == [0, 0]  # as of the snapshot
+    refused = r"taken 3 batches after .*snapshot_every_n_steps > 1.*same dp_size and num_workers"
+    with pytest.raises(ValueError, match=refused):
+        _ds(urls, 0, 2).load_state_dict(stale)  # elastic: two ranks now
+    with pytest.raises(ValueError, match=refused):
+        _ds(urls, 0, 1).load_state_dict(stale[0])
+    next(it)  # step 4: on the interval
+    current = dataset_states(roundtrip(loader.state_dict()))
+    assert [s["metrics"]["batches"]["batches"] for s in current] == [2, 2]
+    _ds(urls, 0, 2).load_state_dict(current)
+    del it
