@@ -149,10 +149,11 @@ def child(tokens: int, repeats: int) -> dict[str, Any]:
 
 
 def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, mean: float = 600.0,
-                packs_per_batch: int = 0, profile: bool = False, repeats: int = 1) -> dict[str, Any]:
+                packs_per_batch: int = 0, profile: bool = False, repeats: int = 1,
+                loader: str = "StatefulDataLoader") -> dict[str, Any]:
     """One epoch of the peers' tar corpus in this fresh process: CPU of the process and its joined workers
     (``packs_per_batch`` 0: the peers' 8; ``profile``: also each code's share of the epoch under cProfile;
-    ``repeats``: the least CPU of that many epochs in a row)."""
+    ``repeats``: the least CPU of that many epochs in a row; ``loader``: a key of :data:`LOADERS`)."""
     import gc
     import resource
 
@@ -161,8 +162,10 @@ def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, 
     from peers.streampack_peer import PACKS_PER_BATCH, StreampackPeer
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from streampack import PackedDataset
+    from streampack import PackedDataset, PackedLoader
     from streampack.options import PackOptions
+
+    make = {"StatefulDataLoader": StatefulDataLoader, "PackedLoader": PackedLoader}[loader]
 
     def cpu() -> float:
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -181,7 +184,7 @@ def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, 
                            packs_per_batch=packs_per_batch or PACKS_PER_BATCH, packing=PackOptions(window=peer.window))
         kw = {"prefetch_factor": 8, "snapshot_every_n_steps": snapshot_every} if workers else {}
         real = batches = docs = 0
-        for batch in StatefulDataLoader(ds, batch_size=None, num_workers=workers, **kw):
+        for batch in make(ds, batch_size=None, num_workers=workers, **kw):
             real += batch.num_tokens
             batches += 1
             docs += batch.num_docs
@@ -352,14 +355,17 @@ def constants_table(out: dict[str, dict[str, Any]]) -> str:
 
 
 def workers_breakdown(sizes: tuple[int, int], rounds: int, directory: str, packs: tuple[int, ...] = (PACKS,)) -> str:
-    cases = {"in-process": (0, 1), "2 workers": (2, 1), "2 workers, no per-step snapshot": (2, 1 << 40)}
+    cases = {"in-process": (0, 1, "StatefulDataLoader"), "2 workers": (2, 1, "StatefulDataLoader"),
+             "2 workers, no per-step snapshot": (2, 1 << 40, "StatefulDataLoader"),
+             "PackedLoader, 2 workers": (2, 1, "PackedLoader"),
+             "PackedLoader, 2 workers, no per-step snapshot": (2, 1 << 40, "PackedLoader")}
     best: dict[tuple[str, int, int], dict[str, Any]] = {}
     for _ in range(rounds):
         for ppb in packs:
-            for name, (workers, every) in cases.items():
+            for name, (workers, every, loader) in cases.items():
                 for tokens in sizes:
                     got = _child(str(HERE.parent), "--child-epoch", tokens, workers, every, directory,
-                                 "--packs-per-batch", ppb)
+                                 "--packs-per-batch", ppb, "--loader", loader)
                     if (name, ppb, tokens) not in best or got["cpu"] < best[name, ppb, tokens]["cpu"]:
                         best[name, ppb, tokens] = got
     small, large = sizes
@@ -556,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--packs-per-batch", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--loader", default="StatefulDataLoader", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.tokens, args.repeats)))
@@ -563,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_epoch:
         tokens, workers, every, directory = args.child_epoch
         print(json.dumps(child_epoch(int(tokens), int(workers), int(every), directory, args.mean, args.packs_per_batch,
-                                     args.profile, args.epochs)))
+                                     args.profile, args.epochs, args.loader)))
         return 0
     if args.constants:
         trees = {"this tree": str(HERE.parent)} | ({"baseline": args.baseline} if args.baseline else {})

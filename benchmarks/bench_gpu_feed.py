@@ -69,11 +69,10 @@ def real_tokens(batch: Any) -> int:
 
 
 def make_loader(urls: list[str], capacity: int, workers: int) -> Any:
-    from streampack import PackedDataset
-    from streampack.integrations.loader import stateful_loader
+    from streampack import PackedDataset, PackedLoader
 
     ds = PackedDataset(urls, capacity=capacity, epochs=1, seed=0, packs_per_batch=PACKS)
-    return stateful_loader(ds, batch_size=None, num_workers=workers, pin_memory=bench_gpu.DEVICE.type == "cuda",
+    return PackedLoader(ds, num_workers=workers, pin_memory=bench_gpu.DEVICE.type == "cuda",
                               prefetch_factor=8 if workers else None)
 
 

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 3 examples/elastic_restart.py --ckpt /tmp/ckpt.pt
 
 The first run trains a tiny GPT on one finite epoch over 2 ranks, each reading through a
-``StatefulDataLoader`` with 2 workers, and stops after ``--stop-after`` steps as if preempted.
+``PackedLoader`` with 2 workers, and stops after ``--stop-after`` steps as if preempted.
 Its checkpoint holds the model, the optimizer, and the data state of *every reader of every
 rank*: each rank takes its workers' states out of its loader state
 (``streampack.plan.state.dataset_states``), the ranks ``all_gather_object`` them, and rank 0 saves
@@ -29,13 +29,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain import VOCAB, write_shards  # noqa: E402
 from tiny_gpt import TinyGPT, packed_forward  # noqa: E402
 
-from streampack import PackedDataset  # noqa: E402
+from streampack import PackedDataset, PackedLoader  # noqa: E402
 from streampack.attention.loss import global_num_targets, packed_cross_entropy  # noqa: E402
 from streampack.options import PackOptions, ReadOptions
 from streampack.plan.state import dataset_states  # noqa: E402
@@ -86,7 +85,7 @@ def main() -> int:
         ds.load_state_dict(ckpt["data"])
         trained = list(ckpt["trained"])
     workers = 1 if restart else 2
-    loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+    loader = PackedLoader(ds, num_workers=workers)
     steps, mine = 0, []
     for batch in loader:
         step(model, optim, batch)

@@ -6,7 +6,7 @@
 What it shows:
 
 1. ``PackedDataset`` over webdataset tar shards of pre-tokenized documents (written here, with a
-   long-tail length distribution) feeding ``StatefulDataLoader(ds, batch_size=None)``.
+   long-tail length distribution) feeding ``PackedLoader(ds)``.
 2. A tiny GPT (``examples/tiny_gpt.py``) trained on ``PackedBatch``es with packed attention
    (documents never see each other) and a token-mean loss.
 3. At step ``--preempt-at`` the job saves model, optimizer and loader state with ``torch.save``,
@@ -24,13 +24,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from example_data import write_shards  # noqa: E402
 from tiny_gpt import TinyGPT, packed_forward  # noqa: E402
 
-from streampack import PackedDataset  # noqa: E402
+from streampack import PackedDataset, PackedLoader  # noqa: E402
 from streampack.attention.loss import packed_cross_entropy  # noqa: E402
 from streampack.options import PackOptions, ReadOptions
 from streampack.plan.state import load_loader_state  # noqa: E402
@@ -44,7 +43,7 @@ def make_job(shards: list[str], workers: int, seed: int):
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ds = PackedDataset(shards, capacity=256, packs_per_batch=2, seed=seed, read=ReadOptions(tokens_key="npy"),
                        packing=PackOptions(window=64))
-    loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+    loader = PackedLoader(ds, num_workers=workers)
     return model, optim, loader
 
 

@@ -31,9 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torchdata.stateful_dataloader import StatefulDataLoader
 
-from streampack import PackedDataset
+from streampack import PackedDataset, PackedLoader
 from streampack.media import DynamicResolution, MediaOptions
 from streampack.options import PackOptions
 from streampack.plan.state import load_loader_state
@@ -92,7 +91,7 @@ def make_job(shards: list[str], workers: int, seed: int):
     optim = torch.optim.AdamW(model.parameters(), lr=2e-3)
     ds = PackedDataset(shards, capacity=256, packing=PackOptions(window=32), packs_per_batch=2, seed=seed,
                        media=MediaOptions(rule=RULE, image_token_id=IMAGE))
-    return model, optim, StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+    return model, optim, PackedLoader(ds, num_workers=workers)
 
 
 def train(model, optim, loader, steps: int, log: list[tuple[str, float, int]]) -> None:

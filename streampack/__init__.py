@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "PackedDataset": "streampack.dataset",
+    "PackedLoader": "streampack.integrations.packed_loader",
     "ReadOptions": "streampack.options",
     "TokenizeOptions": "streampack.options",
     "PackOptions": "streampack.options",

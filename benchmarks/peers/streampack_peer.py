@@ -1,4 +1,4 @@
-"""streampack: ``PackedDataset`` under ``StatefulDataLoader``, as the README shows.
+"""streampack: ``PackedDataset`` under ``PackedLoader``, as the README shows.
 
 Reads the webdataset tar shards (``input_ids.npy`` members); with ``fmt="parquet"`` the
 parquet shards instead, with ``fmt="tokens"`` flat token arrays with offsets files (the
@@ -40,21 +40,19 @@ class StreampackPeer:
         import torchdata.stateful_dataloader  # noqa: F401
 
         import streampack.dataset  # noqa: F401
+        import streampack.integrations.packed_loader  # noqa: F401
         import streampack.options  # noqa: F401
         if self.fmt == "parquet":
             import pyarrow.parquet  # noqa: F401
 
     def loader(self, num_workers: int, state: Any | None = None) -> Any:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
-        from streampack import PackedDataset
+        from streampack import PackedDataset, PackedLoader
         from streampack.options import PackOptions
         from streampack.plan.state import load_loader_state
 
         ds = PackedDataset(self.urls, capacity=self.capacity, epochs=1, seed=0, packs_per_batch=PACKS_PER_BATCH,
                            packing=PackOptions(window=self.window))
-        loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers,
-                                    prefetch_factor=8 if num_workers else None)
+        loader = PackedLoader(ds, num_workers=num_workers, prefetch_factor=8 if num_workers else None)
         if state is not None:
             load_loader_state(loader, state)
         return loader

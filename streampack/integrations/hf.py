@@ -4,7 +4,7 @@
 
 * **Its own loader.** accelerate either dispatches an ``IterableDataset``'s batches from rank 0 or
   wraps it in ``IterableDatasetShard``; a PackedDataset already shards, so either way data is lost
-  or read N times. :meth:`PackedTrainer.get_train_dataloader` returns a ``StatefulDataLoader`` that
+  or read N times. :meth:`PackedTrainer.get_train_dataloader` returns a :class:`~streampack.PackedLoader` that
   accelerate never sees; each batch becomes ``hf_inputs()`` after its stats are read.
 * **An exact data position.** ``_save_checkpoint`` writes the loader state atomically into the
   folder before HF writes the model, and ``train(resume_from_checkpoint=...)`` loads it with HF's
@@ -24,12 +24,11 @@ from typing import Any
 
 import torch
 import transformers
-from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from streampack.integrations.loader import stateful_loader
 from streampack.integrations.metrics import StreamMetrics
+from streampack.integrations.packed_loader import PackedLoader
 from streampack.integrations.resume import LoaderResume, plan_resume
 from streampack.layout.adapters import HFInputs
 
@@ -46,7 +45,7 @@ class HFBatches:
     """Iterates a loader of :class:`~streampack.layout.batch.PackedBatch` as ``HFInputs``,
     feeding each batch's stats to ``metrics`` first."""
 
-    def __init__(self, loader: StatefulDataLoader, metrics: StreamMetrics) -> None:
+    def __init__(self, loader: PackedLoader, metrics: StreamMetrics) -> None:
         self.loader, self.metrics = loader, metrics
 
     def __iter__(self) -> Iterator[HFInputs]:
@@ -63,14 +62,14 @@ class HFBatches:
 
 class PackedTrainer(transformers.Trainer):
     """``transformers.Trainer`` for a PackedDataset ``train_dataset``; needs ``TrainingArguments(max_steps=...)``.
-    ``snapshot_every_n_steps`` goes to the ``StatefulDataLoader`` (set it to ``save_steps`` times the gradient
+    ``snapshot_every_n_steps`` goes to the :class:`~streampack.PackedLoader` (set it to ``save_steps`` times the gradient
     accumulation: docs/integrations.md)."""
 
     def __init__(self, *args: Any, snapshot_every_n_steps: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.stream_metrics = StreamMetrics()
-        self._loader: StatefulDataLoader | None = None
+        self._loader: PackedLoader | None = None
         self._resume: LoaderResume | None = None
         # HF's replay would re-read the stream from the start; the loader state resumes exactly
         self.args.ignore_data_skip = True
@@ -84,7 +83,7 @@ class PackedTrainer(transformers.Trainer):
             raise ValueError("PackedTrainer needs a train_dataset (a PackedDataset)")
         args = self.args
         workers = args.dataloader_num_workers
-        loader = stateful_loader(self.train_dataset, batch_size=None, num_workers=workers,
+        loader = PackedLoader(self.train_dataset, num_workers=workers,
                                  pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
                                  persistent_workers=args.dataloader_persistent_workers if workers else False,
                                  prefetch_factor=args.dataloader_prefetch_factor if workers else None,

@@ -27,21 +27,20 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torchdata.stateful_dataloader import StatefulDataLoader
 
-from streampack.integrations.loader import stateful_loader
 from streampack.integrations.metrics import StreamMetrics
+from streampack.integrations.packed_loader import PackedLoader
 from streampack.integrations.resume import LoaderResume, plan_resume
 
 STATES_KEY = "loader_states"
 
 
 class TrainedLoader:
-    """Iterates a ``StatefulDataLoader``, keeping its state after each batch until the batch is trained
+    """Iterates a :class:`~streampack.PackedLoader`, keeping its state after each batch until the batch is trained
     (:meth:`trained_state`). Not a DataLoader and without ``state_dict``, so Lightning neither
     re-creates it nor saves its own, one-batch-ahead, state for it."""
 
-    def __init__(self, loader: StatefulDataLoader) -> None:
+    def __init__(self, loader: PackedLoader) -> None:
         self.loader = loader
         self._states: dict[int, dict[str, Any]] = {}
         self._trained = 0
@@ -62,16 +61,13 @@ class TrainedLoader:
 
     def close(self) -> None:
         """Shut the loader's workers down now (Lightning only shuts down the DataLoaders it sees)."""
-        iterator = getattr(self.loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
-        self.loader._iterator = None
+        self.loader.close()
 
 
 class PackedDataModule(L.LightningDataModule):
     """Training data from a PackedDataset. ``num_workers``, ``pin_memory`` (default: with CUDA),
     ``persistent_workers``, ``prefetch_factor`` and ``snapshot_every_n_steps`` (set it to the checkpoint interval
-    in loader batches: docs/integrations.md) go to the ``StatefulDataLoader``; ``log_metrics=False`` keeps the
+    in loader batches: docs/integrations.md) go to the :class:`~streampack.PackedLoader`; ``log_metrics=False`` keeps the
     stream metrics (``dm.stream_metrics``) out of the loggers."""
 
     def __init__(self, train_dataset: Any, *, num_workers: int = 0, pin_memory: bool | None = None,
@@ -100,7 +96,7 @@ class PackedDataModule(L.LightningDataModule):
         if self._check_resume or self._loader is None:
             self._check_resume = False
             self._check_restored()
-        loader = stateful_loader(self.train_dataset, batch_size=None, **self.loader_kwargs)
+        loader = PackedLoader(self.train_dataset, **self.loader_kwargs)
         if self._resume is not None:
             self._resume.apply(self.train_dataset, loader)
             self._resume = None

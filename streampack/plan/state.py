@@ -32,6 +32,9 @@ WORKER_KEY = "worker"
 PASSES_KEY = "passes"
 GRAPH_KEY = "graph"
 METRICS_KEY = "metrics"
+LOADER_KIND = "streampack.PackedLoader"
+"""The ``kind`` of a :class:`~streampack.PackedLoader` state with workers."""
+LOADER_VERSION = 1
 STALE_KEY = "batches_after_snapshot"
 """Set by :func:`dataset_states` on a worker state older than its loader state: the batches delivered since."""
 
@@ -236,10 +239,12 @@ def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any]) -> N
 
 
 def check_loader_state(loader_state: Mapping[str, Any], num_workers: int) -> None:
-    """Check a ``StatefulDataLoader.state_dict()`` against the loader's ``num_workers`` (StatefulDataLoader
+    """Check a ``StatefulDataLoader`` or ``PackedLoader`` ``state_dict()`` against the loader's ``num_workers`` (StatefulDataLoader
     itself fails with a bare ``AssertionError``, or silently restarts workers)."""
     snapshot = loader_state.get("_snapshot")
-    if snapshot is None:
+    if loader_state.get("kind") == LOADER_KIND:
+        saved = loader_state["num_workers"]
+    elif snapshot is None:
         saved = 0
     else:
         saved = snapshot.get("_main_snapshot", {}).get("_num_workers", len(snapshot.get("_worker_snapshots", {})))
@@ -263,12 +268,16 @@ def load_loader_state(loader: Any, loader_state: Mapping[str, Any]) -> None:
 
 
 def dataset_states(loader_state: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The PackedDataset state of every worker inside a StatefulDataLoader state (:func:`decoded_state`).
+    """The PackedDataset state of every worker inside a StatefulDataLoader or PackedLoader state
+    (:func:`decoded_state`).
 
     A state taken between the workers' snapshots (``snapshot_every_n_steps`` > 1) holds each worker's state as of
     its last snapshot, and only the loader replays the batches since: each such state is marked with their count
     (:data:`STALE_KEY`), and loading it into a dataset is refused (:func:`check_current`); its metrics read as they
     were at the snapshot."""
+    if loader_state.get("kind") == LOADER_KIND:  # a PackedLoader's: each worker's own count since its snapshot
+        return [{**decoded_state(w["dataset_state"]), **({STALE_KEY: w["since"]} if w["since"] else {})}
+                for w in loader_state["workers"] if w["dataset_state"]]
     snapshot = loader_state.get("_snapshot")
     if snapshot is None:
         return [decoded_state(loader_state["dataset_state"])] if loader_state.get("dataset_state") else []

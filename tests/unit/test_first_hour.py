@@ -148,22 +148,28 @@ def test_streampack_itself_emits_no_set_vital_warning(tmp_path):
 
 
 def test_the_trainer_integrations_build_their_loader_without_the_set_vital_warning(tmp_path):
-    from streampack.integrations.loader import stateful_loader
+    from torch.utils.data import IterableDataset
+
+    from streampack import PackedLoader
+
+    class Four(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loader = stateful_loader(list(range(4)), batch_size=None)
+        loader = PackedLoader(Four())
     assert list(loader) == [0, 1, 2, 3]
     assert not [w for w in caught if "set_vital" in str(w.message)]
 
 
 def test_batches_per_epoch_not_shared_by_the_workers_is_refused_when_the_loader_is_built(tmp_path):
     # before: each DataLoader worker raised it inside its own process, behind torch's traceback
-    from streampack.integrations.loader import stateful_loader
+    from streampack import PackedLoader
 
     write_jsonl_shards(tmp_path, make_token_docs(16), 2)
     ds = PackedDataset(str(tmp_path / "shard-{000000..000001}.jsonl"), capacity=64, epochs=1,
                        topology=TopologyOptions(batches_per_epoch=3))
     with pytest.raises(ValueError, match=r"batches_per_epoch=3 must be a multiple of num_workers=2"):
-        stateful_loader(ds, batch_size=None, num_workers=2)
-    assert stateful_loader(ds, batch_size=None, num_workers=3) is not None
+        PackedLoader(ds, num_workers=2)
+    assert PackedLoader(ds, num_workers=3) is not None
