@@ -390,7 +390,8 @@ SENDING = {"in-process": "the epoch in the training process",
            "worker, an int a batch": "a worker yields an int for each batch",
            "worker, the batches": "a worker yields each batch",
            "own process, nothing sent": "a forked process, no DataLoader, drops every batch",
-           "own process, the batches": "a forked process sends each batch over a pipe from its main thread"}
+           "own process, the batches": "a forked process sends each batch over a pipe from its main thread",
+           "PackedLoader": "PackedLoader's worker sends each batch (the loader the integrations build)"}
 
 
 def _own_process(dataset: Any, send: bool, conn: Any) -> None:
@@ -418,7 +419,7 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
     from peers.streampack_peer import StreampackPeer
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from streampack import PackedDataset
+    from streampack import PackedDataset, PackedLoader
     from streampack.options import PackOptions
 
     class Yields(IterableDataset):
@@ -443,6 +444,12 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
     if mode == "in-process":
         for _ in ds:
             items += 1
+    elif mode == "PackedLoader":
+        loader = PackedLoader(ds, num_workers=1, snapshot_every_n_steps=1 << 40)
+        for _ in loader:
+            items += 1
+        items += 1  # the end, as the DataLoader modes count their last item
+        del loader
     elif mode.startswith("own process"):
         import multiprocessing
         from multiprocessing.reduction import ForkingPickler
@@ -487,7 +494,8 @@ def sending_breakdown(tokens: int, rounds: int, directory: str, packs_per_batch:
 
     for mode, what in SENDING.items():
         b = best[mode]
-        dropping = {"worker": "worker, nothing sent", "own process": "own process, nothing sent"}.get(mode.split(",")[0])
+        dropping = {"worker": "worker, nothing sent", "own process": "own process, nothing sent",
+                    "PackedLoader": "own process, nothing sent"}.get(mode.split(",")[0])
         over = "—" if dropping in (None, mode) else f"{1e3 * (cpu(mode) - cpu(dropping)) / batches:.3f}"
         lines.append(f"| {what} | {b['worker']:.3f} | {b['main']:.3f} | {1e3 * cpu(mode) / batches:.3f} | "
                      f"{cpu(mode) / base:.2f}× | {over} |")

@@ -130,6 +130,7 @@ def test_model_parallel_peers_that_disagree_are_refused(store) -> None:
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.slow  # ~5 s: two ranks' loaders with workers
 def test_ranks_with_different_num_workers_are_refused(store) -> None:
     a = _agreement(store, 2)
     got = _run([(a, "e0", 0, 0, 1, 4), (a, "e0", 1, 0, 2, 4), (a, "e0", 1, 1, 2, 4)])

@@ -36,7 +36,7 @@ def _ds(urls, **kw) -> PackedDataset:
                                   "packing": PackOptions(window=24, max_wait=3), **kw})
 
 
-@pytest.mark.parametrize("num_workers", [1, 2, 3])
+@pytest.mark.parametrize("num_workers", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_the_batches_and_their_order_are_statefuldataloaders(shards, num_workers):
     """Finite (3 workers: unequal shares, a worker ends first and drops out of the turn) and infinite streams."""
     urls, _ = shards
@@ -179,6 +179,7 @@ class _Slow(IterableDataset):
         yield 0
 
 
+@pytest.mark.slow  # waits out the timeout
 def test_timeout_names_the_worker():
     it = iter(PackedLoader(_Slow(), num_workers=1, timeout=1))
     with pytest.raises(RuntimeError, match="timed out after 1 s waiting for worker 0"):
@@ -218,6 +219,7 @@ def test_a_batch_size_is_refused(shards):
         PackedLoader(_ds(urls), batch_size=4)
 
 
+@pytest.mark.slow  # a trainer process of its own
 def test_workers_die_with_a_killed_trainer(shards, tmp_path):
     """SIGKILL the training process while its workers wait to send: they go with it (no orphans)."""
     urls, _ = shards

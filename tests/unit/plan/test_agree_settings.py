@@ -169,6 +169,7 @@ def _absent_rank(init: str, queue) -> None:
     queue.get(timeout=60)  # alive (rank 0 hosts the store) until the test has rank 0's error
 
 
+@pytest.mark.slow  # ~6 s: a gloo group and the 1.5 s wait
 def test_the_timeout_is_a_setting_and_names_the_ranks_that_did_not_arrive(data) -> None:
     """Finding: the wait was ``Agreement.timeout_s = 1800``, unreachable from any option. Here
     rank 1 never builds its dataset: rank 0 fails after the configured 1.5 s, naming it."""
