@@ -137,6 +137,7 @@ def test_ranks_with_different_num_workers_are_refused(store) -> None:
     assert all(isinstance(g, ValueError) and "num_workers=1" in str(g) and "num_workers=2" in str(g) for g in got)
 
 
+@pytest.mark.slow  # ~6 s: waits out the agreement's timeout
 def test_missing_reader_times_out_naming_who_arrived(store) -> None:
     """Finding: the wait was a fixed 30 min and the error named how many arrived, not which did not."""
     warm = _agreement(store, 3, prefix="warm")  # this process's 3 clients connected (a connect may stall 5 s
