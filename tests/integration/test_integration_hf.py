@@ -116,7 +116,7 @@ def test_accelerate_would_reshard_or_dispatch_a_stream_that_is_already_per_rank(
 def test_packed_trainer_trains_and_logs_stream_metrics(urls: list[str], tmp_path: Path) -> None:
     trainer, _, seen = train(urls, tmp_path, steps=2, save_steps=100)
     loader = trainer.get_train_dataloader()
-    assert type(loader.loader).__name__ == "StatefulDataLoader"  # not accelerate's wrappers
+    assert type(loader.loader).__name__ == "PackedLoader"  # not accelerate's wrappers
     assert len(seen) == 4 and all(s.shape == (1, 128) for s in seen)  # 2 steps x 2 accumulation
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logged)
