@@ -1,11 +1,12 @@
 """``PackedLoader``: a ``StatefulDataLoader`` whose workers send their batches through pipes of their own.
 
 torch's worker loop moves every item through an index queue, a result queue and a feeder thread in each process; on
-a busy worker that costs ~0.41 ms of CPU an item before anything is carried, and a 32 k-token batch 1.1 ms in all,
-2.1× an in-process batch. Here each worker builds its batches on its main thread and writes each one (in the same
-transfer form, :mod:`streampack.layout.transfer`) straight to a pipe the training process reads: 0.38 ms a batch
-(``benchmarks/bench_compact.py --sending``). The training process asks for nothing; it hands a worker one credit for
-each batch it takes, so a worker runs at most ``prefetch_factor`` batches ahead.
+a busy worker that costs ~0.41 ms of CPU an item before anything is carried, and a 32 k-token batch 0.9-1.1 ms in
+all, 1.7-2.1× an in-process batch. Here each worker builds its batches on its main thread and writes each one (in
+the same transfer form, :mod:`streampack.layout.transfer`) straight to a pipe the training process reads:
+0.39-0.42 ms a batch at 32-128 k tokens where torch's queues take 0.93-1.42 (``benchmarks/bench_compact.py
+--sending``). The training process asks for nothing; it hands a worker one credit for each batch it takes, so a
+worker runs at most ``prefetch_factor`` batches ahead.
 
 The batches come in the order ``StatefulDataLoader`` gives them (worker 0, 1, ..., 0, ...; a worker whose data ended
 drops out of the turn). A state holds, per worker, its dataset's state as of its last snapshot and the batches it

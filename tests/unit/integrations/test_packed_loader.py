@@ -270,3 +270,12 @@ def test_a_state_saved_after_the_last_batch_resumes_with_the_next_epoch(shards):
         results.append([canon(b) for b in restored])
         assert len(results[-1]) > 20 and results[-1] != first  # the next pass: reshuffled
     assert results[0] == results[1]
+
+
+@pytest.mark.slow  # two spawned interpreters import torch
+def test_spawned_workers_give_the_forked_workers_batches(shards):
+    """``multiprocessing_context="spawn"`` (Hugging Face's ``dataloader_multiprocessing_context``): the dataset and
+    the pipe ends travel pickled; the batches are the forked workers'."""
+    urls, _ = shards
+    spawned = [canon(b) for b in PackedLoader(_ds(urls), num_workers=2, multiprocessing_context="spawn")]
+    assert spawned == [canon(b) for b in PackedLoader(_ds(urls), num_workers=2)] and len(spawned) > 20
