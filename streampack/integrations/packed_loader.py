@@ -223,6 +223,9 @@ class _Pool:
         return self
 
     def __next__(self) -> Any:
+        if not self._finalizer.alive and not all(w["ended"] for w in self.workers):
+            raise RuntimeError("this PackedLoader iterator's workers were ended: its loader started another iteration, "
+                               "or close() or load_state_dict() was called; iterate the loader again")
         while not all(w["ended"] for w in self.workers):
             i = self.turn
             self.turn = (i + 1) % len(self.workers)

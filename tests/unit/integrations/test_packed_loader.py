@@ -279,3 +279,17 @@ def test_spawned_workers_give_the_forked_workers_batches(shards):
     urls, _ = shards
     spawned = [canon(b) for b in PackedLoader(_ds(urls), num_workers=2, multiprocessing_context="spawn")]
     assert spawned == [canon(b) for b in PackedLoader(_ds(urls), num_workers=2)] and len(spawned) > 20
+
+
+def test_an_iterator_the_loader_replaced_says_so(shards):
+    """A loader's new iteration ends the workers of the one before (one pool per loader): the old iterator's next
+    batch is a clear error, not a closed-pipe ``OSError``."""
+    urls, _ = shards
+    loader = PackedLoader(_ds(urls), num_workers=2)
+    old = iter(loader)
+    next(old)
+    new = iter(loader)
+    with pytest.raises(RuntimeError, match="its loader started another iteration"):
+        next(old)
+    assert next(new) is not None
+    loader.close()
