@@ -41,6 +41,9 @@ JOIN_S = 5.0
 """How long it then waits for a terminated worker before it kills it."""
 _POLL_S = 1.0
 """How often a waiting training process checks that the worker it waits for is alive."""
+_OURS: set[Any] = set()
+"""The training process's ends of every live pool's pipes: a forked worker closes its copies of them all (a pipe's
+reader sees the other end close only once every process holding a copy has closed it)."""
 _CREDIT = b"+"
 _AGAIN = b"again"
 """To a persistent worker whose iteration ended: iterate its dataset again."""
@@ -187,11 +190,9 @@ class _Pool:
             start = WorkerStart(worker_id=i, num_workers=n, seed=base_seed + i, prefetch=loader.prefetch_factor or 2,
                                 snapshot_every=every, state=w["dataset_state"], skip=w["since"])
             self.conns[i] = here
-            # the worker closes the training process's ends it inherits (its own and the earlier workers'): a
-            # pipe's reader sees its end only once every copy of the other end is closed
-            theirs = [c for c in self.conns if c is not None]
+            _OURS.add(here)
             proc = context.Process(target=_worker_main, args=(loader.dataset, loader.worker_init_fn,
-                                                              loader.collate_fn, start, there, theirs), daemon=True)
+                                                              loader.collate_fn, start, there), daemon=True)
             proc.start()
             self.procs[i] = proc
             there.close()
@@ -300,6 +301,7 @@ def _stop(conns: list[Any], procs: list[Any]) -> None:
     terminated (a worker holds nothing to clean up: its slots go with it, the batches already received stay)."""
     for conn in conns:
         if conn is not None:
+            _OURS.discard(conn)
             conn.close()
     deadline = time.monotonic() + EXIT_S
     for proc in procs:
@@ -314,13 +316,13 @@ def _stop(conns: list[Any], procs: list[Any]) -> None:
                 proc.join()
 
 
-def _worker_main(dataset: Any, init_fn: Any, collate_fn: Any, start: WorkerStart, conn: Any,
-                 theirs: list[Any]) -> None:
+def _worker_main(dataset: Any, init_fn: Any, collate_fn: Any, start: WorkerStart, conn: Any) -> None:
     """A worker: its dataset's batches through ``collate_fn``, each written to ``conn`` once it has a credit."""
     from torch.utils.data._utils import worker as torch_worker
 
-    for other in theirs:
-        other.close()
+    for ours in list(_OURS):  # forked: the copies of the training process's ends (spawned: none)
+        ours.close()
+    _OURS.clear()
     die_with_parent()  # first: a worker must not outlive a killed training process
     transfer.settle_worker()
     # what torch's own worker loop sets: PackedDataset (and user code) finds its share through get_worker_info()
