@@ -137,6 +137,7 @@ def _job(init: str, data, seeds: tuple[int, int], iterate: bool = False) -> dict
     return got
 
 
+@pytest.mark.slow  # ~5 s: two gloo ranks building datasets (the fast set keeps the test above)
 def test_ranks_built_with_different_seeds_fail_on_every_rank(data) -> None:
     """Finding: rank 0 on seed=0 and rank 1 on seed=1 got equal step counts and no error, while 68
     samples were never trained and 78 twice. Rank 0 hosts the TCPStore here (``tcp://``): it
