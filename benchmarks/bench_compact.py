@@ -153,7 +153,8 @@ def child_epoch(tokens: int, workers: int, snapshot_every: int, directory: str, 
                 loader: str = "StatefulDataLoader") -> dict[str, Any]:
     """One epoch of the peers' tar corpus in this fresh process: CPU of the process and its joined workers
     (``packs_per_batch`` 0: the peers' 8; ``profile``: also each code's share of the epoch under cProfile;
-    ``repeats``: the least CPU of that many epochs in a row; ``loader``: a key of :data:`LOADERS`)."""
+    ``repeats``: the least CPU of that many epochs in a row; ``loader``: ``StatefulDataLoader`` or
+    ``PackedLoader``)."""
     import gc
     import resource
 

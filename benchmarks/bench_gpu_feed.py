@@ -73,7 +73,7 @@ def make_loader(urls: list[str], capacity: int, workers: int) -> Any:
 
     ds = PackedDataset(urls, capacity=capacity, epochs=1, seed=0, packs_per_batch=PACKS)
     return PackedLoader(ds, num_workers=workers, pin_memory=bench_gpu.DEVICE.type == "cuda",
-                              prefetch_factor=8 if workers else None)
+                        prefetch_factor=8 if workers else None)
 
 
 def loader_alone(urls: list[str], capacity: int, workers: int) -> tuple[float, int, float]:

@@ -84,11 +84,11 @@ class PackedTrainer(transformers.Trainer):
         args = self.args
         workers = args.dataloader_num_workers
         loader = PackedLoader(self.train_dataset, num_workers=workers,
-                                 pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
-                                 persistent_workers=args.dataloader_persistent_workers if workers else False,
-                                 prefetch_factor=args.dataloader_prefetch_factor if workers else None,
-                                 multiprocessing_context=args.dataloader_multiprocessing_context if workers else None,
-                                 snapshot_every_n_steps=self.snapshot_every_n_steps)
+                              pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+                              persistent_workers=args.dataloader_persistent_workers if workers else False,
+                              prefetch_factor=args.dataloader_prefetch_factor if workers else None,
+                              multiprocessing_context=args.dataloader_multiprocessing_context if workers else None,
+                              snapshot_every_n_steps=self.snapshot_every_n_steps)
         if self._resume is not None:
             self._resume.apply(self.train_dataset, loader)
             self._resume = None

@@ -67,8 +67,8 @@ class TrainedLoader:
 class PackedDataModule(L.LightningDataModule):
     """Training data from a PackedDataset. ``num_workers``, ``pin_memory`` (default: with CUDA),
     ``persistent_workers``, ``prefetch_factor`` and ``snapshot_every_n_steps`` (set it to the checkpoint interval
-    in loader batches: docs/integrations.md) go to the :class:`~streampack.PackedLoader`; ``log_metrics=False`` keeps the
-    stream metrics (``dm.stream_metrics``) out of the loggers."""
+    in loader batches: docs/integrations.md) go to the :class:`~streampack.PackedLoader`; ``log_metrics=False`` keeps
+    the stream metrics (``dm.stream_metrics``) out of the loggers."""
 
     def __init__(self, train_dataset: Any, *, num_workers: int = 0, pin_memory: bool | None = None,
                  persistent_workers: bool = False, prefetch_factor: int | None = None,

@@ -210,15 +210,14 @@ class _Pool:
         """Every worker iterates its dataset again (persistent workers)."""
         self.turn = 0
         for i, conn in enumerate(self.conns):
-            self.workers[i] = {"dataset_state": None, "since": 0, "ended": False}
+            self.workers[i] = _fresh_worker()
             conn.send_bytes(_AGAIN)
         for i in range(len(self.conns)):
             self._record(i, self._receive(i))
 
     @staticmethod
     def fresh_state(num_workers: int) -> dict[str, Any]:
-        return {"kind": LOADER_KIND, "version": LOADER_VERSION, "num_workers": num_workers, "turn": 0,
-                "workers": [{"dataset_state": None, "since": 0, "ended": False} for _ in range(num_workers)]}
+        return _loader_state(0, [_fresh_worker() for _ in range(num_workers)])
 
     def __iter__(self) -> _Pool:
         return self
@@ -288,11 +287,21 @@ class _Pool:
                            f"by the out-of-memory killer, or it crashed) before its data ended")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": LOADER_KIND, "version": LOADER_VERSION, "num_workers": len(self.workers), "turn": self.turn,
-                "workers": [dict(w) for w in self.workers]}
+        return _loader_state(self.turn, self.workers)
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _fresh_worker() -> dict[str, Any]:
+    """A worker's record before its first message: no dataset state yet, nothing delivered."""
+    return {"dataset_state": None, "since": 0, "ended": False}
+
+
+def _loader_state(turn: int, workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The loader's state: whose turn is next and a copy of each worker's record."""
+    return {"kind": LOADER_KIND, "version": LOADER_VERSION, "num_workers": len(workers), "turn": turn,
+            "workers": [dict(w) for w in workers]}
 
 
 def _stop(conns: list[Any], procs: list[Any]) -> None:

@@ -239,8 +239,8 @@ def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any]) -> N
 
 
 def check_loader_state(loader_state: Mapping[str, Any], num_workers: int) -> None:
-    """Check a ``StatefulDataLoader`` or ``PackedLoader`` ``state_dict()`` against the loader's ``num_workers`` (StatefulDataLoader
-    itself fails with a bare ``AssertionError``, or silently restarts workers)."""
+    """Check a ``StatefulDataLoader`` or ``PackedLoader`` ``state_dict()`` against the loader's ``num_workers``
+    (StatefulDataLoader itself fails with a bare ``AssertionError``, or silently restarts workers)."""
     snapshot = loader_state.get("_snapshot")
     if loader_state.get("kind") == LOADER_KIND:
         saved = loader_state["num_workers"]
