@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 MiB = 1 << 20
 MAX_EXTENSION_BYTES = 1 * MiB
 """Largest pax / GNU long-name header accepted (a larger one is ``corrupt_shard``)."""
@@ -71,3 +73,19 @@ def check_vocab_size(vocab_size: int | None) -> int | None:
 def id_bound(vocab_size: int | None) -> int:
     """Token ids must be ``< id_bound(vocab_size)``."""
     return INT32_IDS if vocab_size is None else vocab_size
+
+
+def documents_in_bound(ids: np.ndarray, lengths: np.ndarray, bound: int) -> int:
+    """How many of the documents ``lengths`` (back to back in ``ids``) come before the first holding an id outside
+    ``[0, bound)``. One maximum over the ids read as unsigned, where a negative id is at least ``2**(bits - 1)``
+    (~15 µs a MB, where two comparisons, their union and a search took ~80); the search only for a bad id."""
+    if not ids.size:
+        return int(lengths.size)
+    unsigned = ids
+    if ids.dtype.kind == "i":
+        bound = min(bound, 1 << (8 * ids.itemsize - 1))
+        unsigned = ids.view(ids.dtype.str.replace("i", "u"))
+    if int(unsigned.max()) < bound:
+        return int(lengths.size)
+    first_bad = int(np.argmax(unsigned >= bound))
+    return int(np.searchsorted(np.cumsum(lengths), first_bad, side="right"))

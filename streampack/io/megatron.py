@@ -40,7 +40,7 @@ import numpy as np
 from streampack.errors import DataError
 from streampack.io import storage
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, Item, make_sample
-from streampack.io.limits import id_bound
+from streampack.io.limits import documents_in_bound, id_bound
 from streampack.io.open import read_range
 from streampack.io.retry import IOStats
 from streampack.io.storage import OpenOptions
@@ -307,10 +307,9 @@ def megatron_blocks(url: str, start: int, end: int | None, *, decode: DecodeOpti
             plain = (lengths >= 1) & (lengths * width <= limit) & (docs.starts[i:j] + lengths * width <= shard.bin_size)
             good = j - i if plain.all() else int(np.argmin(plain))
             ids = _ids(shard, docs, i, i + good) if good else np.zeros(0, shard.header.dtype)
-            bad = np.flatnonzero((ids >= bound) | (ids < 0)) if ids.size else ids
-            if bad.size:  # the documents before the one holding the first bad id are plain
-                good = int(np.searchsorted(np.cumsum(lengths[:good]), bad[0], side="right"))
-                ids = ids[:int(lengths[:good].sum())]
+            plain = documents_in_bound(ids, lengths[:good], bound)
+            if plain < good:  # the documents before the one holding the first bad id are plain
+                good, ids = plain, ids[:int(lengths[:plain].sum())]
             if good:
                 yield TokenBlock.numbered(url, ids, np.concatenate([[0], np.cumsum(lengths[:good])]), docs.first + i,
                                           done=docs.first + i + good == stop)

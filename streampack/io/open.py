@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import subprocess
+import sys
 import threading
 from typing import Any, BinaryIO
 
@@ -278,15 +279,80 @@ def open_shard(url: str, offset: int = 0, end: int | None = None, *, opts: OpenO
     return io.BufferedReader(raw, buffer_size=BUFFER)  # type: ignore[return-value]
 
 
-def read_range(url: str, start: int, end: int, opts: OpenOptions, stats: IOStats | None = None) -> bytes:
-    """Bytes ``[start, end)`` of ``url`` in one ranged read; a short read is the shard's ``DataError``."""
+def read_range(url: str, start: int, end: int, opts: OpenOptions, stats: IOStats | None = None) -> bytes | bytearray:
+    """Bytes ``[start, end)`` of ``url`` in one ranged read; a short read is the shard's ``DataError``. A local file is
+    read straight into the result (:func:`read_reusing`: one copy; through :class:`ResumableStream` a read is copied
+    twice, its block and then the caller's buffer), retried under ``opts.retry`` as any local read."""
     if end <= start:
         return b""
-    with open_shard(url, start, end, opts=opts, stats=stats) as f:
-        data = f.read(end - start)
+    if url.startswith("pipe:") or is_remote(url):
+        with open_shard(url, start, end, opts=opts, stats=stats) as f:
+            data = f.read(end - start)
+    else:
+        path = local_path(url)
+        data = with_retries(lambda: _read_local(path, url, start, end), url=url, policy=opts.retry, stats=stats,
+                            reason="corrupt_shard")
     if len(data) != end - start:
         raise DataError("corrupt_shard", f"read {len(data)} of bytes [{start}, {end})", url=url, value=start)
     return data
+
+
+def _read_local(path: str, url: str, start: int, end: int) -> bytes | bytearray:
+    try:
+        f = _open_local(path)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        raise DataError("missing_shard", f"cannot open: {e.strerror or e}", url=path, value=path) from None
+    try:
+        with f:
+            f.seek(start)
+            return read_reusing(f, end - start)
+    except Exception as e:  # noqa: BLE001 - sorted by classify; non-I/O errors re-raised as is
+        failure = classify(e, url, local=True)
+        if failure is e:
+            raise
+        raise failure from None
+
+
+def read_reusing(f: BinaryIO, want: int) -> bytes | bytearray:
+    """``f.read(want)``; from a plain local file, into the buffer of an earlier read that nothing views any more (its
+    arrays are gone), since the first writes to a fresh 8 MB buffer fault in its ~2,000 pages one by one. Any other
+    stream (remote, or one a test wraps) is read as asked."""
+    if type(f) is not io.BufferedReader or want < SPARE_MIN:
+        return f.read(want)
+    with _SPARE_LOCK:  # taken under the lock: once held here, its count shows it in use to any other reader
+        buf = next((b for b in SPARE if sys.getrefcount(b) == 3 and _unexported(b)), None)  # the list, the loop,
+        # the call: nothing else holds it (a count an interpreter keeps lower is caught by the buffer's exports)
+        if buf is None:
+            buf = bytearray(want)
+            SPARE.append(buf)
+            if len(SPARE) > _SPARE_COUNT:
+                SPARE.pop(0)  # still viewed: it goes when its arrays do
+        elif len(buf) > want:
+            del buf[want:]
+        elif len(buf) < want:
+            buf.extend(bytes(want - len(buf)))
+    got = f.readinto(buf) or 0
+    if got < want:
+        del buf[got:]
+    return buf
+
+
+def _unexported(buf: bytearray) -> bool:
+    """Whether no array or memoryview views ``buf``: a bytearray with live exports cannot be resized."""
+    try:
+        buf.append(0)
+    except BufferError:
+        return False
+    buf.pop()
+    return True
+
+
+SPARE: list[bytearray] = []
+"""Buffers of earlier reads, in the order they were made; one whose only reference is this list is free."""
+_SPARE_LOCK = threading.Lock()
+_SPARE_COUNT = 4
+SPARE_MIN = 1 << 20
+"""Reads smaller than this are read as asked (a fresh buffer of their size)."""
 
 
 def _open_pipe(url: str, offset: int, opts: OpenOptions) -> BinaryIO:
@@ -310,4 +376,4 @@ def skip_bytes(f: BinaryIO, n: int, url: str, why: str = "stream ended before th
         n -= len(chunk)
 
 
-__all__ = ["OpenOptions", "ResumableStream", "SeekableRaw", "open_shard", "read_range", "skip_bytes"]
+__all__ = ["OpenOptions", "ResumableStream", "SeekableRaw", "open_shard", "read_range", "read_reusing", "skip_bytes"]

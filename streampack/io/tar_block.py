@@ -14,10 +14,7 @@ such shards.
 
 from __future__ import annotations
 
-import io
 import os
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
@@ -65,7 +62,7 @@ def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
         # ask for what is there: read(8 MiB) of a 1.8 MB file cost 5x reading its size
         want = size if limit is None else min(size, max(limit - pos, 0))
         try:
-            data = _read(f, want)
+            data = shard_open.read_reusing(f, want)
         except (DataError, OSError):
             return
         pos += len(data)
@@ -87,46 +84,6 @@ def tar_blocks(url: str, where: ShardRange, *, decode: DecodeOptions, opts: Open
             return
         tail, base, number = buf[used:], base + used, number + len(block)
         size = size if used else size * 2
-
-
-def _read(f: BinaryIO, want: int) -> bytes | bytearray:
-    """``f.read(want)``; from a plain local file, into the buffer of an earlier read that nothing views any more (its
-    blocks are gone), since the first writes to a fresh 8 MB buffer fault in its ~2,000 pages one by one. Any other
-    stream (remote, or one a test wraps) is read as asked."""
-    if type(f) is not io.BufferedReader or want < _SPARE_MIN:
-        return f.read(want)
-    with _SPARE_LOCK:  # taken under the lock: once held here, its count shows it in use to any other reader
-        buf = next((b for b in _SPARE if sys.getrefcount(b) == 3 and _unexported(b)), None)  # the list, the loop,
-        # the call: nothing else holds it (a count an interpreter keeps lower is caught by the buffer's exports)
-        if buf is None:
-            buf = bytearray(want)
-            _SPARE.append(buf)
-            if len(_SPARE) > _SPARE_COUNT:
-                _SPARE.pop(0)  # still viewed: it goes when its blocks do
-        elif len(buf) > want:
-            del buf[want:]
-        elif len(buf) < want:
-            buf.extend(bytes(want - len(buf)))
-    got = f.readinto(buf) or 0
-    if got < want:
-        del buf[got:]
-    return buf
-
-
-def _unexported(buf: bytearray) -> bool:
-    """Whether no array or memoryview views ``buf``: a bytearray with live exports cannot be resized."""
-    try:
-        buf.append(0)
-    except BufferError:
-        return False
-    buf.pop()
-    return True
-
-
-_SPARE: list[bytearray] = []
-"""Buffers of earlier reads, in the order they were made; one whose only reference is this list is free."""
-_SPARE_LOCK = threading.Lock()
-_SPARE_COUNT, _SPARE_MIN = 4, 1 << 20
 
 
 def _intact_after(url: str, at: int | None, field: bytes, decode: DecodeOptions, opts: OpenOptions,

@@ -32,7 +32,7 @@ import numpy as np
 from streampack.errors import DataError
 from streampack.io import storage
 from streampack.io.decode import BAD_LENGTH, DecodeOptions, Item, make_sample
-from streampack.io.limits import id_bound
+from streampack.io.limits import documents_in_bound, id_bound
 from streampack.io.npy import HEADER_ERRORS, read_header
 from streampack.io.open import read_range
 from streampack.io.retry import IOStats
@@ -363,10 +363,9 @@ def token_array_blocks(url: str, start: int, first: int, end: int | None, *, dec
             return
         good = run.lengths.size if (run.lengths >= 1).all() else int(np.argmin(run.lengths >= 1))
         ids = run.ids[:int(run.lengths[:good].sum())]
-        bad = np.flatnonzero((ids >= bound) | (ids < 0)) if ids.size else ids
-        if bad.size:  # the documents before the one holding the first bad id are plain
-            good = int(np.searchsorted(np.cumsum(run.lengths[:good]), bad[0], side="right"))
-            ids = ids[:int(run.lengths[:good].sum())]
+        plain = documents_in_bound(ids, run.lengths[:good], bound)
+        if plain < good:  # the documents before the one holding the first bad id are plain
+            good, ids = plain, ids[:int(run.lengths[:plain].sum())]
         if good:
             yield _block(url, ids, run, good, done=int(run.next_positions[good - 1]) >= stop)
         if good < run.lengths.size:

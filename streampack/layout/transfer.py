@@ -209,12 +209,27 @@ def reduce_batch(batch: Any) -> Any:
 def _reduce_small_tensor(t: torch.Tensor) -> Any:
     """``ForkingPickler`` reducer for ``torch.Tensor`` in a DataLoader worker: a small plain CPU tensor travels inside
     the pickle; anything else (large, shared on purpose, on a GPU) the default way."""
-    if _plain_cpu(t) and not t.is_shared():
+    if _plain_cpu(t):
         storage = t.untyped_storage()
-        if storage.nbytes() <= TENSOR_INLINE_BYTES:
+        nbytes = storage.nbytes()
+        if nbytes <= TENSOR_INLINE_BYTES and not storage.is_shared():
+            if nbytes and t.nbytes == nbytes and t.is_contiguous() and t.dtype in _NUMPY_DTYPES:
+                # the whole storage as one array (a state's columns): half the CPU each way (empty ones not: numpy
+                # may give every empty array one null storage, which torch.save refuses as a storage of two types)
+                return _rebuild_array, (t.numpy().tobytes(), _NUMPY_DTYPES[t.dtype], tuple(t.shape))
             data = bytes(memoryview(_bytes_of(storage).numpy()))
             return _rebuild_small_tensor, (data, t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
     return reduce_tensor(t)
+
+
+_NUMPY_DTYPES = {torch.bool: "?", torch.uint8: "u1", torch.int8: "i1", torch.int16: "i2", torch.int32: "i4",
+                 torch.int64: "i8", torch.float16: "f2", torch.float32: "f4", torch.float64: "f8"}
+"""The dtypes a tensor shares with numpy, as numpy names them (a state's tensors are among them)."""
+
+
+def _rebuild_array(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    # writable memory: a tensor over the pickle's own bytes object would be read-only
+    return torch.from_numpy(np.frombuffer(bytearray(data), dtype=dtype).reshape(shape))
 
 
 def _rebuild_small_tensor(data: bytes, dtype: torch.dtype, offset: int, size: tuple[int, ...],

@@ -423,3 +423,64 @@ def test_read_failure_reopens_at_offset(tmp_path, monkeypatch):
     # the read that fails for good is a header (byte 524288 starts sample 512): nothing shows
     # that sample 511 before it was complete, so it is counted apart (issue 13)
     assert 0 < len(out) < 600 and errors.counts == {"corrupt_shard": 1, "incomplete_sample": 1}
+
+
+# ------------------------------------------------------------------ ranged reads of local files
+def test_a_local_ranged_read_is_one_read_into_a_reused_buffer(tmp_path, monkeypatch) -> None:
+    """``read_range`` (token arrays' and Megatron's ids) read a local file through the resumable stream, which copies
+    every byte twice (its block, then the caller's buffer); now one ``readinto`` straight into the result, and a
+    large one into the buffer of an earlier read that nothing views any more."""
+    data = np.random.default_rng(0).integers(0, 255, 3 << 20, dtype=np.uint8).tobytes()
+    path = tmp_path / "ids.bin"
+    path.write_bytes(data)
+    reads: list[int] = []
+
+    class Counting(io.FileIO):
+        def readinto(self, b) -> int:
+            n = super().readinto(b)
+            reads.append(n)
+            return n
+
+    monkeypatch.setattr(open_mod, "_open_local", lambda p: io.BufferedReader(Counting(p, "rb")))
+    start, end = 1000, 1000 + (2 << 20)
+    first = open_mod.read_range(str(path), start, end, OpenOptions())
+    assert bytes(first) == data[start:end] and reads == [end - start]
+    kept = np.frombuffer(first, np.uint8)  # viewed: not reused
+    second = open_mod.read_range(str(path), 0, end - start, OpenOptions())
+    assert second is not first and bytes(kept) == data[start:end] and bytes(second) == data[:end - start]
+    buffer = id(second)
+    del second
+    third = open_mod.read_range(str(path), 5, 5 + (end - start), OpenOptions())
+    assert id(third) == buffer and any(b is third for b in open_mod.SPARE) and bytes(third) == data[5:5 + end - start]
+    assert open_mod.read_range(str(path), 10, 20, OpenOptions()) == data[10:20]  # small: read as asked
+
+
+def test_a_failing_local_ranged_read_is_retried_then_named(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "ids.bin"
+    path.write_bytes(bytes(range(256)) * 16)
+    opens: list[int] = []
+
+    class Flaky(io.FileIO):
+        def readinto(self, b) -> int:
+            if len(opens) <= 2:
+                raise OSError(5, "Input/output error")
+            return super().readinto(b)
+
+    def open_local(p):
+        opens.append(1)
+        return io.BufferedReader(Flaky(p, "rb"))
+
+    monkeypatch.setattr(open_mod, "_open_local", open_local)
+    assert open_mod.read_range(str(path), 100, 300, fast_io(retries=2)) == (bytes(range(256)) * 16)[100:300]
+    assert len(opens) == 3
+    opens.clear()
+    with pytest.raises(DataError) as got:
+        open_mod.read_range(str(path), 100, 300, fast_io(retries=1))
+    assert got.value.reason == "corrupt_shard" and got.value.url == str(path)
+    with pytest.raises(DataError, match="cannot open") as gone:
+        open_mod.read_range(str(tmp_path / "nope.bin"), 0, 10, OpenOptions())
+    assert gone.value.reason == "missing_shard"
+    with pytest.raises(DataError, match="read 4096 of bytes") as short:
+        monkeypatch.setattr(open_mod, "_open_local", lambda p: open(p, "rb"))
+        open_mod.read_range(str(path), 0, 5000, OpenOptions())
+    assert short.value.reason == "corrupt_shard"

@@ -8,6 +8,7 @@ import pytest
 from helpers_data import make_token_docs, write_tar_shards
 from helpers_hostile import BLOCK, archive, header, npy_bytes, pad, sample
 
+from streampack.io import open as shard_open
 from streampack.io import tar_block
 from streampack.io.decode import DecodeOptions
 from streampack.io.formats import ShardRange
@@ -103,12 +104,12 @@ def test_a_read_buffer_is_reused_only_once_nothing_views_it(tmp_path) -> None:
         return block.tokens.base.obj  # the memoryview numpy keeps of the buffer read into
 
     first = read(urls[0])
-    assert len(first) == 1 and len(first[0]) == 300 and first[0].tokens.nbytes >= tar_block._SPARE_MIN
+    assert len(first) == 1 and len(first[0]) == 300 and first[0].tokens.nbytes >= shard_open.SPARE_MIN
     kept = first[0].tokens.copy()
     second = read(urls[1])
     assert buffer(second[0]) is not buffer(first[0])
     assert np.array_equal(first[0].tokens, kept)  # the other read left the viewed buffer alone
-    spare = [id(b) for b in tar_block._SPARE if b is buffer(first[0])]  # the pool keeps it alive: its id stays its own
+    spare = [id(b) for b in shard_open.SPARE if b is buffer(first[0])]  # the pool keeps it alive: its id stays its own
     del first
     again = read(urls[0])
     assert np.array_equal(again[0].tokens, kept)
@@ -122,7 +123,7 @@ def test_a_viewed_read_buffer_is_not_reused_where_the_reference_count_reads_low(
     still keep a viewed buffer out of reuse."""
     import types
 
-    monkeypatch.setattr(tar_block, "sys", types.SimpleNamespace(getrefcount=lambda obj: 3))
+    monkeypatch.setattr(shard_open, "sys", types.SimpleNamespace(getrefcount=lambda obj: 3))
     urls = write_tar_shards(tmp_path, make_token_docs(600, min_len=300, max_len=400, vocab=50_000), 2)
     streams: list = []
     first = list(tar_block.tar_blocks(urls[0], ShardRange(start=0, first=0), decode=DecodeOptions(),

@@ -284,3 +284,15 @@ def test_over_http_by_ranged_reads(tmp_path):
         index = build_index(a, decode=index_decode(DecodeOptions(eos_id=EOS)))
         s, e, f = index.part(1, 2)
         assert [i.sample.tokens.tolist() for i in _items(a, DecodeOptions(eos_id=EOS), s, f, e)] == docs[f:]
+
+
+@pytest.mark.parametrize(("dtype", "bad", "vocab"), [(np.int32, -5, None), (np.int64, -(2**40), None),
+                                                      (np.int16, 9, 9), (np.uint16, 60_000, 50_000)])
+def test_blocks_end_before_the_document_holding_the_first_id_out_of_range(tmp_path, dtype, bad, vocab):
+    """The block check is one maximum over the ids read as unsigned (a negative id reads as at least 2**(bits-1));
+    the documents before the bad one still come as a block, the per-sample reader names it."""
+    flat = np.array([5, 6, EOS, 7, EOS, 8, bad, EOS, 4, EOS], dtype)
+    url = _save(tmp_path / "a.npy", flat)
+    decode = DecodeOptions(eos_id=EOS, vocab_size=vocab)
+    assert _block_docs(url, decode, ShardRange(start=0, first=0)) == [[5, 6, EOS], [7, EOS]]
+    assert [i.error is not None for i in _items(url, decode)] == [False, False, True, False]

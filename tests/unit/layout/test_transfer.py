@@ -155,6 +155,32 @@ def test_small_state_tensors_travel_by_value_in_a_worker() -> None:
     assert got["shared"].is_shared()
 
 
+def test_a_states_whole_columns_travel_as_arrays_and_save_again() -> None:
+    """A state's columns (each a whole storage) cross as numpy bytes, half the CPU of a storage rebuilt (~0.3 ms of a
+    64 KB state a batch, 0.16 now: ``benchmarks/README.md``); they come back writable and ``torch.save`` takes the
+    state, empty columns too (those take the storage way: numpy may share one null storage among empty arrays)."""
+    import io
+
+    state = {"is_ref": torch.tensor([True, False, True]), "length": torch.arange(5, dtype=torch.int64),
+             "n": torch.tensor(3), "half": torch.ones(4, dtype=torch.float16), "empty": torch.zeros(0, dtype=torch.int64),
+             "empty2": torch.zeros(0, dtype=torch.int64), "bf16": torch.ones(2, dtype=torch.bfloat16)}
+    saved = ForkingPickler._extra_reducers.get(torch.Tensor)
+    try:
+        transfer.inline_small_tensors()
+        data = bytes(ForkingPickler.dumps(state))
+    finally:
+        ForkingPickler._extra_reducers[torch.Tensor] = saved
+    ways = {k: transfer._reduce_small_tensor(v)[0].__name__ for k, v in state.items()}
+    assert ways == {"is_ref": "_rebuild_array", "length": "_rebuild_array", "n": "_rebuild_array",
+                    "half": "_rebuild_array", "empty": "_rebuild_small_tensor", "empty2": "_rebuild_small_tensor",
+                    "bf16": "_rebuild_small_tensor"}
+    got = ForkingPickler.loads(data)
+    for k, v in state.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+    got["length"] += 1  # writable
+    torch.save(got, io.BytesIO())
+
+
 def test_tensor_that_cannot_travel_as_bytes_takes_the_default_way() -> None:
     batch = _batch()
     odd = dataclasses.replace(batch, extras={"w": torch.zeros(batch.total_tokens, requires_grad=True)})
