@@ -20,7 +20,8 @@ as ``bench_loaders.py`` runs it), all in this process in the order the loader ru
 dataset's ``state_dict()`` (of it, the metrics record) and torchdata's delta against the previous state
 (flatten + compare), the delta through ``ForkingPickler`` (what the worker queue does, with the tensor reduction
 every worker installs, ``transfer.inline_small_tensors``) and back, then in the training process the delta
-applied and every worker's state rebuilt (``get_state``, ``--workers`` of them, as ``_take_snapshot`` does each step). Least of
+applied and every worker's state rebuilt (``get_state``, ``--workers`` of them, as ``_take_snapshot`` does each step); and
+what ``PackedLoader`` sends instead, the dataset's whole state through the same pickle and back. Least of
 ``--rounds`` epochs, µs a batch of CPU time.
 
 ``--parts``: the ring hand-over of one such batch (with its doc keys and the ``WorkerStats`` the collate attaches),
@@ -201,6 +202,7 @@ def snapshot_parts(tokens: float, rounds: int, workers: int = 2) -> list[dict[st
 
     transfer.inline_small_tensors()  # what settle_worker installs in every DataLoader worker
     parts = ("state_dict", "of which metrics", "delta", "pickle + unpickle", "apply + get_state")
+    whole = "PackedLoader: the whole dataset state through the pickle and back"
     best: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         peer = StreampackPeer(capacity=CAPACITY)
@@ -215,7 +217,7 @@ def snapshot_parts(tokens: float, rounds: int, workers: int = 2) -> list[dict[st
             worker, main = _IncrementalWorkerState(first), _IncrementalWorkerState(first)
             others = [_IncrementalWorkerState(first) for _ in range(workers - 1)]  # the other workers' states
             spent = dict.fromkeys(parts, 0.0)
-            n = shipped = tensors = 0
+            n = shipped = tensors = whole_bytes = 0
             for _ in it:
                 t0 = time.process_time()
                 state = _make_state_dict(0, _DatasetKind.Iterable, fetcher, ds)
@@ -236,16 +238,24 @@ def snapshot_parts(tokens: float, rounds: int, workers: int = 2) -> list[dict[st
                 spent["delta"] += t3 - t2
                 spent["pickle + unpickle"] += t4 - t3
                 spent["apply + get_state"] += t5 - t4
+                t6 = time.process_time()
+                whole_wire = bytes(ForkingPickler.dumps(state["dataset_state"]))  # what a PackedLoader worker sends
+                ForkingPickler.loads(whole_wire)
+                spent[whole] = spent.get(whole, 0.0) + time.process_time() - t6
+                whole_bytes += len(whole_wire)
                 shipped += len(wire)
                 tensors += sum(isinstance(v, torch.Tensor) for v in (delta.get("dataset_state") or {}).values())
                 n += 1
             for k, v in spent.items():
                 best[k] = min(best.get(k, float("inf")), 1e6 * v / n)
             best["delta bytes a batch"], best["tensors a batch"] = shipped / n, tensors / n
+            best["PackedLoader: state bytes a batch"] = whole_bytes / n
     rows = [{"part": k, "µs a batch": round(best[k], 1)} for k in parts]
     rows.append({"part": "all (metrics counted once)", "µs a batch": round(sum(best[k] for k in parts)
                                                                            - best["of which metrics"], 1)})
     rows += [{"part": k, "µs a batch": round(best[k], 2)} for k in ("delta bytes a batch", "tensors a batch")]
+    rows += [{"part": whole, "µs a batch": round(best[whole], 1)},
+             {"part": "PackedLoader: state bytes a batch", "µs a batch": round(best["PackedLoader: state bytes a batch"])}]
     return rows
 
 

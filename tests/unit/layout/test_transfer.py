@@ -156,9 +156,10 @@ def test_small_state_tensors_travel_by_value_in_a_worker() -> None:
 
 
 def test_a_states_whole_columns_travel_as_arrays_and_save_again() -> None:
-    """A state's columns (each a whole storage) cross as numpy bytes, half the CPU of a storage rebuilt (~0.3 ms of a
-    64 KB state a batch, 0.16 now: ``benchmarks/README.md``); they come back writable and ``torch.save`` takes the
-    state, empty columns too (those take the storage way: numpy may share one null storage among empty arrays)."""
+    """A state's columns (each a whole storage) cross as numpy bytes, not as a storage rebuilt each (a PackedLoader
+    worker's 58 KB state a batch: 454-481 µs there and back, now 219-326, ``benchmarks/README.md``); they come back
+    writable and ``torch.save`` takes the state, empty columns too (those take the storage way: numpy may share one
+    null storage among empty arrays)."""
     import io
 
     state = {"is_ref": torch.tensor([True, False, True]), "length": torch.arange(5, dtype=torch.int64),
