@@ -36,19 +36,23 @@ STATES_KEY = "loader_states"
 
 
 class TrainedLoader:
-    """Iterates a :class:`~streampack.PackedLoader`, keeping its state after each batch until the batch is trained
-    (:meth:`trained_state`). Not a DataLoader and without ``state_dict``, so Lightning neither
-    re-creates it nor saves its own, one-batch-ahead, state for it."""
+    """Iterates a :class:`~streampack.PackedLoader` and gives its state as of the last batch trained
+    (:meth:`trained_state`), which is behind the last one fetched. Not a DataLoader and without ``state_dict``, so
+    Lightning neither re-creates it nor saves its own, one-batch-ahead, state for it. With workers the loader asks
+    them for the state of that batch when a checkpoint needs it; in-process the state after each batch is kept until
+    the batch is trained (the dataset's state is its current one)."""
 
     def __init__(self, loader: PackedLoader) -> None:
         self.loader = loader
         self._states: dict[int, dict[str, Any]] = {}
-        self._trained = 0
+        self._trained = self._yielded = 0
 
     def __iter__(self) -> Iterator[Any]:
         self._states, self._trained = {}, 0
-        for yielded, batch in enumerate(self.loader, 1):
-            self._states[yielded] = self.loader.state_dict()
+        keep = self.loader.num_workers == 0
+        for self._yielded, batch in enumerate(self.loader, 1):
+            if keep:
+                self._states[self._yielded] = self.loader.state_dict()
             yield batch
 
     def mark_trained(self) -> None:
@@ -57,6 +61,8 @@ class TrainedLoader:
             del self._states[k]
 
     def trained_state(self) -> dict[str, Any]:
+        if self.loader.num_workers:
+            return self.loader.state_dict_before(self._yielded - self._trained)
         return self._states.get(self._trained) or self.loader.state_dict()
 
     def close(self) -> None:

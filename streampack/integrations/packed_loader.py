@@ -23,6 +23,7 @@ import time
 import traceback
 import warnings
 import weakref
+from collections import deque
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
@@ -47,6 +48,11 @@ reader sees the other end close only once every process holding a copy has close
 _CREDIT = b"+"
 _AGAIN = b"again"
 """To a persistent worker whose iteration ended: iterate its dataset again."""
+_ASK = b"?"
+"""``_ASK`` + a count: send your :class:`StateAt` that count (the training process has taken that many batches)."""
+HISTORY = 8
+"""How many batches back :meth:`PackedLoader.state_dict_before` reaches (the Lightning integration asks for the state
+one batch back: Lightning fetches a batch ahead of the one it trains)."""
 
 
 class Started(NamedTuple):
@@ -57,14 +63,23 @@ class Started(NamedTuple):
 
 
 class Delivered(NamedTuple):
-    """A worker's batch, and its dataset's state after it when this batch is a snapshot (else None)."""
+    """A worker's batch."""
 
     batch: Any
+
+
+class StateAt(NamedTuple):
+    """A worker's dataset's state after its ``at``-th batch of this iteration, the latest it holds at or before the
+    count the training process asked about (None: the dataset keeps no state)."""
+
+    at: int
     state: dict[str, Any] | None
 
 
 class Ended(NamedTuple):
-    """A worker's data ran out."""
+    """A worker's data ran out: its latest state, as :class:`StateAt` (the pool may close before anyone asks)."""
+
+    last: StateAt
 
 
 class Failed(NamedTuple):
@@ -136,9 +151,19 @@ class PackedLoader(StatefulDataLoader):
     def state_dict(self) -> dict[str, Any]:
         if self.num_workers == 0:
             return super().state_dict()
+        return self.state_dict_before(0)
+
+    def state_dict_before(self, batches: int) -> dict[str, Any]:
+        """The state as of ``batches`` batches before the last one this iteration gave (at most :data:`HISTORY`;
+        0: :meth:`state_dict`), for a trainer that trains behind what it fetched; needs workers (in-process the
+        dataset's state is its current one)."""
+        if self.num_workers == 0:
+            raise ValueError("state_dict_before needs workers: without them take state_dict() after each batch")
         if self._pool is None:  # before the first iteration: where the next one would start
+            if batches:
+                raise ValueError(f"no batch was taken: no state {batches} batches back")
             return self._resume if self._resume is not None else _Pool.fresh_state(self.num_workers)
-        return self._pool.state_dict()
+        return self._pool.state_dict(batches)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.num_workers == 0:
@@ -180,6 +205,12 @@ class _Pool:
         every = loader.snapshot_every_n_steps
         self.conns: list[Any] = [None] * n
         self.procs: list[Any] = [None] * n
+        self.taken = [0] * n
+        """Batches taken from each worker this iteration (the count a state is asked about)."""
+        self.waiting: list[deque[Any]] = [deque() for _ in range(n)]
+        """Messages read while waiting for a worker's answer about its state, taken before the pipe's next."""
+        self.history: deque[tuple[int, int]] = deque(maxlen=HISTORY)
+        """``(worker, turn before)`` of the last batches taken, newest last (:meth:`state_dict` of an earlier batch)."""
         # a pool dropped unclosed (a loop left with break, a collected iterator, a failed start) still ends its
         # workers: the finalizer holds the two lists, filled in below, not the pool
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
@@ -209,6 +240,7 @@ class _Pool:
     def again(self) -> None:
         """Every worker iterates its dataset again (persistent workers)."""
         self.turn = 0
+        self.history.clear()
         for i, conn in enumerate(self.conns):
             self.workers[i] = _fresh_worker()
             conn.send_bytes(_AGAIN)
@@ -226,15 +258,17 @@ class _Pool:
         if not self._finalizer.alive and not all(w["ended"] for w in self.workers):
             raise RuntimeError("this PackedLoader iterator's workers were ended: its loader started another iteration, "
                                "or close() or load_state_dict() was called; iterate the loader again")
+        before = self.turn
         while not all(w["ended"] for w in self.workers):
             i = self.turn
             self.turn = (i + 1) % len(self.workers)
             if self.workers[i]["ended"]:
                 continue
-            got = self._receive(i)
+            got = self.waiting[i].popleft() if self.waiting[i] else self._receive(i)
             self._record(i, got)
             if isinstance(got, Ended):
                 continue
+            self.history.append((i, before))
             self.conns[i].send_bytes(_CREDIT)
             return got.batch.pin_memory() if self.pin else got.batch
         if self.then_again:
@@ -254,12 +288,20 @@ class _Pool:
                 got.error.add_note(f"in PackedLoader worker {i}; its traceback:\n{got.trace}")
                 raise got.error
             raise RuntimeError(f"PackedLoader worker {i} raised an exception that does not pickle:\n{got.trace}")
-        if isinstance(got, Ended):
-            w["ended"] = True
-        elif got.state is not None:  # a start or a snapshot
-            w["dataset_state"], w["since"] = got.state, 0
-        elif isinstance(got, Delivered):  # no snapshot (or a dataset without state): one more to replay
+        if isinstance(got, Delivered):  # one more to replay from the state the record holds
             w["since"] += 1
+            self.taken[i] += 1
+        elif isinstance(got, Started):
+            w["dataset_state"], w["since"], self.taken[i] = got.state, 0, 0
+        elif isinstance(got, Ended):
+            w["ended"] = True
+            self._hold(i, got.last)
+
+    def _hold(self, i: int, got: StateAt) -> None:
+        """Worker ``i``'s state after its ``got.at``-th batch, into its record (unless the record's is newer)."""
+        w = self.workers[i]
+        if got.state is not None and self.taken[i] - got.at < w["since"]:
+            w["dataset_state"], w["since"] = got.state, self.taken[i] - got.at
 
     def _receive(self, i: int) -> Any:
         conn, proc = self.conns[i], self.procs[i]
@@ -286,8 +328,44 @@ class _Pool:
         raise RuntimeError(f"PackedLoader worker {i} (pid {proc.pid}) exited unexpectedly with {how} (killed, e.g. "
                            f"by the out-of-memory killer, or it crashed) before its data ended")
 
-    def state_dict(self) -> dict[str, Any]:
-        return _loader_state(self.turn, self.workers)
+    def state_dict(self, back: int = 0) -> dict[str, Any]:
+        """The loader's state after the batch ``back`` batches before the last one taken (0: the last). Each live
+        worker is asked for its state at that point (it answers between two batches, or at once while it waits for
+        a credit); a closed pool's records hold the last states they had, with the batches since to replay."""
+        if back > len(self.history):
+            raise ValueError(f"a PackedLoader keeps the turns of its last {len(self.history)} batches of this "
+                             f"iteration (at most {HISTORY}): no state {back} batches back")
+        turn, counts = self.turn, list(self.taken)
+        for i, before in reversed(list(self.history)[len(self.history) - back:] if back else []):
+            counts[i] -= 1
+            turn = before
+        asked = [i for i, conn in enumerate(self.conns) if conn is not None and self._finalizer.alive]
+        for i in asked:
+            self.conns[i].send_bytes(_ASK + str(counts[i]).encode())
+        records = []
+        for i, w in enumerate(self.workers):
+            state, at = w["dataset_state"], self.taken[i] - w["since"]  # the record: the state after batch `at`
+            if i in asked:
+                got = self._answer(i)
+                self._hold(i, got)
+                if got.state is not None and (at > counts[i] or got.at > at):
+                    state, at = got.state, got.at
+            if at > counts[i]:
+                raise ValueError(f"PackedLoader worker {i}'s state {self.taken[i] - counts[i]} batches back is gone "
+                                 f"with its process")
+            records.append({"dataset_state": state, "since": counts[i] - at,
+                            "ended": w["ended"] and counts[i] == self.taken[i]})
+        return _loader_state(turn, records)
+
+    def _answer(self, i: int) -> StateAt:
+        """Worker ``i``'s :class:`StateAt`, the batches and the end it sent before it kept for :meth:`__next__`."""
+        while True:
+            got = self._receive(i)
+            if isinstance(got, StateAt):
+                return got
+            if isinstance(got, Failed):
+                self._record(i, got)
+            self.waiting[i].append(got)
 
     def close(self) -> None:
         self._finalizer()
@@ -341,19 +419,19 @@ def _worker_main(dataset: Any, init_fn: Any, collate_fn: Any, start: WorkerStart
     np.random.seed(torch_worker._generate_state(start.seed - start.worker_id, start.worker_id))
     torch_worker._worker_info = torch_worker.WorkerInfo(id=start.worker_id, num_workers=start.num_workers,
                                                         seed=start.seed, dataset=dataset)
-    state_of = getattr(dataset, "state_dict", None)  # a dataset without one resumes by replaying
+    worker = _Worker(dataset, collate_fn, start, conn)
     try:
-        ready = _ran(conn, lambda: _set_up(dataset, init_fn, start))
+        ready = worker.ran(lambda: _set_up(dataset, init_fn, start))
         skip = start.skip
-        while ready and _ran(conn, lambda: _deliver(dataset, collate_fn, state_of, start, skip, conn)):
+        while ready and worker.ran(lambda: worker.deliver(skip)):
             skip = 0
             # persistent workers: the next iteration begins when the training process says so (the credits of
             # the last batches are still in the pipe)
-            while _recv(conn) != _AGAIN:
+            while worker.read() != _AGAIN:
                 pass
         # the batches sent live in this process's memory until read: wait for the pipe to close
         while True:
-            _recv(conn)
+            worker.read()
     except _PipeClosed:  # the training process closed the pipe: stop
         pass
 
@@ -369,13 +447,6 @@ def _send(conn: Any, message: Any) -> None:
         raise _PipeClosed from e
 
 
-def _recv(conn: Any) -> bytes:
-    try:
-        return conn.recv_bytes()
-    except (EOFError, OSError) as e:
-        raise _PipeClosed from e
-
-
 def _set_up(dataset: Any, init_fn: Any, start: WorkerStart) -> None:
     if init_fn is not None:
         init_fn(start.worker_id)
@@ -383,40 +454,72 @@ def _set_up(dataset: Any, init_fn: Any, start: WorkerStart) -> None:
         dataset.load_state_dict(start.state)
 
 
-def _ran(conn: Any, step: Any) -> bool:
-    """Run ``step``: True when it returned, False when it raised (the failure sent to the training process); a
-    closed pipe goes on up."""
-    try:
-        step()
-        return True
-    except _PipeClosed:
-        raise
-    except Exception as e:  # noqa: BLE001 - every failure goes to the training process
-        trace = traceback.format_exc()
+class _Worker:
+    """A worker's iterations and its pipe. It keeps its dataset's states of its last batches (every
+    ``snapshot_every``-th) and sends one only when the training process asks (``state_dict()``): a state sent with
+    every batch cost ~0.2-0.5 ms of CPU a batch in both processes, about an in-process 32 k-token batch
+    (``benchmarks/bench_transfer.py --snapshot``)."""
+
+    def __init__(self, dataset: Any, collate_fn: Any, start: WorkerStart, conn: Any) -> None:
+        self.dataset, self.collate_fn, self.start, self.conn = dataset, collate_fn, start, conn
+        self.state_of = getattr(dataset, "state_dict", None)  # a dataset without one resumes by replaying
+        self.credits = 0
+        # the training process asks about a count at most prefetch + HISTORY batches behind this worker's: keep the
+        # states that can be the latest at or before such a count
+        self.held: deque[StateAt] = deque(maxlen=(start.prefetch + HISTORY) // start.snapshot_every + 2)
+
+    def read(self) -> bytes:
+        """The next message from the training process, a question about a state answered on the way."""
         try:
-            ForkingPickler.dumps(e)
-        except Exception:  # noqa: BLE001
-            e = None
-        _send(conn, Failed(e, trace))
-        return False
+            message = self.conn.recv_bytes()
+        except (EOFError, OSError) as e:
+            raise _PipeClosed from e
+        if message == _CREDIT:
+            self.credits += 1
+        elif message.startswith(_ASK):
+            _send(self.conn, self.latest(int(message[len(_ASK):])))
+        return message
 
+    def latest(self, count: int) -> StateAt:
+        """The newest held state after at most ``count`` batches."""
+        return next((s for s in reversed(self.held) if s.at <= count), StateAt(0, None))
 
-def _deliver(dataset: Any, collate_fn: Any, state_of: Any, start: WorkerStart, skip: int, conn: Any) -> None:
-    """One iteration of ``dataset``: its start, each batch once a credit allows, its end."""
-    batches = iter(dataset)
-    for _ in range(skip):
-        next(batches)
-    _send(conn, Started(state_of() if state_of is not None else None))
-    credits, count = start.prefetch, 0
-    for batch in batches:
-        while not credits:
-            if _recv(conn) == _CREDIT:
-                credits += 1
-        count += 1
-        snapshot = state_of() if state_of is not None and count % start.snapshot_every == 0 else None
-        _send(conn, Delivered(collate_fn(batch), snapshot))
-        credits -= 1
-    _send(conn, Ended())
+    def ran(self, step: Any) -> bool:
+        """Run ``step``: True when it returned, False when it raised (the failure sent to the training process); a
+        closed pipe goes on up."""
+        try:
+            step()
+            return True
+        except _PipeClosed:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure goes to the training process
+            trace = traceback.format_exc()
+            try:
+                ForkingPickler.dumps(e)
+            except Exception:  # noqa: BLE001
+                e = None
+            _send(self.conn, Failed(e, trace))
+            return False
+
+    def deliver(self, skip: int) -> None:
+        """One iteration of the dataset: its start, each batch once a credit allows, its end."""
+        batches = iter(self.dataset)
+        for _ in range(skip):
+            next(batches)
+        first = StateAt(0, self.state_of() if self.state_of is not None else None)
+        self.held.clear()
+        self.held.append(first)
+        _send(self.conn, Started(first.state))
+        self.credits, count, every = self.start.prefetch, 0, self.start.snapshot_every
+        for batch in batches:
+            while not self.credits or self.conn.poll():  # between batches: a question is answered at once
+                self.read()
+            count += 1
+            if self.state_of is not None and count % every == 0:
+                self.held.append(StateAt(count, self.state_of()))
+            _send(self.conn, Delivered(self.collate_fn(batch)))
+            self.credits -= 1
+        _send(self.conn, Ended(self.latest(count)))
 
 
 __all__ = ["PackedLoader", "check_state"]
