@@ -371,3 +371,30 @@ def test_the_state_some_batches_back_resumes_where_those_batches_left_off(shards
     with pytest.raises(ValueError, match="needs workers"):
         PackedLoader(_ds(urls), num_workers=0).state_dict_before(1)
     del it
+
+
+def test_states_taken_from_another_thread_leave_the_batches_whole(shards):
+    """``state_dict()`` reads the workers' pipes now: a checkpoint thread asking while the loop takes batches waits
+    for the loop's ``next()`` instead of reading the same pipe (a message cut in two, a batch lost)."""
+    import threading
+
+    urls, _ = shards
+    full = [canon(b) for b in PackedLoader(_ds(urls), num_workers=2)]
+    loader = PackedLoader(_ds(urls), num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    states, stop = [], threading.Event()
+
+    def checkpoints() -> None:
+        while not stop.is_set():
+            states.append(loader.state_dict())
+
+    thread = threading.Thread(target=checkpoints)
+    thread.start()
+    try:
+        got = [canon(b) for b in it]
+    finally:
+        stop.set()
+        thread.join()
+    assert got == full and len(states) > 5
+    assert all(w["since"] == 0 for s in states for w in s["workers"])
+    loader.close()
