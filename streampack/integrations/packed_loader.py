@@ -470,9 +470,7 @@ def _set_up(dataset: Any, init_fn: Any, start: WorkerStart) -> None:
 
 class _Worker:
     """A worker's iterations and its pipe. It keeps its dataset's states of its last batches (every
-    ``snapshot_every``-th) and sends one only when the training process asks (``state_dict()``): a state sent with
-    every batch cost ~0.2-0.5 ms of CPU a batch in both processes, about an in-process 32 k-token batch
-    (``benchmarks/bench_transfer.py --snapshot``)."""
+    ``snapshot_every``-th) and sends one only when the training process asks (module docstring)."""
 
     def __init__(self, dataset: Any, collate_fn: Any, start: WorkerStart, conn: Any) -> None:
         self.dataset, self.collate_fn, self.start, self.conn = dataset, collate_fn, start, conn

@@ -344,14 +344,15 @@ def test_a_worker_sends_its_state_when_asked_not_with_every_batch(tmp_path):
     del it
 
 
-@pytest.mark.parametrize("num_workers", [2, 3])
+@pytest.mark.parametrize("num_workers", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_the_state_some_batches_back_resumes_where_those_batches_left_off(shards, num_workers):
     """``state_dict_before(k)``: what ``state_dict()`` said k batches earlier (the Lightning integration asks for the
     batch it trains, one behind the one it fetched); with 3 workers over the end of the data, where a worker has
     dropped out of the turn."""
     urls, _ = shards
     full = [canon(b) for b in PackedLoader(_ds(urls), num_workers=num_workers)]
-    for at, back in ((9, 1), (9, 4), (len(full) - 1, 2), (len(full), 1), (len(full), 3)):
+    cases = ((9, 1), (9, 4), (len(full) - 1, 2), (len(full), 1), (len(full), 3))
+    for at, back in cases if num_workers == 3 else cases[::4]:
         loader = PackedLoader(_ds(urls), num_workers=num_workers)
         it = iter(loader)
         take(it, at)

@@ -137,17 +137,22 @@ def test_held_batches_are_never_overwritten() -> None:
         _same(_batch(align=1 + i % 2), batch)
 
 
+def _pickled_in_a_worker(state: dict) -> bytes:
+    """``state`` pickled with the tensor reduction every worker installs (``transfer.inline_small_tensors``)."""
+    saved = ForkingPickler._extra_reducers.get(torch.Tensor)
+    try:
+        transfer.inline_small_tensors()
+        return bytes(ForkingPickler.dumps(state))
+    finally:
+        ForkingPickler._extra_reducers[torch.Tensor] = saved
+
+
 def test_small_state_tensors_travel_by_value_in_a_worker() -> None:
     """StatefulDataLoader sends the dataset's state delta after every batch; the tensors in it
     (window references, pack sizes) went through torch's fd handshake one by one."""
     state = {"refs": torch.arange(7000, dtype=torch.int64).reshape(1000, 7)[:, 1:], "n": torch.tensor(3),
              "big": torch.zeros(2 << 20, dtype=torch.uint8), "shared": torch.ones(4).share_memory_()}
-    saved = ForkingPickler._extra_reducers.get(torch.Tensor)
-    try:
-        transfer.inline_small_tensors()
-        data = bytes(ForkingPickler.dumps(state))
-    finally:
-        ForkingPickler._extra_reducers[torch.Tensor] = saved
+    data = _pickled_in_a_worker(state)
     assert data.count(b"_rebuild_small_tensor") == 1 and data.count(b"rebuild_storage_fd") == 1  # big and shared
     got = ForkingPickler.loads(data)
     for k, v in state.items():
@@ -165,12 +170,7 @@ def test_a_states_whole_columns_travel_as_arrays_and_save_again() -> None:
     state = {"is_ref": torch.tensor([True, False, True]), "length": torch.arange(5, dtype=torch.int64),
              "n": torch.tensor(3), "half": torch.ones(4, dtype=torch.float16), "empty": torch.zeros(0, dtype=torch.int64),
              "empty2": torch.zeros(0, dtype=torch.int64), "bf16": torch.ones(2, dtype=torch.bfloat16)}
-    saved = ForkingPickler._extra_reducers.get(torch.Tensor)
-    try:
-        transfer.inline_small_tensors()
-        data = bytes(ForkingPickler.dumps(state))
-    finally:
-        ForkingPickler._extra_reducers[torch.Tensor] = saved
+    data = _pickled_in_a_worker(state)
     ways = {k: transfer._reduce_small_tensor(v)[0].__name__ for k, v in state.items()}
     assert ways == {"is_ref": "_rebuild_array", "length": "_rebuild_array", "n": "_rebuild_array",
                     "half": "_rebuild_array", "empty": "_rebuild_small_tensor", "empty2": "_rebuild_small_tensor",
