@@ -208,6 +208,8 @@ class _Pool:
         base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
         every = loader.snapshot_every_n_steps
         self.conns: list[Any] = [None] * n
+        self.asks: list[Any] = [None] * n
+        """Per worker, the write end of the pipe its answering thread reads questions about its states from."""
         self.procs: list[Any] = [None] * n
         self.taken = [0] * n
         """Batches taken from each worker this iteration (the count a state is asked about)."""
@@ -218,21 +220,24 @@ class _Pool:
         self.reading = threading.RLock()
         """Held while the pipes are read: a checkpoint thread's ``state_dict()`` waits for the loop's ``next()``."""
         # a pool dropped unclosed (a loop left with break, a collected iterator, a failed start) still ends its
-        # workers: the finalizer holds the two lists, filled in below, not the pool
-        self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
+        # workers: the finalizer holds the lists, filled in below, not the pool
+        self._finalizer = weakref.finalize(self, _stop, self.conns, self.asks, self.procs)
         for i, w in enumerate(self.workers):
             if w["ended"]:
                 continue
             here, there = context.Pipe()
+            asks_there, asks_here = context.Pipe(duplex=False)
             start = WorkerStart(worker_id=i, num_workers=n, seed=base_seed + i, prefetch=loader.prefetch_factor or 2,
                                 snapshot_every=every, state=w["dataset_state"], skip=w["since"])
-            self.conns[i] = here
-            _OURS.add(here)
+            self.conns[i], self.asks[i] = here, asks_here
+            _OURS.update((here, asks_here))
             proc = context.Process(target=_worker_main, args=(loader.dataset, loader.worker_init_fn,
-                                                              loader.collate_fn, start, there), daemon=True)
+                                                              loader.collate_fn, start, there, asks_there),
+                                   daemon=True)
             proc.start()
             self.procs[i] = proc
             there.close()
+            asks_there.close()
         # as StatefulDataLoader, the iteration begins with every worker's state: a state saved before a worker's
         # first batch names where that worker starts
         for i, conn in enumerate(self.conns):
@@ -340,8 +345,8 @@ class _Pool:
 
     def state_dict(self, back: int = 0) -> dict[str, Any]:
         """The loader's state after the batch ``back`` batches before the last one taken (0: the last). Each live
-        worker is asked for its state at that point (it answers between two batches, or at once while it waits for
-        a credit); a closed pool's records hold the last states they had, with the batches since to replay."""
+        worker is asked for its state at that point (its answering thread replies while its main thread works); a
+        closed pool's records hold the last states they had, with the batches since to replay."""
         with self.reading:
             return self._state_dict(back)
 
@@ -353,9 +358,9 @@ class _Pool:
         for i, before in reversed(list(self.history)[len(self.history) - back:] if back else []):
             counts[i] -= 1
             turn = before
-        asked = [i for i, conn in enumerate(self.conns) if conn is not None and self._finalizer.alive]
+        asked = [i for i, conn in enumerate(self.asks) if conn is not None and self._finalizer.alive]
         for i in asked:
-            self.conns[i].send_bytes(_ASK + str(counts[i]).encode())
+            self.asks[i].send_bytes(_ASK + str(counts[i]).encode())
         records = []
         for i, w in enumerate(self.workers):
             state, at = w["dataset_state"], self.taken[i] - w["since"]  # the record: the state after batch `at`
@@ -396,11 +401,11 @@ def _loader_state(turn: int, workers: list[dict[str, Any]]) -> dict[str, Any]:
             "workers": [dict(w) for w in workers]}
 
 
-def _stop(conns: list[Any], procs: list[Any]) -> None:
+def _stop(conns: list[Any], asks: list[Any], procs: list[Any]) -> None:
     """Close the pipes, then end the workers: one waiting on its pipe exits at once, but one blocked sending, or
     whose pipe end another process forked since holds open, never sees the close; after a short wait it is
     terminated (a worker holds nothing to clean up: its slots go with it, the batches already received stay)."""
-    for conn in conns:
+    for conn in (*conns, *asks):
         if conn is not None:
             _OURS.discard(conn)
             conn.close()
@@ -417,7 +422,7 @@ def _stop(conns: list[Any], procs: list[Any]) -> None:
                 proc.join()
 
 
-def _worker_main(dataset: Any, init_fn: Any, collate_fn: Any, start: WorkerStart, conn: Any) -> None:
+def _worker_main(dataset: Any, init_fn: Any, collate_fn: Any, start: WorkerStart, conn: Any, asks: Any) -> None:
     """A worker: its dataset's batches through ``collate_fn``, each written to ``conn`` once it has a credit."""
     from torch.utils.data._utils import worker as torch_worker
 
@@ -434,6 +439,7 @@ def _worker_main(dataset: Any, init_fn: Any, collate_fn: Any, start: WorkerStart
     torch_worker._worker_info = torch_worker.WorkerInfo(id=start.worker_id, num_workers=start.num_workers,
                                                         seed=start.seed, dataset=dataset)
     worker = _Worker(dataset, collate_fn, start, conn)
+    threading.Thread(target=worker.answer, args=(asks,), name="streampack-states", daemon=True).start()
     try:
         ready = worker.ran(lambda: _set_up(dataset, init_fn, start))
         skip = start.skip
@@ -454,13 +460,6 @@ class _PipeClosed(Exception):
     """The training process closed this worker's pipe (told apart from the data's own ``OSError``s)."""
 
 
-def _send(conn: Any, message: Any) -> None:
-    try:
-        conn.send_bytes(ForkingPickler.dumps(message))
-    except (EOFError, OSError) as e:
-        raise _PipeClosed from e
-
-
 def _set_up(dataset: Any, init_fn: Any, start: WorkerStart) -> None:
     if init_fn is not None:
         init_fn(start.worker_id)
@@ -470,31 +469,58 @@ def _set_up(dataset: Any, init_fn: Any, start: WorkerStart) -> None:
 
 class _Worker:
     """A worker's iterations and its pipe. It keeps its dataset's states of its last batches (every
-    ``snapshot_every``-th) and sends one only when the training process asks (module docstring)."""
+    ``snapshot_every``-th) and sends one only when the training process asks (module docstring), from a thread that
+    reads the questions from a pipe of their own: the answer comes while the main thread builds a batch or waits on a
+    slow read, so a checkpoint is not held up by the data."""
 
     def __init__(self, dataset: Any, collate_fn: Any, start: WorkerStart, conn: Any) -> None:
         self.dataset, self.collate_fn, self.start, self.conn = dataset, collate_fn, start, conn
         self.state_of = getattr(dataset, "state_dict", None)  # a dataset without one resumes by replaying
         self.credits = 0
+        self.sending = threading.Lock()
         # the training process asks about a count at most prefetch + HISTORY batches behind this worker's: keep the
         # states that can be the latest at or before such a count
         self.held: deque[StateAt] = deque(maxlen=(start.prefetch + HISTORY) // start.snapshot_every + 2)
 
+    def send(self, message: Any) -> None:
+        self.send_pickled(ForkingPickler.dumps(message))
+
+    def send_pickled(self, data: Any) -> None:
+        try:
+            with self.sending:  # the main thread's batches and the answering thread's states share the pipe
+                self.conn.send_bytes(data)
+        except (EOFError, OSError) as e:
+            raise _PipeClosed from e
+
     def read(self) -> bytes:
-        """The next message from the training process, a question about a state answered on the way."""
+        """The next message from the training process (a credit is counted)."""
         try:
             message = self.conn.recv_bytes()
         except (EOFError, OSError) as e:
             raise _PipeClosed from e
         if message == _CREDIT:
             self.credits += 1
-        elif message.startswith(_ASK):
-            _send(self.conn, self.latest(int(message[len(_ASK):])))
         return message
+
+    def answer(self, asks: Any) -> None:
+        """The answering thread: each question (``_ASK`` + a count) answered with :meth:`latest`, until the pipe
+        closes."""
+        try:
+            while True:
+                message = asks.recv_bytes()
+                try:
+                    data = ForkingPickler.dumps(self.latest(int(message[len(_ASK):])))
+                except Exception as e:  # noqa: BLE001 - the training process waits for an answer: it gets this
+                    self.send(_failed(e))
+                    continue
+                self.send_pickled(data)
+        except (EOFError, OSError, _PipeClosed):
+            return
 
     def latest(self, count: int) -> StateAt:
         """The newest held state after at most ``count`` batches."""
-        return next((s for s in reversed(self.held) if s.at <= count), StateAt(0, None))
+        held = list(self.held)  # one C call: the main thread may append meanwhile
+        return next((s for s in reversed(held) if s.at <= count), StateAt(0, None))
 
     def ran(self, step: Any) -> bool:
         """Run ``step``: True when it returned, False when it raised (the failure sent to the training process); a
@@ -505,12 +531,7 @@ class _Worker:
         except _PipeClosed:
             raise
         except Exception as e:  # noqa: BLE001 - every failure goes to the training process
-            trace = traceback.format_exc()
-            try:
-                ForkingPickler.dumps(e)
-            except Exception:  # noqa: BLE001
-                e = None
-            _send(self.conn, Failed(e, trace))
+            self.send(_failed(e))
             return False
 
     def deliver(self, skip: int) -> None:
@@ -521,17 +542,27 @@ class _Worker:
         first = StateAt(0, self.state_of() if self.state_of is not None else None)
         self.held.clear()
         self.held.append(first)
-        _send(self.conn, Started(first.state))
+        self.send(Started(first.state))
         self.credits, count, every = self.start.prefetch, 0, self.start.snapshot_every
         for batch in batches:
-            while not self.credits or self.conn.poll():  # between batches: a question is answered at once
+            while not self.credits:
                 self.read()
             count += 1
             if self.state_of is not None and count % every == 0:
-                self.held.append(StateAt(count, self.state_of()))
-            _send(self.conn, Delivered(self.collate_fn(batch)))
+                self.held.append(StateAt(count, self.state_of()))  # before the batch leaves: it can be asked about
+            self.send(Delivered(self.collate_fn(batch)))
             self.credits -= 1
-        _send(self.conn, Ended(self.latest(count)))
+        self.send(Ended(self.latest(count)))
+
+
+def _failed(e: BaseException) -> Failed:
+    """``e`` and the traceback being handled, as the training process receives them (``e`` only if it pickles)."""
+    trace = traceback.format_exc()
+    try:
+        ForkingPickler.dumps(e)
+    except Exception:  # noqa: BLE001
+        return Failed(None, trace)
+    return Failed(e, trace)
 
 
 __all__ = ["PackedLoader", "check_state"]

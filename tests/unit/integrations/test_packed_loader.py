@@ -399,3 +399,28 @@ def test_states_taken_from_another_thread_leave_the_batches_whole(shards):
     assert got == full and len(states) > 5
     assert all(w["since"] == 0 for s in states for w in s["workers"])
     loader.close()
+
+
+class _Stalls(_Stated):
+    """Five ints, then a read that hangs (a store retrying for minutes)."""
+
+    def __iter__(self):
+        while self.at < 5:
+            self.at += 1
+            yield self.at - 1
+        time.sleep(60)
+        yield -1
+
+
+def test_a_state_is_answered_while_the_worker_waits_on_its_data(tmp_path):
+    """A checkpoint (a preemption's grace period) asks for the state while a worker's main thread is stuck in a slow
+    read: its answering thread replies at once, where a worker answering between batches held it for the read."""
+    loader = PackedLoader(_Stalls(str(tmp_path / "sent.log")), num_workers=1)
+    it = iter(loader)
+    assert take(it, 5) == list(range(5))
+    time.sleep(0.2)  # the worker is inside the hanging read now
+    began = time.monotonic()
+    state = loader.state_dict()
+    assert time.monotonic() - began < 5 and state["workers"][0]["dataset_state"]["at"] == 5
+    assert state["workers"][0]["since"] == 0
+    loader.close()
