@@ -5,8 +5,8 @@ a busy worker that costs ~0.41 ms of CPU an item before anything is carried, and
 all, 1.7-2.1× an in-process batch. Here each worker builds its batches on its main thread and writes each one (in
 the same transfer form, :mod:`streampack.layout.transfer`) straight to a pipe the training process reads:
 0.39-0.42 ms a batch at 32-128 k tokens where torch's queues take 0.93-1.42 (``benchmarks/bench_compact.py
---sending``). The training process asks for nothing; it hands a worker one credit for each batch it takes, so a
-worker runs at most ``prefetch_factor`` batches ahead.
+--sending``). The training process does not ask for batches; it hands a worker one credit for each batch it takes,
+so a worker runs at most ``prefetch_factor`` batches ahead.
 
 The batches come in the order ``StatefulDataLoader`` gives them (worker 0, 1, ..., 0, ...; a worker whose data ended
 drops out of the turn). A worker keeps its dataset's state after each of its last batches (every
@@ -355,7 +355,7 @@ class _Pool:
             raise ValueError(f"a PackedLoader keeps the turns of its last {len(self.history)} batches of this "
                              f"iteration (at most {HISTORY}): no state {back} batches back")
         turn, counts = self.turn, list(self.taken)
-        for i, before in reversed(list(self.history)[len(self.history) - back:] if back else []):
+        for i, before in reversed(list(self.history)[len(self.history) - back:]):
             counts[i] -= 1
             turn = before
         asked = [i for i, conn in enumerate(self.asks) if conn is not None and self._finalizer.alive]

@@ -298,19 +298,18 @@ def read_range(url: str, start: int, end: int, opts: OpenOptions, stats: IOStats
 
 
 def _read_local(path: str, url: str, start: int, end: int) -> bytes | bytearray:
+    source = _Local(path)  # a missing file: its DataError
     try:
-        f = _open_local(path)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
-        raise DataError("missing_shard", f"cannot open: {e.strerror or e}", url=path, value=path) from None
-    try:
-        with f:
-            f.seek(start)
-            return read_reusing(f, end - start)
+        f = source._file()
+        f.seek(start)
+        return read_reusing(f, end - start)
     except Exception as e:  # noqa: BLE001 - sorted by classify; non-I/O errors re-raised as is
         failure = classify(e, url, local=True)
         if failure is e:
             raise
         raise failure from None
+    finally:
+        source.close()
 
 
 def read_reusing(f: BinaryIO, want: int) -> bytes | bytearray:

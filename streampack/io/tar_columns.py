@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from streampack.io.limits import MAX_EXTENSION_BYTES
+from streampack.io.limits import MAX_EXTENSION_BYTES, unsigned_ids
 from streampack.io.npy import NPY_1D
 from streampack.io.tar_header import BLOCK, Unreadable, parse_pax
 
@@ -229,17 +229,14 @@ def npy_members(first: np.ndarray, data: np.ndarray,
 
 def ids_in_range(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, bound: int) -> bool:
     """Every id of every document in ``[0, bound)``: one maximum per document segment, in one
-    call (``reduceat`` over the interleaved starts and ends; the gaps between are headers). Signed ids are
-    read as unsigned of their width, where a negative one is at least ``2**(bits - 1)``: one pass, not a
-    minimum and a maximum."""
+    call (``reduceat`` over the interleaved starts and ends; the gaps between are headers), over the ids read as
+    unsigned (:func:`~streampack.io.limits.unsigned_ids`)."""
     ends = starts + lengths
     cut = np.empty(2 * starts.size, dtype=np.int64)
     cut[0::2], cut[1::2] = starts, ends
     if cut[-1] >= tokens.size:
         cut = cut[:-1]
-    if tokens.dtype.kind == "i":
-        bound = min(bound, 1 << (8 * tokens.itemsize - 1))
-        tokens = tokens.view(tokens.dtype.str.replace("i", "u"))
+    tokens, bound = unsigned_ids(tokens, bound)
     high = np.maximum.reduceat(tokens, cut)[0::2]
     return bool((high < bound).all())
 
