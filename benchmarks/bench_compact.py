@@ -24,9 +24,11 @@ costs (start-up, worker fork, first window) taken out, and of it the training pr
 process, the modes taking turns ``--rounds`` times, least CPU kept): the epoch in-process; in a worker that drops
 every batch (yielding one ``int`` at the end); in a worker that yields an ``int`` for each batch (torch's worker
 loop, queues and feeder thread with nothing to carry); in a worker that yields each batch; and, for what a loader of
-streampack's own could save, in a forked process outside torch's DataLoader that drops every batch, or sends each
-one in transfer form over a pipe from its main thread (no index queue, no feeder thread). The worker's CPU is
-``RUSAGE_CHILDREN`` once it is joined, the training process's its own. ``--batch-packs`` sets the packs a batch.
+streampack's own could save, in a forked process outside torch's DataLoader that drops every batch, sends one byte
+for each (a message and a wake-up, nothing carried), or sends each one in transfer form over a pipe from its main
+thread (no index queue, no feeder thread); of the last, the training process's CPU unpickling each batch as it
+arrives, against the last one unpickled again 64 times back to back. The worker's CPU is ``RUSAGE_CHILDREN`` once it
+is joined, the training process's its own. ``--batch-packs`` sets the packs a batch.
 
 ``--constants``: where an in-process epoch's CPU goes (this tree, or each of ``--baseline``'s and this one's, taking
 turns): the peers' 16 M-token tar corpus, the least CPU of 5 epochs in a row in a fresh process and of ``--rounds``
@@ -391,19 +393,27 @@ SENDING = {"in-process": "the epoch in the training process",
            "worker, an int a batch": "a worker yields an int for each batch",
            "worker, the batches": "a worker yields each batch",
            "own process, nothing sent": "a forked process, no DataLoader, drops every batch",
+           "own process, a byte a batch": "a forked process sends one byte for each batch (a message and a wake-up)",
            "own process, the batches": "a forked process sends each batch over a pipe from its main thread",
            "PackedLoader": "PackedLoader's worker sends each batch (the loader the integrations build)"}
 
 
-def _own_process(dataset: Any, send: bool, conn: Any) -> None:
-    """A worker outside torch's DataLoader: each batch of ``dataset`` in transfer form (``ForkingPickler``, as torch's
-    queue pickles it) written to ``conn`` by this thread (``send``), then an empty message; it exits once the
-    training process has answered, so the slots it sent stay readable until then."""
+WARM_LOADS = 64
+"""Times the last message is unpickled again, back to back, for the warm cost of a batch's unpickling."""
+
+
+def _own_process(dataset: Any, send: str, conn: Any) -> None:
+    """A worker outside torch's DataLoader: for each batch of ``dataset``, the batch in transfer form
+    (``ForkingPickler``, as torch's queue pickles it; ``send`` "batches"), one byte ("byte") or nothing written to
+    ``conn`` by this thread, then an empty message; it exits once the training process has answered, so the slots
+    it sent stay readable until then."""
     from multiprocessing.reduction import ForkingPickler
 
     for batch in dataset:
-        if send:
+        if send == "batches":
             conn.send_bytes(ForkingPickler.dumps(batch))
+        elif send == "byte":
+            conn.send_bytes(b"\x01")
     conn.send_bytes(b"")
     conn.recv_bytes()
 
@@ -442,6 +452,7 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
     ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=packs_per_batch,
                        packing=PackOptions(window=peer.window))
     items = 0
+    loads = {"arriving": 0.0, "warm": 0.0}
     if mode == "in-process":
         for _ in ds:
             items += 1
@@ -457,13 +468,26 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
 
         context = multiprocessing.get_context("fork")
         here, there = context.Pipe()
-        worker = context.Process(target=_own_process, args=(ds, mode == "own process, the batches", there))
+        send = {"own process, the batches": "batches", "own process, a byte a batch": "byte"}.get(mode, "")
+        worker = context.Process(target=_own_process, args=(ds, send, there))
         worker.start()
         there.close()
-        while data := here.recv_bytes():
-            ForkingPickler.loads(data)
-            items += 1
-        here.send_bytes(b"")
+        last = b""
+        try:
+            while data := here.recv_bytes():
+                if send == "batches":
+                    started = time.thread_time()
+                    ForkingPickler.loads(data)
+                    loads["arriving"] += time.thread_time() - started
+                    last = data
+                items += 1
+            if last:  # the last batch again, back to back (its slot is the worker's until it exits)
+                started = time.thread_time()
+                for _ in range(WARM_LOADS):
+                    ForkingPickler.loads(last)
+                loads["warm"] = (time.thread_time() - started) / WARM_LOADS * items
+        finally:
+            here.send_bytes(b"")
         worker.join()
         items += 1  # the end, as the DataLoader modes count their last item
     else:
@@ -474,7 +498,8 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
         gc.collect()  # joins the worker: its CPU lands in RUSAGE_CHILDREN
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     main = me.ru_utime + me.ru_stime - before.ru_utime - before.ru_stime
-    return {"main": main, "worker": kids.ru_utime + kids.ru_stime, "items": items}
+    return {"main": main, "worker": kids.ru_utime + kids.ru_stime, "items": items,
+            "loads_arriving": loads["arriving"], "loads_warm": loads["warm"]}
 
 
 def sending_breakdown(tokens: int, rounds: int, directory: str, packs_per_batch: int) -> str:
@@ -500,6 +525,10 @@ def sending_breakdown(tokens: int, rounds: int, directory: str, packs_per_batch:
         over = "—" if dropping in (None, mode) else f"{1e3 * (cpu(mode) - cpu(dropping)) / batches:.3f}"
         lines.append(f"| {what} | {b['worker']:.3f} | {b['main']:.3f} | {1e3 * cpu(mode) / batches:.3f} | "
                      f"{cpu(mode) / base:.2f}× | {over} |")
+    sent = best["own process, the batches"]
+    lines.append(f"\nUnpickling a batch in the training process (\"own process, the batches\", CPU of its thread): "
+                 f"{1e6 * sent['loads_arriving'] / batches:.1f} µs as each arrives from the worker, "
+                 f"{1e6 * sent['loads_warm'] / batches:.1f} µs for the last one again, {WARM_LOADS} times back to back.")
     return "\n".join(lines)
 
 

@@ -118,3 +118,5 @@ def test_the_sending_breakdowns_child_runs_each_mode(tmp_path):
             batches = got["items"]
         else:
             assert got["items"] == batches + 1
+        # the batches' unpickling in the training process, as they arrive and warm (the last one again)
+        assert (got["loads_arriving"] > 0 and got["loads_warm"] > 0) == (mode == "own process, the batches")
