@@ -25,10 +25,11 @@ process, the modes taking turns ``--rounds`` times, least CPU kept): the epoch i
 every batch (yielding one ``int`` at the end); in a worker that yields an ``int`` for each batch (torch's worker
 loop, queues and feeder thread with nothing to carry); in a worker that yields each batch; and, for what a loader of
 streampack's own could save, in a forked process outside torch's DataLoader that drops every batch, sends one byte
-for each (a message and a wake-up, nothing carried), or sends each one in transfer form over a pipe from its main
-thread (no index queue, no feeder thread); of the last, the training process's CPU unpickling each batch as it
-arrives, against the last one unpickled again 64 times back to back. The worker's CPU is ``RUSAGE_CHILDREN`` once it
-is joined, the training process's its own. ``--batch-packs`` sets the packs a batch.
+for each (a message and a wake-up, nothing carried), copies each one's storages into a shared-memory slot and sends
+the slot's reference (the bytes carried, none of the batch's fields), or sends each one in transfer form over a pipe
+from its main thread (no index queue, no feeder thread); of the last, the training process's CPU unpickling each
+batch as it arrives, against the last one unpickled again 64 times back to back. The worker's CPU is
+``RUSAGE_CHILDREN`` once it is joined, the training process's its own. ``--batch-packs`` sets the packs a batch.
 
 ``--constants``: where an in-process epoch's CPU goes (this tree, or each of ``--baseline``'s and this one's, taking
 turns): the peers' 16 M-token tar corpus, the least CPU of 5 epochs in a row in a fresh process and of ``--rounds``
@@ -394,6 +395,8 @@ SENDING = {"in-process": "the epoch in the training process",
            "worker, the batches": "a worker yields each batch",
            "own process, nothing sent": "a forked process, no DataLoader, drops every batch",
            "own process, a byte a batch": "a forked process sends one byte for each batch (a message and a wake-up)",
+           "own process, the slots": "a forked process copies each batch's storages into a slot and sends the slot's "
+                                     "reference (the batch's bytes carried, none of its fields)",
            "own process, the batches": "a forked process sends each batch over a pipe from its main thread",
            "PackedLoader": "PackedLoader's worker sends each batch (the loader the integrations build)"}
 
@@ -404,16 +407,27 @@ WARM_LOADS = 64
 
 def _own_process(dataset: Any, send: str, conn: Any) -> None:
     """A worker outside torch's DataLoader: for each batch of ``dataset``, the batch in transfer form
-    (``ForkingPickler``, as torch's queue pickles it; ``send`` "batches"), one byte ("byte") or nothing written to
-    ``conn`` by this thread, then an empty message; it exits once the training process has answered, so the slots
-    it sent stay readable until then."""
+    (``ForkingPickler``, as torch's queue pickles it; ``send`` "batches"), the reference of a slot its storages were
+    copied into ("slots"), one byte ("byte") or nothing written to ``conn`` by this thread, then an empty message; it
+    exits once the training process has answered, so the slots it sent stay readable until then."""
+    import dataclasses
     from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    from streampack.layout import transfer
 
     for batch in dataset:
         if send == "batches":
             conn.send_bytes(ForkingPickler.dumps(batch))
         elif send == "byte":
             conn.send_bytes(b"\x01")
+        elif send == "slots":
+            tensors = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors
+                        if isinstance(t, torch.Tensor)}
+            slot, _ = transfer._into_slot(list(storages.values()))
+            conn.send_bytes(ForkingPickler.dumps(slot))
     conn.send_bytes(b"")
     conn.recv_bytes()
 
@@ -431,6 +445,7 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from streampack import PackedDataset, PackedLoader
+    from streampack.layout import shm_receive
     from streampack.options import PackOptions
 
     class Yields(IterableDataset):
@@ -468,7 +483,8 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
 
         context = multiprocessing.get_context("fork")
         here, there = context.Pipe()
-        send = {"own process, the batches": "batches", "own process, a byte a batch": "byte"}.get(mode, "")
+        send = {"own process, the batches": "batches", "own process, a byte a batch": "byte",
+                "own process, the slots": "slots"}.get(mode, "")
         worker = context.Process(target=_own_process, args=(ds, send, there))
         worker.start()
         there.close()
@@ -480,6 +496,8 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
                     ForkingPickler.loads(data)
                     loads["arriving"] += time.thread_time() - started
                     last = data
+                elif send == "slots":
+                    shm_receive.attach(ForkingPickler.loads(data))  # mapped, then freed: the slot goes back
                 items += 1
             if last:  # the last batch again, back to back (its slot is the worker's until it exits)
                 started = time.thread_time()

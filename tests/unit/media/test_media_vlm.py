@@ -56,15 +56,18 @@ def test_packed_pipeline_batch_equals_each_document_alone(tmp_path: Path) -> Non
             alone = model(input_ids=ids[None], labels=labels[None], use_cache=False, **kw)
             torch.testing.assert_close(packed.logits[0, start:start + n], alone.logits[0], atol=2e-5, rtol=1e-4)
             total += float(alone.loss) * int((labels[1:] != -100).sum())
-        # one image perturbed: only its own document's logits move
+        # one image perturbed: only its own document's logits move (by 0.42 here). The others are held within 1e-5
+        # rather than bit-equal: one CI run saw another document's logits differ, by an amount a bit-equality check
+        # could not report, and no local run (alone, under load, in the whole slow set) reproduced it; a leak across
+        # documents moves logits by 0.4-0.6 (test_a_batch_without_images_keeps_documents_apart)
         hf = batch.hf_inputs()
         owner = int(v.image_doc[0])
         hf.pixel_values = v.pixel_values.clone()
         hf.pixel_values[rows[0]:rows[1]] += 1.0
         moved = model(**hf).logits[0]
     for d, (start, n) in enumerate(zip(batch.cu_seqlens_padded[:-1].tolist(), batch.doc_lengths.tolist())):
-        same = torch.equal(moved[start:start + n], packed.logits[0, start:start + n])
-        assert same != (d == owner), d
+        change = float((moved[start:start + n] - packed.logits[0, start:start + n]).abs().max())
+        assert change > 1e-2 if d == owner else change < 1e-5, (d, owner, change)
     torch.testing.assert_close(packed.loss, torch.tensor(total / batch.num_targets), atol=1e-5, rtol=1e-5)
 
 
