@@ -467,7 +467,8 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
     ds = PackedDataset(peer.urls, capacity=CAPACITY, epochs=1, seed=0, packs_per_batch=packs_per_batch,
                        packing=PackOptions(window=peer.window))
     items = 0
-    loads = {"arriving": 0.0, "warm": 0.0}
+    loads = {"arriving": 0.0, "warm": 0.0}  # seconds a batch's unpickling, as it arrives and warm
+    warm_cpu = 0.0  # the warm unpickling's CPU: a measurement, not the epoch's
     if mode == "in-process":
         for _ in ds:
             items += 1
@@ -500,10 +501,12 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
                     shm_receive.attach(ForkingPickler.loads(data))  # mapped, then freed: the slot goes back
                 items += 1
             if last:  # the last batch again, back to back (its slot is the worker's until it exits)
+                loads["arriving"] /= items
                 started = time.thread_time()
                 for _ in range(WARM_LOADS):
                     ForkingPickler.loads(last)
-                loads["warm"] = (time.thread_time() - started) / WARM_LOADS * items
+                warm_cpu = time.thread_time() - started
+                loads["warm"] = warm_cpu / WARM_LOADS
         finally:
             here.send_bytes(b"")
         worker.join()
@@ -516,7 +519,7 @@ def child_sending(mode: str, tokens: int, directory: str, packs_per_batch: int =
         gc.collect()  # joins the worker: its CPU lands in RUSAGE_CHILDREN
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     main = me.ru_utime + me.ru_stime - before.ru_utime - before.ru_stime
-    return {"main": main, "worker": kids.ru_utime + kids.ru_stime, "items": items,
+    return {"main": main - warm_cpu, "worker": kids.ru_utime + kids.ru_stime, "items": items,
             "loads_arriving": loads["arriving"], "loads_warm": loads["warm"]}
 
 
@@ -545,8 +548,8 @@ def sending_breakdown(tokens: int, rounds: int, directory: str, packs_per_batch:
                      f"{cpu(mode) / base:.2f}× | {over} |")
     sent = best["own process, the batches"]
     lines.append(f"\nUnpickling a batch in the training process (\"own process, the batches\", CPU of its thread): "
-                 f"{1e6 * sent['loads_arriving'] / batches:.1f} µs as each arrives from the worker, "
-                 f"{1e6 * sent['loads_warm'] / batches:.1f} µs for the last one again, {WARM_LOADS} times back to back.")
+                 f"{1e6 * sent['loads_arriving']:.1f} µs as each arrives from the worker, "
+                 f"{1e6 * sent['loads_warm']:.1f} µs for the last one again, {WARM_LOADS} times back to back.")
     return "\n".join(lines)
 
 
